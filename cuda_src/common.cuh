@@ -1,0 +1,169 @@
+// Shared device helpers: storage types, conversions, vector loads, cp.async, reductions.
+//
+// The kernels deliberately avoid cuda_fp16.h / cuda_bf16.h: without them NVRTC needs no
+// include path (nothing to locate in the user's CUDA install or wheels) and compiles a
+// specialization several times faster. 16-bit values are plain bit patterns converted
+// with single PTX instructions.
+#pragma once
+
+namespace cupaged {
+
+struct half_t {
+  unsigned short bits;
+};
+struct bfloat16_t {
+  unsigned short bits;
+};
+
+// ---- scalar conversions -------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+__device__ __forceinline__ float to_float(half_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+
+__device__ __forceinline__ float to_float(bfloat16_t v) {
+  return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float f);
+
+template <>
+__device__ __forceinline__ float from_float<float>(float f) {
+  return f;
+}
+
+template <>
+__device__ __forceinline__ half_t from_float<half_t>(float f) {
+  half_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+
+template <>
+__device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float f) {
+  bfloat16_t b;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
+#else
+  // Round to nearest even by hand (no bf16 cvt before sm_80); keep NaN a quiet NaN.
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    b.bits = 0x7fc0;
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    b.bits = static_cast<unsigned short>(u >> 16);
+  }
+#endif
+  return b;
+}
+
+// Two packed 16-bit values (low half first) -> two floats.
+__device__ __forceinline__ void unpack2(unsigned w, float& lo, float& hi, half_t) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(w));
+}
+
+__device__ __forceinline__ void unpack2(unsigned w, float& lo, float& hi, bfloat16_t) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+// ---- vector loads: N consecutive elements (2, 4, 8 or 16 bytes) -> N floats ----------
+
+template <int BYTES>
+struct RawVec;
+template <>
+struct RawVec<2> {
+  using type = unsigned short;
+};
+template <>
+struct RawVec<4> {
+  using type = unsigned;
+};
+template <>
+struct RawVec<8> {
+  using type = uint2;
+};
+template <>
+struct RawVec<16> {
+  using type = uint4;
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* p, float (&f)[N]) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "vector width");
+  using V = typename RawVec<kBytes>::type;
+  const V v = *reinterpret_cast<const V*>(p);
+  if constexpr (kBytes == 2) {
+    f[0] = to_float(*reinterpret_cast<const T*>(&v));
+  } else {
+    unsigned w[kBytes / 4];
+    *reinterpret_cast<V*>(w) = v;
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) f[i] = __uint_as_float(w[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) unpack2(w[i], f[2 * i], f[2 * i + 1], T{});
+    }
+  }
+}
+
+// ---- asynchronous global -> shared copies ---------------------------------------------
+
+// cp.async (sm_80+) lets a whole tile be in flight while the previous one is computed.
+// Older GPUs fall back to a synchronous copy: correct, just without the overlap.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#endif
+}
+
+// ---- warp reductions -------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+}  // namespace cupaged

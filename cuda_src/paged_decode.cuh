@@ -1,0 +1,471 @@
+// Paged-attention decode: one query token per sequence against its paged KV cache.
+//
+// Layouts (vLLM's):
+//   query       [num_seqs, num_heads, HEAD_SIZE]         (any seq / head stride, dims contiguous)
+//   key_cache   [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X], X = 16 / sizeof(T)
+//   value_cache [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
+//   block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs]
+//   out         [num_seqs, num_heads, HEAD_SIZE] contiguous
+//
+// Work split: one CTA per (sequence, KV head, tile of GROUP_TILE query heads of that KV head,
+// partition). All query heads of the tile share every K/V byte the CTA loads, so a GQA
+// group reads its KV head once instead of once per query head.
+//
+// Per tile of TILE_TOKENS tokens the CTA
+//   1. streams K and V into shared memory with cp.async, STAGES tiles deep (the next tile
+//      loads while this one is computed), reordered so the compute loops read conflict-free;
+//   2. computes scores for every (query head, token), in the log2 domain (the query is
+//      pre-scaled by scale * log2(e)), masked past the context end, plus optional ALiBi;
+//   3. updates the running max / sum (online softmax: nothing grows with the context);
+//   4. accumulates P @ V in fp32 registers.
+// Single pass (partition_tokens == 0) writes the normalized output. Split-KV writes each
+// partition's normalized output with its max and sum; paged_decode_combine merges them.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+constexpr int kDecodeThreads = 128;
+
+// Compile-time geometry of one specialization. The shared-memory size is mirrored on the
+// host by cupaged/attention.py (_decode_smem_bytes); the kernel traps if launched with less.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_TILE, int TILE_TOKENS, int STAGES>
+struct DecodeGeometry {
+  static constexpr int kThreads = kDecodeThreads;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // "x" of the key layout
+  static constexpr int kChunks = HEAD_SIZE / kVec;                // 16-byte chunks per key row
+  // Tokens per copied piece: a whole cache block, or a slice of one when blocks are larger
+  // than a tile. Pieces are contiguous runs in the cache.
+  static constexpr int kSub = BLOCK_SIZE < TILE_TOKENS ? BLOCK_SIZE : TILE_TOKENS;
+  static constexpr int kUnitsPerSub = HEAD_SIZE * kSub / kVec;    // 16-byte copies per piece
+  static constexpr int kUnits = TILE_TOKENS * HEAD_SIZE / kVec;   // per tile, for K and for V
+
+  // Shared K is stored [kChunks][TILE_TOKENS][kVec]: lane t of a warp reads token t, so a
+  // warp reads 512 contiguous bytes whatever the block size. Shared V is stored
+  // [HEAD_SIZE][kVRow] (tokens contiguous, rows padded by 16 bytes so lanes reading
+  // consecutive dims hit distinct banks) when pieces hold at least kVec tokens; for tiny
+  // blocks a 16-byte copy spans several dims, so V keeps the cache's own piece layout.
+  static constexpr bool kVTransposed = kSub >= kVec;
+  static constexpr int kVRow = TILE_TOKENS + kVec;
+
+  // Scores: each token is owned by kScoreThreads threads' worth of lanes; when the tile is
+  // narrower than the CTA, kSplitsQK threads share a token (split over key chunks).
+  static constexpr int kScoreThreads = TILE_TOKENS < kThreads ? TILE_TOKENS : kThreads;
+  static constexpr int kSplitsQK = kThreads / kScoreThreads;
+  static constexpr int kTokensPerThread = TILE_TOKENS / kScoreThreads;
+  // P @ V: lane = output dim (plus multiples of 32), warp = a quarter of the tile's tokens.
+  static constexpr int kDimsPerThread = (HEAD_SIZE + 31) / 32;
+  static constexpr int kTokensPerWarpPV = TILE_TOKENS / kWarps;
+
+  // Shared-memory carve-up in bytes (every offset a multiple of 16).
+  static constexpr int kKStage = TILE_TOKENS * HEAD_SIZE * static_cast<int>(sizeof(T));
+  static constexpr int kVStage = HEAD_SIZE * kVRow * static_cast<int>(sizeof(T));
+  static constexpr int kOffV = STAGES * kKStage;
+  static constexpr int kOffQ = kOffV + STAGES * kVStage;
+  static constexpr int kOffP = kOffQ + GROUP_TILE * HEAD_SIZE * 4;
+  static constexpr int kOffRed = kOffP + TILE_TOKENS * GROUP_TILE * 4;
+  static constexpr int kOffWarp = kOffRed + kThreads * GROUP_TILE * 4;
+  static constexpr int kOffFlag = kOffWarp + kWarps * GROUP_TILE * 4;
+  static constexpr int kSmemBytes = kOffFlag + 16;
+
+  static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 256, "HEAD_SIZE");
+  static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
+  static_assert((TILE_TOKENS & (TILE_TOKENS - 1)) == 0 && TILE_TOKENS >= 32 &&
+                    TILE_TOKENS <= 256, "TILE_TOKENS");
+  static_assert(GROUP_TILE == 1 || GROUP_TILE == 2 || GROUP_TILE == 4 || GROUP_TILE == 8,
+                "GROUP_TILE");
+  static_assert(STAGES >= 2, "STAGES");
+  static_assert(kTokensPerWarpPV % kVec == 0, "P @ V walks whole 16-byte vectors");
+  // The final cross-warp reduction of the output reuses the K stages.
+  static_assert(kWarps * GROUP_TILE * HEAD_SIZE * 4 <= STAGES * kKStage, "reduction space");
+};
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_TILE, int TILE_TOKENS,
+          int STAGES>
+__global__ void __launch_bounds__(kDecodeThreads)
+    paged_decode(T* __restrict__ out,             // single pass: [num_seqs, num_heads, HEAD_SIZE]
+                 float* __restrict__ part_out,    // split: [num_seqs, num_heads, P, HEAD_SIZE]
+                 float* __restrict__ part_max,    // split: [num_seqs, num_heads, P], log2 units
+                 float* __restrict__ part_sum,    // split: [num_seqs, num_heads, P]
+                 const T* __restrict__ query, long long q_seq_stride, long long q_head_stride,
+                 const T* __restrict__ key_cache, long long k_block_stride,
+                 long long k_head_stride, const T* __restrict__ value_cache,
+                 long long v_block_stride, long long v_head_stride,
+                 const int* __restrict__ block_tables, long long bt_seq_stride,
+                 const int* __restrict__ context_lens,
+                 const float* __restrict__ alibi_slopes,  // [num_heads] or null
+                 int num_heads, int group_size, int max_blocks_per_seq, int num_cache_blocks,
+                 int partition_tokens,  // 0: single pass; else tokens per partition (gridDim.z)
+                 float scale_log2) {
+  using Geo = DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, GROUP_TILE, TILE_TOKENS, STAGES>;
+  constexpr int HS = HEAD_SIZE;
+  constexpr int GT = GROUP_TILE;
+  constexpr int TT = TILE_TOKENS;
+  constexpr int X = Geo::kVec;
+  constexpr int NT = Geo::kThreads;
+  constexpr int DPT = Geo::kDimsPerThread;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* k_s = reinterpret_cast<T*>(smem);
+  T* v_s = reinterpret_cast<T*>(smem + Geo::kOffV);
+  float* q_s = reinterpret_cast<float*>(smem + Geo::kOffQ);     // [GT][HS], pre-scaled
+  float* p_s = reinterpret_cast<float*>(smem + Geo::kOffP);     // [TT][GT] probabilities
+  float* red_s = reinterpret_cast<float*>(smem + Geo::kOffRed); // [kSplitsQK][GT][TT]
+  float* warp_s = reinterpret_cast<float*>(smem + Geo::kOffWarp);  // [kWarps][GT]
+  int* bad_block_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int seq = blockIdx.x;
+  const int tiles_per_kv = (group_size + GT - 1) / GT;
+  const int kv_head = blockIdx.y / tiles_per_kv;
+  const int g0 = (blockIdx.y % tiles_per_kv) * GT;
+  const int head0 = kv_head * group_size + g0;  // first query head of this CTA
+  const int heads_here = min(GT, group_size - g0);
+
+  if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
+
+  // Lengths past the block table's width are clamped so the table row is never overrun
+  // (cupaged.check_block_tables reports them); negative lengths count as empty.
+  const int ctx = max(0, min(context_lens[seq], max_blocks_per_seq * BLOCK_SIZE));
+  int begin = 0;
+  int end = ctx;
+  if (partition_tokens > 0) {
+    begin = blockIdx.z * partition_tokens;
+    end = min(ctx, begin + partition_tokens);
+    if (begin >= end) return;  // past this sequence's context: the combine skips it
+  }
+
+  for (int i = tid; i < GT * HS; i += NT) {
+    const int g = i / HS;
+    const int d = i % HS;
+    float v = 0.f;
+    if (g < heads_here) {
+      v = to_float(query[seq * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
+    }
+    q_s[i] = v;
+  }
+  float slope[GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    slope[g] = (alibi_slopes != nullptr && g < heads_here) ? alibi_slopes[head0 + g] * kLog2e
+                                                           : 0.f;
+  }
+  if (tid == 0) *bad_block_s = 0;
+  __syncthreads();
+
+  const int* bt_row = block_tables + seq * bt_seq_stride;
+  const T* k_head = key_cache + kv_head * k_head_stride;
+  const T* v_head = value_cache + kv_head * v_head_stride;
+
+  // Issue the cp.async copies of tokens [t0, t0 + TT) into stage `stage`. Pieces starting
+  // at or past `end` are skipped: their block-table entries may be garbage.
+  auto load_tile = [&](int t0, int stage) {
+    T* ks = k_s + stage * (TT * HS);
+    T* vs = v_s + stage * (HS * Geo::kVRow);
+    for (int u = tid; u < Geo::kUnits; u += NT) {
+      const int sub = u / Geo::kUnitsPerSub;
+      const int e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
+      const int tok = t0 + sub * Geo::kSub;
+      if (tok >= end) continue;
+      const int phys = __ldg(bt_row + tok / BLOCK_SIZE);
+      if (static_cast<unsigned>(phys) >= static_cast<unsigned>(num_cache_blocks)) {
+        *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
+        continue;
+      }
+      const int within = tok % BLOCK_SIZE;
+      {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
+        const int c = e / (Geo::kSub * X);
+        const int r = e % (Geo::kSub * X);
+        cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
+                   k_head + phys * k_block_stride + (c * BLOCK_SIZE + within) * X + r);
+      }
+      {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
+        const int d = e / Geo::kSub;
+        const int r = e % Geo::kSub;
+        T* dst;
+        if constexpr (Geo::kVTransposed) {
+          dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
+        } else {
+          dst = vs + sub * HS * Geo::kSub + e;
+        }
+        cp_async16(dst, v_head + phys * v_block_stride + d * BLOCK_SIZE + within + r);
+      }
+    }
+  };
+
+  float m_run[GT];  // running max (log2 units), identical in every thread
+  float l_run[GT];  // running sum of this thread's own probabilities (score owners only)
+  float acc[DPT][GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    m_run[g] = neg_inf();
+    l_run[g] = 0.f;
+#pragma unroll
+    for (int k = 0; k < DPT; ++k) acc[k][g] = 0.f;
+  }
+
+  const int n_tiles = (end - begin + TT - 1) / TT;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load_tile(begin + s * TT, s);
+    cp_async_commit();  // always commit: keeps the group count in step with the tiles
+  }
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int t0 = begin + it * TT;
+    const int stage = it % STAGES;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` is visible, and everyone is done with tile it - 1
+    {
+      const int next = it + STAGES - 1;
+      if (next < n_tiles) load_tile(begin + next * TT, next % STAGES);
+      cp_async_commit();
+    }
+    const T* ks = k_s + stage * (TT * HS);
+    const T* vs = v_s + stage * (HS * Geo::kVRow);
+    const int valid = min(TT, end - t0);
+
+    // ---- scores: s[j][g] = q_g . k_t for this thread's tokens t -------------------------
+    const int split = tid / Geo::kScoreThreads;
+    const int tq = tid % Geo::kScoreThreads;
+    float s[Geo::kTokensPerThread][GT];
+#pragma unroll
+    for (int j = 0; j < Geo::kTokensPerThread; ++j) {
+      const int t = tq + j * NT;
+#pragma unroll
+      for (int g = 0; g < GT; ++g) s[j][g] = 0.f;
+      for (int c = split; c < Geo::kChunks; c += Geo::kSplitsQK) {
+        float kf[X];
+        load_floats<T, X>(ks + (c * TT + t) * X, kf);
+#pragma unroll
+        for (int g = 0; g < GT; ++g) {
+          const float4* q4 = reinterpret_cast<const float4*>(q_s + g * HS + c * X);
+#pragma unroll
+          for (int i = 0; i < X / 4; ++i) {
+            const float4 q = q4[i];
+            s[j][g] = fmaf(q.x, kf[4 * i + 0], s[j][g]);
+            s[j][g] = fmaf(q.y, kf[4 * i + 1], s[j][g]);
+            s[j][g] = fmaf(q.z, kf[4 * i + 2], s[j][g]);
+            s[j][g] = fmaf(q.w, kf[4 * i + 3], s[j][g]);
+          }
+        }
+      }
+    }
+    if constexpr (Geo::kSplitsQK > 1) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) red_s[(split * GT + g) * TT + tq] = s[0][g];
+      __syncthreads();
+      if (split == 0) {
+#pragma unroll
+        for (int g = 0; g < GT; ++g) {
+          float v = 0.f;
+#pragma unroll
+          for (int sp = 0; sp < Geo::kSplitsQK; ++sp) v += red_s[(sp * GT + g) * TT + tq];
+          s[0][g] = v;
+        }
+      }
+    }
+
+    // ---- mask, ALiBi, tile max ----------------------------------------------------------
+    const bool owner = tid < Geo::kScoreThreads;
+    if (owner) {
+      float tmax[GT];
+#pragma unroll
+      for (int g = 0; g < GT; ++g) tmax[g] = neg_inf();
+#pragma unroll
+      for (int j = 0; j < Geo::kTokensPerThread; ++j) {
+        const int t = tq + j * NT;
+        const float rel = static_cast<float>(t0 + t - ctx + 1);  // ALiBi distance, <= 0
+#pragma unroll
+        for (int g = 0; g < GT; ++g) {
+          s[j][g] = t < valid ? fmaf(slope[g], rel, s[j][g]) : neg_inf();
+          tmax[g] = fmaxf(tmax[g], s[j][g]);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        tmax[g] = warp_max(tmax[g]);
+        if (lane == 0) warp_s[warp * GT + g] = tmax[g];
+      }
+    }
+    __syncthreads();
+    float alpha[GT];
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float mx = warp_s[g];
+#pragma unroll
+      for (int w = 1; w < Geo::kScoreThreads / 32; ++w) mx = fmaxf(mx, warp_s[w * GT + g]);
+      const float m_new = fmaxf(m_run[g], mx);
+      alpha[g] = exp2f(m_run[g] - m_new);
+      m_run[g] = m_new;
+    }
+    if (owner) {
+#pragma unroll
+      for (int j = 0; j < Geo::kTokensPerThread; ++j) {
+        const int t = tq + j * NT;
+#pragma unroll
+        for (int g = 0; g < GT; ++g) {
+          const float p = exp2f(s[j][g] - m_run[g]);
+          p_s[t * GT + g] = p;
+          l_run[g] = (j == 0 ? l_run[g] * alpha[g] : l_run[g]) + p;
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- P @ V ----------------------------------------------------------------------------
+#pragma unroll
+    for (int k = 0; k < DPT; ++k) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) acc[k][g] *= alpha[g];
+    }
+    const int pv_begin = warp * Geo::kTokensPerWarpPV;
+    for (int tt = pv_begin; tt < pv_begin + Geo::kTokensPerWarpPV; tt += X) {
+      if (tt >= valid) break;
+      float p[X][GT];
+#pragma unroll
+      for (int i = 0; i < X; ++i) {
+#pragma unroll
+        for (int g = 0; g < GT; ++g) p[i][g] = p_s[(tt + i) * GT + g];
+      }
+#pragma unroll
+      for (int k = 0; k < DPT; ++k) {
+        const int d = lane + 32 * k;
+        if (HS % 32 != 0 && d >= HS) continue;
+        float vf[X];
+        if constexpr (Geo::kVTransposed) {
+          load_floats<T, X>(vs + d * Geo::kVRow + tt, vf);
+        } else {
+          constexpr int kSub = Geo::kSub;
+#pragma unroll
+          for (int j = 0; j < X / kSub; ++j) {
+            float part[kSub];
+            load_floats<T, kSub>(vs + ((tt / kSub + j) * HS + d) * kSub, part);
+#pragma unroll
+            for (int i = 0; i < kSub; ++i) vf[j * kSub + i] = part[i];
+          }
+        }
+        if (tt + X > valid) {  // cache slots past the end may hold anything, NaN included
+#pragma unroll
+          for (int i = 0; i < X; ++i) vf[i] = tt + i < valid ? vf[i] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < X; ++i) {
+#pragma unroll
+          for (int g = 0; g < GT; ++g) acc[k][g] = fmaf(p[i][g], vf[i], acc[k][g]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // all tiles consumed: the K stages are free for the reduction below
+
+  // ---- reduce: the sum over score owners, the output over the PV warps -------------------
+  if (tid < Geo::kScoreThreads) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      const float v = warp_sum(l_run[g]);
+      if (lane == 0) warp_s[warp * GT + g] = v;
+    }
+  }
+  float* acc_s = reinterpret_cast<float*>(smem);  // [kWarps][GT][HS]
+#pragma unroll
+  for (int k = 0; k < DPT; ++k) {
+    const int d = lane + 32 * k;
+    if (HS % 32 != 0 && d >= HS) continue;
+#pragma unroll
+    for (int g = 0; g < GT; ++g) acc_s[(warp * GT + g) * HS + d] = acc[k][g];
+  }
+  __syncthreads();
+
+  const bool bad = *bad_block_s != 0;
+  const long long row0 = static_cast<long long>(seq) * num_heads + head0;
+  for (int i = tid; i < GT * HS; i += NT) {
+    const int g = i / HS;
+    const int d = i % HS;
+    if (g >= heads_here) continue;
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < Geo::kWarps; ++w) a += acc_s[(w * GT + g) * HS + d];
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < Geo::kScoreThreads / 32; ++w) l += warp_s[w * GT + g];
+    // An empty context (n_tiles == 0, single pass only) gives zeros, never 0/0.
+    float o = n_tiles > 0 ? a / l : 0.f;
+    if (bad) o = quiet_nan();
+    if (partition_tokens == 0) {
+      out[(row0 + g) * HS + d] = from_float<T>(o);
+    } else {
+      const long long row = (row0 + g) * gridDim.z + blockIdx.z;
+      part_out[row * HS + d] = o;
+      if (d == 0) {
+        float m = 0.f;
+#pragma unroll
+        for (int gg = 0; gg < GT; ++gg) m = gg == g ? m_run[gg] : m;
+        part_max[row] = bad ? quiet_nan() : m;
+        part_sum[row] = l;
+      }
+    }
+  }
+}
+
+// Merge the partitions of split-KV decode: out = sum_p w_p o_p / sum_p w_p with
+// w_p = sum_p * 2^(max_p - max). Grid (num_seqs, num_heads).
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(kDecodeThreads)
+    paged_decode_combine(T* __restrict__ out, const float* __restrict__ part_out,
+                         const float* __restrict__ part_max, const float* __restrict__ part_sum,
+                         const int* __restrict__ context_lens, int max_context,
+                         int partition_tokens, int num_partitions) {
+  constexpr int NT = kDecodeThreads;
+  __shared__ float red[NT / 32];
+  __shared__ float total[2];
+  const int tid = threadIdx.x;
+  const int seq = blockIdx.x;
+  const int head = blockIdx.y;
+  const long long row = static_cast<long long>(seq) * gridDim.y + head;
+  // The same clamp as paged_decode, so both agree on which partitions exist.
+  const int ctx = max(0, min(context_lens[seq], max_context));
+  const int parts = min(num_partitions, (ctx + partition_tokens - 1) / partition_tokens);
+  const float* pm = part_max + row * num_partitions;
+  const float* ps = part_sum + row * num_partitions;
+
+  float m = neg_inf();
+  for (int p = tid; p < parts; p += NT) m = fmaxf(m, pm[p]);
+  m = warp_max(m);
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  if (tid == 0) {
+    float v = red[0];
+    for (int w = 1; w < NT / 32; ++w) v = fmaxf(v, red[w]);
+    total[0] = v;
+  }
+  __syncthreads();
+  m = total[0];
+
+  float l = 0.f;
+  for (int p = tid; p < parts; p += NT) l += ps[p] * exp2f(pm[p] - m);
+  l = warp_sum(l);
+  if ((tid & 31) == 0) red[tid >> 5] = l;
+  __syncthreads();
+  if (tid == 0) {
+    float v = 0.f;
+    for (int w = 0; w < NT / 32; ++w) v += red[w];
+    total[1] = v;
+  }
+  __syncthreads();
+  const float inv = parts > 0 ? 1.f / total[1] : 0.f;
+
+  const float* po = part_out + row * num_partitions * HEAD_SIZE;
+  for (int d = tid; d < HEAD_SIZE; d += NT) {
+    float a = 0.f;
+    for (int p = 0; p < parts; ++p) a += ps[p] * exp2f(pm[p] - m) * po[p * HEAD_SIZE + d];
+    out[row * HEAD_SIZE + d] = from_float<T>(a * inv);
+  }
+}
+
+}  // namespace cupaged

@@ -1,0 +1,470 @@
+"""Paged-attention decode: the public entry points and their launch.
+
+Each call goes through four layers: array adaptation (``_arrays``), validation (every
+check that needs no device sync, before anything launches), the choice of a specialization
+and of split-KV, and the launch on the current CuPy stream of the arrays' device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+from typing import NamedTuple
+
+import cupy
+import numpy as np
+
+from . import _dtypes, jit
+from ._arrays import as_device_array, optional_device_array
+
+__all__ = [
+    "BLOCK_SIZES",
+    "HEAD_SIZES",
+    "check_block_tables",
+    "decode_specs",
+    "paged_attention",
+    "paged_attention_v1",
+    "paged_attention_v2",
+]
+
+HEAD_SIZES = tuple(range(32, 257, 8))
+BLOCK_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
+GROUP_TILES = (1, 2, 4, 8)
+_THREADS = 128  # kDecodeThreads in cuda_src/paged_decode.cuh
+_MAX_GRID_YZ = 65535
+_INT32_MAX = 2**31 - 1
+
+# CUPAGED_DEBUG=1 runs check_block_tables (which synchronizes) inside every call.
+_DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
+
+_I32 = np.int32
+_I64 = np.int64
+_F32 = np.float32
+_NULL = np.uint64(0)
+
+
+# ---- specializations --------------------------------------------------------------------
+
+
+def _group_tile(group_size: int) -> int:
+    """Query heads per CTA: the whole group up to 8 (one K/V read serves all of them)."""
+    for gt in GROUP_TILES:
+        if group_size <= gt:
+            return gt
+    return GROUP_TILES[-1]
+
+
+def _decode_smem_bytes(spec: jit.KernelSpec) -> int:
+    """Dynamic shared memory of paged_decode; mirrors DecodeGeometry::kSmemBytes."""
+    it = _dtypes.BY_NAME[spec.dtype].itemsize
+    tt, hs, gt = spec.tile_tokens, spec.head_size, spec.group_tile
+    k_stage = tt * hs * it
+    v_stage = hs * (tt + 16 // it) * it
+    return (spec.stages * (k_stage + v_stage) + gt * hs * 4 + tt * gt * 4 + _THREADS * gt * 4
+            + (_THREADS // 32) * gt * 4 + 16)
+
+
+def decode_specs(arch: str) -> list[jit.KernelSpec]:
+    """Every supported decode specialization for one target (what ``--all`` compiles)."""
+    specs = []
+    for dt in _dtypes.BY_NAME:
+        for hs in HEAD_SIZES:
+            specs.append(jit.KernelSpec("paged_decode_combine", dt, hs, arch=arch))
+            for bs in BLOCK_SIZES:
+                for gt in GROUP_TILES:
+                    specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, gt, arch=arch))
+    return specs
+
+
+class _Device(NamedTuple):
+    id: int
+    arch: str
+    sm_count: int
+    max_smem: int  # opt-in dynamic shared memory per block
+
+
+@lru_cache(maxsize=None)
+def _device(device_id: int) -> _Device:
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    arch = jit.target_for((props["major"], props["minor"]))
+    return _Device(device_id, arch, props["multiProcessorCount"], props["sharedMemPerBlockOptin"])
+
+
+class _Kernels(NamedTuple):
+    decode: object  # cupy.RawKernel
+    combine: object
+    smem: int
+    tile_tokens: int
+    name: str
+
+
+@lru_cache(maxsize=None)
+def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int) -> _Kernels:
+    dev = _device(device_id)
+    spec = jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, arch=dev.arch)
+    smem = _decode_smem_bytes(spec)
+    if smem > dev.max_smem:
+        raise ValueError(
+            f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
+            f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
+        )
+    combine = jit.KernelSpec("paged_decode_combine", dtype, head_size, arch=dev.arch)
+    return _Kernels(jit.load(spec, device_id, smem), jit.load(combine, device_id), smem,
+                    spec.tile_tokens, spec.name)
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+
+class _Problem(NamedTuple):
+    device: int
+    dtype: _dtypes.DType
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(msg)
+
+
+def _check_int32(a: cupy.ndarray, name: str) -> None:
+    if a.dtype != np.int32:
+        hint = f"{name}.astype(cupy.int32)"
+        _fail(f"{name} must be int32, got {a.dtype} (cupaged does not convert it: use {hint})",
+              TypeError)
+
+
+def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
+              out) -> _Problem:
+    dt = _dtypes.lookup(query.dtype)
+    if dt is None:
+        _fail(f"query dtype {query.dtype} is not supported: expected {_dtypes.supported_names()}",
+              TypeError)
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if a.dtype != query.dtype:
+            _fail(f"{name} dtype {a.dtype} does not match query dtype {query.dtype}", TypeError)
+    if query.ndim != 3:
+        _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {query.shape}")
+    num_seqs, num_heads, head_size = query.shape
+    it = dt.itemsize
+    x = 16 // it
+    if key_cache.ndim != 5 or key_cache.shape[4] != x:
+        _fail(f"key_cache must be 5-D [num_blocks, num_kv_heads, head_size/{x}, block_size, {x}] "
+              f"for {query.dtype}, got shape {key_cache.shape}")
+    if value_cache.ndim != 4:
+        _fail(f"value_cache must be 4-D [num_blocks, num_kv_heads, head_size, block_size], "
+              f"got shape {value_cache.shape}")
+    num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
+    if head_size not in HEAD_SIZES:
+        _fail(f"head_size {head_size} is not supported: expected a multiple of 8 from 32 to 256")
+    if key_cache.shape[2] * x != head_size:
+        _fail(f"key_cache.shape[2] is {key_cache.shape[2]}, expected head_size/{x} = {head_size // x}")
+    if value_cache.shape != (num_blocks, num_kv_heads, head_size, block_size):
+        _fail(f"value_cache shape {value_cache.shape} does not match the key cache: expected "
+              f"{(num_blocks, num_kv_heads, head_size, block_size)}")
+    if block_size not in BLOCK_SIZES:
+        _fail(f"block_size {block_size} is not supported: expected a power of two from 1 to 256")
+    if num_kv_heads == 0 or num_heads == 0 or num_heads % num_kv_heads:
+        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if num_blocks > _INT32_MAX:
+        _fail(f"key_cache has {num_blocks} blocks; at most {_INT32_MAX} are supported")
+
+    if query.strides[2] != it or min(query.strides) < 0:
+        _fail(f"query's last dimension must be contiguous (strides {query.strides})")
+    for name, a, inner in (("key_cache", key_cache, 3), ("value_cache", value_cache, 2)):
+        expect = a.shape[-inner:]
+        want = tuple(int(np.prod(expect[i + 1:])) * it for i in range(inner))
+        if a.strides[-inner:] != want:
+            _fail(f"{name} must be contiguous within a block (strides {a.strides})")
+        if a.data.ptr % 16 or a.strides[0] % 16 or a.strides[1] % 16 or min(a.strides) < 0:
+            _fail(f"{name} must be 16-byte aligned with block and head strides that are "
+                  f"multiples of 16 bytes (pointer {a.data.ptr:#x}, strides {a.strides})")
+
+    _check_int32(block_tables, "block_tables")
+    _check_int32(context_lens, "context_lens")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        _fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
+              f"got shape {block_tables.shape}")
+    if block_tables.strides[1] != 4 or block_tables.strides[0] < 0:
+        _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
+    max_blocks = block_tables.shape[1]
+    if max_blocks * block_size > _INT32_MAX:
+        _fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
+              f"{_INT32_MAX} are supported")
+    if context_lens.shape != (num_seqs,) or (num_seqs and context_lens.strides[0] != 4):
+        _fail(f"context_lens must be a contiguous [num_seqs={num_seqs}] array, "
+              f"got shape {context_lens.shape}")
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != np.float32:
+            _fail(f"alibi_slopes must be float32, got {alibi_slopes.dtype}", TypeError)
+        if alibi_slopes.shape != (num_heads,) or alibi_slopes.strides[0] != 4:
+            _fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
+                  f"got shape {alibi_slopes.shape}")
+    if out is not None:
+        if out.dtype != query.dtype:
+            _fail(f"out dtype {out.dtype} does not match query dtype {query.dtype}", TypeError)
+        if out.shape != query.shape or not out.flags.c_contiguous:
+            _fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "
+                  f"{out.shape} with strides {out.strides}")
+
+    device = query.device.id
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_tables", block_tables), ("context_lens", context_lens),
+                    ("alibi_slopes", alibi_slopes), ("out", out)):
+        if a is not None and a.device.id != device:
+            _fail(f"{name} is on device {a.device.id} but query is on device {device}")
+    return _Problem(device, dt, num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                    num_blocks, max_blocks)
+
+
+def _scale(scale, head_size: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_size)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        _fail(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _max_context(max_context_len, p: _Problem) -> int:
+    """A host-side bound on the context lengths, used only to size split-KV work."""
+    cap = p.max_blocks * p.block_size
+    if max_context_len is None:
+        return cap
+    if isinstance(max_context_len, bool) or not isinstance(max_context_len, (int, np.integer)):
+        _fail(f"max_context_len must be an int, got {type(max_context_len).__name__}", TypeError)
+    if max_context_len < 0:
+        _fail(f"max_context_len must be >= 0, got {max_context_len}")
+    return min(int(max_context_len), cap)
+
+
+# ---- split-KV choice --------------------------------------------------------------------------
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _partition_tokens(partition, p: _Problem, max_ctx: int, tile_tokens: int) -> int:
+    """0 for a single pass, else the tokens per split-KV partition."""
+    if partition == "never" or max_ctx == 0:
+        return 0
+    if isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
+        if partition <= 0 or partition % p.block_size:
+            _fail(f"partition must be a positive multiple of block_size ({p.block_size}), "
+                  f"got {partition}")
+        size = int(partition)
+    elif partition in ("auto", "always"):
+        # Enough CTAs to fill the GPU a few times over; partitions no shorter than a tile.
+        dev = _device(p.device)
+        ctas = p.num_seqs * p.num_kv_heads * -(-(p.num_heads // p.num_kv_heads) // 8)
+        if partition == "auto" and ctas >= 2 * dev.sm_count:
+            return 0
+        quantum = max(tile_tokens, p.block_size)
+        parts = max(1, -(-4 * dev.sm_count // max(ctas, 1)))
+        size = max(quantum, _round_up(-(-max_ctx // parts), quantum))
+        if partition == "auto" and size >= max_ctx:
+            return 0  # one partition: the combine would only copy
+    else:
+        _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
+    if -(-max_ctx // size) > _MAX_GRID_YZ:
+        _fail(f"partition of {size} tokens gives more than {_MAX_GRID_YZ} partitions for "
+              f"{max_ctx} tokens; use a larger partition")
+    return size
+
+
+# ---- launch -----------------------------------------------------------------------------------
+
+
+def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
+            partition, workspace=None) -> None:
+    """Validate nothing, launch everything: decode (and combine) on the current stream of
+    the arrays' device. ``workspace``: optional (part_out, part_max, part_sum)."""
+    if p.num_seqs == 0:
+        return
+    group = p.num_heads // p.num_kv_heads
+    gt = _group_tile(group)
+    ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt)
+    size = _partition_tokens(partition, p, max_ctx, ks.tile_tokens)
+    n_parts = -(-max_ctx // size) if size else 1
+    grid_y = p.num_kv_heads * -(-group // gt)
+    if grid_y > _MAX_GRID_YZ:
+        _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
+
+    if size:
+        if workspace is None:
+            rows = p.num_seqs * p.num_heads * n_parts
+            buf = cupy.empty(rows * (p.head_size + 2), dtype=np.float32)
+            workspace = (buf[: rows * p.head_size], buf[rows * p.head_size: rows * (p.head_size + 1)],
+                         buf[rows * (p.head_size + 1):])
+        part_out, part_max, part_sum = workspace
+        dst = _NULL
+    else:
+        part_out = part_max = part_sum = _NULL
+        dst = out
+
+    args = (dst, part_out, part_max, part_sum,
+            q, _I64(q.strides[0] // p.dtype.itemsize), _I64(q.strides[1] // p.dtype.itemsize),
+            kc, _I64(kc.strides[0] // p.dtype.itemsize), _I64(kc.strides[1] // p.dtype.itemsize),
+            vc, _I64(vc.strides[0] // p.dtype.itemsize), _I64(vc.strides[1] // p.dtype.itemsize),
+            bt, _I64(bt.strides[0] // 4), cl, _NULL if alibi is None else alibi,
+            _I32(p.num_heads), _I32(group), _I32(p.max_blocks), _I32(p.num_blocks),
+            _I32(size), _F32(scale * math.log2(math.e)))
+    ks.decode((p.num_seqs, grid_y, n_parts), (_THREADS,), args, shared_mem=ks.smem)
+    if size:
+        ks.combine((p.num_seqs, p.num_heads), (_THREADS,),
+                   (out, part_out, part_max, part_sum, cl, _I32(p.max_blocks * p.block_size),
+                    _I32(size), _I32(n_parts)))
+
+
+def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
+         max_context_len, out, partition, workspace=None):
+    q = as_device_array(query, "query")
+    kc = as_device_array(key_cache, "key_cache")
+    vc = as_device_array(value_cache, "value_cache")
+    bt = as_device_array(block_tables, "block_tables")
+    cl = as_device_array(context_lens, "context_lens")
+    alibi = optional_device_array(alibi_slopes, "alibi_slopes")
+    o = optional_device_array(out, "out")
+    p = _validate(q, kc, vc, bt, cl, alibi, o)
+    scale = _scale(scale, p.head_size)
+    max_ctx = _max_context(max_context_len, p)
+    with cupy.cuda.Device(p.device):
+        if _DEBUG:
+            check_block_tables(bt, cl, p.num_blocks, p.block_size)
+        if o is None:
+            o = cupy.empty(q.shape, dtype=q.dtype)
+        _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, workspace)
+    return o
+
+
+# ---- public entry points ------------------------------------------------------------------------
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
+                    alibi_slopes=None, max_context_len=None, out=None, partition="auto"):
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_size]``, float32, float16 or bfloat16. The
+            sequence and head strides are free (a slice of a fused QKV works); the last
+            dimension must be contiguous.
+        key_cache: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` with
+            ``x = 16 // itemsize`` (vLLM's layout), the query's dtype.
+        value_cache: ``[num_blocks, num_kv_heads, head_size, block_size]``.
+            Both caches must be contiguous within a block; their block and head strides
+            are free (multiples of 16 bytes).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``: the physical block of each
+            logical block. Entries past a sequence's last block are never read.
+        context_lens: int32 ``[num_seqs]``: tokens in each sequence's cache.
+        scale: softmax scale; default ``1 / sqrt(head_size)``.
+        alibi_slopes: optional float32 ``[num_heads]``; adds ``slope * (pos - len + 1)``.
+        max_context_len: a host-side upper bound on ``context_lens``, used to size the
+            split-KV work; default ``max_blocks_per_seq * block_size`` (no device sync).
+        out: optional ``[num_seqs, num_heads, head_size]`` C-contiguous output.
+        partition: ``"auto"`` (split-KV when it fills the GPU better), ``"never"``,
+            ``"always"``, or a partition size in tokens (a multiple of block_size).
+
+    Returns:
+        ``out``: ``[num_seqs, num_heads, head_size]``, the query's dtype. A sequence of
+        length 0 gets zeros. head_size: any multiple of 8 from 32 to 256; block_size: a
+        power of two from 1 to 256; ``num_heads`` a multiple of ``num_kv_heads``.
+
+    Runs on the current CuPy stream of the arrays' device, without synchronizing. Block
+    ids are not range-checked on the host (that needs a sync): a sequence whose table
+    points outside the cache gets NaN, never an out-of-bounds read; use
+    :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
+    """
+    return _run(query, key_cache, value_cache, block_tables, context_lens, scale,
+                alibi_slopes, max_context_len, out, partition)
+
+
+def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
+    kc = as_device_array(key_cache, "key_cache")
+    if kc.ndim >= 4 and (kc.shape[1] != num_kv_heads or kc.shape[3] != block_size):
+        _fail(f"num_kv_heads={num_kv_heads} and block_size={block_size} do not match "
+              f"key_cache of shape {kc.shape}")
+
+
+def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
+                       context_lens, block_size, max_context_len, alibi_slopes=None):
+    """vLLM's ``paged_attention_v1`` argument order: single-pass decode into ``out``."""
+    _check_vllm_args(key_cache, num_kv_heads, block_size)
+    if out is None:
+        _fail("out is required by paged_attention_v1")
+    return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
+                max_context_len, out, "never")
+
+
+def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
+                       num_kv_heads, scale, block_tables, context_lens, block_size,
+                       max_context_len, alibi_slopes=None):
+    """vLLM's ``paged_attention_v2`` argument order: split-KV decode into ``out``.
+
+    ``exp_sums``/``max_logits``: float32 ``[num_seqs, num_heads, P]``; ``tmp_out``:
+    ``[num_seqs, num_heads, P, head_size]``, float32 or the query's dtype, all contiguous.
+    They are scratch space; cupaged picks a partition size so its (float32) partials fit
+    in them, which for a 16-bit ``tmp_out`` means at most P // 2 partitions.
+    """
+    _check_vllm_args(key_cache, num_kv_heads, block_size)
+    if out is None:
+        _fail("out is required by paged_attention_v2")
+    q = as_device_array(query, "query")
+    es = as_device_array(exp_sums, "exp_sums")
+    ml = as_device_array(max_logits, "max_logits")
+    tmp = as_device_array(tmp_out, "tmp_out")
+    if q.ndim != 3:
+        _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {q.shape}")
+    s, h, hs = q.shape
+    for name, a in (("exp_sums", es), ("max_logits", ml)):
+        if a.dtype != np.float32 or a.ndim != 3 or a.shape[:2] != (s, h) or not a.flags.c_contiguous:
+            _fail(f"{name} must be a contiguous float32 [{s}, {h}, max_num_partitions] array, "
+                  f"got {a.dtype} {a.shape}")
+    n_user = es.shape[2]
+    if ml.shape != es.shape or tmp.shape != (s, h, n_user, hs) or not tmp.flags.c_contiguous:
+        _fail(f"max_logits and tmp_out must match exp_sums: expected {(s, h, n_user)} and "
+              f"{(s, h, n_user, hs)}, got {ml.shape} and {tmp.shape}")
+    if tmp.dtype == np.float32:
+        capacity = n_user
+    elif tmp.dtype == q.dtype:
+        capacity = n_user // 2  # float32 partials in a 16-bit buffer
+    else:
+        _fail(f"tmp_out must be float32 or the query's dtype, got {tmp.dtype}", TypeError)
+    bt = as_device_array(block_tables, "block_tables")
+    max_ctx = max_context_len if max_context_len is not None else bt.shape[-1] * block_size
+    if capacity == 0 or max_ctx <= 0:
+        partition, workspace = "never", None
+    else:
+        partition = _round_up(-(-int(max_ctx) // capacity), max(block_size, 256))
+        rows = s * h * -(-int(max_ctx) // partition)
+        flat = tmp.reshape(-1).view(np.float32)
+        workspace = (flat[: rows * hs], ml.reshape(-1)[:rows], es.reshape(-1)[:rows])
+    return _run(q, key_cache, value_cache, bt, context_lens, scale, alibi_slopes,
+                max_context_len, out, partition, workspace)
+
+
+def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: int) -> None:
+    """Check, with a device sync, that every sequence's blocks exist: its length fits its
+    row of ``block_tables`` and each of its first ``ceil(len / block_size)`` entries is in
+    ``[0, num_blocks)``. Raises ValueError naming the first bad sequence."""
+    bt = cupy.asnumpy(as_device_array(block_tables, "block_tables"))
+    cl = cupy.asnumpy(as_device_array(context_lens, "context_lens"))
+    if bt.ndim != 2 or cl.shape != (bt.shape[0],):
+        _fail(f"block_tables {bt.shape} and context_lens {cl.shape} disagree on num_seqs")
+    lens = cl.astype(np.int64)
+    bad_len = (lens < 0) | (lens > bt.shape[1] * block_size)
+    if bad_len.any():
+        i = int(np.flatnonzero(bad_len)[0])
+        _fail(f"sequence {i}: context length {lens[i]} is outside [0, {bt.shape[1] * block_size}] "
+              f"(block_tables has {bt.shape[1]} blocks of {block_size} tokens per sequence)")
+    used = np.arange(bt.shape[1])[None, :] < -(-lens // block_size)[:, None]
+    bad = used & ((bt < 0) | (bt >= num_blocks))
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        _fail(f"sequence {i}: block_tables[{i}, {j}] = {bt[i, j]} is outside [0, {num_blocks})")

@@ -1,0 +1,382 @@
+"""Run-time specialization: kernel specs, NVRTC compilation and the kernel caches.
+
+A :class:`KernelSpec` names one instantiation of a kernel template in ``cuda_src/``. It is
+compiled with NVRTC (called directly, so compiling needs no GPU), the binary is kept in a
+disk cache under a readable file name, and loaded per device through ``cupy.RawModule``.
+
+The cache key hashes the whole source (every project header is inlined into it), the
+template instantiation, the compiler options, the NVRTC version and the target, so an
+edited ``.cuh`` can never load a stale binary. CuPy's own cache is not used: it keys on
+the top-level source string only and names its files by hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable
+
+from . import _dtypes
+
+__all__ = [
+    "CompileError",
+    "KernelSpec",
+    "cache_dir",
+    "compile_check",
+    "load",
+    "precompile",
+    "source_dir",
+]
+
+CXX_STD = "-std=c++17"
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a specialization; the message carries its name and the log."""
+
+
+# ---- the kernels: template name -> entry file and template parameters ---------------------
+
+_DECODE_PARAMS = ("dtype", "head_size", "block_size", "group_tile", "tile_tokens", "stages")
+_KERNELS = {
+    "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
+    "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
+}
+
+
+def default_decode_tile(itemsize: int, head_size: int) -> int:
+    """Tokens per pipeline tile: about 16 KiB of K (and of V) per stage, a power of two
+    in [32, 256]. Large enough to keep many bytes in flight, small enough for two or three
+    CTAs per SM."""
+    tokens = max(1, 16384 // (head_size * itemsize))
+    tokens = 1 << (tokens.bit_length() - 1)
+    return min(256, max(32, tokens))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization of a kernel template: everything that is a compile-time
+    constant, plus the target architecture.
+
+    Fields a kernel does not take are left at 0. ``tile_tokens`` and ``stages`` default
+    (0) to the tuned choice for the dtype and head size.
+    """
+
+    kernel: str
+    dtype: str  # "f32" | "f16" | "bf16"
+    head_size: int
+    block_size: int = 0
+    group_tile: int = 0
+    tile_tokens: int = 0
+    stages: int = 0
+    arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
+    _params: tuple = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.kernel not in _KERNELS:
+            raise ValueError(f"unknown kernel {self.kernel!r}: expected one of {sorted(_KERNELS)}")
+        if self.dtype not in _dtypes.BY_NAME:
+            raise ValueError(f"unknown dtype in {self!r}")
+        if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
+            raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {self.arch!r}")
+        params = _KERNELS[self.kernel][1]
+        object.__setattr__(self, "_params", params)
+        if "tile_tokens" in params:
+            itemsize = _dtypes.BY_NAME[self.dtype].itemsize
+            if self.tile_tokens == 0:
+                object.__setattr__(self, "tile_tokens", default_decode_tile(itemsize, self.head_size))
+            if self.stages == 0:
+                object.__setattr__(self, "stages", 2)
+
+    @property
+    def source_file(self) -> str:
+        return _KERNELS[self.kernel][0]
+
+    @property
+    def name(self) -> str:
+        """Readable and unique, e.g. ``paged_decode_f16_hs128_bs16_g4_sm90``."""
+        p = self._params
+        parts = [self.kernel, self.dtype, f"hs{self.head_size}"]
+        if "block_size" in p:
+            parts.append(f"bs{self.block_size}")
+        if "group_tile" in p:
+            parts.append(f"g{self.group_tile}")
+        if "tile_tokens" in p:
+            itemsize = _dtypes.BY_NAME[self.dtype].itemsize
+            if (self.tile_tokens, self.stages) != (default_decode_tile(itemsize, self.head_size), 2):
+                parts.append(f"t{self.tile_tokens}x{self.stages}")
+        parts.append(self.arch.replace("_", ""))
+        return "_".join(parts)
+
+    @property
+    def name_expression(self) -> str:
+        """The C++ instantiation NVRTC is asked for."""
+        args = []
+        for p in self._params:
+            v = getattr(self, p)
+            args.append(_dtypes.BY_NAME[v].cxx if p == "dtype" else str(v))
+        return f"cupaged::{self.kernel}<{', '.join(args)}>"
+
+    def with_arch(self, arch: str) -> "KernelSpec":
+        from dataclasses import replace
+
+        return replace(self, arch=arch)
+
+
+# ---- sources ------------------------------------------------------------------------------
+
+
+def source_dir() -> Path:
+    """Where the CUDA sources are: inside the installed package (a wheel) or beside it
+    (a source checkout or an editable install)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / "paged_decode.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"cupaged's CUDA sources were not found in {here / 'cuda_src'} or "
+        f"{here.parent / 'cuda_src'}; the installation is incomplete"
+    )
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
+
+
+def _inline(path: Path, seen: set) -> str:
+    seen.add(path.name)
+    text = _PRAGMA_ONCE.sub("", path.read_text())
+
+    def expand(m: re.Match) -> str:
+        target = path.parent / m.group(1)
+        if target.name in seen:
+            return ""
+        return f'{_inline(target, seen)}\n#line {text.count(chr(10), 0, m.start()) + 2} "{path.name}"'
+
+    return f'#line 1 "{path.name}"\n' + _INCLUDE.sub(expand, text)
+
+
+@lru_cache(maxsize=None)
+def _source_cached(entry: str, stamp: tuple) -> str:
+    return _inline(source_dir() / entry, set())
+
+
+def source(entry: str) -> str:
+    """The entry file with the project's own headers inlined, so the text that is
+    compiled (and hashed) contains every file it depends on."""
+    d = source_dir()
+    stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                         for p in d.iterdir() if p.suffix in (".cu", ".cuh")))
+    return _source_cached(entry, stamp)
+
+
+# ---- NVRTC --------------------------------------------------------------------------------
+
+
+def _nvrtc():
+    from cupy_backends.cuda.libs import nvrtc  # loads libnvrtc only; no driver needed
+
+    return nvrtc
+
+
+@lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
+@lru_cache(maxsize=None)
+def supported_archs() -> tuple[int, ...]:
+    return tuple(_nvrtc().getSupportedArchs())
+
+
+def target_for(compute_capability: tuple[int, int]) -> str:
+    """The NVRTC target for a device: its own cubin when this NVRTC knows the
+    architecture, else PTX for the newest one it knows (the driver finishes it)."""
+    cc = compute_capability[0] * 10 + compute_capability[1]
+    archs = supported_archs()
+    if cc in archs:
+        return f"sm_{cc}"
+    older = [a for a in archs if a <= cc]
+    if not older:
+        raise RuntimeError(f"NVRTC {nvrtc_version()} cannot target compute capability {cc}")
+    return f"compute_{max(older)}"
+
+
+def _options(arch: str) -> tuple[str, ...]:
+    return (CXX_STD, f"-arch={arch}")
+
+
+def _compile(entry: str, arch: str, name_expressions: list[str], label: str):
+    """Compile one program; returns (binary, {name expression: lowered name})."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source(entry), entry, [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, list(_options(arch)))
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC could not compile {label} for {arch}: {e}\n{log}") from None
+        binary = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return binary, lowered
+
+
+def cache_key(spec: KernelSpec) -> str:
+    h = hashlib.sha256()
+    for part in (source(spec.source_file), spec.name_expression, " ".join(_options(spec.arch)),
+                 repr(nvrtc_version())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    """``$CUPAGED_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupaged``, else ``~/.cache/cupaged``."""
+    if os.environ.get("CUPAGED_CACHE_DIR"):
+        return Path(os.environ["CUPAGED_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cupaged"
+
+
+def _cache_paths(spec: KernelSpec) -> tuple[Path, Path]:
+    stem = f"{spec.name}-{cache_key(spec)[:20]}"
+    ext = ".cubin" if spec.arch.startswith("sm_") else ".ptx"
+    d = cache_dir()
+    return d / (stem + ext), d / (stem + ".json")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@dataclass(frozen=True)
+class Built:
+    """A compiled specialization on disk."""
+
+    spec: KernelSpec
+    path: Path  # the cubin (or PTX)
+    lowered_name: str
+    seconds: float  # time spent compiling or reading the cache
+    from_disk: bool
+
+
+_spec_locks: dict = {}
+_built: dict = {}
+
+
+def build(spec: KernelSpec) -> Built:
+    """Compile ``spec`` into the disk cache, or find it there. Thread-safe: concurrent
+    callers asking for the same new specialization compile it once."""
+    done = _built.get(spec)
+    if done is not None:
+        return done
+    with _spec_locks.setdefault(spec, threading.Lock()):
+        done = _built.get(spec)
+        if done is not None:
+            return done
+        t0 = time.perf_counter()
+        binary_path, meta_path = _cache_paths(spec)
+        lowered = None
+        try:
+            meta = json.loads(meta_path.read_text())
+            if binary_path.is_file() and meta.get("name_expression") == spec.name_expression:
+                lowered = meta["lowered_name"]
+        except (OSError, ValueError, KeyError):
+            lowered = None
+        from_disk = lowered is not None
+        if not from_disk:
+            binary, names = _compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
+            lowered = names[spec.name_expression]
+            _write_atomic(binary_path, binary)
+            meta = {"name": spec.name, "name_expression": spec.name_expression,
+                    "lowered_name": lowered, "options": list(_options(spec.arch)),
+                    "nvrtc": list(nvrtc_version())}
+            _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
+        done = Built(spec, binary_path, lowered, time.perf_counter() - t0, from_disk)
+        _built[spec] = done
+        return done
+
+
+def precompile(specs: Iterable[KernelSpec], workers: int | None = None) -> list[Built]:
+    """Compile specializations ahead of use (into the disk cache), in parallel."""
+    specs = list(dict.fromkeys(specs))
+    workers = workers or min(len(specs), os.cpu_count() or 1) or 1
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(build, specs))
+
+
+# ---- loading onto a device -----------------------------------------------------------------
+
+_loaded: dict = {}
+
+
+def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0):
+    """The ``cupy.RawKernel`` for ``spec`` on a device (compiled on first use). Kernels
+    needing more than 48 KiB of dynamic shared memory get their limit raised here."""
+    key = (device_id, spec)
+    kernel = _loaded.get(key)
+    if kernel is not None:
+        return kernel
+    import cupy
+
+    built = build(spec)
+    with _spec_locks.setdefault(spec, threading.Lock()), cupy.cuda.Device(device_id):
+        kernel = _loaded.get(key)
+        if kernel is None:
+            module = cupy.RawModule(path=str(built.path))
+            kernel = module.get_function(built.lowered_name)
+            if dynamic_smem > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = dynamic_smem
+            _loaded[key] = kernel
+    return kernel
+
+
+def clear_memory_caches() -> None:
+    """Forget compiled and loaded kernels in this process (the disk cache stays)."""
+    _built.clear()
+    _loaded.clear()
+
+
+# ---- compile check (no GPU needed) ---------------------------------------------------------
+
+
+def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
+                  batch: int = 48) -> tuple[int, float]:
+    """Compile every spec with NVRTC, batching instantiations of one source and arch into
+    one program, without touching the disk cache or a GPU. Returns (count, seconds);
+    raises CompileError naming the failing batch."""
+    groups: dict = {}
+    for s in dict.fromkeys(specs):
+        groups.setdefault((s.source_file, s.arch), []).append(s)
+    jobs = []
+    for (entry, arch), members in groups.items():
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            jobs.append((entry, arch, [s.name_expression for s in chunk],
+                         f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} specializations)"))
+    t0 = time.perf_counter()
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda j: _compile(*j), jobs))
+    return sum(len(j[2]) for j in jobs), time.perf_counter() - t0
