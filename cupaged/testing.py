@@ -1,0 +1,57 @@
+"""Random paged KV caches, for tests and benchmarks (NumPy on the host or CuPy on a device)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _dtypes
+
+__all__ = ["random_block_tables", "random_cache", "random_normal", "TOLERANCE"]
+
+# ||out - ref|| / ||ref|| accepted against the float64 reference, by element type.
+TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
+
+
+def random_block_tables(context_lens, block_size: int, rng: np.random.Generator, *,
+                        spare_blocks: int = 0, share: bool = False, extra_columns: int = 0):
+    """Block tables with each sequence's blocks scattered at random over the cache.
+
+    Returns ``(block_tables int32 [num_seqs, max_blocks], num_blocks)``. Entries past a
+    sequence's last block hold out-of-range garbage (they must never be read). With
+    ``share``, about half of the sequences reuse a prefix of another sequence's blocks,
+    as forks and shared prompts do.
+    """
+    lens = np.asarray(context_lens, dtype=np.int64)
+    need = -(-lens // block_size)
+    width = int(need.max(initial=0)) + extra_columns
+    num_blocks = int(need.sum()) + spare_blocks
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = rng.integers(num_blocks, num_blocks + 1000, size=(len(lens), max(width, 1)))
+    tables = tables.astype(np.int32)[:, :width]
+    used = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[used:used + n]
+        used += n
+        if share and s > 0 and rng.random() < 0.5:
+            donor = int(rng.integers(0, s))
+            k = int(min(n, need[donor], rng.integers(0, n + 1)))
+            tables[s, :k] = tables[donor, :k]
+    return tables, num_blocks
+
+
+def random_normal(shape, dtype, rng, xp=np):
+    """Standard-normal values of ``dtype`` (a NumPy dtype, bfloat16 included); ``xp`` is
+    numpy or cupy (generated on that side)."""
+    if xp is np:
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    return xp.random.default_rng(int(rng.integers(2**31))).standard_normal(
+        shape, dtype=np.float32).astype(dtype)
+
+
+def random_cache(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int, dtype,
+                 rng: np.random.Generator, xp=np):
+    """``(key_cache, value_cache)`` in vLLM's layouts, random normal values."""
+    x = 16 // _dtypes.lookup(dtype).itemsize
+    k = random_normal((num_blocks, num_kv_heads, head_size // x, block_size, x), dtype, rng, xp)
+    v = random_normal((num_blocks, num_kv_heads, head_size, block_size), dtype, rng, xp)
+    return k, v

@@ -1,0 +1,101 @@
+"""Shared fixtures: fresh random data per test (its seed is printed on failure), random
+paged problems on host and device, and skipping of GPU tests where there is no GPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from cupaged import testing
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAVE_GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA device found")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator with a fresh seed each run; the seed is reported if the test fails."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        for k, v in item.user_properties:
+            if k == "seed":
+                report.sections.append(("random seed", str(v)))
+
+
+@dataclass
+class Problem:
+    """A random decode problem on the host (NumPy); ``.device()`` copies it to the GPU."""
+
+    query: np.ndarray
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    alibi_slopes: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    def host_args(self):
+        return dict(query=self.query, key_cache=self.key_cache, value_cache=self.value_cache,
+                    block_tables=self.block_tables, context_lens=self.context_lens,
+                    alibi_slopes=self.alibi_slopes)
+
+    def device_args(self):
+        import cupy
+
+        return {k: (None if v is None else cupy.asarray(v)) for k, v in self.host_args().items()}
+
+    def reference(self, **kw):
+        from cupaged import reference
+
+        return reference.paged_attention(**self.host_args(), **kw)
+
+
+def make_problem(rng, *, dtype=np.float16, lens=(5, 17), heads=4, kv_heads=2, head_size=64,
+                 block_size=16, alibi=False, share=False, spare_blocks=3, extra_columns=0):
+    lens = np.asarray(lens, dtype=np.int32)
+    bt, nb = testing.random_block_tables(lens, block_size, rng, spare_blocks=spare_blocks,
+                                         share=share, extra_columns=extra_columns)
+    kc, vc = testing.random_cache(nb, kv_heads, head_size, block_size, dtype, rng)
+    q = testing.random_normal((len(lens), heads, head_size), dtype, rng)
+    slopes = rng.uniform(-0.5, 0.0, heads).astype(np.float32) if alibi else None
+    return Problem(q, kc, vc, bt, lens, slopes)
+
+
+@pytest.fixture
+def problem(rng):
+    """Factory: ``problem(dtype=..., lens=..., heads=..., ...)`` -> Problem."""
+    return lambda **kw: make_problem(rng, **kw)
+
+
+def rel_err(got, ref) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / (den if den > 0 else 1.0))

@@ -1,0 +1,253 @@
+"""paged_attention on the GPU against the float64 reference."""
+
+import random
+
+import cupy
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _dtypes, attention, jit, testing
+from conftest import make_problem, rel_err
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": _dtypes.BF16.numpy}
+GROUPS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def _grid():
+    """(dtype, head_size, block_size, group, kv_heads, alibi): every head size, every
+    dtype x block size and every dtype x group appear at least once; the partners are
+    drawn at random (with a fixed seed, so the test ids stay stable)."""
+    r = random.Random(2024)
+    cases = set()
+    for hs in attention.HEAD_SIZES:
+        cases.add((r.choice(list(DTYPES)), hs, r.choice(attention.BLOCK_SIZES), r.choice(GROUPS)))
+    for dt in DTYPES:
+        for bs in attention.BLOCK_SIZES:
+            cases.add((dt, r.choice(attention.HEAD_SIZES), bs, r.choice(GROUPS)))
+        for g in GROUPS:
+            cases.add((dt, r.choice(attention.HEAD_SIZES), r.choice(attention.BLOCK_SIZES), g))
+    return [(*c, r.choice((1, 2)), r.random() < 0.3) for c in sorted(cases)]
+
+
+GRID = _grid()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile():
+    """Compile the grid's specializations in parallel before the tests use them."""
+    arch = attention._device(cupy.cuda.Device().id).arch
+    specs = []
+    for dt, hs, bs, g, _, _ in GRID:
+        specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, attention._group_tile(g), arch=arch))
+        specs.append(jit.KernelSpec("paged_decode_combine", dt, hs, arch=arch))
+    jit.precompile(specs, workers=16)
+
+
+def poisoned(shape, dtype):
+    out = cupy.empty(shape, dtype=dtype)
+    out.fill(float("nan"))
+    return out
+
+
+def run(p, partition, **kw):
+    a = p.device_args()
+    out = poisoned(a["query"].shape, a["query"].dtype)
+    got = cupaged.paged_attention(**a, out=out, partition=partition, **kw)
+    assert got is out
+    return cupy.asnumpy(out).astype(np.float64)
+
+
+def tol(p):
+    return testing.TOLERANCE[_dtypes.lookup(p.query.dtype).name]
+
+
+@pytest.mark.parametrize("dt, hs, bs, group, kv_heads, alibi", GRID,
+                         ids=[f"{c[0]}-hs{c[1]}-bs{c[2]}-g{c[3]}-kv{c[4]}{'-alibi' if c[5] else ''}"
+                              for c in GRID])
+def test_decode_matches_reference(rng, dt, hs, bs, group, kv_heads, alibi):
+    lens = [0, 1, max(bs - 1, 1), bs, bs + 1, int(rng.integers(2, 3000)), int(rng.integers(8193, 9500))]
+    rng.shuffle(lens)
+    p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=group * kv_heads, kv_heads=kv_heads,
+                     head_size=hs, block_size=bs, alibi=alibi, share=True)
+    ref = p.reference()
+    single = run(p, "never")
+    split = run(p, "always")
+    assert not np.isnan(single).any() and not np.isnan(split).any()
+    assert rel_err(single, ref) <= tol(p)
+    assert rel_err(split, ref) <= tol(p)
+    assert rel_err(split, single) <= tol(p)  # the two paths agree with each other too
+    assert not single[lens.index(0)].any()  # an empty context gives zeros
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_context_of_more_than_100k_tokens(rng, dt):
+    p = make_problem(rng, dtype=DTYPES[dt], lens=[131072 + 77, 3], heads=32, kv_heads=8,
+                     head_size=128, block_size=16)
+    ref = p.reference()
+    for partition in ("never", "auto", 4096):
+        assert rel_err(run(p, partition), ref) <= tol(p), partition
+
+
+def test_long_context_fp32_large_head(rng):
+    p = make_problem(rng, dtype=np.float32, lens=[100_001], heads=4, kv_heads=1,
+                     head_size=256, block_size=32)
+    ref = p.reference()
+    assert rel_err(run(p, "never"), ref) <= tol(p)
+    assert rel_err(run(p, "always"), ref) <= tol(p)
+
+
+@pytest.mark.parametrize("partition", [16, 48, 512, 1008])
+def test_explicit_partition_sizes(rng, partition):
+    p = make_problem(rng, lens=[2000, 1, 700, 1500], heads=8, kv_heads=2, head_size=128,
+                     block_size=16)
+    assert rel_err(run(p, partition), p.reference()) <= tol(p)
+
+
+@pytest.mark.parametrize("batch, ctx", [(1, 1024), (1, 50000), (256, 512), (7, 3000)])
+def test_auto_partition(rng, batch, ctx):
+    lens = rng.integers(1, ctx + 1, batch)
+    lens[0] = ctx
+    p = make_problem(rng, lens=lens, heads=32, kv_heads=8, head_size=128, block_size=16)
+    got = run(p, "auto", max_context_len=ctx)
+    assert rel_err(got, p.reference()) <= tol(p)
+
+
+def test_query_rows_from_a_fused_qkv(rng):
+    p = make_problem(rng, lens=[40, 300, 5], heads=8, kv_heads=2, head_size=64)
+    ref = p.reference()
+    qkv = cupy.asarray(testing.random_normal((3, (8 + 2 * 2) * 64), np.float16, rng))
+    qkv[:, : 8 * 64] = cupy.asarray(p.query.reshape(3, -1))
+    q = qkv[:, : 8 * 64].reshape(3, 8, 64)
+    assert not q.flags.c_contiguous
+    a = p.device_args()
+    a["query"] = q
+    for partition in ("never", "always"):
+        out = cupaged.paged_attention(**a, partition=partition)
+        assert rel_err(cupy.asnumpy(out), ref) <= tol(p)
+
+
+def test_caches_that_are_views_of_a_larger_buffer(rng):
+    """Block and head strides come from the arrays (e.g. K and V in one allocation)."""
+    p = make_problem(rng, lens=[100, 33], heads=4, kv_heads=2, head_size=64, block_size=16)
+    ref = p.reference()
+    nb = p.key_cache.shape[0]
+    big_k = cupy.zeros((nb, 5, 8, 16, 8), np.float16)
+    big_k[:, 1:3] = cupy.asarray(p.key_cache)
+    big_v = cupy.zeros((2, nb, 2, 64, 16), np.float16)
+    big_v[1] = cupy.asarray(p.value_cache)
+    a = p.device_args()
+    a["key_cache"], a["value_cache"] = big_k[:, 1:3], big_v[1]
+    assert rel_err(cupy.asnumpy(cupaged.paged_attention(**a, partition="always")), ref) <= tol(p)
+
+
+def test_scale_and_explicit_out_dtype(rng):
+    p = make_problem(rng, dtype=np.float32, lens=[70, 9], head_size=96)
+    ref = p.reference(scale=0.7)
+    assert rel_err(run(p, "never", scale=0.7), ref) <= tol(p)
+
+
+def test_no_sequences(rng):
+    p = make_problem(rng, lens=[3])
+    a = p.device_args()
+    for k in ("query", "block_tables", "context_lens"):
+        a[k] = a[k][:0]
+    out = cupaged.paged_attention(**a)
+    assert out.shape == (0, 4, 64)
+
+
+def test_all_empty_contexts_give_zeros(rng):
+    p = make_problem(rng, lens=[0, 0, 0])
+    for partition in ("never", "always", 16):
+        out = run(p, partition, max_context_len=64)
+        assert (out == 0).all()
+
+
+def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
+    p = make_problem(rng, lens=[50, 60, 70], heads=4, kv_heads=2, head_size=64, block_size=16)
+    ref = p.reference()
+    p.block_tables[1, 2] = p.key_cache.shape[0] + 5  # past the cache
+    with pytest.raises(ValueError, match=r"sequence 1: block_tables\[1, 2\] = .* is outside"):
+        cupaged.check_block_tables(cupy.asarray(p.block_tables), cupy.asarray(p.context_lens),
+                                   p.key_cache.shape[0], 16)
+    for partition in ("never", "always"):
+        got = run(p, partition)
+        assert np.isnan(got[1]).all()
+        assert rel_err(got[[0, 2]], ref[[0, 2]]) <= tol(p)
+
+
+def test_lengths_past_the_table_are_clamped_and_reported(rng):
+    p = make_problem(rng, lens=[40, 20], heads=4, kv_heads=2, head_size=64, block_size=16)
+    ref = p.reference()  # the table holds 3 blocks = 48 tokens per sequence
+    p.context_lens[1] = 10_000
+    with pytest.raises(ValueError, match="sequence 1: context length 10000 is outside"):
+        cupaged.check_block_tables(cupy.asarray(p.block_tables), cupy.asarray(p.context_lens),
+                                   p.key_cache.shape[0], 16)
+    # The kernel stops at the table's width; here that reaches the row's unused (garbage)
+    # entry, so the sequence comes out NaN instead of reading outside the cache.
+    for partition in ("never", "always"):
+        got = run(p, partition)
+        assert rel_err(got[0], ref[0]) <= tol(p) and np.isnan(got[1]).all()
+
+
+def test_debug_switch_checks_tables_in_every_call(rng, monkeypatch):
+    p = make_problem(rng, lens=[50], heads=4, kv_heads=2, head_size=64, block_size=16)
+    p.block_tables[0, 1] = -3
+    monkeypatch.setattr(attention, "_DEBUG", True)
+    with pytest.raises(ValueError, match=r"sequence 0: block_tables\[0, 1\] = -3"):
+        cupaged.paged_attention(**p.device_args())
+
+
+def test_valid_tables_pass_the_check(rng):
+    p = make_problem(rng, lens=[0, 1, 16, 17, 300], block_size=16, share=True)
+    cupaged.check_block_tables(cupy.asarray(p.block_tables), cupy.asarray(p.context_lens),
+                               p.key_cache.shape[0], 16)
+
+
+def test_int64_tables_are_refused_on_device(rng):
+    p = make_problem(rng, lens=[5])
+    a = p.device_args()
+    a["block_tables"] = a["block_tables"].astype(cupy.int64)
+    with pytest.raises(TypeError, match="block_tables must be int32, got int64"):
+        cupaged.paged_attention(**a)
+
+
+def test_runs_on_the_current_stream(rng):
+    p = make_problem(rng, lens=[900, 30], heads=8, kv_heads=2, head_size=128)
+    a = p.device_args()
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        out = cupaged.paged_attention(**a, partition="always")
+        s.synchronize()
+    assert rel_err(cupy.asnumpy(out), p.reference()) <= tol(p)
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_vllm_v1_and_v2(rng, dt):
+    p = make_problem(rng, dtype=DTYPES[dt], lens=[1500, 20, 700], heads=8, kv_heads=2,
+                     head_size=128, block_size=16, alibi=True)
+    ref = p.reference(scale=0.1)
+    a = p.device_args()
+    args = (a["key_cache"], a["value_cache"], 2, 0.1, a["block_tables"], a["context_lens"], 16, 1500)
+    out = poisoned((3, 8, 128), a["query"].dtype)
+    cupaged.paged_attention_v1(out, a["query"], *args, alibi_slopes=a["alibi_slopes"])
+    assert rel_err(cupy.asnumpy(out), ref) <= tol(p)
+    parts = -(-1500 // 512)
+    for tmp_dtype in (np.float32, a["query"].dtype):
+        out = poisoned((3, 8, 128), a["query"].dtype)
+        es = cupy.empty((3, 8, parts), np.float32)
+        ml = cupy.empty((3, 8, parts), np.float32)
+        tmp = cupy.empty((3, 8, parts, 128), tmp_dtype)
+        cupaged.paged_attention_v2(out, es, ml, tmp, a["query"], *args, alibi_slopes=a["alibi_slopes"])
+        assert rel_err(cupy.asnumpy(out), ref) <= tol(p), tmp_dtype
+
+
+def test_v2_rejects_a_small_workspace(rng):
+    p = make_problem(rng, lens=[100])
+    a = p.device_args()
+    with pytest.raises(ValueError, match="max_logits and tmp_out must match exp_sums"):
+        cupaged.paged_attention_v2(cupy.empty((1, 4, 64), np.float16), cupy.empty((1, 4, 2), np.float32),
+                                   cupy.empty((1, 4, 2), np.float32), cupy.empty((1, 4, 1, 64), np.float32),
+                                   a["query"], a["key_cache"], a["value_cache"], 2, 0.1,
+                                   a["block_tables"], a["context_lens"], 16, 100)

@@ -1,0 +1,165 @@
+"""The compile layer: specialization names, sources, cache keys, the disk cache, threads,
+the wheel, and the GPU-less compile check of every supported specialization."""
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cupaged import attention, jit
+from cupaged.cli import main
+
+SPEC = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_90")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    jit.clear_memory_caches()
+    yield tmp_path / "cache"
+    jit.clear_memory_caches()
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """A private copy of cuda_src that a test may edit."""
+    d = tmp_path / "cuda_src"
+    shutil.copytree(jit.source_dir(), d)
+    monkeypatch.setattr(jit, "source_dir", lambda: d)
+    return d
+
+
+def test_spec_names_are_readable_and_unique():
+    assert SPEC.name == "paged_decode_f16_hs64_bs16_g4_sm90"
+    assert jit.KernelSpec("paged_decode_combine", "bf16", 128, arch="sm_80").name == \
+        "paged_decode_combine_bf16_hs128_sm80"
+    tuned = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, tile_tokens=32, stages=3)
+    assert tuned.name == "paged_decode_f16_hs64_bs16_g4_t32x3_sm90"
+    names = {s.name for s in attention.decode_specs("sm_90")}
+    assert len(names) == len(attention.decode_specs("sm_90")) == 3 * 29 * (1 + 9 * 4)
+
+
+def test_spec_is_frozen_hashable_and_defaults_its_tile():
+    same = jit.KernelSpec("paged_decode", "f16", 64, 16, 4)
+    assert same == SPEC and hash(same) == hash(SPEC) and {same: 1}[SPEC] == 1
+    assert SPEC.tile_tokens == jit.default_decode_tile(2, 64) and SPEC.stages == 2
+    with pytest.raises(AttributeError):
+        SPEC.head_size = 128
+    assert SPEC.name_expression == "cupaged::paged_decode<cupaged::half_t, 64, 16, 4, 128, 2>"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kernel="nope"), "unknown kernel"),
+    (dict(dtype="f64"), "unknown dtype"),
+    (dict(arch="90"), "arch must look like"),
+])
+def test_spec_rejects_bad_fields(kw, match):
+    args = dict(kernel="paged_decode", dtype="f16", head_size=64, block_size=16, group_tile=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        jit.KernelSpec(**args)
+
+
+def test_source_inlines_project_headers_once():
+    text = jit.source("paged_decode.cu")
+    assert '#include "' not in text
+    assert text.count("struct DecodeGeometry {") == 1
+    assert text.count("__device__ __forceinline__ float warp_max") == 1
+
+
+def test_editing_a_header_changes_the_key_and_rebuilds(cache, sources):
+    first = jit.build(SPEC)
+    assert not first.from_disk and first.path.name.startswith(SPEC.name + "-")
+    jit.clear_memory_caches()
+    assert jit.build(SPEC).from_disk  # unchanged sources: the disk cache answers
+    key = jit.cache_key(SPEC)
+    time.sleep(0.01)
+    with open(sources / "common.cuh", "a") as f:
+        f.write("\n// an edit\n")
+    assert jit.cache_key(SPEC) != key
+    jit.clear_memory_caches()
+    again = jit.build(SPEC)
+    assert not again.from_disk and again.path != first.path
+
+
+def test_key_covers_arch_options_and_nvrtc_version(monkeypatch):
+    key = jit.cache_key(SPEC)
+    assert jit.cache_key(SPEC.with_arch("sm_80")) != key
+    assert jit.cache_key(jit.KernelSpec("paged_decode", "f16", 64, 16, 8)) != key
+    monkeypatch.setattr(jit, "nvrtc_version", lambda: (99, 9))
+    assert jit.cache_key(SPEC) != key
+    monkeypatch.setattr(jit, "CXX_STD", "-std=c++20")
+    assert "-std=c++20" in jit._options("sm_90")
+
+
+def test_corrupt_cache_entry_is_rebuilt(cache):
+    built = jit.build(SPEC)
+    built.path.with_suffix(".json").write_text("{not json")
+    jit.clear_memory_caches()
+    assert not jit.build(SPEC).from_disk
+
+
+def test_concurrent_builds_compile_once(cache, monkeypatch):
+    calls = []
+    real = jit._compile
+
+    def counting(*args):
+        calls.append(args)
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(jit, "_compile", counting)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(jit.build(SPEC))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({r.path for r in results}) == 1 and len(results) == 8
+
+
+def test_precompile_builds_each_spec(cache):
+    specs = [SPEC, SPEC.with_arch("sm_80"), SPEC]
+    built = jit.precompile(specs)
+    assert [b.spec for b in built] == [SPEC, SPEC.with_arch("sm_80")]
+    assert all(b.path.is_file() for b in built)
+
+
+def test_compile_error_names_the_specialization(cache, sources):
+    (sources / "paged_decode.cuh").write_text(
+        (sources / "paged_decode.cuh").read_text().replace("kDecodeThreads = 128;", "kDecodeThreads = ;"))
+    with pytest.raises(jit.CompileError, match=SPEC.name):
+        jit.build(SPEC)
+
+
+def test_target_for_devices():
+    assert jit.target_for((9, 0)) == "sm_90"
+    newest = max(jit.supported_archs())
+    assert jit.target_for((99, 0)) == f"compute_{newest}"
+
+
+def test_wheel_ships_the_cuda_sources(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path / "site"
+    # A non-editable install: pip builds the wheel and installs it, sources and all.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(site), str(root)], check=True)
+    probe = ("import cupaged.jit as j; print(j.source_dir()); "
+             "print(len(j.source('paged_decode.cu')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, text=True,
+                         capture_output=True, env={"PYTHONPATH": str(site), "PATH": ""}).stdout
+    where, length = out.split()
+    assert Path(where) == site / "cupaged" / "cuda_src" and int(length) > 10000
+
+
+def test_compile_all_specializations_for_sm80_and_sm90():
+    """The CI compile check: every supported specialization, both targets (slow)."""
+    result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--all"])
+    assert result.exit_code == 0, result.output
+    n = 2 * len(attention.decode_specs("sm_90"))
+    assert f"compiled {n} specializations for sm_80, sm_90" in result.output

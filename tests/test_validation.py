@@ -1,0 +1,188 @@
+"""Every input check of paged_attention, on array metadata alone (no GPU needed)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import attention
+
+
+class Fake:
+    """What validation reads of a device array: dtype, shape, strides, pointer, device."""
+
+    def __init__(self, a: np.ndarray, device: int = 0, ptr: int = 1 << 20):
+        self.dtype, self.shape, self.strides, self.ndim = a.dtype, a.shape, a.strides, a.ndim
+        self.data = SimpleNamespace(ptr=ptr)
+        self.flags = SimpleNamespace(c_contiguous=a.flags.c_contiguous)
+        self.device = SimpleNamespace(id=device)
+
+
+def args(dtype=np.float16, seqs=3, heads=8, kv_heads=2, hs=64, bs=16, blocks=10, width=4):
+    x = 16 // np.dtype(dtype).itemsize
+    return dict(
+        query=np.zeros((seqs, heads, hs), dtype),
+        key_cache=np.zeros((blocks, kv_heads, hs // x, bs, x), dtype),
+        value_cache=np.zeros((blocks, kv_heads, hs, bs), dtype),
+        block_tables=np.zeros((seqs, width), np.int32),
+        context_lens=np.zeros(seqs, np.int32),
+        alibi_slopes=None,
+        out=None,
+    )
+
+
+def validate(**a):
+    fakes = {k: (None if v is None else (v if isinstance(v, Fake) else Fake(v))) for k, v in a.items()}
+    return attention._validate(fakes["query"], fakes["key_cache"], fakes["value_cache"],
+                               fakes["block_tables"], fakes["context_lens"],
+                               fakes["alibi_slopes"], fakes["out"])
+
+
+def test_valid_problem_is_described():
+    p = validate(**args())
+    assert (p.num_seqs, p.num_heads, p.num_kv_heads, p.head_size, p.block_size) == (3, 8, 2, 64, 16)
+    assert (p.num_blocks, p.max_blocks, p.dtype.name) == (10, 4, "f16")
+
+
+def bad(**changes):
+    a = args()
+    a.update(changes)
+    return a
+
+
+@pytest.mark.parametrize("a, exc, match", [
+    (bad(query=np.zeros((3, 8, 64), np.float64)), TypeError, "query dtype float64 is not supported"),
+    (bad(key_cache=np.zeros((10, 2, 4, 16, 4), np.float32)), TypeError, "key_cache dtype float32 does not match"),
+    (bad(query=np.zeros((3, 512), np.float16)), ValueError, r"query must be 3-D"),
+    (bad(key_cache=np.zeros((10, 2, 64, 16), np.float16)), ValueError, r"key_cache must be 5-D .*head_size/8"),
+    (bad(key_cache=np.zeros((10, 2, 8, 16, 4), np.float16)), ValueError, r"key_cache must be 5-D"),
+    (bad(value_cache=np.zeros((10, 2, 64), np.float16)), ValueError, "value_cache must be 4-D"),
+    (args(hs=36), ValueError, r"head_size 36 is not supported: expected a multiple of 8 from 32 to 256"),
+    (args(hs=264), ValueError, "head_size 264 is not supported"),
+    (bad(key_cache=np.zeros((10, 2, 4, 16, 8), np.float16)), ValueError, r"key_cache.shape\[2\] is 4, expected head_size/8 = 8"),
+    (bad(value_cache=np.zeros((10, 2, 64, 8), np.float16)), ValueError, "value_cache shape .* does not match"),
+    (args(bs=12), ValueError, "block_size 12 is not supported: expected a power of two from 1 to 256"),
+    (args(bs=512), ValueError, "block_size 512 is not supported"),
+    (args(heads=6, kv_heads=4), ValueError, r"num_heads \(6\) must be a positive multiple of num_kv_heads \(4\)"),
+    (bad(block_tables=np.zeros((3, 4), np.int64)), TypeError, r"block_tables must be int32, got int64 .*astype\(cupy.int32\)"),
+    (bad(block_tables=np.zeros((3, 4), np.float32)), TypeError, "block_tables must be int32, got float32"),
+    (bad(context_lens=np.zeros(3, np.int64)), TypeError, "context_lens must be int32, got int64"),
+    (bad(block_tables=np.zeros((2, 4), np.int32)), ValueError, r"block_tables must be \[num_seqs=3"),
+    (bad(block_tables=np.zeros((3, 8), np.int32)[:, ::2]), ValueError, "block_tables' rows must be contiguous"),
+    (bad(context_lens=np.zeros(4, np.int32)), ValueError, r"context_lens must be a contiguous \[num_seqs=3\]"),
+    (bad(context_lens=np.zeros(6, np.int32)[::2]), ValueError, "context_lens must be a contiguous"),
+    (bad(alibi_slopes=np.zeros(8, np.float64)), TypeError, "alibi_slopes must be float32"),
+    (bad(alibi_slopes=np.zeros(7, np.float32)), ValueError, r"alibi_slopes must be a contiguous \[num_heads=8\]"),
+    (bad(out=np.zeros((3, 8, 64), np.float32)), TypeError, "out dtype float32 does not match"),
+    (bad(out=np.zeros((3, 8, 32), np.float16)), ValueError, r"out must be a C-contiguous array of shape \(3, 8, 64\)"),
+    (bad(out=np.zeros((3, 16, 64), np.float16)[:, ::2]), ValueError, "out must be a C-contiguous"),
+    (bad(query=np.zeros((3, 8, 128), np.float16)[:, :, ::2]), ValueError, "query's last dimension must be contiguous"),
+    (bad(key_cache=np.zeros((10, 2, 8, 32, 8), np.float16)[:, :, :, ::2]), ValueError, "key_cache must be contiguous within a block"),
+    (bad(value_cache=np.zeros((10, 2, 64, 32), np.float16)[..., :16]), ValueError, "value_cache must be contiguous within a block"),
+])
+def test_bad_input_is_named(a, exc, match):
+    with pytest.raises(exc, match=match):
+        validate(**a)
+
+
+def test_table_wider_than_int32_tokens_is_refused():
+    a = args()
+    a["block_tables"] = Fake(a["block_tables"])
+    a["block_tables"].shape = (3, 2**28)
+    with pytest.raises(ValueError, match="tokens per sequence; at most"):
+        validate(**a)
+
+
+def test_misaligned_cache_is_refused():
+    a = args()
+    a["key_cache"] = Fake(a["key_cache"], ptr=(1 << 20) + 8)
+    with pytest.raises(ValueError, match="key_cache must be 16-byte aligned"):
+        validate(**a)
+
+
+def test_arrays_on_different_devices_are_refused():
+    a = args()
+    a["value_cache"] = Fake(a["value_cache"], device=1)
+    with pytest.raises(ValueError, match="value_cache is on device 1 but query is on device 0"):
+        validate(**a)
+
+
+def test_query_rows_may_be_strided():
+    a = args()
+    a["query"] = np.zeros((3, 3 * 8 * 64), np.float16)[:, : 8 * 64].reshape(3, 8, 64)
+    assert validate(**a).num_seqs == 3
+
+
+@pytest.mark.parametrize("entry", ["paged_attention", "check_block_tables"])
+def test_host_arrays_are_refused_before_any_work(entry):
+    a = args()
+    if entry == "paged_attention":
+        call = lambda: cupaged.paged_attention(a["query"], a["key_cache"], a["value_cache"],
+                                               a["block_tables"], a["context_lens"])
+    else:
+        call = lambda: cupaged.check_block_tables(a["block_tables"], a["context_lens"], 10, 16)
+    with pytest.raises(TypeError, match="is a NumPy array .*needs a CUDA array"):
+        call()
+
+
+def test_other_objects_are_refused():
+    with pytest.raises(TypeError, match=r"query must be a CUDA array \(cupy.ndarray\), got list"):
+        cupaged.paged_attention([[1.0]], None, None, None, None)
+
+
+def _problem(**kw):
+    return validate(**args(**kw))
+
+
+@pytest.mark.parametrize("value, match", [
+    (float("nan"), "scale must be finite"), (float("inf"), "scale must be finite"),
+])
+def test_scale_must_be_finite(value, match):
+    with pytest.raises(ValueError, match=match):
+        attention._scale(value, 64)
+
+
+def test_max_context_len_checks():
+    p = _problem()
+    assert attention._max_context(None, p) == 4 * 16
+    assert attention._max_context(30, p) == 30
+    assert attention._max_context(10**6, p) == 64  # never more than the table can hold
+    with pytest.raises(ValueError, match="max_context_len must be >= 0"):
+        attention._max_context(-1, p)
+    with pytest.raises(TypeError, match="max_context_len must be an int"):
+        attention._max_context(3.5, p)
+
+
+@pytest.mark.parametrize("partition, match", [
+    (0, "positive multiple of block_size"), (24, r"positive multiple of block_size \(16\)"),
+    ("sometimes", "partition must be 'auto', 'never', 'always' or an int"),
+    (True, "partition must be"),
+])
+def test_partition_checks(partition, match):
+    with pytest.raises(ValueError, match=match):
+        attention._partition_tokens(partition, _problem(), 64, 64)
+
+
+def test_too_many_partitions_are_refused():
+    p = _problem(width=2**20, bs=1)
+    with pytest.raises(ValueError, match="more than 65535 partitions"):
+        attention._partition_tokens(1, p, 2**20, 64)
+
+
+def test_explicit_partition_and_never():
+    p = _problem()
+    assert attention._partition_tokens(32, p, 64, 64) == 32
+    assert attention._partition_tokens("never", p, 64, 64) == 0
+    assert attention._partition_tokens(32, p, 0, 64) == 0  # nothing to split
+
+
+def test_smem_mirror_matches_the_kernel_layout():
+    """_decode_smem_bytes mirrors DecodeGeometry::kSmemBytes; the kernel traps on a
+    mismatch, so check the two formulas agree by reading the C++ for one case."""
+    from cupaged import jit
+
+    spec = jit.KernelSpec("paged_decode", "f16", 128, 16, 4)
+    # stages*(K + V) + q + p + red + warp + flag for T=64, hs=128, x=8, gt=4
+    expect = 2 * (64 * 128 * 2 + 128 * (64 + 8) * 2) + 4 * 128 * 4 + 64 * 4 * 4 + 128 * 4 * 4 + 4 * 4 * 4 + 16
+    assert attention._decode_smem_bytes(spec) == expect
