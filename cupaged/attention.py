@@ -140,6 +140,16 @@ def _check_int32(a: cupy.ndarray, name: str) -> None:
               TypeError)
 
 
+def _dense_tail(shape, strides, ndims: int, itemsize: int) -> bool:
+    """Are the last ``ndims`` dimensions C-contiguous? (Strides of size-1 dims are free.)"""
+    step = itemsize
+    for n, st in zip(reversed(shape[-ndims:]), reversed(strides[-ndims:])):
+        if n > 1 and st != step:
+            return False
+        step *= n
+    return True
+
+
 def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
               out) -> _Problem:
     dt = _dtypes.lookup(query.dtype)
@@ -178,11 +188,10 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if query.strides[2] != it or min(query.strides) < 0:
         _fail(f"query's last dimension must be contiguous (strides {query.strides})")
     for name, a, inner in (("key_cache", key_cache, 3), ("value_cache", value_cache, 2)):
-        expect = a.shape[-inner:]
-        want = tuple(int(np.prod(expect[i + 1:])) * it for i in range(inner))
-        if a.strides[-inner:] != want:
+        if not _dense_tail(a.shape, a.strides, inner, it):
             _fail(f"{name} must be contiguous within a block (strides {a.strides})")
-        if a.data.ptr % 16 or a.strides[0] % 16 or a.strides[1] % 16 or min(a.strides) < 0:
+        outer = [st for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1]
+        if a.data.ptr % 16 or any(st % 16 or st < 0 for st in outer):
             _fail(f"{name} must be 16-byte aligned with block and head strides that are "
                   f"multiples of 16 bytes (pointer {a.data.ptr:#x}, strides {a.strides})")
 
@@ -191,13 +200,13 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         _fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
               f"got shape {block_tables.shape}")
-    if block_tables.strides[1] != 4 or block_tables.strides[0] < 0:
+    if (block_tables.shape[1] > 1 and block_tables.strides[1] != 4) or block_tables.strides[0] < 0:
         _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
     max_blocks = block_tables.shape[1]
     if max_blocks * block_size > _INT32_MAX:
         _fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
               f"{_INT32_MAX} are supported")
-    if context_lens.shape != (num_seqs,) or (num_seqs and context_lens.strides[0] != 4):
+    if context_lens.shape != (num_seqs,) or (num_seqs > 1 and context_lens.strides[0] != 4):
         _fail(f"context_lens must be a contiguous [num_seqs={num_seqs}] array, "
               f"got shape {context_lens.shape}")
     if alibi_slopes is not None:

@@ -85,7 +85,8 @@ def make_problem(rng, *, dtype=np.float16, lens=(5, 17), heads=4, kv_heads=2, he
                                          share=share, extra_columns=extra_columns)
     kc, vc = testing.random_cache(nb, kv_heads, head_size, block_size, dtype, rng)
     q = testing.random_normal((len(lens), heads, head_size), dtype, rng)
-    slopes = rng.uniform(-0.5, 0.0, heads).astype(np.float32) if alibi else None
+    # ALiBi slopes are positive: the bias slope * (pos - len + 1) is <= 0 and grows with distance.
+    slopes = rng.uniform(0.0, 0.5, heads).astype(np.float32) if alibi else None
     return Problem(q, kc, vc, bt, lens, slopes)
 
 

@@ -108,6 +108,13 @@ def test_arrays_on_different_devices_are_refused():
         validate(**a)
 
 
+def test_empty_tables_have_no_stride_requirements():
+    a = args()
+    a["block_tables"] = np.zeros((3, 0), np.int32)
+    a["block_tables"] = np.lib.stride_tricks.as_strided(a["block_tables"], strides=(0, 0))
+    assert validate(**a).max_blocks == 0
+
+
 def test_query_rows_may_be_strided():
     a = args()
     a["query"] = np.zeros((3, 3 * 8 * 64), np.float16)[:, : 8 * 64].reshape(3, 8, 64)
