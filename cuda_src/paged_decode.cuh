@@ -135,7 +135,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   int end = ctx;
   if (partition_tokens > 0) {
     begin = blockIdx.z * partition_tokens;
-    end = min(ctx, begin + partition_tokens);
+    // The last partition runs to the end, so a host bound that undercounts the lengths
+    // costs parallelism, never tokens.
+    end = blockIdx.z + 1 == gridDim.z ? ctx : min(ctx, begin + partition_tokens);
     if (begin >= end) return;  // past this sequence's context: the combine skips it
   }
 

@@ -7,6 +7,7 @@ and of split-KV, and the launch on the current CuPy stream of the arrays' device
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from functools import lru_cache
@@ -42,6 +43,7 @@ _I32 = np.int32
 _I64 = np.int64
 _F32 = np.float32
 _NULL = np.uint64(0)
+_NO_SWITCH = contextlib.nullcontext()
 
 
 # ---- specializations --------------------------------------------------------------------
@@ -222,12 +224,12 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
             _fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "
                   f"{out.shape} with strides {out.strides}")
 
-    device = query.device.id
+    device = query.data.device_id  # (not .device: that builds a Device object per call)
     for name, a in (("key_cache", key_cache), ("value_cache", value_cache),
                     ("block_tables", block_tables), ("context_lens", context_lens),
                     ("alibi_slopes", alibi_slopes), ("out", out)):
-        if a is not None and a.device.id != device:
-            _fail(f"{name} is on device {a.device.id} but query is on device {device}")
+        if a is not None and a.data.device_id != device:
+            _fail(f"{name} is on device {a.data.device_id} but query is on device {device}")
     return _Problem(device, dt, num_seqs, num_heads, num_kv_heads, head_size, block_size,
                     num_blocks, max_blocks)
 
@@ -294,7 +296,8 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, tile_tokens: int) ->
 def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
             partition, workspace=None) -> None:
     """Validate nothing, launch everything: decode (and combine) on the current stream of
-    the arrays' device. ``workspace``: optional (part_out, part_max, part_sum)."""
+    the arrays' device. ``workspace``: optional device pointers (part_out, part_max,
+    part_sum) with room for the partitions this call uses."""
     if p.num_seqs == 0:
         return
     group = p.num_heads // p.num_kv_heads
@@ -307,12 +310,14 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
 
     if size:
-        if workspace is None:
-            rows = p.num_seqs * p.num_heads * n_parts
-            buf = cupy.empty(rows * (p.head_size + 2), dtype=np.float32)
-            workspace = (buf[: rows * p.head_size], buf[rows * p.head_size: rows * (p.head_size + 1)],
-                         buf[rows * (p.head_size + 1):])
-        part_out, part_max, part_sum = workspace
+        rows = p.num_seqs * p.num_heads * n_parts
+        if workspace is None:  # one allocation, carved by pointer (slicing costs microseconds)
+            workspace = cupy.empty(rows * (p.head_size + 2), dtype=np.float32)
+            base = workspace.data.ptr
+            part_out, part_max, part_sum = (np.uint64(base), np.uint64(base + rows * p.head_size * 4),
+                                            np.uint64(base + rows * (p.head_size + 1) * 4))
+        else:
+            part_out, part_max, part_sum = workspace
         dst = _NULL
     else:
         part_out = part_max = part_sum = _NULL
@@ -344,7 +349,8 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     p = _validate(q, kc, vc, bt, cl, alibi, o)
     scale = _scale(scale, p.head_size)
     max_ctx = _max_context(max_context_len, p)
-    with cupy.cuda.Device(p.device):
+    # Switching devices costs microseconds; do it only when the arrays are elsewhere.
+    with _NO_SWITCH if cupy.cuda.runtime.getDevice() == p.device else cupy.cuda.Device(p.device):
         if _DEBUG:
             check_block_tables(bt, cl, p.num_blocks, p.block_size)
         if o is None:
@@ -374,8 +380,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
         context_lens: int32 ``[num_seqs]``: tokens in each sequence's cache.
         scale: softmax scale; default ``1 / sqrt(head_size)``.
         alibi_slopes: optional float32 ``[num_heads]``; adds ``slope * (pos - len + 1)``.
-        max_context_len: a host-side upper bound on ``context_lens``, used to size the
+        max_context_len: a host-side bound on ``context_lens``, used only to size the
             split-KV work; default ``max_blocks_per_seq * block_size`` (no device sync).
+            An undercount costs parallelism, never correctness.
         out: optional ``[num_seqs, num_heads, head_size]`` C-contiguous output.
         partition: ``"auto"`` (split-KV when it fills the GPU better), ``"never"``,
             ``"always"``, or a partition size in tokens (a multiple of block_size).
@@ -435,6 +442,9 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         if a.dtype != np.float32 or a.ndim != 3 or a.shape[:2] != (s, h) or not a.flags.c_contiguous:
             _fail(f"{name} must be a contiguous float32 [{s}, {h}, max_num_partitions] array, "
                   f"got {a.dtype} {a.shape}")
+    for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
+        if a.data.device_id != q.data.device_id:
+            _fail(f"{name} is on device {a.data.device_id} but query is on device {q.data.device_id}")
     n_user = es.shape[2]
     if ml.shape != es.shape or tmp.shape != (s, h, n_user, hs) or not tmp.flags.c_contiguous:
         _fail(f"max_logits and tmp_out must match exp_sums: expected {(s, h, n_user)} and "
@@ -451,9 +461,8 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         partition, workspace = "never", None
     else:
         partition = _round_up(-(-int(max_ctx) // capacity), max(block_size, 256))
-        rows = s * h * -(-int(max_ctx) // partition)
-        flat = tmp.reshape(-1).view(np.float32)
-        workspace = (flat[: rows * hs], ml.reshape(-1)[:rows], es.reshape(-1)[:rows])
+        # The partials are float32 rows carved from the caller's buffers (sizes checked above).
+        workspace = (np.uint64(tmp.data.ptr), np.uint64(ml.data.ptr), np.uint64(es.data.ptr))
     return _run(q, key_cache, value_cache, bt, context_lens, scale, alibi_slopes,
                 max_context_len, out, partition, workspace)
 

@@ -100,6 +100,36 @@ def test_long_context_fp32_large_head(rng):
 
 
 @pytest.mark.parametrize("partition", [16, 48, 512, 1008])
+def test_offsets_past_2_pow_31_elements(rng):
+    """Blocks whose element offset (block id x block stride) exceeds 2**31: 64-bit math."""
+    hs, bs, kvh = 128, 16, 2
+    per_block = kvh * hs * bs  # elements
+    num_blocks = (2**31 // per_block) + 4096  # ~4.3 GiB per fp16 cache
+    lens = np.array([1000, 37], np.int32)
+    need = -(-lens // bs)
+    ids = rng.choice(np.arange(num_blocks - 4096, num_blocks), size=int(need.sum()), replace=False)
+    assert ids.min() * per_block >= 2**31
+    bt = np.zeros((2, need.max()), np.int32)
+    bt[0, : need[0]], bt[1, : need[1]] = ids[: need[0]], ids[need[0]:]
+    kc = cupy.empty((num_blocks, kvh, hs // 8, bs, 8), np.float16)
+    vc = cupy.empty((num_blocks, kvh, hs, bs), np.float16)
+    small_k, small_v = testing.random_cache(len(ids), kvh, hs, bs, np.float16, rng)
+    kc[cupy.asarray(ids)] = cupy.asarray(small_k)
+    vc[cupy.asarray(ids)] = cupy.asarray(small_v)
+    q = testing.random_normal((2, 8, hs), np.float16, rng)
+    # The reference sees only the used blocks, renumbered 0..n-1 in the same order.
+    remap = np.zeros_like(bt)
+    remap[0, : need[0]] = np.arange(need[0])
+    remap[1, : need[1]] = np.arange(need[0], need.sum())
+    ref = cupaged.reference.paged_attention(q, small_k, small_v, remap, lens)
+    for partition in ("never", "always"):
+        out = cupaged.paged_attention(cupy.asarray(q), kc, vc, cupy.asarray(bt), cupy.asarray(lens),
+                                      partition=partition)
+        assert rel_err(cupy.asnumpy(out), ref) <= 1e-3
+    del kc, vc
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
 def test_explicit_partition_sizes(rng, partition):
     p = make_problem(rng, lens=[2000, 1, 700, 1500], heads=8, kv_heads=2, head_size=128,
                      block_size=16)
@@ -113,6 +143,13 @@ def test_auto_partition(rng, batch, ctx):
     p = make_problem(rng, lens=lens, heads=32, kv_heads=8, head_size=128, block_size=16)
     got = run(p, "auto", max_context_len=ctx)
     assert rel_err(got, p.reference()) <= tol(p)
+
+
+def test_undercounted_max_context_len_still_covers_every_token(rng):
+    p = make_problem(rng, lens=[5000, 300], heads=8, kv_heads=2, head_size=64, block_size=16)
+    ref = p.reference()
+    for partition in ("always", 256):
+        assert rel_err(run(p, partition, max_context_len=600), ref) <= tol(p)
 
 
 def test_query_rows_from_a_fused_qkv(rng):

@@ -14,9 +14,8 @@ class Fake:
 
     def __init__(self, a: np.ndarray, device: int = 0, ptr: int = 1 << 20):
         self.dtype, self.shape, self.strides, self.ndim = a.dtype, a.shape, a.strides, a.ndim
-        self.data = SimpleNamespace(ptr=ptr)
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.flags = SimpleNamespace(c_contiguous=a.flags.c_contiguous)
-        self.device = SimpleNamespace(id=device)
 
 
 def args(dtype=np.float16, seqs=3, heads=8, kv_heads=2, hs=64, bs=16, blocks=10, width=4):

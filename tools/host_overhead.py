@@ -6,6 +6,9 @@ import sys
 import time
 from pathlib import Path
 
+import cProfile
+import pstats
+
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -19,10 +22,18 @@ for partition in ("never", "always"):
     for _ in range(50):
         case.run(out, partition)
     cupy.cuda.Device().synchronize()
-    n = 2000
+    n = 200  # few enough that the launch queue never fills and throttles the host
     t0 = time.perf_counter()
     for _ in range(n):
         case.run(out, partition)
     host = (time.perf_counter() - t0) / n * 1e6
     cupy.cuda.Device().synchronize()
     print(f"host time per call, partition={partition}: {host:.1f} us")
+
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(200):
+    case.run(out, "always")
+prof.disable()
+cupy.cuda.Device().synchronize()
+pstats.Stats(prof).sort_stats("tottime").print_stats(12)
