@@ -6,6 +6,12 @@ templates specialized per dtype, head size and block size, compiled with NVRTC a
 Public API:
     paged_attention         decode attention (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
+    reshape_and_cache       write new tokens' K and V into their cache slots
+    copy_blocks             copy blocks within per-layer caches (copy-on-write)
+    swap_blocks             move blocks between a device cache and a pinned host cache
+    empty_pinned            pinned host arrays for swap_blocks
+    PagedKVCache            device caches for all layers plus their block bookkeeping
+    BlockManager            the bookkeeping alone (no GPU needed)
     check_block_tables      validate block tables against the cache (synchronizes)
     precompile              compile specializations ahead of use
     KernelSpec              one specialization (its .name appears in caches and errors)
@@ -21,13 +27,23 @@ from .attention import (
     paged_attention_v1,
     paged_attention_v2,
 )
+from .cache_ops import copy_blocks, empty_pinned, reshape_and_cache, swap_blocks
 from .jit import CompileError, KernelSpec, precompile
+from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BLOCK_SIZES",
+    "BlockManager",
     "CompileError",
+    "DecodeStep",
+    "OutOfBlocks",
+    "PagedKVCache",
+    "copy_blocks",
+    "empty_pinned",
+    "reshape_and_cache",
+    "swap_blocks",
     "HEAD_SIZES",
     "KernelSpec",
     "check_block_tables",

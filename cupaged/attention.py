@@ -16,7 +16,7 @@ from typing import NamedTuple
 import cupy
 import numpy as np
 
-from . import _dtypes, jit
+from . import _checks, _dtypes, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = [
@@ -29,12 +29,13 @@ __all__ = [
     "paged_attention_v2",
 ]
 
-HEAD_SIZES = tuple(range(32, 257, 8))
-BLOCK_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
+HEAD_SIZES = _checks.HEAD_SIZES
+BLOCK_SIZES = _checks.BLOCK_SIZES
 GROUP_TILES = (1, 2, 4, 8)
 _THREADS = 128  # kDecodeThreads in cuda_src/paged_decode.cuh
 _MAX_GRID_YZ = 65535
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = _checks.INT32_MAX
+_fail = _checks.fail
 
 # CUPAGED_DEBUG=1 runs check_block_tables (which synchronizes) inside every call.
 _DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
@@ -131,83 +132,37 @@ class _Problem(NamedTuple):
     max_blocks: int
 
 
-def _fail(msg: str, exc=ValueError):
-    raise exc(msg)
-
-
-def _check_int32(a: cupy.ndarray, name: str) -> None:
-    if a.dtype != np.int32:
-        hint = f"{name}.astype(cupy.int32)"
-        _fail(f"{name} must be int32, got {a.dtype} (cupaged does not convert it: use {hint})",
-              TypeError)
-
-
-def _dense_tail(shape, strides, ndims: int, itemsize: int) -> bool:
-    """Are the last ``ndims`` dimensions C-contiguous? (Strides of size-1 dims are free.)"""
-    step = itemsize
-    for n, st in zip(reversed(shape[-ndims:]), reversed(strides[-ndims:])):
-        if n > 1 and st != step:
-            return False
-        step *= n
-    return True
-
-
 def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
               out) -> _Problem:
-    dt = _dtypes.lookup(query.dtype)
-    if dt is None:
-        _fail(f"query dtype {query.dtype} is not supported: expected {_dtypes.supported_names()}",
-              TypeError)
+    dt = _checks.check_dtype(query, "query")
     for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
         if a.dtype != query.dtype:
             _fail(f"{name} dtype {a.dtype} does not match query dtype {query.dtype}", TypeError)
     if query.ndim != 3:
         _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {query.shape}")
     num_seqs, num_heads, head_size = query.shape
-    it = dt.itemsize
-    x = 16 // it
-    if key_cache.ndim != 5 or key_cache.shape[4] != x:
-        _fail(f"key_cache must be 5-D [num_blocks, num_kv_heads, head_size/{x}, block_size, {x}] "
-              f"for {query.dtype}, got shape {key_cache.shape}")
-    if value_cache.ndim != 4:
-        _fail(f"value_cache must be 4-D [num_blocks, num_kv_heads, head_size, block_size], "
-              f"got shape {value_cache.shape}")
-    num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
-    if head_size not in HEAD_SIZES:
-        _fail(f"head_size {head_size} is not supported: expected a multiple of 8 from 32 to 256")
-    if key_cache.shape[2] * x != head_size:
+    _checks.check_head_size(head_size)
+    x = 16 // dt.itemsize
+    if key_cache.ndim == 5 and key_cache.shape[2] * x != head_size:
         _fail(f"key_cache.shape[2] is {key_cache.shape[2]}, expected head_size/{x} = {head_size // x}")
-    if value_cache.shape != (num_blocks, num_kv_heads, head_size, block_size):
-        _fail(f"value_cache shape {value_cache.shape} does not match the key cache: expected "
-              f"{(num_blocks, num_kv_heads, head_size, block_size)}")
-    if block_size not in BLOCK_SIZES:
-        _fail(f"block_size {block_size} is not supported: expected a power of two from 1 to 256")
-    if num_kv_heads == 0 or num_heads == 0 or num_heads % num_kv_heads:
-        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    if num_blocks > _INT32_MAX:
-        _fail(f"key_cache has {num_blocks} blocks; at most {_INT32_MAX} are supported")
-
-    if query.strides[2] != it or min(query.strides) < 0:
+    cache = _checks.check_caches(key_cache, value_cache, dt)
+    if num_heads == 0 or num_heads % cache.num_kv_heads:
+        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+              f"({cache.num_kv_heads})")
+    if query.strides[2] != dt.itemsize or min(query.strides) < 0:
         _fail(f"query's last dimension must be contiguous (strides {query.strides})")
-    for name, a, inner in (("key_cache", key_cache, 3), ("value_cache", value_cache, 2)):
-        if not _dense_tail(a.shape, a.strides, inner, it):
-            _fail(f"{name} must be contiguous within a block (strides {a.strides})")
-        outer = [st for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1]
-        if a.data.ptr % 16 or any(st % 16 or st < 0 for st in outer):
-            _fail(f"{name} must be 16-byte aligned with block and head strides that are "
-                  f"multiples of 16 bytes (pointer {a.data.ptr:#x}, strides {a.strides})")
 
-    _check_int32(block_tables, "block_tables")
-    _check_int32(context_lens, "context_lens")
+    _checks.check_int(block_tables, "block_tables")
+    _checks.check_int(context_lens, "context_lens")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         _fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
               f"got shape {block_tables.shape}")
     if (block_tables.shape[1] > 1 and block_tables.strides[1] != 4) or block_tables.strides[0] < 0:
         _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
     max_blocks = block_tables.shape[1]
-    if max_blocks * block_size > _INT32_MAX:
-        _fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
-              f"{_INT32_MAX} are supported")
+    if max_blocks * cache.block_size > _INT32_MAX:
+        _fail(f"block_tables allows {max_blocks * cache.block_size} tokens per sequence; at "
+              f"most {_INT32_MAX} are supported")
     if context_lens.shape != (num_seqs,) or (num_seqs > 1 and context_lens.strides[0] != 4):
         _fail(f"context_lens must be a contiguous [num_seqs={num_seqs}] array, "
               f"got shape {context_lens.shape}")
@@ -225,13 +180,11 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
                   f"{out.shape} with strides {out.strides}")
 
     device = query.data.device_id  # (not .device: that builds a Device object per call)
-    for name, a in (("key_cache", key_cache), ("value_cache", value_cache),
-                    ("block_tables", block_tables), ("context_lens", context_lens),
-                    ("alibi_slopes", alibi_slopes), ("out", out)):
-        if a is not None and a.data.device_id != device:
-            _fail(f"{name} is on device {a.data.device_id} but query is on device {device}")
-    return _Problem(device, dt, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                    num_blocks, max_blocks)
+    _checks.check_same_device(device, "query", (
+        ("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
+        ("context_lens", context_lens), ("alibi_slopes", alibi_slopes), ("out", out)))
+    return _Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
+                    cache.block_size, cache.num_blocks, max_blocks)
 
 
 def _scale(scale, head_size: int) -> float:

@@ -213,5 +213,47 @@ def decode(batch, context, heads, kv_heads, head_size, block_size, dtype, partit
     sys.exit(1 if failed else 0)
 
 
+@main.command("cache-ops")
+@click.option("--dtype", default="float16", show_default=True)
+@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--head-size", type=int, default=128, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--tokens", type=click.IntRange(1), default=8192, show_default=True,
+              help="Tokens written by reshape_and_cache.")
+@click.option("--layers", type=click.IntRange(1), default=32, show_default=True,
+              help="Layers covered by one copy_blocks launch.")
+@click.option("--pairs", type=click.IntRange(1), default=256, show_default=True,
+              help="Blocks copied / swapped per call.")
+@click.option("--seqs", type=click.IntRange(1), default=256, show_default=True,
+              help="Sequences in the PagedKVCache step timing.")
+@click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
+def cache_ops(dtype, kv_heads, head_size, block_size, tokens, layers, pairs, seqs, reps):
+    """Throughput of reshape_and_cache, copy_blocks and swap_blocks (against one copy per
+    block), and the host time of one PagedKVCache decode step."""
+    from . import bench
+
+    try:
+        dt = _dtypes.parse(dtype)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--dtype")
+    if not _gpu_count():
+        click.echo("no GPU found: nothing to time", err=True)
+        sys.exit(2)
+    bw = bench.copy_bandwidth()
+    click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
+    click.echo(f"{'operation':44s} {'median us':>10s} {'GB/s':>8s} {'% copy':>7s}  check")
+    failed = 0
+    for row in bench.cache_op_rows(dt.numpy, kv_heads, head_size, block_size, tokens, layers,
+                                   pairs, reps):
+        pct = f"{100 * row.gbps * 1e9 / bw:6.1f}%" if row.vs_copy else "      -"
+        click.echo(f"{row.name:44s} {row.median_us:10.1f} {row.gbps:8.1f} {pct}  "
+                   f"{'ok' if row.ok else 'FAILED'}")
+        failed += not row.ok
+    us = bench.kv_cache_step_us(seqs, kv_heads, head_size, block_size, dt.numpy)
+    for name, t in us.items():
+        click.echo(f"{name:44s} {t:10.1f}        -       -  host time")
+    sys.exit(1 if failed else 0)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -50,7 +50,10 @@ _DECODE_PARAMS = ("dtype", "head_size", "block_size", "group_tile", "tile_tokens
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
+    "reshape_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
+    "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
 }
+_INDEX_CXX = {"i32": "int", "i64": "long long"}
 
 
 def default_decode_tile(itemsize: int, head_size: int) -> int:
@@ -72,23 +75,26 @@ class KernelSpec:
     """
 
     kernel: str
-    dtype: str  # "f32" | "f16" | "bf16"
-    head_size: int
+    dtype: str = ""  # "f32" | "f16" | "bf16"
+    head_size: int = 0
     block_size: int = 0
     group_tile: int = 0
     tile_tokens: int = 0
     stages: int = 0
+    index_dtype: str = ""  # "i32" | "i64": slot or block-id arrays
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         if self.kernel not in _KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}: expected one of {sorted(_KERNELS)}")
-        if self.dtype not in _dtypes.BY_NAME:
+        params = _KERNELS[self.kernel][1]
+        if ("dtype" in params) != (self.dtype in _dtypes.BY_NAME):
             raise ValueError(f"unknown dtype in {self!r}")
+        if ("index_dtype" in params) != (self.index_dtype in _INDEX_CXX):
+            raise ValueError(f"index_dtype must be 'i32' or 'i64' in {self!r}")
         if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
             raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {self.arch!r}")
-        params = _KERNELS[self.kernel][1]
         object.__setattr__(self, "_params", params)
         if "tile_tokens" in params:
             itemsize = _dtypes.BY_NAME[self.dtype].itemsize
@@ -105,7 +111,13 @@ class KernelSpec:
     def name(self) -> str:
         """Readable and unique, e.g. ``paged_decode_f16_hs128_bs16_g4_sm90``."""
         p = self._params
-        parts = [self.kernel, self.dtype, f"hs{self.head_size}"]
+        parts = [self.kernel]
+        if "dtype" in p:
+            parts.append(self.dtype)
+        if "head_size" in p:
+            parts.append(f"hs{self.head_size}")
+        if "index_dtype" in p:
+            parts.append(self.index_dtype)
         if "block_size" in p:
             parts.append(f"bs{self.block_size}")
         if "group_tile" in p:
@@ -123,7 +135,11 @@ class KernelSpec:
         args = []
         for p in self._params:
             v = getattr(self, p)
-            args.append(_dtypes.BY_NAME[v].cxx if p == "dtype" else str(v))
+            if p == "dtype":
+                v = _dtypes.BY_NAME[v].cxx
+            elif p == "index_dtype":
+                v = _INDEX_CXX[v]
+            args.append(str(v))
         return f"cupaged::{self.kernel}<{', '.join(args)}>"
 
     def with_arch(self, arch: str) -> "KernelSpec":

@@ -99,7 +99,6 @@ def test_long_context_fp32_large_head(rng):
     assert rel_err(run(p, "always"), ref) <= tol(p)
 
 
-@pytest.mark.parametrize("partition", [16, 48, 512, 1008])
 def test_offsets_past_2_pow_31_elements(rng):
     """Blocks whose element offset (block id x block stride) exceeds 2**31: 64-bit math."""
     hs, bs, kvh = 128, 16, 2
@@ -130,6 +129,7 @@ def test_offsets_past_2_pow_31_elements(rng):
     cupy.get_default_memory_pool().free_all_blocks()
 
 
+@pytest.mark.parametrize("partition", [16, 48, 512, 1008])
 def test_explicit_partition_sizes(rng, partition):
     p = make_problem(rng, lens=[2000, 1, 700, 1500], heads=8, kv_heads=2, head_size=128,
                      block_size=16)

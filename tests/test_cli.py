@@ -7,7 +7,7 @@ from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
 
-COMMANDS = ["info", "compile", "decode"]
+COMMANDS = ["info", "compile", "decode", "cache-ops"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)

@@ -1,0 +1,101 @@
+"""Input checks shared by the entry points: they read array metadata only (shape, dtype,
+strides, pointer, device), never the data, so they cost no device sync."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _dtypes
+
+HEAD_SIZES = tuple(range(32, 257, 8))
+BLOCK_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
+INT32_MAX = 2**31 - 1
+
+
+def fail(msg: str, exc=ValueError):
+    raise exc(msg)
+
+
+def check_dtype(a, name: str) -> _dtypes.DType:
+    dt = _dtypes.lookup(a.dtype)
+    if dt is None:
+        fail(f"{name} dtype {a.dtype} is not supported: expected {_dtypes.supported_names()}",
+             TypeError)
+    return dt
+
+
+def check_int(a, name: str, allowed=(np.int32,)) -> None:
+    if a.dtype not in allowed:
+        names = " or ".join(np.dtype(t).name for t in allowed)
+        hint = f"{name}.astype(cupy.{np.dtype(allowed[0]).name})"
+        fail(f"{name} must be {names}, got {a.dtype} (cupaged does not convert it: use {hint})",
+             TypeError)
+
+
+def dense_tail(shape, strides, ndims: int, itemsize: int) -> bool:
+    """Are the last ``ndims`` dimensions C-contiguous? (Strides of size-1 dims are free.)"""
+    step = itemsize
+    for n, st in zip(reversed(shape[-ndims:]), reversed(strides[-ndims:])):
+        if n > 1 and st != step:
+            return False
+        step *= n
+    return True
+
+
+def check_head_size(head_size: int) -> None:
+    if head_size not in HEAD_SIZES:
+        fail(f"head_size {head_size} is not supported: expected a multiple of 8 from 32 to 256")
+
+
+class CacheShape(NamedTuple):
+    dtype: _dtypes.DType
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+
+def check_caches(key_cache, value_cache, dt: _dtypes.DType, ref: str = "query") -> CacheShape:
+    """vLLM's cache layouts, of element type ``dt`` (that of ``ref``): key
+    ``[num_blocks, num_kv_heads, head_size/x, block_size, x]``, value
+    ``[num_blocks, num_kv_heads, head_size, block_size]``, each contiguous within a block,
+    16-byte aligned with free block and head strides."""
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if a.dtype != dt.numpy:
+            fail(f"{name} dtype {a.dtype} does not match {ref} dtype {dt.numpy}", TypeError)
+    x = 16 // dt.itemsize
+    if key_cache.ndim != 5 or key_cache.shape[4] != x:
+        fail(f"key_cache must be 5-D [num_blocks, num_kv_heads, head_size/{x}, block_size, {x}] "
+             f"for {dt.numpy}, got shape {key_cache.shape}")
+    if value_cache.ndim != 4:
+        fail(f"value_cache must be 4-D [num_blocks, num_kv_heads, head_size, block_size], "
+             f"got shape {value_cache.shape}")
+    num_blocks, num_kv_heads, chunks, block_size, _ = key_cache.shape
+    head_size = chunks * x
+    check_head_size(head_size)
+    if value_cache.shape != (num_blocks, num_kv_heads, head_size, block_size):
+        fail(f"value_cache shape {value_cache.shape} does not match the key cache: expected "
+             f"{(num_blocks, num_kv_heads, head_size, block_size)}")
+    if block_size not in BLOCK_SIZES:
+        fail(f"block_size {block_size} is not supported: expected a power of two from 1 to 256")
+    if num_kv_heads == 0:
+        fail("the caches have no KV heads")
+    if num_blocks > INT32_MAX:
+        fail(f"key_cache has {num_blocks} blocks; at most {INT32_MAX} are supported")
+    for name, a, inner in (("key_cache", key_cache, 3), ("value_cache", value_cache, 2)):
+        if not dense_tail(a.shape, a.strides, inner, dt.itemsize):
+            fail(f"{name} must be contiguous within a block (strides {a.strides})")
+        outer = [st for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1]
+        if a.data.ptr % 16 or any(st % 16 or st < 0 for st in outer):
+            fail(f"{name} must be 16-byte aligned with block and head strides that are "
+                 f"multiples of 16 bytes (pointer {a.data.ptr:#x}, strides {a.strides})")
+    return CacheShape(dt, num_blocks, num_kv_heads, head_size, block_size)
+
+
+def check_same_device(device: int, ref: str, arrays) -> None:
+    """``arrays``: (name, array or None) pairs that must all live on ``device``."""
+    for name, a in arrays:
+        if a is not None and a.data.device_id != device:
+            fail(f"{name} is on device {a.data.device_id} but {ref} is on device {device}")

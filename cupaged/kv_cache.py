@@ -1,0 +1,416 @@
+"""A paged KV cache: block bookkeeping (plain Python) and the device caches it manages.
+
+:class:`BlockManager` hands out and frees blocks, shares them between sequences with
+reference counts (forks, and optionally prompt prefixes), and plans copy-on-write. It
+needs no GPU. :class:`PagedKVCache` owns one key and one value cache per layer, runs the
+copy-on-write copies itself, and gives each decode step its slot mapping, block tables
+and context lengths with one host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache"]
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free blocks for the request; nothing was changed."""
+
+
+@dataclass
+class _Seq:
+    row: int  # this sequence's row of the host block table
+    blocks: list = field(default_factory=list)
+    length: int = 0
+    # Prefix caching: token ids of the partly filled last block, and the full block before
+    # it (its identity chains the prefix). None when the sequence has no token ids.
+    tokens: list | None = None
+    parent: int | None = None
+
+
+class BlockManager:
+    """Block bookkeeping for a paged KV cache of ``num_blocks`` blocks of ``block_size``
+    tokens.
+
+    Sequences are identified by any hashable id. Slots are ``block * block_size + offset``.
+    Every mutating call either succeeds or raises without changing anything.
+
+    With ``prefix_caching``, full blocks are registered by their tokens and the block
+    before them; a sequence added with the same leading tokens shares those blocks instead
+    of storing them again (its slots there are -1: already written).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False):
+        if num_blocks < 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks >= 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives low ids first
+        self._ref = [0] * num_blocks
+        self._seqs: dict = {}
+        self._free_rows: list = []
+        self._table = np.zeros((8, 8), np.int32)  # [row, logical block] -> physical block
+        self._lens = np.zeros(8, np.int32)
+        self._full: dict = {}  # (parent block, tokens) -> block, for live full blocks
+        self._key_of: dict = {}  # block -> its key in _full
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def sequences(self) -> list:
+        return list(self._seqs)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def context_len(self, seq_id) -> int:
+        return self._get(seq_id).length
+
+    def block_table(self, seq_id) -> tuple:
+        return tuple(self._get(seq_id).blocks)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def tables(self, seq_ids: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``(block_tables int32 [n, max_blocks], context_lens int32 [n])`` for these
+        sequences, in this order. Entries past a sequence's blocks are unspecified."""
+        rows = [self._get(s).row for s in seq_ids]
+        width = max((len(self._seqs[s].blocks) for s in seq_ids), default=0)
+        return self._table[rows, :width], self._lens[rows]
+
+    # ---- mutations -----------------------------------------------------------------------------
+
+    def add(self, seq_id: Hashable, num_tokens: int, token_ids=None) -> np.ndarray:
+        """Start a sequence with a prompt of ``num_tokens``; returns its int64 slots (-1
+        for tokens a shared prefix block already holds)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if token_ids is not None:
+            token_ids = list(token_ids)
+            if len(token_ids) != num_tokens:
+                raise ValueError(f"token_ids has {len(token_ids)} ids for {num_tokens} tokens")
+        bs = self.block_size
+        full = num_tokens // bs
+        shared = []  # leading full blocks found in the prefix cache
+        if self.prefix_caching and token_ids is not None:
+            parent = None
+            for i in range(full):
+                b = self._full.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+                if b is None:
+                    break
+                shared.append(b)
+                parent = b
+        n_blocks = -(-num_tokens // bs)
+        self._reserve(n_blocks - len(shared))
+
+        seq = _Seq(self._take_row())
+        for b in shared:
+            self._ref[b] += 1
+        seq.blocks = shared + [self._alloc() for _ in range(n_blocks - len(shared))]
+        seq.length = num_tokens
+        if self.prefix_caching and token_ids is not None:
+            seq.parent = shared[-1] if shared else None
+            for i in range(len(shared), full):
+                seq.parent = self._register(seq.parent, token_ids[i * bs:(i + 1) * bs], seq.blocks[i])
+            seq.tokens = token_ids[full * bs:]
+        self._seqs[seq_id] = seq
+        self._write_row(seq)
+        t = np.arange(num_tokens)
+        slots = np.asarray(seq.blocks, dtype=np.int64).reshape(-1)[t // bs] * bs + t % bs
+        slots[: len(shared) * bs] = -1
+        return slots
+
+    def append(self, seq_ids: Sequence, token_ids=None) -> tuple[np.ndarray, np.ndarray]:
+        """One new token for each sequence. Returns ``(slots int64 [n], copies int64
+        [k, 2])``: where each token goes, and the (src, dst) block copies that must run
+        *before* the tokens are written (copy-on-write of shared, partly filled blocks)."""
+        seqs = [self._get(s) for s in seq_ids]
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError("a sequence appears twice in one append")
+        if token_ids is not None:
+            token_ids = list(token_ids)
+            if len(token_ids) != len(seqs):
+                raise ValueError(f"token_ids has {len(token_ids)} ids for {len(seqs)} sequences")
+        bs = self.block_size
+        # Plan first, so running out of blocks changes nothing. A shared partial block is
+        # copied by all but its last writer in this step, who may write it in place.
+        need, claimed = 0, {}
+        for seq in seqs:
+            if seq.length % bs == 0:
+                need += 1
+            else:
+                b = seq.blocks[-1]
+                if self._ref[b] - claimed.get(b, 0) > 1:
+                    need += 1
+                    claimed[b] = claimed.get(b, 0) + 1
+        self._reserve(need)
+
+        # Apply; the host table and lengths are updated in two vectorized writes at the end
+        # (per-element NumPy writes would dominate the step's host time).
+        slots, copies, rows, lens, new_at = [], [], [], [], []
+        for i, seq in enumerate(seqs):
+            offset = seq.length % bs
+            if offset == 0:
+                b = self._alloc()
+                seq.blocks.append(b)
+                new_at.append((seq.row, len(seq.blocks) - 1, b))
+            else:
+                b = seq.blocks[-1]
+                if self._ref[b] > 1:
+                    new = self._alloc()
+                    copies.append((b, new))
+                    self._ref[b] -= 1
+                    seq.blocks[-1] = b = new
+                    new_at.append((seq.row, len(seq.blocks) - 1, b))
+            slots.append(b * bs + offset)
+            seq.length += 1
+            rows.append(seq.row)
+            lens.append(seq.length)
+            if seq.tokens is not None:
+                seq.tokens.append(None if token_ids is None else token_ids[i])
+                if len(seq.tokens) == bs:
+                    if None not in seq.tokens:
+                        seq.parent = self._register(seq.parent, seq.tokens, b)
+                        seq.tokens = []
+                    else:  # a token without an id: this sequence leaves the prefix cache
+                        seq.tokens = seq.parent = None
+        if new_at:
+            r, c, v = zip(*new_at)
+            self._ensure_width(max(c) + 1)
+            self._table[list(r), list(c)] = v
+        self._lens[rows] = lens
+        slots = np.asarray(slots, dtype=np.int64)
+        return slots, np.asarray(copies, dtype=np.int64).reshape(-1, 2)
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """``child`` shares all of ``parent``'s blocks (parallel sampling, beam search)."""
+        p = self._get(parent)
+        if child in self._seqs:
+            raise ValueError(f"sequence {child!r} already exists")
+        c = _Seq(self._take_row(), list(p.blocks), p.length,
+                 None if p.tokens is None else list(p.tokens), p.parent)
+        for b in c.blocks:
+            self._ref[b] += 1
+        self._seqs[child] = c
+        self._write_row(c)
+
+    def free(self, seq_id: Hashable) -> None:
+        """End a sequence; blocks no other sequence holds return to the free list."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r} (never added, or already freed)")
+        for b in reversed(seq.blocks):  # children before parents in the prefix chain
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                key = self._key_of.pop(b, None)
+                if key is not None:
+                    del self._full[key]
+                self._free.append(b)
+        self._free_rows.append(seq.row)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _get(self, seq_id) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r} (never added, or already freed)")
+        return seq
+
+    def _reserve(self, n: int) -> None:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} free blocks, have {len(self._free)} of {self.num_blocks}")
+
+    def _alloc(self) -> int:
+        b = self._free.pop()
+        self._ref[b] = 1
+        return b
+
+    def _register(self, parent, tokens, block: int) -> int:
+        """Record a full block for prefix sharing (the first block with a key keeps it)."""
+        key = (parent, tuple(tokens))
+        if key not in self._full and block not in self._key_of:
+            self._full[key] = block
+            self._key_of[block] = key
+        return block
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        row = len(self._seqs) + len(self._free_rows)
+        if row >= self._table.shape[0]:
+            self._table = np.resize(self._table, (2 * self._table.shape[0], self._table.shape[1]))
+            self._lens = np.resize(self._lens, 2 * self._lens.shape[0])
+        return row
+
+    def _ensure_width(self, n: int) -> None:
+        if n > self._table.shape[1]:
+            wider = np.zeros((self._table.shape[0], max(n, 2 * self._table.shape[1])), np.int32)
+            wider[:, : self._table.shape[1]] = self._table
+            self._table = wider
+
+    def _write_row(self, seq: _Seq) -> None:
+        self._ensure_width(len(seq.blocks))
+        self._table[seq.row, : len(seq.blocks)] = seq.blocks
+        self._lens[seq.row] = seq.length
+
+    def check(self) -> None:
+        """Assert the bookkeeping's invariants (for tests; O(blocks + tokens))."""
+        owners = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            assert len(seq.blocks) == -(-seq.length // self.block_size), "blocks match length"
+            assert list(self._table[seq.row, : len(seq.blocks)]) == seq.blocks, "table row"
+            assert self._lens[seq.row] == seq.length, "length row"
+            for b in seq.blocks:
+                owners[b] += 1
+        assert owners == self._ref, "reference counts equal owners"
+        free = set(self._free)
+        assert len(free) == len(self._free), "no block freed twice"
+        assert all((owners[b] == 0) == (b in free) for b in range(self.num_blocks)), \
+            "a block is free exactly when nobody owns it"
+        assert all(self._ref[b] > 0 for b in self._key_of), "registered blocks are live"
+
+
+class DecodeStep(NamedTuple):
+    """Device arrays for one decode step, valid until the cache's next step."""
+
+    slot_mapping: object  # int32 [n]
+    block_tables: object  # int32 [n, max_blocks]
+    context_lens: object  # int32 [n], the new token included
+
+
+class PagedKVCache:
+    """Device key and value caches for ``num_layers`` layers plus their :class:`BlockManager`.
+
+    ``key_caches[l]``: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
+    ``value_caches[l]``: ``[num_blocks, num_kv_heads, head_size, block_size]`` (vLLM's
+    layouts, as :func:`cupaged.paged_attention` and :func:`cupaged.reshape_and_cache`
+    take them), on the current CuPy device.
+
+    A decode loop::
+
+        cache.add("a", len(prompt))             # slots for the prompt's K/V (device int32)
+        step = cache.step(["a", "b"])           # one new token each; copy-on-write done
+        for layer in range(num_layers):
+            cupaged.reshape_and_cache(k[layer], v[layer], cache.key_caches[layer],
+                                      cache.value_caches[layer], step.slot_mapping)
+            out = cupaged.paged_attention(q[layer], cache.key_caches[layer],
+                                          cache.value_caches[layer], step.block_tables,
+                                          step.context_lens)
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
+                 block_size: int, dtype="float16", *, prefix_caching: bool = False):
+        import cupy
+
+        from . import _checks, _dtypes
+
+        dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
+        if dt is None:
+            raise TypeError(f"dtype {dtype} is not supported: expected {_dtypes.supported_names()}")
+        _checks.check_head_size(head_size)
+        if block_size not in _checks.BLOCK_SIZES:
+            raise ValueError(f"block_size {block_size} is not supported: expected a power of two "
+                             f"from 1 to 256")
+        if num_layers <= 0 or num_kv_heads <= 0:
+            raise ValueError(f"need num_layers > 0 and num_kv_heads > 0, got {num_layers}, {num_kv_heads}")
+        x = 16 // dt.itemsize
+        self.dtype = dt.numpy
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.head_size, self.block_size = head_size, block_size
+        self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        self.key_caches = [cupy.empty((num_blocks, num_kv_heads, head_size // x, block_size, x), dt.numpy)
+                           for _ in range(num_layers)]
+        self.value_caches = [cupy.empty((num_blocks, num_kv_heads, head_size, block_size), dt.numpy)
+                             for _ in range(num_layers)]
+        self._buffers: dict = {}  # purpose -> (host staging, device buffer), reused
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block takes across all layers, K and V."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.block_size * \
+            self.dtype.itemsize
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.manager.num_used_blocks
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.num_used_blocks * self.bytes_per_block
+
+    # ---- sequences ---------------------------------------------------------------------------
+
+    def add(self, seq_id, num_tokens: int, token_ids=None):
+        """Start a sequence; returns its prompt's slot mapping (device int32; -1 where a
+        shared prefix block already holds the token), valid until the next ``add``."""
+        return self._upload("add", [self.manager.add(seq_id, num_tokens, token_ids)])[0]
+
+    def fork(self, parent, child) -> None:
+        self.manager.fork(parent, child)
+
+    def free(self, seq_id) -> None:
+        self.manager.free(seq_id)
+
+    def step(self, seq_ids: Sequence, token_ids=None) -> DecodeStep:
+        """Append one token to each sequence: runs the copy-on-write block copies itself
+        (on the current stream, before anything the caller enqueues next), and returns the
+        step's slot mapping, block tables and context lengths. One host-to-device copy
+        carries all of it; the arrays stay valid until the next ``step``."""
+        from .cache_ops import copy_blocks
+
+        slots, copies = self.manager.append(seq_ids, token_ids)
+        tables, lens = self.manager.tables(seq_ids)
+        pairs, s, bt, cl = self._upload("step", [copies.reshape(-1), slots, tables.reshape(-1), lens])
+        if len(copies):
+            copy_blocks(self.key_caches, self.value_caches, pairs.reshape(-1, 2))
+        return DecodeStep(s, bt.reshape(tables.shape), cl)
+
+    def tables(self, seq_ids: Sequence):
+        """Device ``(block_tables, context_lens)`` for these sequences in one upload, valid
+        until the next ``tables``."""
+        tables, lens = self.manager.tables(seq_ids)
+        bt, cl = self._upload("tables", [tables.reshape(-1), lens])
+        return bt.reshape(tables.shape), cl
+
+    def _upload(self, purpose: str, parts: list) -> list:
+        """Copy int32 host arrays into the device buffer kept for ``purpose`` with one
+        asynchronous transfer on the current stream; returns device views. The pageable
+        staging buffer has been read when the call returns, so it is reused at once."""
+        import cupy
+
+        n = sum(len(p) for p in parts)
+        host, dev = self._buffers.get(purpose, (None, None))
+        if host is None or n > host.size:
+            size = max(n, 2 * (0 if host is None else host.size), 64)
+            host, dev = np.zeros(size, np.int32), cupy.zeros(size, np.int32)
+            self._buffers[purpose] = (host, dev)
+        at, bounds = 0, []
+        for p in parts:
+            host[at: at + len(p)] = p
+            bounds.append((at, at + len(p)))
+            at += len(p)
+        if n:
+            dev.data.copy_from_host_async(host.ctypes.data, n * 4, cupy.cuda.get_current_stream())
+        return [dev[a:b] for a, b in bounds]

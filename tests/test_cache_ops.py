@@ -1,0 +1,210 @@
+"""reshape_and_cache, copy_blocks and swap_blocks on the GPU against NumPy, and an
+end-to-end decode loop through PagedKVCache against the float64 reference."""
+
+import cupy
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import PagedKVCache, _dtypes, reference, testing
+from conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), _dtypes.BF16.numpy]
+
+
+def write_reference(kc, vc, key, value, slots):
+    """NumPy: what reshape_and_cache must leave in the caches."""
+    kc, vc = kc.copy(), vc.copy()
+    bs, x = kc.shape[3], kc.shape[4]
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        b, off = divmod(int(slot), bs)
+        kc[b, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
+        vc[b, :, :, off] = value[t]
+    return kc, vc
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("hs, bs", [(64, 1), (128, 16), (40, 32), (256, 8)])
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+def test_reshape_and_cache_matches_numpy(rng, dtype, hs, bs, slot_dtype):
+    nb, kvh, n = 12, 2, 20
+    kc, vc = testing.random_cache(nb, kvh, hs, bs, dtype, rng)
+    # key/value as slices of one fused [tokens, 3, kv_heads, hs] buffer: row-strided
+    fused = testing.random_normal((n, 3, kvh, hs), dtype, rng)
+    key, value = fused[:, 1], fused[:, 2]
+    slots = rng.choice(nb * bs, size=n, replace=False).astype(slot_dtype)
+    slots[rng.random(n) < 0.25] = -1  # padding tokens
+    want_k, want_v = write_reference(kc, vc, key, value, slots)
+    d_kc, d_vc = cupy.asarray(kc), cupy.asarray(vc)
+    d_fused = cupy.asarray(fused)
+    cupaged.reshape_and_cache(d_fused[:, 1], d_fused[:, 2], d_kc, d_vc, cupy.asarray(slots))
+    np.testing.assert_array_equal(cupy.asnumpy(d_kc).view(np.uint8), want_k.view(np.uint8))
+    np.testing.assert_array_equal(cupy.asnumpy(d_vc).view(np.uint8), want_v.view(np.uint8))
+
+
+def test_reshape_and_cache_errors(rng):
+    kc, vc = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 16, np.float16, rng))
+    k = cupy.zeros((3, 2, 64), np.float16)
+    with pytest.raises(ValueError, match=r"slot_mapping must be a contiguous array of shape \(3,\)"):
+        cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros(4, np.int64))
+    with pytest.raises(TypeError, match="slot_mapping must be int32 or int64, got float32"):
+        cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"key must be \[num_tokens, 2, 64\]"):
+        cupaged.reshape_and_cache(k[:, :1], k, kc, vc, cupy.zeros(3, np.int64))
+    with pytest.raises(TypeError, match="value dtype float32 does not match"):
+        cupaged.reshape_and_cache(k, k.astype(np.float32), kc, vc, cupy.zeros(3, np.int64))
+    with pytest.raises(TypeError, match="slot_mapping is a NumPy array"):
+        cupaged.reshape_and_cache(k, k, kc, vc, np.zeros(3, np.int64))
+
+
+def test_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch):
+    kc, vc = (cupy.asarray(a) for a in testing.random_cache(2, 1, 32, 4, np.float32, rng))
+    before = cupy.asnumpy(kc)
+    k = cupy.ones((1, 1, 32), np.float32)
+    cupaged.reshape_and_cache(k, k, kc, vc, cupy.asarray([8], np.int64))  # cache has 8 slots
+    np.testing.assert_array_equal(cupy.asnumpy(kc), before)
+    from cupaged import cache_ops
+
+    monkeypatch.setattr(cache_ops, "_DEBUG", True)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is past the cache \(8 slots\)"):
+        cupaged.reshape_and_cache(k, k, kc, vc, cupy.asarray([8], np.int64))
+
+
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_copy_blocks_all_layers_one_launch(rng, index):
+    layers, nb = 3, 16
+    caches = [testing.random_cache(nb, 2, 64, 8, np.float16, rng) for _ in range(layers)]
+    src = rng.choice(8, size=5, replace=False)
+    dst = rng.choice(np.arange(8, 16), size=5, replace=False)
+    mapping = np.stack([src, dst], 1).astype(index)
+    ks = [cupy.asarray(k) for k, _ in caches]
+    vs = [cupy.asarray(v) for _, v in caches]
+    cupaged.copy_blocks(ks, vs, cupy.asarray(mapping))
+    for (k, v), dk, dv in zip(caches, ks, vs):
+        k, v = k.copy(), v.copy()
+        k[dst], v[dst] = k[src], v[src]
+        np.testing.assert_array_equal(cupy.asnumpy(dk), k)
+        np.testing.assert_array_equal(cupy.asnumpy(dv), v)
+
+
+def test_copy_blocks_errors(rng):
+    k, v = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 8, np.float16, rng))
+    with pytest.raises(ValueError, match="lists of one length"):
+        cupaged.copy_blocks([k, k], [v], cupy.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match=r"block_mapping must be \[num_pairs, 2\]"):
+        cupaged.copy_blocks([k], [v], cupy.zeros((3,), np.int64))
+    k2, v2 = (cupy.asarray(a) for a in testing.random_cache(5, 2, 64, 8, np.float16, rng))
+    with pytest.raises(ValueError, match="layer 1's caches"):
+        cupaged.copy_blocks([k, k2], [v, v2], cupy.zeros((1, 2), np.int64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_swap_round_trip_through_pinned_memory(rng, dtype):
+    nb_dev, nb_host = 32, 20
+    kc, _ = testing.random_cache(nb_dev, 2, 128, 16, dtype, rng)
+    dev = cupy.asarray(kc)
+    host = cupaged.empty_pinned((nb_host,) + kc.shape[1:], dtype)
+    host[...] = testing.random_normal(host.shape, dtype, rng)
+    out_src = rng.choice(nb_dev, size=9, replace=False)
+    out_dst = rng.choice(nb_host, size=9, replace=False)
+    cupaged.swap_blocks(dev, host, np.stack([out_src, out_dst], 1))  # host-side mapping
+    cupy.cuda.get_current_stream().synchronize()
+    np.testing.assert_array_equal(host[out_dst].view(np.uint8), kc[out_src].view(np.uint8))
+    back = rng.choice(nb_dev, size=9, replace=False)
+    mapping = cupy.asarray(np.stack([out_dst, back], 1).astype(np.int32))  # device-side mapping
+    dev2 = cupy.zeros_like(dev)
+    cupaged.swap_blocks(host, dev2, mapping)
+    got = cupy.asnumpy(dev2)
+    np.testing.assert_array_equal(got[back].view(np.uint8), kc[out_src].view(np.uint8))
+    untouched = np.setdiff1d(np.arange(nb_dev), back)
+    assert not got[untouched].view(np.uint8).any()
+
+
+def test_swap_refuses_pageable_memory(rng):
+    dev = cupy.zeros((4, 2, 8, 16, 8), np.float16)
+    with pytest.raises(TypeError, match="pageable host memory.*cupaged.empty_pinned"):
+        cupaged.swap_blocks(dev, np.zeros((4, 2, 8, 16, 8), np.float16), [[0, 1]])
+    with pytest.raises(ValueError, match="same dtype and block shape"):
+        cupaged.swap_blocks(dev, cupaged.empty_pinned((4, 2, 8, 8, 8), np.float16), [[0, 1]])
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=lambda d: d.name)
+def test_decode_loop_with_forks_and_frees(rng, dtype):
+    """Dozens of steps over many sequences: prompts, forks (copy-on-write), frees; every
+    step writes random K/V through reshape_and_cache and checks paged_attention against
+    the float64 reference over each sequence's dense history, layer by layer."""
+    layers, kvh, heads, hs, bs = 2, 2, 4, 64, 4
+    cache = PagedKVCache(layers, 96, kvh, hs, bs, dtype)
+    history = {}  # seq -> [layer] -> (K list, V list) of float arrays [kvh, hs]
+    next_id = [0]
+
+    def write(seq_ids, slots, n_per_seq):
+        """Random K/V for the given tokens, through the kernel and into the history."""
+        total = sum(n_per_seq)
+        for layer in range(layers):
+            k = testing.random_normal((total, kvh, hs), dtype, rng)
+            v = testing.random_normal((total, kvh, hs), dtype, rng)
+            cupaged.reshape_and_cache(cupy.asarray(k), cupy.asarray(v), cache.key_caches[layer],
+                                      cache.value_caches[layer], slots)
+            at = 0
+            for s, n in zip(seq_ids, n_per_seq):
+                history[s][layer][0].extend(k[at:at + n].astype(np.float64))
+                history[s][layer][1].extend(v[at:at + n].astype(np.float64))
+                at += n
+
+    def add(n):
+        s = next_id[0] = next_id[0] + 1
+        history[s] = [([], []) for _ in range(layers)]
+        write([s], cache.add(s, n), [n])
+
+    for n in (1, 3, 4, 5, 17):
+        add(n)
+    checked = 0
+    for step in range(30):
+        live = sorted(history)
+        r = rng.random()
+        if r < 0.25 and len(live) < 10:
+            parent = int(rng.choice(live))
+            child = next_id[0] = next_id[0] + 1
+            cache.fork(parent, child)
+            history[child] = [(list(k), list(v)) for k, v in history[parent]]
+        elif r < 0.35 and len(live) > 3:
+            victim = int(rng.choice(live))
+            cache.free(victim)
+            del history[victim]
+        elif r < 0.45:
+            add(int(rng.integers(1, 12)))
+        seqs = sorted(history)
+        d = cache.step(seqs)
+        write(seqs, d.slot_mapping, [1] * len(seqs))
+        for layer in range(layers):
+            q = testing.random_normal((len(seqs), heads, hs), dtype, rng)
+            out = cupy.full((len(seqs), heads, hs), float("nan"), dtype)
+            cupaged.paged_attention(cupy.asarray(q), cache.key_caches[layer],
+                                    cache.value_caches[layer], d.block_tables, d.context_lens,
+                                    out=out, partition="always" if step % 2 else "never")
+            got = cupy.asnumpy(out)
+            for i, s in enumerate(seqs):
+                k = np.array(history[s][layer][0])
+                v = np.array(history[s][layer][1])
+                ref = reference.attend(q[i], k, v, 1 / np.sqrt(hs))
+                assert rel_err(got[i], ref) <= testing.TOLERANCE[_dtypes.lookup(dtype).name], (step, s)
+                checked += 1
+        cache.manager.check()
+    for s in list(history):
+        cache.free(s)
+    assert cache.num_used_blocks == 0 and checked > 200
+
+
+def test_accounting():
+    cache = PagedKVCache(4, 10, 2, 64, 16, "bfloat16")
+    assert cache.bytes_per_block == 2 * 4 * 2 * 64 * 16 * 2
+    cache.add("a", 40)
+    assert cache.num_used_blocks == 3 and cache.num_free_blocks == 7
+    assert cache.bytes_in_use == 3 * cache.bytes_per_block
+    bt, cl = cache.tables(["a"])
+    assert cl.tolist() == [40] and bt.shape == (1, 3)
