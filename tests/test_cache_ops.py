@@ -31,7 +31,8 @@ def write_reference(kc, vc, key, value, slots):
 @pytest.mark.parametrize("hs, bs", [(64, 1), (128, 16), (40, 32), (256, 8)])
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
 def test_reshape_and_cache_matches_numpy(rng, dtype, hs, bs, slot_dtype):
-    nb, kvh, n = 12, 2, 20
+    kvh, n = 2, 20
+    nb = max(12, -(-2 * n // bs))  # room for every token, with slots to spare
     kc, vc = testing.random_cache(nb, kvh, hs, bs, dtype, rng)
     # key/value as slices of one fused [tokens, 3, kv_heads, hs] buffer: row-strided
     fused = testing.random_normal((n, 3, kvh, hs), dtype, rng)
