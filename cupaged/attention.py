@@ -40,10 +40,7 @@ _fail = _checks.fail
 # CUPAGED_DEBUG=1 runs check_block_tables (which synchronizes) inside every call.
 _DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
 
-_I32 = np.int32
-_I64 = np.int64
-_F32 = np.float32
-_NULL = np.uint64(0)
+_LOG2E = math.log2(math.e)
 _NO_SWITCH = contextlib.nullcontext()
 
 
@@ -95,8 +92,8 @@ def _device(device_id: int) -> _Device:
 
 
 class _Kernels(NamedTuple):
-    decode: object  # cupy.RawKernel
-    combine: object
+    decode: jit.Launcher
+    combine: jit.Launcher
     smem: int
     tile_tokens: int
     name: str
@@ -249,7 +246,7 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, tile_tokens: int) ->
 def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
             partition, workspace=None) -> None:
     """Validate nothing, launch everything: decode (and combine) on the current stream of
-    the arrays' device. ``workspace``: optional device pointers (part_out, part_max,
+    the arrays' device. ``workspace``: optional device addresses (part_out, part_max,
     part_sum) with room for the partitions this call uses."""
     if p.num_seqs == 0:
         return
@@ -265,29 +262,31 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     if size:
         rows = p.num_seqs * p.num_heads * n_parts
         if workspace is None:  # one allocation, carved by pointer (slicing costs microseconds)
-            workspace = cupy.empty(rows * (p.head_size + 2), dtype=np.float32)
-            base = workspace.data.ptr
-            part_out, part_max, part_sum = (np.uint64(base), np.uint64(base + rows * p.head_size * 4),
-                                            np.uint64(base + rows * (p.head_size + 1) * 4))
+            buf = cupy.empty(rows * (p.head_size + 2), dtype=np.float32)
+            base = buf.data.ptr
+            part_out, part_max, part_sum = base, base + rows * p.head_size * 4, \
+                base + rows * (p.head_size + 1) * 4
         else:
             part_out, part_max, part_sum = workspace
-        dst = _NULL
+        dst = 0
     else:
-        part_out = part_max = part_sum = _NULL
-        dst = out
+        part_out = part_max = part_sum = 0
+        dst = out.data.ptr
 
-    args = (dst, part_out, part_max, part_sum,
-            q, _I64(q.strides[0] // p.dtype.itemsize), _I64(q.strides[1] // p.dtype.itemsize),
-            kc, _I64(kc.strides[0] // p.dtype.itemsize), _I64(kc.strides[1] // p.dtype.itemsize),
-            vc, _I64(vc.strides[0] // p.dtype.itemsize), _I64(vc.strides[1] // p.dtype.itemsize),
-            bt, _I64(bt.strides[0] // 4), cl, _NULL if alibi is None else alibi,
-            _I32(p.num_heads), _I32(group), _I32(p.max_blocks), _I32(p.num_blocks),
-            _I32(size), _F32(scale * math.log2(math.e)))
-    ks.decode((p.num_seqs, grid_y, n_parts), (_THREADS,), args, shared_mem=ks.smem)
+    it = p.dtype.itemsize
+    stream = cupy.cuda.get_current_stream().ptr
+    ks.decode((p.num_seqs, grid_y, n_parts), _THREADS, ks.smem, stream,
+              dst, part_out, part_max, part_sum,
+              q.data.ptr, q.strides[0] // it, q.strides[1] // it,
+              kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it,
+              vc.data.ptr, vc.strides[0] // it, vc.strides[1] // it,
+              bt.data.ptr, bt.strides[0] // 4, cl.data.ptr,
+              0 if alibi is None else alibi.data.ptr,
+              p.num_heads, group, p.max_blocks, p.num_blocks, size, scale * _LOG2E)
     if size:
-        ks.combine((p.num_seqs, p.num_heads), (_THREADS,),
-                   (out, part_out, part_max, part_sum, cl, _I32(p.max_blocks * p.block_size),
-                    _I32(size), _I32(n_parts)))
+        ks.combine((p.num_seqs, p.num_heads, 1), _THREADS, 0, stream,
+                   out.data.ptr, part_out, part_max, part_sum, cl.data.ptr,
+                   p.max_blocks * p.block_size, size, n_parts)
 
 
 def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
@@ -415,7 +414,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     else:
         partition = _round_up(-(-int(max_ctx) // capacity), max(block_size, 256))
         # The partials are float32 rows carved from the caller's buffers (sizes checked above).
-        workspace = (np.uint64(tmp.data.ptr), np.uint64(ml.data.ptr), np.uint64(es.data.ptr))
+        workspace = (tmp.data.ptr, ml.data.ptr, es.data.ptr)
     return _run(q, key_cache, value_cache, bt, context_lens, scale, alibi_slopes,
                 max_context_len, out, partition, workspace)
 

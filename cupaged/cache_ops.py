@@ -21,7 +21,6 @@ from ._arrays import as_device_array
 __all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
-_I32, _I64 = np.int32, np.int64
 _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 _DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
 _NO_SWITCH = contextlib.nullcontext()
@@ -98,13 +97,12 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
             if bad.size:
                 _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
         kern = _kernel(device, "reshape_and_cache", dt.name, index)
-        kern((num_tokens,), (_THREADS,), (
-            k, _I64(k.strides[0] // it), _I64(k.strides[1] // it),
-            v, _I64(v.strides[0] // it), _I64(v.strides[1] // it),
-            kc, _I64(kc.strides[0] // it), _I64(kc.strides[1] // it),
-            vc, _I64(vc.strides[0] // it), _I64(vc.strides[1] // it),
-            sm, _I32(cache.num_kv_heads), _I32(cache.head_size), _I32(cache.block_size),
-            _I64(num_slots)))
+        kern((num_tokens, 1, 1), _THREADS, 0, cupy.cuda.get_current_stream().ptr,
+             k.data.ptr, k.strides[0] // it, k.strides[1] // it,
+             v.data.ptr, v.strides[0] // it, v.strides[1] // it,
+             kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it,
+             vc.data.ptr, vc.strides[0] // it, vc.strides[1] // it,
+             sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots)
 
 
 # ---- block copies -----------------------------------------------------------------------------
@@ -145,8 +143,8 @@ def _launch_copy(device: int, rows: tuple, mapping, index: str, num_pairs: int,
     with _on(device):
         desc = _descriptor_array(device, rows)
         kern = _kernel(device, "copy_blocks", "", index)
-        kern((num_pairs, len(rows) // _DESCRIPTOR_COLUMNS), (_THREADS,),
-             (desc, mapping, _I64(block_bytes)))
+        kern((num_pairs, len(rows) // _DESCRIPTOR_COLUMNS, 1), _THREADS, 0,
+             cupy.cuda.get_current_stream().ptr, desc.data.ptr, mapping.data.ptr, block_bytes)
 
 
 def _check_mapping_range(mapping, num_src: int, num_dst: int) -> None:

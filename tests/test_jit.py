@@ -163,3 +163,49 @@ def test_compile_all_specializations_for_sm80_and_sm90():
     assert result.exit_code == 0, result.output
     n = 2 * len(attention.decode_specs("sm_90"))
     assert f"compiled {n} specializations for sm_80, sm_90" in result.output
+
+
+def _mangled_params(lowered: str) -> str:
+    """The parameter kinds of an Itanium-mangled kernel symbol as a struct format (P
+    pointer, q 8-byte int, i 4-byte int, f float). Covers what cupaged's kernels use."""
+    rest = lowered[lowered.index("EEv") + 3:]
+    scalars = {"x": "q", "y": "q", "l": "q", "m": "q", "i": "i", "j": "i", "f": "f"}
+
+    def skip_type(i):
+        if rest[i] in "ST":  # substitution or template parameter: up to '_'
+            return rest.index("_", i) + 1
+        if rest[i] == "N":  # nested name
+            return rest.index("E", i) + 1
+        return i + 1  # builtin
+
+    out, i = [], 0
+    while i < len(rest):
+        c = rest[i]
+        if c == "P":
+            i += 1
+            while rest[i] in "KV":
+                i += 1
+            i = skip_type(i)
+            out.append("P")
+        elif c == "S":  # a repeated type: in these kernels only pointers are repeated
+            i = rest.index("_", i) + 1
+            out.append("P")
+        else:
+            out.append(scalars[c])
+            i += 1
+    return "".join(out)
+
+
+@pytest.mark.parametrize("spec", [
+    jit.KernelSpec("paged_decode", "bf16", 128, 16, 4),
+    jit.KernelSpec("paged_decode_combine", "f32", 64),
+    jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i64"),
+    jit.KernelSpec("copy_blocks", index_dtype="i32"),
+], ids=lambda s: s.kernel)
+def test_launch_formats_match_the_kernel_signatures(spec):
+    _, lowered = jit._compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
+    assert _mangled_params(lowered[spec.name_expression]) == jit.ARG_FORMATS[spec.kernel]
+
+
+def test_every_kernel_has_a_launch_format():
+    assert set(jit.ARG_FORMATS) == set(jit._KERNELS)
