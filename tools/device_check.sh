@@ -15,6 +15,7 @@ python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests.
 status=${PIPESTATUS[0]}
 bench decode --batch 64 --context 2048 --heads 32 --kv-heads 8 --head-size 128 \
   --block-size 16 --dtype float16 2>&1 | tee "$OUT/bench-decode.txt"
+bench compile --head-size 128 --block-size 16 2>&1 | tee "$OUT/bench-compile.txt"
 bench cache-ops 2>&1 | tee "$OUT/bench-cache-ops.txt"
 python3 tools/host_overhead.py 2>&1 | tee "$OUT/host-overhead.txt"
 echo "gpu suite exit status: $status"
