@@ -126,6 +126,363 @@ class DecodeCase:
                                         self.head_size, self.block_size, gt, arch=dev.arch).name
 
 
+# ---- workloads -------------------------------------------------------------------------------
+
+# (heads, kv_heads, head_size) of common models' attention layers.
+PRESETS = {
+    "llama-3-8b": (32, 8, 128),
+    "llama-3-70b-tp8": (8, 1, 128),  # 64 q / 8 kv heads split over 8 GPUs
+    "mistral-7b": (32, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "llama-2-7b": (32, 32, 128),  # MHA
+}
+
+
+def parse_context_dist(spec: str):
+    """'uniform:LO:HI' -> (lo, hi); raises ValueError otherwise."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] != "uniform":
+        raise ValueError(f"expected uniform:LO:HI, got {spec!r}")
+    lo, hi = int(parts[1]), int(parts[2])
+    if not 0 <= lo <= hi:
+        raise ValueError(f"expected 0 <= LO <= HI in {spec!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One decode shape: a batch with a fixed context length or a uniform distribution."""
+
+    batch: int
+    context: int | tuple  # tokens, or (lo, hi) for uniform lengths
+    heads: int
+    kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str  # numpy name
+    preset: str = ""
+
+    @property
+    def context_label(self) -> str:
+        c = self.context
+        return str(c) if isinstance(c, int) else f"U{c[0]}-{c[1]}"
+
+    def lengths(self, seed: int) -> np.ndarray:
+        if isinstance(self.context, int):
+            return np.full(self.batch, self.context, np.int32)
+        lo, hi = self.context
+        return np.random.default_rng(seed).integers(lo, hi + 1, self.batch).astype(np.int32)
+
+    def case(self, seed: int) -> "DecodeCase":
+        return DecodeCase(self.batch, self.lengths(seed), self.heads, self.kv_heads,
+                          self.head_size, self.block_size, _dtypes.parse(self.dtype).numpy, seed)
+
+
+@dataclass
+class Result:
+    """One timed (or failed, or skipped) row."""
+
+    impl: str
+    kernel: str
+    preset: str
+    batch: int
+    context: str
+    mean_context: float
+    heads: int
+    kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+    partition: str
+    status: str  # "ok" | "failed" | "skipped"
+    median_us: float = float("nan")
+    p10_us: float = float("nan")
+    p90_us: float = float("nan")
+    gbps: float = float("nan")
+    pct_copy: float = float("nan")
+    rel_err: float = float("nan")
+    ratio_to_cupaged: float = float("nan")  # this time / cupaged's time (compare)
+    note: str = ""
+
+
+def _oom_errors():
+    errs = [cupy.cuda.memory.OutOfMemoryError]
+    torch = _torch()
+    if torch is not None:
+        errs.append(torch.OutOfMemoryError)
+    return tuple(errs)
+
+
+def _free_memory():
+    cupy.get_default_memory_pool().free_all_blocks()
+    torch = _torch()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def _torch():
+    """torch, if importable and it sees a GPU; never required."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+# ---- implementations compared ----------------------------------------------------------------
+
+
+def _run_cupaged(case: "DecodeCase", partition):
+    out = cupy.empty(case.arrays["query"].shape, case.arrays["query"].dtype)
+    return lambda: case.run(out, partition)
+
+
+def _gather_dense(case: "DecodeCase"):
+    """Index arrays for gathering each sequence's pages into [S, kv_heads, T, hs] (block
+    ids past a sequence's end replaced by 0 so every gather stays inside the cache)."""
+    a = case.arrays
+    nb = a["block_tables"].shape[1]
+    valid = cupy.arange(nb)[None, :] < cupy.asarray(-(-case.context_lens // case.block_size))[:, None]
+    return cupy.where(valid, a["block_tables"], 0), nb * case.block_size
+
+
+def _run_cupy_gather(case: "DecodeCase", partition):
+    """What a user writes by hand: gather the pages, then matmul / softmax / matmul."""
+    a = case.arrays
+    s, h, hs = a["query"].shape
+    kvh, bs, g = case.kv_heads, case.block_size, case.heads // case.kv_heads
+    bt, t = _gather_dense(case)
+    mask = (cupy.arange(t)[None, :] < a["context_lens"][:, None])[:, None, None, :]
+    compute = np.float32 if case.dtype == _dtypes.BF16.numpy else case.dtype
+    scale = 1.0 / math.sqrt(hs)
+
+    def run():
+        k = a["key_cache"][bt].transpose(0, 2, 1, 4, 3, 5).reshape(s, kvh, t, hs).astype(compute)
+        v = a["value_cache"][bt].transpose(0, 2, 1, 4, 3).reshape(s, kvh, t, hs).astype(compute)
+        q = a["query"].reshape(s, kvh, g, hs).astype(compute)
+        logits = cupy.matmul(q, k.transpose(0, 1, 3, 2)).astype(np.float32) * scale
+        logits = cupy.where(mask, logits, -cupy.inf)
+        logits -= logits.max(axis=-1, keepdims=True)
+        p = cupy.exp(logits)
+        p /= p.sum(axis=-1, keepdims=True)
+        return cupy.matmul(p.astype(compute), v).reshape(s, h, hs).astype(case.dtype)
+
+    return run
+
+
+def _torch_inputs(case: "DecodeCase"):
+    torch = _torch()
+    a = case.arrays
+    s, h, hs = a["query"].shape
+    bt, t = _gather_dense(case)
+    lens = torch.from_dlpack(a["context_lens"])
+    mask = None
+    if int(case.context_lens.min()) != t:  # padded keys must be masked out
+        mask = (torch.arange(t, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+    q = torch.from_dlpack(a["query"]).reshape(s, h, 1, hs)
+    return torch, q, torch.from_dlpack(bt).long(), t, mask
+
+
+def _torch_gather(case, torch, bt, t):
+    a = case.arrays
+    s, kvh, hs = case.batch, case.kv_heads, case.head_size
+    kc = torch.from_dlpack(a["key_cache"])
+    vc = torch.from_dlpack(a["value_cache"])
+    k = kc[bt].permute(0, 2, 1, 4, 3, 5).reshape(s, kvh, t, hs)
+    v = vc[bt].permute(0, 2, 1, 4, 3).reshape(s, kvh, t, hs)
+    return k, v
+
+
+def _run_torch_paged(case: "DecodeCase", partition):
+    """torch SDPA after gathering the pages (paging handled by indexing)."""
+    torch, q, bt, t, mask = _torch_inputs(case)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        k, v = _torch_gather(case, torch, bt, t)
+        o = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        return cupy.from_dlpack(o.reshape(case.batch, case.heads, case.head_size))
+
+    return run
+
+
+def _run_torch_dense(case: "DecodeCase", partition):
+    """torch SDPA over contiguous K/V built beforehand: no paging at all."""
+    torch, q, bt, t, mask = _torch_inputs(case)
+    k, v = (x.contiguous() for x in _torch_gather(case, torch, bt, t))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        o = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        return cupy.from_dlpack(o.reshape(case.batch, case.heads, case.head_size))
+
+    return run
+
+
+# name -> (runner factory, available?)
+IMPLEMENTATIONS = {
+    "cupaged": (_run_cupaged, lambda: True),
+    "cupy-gather": (_run_cupy_gather, lambda: True),
+    "torch-sdpa-paged": (_run_torch_paged, lambda: _torch() is not None),
+    "torch-sdpa-dense": (_run_torch_dense, lambda: _torch() is not None),
+}
+
+
+def available_implementations() -> list:
+    return [name for name, (_, ok) in IMPLEMENTATIONS.items() if ok()]
+
+
+def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: int = 0,
+            copy_bw: float = float("nan")) -> list:
+    """Build the workload once, then check and time each implementation on the same data.
+    A failed check is reported, never timed; an implementation that runs out of memory is
+    reported as skipped."""
+    rows = []
+    base = dict(preset=workload.preset, batch=workload.batch, context=workload.context_label,
+                heads=workload.heads, kv_heads=workload.kv_heads, head_size=workload.head_size,
+                block_size=workload.block_size, dtype=workload.dtype, partition=str(partition))
+    try:
+        case = workload.case(seed).build()
+    except _oom_errors():
+        _free_memory()
+        return [Result(i, "", mean_context=float("nan"), status="skipped",
+                       note="the cache does not fit in GPU memory", **base) for i in impls]
+    kernel = case.spec_name()
+    mean_ctx = float(case.context_lens.mean()) if case.batch else 0.0
+    cupaged_us = float("nan")
+    for impl in impls:
+        row = Result(impl, kernel if impl == "cupaged" else "", mean_context=mean_ctx,
+                     status="ok", **base)
+        try:
+            run = IMPLEMENTATIONS[impl][0](case, partition)
+            out = run()
+            row.rel_err = case.check(out)
+            if not row.rel_err <= case.tolerance():
+                row.status, row.note = "failed", f"rel err {row.rel_err:.2e} > {case.tolerance():.0e}"
+            else:
+                t = time_us(run, reps=reps)
+                row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
+                row.gbps = case.bytes_moved / (t.median_us * 1e-6) / 1e9
+                row.pct_copy = 100 * row.gbps * 1e9 / copy_bw
+                if impl == "cupaged":
+                    cupaged_us = t.median_us
+                row.ratio_to_cupaged = t.median_us / cupaged_us
+            del run, out
+        except _oom_errors():
+            row.status, row.note = "skipped", "out of GPU memory"
+        except Exception as e:  # a peer that cannot run this case is skipped, cupaged is not
+            if impl == "cupaged":
+                raise
+            row.status, row.note = "skipped", f"{type(e).__name__}: {e}"[:200]
+        _free_memory()
+        rows.append(row)
+    case.arrays.clear()
+    _free_memory()
+    return rows
+
+
+# ---- environment and writers --------------------------------------------------------------------
+
+
+def environment() -> dict:
+    """Versions, GPUs and the kernel cache: what `cupaged-bench info` prints."""
+    import platform
+
+    from . import __version__, jit
+
+    env = {"cupaged": __version__, "python": platform.python_version(), "numpy": np.__version__,
+           "cupy": cupy.__version__}
+    try:
+        env["nvrtc"] = ".".join(map(str, jit.nvrtc_version()))
+    except Exception as e:  # pragma: no cover - depends on the install
+        env["nvrtc"] = f"unavailable ({e})"
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        env["torch"] = None
+    cache = jit.cache_dir()
+    files = [f for f in cache.glob("*.json")] if cache.is_dir() else []
+    env["kernel_cache"] = str(cache)
+    env["kernel_cache_kernels"] = len(files)
+    env["kernel_cache_mib"] = round(sum(f.stat().st_size for f in cache.glob("*") if f.is_file())
+                                    / 2**20, 2) if cache.is_dir() else 0.0
+    gpus = []
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        n = 0
+    if n:
+        env["driver"] = cupy.cuda.runtime.driverGetVersion()
+        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    for i in range(n):
+        p = cupy.cuda.runtime.getDeviceProperties(i)
+        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+        gpus.append({"index": i, "name": name, "compute_capability": f"{p['major']}.{p['minor']}",
+                     "sms": p["multiProcessorCount"],
+                     "memory_gib": round(p["totalGlobalMem"] / 2**30, 1)})
+    env["gpus"] = gpus
+    return env
+
+
+def write_json(path, results, env, copy_bw_gbps) -> None:
+    import dataclasses
+    import json
+
+    doc = {"environment": env, "copy_bandwidth_gbps": copy_bw_gbps,
+           "results": [dataclasses.asdict(r) for r in results]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
+def write_csv(path, results, env, copy_bw_gbps) -> None:
+    """One row per result with every field; the environment as leading '# key: value'
+    lines (pandas: read_csv(path, comment='#'))."""
+    import csv
+    import dataclasses
+    import json
+
+    with open(path, "w", newline="") as f:
+        for k, v in {**env, "copy_bandwidth_gbps": copy_bw_gbps}.items():
+            f.write(f"# {k}: {json.dumps(v, default=str)}\n")
+        names = [fl.name for fl in dataclasses.fields(Result)]
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        for r in results:
+            w.writerow(dataclasses.asdict(r))
+
+
+def write_plot(path, results, title: str = "") -> None:
+    """Percent of the copy bandwidth against mean context length, one line per
+    implementation, one panel per batch size (needs matplotlib: the `plot` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.status == "ok"]
+    batches = sorted({r.batch for r in ok}) or [0]
+    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False,
+                             sharey=True)
+    for ax, b in zip(axes[0], batches):
+        for impl in dict.fromkeys(r.impl for r in ok):
+            pts = sorted((r.mean_context, r.pct_copy) for r in ok if r.batch == b and r.impl == impl)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("context (tokens)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("% of copy bandwidth")
+    axes[0][-1].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---- cache operations -------------------------------------------------------------------------
 
 
@@ -244,3 +601,62 @@ def kv_cache_step_us(seqs, kv_heads, head_size, block_size, dtype, steps=200) ->
     cupy.cuda.get_current_stream().synchronize()
     return {f"BlockManager.append+tables, {seqs} seqs": manager,
             f"PagedKVCache.step, {seqs} seqs": step}
+
+
+def _host_us(fn, calls: int) -> float:
+    """Host microseconds per call of ``fn``: after a sync, ``calls`` calls, no sync inside
+    (few enough that the launch queue never fills and throttles the host)."""
+    import time
+
+    for _ in range(10):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    cupy.cuda.get_current_stream().synchronize()
+    return us
+
+
+def host_overheads(calls: int = 200, layers: int = 32) -> dict:
+    """Host time per call of each entry point with its kernel cached (llama-3-8b shape,
+    batch 8, context 1024), and per replay of a CUDA graph of ``layers`` decode calls."""
+    from . import attention, cache_ops
+    from .kv_cache import PagedKVCache
+
+    case = DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16, np.dtype(np.float16)).build()
+    a = case.arrays
+    out = cupy.empty(a["query"].shape, a["query"].dtype)
+    rows = {}
+    rows["paged_attention, single pass"] = _host_us(lambda: case.run(out, "never"), calls)
+    rows["paged_attention, split-KV"] = _host_us(lambda: case.run(out, "always"), calls)
+    rows["paged_attention_v1"] = _host_us(lambda: attention.paged_attention_v1(
+        out, a["query"], a["key_cache"], a["value_cache"], 8, 0.1, a["block_tables"],
+        a["context_lens"], 16, 1024), calls)
+    k = cupy.ones((8, 8, 128), np.float16)
+    slots = cupy.arange(8, dtype=np.int64) * 16
+    rows["reshape_and_cache, 8 tokens"] = _host_us(lambda: cache_ops.reshape_and_cache(
+        k, k, a["key_cache"], a["value_cache"], slots), calls)
+    ks, vs = [a["key_cache"]] * layers, [a["value_cache"]] * layers
+    pairs = cupy.asarray([[0, 1], [2, 3]], np.int64)
+    rows[f"copy_blocks, {layers} layers"] = _host_us(lambda: cache_ops.copy_blocks(ks, vs, pairs), calls)
+    cache = PagedKVCache(1, 64 * 80, 8, 128, 16, "float16")
+    ids = list(range(64))
+    for s in ids:
+        cache.add(s, 1000)
+    rows["PagedKVCache.step, 64 sequences"] = _host_us(lambda: cache.step(ids), min(calls, 100))
+
+    # A decode step of `layers` attention calls captured once and replayed.
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        case.run(out, "never")  # loaded before capture
+        stream.begin_capture()
+        for _ in range(layers):
+            case.run(out, "never")
+        graph = stream.end_capture()
+        rows[f"CUDA graph replay, {layers} paged_attention calls"] = _host_us(
+            lambda: graph.launch(stream), calls)
+    rows[f"  (eager, {layers} calls)"] = layers * rows["paged_attention, single pass"]
+    case.arrays.clear()
+    return rows

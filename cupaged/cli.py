@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -37,6 +38,12 @@ def _gpu_count() -> int:
         return 0
 
 
+def _require_gpu():
+    if not _gpu_count():
+        click.echo("no GPU found: nothing to time", err=True)
+        sys.exit(2)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cupaged")
 def main():
@@ -46,31 +53,36 @@ def main():
 @main.command()
 def info():
     """GPU, driver and library versions, and the kernel cache."""
-    import cupy
+    from .bench import environment
 
-    click.echo(f"cupaged      {__version__}")
-    click.echo(f"python       {platform.python_version()}")
-    click.echo(f"numpy        {np.__version__}")
-    click.echo(f"cupy         {cupy.__version__}")
-    try:
-        click.echo(f"nvrtc        {'.'.join(map(str, jit.nvrtc_version()))}")
-    except Exception as e:  # pragma: no cover - depends on the install
-        click.echo(f"nvrtc        unavailable ({e})")
-    cache = jit.cache_dir()
-    files = list(cache.glob("*")) if cache.is_dir() else []
-    size = sum(f.stat().st_size for f in files if f.is_file())
-    click.echo(f"kernel cache {cache} ({len(files) // 2} kernels, {size / 2**20:.1f} MiB)")
-    n = _gpu_count()
-    if n == 0:
-        click.echo("gpu          none found (kernels can still be compiled: cupaged-bench compile --all)")
+    env = environment()
+    for key in ("cupaged", "python", "numpy", "cupy", "nvrtc"):
+        click.echo(f"{key:13s}{env[key]}")
+    click.echo(f"{'torch':13s}{env['torch'] or 'not importable (optional)'}")
+    click.echo(f"{'kernel cache':13s}{env['kernel_cache']} ({env['kernel_cache_kernels']} kernels, "
+               f"{env['kernel_cache_mib']:.1f} MiB)")
+    if not env["gpus"]:
+        click.echo(f"{'gpu':13s}none found (kernels can still be compiled: "
+                   "cupaged-bench compile --all)")
         return
-    click.echo(f"driver       {cupy.cuda.runtime.driverGetVersion()}")
-    click.echo(f"cuda runtime {cupy.cuda.runtime.runtimeGetVersion()}")
-    for i in range(n):
-        p = cupy.cuda.runtime.getDeviceProperties(i)
-        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
-        click.echo(f"gpu {i}        {name}, sm_{p['major']}{p['minor']}, "
-                   f"{p['multiProcessorCount']} SMs, {p['totalGlobalMem'] / 2**30:.0f} GiB")
+    click.echo(f"{'driver':13s}{env['driver']}")
+    click.echo(f"{'cuda runtime':13s}{env['cuda_runtime']}")
+    for g in env["gpus"]:
+        click.echo(f"{'gpu ' + str(g['index']):13s}{g['name']}, compute capability "
+                   f"{g['compute_capability']}, {g['sms']} SMs, {g['memory_gib']:.0f} GiB")
+
+
+# ---- compile ---------------------------------------------------------------------------------
+
+
+def _default_arch() -> str:
+    if _gpu_count():
+        import cupy
+
+        from . import attention
+
+        return attention._device(cupy.cuda.Device().id).arch
+    return "sm_90"
 
 
 @main.command("compile")
@@ -109,8 +121,7 @@ def compile_(archs, all_, dtypes, head_size, block_size, group, precompile):
     specs = [jit.KernelSpec("paged_decode", d, hs, bs, attention._group_tile(g), arch=a)
              for a, d, hs, bs, g in itertools.product(archs, dts, head_size, block_size, group)]
     if precompile:
-        built = jit.precompile(specs)
-        for b in built:
+        for b in jit.precompile(specs):
             click.echo(f"{b.spec.name:48s} {'cached' if b.from_disk else 'compiled'} "
                        f"{b.seconds:7.2f} s  {b.path}")
         return
@@ -143,74 +154,188 @@ def compile_(archs, all_, dtypes, head_size, block_size, group, precompile):
                 os.environ["CUPAGED_CACHE_DIR"] = saved
 
 
-def _default_arch() -> str:
-    if _gpu_count():
-        import cupy
-
-        from . import attention
-
-        return attention._device(cupy.cuda.Device().id).arch
-    return "sm_90"
+# ---- decode / compare ---------------------------------------------------------------------------
 
 
-@main.command()
-@click.option("--batch", callback=_int_list, default="64", show_default=True)
-@click.option("--context", callback=_int_list, default="2048", show_default=True)
-@click.option("--heads", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--head-size", type=int, default=128, show_default=True)
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--dtype", default="float16", show_default=True)
-@click.option("--partition", default="auto", show_default=True,
-              help="auto, never, always, or tokens per partition.")
-@click.option("--reps", type=click.IntRange(3), default=30, show_default=True)
-@click.option("--seed", type=int, default=0)
-def decode(batch, context, heads, kv_heads, head_size, block_size, dtype, partition, reps, seed):
-    """Time paged-attention decode; checks each result against the reference first."""
-    import cupy
+def _workload_options(f):
+    """The options that describe a sweep of decode workloads (decode and compare)."""
+    from .bench import PRESETS
 
-    from . import bench
+    opts = [
+        click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)),
+                     help="Model shape (heads / kv heads / head size); repeatable. "
+                          "Overrides --heads, --kv-heads, --head-size."),
+        click.option("--batch", callback=_int_list, default="64", show_default=True,
+                     help="Batch sizes, comma-separated."),
+        click.option("--context", callback=_int_list, default="2048", show_default=True,
+                     help="Context lengths, comma-separated."),
+        click.option("--context-dist", default=None,
+                     help="Mixed lengths instead of --context: uniform:LO:HI."),
+        click.option("--heads", type=click.IntRange(1), default=32, show_default=True),
+        click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True),
+        click.option("--head-size", type=int, default=128, show_default=True),
+        click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--dtype", default="float16", show_default=True),
+        click.option("--partition", default="auto", show_default=True,
+                     help="auto, never, always, or tokens per partition."),
+        click.option("--reps", type=click.IntRange(3), default=30, show_default=True),
+        click.option("--seed", type=int, default=0),
+        click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                     help="Write every field and the environment as JSON."),
+        click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+                     help="Write every field as CSV (environment as # comment lines)."),
+        click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+                     help="Plot % of copy bandwidth against context (needs matplotlib)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
+               dtype):
+    """Expand the options into workloads; usage errors for impossible combinations."""
+    from .bench import PRESETS, Workload, parse_context_dist
 
     try:
         dt = _dtypes.parse(dtype)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
-    if heads % kv_heads:
-        raise click.BadParameter("--heads must be a multiple of --kv-heads", param_hint="--heads")
-    if partition not in ("auto", "never", "always"):
+    if context_dist is not None:
         try:
-            partition = int(partition)
-        except ValueError:
-            raise click.BadParameter(f"expected auto, never, always or an int, got {partition!r}",
-                                     param_hint="--partition")
-    if not _gpu_count():
-        click.echo("no GPU found: nothing to time", err=True)
-        sys.exit(2)
+            contexts = [parse_context_dist(context_dist)]
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--context-dist")
+    else:
+        contexts = context
+    shapes = [(p, *PRESETS[p]) for p in presets] or [("", heads, kv_heads, head_size)]
+    for _, h, kvh, _ in shapes:
+        if h % kvh:
+            raise click.BadParameter("--heads must be a multiple of --kv-heads", param_hint="--heads")
+    return [Workload(b, c, h, kvh, hs, block_size, dt.numpy.name, p)
+            for (p, h, kvh, hs), b, c in itertools.product(shapes, batch, contexts)]
+
+
+def _partition(value):
+    if value in ("auto", "never", "always"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected auto, never, always or an int, got {value!r}",
+                                 param_hint="--partition")
+
+
+def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_path, title):
+    """Run, print the table, write the files; exit 1 if any check failed."""
+    from . import bench
+
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
+    _require_gpu()
     bw = bench.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
-    header = (f"{'specialization':40s} {'batch':>5s} {'context':>7s} {'median us':>10s} "
-              f"{'p10-p90 us':>15s} {'GB/s':>7s} {'% copy':>7s} {'rel err':>8s}")
-    click.echo(header)
-    failed = 0
-    for b, c in itertools.product(batch, context):
-        case = bench.DecodeCase(b, np.full(b, c, np.int32), heads, kv_heads, head_size,
-                                block_size, dt.numpy, seed).build()
-        out = cupy.empty(case.arrays["query"].shape, case.arrays["query"].dtype)
-        out.fill(float("nan"))
-        case.run(out, partition)
-        err = case.check(out)
-        name = case.spec_name()
-        if not err <= case.tolerance():
-            failed += 1
-            click.echo(f"{name:40s} {b:5d} {c:7d} FAILED: rel err {err:.2e} > {case.tolerance():.0e}")
-            continue
-        t = bench.time_us(lambda: case.run(out, partition), reps=reps)
-        gbs = case.bytes_moved / (t.median_us * 1e-6) / 1e9
-        click.echo(f"{name:40s} {b:5d} {c:7d} {t.median_us:10.1f} "
-                   f"{t.p10_us:7.1f}-{t.p90_us:<7.1f} {gbs:7.0f} {100 * gbs * 1e9 / bw:6.1f}% "
-                   f"{err:8.1e}")
-        case.arrays.clear()
+    results = []
+    with click.progressbar(workloads, label="measuring", file=sys.stderr,
+                           item_show_func=lambda w: w and f"batch {w.batch} ctx {w.context_label}") as bar:
+        for w in bar:
+            results += bench.measure(w, impls, partition, reps, seed, bw)
+    _print_table(results, compare=len(impls) > 1)
+    env = bench.environment()
+    if json_path:
+        bench.write_json(json_path, results, env, bw / 1e9)
+    if csv_path:
+        bench.write_csv(csv_path, results, env, bw / 1e9)
+    if plot_path:
+        bench.write_plot(plot_path, results, title)
+    failed = [r for r in results if r.status == "failed"]
+    skipped = [r for r in results if r.status == "skipped"]
+    if skipped:
+        click.echo(f"{len(skipped)} rows skipped (see their notes)")
     sys.exit(1 if failed else 0)
+
+
+def _fmt(v, spec):
+    return "-" if v != v else format(v, spec)  # NaN -> '-'
+
+
+def _print_table(results, compare: bool):
+    head = (f"{'implementation':17s} {'kernel':38s} {'shape':12s} {'batch':>5s} {'context':>10s} "
+            f"{'median us':>10s} {'p10-p90 us':>17s} {'GB/s':>7s} {'% copy':>7s} {'rel err':>8s}")
+    if compare:
+        head += f" {'x cupaged':>9s}"
+    click.echo(head)
+    for r in results:
+        shape = f"{r.heads}/{r.kv_heads}/{r.head_size}"
+        line = (f"{r.impl:17s} {r.kernel or '-':38s} {shape:12s} {r.batch:5d} {r.context:>10s} ")
+        if r.status != "ok":
+            click.echo(line + f"{r.status.upper()}: {r.note}")
+            continue
+        line += (f"{r.median_us:10.1f} {_fmt(r.p10_us, '8.1f')}-{_fmt(r.p90_us, '<8.1f')} "
+                 f"{r.gbps:7.0f} {r.pct_copy:6.1f}% {r.rel_err:8.1e}")
+        if compare:
+            line += f" {_fmt(r.ratio_to_cupaged, '9.2f')}"
+        click.echo(line)
+
+
+@main.command()
+@_workload_options
+def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size, dtype,
+           partition, reps, seed, json_path, csv_path, plot_path):
+    """Time paged-attention decode over a sweep; each result is checked against the
+    float64 reference before it is timed."""
+    ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
+                    block_size, dtype)
+    _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
+           "cupaged decode")
+
+
+@main.command()
+@_workload_options
+@click.option("--impl", "impls", multiple=True,
+              help="Implementations to run (default: every one available here).")
+def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
+            dtype, partition, reps, seed, json_path, csv_path, plot_path, impls):
+    """The same workloads through every implementation available here, on the same data:
+    cupaged, a CuPy gather-then-attend baseline, and (when torch is importable) torch SDPA
+    over gathered pages and over dense contiguous KV. Ratios are time / cupaged's time."""
+    from . import bench
+
+    ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
+                    block_size, dtype)
+    known = list(bench.IMPLEMENTATIONS)
+    for i in impls:
+        if i not in known:
+            raise click.BadParameter(f"unknown implementation {i!r}: expected {', '.join(known)}",
+                                     param_hint="--impl")
+    chosen = list(impls) or (bench.available_implementations() if _gpu_count() else known)
+    if "cupaged" in chosen:  # first, so the others' ratios refer to it
+        chosen = ["cupaged"] + [i for i in chosen if i != "cupaged"]
+    title = "decode: " + ", ".join(dict.fromkeys(w.preset or f"{w.heads}/{w.kv_heads}/{w.head_size}"
+                                                   for w in ws))
+    _sweep(ws, chosen, _partition(partition), reps, seed, json_path, csv_path, plot_path, title)
+
+
+# ---- overhead -------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--calls", type=click.IntRange(10), default=200, show_default=True)
+def overhead(calls):
+    """Host time per call of the Python entry points with their kernels cached (what a
+    serving loop pays per layer), and per replay of a captured CUDA graph."""
+    from . import bench
+
+    _require_gpu()
+    click.echo(f"{'entry point':52s} {'host us/call':>12s}")
+    for name, us in bench.host_overheads(calls).items():
+        click.echo(f"{name:52s} {us:12.1f}")
+
+
+# ---- cache operations ---------------------------------------------------------------------------
 
 
 @main.command("cache-ops")
@@ -236,22 +361,19 @@ def cache_ops(dtype, kv_heads, head_size, block_size, tokens, layers, pairs, seq
         dt = _dtypes.parse(dtype)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
-    if not _gpu_count():
-        click.echo("no GPU found: nothing to time", err=True)
-        sys.exit(2)
+    _require_gpu()
     bw = bench.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
-    click.echo(f"{'operation':44s} {'median us':>10s} {'GB/s':>8s} {'% copy':>7s}  check")
+    click.echo(f"{'operation':52s} {'median us':>10s} {'GB/s':>8s} {'% copy':>7s}  check")
     failed = 0
     for row in bench.cache_op_rows(dt.numpy, kv_heads, head_size, block_size, tokens, layers,
                                    pairs, reps):
         pct = f"{100 * row.gbps * 1e9 / bw:6.1f}%" if row.vs_copy else "      -"
-        click.echo(f"{row.name:44s} {row.median_us:10.1f} {row.gbps:8.1f} {pct}  "
+        click.echo(f"{row.name:52s} {row.median_us:10.1f} {row.gbps:8.1f} {pct}  "
                    f"{'ok' if row.ok else 'FAILED'}")
         failed += not row.ok
-    us = bench.kv_cache_step_us(seqs, kv_heads, head_size, block_size, dt.numpy)
-    for name, t in us.items():
-        click.echo(f"{name:44s} {t:10.1f}        -       -  host time")
+    for name, t in bench.kv_cache_step_us(seqs, kv_heads, head_size, block_size, dt.numpy).items():
+        click.echo(f"{name:52s} {t:10.1f}        -       -  host time")
     sys.exit(1 if failed else 0)
 
 

@@ -7,7 +7,7 @@ from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
 
-COMMANDS = ["info", "compile", "decode", "cache-ops"]
+COMMANDS = ["info", "compile", "decode", "compare", "overhead", "cache-ops"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -42,6 +42,10 @@ def test_decode_without_gpu_exits_nonzero():
     (["decode", "--partition", "often"], "auto, never, always or an int"),
     (["compile", "--dtype", "float64"], "unknown dtype"),
     (["decode", "--reps", "1"], "--reps"),
+    (["decode", "--context-dist", "normal:5:9"], "expected uniform:LO:HI"),
+    (["decode", "--context-dist", "uniform:9:5"], "0 <= LO <= HI"),
+    (["compare", "--preset", "gpt-5"], "Invalid value for '--preset'"),
+    (["compare", "--impl", "flash"], "unknown implementation 'flash'"),
 ])
 def test_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, argv)
@@ -68,3 +72,157 @@ def test_compile_precompile_fills_the_cache(tmp_path, monkeypatch):
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.cubin")) == [
         "paged_decode_bf16_hs128_bs32_g1_sm80", "paged_decode_bf16_hs128_bs8_g1_sm80"]
     jit.clear_memory_caches()
+
+
+def test_presets_and_lists_expand_to_workloads():
+    from cupaged.cli import _workloads
+
+    ws = _workloads(("llama-3-8b", "llama-2-7b"), [1, 8], [512, 2048], None, 1, 1, 1, 16, "bf16")
+    assert len(ws) == 8
+    assert {(w.heads, w.kv_heads, w.head_size) for w in ws} == {(32, 8, 128), (32, 32, 128)}
+    assert {w.dtype for w in ws} == {"bfloat16"} and ws[0].preset == "llama-3-8b"
+    mixed = _workloads((), [128], [0], "uniform:128:4096", 28, 4, 128, 16, "float16")
+    assert len(mixed) == 1 and mixed[0].context == (128, 4096)
+    lens = mixed[0].lengths(seed=3)
+    assert lens.shape == (128,) and lens.min() >= 128 and lens.max() <= 4096 and len(set(lens)) > 50
+    assert mixed[0].context_label == "U128-4096"
+
+
+def _synthetic_results():
+    from cupaged.bench import Result
+
+    rows = []
+    for impl, scale in (("cupaged", 1.0), ("cupy-gather", 3.0)):
+        for ctx in (512, 2048, 8192):
+            us = scale * ctx / 10
+            rows.append(Result(impl, "paged_decode_f16_hs128_bs16_g4_sm90" if impl == "cupaged" else "",
+                               "llama-3-8b", 64, str(ctx), float(ctx), 32, 8, 128, 16, "float16",
+                               "auto", "ok", us, us * 0.98, us * 1.03, 2000 / scale, 66.0 / scale,
+                               2e-4, scale))
+    rows.append(Result("torch-sdpa-dense", "", "llama-3-8b", 64, "8192", 8192.0, 32, 8, 128, 16,
+                       "float16", "auto", "skipped", note="out of GPU memory"))
+    return rows
+
+
+ENV = {"cupaged": "0.1.0", "gpus": [{"index": 0, "name": "Fake GPU"}], "torch": None}
+
+
+def test_json_writer_keeps_every_field(tmp_path):
+    import dataclasses
+    import json
+
+    from cupaged import bench
+
+    rows = _synthetic_results()
+    bench.write_json(tmp_path / "r.json", rows, ENV, 3000.0)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["environment"] == ENV and doc["copy_bandwidth_gbps"] == 3000.0
+    assert len(doc["results"]) == len(rows)
+    assert set(doc["results"][0]) == {f.name for f in dataclasses.fields(bench.Result)}
+    assert doc["results"][3]["ratio_to_cupaged"] == 3.0
+    assert doc["results"][-1]["status"] == "skipped"
+
+
+def test_csv_writer_has_environment_and_rows(tmp_path):
+    import csv
+
+    from cupaged import bench
+
+    rows = _synthetic_results()
+    bench.write_csv(tmp_path / "r.csv", rows, ENV, 3000.0)
+    lines = (tmp_path / "r.csv").read_text().splitlines()
+    comments = [l for l in lines if l.startswith("#")]
+    assert "# cupaged: \"0.1.0\"" in comments and any("Fake GPU" in c for c in comments)
+    table = list(csv.DictReader(l for l in lines if not l.startswith("#")))
+    assert len(table) == len(rows) and table[0]["impl"] == "cupaged"
+    assert float(table[4]["median_us"]) == rows[4].median_us
+
+
+def test_plot_writer_makes_a_png(tmp_path):
+    from cupaged import bench
+
+    bench.write_plot(tmp_path / "p.png", _synthetic_results(), "synthetic")
+    data = (tmp_path / "p.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_table_shows_ratios_and_skips(capsys):
+    from cupaged.cli import _print_table
+
+    _print_table(_synthetic_results(), compare=True)
+    out = capsys.readouterr().out
+    assert "x cupaged" in out and "SKIPPED: out of GPU memory" in out
+    assert "    3.00" in out
+
+
+# ---- on a GPU: every subcommand end to end, small sweeps ------------------------------------
+
+
+@pytest.mark.gpu
+def test_info_lists_the_gpu():
+    r = CliRunner().invoke(main, ["info"])
+    assert r.exit_code == 0 and "compute capability" in r.output and "SMs" in r.output
+
+
+@pytest.mark.gpu
+def test_decode_sweep_writes_files(tmp_path):
+    import json
+
+    argv = ["decode", "--batch", "1,4", "--context", "100,700", "--heads", "8", "--kv-heads", "2",
+            "--head-size", "64", "--reps", "5", "--json", str(tmp_path / "d.json"),
+            "--csv", str(tmp_path / "d.csv"), "--plot", str(tmp_path / "d.png")]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "d.json").read_text())["results"]
+    assert len(rows) == 4 and all(x["status"] == "ok" and x["median_us"] > 0 for x in rows)
+    assert all(x["kernel"].startswith("paged_decode_f16_hs64_bs16_g4_sm") for x in rows)
+    assert (tmp_path / "d.png").stat().st_size > 5000 and (tmp_path / "d.csv").is_file()
+
+
+@pytest.mark.gpu
+def test_decode_with_mixed_lengths_and_a_preset():
+    r = CliRunner().invoke(main, ["decode", "--preset", "qwen2.5-7b", "--batch", "16",
+                                  "--context-dist", "uniform:1:900", "--reps", "5",
+                                  "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert "28/4/128" in r.output and "U1-900" in r.output
+
+
+@pytest.mark.gpu
+def test_compare_runs_every_available_implementation(tmp_path):
+    import json
+
+    from cupaged import bench
+
+    r = CliRunner().invoke(main, ["compare", "--preset", "llama-3-8b", "--batch", "2",
+                                  "--context", "300", "--reps", "5", "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert [x["impl"] for x in rows] == bench.available_implementations()
+    assert rows[0]["ratio_to_cupaged"] == 1.0
+    assert all(x["status"] == "ok" for x in rows), [x["note"] for x in rows]
+
+
+@pytest.mark.gpu
+def test_compile_times_with_module_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path))
+    r = CliRunner().invoke(main, ["compile", "--head-size", "96"])
+    assert r.exit_code == 0, r.output
+    assert "module load" in r.output and r.output.strip().endswith("ms")
+
+
+@pytest.mark.gpu
+def test_overhead_reports_every_entry_point():
+    r = CliRunner().invoke(main, ["overhead", "--calls", "20"])
+    assert r.exit_code == 0, r.output
+    for name in ("single pass", "split-KV", "reshape_and_cache", "copy_blocks",
+                 "PagedKVCache.step", "CUDA graph replay"):
+        assert name in r.output
+
+
+@pytest.mark.gpu
+def test_cache_ops_small():
+    r = CliRunner().invoke(main, ["cache-ops", "--tokens", "256", "--layers", "2", "--pairs", "8",
+                                  "--seqs", "16", "--reps", "5"])
+    assert r.exit_code == 0, r.output
+    assert "FAILED" not in r.output and "swap in, one cudaMemcpyAsync per block" in r.output

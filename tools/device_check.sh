@@ -17,6 +17,6 @@ bench decode --batch 64 --context 2048 --heads 32 --kv-heads 8 --head-size 128 \
   --block-size 16 --dtype float16 2>&1 | tee "$OUT/bench-decode.txt"
 bench compile --head-size 128 --block-size 16 2>&1 | tee "$OUT/bench-compile.txt"
 bench cache-ops 2>&1 | tee "$OUT/bench-cache-ops.txt"
-python3 tools/host_overhead.py 2>&1 | tee "$OUT/host-overhead.txt"
+bench overhead 2>&1 | tee "$OUT/bench-overhead.txt"
 echo "gpu suite exit status: $status"
 exit "$status"
