@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The compare sweeps quoted in docs/PERFORMANCE.md: llama-3-8b (GQA 32/8) and llama-2-7b
+# (MHA 32/32), fp16, batch 1..256 x context 512..32768. Results and plots go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cupaged-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
+tag=${1:-now}
+for preset in llama-3-8b llama-2-7b; do
+  python3 -m cupaged.cli compare --preset "$preset" --batch 1,8,64,256 \
+    --context 512,2048,8192,32768 --reps 20 --json "$OUT/compare-$preset-$tag.json" \
+    --plot "$OUT/compare-$preset-$tag.png" 2>/dev/null | tee "$OUT/compare-$preset-$tag.txt"
+done
