@@ -664,6 +664,7 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         graph = stream.end_capture()
         rows[f"CUDA graph replay, {layers} paged_attention calls"] = _host_us(
             lambda: graph.launch(stream), calls)
-    rows[f"  (eager, {layers} calls)"] = layers * rows["paged_attention, single pass"]
+    rows[f"  ({layers} eager calls: {layers} x single pass, computed)"] = \
+        layers * rows["paged_attention, single pass"]
     case.arrays.clear()
     return rows

@@ -161,7 +161,10 @@ def test_compile_all_specializations_for_sm80_and_sm90():
     """The CI compile check: every supported specialization, both targets (slow)."""
     result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--all"])
     assert result.exit_code == 0, result.output
-    n = 2 * len(attention.decode_specs("sm_90"))
+    from cupaged.cli import _all_specs
+
+    n = 2 * len(_all_specs("sm_90"))
+    assert n == 2 * (len(attention.decode_specs("sm_90")) + 8)
     assert f"compiled {n} specializations for sm_80, sm_90" in result.output
 
 
