@@ -7,6 +7,8 @@ with -Xptxas -v (registers, spills, stack) and optionally dumps SASS.
 """
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,8 +45,14 @@ def main():
         if r.returncode:
             sys.exit(r.returncode)
         if a.sass:
-            print(subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], capture_output=True,
-                                 text=True).stdout)
+            tool = shutil.which("cuobjdump") or shutil.which(
+                os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump"))
+            if tool is None:
+                sys.exit("--sass needs cuobjdump (CUDA toolkit); it is not on PATH or in $CUDA_HOME/bin")
+            r = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True)
+            print(r.stdout, r.stderr, sep="", end="")
+            if r.returncode:
+                sys.exit(r.returncode)
 
 
 if __name__ == "__main__":
