@@ -2,12 +2,7 @@
 # A whole device check in one call: environment, the GPU test suite, and the decode
 # benchmark of the core issue. Logs go to $OUT (the device tool brings them back).
 #   bash tools/device_check.sh [pytest args...]     e.g. -k long_context
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/cupaged-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
+source "$(dirname "$0")/device_env.sh"
 bench() { python3 -m cupaged.cli "$@"; }
 
 bench info 2>&1 | tee "$OUT/info.txt"

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # The compare sweeps quoted in docs/PERFORMANCE.md: llama-3-8b (GQA 32/8) and llama-2-7b
 # (MHA 32/32), fp16, batch 1..256 x context 512..32768. Results and plots go to $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/cupaged-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
+source "$(dirname "$0")/device_env.sh"
 tag=${1:-now}
 for preset in llama-3-8b llama-2-7b; do
   python3 -m cupaged.cli compare --preset "$preset" --batch 1,8,64,256 \

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Issue 5's roofline targets: each shape with partition auto, never and always, fp16,
 # head size 128, block size 16. Rows go to $OUT/targets-<tag>.txt.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/cupaged-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
+source "$(dirname "$0")/device_env.sh"
 tag=${1:-now}
 run() { python3 -m cupaged.cli decode --reps 20 "$@" 2>/dev/null | grep -v "^copy bandwidth\|^implementation"; }
 {

@@ -1,0 +1,8 @@
+# Sourced by the device scripts: run from the repository root, results under $OUT, the
+# package from the working tree, and a kernel cache that lives with the machine.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/cupaged-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
