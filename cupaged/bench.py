@@ -257,7 +257,7 @@ def _run_cupy_gather(case: "DecodeCase", partition):
     """What a user writes by hand: gather the pages, then matmul / softmax / matmul."""
     a = case.arrays
     s, h, hs = a["query"].shape
-    kvh, bs, g = case.kv_heads, case.block_size, case.heads // case.kv_heads
+    kvh, g = case.kv_heads, case.heads // case.kv_heads
     bt, t = _gather_dense(case)
     mask = (cupy.arange(t)[None, :] < a["context_lens"][:, None])[:, None, None, :]
     compute = np.float32 if case.dtype == _dtypes.BF16.numpy else case.dtype

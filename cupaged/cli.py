@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import itertools
-import math
 import os
 import sys
 import tempfile
 import time
 
 import click
-import numpy as np
 
 from . import __version__, _dtypes, jit
 
@@ -240,11 +238,8 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
     """Run, print the table, write the files; exit 1 if any check failed."""
     from . import bench
 
-    if plot_path:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
     _require_gpu()
     bw = bench.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
