@@ -88,8 +88,9 @@ class BlockManager:
     def tables(self, seq_ids: Sequence) -> tuple[np.ndarray, np.ndarray]:
         """Host ``(block_tables int32 [n, max_blocks], context_lens int32 [n])`` for these
         sequences, in this order. Entries past a sequence's blocks are unspecified."""
-        rows = [self._get(s).row for s in seq_ids]
-        width = max((len(self._seqs[s].blocks) for s in seq_ids), default=0)
+        seqs = [self._get(s) for s in seq_ids]
+        rows = [q.row for q in seqs]
+        width = max((len(q.blocks) for q in seqs), default=0)
         return self._table[rows, :width], self._lens[rows]
 
     # ---- mutations -----------------------------------------------------------------------------
