@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import cupy
 import numpy as np
+from cupy_backends.cuda.api import driver as _driver
 
 from . import _checks, _dtypes, jit
 from ._arrays import as_device_array, optional_device_array
@@ -97,6 +98,7 @@ class _Kernels(NamedTuple):
     smem: int
     tile_tokens: int
     name: str
+    slots: int  # decode CTAs resident at once on the whole device
 
 
 @lru_cache(maxsize=None)
@@ -110,8 +112,11 @@ def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_
             f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
         )
     combine = jit.KernelSpec("paged_decode_combine", dtype, head_size, arch=dev.arch)
-    return _Kernels(jit.load(spec, device_id, smem), jit.load(combine, device_id), smem,
-                    spec.tile_tokens, spec.name)
+    decode = jit.load(spec, device_id, smem)
+    with cupy.cuda.Device(device_id):
+        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(decode.ptr, _THREADS, smem)
+    return _Kernels(decode, jit.load(combine, device_id), smem, spec.tile_tokens, spec.name,
+                    max(1, per_sm) * dev.sm_count)
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -212,7 +217,7 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
-def _partition_tokens(partition, p: _Problem, max_ctx: int, tile_tokens: int) -> int:
+def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int, ks: "_Kernels") -> int:
     """0 for a single pass, else the tokens per split-KV partition."""
     if partition == "never" or max_ctx == 0:
         return 0
@@ -222,22 +227,43 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, tile_tokens: int) ->
                   f"got {partition}")
         size = int(partition)
     elif partition in ("auto", "always"):
-        # Enough CTAs to fill the GPU a few times over; partitions no shorter than a tile.
-        dev = _device(p.device)
-        ctas = p.num_seqs * p.num_kv_heads * -(-(p.num_heads // p.num_kv_heads) // 8)
-        if partition == "auto" and ctas >= 2 * dev.sm_count:
-            return 0
-        quantum = max(tile_tokens, p.block_size)
-        parts = max(1, -(-4 * dev.sm_count // max(ctas, 1)))
-        size = max(quantum, _round_up(-(-max_ctx // parts), quantum))
-        if partition == "auto" and size >= max_ctx:
-            return 0  # one partition: the combine would only copy
+        size = _split(ctas, max_ctx, ks.slots, ks.tile_tokens,
+                      max(ks.tile_tokens, p.block_size), partition == "always")
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
+    if size == 0:  # the model chose a single pass
+        return 0
     if -(-max_ctx // size) > _MAX_GRID_YZ:
         _fail(f"partition of {size} tokens gives more than {_MAX_GRID_YZ} partitions for "
               f"{max_ctx} tokens; use a larger partition")
     return size
+
+
+@lru_cache(maxsize=4096)
+def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_least_two: bool) -> int:
+    """Split-KV partition size (0: single pass) minimizing a simple cost model: CTAs run
+    in waves of ``slots`` (SMs x resident CTAs per SM); a wave lasts as long as its
+    partitions (rounded up to tiles) plus about one tile of fixed cost per CTA (filling
+    the pipeline, the epilogue); splitting adds the combine (two tiles) and must win by
+    3% (the partials' traffic). A single pass over few long sequences leaves SMs idle or
+    a last wave mostly empty; many tiny partitions pay the fixed costs over and over."""
+    max_parts = min(-(-max_ctx // quantum), _MAX_GRID_YZ)
+    # Worth trying: one partition, and the most partitions that fit in w whole waves.
+    candidates = {1, max_parts} | {min(max_parts, max(1, w * slots // ctas)) for w in range(1, 9)}
+    best = None
+    for n in sorted(candidates):
+        size = _round_up(-(-max_ctx // n), quantum)
+        n = -(-max_ctx // size)
+        if at_least_two and n < 2 and max_parts >= 2:
+            continue
+        waves = -(-(ctas * n) // slots)
+        cost = waves * (_round_up(size, tile) + tile)
+        if n > 1:
+            cost = 1.03 * (cost + 2 * tile)
+        if best is None or cost < best[0]:
+            best = (cost, n, size)
+    _, n, size = best
+    return size if (n > 1 or at_least_two) else 0
 
 
 # ---- launch -----------------------------------------------------------------------------------
@@ -253,9 +279,9 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     group = p.num_heads // p.num_kv_heads
     gt = _group_tile(group)
     ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt)
-    size = _partition_tokens(partition, p, max_ctx, ks.tile_tokens)
-    n_parts = -(-max_ctx // size) if size else 1
     grid_y = p.num_kv_heads * -(-group // gt)
+    size = _partition_tokens(partition, p, max_ctx, p.num_seqs * grid_y, ks)
+    n_parts = -(-max_ctx // size) if size else 1
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
 

@@ -137,6 +137,9 @@ def test_other_objects_are_refused():
         cupaged.paged_attention([[1.0]], None, None, None, None)
 
 
+KS = SimpleNamespace(slots=396, tile_tokens=64)
+
+
 def _problem(**kw):
     return validate(**args(**kw))
 
@@ -167,20 +170,44 @@ def test_max_context_len_checks():
 ])
 def test_partition_checks(partition, match):
     with pytest.raises(ValueError, match=match):
-        attention._partition_tokens(partition, _problem(), 64, 64)
+        attention._partition_tokens(partition, _problem(), 64, 8, KS)
 
 
 def test_too_many_partitions_are_refused():
     p = _problem(width=2**20, bs=1)
     with pytest.raises(ValueError, match="more than 65535 partitions"):
-        attention._partition_tokens(1, p, 2**20, 64)
+        attention._partition_tokens(1, p, 2**20, 8, KS)
 
 
 def test_explicit_partition_and_never():
     p = _problem()
-    assert attention._partition_tokens(32, p, 64, 64) == 32
-    assert attention._partition_tokens("never", p, 64, 64) == 0
-    assert attention._partition_tokens(32, p, 0, 64) == 0  # nothing to split
+    assert attention._partition_tokens(32, p, 64, 8, KS) == 32
+    assert attention._partition_tokens("never", p, 64, 8, KS) == 0
+    assert attention._partition_tokens(32, p, 0, 8, KS) == 0  # nothing to split
+
+
+def test_auto_may_choose_a_single_pass():
+    p = _problem()
+    assert attention._partition_tokens("auto", p, 2048, 4096, KS) == 0  # many waves already
+    assert attention._partition_tokens("always", p, 2048, 4096, KS) > 0
+
+
+@pytest.mark.parametrize("ctas, ctx, want_parts", [
+    (512, 2048, 3),      # 1.3 waves single pass: three partitions fill 4 waves almost fully
+    (8, 131072, 49),     # batch 1, 8 KV heads: one wave of 392 CTAs
+    (512, 8192, 3),      # the same at longer contexts
+    (2048, 512, 1),      # 5.2 waves: a split would not pay for itself
+    (4096, 2048, 1),     # many waves already: no split
+])
+def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
+    size = attention._split(ctas, ctx, 396, 64, 64, False)
+    assert (-(-ctx // size) if size else 1) == want_parts
+
+
+def test_always_splits_at_least_in_two():
+    assert attention._split(4096, 2048, 396, 64, 64, True) > 0
+    assert -(-2048 // attention._split(4096, 2048, 396, 64, 64, True)) >= 2
+    assert attention._split(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
 
 
 def test_smem_mirror_matches_the_kernel_layout():
