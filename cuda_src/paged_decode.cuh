@@ -40,6 +40,7 @@ struct DecodeGeometry {
   static constexpr int kSub = BLOCK_SIZE < TILE_TOKENS ? BLOCK_SIZE : TILE_TOKENS;
   static constexpr int kUnitsPerSub = HEAD_SIZE * kSub / kVec;    // 16-byte copies per piece
   static constexpr int kUnits = TILE_TOKENS * HEAD_SIZE / kVec;   // per tile, for K and for V
+  static constexpr int kPieces = TILE_TOKENS / kSub;              // block-table entries per tile
 
   // Shared K is stored [kChunks][TILE_TOKENS][kVec]: lane t of a warp reads token t, so a
   // warp reads 512 contiguous bytes whatever the block size. Shared V is stored
@@ -67,7 +68,8 @@ struct DecodeGeometry {
   static constexpr int kOffRed = kOffP + TILE_TOKENS * GROUP_TILE * 4;
   static constexpr int kOffWarp = kOffRed + kThreads * GROUP_TILE * 4;
   static constexpr int kOffFlag = kOffWarp + kWarps * GROUP_TILE * 4;
-  static constexpr int kSmemBytes = kOffFlag + 16;
+  static constexpr int kOffIds = kOffFlag + 16;  // [2][kPieces] block ids, double-buffered
+  static constexpr int kSmemBytes = kOffIds + (2 * kPieces * 4 + 15) / 16 * 16;
 
   static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 256, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
@@ -115,6 +117,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* red_s = reinterpret_cast<float*>(smem + Geo::kOffRed); // [kSplitsQK][GT][TT]
   float* warp_s = reinterpret_cast<float*>(smem + Geo::kOffWarp);  // [kWarps][GT]
   int* bad_block_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  int* ids_s = reinterpret_cast<int*>(smem + Geo::kOffIds);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -163,9 +166,37 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const T* k_head = key_cache + kv_head * k_head_stride;
   const T* v_head = value_cache + kv_head * v_head_stride;
 
-  // Issue the cp.async copies of tokens [t0, t0 + TT) into stage `stage`. Pieces starting
-  // at or past `end` are skipped: their block-table entries may be garbage.
-  auto load_tile = [&](int t0, int stage) {
+  const int n_tiles = (end - begin + TT - 1) / TT;
+  // A tile's block ids are read from the table one tile before its copies are issued
+  // (thread i holds piece i's id in a register across a tile of compute, then publishes
+  // it in shared memory), so no copy waits on a dependent global load.
+  constexpr int kIdsPerThread = (Geo::kPieces + NT - 1) / NT;
+  int id_next[kIdsPerThread];
+  auto fetch_ids = [&](int tile) {
+#pragma unroll
+    for (int j = 0; j < kIdsPerThread; ++j) {
+      const int piece = tid + j * NT;
+      // Pieces at or past `end` are skipped: their table entries may be garbage. Checking
+      // the tile first keeps the token arithmetic below 2^31.
+      const bool live = tile < n_tiles && piece < Geo::kPieces &&
+                        begin + tile * TT + piece * Geo::kSub < end;
+      id_next[j] = live ? __ldg(bt_row + (begin + tile * TT + piece * Geo::kSub) / BLOCK_SIZE)
+                        : 0;
+    }
+  };
+  auto publish_ids = [&](int tile) {
+#pragma unroll
+    for (int j = 0; j < kIdsPerThread; ++j) {
+      const int piece = tid + j * NT;
+      if (piece < Geo::kPieces) ids_s[(tile & 1) * Geo::kPieces + piece] = id_next[j];
+    }
+  };
+
+  // Issue the cp.async copies of tile `tile` (tokens [t0, t0 + TT)) into stage `stage`,
+  // once its ids are published and a barrier has passed.
+  auto load_tile = [&](int tile, int stage) {
+    const int t0 = begin + tile * TT;
+    const int* ids = ids_s + (tile & 1) * Geo::kPieces;
     T* ks = k_s + stage * (TT * HS);
     T* vs = v_s + stage * (HS * Geo::kVRow);
     for (int u = tid; u < Geo::kUnits; u += NT) {
@@ -173,7 +204,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
       const int tok = t0 + sub * Geo::kSub;
       if (tok >= end) continue;
-      const int phys = __ldg(bt_row + tok / BLOCK_SIZE);
+      const int phys = ids[sub];
       if (static_cast<unsigned>(phys) >= static_cast<unsigned>(num_cache_blocks)) {
         *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
         continue;
@@ -210,23 +241,29 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int k = 0; k < DPT; ++k) acc[k][g] = 0.f;
   }
 
-  const int n_tiles = (end - begin + TT - 1) / TT;
+  // Prologue: the first STAGES - 1 tiles' ids are waited for here (nothing to hide
+  // them behind yet), one barrier per tile since the id buffer is double.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) load_tile(begin + s * TT, s);
+    fetch_ids(s);
+    publish_ids(s);
+    __syncthreads();
+    if (s < n_tiles) load_tile(s, s);
     cp_async_commit();  // always commit: keeps the group count in step with the tiles
   }
+  fetch_ids(STAGES - 1);
 
   for (int it = 0; it < n_tiles; ++it) {
     const int t0 = begin + it * TT;
     const int stage = it % STAGES;
+    const int next = it + STAGES - 1;
+    publish_ids(next);
     cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile `it` is visible, and everyone is done with tile it - 1
-    {
-      const int next = it + STAGES - 1;
-      if (next < n_tiles) load_tile(begin + next * TT, next % STAGES);
-      cp_async_commit();
-    }
+    // Tile `it` is visible, everyone is done with tile it - 1, and tile next's ids are out.
+    __syncthreads();
+    if (next < n_tiles) load_tile(next, next % STAGES);
+    cp_async_commit();
+    fetch_ids(next + 1);  // in flight during this tile's compute
     const T* ks = k_s + stage * (TT * HS);
     const T* vs = v_s + stage * (HS * Geo::kVRow);
     const int valid = min(TT, end - t0);

@@ -35,7 +35,8 @@ BLOCK_SIZES = _checks.BLOCK_SIZES
 GROUP_TILES = (1, 2, 4, 8)
 _THREADS = 128  # kDecodeThreads in cuda_src/paged_decode.cuh
 _MAX_GRID_YZ = 65535
-_INT32_MAX = _checks.INT32_MAX
+# Token positions are int32 in the kernel, which computes some up to a tile past the end.
+_MAX_TOKENS = _checks.INT32_MAX - 1024
 _fail = _checks.fail
 
 # CUPAGED_DEBUG=1 runs check_block_tables (which synchronizes) inside every call.
@@ -62,8 +63,9 @@ def _decode_smem_bytes(spec: jit.KernelSpec) -> int:
     tt, hs, gt = spec.tile_tokens, spec.head_size, spec.group_tile
     k_stage = tt * hs * it
     v_stage = hs * (tt + 16 // it) * it
+    pieces = tt // min(spec.block_size, tt)  # block ids per tile, double-buffered
     return (spec.stages * (k_stage + v_stage) + gt * hs * 4 + tt * gt * 4 + _THREADS * gt * 4
-            + (_THREADS // 32) * gt * 4 + 16)
+            + (_THREADS // 32) * gt * 4 + 16 + _round_up(2 * pieces * 4, 16))
 
 
 def decode_specs(arch: str) -> list[jit.KernelSpec]:
@@ -76,6 +78,24 @@ def decode_specs(arch: str) -> list[jit.KernelSpec]:
                 for gt in GROUP_TILES:
                     specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, gt, arch=arch))
     return specs
+
+
+# (tile_tokens, stages) for every decode specialization instead of the default, for
+# tuning experiments (cupaged-bench decode --tile); set through _set_tile.
+_tile_override: tuple[int, int] | None = None
+
+
+def _set_tile(tile: tuple[int, int] | None) -> None:
+    global _tile_override
+    _tile_override = tile
+    _kernels.cache_clear()
+
+
+def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int,
+                 group_tile: int) -> jit.KernelSpec:
+    tt, st = _tile_override or (0, 0)
+    return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
+                          arch=arch)
 
 
 class _Device(NamedTuple):
@@ -104,7 +124,7 @@ class _Kernels(NamedTuple):
 @lru_cache(maxsize=None)
 def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int) -> _Kernels:
     dev = _device(device_id)
-    spec = jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, arch=dev.arch)
+    spec = _decode_spec(dev.arch, dtype, head_size, block_size, group_tile)
     smem = _decode_smem_bytes(spec)
     if smem > dev.max_smem:
         raise ValueError(
@@ -162,9 +182,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if (block_tables.shape[1] > 1 and block_tables.strides[1] != 4) or block_tables.strides[0] < 0:
         _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
     max_blocks = block_tables.shape[1]
-    if max_blocks * cache.block_size > _INT32_MAX:
+    if max_blocks * cache.block_size > _MAX_TOKENS:
         _fail(f"block_tables allows {max_blocks * cache.block_size} tokens per sequence; at "
-              f"most {_INT32_MAX} are supported")
+              f"most {_MAX_TOKENS} are supported")
     if context_lens.shape != (num_seqs,) or (num_seqs > 1 and context_lens.strides[0] != 4):
         _fail(f"context_lens must be a contiguous [num_seqs={num_seqs}] array, "
               f"got shape {context_lens.shape}")

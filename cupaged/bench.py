@@ -129,8 +129,8 @@ class DecodeCase:
     def spec_name(self) -> str:
         dev = attention._device(cupy.cuda.Device().id)
         gt = attention._group_tile(self.heads // self.kv_heads)
-        return attention.jit.KernelSpec("paged_decode", _dtypes.lookup(self.dtype).name,
-                                        self.head_size, self.block_size, gt, arch=dev.arch).name
+        return attention._decode_spec(dev.arch, _dtypes.lookup(self.dtype).name, self.head_size,
+                                      self.block_size, gt).name
 
 
 # ---- workloads -------------------------------------------------------------------------------

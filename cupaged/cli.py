@@ -287,12 +287,30 @@ def _print_table(results, compare: bool):
         click.echo(line)
 
 
+def _tile(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        tt, st = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter(f"expected TOKENSxSTAGES such as 32x3, got {value!r}") from None
+    if tt not in (32, 64, 128, 256) or not 2 <= st <= 8:
+        raise click.BadParameter(f"tokens must be 32, 64, 128 or 256 and stages 2..8, got {value}")
+    return tt, st
+
+
 @main.command()
 @_workload_options
+@click.option("--tile", default=None, callback=_tile, metavar="TOKENSxSTAGES",
+              help="Tuning: force the decode kernels' tile (tokens) and pipeline depth, "
+                   "e.g. 32x3, instead of the default for the dtype and head size.")
 def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size, dtype,
-           partition, reps, seed, json_path, csv_path, plot_path):
+           partition, reps, seed, json_path, csv_path, plot_path, tile):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference before it is timed."""
+    from . import attention
+
+    attention._set_tile(tile)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype)
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,

@@ -211,11 +211,24 @@ def test_always_splits_at_least_in_two():
 
 
 def test_smem_mirror_matches_the_kernel_layout():
-    """_decode_smem_bytes mirrors DecodeGeometry::kSmemBytes; the kernel traps on a
-    mismatch, so check the two formulas agree by reading the C++ for one case."""
-    from cupaged import jit
+    """_decode_smem_bytes mirrors DecodeGeometry::kSmemBytes (the kernel traps when
+    launched with less). NVRTC checks the two agree: each case is a static_assert."""
+    from cupaged import _dtypes, jit
 
-    spec = jit.KernelSpec("paged_decode", "f16", 128, 16, 4)
-    # stages*(K + V) + q + p + red + warp + flag for T=64, hs=128, x=8, gt=4
-    expect = 2 * (64 * 128 * 2 + 128 * (64 + 8) * 2) + 4 * 128 * 4 + 64 * 4 * 4 + 128 * 4 * 4 + 4 * 4 * 4 + 16
-    assert attention._decode_smem_bytes(spec) == expect
+    specs = [jit.KernelSpec("paged_decode", dt, hs, bs, gt, tile_tokens=tt, stages=st)
+             for dt, hs, bs, gt, tt, st in [
+                 ("f16", 128, 16, 4, 0, 0), ("f32", 40, 1, 1, 0, 0), ("bf16", 256, 256, 8, 0, 0),
+                 ("f16", 64, 2, 2, 0, 0), ("f16", 128, 32, 8, 32, 3), ("f32", 96, 128, 4, 64, 4)]]
+    asserts = "".join(
+        f"static_assert(cupaged::DecodeGeometry<{_dtypes.BY_NAME[s.dtype].cxx}, {s.head_size}, "
+        f"{s.block_size}, {s.group_tile}, {s.tile_tokens}, {s.stages}>::kSmemBytes == "
+        f"{attention._decode_smem_bytes(s)}, \"{s.name}\");\n" for s in specs)
+    nvrtc = jit._nvrtc()
+    prog = nvrtc.createProgram(jit.source("paged_decode.cu") + asserts, "mirror.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
