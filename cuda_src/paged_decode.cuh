@@ -59,6 +59,19 @@ struct DecodeGeometry {
   static constexpr int kDimsPerThread = (HEAD_SIZE + 31) / 32;
   static constexpr int kTokensPerWarpPV = TILE_TOKENS / kWarps;
 
+  // Tensor cores (mma.m16n8k16, fp32 sums) do Q K^T and P V for 16-bit caches when a CTA
+  // serves 4 or 8 query heads: there the FMA path's arithmetic, not memory, sets the pace.
+  // Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
+  // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
+  static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
+                               kVTransposed;
+  static constexpr int kTokenTilesPerWarp = (TILE_TOKENS / 16 + kWarps - 1) / kWarps;
+  static constexpr int kDimTilesPerWarp = (HEAD_SIZE / 16 + kWarps - 1) / kWarps;
+  static constexpr int kPRow = TILE_TOKENS + kVec;  // mma path: P as T [GROUP_TILE][kPRow]
+  // Warps whose partial maxima / sums are combined, and output partials summed.
+  static constexpr int kStatWarps = kMma ? kWarps : kScoreThreads / 32;
+  static constexpr int kAccSlots = kMma ? 1 : kWarps;
+
   // Shared-memory carve-up in bytes (every offset a multiple of 16).
   static constexpr int kKStage = TILE_TOKENS * HEAD_SIZE * static_cast<int>(sizeof(T));
   static constexpr int kVStage = HEAD_SIZE * kVRow * static_cast<int>(sizeof(T));
@@ -81,6 +94,7 @@ struct DecodeGeometry {
   static_assert(kTokensPerWarpPV % kVec == 0, "P @ V walks whole 16-byte vectors");
   // The final cross-warp reduction of the output reuses the K stages.
   static_assert(kWarps * GROUP_TILE * HEAD_SIZE * 4 <= STAGES * kKStage, "reduction space");
+  static_assert(!kMma || GROUP_TILE * kPRow * 2 <= TILE_TOKENS * GROUP_TILE * 4, "P space");
 };
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_TILE, int TILE_TOKENS,
@@ -144,20 +158,45 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (begin >= end) return;  // past this sequence's context: the combine skips it
   }
 
-  for (int i = tid; i < GT * HS; i += NT) {
-    const int g = i / HS;
-    const int d = i % HS;
-    float v = 0.f;
-    if (g < heads_here) {
-      v = to_float(query[seq * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
-    }
-    q_s[i] = v;
-  }
   float slope[GT];
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
     slope[g] = (alibi_slopes != nullptr && g < heads_here) ? alibi_slopes[head0 + g] * kLog2e
                                                            : 0.f;
+  }
+  // mma path: the query as B fragments (head = lane / 4), exact in T; the scale is applied
+  // to the fp32 scores. Each thread's accumulators hold heads hq and hq + 1.
+  const int hq = (lane & 3) * 2;
+  unsigned q_frag[Geo::kMma ? HS / 16 : 1][2];
+  float my_slope[2] = {0.f, 0.f};
+  if constexpr (Geo::kMma) {
+    const int h = lane >> 2;
+    const T* qh = query + seq * q_seq_stride + (head0 + h) * q_head_stride;
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int d = kk * 16 + r * 8 + hq;
+        const unsigned lo = h < heads_here ? qh[d].bits : 0u;
+        const unsigned hi = h < heads_here ? qh[d + 1].bits : 0u;
+        q_frag[kk][r] = lo | (hi << 16);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      my_slope[0] = g == hq ? slope[g] : my_slope[0];
+      my_slope[1] = g == hq + 1 ? slope[g] : my_slope[1];
+    }
+  } else {
+    for (int i = tid; i < GT * HS; i += NT) {
+      const int g = i / HS;
+      const int d = i % HS;
+      float v = 0.f;
+      if (g < heads_here) {
+        v = to_float(query[seq * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
+      }
+      q_s[i] = v;
+    }
   }
   if (tid == 0) *bad_block_s = 0;
   __syncthreads();
@@ -233,12 +272,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float m_run[GT];  // running max (log2 units), identical in every thread
   float l_run[GT];  // running sum of this thread's own probabilities (score owners only)
   float acc[DPT][GT];
+  // mma path: O^T fragments of this warp's 16-dim tiles, and the sums for heads hq, hq + 1.
+  float acc_mma[Geo::kMma ? Geo::kDimTilesPerWarp : 1][4];
+  float l_mma[2] = {0.f, 0.f};
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
     m_run[g] = neg_inf();
     l_run[g] = 0.f;
 #pragma unroll
     for (int k = 0; k < DPT; ++k) acc[k][g] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < (Geo::kMma ? Geo::kDimTilesPerWarp : 1); ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_mma[j][i] = 0.f;
   }
 
   // Prologue: the first STAGES - 1 tiles' ids are waited for here (nothing to hide
@@ -252,6 +299,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
     cp_async_commit();  // always commit: keeps the group count in step with the tiles
   }
   fetch_ids(STAGES - 1);
+
+  // Once a tile's per-warp maxima are in warp_s: the new running maxima, and the factors
+  // that rescale what was accumulated under the old ones.
+  auto rescale = [&](float (&alpha)[GT]) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float mx = warp_s[g];
+#pragma unroll
+      for (int w = 1; w < Geo::kStatWarps; ++w) mx = fmaxf(mx, warp_s[w * GT + g]);
+      const float m_new = fmaxf(m_run[g], mx);
+      alpha[g] = exp2f(m_run[g] - m_new);
+      m_run[g] = m_new;
+    }
+  };
 
   for (int it = 0; it < n_tiles; ++it) {
     const int t0 = begin + it * TT;
@@ -268,134 +329,228 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const T* vs = v_s + stage * (HS * Geo::kVRow);
     const int valid = min(TT, end - t0);
 
-    // ---- scores: s[j][g] = q_g . k_t for this thread's tokens t -------------------------
-    const int split = tid / Geo::kScoreThreads;
-    const int tq = tid % Geo::kScoreThreads;
-    float s[Geo::kTokensPerThread][GT];
-#pragma unroll
-    for (int j = 0; j < Geo::kTokensPerThread; ++j) {
-      const int t = tq + j * NT;
-#pragma unroll
-      for (int g = 0; g < GT; ++g) s[j][g] = 0.f;
-      for (int c = split; c < Geo::kChunks; c += Geo::kSplitsQK) {
-        float kf[X];
-        load_floats<T, X>(ks + (c * TT + t) * X, kf);
-#pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          const float4* q4 = reinterpret_cast<const float4*>(q_s + g * HS + c * X);
-#pragma unroll
-          for (int i = 0; i < X / 4; ++i) {
-            const float4 q = q4[i];
-            s[j][g] = fmaf(q.x, kf[4 * i + 0], s[j][g]);
-            s[j][g] = fmaf(q.y, kf[4 * i + 1], s[j][g]);
-            s[j][g] = fmaf(q.z, kf[4 * i + 2], s[j][g]);
-            s[j][g] = fmaf(q.w, kf[4 * i + 3], s[j][g]);
-          }
-        }
+    if constexpr (Geo::kMma) {
+      T* pt = reinterpret_cast<T*>(p_s);  // [GT][kPRow]
+      // Cache slots past the context end may hold anything, NaN included, and 0 * NaN is
+      // NaN: clear V's columns there, up to the next 16-token step of the P V product.
+      if (valid < TT) {
+        T* vz = v_s + stage * (HS * Geo::kVRow);
+        const int cols = min(TT, (valid + 15) / 16 * 16) - valid;
+        for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = T{};
       }
-    }
-    if constexpr (Geo::kSplitsQK > 1) {
-#pragma unroll
-      for (int g = 0; g < GT; ++g) red_s[(split * GT + g) * TT + tq] = s[0][g];
-      __syncthreads();
-      if (split == 0) {
-#pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          float v = 0.f;
-#pragma unroll
-          for (int sp = 0; sp < Geo::kSplitsQK; ++sp) v += red_s[(sp * GT + g) * TT + tq];
-          s[0][g] = v;
-        }
-      }
-    }
 
-    // ---- mask, ALiBi, tile max ----------------------------------------------------------
-    const bool owner = tid < Geo::kScoreThreads;
-    if (owner) {
-      float tmax[GT];
+      // ---- scores: S^T = K Q^T, token tiles of 16 spread over the warps ----------------
+      const int mi = lane >> 3;  // which 8x8 matrix this lane addresses for ldmatrix
+      float sc[Geo::kTokenTilesPerWarp][4];
+      float tmax[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-      for (int g = 0; g < GT; ++g) tmax[g] = neg_inf();
+      for (int j = 0; j < Geo::kTokenTilesPerWarp; ++j) {
+        const int mt = warp + j * Geo::kWarps;
 #pragma unroll
-      for (int j = 0; j < Geo::kTokensPerThread; ++j) {
-        const int t = tq + j * NT;
-        const float rel = static_cast<float>(t0 + t - ctx + 1);  // ALiBi distance, <= 0
+        for (int i = 0; i < 4; ++i) sc[j][i] = neg_inf();
+        if ((TT / 16) % Geo::kWarps != 0 && mt >= TT / 16) continue;
 #pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          s[j][g] = t < valid ? fmaf(slope[g], rel, s[j][g]) : neg_inf();
-          tmax[g] = fmaxf(tmax[g], s[j][g]);
+        for (int i = 0; i < 4; ++i) sc[j][i] = 0.f;
+        const T* a_row = ks + ((mi >> 1) * TT + mt * 16 + (lane & 7) + (mi & 1) * 8) * X;
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; ++kk) {
+          unsigned a[4];
+          ldmatrix_x4(a, a_row + kk * 2 * TT * X);
+          mma_16816<T>(sc[j], a, q_frag[kk]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // C fragment: token (lane / 4) + 8 (i / 2), head hq + i % 2
+          const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
+          const float rel = static_cast<float>(t0 + t - ctx + 1);  // ALiBi distance, <= 0
+          const float v = fmaf(my_slope[i & 1], rel, sc[j][i] * scale_log2);
+          sc[j][i] = t < valid ? v : neg_inf();
+          tmax[i & 1] = fmaxf(tmax[i & 1], sc[j][i]);
         }
       }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) tmax[e] = fmaxf(tmax[e], __shfl_xor_sync(~0u, tmax[e], o));
+        if (lane < 4 && hq + e < GT) warp_s[warp * GT + hq + e] = tmax[e];
+      }
+      __syncthreads();
+      float alpha[GT];
+      rescale(alpha);
+      float alpha_own[2] = {1.f, 1.f};
+      float m_own[2] = {0.f, 0.f};
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
-        tmax[g] = warp_max(tmax[g]);
-        if (lane == 0) warp_s[warp * GT + g] = tmax[g];
-      }
-    }
-    __syncthreads();
-    float alpha[GT];
 #pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      float mx = warp_s[g];
-#pragma unroll
-      for (int w = 1; w < Geo::kScoreThreads / 32; ++w) mx = fmaxf(mx, warp_s[w * GT + g]);
-      const float m_new = fmaxf(m_run[g], mx);
-      alpha[g] = exp2f(m_run[g] - m_new);
-      m_run[g] = m_new;
-    }
-    if (owner) {
-#pragma unroll
-      for (int j = 0; j < Geo::kTokensPerThread; ++j) {
-        const int t = tq + j * NT;
-#pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          const float p = exp2f(s[j][g] - m_run[g]);
-          p_s[t * GT + g] = p;
-          l_run[g] = (j == 0 ? l_run[g] * alpha[g] : l_run[g]) + p;
+        for (int e = 0; e < 2; ++e) {
+          alpha_own[e] = g == hq + e ? alpha[g] : alpha_own[e];
+          m_own[e] = g == hq + e ? m_run[g] : m_own[e];
         }
       }
-    }
-    __syncthreads();
 
-    // ---- P @ V ----------------------------------------------------------------------------
+      // ---- P, rounded to T; the sums add the rounded values the P V product uses ------
 #pragma unroll
-    for (int k = 0; k < DPT; ++k) {
+      for (int e = 0; e < 2; ++e) l_mma[e] *= alpha_own[e];
 #pragma unroll
-      for (int g = 0; g < GT; ++g) acc[k][g] *= alpha[g];
-    }
-    const int pv_begin = warp * Geo::kTokensPerWarpPV;
-    for (int tt = pv_begin; tt < pv_begin + Geo::kTokensPerWarpPV; tt += X) {
-      if (tt >= valid) break;
-      float p[X][GT];
+      for (int j = 0; j < Geo::kTokenTilesPerWarp; ++j) {
+        const int mt = warp + j * Geo::kWarps;
+        if ((TT / 16) % Geo::kWarps != 0 && mt >= TT / 16) continue;
 #pragma unroll
-      for (int i = 0; i < X; ++i) {
-#pragma unroll
-        for (int g = 0; g < GT; ++g) p[i][g] = p_s[(tt + i) * GT + g];
-      }
-#pragma unroll
-      for (int k = 0; k < DPT; ++k) {
-        const int d = lane + 32 * k;
-        if (HS % 32 != 0 && d >= HS) continue;
-        float vf[X];
-        if constexpr (Geo::kVTransposed) {
-          load_floats<T, X>(vs + d * Geo::kVRow + tt, vf);
-        } else {
-          constexpr int kSub = Geo::kSub;
-#pragma unroll
-          for (int j = 0; j < X / kSub; ++j) {
-            float part[kSub];
-            load_floats<T, kSub>(vs + ((tt / kSub + j) * HS + d) * kSub, part);
-#pragma unroll
-            for (int i = 0; i < kSub; ++i) vf[j * kSub + i] = part[i];
+        for (int i = 0; i < 4; ++i) {
+          const int h = hq + (i & 1);
+          const T p = from_float<T>(exp2f(sc[j][i] - m_own[i & 1]));
+          if (h < GT) {
+            pt[h * Geo::kPRow + mt * 16 + (lane >> 2) + (i >> 1) * 8] = p;
+            l_mma[i & 1] += to_float(p);
           }
         }
-        if (tt + X > valid) {  // cache slots past the end may hold anything, NaN included
+      }
+      __syncthreads();
+
+      // ---- O^T += V^T P^T, dim tiles of 16 spread over the warps ---------------------------
 #pragma unroll
-          for (int i = 0; i < X; ++i) vf[i] = tt + i < valid ? vf[i] : 0.f;
+      for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_mma[j][i] *= alpha_own[i & 1];
+      }
+      // B rows are heads; lanes of heads the tile lacks read row 0 (their columns are dropped).
+      const T* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
+      const int steps = (valid + 15) / 16;
+      for (int kk = 0; kk < TT / 16; ++kk) {
+        if (kk >= steps) break;
+        unsigned b[2];
+        ldmatrix_x2(b, b_row + kk * 16);
+#pragma unroll
+        for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
+          const int mt = warp + j * Geo::kWarps;
+          if ((HS / 16) % Geo::kWarps != 0 && mt >= HS / 16) continue;
+          unsigned a[4];
+          ldmatrix_x4(a, vs + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRow + (mi >> 1) * 8 +
+                             kk * 16);
+          mma_16816<T>(acc_mma[j], a, b);
         }
-#pragma unroll
+      }
+    } else {
+      // ---- scores: s[j][g] = q_g . k_t for this thread's tokens t -------------------------
+      const int split = tid / Geo::kScoreThreads;
+      const int tq = tid % Geo::kScoreThreads;
+      float s[Geo::kTokensPerThread][GT];
+  #pragma unroll
+      for (int j = 0; j < Geo::kTokensPerThread; ++j) {
+        const int t = tq + j * NT;
+  #pragma unroll
+        for (int g = 0; g < GT; ++g) s[j][g] = 0.f;
+        for (int c = split; c < Geo::kChunks; c += Geo::kSplitsQK) {
+          float kf[X];
+          load_floats<T, X>(ks + (c * TT + t) * X, kf);
+  #pragma unroll
+          for (int g = 0; g < GT; ++g) {
+            const float4* q4 = reinterpret_cast<const float4*>(q_s + g * HS + c * X);
+  #pragma unroll
+            for (int i = 0; i < X / 4; ++i) {
+              const float4 q = q4[i];
+              s[j][g] = fmaf(q.x, kf[4 * i + 0], s[j][g]);
+              s[j][g] = fmaf(q.y, kf[4 * i + 1], s[j][g]);
+              s[j][g] = fmaf(q.z, kf[4 * i + 2], s[j][g]);
+              s[j][g] = fmaf(q.w, kf[4 * i + 3], s[j][g]);
+            }
+          }
+        }
+      }
+      if constexpr (Geo::kSplitsQK > 1) {
+  #pragma unroll
+        for (int g = 0; g < GT; ++g) red_s[(split * GT + g) * TT + tq] = s[0][g];
+        __syncthreads();
+        if (split == 0) {
+  #pragma unroll
+          for (int g = 0; g < GT; ++g) {
+            float v = 0.f;
+  #pragma unroll
+            for (int sp = 0; sp < Geo::kSplitsQK; ++sp) v += red_s[(sp * GT + g) * TT + tq];
+            s[0][g] = v;
+          }
+        }
+      }
+
+      // ---- mask, ALiBi, tile max ----------------------------------------------------------
+      const bool owner = tid < Geo::kScoreThreads;
+      if (owner) {
+        float tmax[GT];
+  #pragma unroll
+        for (int g = 0; g < GT; ++g) tmax[g] = neg_inf();
+  #pragma unroll
+        for (int j = 0; j < Geo::kTokensPerThread; ++j) {
+          const int t = tq + j * NT;
+          const float rel = static_cast<float>(t0 + t - ctx + 1);  // ALiBi distance, <= 0
+  #pragma unroll
+          for (int g = 0; g < GT; ++g) {
+            s[j][g] = t < valid ? fmaf(slope[g], rel, s[j][g]) : neg_inf();
+            tmax[g] = fmaxf(tmax[g], s[j][g]);
+          }
+        }
+  #pragma unroll
+        for (int g = 0; g < GT; ++g) {
+          tmax[g] = warp_max(tmax[g]);
+          if (lane == 0) warp_s[warp * GT + g] = tmax[g];
+        }
+      }
+      __syncthreads();
+      float alpha[GT];
+      rescale(alpha);
+      if (owner) {
+  #pragma unroll
+        for (int j = 0; j < Geo::kTokensPerThread; ++j) {
+          const int t = tq + j * NT;
+  #pragma unroll
+          for (int g = 0; g < GT; ++g) {
+            const float p = exp2f(s[j][g] - m_run[g]);
+            p_s[t * GT + g] = p;
+            l_run[g] = (j == 0 ? l_run[g] * alpha[g] : l_run[g]) + p;
+          }
+        }
+      }
+      __syncthreads();
+
+      // ---- P @ V ----------------------------------------------------------------------------
+  #pragma unroll
+      for (int k = 0; k < DPT; ++k) {
+  #pragma unroll
+        for (int g = 0; g < GT; ++g) acc[k][g] *= alpha[g];
+      }
+      const int pv_begin = warp * Geo::kTokensPerWarpPV;
+      for (int tt = pv_begin; tt < pv_begin + Geo::kTokensPerWarpPV; tt += X) {
+        if (tt >= valid) break;
+        float p[X][GT];
+  #pragma unroll
         for (int i = 0; i < X; ++i) {
-#pragma unroll
-          for (int g = 0; g < GT; ++g) acc[k][g] = fmaf(p[i][g], vf[i], acc[k][g]);
+  #pragma unroll
+          for (int g = 0; g < GT; ++g) p[i][g] = p_s[(tt + i) * GT + g];
+        }
+  #pragma unroll
+        for (int k = 0; k < DPT; ++k) {
+          const int d = lane + 32 * k;
+          if (HS % 32 != 0 && d >= HS) continue;
+          float vf[X];
+          if constexpr (Geo::kVTransposed) {
+            load_floats<T, X>(vs + d * Geo::kVRow + tt, vf);
+          } else {
+            constexpr int kSub = Geo::kSub;
+  #pragma unroll
+            for (int j = 0; j < X / kSub; ++j) {
+              float part[kSub];
+              load_floats<T, kSub>(vs + ((tt / kSub + j) * HS + d) * kSub, part);
+  #pragma unroll
+              for (int i = 0; i < kSub; ++i) vf[j * kSub + i] = part[i];
+            }
+          }
+          if (tt + X > valid) {  // cache slots past the end may hold anything, NaN included
+  #pragma unroll
+            for (int i = 0; i < X; ++i) vf[i] = tt + i < valid ? vf[i] : 0.f;
+          }
+  #pragma unroll
+          for (int i = 0; i < X; ++i) {
+  #pragma unroll
+            for (int g = 0; g < GT; ++g) acc[k][g] = fmaf(p[i][g], vf[i], acc[k][g]);
+          }
         }
       }
     }
@@ -404,20 +559,39 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __syncthreads();  // all tiles consumed: the K stages are free for the reduction below
 
   // ---- reduce: the sum over score owners, the output over the PV warps -------------------
-  if (tid < Geo::kScoreThreads) {
+  float* acc_s = reinterpret_cast<float*>(smem);  // [kAccSlots][GT][HS]
+  if constexpr (Geo::kMma) {
 #pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      const float v = warp_sum(l_run[g]);
-      if (lane == 0) warp_s[warp * GT + g] = v;
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l_mma[e] += __shfl_xor_sync(~0u, l_mma[e], o);
+      if (lane < 4 && hq + e < GT) warp_s[warp * GT + hq + e] = l_mma[e];
     }
-  }
-  float* acc_s = reinterpret_cast<float*>(smem);  // [kWarps][GT][HS]
 #pragma unroll
-  for (int k = 0; k < DPT; ++k) {
-    const int d = lane + 32 * k;
-    if (HS % 32 != 0 && d >= HS) continue;
+    for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
+      const int mt = warp + j * Geo::kWarps;
+      if ((HS / 16) % Geo::kWarps != 0 && mt >= HS / 16) continue;
 #pragma unroll
-    for (int g = 0; g < GT; ++g) acc_s[(warp * GT + g) * HS + d] = acc[k][g];
+      for (int i = 0; i < 4; ++i) {  // C fragment: dim (lane / 4) + 8 (i / 2), head hq + i % 2
+        const int h = hq + (i & 1);
+        if (h < GT) acc_s[h * HS + mt * 16 + (lane >> 2) + (i >> 1) * 8] = acc_mma[j][i];
+      }
+    }
+  } else {
+    if (tid < Geo::kScoreThreads) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        const float v = warp_sum(l_run[g]);
+        if (lane == 0) warp_s[warp * GT + g] = v;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < DPT; ++k) {
+      const int d = lane + 32 * k;
+      if (HS % 32 != 0 && d >= HS) continue;
+#pragma unroll
+      for (int g = 0; g < GT; ++g) acc_s[(warp * GT + g) * HS + d] = acc[k][g];
+    }
   }
   __syncthreads();
 
@@ -429,10 +603,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (g >= heads_here) continue;
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < Geo::kWarps; ++w) a += acc_s[(w * GT + g) * HS + d];
+    for (int w = 0; w < Geo::kAccSlots; ++w) a += acc_s[(w * GT + g) * HS + d];
     float l = 0.f;
 #pragma unroll
-    for (int w = 0; w < Geo::kScoreThreads / 32; ++w) l += warp_s[w * GT + g];
+    for (int w = 0; w < Geo::kStatWarps; ++w) l += warp_s[w * GT + g];
     // An empty context (n_tiles == 0, single pass only) gives zeros, never 0/0.
     float o = n_tiles > 0 ? a / l : 0.f;
     if (bad) o = quiet_nan();
