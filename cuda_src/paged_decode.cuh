@@ -18,6 +18,8 @@
 //      pre-scaled by scale * log2(e)), masked past the context end, plus optional ALiBi;
 //   3. updates the running max / sum (online softmax: nothing grows with the context);
 //   4. accumulates P @ V in fp32 registers.
+// Steps 2 and 4 run on tensor cores (mma.m16n8k16 with fp32 sums, P rounded to T as its
+// operand) for 16-bit caches when a CTA serves 4 to 8 query heads; otherwise on FMAs.
 // Single pass (partition_tokens == 0) writes the normalized output. Split-KV writes each
 // partition's normalized output with its max and sum; paged_decode_combine merges them.
 #pragma once
@@ -158,49 +160,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (begin >= end) return;  // past this sequence's context: the combine skips it
   }
 
-  float slope[GT];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    slope[g] = (alibi_slopes != nullptr && g < heads_here) ? alibi_slopes[head0 + g] * kLog2e
-                                                           : 0.f;
-  }
-  // mma path: the query as B fragments (head = lane / 4), exact in T; the scale is applied
-  // to the fp32 scores. Each thread's accumulators hold heads hq and hq + 1.
-  const int hq = (lane & 3) * 2;
-  unsigned q_frag[Geo::kMma ? HS / 16 : 1][2];
-  float my_slope[2] = {0.f, 0.f};
-  if constexpr (Geo::kMma) {
-    const int h = lane >> 2;
-    const T* qh = query + seq * q_seq_stride + (head0 + h) * q_head_stride;
-#pragma unroll
-    for (int kk = 0; kk < HS / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int d = kk * 16 + r * 8 + hq;
-        const unsigned lo = h < heads_here ? qh[d].bits : 0u;
-        const unsigned hi = h < heads_here ? qh[d + 1].bits : 0u;
-        q_frag[kk][r] = lo | (hi << 16);
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      my_slope[0] = g == hq ? slope[g] : my_slope[0];
-      my_slope[1] = g == hq + 1 ? slope[g] : my_slope[1];
-    }
-  } else {
-    for (int i = tid; i < GT * HS; i += NT) {
-      const int g = i / HS;
-      const int d = i % HS;
-      float v = 0.f;
-      if (g < heads_here) {
-        v = to_float(query[seq * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
-      }
-      q_s[i] = v;
-    }
-  }
-  if (tid == 0) *bad_block_s = 0;
-  __syncthreads();
-
   const int* bt_row = block_tables + seq * bt_seq_stride;
   const T* k_head = key_cache + kv_head * k_head_stride;
   const T* v_head = value_cache + kv_head * v_head_stride;
@@ -269,6 +228,52 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
 
+  fetch_ids(0);  // in flight while the query loads
+
+  float slope[GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    slope[g] = (alibi_slopes != nullptr && g < heads_here) ? alibi_slopes[head0 + g] * kLog2e
+                                                           : 0.f;
+  }
+  // mma path: the query as B fragments (head = lane / 4), exact in T; the scale is applied
+  // to the fp32 scores. Each thread's accumulators hold heads hq and hq + 1.
+  const int hq = (lane & 3) * 2;
+  unsigned q_frag[Geo::kMma ? HS / 16 : 1][2];
+  float my_slope[2] = {0.f, 0.f};
+  float m_own[2] = {neg_inf(), neg_inf()};  // running maxima of heads hq, hq + 1
+  if constexpr (Geo::kMma) {
+    const int h = lane >> 2;
+    const T* qh = query + seq * q_seq_stride + (head0 + h) * q_head_stride;
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int d = kk * 16 + r * 8 + hq;
+        const unsigned lo = h < heads_here ? qh[d].bits : 0u;
+        const unsigned hi = h < heads_here ? qh[d + 1].bits : 0u;
+        q_frag[kk][r] = lo | (hi << 16);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      my_slope[e] = (alibi_slopes != nullptr && hq + e < heads_here)
+                        ? alibi_slopes[head0 + hq + e] * kLog2e : 0.f;
+    }
+  } else {
+    for (int i = tid; i < GT * HS; i += NT) {
+      const int g = i / HS;
+      const int d = i % HS;
+      float v = 0.f;
+      if (g < heads_here) {
+        v = to_float(query[seq * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
+      }
+      q_s[i] = v;
+    }
+  }
+  if (tid == 0) *bad_block_s = 0;
+  __syncthreads();
+
   float m_run[GT];  // running max (log2 units), identical in every thread
   float l_run[GT];  // running sum of this thread's own probabilities (score owners only)
   float acc[DPT][GT];
@@ -292,27 +297,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // them behind yet), one barrier per tile since the id buffer is double.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    fetch_ids(s);
+    if (s > 0) fetch_ids(s);
     publish_ids(s);
     __syncthreads();
     if (s < n_tiles) load_tile(s, s);
     cp_async_commit();  // always commit: keeps the group count in step with the tiles
   }
   fetch_ids(STAGES - 1);
-
-  // Once a tile's per-warp maxima are in warp_s: the new running maxima, and the factors
-  // that rescale what was accumulated under the old ones.
-  auto rescale = [&](float (&alpha)[GT]) {
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      float mx = warp_s[g];
-#pragma unroll
-      for (int w = 1; w < Geo::kStatWarps; ++w) mx = fmaxf(mx, warp_s[w * GT + g]);
-      const float m_new = fmaxf(m_run[g], mx);
-      alpha[g] = exp2f(m_run[g] - m_new);
-      m_run[g] = m_new;
-    }
-  };
 
   for (int it = 0; it < n_tiles; ++it) {
     const int t0 = begin + it * TT;
@@ -374,17 +365,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
         if (lane < 4 && hq + e < GT) warp_s[warp * GT + hq + e] = tmax[e];
       }
       __syncthreads();
-      float alpha[GT];
-      rescale(alpha);
-      float alpha_own[2] = {1.f, 1.f};
-      float m_own[2] = {0.f, 0.f};
+      // Only this thread's two heads (heads past the tile mirror the last; never output).
+      float alpha_own[2];
 #pragma unroll
-      for (int g = 0; g < GT; ++g) {
+      for (int e = 0; e < 2; ++e) {
+        const int h = min(hq + e, GT - 1);
+        float mx = warp_s[h];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          alpha_own[e] = g == hq + e ? alpha[g] : alpha_own[e];
-          m_own[e] = g == hq + e ? m_run[g] : m_own[e];
-        }
+        for (int w = 1; w < Geo::kWarps; ++w) mx = fmaxf(mx, warp_s[w * GT + h]);
+        const float m_new = fmaxf(m_own[e], mx);
+        alpha_own[e] = exp2f(m_own[e] - m_new);
+        m_own[e] = m_new;
       }
 
       // ---- P, rounded to T; the sums add the rounded values the P V product uses ------
@@ -494,8 +485,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
         }
       }
       __syncthreads();
-      float alpha[GT];
-      rescale(alpha);
+      float alpha[GT];  // rescales what was accumulated under the old running maxima
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        float mx = warp_s[g];
+#pragma unroll
+        for (int w = 1; w < Geo::kStatWarps; ++w) mx = fmaxf(mx, warp_s[w * GT + g]);
+        const float m_new = fmaxf(m_run[g], mx);
+        alpha[g] = exp2f(m_run[g] - m_new);
+        m_run[g] = m_new;
+      }
       if (owner) {
   #pragma unroll
         for (int j = 0; j < Geo::kTokensPerThread; ++j) {
@@ -566,6 +565,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) l_mma[e] += __shfl_xor_sync(~0u, l_mma[e], o);
       if (lane < 4 && hq + e < GT) warp_s[warp * GT + hq + e] = l_mma[e];
+      if (warp == 0 && lane < 4 && hq + e < GT) red_s[hq + e] = m_own[e];  // for part_max
     }
 #pragma unroll
     for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
@@ -617,8 +617,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
       part_out[row * HS + d] = o;
       if (d == 0) {
         float m = 0.f;
+        if constexpr (Geo::kMma) {
+          m = red_s[g];
+        } else {
 #pragma unroll
-        for (int gg = 0; gg < GT; ++gg) m = gg == g ? m_run[gg] : m;
+          for (int gg = 0; gg < GT; ++gg) m = gg == g ? m_run[gg] : m;
+        }
         part_max[row] = bad ? quiet_nan() : m;
         part_sum[row] = l;
       }
