@@ -1,11 +1,13 @@
 """cupaged: paged-attention kernels compiled at run time, for any Python program.
 
-Decode attention over a paged KV cache (vLLM's layout) on CuPy arrays, with CUDA C++
-templates specialized per dtype, head size and block size, compiled with NVRTC and cached.
+Decode attention over a paged KV cache (vLLM's layout) on CuPy arrays, PyTorch tensors
+or any DLPack producer (no copies; torch in, torch out), with CUDA C++ templates
+specialized per dtype, head size and block size, compiled with NVRTC and cached.
 
 Public API:
     paged_attention         decode attention (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
+    DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
     reshape_and_cache       write new tokens' K and V into their cache slots
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
     swap_blocks             move blocks between a device cache and a pinned host cache
@@ -21,6 +23,7 @@ Public API:
 from . import reference
 from .attention import (
     BLOCK_SIZES,
+    DecodeWorkspace,
     HEAD_SIZES,
     check_block_tables,
     paged_attention,
@@ -38,6 +41,7 @@ __all__ = [
     "BlockManager",
     "CompileError",
     "DecodeStep",
+    "DecodeWorkspace",
     "OutOfBlocks",
     "PagedKVCache",
     "copy_blocks",

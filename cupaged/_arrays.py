@@ -1,22 +1,248 @@
-"""Array adaptation: turn what the caller passed into CuPy arrays, or say why not."""
+"""Array adaptation: what the caller passed (CuPy arrays, PyTorch tensors, any DLPack
+producer) seen through one small interface, plus the stream, device and allocator each
+call uses. Nothing here copies data or synchronizes.
+
+Adapted arrays expose what the checks and launches read: ``shape``, ``strides`` (bytes),
+``ndim``, ``dtype`` (a NumPy dtype; bfloat16 is ml_dtypes'), ``data.ptr``,
+``data.device_id`` and ``flags.c_contiguous``. CuPy arrays already do; PyTorch tensors
+get a light view (reading their metadata costs about a microsecond, where a DLPack
+round trip costs ten); other producers go through ``cupy.from_dlpack``.
+
+torch is never imported here unless the caller passed torch objects (it is then already
+in ``sys.modules``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from typing import NamedTuple
+
 import cupy
 import numpy as np
+from cupy_backends.cuda.api import runtime
+
+from . import _dtypes
+
+_KDL_CUDA = 2  # DLPack device types
+_DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA host (pinned)", 4: "OpenCL", 7: "Vulkan",
+                   8: "Metal", 10: "ROCm", 13: "CUDA managed", 14: "oneAPI"}
+_NO_SWITCH = contextlib.nullcontext()
 
 
-def as_device_array(x, name: str) -> cupy.ndarray:
-    """``x`` as a ``cupy.ndarray`` without copying, or a TypeError naming ``name``."""
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+# ---- torch tensors ----------------------------------------------------------------------------
+
+
+class _Data(NamedTuple):
+    ptr: int
+    device_id: int
+
+
+class _Flags(NamedTuple):
+    c_contiguous: bool
+
+
+_TORCH_TO_NUMPY: dict = {}
+_NUMPY_TO_TORCH: dict = {}
+
+
+def _dtype_tables():
+    if not _TORCH_TO_NUMPY:
+        t = _torch()
+        pairs = [("float32", np.float32), ("float16", np.float16), ("float64", np.float64),
+                 ("int32", np.int32), ("int64", np.int64), ("int16", np.int16),
+                 ("int8", np.int8), ("uint8", np.uint8), ("bool", np.bool_)]
+        for name, np_dtype in pairs:
+            _TORCH_TO_NUMPY[getattr(t, name)] = np.dtype(np_dtype)
+        if _dtypes.BF16.numpy is not None:
+            _TORCH_TO_NUMPY[t.bfloat16] = _dtypes.BF16.numpy
+        _NUMPY_TO_TORCH.update((v, k) for k, v in _TORCH_TO_NUMPY.items())
+    return _TORCH_TO_NUMPY, _NUMPY_TO_TORCH
+
+
+def numpy_dtype(torch_dtype):
+    """NumPy dtype for a torch dtype; the torch dtype itself when NumPy has none (the
+    dtype checks then reject it by name)."""
+    return _dtype_tables()[0].get(torch_dtype, torch_dtype)
+
+
+def torch_dtype(np_dtype):
+    return _dtype_tables()[1][np.dtype(np_dtype)]
+
+
+class TorchArray:
+    """A PyTorch CUDA tensor seen as cupaged reads arrays (no copy; ``tensor`` is kept)."""
+
+    __slots__ = ("tensor", "shape", "strides", "ndim", "dtype", "data")
+
+    def __init__(self, tensor, name: str):
+        dev = tensor.device
+        if dev.type != "cuda":
+            raise TypeError(f"{name} is a torch tensor on {dev}; cupaged needs CUDA tensors "
+                            f"(e.g. {name}.cuda())")
+        if tensor.requires_grad:
+            raise TypeError(f"{name} requires grad, but cupaged's kernels are not "
+                            f"differentiable: call under torch.no_grad() or pass {name}.detach()")
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.ndim = len(self.shape)
+        self.dtype = numpy_dtype(tensor.dtype)
+        itemsize = tensor.element_size()
+        self.strides = tuple(s * itemsize for s in tensor.stride())
+        self.data = _Data(tensor.data_ptr(), dev.index)
+
+    @property
+    def flags(self) -> _Flags:
+        return _Flags(self.tensor.is_contiguous())
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
+
+class HostTorchArray:
+    """A torch CPU tensor's metadata, NumPy-style (the host side of a swap)."""
+
+    __slots__ = ("shape", "strides", "ndim", "dtype")
+
+    def __init__(self, tensor):
+        self.shape = tuple(tensor.shape)
+        self.ndim = len(self.shape)
+        self.dtype = numpy_dtype(tensor.dtype)
+        self.strides = tuple(s * tensor.element_size() for s in tensor.stride())
+
+
+# ---- any array -------------------------------------------------------------------------------
+
+
+def as_device_array(x, name: str):
+    """``x`` seen as a device array without copying, or a TypeError naming ``name``."""
     if isinstance(x, cupy.ndarray):
         return x
+    if is_torch(x):
+        return TorchArray(x, name)
     if isinstance(x, np.ndarray):
         raise TypeError(
             f"{name} is a NumPy array (host memory); cupaged needs a CUDA array, "
             f"e.g. cupy.asarray({name})"
         )
-    raise TypeError(f"{name} must be a CUDA array (cupy.ndarray), got {type(x).__name__}")
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        kind, device = x.__dlpack_device__()
+        if int(kind) != _KDL_CUDA:
+            where = _DLPACK_DEVICES.get(int(kind), f"DLPack device type {int(kind)}")
+            raise TypeError(f"{name} lives in {where} memory (device {device}); cupaged needs "
+                            f"CUDA device memory")
+        return cupy.from_dlpack(x)
+    raise TypeError(f"{name} must be a CUDA array (cupy.ndarray, torch.Tensor or any "
+                    f"__dlpack__ producer), got {type(x).__name__}")
 
 
-def optional_device_array(x, name: str) -> cupy.ndarray | None:
+def optional_device_array(x, name: str):
     return None if x is None else as_device_array(x, name)
+
+
+def to_host(a) -> np.ndarray:
+    """A NumPy copy (synchronizes: only for checks and debugging)."""
+    return a.tensor.cpu().numpy() if isinstance(a, TorchArray) else cupy.asnumpy(a)
+
+
+def unwrap(a):
+    """What the caller gets back for an array cupaged allocated or was given."""
+    return a.tensor if isinstance(a, TorchArray) else a
+
+
+# ---- devices, streams, allocation --------------------------------------------------------------
+
+
+def on_device(device: int):
+    """A context making ``device`` current; free when it already is (a switch costs
+    microseconds, and this runs on every call)."""
+    return _NO_SWITCH if runtime.getDevice() == device else cupy.cuda.Device(device)
+
+
+def stream_pointer(stream, name: str = "stream") -> int:
+    """The CUDA stream handle of a CuPy stream, a torch stream, anything implementing
+    ``__cuda_stream__``, or a raw handle (int)."""
+    proto = getattr(stream, "__cuda_stream__", None)  # CuPy's streams implement it
+    if proto is not None:
+        v = proto() if callable(proto) else proto
+        return int(v[1]) if isinstance(v, tuple) else int(v)
+    t = _torch()
+    if t is not None and isinstance(stream, t.cuda.Stream):
+        return stream.cuda_stream
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool) and stream >= 0:
+        return int(stream)
+    raise TypeError(f"{name} must be a CuPy stream, a torch stream, an object with "
+                    f"__cuda_stream__, or a stream handle (int), got {type(stream).__name__}")
+
+
+class Context(NamedTuple):
+    """Where one call runs: its device, its stream, and whose arrays it hands back."""
+
+    device: int
+    stream: int  # CUDA stream handle
+    torch: bool  # the caller passed torch tensors: allocate and return torch tensors
+    explicit: bool  # the stream came from the caller's stream= argument
+
+
+def context(device: int, torch_in: bool, stream=None) -> Context:
+    """The stream: ``stream`` when given, else torch's current stream for the device
+    when the caller passed torch tensors, else CuPy's current stream (which is per
+    device: call with ``device`` current)."""
+    if stream is not None:
+        return Context(device, stream_pointer(stream), torch_in, True)
+    if torch_in:
+        return Context(device, _torch().cuda.current_stream(device).cuda_stream, True, False)
+    return Context(device, cupy.cuda.get_current_stream().ptr, False, False)
+
+
+def _allocating_on(ctx: Context):
+    """Make the allocator's stream the launch stream, so memory freed after the call is
+    reused only in that stream's order (both CuPy's pool and torch's are stream-ordered)."""
+    if not ctx.explicit:
+        return _NO_SWITCH
+    if ctx.torch:
+        t = _torch()
+        return t.cuda.stream(t.cuda.ExternalStream(ctx.stream, device=ctx.device))
+    return cupy.cuda.ExternalStream(ctx.stream)
+
+
+def cupy_on_launch_stream(ctx: Context):
+    """Make CuPy's current stream the launch stream (for CuPy work a call does itself,
+    such as uploading a small index array, so that the kernels see it in order)."""
+    if ctx.stream == cupy.cuda.get_current_stream().ptr:
+        return _NO_SWITCH
+    return cupy.cuda.ExternalStream(ctx.stream)
+
+
+def empty(ctx: Context, shape, dtype):
+    """A new device array of the caller's kind on ``ctx.device``: (adapted, returned)."""
+    with _allocating_on(ctx):
+        if ctx.torch:
+            t = _torch()
+            tensor = t.empty(shape, dtype=torch_dtype(dtype),
+                             device=t.device("cuda", ctx.device))
+            return TorchArray(tensor, "out"), tensor
+        a = cupy.empty(shape, dtype=dtype)
+        return a, a
+
+
+def scratch(ctx: Context, nbytes: int):
+    """A temporary device buffer for one call's kernels, freed in the launch stream's
+    order: (address, owner to keep alive until the launches are enqueued)."""
+    with _allocating_on(ctx):
+        if ctx.torch:
+            t = _torch()
+            buf = t.empty(nbytes, dtype=t.uint8, device=t.device("cuda", ctx.device))
+            return buf.data_ptr(), buf
+        buf = cupy.empty(nbytes, dtype=np.uint8)
+        return buf.data.ptr, buf

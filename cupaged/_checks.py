@@ -3,6 +3,7 @@ strides, pointer, device), never the data, so they cost no device sync."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -12,6 +13,9 @@ from . import _dtypes
 HEAD_SIZES = tuple(range(32, 257, 8))
 BLOCK_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 INT32_MAX = 2**31 - 1
+
+# CUPAGED_DEBUG=1 adds the checks that read device data (and so synchronize) to every call.
+DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
 
 
 def fail(msg: str, exc=ValueError):

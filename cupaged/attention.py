@@ -7,9 +7,7 @@ and of split-KV, and the launch on the current CuPy stream of the arrays' device
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -17,11 +15,12 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
-from . import _checks, _dtypes, jit
+from . import _arrays, _checks, _dtypes, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = [
     "BLOCK_SIZES",
+    "DecodeWorkspace",
     "HEAD_SIZES",
     "check_block_tables",
     "decode_specs",
@@ -39,11 +38,8 @@ _MAX_GRID_YZ = 65535
 _MAX_TOKENS = _checks.INT32_MAX - 1024
 _fail = _checks.fail
 
-# CUPAGED_DEBUG=1 runs check_block_tables (which synchronizes) inside every call.
-_DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
 
 _LOG2E = math.log2(math.e)
-_NO_SWITCH = contextlib.nullcontext()
 
 
 # ---- specializations --------------------------------------------------------------------
@@ -289,39 +285,63 @@ def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_leas
 # ---- launch -----------------------------------------------------------------------------------
 
 
+class _Partials(NamedTuple):
+    """Where split-KV partials go: float32 part_out [rows, head_size], part_max [rows],
+    part_sum [rows], rows = num_seqs * num_heads * partitions <= max_rows."""
+
+    part_out: int
+    part_max: int
+    part_sum: int
+    max_rows: int
+
+
+def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: int,
+                    quantum: int) -> int:
+    """The partition size again, made large enough for the partials to fit ``max_rows``."""
+    cap = max_rows // (p.num_seqs * p.num_heads)
+    if -(-max_ctx // size) <= cap:
+        return size
+    if isinstance(partition, str) and cap >= 2:
+        return _round_up(-(-max_ctx // cap), quantum)
+    if partition == "auto":
+        return 0  # no room for two partitions: a single pass
+    _fail(f"the workspace holds {cap} partitions per head for {p.num_seqs} sequences; "
+          f"partition={partition!r} needs {-(-max_ctx // size)} (use a larger DecodeWorkspace)")
+
+
 def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
-            partition, workspace=None) -> None:
-    """Validate nothing, launch everything: decode (and combine) on the current stream of
-    the arrays' device. ``workspace``: optional device addresses (part_out, part_max,
-    part_sum) with room for the partitions this call uses."""
+            partition, ctx: _arrays.Context, workspace: _Partials | None = None) -> None:
+    """Validate nothing, launch everything: decode (and combine) on ``ctx.stream``.
+    ``workspace``: where the split-KV partials go, else a temporary buffer."""
     if p.num_seqs == 0:
         return
     group = p.num_heads // p.num_kv_heads
     gt = _group_tile(group)
     ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt)
     grid_y = p.num_kv_heads * -(-group // gt)
-    size = _partition_tokens(partition, p, max_ctx, p.num_seqs * grid_y, ks)
-    n_parts = -(-max_ctx // size) if size else 1
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
+    size = _partition_tokens(partition, p, max_ctx, p.num_seqs * grid_y, ks)
+    if size and workspace is not None:
+        size = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
+                               max(ks.tile_tokens, p.block_size))
+    n_parts = -(-max_ctx // size) if size else 1
 
+    keep = None
     if size:
         rows = p.num_seqs * p.num_heads * n_parts
         if workspace is None:  # one allocation, carved by pointer (slicing costs microseconds)
-            buf = cupy.empty(rows * (p.head_size + 2), dtype=np.float32)
-            base = buf.data.ptr
-            part_out, part_max, part_sum = base, base + rows * p.head_size * 4, \
-                base + rows * (p.head_size + 1) * 4
-        else:
-            part_out, part_max, part_sum = workspace
+            base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
+            workspace = _Partials(base, base + rows * p.head_size * 4,
+                                  base + rows * (p.head_size + 1) * 4, rows)
+        part_out, part_max, part_sum = workspace.part_out, workspace.part_max, workspace.part_sum
         dst = 0
     else:
         part_out = part_max = part_sum = 0
         dst = out.data.ptr
 
     it = p.dtype.itemsize
-    stream = cupy.cuda.get_current_stream().ptr
-    ks.decode((p.num_seqs, grid_y, n_parts), _THREADS, ks.smem, stream,
+    ks.decode((p.num_seqs, grid_y, n_parts), _THREADS, ks.smem, ctx.stream,
               dst, part_out, part_max, part_sum,
               q.data.ptr, q.strides[0] // it, q.strides[1] // it,
               kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it,
@@ -330,13 +350,14 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
               0 if alibi is None else alibi.data.ptr,
               p.num_heads, group, p.max_blocks, p.num_blocks, size, scale * _LOG2E)
     if size:
-        ks.combine((p.num_seqs, p.num_heads, 1), _THREADS, 0, stream,
+        ks.combine((p.num_seqs, p.num_heads, 1), _THREADS, 0, ctx.stream,
                    out.data.ptr, part_out, part_max, part_sum, cl.data.ptr,
                    p.max_blocks * p.block_size, size, n_parts)
+    del keep  # the scratch is freed in the stream's order, after the launches
 
 
 def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
-         max_context_len, out, partition, workspace=None):
+         max_context_len, out, partition, stream=None, workspace=None):
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -347,21 +368,91 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     p = _validate(q, kc, vc, bt, cl, alibi, o)
     scale = _scale(scale, p.head_size)
     max_ctx = _max_context(max_context_len, p)
-    # Switching devices costs microseconds; do it only when the arrays are elsewhere.
-    with _NO_SWITCH if cupy.cuda.runtime.getDevice() == p.device else cupy.cuda.Device(p.device):
-        if _DEBUG:
+    if isinstance(workspace, DecodeWorkspace):
+        workspace = workspace._partials(p)
+    elif workspace is not None and not isinstance(workspace, _Partials):
+        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
+              TypeError)
+    with _arrays.on_device(p.device):
+        ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
+        if _checks.DEBUG:
             check_block_tables(bt, cl, p.num_blocks, p.block_size)
+        returned = out
         if o is None:
-            o = cupy.empty(q.shape, dtype=q.dtype)
-        _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, workspace)
-    return o
+            o, returned = _arrays.empty(ctx, q.shape, q.dtype)
+        _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, ctx, workspace)
+    return returned
+
+
+class DecodeWorkspace:
+    """Scratch memory for split-KV decode, allocated once. Passed as ``workspace=``, it
+    makes :func:`paged_attention` allocate nothing when ``out=`` is given too: what CUDA
+    graph capture needs, and a saving for any loop.
+
+    It holds ``rows`` partial results (float32, ``head_size + 2`` each). A call with
+    ``num_seqs`` sequences of ``num_heads`` heads splits each into at most
+    ``rows // (num_seqs * num_heads)`` partitions: fewer than ``partition="auto"`` would
+    pick means larger partitions, never a different result; an explicit partition size
+    that does not fit raises. The default ``rows`` covers what ``"auto"`` picks on this
+    device (it splits into at most about 8 waves of CTAs, each serving up to 8 heads) and
+    ``"always"`` at ``max_num_seqs``.
+
+    Args:
+        max_num_seqs, num_heads, head_size: the largest batch, the query heads and the
+            head size the workspace will serve.
+        rows: capacity in partial rows, instead of the default.
+        device: CUDA device id; default the current CuPy device.
+
+    A workspace serves one call at a time: calls on different streams need their own.
+    """
+
+    def __init__(self, max_num_seqs: int, num_heads: int, head_size: int, *, rows=None,
+                 device=None):
+        for name, v in (("max_num_seqs", max_num_seqs), ("num_heads", num_heads)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                _fail(f"{name} must be a positive int, got {v!r}")
+        _checks.check_head_size(head_size)
+        self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
+        if rows is None:
+            sms = _device(self.device).sm_count
+            rows = max(2 * max_num_seqs * num_heads, 9 * 4 * sms * 8)
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows <= 0:
+            _fail(f"rows must be a positive int, got {rows!r}")
+        self.rows, self.head_size = int(rows), head_size
+        with _arrays.on_device(self.device):
+            self._buf = cupy.empty(self.rows * (head_size + 2), dtype=np.float32)
+        base = self._buf.data.ptr
+        self._by_head_size = {}
+        self._base = base
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes
+
+    def _partials(self, p: _Problem) -> _Partials:
+        if p.device != self.device:
+            _fail(f"the workspace is on device {self.device} but query is on device {p.device}")
+        if p.head_size > self.head_size:
+            _fail(f"the workspace was made for head_size {self.head_size}, got {p.head_size}")
+        got = self._by_head_size.get(p.head_size)
+        if got is None:  # part_out first, then max and sum, as the kernels index them
+            rows = self.rows * (self.head_size + 2) // (p.head_size + 2)
+            b = self._base
+            got = _Partials(b, b + rows * p.head_size * 4, b + rows * (p.head_size + 1) * 4, rows)
+            self._by_head_size[p.head_size] = got
+        return got
+
+    def __repr__(self) -> str:
+        return (f"DecodeWorkspace(rows={self.rows}, head_size={self.head_size}, "
+                f"device={self.device}, {self.nbytes / 2**20:.1f} MiB)")
 
 
 # ---- public entry points ------------------------------------------------------------------------
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
-                    alibi_slopes=None, max_context_len=None, out=None, partition="auto"):
+                    alibi_slopes=None, max_context_len=None, out=None, partition="auto",
+                    stream=None, workspace=None):
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -384,19 +475,27 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
         out: optional ``[num_seqs, num_heads, head_size]`` C-contiguous output.
         partition: ``"auto"`` (split-KV when it fills the GPU better), ``"never"``,
             ``"always"``, or a partition size in tokens (a multiple of block_size).
+        stream: where the kernels run (a CuPy or torch stream, anything with
+            ``__cuda_stream__``, or a handle); default torch's current stream of the
+            arrays' device when ``query`` is a torch tensor, else CuPy's.
+        workspace: a :class:`DecodeWorkspace` for the split-KV partials; with ``out``
+            given, the call then allocates nothing (CUDA graph capture).
+
+    Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
+    device, mixed freely; none is copied.
 
     Returns:
-        ``out``: ``[num_seqs, num_heads, head_size]``, the query's dtype. A sequence of
-        length 0 gets zeros. head_size: any multiple of 8 from 32 to 256; block_size: a
-        power of two from 1 to 256; ``num_heads`` a multiple of ``num_kv_heads``.
+        ``out``: ``[num_seqs, num_heads, head_size]``, the query's dtype; a new torch
+        tensor when ``query`` is one, else a CuPy array. A sequence of length 0 gets
+        zeros. head_size: any multiple of 8 from 32 to 256; block_size: a power of two
+        from 1 to 256; ``num_heads`` a multiple of ``num_kv_heads``.
 
-    Runs on the current CuPy stream of the arrays' device, without synchronizing. Block
-    ids are not range-checked on the host (that needs a sync): a sequence whose table
-    points outside the cache gets NaN, never an out-of-bounds read; use
-    :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
+    Never synchronizes. Block ids are not range-checked on the host (that needs a sync):
+    a sequence whose table points outside the cache gets NaN, never an out-of-bounds
+    read; use :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
     """
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale,
-                alibi_slopes, max_context_len, out, partition)
+                alibi_slopes, max_context_len, out, partition, stream, workspace)
 
 
 def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
@@ -407,18 +506,19 @@ def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
 
 
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                       context_lens, block_size, max_context_len, alibi_slopes=None):
+                       context_lens, block_size, max_context_len, alibi_slopes=None, *,
+                       stream=None):
     """vLLM's ``paged_attention_v1`` argument order: single-pass decode into ``out``."""
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v1")
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
-                max_context_len, out, "never")
+                max_context_len, out, "never", stream)
 
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
                        num_kv_heads, scale, block_tables, context_lens, block_size,
-                       max_context_len, alibi_slopes=None):
+                       max_context_len, alibi_slopes=None, *, stream=None):
     """vLLM's ``paged_attention_v2`` argument order: split-KV decode into ``out``.
 
     ``exp_sums``/``max_logits``: float32 ``[num_seqs, num_heads, P]``; ``tmp_out``:
@@ -460,17 +560,17 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     else:
         partition = _round_up(-(-int(max_ctx) // capacity), max(block_size, 256))
         # The partials are float32 rows carved from the caller's buffers (sizes checked above).
-        workspace = (tmp.data.ptr, ml.data.ptr, es.data.ptr)
-    return _run(q, key_cache, value_cache, bt, context_lens, scale, alibi_slopes,
-                max_context_len, out, partition, workspace)
+        workspace = _Partials(tmp.data.ptr, ml.data.ptr, es.data.ptr, s * h * capacity)
+    return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
+                max_context_len, out, partition, stream, workspace)
 
 
 def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: int) -> None:
     """Check, with a device sync, that every sequence's blocks exist: its length fits its
     row of ``block_tables`` and each of its first ``ceil(len / block_size)`` entries is in
     ``[0, num_blocks)``. Raises ValueError naming the first bad sequence."""
-    bt = cupy.asnumpy(as_device_array(block_tables, "block_tables"))
-    cl = cupy.asnumpy(as_device_array(context_lens, "context_lens"))
+    bt = _arrays.to_host(as_device_array(block_tables, "block_tables"))
+    cl = _arrays.to_host(as_device_array(context_lens, "context_lens"))
     if bt.ndim != 2 or cl.shape != (bt.shape[0],):
         _fail(f"block_tables {bt.shape} and context_lens {cl.shape} disagree on num_seqs")
     lens = cl.astype(np.int64)

@@ -31,16 +31,37 @@ class _L2Flusher:
         self.buf.fill(0)
 
 
-def time_us(fn, *, warmup: int = 3, reps: int = 30, flush_l2: bool = True) -> Timing:
+class _Spin:
+    """Busy-waits the GPU (cuda_src/bench_spin.cu), so the host has enqueued a timed run
+    before its start event fires: the events then bracket device time only, however
+    long the call's host side takes."""
+
+    def __init__(self, us: float):
+        from . import jit
+
+        src = (jit.source_dir() / "bench_spin.cu").read_text()
+        self.kernel = cupy.RawModule(code=src).get_function("cupaged_spin")
+        self.ns = np.uint64(us * 1000)
+
+    def __call__(self):
+        self.kernel((1,), (1,), (self.ns,))
+
+
+def time_us(fn, *, warmup: int = 3, reps: int = 30, flush_l2: bool = True,
+            cover_host_us: float = 300.0) -> Timing:
     """Time ``fn()`` (device work on the current stream) with CUDA events, one pair per
-    run, the L2 flushed before each run outside the timed region."""
+    run, the L2 flushed before each run outside the timed region. A GPU busy-wait of
+    ``cover_host_us`` precedes each run (0: none), so host-side launch time stays
+    outside the measurement as long as one call's host side takes less than that."""
     flush = _L2Flusher() if flush_l2 else (lambda: None)
+    spin = _Spin(cover_host_us) if cover_host_us > 0 else (lambda: None)
     for _ in range(warmup):
         fn()
     starts = [cupy.cuda.Event() for _ in range(reps)]
     ends = [cupy.cuda.Event() for _ in range(reps)]
     for s, e in zip(starts, ends):
         flush()
+        spin()
         s.record()
         fn()
         e.record()
@@ -55,7 +76,8 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     (the roofline every memory-bound kernel is measured against)."""
     a = cupy.ones(nbytes // 4, dtype=np.float32)
     b = cupy.empty_like(a)
-    t = time_us(lambda: b.__setitem__(Ellipsis, a), warmup=3, reps=reps, flush_l2=False)
+    t = time_us(lambda: b.__setitem__(Ellipsis, a), warmup=3, reps=reps, flush_l2=False,
+                cover_host_us=0)
     return 2 * nbytes / (t.median_us * 1e-6)
 
 
@@ -628,7 +650,8 @@ def _host_us(fn, calls: int) -> float:
 
 def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     """Host time per call of each entry point with its kernel cached (llama-3-8b shape,
-    batch 8, context 1024), and per replay of a CUDA graph of ``layers`` decode calls."""
+    batch 8, context 1024), for CuPy arrays and (when torch imports) torch tensors, and
+    per replay of a decode step of ``layers`` layers captured in a CUDA graph."""
     from . import attention, cache_ops
     from .kv_cache import PagedKVCache
 
@@ -654,17 +677,56 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         cache.add(s, 1000)
     rows["PagedKVCache.step, 64 sequences"] = _host_us(lambda: cache.step(ids), min(calls, 100))
 
-    # A decode step of `layers` attention calls captured once and replayed.
+    # A decode step captured once and replayed: per layer, write the new token's K/V and
+    # attend (split-KV into a preallocated workspace, so nothing allocates while capturing).
+    ws = attention.DecodeWorkspace(8, 32, 128)
+
+    def step(arrays):
+        q, kc, vc, bt, cl, o, kv, sl = arrays
+        for _ in range(layers):
+            cache_ops.reshape_and_cache(kv, kv, kc, vc, sl)
+            attention.paged_attention(q, kc, vc, bt, cl, out=o, workspace=ws, partition="always",
+                                      max_context_len=1024)
+
+    cupy_args = (a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                 a["context_lens"], out, k, slots)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        case.run(out, "never")  # loaded before capture
+        step(cupy_args)  # kernels loaded before capture
         stream.begin_capture()
-        for _ in range(layers):
-            case.run(out, "never")
+        step(cupy_args)
         graph = stream.end_capture()
-        rows[f"CUDA graph replay, {layers} paged_attention calls"] = _host_us(
-            lambda: graph.launch(stream), calls)
-    rows[f"  ({layers} eager calls: {layers} x single pass, computed)"] = \
-        layers * rows["paged_attention, single pass"]
+        rows[f"CuPy graph replay, {layers} x (reshape_and_cache + split-KV attention)"] = \
+            _host_us(lambda: graph.launch(stream), calls)
+    rows[f"the same step eager, {layers} x (reshape_and_cache + split-KV attention)"] = \
+        _host_us(lambda: step(cupy_args), max(10, calls // 10))
+
+    torch = _torch()
+    if torch is not None:  # the same arrays as torch tensors (zero-copy views)
+        tq, tkc, tvc, tbt, tcl, tk, t_slots = (torch.from_dlpack(x) for x in (
+            a["query"], a["key_cache"], a["value_cache"], a["block_tables"], a["context_lens"],
+            k, slots))
+        tout = torch.empty_like(tq)
+        torch_args = (tq, tkc, tvc, tbt, tcl, tout, tk, t_slots)
+        rows["paged_attention, torch tensors, single pass"] = _host_us(
+            lambda: attention.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="never",
+                                              max_context_len=1024), calls)
+        rows["paged_attention, torch tensors, split-KV + workspace"] = _host_us(
+            lambda: attention.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="always",
+                                              workspace=ws, max_context_len=1024), calls)
+        rows["reshape_and_cache, torch tensors, 8 tokens"] = _host_us(
+            lambda: cache_ops.reshape_and_cache(tk, tk, tkc, tvc, t_slots), calls)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the default stream, as torch asks
+            step(torch_args)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(torch_args)
+        rows[f"torch.cuda.graph replay, {layers} x (reshape_and_cache + split-KV attention)"] = \
+            _host_us(g.replay, calls)
+        torch.cuda.synchronize()
+        del g
     case.arrays.clear()
     return rows

@@ -1,13 +1,12 @@
 """Cache maintenance: write new tokens into a paged cache, copy blocks, swap blocks.
 
-All three launch one kernel on the current CuPy stream of the device the caches live on,
-without synchronizing.
+All three launch one kernel on the device the caches live on, without synchronizing: on
+``stream`` when given, else torch's current stream when the caches are torch tensors,
+else CuPy's current stream.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -15,15 +14,13 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import runtime
 
-from . import _checks, _dtypes, jit
+from . import _arrays, _checks, _dtypes, jit
 from ._arrays import as_device_array
 
 __all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
 _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
-_DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
-_NO_SWITCH = contextlib.nullcontext()
 _fail = _checks.fail
 
 
@@ -33,10 +30,6 @@ def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str):
 
     spec = jit.KernelSpec(kernel, dtype, index_dtype=index_dtype, arch=_device(device_id).arch)
     return jit.load(spec, device_id)
-
-
-def _on(device: int):
-    return _NO_SWITCH if runtime.getDevice() == device else cupy.cuda.Device(device)
 
 
 def _check_index_array(a, name: str, shape) -> str:
@@ -50,7 +43,7 @@ def _check_index_array(a, name: str, shape) -> str:
 # ---- reshape_and_cache ----------------------------------------------------------------------
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, stream=None) -> None:
     """Write each token's K and V into its cache slot.
 
     Args:
@@ -61,7 +54,10 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
             block_size + offset``; a negative slot marks a padding token that is skipped.
 
     Slots past the cache are skipped too (never written outside it); ``CUPAGED_DEBUG=1``
-    raises for them instead (with a device sync).
+    raises for them instead (with a device sync). Arrays may be CuPy arrays, torch CUDA
+    tensors or any ``__dlpack__`` producer on one device; ``stream`` as for
+    :func:`cupaged.paged_attention` (torch's current stream when ``key_cache`` is a
+    torch tensor).
     """
     k = as_device_array(key, "key")
     v = as_device_array(value, "value")
@@ -90,14 +86,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     if num_tokens == 0:
         return
     it = dt.itemsize
-    with _on(device):
-        if _DEBUG:
-            s = cupy.asnumpy(sm)
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, _arrays.is_torch(key_cache), stream)
+        if _checks.DEBUG:
+            s = _arrays.to_host(sm)
             bad = np.flatnonzero(s >= num_slots)
             if bad.size:
                 _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
         kern = _kernel(device, "reshape_and_cache", dt.name, index)
-        kern((num_tokens, 1, 1), _THREADS, 0, cupy.cuda.get_current_stream().ptr,
+        kern((num_tokens, 1, 1), _THREADS, 0, ctx.stream,
              k.data.ptr, k.strides[0] // it, k.strides[1] // it,
              v.data.ptr, v.strides[0] // it, v.strides[1] // it,
              kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it,
@@ -113,11 +110,12 @@ _descriptors: OrderedDict = OrderedDict()
 _DESCRIPTOR_COLUMNS = 6
 
 
-def _descriptor_array(device: int, rows: tuple):
-    key = (device, rows)
+def _descriptor_array(ctx: _arrays.Context, rows: tuple):
+    key = (ctx.device, rows)
     arr = _descriptors.get(key)
     if arr is None:
-        arr = cupy.asarray(np.array(rows, dtype=np.int64).reshape(-1, _DESCRIPTOR_COLUMNS))
+        with _arrays.cupy_on_launch_stream(ctx):
+            arr = cupy.asarray(np.array(rows, dtype=np.int64).reshape(-1, _DESCRIPTOR_COLUMNS))
         _descriptors[key] = arr
         if len(_descriptors) > 256:
             _descriptors.popitem(last=False)
@@ -136,26 +134,26 @@ def _block_bytes(a, name: str) -> int:
     return nbytes
 
 
-def _launch_copy(device: int, rows: tuple, mapping, index: str, num_pairs: int,
+def _launch_copy(ctx: _arrays.Context, rows: tuple, mapping, index: str, num_pairs: int,
                  block_bytes: int) -> None:
+    """With ``ctx.device`` current."""
     if num_pairs == 0 or not rows:
         return
-    with _on(device):
-        desc = _descriptor_array(device, rows)
-        kern = _kernel(device, "copy_blocks", "", index)
-        kern((num_pairs, len(rows) // _DESCRIPTOR_COLUMNS, 1), _THREADS, 0,
-             cupy.cuda.get_current_stream().ptr, desc.data.ptr, mapping.data.ptr, block_bytes)
+    desc = _descriptor_array(ctx, rows)
+    kern = _kernel(ctx.device, "copy_blocks", "", index)
+    kern((num_pairs, len(rows) // _DESCRIPTOR_COLUMNS, 1), _THREADS, 0, ctx.stream,
+         desc.data.ptr, mapping.data.ptr, block_bytes)
 
 
 def _check_mapping_range(mapping, num_src: int, num_dst: int) -> None:
-    m = cupy.asnumpy(mapping) if isinstance(mapping, cupy.ndarray) else mapping
+    m = mapping if isinstance(mapping, np.ndarray) else _arrays.to_host(mapping)
     for col, n, side in ((0, num_src, "source"), (1, num_dst, "destination")):
         bad = np.flatnonzero((m[:, col] < 0) | (m[:, col] >= n))
         if bad.size:
             _fail(f"block_mapping[{bad[0]}] has {side} block {m[bad[0], col]}, outside [0, {n})")
 
 
-def copy_blocks(key_caches, value_caches, block_mapping) -> None:
+def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None:
     """Copy blocks within each layer's caches (copy-on-write after a fork), in one launch
     for all layers and pairs.
 
@@ -163,6 +161,8 @@ def copy_blocks(key_caches, value_caches, block_mapping) -> None:
         key_caches, value_caches: lists with one cache per layer, all of one shape and
             dtype, on one device, each contiguous within a block.
         block_mapping: int32 or int64 ``[num_pairs, 2]`` on the device: (src, dst) block ids.
+        stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
+            caches are torch tensors).
     """
     if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
         _fail("key_caches and value_caches must be lists of per-layer caches", TypeError)
@@ -188,12 +188,14 @@ def copy_blocks(key_caches, value_caches, block_mapping) -> None:
     nbytes = _block_bytes(ks[0], "key_caches[0]")
     if _block_bytes(vs[0], "value_caches[0]") != nbytes:
         _fail("key and value blocks differ in size")  # cannot happen for vLLM's layouts
-    if _DEBUG:
+    if _checks.DEBUG:
         _check_mapping_range(mapping, shape.num_blocks, shape.num_blocks)
     rows = []
     for a in (*ks, *vs):
         rows += [a.data.ptr, a.data.ptr, a.strides[0], a.strides[0], a.shape[0], a.shape[0]]
-    _launch_copy(device, tuple(rows), mapping, index, mapping.shape[0], nbytes)
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, _arrays.is_torch(key_caches[0]), stream)
+        _launch_copy(ctx, tuple(rows), mapping, index, mapping.shape[0], nbytes)
 
 
 # ---- swapping between device and pinned host memory --------------------------------------------
@@ -208,69 +210,88 @@ def empty_pinned(shape, dtype) -> np.ndarray:
 
 
 def _side(a, name: str):
-    """(device id or None for host, address the GPU uses) of one side of a swap."""
-    if isinstance(a, cupy.ndarray):
-        return a.data.device_id, a.data.ptr
-    if isinstance(a, np.ndarray):
-        ptr = a.ctypes.data
+    """One side of a swap: (the array as cupaged reads it, device id or None for host,
+    address the GPU uses)."""
+    host = a if isinstance(a, np.ndarray) else None
+    if _arrays.is_torch(a) and a.device.type == "cpu":
+        if a.requires_grad:
+            _fail(f"{name} requires grad; pass {name}.detach()", TypeError)
+        host = a
+    if host is None:
         try:
-            attrs = runtime.pointerGetAttributes(ptr)
-        except runtime.CUDARuntimeError:
-            attrs = None
-        if attrs is None or attrs.type != runtime.memoryTypeHost:
-            _fail(f"{name} is pageable host memory, which the GPU cannot reach: allocate it "
-                  f"with cupaged.empty_pinned(shape, dtype)", TypeError)
-        return None, attrs.devicePointer
-    _fail(f"{name} must be a cupy.ndarray or a pinned numpy.ndarray, got {type(a).__name__}",
-          TypeError)
+            arr = as_device_array(a, name)
+        except TypeError:
+            _fail(f"{name} must be a device array or pinned host memory (cupaged.empty_pinned, "
+                  f"or a torch tensor with pin_memory=True), got {type(a).__name__}", TypeError)
+        return arr, arr.data.device_id, arr.data.ptr
+    if isinstance(host, np.ndarray):
+        ptr, arr = host.ctypes.data, host
+    else:  # a torch CPU tensor: its metadata, NumPy-style
+        ptr, arr = host.data_ptr(), _arrays.HostTorchArray(host)
+    try:
+        attrs = runtime.pointerGetAttributes(ptr)
+    except runtime.CUDARuntimeError:
+        attrs = None
+    if attrs is None or attrs.type != runtime.memoryTypeHost:
+        _fail(f"{name} is pageable host memory, which the GPU cannot reach: allocate it "
+              f"with cupaged.empty_pinned(shape, dtype) (or torch's pin_memory=True)", TypeError)
+    return arr, None, attrs.devicePointer
 
 
-def swap_blocks(src, dst, block_mapping) -> None:
+def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
     """Copy blocks between a device cache and a host cache in pinned memory (either
     direction), in one launch whatever the mapping: the kernel reads or writes the pinned
     host memory directly over the bus, so scattered blocks cost no per-block copy calls.
 
     Args:
         src, dst: caches with the same dtype and per-block shape (``shape[1:]``), each
-            contiguous within a block; one a ``cupy.ndarray``, the other a NumPy array from
-            :func:`empty_pinned` (or two device arrays on one device).
+            contiguous within a block; one on the device (CuPy, torch or DLPack), the
+            other in pinned host memory (:func:`empty_pinned`, or a torch tensor with
+            ``pin_memory=True``), or both on one device.
         block_mapping: ``[num_pairs, 2]`` (src, dst) block ids, int32 or int64, on the
             host (NumPy or a list) or on the device.
+        stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
+            device side is a torch tensor).
 
     Asynchronous like the other kernels: synchronize the stream before the host reads a
     host-side destination.
     """
-    src_dev, src_ptr = _side(src, "src")
-    dst_dev, dst_ptr = _side(dst, "dst")
+    src_a, src_dev, src_ptr = _side(src, "src")
+    dst_a, dst_dev, dst_ptr = _side(dst, "dst")
     if src_dev is None and dst_dev is None:
         _fail("src and dst are both host arrays: one side must be a device array")
     if src_dev is not None and dst_dev is not None and src_dev != dst_dev:
         _fail(f"src is on device {src_dev} and dst on device {dst_dev}: use one device")
     device = src_dev if src_dev is not None else dst_dev
-    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        _fail(f"src {src.shape} {src.dtype} and dst {dst.shape} {dst.dtype} must have the same "
-              f"dtype and block shape")
-    if _dtypes.lookup(src.dtype) is None:
-        _fail(f"src dtype {src.dtype} is not supported: expected {_dtypes.supported_names()}", TypeError)
-    nbytes = _block_bytes(src, "src")
-    _block_bytes(dst, "dst")
-    if isinstance(block_mapping, cupy.ndarray):
-        mapping = block_mapping
-        _checks.check_same_device(device, "the device cache", (("block_mapping", mapping),))
-    else:
+    if src_a.dtype != dst_a.dtype or src_a.shape[1:] != dst_a.shape[1:]:
+        _fail(f"src {src_a.shape} {src_a.dtype} and dst {dst_a.shape} {dst_a.dtype} must have "
+              f"the same dtype and block shape")
+    if _dtypes.lookup(src_a.dtype) is None:
+        _fail(f"src dtype {src_a.dtype} is not supported: expected {_dtypes.supported_names()}",
+              TypeError)
+    nbytes = _block_bytes(src_a, "src")
+    _block_bytes(dst_a, "dst")
+    on_host = isinstance(block_mapping, (np.ndarray, list, tuple)) or (
+        _arrays.is_torch(block_mapping) and block_mapping.device.type == "cpu")
+    if on_host:
         mapping = np.asarray(block_mapping)
         if mapping.size == 0:
             mapping = mapping.reshape(0, 2).astype(np.int64)
+    else:
+        mapping = as_device_array(block_mapping, "block_mapping")
+        _checks.check_same_device(device, "the device cache", (("block_mapping", mapping),))
     if mapping.ndim != 2 or mapping.shape[1:] != (2,):
         _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
-    if isinstance(mapping, np.ndarray):
+    if on_host:
         _checks.check_int(mapping, "block_mapping", (np.int32, np.int64))
-        if _DEBUG:
-            _check_mapping_range(mapping, src.shape[0], dst.shape[0])
-        with _on(device):
-            mapping = cupy.asarray(np.ascontiguousarray(mapping))
-    elif _DEBUG:
-        _check_mapping_range(mapping, src.shape[0], dst.shape[0])
-    index = _check_index_array(mapping, "block_mapping", mapping.shape)
-    rows = (src_ptr, dst_ptr, src.strides[0], dst.strides[0], src.shape[0], dst.shape[0])
-    _launch_copy(device, rows, mapping, index, mapping.shape[0], nbytes)
+    if _checks.DEBUG:
+        _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0])
+    torch_in = _arrays.is_torch(src if src_dev is not None else dst)
+    rows = (src_ptr, dst_ptr, src_a.strides[0], dst_a.strides[0], src_a.shape[0], dst_a.shape[0])
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, torch_in, stream)
+        if on_host:  # uploaded in the launch stream's order
+            with _arrays.cupy_on_launch_stream(ctx):
+                mapping = cupy.asarray(np.ascontiguousarray(mapping))
+        index = _check_index_array(mapping, "block_mapping", mapping.shape)
+        _launch_copy(ctx, rows, mapping, index, mapping.shape[0], nbytes)

@@ -301,7 +301,10 @@ class PagedKVCache:
     ``key_caches[l]``: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
     ``value_caches[l]``: ``[num_blocks, num_kv_heads, head_size, block_size]`` (vLLM's
     layouts, as :func:`cupaged.paged_attention` and :func:`cupaged.reshape_and_cache`
-    take them), on the current CuPy device.
+    take them), on ``device`` (default: the current CuPy device). With
+    ``framework="torch"`` the caches and every array the cache hands out are torch
+    tensors, and its uploads and copies run on torch's current stream; with the default
+    ``"cupy"``, CuPy arrays and CuPy's current stream.
 
     A decode loop::
 
@@ -316,7 +319,8 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
-                 block_size: int, dtype="float16", *, prefix_caching: bool = False):
+                 block_size: int, dtype="float16", *, prefix_caching: bool = False,
+                 framework: str = "cupy", device=None):
         import cupy
 
         from . import _checks, _dtypes
@@ -330,15 +334,19 @@ class PagedKVCache:
                              f"from 1 to 256")
         if num_layers <= 0 or num_kv_heads <= 0:
             raise ValueError(f"need num_layers > 0 and num_kv_heads > 0, got {num_layers}, {num_kv_heads}")
+        if framework not in ("cupy", "torch"):
+            raise ValueError(f"framework must be 'cupy' or 'torch', got {framework!r}")
         x = 16 // dt.itemsize
         self.dtype = dt.numpy
+        self.framework = framework
+        self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.head_size, self.block_size = head_size, block_size
         self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.key_caches = [cupy.empty((num_blocks, num_kv_heads, head_size // x, block_size, x), dt.numpy)
-                           for _ in range(num_layers)]
-        self.value_caches = [cupy.empty((num_blocks, num_kv_heads, head_size, block_size), dt.numpy)
-                             for _ in range(num_layers)]
+        k_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+        v_shape = (num_blocks, num_kv_heads, head_size, block_size)
+        self.key_caches = [self._empty(k_shape, dt.numpy) for _ in range(num_layers)]
+        self.value_caches = [self._empty(v_shape, dt.numpy) for _ in range(num_layers)]
         self._buffers: dict = {}  # purpose -> (host staging, device buffer), reused
 
     # ---- accounting ------------------------------------------------------------------------
@@ -395,17 +403,32 @@ class PagedKVCache:
         bt, cl = self._upload("tables", [tables.reshape(-1), lens])
         return bt.reshape(tables.shape), cl
 
+    def _empty(self, shape, dtype):
+        from . import _arrays
+
+        with _arrays.on_device(self.device):
+            if self.framework == "torch":
+                import torch
+
+                return torch.empty(shape, dtype=_arrays.torch_dtype(dtype),
+                                   device=torch.device("cuda", self.device))
+            import cupy
+
+            return cupy.empty(shape, dtype)
+
     def _upload(self, purpose: str, parts: list) -> list:
         """Copy int32 host arrays into the device buffer kept for ``purpose`` with one
         asynchronous transfer on the current stream; returns device views. The pageable
         staging buffer has been read when the call returns, so it is reused at once."""
-        import cupy
+        from cupy_backends.cuda.api import runtime
+
+        from . import _arrays
 
         n = sum(len(p) for p in parts)
         host, dev = self._buffers.get(purpose, (None, None))
         if host is None or n > host.size:
             size = max(n, 2 * (0 if host is None else host.size), 64)
-            host, dev = np.zeros(size, np.int32), cupy.zeros(size, np.int32)
+            host, dev = np.zeros(size, np.int32), self._empty((size,), np.int32)
             self._buffers[purpose] = (host, dev)
         at, bounds = 0, []
         for p in parts:
@@ -413,5 +436,9 @@ class PagedKVCache:
             bounds.append((at, at + len(p)))
             at += len(p)
         if n:
-            dev.data.copy_from_host_async(host.ctypes.data, n * 4, cupy.cuda.get_current_stream())
+            with _arrays.on_device(self.device):
+                ctx = _arrays.context(self.device, self.framework == "torch")
+                dst = _arrays.as_device_array(dev, "buffer").data.ptr
+                runtime.memcpyAsync(dst, host.ctypes.data, n * 4, runtime.memcpyHostToDevice,
+                                    ctx.stream)
         return [dev[a:b] for a, b in bounds]

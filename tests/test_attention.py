@@ -232,7 +232,7 @@ def test_lengths_past_the_table_are_clamped_and_reported(rng):
 def test_debug_switch_checks_tables_in_every_call(rng, monkeypatch):
     p = make_problem(rng, lens=[50], heads=4, kv_heads=2, head_size=64, block_size=16)
     p.block_tables[0, 1] = -3
-    monkeypatch.setattr(attention, "_DEBUG", True)
+    monkeypatch.setattr(cupaged._checks, "DEBUG", True)
     with pytest.raises(ValueError, match=r"sequence 0: block_tables\[0, 1\] = -3"):
         cupaged.paged_attention(**p.device_args())
 

@@ -68,9 +68,7 @@ def test_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch):
     k = cupy.ones((1, 1, 32), np.float32)
     cupaged.reshape_and_cache(k, k, kc, vc, cupy.asarray([8], np.int64))  # cache has 8 slots
     np.testing.assert_array_equal(cupy.asnumpy(kc), before)
-    from cupaged import cache_ops
-
-    monkeypatch.setattr(cache_ops, "_DEBUG", True)
+    monkeypatch.setattr(cupaged._checks, "DEBUG", True)
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is past the cache \(8 slots\)"):
         cupaged.reshape_and_cache(k, k, kc, vc, cupy.asarray([8], np.int64))
 

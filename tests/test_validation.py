@@ -133,7 +133,7 @@ def test_host_arrays_are_refused_before_any_work(entry):
 
 
 def test_other_objects_are_refused():
-    with pytest.raises(TypeError, match=r"query must be a CUDA array \(cupy.ndarray\), got list"):
+    with pytest.raises(TypeError, match=r"query must be a CUDA array \(cupy.ndarray, torch.Tensor or any __dlpack__ producer\), got list"):
         cupaged.paged_attention([[1.0]], None, None, None, None)
 
 

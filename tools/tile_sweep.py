@@ -27,14 +27,16 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--partition", default="auto")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default=None, help="indices into SHAPES, e.g. 0,1")
     a = ap.parse_args()
+    shapes = SHAPES if a.shapes is None else [SHAPES[int(i)] for i in a.shapes.split(",")]
     tiles = [None if t == "default" else tuple(int(v) for v in t.split("x"))
              for t in a.tiles.split(",")]
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {a.dtype} hs{a.head_size} bs{a.block_size} "
           f"partition={a.partition}")
     print(f"{'shape':9s} {'batch':>5s} {'context':>10s} " + " ".join(f"{str(t or 'default'):>16s}" for t in tiles))
-    for heads, kv, batch, ctx in SHAPES:
+    for heads, kv, batch, ctx in shapes:
         w = bench.Workload(batch, ctx, heads, kv, a.head_size, a.block_size, a.dtype)
         cells = []
         for t in tiles:

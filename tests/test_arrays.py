@@ -1,0 +1,193 @@
+"""The array adapter's logic that needs no device: DLPack devices, torch metadata and
+dtypes (through a stand-in ``torch`` module, so CI needs no torch), stream handles."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _arrays, _dtypes
+
+
+class _DType:
+    def __init__(self, name, itemsize):
+        self.name, self.itemsize = name, itemsize
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+
+class _Device:
+    def __init__(self, type_, index=None):
+        self.type, self.index = type_, index
+
+    def __str__(self):
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """A minimal stand-in for the torch module: dtypes, Tensor metadata, cuda.Stream."""
+    t = types.ModuleType("torch")
+    for name, size in (("float32", 4), ("float16", 2), ("bfloat16", 2), ("float64", 8),
+                       ("int32", 4), ("int64", 8), ("int16", 2), ("int8", 1), ("uint8", 1),
+                       ("bool", 1), ("complex64", 8)):
+        setattr(t, name, _DType(name, size))
+
+    class Tensor:
+        def __init__(self, shape, dtype, device=("cuda", 0), requires_grad=False, ptr=1 << 20):
+            self.shape, self.dtype, self.requires_grad = tuple(shape), dtype, requires_grad
+            self.device = _Device(*device)
+            self._ptr = ptr
+            st, acc = [], 1
+            for n in reversed(self.shape):
+                st.append(acc)
+                acc *= n
+            self._strides = tuple(reversed(st))
+
+        def stride(self):
+            return self._strides
+
+        def element_size(self):
+            return self.dtype.itemsize
+
+        def data_ptr(self):
+            return self._ptr
+
+        def is_contiguous(self):
+            return True
+
+        def numel(self):
+            return int(np.prod(self.shape))
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    t.Tensor = Tensor
+    t.cuda = types.SimpleNamespace(Stream=Stream)
+    monkeypatch.setitem(sys.modules, "torch", t)
+    monkeypatch.setattr(_arrays, "_TORCH_TO_NUMPY", {})
+    monkeypatch.setattr(_arrays, "_NUMPY_TO_TORCH", {})
+    return t
+
+
+def test_torch_dtypes_map_to_numpy_bfloat16_included(fake_torch):
+    t = fake_torch
+    for td, want in ((t.float32, np.float32), (t.float16, np.float16), (t.int32, np.int32),
+                     (t.int64, np.int64)):
+        a = _arrays.as_device_array(t.Tensor((2, 3), td), "x")
+        assert a.dtype == np.dtype(want)
+    bf = _arrays.as_device_array(t.Tensor((2, 3), t.bfloat16), "x")
+    assert bf.dtype == _dtypes.BF16.numpy and _dtypes.lookup(bf.dtype) is _dtypes.BF16
+    assert _arrays.torch_dtype(_dtypes.BF16.numpy) is t.bfloat16
+    assert _arrays.torch_dtype(np.float16) is t.float16
+
+
+def test_torch_metadata_is_read_without_copies(fake_torch):
+    x = fake_torch.Tensor((4, 3, 8), fake_torch.float16, device=("cuda", 1), ptr=123456)
+    a = _arrays.as_device_array(x, "q")
+    assert a.shape == (4, 3, 8) and a.ndim == 3
+    assert a.strides == (48, 16, 2)  # bytes, as NumPy and CuPy give them
+    assert a.data.ptr == 123456 and a.data.device_id == 1
+    assert a.flags.c_contiguous and a.tensor is x
+    assert _arrays.unwrap(a) is x
+
+
+def test_cpu_tensors_are_refused_with_a_hint(fake_torch):
+    x = fake_torch.Tensor((2, 2), fake_torch.float16, device=("cpu",))
+    with pytest.raises(TypeError, match=r"query is a torch tensor on cpu; cupaged needs CUDA "
+                                        r"tensors \(e.g. query.cuda\(\)\)"):
+        _arrays.as_device_array(x, "query")
+
+
+def test_tensors_that_require_grad_are_refused(fake_torch):
+    x = fake_torch.Tensor((2, 2), fake_torch.float16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"query requires grad.*not differentiable.*"
+                                        r"torch.no_grad\(\).*query.detach\(\)"):
+        _arrays.as_device_array(x, "query")
+
+
+def test_unsupported_torch_dtypes_are_named(fake_torch):
+    t = fake_torch
+    q = t.Tensor((2, 4, 64), t.complex64)
+    with pytest.raises(TypeError, match=r"query dtype torch.complex64 is not supported: "
+                                        r"expected float32, float16, bfloat16"):
+        cupaged.paged_attention(q, q, q, t.Tensor((2, 1), t.int32), t.Tensor((2,), t.int32))
+    q = t.Tensor((2, 4, 64), t.float64)
+    with pytest.raises(TypeError, match="query dtype float64 is not supported"):
+        cupaged.paged_attention(q, q, q, t.Tensor((2, 1), t.int32), t.Tensor((2,), t.int32))
+
+
+def test_torch_int64_tables_get_the_usual_error(fake_torch):
+    t = fake_torch
+    q = t.Tensor((2, 4, 64), t.float16)
+    kc = t.Tensor((3, 2, 8, 16, 8), t.float16)
+    vc = t.Tensor((3, 2, 64, 16), t.float16)
+    with pytest.raises(TypeError, match=r"block_tables must be int32, got int64"):
+        cupaged.paged_attention(q, kc, vc, t.Tensor((2, 1), t.int64), t.Tensor((2,), t.int32))
+
+
+class _Capsule:
+    """A DLPack producer that is not a CUDA array."""
+
+    def __init__(self, device_type, device_id=0):
+        self._dev = (device_type, device_id)
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("must not be consumed")
+
+    def __dlpack_device__(self):
+        return self._dev
+
+
+@pytest.mark.parametrize("kind, where", [(1, "CPU"), (3, r"CUDA host \(pinned\)"),
+                                         (13, "CUDA managed"), (10, "ROCm"),
+                                         (99, "DLPack device type 99")])
+def test_non_cuda_dlpack_devices_are_refused(kind, where):
+    with pytest.raises(TypeError, match=rf"key_cache lives in {where} memory \(device 0\); "
+                                        r"cupaged needs CUDA device memory"):
+        _arrays.as_device_array(_Capsule(kind), "key_cache")
+
+
+def test_numpy_and_other_objects_are_refused():
+    with pytest.raises(TypeError, match=r"out is a NumPy array \(host memory\)"):
+        _arrays.as_device_array(np.zeros(3), "out")
+    with pytest.raises(TypeError, match=r"out must be a CUDA array \(cupy.ndarray, torch.Tensor "
+                                        r"or any __dlpack__ producer\), got dict"):
+        _arrays.as_device_array({}, "out")
+
+
+class _ProtocolStream:
+    def __init__(self, handle, as_method=True):
+        if as_method:
+            self.__cuda_stream__ = lambda: (0, handle)
+        else:
+            self.__cuda_stream__ = (0, handle)
+
+
+def test_stream_handles():
+    assert _arrays.stream_pointer(_ProtocolStream(0xABC)) == 0xABC
+    assert _arrays.stream_pointer(_ProtocolStream(0xABD, as_method=False)) == 0xABD
+    assert _arrays.stream_pointer(0) == 0
+    assert _arrays.stream_pointer(np.int64(7)) == 7
+    for bad in (True, -1, "default", 1.5):
+        with pytest.raises(TypeError, match="stream must be a CuPy stream, a torch stream, an "
+                                            "object with __cuda_stream__, or a stream handle"):
+            _arrays.stream_pointer(bad)
+
+
+def test_torch_streams(fake_torch):
+    assert _arrays.stream_pointer(fake_torch.cuda.Stream(0x1234)) == 0x1234
+
+
+def test_torch_is_never_imported_for_cupy_users():
+    import subprocess
+
+    code = ("import sys, cupaged, cupaged.attention, cupaged.cache_ops, cupaged.kv_cache, "
+            "cupaged._arrays as a; a.is_torch(1); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,488 @@
+"""PyTorch and DLPack inputs, streams, CUDA graphs and several GPUs (GPU tests).
+
+Torch tests skip where torch does not import; the two-GPU tests where one GPU is seen."""
+
+from __future__ import annotations
+
+import threading
+
+import cupy
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _dtypes, attention, reference, testing
+from cupaged.bench import _Spin
+from conftest import make_problem, rel_err
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float32, np.float16, _dtypes.BF16.numpy]
+SLEEP_US = 100_000  # long enough that a wrong stream or a hidden sync is visible
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def to_torch(a, device="cuda"):
+    torch = _torch()
+    a = np.ascontiguousarray(a)
+    if a.dtype == _dtypes.BF16.numpy:
+        return torch.from_numpy(a.view(np.int16)).to(device).view(torch.bfloat16)
+    return torch.from_numpy(a).to(device)
+
+
+def to_numpy(t):
+    torch = _torch()
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return t.float().cpu().numpy()
+    return t.cpu().numpy()
+
+
+def torch_args(p):
+    return {k: (None if v is None else to_torch(v)) for k, v in p.host_args().items()}
+
+
+def _tol(dtype):
+    return testing.TOLERANCE[_dtypes.lookup(dtype).name]
+
+
+def _two_gpus():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+
+
+# ---- every entry point with torch tensors ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
+@pytest.mark.parametrize("partition", ["never", "always"])
+def test_paged_attention_torch_in_torch_out(rng, dtype, partition):
+    torch = _torch()
+    p = make_problem(rng, dtype=dtype, lens=(1, 17, 40, 0, 33), heads=8, kv_heads=2,
+                     head_size=64, block_size=16, alibi=True)
+    args = torch_args(p)
+    out = cupaged.paged_attention(**args, partition=partition)
+    assert isinstance(out, torch.Tensor) and out.dtype == args["query"].dtype
+    assert out.device == args["query"].device and out.shape == args["query"].shape
+    ref = p.reference()
+    assert rel_err(to_numpy(out), ref) <= _tol(dtype)
+
+    # out= is written in place: a slice in the middle of a poisoned buffer.
+    n = p.query.shape[0]
+    big = torch.full((n + 2, *p.query.shape[1:]), float("nan"), dtype=out.dtype, device="cuda")
+    got = cupaged.paged_attention(**args, partition=partition, out=big[1:n + 1])
+    assert got.data_ptr() == big[1].data_ptr()
+    assert torch.isnan(big[0]).all() and torch.isnan(big[n + 1]).all()
+    assert rel_err(to_numpy(big[1:n + 1]), ref) <= _tol(dtype)
+
+
+def test_inputs_are_read_in_place(rng):
+    """A strided query slice of a fused QKV tensor, changed between calls: each call reads
+    the tensor's memory as it is then (no copy, no cache of inputs)."""
+    torch = _torch()
+    p = make_problem(rng, dtype=np.float16, lens=(9, 30), heads=4, kv_heads=2, head_size=64)
+    args = torch_args(p)
+    qkv = torch.zeros((2, 12, 64), dtype=torch.float16, device="cuda")
+    qkv[:, 4:8] = args["query"]
+    args["query"] = qkv[:, 4:8]
+    first = cupaged.paged_attention(**args)
+    assert rel_err(to_numpy(first), p.reference()) <= _tol(np.float16)
+    new_q = testing.random_normal(p.query.shape, np.float16, rng)
+    qkv[:, 4:8] = to_torch(new_q)
+    second = cupaged.paged_attention(**args)
+    p.query = new_q
+    assert rel_err(to_numpy(second), p.reference()) <= _tol(np.float16)
+
+
+def test_mixed_and_generic_dlpack_inputs(rng):
+    """CuPy query with torch caches (the query decides: CuPy out), and a producer that
+    only speaks the DLPack protocol."""
+    _torch()
+
+    class Producer:
+        def __init__(self, t):
+            self._t = t
+
+        def __dlpack__(self, stream=None, **kw):
+            return self._t.__dlpack__(stream=stream, **kw)
+
+        def __dlpack_device__(self):
+            return self._t.__dlpack_device__()
+
+    p = make_problem(rng, dtype=np.float16, lens=(12, 3), heads=4, kv_heads=2, head_size=64)
+    args = torch_args(p)
+    args["query"] = cupy.asarray(p.query)
+    out = cupaged.paged_attention(**args)
+    assert isinstance(out, cupy.ndarray)
+    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    args = {k: Producer(v) for k, v in torch_args(p).items() if v is not None}
+    out = cupaged.paged_attention(**args)
+    assert isinstance(out, cupy.ndarray)
+    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
+def test_cache_ops_with_torch_match_cupy(rng, dtype):
+    torch = _torch()
+    kv, hs, bs, nb = 2, 64, 16, 12
+    kc, vc = testing.random_cache(nb, kv, hs, bs, dtype, rng)
+    key = testing.random_normal((5, kv, hs), dtype, rng)
+    val = testing.random_normal((5, kv, hs), dtype, rng)
+    slots = np.array([3, 17, -1, 40, 191], np.int64)
+    # reshape_and_cache
+    c_kc, c_vc = cupy.asarray(kc), cupy.asarray(vc)
+    cupaged.reshape_and_cache(cupy.asarray(key), cupy.asarray(val), c_kc, c_vc, cupy.asarray(slots))
+    t_kc, t_vc = to_torch(kc), to_torch(vc)
+    cupaged.reshape_and_cache(to_torch(key), to_torch(val), t_kc, t_vc, to_torch(slots))
+    np.testing.assert_array_equal(to_numpy(t_kc), cupy.asnumpy(c_kc).astype(np.float32))
+    np.testing.assert_array_equal(to_numpy(t_vc), cupy.asnumpy(c_vc).astype(np.float32))
+    # copy_blocks, two layers
+    pairs = np.array([[0, 5], [7, 2]], np.int32)
+    t_layers = [to_torch(kc), to_torch(kc)], [to_torch(vc), to_torch(vc)]
+    cupaged.copy_blocks(*t_layers, to_torch(pairs))
+    for layer in (*t_layers[0], *t_layers[1]):
+        host = to_numpy(layer)
+        np.testing.assert_array_equal(host[5], host[0])
+        np.testing.assert_array_equal(host[2], host[7])
+    # swap_blocks through a pinned torch host tensor, both directions
+    dev = to_torch(vc)
+    host = torch.zeros(dev.shape, dtype=dev.dtype, pin_memory=True)
+    cupaged.swap_blocks(dev, host, [[1, 4], [9, 0]])
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(host[4].float().numpy(), to_numpy(dev[1]))
+    np.testing.assert_array_equal(host[0].float().numpy(), to_numpy(dev[9]))
+    back = torch.zeros_like(dev)
+    cupaged.swap_blocks(host, back, torch.tensor([[4, 11]], dtype=torch.int64))
+    np.testing.assert_array_equal(to_numpy(back[11]), to_numpy(dev[1]))
+
+
+def test_paged_kv_cache_torch(rng):
+    """PagedKVCache(framework="torch"): torch caches and step arrays, a short decode loop
+    checked against the reference over each sequence's history."""
+    torch = _torch()
+    cache = cupaged.PagedKVCache(1, 64, 2, 64, 16, "bfloat16", framework="torch")
+    assert isinstance(cache.key_caches[0], torch.Tensor)
+    assert cache.key_caches[0].dtype == torch.bfloat16
+    bf16 = _dtypes.BF16.numpy
+    hist_k, hist_v = {}, {}
+    prompt = {"a": 20, "b": 5}
+    for sid, n in prompt.items():
+        slots = cache.add(sid, n)
+        assert isinstance(slots, torch.Tensor) and slots.dtype == torch.int32
+        k = testing.random_normal((n, 2, 64), bf16, rng)
+        v = testing.random_normal((n, 2, 64), bf16, rng)
+        cupaged.reshape_and_cache(to_torch(k), to_torch(v), cache.key_caches[0],
+                                  cache.value_caches[0], slots)
+        hist_k[sid], hist_v[sid] = [k], [v]
+    cache.fork("a", "c")
+    hist_k["c"], hist_v["c"] = list(hist_k["a"]), list(hist_v["a"])
+    seqs = ["a", "b", "c"]
+    for _ in range(3):
+        step = cache.step(seqs)
+        assert all(isinstance(x, torch.Tensor) for x in step)
+        k = testing.random_normal((3, 2, 64), bf16, rng)
+        v = testing.random_normal((3, 2, 64), bf16, rng)
+        q = testing.random_normal((3, 4, 64), bf16, rng)
+        cupaged.reshape_and_cache(to_torch(k), to_torch(v), cache.key_caches[0],
+                                  cache.value_caches[0], step.slot_mapping)
+        out = cupaged.paged_attention(to_torch(q), cache.key_caches[0], cache.value_caches[0],
+                                      step.block_tables, step.context_lens)
+        for i, sid in enumerate(seqs):
+            hist_k[sid].append(k[i:i + 1])
+            hist_v[sid].append(v[i:i + 1])
+            ref = reference.attend(q[i].astype(np.float64),
+                                   np.concatenate(hist_k[sid]).astype(np.float64),
+                                   np.concatenate(hist_v[sid]).astype(np.float64),
+                                   1 / 8.0)
+            assert rel_err(to_numpy(out[i]), ref) <= _tol(bf16)
+
+
+# ---- streams ----------------------------------------------------------------------------------
+
+
+def _two_problems(rng):
+    p = make_problem(rng, dtype=np.float16, lens=(70, 3, 200), heads=8, kv_heads=2,
+                     head_size=64, block_size=16)
+    return p, testing.random_normal(p.query.shape, np.float16, rng)
+
+
+@pytest.mark.parametrize("how", ["current", "explicit"])
+def test_torch_side_stream_ordering(rng, how):
+    """Work the caller queued on a busy side stream (a long sleep, then new query values)
+    is seen by cupaged, and cupaged returns while the stream is still busy (no sync)."""
+    torch = _torch()
+    p, new_q = _two_problems(rng)
+    args = torch_args(p)
+    fresh = to_torch(new_q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(SLEEP_US * 2e3))  # cycles: about SLEEP_US at 2 GHz
+        args["query"].copy_(fresh)
+        out = torch.empty_like(args["query"])
+    if how == "current":
+        with torch.cuda.stream(side):
+            cupaged.paged_attention(**args, out=out, partition="always")
+    else:
+        cupaged.paged_attention(**args, out=out, partition="always", stream=side)
+    busy = not side.query()
+    side.synchronize()
+    assert busy, "cupaged synchronized the stream"
+    p.query = new_q
+    assert rel_err(to_numpy(out), p.reference()) <= _tol(np.float16)
+
+
+@pytest.mark.parametrize("how", ["current", "explicit"])
+def test_cupy_side_stream_ordering(rng, how):
+    p, new_q = _two_problems(rng)
+    args = p.device_args()
+    side = cupy.cuda.Stream(non_blocking=True)
+    spin = _Spin(SLEEP_US)
+    with side:
+        spin()
+        args["query"][...] = cupy.asarray(new_q)
+    if how == "current":
+        with side:
+            out = cupaged.paged_attention(**args, partition="always")
+            # reshape_and_cache too: overwrite sequence 1's last token's V with zeros
+            slot = int(p.block_tables[1, 0]) * 16 + 2
+            zeros = cupy.zeros((1, 2, 64), np.float16)
+            cupaged.reshape_and_cache(zeros, zeros, args["key_cache"], args["value_cache"],
+                                      cupy.asarray([slot], np.int32))
+    else:
+        out = cupaged.paged_attention(**args, partition="always", stream=side)
+    busy = not side.done
+    side.synchronize()
+    assert busy, "cupaged synchronized the stream"
+    p.query = new_q
+    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    if how == "current":  # the cache write ran after the attention, in stream order
+        assert float(abs(args["value_cache"][int(p.block_tables[1, 0]), :, :, 2]).max()) == 0
+
+
+# ---- CUDA graphs ------------------------------------------------------------------------------
+
+
+class _DecodeState:
+    """A few layers of paged caches and one decode step's inputs, on the host, updated
+    between captures and replays; ``device(xp)`` mirrors it in CuPy or torch arrays."""
+
+    def __init__(self, rng, dtype, layers=3, lens=(5, 40, 1, 130), heads=8, kv_heads=2,
+                 hs=64, bs=16, grow=4):
+        self.rng, self.dtype, self.layers, self.bs = rng, dtype, layers, bs
+        self.lens = np.asarray(lens, np.int32)
+        self.bt, self.nb = testing.random_block_tables(self.lens + grow, bs, rng)
+        self.kc, self.vc = zip(*(testing.random_cache(self.nb, kv_heads, hs, bs, dtype, rng)
+                                 for _ in range(layers)))
+        self.kc, self.vc = list(self.kc), list(self.vc)
+        self.shape_q = (len(lens), heads, hs)
+        self.shape_kv = (len(lens), kv_heads, hs)
+        self.new_token()
+
+    def new_token(self):
+        """Next step's query, K/V and slots; the context grows by one."""
+        rn = lambda s: testing.random_normal(s, self.dtype, self.rng)  # noqa: E731
+        self.q = [rn(self.shape_q) for _ in range(self.layers)]
+        self.k = [rn(self.shape_kv) for _ in range(self.layers)]
+        self.v = [rn(self.shape_kv) for _ in range(self.layers)]
+        pos = self.lens
+        self.slots = (self.bt[np.arange(len(pos)), pos // self.bs] * self.bs + pos % self.bs
+                      ).astype(np.int32)
+        self.lens = self.lens + 1
+
+    def remap_blocks(self):
+        """Move every block elsewhere (block tables change in place, data moves with them)."""
+        perm = self.rng.permutation(self.nb)
+        used = (self.bt >= 0) & (self.bt < self.nb)
+        self.bt = np.where(used, perm[np.clip(self.bt, 0, self.nb - 1)], self.bt).astype(np.int32)
+        inv = np.argsort(perm)
+        for layer in range(self.layers):
+            self.kc[layer] = self.kc[layer][inv]
+            self.vc[layer] = self.vc[layer][inv]
+
+    def reference(self, layer):
+        kc, vc = self.kc[layer].copy(), self.vc[layer].copy()
+        x = kc.shape[-1]
+        for i, s in enumerate(self.slots):  # the step writes the new token first
+            b, o = divmod(int(s), self.bs)
+            kc[b, :, :, o, :] = self.k[layer][i].reshape(kc.shape[1], kc.shape[2], x)
+            vc[b, :, :, o] = self.v[layer][i]
+        return reference.paged_attention(self.q[layer], kc, vc, self.bt, self.lens)
+
+
+def _run_graph_case(state, arrays, capture, replay, partition, assign, to_host):
+    """Capture one decode step (every layer: reshape_and_cache + paged_attention) with
+    ``capture``, update all inputs in place (new token, longer contexts, moved blocks),
+    replay, and compare with the reference and with the same step run eagerly."""
+    ws = cupaged.DecodeWorkspace(len(state.lens), state.shape_q[1], state.shape_q[2])
+    a = arrays
+    max_ctx = int(state.bt.shape[1] * state.bs)
+
+    def step():
+        for layer in range(state.layers):
+            cupaged.reshape_and_cache(a["k"][layer], a["v"][layer], a["kc"][layer],
+                                      a["vc"][layer], a["slots"])
+            cupaged.paged_attention(a["q"][layer], a["kc"][layer], a["vc"][layer], a["bt"],
+                                    a["lens"], out=a["out"][layer], workspace=ws,
+                                    partition=partition, max_context_len=max_ctx)
+
+    graph = capture(step)
+    for _ in range(2):  # replays see in-place updates of every input
+        state.new_token()
+        state.remap_blocks()
+        for layer in range(state.layers):
+            for name in ("q", "k", "v", "kc", "vc"):
+                assign(a[name][layer], getattr(state, name)[layer])
+        for name, v in (("slots", state.slots), ("bt", state.bt), ("lens", state.lens)):
+            assign(a[name], v)
+        replay(graph)
+        got = [to_host(o) for o in a["out"]]
+        for layer in range(state.layers):
+            assert rel_err(got[layer], state.reference(layer)) <= _tol(state.dtype)
+        step()  # eager: the same kernels, partitions and inputs give the same bits
+        for layer in range(state.layers):
+            np.testing.assert_array_equal(to_host(a["out"][layer]), got[layer])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, _dtypes.BF16.numpy], ids=["f16", "bf16"])
+@pytest.mark.parametrize("partition", ["auto", "always"])
+def test_torch_cuda_graph_decode_step(rng, dtype, partition):
+    torch = _torch()
+    state = _DecodeState(rng, dtype)
+    t = lambda v: to_torch(v)  # noqa: E731
+    arrays = {n: [t(x) for x in getattr(state, n)] for n in ("q", "k", "v", "kc", "vc")}
+    arrays.update(slots=t(state.slots), bt=t(state.bt), lens=t(state.lens),
+                  out=[torch.empty_like(q) for q in arrays["q"]])
+
+    def capture(step):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up: kernels compiled and loaded before capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        return g
+
+    def replay(g):
+        g.replay()
+        torch.cuda.synchronize()
+
+    _run_graph_case(state, arrays, capture, replay, partition,
+                    lambda dst, v: dst.copy_(to_torch(v)), to_numpy)
+
+
+@pytest.mark.parametrize("partition", ["auto", "always"])
+def test_cupy_graph_decode_step(rng, partition):
+    state = _DecodeState(rng, np.float16)
+    arrays = {n: [cupy.asarray(x) for x in getattr(state, n)] for n in ("q", "k", "v", "kc", "vc")}
+    arrays.update(slots=cupy.asarray(state.slots), bt=cupy.asarray(state.bt),
+                  lens=cupy.asarray(state.lens), out=[cupy.empty_like(q) for q in arrays["q"]])
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def capture(step):
+        with stream:
+            step()
+            stream.begin_capture()
+            step()
+            return stream.end_capture()
+
+    def replay(g):
+        g.launch(stream)
+        stream.synchronize()
+
+    def assign(dst, v):
+        dst.set(np.ascontiguousarray(v).astype(dst.dtype))
+
+    _run_graph_case(state, arrays, capture, replay, partition, assign,
+                    lambda o: cupy.asnumpy(o).astype(np.float64))
+
+
+def test_workspace_capacity(rng):
+    p = make_problem(rng, dtype=np.float16, lens=(300, 1000), heads=4, kv_heads=2, head_size=64)
+    args = p.device_args()
+    small = cupaged.DecodeWorkspace(2, 4, 64, rows=2 * 4 * 3)  # three partitions per head
+    out = cupaged.paged_attention(**args, workspace=small, partition="always")
+    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    with pytest.raises(ValueError, match="the workspace holds 3 partitions per head"):
+        cupaged.paged_attention(**args, workspace=small, partition=64)
+    with pytest.raises(ValueError, match="the workspace was made for head_size 32"):
+        cupaged.paged_attention(**args, workspace=cupaged.DecodeWorkspace(2, 4, 32))
+    with pytest.raises(TypeError, match="workspace must be a cupaged.DecodeWorkspace"):
+        cupaged.paged_attention(**args, workspace=cupy.empty(100, np.float32))
+
+
+# ---- several GPUs -----------------------------------------------------------------------------
+
+
+def test_arrays_on_device_1(rng):
+    _two_gpus()
+    p = make_problem(rng, dtype=np.float16, lens=(50, 7), heads=8, kv_heads=2, head_size=64)
+    with cupy.cuda.Device(1):
+        args = p.device_args()
+    with cupy.cuda.Device(0):
+        out = cupaged.paged_attention(**args, partition="always")
+        assert cupy.cuda.runtime.getDevice() == 0  # the caller's device is restored
+    assert out.device.id == 1
+    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    k0 = attention._kernels(0, "f16", 64, 16, 4)
+    k1 = attention._kernels(1, "f16", 64, 16, 4)
+    assert k0 is not k1 and k0.decode.ptr != k1.decode.ptr
+    with pytest.raises(ValueError, match="the workspace is on device 0 but query is on device 1"):
+        cupaged.paged_attention(**args, workspace=cupaged.DecodeWorkspace(2, 8, 64, device=0))
+
+
+def test_torch_stream_of_device_1(rng):
+    """Tensors on device 1 run on torch's current stream for device 1, whatever device
+    is current."""
+    _two_gpus()
+    torch = _torch()
+    p, new_q = _two_problems(rng)
+    args = {k: (None if v is None else to_torch(v, "cuda:1")) for k, v in p.host_args().items()}
+    side = torch.cuda.Stream(device=1)
+    with torch.cuda.device(1):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(SLEEP_US * 2e3))
+            args["query"].copy_(to_torch(new_q, "cuda:1"))
+    with torch.cuda.device(0), torch.cuda.stream(side):  # stream(side) sets device 1's current
+        out = cupaged.paged_attention(**args)
+    busy = not side.query()
+    side.synchronize()
+    assert busy and out.device == torch.device("cuda", 1)
+    p.query = new_q
+    assert rel_err(to_numpy(out), p.reference()) <= _tol(np.float16)
+
+
+def test_tensor_parallel_heads_across_gpus(rng):
+    """Heads split over the GPUs, one thread per GPU, match one GPU doing all heads."""
+    _two_gpus()
+    n = min(cupy.cuda.runtime.getDeviceCount(), 4)
+    kv = 2 * n
+    p = make_problem(rng, dtype=np.float16, lens=(300, 17, 1, 900), heads=4 * kv, kv_heads=kv,
+                     head_size=128, block_size=16)
+    whole = cupaged.paged_attention(**p.device_args())
+    parts = [None] * n
+
+    def worker(i):
+        with cupy.cuda.Device(i):
+            h = slice(i * kv // n, (i + 1) * kv // n)
+            qh = slice(h.start * 4, h.stop * 4)
+            args = p.device_args()
+            args["query"] = args["query"][:, qh]
+            args["key_cache"] = cupy.ascontiguousarray(args["key_cache"][:, h])
+            args["value_cache"] = cupy.ascontiguousarray(args["value_cache"][:, h])
+            parts[i] = cupy.asnumpy(cupaged.paged_attention(**args))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tp = np.concatenate(parts, axis=1).astype(np.float64)
+    ref = p.reference()
+    assert rel_err(tp, ref) <= _tol(np.float16)
+    assert rel_err(tp, cupy.asnumpy(whole).astype(np.float64)) <= _tol(np.float16)
