@@ -85,20 +85,20 @@ class TorchArray:
     __slots__ = ("tensor", "shape", "strides", "ndim", "dtype", "data")
 
     def __init__(self, tensor, name: str):
-        dev = tensor.device
-        if dev.type != "cuda":
-            raise TypeError(f"{name} is a torch tensor on {dev}; cupaged needs CUDA tensors "
-                            f"(e.g. {name}.cuda())")
+        # (is_cuda and get_device() are the cheap accessors; .device builds an object)
+        if not tensor.is_cuda:
+            raise TypeError(f"{name} is a torch tensor on {tensor.device}; cupaged needs CUDA "
+                            f"tensors (e.g. {name}.cuda())")
         if tensor.requires_grad:
             raise TypeError(f"{name} requires grad, but cupaged's kernels are not "
                             f"differentiable: call under torch.no_grad() or pass {name}.detach()")
         self.tensor = tensor
-        self.shape = tuple(tensor.shape)
-        self.ndim = len(self.shape)
+        self.shape = shape = tuple(tensor.shape)
+        self.ndim = len(shape)
         self.dtype = numpy_dtype(tensor.dtype)
         itemsize = tensor.element_size()
         self.strides = tuple(s * itemsize for s in tensor.stride())
-        self.data = _Data(tensor.data_ptr(), dev.index)
+        self.data = _Data(tensor.data_ptr(), tensor.get_device())
 
     @property
     def flags(self) -> _Flags:
@@ -194,6 +194,12 @@ class Context(NamedTuple):
     explicit: bool  # the stream came from the caller's stream= argument
 
 
+def _torch_current_stream(device: int) -> int:
+    t = _torch()
+    raw = getattr(t._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x faster
+    return raw(device) if raw is not None else t.cuda.current_stream(device).cuda_stream
+
+
 def context(device: int, torch_in: bool, stream=None) -> Context:
     """The stream: ``stream`` when given, else torch's current stream for the device
     when the caller passed torch tensors, else CuPy's current stream (which is per
@@ -201,7 +207,7 @@ def context(device: int, torch_in: bool, stream=None) -> Context:
     if stream is not None:
         return Context(device, stream_pointer(stream), torch_in, True)
     if torch_in:
-        return Context(device, _torch().cuda.current_stream(device).cuda_stream, True, False)
+        return Context(device, _torch_current_stream(device), True, False)
     return Context(device, cupy.cuda.get_current_stream().ptr, False, False)
 
 
@@ -213,7 +219,23 @@ def _allocating_on(ctx: Context):
     if ctx.torch:
         t = _torch()
         return t.cuda.stream(t.cuda.ExternalStream(ctx.stream, device=ctx.device))
-    return cupy.cuda.ExternalStream(ctx.stream)
+    return _cupy_stream(ctx.stream)
+
+
+class _Handle:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+def _cupy_stream(ptr: int):
+    """A CuPy stream object for a raw handle (CuPy >= 14 prefers Stream.from_external)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_Handle(ptr))
+    return cupy.cuda.ExternalStream(ptr)
 
 
 def cupy_on_launch_stream(ctx: Context):
@@ -221,7 +243,7 @@ def cupy_on_launch_stream(ctx: Context):
     such as uploading a small index array, so that the kernels see it in order)."""
     if ctx.stream == cupy.cuda.get_current_stream().ptr:
         return _NO_SWITCH
-    return cupy.cuda.ExternalStream(ctx.stream)
+    return _cupy_stream(ctx.stream)
 
 
 def empty(ctx: Context, shape, dtype):

@@ -58,6 +58,13 @@ def fake_torch(monkeypatch):
         def data_ptr(self):
             return self._ptr
 
+        @property
+        def is_cuda(self):
+            return self.device.type == "cuda"
+
+        def get_device(self):
+            return self.device.index if self.is_cuda else -1
+
         def is_contiguous(self):
             return True
 

@@ -1,5 +1,7 @@
 """cupaged-bench's command line, without a GPU (the GPU runs are in the device check)."""
 
+import importlib.util
+
 import pytest
 from click.testing import CliRunner
 
@@ -216,8 +218,10 @@ def test_overhead_reports_every_entry_point():
     r = CliRunner().invoke(main, ["overhead", "--calls", "20"])
     assert r.exit_code == 0, r.output
     for name in ("single pass", "split-KV", "reshape_and_cache", "copy_blocks",
-                 "PagedKVCache.step", "CUDA graph replay"):
+                 "PagedKVCache.step", "CuPy graph replay"):
         assert name in r.output
+    if importlib.util.find_spec("torch") is not None:
+        assert "torch tensors, single pass" in r.output and "torch.cuda.graph replay" in r.output
 
 
 @pytest.mark.gpu

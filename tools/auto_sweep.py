@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip caches larger than this")
     a = ap.parse_args()
     print(f"{'batch':>5s} {'context':>7s} {'auto us':>9s} {'never us':>9s} {'always us':>9s} "
