@@ -79,9 +79,14 @@ struct DecodeGeometry {
   static constexpr int kVStage = HEAD_SIZE * kVRow * static_cast<int>(sizeof(T));
   static constexpr int kOffV = STAGES * kKStage;
   static constexpr int kOffQ = kOffV + STAGES * kVStage;
-  static constexpr int kOffP = kOffQ + GROUP_TILE * HEAD_SIZE * 4;
+  // The mma path keeps the query in registers and needs only GROUP_TILE floats of the
+  // reduction space (its running maxima, for part_max): 8 KiB less at 8 heads, which is
+  // the difference between two and three CTAs per SM.
+  static constexpr int kQBytes = kMma ? 0 : GROUP_TILE * HEAD_SIZE * 4;
+  static constexpr int kRedBytes = kMma ? (GROUP_TILE * 4 + 15) / 16 * 16 : kThreads * GROUP_TILE * 4;
+  static constexpr int kOffP = kOffQ + kQBytes;
   static constexpr int kOffRed = kOffP + TILE_TOKENS * GROUP_TILE * 4;
-  static constexpr int kOffWarp = kOffRed + kThreads * GROUP_TILE * 4;
+  static constexpr int kOffWarp = kOffRed + kRedBytes;
   static constexpr int kOffFlag = kOffWarp + kWarps * GROUP_TILE * 4;
   static constexpr int kOffIds = kOffFlag + 16;  // [2][kPieces] block ids, double-buffered
   static constexpr int kSmemBytes = kOffIds + (2 * kPieces * 4 + 15) / 16 * 16;

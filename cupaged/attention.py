@@ -60,7 +60,11 @@ def _decode_smem_bytes(spec: jit.KernelSpec) -> int:
     k_stage = tt * hs * it
     v_stage = hs * (tt + 16 // it) * it
     pieces = tt // min(spec.block_size, tt)  # block ids per tile, double-buffered
-    return (spec.stages * (k_stage + v_stage) + gt * hs * 4 + tt * gt * 4 + _THREADS * gt * 4
+    # DecodeGeometry::kMma: tensor cores, query in registers, a small reduction space
+    mma = it == 2 and gt >= 4 and hs % 16 == 0 and min(spec.block_size, tt) >= 16 // it
+    q_bytes = 0 if mma else gt * hs * 4
+    red_bytes = _round_up(gt * 4, 16) if mma else _THREADS * gt * 4
+    return (spec.stages * (k_stage + v_stage) + q_bytes + tt * gt * 4 + red_bytes
             + (_THREADS // 32) * gt * 4 + 16 + _round_up(2 * pieces * 4, 16))
 
 

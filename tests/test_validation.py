@@ -218,7 +218,9 @@ def test_smem_mirror_matches_the_kernel_layout():
     specs = [jit.KernelSpec("paged_decode", dt, hs, bs, gt, tile_tokens=tt, stages=st)
              for dt, hs, bs, gt, tt, st in [
                  ("f16", 128, 16, 4, 0, 0), ("f32", 40, 1, 1, 0, 0), ("bf16", 256, 256, 8, 0, 0),
-                 ("f16", 64, 2, 2, 0, 0), ("f16", 128, 32, 8, 32, 3), ("f32", 96, 128, 4, 64, 4)]]
+                 ("f16", 64, 2, 2, 0, 0), ("f16", 128, 32, 8, 32, 3), ("f32", 96, 128, 4, 64, 4),
+                 ("bf16", 128, 16, 4, 0, 0), ("f16", 72, 16, 8, 0, 0), ("f16", 128, 4, 8, 0, 0),
+                 ("bf16", 64, 8, 8, 0, 0)]]
     asserts = "".join(
         f"static_assert(cupaged::DecodeGeometry<{_dtypes.BY_NAME[s.dtype].cxx}, {s.head_size}, "
         f"{s.block_size}, {s.group_tile}, {s.tile_tokens}, {s.stages}>::kSmemBytes == "
