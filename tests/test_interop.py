@@ -238,19 +238,23 @@ def test_torch_side_stream_ordering(rng, how):
 def test_cupy_side_stream_ordering(rng, how):
     p, new_q = _two_problems(rng)
     args = p.device_args()
+    fresh = cupy.asarray(new_q)  # inputs made before the stream is busy: a copy from
+    zeros = cupy.zeros((1, 2, 64), np.float16)  # pageable memory would sync it
+    slot = cupy.asarray([int(p.block_tables[1, 0]) * 16 + 2], np.int32)  # seq 1's last token
+    cupaged.paged_attention(**args, partition="always")  # kernels loaded beforehand
+    cupaged.reshape_and_cache(zeros, zeros, cupy.empty_like(args["key_cache"]),
+                              cupy.empty_like(args["value_cache"]), slot)
     side = cupy.cuda.Stream(non_blocking=True)
     spin = _Spin(SLEEP_US)
+    cupy.cuda.Device().synchronize()
     with side:
         spin()
-        args["query"][...] = cupy.asarray(new_q)
+        args["query"][...] = fresh
     if how == "current":
         with side:
             out = cupaged.paged_attention(**args, partition="always")
             # reshape_and_cache too: overwrite sequence 1's last token's V with zeros
-            slot = int(p.block_tables[1, 0]) * 16 + 2
-            zeros = cupy.zeros((1, 2, 64), np.float16)
-            cupaged.reshape_and_cache(zeros, zeros, args["key_cache"], args["value_cache"],
-                                      cupy.asarray([slot], np.int32))
+            cupaged.reshape_and_cache(zeros, zeros, args["key_cache"], args["value_cache"], slot)
     else:
         out = cupaged.paged_attention(**args, partition="always", stream=side)
     busy = not side.done
@@ -443,12 +447,13 @@ def test_torch_stream_of_device_1(rng):
     p, new_q = _two_problems(rng)
     args = {k: (None if v is None else to_torch(v, "cuda:1")) for k, v in p.host_args().items()}
     cupaged.paged_attention(**args)  # device 1's kernels loaded before the timed part
+    fresh = to_torch(new_q, "cuda:1")  # (a copy from pageable memory syncs its stream)
     side = torch.cuda.Stream(device=1)
     with torch.cuda.device(1):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             torch.cuda._sleep(int(SLEEP_US * 2e3))
-            args["query"].copy_(to_torch(new_q, "cuda:1"))
+            args["query"].copy_(fresh)
     with torch.cuda.device(0), torch.cuda.stream(side):  # stream(side) sets device 1's current
         out = cupaged.paged_attention(**args)
     busy = not side.query()
