@@ -104,10 +104,6 @@ class TorchArray:
     def flags(self) -> _Flags:
         return _Flags(self.tensor.is_contiguous())
 
-    @property
-    def size(self) -> int:
-        return self.tensor.numel()
-
 
 class HostTorchArray:
     """A torch CPU tensor's metadata, NumPy-style (the host side of a swap)."""
@@ -153,11 +149,6 @@ def optional_device_array(x, name: str):
 def to_host(a) -> np.ndarray:
     """A NumPy copy (synchronizes: only for checks and debugging)."""
     return a.tensor.cpu().numpy() if isinstance(a, TorchArray) else cupy.asnumpy(a)
-
-
-def unwrap(a):
-    """What the caller gets back for an array cupaged allocated or was given."""
-    return a.tensor if isinstance(a, TorchArray) else a
 
 
 # ---- devices, streams, allocation --------------------------------------------------------------

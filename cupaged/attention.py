@@ -37,8 +37,6 @@ _MAX_GRID_YZ = 65535
 # Token positions are int32 in the kernel, which computes some up to a tile past the end.
 _MAX_TOKENS = _checks.INT32_MAX - 1024
 _fail = _checks.fail
-
-
 _LOG2E = math.log2(math.e)
 
 
