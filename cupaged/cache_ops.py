@@ -249,7 +249,9 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
             other in pinned host memory (:func:`empty_pinned`, or a torch tensor with
             ``pin_memory=True``), or both on one device.
         block_mapping: ``[num_pairs, 2]`` (src, dst) block ids, int32 or int64, on the
-            host (NumPy or a list) or on the device.
+            host (NumPy or a list) or on the device. A host mapping is uploaded from
+            pageable memory, which waits until the launch stream has drained; pass a
+            device mapping to keep the call free of any wait.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
             device side is a torch tensor).
 
