@@ -53,29 +53,37 @@ __global__ void __launch_bounds__(kCacheThreads)
   }
 }
 
-// One tensor of a block copy: its source and destination base addresses (device memory,
-// or pinned host memory reached through unified addressing), block strides in bytes, and
-// how many blocks each side holds (ids outside are skipped, never followed).
+// One tensor of a block copy: source and destination base addresses (device memory, or
+// pinned host memory reached through unified addressing) and block strides, in bytes.
 struct CopyTensor {
   long long src;
   long long dst;
   long long src_block_stride;
   long long dst_block_stride;
-  long long src_blocks;
-  long long dst_blocks;
 };
 
-// Copy whole blocks for every (tensor, pair): grid (num_pairs, num_tensors). block_bytes
-// is a multiple of 16. One launch serves copy-on-write for all layers' K and V caches, and
-// a swap between a device cache and a pinned host cache whatever the mapping's order.
+// The tensors of one launch travel by value in the kernel parameters (3 KiB of the 4 KiB
+// every supported GPU accepts): a launch owns its copy of the table, so nothing has to be
+// uploaded before it or kept alive after it, and a captured CUDA graph holds its own.
+// More tensors than this take several launches.
+constexpr int kMaxCopyTensors = 96;
+struct CopyTable {
+  CopyTensor t[kMaxCopyTensors];
+};
+
+// Copy whole blocks for every (pair, tensor): grid (num_pairs, num_tensors). block_bytes
+// is a multiple of 16 and every base and stride 16-byte aligned (checked on the host). One
+// launch serves copy-on-write for many layers' K and V caches, and a swap between a device
+// cache and a pinned host cache whatever the mapping's order. Block ids outside
+// [0, src_blocks) or [0, dst_blocks) are skipped, never followed.
 template <typename IdxT>
 __global__ void __launch_bounds__(kCacheThreads)
-    copy_blocks(const CopyTensor* __restrict__ tensors, const IdxT* __restrict__ mapping,
-                long long block_bytes) {
-  const CopyTensor t = tensors[blockIdx.y];
+    copy_blocks(const __grid_constant__ CopyTable table, const IdxT* __restrict__ mapping,
+                long long block_bytes, long long src_blocks, long long dst_blocks) {
+  const CopyTensor& t = table.t[blockIdx.y];
   const long long s = static_cast<long long>(mapping[2 * static_cast<long long>(blockIdx.x)]);
   const long long d = static_cast<long long>(mapping[2 * static_cast<long long>(blockIdx.x) + 1]);
-  if (s < 0 || s >= t.src_blocks || d < 0 || d >= t.dst_blocks) return;
+  if (s < 0 || s >= src_blocks || d < 0 || d >= dst_blocks) return;
   const uint4* src = reinterpret_cast<const uint4*>(t.src + s * t.src_block_stride);
   uint4* dst = reinterpret_cast<uint4*>(t.dst + d * t.dst_block_stride);
   for (long long i = threadIdx.x; i < block_bytes / 16; i += kCacheThreads) dst[i] = src[i];

@@ -6,6 +6,12 @@
 // with single PTX instructions.
 #pragma once
 
+// cp.async, bf16 conversions and mma.m16n8k16 with bf16 need sm_80; the host refuses
+// older devices before compiling anything (cupaged.attention.MIN_COMPUTE_CAPABILITY).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "cupaged's kernels need compute capability 8.0 or newer"
+#endif
+
 namespace cupaged {
 
 struct half_t {
@@ -47,18 +53,7 @@ __device__ __forceinline__ half_t from_float<half_t>(float f) {
 template <>
 __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float f) {
   bfloat16_t b;
-#if __CUDA_ARCH__ >= 800
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
-#else
-  // Round to nearest even by hand (no bf16 cvt before sm_80); keep NaN a quiet NaN.
-  unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    b.bits = 0x7fc0;
-  } else {
-    u += 0x7fffu + ((u >> 16) & 1u);
-    b.bits = static_cast<unsigned short>(u >> 16);
-  }
-#endif
   return b;
 }
 
@@ -118,28 +113,17 @@ __device__ __forceinline__ void load_floats(const T* p, float (&f)[N]) {
 
 // ---- asynchronous global -> shared copies ---------------------------------------------
 
-// cp.async (sm_80+) lets a whole tile be in flight while the previous one is computed.
-// Older GPUs fall back to a synchronous copy: correct, just without the overlap.
+// cp.async lets a whole tile be in flight while the previous one is computed.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-#else
-  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
-#endif
 }
 
-__device__ __forceinline__ void cp_async_commit() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
-#if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
-#endif
 }
 
 // ---- tensor cores: D = A (16x16, row) * B (16x8, col) + D, 16-bit inputs, fp32 sums ------

@@ -160,7 +160,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if (partition_tokens > 0) {
     begin = blockIdx.z * partition_tokens;
     // The last partition runs to the end, so a host bound that undercounts the lengths
-    // costs parallelism, never tokens.
+    // costs parallelism, never tokens. (No overflow: every partition but the last ends
+    // before the host's max_context, which validation keeps below 2^31 - 1024.)
     end = blockIdx.z + 1 == gridDim.z ? ctx : min(ctx, begin + partition_tokens);
     if (begin >= end) return;  // past this sequence's context: the combine skips it
   }
@@ -652,7 +653,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const long long row = static_cast<long long>(seq) * gridDim.y + head;
   // The same clamp as paged_decode, so both agree on which partitions exist.
   const int ctx = max(0, min(context_lens[seq], max_context));
-  const int parts = min(num_partitions, (ctx + partition_tokens - 1) / partition_tokens);
+  // ceil(ctx / partition_tokens) without forming ctx + partition_tokens, which overflows
+  // int for contexts near 2^31.
+  const int parts =
+      min(num_partitions, ctx / partition_tokens + (ctx % partition_tokens != 0 ? 1 : 0));
   const float* pm = part_max + row * num_partitions;
   const float* ps = part_sum + row * num_partitions;
 

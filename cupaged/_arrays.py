@@ -146,9 +146,17 @@ def optional_device_array(x, name: str):
     return None if x is None else as_device_array(x, name)
 
 
-def to_host(a) -> np.ndarray:
-    """A NumPy copy (synchronizes: only for checks and debugging)."""
-    return a.tensor.cpu().numpy() if isinstance(a, TorchArray) else cupy.asnumpy(a)
+def to_host(a, ctx: "Context | None" = None) -> np.ndarray:
+    """A NumPy copy (synchronizes: only for checks and debugging), read in the order of
+    ``ctx.stream`` when given (so work queued there before the call is seen), else of the
+    current stream of the array's framework."""
+    if ctx is None:
+        return a.tensor.cpu().numpy() if isinstance(a, TorchArray) else cupy.asnumpy(a)
+    if isinstance(a, TorchArray):
+        t = _torch()
+        with t.cuda.stream(t.cuda.ExternalStream(ctx.stream, device=ctx.device)):
+            return a.tensor.cpu().numpy()
+    return a.get(stream=_cupy_stream(ctx.stream))
 
 
 # ---- devices, streams, allocation --------------------------------------------------------------

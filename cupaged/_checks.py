@@ -38,8 +38,16 @@ def check_int(a, name: str, allowed=(np.int32,)) -> None:
              TypeError)
 
 
+def is_empty(a) -> bool:
+    """No elements: every stride is then as good as any other."""
+    return 0 in a.shape
+
+
 def dense_tail(shape, strides, ndims: int, itemsize: int) -> bool:
-    """Are the last ``ndims`` dimensions C-contiguous? (Strides of size-1 dims are free.)"""
+    """Are the last ``ndims`` dimensions C-contiguous? (Strides of size-1 dims are free,
+    and so are all strides of an empty array.)"""
+    if 0 in shape:
+        return True
     step = itemsize
     for n, st in zip(reversed(shape[-ndims:]), reversed(strides[-ndims:])):
         if n > 1 and st != step:
@@ -103,3 +111,42 @@ def check_same_device(device: int, ref: str, arrays) -> None:
     for name, a in arrays:
         if a is not None and a.data.device_id != device:
             fail(f"{name} is on device {a.data.device_id} but {ref} is on device {device}")
+
+
+def extent(a) -> tuple[int, int]:
+    """The byte range ``[lo, hi)`` an array's elements lie in (empty for no elements)."""
+    if 0 in a.shape:
+        return a.data.ptr, a.data.ptr
+    lo = hi = a.data.ptr
+    for n, st in zip(a.shape, a.strides):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + a.dtype.itemsize
+
+
+def check_disjoint(arrays, may_alias=()) -> None:
+    """``arrays``: (name, array or None) pairs whose memory must not overlap, judged by
+    their byte ranges. ``may_alias``: name pairs allowed to be the very same array (same
+    address, shape and strides), as an output written in place over its input."""
+    spans = [(name, a, extent(a)) for name, a in arrays if a is not None]
+    for i, (n1, a1, (lo1, hi1)) in enumerate(spans):
+        for n2, a2, (lo2, hi2) in spans[i + 1:]:
+            if lo1 >= hi2 or lo2 >= hi1:
+                continue
+            same = (a1.data.ptr == a2.data.ptr and a1.shape == a2.shape
+                    and a1.strides == a2.strides and a1.dtype == a2.dtype)
+            if same and ((n1, n2) in may_alias or (n2, n1) in may_alias):
+                continue
+            fail(f"{n1} and {n2} overlap in memory (bytes {lo1:#x}-{hi1:#x} and "
+                 f"{lo2:#x}-{hi2:#x}): they must be separate arrays"
+                 + (f", or {n2} exactly {n1}" if (n1, n2) in may_alias or (n2, n1) in may_alias
+                    else ""))
+
+
+def check_aligned(ptr: int, name: str, alignment: int = 16) -> None:
+    """The kernels load and store this pointer ``alignment`` bytes at a time."""
+    if ptr % alignment:
+        fail(f"{name} must start on a {alignment}-byte boundary (address {ptr:#x} is "
+             f"{ptr % alignment} bytes past one)")

@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
-from . import _arrays, _checks, _dtypes, jit
+from . import _arrays, _catalog, _checks, _dtypes, _geometry, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "DecodeWorkspace",
     "HEAD_SIZES",
     "check_block_tables",
-    "decode_specs",
     "paged_attention",
     "paged_attention_v1",
     "paged_attention_v2",
@@ -31,13 +30,15 @@ __all__ = [
 
 HEAD_SIZES = _checks.HEAD_SIZES
 BLOCK_SIZES = _checks.BLOCK_SIZES
-GROUP_TILES = (1, 2, 4, 8)
-_THREADS = 128  # kDecodeThreads in cuda_src/paged_decode.cuh
+GROUP_TILES = _catalog.GROUP_TILES
+_THREADS = _geometry.DECODE_THREADS
 _MAX_GRID_YZ = 65535
 # Token positions are int32 in the kernel, which computes some up to a tile past the end.
 _MAX_TOKENS = _checks.INT32_MAX - 1024
 _fail = _checks.fail
 _LOG2E = math.log2(math.e)
+_FLT_MAX = 3.4028234663852886e38
+MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, mma.m16n8k16 with bf16
 
 
 # ---- specializations --------------------------------------------------------------------
@@ -52,30 +53,8 @@ def _group_tile(group_size: int) -> int:
 
 
 def _decode_smem_bytes(spec: jit.KernelSpec) -> int:
-    """Dynamic shared memory of paged_decode; mirrors DecodeGeometry::kSmemBytes."""
-    it = _dtypes.BY_NAME[spec.dtype].itemsize
-    tt, hs, gt = spec.tile_tokens, spec.head_size, spec.group_tile
-    k_stage = tt * hs * it
-    v_stage = hs * (tt + 16 // it) * it
-    pieces = tt // min(spec.block_size, tt)  # block ids per tile, double-buffered
-    # DecodeGeometry::kMma: tensor cores, query in registers, a small reduction space
-    mma = it == 2 and gt >= 4 and hs % 16 == 0 and min(spec.block_size, tt) >= 16 // it
-    q_bytes = 0 if mma else gt * hs * 4
-    red_bytes = _round_up(gt * 4, 16) if mma else _THREADS * gt * 4
-    return (spec.stages * (k_stage + v_stage) + q_bytes + tt * gt * 4 + red_bytes
-            + (_THREADS // 32) * gt * 4 + 16 + _round_up(2 * pieces * 4, 16))
-
-
-def decode_specs(arch: str) -> list[jit.KernelSpec]:
-    """Every supported decode specialization for one target (what ``--all`` compiles)."""
-    specs = []
-    for dt in _dtypes.BY_NAME:
-        for hs in HEAD_SIZES:
-            specs.append(jit.KernelSpec("paged_decode_combine", dt, hs, arch=arch))
-            for bs in BLOCK_SIZES:
-                for gt in GROUP_TILES:
-                    specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, gt, arch=arch))
-    return specs
+    """Dynamic shared memory of paged_decode (DecodeGeometry::kSmemBytes)."""
+    return _geometry.DecodeGeometry.of(spec).smem_bytes
 
 
 # (tile_tokens, stages) for every decode specialization instead of the default, for
@@ -106,7 +85,14 @@ class _Device(NamedTuple):
 @lru_cache(maxsize=None)
 def _device(device_id: int) -> _Device:
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    arch = jit.target_for((props["major"], props["minor"]))
+    cc = (props["major"], props["minor"])
+    if cc < MIN_COMPUTE_CAPABILITY:
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        raise RuntimeError(
+            f"device {device_id} ({name}) has compute capability {cc[0]}.{cc[1]}; cupaged's "
+            f"kernels need {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer "
+            f"(Ampere, Ada, Hopper, Blackwell): they use cp.async and bf16 tensor cores")
+    arch = jit.target_for(cc)
     return _Device(device_id, arch, props["multiProcessorCount"], props["sharedMemPerBlockOptin"])
 
 
@@ -169,7 +155,11 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if num_heads == 0 or num_heads % cache.num_kv_heads:
         _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
               f"({cache.num_kv_heads})")
-    if query.strides[2] != dt.itemsize or min(query.strides) < 0:
+    if num_heads > _MAX_GRID_YZ:
+        _fail(f"num_heads is {num_heads}; at most {_MAX_GRID_YZ} are supported")
+    # Strides of an empty batch are free: nothing is read through them.
+    empty = num_seqs == 0
+    if not empty and (query.strides[2] != dt.itemsize or min(query.strides) < 0):
         _fail(f"query's last dimension must be contiguous (strides {query.strides})")
 
     _checks.check_int(block_tables, "block_tables")
@@ -177,7 +167,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         _fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
               f"got shape {block_tables.shape}")
-    if (block_tables.shape[1] > 1 and block_tables.strides[1] != 4) or block_tables.strides[0] < 0:
+    if not _checks.dense_tail(block_tables.shape, block_tables.strides, 1, 4) or (
+            not empty and block_tables.strides[0] < 0):
         _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
     max_blocks = block_tables.shape[1]
     if max_blocks * cache.block_size > _MAX_TOKENS:
@@ -195,9 +186,12 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if out is not None:
         if out.dtype != query.dtype:
             _fail(f"out dtype {out.dtype} does not match query dtype {query.dtype}", TypeError)
-        if out.shape != query.shape or not out.flags.c_contiguous:
+        if out.shape != query.shape or not (empty or out.flags.c_contiguous):
             _fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "
                   f"{out.shape} with strides {out.strides}")
+        # Written in place over the query is fine (each CTA reads its rows before it writes
+        # them); a partial overlap would let one CTA's output clobber another's query.
+        _checks.check_disjoint((("query", query), ("out", out)), may_alias={("query", "out")})
 
     device = query.data.device_id  # (not .device: that builds a Device object per call)
     _checks.check_same_device(device, "query", (
@@ -210,9 +204,13 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
 def _scale(scale, head_size: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_size)
-    scale = float(scale)
-    if not math.isfinite(scale):
-        _fail(f"scale must be finite, got {scale}")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        _fail(f"scale must be a number, got {type(scale).__name__}", TypeError)
+    # The kernels take scale * log2(e) as a float32.
+    if not math.isfinite(scale) or abs(scale) * _LOG2E > _FLT_MAX:
+        _fail(f"scale must be finite in float32 (|scale| < {_FLT_MAX / _LOG2E:.3g}), got {scale}")
     return scale
 
 
@@ -240,9 +238,9 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int, ks: "_Ker
     if partition == "never" or max_ctx == 0:
         return 0
     if isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
-        if partition <= 0 or partition % p.block_size:
-            _fail(f"partition must be a positive multiple of block_size ({p.block_size}), "
-                  f"got {partition}")
+        if partition <= 0 or partition % p.block_size or partition > _checks.INT32_MAX:
+            _fail(f"partition must be a positive multiple of block_size ({p.block_size}) "
+                  f"below 2^31, got {partition}")
         size = int(partition)
     elif partition in ("auto", "always"):
         size = _split(ctas, max_ctx, ks.slots, ks.tile_tokens,
@@ -378,7 +376,7 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     with _arrays.on_device(p.device):
         ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
         if _checks.DEBUG:
-            check_block_tables(bt, cl, p.num_blocks, p.block_size)
+            _check_tables(bt, cl, p.num_blocks, p.block_size, ctx)
         returned = out
         if o is None:
             o, returned = _arrays.empty(ctx, q.shape, q.dtype)
@@ -539,14 +537,15 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {q.shape}")
     s, h, hs = q.shape
     for name, a in (("exp_sums", es), ("max_logits", ml)):
-        if a.dtype != np.float32 or a.ndim != 3 or a.shape[:2] != (s, h) or not a.flags.c_contiguous:
+        if (a.dtype != np.float32 or a.ndim != 3 or a.shape[:2] != (s, h)
+                or not (s == 0 or a.flags.c_contiguous)):
             _fail(f"{name} must be a contiguous float32 [{s}, {h}, max_num_partitions] array, "
                   f"got {a.dtype} {a.shape}")
     for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
         if a.data.device_id != q.data.device_id:
             _fail(f"{name} is on device {a.data.device_id} but query is on device {q.data.device_id}")
     n_user = es.shape[2]
-    if ml.shape != es.shape or tmp.shape != (s, h, n_user, hs) or not tmp.flags.c_contiguous:
+    if ml.shape != es.shape or tmp.shape != (s, h, n_user, hs) or not (s == 0 or tmp.flags.c_contiguous):
         _fail(f"max_logits and tmp_out must match exp_sums: expected {(s, h, n_user)} and "
               f"{(s, h, n_user, hs)}, got {ml.shape} and {tmp.shape}")
     if tmp.dtype == np.float32:
@@ -555,8 +554,15 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         capacity = n_user // 2  # float32 partials in a 16-bit buffer
     else:
         _fail(f"tmp_out must be float32 or the query's dtype, got {tmp.dtype}", TypeError)
+    # The kernels write float32 partials into all three, whatever tmp_out's dtype.
+    for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
+        _checks.check_aligned(a.data.ptr, name, 4)
+    _checks.check_disjoint((("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp), ("query", q),
+                            ("out", as_device_array(out, "out"))), may_alias={("query", "out")})
     bt = as_device_array(block_tables, "block_tables")
-    max_ctx = max_context_len if max_context_len is not None else bt.shape[-1] * block_size
+    max_ctx = bt.shape[-1] * block_size
+    if isinstance(max_context_len, (int, np.integer)) and not isinstance(max_context_len, bool):
+        max_ctx = min(max_ctx, int(max_context_len))  # (other values: _run names them)
     if capacity == 0 or max_ctx <= 0:
         partition, workspace = "never", None
     else:
@@ -567,12 +573,23 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                 max_context_len, out, partition, stream, workspace)
 
 
-def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: int) -> None:
+def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: int, *,
+                       stream=None) -> None:
     """Check, with a device sync, that every sequence's blocks exist: its length fits its
     row of ``block_tables`` and each of its first ``ceil(len / block_size)`` entries is in
-    ``[0, num_blocks)``. Raises ValueError naming the first bad sequence."""
-    bt = _arrays.to_host(as_device_array(block_tables, "block_tables"))
-    cl = _arrays.to_host(as_device_array(context_lens, "context_lens"))
+    ``[0, num_blocks)``. Raises ValueError naming the first bad sequence. The arrays are
+    read in the order of ``stream`` (default as for :func:`paged_attention`)."""
+    bt = as_device_array(block_tables, "block_tables")
+    cl = as_device_array(context_lens, "context_lens")
+    device = bt.data.device_id
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, _arrays.is_torch(block_tables), stream)
+        _check_tables(bt, cl, num_blocks, block_size, ctx)
+
+
+def _check_tables(bt, cl, num_blocks: int, block_size: int, ctx: _arrays.Context) -> None:
+    bt = _arrays.to_host(bt, ctx)
+    cl = _arrays.to_host(cl, ctx)
     if bt.ndim != 2 or cl.shape != (bt.shape[0],):
         _fail(f"block_tables {bt.shape} and context_lens {cl.shape} disagree on num_seqs")
     lens = cl.astype(np.int64)

@@ -3,6 +3,8 @@ runs, the device's copy bandwidth, and decode workloads checked against the refe
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -231,6 +233,7 @@ class Result:
     pct_copy: float = float("nan")
     rel_err: float = float("nan")
     ratio_to_cupaged: float = float("nan")  # this time / cupaged's time (compare)
+    plan_us: float = float("nan")  # host time of one FlashInfer plan() (NaN for the rest)
     note: str = ""
 
 
@@ -256,6 +259,18 @@ def _torch():
     except ImportError:
         return None
     return torch if torch.cuda.is_available() else None
+
+
+def _torch_on_cupy_stream():
+    """Make torch's current stream CuPy's current one, where time_us records its events
+    and the checks read, so the torch and FlashInfer rows (which run on torch's current
+    stream) are timed where they run. Nothing to do in the usual case: both default to
+    the legacy default stream."""
+    torch = _torch()
+    ptr = cupy.cuda.get_current_stream().ptr
+    if torch is None or torch.cuda.current_stream().cuda_stream == ptr:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(ptr))
 
 
 # ---- implementations compared ----------------------------------------------------------------
@@ -312,14 +327,22 @@ def _torch_inputs(case: "DecodeCase"):
     return torch, q, torch.from_dlpack(bt).long(), t, mask
 
 
+def _to_hnd(key, value):
+    """vLLM-layout pages as views in FlashInfer's "HND" order (no copy; NumPy, CuPy or
+    torch): key ``[..., kv_heads, head_size // x, block_size, x]`` ->
+    ``[..., kv_heads, block_size, head_size // x, x]`` (its last two dims then reshape to
+    head_size, which copies), value ``[..., kv_heads, head_size, block_size]`` ->
+    ``[..., kv_heads, block_size, head_size]``."""
+    return key.swapaxes(-3, -2), value.swapaxes(-2, -1)
+
+
 def _torch_gather(case, torch, bt, t):
+    """Each sequence's pages gathered into K and V ``[S, kv_heads, T, head_size]``."""
     a = case.arrays
     s, kvh, hs = case.batch, case.kv_heads, case.head_size
-    kc = torch.from_dlpack(a["key_cache"])
-    vc = torch.from_dlpack(a["value_cache"])
-    k = kc[bt].permute(0, 2, 1, 4, 3, 5).reshape(s, kvh, t, hs)
-    v = vc[bt].permute(0, 2, 1, 4, 3).reshape(s, kvh, t, hs)
-    return k, v
+    k, v = _to_hnd(torch.from_dlpack(a["key_cache"])[bt], torch.from_dlpack(a["value_cache"])[bt])
+    # [S, pages, kv_heads, block_size, ...] -> [S, kv_heads, pages * block_size, head_size]
+    return k.swapaxes(1, 2).reshape(s, kvh, t, hs), v.swapaxes(1, 2).reshape(s, kvh, t, hs)
 
 
 def _run_torch_paged(case: "DecodeCase", partition):
@@ -348,13 +371,190 @@ def _run_torch_dense(case: "DecodeCase", partition):
     return run
 
 
-# name -> (runner factory, available?)
+# ---- FlashInfer (optional: imported only when a FlashInfer row is asked for or listed) ----------
+
+_FLASHINFER_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended size, zeroed before first use
+
+
+def flashinfer_unavailable() -> str | None:
+    """Why the FlashInfer rows cannot run here (one line), or None when they can:
+    ``flashinfer`` must import and torch must see a GPU."""
+    return _flashinfer()[1]
+
+
+def _flashinfer():
+    """``(flashinfer, None)``, or ``(None, why)``."""
+    try:
+        import flashinfer
+    except ImportError as e:  # not installed, or a dependency of it missing
+        return None, str(e) if e.name == "flashinfer" else f"import flashinfer: {e}"
+    except Exception as e:  # a broken install can fail at import in other ways
+        return None, " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    if _torch() is None:
+        return None, "torch sees no CUDA device"
+    return flashinfer, None
+
+
+def _require_flashinfer():
+    flashinfer, why = _flashinfer()
+    if flashinfer is None:
+        raise RuntimeError(f"flashinfer unavailable: {why}")
+    return flashinfer
+
+
+def _flashinfer_pages(block_tables, context_lens, block_size: int):
+    """Block tables and lengths as FlashInfer's page lists (NumPy in, NumPy out):
+    ``indptr`` int32 ``[S + 1]`` (sequence s owns ``indices[indptr[s]:indptr[s + 1]]``),
+    ``indices`` int32 (each sequence's first ``ceil(len / block_size)`` block ids, in
+    order) and ``last_page_len`` int32 ``[S]``, the tokens in each sequence's last page,
+    ``1..block_size``. A length-0 sequence gets no pages and ``last_page_len`` 0:
+    FlashInfer documents ``1 <= last_page_len <= page_size``, but both its
+    ``get_seq_lens`` and its kernels (``paged_kv_t::get_length``: no pages, length 0)
+    take that as an empty sequence."""
+    bt = np.asarray(block_tables)
+    lens = np.asarray(context_lens, dtype=np.int64)
+    if bt.ndim != 2 or lens.shape != (bt.shape[0],):
+        raise ValueError(f"expected block_tables [S, max_blocks] and context_lens [S], got "
+                         f"{bt.shape} and {lens.shape}")
+    if (lens < 0).any():
+        raise ValueError("context_lens must be non-negative")
+    pages = -(-lens // block_size)
+    if pages.max(initial=0) > bt.shape[1]:
+        raise ValueError(f"block_tables has {bt.shape[1]} columns, a sequence needs "
+                         f"{int(pages.max())} blocks of {block_size}")
+    indptr = np.zeros(len(lens) + 1, np.int32)
+    indptr[1:] = np.cumsum(pages)
+    indices = bt[np.arange(bt.shape[1])[None, :] < pages[:, None]].astype(np.int32)
+    last_page_len = np.where(pages > 0, lens - (pages - 1) * block_size, 0).astype(np.int32)
+    return indptr, indices, last_page_len
+
+
+@dataclass
+class _FlashInferInputs:
+    """One case's data as FlashInfer takes it, built once outside timing."""
+
+    q: object  # torch view of the case's query [S, heads, head_size]
+    out: object  # [S, heads, head_size], NaN until a kernel writes it
+    out_cupy: object  # the same memory as a CuPy array, for DecodeCase.check
+    k: object  # "HND" copy of the key cache [num_blocks, kv_heads, block_size, head_size]
+    v: object  # "HND" copy of the value cache, same shape
+    # plan()'s page lists (_flashinfer_pages), where vLLM keeps them: indptr and
+    # last_page_len in pinned host memory, indices on the device
+    indptr: object
+    indices: object
+    last_page_len: object
+    block_tables: object  # XQA's: int32 [S, max_blocks], ids past a sequence's end 0
+    seq_lens: object  # XQA's: int32 [S] on the device (the case's context_lens)
+    workspace: object  # zeroed uint8, both kernels' scratch
+    scale: float  # 1 / sqrt(head_size), cupaged's and the reference's default
+
+
+def _flashinfer_inputs(case: "DecodeCase") -> _FlashInferInputs:
+    """The case's query, lengths and tables viewed as torch tensors, its caches copied
+    into FlashInfer's "HND" layout (an out-of-memory here skips the row), and its block
+    tables as FlashInfer's page lists. The output is poisoned with NaN, so a kernel that
+    writes nothing fails the check instead of finding an earlier row's result."""
+    torch = _torch()
+    a = case.arrays
+    q = torch.from_dlpack(a["query"])
+    k, v = _to_hnd(torch.from_dlpack(a["key_cache"]), torch.from_dlpack(a["value_cache"]))
+    k, v = k.contiguous().view(v.shape), v.contiguous()
+    indptr, indices, last = _flashinfer_pages(cupy.asnumpy(a["block_tables"]), case.context_lens,
+                                              case.block_size)
+    tables, _ = _gather_dense(case)
+    out = torch.full_like(q, float("nan"))
+    return _FlashInferInputs(
+        q=q, out=out, out_cupy=cupy.from_dlpack(out), k=k, v=v,
+        indptr=torch.from_numpy(indptr).pin_memory(),
+        indices=torch.from_numpy(indices).to(q.device),
+        last_page_len=torch.from_numpy(last).pin_memory(),
+        block_tables=torch.from_dlpack(cupy.ascontiguousarray(tables, dtype=np.int32)),
+        seq_lens=torch.from_dlpack(a["context_lens"]),
+        workspace=torch.zeros(_FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device),
+        scale=1.0 / math.sqrt(case.head_size))
+
+
+def _plan_host_us(plan, calls: int = 5) -> float:
+    """Median host microseconds of ``plan()`` over ``calls`` calls, each after a device
+    sync. A first call beforehand builds FlashInfer's module (nvcc, on first use) or
+    loads it, outside every timing."""
+    import time
+
+    torch = _torch()
+    plan()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return float(np.median(times)) * 1e6
+
+
+def _run_flashinfer_decode(case: "DecodeCase", partition, tensor_cores: bool = False):
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on "HND" caches, on CUDA cores or
+    tensor cores. plan() runs once per workload, as once per step for all layers in a
+    model; its host time is the runner's ``plan_us``. The timed call is run()."""
+    flashinfer = _require_flashinfer()
+    fi = _flashinfer_inputs(case)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fi.workspace, "HND",
+                                                           use_tensor_cores=tensor_cores)
+
+    def plan():
+        wrapper.plan(fi.indptr, fi.indices, fi.last_page_len, case.heads, case.kv_heads,
+                     case.head_size, case.block_size, pos_encoding_mode="NONE",
+                     q_data_type=fi.q.dtype, kv_data_type=fi.k.dtype, sm_scale=fi.scale)
+
+    plan_us = _plan_host_us(plan)
+
+    def run():
+        wrapper.run(fi.q, (fi.k, fi.v), out=fi.out)
+        return fi.out_cupy
+
+    run.plan_us = plan_us
+    return run
+
+
+def _run_flashinfer_xqa(case: "DecodeCase", partition):
+    """FlashInfer's plan-free XQA decode (TensorRT-LLM's kernel, what FlashInfer's
+    trtllm_batch_decode_with_kv_cache runs on SM90) on "HND" caches and the block table.
+    Its lengths are the case's int32 context_lens: XQA reads them as uint32 (equal for
+    non-negative values), as vLLM and SGLang pass them."""
+    flashinfer = _require_flashinfer()
+    xqa = getattr(getattr(flashinfer, "decode", None), "xqa_batch_decode_with_kv_cache", None)
+    if xqa is None:
+        raise NotImplementedError(f"flashinfer {getattr(flashinfer, '__version__', '?')} has "
+                                  "no flashinfer.decode.xqa_batch_decode_with_kv_cache")
+    fi = _flashinfer_inputs(case)
+    max_len = int(case.context_lens.max(initial=0))
+
+    def run():
+        xqa(fi.q, (fi.k, fi.v), fi.workspace, fi.block_tables, fi.seq_lens, max_len,
+            bmm1_scale=fi.scale, kv_layout="HND", out=fi.out)
+        return fi.out_cupy
+
+    return run
+
+
+def _flashinfer_ok() -> bool:
+    return _flashinfer()[0] is not None
+
+
+# name -> (runner factory, available?). A factory takes (case, partition) and returns
+# run(): device work on the current stream, returning the output as a CuPy array; it may
+# carry a ``plan_us`` attribute (host time of a separate planning step).
 IMPLEMENTATIONS = {
     "cupaged": (_run_cupaged, lambda: True),
     "cupy-gather": (_run_cupy_gather, lambda: True),
     "torch-sdpa-paged": (_run_torch_paged, lambda: _torch() is not None),
     "torch-sdpa-dense": (_run_torch_dense, lambda: _torch() is not None),
+    "flashinfer-decode": (_run_flashinfer_decode, _flashinfer_ok),
+    "flashinfer-decode-tc": (functools.partial(_run_flashinfer_decode, tensor_cores=True),
+                             _flashinfer_ok),
+    "flashinfer-xqa": (_run_flashinfer_xqa, _flashinfer_ok),
 }
+FLASHINFER_IMPLS = tuple(n for n in IMPLEMENTATIONS if n.startswith("flashinfer-"))
 
 
 def available_implementations() -> list:
@@ -379,32 +579,36 @@ def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: i
     kernel = case.spec_name()
     mean_ctx = float(case.context_lens.mean()) if case.batch else 0.0
     cupaged_us = float("nan")
-    for impl in impls:
-        row = Result(impl, kernel if impl == "cupaged" else "", mean_context=mean_ctx,
-                     status="ok", **base)
-        try:
-            run = IMPLEMENTATIONS[impl][0](case, partition)
-            out = run()
-            row.rel_err = case.check(out)
-            if not row.rel_err <= case.tolerance():
-                row.status, row.note = "failed", f"rel err {row.rel_err:.2e} > {case.tolerance():.0e}"
-            else:
-                t = time_us(run, reps=reps)
-                row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
-                row.gbps = case.bytes_moved / (t.median_us * 1e-6) / 1e9
-                row.pct_copy = 100 * row.gbps * 1e9 / copy_bw
+    with _torch_on_cupy_stream():
+        for impl in impls:
+            row = Result(impl, kernel if impl == "cupaged" else "", mean_context=mean_ctx,
+                         status="ok", **base)
+            try:
+                run = IMPLEMENTATIONS[impl][0](case, partition)
+                row.plan_us = getattr(run, "plan_us", float("nan"))
+                out = run()
+                row.rel_err = case.check(out)
+                if not row.rel_err <= case.tolerance():
+                    row.status = "failed"
+                    row.note = f"rel err {row.rel_err:.2e} > {case.tolerance():.0e}"
+                else:
+                    t = time_us(run, reps=reps)
+                    row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
+                    row.gbps = case.bytes_moved / (t.median_us * 1e-6) / 1e9
+                    row.pct_copy = 100 * row.gbps * 1e9 / copy_bw
+                    if impl == "cupaged":
+                        cupaged_us = t.median_us
+                    row.ratio_to_cupaged = t.median_us / cupaged_us
+            except _oom_errors():
+                row.status, row.note = "skipped", "out of GPU memory"
+            except Exception as e:  # a peer that cannot run this case is skipped, cupaged is not
                 if impl == "cupaged":
-                    cupaged_us = t.median_us
-                row.ratio_to_cupaged = t.median_us / cupaged_us
-            del run, out
-        except _oom_errors():
-            row.status, row.note = "skipped", "out of GPU memory"
-        except Exception as e:  # a peer that cannot run this case is skipped, cupaged is not
-            if impl == "cupaged":
-                raise
-            row.status, row.note = "skipped", f"{type(e).__name__}: {e}"[:200]
-        _free_memory()
-        rows.append(row)
+                    raise
+                # one line: compiler errors (FlashInfer's nvcc) span many
+                row.status, row.note = "skipped", " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            run = out = None  # the row's buffers (FlashInfer's cache copies) go, failed or not
+            _free_memory()
+            rows.append(row)
     case.arrays.clear()
     _free_memory()
     return rows
@@ -431,6 +635,12 @@ def environment() -> dict:
         env["torch"] = torch.__version__
     except ImportError:
         env["torch"] = None
+    try:  # the installed version, without importing it (seconds, and it pulls in torch)
+        from importlib import metadata
+
+        env["flashinfer"] = metadata.version("flashinfer-python")
+    except Exception:
+        env["flashinfer"] = None
     cache = jit.cache_dir()
     files = [f for f in cache.glob("*.json")] if cache.is_dir() else []
     env["kernel_cache"] = str(cache)

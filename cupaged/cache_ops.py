@@ -7,7 +7,7 @@ else CuPy's current stream.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import struct
 from functools import lru_cache
 
 import cupy
@@ -34,7 +34,7 @@ def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str):
 
 def _check_index_array(a, name: str, shape) -> str:
     _checks.check_int(a, name, (np.int32, np.int64))
-    if a.shape != shape or not a.flags.c_contiguous:
+    if a.shape != shape or not (_checks.is_empty(a) or a.flags.c_contiguous):
         _fail(f"{name} must be a contiguous array of shape {shape}, got shape {a.shape} "
               f"with strides {a.strides}")
     return _INDEX[a.dtype]
@@ -73,7 +73,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, strea
         if a.ndim != 3 or a.shape[1:] != want:
             _fail(f"{name} must be [num_tokens, {want[0]}, {want[1]}] (num_tokens, num_kv_heads, "
                   f"head_size), got shape {a.shape}")
-        if (a.shape[2] > 1 and a.strides[2] != dt.itemsize) or min(a.strides) < 0:
+        if not _checks.is_empty(a) and (
+                (a.shape[2] > 1 and a.strides[2] != dt.itemsize) or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous (strides {a.strides})")
     num_tokens = k.shape[0]
     if v.shape[0] != num_tokens:
@@ -89,7 +90,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, strea
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.is_torch(key_cache), stream)
         if _checks.DEBUG:
-            s = _arrays.to_host(sm)
+            s = _arrays.to_host(sm, ctx)
             bad = np.flatnonzero(s >= num_slots)
             if bad.size:
                 _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
@@ -104,26 +105,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, strea
 
 # ---- block copies -----------------------------------------------------------------------------
 
-# Descriptor arrays (CopyTensor[] in cache_ops.cuh) already on the device, by content, so
-# repeated calls on the same caches cost no host-to-device copy.
-_descriptors: OrderedDict = OrderedDict()
-_DESCRIPTOR_COLUMNS = 6
-
-
-def _descriptor_array(ctx: _arrays.Context, rows: tuple):
-    key = (ctx.device, rows)
-    arr = _descriptors.get(key)
-    if arr is None:
-        with _arrays.cupy_on_launch_stream(ctx):
-            arr = cupy.asarray(np.array(rows, dtype=np.int64).reshape(-1, _DESCRIPTOR_COLUMNS))
-        _descriptors[key] = arr
-        if len(_descriptors) > 256:
-            _descriptors.popitem(last=False)
-    return arr
+_COPY_TENSORS = 96  # kMaxCopyTensors in cuda_src/cache_ops.cuh
+_COPY_TABLE = struct.Struct(f"{4 * _COPY_TENSORS}q")  # CopyTable: 4 int64 per tensor
+_COPY_PAD = (0,) * (4 * _COPY_TENSORS)
 
 
 def _block_bytes(a, name: str) -> int:
-    """Bytes per block of a cache whose blocks are contiguous runs of 16-byte multiples."""
+    """Bytes per block of a cache (blocks along the first dimension) that the copy kernel
+    moves in 16-byte vectors: each block one contiguous run, base and block stride 16-byte
+    aligned. Checked for every array a copy touches, before anything launches."""
     itemsize = a.dtype.itemsize
     if a.ndim < 2 or not _checks.dense_tail(a.shape, a.strides, a.ndim - 1, itemsize):
         _fail(f"{name} must be contiguous within each block (shape {a.shape}, strides {a.strides})")
@@ -134,19 +124,26 @@ def _block_bytes(a, name: str) -> int:
     return nbytes
 
 
-def _launch_copy(ctx: _arrays.Context, rows: tuple, mapping, index: str, num_pairs: int,
-                 block_bytes: int) -> None:
-    """With ``ctx.device`` current."""
-    if num_pairs == 0 or not rows:
+def _launch_copy(ctx: _arrays.Context, tensors: list, mapping, index: str, num_pairs: int,
+                 block_bytes: int, src_blocks: int, dst_blocks: int) -> None:
+    """Copy ``num_pairs`` blocks of every tensor, given as (src, dst, src block stride,
+    dst block stride) in bytes. The table travels in the launch's parameters, so there is
+    nothing to upload, to keep alive or to order. With ``ctx.device`` current."""
+    if num_pairs == 0 or not tensors:
         return
-    desc = _descriptor_array(ctx, rows)
     kern = _kernel(ctx.device, "copy_blocks", "", index)
-    kern((num_pairs, len(rows) // _DESCRIPTOR_COLUMNS, 1), _THREADS, 0, ctx.stream,
-         desc.data.ptr, mapping.data.ptr, block_bytes)
+    for i in range(0, len(tensors), _COPY_TENSORS):
+        chunk = tensors[i:i + _COPY_TENSORS]
+        flat = [v for t in chunk for v in t]
+        table = _COPY_TABLE.pack(*flat, *_COPY_PAD[len(flat):])
+        kern((num_pairs, len(chunk), 1), _THREADS, 0, ctx.stream, table, mapping.data.ptr,
+             block_bytes, src_blocks, dst_blocks)
 
 
-def _check_mapping_range(mapping, num_src: int, num_dst: int) -> None:
-    m = mapping if isinstance(mapping, np.ndarray) else _arrays.to_host(mapping)
+def _check_mapping_range(mapping, num_src: int, num_dst: int, ctx: _arrays.Context) -> None:
+    """CUPAGED_DEBUG: every pair names existing blocks (reads the mapping on the launch
+    stream, so work queued before the call that writes it is seen; synchronizes)."""
+    m = mapping if isinstance(mapping, np.ndarray) else _arrays.to_host(mapping, ctx)
     for col, n, side in ((0, num_src, "source"), (1, num_dst, "destination")):
         bad = np.flatnonzero((m[:, col] < 0) | (m[:, col] >= n))
         if bad.size:
@@ -155,11 +152,13 @@ def _check_mapping_range(mapping, num_src: int, num_dst: int) -> None:
 
 def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None:
     """Copy blocks within each layer's caches (copy-on-write after a fork), in one launch
-    for all layers and pairs.
+    for up to 48 layers and any number of pairs (more layers take more launches).
 
     Args:
-        key_caches, value_caches: lists with one cache per layer, all of one shape and
-            dtype, on one device, each contiguous within a block.
+        key_caches, value_caches: lists with one cache per layer, blocks along the first
+            dimension, in any layout whose blocks are contiguous (vLLM's, NHD, HND); all
+            key caches of one shape and dtype, likewise all value caches, with blocks of
+            the same byte size; on one device; 16-byte aligned.
         block_mapping: int32 or int64 ``[num_pairs, 2]`` on the device: (src, dst) block ids.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
             caches are torch tensors).
@@ -171,12 +170,19 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
               f"{len(key_caches)} and {len(value_caches)}")
     ks = [as_device_array(a, f"key_caches[{i}]") for i, a in enumerate(key_caches)]
     vs = [as_device_array(a, f"value_caches[{i}]") for i, a in enumerate(value_caches)]
-    dt = _checks.check_dtype(ks[0], "key_caches[0]")
-    shape = _checks.check_caches(ks[0], vs[0], dt, ref="key_caches[0]")
-    for i, (k, v) in enumerate(zip(ks, vs)):
-        if k.shape != ks[0].shape or v.shape != vs[0].shape or k.dtype != ks[0].dtype or v.dtype != ks[0].dtype:
-            _fail(f"layer {i}'s caches {k.shape}/{v.shape} {k.dtype} differ from layer 0's "
-                  f"{ks[0].shape}/{vs[0].shape} {ks[0].dtype}")
+    nbytes = _block_bytes(ks[0], "key_caches[0]")
+    for name, layers in (("key_caches", ks), ("value_caches", vs)):
+        for i, a in enumerate(layers):
+            if a.shape != layers[0].shape or a.dtype != layers[0].dtype:
+                _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
+                      f"({layers[0].shape}, {layers[0].dtype}): every layer's caches must match")
+            if _block_bytes(a, f"{name}[{i}]") != nbytes:
+                _fail(f"{name}[{i}] has {_block_bytes(a, f'{name}[{i}]')} bytes per block and "
+                      f"key_caches[0] {nbytes}: key and value blocks must be the same size")
+            _checks.check_aligned(a.data.ptr, f"{name}[{i}]")
+    num_blocks = ks[0].shape[0]
+    if vs[0].shape[0] != num_blocks:
+        _fail(f"key_caches have {num_blocks} blocks but value_caches {vs[0].shape[0]}")
     mapping = as_device_array(block_mapping, "block_mapping")
     if mapping.ndim != 2 or mapping.shape[1:] != (2,):
         _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
@@ -185,17 +191,15 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     _checks.check_same_device(device, "key_caches[0]", [(f"key_caches[{i}]", a) for i, a in enumerate(ks)]
                               + [(f"value_caches[{i}]", a) for i, a in enumerate(vs)]
                               + [("block_mapping", mapping)])
-    nbytes = _block_bytes(ks[0], "key_caches[0]")
-    if _block_bytes(vs[0], "value_caches[0]") != nbytes:
-        _fail("key and value blocks differ in size")  # cannot happen for vLLM's layouts
-    if _checks.DEBUG:
-        _check_mapping_range(mapping, shape.num_blocks, shape.num_blocks)
-    rows = []
-    for a in (*ks, *vs):
-        rows += [a.data.ptr, a.data.ptr, a.strides[0], a.strides[0], a.shape[0], a.shape[0]]
+    if mapping.shape[0] == 0:
+        return
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.is_torch(key_caches[0]), stream)
-        _launch_copy(ctx, tuple(rows), mapping, index, mapping.shape[0], nbytes)
+        if _checks.DEBUG:
+            _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
+        tensors = [(a.data.ptr, a.data.ptr, a.strides[0], a.strides[0]) for a in (*ks, *vs)]
+        _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
+                     num_blocks)
 
 
 # ---- swapping between device and pinned host memory --------------------------------------------
@@ -273,6 +277,8 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
               TypeError)
     nbytes = _block_bytes(src_a, "src")
     _block_bytes(dst_a, "dst")
+    _checks.check_aligned(src_ptr, "src")
+    _checks.check_aligned(dst_ptr, "dst")
     on_host = isinstance(block_mapping, (np.ndarray, list, tuple)) or (
         _arrays.is_torch(block_mapping) and block_mapping.device.type == "cpu")
     if on_host:
@@ -286,14 +292,16 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
         _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
     if on_host:
         _checks.check_int(mapping, "block_mapping", (np.int32, np.int64))
-    if _checks.DEBUG:
-        _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0])
+    if mapping.shape[0] == 0:
+        return
     torch_in = _arrays.is_torch(src if src_dev is not None else dst)
-    rows = (src_ptr, dst_ptr, src_a.strides[0], dst_a.strides[0], src_a.shape[0], dst_a.shape[0])
     with _arrays.on_device(device):
         ctx = _arrays.context(device, torch_in, stream)
+        if _checks.DEBUG:
+            _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0], ctx)
         if on_host:  # uploaded in the launch stream's order
             with _arrays.cupy_on_launch_stream(ctx):
                 mapping = cupy.asarray(np.ascontiguousarray(mapping))
         index = _check_index_array(mapping, "block_mapping", mapping.shape)
-        _launch_copy(ctx, rows, mapping, index, mapping.shape[0], nbytes)
+        _launch_copy(ctx, [(src_ptr, dst_ptr, src_a.strides[0], dst_a.strides[0])], mapping,
+                     index, mapping.shape[0], nbytes, src_a.shape[0], dst_a.shape[0])

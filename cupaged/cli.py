@@ -83,22 +83,16 @@ def _default_arch() -> str:
     return "sm_90"
 
 
-def _all_specs(arch: str) -> list:
-    """Every supported specialization of every kernel, for one target."""
-    from . import attention
-
-    cache_ops = [jit.KernelSpec("reshape_and_cache", d, index_dtype=i, arch=arch)
-                 for d in _dtypes.BY_NAME for i in ("i32", "i64")]
-    cache_ops += [jit.KernelSpec("copy_blocks", index_dtype=i, arch=arch) for i in ("i32", "i64")]
-    return attention.decode_specs(arch) + cache_ops
-
-
 @main.command("compile")
 @click.option("--arch", "archs", multiple=True, help="Target, e.g. sm_90 (repeatable). "
               "Default: this machine's GPU, or sm_90 without one.")
 @click.option("--all", "all_", is_flag=True,
               help="Compile every supported specialization with NVRTC (no GPU needed) and "
-                   "print one summary line.")
+                   "print one summary line. Run it after changing a kernel template or a "
+                   "geometry mirror: thousands of compiles, 15-50 minutes on two cores.")
+@click.option("--covering", is_flag=True,
+              help="Compile the covering set the test suite compiles: every value and every "
+                   "pair of values of the kernels' axes (a minute or two on two cores).")
 @click.option("--dtype", "dtypes", multiple=True, default=("float16",), show_default=True)
 @click.option("--head-size", callback=_int_list, default="128", show_default=True)
 @click.option("--block-size", callback=_int_list, default="16", show_default=True)
@@ -106,20 +100,25 @@ def _all_specs(arch: str) -> list:
               help="Query heads per KV head.")
 @click.option("--precompile", is_flag=True,
               help="Compile the listed shapes into the kernel cache for deployment.")
-def compile_(archs, all_, dtypes, head_size, block_size, group, precompile):
-    """Compile kernels: the --all check, or cold/warm timings of the listed shapes."""
-    from . import attention
+def compile_(archs, all_, covering, dtypes, head_size, block_size, group, precompile):
+    """Compile kernels: the --all or --covering check, or cold/warm timings of the listed
+    shapes."""
+    from . import _catalog, _geometry, attention
 
     if not archs:
         archs = (_default_arch(),)
-    if all_:
-        specs = [s for a in archs for s in _all_specs(a)]
+    if all_ or covering:
+        full = _catalog.all_specs(archs)
+        specs = full if all_ else _catalog.covering_specs(archs)
         try:
             n, secs = jit.compile_check(specs)
-        except jit.CompileError as e:
+            if all_:  # the geometry mirror agrees with the kernel for every decode spec
+                _geometry.check_against_kernel(s for s in specs if s.kernel == "paged_decode")
+        except (jit.CompileError, AssertionError) as e:
             click.echo(str(e), err=True)
             sys.exit(1)
-        click.echo(f"compiled {n} specializations for {', '.join(archs)} in {secs:.1f} s "
+        what = "" if all_ else f" (a pairwise covering set of the {len(full)} supported)"
+        click.echo(f"compiled {n} specializations{what} for {', '.join(archs)} in {secs:.1f} s "
                    f"(NVRTC {'.'.join(map(str, jit.nvrtc_version()))})")
         return
     try:
@@ -131,7 +130,7 @@ def compile_(archs, all_, dtypes, head_size, block_size, group, precompile):
     if precompile:
         for b in jit.precompile(specs):
             click.echo(f"{b.spec.name:48s} {'cached' if b.from_disk else 'compiled'} "
-                       f"{b.seconds:7.2f} s  {b.path}")
+                       f"{b.seconds:7.2f} s  {b.path or '(kept in memory: cache folder not writable)'}")
         return
     gpu = _gpu_count() > 0
     click.echo(f"{'specialization':48s} {'cold compile':>13s} {'warm (disk)':>12s}"
@@ -269,14 +268,17 @@ def _fmt(v, spec):
 
 
 def _print_table(results, compare: bool):
-    head = (f"{'implementation':17s} {'kernel':38s} {'shape':12s} {'batch':>5s} {'context':>10s} "
+    plan = any(r.plan_us == r.plan_us for r in results)  # a column only when some row planned
+    head = (f"{'implementation':20s} {'kernel':38s} {'shape':12s} {'batch':>5s} {'context':>10s} "
             f"{'median us':>10s} {'p10-p90 us':>17s} {'GB/s':>7s} {'% copy':>7s} {'rel err':>8s}")
     if compare:
         head += f" {'x cupaged':>9s}"
+    if plan:
+        head += f" {'plan us':>8s}"
     click.echo(head)
     for r in results:
         shape = f"{r.heads}/{r.kv_heads}/{r.head_size}"
-        line = (f"{r.impl:17s} {r.kernel or '-':38s} {shape:12s} {r.batch:5d} {r.context:>10s} ")
+        line = (f"{r.impl:20s} {r.kernel or '-':38s} {shape:12s} {r.batch:5d} {r.context:>10s} ")
         if r.status != "ok":
             click.echo(line + f"{r.status.upper()}: {r.note}")
             continue
@@ -284,6 +286,8 @@ def _print_table(results, compare: bool):
                  f"{r.gbps:7.0f} {r.pct_copy:6.1f}% {r.rel_err:8.1e}")
         if compare:
             line += f" {_fmt(r.ratio_to_cupaged, '9.2f')}"
+        if plan:
+            line += f" {_fmt(r.plan_us, '8.1f'):>8s}"
         click.echo(line)
 
 
@@ -324,8 +328,10 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
 def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
             dtype, partition, reps, seed, json_path, csv_path, plot_path, impls):
     """The same workloads through every implementation available here, on the same data:
-    cupaged, a CuPy gather-then-attend baseline, and (when torch is importable) torch SDPA
-    over gathered pages and over dense contiguous KV. Ratios are time / cupaged's time."""
+    cupaged, a CuPy gather-then-attend baseline, (when torch is importable) torch SDPA
+    over gathered pages and over dense contiguous KV, and (when FlashInfer is importable)
+    FlashInfer's batch decode on CUDA cores and on tensor cores and its XQA kernel, whose
+    plan() host time is reported apart. Ratios are time / cupaged's time."""
     from . import bench
 
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
@@ -335,7 +341,15 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
         if i not in known:
             raise click.BadParameter(f"unknown implementation {i!r}: expected {', '.join(known)}",
                                      param_hint="--impl")
-    chosen = list(impls) or (bench.available_implementations() if _gpu_count() else known)
+    asked_fi = [i for i in impls if i in bench.FLASHINFER_IMPLS]
+    gpu = _gpu_count() > 0
+    why = bench.flashinfer_unavailable() if asked_fi or (gpu and not impls) else None
+    if why and asked_fi:
+        raise click.UsageError(f"--impl {asked_fi[0]} needs FlashInfer (pip install "
+                               f"flashinfer-python) and torch with CUDA: {why}")
+    if why:  # one line for all of them, not a skipped row per workload
+        click.echo(f"flashinfer rows skipped: {why}")
+    chosen = list(impls) or (bench.available_implementations() if gpu else known)
     if "cupaged" in chosen:  # first, so the others' ratios refer to it
         chosen = ["cupaged"] + [i for i in chosen if i != "cupaged"]
     title = "decode: " + ", ".join(dict.fromkeys(w.preset or f"{w.heads}/{w.kv_heads}/{w.head_size}"

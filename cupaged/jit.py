@@ -2,7 +2,8 @@
 
 A :class:`KernelSpec` names one instantiation of a kernel template in ``cuda_src/``. It is
 compiled with NVRTC (called directly, so compiling needs no GPU), the binary is kept in a
-disk cache under a readable file name, and loaded per device through ``cupy.RawModule``.
+disk cache under a readable file name (verified by size and digest before each use), and
+loaded per device through CuPy's module API.
 
 The cache key hashes the whole source (every project header is inlined into it), the
 template instantiation, the compiler options, the NVRTC version and the target, so an
@@ -21,6 +22,7 @@ import struct
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -60,14 +62,16 @@ _KERNELS = {
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
 }
-# Each kernel's parameter list as a struct format (P pointer, q int64, i int32, f float32),
-# for Launcher. tests/test_jit.py checks these against the symbols NVRTC mangles.
+# Each kernel's parameter list as a struct format, one token per parameter (P pointer,
+# q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
+# tests/test_jit.py checks these against the symbols NVRTC mangles.
 ARG_FORMATS = {
     "paged_decode": "PPPPPqqPqqPqqPqPPiiiiif",
     "paged_decode_combine": "PPPPPiii",
     "reshape_and_cache": "PqqPqqPqqPqqPiiiq",
-    "copy_blocks": "PPq",
+    "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
 }
+_ARG_TOKEN = re.compile(r"(\d*)([a-zA-Z?])")
 _INDEX_CXX = {"i32": "int", "i64": "long long"}
 
 
@@ -303,10 +307,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 @dataclass(frozen=True)
 class Built:
-    """A compiled specialization on disk."""
+    """A compiled specialization: its binary (verified when read from the disk cache)."""
 
     spec: KernelSpec
-    path: Path  # the cubin (or PTX)
+    path: Path | None  # the cached cubin (or PTX); None when the disk cache is not writable
+    binary: bytes = field(repr=False)
     lowered_name: str
     seconds: float  # time spent compiling or reading the cache
     from_disk: bool
@@ -314,6 +319,46 @@ class Built:
 
 _spec_locks: dict = {}
 _built: dict = {}
+_warned_unwritable: set = set()
+
+
+def _read_entry(spec: KernelSpec, binary_path: Path, meta_path: Path):
+    """The cached (binary, lowered name), or None when the entry is missing, from another
+    instantiation, or damaged: its size and SHA-256 must match what the JSON recorded
+    when it was written (a truncated or corrupted cubin is rebuilt, never loaded)."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        binary = binary_path.read_bytes()
+        if (meta["name_expression"] == spec.name_expression and meta["size"] == len(binary)
+                and meta["sha256"] == hashlib.sha256(binary).hexdigest()):
+            return binary, meta["lowered_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_entry(spec: KernelSpec, binary_path: Path, meta_path: Path, binary: bytes,
+                 lowered: str) -> Path | None:
+    """Store a new entry (the binary first, then the JSON that vouches for it); None, with
+    one warning per folder, when the cache folder cannot be written: the kernel is then
+    kept in memory only."""
+    meta = {"name": spec.name, "name_expression": spec.name_expression,
+            "lowered_name": lowered, "options": list(_options(spec.arch)),
+            "nvrtc": list(nvrtc_version()), "size": len(binary),
+            "sha256": hashlib.sha256(binary).hexdigest()}
+    try:
+        _write_atomic(binary_path, binary)
+        _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
+        return binary_path
+    except OSError as e:
+        folder = str(binary_path.parent)
+        if folder not in _warned_unwritable:
+            _warned_unwritable.add(folder)
+            warnings.warn(f"cupaged cannot write its kernel cache in {folder} ({e}); compiled "
+                          f"kernels are kept in memory for this process only. Set "
+                          f"CUPAGED_CACHE_DIR to a writable folder to keep them.",
+                          RuntimeWarning, stacklevel=3)
+        return None
 
 
 def build(spec: KernelSpec) -> Built:
@@ -328,23 +373,15 @@ def build(spec: KernelSpec) -> Built:
             return done
         t0 = time.perf_counter()
         binary_path, meta_path = _cache_paths(spec)
-        lowered = None
-        try:
-            meta = json.loads(meta_path.read_text())
-            if binary_path.is_file() and meta.get("name_expression") == spec.name_expression:
-                lowered = meta["lowered_name"]
-        except (OSError, ValueError, KeyError):
-            lowered = None
-        from_disk = lowered is not None
-        if not from_disk:
+        entry = _read_entry(spec, binary_path, meta_path)
+        if entry is not None:
+            binary, lowered = entry
+            path = binary_path
+        else:
             binary, names = _compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
             lowered = names[spec.name_expression]
-            _write_atomic(binary_path, binary)
-            meta = {"name": spec.name, "name_expression": spec.name_expression,
-                    "lowered_name": lowered, "options": list(_options(spec.arch)),
-                    "nvrtc": list(nvrtc_version())}
-            _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
-        done = Built(spec, binary_path, lowered, time.perf_counter() - t0, from_disk)
+            path = _write_entry(spec, binary_path, meta_path, binary, lowered)
+        done = Built(spec, path, binary, lowered, time.perf_counter() - t0, entry is not None)
         _built[spec] = done
         return done
 
@@ -371,14 +408,19 @@ class Launcher:
     The buffer is per thread, so concurrent launches from several threads are safe.
     """
 
-    def __init__(self, kernel, fmt: str, name: str):
-        self.kernel = kernel  # the cupy.RawKernel: keeps the module loaded
-        self.ptr = kernel.kernel.ptr
+    def __init__(self, function, fmt: str, name: str):
+        self.function = function  # a cupy.cuda.function.Function: keeps its module loaded
+        self.ptr = function.ptr
         self.name = name
         self._fmt = "@" + fmt
         self._size = max(struct.calcsize(self._fmt), 8)
-        self._offsets = [struct.calcsize("@" + fmt[:i + 1]) - struct.calcsize("@" + fmt[i])
-                         for i in range(len(fmt))]
+        # Where each parameter starts: the native-aligned size up to and including it, less
+        # its own size. (Structs come first or after 8-byte fields, so their alignment of
+        # 8 in the kernel's ABI holds.)
+        self._offsets, prefix = [], ""
+        for m in _ARG_TOKEN.finditer(fmt):
+            prefix += m.group(0)
+            self._offsets.append(struct.calcsize("@" + prefix) - struct.calcsize("@" + m.group(0)))
         self._local = threading.local()
 
     def _buffers(self):
@@ -411,11 +453,15 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
     with _spec_locks.setdefault(spec, threading.Lock()), cupy.cuda.Device(device_id):
         kernel = _loaded.get(key)
         if kernel is None:
-            module = cupy.RawModule(path=str(built.path))
-            raw = module.get_function(built.lowered_name)
+            # From the verified bytes, not the file: what was checked is what is loaded.
+            module = cupy.cuda.function.Module()
+            module.load(built.binary)
+            function = module.get_function(built.lowered_name)
             if dynamic_smem > 48 * 1024:
-                raw.max_dynamic_shared_size_bytes = dynamic_smem
-            kernel = Launcher(raw, ARG_FORMATS[spec.kernel], spec.name)
+                _driver.funcSetAttribute(
+                    function.ptr, _driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dynamic_smem)
+            kernel = Launcher(function, ARG_FORMATS[spec.kernel], spec.name)
             _loaded[key] = kernel
     return kernel
 

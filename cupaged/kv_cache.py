@@ -9,6 +9,7 @@ and context lengths with one host-to-device copy.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Sequence
 
@@ -32,6 +33,37 @@ class _Seq:
     parent: int | None = None
 
 
+class _AppendPlan(NamedTuple):
+    """What one append will do, decided by :meth:`BlockManager._plan_append` without
+    changing anything. Valid until the manager next changes."""
+
+    seqs: list  # the sequences, in call order
+    token_ids: list | None
+    slots: np.ndarray  # int64 [n]: where each new token goes
+    copies: np.ndarray  # int64 [k, 2]: (src, dst) copy-on-write, to run before the writes
+    rows: list  # each sequence's host-table row
+    lens: list  # each sequence's length after the append
+    # One entry per free block the append takes, in the order the free list gives them:
+    taken: list  # the block
+    takers: list  # the index in seqs of the sequence that takes it
+    sources: list  # the block it copies (copy-on-write), or -1 for a fresh block
+    cols: list  # its column in the taker's table row
+
+
+def _check_token_ids(token_ids: list) -> None:
+    """Token ids key the prefix cache, so they must be hashable. Checked up front: the ids
+    of a partly filled block are hashed only when it fills, calls later."""
+    try:
+        hash(tuple(token_ids))  # one pass in C for the usual case
+    except TypeError:
+        for i, t in enumerate(token_ids):
+            try:
+                hash(t)
+            except TypeError:
+                raise TypeError(f"token_ids[{i}] is {t!r}, which is not hashable") from None
+        raise
+
+
 class BlockManager:
     """Block bookkeeping for a paged KV cache of ``num_blocks`` blocks of ``block_size``
     tokens.
@@ -41,7 +73,8 @@ class BlockManager:
 
     With ``prefix_caching``, full blocks are registered by their tokens and the block
     before them; a sequence added with the same leading tokens shares those blocks instead
-    of storing them again (its slots there are -1: already written).
+    of storing them again (its slots there are -1: already written). Token ids may be any
+    hashable values; they are checked whether or not prefix caching is on.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False):
@@ -96,18 +129,24 @@ class BlockManager:
     # ---- mutations -----------------------------------------------------------------------------
 
     def add(self, seq_id: Hashable, num_tokens: int, token_ids=None) -> np.ndarray:
-        """Start a sequence with a prompt of ``num_tokens``; returns its int64 slots (-1
-        for tokens a shared prefix block already holds)."""
+        """Start a sequence with a prompt of ``num_tokens``, whose ids are ``token_ids``
+        (optional; with prefix caching they find and register shared blocks). Returns its
+        int64 slots (-1 for tokens a shared prefix block already holds)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        try:
+            num_tokens = operator.index(num_tokens)
+        except TypeError:
+            raise TypeError(f"num_tokens must be an integer, got {num_tokens!r}") from None
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if token_ids is not None:
             token_ids = list(token_ids)
             if len(token_ids) != num_tokens:
                 raise ValueError(f"token_ids has {len(token_ids)} ids for {num_tokens} tokens")
+            _check_token_ids(token_ids)
         bs = self.block_size
-        full = num_tokens // bs
+        full, n_blocks = num_tokens // bs, -(-num_tokens // bs)
         shared = []  # leading full blocks found in the prefix cache
         if self.prefix_caching and token_ids is not None:
             parent = None
@@ -117,87 +156,38 @@ class BlockManager:
                     break
                 shared.append(b)
                 parent = b
-        n_blocks = -(-num_tokens // bs)
-        self._reserve(n_blocks - len(shared))
+        new = self._next_free(n_blocks - len(shared))
+        blocks = shared + new
+        t = np.arange(num_tokens)
+        slots = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
+        slots[: len(shared) * bs] = -1
+        self._ensure_width(n_blocks)
 
-        seq = _Seq(self._take_row())
+        # Everything that can fail has run (_take_row grows the table before it takes a
+        # row); from here on the bookkeeping changes.
+        seq = _Seq(self._take_row(), blocks, num_tokens)
         for b in shared:
             self._ref[b] += 1
-        seq.blocks = shared + [self._alloc() for _ in range(n_blocks - len(shared))]
-        seq.length = num_tokens
+        self._take(new)
         if self.prefix_caching and token_ids is not None:
             seq.parent = shared[-1] if shared else None
             for i in range(len(shared), full):
-                seq.parent = self._register(seq.parent, token_ids[i * bs:(i + 1) * bs], seq.blocks[i])
+                seq.parent = self._register(seq.parent, token_ids[i * bs:(i + 1) * bs], blocks[i])
             seq.tokens = token_ids[full * bs:]
         self._seqs[seq_id] = seq
         self._write_row(seq)
-        t = np.arange(num_tokens)
-        slots = np.asarray(seq.blocks, dtype=np.int64).reshape(-1)[t // bs] * bs + t % bs
-        slots[: len(shared) * bs] = -1
         return slots
 
     def append(self, seq_ids: Sequence, token_ids=None) -> tuple[np.ndarray, np.ndarray]:
-        """One new token for each sequence. Returns ``(slots int64 [n], copies int64
-        [k, 2])``: where each token goes, and the (src, dst) block copies that must run
-        *before* the tokens are written (copy-on-write of shared, partly filled blocks)."""
-        seqs = [self._get(s) for s in seq_ids]
-        if len(set(map(id, seqs))) != len(seqs):
-            raise ValueError("a sequence appears twice in one append")
-        if token_ids is not None:
-            token_ids = list(token_ids)
-            if len(token_ids) != len(seqs):
-                raise ValueError(f"token_ids has {len(token_ids)} ids for {len(seqs)} sequences")
-        bs = self.block_size
-        # Plan first, so running out of blocks changes nothing. A shared partial block is
-        # copied by all but its last writer in this step, who may write it in place.
-        need, claimed = 0, {}
-        for seq in seqs:
-            if seq.length % bs == 0:
-                need += 1
-            else:
-                b = seq.blocks[-1]
-                if self._ref[b] - claimed.get(b, 0) > 1:
-                    need += 1
-                    claimed[b] = claimed.get(b, 0) + 1
-        self._reserve(need)
-
-        # Apply; the host table and lengths are updated in two vectorized writes at the end
-        # (per-element NumPy writes would dominate the step's host time).
-        slots, copies, rows, lens, new_at = [], [], [], [], []
-        for i, seq in enumerate(seqs):
-            offset = seq.length % bs
-            if offset == 0:
-                b = self._alloc()
-                seq.blocks.append(b)
-                new_at.append((seq.row, len(seq.blocks) - 1, b))
-            else:
-                b = seq.blocks[-1]
-                if self._ref[b] > 1:
-                    new = self._alloc()
-                    copies.append((b, new))
-                    self._ref[b] -= 1
-                    seq.blocks[-1] = b = new
-                    new_at.append((seq.row, len(seq.blocks) - 1, b))
-            slots.append(b * bs + offset)
-            seq.length += 1
-            rows.append(seq.row)
-            lens.append(seq.length)
-            if seq.tokens is not None:
-                seq.tokens.append(None if token_ids is None else token_ids[i])
-                if len(seq.tokens) == bs:
-                    if None not in seq.tokens:
-                        seq.parent = self._register(seq.parent, seq.tokens, b)
-                        seq.tokens = []
-                    else:  # a token without an id: this sequence leaves the prefix cache
-                        seq.tokens = seq.parent = None
-        if new_at:
-            r, c, v = zip(*new_at)
-            self._ensure_width(max(c) + 1)
-            self._table[list(r), list(c)] = v
-        self._lens[rows] = lens
-        slots = np.asarray(slots, dtype=np.int64)
-        return slots, np.asarray(copies, dtype=np.int64).reshape(-1, 2)
+        """One new token for each sequence, whose ids are ``token_ids`` (optional; with
+        prefix caching, a block whose tokens all have ids is registered when it fills, and
+        a sequence that fills a block with a token lacking an id leaves the prefix cache).
+        Returns ``(slots int64 [n], copies int64 [k, 2])``: where each token goes, and the
+        (src, dst) block copies that must run *before* the tokens are written
+        (copy-on-write of shared, partly filled blocks)."""
+        plan = self._plan_append(seq_ids, token_ids)
+        self._apply_append(plan)
+        return plan.slots, plan.copies
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """``child`` shares all of ``parent``'s blocks (parallel sampling, beam search)."""
@@ -233,14 +223,109 @@ class BlockManager:
             raise KeyError(f"unknown sequence {seq_id!r} (never added, or already freed)")
         return seq
 
+    def _plan_append(self, seq_ids: Sequence, token_ids=None) -> _AppendPlan:
+        """Validate an :meth:`append` and decide everything it does, changing nothing:
+        whatever can fail fails here. :meth:`_apply_append` carries the plan out."""
+        seqs = [self._get(s) for s in seq_ids]
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError("a sequence appears twice in one append")
+        if token_ids is not None:
+            token_ids = list(token_ids)
+            if len(token_ids) != len(seqs):
+                raise ValueError(f"token_ids has {len(token_ids)} ids for {len(seqs)} sequences")
+            _check_token_ids(token_ids)
+        bs, ref = self.block_size, self._ref
+        # A shared partial block is copied by all but its last writer in this step, who may
+        # write it in place. Sequences that need a free block get their slot offset now and
+        # the block once all are counted (running out must be reported with the total).
+        slots, rows, lens, takers, sources, claimed = [], [], [], [], [], {}
+        for i, seq in enumerate(seqs):
+            n = seq.length
+            rows.append(seq.row)
+            lens.append(n + 1)
+            offset = n % bs
+            if offset:
+                b = seq.blocks[-1]
+                if ref[b] - claimed.get(b, 0) == 1:  # the block's last writer: in place
+                    slots.append(b * bs + offset)
+                    continue
+                claimed[b] = claimed.get(b, 0) + 1
+            else:
+                b = -1
+            takers.append(i)
+            sources.append(b)
+            slots.append(offset)
+        taken = self._next_free(len(takers))
+        cols, copies = [], []
+        for i, src, b in zip(takers, sources, taken):
+            slots[i] += b * bs
+            cols.append(seqs[i].length // bs)
+            if src >= 0:
+                copies.append((src, b))
+        return _AppendPlan(seqs, token_ids, np.asarray(slots, dtype=np.int64),
+                           np.asarray(copies, dtype=np.int64).reshape(-1, 2), rows, lens,
+                           taken, takers, sources, cols)
+
+    def _apply_append(self, plan: _AppendPlan) -> None:
+        """Carry out a plan from :meth:`_plan_append`, made since the manager last changed."""
+        seqs, ref = plan.seqs, self._ref
+        if plan.taken:
+            # Widening the table is the one step that may need much memory: do it first,
+            # before the bookkeeping changes.
+            self._ensure_width(max(plan.cols) + 1)
+            self._take(plan.taken)
+            for i, src, b in zip(plan.takers, plan.sources, plan.taken):
+                if src < 0:
+                    seqs[i].blocks.append(b)
+                else:
+                    ref[src] -= 1
+                    seqs[i].blocks[-1] = b
+            self._table[[plan.rows[i] for i in plan.takers], plan.cols] = plan.taken
+        # Vectorized, as per-element NumPy writes would dominate the step's host time.
+        self._lens[plan.rows] = plan.lens
+        for seq, n in zip(seqs, plan.lens):
+            seq.length = n
+        if self.prefix_caching:
+            bs, ids = self.block_size, plan.token_ids
+            for i, seq in enumerate(seqs):
+                if seq.tokens is None:
+                    continue
+                seq.tokens.append(None if ids is None else ids[i])
+                if len(seq.tokens) == bs:
+                    if None not in seq.tokens:
+                        seq.parent = self._register(seq.parent, seq.tokens, seq.blocks[-1])
+                        seq.tokens = []
+                    else:  # a token without an id: this sequence leaves the prefix cache
+                        seq.tokens = seq.parent = None
+
+    def _tables_after(self, plan: _AppendPlan) -> tuple[np.ndarray, np.ndarray]:
+        """What :meth:`tables` will give for the plan's sequences once it is applied,
+        computed without applying it."""
+        table = self._table
+        width = -(-max(plan.lens, default=0) // self.block_size)
+        if width <= table.shape[1]:
+            bt = table[plan.rows, :width]  # fancy indexing copies: ours to write
+        else:  # the append will widen the table
+            bt = np.zeros((len(plan.rows), width), np.int32)
+            bt[:, : table.shape[1]] = table[plan.rows]
+        if plan.taken:
+            bt[plan.takers, plan.cols] = plan.taken
+        return bt, np.asarray(plan.lens, dtype=np.int32)
+
     def _reserve(self, n: int) -> None:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} free blocks, have {len(self._free)} of {self.num_blocks}")
 
-    def _alloc(self) -> int:
-        b = self._free.pop()
-        self._ref[b] = 1
-        return b
+    def _next_free(self, n: int) -> list:
+        """The ``n`` blocks the next allocations get (low ids first), without taking them."""
+        self._reserve(n)
+        return self._free[len(self._free) - n:][::-1]
+
+    def _take(self, blocks: list) -> None:
+        """Take the blocks :meth:`_next_free` just named, each with one owner."""
+        del self._free[len(self._free) - len(blocks):]
+        for b in blocks:
+            self._ref[b] = 1
 
     def _register(self, parent, tokens, block: int) -> int:
         """Record a full block for prefix sharing (the first block with a key keeps it)."""
@@ -373,8 +458,14 @@ class PagedKVCache:
 
     def add(self, seq_id, num_tokens: int, token_ids=None):
         """Start a sequence; returns its prompt's slot mapping (device int32; -1 where a
-        shared prefix block already holds the token), valid until the next ``add``."""
-        return self._upload("add", [self.manager.add(seq_id, num_tokens, token_ids)])[0]
+        shared prefix block already holds the token), valid until the next ``add``. If
+        the upload fails, the sequence is not added."""
+        slots = self.manager.add(seq_id, num_tokens, token_ids)
+        try:
+            return self._upload("add", [slots])[0]
+        except BaseException:
+            self.manager.free(seq_id)  # undoes the add: blocks return in the order they left
+            raise
 
     def fork(self, parent, child) -> None:
         self.manager.fork(parent, child)
@@ -386,14 +477,20 @@ class PagedKVCache:
         """Append one token to each sequence: runs the copy-on-write block copies itself
         (on the current stream, before anything the caller enqueues next), and returns the
         step's slot mapping, block tables and context lengths. One host-to-device copy
-        carries all of it; the arrays stay valid until the next ``step``."""
+        carries all of it; the arrays stay valid until the next ``step``. If the upload or
+        a copy fails, the manager is left as it was, so the step can be retried."""
         from .cache_ops import copy_blocks
 
-        slots, copies = self.manager.append(seq_ids, token_ids)
-        tables, lens = self.manager.tables(seq_ids)
-        pairs, s, bt, cl = self._upload("step", [copies.reshape(-1), slots, tables.reshape(-1), lens])
-        if len(copies):
+        # Plan, do the device work, and only then apply the plan to the bookkeeping: the
+        # upload's buffer allocation can run out of memory, and a launch can fail.
+        manager = self.manager
+        plan = manager._plan_append(seq_ids, token_ids)
+        tables, lens = manager._tables_after(plan)
+        pairs, s, bt, cl = self._upload(
+            "step", [plan.copies.reshape(-1), plan.slots, tables.reshape(-1), lens])
+        if len(plan.copies):
             copy_blocks(self.key_caches, self.value_caches, pairs.reshape(-1, 2))
+        manager._apply_append(plan)
         return DecodeStep(s, bt.reshape(tables.shape), cl)
 
     def tables(self, seq_ids: Sequence):

@@ -6,10 +6,15 @@ import numpy as np
 
 from . import _dtypes
 
-__all__ = ["random_block_tables", "random_cache", "random_normal", "TOLERANCE"]
+__all__ = ["poison_unused_slots", "random_block_tables", "random_cache", "random_normal", "ROW_FACTOR",
+           "TOLERANCE"]
 
 # ||out - ref|| / ||ref|| accepted against the float64 reference, by element type.
 TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
+# Any one output row (a head's vector) may be off by this many times TOLERANCE of its own
+# norm: rounding to the element type alone costs about half of TOLERANCE per row, and a
+# row 5% off fails it for every type.
+ROW_FACTOR = 4
 
 
 def random_block_tables(context_lens, block_size: int, rng: np.random.Generator, *,
@@ -55,3 +60,20 @@ def random_cache(num_blocks: int, num_kv_heads: int, head_size: int, block_size:
     k = random_normal((num_blocks, num_kv_heads, head_size // x, block_size, x), dtype, rng, xp)
     v = random_normal((num_blocks, num_kv_heads, head_size, block_size), dtype, rng, xp)
     return k, v
+
+
+def poison_unused_slots(key_cache, value_cache, block_tables, context_lens, value=float("nan")):
+    """Fill every cache slot that holds no token of any sequence (the tail of each partly
+    filled last block, and whole unused blocks) with ``value`` (NaN, +-Inf), in place, on
+    host arrays in vLLM's layouts: stale slots a kernel must never let into its output
+    (0 * NaN is NaN, so masking scores alone is not enough). Returns the [num_blocks,
+    block_size] mask of used slots."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[3]
+    used = np.zeros((num_blocks, block_size), dtype=bool)
+    tables = np.asarray(block_tables)
+    for s, n in enumerate(np.asarray(context_lens)):
+        t = np.arange(int(n))
+        used[tables[s, t // block_size], t % block_size] = True
+    np.moveaxis(key_cache, 3, 1)[~used] = value  # [blocks, slot, kv_heads, hs/x, x]
+    np.moveaxis(value_cache, 3, 1)[~used] = value  # [blocks, slot, kv_heads, hs]
+    return used

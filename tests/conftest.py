@@ -33,6 +33,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_SUMMARY: list = []
+
+
+@pytest.fixture
+def compile_summary():
+    """Lines a test wants in the run's closing summary (the compile check's count and time)."""
+    return _SUMMARY
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _SUMMARY:
+        terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def rng(request):
     """A generator with a fresh seed each run; the seed is reported if the test fails."""
@@ -79,11 +93,16 @@ class Problem:
 
 
 def make_problem(rng, *, dtype=np.float16, lens=(5, 17), heads=4, kv_heads=2, head_size=64,
-                 block_size=16, alibi=False, share=False, spare_blocks=3, extra_columns=0):
+                 block_size=16, alibi=False, share=False, spare_blocks=3, extra_columns=0,
+                 stale=float("nan")):
+    """A random problem; cache slots no sequence uses hold ``stale`` (NaN by default, as a
+    recycled block may: the kernels must never let them into the output)."""
     lens = np.asarray(lens, dtype=np.int32)
     bt, nb = testing.random_block_tables(lens, block_size, rng, spare_blocks=spare_blocks,
                                          share=share, extra_columns=extra_columns)
     kc, vc = testing.random_cache(nb, kv_heads, head_size, block_size, dtype, rng)
+    if stale is not None:
+        testing.poison_unused_slots(kc, vc, bt, lens, stale)
     q = testing.random_normal((len(lens), heads, head_size), dtype, rng)
     # ALiBi slopes are positive: the bias slope * (pos - len + 1) is <= 0 and grows with distance.
     slopes = rng.uniform(0.0, 0.5, heads).astype(np.float32) if alibi else None
@@ -100,3 +119,24 @@ def rel_err(got, ref) -> float:
     got = np.asarray(got, dtype=np.float64)
     den = np.linalg.norm(ref)
     return float(np.linalg.norm(got - ref) / (den if den > 0 else 1.0))
+
+
+def assert_close(got, ref, tol: float, what="") -> None:
+    """``got`` matches ``ref`` (float64): ||got - ref|| / ||ref|| <= tol over the whole
+    array, and every row (the last axis: one head's output vector) within
+    ``testing.ROW_FACTOR * tol`` of its own norm, so one bad head among thousands of good
+    ones cannot hide in the global norm. NaN fails both."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    err = rel_err(got, ref)
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.1e}"
+    if got.size == 0:
+        return
+    den = np.linalg.norm(ref, axis=-1)
+    rows = np.linalg.norm(got - ref, axis=-1) / np.where(den > 0, den, 1.0)
+    rows = np.where(np.isnan(rows), np.inf, rows)
+    worst = np.unravel_index(int(np.argmax(rows)), rows.shape)
+    assert rows[worst] <= testing.ROW_FACTOR * tol, (
+        f"{what}: row {tuple(int(i) for i in worst)} is off by {rows[worst]:.2e} of its norm "
+        f"(> {testing.ROW_FACTOR} x {tol:.1e}); whole array {err:.2e}")

@@ -8,7 +8,7 @@ import pytest
 
 import cupaged
 from cupaged import _dtypes, attention, jit, testing
-from conftest import make_problem, rel_err
+from conftest import assert_close, make_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -76,9 +76,9 @@ def test_decode_matches_reference(rng, dt, hs, bs, group, kv_heads, alibi):
     single = run(p, "never")
     split = run(p, "always")
     assert not np.isnan(single).any() and not np.isnan(split).any()
-    assert rel_err(single, ref) <= tol(p)
-    assert rel_err(split, ref) <= tol(p)
-    assert rel_err(split, single) <= tol(p)  # the two paths agree with each other too
+    assert_close(single, ref, tol(p))
+    assert_close(split, ref, tol(p))
+    assert_close(split, single, tol(p))  # the two paths agree with each other too
     assert not single[lens.index(0)].any()  # an empty context gives zeros
 
 
@@ -88,15 +88,15 @@ def test_context_of_more_than_100k_tokens(rng, dt):
                      head_size=128, block_size=16)
     ref = p.reference()
     for partition in ("never", "auto", 4096):
-        assert rel_err(run(p, partition), ref) <= tol(p), partition
+        assert_close(run(p, partition), ref, tol(p), partition)
 
 
 def test_long_context_fp32_large_head(rng):
     p = make_problem(rng, dtype=np.float32, lens=[100_001], heads=4, kv_heads=1,
                      head_size=256, block_size=32)
     ref = p.reference()
-    assert rel_err(run(p, "never"), ref) <= tol(p)
-    assert rel_err(run(p, "always"), ref) <= tol(p)
+    assert_close(run(p, "never"), ref, tol(p))
+    assert_close(run(p, "always"), ref, tol(p))
 
 
 def test_offsets_past_2_pow_31_elements(rng):
@@ -124,7 +124,7 @@ def test_offsets_past_2_pow_31_elements(rng):
     for partition in ("never", "always"):
         out = cupaged.paged_attention(cupy.asarray(q), kc, vc, cupy.asarray(bt), cupy.asarray(lens),
                                       partition=partition)
-        assert rel_err(cupy.asnumpy(out), ref) <= 1e-3
+        assert_close(cupy.asnumpy(out), ref, 1e-3)
     del kc, vc
     cupy.get_default_memory_pool().free_all_blocks()
 
@@ -133,7 +133,7 @@ def test_offsets_past_2_pow_31_elements(rng):
 def test_explicit_partition_sizes(rng, partition):
     p = make_problem(rng, lens=[2000, 1, 700, 1500], heads=8, kv_heads=2, head_size=128,
                      block_size=16)
-    assert rel_err(run(p, partition), p.reference()) <= tol(p)
+    assert_close(run(p, partition), p.reference(), tol(p))
 
 
 @pytest.mark.parametrize("batch, ctx", [(1, 1024), (1, 50000), (256, 512), (7, 3000)])
@@ -142,14 +142,14 @@ def test_auto_partition(rng, batch, ctx):
     lens[0] = ctx
     p = make_problem(rng, lens=lens, heads=32, kv_heads=8, head_size=128, block_size=16)
     got = run(p, "auto", max_context_len=ctx)
-    assert rel_err(got, p.reference()) <= tol(p)
+    assert_close(got, p.reference(), tol(p))
 
 
 def test_undercounted_max_context_len_still_covers_every_token(rng):
     p = make_problem(rng, lens=[5000, 300], heads=8, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()
     for partition in ("always", 256):
-        assert rel_err(run(p, partition, max_context_len=600), ref) <= tol(p)
+        assert_close(run(p, partition, max_context_len=600), ref, tol(p))
 
 
 def test_query_rows_from_a_fused_qkv(rng):
@@ -163,7 +163,7 @@ def test_query_rows_from_a_fused_qkv(rng):
     a["query"] = q
     for partition in ("never", "always"):
         out = cupaged.paged_attention(**a, partition=partition)
-        assert rel_err(cupy.asnumpy(out), ref) <= tol(p)
+        assert_close(cupy.asnumpy(out), ref, tol(p))
 
 
 def test_caches_that_are_views_of_a_larger_buffer(rng):
@@ -177,13 +177,13 @@ def test_caches_that_are_views_of_a_larger_buffer(rng):
     big_v[1] = cupy.asarray(p.value_cache)
     a = p.device_args()
     a["key_cache"], a["value_cache"] = big_k[:, 1:3], big_v[1]
-    assert rel_err(cupy.asnumpy(cupaged.paged_attention(**a, partition="always")), ref) <= tol(p)
+    assert_close(cupy.asnumpy(cupaged.paged_attention(**a, partition="always")), ref, tol(p))
 
 
 def test_scale_and_explicit_out_dtype(rng):
     p = make_problem(rng, dtype=np.float32, lens=[70, 9], head_size=96)
     ref = p.reference(scale=0.7)
-    assert rel_err(run(p, "never", scale=0.7), ref) <= tol(p)
+    assert_close(run(p, "never", scale=0.7), ref, tol(p))
 
 
 def test_no_sequences(rng):
@@ -212,7 +212,7 @@ def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
     for partition in ("never", "always"):
         got = run(p, partition)
         assert np.isnan(got[1]).all()
-        assert rel_err(got[[0, 2]], ref[[0, 2]]) <= tol(p)
+        assert_close(got[[0, 2]], ref[[0, 2]], tol(p))
 
 
 def test_lengths_past_the_table_are_clamped_and_reported(rng):
@@ -226,7 +226,8 @@ def test_lengths_past_the_table_are_clamped_and_reported(rng):
     # entry, so the sequence comes out NaN instead of reading outside the cache.
     for partition in ("never", "always"):
         got = run(p, partition)
-        assert rel_err(got[0], ref[0]) <= tol(p) and np.isnan(got[1]).all()
+        assert_close(got[0], ref[0], tol(p))
+        assert np.isnan(got[1]).all()
 
 
 def test_debug_switch_checks_tables_in_every_call(rng, monkeypatch):
@@ -251,15 +252,6 @@ def test_int64_tables_are_refused_on_device(rng):
         cupaged.paged_attention(**a)
 
 
-def test_runs_on_the_current_stream(rng):
-    p = make_problem(rng, lens=[900, 30], heads=8, kv_heads=2, head_size=128)
-    a = p.device_args()
-    with cupy.cuda.Stream(non_blocking=True) as s:
-        out = cupaged.paged_attention(**a, partition="always")
-        s.synchronize()
-    assert rel_err(cupy.asnumpy(out), p.reference()) <= tol(p)
-
-
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
 def test_vllm_v1_and_v2(rng, dt):
     p = make_problem(rng, dtype=DTYPES[dt], lens=[1500, 20, 700], heads=8, kv_heads=2,
@@ -269,7 +261,7 @@ def test_vllm_v1_and_v2(rng, dt):
     args = (a["key_cache"], a["value_cache"], 2, 0.1, a["block_tables"], a["context_lens"], 16, 1500)
     out = poisoned((3, 8, 128), a["query"].dtype)
     cupaged.paged_attention_v1(out, a["query"], *args, alibi_slopes=a["alibi_slopes"])
-    assert rel_err(cupy.asnumpy(out), ref) <= tol(p)
+    assert_close(cupy.asnumpy(out), ref, tol(p))
     parts = -(-1500 // 512)
     for tmp_dtype in (np.float32, a["query"].dtype):
         out = poisoned((3, 8, 128), a["query"].dtype)
@@ -277,7 +269,7 @@ def test_vllm_v1_and_v2(rng, dt):
         ml = cupy.empty((3, 8, parts), np.float32)
         tmp = cupy.empty((3, 8, parts, 128), tmp_dtype)
         cupaged.paged_attention_v2(out, es, ml, tmp, a["query"], *args, alibi_slopes=a["alibi_slopes"])
-        assert rel_err(cupy.asnumpy(out), ref) <= tol(p), tmp_dtype
+        assert_close(cupy.asnumpy(out), ref, tol(p), tmp_dtype)
 
 
 def test_v2_rejects_a_small_workspace(rng):
@@ -288,3 +280,131 @@ def test_v2_rejects_a_small_workspace(rng):
                                    cupy.empty((1, 4, 2), np.float32), cupy.empty((1, 4, 1, 64), np.float32),
                                    a["query"], a["key_cache"], a["value_cache"], 2, 0.1,
                                    a["block_tables"], a["context_lens"], 16, 100)
+
+
+# ---- stale cache slots -------------------------------------------------------------------------
+
+# (dtype, group, block size): the FMA path with transposed V (f32; f16 with one or two heads
+# per CTA), the FMA path with V in the cache's layout (blocks smaller than 16 bytes of V),
+# and the tensor-core path (16-bit, 4 to 8 heads per CTA).
+FAMILIES = [("f32", 1, 16), ("f16", 2, 16), ("f16", 4, 4), ("f16", 4, 16), ("bf16", 8, 32),
+            ("f16", 8, 1)]
+
+
+@pytest.mark.parametrize("stale", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("dt, group, bs", FAMILIES, ids=[f"{d}-g{g}-bs{b}" for d, g, b in FAMILIES])
+def test_stale_slots_never_reach_the_output(rng, dt, group, bs, stale):
+    """Every cache slot no sequence uses holds NaN or Inf: the tail of each partly filled
+    last block, spare blocks, and the blocks the table's unused entries point at. Lengths
+    end inside blocks and tiles, on both paths. (Without the V masking in paged_decode.cuh,
+    0 * NaN puts NaN in the output: tools/mutation_check.sh shows these tests fail then.)"""
+    lens = [1, 5, bs + 3, 63, 65, 129, 700]
+    p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=2 * group, kv_heads=2, head_size=64,
+                     block_size=bs, spare_blocks=4, extra_columns=2, stale=stale)
+    nb = p.key_cache.shape[0]
+    spare = np.arange(nb - 4, nb, dtype=np.int32)  # poisoned, never used by any sequence
+    for s, n in enumerate(lens):  # unused table entries name real (poisoned) blocks
+        used = -(-n // bs)
+        p.block_tables[s, used:] = rng.choice(spare, p.block_tables.shape[1] - used)
+    ref = p.reference()
+    for partition in ("never", "always", 64):
+        assert_close(run(p, partition), ref, tol(p), partition)
+
+
+# ---- the int32 range ----------------------------------------------------------------------------
+
+
+def test_context_of_2_pow_31_tokens(rng):
+    """2,147,481,600 tokens (the largest multiple of 256 validation allows) in blocks of
+    256, every table entry naming block 0: the softmax over n copies of one block equals
+    the softmax over that block, so the float64 reference of block 0 alone is exact. The
+    split-KV combine used to overflow int32 computing its partition count (all zeros)."""
+    bs, n = 256, 2_147_481_600
+    assert n % bs == 0 and n <= attention._MAX_TOKENS
+    p = make_problem(rng, lens=[bs], heads=1, kv_heads=1, head_size=32, block_size=bs,
+                     spare_blocks=0)
+    ref = p.reference()
+    a = p.device_args()
+    a["block_tables"] = cupy.zeros((1, n // bs), np.int32)
+    a["context_lens"] = cupy.asarray([n], np.int32)
+    out = poisoned((1, 1, 32), np.float16)
+    cupaged.paged_attention(**a, out=out, partition="auto")
+    # fp32 sums over ~33k tokens per partition and 65535 partitions: rounding stays far
+    # below fp16's output rounding.
+    assert_close(cupy.asnumpy(out), ref, tol(p))
+
+
+# ---- vLLM's v2 with half-precision scratch ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_v2_packs_several_partitions_into_a_half_precision_tmp_out(rng, dt):
+    """A 16-bit tmp_out holds P // 2 float32 partials per head: with P = 16 and 1,500
+    tokens the call splits into 6 partitions of 256 and packs their float32 rows there."""
+    lens = [1500, 1400, 1300]
+    p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=8, kv_heads=2, head_size=128,
+                     block_size=16)
+    ref = p.reference(scale=0.1)
+    a = p.device_args()
+    P = 16
+    out = poisoned((3, 8, 128), a["query"].dtype)
+    es = poisoned((3, 8, P), np.float32)
+    ml = poisoned((3, 8, P), np.float32)
+    tmp = poisoned((3, 8, P, 128), a["query"].dtype)
+    cupaged.paged_attention_v2(out, es, ml, tmp, a["query"], a["key_cache"], a["value_cache"],
+                               2, 0.1, a["block_tables"], a["context_lens"], 16, 1500)
+    assert_close(cupy.asnumpy(out), ref, tol(p))
+    parts = 6  # ceil(1500 / ceil(1500 / (P // 2)) rounded up to 256 tokens)
+    written = cupy.asnumpy(ml).reshape(-1)[: 3 * 8 * parts]
+    assert np.isfinite(written).all()  # every partition of every head wrote its max
+    assert np.isnan(cupy.asnumpy(ml).reshape(-1)[3 * 8 * parts:]).all()  # and no more
+
+
+# ---- CUPAGED_DEBUG reads on the launch stream ----------------------------------------------------
+
+
+def test_debug_check_reads_the_tables_on_the_launch_stream(rng, monkeypatch):
+    """The table is made valid by work queued on the (busy) launch stream: the debug check
+    must wait for it, not read the stale table on another stream and raise."""
+    from cupaged.bench import _Spin
+
+    p = make_problem(rng, lens=[50, 20], heads=4, kv_heads=2, head_size=64, block_size=16)
+    a = p.device_args()
+    good = a["block_tables"].copy()
+    a["block_tables"][0, 1] = -3
+    cupaged.paged_attention(**{**a, "block_tables": good})  # kernels loaded beforehand
+    monkeypatch.setattr(cupaged._checks, "DEBUG", True)
+    side = cupy.cuda.Stream(non_blocking=True)
+    spin = _Spin(100_000)
+    cupy.cuda.Device().synchronize()
+    with side:
+        spin()
+        a["block_tables"][...] = good
+    out = cupaged.paged_attention(**a, stream=side)
+    side.synchronize()
+    assert_close(cupy.asnumpy(out), p.reference(), tol(p))
+
+
+# ---- empty batches ---------------------------------------------------------------------------------
+
+
+def test_empty_batch_in_every_decode_entry_point(rng):
+    """Zero sequences with the strides CuPy gives empty arrays, (0, 0, 0)."""
+    p = make_problem(rng, lens=[3])
+    a = p.device_args()
+    q = cupy.zeros((0, 4, 64), np.float16)
+    bt = cupy.zeros((0, 4), np.int32)
+    cl = cupy.zeros((0,), np.int32)
+    assert q.strides == (0, 0, 0)  # (what CuPy does; the point of the test)
+    kc, vc = a["key_cache"], a["value_cache"]
+    out = cupaged.paged_attention(q, kc, vc, bt, cl)
+    assert out.shape == (0, 4, 64)
+    for partition in ("never", "always"):
+        assert cupaged.paged_attention(q, kc, vc, bt, cl, out=cupy.zeros((0, 4, 64), np.float16),
+                                       partition=partition).shape == (0, 4, 64)
+    o = cupy.zeros((0, 4, 64), np.float16)
+    assert cupaged.paged_attention_v1(o, q, kc, vc, 2, 0.1, bt, cl, 16, 0) is o
+    es, ml = cupy.zeros((0, 4, 2), np.float32), cupy.zeros((0, 4, 2), np.float32)
+    tmp = cupy.zeros((0, 4, 2, 64), np.float16)
+    assert cupaged.paged_attention_v2(o, es, ml, tmp, q, kc, vc, 2, 0.1, bt, cl, 16, 0) is o
+    cupaged.check_block_tables(bt, cl, kc.shape[0], 16)

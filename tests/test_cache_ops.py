@@ -7,7 +7,7 @@ import pytest
 
 import cupaged
 from cupaged import PagedKVCache, _dtypes, reference, testing
-from conftest import rel_err
+from conftest import assert_close
 
 pytestmark = pytest.mark.gpu
 
@@ -97,7 +97,7 @@ def test_copy_blocks_errors(rng):
     with pytest.raises(ValueError, match=r"block_mapping must be \[num_pairs, 2\]"):
         cupaged.copy_blocks([k], [v], cupy.zeros((3,), np.int64))
     k2, v2 = (cupy.asarray(a) for a in testing.random_cache(5, 2, 64, 8, np.float16, rng))
-    with pytest.raises(ValueError, match="layer 1's caches"):
+    with pytest.raises(ValueError, match=r"key_caches\[1\] .* differs from key_caches\[0\]"):
         cupaged.copy_blocks([k, k2], [v, v2], cupy.zeros((1, 2), np.int64))
 
 
@@ -191,7 +191,7 @@ def test_decode_loop_with_forks_and_frees(rng, dtype):
                 k = np.array(history[s][layer][0])
                 v = np.array(history[s][layer][1])
                 ref = reference.attend(q[i], k, v, 1 / np.sqrt(hs))
-                assert rel_err(got[i], ref) <= testing.TOLERANCE[_dtypes.lookup(dtype).name], (step, s)
+                assert_close(got[i], ref, testing.TOLERANCE[_dtypes.lookup(dtype).name], (step, s))
                 checked += 1
         cache.manager.check()
     for s in list(history):
@@ -207,3 +207,120 @@ def test_accounting():
     assert cache.bytes_in_use == 3 * cache.bytes_per_block
     bt, cl = cache.tables(["a"])
     assert cl.tolist() == [40] and bt.shape == (1, 3)
+
+
+# ---- regressions from the issue-10 review -------------------------------------------------------
+
+
+def _layers(rng, n, nb=8, dtype=np.float16):
+    caches = [testing.random_cache(nb, 2, 64, 8, dtype, rng) for _ in range(n)]
+    return [cupy.asarray(k) for k, _ in caches], [cupy.asarray(v) for _, v in caches]
+
+
+def _expect_copied(ks, vs, before, pairs):
+    for (k0, v0), k, v in zip(before, ks, vs):
+        k0, v0 = k0.copy(), v0.copy()
+        for s, d in pairs:
+            k0[d], v0[d] = k0[s], v0[s]
+        np.testing.assert_array_equal(cupy.asnumpy(k), k0)
+        np.testing.assert_array_equal(cupy.asnumpy(v), v0)
+
+
+def test_copy_blocks_on_two_streams_one_busy(rng):
+    """The same caches copied on a busy stream A, then on stream B: B's copy must happen
+    (it used to reuse a pointer table still queued for upload on A: block 6 never copied)."""
+    from cupaged.bench import _Spin
+
+    ks, vs = _layers(rng, 2)
+    m1 = cupy.asarray([[1, 2]], np.int64)
+    m2 = cupy.asarray([[0, 6]], np.int64)
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    spin = _Spin(100_000)
+    cupaged.copy_blocks([cupy.zeros_like(ks[0])], [cupy.zeros_like(vs[0])], m1)  # kernel loaded
+    before = [(cupy.asnumpy(k), cupy.asnumpy(v)) for k, v in zip(ks, vs)]
+    cupy.cuda.Device().synchronize()
+    with a:
+        spin()
+    cupaged.copy_blocks(ks, vs, m1, stream=a)
+    cupaged.copy_blocks(ks, vs, m2, stream=b)
+    cupy.cuda.Device().synchronize()
+    _expect_copied(ks, vs, before, [(1, 2), (0, 6)])
+
+
+def test_copy_blocks_in_a_cuda_graph_outlives_other_calls(rng):
+    """First use of a set of caches inside a capture; hundreds of other cache sets copied
+    eagerly afterwards (the old per-process table cache evicted and freed tables a graph
+    still read); every replay copies the captured caches' blocks."""
+    ks, vs = _layers(rng, 3)
+    mapping = cupy.asarray([[3, 5], [4, 7]], np.int32)
+    cupaged.copy_blocks([cupy.zeros_like(ks[0])], [cupy.zeros_like(vs[0])], mapping)  # loaded
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cupaged.copy_blocks(ks, vs, mapping)
+        graph = stream.end_capture()
+    others = [_layers(rng, 1, nb=8) for _ in range(300)]
+    for k, v in others:
+        cupaged.copy_blocks(k, v, mapping)
+    for _ in range(2):
+        for k, v in zip(ks, vs):  # new values each time: the replay must copy them
+            k[...] = cupy.asarray(testing.random_normal(k.shape, k.dtype, rng))
+            v[...] = cupy.asarray(testing.random_normal(v.shape, v.dtype, rng))
+        before = [(cupy.asnumpy(k), cupy.asnumpy(v)) for k, v in zip(ks, vs)]
+        graph.launch(stream)
+        stream.synchronize()
+        _expect_copied(ks, vs, before, [(3, 5), (4, 7)])
+
+
+def test_copy_blocks_spans_several_launches_for_many_layers(rng):
+    """More tensors than one launch's parameter table holds (96): 60 layers."""
+    ks, vs = _layers(rng, 60, nb=4)
+    before = [(cupy.asnumpy(k), cupy.asnumpy(v)) for k, v in zip(ks, vs)]
+    cupaged.copy_blocks(ks, vs, cupy.asarray([[0, 3], [1, 2]], np.int64))
+    _expect_copied(ks, vs, before, [(0, 3), (1, 2)])
+
+
+def test_copy_blocks_checks_every_layer(rng):
+    """Layer 1 a strided view, or 2 bytes off 16-byte alignment: refused before launch
+    (the strided view used to overwrite another tensor's heads; the misaligned one
+    crashed the CUDA context)."""
+    ks, vs = _layers(rng, 2)
+    mapping = cupy.asarray([[0, 1]], np.int64)
+    big = cupy.zeros((8, 4, 64, 8), np.float16)
+    with pytest.raises(ValueError, match=r"value_caches\[1\] must be contiguous within each block"):
+        cupaged.copy_blocks(ks, [vs[0], big[:, ::2]], mapping)
+    raw = cupy.zeros(vs[1].nbytes + 16, np.uint8)
+    off = raw[2: 2 + vs[1].nbytes].view(np.float16).reshape(vs[1].shape)
+    with pytest.raises(ValueError, match=r"value_caches\[1\] must start on a 16-byte boundary"):
+        cupaged.copy_blocks(ks, [vs[0], off], mapping)
+    k2 = cupy.zeros((9,) + ks[0].shape[1:], np.float16)
+    with pytest.raises(ValueError, match=r"key_caches\[1\] .* differs from key_caches\[0\]"):
+        cupaged.copy_blocks([ks[0], k2], vs, mapping)
+    cupy.cuda.Device().synchronize()  # the context is healthy
+
+
+def test_swap_blocks_checks_alignment_of_both_sides(rng):
+    dev = cupy.zeros((4, 2, 8, 16, 8), np.float16)
+    host = cupaged.empty_pinned((4, 2, 8, 16, 8), np.float16)
+    flat = cupy.zeros(dev.size + 8, np.float16)
+    dev_off = flat[1: 1 + dev.size].reshape(dev.shape)  # one element (2 bytes) in
+    with pytest.raises(ValueError, match="src must start on a 16-byte boundary"):
+        cupaged.swap_blocks(dev_off, host, [[0, 1]])
+    pinned = cupaged.empty_pinned(host.size + 8, np.float16)
+    host_off = pinned[1: 1 + host.size].reshape(host.shape)
+    with pytest.raises(ValueError, match="dst must start on a 16-byte boundary"):
+        cupaged.swap_blocks(dev, host_off, [[0, 1]])
+    cupy.cuda.Device().synchronize()
+
+
+def test_empty_batches_in_the_cache_kernels(rng):
+    kc, vc = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 16, np.float16, rng))
+    before = cupy.asnumpy(kc)
+    k = cupy.zeros((0, 2, 64), np.float16)
+    assert k.strides == (0, 0, 0)
+    cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros((0,), np.int64))
+    cupaged.copy_blocks([kc], [vc], cupy.zeros((0, 2), np.int32))
+    host = cupaged.empty_pinned(kc.shape, np.float16)
+    cupaged.swap_blocks(kc, host, np.zeros((0, 2), np.int64))
+    cupaged.swap_blocks(kc, host, cupy.zeros((0, 2), np.int64))
+    np.testing.assert_array_equal(cupy.asnumpy(kc), before)

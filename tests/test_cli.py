@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
+from test_bench import no_flashinfer  # noqa: F401  (a fixture)
 
 COMMANDS = ["info", "compile", "decode", "compare", "overhead", "cache-ops"]
 
@@ -101,6 +102,9 @@ def _synthetic_results():
                                "llama-3-8b", 64, str(ctx), float(ctx), 32, 8, 128, 16, "float16",
                                "auto", "ok", us, us * 0.98, us * 1.03, 2000 / scale, 66.0 / scale,
                                2e-4, scale))
+    rows.append(Result("flashinfer-decode", "", "llama-3-8b", 64, "8192", 8192.0, 32, 8, 128, 16,
+                       "float16", "auto", "ok", 700.0, 690.0, 720.0, 1900.0, 62.0, 3e-4, 0.85,
+                       plan_us=612.5))
     rows.append(Result("torch-sdpa-dense", "", "llama-3-8b", 64, "8192", 8192.0, 32, 8, 128, 16,
                        "float16", "auto", "skipped", note="out of GPU memory"))
     return rows
@@ -123,6 +127,8 @@ def test_json_writer_keeps_every_field(tmp_path):
     assert set(doc["results"][0]) == {f.name for f in dataclasses.fields(bench.Result)}
     assert doc["results"][3]["ratio_to_cupaged"] == 3.0
     assert doc["results"][-1]["status"] == "skipped"
+    plans = [r["plan_us"] for r in doc["results"]]  # NaN (JSON's NaN) but for FlashInfer's
+    assert plans[6] == 612.5 and all(p != p for i, p in enumerate(plans) if i != 6)
 
 
 def test_csv_writer_has_environment_and_rows(tmp_path):
@@ -138,6 +144,7 @@ def test_csv_writer_has_environment_and_rows(tmp_path):
     table = list(csv.DictReader(l for l in lines if not l.startswith("#")))
     assert len(table) == len(rows) and table[0]["impl"] == "cupaged"
     assert float(table[4]["median_us"]) == rows[4].median_us
+    assert float(table[6]["plan_us"]) == 612.5 and table[0]["plan_us"] == "nan"
 
 
 def test_plot_writer_makes_a_png(tmp_path):
@@ -155,6 +162,66 @@ def test_table_shows_ratios_and_skips(capsys):
     out = capsys.readouterr().out
     assert "x cupaged" in out and "SKIPPED: out of GPU memory" in out
     assert "    3.00" in out
+    lines = out.splitlines()
+    assert lines[0].endswith("plan us")
+    assert [l.split()[-1] for l in lines[1:] if "SKIPPED" not in l] == ["-"] * 6 + ["612.5"]
+
+
+def test_table_has_no_plan_column_without_plans(capsys):
+    from cupaged.cli import _print_table
+
+    _print_table([r for r in _synthetic_results() if r.impl != "flashinfer-decode"], compare=True)
+    out = capsys.readouterr().out
+    assert "plan us" not in out and out.splitlines()[1].split()[-1] == "1.00"
+
+
+@pytest.mark.parametrize("impl", ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"])
+def test_compare_flashinfer_impl_without_flashinfer_is_a_usage_error(impl, no_flashinfer):
+    r = CliRunner().invoke(main, ["compare", "--impl", "cupaged", "--impl", impl])
+    assert r.exit_code == 2, r.output
+    assert f"--impl {impl} needs FlashInfer" in r.output
+    assert "No module named 'flashinfer'" in r.output
+
+
+def _fake_sweep(monkeypatch):
+    """compare as on a GPU, with bench.measure faked: which implementations it is asked for."""
+    from cupaged import bench, cli
+
+    asked = []
+
+    def measure(w, impls, partition, reps, seed, bw):
+        asked.append(list(impls))
+        return [bench.Result(i, "", w.preset, w.batch, w.context_label, 512.0, w.heads,
+                             w.kv_heads, w.head_size, w.block_size, w.dtype, "auto", "ok",
+                             10.0, 9.0, 11.0, 2000.0, 60.0, 1e-4, 1.0) for i in impls]
+
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "environment", lambda: ENV)
+    return asked
+
+
+def test_compare_without_flashinfer_says_so_once(monkeypatch, no_flashinfer):
+    asked = _fake_sweep(monkeypatch)
+    r = CliRunner().invoke(main, ["compare", "--batch", "1,8", "--context", "512,2048"])
+    assert r.exit_code == 0, r.output  # not 3: nothing was skipped
+    lines = [l for l in r.output.splitlines() if "flashinfer" in l]
+    assert lines == ["flashinfer rows skipped: No module named 'flashinfer'"]
+    assert len(asked) == 4 and all(a[0] == "cupaged" and "cupy-gather" in a for a in asked)
+
+
+def test_compare_with_flashinfer_lists_its_rows(monkeypatch):
+    import types
+
+    from cupaged import bench
+
+    asked = _fake_sweep(monkeypatch)
+    monkeypatch.setattr(bench, "_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
+    r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512"])
+    assert r.exit_code == 0, r.output
+    assert "skipped" not in r.output
+    assert asked == [bench.available_implementations()] and asked[0][-1] == "flashinfer-xqa"
 
 
 # ---- on a GPU: every subcommand end to end, small sweeps ------------------------------------
@@ -203,6 +270,31 @@ def test_compare_runs_every_available_implementation(tmp_path):
     assert [x["impl"] for x in rows] == bench.available_implementations()
     assert rows[0]["ratio_to_cupaged"] == 1.0
     assert all(x["status"] == "ok" for x in rows), [x["note"] for x in rows]
+
+
+@pytest.mark.gpu
+def test_compare_flashinfer_rows_check_and_plan(tmp_path):
+    """FlashInfer's rows on mixed lengths (partial last pages, block multiples), checked
+    against the reference; plan() host time for the planned ones only."""
+    import json
+
+    from cupaged import bench
+
+    why = bench.flashinfer_unavailable()
+    if why:
+        pytest.skip(f"flashinfer unavailable: {why} (source .flashinfer/setup.sh)")
+    argv = ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "5",
+            "--context-dist", "uniform:1:300", "--reps", "3", "--json", str(tmp_path / "f.json"),
+            "--impl", "cupaged"] + [a for i in bench.FLASHINFER_IMPLS for a in ("--impl", i)]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "f.json").read_text())["results"]
+    assert [x["impl"] for x in rows] == ["cupaged", *bench.FLASHINFER_IMPLS]
+    assert all(x["status"] == "ok" and x["rel_err"] < 1e-3 for x in rows), [x["note"] for x in rows]
+    plans = {x["impl"]: x["plan_us"] for x in rows}
+    assert plans["flashinfer-decode"] > 0 and plans["flashinfer-decode-tc"] > 0
+    assert plans["cupaged"] != plans["cupaged"] and plans["flashinfer-xqa"] != plans["flashinfer-xqa"]
+    assert "plan us" in r.output
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import pytest
 import cupaged
 from cupaged import _dtypes, attention, reference, testing
 from cupaged.bench import _Spin
-from conftest import make_problem, rel_err
+from conftest import assert_close, make_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +67,7 @@ def test_paged_attention_torch_in_torch_out(rng, dtype, partition):
     assert isinstance(out, torch.Tensor) and out.dtype == args["query"].dtype
     assert out.device == args["query"].device and out.shape == args["query"].shape
     ref = p.reference()
-    assert rel_err(to_numpy(out), ref) <= _tol(dtype)
+    assert_close(to_numpy(out), ref, _tol(dtype))
 
     # out= is written in place: a slice in the middle of a poisoned buffer.
     n = p.query.shape[0]
@@ -75,7 +75,7 @@ def test_paged_attention_torch_in_torch_out(rng, dtype, partition):
     got = cupaged.paged_attention(**args, partition=partition, out=big[1:n + 1])
     assert got.data_ptr() == big[1].data_ptr()
     assert torch.isnan(big[0]).all() and torch.isnan(big[n + 1]).all()
-    assert rel_err(to_numpy(big[1:n + 1]), ref) <= _tol(dtype)
+    assert_close(to_numpy(big[1:n + 1]), ref, _tol(dtype))
 
 
 def test_inputs_are_read_in_place(rng):
@@ -88,12 +88,12 @@ def test_inputs_are_read_in_place(rng):
     qkv[:, 4:8] = args["query"]
     args["query"] = qkv[:, 4:8]
     first = cupaged.paged_attention(**args)
-    assert rel_err(to_numpy(first), p.reference()) <= _tol(np.float16)
+    assert_close(to_numpy(first), p.reference(), _tol(np.float16))
     new_q = testing.random_normal(p.query.shape, np.float16, rng)
     qkv[:, 4:8] = to_torch(new_q)
     second = cupaged.paged_attention(**args)
     p.query = new_q
-    assert rel_err(to_numpy(second), p.reference()) <= _tol(np.float16)
+    assert_close(to_numpy(second), p.reference(), _tol(np.float16))
 
 
 def test_mixed_and_generic_dlpack_inputs(rng):
@@ -116,11 +116,11 @@ def test_mixed_and_generic_dlpack_inputs(rng):
     args["query"] = cupy.asarray(p.query)
     out = cupaged.paged_attention(**args)
     assert isinstance(out, cupy.ndarray)
-    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
     args = {k: Producer(v) for k, v in torch_args(p).items() if v is not None}
     out = cupaged.paged_attention(**args)
     assert isinstance(out, cupy.ndarray)
-    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
@@ -196,7 +196,7 @@ def test_paged_kv_cache_torch(rng):
                                    np.concatenate(hist_k[sid]).astype(np.float64),
                                    np.concatenate(hist_v[sid]).astype(np.float64),
                                    1 / 8.0)
-            assert rel_err(to_numpy(out[i]), ref) <= _tol(bf16)
+            assert_close(to_numpy(out[i]), ref, _tol(bf16))
 
 
 # ---- streams ----------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_torch_side_stream_ordering(rng, how):
     side.synchronize()
     assert busy, "cupaged synchronized the stream"
     p.query = new_q
-    assert rel_err(to_numpy(out), p.reference()) <= _tol(np.float16)
+    assert_close(to_numpy(out), p.reference(), _tol(np.float16))
 
 
 @pytest.mark.parametrize("how", ["current", "explicit"])
@@ -261,7 +261,7 @@ def test_cupy_side_stream_ordering(rng, how):
     side.synchronize()
     assert busy, "cupaged synchronized the stream"
     p.query = new_q
-    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
     if how == "current":  # the cache write ran after the attention, in stream order
         assert float(abs(args["value_cache"][int(p.block_tables[1, 0]), :, :, 2]).max()) == 0
 
@@ -344,7 +344,7 @@ def _run_graph_case(state, arrays, capture, replay, partition, assign, to_host):
         replay(graph)
         got = [to_host(o) for o in a["out"]]
         for layer in range(state.layers):
-            assert rel_err(got[layer], state.reference(layer)) <= _tol(state.dtype)
+            assert_close(got[layer], state.reference(layer), _tol(state.dtype))
         step()  # eager: the same kernels, partitions and inputs give the same bits
         for layer in range(state.layers):
             np.testing.assert_array_equal(to_host(a["out"][layer]), got[layer])
@@ -410,7 +410,7 @@ def test_workspace_capacity(rng):
     args = p.device_args()
     small = cupaged.DecodeWorkspace(2, 4, 64, rows=2 * 4 * 3)  # three partitions per head
     out = cupaged.paged_attention(**args, workspace=small, partition="always")
-    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
     with pytest.raises(ValueError, match="the workspace holds 3 partitions per head"):
         cupaged.paged_attention(**args, workspace=small, partition=64)
     with pytest.raises(ValueError, match="the workspace was made for head_size 32"):
@@ -431,7 +431,7 @@ def test_arrays_on_device_1(rng):
         out = cupaged.paged_attention(**args, partition="always")
         assert cupy.cuda.runtime.getDevice() == 0  # the caller's device is restored
     assert out.device.id == 1
-    assert rel_err(cupy.asnumpy(out).astype(np.float64), p.reference()) <= _tol(np.float16)
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
     k0 = attention._kernels(0, "f16", 64, 16, 4)
     k1 = attention._kernels(1, "f16", 64, 16, 4)
     assert k0 is not k1 and k0.decode.ptr != k1.decode.ptr
@@ -460,7 +460,7 @@ def test_torch_stream_of_device_1(rng):
     side.synchronize()
     assert busy and out.device == torch.device("cuda", 1)
     p.query = new_q
-    assert rel_err(to_numpy(out), p.reference()) <= _tol(np.float16)
+    assert_close(to_numpy(out), p.reference(), _tol(np.float16))
 
 
 def test_tensor_parallel_heads_across_gpus(rng):
@@ -490,5 +490,5 @@ def test_tensor_parallel_heads_across_gpus(rng):
         t.join()
     tp = np.concatenate(parts, axis=1).astype(np.float64)
     ref = p.reference()
-    assert rel_err(tp, ref) <= _tol(np.float16)
-    assert rel_err(tp, cupy.asnumpy(whole).astype(np.float64)) <= _tol(np.float16)
+    assert_close(tp, ref, _tol(np.float16))
+    assert_close(tp, cupy.asnumpy(whole).astype(np.float64), _tol(np.float16))

@@ -1,17 +1,19 @@
 """The compile layer: specialization names, sources, cache keys, the disk cache, threads,
 the wheel, and the GPU-less compile check of every supported specialization."""
 
+import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from cupaged import attention, jit
+from cupaged import cache_ops, jit
 from cupaged.cli import main
 
 SPEC = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_90")
@@ -40,8 +42,6 @@ def test_spec_names_are_readable_and_unique():
         "paged_decode_combine_bf16_hs128_sm80"
     tuned = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, tile_tokens=32, stages=3)
     assert tuned.name == "paged_decode_f16_hs64_bs16_g4_t32x3_sm90"
-    names = {s.name for s in attention.decode_specs("sm_90")}
-    assert len(names) == len(attention.decode_specs("sm_90")) == 3 * 29 * (1 + 9 * 4)
 
 
 def test_spec_is_frozen_hashable_and_defaults_its_tile():
@@ -104,6 +104,44 @@ def test_corrupt_cache_entry_is_rebuilt(cache):
     assert not jit.build(SPEC).from_disk
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated", "flipped byte"])
+def test_damaged_binary_is_rebuilt_not_loaded(cache, damage):
+    """A cubin that no longer matches the size and digest its JSON recorded is compiled
+    again (a zero-byte cubin beside valid JSON used to load as a cache hit)."""
+    built = jit.build(SPEC)
+    good = built.path.read_bytes()
+    bad = {"empty": b"", "truncated": good[: len(good) // 2],
+           "flipped byte": good[:100] + bytes([good[100] ^ 1]) + good[101:]}[damage]
+    built.path.write_bytes(bad)
+    jit.clear_memory_caches()
+    again = jit.build(SPEC)
+    assert not again.from_disk
+    # (NVRTC output differs by a few bytes between compiles, so compare with the entry.)
+    assert len(again.binary) > 1000 and again.path.read_bytes() == again.binary
+    jit.clear_memory_caches()
+    assert jit.build(SPEC).from_disk  # the entry was repaired on disk
+
+
+def test_unwritable_cache_dir_falls_back_to_memory(tmp_path, monkeypatch):
+    """A cache folder that cannot be created (read-only HOME in a container) costs one
+    warning; kernels still compile and are kept in memory."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(blocker / "cache"))
+    jit.clear_memory_caches()
+    monkeypatch.setattr(jit, "_warned_unwritable", set(), raising=False)
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot write its kernel cache"):
+            first = jit.build(SPEC)
+        assert first.path is None and not first.from_disk and len(first.binary) > 1000
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one warning per folder, not per kernel
+            other = jit.build(SPEC.with_arch("sm_80"))
+        assert other.path is None and jit.build(SPEC) is first
+    finally:
+        jit.clear_memory_caches()
+
+
 def test_concurrent_builds_compile_once(cache, monkeypatch):
     calls = []
     real = jit._compile
@@ -157,15 +195,23 @@ def test_wheel_ships_the_cuda_sources(tmp_path):
     assert Path(where) == site / "cupaged" / "cuda_src" and int(length) > 10000
 
 
-def test_compile_all_specializations_for_sm80_and_sm90():
-    """The CI compile check: every supported specialization, both targets (slow)."""
-    result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--all"])
-    assert result.exit_code == 0, result.output
-    from cupaged.cli import _all_specs
+def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
+    """The CI compile check: a pairwise covering set of every kernel's specializations for
+    both targets (every value and pair of values of the axes; `cupaged-bench compile --all`
+    compiles all of them). The geometry of the rest is checked in test_geometry.py."""
+    from cupaged import _catalog
 
-    n = 2 * len(_all_specs("sm_90"))
-    assert n == 2 * (len(attention.decode_specs("sm_90")) + 8)
-    assert f"compiled {n} specializations for sm_80, sm_90" in result.output
+    n = len(_catalog.covering_specs(["sm_80", "sm_90"]))
+    full = len(_catalog.all_specs(["sm_80", "sm_90"]))
+    result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--covering"])
+    assert result.exit_code == 0, result.output
+    assert (f"compiled {n} specializations (a pairwise covering set of the {full} supported) "
+            f"for sm_80, sm_90") in result.output
+    compile_summary.append(result.output.strip())
+
+
+# Structs the kernels take by value, as ARG_FORMATS spells them.
+STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s"}
 
 
 def _mangled_params(lowered: str) -> str:
@@ -184,7 +230,12 @@ def _mangled_params(lowered: str) -> str:
     out, i = [], 0
     while i < len(rest):
         c = rest[i]
-        if c == "P":
+        if c == "N":  # a struct by value: its format from its name
+            end = rest.index("E", i)
+            name = re.search(r"[A-Za-z_]+$", rest[i + 1:end]).group(0)
+            out.append(STRUCT_FORMATS[name])
+            i = end + 1
+        elif c == "P":
             i += 1
             while rest[i] in "KV":
                 i += 1
@@ -212,3 +263,18 @@ def test_launch_formats_match_the_kernel_signatures(spec):
 
 def test_every_kernel_has_a_launch_format():
     assert set(jit.ARG_FORMATS) == set(jit._KERNELS)
+
+
+def test_by_value_structs_have_the_size_the_host_packs():
+    """CopyTable travels in the launch parameters: the host packs exactly its bytes."""
+    check = (f"static_assert(sizeof(cupaged::CopyTable) == {cache_ops._COPY_TABLE.size}, \"size\");\n"
+             f"static_assert(cupaged::kMaxCopyTensors == {cache_ops._COPY_TENSORS}, \"count\");\n")
+    nvrtc = jit._nvrtc()
+    prog = nvrtc.createProgram(jit.source("cache_ops.cu") + check, "sizes.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from cupaged import reference
-from conftest import make_problem
+from cupaged import reference, testing
+from conftest import assert_close, make_problem, rel_err
 
 
 def direct(problem, scale=None):
@@ -69,3 +69,35 @@ def test_gather_kv_reads_only_the_sequence_blocks(rng):
     blk = p.block_tables[0, 2]
     np.testing.assert_array_equal(v[t, 1], p.value_cache[blk, 1, :, 4].astype(np.float64))
     np.testing.assert_array_equal(k[t, 1], p.key_cache[blk, 1, :, 4, :].reshape(-1).astype(np.float64))
+
+
+def test_poison_reaches_every_unused_slot_and_no_used_one(rng):
+    lens = np.array([0, 1, 15, 16, 17, 40], np.int32)
+    bt, nb = testing.random_block_tables(lens, 16, rng, spare_blocks=3, share=True)
+    kc, vc = testing.random_cache(nb, 2, 64, 16, np.float16, rng)
+    clean_k, clean_v = kc.copy(), vc.copy()
+    used = testing.poison_unused_slots(kc, vc, bt, lens)
+    assert used.sum() == len({(int(bt[s, t // 16]), t % 16) for s, n in enumerate(lens)
+                              for t in range(n)})
+    assert used.sum() < used.size - 3 * 16  # tails of last blocks and the spare blocks
+    k_slots = np.moveaxis(kc, 3, 1).reshape(nb, 16, -1)
+    v_slots = np.moveaxis(vc, 3, 1).reshape(nb, 16, -1)
+    assert np.isnan(k_slots[~used]).all() and np.isnan(v_slots[~used]).all()
+    np.testing.assert_array_equal(k_slots[used], np.moveaxis(clean_k, 3, 1).reshape(nb, 16, -1)[used])
+    np.testing.assert_array_equal(v_slots[used], np.moveaxis(clean_v, 3, 1).reshape(nb, 16, -1)[used])
+    ref = reference.paged_attention(rng.standard_normal((6, 4, 64)), kc, vc, bt, lens)
+    assert np.isfinite(ref).all()  # the reference reads used slots only
+
+
+def test_assert_close_catches_one_bad_head_among_thousands(rng):
+    """One head 5% off in 8,192 rows passes a global-norm check; the per-row one fails."""
+    ref = rng.standard_normal((1024, 8, 128))
+    got = ref + 2e-4 * rng.standard_normal(ref.shape) * np.linalg.norm(ref, axis=-1, keepdims=True) / np.sqrt(128)
+    assert_close(got, ref, 1e-3)
+    got[517, 3] += 0.05 * np.linalg.norm(ref[517, 3]) * rng.standard_normal(128) / np.sqrt(128)
+    assert rel_err(got, ref) <= 1e-3
+    with pytest.raises(AssertionError, match=r"row \(517, 3\) is off by"):
+        assert_close(got, ref, 1e-3)
+    got[517, 3] = np.nan
+    with pytest.raises(AssertionError):
+        assert_close(got, ref, 1e-3)

@@ -210,27 +210,115 @@ def test_always_splits_at_least_in_two():
     assert attention._split(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
 
 
-def test_smem_mirror_matches_the_kernel_layout():
-    """_decode_smem_bytes mirrors DecodeGeometry::kSmemBytes (the kernel traps when
-    launched with less). NVRTC checks the two agree: each case is a static_assert."""
-    from cupaged import _dtypes, jit
+# ---- regression tests for the review of issue 10 ---------------------------------------------
 
-    specs = [jit.KernelSpec("paged_decode", dt, hs, bs, gt, tile_tokens=tt, stages=st)
-             for dt, hs, bs, gt, tt, st in [
-                 ("f16", 128, 16, 4, 0, 0), ("f32", 40, 1, 1, 0, 0), ("bf16", 256, 256, 8, 0, 0),
-                 ("f16", 64, 2, 2, 0, 0), ("f16", 128, 32, 8, 32, 3), ("f32", 96, 128, 4, 64, 4),
-                 ("bf16", 128, 16, 4, 0, 0), ("f16", 72, 16, 8, 0, 0), ("f16", 128, 4, 8, 0, 0),
-                 ("bf16", 64, 8, 8, 0, 0)]]
-    asserts = "".join(
-        f"static_assert(cupaged::DecodeGeometry<{_dtypes.BY_NAME[s.dtype].cxx}, {s.head_size}, "
-        f"{s.block_size}, {s.group_tile}, {s.tile_tokens}, {s.stages}>::kSmemBytes == "
-        f"{attention._decode_smem_bytes(s)}, \"{s.name}\");\n" for s in specs)
-    nvrtc = jit._nvrtc()
-    prog = nvrtc.createProgram(jit.source("paged_decode.cu") + asserts, "mirror.cu", [], [])
+
+def test_more_query_heads_than_the_grid_allows_are_refused():
+    a = args(heads=65536, kv_heads=1, hs=32, seqs=1)
+    with pytest.raises(ValueError, match="num_heads is 65536; at most 65535"):
+        validate(**a)
+
+
+@pytest.mark.parametrize("value, exc, match", [
+    (3e38, ValueError, "scale must be finite in float32"),
+    (-1e39, ValueError, "scale must be finite in float32"),
+    ("big", TypeError, "scale must be a number, got str"),
+])
+def test_scale_must_fit_float32(value, exc, match):
+    with pytest.raises(exc, match=match):
+        attention._scale(value, 64)
+
+
+def test_partition_of_2_pow_31_tokens_is_a_value_error():
+    with pytest.raises(ValueError, match="below 2\\^31"):
+        attention._partition_tokens(2**31, _problem(), 64, 8, KS)
+
+
+def _with_ptr(a, ptr):
+    f = Fake(a)
+    f.data = SimpleNamespace(ptr=ptr, device_id=0)
+    return f
+
+
+def test_out_partly_over_the_query_is_refused_exact_alias_is_not():
+    a = args()
+    base = 1 << 24
+    a["query"] = _with_ptr(a["query"], base)
+    a["out"] = _with_ptr(np.zeros((3, 8, 64), np.float16), base + 128)  # one head further
+    with pytest.raises(ValueError, match="query and out overlap in memory"):
+        validate(**a)
+    a["out"] = _with_ptr(np.zeros((3, 8, 64), np.float16), base)  # in place: allowed
+    assert validate(**a).num_seqs == 3
+    a["out"] = _with_ptr(np.zeros((3, 8, 64), np.float16), base + 3 * 8 * 64 * 2)  # adjacent
+    assert validate(**a).num_seqs == 3
+
+
+def _zero_strides(shape, dtype):
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape,
+                                           strides=(0,) * len(shape))
+
+
+def test_empty_batch_with_any_strides_is_valid():
+    """An empty array's strides are arbitrary (CuPy gives (0, 0, 0)): nothing is read
+    through them, so an empty batch must validate whatever they are."""
+    a = args()
+    a["query"] = _zero_strides((0, 8, 64), np.float16)
+    a["block_tables"] = _zero_strides((0, 4), np.int32)
+    a["context_lens"] = _zero_strides((0,), np.int32)
+    out = Fake(_zero_strides((0, 8, 64), np.float16))
+    out.flags = SimpleNamespace(c_contiguous=False)
+    a["out"] = out
+    assert validate(**a).num_seqs == 0
+
+
+def test_devices_older_than_sm80_are_refused_by_name(monkeypatch):
+    import cupy
+
+    props = {"major": 7, "minor": 5, "name": b"Tesla T4", "multiProcessorCount": 40,
+             "sharedMemPerBlockOptin": 65536}
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda i: props)
+    attention._device.cache_clear()
     try:
-        try:
-            nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
+        with pytest.raises(RuntimeError, match=r"device 3 \(Tesla T4\) has compute capability "
+                                               r"7\.5; cupaged's kernels need 8\.0 or newer"):
+            attention._device(3)
     finally:
-        nvrtc.destroyProgram(prog)
+        attention._device.cache_clear()
+
+
+@pytest.fixture
+def v2_args(monkeypatch):
+    """paged_attention_v2's scratch checks run before anything touches a GPU: Fakes pass
+    through the array adapter unchanged."""
+    monkeypatch.setattr(attention, "as_device_array", lambda x, name: x)
+    a = {k: (None if v is None else Fake(v)) for k, v in args(seqs=2, heads=4).items()}
+    base = 1 << 24
+    a["out"] = _with_ptr(np.zeros((2, 4, 64), np.float16), base)
+    a["exp_sums"] = _with_ptr(np.zeros((2, 4, 8), np.float32), base + 4096)
+    a["max_logits"] = _with_ptr(np.zeros((2, 4, 8), np.float32), base + 8192)
+    a["tmp_out"] = _with_ptr(np.zeros((2, 4, 8, 64), np.float16), base + 16384)
+    return a
+
+
+def _call_v2(a):
+    return attention.paged_attention_v2(
+        a["out"], a["exp_sums"], a["max_logits"], a["tmp_out"], a["query"], a["key_cache"],
+        a["value_cache"], 2, 0.1, a["block_tables"], a["context_lens"], 16, 64)
+
+
+def test_v2_half_precision_tmp_out_must_be_4_byte_aligned(v2_args):
+    v2_args["tmp_out"] = _with_ptr(np.zeros((2, 4, 8, 64), np.float16), (1 << 24) + 16386)
+    with pytest.raises(ValueError, match="tmp_out must start on a 4-byte boundary"):
+        _call_v2(v2_args)
+
+
+@pytest.mark.parametrize("name, other, offset", [
+    ("max_logits", "exp_sums", 4096 + 32),   # inside exp_sums
+    ("tmp_out", "max_logits", 8192),         # starts where max_logits does
+    ("exp_sums", "out", 0),                  # over the output
+])
+def test_v2_scratch_arrays_must_not_overlap(v2_args, name, other, offset):
+    a = v2_args
+    a[name] = _with_ptr(np.zeros(a[name].shape, a[name].dtype), (1 << 24) + offset)
+    with pytest.raises(ValueError, match="overlap in memory"):
+        _call_v2(a)

@@ -1,0 +1,106 @@
+"""The host mirrors of the kernels' geometry, the specialization catalog and its covering
+set (no GPU needed)."""
+
+import itertools
+
+import pytest
+
+from cupaged import _catalog, _covering, _geometry, jit
+
+ARCHS = ("sm_80", "sm_90")
+ALL = _catalog.all_specs(ARCHS)
+DECODE = [s for s in ALL if s.kernel == "paged_decode"]
+
+
+def test_every_supported_decode_specialization_satisfies_the_kernel_constraints():
+    """Every static_assert of DecodeGeometry, and the shared memory of each target, for
+    all specializations: what compiling a covering set cannot prove for the rest."""
+    assert len(DECODE) == 2 * 3 * 29 * 9 * 4
+    for s in DECODE:
+        g = _geometry.DecodeGeometry.of(s)
+        assert g.violations() == [], s.name
+        assert g.fits(s.arch), (s.name, g.smem_bytes)
+
+
+def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
+    """NVRTC evaluates DecodeGeometry for each of the 3,132 geometries and compares its
+    shared memory, path and piece count with the host's (seconds: no kernel is built)."""
+    _geometry.check_against_kernel([s for s in DECODE if s.arch == "sm_90"])
+
+
+def test_a_wrong_mirror_is_caught(monkeypatch):
+    spec = jit.KernelSpec("paged_decode", "f16", 128, 16, 4)
+    real = _geometry.DecodeGeometry.smem_bytes
+    monkeypatch.setattr(_geometry.DecodeGeometry, "smem_bytes",
+                        property(lambda g: real.fget(g) + 16))
+    with pytest.raises(AssertionError, match=f"host mirror differs: {spec.name}"):
+        _geometry.check_against_kernel([spec])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(tile_tokens=16), "TILE_TOKENS"),
+    (dict(tile_tokens=48), "TILE_TOKENS"),
+    (dict(group_tile=3), "GROUP_TILE"),
+    (dict(stages=1), "STAGES"),
+    (dict(head_size=36), "HEAD_SIZE"),
+])
+def test_host_violations_match_the_kernels_static_asserts(fields, message):
+    """Geometries outside the supported set: the host names the same static_assert NVRTC
+    stops at."""
+    base = dict(dtype="f16", head_size=64, block_size=16, group_tile=4, tile_tokens=64, stages=2)
+    base.update(fields)
+    spec = jit.KernelSpec("paged_decode", **base)
+    assert message in _geometry.DecodeGeometry.of(spec).violations()
+    with pytest.raises(jit.CompileError, match=message):
+        jit.compile_check([spec])
+
+
+def test_specialization_names_are_unique():
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (3132 + 87 + 6 + 2)
+
+
+# ---- the covering set ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", sorted(_catalog.AXES))
+def test_covering_set_covers_every_pair_of_every_kernel(kernel):
+    axes = {**_catalog.AXES[kernel], "arch": ARCHS}
+    rows = [dict((k, getattr(s, k)) for k in axes)
+            for s in _catalog.covering_specs(ARCHS) if s.kernel == kernel]
+    assert _covering.covers_all_pairs(axes, rows)
+    sizes = sorted((len(v) for v in axes.values()), reverse=True)
+    # The two largest axes' product is the least any pairwise set can have; the decode
+    # kernel adds its shared-memory extremes.
+    assert len(rows) <= sizes[0] * sizes[1] + (4 if kernel == "paged_decode" else 0)
+
+
+def test_covering_set_has_the_shared_memory_extremes():
+    cover = set(_catalog.covering_specs(ARCHS))
+    for arch in ARCHS:
+        smem = {s: _geometry.DecodeGeometry.of(s).smem_bytes for s in DECODE if s.arch == arch}
+        assert max(smem, key=smem.get) in cover and min(smem, key=smem.get) in cover
+
+
+def test_covering_set_is_deterministic_and_small():
+    a, b = _catalog.covering_specs(ARCHS), _catalog.covering_specs(ARCHS)
+    assert a == b and len(a) == len(set(a))
+    assert len(a) < len(ALL) / 15
+
+
+@pytest.mark.parametrize("sizes", [(3,), (2, 2), (3, 2, 2), (4, 3, 3, 2), (29, 9, 4, 3, 2),
+                                   (5, 5, 5, 5, 5)])
+def test_pairwise_covers_every_pair(sizes):
+    axes = {f"a{i}": [f"v{j}" for j in range(n)] for i, n in enumerate(sizes)}
+    rows = _covering.pairwise(axes)
+    assert _covering.covers_all_pairs(axes, rows)
+    assert all(set(r) == set(axes) for r in rows)
+    full = list(itertools.product(*axes.values()))
+    assert len(rows) <= len(full)
+    if len(sizes) >= 2:
+        top = sorted(sizes, reverse=True)
+        assert len(rows) <= top[0] * top[1] * 1.5
+
+
+def test_covers_all_pairs_notices_a_missing_pair():
+    axes = {"x": [0, 1], "y": [0, 1]}
+    assert not _covering.covers_all_pairs(axes, [{"x": 0, "y": 0}, {"x": 1, "y": 1}])
