@@ -7,6 +7,7 @@ else CuPy's current stream.
 
 from __future__ import annotations
 
+import math
 import struct
 from functools import lru_cache
 
@@ -117,7 +118,7 @@ def _block_bytes(a, name: str) -> int:
     itemsize = a.dtype.itemsize
     if a.ndim < 2 or not _checks.dense_tail(a.shape, a.strides, a.ndim - 1, itemsize):
         _fail(f"{name} must be contiguous within each block (shape {a.shape}, strides {a.strides})")
-    nbytes = int(np.prod(a.shape[1:])) * itemsize
+    nbytes = math.prod(a.shape[1:]) * itemsize
     if nbytes % 16 or (a.shape[0] > 1 and a.strides[0] % 16) or a.strides[0] < 0:
         _fail(f"{name}'s blocks must be multiples of 16 bytes apart and long (shape {a.shape}, "
               f"strides {a.strides})")
@@ -171,33 +172,43 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     ks = [as_device_array(a, f"key_caches[{i}]") for i, a in enumerate(key_caches)]
     vs = [as_device_array(a, f"value_caches[{i}]") for i, a in enumerate(value_caches)]
     nbytes = _block_bytes(ks[0], "key_caches[0]")
-    for name, layers in (("key_caches", ks), ("value_caches", vs)):
-        for i, a in enumerate(layers):
-            if a.shape != layers[0].shape or a.dtype != layers[0].dtype:
-                _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
-                      f"({layers[0].shape}, {layers[0].dtype}): every layer's caches must match")
-            if _block_bytes(a, f"{name}[{i}]") != nbytes:
-                _fail(f"{name}[{i}] has {_block_bytes(a, f'{name}[{i}]')} bytes per block and "
-                      f"key_caches[0] {nbytes}: key and value blocks must be the same size")
-            _checks.check_aligned(a.data.ptr, f"{name}[{i}]")
+    if _block_bytes(vs[0], "value_caches[0]") != nbytes:
+        _fail(f"value_caches[0] has {_block_bytes(vs[0], 'value_caches[0]')} bytes per block and "
+              f"key_caches[0] {nbytes}: key and value blocks must be the same size")
     num_blocks = ks[0].shape[0]
     if vs[0].shape[0] != num_blocks:
         _fail(f"key_caches have {num_blocks} blocks but value_caches {vs[0].shape[0]}")
+    device = ks[0].data.device_id
+    # Every layer is checked, cheaply: a layer laid out as layer 0 (the usual case) shares
+    # its verdict, so only its own address and device are left to check.
+    tensors = []
+    for name, layers in (("key_caches", ks), ("value_caches", vs)):
+        first = layers[0]
+        layout = (first.shape, first.strides, first.dtype)
+        for i, a in enumerate(layers):
+            data = a.data
+            if (a.shape, a.strides, a.dtype) != layout:
+                if a.shape != first.shape or a.dtype != first.dtype:
+                    _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
+                          f"({first.shape}, {first.dtype}): every layer's caches must match")
+                _block_bytes(a, f"{name}[{i}]")  # the same shape: the same bytes per block
+            if data.ptr % 16:
+                _checks.check_aligned(data.ptr, f"{name}[{i}]")
+            if data.device_id != device:
+                _fail(f"{name}[{i}] is on device {data.device_id} but key_caches[0] is on "
+                      f"device {device}")
+            tensors.append((data.ptr, data.ptr, a.strides[0], a.strides[0]))
     mapping = as_device_array(block_mapping, "block_mapping")
     if mapping.ndim != 2 or mapping.shape[1:] != (2,):
         _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
     index = _check_index_array(mapping, "block_mapping", mapping.shape)
-    device = ks[0].data.device_id
-    _checks.check_same_device(device, "key_caches[0]", [(f"key_caches[{i}]", a) for i, a in enumerate(ks)]
-                              + [(f"value_caches[{i}]", a) for i, a in enumerate(vs)]
-                              + [("block_mapping", mapping)])
+    _checks.check_same_device(device, "key_caches[0]", (("block_mapping", mapping),))
     if mapping.shape[0] == 0:
         return
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.is_torch(key_caches[0]), stream)
         if _checks.DEBUG:
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
-        tensors = [(a.data.ptr, a.data.ptr, a.strides[0], a.strides[0]) for a in (*ks, *vs)]
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
                      num_blocks)
 
