@@ -39,6 +39,7 @@ _fail = _checks.fail
 _LOG2E = math.log2(math.e)
 _FLT_MAX = 3.4028234663852886e38
 MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, mma.m16n8k16 with bf16
+_OUT_OVER_QUERY = frozenset({("query", "out")})
 
 
 # ---- specializations --------------------------------------------------------------------
@@ -167,8 +168,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         _fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
               f"got shape {block_tables.shape}")
-    if not _checks.dense_tail(block_tables.shape, block_tables.strides, 1, 4) or (
-            not empty and block_tables.strides[0] < 0):
+    bt_strides = block_tables.strides
+    if not empty and ((block_tables.shape[1] > 1 and bt_strides[1] != 4) or bt_strides[0] < 0):
         _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
     max_blocks = block_tables.shape[1]
     if max_blocks * cache.block_size > _MAX_TOKENS:
@@ -191,7 +192,12 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
                   f"{out.shape} with strides {out.strides}")
         # Written in place over the query is fine (each CTA reads its rows before it writes
         # them); a partial overlap would let one CTA's output clobber another's query.
-        _checks.check_disjoint((("query", query), ("out", out)), may_alias={("query", "out")})
+        # (Byte ranges inline: this runs on every call.)
+        q_lo, o_lo, qs = query.data.ptr, out.data.ptr, query.strides
+        q_hi = q_lo + (num_seqs - 1) * qs[0] + (num_heads - 1) * qs[1] + head_size * dt.itemsize
+        o_hi = o_lo + num_seqs * num_heads * head_size * dt.itemsize
+        if not empty and q_lo < o_hi and o_lo < q_hi and not (q_lo == o_lo and out.strides == qs):
+            _checks.check_disjoint((("query", query), ("out", out)), may_alias=_OUT_OVER_QUERY)
 
     device = query.data.device_id  # (not .device: that builds a Device object per call)
     _checks.check_same_device(device, "query", (
