@@ -38,15 +38,29 @@ def all_specs(archs) -> list[jit.KernelSpec]:
     return specs
 
 
+def _decode_path(spec) -> tuple:
+    """What selects the code a decode specialization compiles: its element type, its tile
+    and group tile, and the branches DecodeGeometry derives from several axes at once
+    (tensor cores, V's shared-memory layout), which pairs of axes alone may miss."""
+    g = _geometry.DecodeGeometry.of(spec)
+    return spec.dtype, spec.tile_tokens, spec.group_tile, g.mma, g.v_transposed
+
+
 def covering_specs(archs) -> list[jit.KernelSpec]:
-    """A pairwise covering set over each kernel's axes and ``archs``, plus each target's
-    decode specializations with the most and the least shared memory."""
+    """A pairwise covering set over each kernel's axes and ``archs``; plus, for each
+    target, one decode specialization of every code path (``_decode_path``) the pairs did
+    not reach and the ones with the most and the least shared memory."""
     specs = []
     for kernel, axes in AXES.items():
         for row in _covering.pairwise({**axes, "arch": tuple(archs)}):
             specs.append(jit.KernelSpec(kernel, **row))
     for arch in archs:
         decode = [s for s in all_specs([arch]) if s.kernel == "paged_decode"]
+        reached = {_decode_path(s) for s in specs if s.kernel == "paged_decode" and s.arch == arch}
+        for s in decode:
+            if _decode_path(s) not in reached:
+                reached.add(_decode_path(s))
+                specs.append(s)
         smem = [_geometry.DecodeGeometry.of(s).smem_bytes for s in decode]
         specs.append(decode[smem.index(max(smem))])
         specs.append(decode[smem.index(min(smem))])

@@ -130,7 +130,7 @@ def check_disjoint(arrays, may_alias=()) -> None:
     """``arrays``: (name, array or None) pairs whose memory must not overlap, judged by
     their byte ranges. ``may_alias``: name pairs allowed to be the very same array (same
     address, shape and strides), as an output written in place over its input."""
-    spans = [(name, a, extent(a)) for name, a in arrays if a is not None]
+    spans = [(name, a, extent(a)) for name, a in arrays if a is not None and not is_empty(a)]
     for i, (n1, a1, (lo1, hi1)) in enumerate(spans):
         for n2, a2, (lo2, hi2) in spans[i + 1:]:
             if lo1 >= hi2 or lo2 >= hi1:

@@ -560,6 +560,9 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         capacity = n_user // 2  # float32 partials in a 16-bit buffer
     else:
         _fail(f"tmp_out must be float32 or the query's dtype, got {tmp.dtype}", TypeError)
+    # vLLM sizes P as ceil(max_len / 512); past 65535 partitions (33.5M tokens) the grid
+    # cannot hold them, so use fewer, larger ones.
+    capacity = min(capacity, _MAX_GRID_YZ)
     # The kernels write float32 partials into all three, whatever tmp_out's dtype.
     for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
         _checks.check_aligned(a.data.ptr, name, 4)

@@ -119,7 +119,10 @@ def _block_bytes(a, name: str) -> int:
     if a.ndim < 2 or not _checks.dense_tail(a.shape, a.strides, a.ndim - 1, itemsize):
         _fail(f"{name} must be contiguous within each block (shape {a.shape}, strides {a.strides})")
     nbytes = math.prod(a.shape[1:]) * itemsize
-    if nbytes % 16 or (a.shape[0] > 1 and a.strides[0] % 16) or a.strides[0] < 0:
+    if a.shape[0] > 1 and a.strides[0] < 0:
+        _fail(f"{name}'s block stride is negative ({a.strides[0]} bytes): blocks must be in "
+              f"ascending order")
+    if nbytes % 16 or (a.shape[0] > 1 and a.strides[0] % 16):
         _fail(f"{name}'s blocks must be multiples of 16 bytes apart and long (shape {a.shape}, "
               f"strides {a.strides})")
     return nbytes

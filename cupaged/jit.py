@@ -307,11 +307,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 @dataclass(frozen=True)
 class Built:
-    """A compiled specialization: its binary (verified when read from the disk cache)."""
+    """A compiled specialization, on disk (verified when read) or, when the disk cache is
+    not writable, in memory. Loading reads the file again and checks it against
+    ``sha256``, so a long-lived process holds digests, not every binary it compiled."""
 
     spec: KernelSpec
     path: Path | None  # the cached cubin (or PTX); None when the disk cache is not writable
-    binary: bytes = field(repr=False)
+    binary: bytes | None = field(repr=False)  # only when path is None
+    sha256: str
     lowered_name: str
     seconds: float  # time spent compiling or reading the cache
     from_disk: bool
@@ -381,9 +384,29 @@ def build(spec: KernelSpec) -> Built:
             binary, names = _compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
             lowered = names[spec.name_expression]
             path = _write_entry(spec, binary_path, meta_path, binary, lowered)
-        done = Built(spec, path, binary, lowered, time.perf_counter() - t0, entry is not None)
+        done = Built(spec, path, binary if path is None else None,
+                     hashlib.sha256(binary).hexdigest(), lowered, time.perf_counter() - t0,
+                     entry is not None)
         _built[spec] = done
         return done
+
+
+def binary(spec: KernelSpec) -> bytes:
+    """The verified binary of a specialization: from memory, or read back from the disk
+    cache and checked against the digest recorded when it was built; an entry that
+    changed since (deleted, damaged) is built again."""
+    for _ in range(2):
+        built = build(spec)
+        if built.binary is not None:
+            return built.binary
+        try:
+            data = built.path.read_bytes()
+        except OSError:
+            data = None
+        if data is not None and hashlib.sha256(data).hexdigest() == built.sha256:
+            return data
+        _built.pop(spec, None)  # gone or changed on disk: build (or read) it anew
+    raise CompileError(f"the cached binary of {spec.name} keeps changing under {built.path}")
 
 
 def precompile(specs: Iterable[KernelSpec], workers: int | None = None) -> list[Built]:
@@ -449,14 +472,16 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
         return kernel
     import cupy
 
-    built = build(spec)
+    # The verified bytes, not the file, are loaded: what was checked is what runs. (Read
+    # outside the lock: building takes it.)
+    data = binary(spec)
+    lowered = build(spec).lowered_name
     with _spec_locks.setdefault(spec, threading.Lock()), cupy.cuda.Device(device_id):
         kernel = _loaded.get(key)
         if kernel is None:
-            # From the verified bytes, not the file: what was checked is what is loaded.
             module = cupy.cuda.function.Module()
-            module.load(built.binary)
-            function = module.get_function(built.lowered_name)
+            module.load(data)
+            function = module.get_function(lowered)
             if dynamic_smem > 48 * 1024:
                 _driver.funcSetAttribute(
                     function.ptr, _driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -69,9 +69,18 @@ def test_covering_set_covers_every_pair_of_every_kernel(kernel):
             for s in _catalog.covering_specs(ARCHS) if s.kernel == kernel]
     assert _covering.covers_all_pairs(axes, rows)
     sizes = sorted((len(v) for v in axes.values()), reverse=True)
-    # The two largest axes' product is the least any pairwise set can have; the decode
-    # kernel adds its shared-memory extremes.
-    assert len(rows) <= sizes[0] * sizes[1] + (4 if kernel == "paged_decode" else 0)
+    # The two largest axes' product is the least any pairwise set can have.
+    assert len(_covering.pairwise(axes)) == sizes[0] * sizes[1] or len(sizes) < 2
+
+
+def test_covering_set_reaches_every_decode_code_path():
+    """Tensor cores and V's layout depend on three or four axes at once: pairs alone
+    missed 10 of the 30 (dtype, tile, path) combinations, so one of each is added."""
+    cover = _catalog.covering_specs(ARCHS)
+    for arch in ARCHS:
+        want = {_catalog._decode_path(s) for s in DECODE if s.arch == arch}
+        got = {_catalog._decode_path(s) for s in cover if s.kernel == "paged_decode" and s.arch == arch}
+        assert got == want
 
 
 def test_covering_set_has_the_shared_memory_extremes():
@@ -84,7 +93,7 @@ def test_covering_set_has_the_shared_memory_extremes():
 def test_covering_set_is_deterministic_and_small():
     a, b = _catalog.covering_specs(ARCHS), _catalog.covering_specs(ARCHS)
     assert a == b and len(a) == len(set(a))
-    assert len(a) < len(ALL) / 15
+    assert len(a) < len(ALL) / 10
 
 
 @pytest.mark.parametrize("sizes", [(3,), (2, 2), (3, 2, 2), (4, 3, 3, 2), (29, 9, 4, 3, 2),

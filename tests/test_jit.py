@@ -1,6 +1,7 @@
 """The compile layer: specialization names, sources, cache keys, the disk cache, threads,
 the wheel, and the GPU-less compile check of every supported specialization."""
 
+import hashlib
 import re
 import shutil
 import subprocess
@@ -117,7 +118,7 @@ def test_damaged_binary_is_rebuilt_not_loaded(cache, damage):
     again = jit.build(SPEC)
     assert not again.from_disk
     # (NVRTC output differs by a few bytes between compiles, so compare with the entry.)
-    assert len(again.binary) > 1000 and again.path.read_bytes() == again.binary
+    assert len(jit.binary(SPEC)) > 1000
     jit.clear_memory_caches()
     assert jit.build(SPEC).from_disk  # the entry was repaired on disk
 
@@ -134,12 +135,25 @@ def test_unwritable_cache_dir_falls_back_to_memory(tmp_path, monkeypatch):
         with pytest.warns(RuntimeWarning, match="cannot write its kernel cache"):
             first = jit.build(SPEC)
         assert first.path is None and not first.from_disk and len(first.binary) > 1000
+        assert jit.binary(SPEC) is first.binary
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # one warning per folder, not per kernel
             other = jit.build(SPEC.with_arch("sm_80"))
         assert other.path is None and jit.build(SPEC) is first
     finally:
         jit.clear_memory_caches()
+
+
+def test_binaries_are_reread_and_verified_not_kept(cache):
+    """A process holds digests, not every binary it built; a binary damaged after its
+    build is rebuilt when it is next needed, never loaded."""
+    built = jit.build(SPEC)
+    assert built.binary is None and len(built.sha256) == 64
+    good = jit.binary(SPEC)
+    built.path.write_bytes(good[:100])  # damaged after the build
+    again = jit.binary(SPEC)
+    assert len(again) > 1000 and jit.build(SPEC) is not built
+    assert hashlib.sha256(again).hexdigest() == jit.build(SPEC).sha256
 
 
 def test_concurrent_builds_compile_once(cache, monkeypatch):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import attention
+from cupaged import _checks, attention
 
 
 class Fake:
@@ -320,5 +320,33 @@ def test_v2_half_precision_tmp_out_must_be_4_byte_aligned(v2_args):
 def test_v2_scratch_arrays_must_not_overlap(v2_args, name, other, offset):
     a = v2_args
     a[name] = _with_ptr(np.zeros(a[name].shape, a[name].dtype), (1 << 24) + offset)
-    with pytest.raises(ValueError, match="overlap in memory"):
+    with pytest.raises(ValueError, match=rf"({name} and {other}|{other} and {name}) overlap in memory"):
         _call_v2(a)
+
+
+def test_empty_arrays_overlap_nothing():
+    a = _with_ptr(np.zeros((2, 4, 8), np.float32), 1000)
+    b = _with_ptr(np.zeros((2, 4, 0, 64), np.float16), 1016)  # inside a, but holds nothing
+    _checks.check_disjoint((("a", a), ("b", b)))
+
+
+def test_v2_never_asks_for_more_partitions_than_the_grid_holds(v2_args, monkeypatch):
+    """vLLM sizes max_num_partitions as ceil(max_len / 512): at 40M tokens that is 78,125,
+    more than a grid dimension holds; v2 must use fewer, larger partitions."""
+    seen = {}
+    monkeypatch.setattr(attention, "_run", lambda *a, **k: seen.setdefault("args", a))
+    a = v2_args
+    n = 78125
+    a["block_tables"] = Fake(np.zeros((2, 1), np.int32))
+    a["block_tables"].shape = (2, 40_000_000 // 16)
+    a["exp_sums"] = _with_ptr(np.zeros((2, 4, n), np.float32), 1 << 30)
+    a["max_logits"] = _with_ptr(np.zeros((2, 4, n), np.float32), 1 << 31)
+    tmp = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2, 4, n, 64),
+                                          strides=(4 * n * 64 * 4, n * 64 * 4, 64 * 4, 4))
+    a["tmp_out"] = _with_ptr(tmp, 1 << 32)
+    attention.paged_attention_v2(
+        a["out"], a["exp_sums"], a["max_logits"], a["tmp_out"], a["query"], a["key_cache"],
+        a["value_cache"], 2, 0.1, a["block_tables"], a["context_lens"], 16, 40_000_000)
+    partition, workspace = seen["args"][9], seen["args"][11]
+    assert -(-40_000_000 // partition) <= 65535
+    assert workspace.max_rows == 2 * 4 * 65535
