@@ -1,7 +1,13 @@
-"""Float64 NumPy reference for paged-attention decode: the oracle of every test.
+"""Float64 NumPy reference for paged attention: the oracle of every test.
 
-Same arguments and layouts as :func:`cupaged.paged_attention`, on NumPy arrays (any
-float dtype, bfloat16 through ml_dtypes). Written for clarity, not speed.
+Same arguments and layouts as the kernels' entry points, on NumPy arrays (any float
+dtype, bfloat16 through ml_dtypes). Written for clarity, not speed.
+
+Cache layouts (``kv_layout``), one block of ``block_size`` tokens per leading index:
+    "vllm"  key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` (x = 16 bytes
+            of elements), value ``[num_blocks, num_kv_heads, head_size, block_size]``
+    "NHD"   key and value ``[num_blocks, block_size, num_kv_heads, head_size]``
+    "HND"   key and value ``[num_blocks, num_kv_heads, block_size, head_size]``
 """
 
 from __future__ import annotations
@@ -10,59 +16,116 @@ import math
 
 import numpy as np
 
-__all__ = ["gather_kv", "paged_attention"]
+__all__ = ["KV_LAYOUTS", "attention", "gather_kv", "paged_attention"]
+
+KV_LAYOUTS = ("NHD", "HND", "vllm")
 
 
-def gather_kv(key_cache, value_cache, block_table, context_len: int):
+def _as_tokens(cache, kv_layout: str, is_key: bool):
+    """A cache as ``[num_blocks, block_size, num_kv_heads, head_size]`` (a view)."""
+    c = np.asarray(cache)
+    if kv_layout == "NHD":
+        return c
+    if kv_layout == "HND":
+        return c.transpose(0, 2, 1, 3)
+    if kv_layout == "vllm":
+        if is_key:  # [blocks, kv_heads, hs/x, bs, x] -> [blocks, bs, kv_heads, hs/x, x]
+            t = c.transpose(0, 3, 1, 2, 4)
+            return t.reshape(t.shape[0], t.shape[1], t.shape[2], -1)
+        return c.transpose(0, 3, 1, 2)  # [blocks, kv_heads, hs, bs] -> [blocks, bs, kv_heads, hs]
+    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: str = "vllm"):
     """One sequence's dense K and V, ``[context_len, num_kv_heads, head_size]`` float64,
     read from the paged caches through its row of the block table."""
-    kc = np.asarray(key_cache)
-    vc = np.asarray(value_cache)
-    _, num_kv_heads, chunks, block_size, x = kc.shape
+    k = _as_tokens(key_cache, kv_layout, True)
+    v = _as_tokens(value_cache, kv_layout, False)
+    block_size = k.shape[1]
     n_blocks = -(-context_len // block_size)
     blocks = np.asarray(block_table)[:n_blocks]
-    # key [blocks, kv_heads, hs/x, bs, x] -> [blocks, bs, kv_heads, hs]
-    k = kc[blocks].astype(np.float64).transpose(0, 3, 1, 2, 4).reshape(
-        n_blocks * block_size, num_kv_heads, chunks * x)
-    # value [blocks, kv_heads, hs, bs] -> [blocks, bs, kv_heads, hs]
-    v = vc[blocks].astype(np.float64).transpose(0, 3, 1, 2).reshape(
-        n_blocks * block_size, num_kv_heads, chunks * x)
+    k = k[blocks].astype(np.float64).reshape(n_blocks * block_size, *k.shape[2:])
+    v = v[blocks].astype(np.float64).reshape(n_blocks * block_size, *v.shape[2:])
     return k[:context_len], v[:context_len]
 
 
-def attend(q, k, v, scale: float, alibi_slopes=None):
-    """Dense decode attention in float64: ``q [num_heads, hs]`` against
-    ``k, v [n, num_kv_heads, hs]``; query head h uses KV head h // (num_heads // num_kv_heads)."""
+def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = True):
+    """Dense attention in float64: ``q [num_heads, hs]`` (one token) or ``[q_len,
+    num_heads, hs]`` against ``k, v [n, num_kv_heads, hs]``; query head h uses KV head
+    h // (num_heads // num_kv_heads).
+
+    ``q_pos``: each query row's position among the n keys (default: the last q_len
+    positions, n - q_len + i). With ``causal`` a row sees keys at positions <= its own,
+    otherwise all n. ALiBi adds ``slope * (key_pos - q_pos)``. A row that sees no key
+    gives zeros."""
     q = np.asarray(q, dtype=np.float64)
-    num_heads, head_size = q.shape
+    single = q.ndim == 2
+    if single:
+        q = q[None]
+    q_len, num_heads, head_size = q.shape
     n, num_kv_heads, _ = k.shape
-    if n == 0:
-        return np.zeros((num_heads, head_size))
-    kv_of_head = np.arange(num_heads) // (num_heads // num_kv_heads)
-    kh = k[:, kv_of_head, :]  # [n, heads, hs]
-    vh = v[:, kv_of_head, :]
-    logits = np.einsum("hd,nhd->hn", q, kh) * scale
-    if alibi_slopes is not None:
-        pos = np.arange(n) - n + 1
-        logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[:, None] * pos[None, :]
-    logits -= logits.max(axis=1, keepdims=True)
-    w = np.exp(logits)
-    w /= w.sum(axis=1, keepdims=True)
-    return np.einsum("hn,nhd->hd", w, vh)
+    if q_pos is None:
+        q_pos = n - q_len + np.arange(q_len)
+    q_pos = np.asarray(q_pos, dtype=np.int64)
+    out = np.zeros((q_len, num_heads, head_size))
+    if n and q_len:
+        kv_of_head = np.arange(num_heads) // (num_heads // num_kv_heads)
+        kh = k[:, kv_of_head, :]  # [n, heads, hs]
+        vh = v[:, kv_of_head, :]
+        logits = np.einsum("qhd,nhd->qhn", q, kh) * scale
+        rel = np.arange(n)[None, :] - q_pos[:, None]  # [q, n]: key position - query position
+        if alibi_slopes is not None:
+            logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[None, :, None] * rel[:, None, :]
+        visible = np.broadcast_to((rel <= 0)[:, None, :] if causal else True, logits.shape)
+        logits = np.where(visible, logits, -np.inf)
+        seen = visible.any(axis=-1, keepdims=True)
+        logits -= np.where(seen, logits.max(axis=-1, keepdims=True), 0.0)
+        w = np.where(visible, np.exp(logits), 0.0)
+        w /= np.where(seen, w.sum(axis=-1, keepdims=True), 1.0)
+        out = np.einsum("qhn,nhd->qhd", w, vh)
+    return out[0] if single else out
+
+
+def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+              kv_layout: str = "NHD", causal: bool = True, scale=None, alibi_slopes=None,
+              max_query_len=None, max_seq_len=None):
+    """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention``.
+
+    Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` (default: one
+    row each). Its ``q_len`` tokens are the last ``q_len`` of its ``seq_lens[s]`` cached
+    tokens, so row i sits at position ``seq_lens[s] - q_len + i`` (bottom-right aligned);
+    with ``causal`` it attends to positions up to its own, otherwise to all ``seq_lens[s]``.
+    Without ``query_start_loc`` (decode) a sequence of length 0 gives a zero row.
+    ``max_query_len`` and ``max_seq_len`` are accepted and ignored."""
+    query = np.asarray(query)
+    total_q, num_heads, head_size = query.shape
+    lens = np.asarray(seq_lens)
+    tables = np.asarray(block_tables)
+    if query_start_loc is None:
+        starts = np.arange(len(lens) + 1)
+    else:
+        starts = np.asarray(query_start_loc).astype(np.int64)
+    if starts.shape != (len(lens) + 1,) or starts[-1] != total_q:
+        raise ValueError(f"query_start_loc must be [num_seqs + 1] ending at total_q={total_q}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_size)
+    out = np.zeros((total_q, num_heads, head_size))
+    for s in range(len(lens)):
+        a, b = int(starts[s]), int(starts[s + 1])
+        n = int(lens[s])
+        if b == a or (n == 0 and query_start_loc is None):
+            continue  # (decode's convention: an empty context gives a zero row)
+        if b - a > n:
+            raise ValueError(f"sequence {s} has {b - a} query tokens but only {n} cached")
+        k, v = gather_kv(key_cache, value_cache, tables[s], n, kv_layout)
+        out[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal)
+    return out
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
                     alibi_slopes=None, max_context_len=None):
     """Float64 result ``[num_seqs, num_heads, head_size]`` of the same call as
-    :func:`cupaged.paged_attention`. ``max_context_len`` is accepted and ignored."""
-    query = np.asarray(query)
-    num_seqs, num_heads, head_size = query.shape
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_size)
-    lens = np.asarray(context_lens)
-    tables = np.asarray(block_tables)
-    out = np.zeros((num_seqs, num_heads, head_size))
-    for s in range(num_seqs):
-        k, v = gather_kv(key_cache, value_cache, tables[s], int(lens[s]))
-        out[s] = attend(query[s], k, v, scale, alibi_slopes)
-    return out
+    :func:`cupaged.paged_attention` (decode over vLLM's layout). ``max_context_len`` is
+    accepted and ignored."""
+    return attention(query, key_cache, value_cache, block_tables, context_lens,
+                     kv_layout="vllm", scale=scale, alibi_slopes=alibi_slopes)

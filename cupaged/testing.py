@@ -6,8 +6,8 @@ import numpy as np
 
 from . import _dtypes
 
-__all__ = ["poison_unused_slots", "random_block_tables", "random_cache", "random_normal", "ROW_FACTOR",
-           "TOLERANCE"]
+__all__ = ["convert_layout", "poison_unused_slots", "random_block_tables", "random_cache",
+           "random_normal", "ROW_FACTOR", "TOLERANCE"]
 
 # ||out - ref|| / ||ref|| accepted against the float64 reference, by element type.
 TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
@@ -77,3 +77,24 @@ def poison_unused_slots(key_cache, value_cache, block_tables, context_lens, valu
     np.moveaxis(key_cache, 3, 1)[~used] = value  # [blocks, slot, kv_heads, hs/x, x]
     np.moveaxis(value_cache, 3, 1)[~used] = value  # [blocks, slot, kv_heads, hs]
     return used
+
+
+def convert_layout(key_cache, value_cache, src: str, dst: str):
+    """Host caches from one layout to another (``"NHD"``, ``"HND"``, ``"vllm"``; see
+    :mod:`cupaged.reference`), as new C-contiguous NumPy arrays with the same values."""
+    from .reference import _as_tokens
+
+    k = _as_tokens(key_cache, src, True)  # [blocks, block_size, kv_heads, head_size] views
+    v = _as_tokens(value_cache, src, False)
+    if dst == "NHD":
+        pass
+    elif dst == "HND":
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    elif dst == "vllm":
+        nb, bs, kvh, hs = k.shape
+        x = 16 // k.dtype.itemsize
+        k = k.reshape(nb, bs, kvh, hs // x, x).transpose(0, 2, 3, 1, 4)
+        v = v.transpose(0, 2, 3, 1)
+    else:
+        raise ValueError(f"unknown layout {dst!r}")
+    return np.ascontiguousarray(k), np.ascontiguousarray(v)

@@ -101,3 +101,110 @@ def test_assert_close_catches_one_bad_head_among_thousands(rng):
     got[517, 3] = np.nan
     with pytest.raises(AssertionError):
         assert_close(got, ref, 1e-3)
+
+
+# ---- varlen (prefill, chunked prefill, verify) over every layout -------------------------------
+
+
+def direct_varlen(q, k_tok, v_tok, tables, seq_lens, starts, scale, causal, slopes=None):
+    """Loops over rows and tokens; k_tok/v_tok are NHD caches [blocks, bs, kv_heads, hs]."""
+    total_q, heads, hs = q.shape
+    bs, kv_heads = k_tok.shape[1], k_tok.shape[2]
+    out = np.zeros((total_q, heads, hs))
+    for s in range(len(seq_lens)):
+        n, a, b = int(seq_lens[s]), int(starts[s]), int(starts[s + 1])
+        for i in range(a, b):
+            pos = n - (b - a) + (i - a)
+            for h in range(heads):
+                kvh = h // (heads // kv_heads)
+                logits, values = [], []
+                for t in range(n if not causal else pos + 1):
+                    blk = tables[s, t // bs]
+                    logit = scale * float(np.dot(q[i, h].astype(np.float64),
+                                                 k_tok[blk, t % bs, kvh].astype(np.float64)))
+                    if slopes is not None:
+                        logit += float(slopes[h]) * (t - pos)
+                    logits.append(logit)
+                    values.append(v_tok[blk, t % bs, kvh].astype(np.float64))
+                w = np.exp(np.array(logits) - max(logits))
+                out[i, h] = (w[:, None] * np.array(values)).sum(0) / w.sum()
+    return out
+
+
+def varlen_problem(rng, q_lens, seq_lens, heads=4, kv_heads=2, hs=32, bs=4, dtype=np.float16):
+    seq_lens = np.asarray(seq_lens, np.int32)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    bt, nb = testing.random_block_tables(seq_lens, bs, rng, spare_blocks=2)
+    k = testing.random_normal((nb, bs, kv_heads, hs), dtype, rng)  # NHD
+    v = testing.random_normal((nb, bs, kv_heads, hs), dtype, rng)
+    testing.poison_unused_slots(*testing.convert_layout(k, v, "NHD", "vllm"), bt, seq_lens)
+    q = testing.random_normal((int(starts[-1]), heads, hs), dtype, rng)
+    return q, k, v, bt, seq_lens, starts
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_varlen_reference_matches_the_direct_formula(rng, causal, alibi):
+    """A mixed batch: a whole prompt, a chunk after a cached prefix, a 3-token verify, a
+    decode step, an idle sequence (q_len 0)."""
+    q_lens, seq_lens = [9, 5, 3, 1, 0], [9, 14, 20, 7, 6]
+    q, k, v, bt, lens, starts = varlen_problem(rng, q_lens, seq_lens)
+    slopes = rng.uniform(0, 0.5, 4) if alibi else None
+    got = reference.attention(q, k, v, bt, lens, starts, kv_layout="NHD", causal=causal,
+                              scale=0.2, alibi_slopes=slopes)
+    want = direct_varlen(q, k, v, bt, lens, starts, 0.2, causal, slopes)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["HND", "vllm"])
+def test_every_layout_gives_the_same_attention(rng, layout):
+    q, k, v, bt, lens, starts = varlen_problem(rng, [4, 1, 6], [10, 3, 6], hs=64, bs=8)
+    want = reference.attention(q, k, v, bt, lens, starts, kv_layout="NHD")
+    k2, v2 = testing.convert_layout(k, v, "NHD", layout)
+    back = testing.convert_layout(k2, v2, layout, "NHD")
+    np.testing.assert_array_equal(back[0], k)
+    np.testing.assert_array_equal(back[1], v)
+    got = reference.attention(q, k2, v2, bt, lens, starts, kv_layout=layout)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_decode_is_the_one_token_case(rng):
+    p = make_problem(rng, lens=(0, 1, 17, 40), heads=4, kv_heads=2, head_size=32, alibi=True)
+    dec = reference.paged_attention(**p.host_args())
+    k, v = testing.convert_layout(p.key_cache, p.value_cache, "vllm", "HND")
+    # The varlen form: the empty sequence has no query row, the others one each.
+    one = reference.attention(p.query[1:], k, v, p.block_tables, p.context_lens,
+                              np.array([0, 0, 1, 2, 3]), kv_layout="HND",
+                              alibi_slopes=p.alibi_slopes)
+    np.testing.assert_allclose(one, dec[1:], rtol=1e-12, atol=1e-12)
+    assert not dec[0].any()
+
+
+def test_chunked_prefill_equals_one_shot_prefill(rng):
+    """Rows of a prompt computed in three chunks (each over the cache as it stood) equal
+    the same rows of the whole prompt at once."""
+    n = 23
+    q, k, v, bt, lens, starts = varlen_problem(rng, [n], [n])
+    whole = reference.attention(q, k, v, bt, lens, starts)
+    for a, b in [(0, 8), (8, 16), (16, 23)]:
+        part = reference.attention(q[a:b], k, v, bt, np.array([b]), np.array([0, b - a]))
+        np.testing.assert_allclose(part, whole[a:b], rtol=1e-12, atol=1e-12)
+
+
+def test_non_causal_rows_see_every_key(rng):
+    q, k, v, bt, lens, starts = varlen_problem(rng, [5], [12])
+    got = reference.attention(q, k, v, bt, lens, starts, causal=False)
+    for i in range(5):
+        last = reference.attention(q[i:i + 1], k, v, bt, lens, np.array([0, 1]))
+        np.testing.assert_allclose(got[i], last[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("starts, lens, match", [
+    ([0, 3, 5], [2, 9], "sequence 0 has 3 query tokens but only 2 cached"),
+    ([0, 3], [4, 9], r"query_start_loc must be \[num_seqs \+ 1\]"),
+    ([0, 3, 4], [4, 9], "ending at total_q=5"),
+])
+def test_varlen_reference_refuses_inconsistent_rows(rng, starts, lens, match):
+    q, k, v, bt, _, _ = varlen_problem(rng, [3, 2], [4, 9])
+    with pytest.raises(ValueError, match=match):
+        reference.attention(q, k, v, bt, np.array(lens), np.array(starts))
