@@ -115,7 +115,7 @@ def check_same_device(device: int, ref: str, arrays) -> None:
 
 def extent(a) -> tuple[int, int]:
     """The byte range ``[lo, hi)`` an array's elements lie in (empty for no elements)."""
-    if 0 in a.shape:
+    if is_empty(a):
         return a.data.ptr, a.data.ptr
     lo = hi = a.data.ptr
     for n, st in zip(a.shape, a.strides):
@@ -135,14 +135,13 @@ def check_disjoint(arrays, may_alias=()) -> None:
         for n2, a2, (lo2, hi2) in spans[i + 1:]:
             if lo1 >= hi2 or lo2 >= hi1:
                 continue
-            same = (a1.data.ptr == a2.data.ptr and a1.shape == a2.shape
-                    and a1.strides == a2.strides and a1.dtype == a2.dtype)
-            if same and ((n1, n2) in may_alias or (n2, n1) in may_alias):
+            aliasable = (n1, n2) in may_alias or (n2, n1) in may_alias
+            if aliasable and (a1.data.ptr, a1.shape, a1.strides, a1.dtype) == (
+                    a2.data.ptr, a2.shape, a2.strides, a2.dtype):
                 continue
             fail(f"{n1} and {n2} overlap in memory (bytes {lo1:#x}-{hi1:#x} and "
                  f"{lo2:#x}-{hi2:#x}): they must be separate arrays"
-                 + (f", or {n2} exactly {n1}" if (n1, n2) in may_alias or (n2, n1) in may_alias
-                    else ""))
+                 + (f", or {n2} exactly {n1}" if aliasable else ""))
 
 
 def check_aligned(ptr: int, name: str, alignment: int = 16) -> None:

@@ -567,7 +567,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
         _checks.check_aligned(a.data.ptr, name, 4)
     _checks.check_disjoint((("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp), ("query", q),
-                            ("out", as_device_array(out, "out"))), may_alias={("query", "out")})
+                            ("out", as_device_array(out, "out"))), may_alias=_OUT_OVER_QUERY)
     bt = as_device_array(block_tables, "block_tables")
     max_ctx = bt.shape[-1] * block_size
     if isinstance(max_context_len, (int, np.integer)) and not isinstance(max_context_len, bool):

@@ -3,6 +3,7 @@ paged problems on host and device, and skipping of GPU tests where there is no G
 
 from __future__ import annotations
 
+import builtins
 import os
 from dataclasses import dataclass, field
 
@@ -45,6 +46,19 @@ def compile_summary():
 def pytest_terminal_summary(terminalreporter):
     for line in _SUMMARY:
         terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def no_flashinfer(monkeypatch):
+    """``import flashinfer`` fails as it does where FlashInfer is not installed."""
+    real = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise ModuleNotFoundError("No module named 'flashinfer'", name="flashinfer")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 "HND" layout), FlashInfer's optional presence, and the plan_us field. The timed rows
 themselves run on the device (tools/flashinfer_sweep.sh, the compare GPU test)."""
 
-import builtins
 import os
 import subprocess
 import sys
@@ -14,19 +13,6 @@ import pytest
 from cupaged import bench, testing
 
 BLOCK = 16
-
-
-@pytest.fixture
-def no_flashinfer(monkeypatch):
-    """``import flashinfer`` fails as it does where FlashInfer is not installed."""
-    real = builtins.__import__
-
-    def fake(name, *args, **kwargs):
-        if name == "flashinfer" or name.startswith("flashinfer."):
-            raise ModuleNotFoundError("No module named 'flashinfer'", name="flashinfer")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake)
 
 
 def _seq_lens_flashinfer(indptr, last_page_len, page_size):

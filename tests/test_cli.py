@@ -8,7 +8,6 @@ from click.testing import CliRunner
 from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
-from test_bench import no_flashinfer  # noqa: F401  (a fixture)
 
 COMMANDS = ["info", "compile", "decode", "compare", "overhead", "cache-ops"]
 
