@@ -126,43 +126,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// ---- tensor cores: D = A (16x16, row) * B (16x8, col) + D, 16-bit inputs, fp32 sums ------
-// Fragment layouts are PTX's for mma.m16n8k16; ldmatrix loads them from shared memory
-// (lane l gives the address of row l % 8 of matrix l / 8).
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* smem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(s)
-               : "memory");
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
-                                          const unsigned (&b)[2]);
-
-#define CUPAGED_MMA_16816(T, PTX_TYPE)                                                        \
-  template <>                                                                                 \
-  __device__ __forceinline__ void mma_16816<T>(float (&d)[4], const unsigned (&a)[4],         \
-                                               const unsigned (&b)[2]) {                      \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE               \
-                 ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"     \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                             \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));         \
-  }
-CUPAGED_MMA_16816(half_t, "f16")
-CUPAGED_MMA_16816(bfloat16_t, "bf16")
-#undef CUPAGED_MMA_16816
-
 // ---- warp reductions -------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_max(float v) {

@@ -1,10 +1,10 @@
 // Entry file for the decode kernels. cupaged's JIT compiles this file with NVRTC (its
 // quoted includes inlined) and instantiates the templates by name expression, e.g.
-//   cupaged::paged_decode<cupaged::half_t, 128, 16, 4, 64, 2>
+//   cupaged::paged_decode<cupaged::half_t, 128, 16, 1, 4, 64, 2>
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -arch=sm_90 -cubin -std=c++17 -Xptxas -v -DCUPAGED_INSTANTIATE \
-//        -DCUPAGED_T=cupaged::half_t -DCUPAGED_HS=128 -DCUPAGED_BS=16 -DCUPAGED_GT=4 \
+//        -DCUPAGED_T=cupaged::half_t -DCUPAGED_HS=128 -DCUPAGED_BS=16 -DCUPAGED_FORMAT=1 -DCUPAGED_GT=4 \
 //        -DCUPAGED_TILE=64 -DCUPAGED_STAGES=2 cuda_src/paged_decode.cu -o decode.cubin
 // (tools/ptxas_report.py runs exactly this for any specialization.)
 #include "paged_decode.cuh"
@@ -19,6 +19,9 @@
 #ifndef CUPAGED_BS
 #define CUPAGED_BS 16
 #endif
+#ifndef CUPAGED_FORMAT
+#define CUPAGED_FORMAT 1
+#endif
 #ifndef CUPAGED_GT
 #define CUPAGED_GT 4
 #endif
@@ -30,7 +33,7 @@
 #endif
 // Taking the kernels' addresses in host code makes nvcc instantiate them.
 void cupaged_instantiate_decode() {
-  (void)&cupaged::paged_decode<CUPAGED_T, CUPAGED_HS, CUPAGED_BS, CUPAGED_GT,
+  (void)&cupaged::paged_decode<CUPAGED_T, CUPAGED_HS, CUPAGED_BS, CUPAGED_FORMAT, CUPAGED_GT,
                                CUPAGED_TILE, CUPAGED_STAGES>;
   (void)&cupaged::paged_decode_combine<CUPAGED_T, CUPAGED_HS>;
 }

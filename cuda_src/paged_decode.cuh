@@ -1,11 +1,18 @@
 // Paged-attention decode: one query token per sequence against its paged KV cache.
 //
-// Layouts (vLLM's):
-//   query       [num_seqs, num_heads, HEAD_SIZE]         (any seq / head stride, dims contiguous)
-//   key_cache   [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X], X = 16 / sizeof(T)
-//   value_cache [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
+// Layouts:
+//   query       [num_rows, num_heads, HEAD_SIZE]         (any row / head stride, dims contiguous)
+//   cache       any PagedKV layout (kv_layout.cuh): token-major (NHD, HND, fused views) or
+//               vLLM's [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X] key and
+//               [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE] value, X = 16 / sizeof(T)
 //   block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs]
-//   out         [num_seqs, num_heads, HEAD_SIZE] contiguous
+//   out         [num_rows, num_heads, HEAD_SIZE] contiguous
+//
+// Decode (query_start_loc null): row s is sequence s's one token, at the end of its
+// context. Row mode (query_start_loc [num_seqs + 1]): row r is token r - query_start_loc[s]
+// of the sequence s whose rows hold it, at position len - q_len + i, seeing the keys up to
+// its own position (causal) or all of them: the fallback for multi-token queries that
+// paged_prefill does not take (float32 caches, tiny vLLM blocks), single pass only.
 //
 // Work split: one CTA per (sequence, KV head, tile of GROUP_TILE query heads of that KV head,
 // partition). All query heads of the tile share every K/V byte the CTA loads, so a GQA
@@ -24,6 +31,8 @@
 // partition's normalized output with its max and sum; paged_decode_combine merges them.
 #pragma once
 #include "common.cuh"
+#include "kv_layout.cuh"
+#include "mma.cuh"
 
 namespace cupaged {
 
@@ -31,7 +40,8 @@ constexpr int kDecodeThreads = 128;
 
 // Compile-time geometry of one specialization. The shared-memory size is mirrored on the
 // host by cupaged/attention.py (_decode_smem_bytes); the kernel traps if launched with less.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_TILE, int TILE_TOKENS, int STAGES>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int GROUP_TILE,
+          int TILE_TOKENS, int STAGES>
 struct DecodeGeometry {
   static constexpr int kThreads = kDecodeThreads;
   static constexpr int kWarps = kThreads / 32;
@@ -49,8 +59,13 @@ struct DecodeGeometry {
   // [HEAD_SIZE][kVRow] (tokens contiguous, rows padded by 16 bytes so lanes reading
   // consecutive dims hit distinct banks) when pieces hold at least kVec tokens; for tiny
   // blocks a 16-byte copy spans several dims, so V keeps the cache's own piece layout.
-  static constexpr bool kVTransposed = kSub >= kVec;
+  static constexpr bool kVTransposed = KV_FORMAT == kFormatVllm && kSub >= kVec;
   static constexpr int kVRow = TILE_TOKENS + kVec;
+  // Token-major caches are copied token-major: shared K and V are [TILE_TOKENS][kTokRow],
+  // rows padded by 16 bytes, so a warp reading 32 tokens' chunks (scores) or eight token
+  // rows (ldmatrix) hits distinct banks.
+  static constexpr bool kTokenMajor = KV_FORMAT == kFormatTokenMajor;
+  static constexpr int kTokRow = HEAD_SIZE + kVec;
 
   // Scores: each token is owned by kScoreThreads threads' worth of lanes; when the tile is
   // narrower than the CTA, kSplitsQK threads share a token (split over key chunks).
@@ -66,7 +81,7 @@ struct DecodeGeometry {
   // Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
   // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
   static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
-                               kVTransposed;
+                               (kVTransposed || kTokenMajor);
   static constexpr int kTokenTilesPerWarp = (TILE_TOKENS / 16 + kWarps - 1) / kWarps;
   static constexpr int kDimTilesPerWarp = (HEAD_SIZE / 16 + kWarps - 1) / kWarps;
   static constexpr int kPRow = TILE_TOKENS + kVec;  // mma path: P as T [GROUP_TILE][kPRow]
@@ -75,8 +90,10 @@ struct DecodeGeometry {
   static constexpr int kAccSlots = kMma ? 1 : kWarps;
 
   // Shared-memory carve-up in bytes (every offset a multiple of 16).
-  static constexpr int kKStage = TILE_TOKENS * HEAD_SIZE * static_cast<int>(sizeof(T));
-  static constexpr int kVStage = HEAD_SIZE * kVRow * static_cast<int>(sizeof(T));
+  static constexpr int kKStage =
+      TILE_TOKENS * (kTokenMajor ? kTokRow : HEAD_SIZE) * static_cast<int>(sizeof(T));
+  static constexpr int kVStage =
+      (kTokenMajor ? TILE_TOKENS * kTokRow : HEAD_SIZE * kVRow) * static_cast<int>(sizeof(T));
   static constexpr int kOffV = STAGES * kKStage;
   static constexpr int kOffQ = kOffV + STAGES * kVStage;
   // The mma path keeps the query in registers and needs only GROUP_TILE floats of the
@@ -97,6 +114,7 @@ struct DecodeGeometry {
                     TILE_TOKENS <= 256, "TILE_TOKENS");
   static_assert(GROUP_TILE == 1 || GROUP_TILE == 2 || GROUP_TILE == 4 || GROUP_TILE == 8,
                 "GROUP_TILE");
+  static_assert(KV_FORMAT == kFormatTokenMajor || KV_FORMAT == kFormatVllm, "KV_FORMAT");
   static_assert(STAGES >= 2, "STAGES");
   static_assert(kTokensPerWarpPV % kVec == 0, "P @ V walks whole 16-byte vectors");
   // The final cross-warp reduction of the output reuses the K stages.
@@ -104,24 +122,24 @@ struct DecodeGeometry {
   static_assert(!kMma || GROUP_TILE * kPRow * 2 <= TILE_TOKENS * GROUP_TILE * 4, "P space");
 };
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_TILE, int TILE_TOKENS,
-          int STAGES>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int GROUP_TILE,
+          int TILE_TOKENS, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads)
-    paged_decode(T* __restrict__ out,             // single pass: [num_seqs, num_heads, HEAD_SIZE]
+    paged_decode(T* __restrict__ out,             // single pass: [num_rows, num_heads, HEAD_SIZE]
                  float* __restrict__ part_out,    // split: [num_seqs, num_heads, P, HEAD_SIZE]
                  float* __restrict__ part_max,    // split: [num_seqs, num_heads, P], log2 units
                  float* __restrict__ part_sum,    // split: [num_seqs, num_heads, P]
                  const T* __restrict__ query, long long q_seq_stride, long long q_head_stride,
-                 const T* __restrict__ key_cache, long long k_block_stride,
-                 long long k_head_stride, const T* __restrict__ value_cache,
-                 long long v_block_stride, long long v_head_stride,
-                 const int* __restrict__ block_tables, long long bt_seq_stride,
+                 const __grid_constant__ PagedKV kv,
                  const int* __restrict__ context_lens,
-                 const float* __restrict__ alibi_slopes,  // [num_heads] or null
-                 int num_heads, int group_size, int max_blocks_per_seq, int num_cache_blocks,
+                 const int* __restrict__ query_start_loc,  // row mode: [num_seqs + 1]; else null
+                 const float* __restrict__ alibi_slopes,   // [num_heads] or null
+                 int num_heads, int group_size, int num_seqs, int causal,
                  int partition_tokens,  // 0: single pass; else tokens per partition (gridDim.z)
                  float scale_log2) {
-  using Geo = DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, GROUP_TILE, TILE_TOKENS, STAGES>;
+  using Geo = DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, GROUP_TILE, TILE_TOKENS, STAGES>;
+  using KV = KVAccess<T, KV_FORMAT, BLOCK_SIZE>;
+  constexpr int KROW = Geo::kTokRow;
   constexpr int HS = HEAD_SIZE;
   constexpr int GT = GROUP_TILE;
   constexpr int TT = TILE_TOKENS;
@@ -143,7 +161,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int seq = blockIdx.x;
+  const int qrow = blockIdx.x;  // the query / output row
   const int tiles_per_kv = (group_size + GT - 1) / GT;
   const int kv_head = blockIdx.y / tiles_per_kv;
   const int g0 = (blockIdx.y % tiles_per_kv) * GT;
@@ -154,7 +172,28 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   // Lengths past the block table's width are clamped so the table row is never overrun
   // (cupaged.check_block_tables reports them); negative lengths count as empty.
-  const int ctx = max(0, min(context_lens[seq], max_blocks_per_seq * BLOCK_SIZE));
+  const int max_len = kv.max_blocks * BLOCK_SIZE;
+  int seq = qrow;
+  int ctx;    // keys this row sees: [0, ctx)
+  int q_pos;  // the row's own position (ALiBi distances are key - q_pos)
+  if (query_start_loc == nullptr) {
+    ctx = max(0, min(context_lens[seq], max_len));
+    q_pos = ctx - 1;
+  } else {
+    // The sequence holding this row: the last s with query_start_loc[s] <= row.
+    int lo = 0, hi = num_seqs;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (query_start_loc[mid] <= qrow) lo = mid; else hi = mid;
+    }
+    seq = lo;
+    const int qb = query_start_loc[seq];
+    const int qe = query_start_loc[seq + 1];
+    const int len = max(0, min(context_lens[seq], max_len));
+    q_pos = len - (qe - qb) + (qrow - qb);
+    ctx = causal ? max(0, min(len, q_pos + 1)) : len;
+    if (qrow < qb || qrow >= qe) ctx = 0;  // a row no sequence claims gets zeros
+  }
   int begin = 0;
   int end = ctx;
   if (partition_tokens > 0) {
@@ -166,9 +205,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (begin >= end) return;  // past this sequence's context: the combine skips it
   }
 
-  const int* bt_row = block_tables + seq * bt_seq_stride;
-  const T* k_head = key_cache + kv_head * k_head_stride;
-  const T* v_head = value_cache + kv_head * v_head_stride;
+  const int* bt_row = kv.block_tables + seq * kv.bt_stride;
 
   const int n_tiles = (end - begin + TT - 1) / TT;
   // A tile's block ids are read from the table one tile before its copies are issued
@@ -201,15 +238,33 @@ __global__ void __launch_bounds__(kDecodeThreads)
   auto load_tile = [&](int tile, int stage) {
     const int t0 = begin + tile * TT;
     const int* ids = ids_s + (tile & 1) * Geo::kPieces;
-    T* ks = k_s + stage * (TT * HS);
-    T* vs = v_s + stage * (HS * Geo::kVRow);
+    T* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(T)));
+    T* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(T)));
+    if constexpr (Geo::kTokenMajor) {
+      // Consecutive threads take consecutive 16-byte chunks of a token's row.
+      for (int u = tid; u < Geo::kUnits; u += NT) {
+        const int t = u / Geo::kChunks;
+        const int c = u % Geo::kChunks;
+        const int tok = t0 + t;
+        if (tok >= end) continue;
+        const int phys = ids[t / Geo::kSub];
+        if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
+          *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
+          continue;
+        }
+        const int within = tok % BLOCK_SIZE;
+        cp_async16(ks + t * KROW + c * X, KV::key_chunk(kv, phys, kv_head, within, c));
+        cp_async16(vs + t * KROW + c * X, KV::value_chunk(kv, phys, kv_head, within, c));
+      }
+      return;
+    }
     for (int u = tid; u < Geo::kUnits; u += NT) {
       const int sub = u / Geo::kUnitsPerSub;
       const int e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
       const int tok = t0 + sub * Geo::kSub;
       if (tok >= end) continue;
       const int phys = ids[sub];
-      if (static_cast<unsigned>(phys) >= static_cast<unsigned>(num_cache_blocks)) {
+      if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
         *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
         continue;
       }
@@ -218,7 +273,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         const int c = e / (Geo::kSub * X);
         const int r = e % (Geo::kSub * X);
         cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
-                   k_head + phys * k_block_stride + (c * BLOCK_SIZE + within) * X + r);
+                   KV::key_chunk(kv, phys, kv_head, within, c) + r);
       }
       {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
         const int d = e / Geo::kSub;
@@ -229,7 +284,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         } else {
           dst = vs + sub * HS * Geo::kSub + e;
         }
-        cp_async16(dst, v_head + phys * v_block_stride + d * BLOCK_SIZE + within + r);
+        cp_async16(dst, KV::value_chunk(kv, phys, kv_head, within, d) + r);
       }
     }
   };
@@ -250,7 +305,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float m_own[2] = {neg_inf(), neg_inf()};  // running maxima of heads hq, hq + 1
   if constexpr (Geo::kMma) {
     const int h = lane >> 2;
-    const T* qh = query + seq * q_seq_stride + (head0 + h) * q_head_stride;
+    const T* qh = query + qrow * q_seq_stride + (head0 + h) * q_head_stride;
 #pragma unroll
     for (int kk = 0; kk < HS / 16; ++kk) {
 #pragma unroll
@@ -272,7 +327,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int d = i % HS;
       float v = 0.f;
       if (g < heads_here) {
-        v = to_float(query[seq * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
+        v = to_float(query[qrow * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
       }
       q_s[i] = v;
     }
@@ -322,8 +377,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (next < n_tiles) load_tile(next, next % STAGES);
     cp_async_commit();
     fetch_ids(next + 1);  // in flight during this tile's compute
-    const T* ks = k_s + stage * (TT * HS);
-    const T* vs = v_s + stage * (HS * Geo::kVRow);
+    const T* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(T)));
+    const T* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(T)));
     const int valid = min(TT, end - t0);
 
     if constexpr (Geo::kMma) {
@@ -331,9 +386,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
       // Cache slots past the context end may hold anything, NaN included, and 0 * NaN is
       // NaN: clear V's columns there, up to the next 16-token step of the P V product.
       if (valid < TT) {
-        T* vz = v_s + stage * (HS * Geo::kVRow);
+        T* vz = const_cast<T*>(vs);
         const int cols = min(TT, (valid + 15) / 16 * 16) - valid;
-        for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = T{};
+        if constexpr (Geo::kTokenMajor) {
+          for (int i = tid; i < HS * cols; i += NT) vz[(valid + i / HS) * KROW + i % HS] = T{};
+        } else {
+          for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = T{};
+        }
       }
 
       // ---- scores: S^T = K Q^T, token tiles of 16 spread over the warps ----------------
@@ -348,17 +407,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
         if ((TT / 16) % Geo::kWarps != 0 && mt >= TT / 16) continue;
 #pragma unroll
         for (int i = 0; i < 4; ++i) sc[j][i] = 0.f;
-        const T* a_row = ks + ((mi >> 1) * TT + mt * 16 + (lane & 7) + (mi & 1) * 8) * X;
+        // A = K [token][dim]: matrix mi covers tokens + 8 (mi & 1), dims + 8 (mi >> 1).
+        const T* a_row = Geo::kTokenMajor
+            ? ks + (mt * 16 + (lane & 7) + (mi & 1) * 8) * KROW + (mi >> 1) * 8
+            : ks + ((mi >> 1) * TT + mt * 16 + (lane & 7) + (mi & 1) * 8) * X;
 #pragma unroll
         for (int kk = 0; kk < HS / 16; ++kk) {
           unsigned a[4];
-          ldmatrix_x4(a, a_row + kk * 2 * TT * X);
+          ldmatrix_x4(a, a_row + kk * (Geo::kTokenMajor ? 16 : 2 * TT * X));
           mma_16816<T>(sc[j], a, q_frag[kk]);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // C fragment: token (lane / 4) + 8 (i / 2), head hq + i % 2
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
-          const float rel = static_cast<float>(t0 + t - ctx + 1);  // ALiBi distance, <= 0
+          const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
           const float v = fmaf(my_slope[i & 1], rel, sc[j][i] * scale_log2);
           sc[j][i] = t < valid ? v : neg_inf();
           tmax[i & 1] = fmaxf(tmax[i & 1], sc[j][i]);
@@ -420,9 +482,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
           const int mt = warp + j * Geo::kWarps;
           if ((HS / 16) % Geo::kWarps != 0 && mt >= HS / 16) continue;
+          // A = V^T [dim][token]: matrix mi covers dims + 8 (mi & 1), tokens + 8 (mi >> 1).
           unsigned a[4];
-          ldmatrix_x4(a, vs + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRow + (mi >> 1) * 8 +
-                             kk * 16);
+          if constexpr (Geo::kTokenMajor) {
+            ldmatrix_x4_trans(a, vs + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROW + mt * 16 +
+                                     (mi & 1) * 8);
+          } else {
+            ldmatrix_x4(a, vs + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRow +
+                               (mi >> 1) * 8 + kk * 16);
+          }
           mma_16816<T>(acc_mma[j], a, b);
         }
       }
@@ -438,7 +506,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int g = 0; g < GT; ++g) s[j][g] = 0.f;
         for (int c = split; c < Geo::kChunks; c += Geo::kSplitsQK) {
           float kf[X];
-          load_floats<T, X>(ks + (c * TT + t) * X, kf);
+          load_floats<T, X>(Geo::kTokenMajor ? ks + t * KROW + c * X : ks + (c * TT + t) * X, kf);
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
             const float4* q4 = reinterpret_cast<const float4*>(q_s + g * HS + c * X);
@@ -477,7 +545,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   #pragma unroll
         for (int j = 0; j < Geo::kTokensPerThread; ++j) {
           const int t = tq + j * NT;
-          const float rel = static_cast<float>(t0 + t - ctx + 1);  // ALiBi distance, <= 0
+          const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
             s[j][g] = t < valid ? fmaf(slope[g], rel, s[j][g]) : neg_inf();
@@ -535,7 +603,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const int d = lane + 32 * k;
           if (HS % 32 != 0 && d >= HS) continue;
           float vf[X];
-          if constexpr (Geo::kVTransposed) {
+          if constexpr (Geo::kTokenMajor) {
+  #pragma unroll
+            for (int i = 0; i < X; ++i) vf[i] = to_float(vs[(tt + i) * KROW + d]);
+          } else if constexpr (Geo::kVTransposed) {
             load_floats<T, X>(vs + d * Geo::kVRow + tt, vf);
           } else {
             constexpr int kSub = Geo::kSub;
@@ -602,7 +673,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __syncthreads();
 
   const bool bad = *bad_block_s != 0;
-  const long long row0 = static_cast<long long>(seq) * num_heads + head0;
+  // Output rows follow the query's; split-KV partials (decode only) the sequences'.
+  const long long row0 = static_cast<long long>(qrow) * num_heads + head0;
   for (int i = tid; i < GT * HS; i += NT) {
     const int g = i / HS;
     const int d = i % HS;

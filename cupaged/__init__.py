@@ -1,11 +1,13 @@
 """cupaged: paged-attention kernels compiled at run time, for any Python program.
 
-Decode attention over a paged KV cache (vLLM's layout) on CuPy arrays, PyTorch tensors
-or any DLPack producer (no copies; torch in, torch out), with CUDA C++ templates
-specialized per dtype, head size and block size, compiled with NVRTC and cached.
+Paged attention for every kind of step (prefill, chunked prefill, speculative verify,
+decode) over NHD, HND or vLLM's cache layout, on CuPy arrays, PyTorch tensors or any
+DLPack producer (no copies; torch in, torch out), with CUDA C++ templates specialized per
+dtype, head size, block size and layout, compiled with NVRTC and cached.
 
 Public API:
-    paged_attention         decode attention (single pass or split-KV)
+    attention               varlen paged attention over any layout (every kind of step)
+    paged_attention         decode attention over vLLM's layout (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
     reshape_and_cache       write new tokens' K and V into their cache slots
@@ -21,7 +23,7 @@ Public API:
 """
 
 from . import reference
-from .attention import (
+from .decode import (
     BLOCK_SIZES,
     DecodeWorkspace,
     HEAD_SIZES,
@@ -32,6 +34,7 @@ from .attention import (
 )
 from .cache_ops import copy_blocks, empty_pinned, reshape_and_cache, swap_blocks
 from .jit import CompileError, KernelSpec, precompile
+from .varlen import attention
 from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache
 
 __version__ = "0.1.0"
@@ -39,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BLOCK_SIZES",
     "BlockManager",
+    "attention",
     "CompileError",
     "DecodeStep",
     "DecodeWorkspace",

@@ -17,15 +17,27 @@ from itertools import product
 from . import _checks, _covering, _dtypes, _geometry, jit
 
 GROUP_TILES = (1, 2, 4, 8)
+KV_FORMATS = tuple(jit.KV_FORMATS)
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {
     "paged_decode": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES,
-                     "block_size": _checks.BLOCK_SIZES, "group_tile": GROUP_TILES},
+                     "block_size": _checks.BLOCK_SIZES, "kv_format": KV_FORMATS,
+                     "group_tile": GROUP_TILES},
+    "paged_prefill": {"dtype": ("f16", "bf16"), "head_size": _checks.HEAD_SIZES,
+                      "block_size": _checks.BLOCK_SIZES, "kv_format": KV_FORMATS},
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
     "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
 }
+
+
+def supported(spec: jit.KernelSpec) -> bool:
+    """Axis values that exist alone but not together: paged_prefill copies vLLM's value
+    layout in 16-byte runs of one block, so it takes that layout from 8-token blocks up
+    (smaller ones go to the decode kernel's row mode)."""
+    return not (spec.kernel == "paged_prefill" and spec.kv_format == "vllm"
+                and spec.block_size < 8)
 
 
 def all_specs(archs) -> list[jit.KernelSpec]:
@@ -34,8 +46,15 @@ def all_specs(archs) -> list[jit.KernelSpec]:
     for kernel, axes in AXES.items():
         for arch in archs:
             for values in product(*axes.values()):
-                specs.append(jit.KernelSpec(kernel, arch=arch, **dict(zip(axes, values))))
+                spec = jit.KernelSpec(kernel, arch=arch, **dict(zip(axes, values)))
+                if supported(spec):
+                    specs.append(spec)
     return specs
+
+
+def _pairs(spec: jit.KernelSpec, names) -> set:
+    vals = [(n, getattr(spec, n)) for n in names]
+    return {(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]}
 
 
 def _decode_path(spec) -> tuple:
@@ -43,7 +62,7 @@ def _decode_path(spec) -> tuple:
     and group tile, and the branches DecodeGeometry derives from several axes at once
     (tensor cores, V's shared-memory layout), which pairs of axes alone may miss."""
     g = _geometry.DecodeGeometry.of(spec)
-    return spec.dtype, spec.tile_tokens, spec.group_tile, g.mma, g.v_transposed
+    return spec.dtype, spec.tile_tokens, spec.group_tile, spec.kv_format, g.mma, g.v_transposed
 
 
 def covering_specs(archs) -> list[jit.KernelSpec]:
@@ -52,8 +71,17 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
     not reach and the ones with the most and the least shared memory."""
     specs = []
     for kernel, axes in AXES.items():
-        for row in _covering.pairwise({**axes, "arch": tuple(archs)}):
-            specs.append(jit.KernelSpec(kernel, **row))
+        names = (*axes, "arch")
+        rows = [jit.KernelSpec(kernel, **row)
+                for row in _covering.pairwise({**axes, "arch": tuple(archs)})]
+        mine = [s for s in rows if supported(s)]
+        # Pairs only an unsupported row held: one supported spec for each.
+        covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()
+        for s in all_specs(archs):
+            if s.kernel == kernel and not _pairs(s, names) <= covered:
+                covered |= _pairs(s, names)
+                mine.append(s)
+        specs += mine
     for arch in archs:
         decode = [s for s in all_specs([arch]) if s.kernel == "paged_decode"]
         reached = {_decode_path(s) for s in specs if s.kernel == "paged_decode" and s.arch == arch}

@@ -106,6 +106,77 @@ def check_caches(key_cache, value_cache, dt: _dtypes.DType, ref: str = "query") 
     return CacheShape(dt, num_blocks, num_kv_heads, head_size, block_size)
 
 
+KV_LAYOUTS = ("NHD", "HND", "vllm")
+# Where block_size and num_kv_heads sit in a token-major cache's 4-D shape.
+_TOKEN_MAJOR_AXES = {"NHD": (1, 2), "HND": (2, 1)}
+
+
+class CacheView(NamedTuple):
+    """A validated K/V cache pair: its shape and the element strides the kernels use
+    (``PagedKV`` in cuda_src/kv_layout.cuh)."""
+
+    dtype: _dtypes.DType
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    kv_format: str  # "tok" | "vllm"
+    k_strides: tuple  # (block, head, token) in elements; token is 0 for vLLM's layout
+    v_strides: tuple
+
+
+def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
+                    ref: str = "query") -> CacheView:
+    """The caches of ``kv_layout``: ``"NHD"`` ``[num_blocks, block_size, num_kv_heads,
+    head_size]``, ``"HND"`` ``[num_blocks, num_kv_heads, block_size, head_size]`` (any
+    strides, views of fused allocations included, with the last dimension contiguous, the
+    pointer and every other stride a multiple of 16 bytes), or ``"vllm"`` (see
+    :func:`check_caches`)."""
+    if kv_layout == "vllm":
+        c = check_caches(key_cache, value_cache, dt, ref)
+        it = dt.itemsize
+        return CacheView(dt, c.num_blocks, c.num_kv_heads, c.head_size, c.block_size, "vllm",
+                         (key_cache.strides[0] // it, key_cache.strides[1] // it, 0),
+                         (value_cache.strides[0] // it, value_cache.strides[1] // it, 0))
+    if kv_layout not in _TOKEN_MAJOR_AXES:
+        fail(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    tok_axis, head_axis = _TOKEN_MAJOR_AXES[kv_layout]
+    dims = ("[num_blocks, block_size, num_kv_heads, head_size]" if kv_layout == "NHD"
+            else "[num_blocks, num_kv_heads, block_size, head_size]")
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if a.dtype != dt.numpy:
+            fail(f"{name} dtype {a.dtype} does not match {ref} dtype {dt.numpy}", TypeError)
+        if a.ndim != 4:
+            fail(f"{name} must be 4-D {dims} for kv_layout={kv_layout!r}, got shape {a.shape}")
+    if value_cache.shape != key_cache.shape:
+        fail(f"value_cache shape {value_cache.shape} does not match key_cache shape "
+             f"{key_cache.shape}")
+    shape = key_cache.shape
+    num_blocks, block_size, num_kv_heads, head_size = (
+        shape[0], shape[tok_axis], shape[head_axis], shape[3])
+    check_head_size(head_size)
+    if block_size not in BLOCK_SIZES:
+        fail(f"block_size {block_size} (key_cache.shape[{tok_axis}] for {kv_layout}) is not "
+             f"supported: expected a power of two from 1 to 256")
+    if num_kv_heads == 0:
+        fail("the caches have no KV heads")
+    if num_blocks > INT32_MAX:
+        fail(f"key_cache has {num_blocks} blocks; at most {INT32_MAX} are supported")
+    it = dt.itemsize
+    views = []
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+        st = a.strides
+        if st[3] != it:
+            fail(f"{name}'s last dimension (head_size) must be contiguous, got strides {st}")
+        outer = [x for n, x in zip(shape[:3], st[:3]) if n > 1]
+        if a.data.ptr % 16 or any(x % 16 or x < 0 for x in outer):
+            fail(f"{name} must be 16-byte aligned with block, head and token strides that "
+                 f"are non-negative multiples of 16 bytes (pointer {a.data.ptr:#x}, strides "
+                 f"{st})")
+        views.append((st[0] // it, st[head_axis] // it, st[tok_axis] // it))
+    return CacheView(dt, num_blocks, num_kv_heads, head_size, block_size, "tok", *views)
+
+
 def check_same_device(device: int, ref: str, arrays) -> None:
     """``arrays``: (name, array or None) pairs that must all live on ``device``."""
     for name, a in arrays:

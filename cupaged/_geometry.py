@@ -27,7 +27,8 @@ def _round_up(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeGeometry:
-    """``DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, GROUP_TILE, TILE_TOKENS, STAGES>``."""
+    """``DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, GROUP_TILE, TILE_TOKENS,
+    STAGES>``."""
 
     itemsize: int
     head_size: int
@@ -35,12 +36,17 @@ class DecodeGeometry:
     group_tile: int
     tile_tokens: int
     stages: int
+    kv_format: str = "vllm"
 
     @classmethod
     def of(cls, spec) -> "DecodeGeometry":
         """The geometry of a ``paged_decode`` :class:`~cupaged.jit.KernelSpec`."""
         return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
-                   spec.group_tile, spec.tile_tokens, spec.stages)
+                   spec.group_tile, spec.tile_tokens, spec.stages, spec.kv_format)
+
+    @property
+    def token_major(self) -> bool:  # kTokenMajor: K and V copied [token][dim]
+        return self.kv_format == "tok"
 
     @property
     def vec(self) -> int:  # kVec: elements per 16 bytes, the key layout's "x"
@@ -56,18 +62,20 @@ class DecodeGeometry:
 
     @property
     def v_transposed(self) -> bool:  # kVTransposed
-        return self.sub >= self.vec
+        return self.kv_format == "vllm" and self.sub >= self.vec
 
     @property
     def mma(self) -> bool:  # kMma: tensor cores for Q K^T and P V
         return (self.itemsize == 2 and self.group_tile >= 4 and self.head_size % 16 == 0
-                and self.v_transposed)
+                and (self.v_transposed or self.token_major))
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes
         it, tt, hs, gt = self.itemsize, self.tile_tokens, self.head_size, self.group_tile
-        k_stage = tt * hs * it
-        v_stage = hs * (tt + self.vec) * it
+        if self.token_major:
+            k_stage = v_stage = tt * (hs + self.vec) * it
+        else:
+            k_stage, v_stage = tt * hs * it, hs * (tt + self.vec) * it
         q_bytes = 0 if self.mma else gt * hs * 4
         red_bytes = _round_up(gt * 4, 16) if self.mma else DECODE_THREADS * gt * 4
         return (self.stages * (k_stage + v_stage) + q_bytes + tt * gt * 4 + red_bytes
@@ -90,7 +98,8 @@ class DecodeGeometry:
             bad.append("STAGES")
         if (tt // WARPS) % self.vec:
             bad.append("P @ V walks whole 16-byte vectors")
-        if WARPS * gt * hs * 4 > self.stages * tt * hs * it:
+        k_stage = tt * (hs + self.vec if self.token_major else hs) * it
+        if WARPS * gt * hs * 4 > self.stages * k_stage:
             bad.append("reduction space")
         if self.mma and gt * (tt + self.vec) * 2 > tt * gt * 4:
             bad.append("P space")
@@ -103,16 +112,85 @@ class DecodeGeometry:
         return self.smem_bytes <= limit
 
 
+@dataclass(frozen=True)
+class PrefillGeometry:
+    """``PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, WARPS, M_ATOMS, TILE_N,
+    STAGES>`` of ``cuda_src/paged_prefill.cuh``."""
+
+    itemsize: int
+    head_size: int
+    block_size: int
+    kv_format: str
+    warps: int
+    m_atoms: int
+    tile_tokens: int
+    stages: int
+
+    @classmethod
+    def of(cls, spec) -> "PrefillGeometry":
+        return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
+                   spec.kv_format, spec.warps, spec.m_atoms, spec.tile_tokens, spec.stages)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def rows(self) -> int:  # kRows: packed query rows per CTA
+        return 16 * self.m_atoms * self.warps
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes
+        hsp = _round_up(self.head_size, 16)
+        row = hsp + 8
+        q = self.rows * row * 2
+        k_stage = self.tile_tokens * row * 2
+        v_stage = hsp * (self.tile_tokens + 8) * 2 if self.kv_format == "vllm" else k_stage
+        return q + self.stages * (k_stage + v_stage) + 16
+
+    def violations(self) -> list[str]:
+        hs, bs = self.head_size, self.block_size
+        bad = []
+        if self.itemsize != 2:
+            bad.append("tensor cores take 16-bit operands")
+        if not (hs % 8 == 0 and 32 <= hs <= 256):
+            bad.append("HEAD_SIZE")
+        if bs & (bs - 1) or not 1 <= bs <= 256:
+            bad.append("BLOCK_SIZE")
+        if self.kv_format == "vllm" and bs < 8:
+            bad.append("vLLM's value layout is copied in runs of 8 tokens of one block")
+        if self.tile_tokens not in (16, 32, 64, 128):
+            bad.append("TILE_N")
+        if not (1 <= self.warps <= 8 and self.m_atoms in (1, 2)):
+            bad.append("WARPS, M_ATOMS")
+        if self.stages < 2:
+            bad.append("STAGES")
+        return bad
+
+    def fits(self, arch: str) -> bool:
+        cc = int(arch.split("_")[1].rstrip("a"))
+        return self.smem_bytes <= MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
+
+
+def geometry(spec):
+    """The host mirror of a ``paged_decode`` or ``paged_prefill`` spec."""
+    return (PrefillGeometry if spec.kernel == "paged_prefill" else DecodeGeometry).of(spec)
+
+
 def check_against_kernel(specs, chunk: int = 300) -> None:
-    """Have NVRTC compare the mirror with ``DecodeGeometry`` in the kernel source for each
-    ``paged_decode`` spec: one ``static_assert`` per spec over the shared memory, the path
-    and the piece count. No kernel is instantiated, so a few hundred take a second (in
+    """Have NVRTC compare the mirrors with ``DecodeGeometry`` and ``PrefillGeometry`` in
+    the kernel sources for each ``paged_decode`` / ``paged_prefill`` spec: one
+    ``static_assert`` per spec over the shared memory (and for decode the path and the
+    piece count). No kernel is instantiated, so a few hundred take a second (in
     programs of ``chunk``: NVRTC slows down more than linearly with thousands in one).
     Raises AssertionError with NVRTC's log naming the specializations that differ."""
     from concurrent.futures import ThreadPoolExecutor
 
     specs = list(specs)
-    parts = [specs[i:i + chunk] for i in range(0, len(specs), chunk)]
+    parts = []
+    for kernel in ("paged_decode", "paged_prefill"):
+        mine = [s for s in specs if s.kernel == kernel]
+        parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
     with ThreadPoolExecutor() as pool:
         list(pool.map(_check_chunk, parts))
 
@@ -122,15 +200,25 @@ def _check_chunk(specs) -> None:
 
     lines = []
     for s in specs:
+        t = _dtypes.BY_NAME[s.dtype].cxx
+        fmt = jit.KV_FORMATS[s.kv_format]
+        if s.kernel == "paged_prefill":
+            g = PrefillGeometry.of(s)
+            cxx = (f"cupaged::PrefillGeometry<{t}, {s.head_size}, {s.block_size}, {fmt}, "
+                   f"{s.warps}, {s.m_atoms}, {s.tile_tokens}, {s.stages}>")
+            lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
+                         f"{cxx}::kRows == {g.rows}, \"host mirror differs: {s.name}\");\n")
+            continue
         g = DecodeGeometry.of(s)
-        cxx = (f"cupaged::DecodeGeometry<{_dtypes.BY_NAME[s.dtype].cxx}, {s.head_size}, "
-               f"{s.block_size}, {s.group_tile}, {s.tile_tokens}, {s.stages}>")
+        cxx = (f"cupaged::DecodeGeometry<{t}, {s.head_size}, {s.block_size}, {fmt}, "
+               f"{s.group_tile}, {s.tile_tokens}, {s.stages}>")
         lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                      f"{cxx}::kMma == {str(g.mma).lower()} && "
                      f"{cxx}::kVTransposed == {str(g.v_transposed).lower()} && "
                      f"{cxx}::kPieces == {g.pieces}, \"host mirror differs: {s.name}\");\n")
     nvrtc = jit._nvrtc()
-    prog = nvrtc.createProgram(jit.source("paged_decode.cu") + "".join(lines), "mirror.cu", [], [])
+    prog = nvrtc.createProgram(jit.source(specs[0].source_file) + "".join(lines), "mirror.cu",
+                               [], [])
     try:
         try:
             nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from . import _dtypes, attention, reference, testing
+from . import _dtypes, decode, reference, testing
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,9 @@ class DecodeCase:
         return testing.TOLERANCE[_dtypes.lookup(self.dtype).name]
 
     def spec_name(self) -> str:
-        dev = attention._device(cupy.cuda.Device().id)
-        gt = attention._group_tile(self.heads // self.kv_heads)
-        return attention._decode_spec(dev.arch, _dtypes.lookup(self.dtype).name, self.head_size,
+        dev = decode._device(cupy.cuda.Device().id)
+        gt = decode._group_tile(self.heads // self.kv_heads)
+        return decode._decode_spec(dev.arch, _dtypes.lookup(self.dtype).name, self.head_size,
                                       self.block_size, gt).name
 
 
@@ -862,7 +862,7 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     """Host time per call of each entry point with its kernel cached (llama-3-8b shape,
     batch 8, context 1024), for CuPy arrays and (when torch imports) torch tensors, and
     per replay of a decode step of ``layers`` layers captured in a CUDA graph."""
-    from . import attention, cache_ops
+    from . import cache_ops, decode
     from .kv_cache import PagedKVCache
 
     case = DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16, np.dtype(np.float16)).build()
@@ -889,7 +889,7 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
 
     # A decode step captured once and replayed: per layer, write the new token's K/V and
     # attend (split-KV into a preallocated workspace, so nothing allocates while capturing).
-    ws = attention.DecodeWorkspace(8, 32, 128)
+    ws = decode.DecodeWorkspace(8, 32, 128)
 
     def step(arrays):
         q, kc, vc, bt, cl, o, kv, sl = arrays

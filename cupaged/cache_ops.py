@@ -27,7 +27,7 @@ _fail = _checks.fail
 
 @lru_cache(maxsize=None)
 def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str):
-    from .attention import _device
+    from .decode import _device
 
     spec = jit.KernelSpec(kernel, dtype, index_dtype=index_dtype, arch=_device(device_id).arch)
     return jit.load(spec, device_id)

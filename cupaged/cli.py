@@ -77,9 +77,9 @@ def _default_arch() -> str:
     if _gpu_count():
         import cupy
 
-        from . import attention
+        from . import decode
 
-        return attention._device(cupy.cuda.Device().id).arch
+        return decode._device(cupy.cuda.Device().id).arch
     return "sm_90"
 
 
@@ -103,7 +103,7 @@ def _default_arch() -> str:
 def compile_(archs, all_, covering, dtypes, head_size, block_size, group, precompile):
     """Compile kernels: the --all or --covering check, or cold/warm timings of the listed
     shapes."""
-    from . import _catalog, _geometry, attention
+    from . import _catalog, _geometry, decode
 
     if not archs:
         archs = (_default_arch(),)
@@ -125,7 +125,7 @@ def compile_(archs, all_, covering, dtypes, head_size, block_size, group, precom
         dts = [_dtypes.parse(d).name for d in dtypes]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
-    specs = [jit.KernelSpec("paged_decode", d, hs, bs, attention._group_tile(g), arch=a)
+    specs = [jit.KernelSpec("paged_decode", d, hs, bs, decode._group_tile(g), arch=a)
              for a, d, hs, bs, g in itertools.product(archs, dts, head_size, block_size, group)]
     if precompile:
         for b in jit.precompile(specs):
@@ -150,7 +150,7 @@ def compile_(archs, all_, covering, dtypes, head_size, block_size, group, precom
                     import cupy
 
                     t0 = time.perf_counter()
-                    jit.load(spec, cupy.cuda.Device().id, attention._decode_smem_bytes(spec))
+                    jit.load(spec, cupy.cuda.Device().id, decode._decode_smem_bytes(spec))
                     row += f" {(time.perf_counter() - t0) * 1e3:9.2f} ms"
                 click.echo(row)
         finally:
@@ -312,9 +312,9 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
            partition, reps, seed, json_path, csv_path, plot_path, tile):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference before it is timed."""
-    from . import attention
+    from . import decode
 
-    attention._set_tile(tile)
+    decode._set_tile(tile)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype)
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,

@@ -55,9 +55,13 @@ class CompileError(RuntimeError):
 
 # ---- the kernels: template name -> entry file and template parameters ---------------------
 
-_DECODE_PARAMS = ("dtype", "head_size", "block_size", "group_tile", "tile_tokens", "stages")
+_DECODE_PARAMS = ("dtype", "head_size", "block_size", "kv_format", "group_tile", "tile_tokens",
+                  "stages")
+_PREFILL_PARAMS = ("dtype", "head_size", "block_size", "kv_format", "warps", "m_atoms",
+                   "tile_tokens", "stages")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
+    "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
@@ -66,13 +70,17 @@ _KERNELS = {
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
 ARG_FORMATS = {
-    "paged_decode": "PPPPPqqPqqPqqPqPPiiiiif",
+    "paged_decode": "PPPPPqq88sPPPiiiiif",  # PagedKV (88 bytes) by value
+    "paged_prefill": "PPqq88sPPPiiif",
     "paged_decode_combine": "PPPPPiii",
     "reshape_and_cache": "PqqPqqPqqPqqPiiiq",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
 }
 _ARG_TOKEN = re.compile(r"(\d*)([a-zA-Z?])")
 _INDEX_CXX = {"i32": "int", "i64": "long long"}
+# KVFormat in cuda_src/kv_layout.cuh: "tok" for token-major caches (NHD, HND, fused views),
+# "vllm" for vLLM's legacy x-split key and dimension-major value.
+KV_FORMATS = {"tok": 0, "vllm": 1}
 
 
 def default_decode_tile(itemsize: int, head_size: int) -> int:
@@ -84,13 +92,20 @@ def default_decode_tile(itemsize: int, head_size: int) -> int:
     return min(256, max(32, tokens))
 
 
+def default_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
+    """(warps, m_atoms, tile_tokens, stages) of paged_prefill: four warps of 16 query rows
+    each, 64-token K/V tiles (32 above head size 128, to fit sm_80's shared memory), two
+    stages."""
+    return (4, 1, 64 if head_size <= 128 else 32, 2)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One specialization of a kernel template: everything that is a compile-time
     constant, plus the target architecture.
 
-    Fields a kernel does not take are left at 0. ``tile_tokens`` and ``stages`` default
-    (0) to the tuned choice for the dtype and head size.
+    Fields a kernel does not take are left at 0. ``tile_tokens``, ``stages``, ``warps``
+    and ``m_atoms`` default (0) to the tuned choice for the kernel, dtype and head size.
     """
 
     kernel: str
@@ -101,6 +116,9 @@ class KernelSpec:
     tile_tokens: int = 0
     stages: int = 0
     index_dtype: str = ""  # "i32" | "i64": slot or block-id arrays
+    kv_format: str = ""  # "tok" | "vllm" (KV_FORMATS); default: decode "vllm", prefill "tok"
+    warps: int = 0  # paged_prefill: warps per CTA
+    m_atoms: int = 0  # paged_prefill: 16-row mma tiles per warp
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -114,8 +132,17 @@ class KernelSpec:
             raise ValueError(f"index_dtype must be 'i32' or 'i64' in {self!r}")
         if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
             raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {self.arch!r}")
+        if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
+            object.__setattr__(self, "kv_format", "vllm" if self.kernel == "paged_decode" else "tok")
+        if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
+            raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
         object.__setattr__(self, "_params", params)
-        if "tile_tokens" in params:
+        if self.kernel == "paged_prefill":
+            for name, default in zip(("warps", "m_atoms", "tile_tokens", "stages"),
+                                     default_prefill_tile(self.head_size)):
+                if getattr(self, name) == 0:
+                    object.__setattr__(self, name, default)
+        elif "tile_tokens" in params:
             itemsize = _dtypes.BY_NAME[self.dtype].itemsize
             if self.tile_tokens == 0:
                 object.__setattr__(self, "tile_tokens", default_decode_tile(itemsize, self.head_size))
@@ -128,7 +155,7 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """Readable and unique, e.g. ``paged_decode_f16_hs128_bs16_g4_sm90``."""
+        """Readable and unique, e.g. ``paged_decode_f16_hs128_bs16_vllm_g4_sm90``."""
         p = self._params
         parts = [self.kernel]
         if "dtype" in p:
@@ -139,9 +166,15 @@ class KernelSpec:
             parts.append(self.index_dtype)
         if "block_size" in p:
             parts.append(f"bs{self.block_size}")
+        if "kv_format" in p:
+            parts.append(self.kv_format)
         if "group_tile" in p:
             parts.append(f"g{self.group_tile}")
-        if "tile_tokens" in p:
+        if self.kernel == "paged_prefill":
+            tile = (self.warps, self.m_atoms, self.tile_tokens, self.stages)
+            if tile != default_prefill_tile(self.head_size):
+                parts.append("w{}m{}n{}x{}".format(*tile))
+        elif "tile_tokens" in p:
             itemsize = _dtypes.BY_NAME[self.dtype].itemsize
             if (self.tile_tokens, self.stages) != (default_decode_tile(itemsize, self.head_size), 2):
                 parts.append(f"t{self.tile_tokens}x{self.stages}")
@@ -158,6 +191,8 @@ class KernelSpec:
                 v = _dtypes.BY_NAME[v].cxx
             elif p == "index_dtype":
                 v = _INDEX_CXX[v]
+            elif p == "kv_format":
+                v = KV_FORMATS[v]
             args.append(str(v))
         return f"cupaged::{self.kernel}<{', '.join(args)}>"
 

@@ -59,8 +59,8 @@ def test_compile_reports_cold_and_warm_times(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", "--head-size", "64,96"])
     assert r.exit_code == 0, r.output
     lines = [l for l in r.output.splitlines() if l.startswith("paged_decode_")]
-    assert [l.split()[0] for l in lines] == ["paged_decode_f16_hs64_bs16_g4_sm90",
-                                             "paged_decode_f16_hs96_bs16_g4_sm90"]
+    assert [l.split()[0] for l in lines] == ["paged_decode_f16_hs64_bs16_vllm_g4_sm90",
+                                             "paged_decode_f16_hs96_bs16_vllm_g4_sm90"]
     assert all(" s " in l and l.endswith("ms") for l in lines)
     assert not list(tmp_path.iterdir())  # timings use a private cold cache
 
@@ -72,7 +72,7 @@ def test_compile_precompile_fills_the_cache(tmp_path, monkeypatch):
                                   "bfloat16", "--block-size", "8,32", "--group", "1"])
     assert r.exit_code == 0, r.output
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.cubin")) == [
-        "paged_decode_bf16_hs128_bs32_g1_sm80", "paged_decode_bf16_hs128_bs8_g1_sm80"]
+        "paged_decode_bf16_hs128_bs32_vllm_g1_sm80", "paged_decode_bf16_hs128_bs8_vllm_g1_sm80"]
     jit.clear_memory_caches()
 
 
@@ -97,7 +97,7 @@ def _synthetic_results():
     for impl, scale in (("cupaged", 1.0), ("cupy-gather", 3.0)):
         for ctx in (512, 2048, 8192):
             us = scale * ctx / 10
-            rows.append(Result(impl, "paged_decode_f16_hs128_bs16_g4_sm90" if impl == "cupaged" else "",
+            rows.append(Result(impl, "paged_decode_f16_hs128_bs16_vllm_g4_sm90" if impl == "cupaged" else "",
                                "llama-3-8b", 64, str(ctx), float(ctx), 32, 8, 128, 16, "float16",
                                "auto", "ok", us, us * 0.98, us * 1.03, 2000 / scale, 66.0 / scale,
                                2e-4, scale))
@@ -243,7 +243,7 @@ def test_decode_sweep_writes_files(tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "d.json").read_text())["results"]
     assert len(rows) == 4 and all(x["status"] == "ok" and x["median_us"] > 0 for x in rows)
-    assert all(x["kernel"].startswith("paged_decode_f16_hs64_bs16_g4_sm") for x in rows)
+    assert all(x["kernel"].startswith("paged_decode_f16_hs64_bs16_vllm_g4_sm") for x in rows)
     assert (tmp_path / "d.png").stat().st_size > 5000 and (tmp_path / "d.csv").is_file()
 
 

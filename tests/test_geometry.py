@@ -10,22 +10,42 @@ from cupaged import _catalog, _covering, _geometry, jit
 ARCHS = ("sm_80", "sm_90")
 ALL = _catalog.all_specs(ARCHS)
 DECODE = [s for s in ALL if s.kernel == "paged_decode"]
+PREFILL = [s for s in ALL if s.kernel == "paged_prefill"]
 
 
 def test_every_supported_decode_specialization_satisfies_the_kernel_constraints():
     """Every static_assert of DecodeGeometry, and the shared memory of each target, for
     all specializations: what compiling a covering set cannot prove for the rest."""
-    assert len(DECODE) == 2 * 3 * 29 * 9 * 4
+    assert len(DECODE) == 2 * 3 * 29 * 9 * 2 * 4
     for s in DECODE:
         g = _geometry.DecodeGeometry.of(s)
         assert g.violations() == [], s.name
         assert g.fits(s.arch), (s.name, g.smem_bytes)
 
 
+def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints():
+    # vLLM's layout from block size 8 up (6 of 9 sizes), the token-major one for all 9
+    assert len(PREFILL) == 2 * 2 * 29 * (9 + 6)
+    for s in PREFILL:
+        g = _geometry.PrefillGeometry.of(s)
+        assert g.violations() == [], s.name
+        assert g.fits(s.arch), (s.name, g.smem_bytes)
+
+
 def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
-    """NVRTC evaluates DecodeGeometry for each of the 3,132 geometries and compares its
-    shared memory, path and piece count with the host's (seconds: no kernel is built)."""
-    _geometry.check_against_kernel([s for s in DECODE if s.arch == "sm_90"])
+    """NVRTC evaluates DecodeGeometry for each of the 6,264 decode geometries and
+    PrefillGeometry for the 870 prefill ones, and compares their shared memory, path and
+    piece count with the host's (seconds: no kernel is built)."""
+    _geometry.check_against_kernel([s for s in DECODE + PREFILL if s.arch == "sm_90"])
+
+
+def test_prefill_takes_vllm_layout_from_8_token_blocks():
+    spec = jit.KernelSpec("paged_prefill", "f16", 64, 4, kv_format="vllm")
+    assert not _catalog.supported(spec)
+    assert "vLLM's value layout is copied in runs of 8 tokens of one block" in \
+        _geometry.PrefillGeometry.of(spec).violations()
+    with pytest.raises(jit.CompileError, match="runs of 8 tokens"):
+        jit.compile_check([spec])
 
 
 def test_a_wrong_mirror_is_caught(monkeypatch):
@@ -56,7 +76,7 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 
 def test_specialization_names_are_unique():
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (3132 + 87 + 6 + 2)
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (6264 + 870 + 87 + 6 + 2)
 
 
 # ---- the covering set ------------------------------------------------------------------------
@@ -64,10 +84,14 @@ def test_specialization_names_are_unique():
 
 @pytest.mark.parametrize("kernel", sorted(_catalog.AXES))
 def test_covering_set_covers_every_pair_of_every_kernel(kernel):
+    """Every pair of values that some supported specialization has."""
+    names = (*_catalog.AXES[kernel], "arch")
+    want = set().union(*(_catalog._pairs(s, names) for s in ALL if s.kernel == kernel))
+    cover = [s for s in _catalog.covering_specs(ARCHS) if s.kernel == kernel]
+    got = set().union(*(_catalog._pairs(s, names) for s in cover))
+    assert got == want
+    assert all(_catalog.supported(s) for s in cover)
     axes = {**_catalog.AXES[kernel], "arch": ARCHS}
-    rows = [dict((k, getattr(s, k)) for k in axes)
-            for s in _catalog.covering_specs(ARCHS) if s.kernel == kernel]
-    assert _covering.covers_all_pairs(axes, rows)
     sizes = sorted((len(v) for v in axes.values()), reverse=True)
     # The two largest axes' product is the least any pairwise set can have.
     assert len(_covering.pairwise(axes)) == sizes[0] * sizes[1] or len(sizes) < 2

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _dtypes, attention, reference, testing
+from cupaged import _dtypes, decode, reference, testing
 from cupaged.bench import _Spin
 from conftest import assert_close, make_problem
 
@@ -432,8 +432,8 @@ def test_arrays_on_device_1(rng):
         assert cupy.cuda.runtime.getDevice() == 0  # the caller's device is restored
     assert out.device.id == 1
     assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
-    k0 = attention._kernels(0, "f16", 64, 16, 4)
-    k1 = attention._kernels(1, "f16", 64, 16, 4)
+    k0 = decode._kernels(0, "f16", 64, 16, 4)
+    k1 = decode._kernels(1, "f16", 64, 16, 4)
     assert k0 is not k1 and k0.decode.ptr != k1.decode.ptr
     with pytest.raises(ValueError, match="the workspace is on device 0 but query is on device 1"):
         cupaged.paged_attention(**args, workspace=cupaged.DecodeWorkspace(2, 8, 64, device=0))

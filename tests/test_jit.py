@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cupaged import cache_ops, jit
+from cupaged import cache_ops, decode, jit
 from cupaged.cli import main
 
 SPEC = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_90")
@@ -38,11 +38,11 @@ def sources(tmp_path, monkeypatch):
 
 
 def test_spec_names_are_readable_and_unique():
-    assert SPEC.name == "paged_decode_f16_hs64_bs16_g4_sm90"
+    assert SPEC.name == "paged_decode_f16_hs64_bs16_vllm_g4_sm90"
     assert jit.KernelSpec("paged_decode_combine", "bf16", 128, arch="sm_80").name == \
         "paged_decode_combine_bf16_hs128_sm80"
     tuned = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, tile_tokens=32, stages=3)
-    assert tuned.name == "paged_decode_f16_hs64_bs16_g4_t32x3_sm90"
+    assert tuned.name == "paged_decode_f16_hs64_bs16_vllm_g4_t32x3_sm90"
 
 
 def test_spec_is_frozen_hashable_and_defaults_its_tile():
@@ -51,7 +51,7 @@ def test_spec_is_frozen_hashable_and_defaults_its_tile():
     assert SPEC.tile_tokens == jit.default_decode_tile(2, 64) and SPEC.stages == 2
     with pytest.raises(AttributeError):
         SPEC.head_size = 128
-    assert SPEC.name_expression == "cupaged::paged_decode<cupaged::half_t, 64, 16, 4, 128, 2>"
+    assert SPEC.name_expression == "cupaged::paged_decode<cupaged::half_t, 64, 16, 1, 4, 128, 2>"
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -225,7 +225,8 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 
 
 # Structs the kernels take by value, as ARG_FORMATS spells them.
-STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s"}
+STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s",
+                  "PagedKV": f"{decode._PAGED_KV.size}s"}
 
 
 def _mangled_params(lowered: str) -> str:
@@ -266,6 +267,7 @@ def _mangled_params(lowered: str) -> str:
 
 @pytest.mark.parametrize("spec", [
     jit.KernelSpec("paged_decode", "bf16", 128, 16, 4),
+    jit.KernelSpec("paged_prefill", "f16", 96, 16),
     jit.KernelSpec("paged_decode_combine", "f32", 64),
     jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i64"),
     jit.KernelSpec("copy_blocks", index_dtype="i32"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _checks, attention
+from cupaged import _checks, decode
 
 
 class Fake:
@@ -33,7 +33,7 @@ def args(dtype=np.float16, seqs=3, heads=8, kv_heads=2, hs=64, bs=16, blocks=10,
 
 def validate(**a):
     fakes = {k: (None if v is None else (v if isinstance(v, Fake) else Fake(v))) for k, v in a.items()}
-    return attention._validate(fakes["query"], fakes["key_cache"], fakes["value_cache"],
+    return decode._validate(fakes["query"], fakes["key_cache"], fakes["value_cache"],
                                fakes["block_tables"], fakes["context_lens"],
                                fakes["alibi_slopes"], fakes["out"])
 
@@ -149,18 +149,18 @@ def _problem(**kw):
 ])
 def test_scale_must_be_finite(value, match):
     with pytest.raises(ValueError, match=match):
-        attention._scale(value, 64)
+        decode._scale(value, 64)
 
 
 def test_max_context_len_checks():
     p = _problem()
-    assert attention._max_context(None, p) == 4 * 16
-    assert attention._max_context(30, p) == 30
-    assert attention._max_context(10**6, p) == 64  # never more than the table can hold
+    assert decode._max_context(None, p) == 4 * 16
+    assert decode._max_context(30, p) == 30
+    assert decode._max_context(10**6, p) == 64  # never more than the table can hold
     with pytest.raises(ValueError, match="max_context_len must be >= 0"):
-        attention._max_context(-1, p)
+        decode._max_context(-1, p)
     with pytest.raises(TypeError, match="max_context_len must be an int"):
-        attention._max_context(3.5, p)
+        decode._max_context(3.5, p)
 
 
 @pytest.mark.parametrize("partition, match", [
@@ -170,26 +170,26 @@ def test_max_context_len_checks():
 ])
 def test_partition_checks(partition, match):
     with pytest.raises(ValueError, match=match):
-        attention._partition_tokens(partition, _problem(), 64, 8, KS)
+        decode._partition_tokens(partition, _problem(), 64, 8, KS)
 
 
 def test_too_many_partitions_are_refused():
     p = _problem(width=2**20, bs=1)
     with pytest.raises(ValueError, match="more than 65535 partitions"):
-        attention._partition_tokens(1, p, 2**20, 8, KS)
+        decode._partition_tokens(1, p, 2**20, 8, KS)
 
 
 def test_explicit_partition_and_never():
     p = _problem()
-    assert attention._partition_tokens(32, p, 64, 8, KS) == 32
-    assert attention._partition_tokens("never", p, 64, 8, KS) == 0
-    assert attention._partition_tokens(32, p, 0, 8, KS) == 0  # nothing to split
+    assert decode._partition_tokens(32, p, 64, 8, KS) == 32
+    assert decode._partition_tokens("never", p, 64, 8, KS) == 0
+    assert decode._partition_tokens(32, p, 0, 8, KS) == 0  # nothing to split
 
 
 def test_auto_may_choose_a_single_pass():
     p = _problem()
-    assert attention._partition_tokens("auto", p, 2048, 4096, KS) == 0  # many waves already
-    assert attention._partition_tokens("always", p, 2048, 4096, KS) > 0
+    assert decode._partition_tokens("auto", p, 2048, 4096, KS) == 0  # many waves already
+    assert decode._partition_tokens("always", p, 2048, 4096, KS) > 0
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
@@ -200,14 +200,14 @@ def test_auto_may_choose_a_single_pass():
     (4096, 2048, 1),     # many waves already: no split
 ])
 def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
-    size = attention._split(ctas, ctx, 396, 64, 64, False)
+    size = decode._split(ctas, ctx, 396, 64, 64, False)
     assert (-(-ctx // size) if size else 1) == want_parts
 
 
 def test_always_splits_at_least_in_two():
-    assert attention._split(4096, 2048, 396, 64, 64, True) > 0
-    assert -(-2048 // attention._split(4096, 2048, 396, 64, 64, True)) >= 2
-    assert attention._split(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
+    assert decode._split(4096, 2048, 396, 64, 64, True) > 0
+    assert -(-2048 // decode._split(4096, 2048, 396, 64, 64, True)) >= 2
+    assert decode._split(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
 
 
 # ---- regression tests for the review of issue 10 ---------------------------------------------
@@ -226,12 +226,12 @@ def test_more_query_heads_than_the_grid_allows_are_refused():
 ])
 def test_scale_must_fit_float32(value, exc, match):
     with pytest.raises(exc, match=match):
-        attention._scale(value, 64)
+        decode._scale(value, 64)
 
 
 def test_partition_of_2_pow_31_tokens_is_a_value_error():
     with pytest.raises(ValueError, match="below 2\\^31"):
-        attention._partition_tokens(2**31, _problem(), 64, 8, KS)
+        decode._partition_tokens(2**31, _problem(), 64, 8, KS)
 
 
 def _with_ptr(a, ptr):
@@ -277,20 +277,20 @@ def test_devices_older_than_sm80_are_refused_by_name(monkeypatch):
     props = {"major": 7, "minor": 5, "name": b"Tesla T4", "multiProcessorCount": 40,
              "sharedMemPerBlockOptin": 65536}
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda i: props)
-    attention._device.cache_clear()
+    decode._device.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"device 3 \(Tesla T4\) has compute capability "
                                                r"7\.5; cupaged's kernels need 8\.0 or newer"):
-            attention._device(3)
+            decode._device(3)
     finally:
-        attention._device.cache_clear()
+        decode._device.cache_clear()
 
 
 @pytest.fixture
 def v2_args(monkeypatch):
     """paged_attention_v2's scratch checks run before anything touches a GPU: Fakes pass
     through the array adapter unchanged."""
-    monkeypatch.setattr(attention, "as_device_array", lambda x, name: x)
+    monkeypatch.setattr(decode, "as_device_array", lambda x, name: x)
     a = {k: (None if v is None else Fake(v)) for k, v in args(seqs=2, heads=4).items()}
     base = 1 << 24
     a["out"] = _with_ptr(np.zeros((2, 4, 64), np.float16), base)
@@ -301,7 +301,7 @@ def v2_args(monkeypatch):
 
 
 def _call_v2(a):
-    return attention.paged_attention_v2(
+    return decode.paged_attention_v2(
         a["out"], a["exp_sums"], a["max_logits"], a["tmp_out"], a["query"], a["key_cache"],
         a["value_cache"], 2, 0.1, a["block_tables"], a["context_lens"], 16, 64)
 
@@ -334,7 +334,7 @@ def test_v2_never_asks_for_more_partitions_than_the_grid_holds(v2_args, monkeypa
     """vLLM sizes max_num_partitions as ceil(max_len / 512): at 40M tokens that is 78,125,
     more than a grid dimension holds; v2 must use fewer, larger partitions."""
     seen = {}
-    monkeypatch.setattr(attention, "_run", lambda *a, **k: seen.setdefault("args", a))
+    monkeypatch.setattr(decode, "_run", lambda *a, **k: seen.setdefault("args", a))
     a = v2_args
     n = 78125
     a["block_tables"] = Fake(np.zeros((2, 1), np.int32))
@@ -344,7 +344,7 @@ def test_v2_never_asks_for_more_partitions_than_the_grid_holds(v2_args, monkeypa
     tmp = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2, 4, n, 64),
                                           strides=(4 * n * 64 * 4, n * 64 * 4, 64 * 4, 4))
     a["tmp_out"] = _with_ptr(tmp, 1 << 32)
-    attention.paged_attention_v2(
+    decode.paged_attention_v2(
         a["out"], a["exp_sums"], a["max_logits"], a["tmp_out"], a["query"], a["key_cache"],
         a["value_cache"], 2, 0.1, a["block_tables"], a["context_lens"], 16, 40_000_000)
     partition, workspace = seen["args"][9], seen["args"][11]

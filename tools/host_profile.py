@@ -9,14 +9,14 @@ import sys
 import cupy
 import numpy as np
 
-from cupaged import attention, cache_ops
+from cupaged import cache_ops, decode
 from cupaged.bench import DecodeCase
 
 calls = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
 case = DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16, np.dtype(np.float16)).build()
 a = case.arrays
 out = cupy.empty(a["query"].shape, a["query"].dtype)
-ws = attention.DecodeWorkspace(8, 32, 128)
+ws = decode.DecodeWorkspace(8, 32, 128)
 ks, vs = [a["key_cache"]] * 32, [a["value_cache"]] * 32
 pairs = cupy.asarray([[0, 1], [2, 3]], np.int64)
 args = (a["query"], a["key_cache"], a["value_cache"], a["block_tables"], a["context_lens"])

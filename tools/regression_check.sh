@@ -49,6 +49,6 @@ open(p, "w").write(s)
 print(f"mutant: removed the V masking ({n0 - len(s)} characters, 2 places)")
 PY
 echo "== current kernels without the V masking (must fail) and with it (must pass)"
-run "mutant: stale slots" "$mut" tests/test_attention.py -k stale --maxfail=1000
-run "real: stale slots" "$repo" tests/test_attention.py -k stale
+run "mutant: stale slots" "$mut" tests/test_decode.py -k stale --maxfail=1000
+run "real: stale slots" "$repo" tests/test_decode.py -k stale
 grep -h -E "^FAILED" "$OUT"/regress-mutant* | sed 's/ - .*//' | sort | uniq -c | head -30

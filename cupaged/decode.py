@@ -8,6 +8,7 @@ and of split-KV, and the launch on the current CuPy stream of the arrays' device
 from __future__ import annotations
 
 import math
+import struct
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -69,11 +70,11 @@ def _set_tile(tile: tuple[int, int] | None) -> None:
     _kernels.cache_clear()
 
 
-def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int,
-                 group_tile: int) -> jit.KernelSpec:
+def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
+                 kv_format: str = "vllm") -> jit.KernelSpec:
     tt, st = _tile_override or (0, 0)
     return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
-                          arch=arch)
+                          kv_format=kv_format, arch=arch)
 
 
 class _Device(NamedTuple):
@@ -107,9 +108,10 @@ class _Kernels(NamedTuple):
 
 
 @lru_cache(maxsize=None)
-def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int) -> _Kernels:
+def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int,
+             kv_format: str = "vllm") -> _Kernels:
     dev = _device(device_id)
-    spec = _decode_spec(dev.arch, dtype, head_size, block_size, group_tile)
+    spec = _decode_spec(dev.arch, dtype, head_size, block_size, group_tile, kv_format)
     smem = _decode_smem_bytes(spec)
     if smem > dev.max_smem:
         raise ValueError(
@@ -137,6 +139,20 @@ class _Problem(NamedTuple):
     block_size: int
     num_blocks: int
     max_blocks: int
+    cache: _checks.CacheView
+    num_rows: int  # query rows: num_seqs for decode, total_q for attention()
+
+
+# PagedKV (cuda_src/kv_layout.cuh), passed by value: k, v, their (block, head, token)
+# strides, the block table and its row stride, max_blocks, num_blocks.
+_PAGED_KV = struct.Struct("@PPqqqqqqPqii")
+assert _PAGED_KV.size == 88
+
+
+def _paged_kv(kc, vc, bt, p: _Problem) -> bytes:
+    c = p.cache
+    return _PAGED_KV.pack(kc.data.ptr, vc.data.ptr, *c.k_strides, *c.v_strides, bt.data.ptr,
+                          bt.strides[0] // 4, p.max_blocks, p.num_blocks)
 
 
 def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
@@ -152,7 +168,7 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     x = 16 // dt.itemsize
     if key_cache.ndim == 5 and key_cache.shape[2] * x != head_size:
         _fail(f"key_cache.shape[2] is {key_cache.shape[2]}, expected head_size/{x} = {head_size // x}")
-    cache = _checks.check_caches(key_cache, value_cache, dt)
+    cache = _checks.check_kv_layout(key_cache, value_cache, dt, "vllm")
     if num_heads == 0 or num_heads % cache.num_kv_heads:
         _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
               f"({cache.num_kv_heads})")
@@ -204,7 +220,7 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
         ("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
         ("context_lens", context_lens), ("alibi_slopes", alibi_slopes), ("out", out)))
     return _Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
-                    cache.block_size, cache.num_blocks, max_blocks)
+                    cache.block_size, cache.num_blocks, max_blocks, cache, num_seqs)
 
 
 def _scale(scale, head_size: int) -> float:
@@ -316,18 +332,21 @@ def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: i
 
 
 def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
-            partition, ctx: _arrays.Context, workspace: _Partials | None = None) -> None:
+            partition, ctx: _arrays.Context, workspace: _Partials | None = None,
+            rows=None, causal: bool = True) -> None:
     """Validate nothing, launch everything: decode (and combine) on ``ctx.stream``.
-    ``workspace``: where the split-KV partials go, else a temporary buffer."""
-    if p.num_seqs == 0:
+    ``workspace``: where the split-KV partials go, else a temporary buffer. ``rows``: the
+    query_start_loc array for the row mode (one CTA per query row; single pass)."""
+    if p.num_seqs == 0 or p.num_rows == 0:
         return
     group = p.num_heads // p.num_kv_heads
     gt = _group_tile(group)
-    ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt)
+    ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt, p.cache.kv_format)
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
-    size = _partition_tokens(partition, p, max_ctx, p.num_seqs * grid_y, ks)
+    size = 0 if rows is not None else _partition_tokens(partition, p, max_ctx,
+                                                         p.num_seqs * grid_y, ks)
     if size and workspace is not None:
         size = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
                                max(ks.tile_tokens, p.block_size))
@@ -347,14 +366,12 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
         dst = out.data.ptr
 
     it = p.dtype.itemsize
-    ks.decode((p.num_seqs, grid_y, n_parts), _THREADS, ks.smem, ctx.stream,
+    ks.decode((p.num_rows, grid_y, n_parts), _THREADS, ks.smem, ctx.stream,
               dst, part_out, part_max, part_sum,
-              q.data.ptr, q.strides[0] // it, q.strides[1] // it,
-              kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it,
-              vc.data.ptr, vc.strides[0] // it, vc.strides[1] // it,
-              bt.data.ptr, bt.strides[0] // 4, cl.data.ptr,
+              q.data.ptr, q.strides[0] // it, q.strides[1] // it, _paged_kv(kc, vc, bt, p),
+              cl.data.ptr, 0 if rows is None else rows.data.ptr,
               0 if alibi is None else alibi.data.ptr,
-              p.num_heads, group, p.max_blocks, p.num_blocks, size, scale * _LOG2E)
+              p.num_heads, group, p.num_seqs, int(causal), size, scale * _LOG2E)
     if size:
         ks.combine((p.num_seqs, p.num_heads, 1), _THREADS, 0, ctx.stream,
                    out.data.ptr, part_out, part_max, part_sum, cl.data.ptr,

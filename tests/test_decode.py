@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _dtypes, attention, jit, testing
+from cupaged import _dtypes, decode, jit, testing
 from conftest import assert_close, make_problem, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -22,13 +22,13 @@ def _grid():
     drawn at random (with a fixed seed, so the test ids stay stable)."""
     r = random.Random(2024)
     cases = set()
-    for hs in attention.HEAD_SIZES:
-        cases.add((r.choice(list(DTYPES)), hs, r.choice(attention.BLOCK_SIZES), r.choice(GROUPS)))
+    for hs in decode.HEAD_SIZES:
+        cases.add((r.choice(list(DTYPES)), hs, r.choice(decode.BLOCK_SIZES), r.choice(GROUPS)))
     for dt in DTYPES:
-        for bs in attention.BLOCK_SIZES:
-            cases.add((dt, r.choice(attention.HEAD_SIZES), bs, r.choice(GROUPS)))
+        for bs in decode.BLOCK_SIZES:
+            cases.add((dt, r.choice(decode.HEAD_SIZES), bs, r.choice(GROUPS)))
         for g in GROUPS:
-            cases.add((dt, r.choice(attention.HEAD_SIZES), r.choice(attention.BLOCK_SIZES), g))
+            cases.add((dt, r.choice(decode.HEAD_SIZES), r.choice(decode.BLOCK_SIZES), g))
     return [(*c, r.choice((1, 2)), r.random() < 0.3) for c in sorted(cases)]
 
 
@@ -38,10 +38,10 @@ GRID = _grid()
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
     """Compile the grid's specializations in parallel before the tests use them."""
-    arch = attention._device(cupy.cuda.Device().id).arch
+    arch = decode._device(cupy.cuda.Device().id).arch
     specs = []
     for dt, hs, bs, g, _, _ in GRID:
-        specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, attention._group_tile(g), arch=arch))
+        specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, decode._group_tile(g), arch=arch))
         specs.append(jit.KernelSpec("paged_decode_combine", dt, hs, arch=arch))
     jit.precompile(specs, workers=16)
 
@@ -321,7 +321,7 @@ def test_context_of_2_pow_31_tokens(rng):
     the softmax over that block, so the float64 reference of block 0 alone is exact. The
     split-KV combine used to overflow int32 computing its partition count (all zeros)."""
     bs, n = 256, 2_147_481_600
-    assert n % bs == 0 and n <= attention._MAX_TOKENS
+    assert n % bs == 0 and n <= decode._MAX_TOKENS
     p = make_problem(rng, lens=[bs], heads=1, kv_heads=1, head_size=32, block_size=bs,
                      spare_blocks=0)
     ref = p.reference()

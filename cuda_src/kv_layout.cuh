@@ -1,0 +1,70 @@
+// A paged K/V cache as pointers plus strides, so NHD, HND, vLLM's legacy layout and views
+// of fused allocations are one code path.
+//
+// Token-major caches (FORMAT kFormatTokenMajor) hold each (token, KV head) row of head_size
+// elements contiguously, anywhere: NHD [blocks, block_size, kv_heads, head_size], HND
+// [blocks, kv_heads, block_size, head_size], K and V as halves of FlashInfer's
+// [blocks, 2, ...] or vLLM's packed [blocks, kv_heads, block_size, 2 * head_size] are all
+// (block, head, token) strides. vLLM's legacy layout (FORMAT kFormatVllm) splits the key by
+// 16-byte chunks, [blocks, kv_heads, head_size / x, block_size, x], and stores the value
+// dimension-major, [blocks, kv_heads, head_size, block_size]; both are contiguous within
+// a (block, head), so only those two strides are free.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+enum KVFormat : int { kFormatTokenMajor = 0, kFormatVllm = 1 };
+
+// Passed by value as a kernel parameter (88 bytes); element strides.
+struct PagedKV {
+  const void* k;
+  const void* v;
+  long long k_block, k_head, k_token;  // k_token: token-major only
+  long long v_block, v_head, v_token;  // v_token: token-major only
+  const int* block_tables;             // [num_seqs, bt_stride], int32 block ids
+  long long bt_stride;
+  int max_blocks;  // entries per table row: lengths are clamped to max_blocks * block_size
+  int num_blocks;  // ids outside [0, num_blocks) are never dereferenced
+};
+
+template <typename T, int FORMAT, int BLOCK_SIZE>
+struct KVAccess {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+
+  // The 16-byte chunk `c` (dims [c * kVec, c * kVec + kVec)) of the key of token `within`
+  // of block `phys`, KV head `head`.
+  static __device__ __forceinline__ const T* key_chunk(const PagedKV& kv, int phys, int head,
+                                                       int within, int c) {
+    const T* base = static_cast<const T*>(kv.k) + phys * kv.k_block + head * kv.k_head;
+    if constexpr (FORMAT == kFormatTokenMajor) {
+      return base + within * kv.k_token + c * kVec;
+    } else {
+      return base + (c * BLOCK_SIZE + within) * kVec;
+    }
+  }
+
+  // Token-major: chunk `c` of the value of token `within`.
+  // vLLM: dim `c` of tokens [within, within + kVec) (a 16-byte run when blocks hold at
+  // least kVec tokens).
+  static __device__ __forceinline__ const T* value_chunk(const PagedKV& kv, int phys, int head,
+                                                         int within, int c) {
+    const T* base = static_cast<const T*>(kv.v) + phys * kv.v_block + head * kv.v_head;
+    if constexpr (FORMAT == kFormatTokenMajor) {
+      return base + within * kv.v_token + c * kVec;
+    } else {
+      return base + c * BLOCK_SIZE + within;
+    }
+  }
+};
+
+// The physical block holding logical token `token` of a sequence's table row, or -1 when
+// the table names a block outside the cache (the caller then reads nothing and reports
+// NaN). `token` must be below the clamped length, so the row is never overrun.
+__device__ __forceinline__ int physical_block(const PagedKV& kv, const int* bt_row, int token,
+                                              int block_size) {
+  const int phys = __ldg(bt_row + token / block_size);
+  return static_cast<unsigned>(phys) < static_cast<unsigned>(kv.num_blocks) ? phys : -1;
+}
+
+}  // namespace cupaged

@@ -1,0 +1,41 @@
+// Entry file for the multi-token kernel. cupaged's JIT compiles this file with NVRTC (its
+// quoted includes inlined) and instantiates the template by name expression, e.g.
+//   cupaged::paged_prefill<cupaged::half_t, 128, 16, 0, 4, 1, 64, 2>
+//
+// It also compiles on its own, for resource reports and SASS reading:
+//   nvcc -arch=sm_90 -cubin -std=c++17 -Xptxas -v -DCUPAGED_INSTANTIATE \
+//        -DCUPAGED_T=cupaged::half_t -DCUPAGED_HS=128 -DCUPAGED_BS=16 -DCUPAGED_FORMAT=0 \
+//        -DCUPAGED_WARPS=4 -DCUPAGED_MATOMS=1 -DCUPAGED_TILE=64 -DCUPAGED_STAGES=2 \
+//        cuda_src/paged_prefill.cu -o prefill.cubin
+#include "paged_prefill.cuh"
+
+#ifdef CUPAGED_INSTANTIATE
+#ifndef CUPAGED_T
+#define CUPAGED_T cupaged::half_t
+#endif
+#ifndef CUPAGED_HS
+#define CUPAGED_HS 128
+#endif
+#ifndef CUPAGED_BS
+#define CUPAGED_BS 16
+#endif
+#ifndef CUPAGED_FORMAT
+#define CUPAGED_FORMAT 0
+#endif
+#ifndef CUPAGED_WARPS
+#define CUPAGED_WARPS 4
+#endif
+#ifndef CUPAGED_MATOMS
+#define CUPAGED_MATOMS 1
+#endif
+#ifndef CUPAGED_TILE
+#define CUPAGED_TILE 64
+#endif
+#ifndef CUPAGED_STAGES
+#define CUPAGED_STAGES 2
+#endif
+void cupaged_instantiate_prefill() {
+  (void)&cupaged::paged_prefill<CUPAGED_T, CUPAGED_HS, CUPAGED_BS, CUPAGED_FORMAT,
+                                CUPAGED_WARPS, CUPAGED_MATOMS, CUPAGED_TILE, CUPAGED_STAGES>;
+}
+#endif

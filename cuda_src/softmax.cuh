@@ -1,0 +1,29 @@
+// Online softmax in the log2 domain (scores pre-multiplied by log2(e), so exp2 is one
+// instruction), and the merge of partial results computed over disjoint key ranges.
+//
+// A row's state is its running maximum m and its sum l = sum 2^(s - m) over the keys seen
+// so far; the output accumulated so far is scaled by the same 2^(-m). Rows that have seen
+// no key yet (m = -inf) must not produce -inf - -inf = NaN.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+// Advance a running maximum by a tile's maximum. Returns the factor that rescales what
+// was accumulated under the old maximum; `sub` is what this tile's scores subtract before
+// exp2 (0 while every score seen is -inf, so exp2 gives 0, never NaN).
+__device__ __forceinline__ float softmax_advance(float& m_run, float tile_max, float& sub) {
+  const float m_new = fmaxf(m_run, tile_max);
+  sub = m_new == neg_inf() ? 0.f : m_new;
+  const float alpha = exp2f(m_run - sub);
+  m_run = m_new;
+  return alpha;
+}
+
+// Weight of a partial result (max m_p, sum l_p) in a merge whose overall maximum is m:
+// out = sum_p w_p o_p / sum_p w_p with o_p the partial's normalized output.
+__device__ __forceinline__ float merge_weight(float m_p, float l_p, float m) {
+  return l_p * exp2f(m_p - m);
+}
+
+}  // namespace cupaged

@@ -1,0 +1,280 @@
+"""Paged attention for every kind of step: a varlen batch of query tokens per sequence
+(prefill, chunked prefill, speculative verify, decode, all mixed) over NHD, HND or vLLM's
+legacy cache layout.
+
+The layers are those of :mod:`cupaged.decode`: array adaptation, validation (metadata only,
+no device sync), planning (which kernel, its tiles, split-KV), launch. Three kernels serve
+the plans: ``paged_decode`` for one token per sequence (with split-KV), ``paged_prefill``
+(tensor cores, the group's heads and tokens packed into each tile's rows) for several
+tokens of a 16-bit cache, and ``paged_decode``'s row mode (one CTA per query token) for
+what ``paged_prefill`` does not take: float32, and vLLM's layout with blocks under 8
+tokens.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _arrays, _catalog, _checks, _geometry, decode, jit
+from ._arrays import as_device_array, optional_device_array
+
+__all__ = ["attention"]
+
+_fail = _checks.fail
+_MAX_GRID_Y = 65535
+
+
+class _Prefill(NamedTuple):
+    launch: jit.Launcher
+    smem: int
+    rows: int  # packed query rows per CTA
+    threads: int
+    name: str
+
+
+@lru_cache(maxsize=None)
+def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
+                    kv_format: str) -> _Prefill:
+    dev = decode._device(device_id)
+    spec = jit.KernelSpec("paged_prefill", dtype, head_size, block_size, kv_format=kv_format,
+                          arch=dev.arch)
+    g = _geometry.PrefillGeometry.of(spec)
+    if g.smem_bytes > dev.max_smem:
+        raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
+                         f"device {device_id} allows {dev.max_smem}")
+    return _Prefill(jit.load(spec, device_id, g.smem_bytes), g.smem_bytes, g.rows, g.threads,
+                    spec.name)
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+
+def _host_bound(value, name: str, cap: int) -> int:
+    """A host-side upper bound (max_query_len, max_seq_len): None means ``cap``."""
+    if value is None:
+        return cap
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        _fail(f"{name} must be an int, got {type(value).__name__}", TypeError)
+    if value < 0:
+        _fail(f"{name} must be >= 0, got {value}")
+    return min(int(value), cap)
+
+
+def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
+    dt = _checks.check_dtype(q, "query")
+    if q.ndim != 3:
+        _fail(f"query must be 3-D [total_q, num_heads, head_size], got shape {q.shape}")
+    total_q, num_heads, head_size = q.shape
+    cache = _checks.check_kv_layout(kc, vc, dt, kv_layout)
+    if cache.head_size != head_size:
+        _fail(f"query's head_size is {head_size} but the caches' is {cache.head_size}")
+    if num_heads == 0 or num_heads % cache.num_kv_heads:
+        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+              f"({cache.num_kv_heads})")
+    group = num_heads // cache.num_kv_heads
+    if total_q * max(group, 1) > _checks.INT32_MAX:
+        _fail(f"total_q * (num_heads / num_kv_heads) = {total_q * group} query rows; at most "
+              f"{_checks.INT32_MAX} are supported per call")
+    if total_q and (q.strides[2] != dt.itemsize or min(q.strides) < 0):
+        _fail(f"query's last dimension must be contiguous (strides {q.strides})")
+
+    _checks.check_int(bt, "block_tables")
+    _checks.check_int(sl, "seq_lens")
+    if bt.ndim != 2:
+        _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
+    num_seqs, max_blocks = bt.shape
+    if num_seqs and ((max_blocks > 1 and bt.strides[1] != 4) or bt.strides[0] < 0):
+        _fail(f"block_tables' rows must be contiguous (strides {bt.strides})")
+    if max_blocks * cache.block_size > decode._MAX_TOKENS:
+        _fail(f"block_tables allows {max_blocks * cache.block_size} tokens per sequence; at "
+              f"most {decode._MAX_TOKENS} are supported")
+    if sl.shape != (num_seqs,) or (num_seqs > 1 and sl.strides[0] != 4):
+        _fail(f"seq_lens must be a contiguous [num_seqs={num_seqs}] array (num_seqs from "
+              f"block_tables), got shape {sl.shape}")
+    if qsl is None:
+        if total_q != num_seqs:
+            _fail(f"query has {total_q} rows but there are {num_seqs} sequences: without "
+                  f"query_start_loc each sequence has exactly one query token")
+    else:
+        _checks.check_int(qsl, "query_start_loc")
+        if qsl.shape != (num_seqs + 1,) or qsl.strides[0] != 4:
+            _fail(f"query_start_loc must be a contiguous [num_seqs + 1 = {num_seqs + 1}] array, "
+                  f"got shape {qsl.shape}")
+    if num_seqs > _checks.INT32_MAX:
+        _fail(f"{num_seqs} sequences; at most {_checks.INT32_MAX} are supported")
+    if alibi is not None:
+        if alibi.dtype != np.float32:
+            _fail(f"alibi_slopes must be float32, got {alibi.dtype}", TypeError)
+        if alibi.shape != (num_heads,) or alibi.strides[0] != 4:
+            _fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
+                  f"got shape {alibi.shape}")
+    if out is not None:
+        if out.dtype != q.dtype:
+            _fail(f"out dtype {out.dtype} does not match query dtype {q.dtype}", TypeError)
+        if out.shape != q.shape or not (total_q == 0 or out.flags.c_contiguous):
+            _fail(f"out must be a C-contiguous array of shape {q.shape}, got shape "
+                  f"{out.shape} with strides {out.strides}")
+        # In place over the query is fine (each query row is read by the CTA that writes
+        # its output, before it writes); any other overlap is not.
+        if total_q and not (out.data.ptr == q.data.ptr and out.strides == q.strides):
+            _checks.check_disjoint((("query", q), ("out", out)))
+    device = q.data.device_id
+    _checks.check_same_device(device, "query", (
+        ("key_cache", kc), ("value_cache", vc), ("block_tables", bt), ("seq_lens", sl),
+        ("query_start_loc", qsl), ("alibi_slopes", alibi), ("out", out)))
+    return decode._Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
+                           cache.block_size, cache.num_blocks, max_blocks, cache, total_q)
+
+
+def _check_queries(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
+    """CUPAGED_DEBUG: the device-side facts of query_start_loc (synchronizes)."""
+    starts = _arrays.to_host(qsl, ctx).astype(np.int64)
+    lens = _arrays.to_host(sl, ctx).astype(np.int64)
+    if starts[0] != 0 or starts[-1] != total_q:
+        _fail(f"query_start_loc must run from 0 to total_q = {total_q}, got "
+              f"{starts[0]} .. {starts[-1]}")
+    q_lens = np.diff(starts)
+    bad = np.flatnonzero(q_lens < 0)
+    if bad.size:
+        i = int(bad[0])
+        _fail(f"query_start_loc must be non-decreasing: query_start_loc[{i + 1}] = "
+              f"{starts[i + 1]} < query_start_loc[{i}] = {starts[i]}")
+    bad = np.flatnonzero(q_lens > lens)
+    if bad.size:
+        i = int(bad[0])
+        _fail(f"sequence {i}: {q_lens[i]} query tokens but seq_lens[{i}] = {lens[i]} (the "
+              f"query tokens are the last q_len of the sequence's cached tokens)")
+
+
+# ---- planning -----------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    kind: str  # "decode" | "prefill" | "rows"
+    q_tiles: int = 0  # prefill: grid y
+
+
+def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
+    """Which kernel serves the call, from host facts only (no device sync)."""
+    if not has_starts or (max_q <= 1 and p.num_rows == p.num_seqs):
+        # One token per sequence: each q_len <= 1 and they sum to num_seqs.
+        return _Plan("decode")
+    if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok" or p.block_size >= 8):
+        spec = jit.KernelSpec("paged_prefill", p.dtype.name, p.head_size, p.block_size,
+                              kv_format=p.cache.kv_format)
+        assert _catalog.supported(spec)
+        rows = _geometry.PrefillGeometry.of(spec).rows
+        group = p.num_heads // p.num_kv_heads
+        return _Plan("prefill", max(1, min(_MAX_GRID_Y, -(-max_q * group // rows))))
+    return _Plan("rows")
+
+
+# ---- launch -------------------------------------------------------------------------------
+
+
+def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan: _Plan,
+                    scale: float, causal: bool, ctx: _arrays.Context) -> None:
+    it = p.dtype.itemsize
+    if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
+        _fail(f"query must be 16-byte aligned with token and head strides that are multiples "
+              f"of 16 bytes for multi-token {p.dtype.name} attention (pointer "
+              f"{q.data.ptr:#x}, strides {q.strides})")
+    if out.data.ptr % 4:
+        _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
+    k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format)
+    k.launch((p.num_seqs, plan.q_tiles, p.num_kv_heads), k.threads, k.smem, ctx.stream,
+             out.data.ptr, q.data.ptr, q.strides[0] // it, q.strides[1] // it,
+             decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,
+             0 if alibi is None else alibi.data.ptr, p.num_heads,
+             p.num_heads // p.num_kv_heads, int(causal), scale * decode._LOG2E)
+
+
+def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+              kv_layout="NHD", causal=True, scale=None, alibi_slopes=None, max_query_len=None,
+              max_seq_len=None, out=None, stream=None, workspace=None):
+    """Paged attention of a varlen batch of query tokens over a paged KV cache: prefill,
+    chunked prefill, speculative verify and decode, mixed freely in one call.
+
+    Args:
+        query: ``[total_q, num_heads, head_size]``, float16, bfloat16 or float32. Token and
+            head strides are free (a slice of a fused QKV works); the last dimension must
+            be contiguous. For several tokens per sequence with a 16-bit dtype the pointer
+            and strides must be multiples of 16 bytes.
+        key_cache, value_cache: the paged cache in ``kv_layout``, the query's dtype:
+            ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]``;
+            ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]``;
+            ``"vllm"``: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``
+            with ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads, head_size,
+            block_size]`` (what :func:`paged_attention` takes).
+            NHD/HND caches may be views with any strides (K and V halves of FlashInfer's
+            ``[num_blocks, 2, ...]`` or of vLLM's ``[..., 2 * head_size]``) as long as the
+            last dimension is contiguous and the pointer and other strides are multiples of
+            16 bytes; they are read in place.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, the physical block of each
+            logical block; entries past a sequence's last block are never read.
+        seq_lens: int32 ``[num_seqs]``: tokens in each sequence's cache, this step's
+            tokens included (their K/V were written before the call).
+        query_start_loc: int32 ``[num_seqs + 1]`` on the device: sequence s owns query rows
+            ``query_start_loc[s]:query_start_loc[s + 1]`` (``q_len`` may be 0). Those
+            tokens are the last ``q_len`` of its ``seq_lens[s]``: row i is at position
+            ``seq_lens[s] - q_len + i``. ``None``: one token per sequence (decode).
+        kv_layout: ``"NHD"`` (default), ``"HND"`` or ``"vllm"``.
+        causal: each query token sees keys at positions up to its own (bottom-right
+            aligned, as FlashAttention and vLLM); ``False``: all ``seq_lens[s]`` keys.
+        scale: softmax scale; default ``1 / sqrt(head_size)``.
+        alibi_slopes: optional float32 ``[num_heads]``: adds
+            ``slope * (key_pos - query_pos)`` to the scores.
+        max_query_len, max_seq_len: host-side bounds used only to size the work (no device
+            sync when omitted: ``total_q`` and the table's width). An undercount costs
+            parallelism, never correctness. ``max_query_len == 1`` with
+            ``total_q == num_seqs`` selects the decode kernel (with split-KV).
+        out: optional C-contiguous ``[total_q, num_heads, head_size]`` output (may be the
+            query itself, written in place).
+        stream: as for :func:`paged_attention`.
+        workspace: a :class:`DecodeWorkspace` for decode's split-KV partials.
+
+    Returns:
+        ``out``, a new torch tensor when ``query`` is one (else a CuPy array). A query row
+        that sees no key (its sequence is empty) gets zeros. Never synchronizes; block ids
+        outside the cache give NaN rows, never an out-of-bounds read
+        (``CUPAGED_DEBUG=1`` checks the tables and ``query_start_loc`` with a sync).
+    """
+    q = as_device_array(query, "query")
+    kc = as_device_array(key_cache, "key_cache")
+    vc = as_device_array(value_cache, "value_cache")
+    bt = as_device_array(block_tables, "block_tables")
+    sl = as_device_array(seq_lens, "seq_lens")
+    qsl = optional_device_array(query_start_loc, "query_start_loc")
+    alibi = optional_device_array(alibi_slopes, "alibi_slopes")
+    o = optional_device_array(out, "out")
+    p = _validate(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout)
+    scale = decode._scale(scale, p.head_size)
+    max_q = _host_bound(max_query_len, "max_query_len", p.num_rows)
+    max_ctx = _host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
+    if isinstance(workspace, decode.DecodeWorkspace):
+        workspace = workspace._partials(p)
+    elif workspace is not None:
+        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
+              TypeError)
+    plan = _plan(p, qsl is not None, max_q)
+    with _arrays.on_device(p.device):
+        ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
+        if _checks.DEBUG:
+            decode._check_tables(bt, sl, p.num_blocks, p.block_size, ctx)
+            if qsl is not None:
+                _check_queries(qsl, sl, p.num_rows, ctx)
+        returned = out
+        if o is None:
+            o, returned = _arrays.empty(ctx, q.shape, q.dtype)
+        if p.num_seqs == 0 or p.num_rows == 0:
+            return returned
+        if plan.kind == "prefill":
+            _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, o, p, plan, scale, causal, ctx)
+        else:
+            decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
+                           workspace, rows=qsl if plan.kind == "rows" else None,
+                           causal=causal)
+    return returned

@@ -1,0 +1,230 @@
+"""cupaged.attention on the GPU against the float64 reference: varlen batches (prefill,
+chunked prefill, verify, decode, mixed) over NHD, HND and vLLM's layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _dtypes, reference, testing
+
+from conftest import assert_close
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"f16": np.float16, "bf16": _dtypes.BY_NAME["bf16"].numpy, "f32": np.float32}
+LAYOUTS = ("NHD", "HND", "vllm")
+
+
+def make_varlen(rng, q_lens, seq_lens, *, layout="NHD", dtype="f16", heads=4, kv_heads=2,
+                head_size=64, block_size=16, alibi=False, stale=float("nan"), share=False):
+    """A host problem: caches in ``layout`` with unused slots set to ``stale``, a query of
+    sum(q_lens) rows, and query_start_loc."""
+    seq_lens = np.asarray(seq_lens, np.int32)
+    q_lens = np.asarray(q_lens, np.int64)
+    assert (q_lens <= seq_lens).all()
+    dt = DTYPES[dtype]
+    bt, nb = testing.random_block_tables(seq_lens, block_size, rng, spare_blocks=2, share=share)
+    kc, vc = testing.random_cache(nb, kv_heads, head_size, block_size, dt, rng)
+    if stale is not None:
+        testing.poison_unused_slots(kc, vc, bt, seq_lens, stale)
+    kc, vc = testing.convert_layout(kc, vc, "vllm", layout)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = testing.random_normal((int(qsl[-1]), heads, head_size), dt, rng)
+    slopes = rng.uniform(0.0, 0.5, heads).astype(np.float32) if alibi else None
+    return dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, seq_lens=seq_lens,
+                query_start_loc=qsl, alibi_slopes=slopes)
+
+
+def run(host, **kw):
+    """cupaged.attention on device copies of ``host``, and the reference."""
+    import cupy
+
+    dev = {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
+    out = kw.pop("out", None)
+    if out is None:  # poisoned: every row must be written
+        out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
+    got = cupaged.attention(**dev, out=out, **kw)
+    kw.pop("max_query_len", None), kw.pop("max_seq_len", None)
+    ref = reference.attention(**host, **{k: v for k, v in kw.items() if k != "workspace"})
+    return cupy.asnumpy(got).astype(np.float64), ref
+
+
+# (dtype, head_size, block_size, heads, kv_heads): every code path and odd sizes.
+CASES = [
+    ("f16", 128, 16, 8, 2),
+    ("bf16", 128, 16, 32, 8),
+    ("f16", 64, 1, 4, 4),
+    ("bf16", 40, 2, 6, 1),    # head size not a multiple of 16, group of 6
+    ("f16", 96, 8, 8, 1),
+    ("f16", 256, 32, 2, 1),
+    ("bf16", 32, 256, 3, 3),
+    ("f16", 72, 4, 16, 2),
+    ("f32", 64, 16, 4, 2),    # float32: the decode kernel's row mode
+    ("f32", 128, 1, 8, 1),
+]
+# Mixed batches: empty sequences, decode tokens, verify, chunks, whole prompts.
+Q_LENS = [0, 1, 1, 4, 7, 16, 100, 0, 33]
+SEQ_EXTRA = [0, 0, 31, 2048 - 4, 0, 17, 0, 5, 64 * 3 + 1]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_hs{}_bs{}_{}x{}".format(*c))
+def test_mixed_batch_matches_reference(rng, case, layout, causal):
+    dtype, hs, bs, heads, kv_heads = case
+    seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
+    host = make_varlen(rng, Q_LENS, seq, layout=layout, dtype=dtype, heads=heads,
+                       kv_heads=kv_heads, head_size=hs, block_size=bs, share=True)
+    got, ref = run(host, kv_layout=layout, causal=causal, max_query_len=max(Q_LENS))
+    assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout}")
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_alibi(rng, dtype, layout):
+    host = make_varlen(rng, [5, 40, 1], [5, 300, 77], layout=layout, dtype=dtype, heads=8,
+                       kv_heads=2, alibi=True)
+    for causal in (True, False):
+        got, ref = run(host, kv_layout=layout, causal=causal)
+        assert_close(got, ref, testing.TOLERANCE[dtype], f"alibi causal={causal}")
+
+
+@pytest.mark.parametrize("q_len, ctx", [(1000, 1000), (16, 100_003), (3, 131_072)])
+def test_long_prompts_and_contexts(rng, q_len, ctx):
+    host = make_varlen(rng, [q_len], [ctx], dtype="bf16", heads=8, kv_heads=2, head_size=64,
+                       block_size=64)
+    got, ref = run(host, kv_layout="NHD")
+    assert_close(got, ref, testing.TOLERANCE["bf16"], f"{q_len} over {ctx}")
+
+
+@pytest.mark.parametrize("max_query_len", [None, 1, 3])
+def test_host_bounds_that_undercount_cost_nothing_but_parallelism(rng, max_query_len):
+    host = make_varlen(rng, [200, 3, 64], [300, 3, 64], heads=8, kv_heads=1)
+    got, ref = run(host, max_query_len=max_query_len, max_seq_len=2)
+    assert_close(got, ref, testing.TOLERANCE["f16"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_decode_through_attention_equals_paged_attention(rng, layout, dtype):
+    """One token per sequence, with and without query_start_loc, single pass and split."""
+    import cupy
+
+    seq = [1, 17, 1000, 4096, 2, 33]
+    host = make_varlen(rng, [1] * len(seq), seq, layout=layout, dtype=dtype, heads=8,
+                       kv_heads=2, head_size=128)
+    ref = reference.attention(**{**host, "query_start_loc": None})
+    tol = testing.TOLERANCE[dtype]
+    dev = {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
+    for starts, mq in ((None, None), (dev["query_start_loc"], 1)):
+        args = {**dev, "query_start_loc": starts}
+        got = cupaged.attention(**args, kv_layout=layout, max_query_len=mq)
+        assert_close(cupy.asnumpy(got), ref, tol, f"{layout} starts={starts is not None}")
+        got = cupaged.attention(**args, kv_layout=layout, max_query_len=mq, max_seq_len=64)
+        assert_close(cupy.asnumpy(got), ref, tol, "undercounted max_seq_len")
+    if layout == "vllm":
+        legacy = cupaged.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                                         dev["block_tables"], dev["seq_lens"])
+        np.testing.assert_array_equal(cupy.asnumpy(legacy),
+                                      cupy.asnumpy(cupaged.attention(
+                                          **{**dev, "query_start_loc": None}, kv_layout="vllm")))
+
+
+def test_fused_and_packed_views_are_read_in_place(rng):
+    """K and V as halves of FlashInfer's [blocks, 2, bs, kvh, hs] and of vLLM's packed
+    [blocks, kvh, bs, 2 * hs] allocations."""
+    import cupy
+
+    host = make_varlen(rng, [3, 20], [40, 20], heads=8, kv_heads=2, head_size=64)
+    fused = np.stack([host["key_cache"], host["value_cache"]], axis=1)  # NHD halves
+    d_fused = cupy.asarray(fused)
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    dev.update(key_cache=d_fused[:, 0], value_cache=d_fused[:, 1])
+    ref = reference.attention(**host)
+    got = cupaged.attention(**dev, kv_layout="NHD")
+    assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"], "FlashInfer 5-D")
+
+    hnd_k, hnd_v = testing.convert_layout(host["key_cache"], host["value_cache"], "NHD", "HND")
+    packed = cupy.asarray(np.concatenate([hnd_k, hnd_v], axis=-1))  # [nb, kvh, bs, 2 * hs]
+    dev.update(key_cache=packed[..., :64], value_cache=packed[..., 64:])
+    got = cupaged.attention(**dev, kv_layout="HND")
+    assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"], "vLLM packed")
+
+
+def test_chunked_prefill_equals_one_shot_prefill(rng):
+    """A 300-token prompt in chunks of 128, 100 and 72 (each attending to the cache so far)
+    gives the rows of one 300-token prefill."""
+    import cupy
+
+    host = make_varlen(rng, [300], [300], dtype="bf16", heads=8, kv_heads=2)
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    whole = cupy.asnumpy(cupaged.attention(**dev))
+    rows, done = [], 0
+    for n in (128, 100, 72):
+        done += n
+        part = cupaged.attention(dev["query"][done - n:done], dev["key_cache"],
+                                 dev["value_cache"], dev["block_tables"],
+                                 cupy.asarray([done], np.int32), cupy.asarray([0, n], np.int32))
+        rows.append(cupy.asnumpy(part))
+    np.testing.assert_array_equal(np.concatenate(rows), whole)
+    assert_close(whole, reference.attention(**host), testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stale_slots_never_reach_the_output(rng, stale, layout):
+    host = make_varlen(rng, [5, 9, 1], [21, 9, 1], layout=layout, block_size=16, stale=stale)
+    got, ref = run(host, kv_layout=layout)
+    assert_close(got, ref, testing.TOLERANCE["f16"], f"stale={stale}")
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, dtype):
+    import cupy
+
+    host = make_varlen(rng, [4, 6], [40, 50], dtype=dtype, heads=4, kv_heads=2)
+    host["block_tables"][1, 1] = 10**6
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    got = cupy.asnumpy(cupaged.attention(**dev)).astype(np.float64)
+    good = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
+            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:4]}
+    assert_close(got[:4], reference.attention(**good), testing.TOLERANCE[dtype])
+    assert np.isnan(got[4:]).all()
+
+
+def test_empty_batches_and_sequences(rng):
+    import cupy
+
+    host = make_varlen(rng, [0, 0], [0, 7])
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    out = cupaged.attention(**dev)
+    assert out.shape == (0, 4, 64)
+    z = cupy.zeros((0, 1), np.int32)
+    out = cupaged.attention(cupy.zeros((0, 4, 64), np.float16), dev["key_cache"],
+                            dev["value_cache"], z, cupy.zeros(0, np.int32),
+                            cupy.zeros(1, np.int32))
+    assert out.shape == (0, 4, 64)
+
+
+def test_in_place_over_the_query(rng):
+    import cupy
+
+    host = make_varlen(rng, [30, 2], [50, 2], heads=8, kv_heads=2)
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    ref = reference.attention(**host)
+    out = cupaged.attention(**dev, out=dev["query"])
+    assert out is dev["query"]
+    assert_close(cupy.asnumpy(out), ref, testing.TOLERANCE["f16"])
+
+
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    host = make_varlen(rng, [3, 8], [10, 8], dtype="f16", heads=8, kv_heads=2)
+    dev = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in host.items()
+           if v is not None}
+    got = cupaged.attention(**dev)
+    assert isinstance(got, torch.Tensor) and got.shape == dev["query"].shape
+    torch.cuda.synchronize()
+    assert_close(got.cpu().numpy(), reference.attention(**host), testing.TOLERANCE["f16"])
