@@ -333,9 +333,9 @@ def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: i
 
 def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
             partition, ctx: _arrays.Context, workspace: _Partials | None = None,
-            rows=None, causal: bool = True) -> None:
+            starts=None, causal: bool = True) -> None:
     """Validate nothing, launch everything: decode (and combine) on ``ctx.stream``.
-    ``workspace``: where the split-KV partials go, else a temporary buffer. ``rows``: the
+    ``workspace``: where the split-KV partials go, else a temporary buffer. ``starts``: the
     query_start_loc array for the row mode (one CTA per query row; single pass)."""
     if p.num_seqs == 0 or p.num_rows == 0:
         return
@@ -345,7 +345,7 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
-    size = 0 if rows is not None else _partition_tokens(partition, p, max_ctx,
+    size = 0 if starts is not None else _partition_tokens(partition, p, max_ctx,
                                                          p.num_seqs * grid_y, ks)
     if size and workspace is not None:
         size = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
@@ -369,7 +369,7 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     ks.decode((p.num_rows, grid_y, n_parts), _THREADS, ks.smem, ctx.stream,
               dst, part_out, part_max, part_sum,
               q.data.ptr, q.strides[0] // it, q.strides[1] // it, _paged_kv(kc, vc, bt, p),
-              cl.data.ptr, 0 if rows is None else rows.data.ptr,
+              cl.data.ptr, 0 if starts is None else starts.data.ptr,
               0 if alibi is None else alibi.data.ptr,
               p.num_heads, group, p.num_seqs, int(causal), size, scale * _LOG2E)
     if size:

@@ -275,6 +275,6 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, o, p, plan, scale, causal, ctx)
         else:
             decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
-                           workspace, rows=qsl if plan.kind == "rows" else None,
+                           workspace, starts=qsl if plan.kind == "rows" else None,
                            causal=causal)
     return returned

@@ -115,7 +115,7 @@ def test_decode_through_attention_equals_paged_attention(rng, layout, dtype):
     seq = [1, 17, 1000, 4096, 2, 33]
     host = make_varlen(rng, [1] * len(seq), seq, layout=layout, dtype=dtype, heads=8,
                        kv_heads=2, head_size=128)
-    ref = reference.attention(**{**host, "query_start_loc": None})
+    ref = reference.attention(**{**host, "query_start_loc": None}, kv_layout=layout)
     tol = testing.TOLERANCE[dtype]
     dev = {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
     for starts, mq in ((None, None), (dev["query_start_loc"], 1)):
