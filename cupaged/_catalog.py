@@ -12,6 +12,7 @@ their host mirrors (``_geometry``), which needs no compiler.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 from . import _checks, _covering, _dtypes, _geometry, jit
@@ -40,15 +41,29 @@ def supported(spec: jit.KernelSpec) -> bool:
                 and spec.block_size < 8)
 
 
+def prefill_tiles(head_size: int) -> tuple:
+    """The (warps, m_atoms, tile_tokens, stages) shapes cupaged.varlen's planner may pick
+    for paged_prefill: the default, and four warps for a few rows."""
+    return tuple(dict.fromkeys((jit.default_prefill_tile(head_size), (4, 1, 32, 2))))
+
+
+def _with_tiles(spec: jit.KernelSpec) -> list:
+    if spec.kernel != "paged_prefill":
+        return [spec]
+    return [replace(spec, warps=w, m_atoms=m, tile_tokens=n, stages=st)
+            for w, m, n, st in prefill_tiles(spec.head_size)]
+
+
 def all_specs(archs) -> list[jit.KernelSpec]:
-    """The full product: every supported specialization of every kernel, every target."""
+    """The full product: every supported specialization of every kernel, every target
+    (paged_prefill in each tile shape its planner may pick)."""
     specs = []
     for kernel, axes in AXES.items():
         for arch in archs:
             for values in product(*axes.values()):
                 spec = jit.KernelSpec(kernel, arch=arch, **dict(zip(axes, values)))
                 if supported(spec):
-                    specs.append(spec)
+                    specs += _with_tiles(spec)
     return specs
 
 
@@ -82,6 +97,10 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
                 covered |= _pairs(s, names)
                 mine.append(s)
         specs += mine
+        if kernel == "paged_prefill":  # every tile shape, per dtype, layout and target
+            for arch, dtype, fmt in product(archs, axes["dtype"], axes["kv_format"]):
+                specs += _with_tiles(jit.KernelSpec(kernel, dtype, 128, 16, kv_format=fmt,
+                                                    arch=arch))
     for arch in archs:
         decode = [s for s in all_specs([arch]) if s.kernel == "paged_decode"]
         reached = {_decode_path(s) for s in specs if s.kernel == "paged_decode" and s.arch == arch}

@@ -119,7 +119,7 @@ class DecodeCase:
 
     def run(self, out=None, partition="auto"):
         a = self.arrays
-        return attention.paged_attention(a["query"], a["key_cache"], a["value_cache"],
+        return decode.paged_attention(a["query"], a["key_cache"], a["value_cache"],
                                          a["block_tables"], a["context_lens"], out=out,
                                          partition=partition,
                                          max_context_len=int(self.context_lens.max(initial=0)))
@@ -279,6 +279,27 @@ def _torch_on_cupy_stream():
 def _run_cupaged(case: "DecodeCase", partition):
     out = cupy.empty(case.arrays["query"].shape, case.arrays["query"].dtype)
     return lambda: case.run(out, partition)
+
+
+def _run_cupaged_layout(case: "DecodeCase", partition, layout: str):
+    """cupaged.attention (decode: no query_start_loc) on a copy of the case's cache in
+    ``layout`` ("NHD" or "HND"), made once outside timing."""
+    from .varlen import attention
+
+    a = case.arrays
+    k, v = a["key_cache"], a["value_cache"]
+    nb, kvh, _, bs, _ = k.shape
+    if layout == "NHD":
+        k = k.transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, -1)
+        v = v.transpose(0, 3, 1, 2)
+    else:
+        k = k.transpose(0, 1, 3, 2, 4).reshape(nb, kvh, bs, -1)
+        v = v.transpose(0, 1, 3, 2)
+    k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+    out = cupy.empty(a["query"].shape, a["query"].dtype)
+    max_len = int(case.context_lens.max(initial=0))
+    return lambda: attention(a["query"], k, v, a["block_tables"], a["context_lens"],
+                             kv_layout=layout, max_seq_len=max_len, out=out)
 
 
 def _gather_dense(case: "DecodeCase"):
@@ -546,6 +567,8 @@ def _flashinfer_ok() -> bool:
 # carry a ``plan_us`` attribute (host time of a separate planning step).
 IMPLEMENTATIONS = {
     "cupaged": (_run_cupaged, lambda: True),
+    "cupaged-nhd": (functools.partial(_run_cupaged_layout, layout="NHD"), lambda: True),
+    "cupaged-hnd": (functools.partial(_run_cupaged_layout, layout="HND"), lambda: True),
     "cupy-gather": (_run_cupy_gather, lambda: True),
     "torch-sdpa-paged": (_run_torch_paged, lambda: _torch() is not None),
     "torch-sdpa-dense": (_run_torch_dense, lambda: _torch() is not None),
@@ -871,9 +894,23 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     rows = {}
     rows["paged_attention, single pass"] = _host_us(lambda: case.run(out, "never"), calls)
     rows["paged_attention, split-KV"] = _host_us(lambda: case.run(out, "always"), calls)
-    rows["paged_attention_v1"] = _host_us(lambda: attention.paged_attention_v1(
+    rows["paged_attention_v1"] = _host_us(lambda: decode.paged_attention_v1(
         out, a["query"], a["key_cache"], a["value_cache"], 8, 0.1, a["block_tables"],
         a["context_lens"], 16, 1024), calls)
+    from .varlen import attention
+
+    starts = cupy.arange(9, dtype=np.int32)
+    rows["attention, vLLM layout, decode (query_start_loc, max_query_len=1)"] = _host_us(
+        lambda: attention(a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                          a["context_lens"], starts, kv_layout="vllm", max_query_len=1,
+                          max_seq_len=1024, out=out), calls)
+    starts4 = cupy.arange(0, 9 * 4, 4, dtype=np.int32)
+    q4 = cupy.ones((32, 32, 128), np.float16)
+    out4 = cupy.empty_like(q4)
+    rows["attention, vLLM layout, verify 8 x 4 tokens"] = _host_us(
+        lambda: attention(q4, a["key_cache"], a["value_cache"], a["block_tables"],
+                          a["context_lens"], starts4, kv_layout="vllm", max_query_len=4,
+                          max_seq_len=1024, out=out4), calls)
     k = cupy.ones((8, 8, 128), np.float16)
     slots = cupy.arange(8, dtype=np.int64) * 16
     rows["reshape_and_cache, 8 tokens"] = _host_us(lambda: cache_ops.reshape_and_cache(
@@ -895,7 +932,7 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         q, kc, vc, bt, cl, o, kv, sl = arrays
         for _ in range(layers):
             cache_ops.reshape_and_cache(kv, kv, kc, vc, sl)
-            attention.paged_attention(q, kc, vc, bt, cl, out=o, workspace=ws, partition="always",
+            decode.paged_attention(q, kc, vc, bt, cl, out=o, workspace=ws, partition="always",
                                       max_context_len=1024)
 
     cupy_args = (a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
@@ -919,10 +956,10 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         tout = torch.empty_like(tq)
         torch_args = (tq, tkc, tvc, tbt, tcl, tout, tk, t_slots)
         rows["paged_attention, torch tensors, single pass"] = _host_us(
-            lambda: attention.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="never",
+            lambda: decode.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="never",
                                               max_context_len=1024), calls)
         rows["paged_attention, torch tensors, split-KV + workspace"] = _host_us(
-            lambda: attention.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="always",
+            lambda: decode.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="always",
                                               workspace=ws, max_context_len=1024), calls)
         rows["reshape_and_cache, torch tensors, 8 tokens"] = _host_us(
             lambda: cache_ops.reshape_and_cache(tk, tk, tkc, tvc, t_slots), calls)

@@ -357,6 +357,73 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
     _sweep(ws, chosen, _partition(partition), reps, seed, json_path, csv_path, plot_path, title)
 
 
+# ---- multi-token steps ----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--preset", "presets", multiple=True,
+              help="Named shapes (default: all): " + ", ".join(
+                  ["prompt-4096", "prompt-16384", "8x2048", "4x4096-mha", "chunk-512-of-8192",
+                   "verify-64x4x2048"]))
+@click.option("--impl", "impls", multiple=True,
+              help="cupaged, flashinfer-fa2, flashinfer-fa3, torch-sdpa-flash, "
+                   "torch-sdpa-cudnn (default: cupaged and every peer that imports).")
+@click.option("--batch", type=click.IntRange(1), default=None, help="A custom shape: sequences.")
+@click.option("--query-len", type=click.IntRange(1), default=None,
+              help="A custom shape: new tokens per sequence.")
+@click.option("--context", type=click.IntRange(1), default=None,
+              help="A custom shape: cached tokens per sequence, the new ones included "
+                   "(default: the query length, a whole prompt).")
+@click.option("--heads", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--head-size", type=int, default=128, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--non-causal", is_flag=True, help="Every query token sees every key.")
+@click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
+def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
+            dtype, non_causal, reps):
+    """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
+    prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
+    TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
+    measured in the same run."""
+    from . import bench, bench_prefill
+
+    _require_gpu()
+    cases = []
+    if batch or query_len:
+        if not (batch and query_len):
+            raise click.BadParameter("a custom shape needs --batch and --query-len")
+        ctx = context or query_len
+        if ctx < query_len:
+            raise click.BadParameter("--context counts the new tokens: at least --query-len")
+        cases.append(bench_prefill.PrefillCase(
+            f"{batch}x{query_len}/{ctx}", batch, query_len, ctx, heads, kv_heads, head_size,
+            block_size, dtype, not non_causal))
+    for name in presets or (() if cases else tuple(bench_prefill.PRESETS)):
+        if name not in bench_prefill.PRESETS:
+            raise click.BadParameter(f"unknown preset {name!r}", param_hint="--preset")
+        kw = bench_prefill.PRESETS[name]
+        cases.append(bench_prefill.PrefillCase(name, causal=not non_causal, **kw))
+    if not impls:
+        impls = ["cupaged"]
+        if bench._torch() is not None:
+            impls += ["torch-sdpa-flash", "torch-sdpa-cudnn"]
+        if bench.flashinfer_unavailable() is None:
+            impls += ["flashinfer-fa2", "flashinfer-fa3"]
+    bw = bench.copy_bandwidth()
+    mm = bench_prefill.matmul_tflops()
+    click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s (same run)")
+    click.echo(f"{'shape':20s} {'implementation':18s} {'median us':>10s} {'TFLOP/s':>8s} "
+               f"{'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
+    wrong = 0
+    for r in bench_prefill.measure(cases, impls, reps, bw):
+        click.echo(f"{r.case:20s} {r.impl:18s} {r.median_us:10.1f} {r.tflops:8.1f} "
+                   f"{100 * r.tflops / mm:5.1f}% {r.pct_copy:6.1f}% {r.error:8.1e}  {r.note}")
+        wrong += r.note == "WRONG"
+    sys.exit(1 if wrong else 0)
+
+
 # ---- overhead -------------------------------------------------------------------------------------
 
 

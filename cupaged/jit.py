@@ -93,10 +93,11 @@ def default_decode_tile(itemsize: int, head_size: int) -> int:
 
 
 def default_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
-    """(warps, m_atoms, tile_tokens, stages) of paged_prefill: four warps of 16 query rows
-    each, 64-token K/V tiles (32 above head size 128, to fit sm_80's shared memory), two
-    stages."""
-    return (4, 1, 64 if head_size <= 128 else 32, 2)
+    """(warps, m_atoms, tile_tokens, stages) of paged_prefill: 32-token K/V tiles, two
+    stages, eight warps of 16 query rows each up to head size 128, four above (registers).
+    The fastest of eight shapes measured on an H100 (docs/PERFORMANCE.md); the planner
+    takes four warps for a few rows (verify) whatever the default."""
+    return (8 if head_size <= 128 else 4, 1, 32, 2)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _catalog, _checks, _geometry, decode, jit
+from . import _arrays, _checks, _geometry, decode, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = ["attention"]
@@ -35,12 +35,43 @@ class _Prefill(NamedTuple):
     name: str
 
 
+# (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
+# default, for tuning experiments (tools/prefill_tiles.py); set through _set_tile.
+_tile_override: tuple | None = None
+
+
+def _set_tile(tile: tuple | None) -> None:
+    global _tile_override
+    _tile_override = tile
+    _prefill_kernel.cache_clear()
+
+
+# Up to this many packed query rows per (sequence, KV head), four warps instead of the
+# default's eight: verify's 4 tokens x 4 heads fill 16 rows, and eight warps of padding
+# rows cost 35% (docs/PERFORMANCE.md).
+_FEW_ROWS = 64
+
+
+def _prefill_tile(head_size: int, rows_needed: int) -> tuple:
+    if _tile_override is not None:
+        return _tile_override
+    if rows_needed <= _FEW_ROWS:
+        return (4, 1, 32, 2)
+    return jit.default_prefill_tile(head_size)
+
+
+def _prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
+                  kv_format: str, tile: tuple) -> jit.KernelSpec:
+    w, m, n, st = tile
+    return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, tile_tokens=n,
+                          stages=st, kv_format=kv_format, warps=w, m_atoms=m, arch=arch)
+
+
 @lru_cache(maxsize=None)
 def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
-                    kv_format: str) -> _Prefill:
+                    kv_format: str, tile: tuple) -> _Prefill:
     dev = decode._device(device_id)
-    spec = jit.KernelSpec("paged_prefill", dtype, head_size, block_size, kv_format=kv_format,
-                          arch=dev.arch)
+    spec = _prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile)
     g = _geometry.PrefillGeometry.of(spec)
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
@@ -155,6 +186,7 @@ def _check_queries(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
 class _Plan(NamedTuple):
     kind: str  # "decode" | "prefill" | "rows"
     q_tiles: int = 0  # prefill: grid y
+    tile: tuple = ()  # prefill: (warps, m_atoms, tile_tokens, stages)
 
 
 def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
@@ -163,12 +195,10 @@ def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
         # One token per sequence: each q_len <= 1 and they sum to num_seqs.
         return _Plan("decode")
     if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok" or p.block_size >= 8):
-        spec = jit.KernelSpec("paged_prefill", p.dtype.name, p.head_size, p.block_size,
-                              kv_format=p.cache.kv_format)
-        assert _catalog.supported(spec)
-        rows = _geometry.PrefillGeometry.of(spec).rows
         group = p.num_heads // p.num_kv_heads
-        return _Plan("prefill", max(1, min(_MAX_GRID_Y, -(-max_q * group // rows))))
+        tile = _prefill_tile(p.head_size, max_q * group)
+        rows = 16 * tile[0] * tile[1]
+        return _Plan("prefill", max(1, min(_MAX_GRID_Y, -(-max_q * group // rows))), tile)
     return _Plan("rows")
 
 
@@ -184,7 +214,8 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
               f"{q.data.ptr:#x}, strides {q.strides})")
     if out.data.ptr % 4:
         _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
-    k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format)
+    k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
+                        plan.tile)
     k.launch((p.num_seqs, plan.q_tiles, p.num_kv_heads), k.threads, k.smem, ctx.stream,
              out.data.ptr, q.data.ptr, q.strides[0] // it, q.strides[1] // it,
              decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,

@@ -24,8 +24,9 @@ def test_every_supported_decode_specialization_satisfies_the_kernel_constraints(
 
 
 def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints():
-    # vLLM's layout from block size 8 up (6 of 9 sizes), the token-major one for all 9
-    assert len(PREFILL) == 2 * 2 * 29 * (9 + 6)
+    # vLLM's layout from block size 8 up (6 of 9 sizes), the token-major one for all 9;
+    # head sizes up to 128 (13 of 29) in two tile shapes
+    assert len(PREFILL) == 2 * 2 * (29 + 13) * (9 + 6)
     for s in PREFILL:
         g = _geometry.PrefillGeometry.of(s)
         assert g.violations() == [], s.name
@@ -34,7 +35,7 @@ def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints
 
 def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
     """NVRTC evaluates DecodeGeometry for each of the 6,264 decode geometries and
-    PrefillGeometry for the 870 prefill ones, and compares their shared memory, path and
+    PrefillGeometry for the 1,260 prefill ones, and compares their shared memory, path and
     piece count with the host's (seconds: no kernel is built)."""
     _geometry.check_against_kernel([s for s in DECODE + PREFILL if s.arch == "sm_90"])
 
@@ -76,7 +77,7 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 
 def test_specialization_names_are_unique():
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (6264 + 870 + 87 + 6 + 2)
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (6264 + 1260 + 87 + 6 + 2)
 
 
 # ---- the covering set ------------------------------------------------------------------------

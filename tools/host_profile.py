@@ -21,11 +21,11 @@ ks, vs = [a["key_cache"]] * 32, [a["value_cache"]] * 32
 pairs = cupy.asarray([[0, 1], [2, 3]], np.int64)
 args = (a["query"], a["key_cache"], a["value_cache"], a["block_tables"], a["context_lens"])
 cases = {
-    "single pass": lambda: attention.paged_attention(*args, out=out, partition="never",
+    "single pass": lambda: decode.paged_attention(*args, out=out, partition="never",
                                                      max_context_len=1024),
-    "split-KV": lambda: attention.paged_attention(*args, out=out, partition="always",
+    "split-KV": lambda: decode.paged_attention(*args, out=out, partition="always",
                                                   max_context_len=1024),
-    "split-KV + workspace": lambda: attention.paged_attention(
+    "split-KV + workspace": lambda: decode.paged_attention(
         *args, out=out, partition="always", workspace=ws, max_context_len=1024),
     "copy_blocks 32 layers": lambda: cache_ops.copy_blocks(ks, vs, pairs),
 }

@@ -1,0 +1,244 @@
+"""Multi-token benchmarks (``cupaged-bench prefill``): prefill, chunked prefill and
+speculative verify over a paged cache, cupaged beside FlashInfer's paged prefill wrapper
+(fa2 and fa3 backends) and torch SDPA on dense copies, each checked against the float64
+reference before it is timed. Throughput is TFLOP/s of useful FLOPs (causal rows count only
+the keys they see), beside the bf16 matmul rate measured in the same run; for
+memory-bound shapes (verify) also the K/V bytes read once against the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import cupy
+import numpy as np
+
+from . import _dtypes, bench, reference, testing
+
+__all__ = ["PRESETS", "PrefillCase", "matmul_tflops", "measure"]
+
+
+@dataclass
+class PrefillCase:
+    """``batch`` sequences, each with ``q_len`` new tokens at the end of ``ctx`` cached ones
+    (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered."""
+
+    name: str
+    batch: int
+    q_len: int
+    ctx: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    causal: bool = True
+    arrays: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def np_dtype(self):
+        return _dtypes.parse(self.dtype).numpy
+
+    def build(self, seed: int = 0) -> "PrefillCase":
+        rng = np.random.default_rng(seed)
+        lens = np.full(self.batch, self.ctx, np.int32)
+        bt, nb = testing.random_block_tables(lens, self.block_size, rng)
+        shape = (nb, self.block_size, self.kv_heads, self.head_size)
+        dt = self.np_dtype
+        self.arrays = dict(
+            query=testing.random_normal((self.batch * self.q_len, self.heads, self.head_size),
+                                        dt, rng, cupy),
+            key_cache=testing.random_normal(shape, dt, rng, cupy),
+            value_cache=testing.random_normal(shape, dt, rng, cupy),
+            block_tables=cupy.asarray(bt), seq_lens=cupy.asarray(lens),
+            query_start_loc=cupy.arange(0, self.batch * self.q_len + 1, self.q_len,
+                                        dtype=np.int32))
+        return self
+
+    def flops(self) -> float:
+        """Useful FLOPs: 2 matmuls of 2 * head_size per (query head, visible key)."""
+        if self.causal:
+            seen = self.q_len * (self.ctx - self.q_len) + self.q_len * (self.q_len + 1) // 2
+        else:
+            seen = self.q_len * self.ctx
+        return 4.0 * self.head_size * self.heads * self.batch * seen
+
+    def kv_bytes(self) -> int:
+        """K and V read once."""
+        it = np.dtype(self.np_dtype).itemsize
+        return 2 * self.batch * self.ctx * self.kv_heads * self.head_size * it
+
+    def check(self, out, rows: int = 6) -> float:
+        """Max relative error of a few query rows of the first and last sequences (the
+        last row of each included) against the float64 reference."""
+        a = self.arrays
+        q = cupy.asnumpy(a["query"]).astype(np.float64)
+        k = cupy.asnumpy(a["key_cache"])
+        v = cupy.asnumpy(a["value_cache"])
+        bt = cupy.asnumpy(a["block_tables"])
+        got = cupy.asnumpy(out).astype(np.float64)
+        worst = 0.0
+        for s in sorted({0, self.batch - 1}):
+            kk, vv = reference.gather_kv(k, v, bt[s], self.ctx, "NHD")
+            picks = np.unique(np.linspace(0, self.q_len - 1, rows).astype(int))
+            qrows = q[s * self.q_len + picks]
+            pos = self.ctx - self.q_len + picks
+            ref = reference.attend(qrows, kk, vv, 1.0 / math.sqrt(self.head_size),
+                                   q_pos=pos, causal=self.causal)
+            g = got[s * self.q_len + picks]
+            err = np.linalg.norm(g - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+            worst = max(worst, float(np.nan_to_num(err, nan=np.inf).max()))
+        return worst
+
+
+# The issue's shapes: bf16, head size 128, blocks of 16, causal.
+PRESETS = {
+    "prompt-4096": dict(batch=1, q_len=4096, ctx=4096),
+    "prompt-16384": dict(batch=1, q_len=16384, ctx=16384),
+    "8x2048": dict(batch=8, q_len=2048, ctx=2048),
+    "4x4096-mha": dict(batch=4, q_len=4096, ctx=4096, kv_heads=32),
+    "chunk-512-of-8192": dict(batch=8, q_len=512, ctx=8192),
+    "verify-64x4x2048": dict(batch=64, q_len=4, ctx=2048, dtype="float16"),
+}
+
+
+def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    """bf16 n x n x n matmul TFLOP/s (cuBLAS through CuPy): the tensor-core ceiling."""
+    dt = _dtypes.parse("bfloat16").numpy
+    a = cupy.ones((n, n), dtype=dt)
+    b = cupy.ones((n, n), dtype=dt)
+    c = cupy.empty((n, n), dtype=dt)
+    t = bench.time_us(lambda: cupy.matmul(a, b, out=c), reps=reps, flush_l2=False,
+                      cover_host_us=0)
+    return 2.0 * n ** 3 / (t.median_us * 1e-6) / 1e12
+
+
+# ---- runners: factory(case) -> run() returning the output as a CuPy array -------------------
+
+
+def _run_cupaged(case: PrefillCase):
+    import cupaged
+
+    a = case.arrays
+    out = cupy.full(a["query"].shape, np.nan, dtype=a["query"].dtype)
+
+    def run():
+        return cupaged.attention(**a, kv_layout="NHD", causal=case.causal,
+                                 max_query_len=case.q_len, max_seq_len=case.ctx, out=out)
+
+    return run
+
+
+def _run_flashinfer(case: PrefillCase, backend: str):
+    flashinfer = bench._require_flashinfer()
+    torch = bench._torch()
+    a = case.arrays
+    indptr, indices, last = bench._flashinfer_pages(cupy.asnumpy(a["block_tables"]),
+                                                    np.full(case.batch, case.ctx),
+                                                    case.block_size)
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    q = torch.from_dlpack(a["query"])
+    k = torch.from_dlpack(a["key_cache"])
+    v = torch.from_dlpack(a["value_cache"])
+    out = torch.full_like(q, float("nan"))
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+    wrapper.plan(torch.from_dlpack(a["query_start_loc"]).cpu(),
+                 torch.from_numpy(indptr), torch.from_numpy(indices).to(dev),
+                 torch.from_numpy(last), case.heads, case.kv_heads, case.head_size,
+                 case.block_size, causal=case.causal, q_data_type=q.dtype,
+                 kv_data_type=k.dtype)
+    out_cupy = cupy.from_dlpack(out)
+
+    def run():
+        wrapper.run(q, (k, v), out=out)
+        return out_cupy
+
+    return run
+
+
+def _run_sdpa(case: PrefillCase, backend: str):
+    """torch SDPA on dense [batch, heads, len, head_size] copies (GQA by enable_gqa).
+    Whole prompts use is_causal; a chunk over a longer context needs a bottom-right
+    mask, which only the cuDNN and math backends take."""
+    torch = bench._torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    a = case.arrays
+    b, ql, ctx, h, kvh, hs = case.batch, case.q_len, case.ctx, case.heads, case.kv_heads, case.head_size
+    q = torch.from_dlpack(a["query"]).view(b, ql, h, hs).transpose(1, 2).contiguous()
+    bt = torch.from_dlpack(a["block_tables"]).long()
+    pos = torch.arange(ctx, device=q.device)
+    blocks = bt[:, pos // case.block_size]  # [b, ctx]
+    k = torch.from_dlpack(a["key_cache"])[blocks, pos % case.block_size]  # [b, ctx, kvh, hs]
+    v = torch.from_dlpack(a["value_cache"])[blocks, pos % case.block_size]
+    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    mask = None
+    if case.causal and ql != ctx:
+        if backend == "flash":
+            raise NotImplementedError("SDPA's flash backend takes no bottom-right mask")
+        qpos = torch.arange(ctx - ql, ctx, device=q.device)
+        mask = (pos[None, :] <= qpos[:, None])[None, None]
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    result = {}
+
+    def run():
+        with sdpa_kernel([chosen]):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=case.causal and mask is None,
+                enable_gqa=kvh != h)
+        result["o"] = o
+        return o
+
+    def run_checked():
+        o = run()
+        return cupy.from_dlpack(o.transpose(1, 2).reshape(b * ql, h, hs).contiguous())
+
+    run_checked.timed = run
+    return run_checked
+
+
+IMPLEMENTATIONS = {
+    "cupaged": _run_cupaged,
+    "flashinfer-fa2": lambda c: _run_flashinfer(c, "fa2"),
+    "flashinfer-fa3": lambda c: _run_flashinfer(c, "fa3"),
+    "torch-sdpa-flash": lambda c: _run_sdpa(c, "flash"),
+    "torch-sdpa-cudnn": lambda c: _run_sdpa(c, "cudnn"),
+}
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    median_us: float
+    tflops: float
+    pct_copy: float  # K/V bytes once / time, against the copy bandwidth
+    error: float
+    note: str = ""
+
+
+def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
+    """Rows for every (case, implementation): a runner that cannot run gets a note."""
+    rows = []
+    for case in cases:
+        case.build()
+        for impl in impls:
+            try:
+                run = IMPLEMENTATIONS[impl](case)
+                err = case.check(run())
+                timed = getattr(run, "timed", run)
+                t = bench.time_us(timed, reps=reps)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run is a row note
+                rows.append(Row(case.name, impl, math.nan, math.nan, math.nan, math.nan,
+                                " ".join(f"{type(e).__name__}: {e}".split())[:120]))
+                continue
+            tol = testing.TOLERANCE["f16" if case.dtype == "float16" else "bf16"]
+            tflops = case.flops() / (t.median_us * 1e-6) / 1e12
+            pct = 100 * case.kv_bytes() / (t.median_us * 1e-6) / copy_bw if copy_bw else math.nan
+            rows.append(Row(case.name, impl, t.median_us, tflops, pct, err,
+                            "" if err <= 4 * tol else "WRONG"))
+        case.arrays.clear()
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows

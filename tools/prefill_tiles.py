@@ -1,0 +1,20 @@
+"""Time paged_prefill's tile shapes (warps, m_atoms, tile_tokens, stages) on the prefill
+presets: which default to pick. Device only; prints one line per (tile, shape).
+    python3 tools/prefill_tiles.py [preset ...]"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cupaged import bench, bench_prefill, varlen  # noqa: E402
+
+TILES = [(4, 1, 64, 2), (4, 1, 32, 2), (4, 1, 64, 3), (4, 2, 32, 2), (8, 1, 64, 2),
+         (8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 3)]
+names = sys.argv[1:] or ["prompt-4096", "8x2048", "chunk-512-of-8192", "verify-64x4x2048"]
+cases = [bench_prefill.PrefillCase(n, **bench_prefill.PRESETS[n]) for n in names]
+bw = bench.copy_bandwidth()
+for tile in TILES:
+    varlen._set_tile(tile)
+    for r in bench_prefill.measure(cases, ["cupaged"], reps=10, copy_bw=bw):
+        print(f"w{tile[0]}m{tile[1]}n{tile[2]}x{tile[3]} {r.case:20s} {r.median_us:9.1f} us "
+              f"{r.tflops:6.1f} TF {r.pct_copy:5.1f}% copy err {r.error:.1e} {r.note}", flush=True)
+varlen._set_tile(None)
