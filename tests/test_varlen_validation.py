@@ -1,0 +1,128 @@
+"""Every input check of cupaged.attention, on array metadata alone (no GPU needed), and
+the planner's choice of kernel."""
+
+import numpy as np
+import pytest
+
+from cupaged import varlen
+from test_validation import Fake
+
+
+def vargs(layout="NHD", dtype=np.float16, seqs=3, total_q=7, heads=8, kv_heads=2, hs=64,
+          bs=16, blocks=10, width=4):
+    if layout == "NHD":
+        kc = np.zeros((blocks, bs, kv_heads, hs), dtype)
+    elif layout == "HND":
+        kc = np.zeros((blocks, kv_heads, bs, hs), dtype)
+    else:
+        x = 16 // np.dtype(dtype).itemsize
+        kc = np.zeros((blocks, kv_heads, hs // x, bs, x), dtype)
+    vc = kc if layout != "vllm" else np.zeros((blocks, kv_heads, hs, bs), dtype)
+    return dict(query=np.zeros((total_q, heads, hs), dtype), key_cache=kc, value_cache=vc,
+                block_tables=np.zeros((seqs, width), np.int32), seq_lens=np.zeros(seqs, np.int32),
+                query_start_loc=np.zeros(seqs + 1, np.int32), alibi_slopes=None, out=None,
+                kv_layout=layout)
+
+
+def vvalidate(**a):
+    layout = a.pop("kv_layout")
+    f = {k: (None if v is None else (v if isinstance(v, Fake) else Fake(v))) for k, v in a.items()}
+    return varlen._validate(f["query"], f["key_cache"], f["value_cache"], f["block_tables"],
+                            f["seq_lens"], f["query_start_loc"], f["alibi_slopes"], f["out"],
+                            layout)
+
+
+def vbad(layout="NHD", **changes):
+    a = vargs(layout)
+    a.update(changes)
+    return a
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+def test_valid_problem_is_described(layout):
+    p = vvalidate(**vargs(layout))
+    assert (p.num_seqs, p.num_heads, p.num_kv_heads, p.head_size, p.block_size) == (3, 8, 2, 64, 16)
+    assert (p.num_rows, p.cache.kv_format) == (7, "vllm" if layout == "vllm" else "tok")
+
+
+def test_strides_of_nhd_and_hnd_views():
+    nhd = vvalidate(**vargs("NHD")).cache
+    assert nhd.k_strides == (16 * 2 * 64, 64, 2 * 64)  # block, head, token
+    hnd = vvalidate(**vargs("HND")).cache
+    assert hnd.k_strides == (2 * 16 * 64, 16 * 64, 64)
+    fused = np.zeros((10, 2, 16, 2, 64), np.float16)  # FlashInfer's [blocks, 2, bs, kvh, hs]
+    c = vvalidate(**vbad(key_cache=fused[:, 0], value_cache=fused[:, 1])).cache
+    assert c.k_strides == c.v_strides == (2 * 16 * 2 * 64, 64, 2 * 64)
+
+
+@pytest.mark.parametrize("a, exc, match", [
+    (vbad(kv_layout="NDH"), ValueError, r"kv_layout must be one of \('NHD', 'HND', 'vllm'\)"),
+    (vbad(key_cache=np.zeros((10, 16, 2, 64, 1), np.float16)), ValueError,
+     r"key_cache must be 4-D \[num_blocks, block_size, num_kv_heads, head_size\]"),
+    (vbad("HND", value_cache=np.zeros((10, 2, 16, 32), np.float16)), ValueError,
+     "value_cache shape .* does not match key_cache"),
+    (vbad(key_cache=np.zeros((10, 12, 2, 64), np.float16), value_cache=np.zeros((10, 12, 2, 64), np.float16)),
+     ValueError, r"block_size 12 \(key_cache.shape\[1\] for NHD\)"),
+    (vbad(query=np.zeros((7, 8, 32), np.float16)), ValueError, "query's head_size is 32 but the caches' is 64"),
+    (vbad(query=np.zeros((7, 7, 64), np.float16)), ValueError, r"num_heads \(7\) must be a positive multiple"),
+    (vbad(key_cache=np.zeros((10, 16, 2, 128), np.float16)[..., ::2],
+          value_cache=np.zeros((10, 16, 2, 128), np.float16)[..., ::2]),
+     ValueError, "key_cache's last dimension .* must be contiguous"),
+    (vbad(key_cache=np.zeros((10, 16, 2, 68), np.float16)[..., :64],
+          value_cache=np.zeros((10, 16, 2, 68), np.float16)[..., :64]),
+     ValueError, "key_cache must be 16-byte aligned with block, head and token strides"),
+    (vbad(query_start_loc=np.zeros(3, np.int32)), ValueError,
+     r"query_start_loc must be a contiguous \[num_seqs \+ 1 = 4\] array"),
+    (vbad(query_start_loc=np.zeros(4, np.int64)), TypeError, "query_start_loc must be int32"),
+    (vbad(query_start_loc=None), ValueError,
+     "query has 7 rows but there are 3 sequences: without query_start_loc"),
+    (vbad(seq_lens=np.zeros(4, np.int32)), ValueError, r"seq_lens must be a contiguous \[num_seqs=3\]"),
+    (vbad(seq_lens=np.zeros(3, np.int64)), TypeError, "seq_lens must be int32"),
+    (vbad(block_tables=np.zeros(3, np.int32)), ValueError, "block_tables must be 2-D"),
+    (vbad(out=np.zeros((7, 8, 64), np.float32)), TypeError, "out dtype float32 does not match"),
+    (vbad(out=np.zeros((6, 8, 64), np.float16)), ValueError, r"out must be a C-contiguous array of shape \(7, 8, 64\)"),
+    (vbad(key_cache=np.zeros((10, 16, 2, 64), np.float32)), TypeError, "key_cache dtype float32 does not match"),
+])
+def test_bad_input_is_named(a, exc, match):
+    with pytest.raises(exc, match=match):
+        vvalidate(**a)
+
+
+def test_out_may_be_the_query_but_not_overlap_it():
+    a = vargs()
+    q = Fake(a["query"])
+    vvalidate(**{**a, "query": q, "out": Fake(a["query"])})  # the same array: in place
+    with pytest.raises(ValueError, match="overlap"):
+        vvalidate(**{**a, "query": q, "out": Fake(a["query"], ptr=q.data.ptr + 128)})
+
+
+@pytest.mark.parametrize("name", ["max_query_len", "max_seq_len"])
+def test_host_bounds(name):
+    assert varlen._host_bound(None, name, 9) == 9
+    assert varlen._host_bound(100, name, 9) == 9
+    assert varlen._host_bound(3, name, 9) == 3
+    with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+        varlen._host_bound(-1, name, 9)
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        varlen._host_bound(2.0, name, 9)
+
+
+@pytest.mark.parametrize("layout, dtype, bs, starts, max_q, total_q, kind", [
+    ("NHD", np.float16, 16, False, 1, 3, "decode"),     # no query_start_loc
+    ("NHD", np.float16, 16, True, 1, 3, "decode"),      # one token each, said by the host
+    ("NHD", np.float16, 16, True, 4, 7, "prefill"),
+    ("NHD", np.float16, 16, True, 1, 7, "prefill"),     # bound undercounts: rows still packed
+    ("vllm", np.float16, 8, True, 4, 7, "prefill"),
+    ("vllm", np.float16, 4, True, 4, 7, "rows"),        # tiny vLLM blocks: row mode
+    ("NHD", np.float32, 16, True, 4, 7, "rows"),        # float32: row mode
+])
+def test_the_planner_picks_the_kernel(layout, dtype, bs, starts, max_q, total_q, kind):
+    a = vargs(layout, dtype=dtype, bs=bs, total_q=total_q)
+    p = vvalidate(**a)
+    assert varlen._plan(p, starts, max_q).kind == kind
+
+
+def test_the_planner_takes_four_warps_for_few_rows():
+    p = vvalidate(**vargs(total_q=7))
+    assert varlen._plan(p, True, 4).tile[0] == 4    # 4 tokens x 4 heads = 16 rows
+    assert varlen._plan(p, True, 300).tile[0] == 8
