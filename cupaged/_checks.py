@@ -177,6 +177,23 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
     return CacheView(dt, num_blocks, num_kv_heads, head_size, block_size, "tok", *views)
 
 
+def check_alibi_and_out(alibi, out, query, num_heads: int) -> None:
+    """Optional ``alibi_slopes`` (float32 ``[num_heads]``, contiguous) and ``out`` (the
+    query's dtype and shape, C-contiguous) of an attention entry point."""
+    if alibi is not None:
+        if alibi.dtype != np.float32:
+            fail(f"alibi_slopes must be float32, got {alibi.dtype}", TypeError)
+        if alibi.shape != (num_heads,) or alibi.strides[0] != 4:
+            fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
+                 f"got shape {alibi.shape}")
+    if out is not None:
+        if out.dtype != query.dtype:
+            fail(f"out dtype {out.dtype} does not match query dtype {query.dtype}", TypeError)
+        if out.shape != query.shape or not (is_empty(query) or out.flags.c_contiguous):
+            fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "
+                 f"{out.shape} with strides {out.strides}")
+
+
 def check_same_device(device: int, ref: str, arrays) -> None:
     """``arrays``: (name, array or None) pairs that must all live on ``device``."""
     for name, a in arrays:

@@ -194,18 +194,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if context_lens.shape != (num_seqs,) or (num_seqs > 1 and context_lens.strides[0] != 4):
         _fail(f"context_lens must be a contiguous [num_seqs={num_seqs}] array, "
               f"got shape {context_lens.shape}")
-    if alibi_slopes is not None:
-        if alibi_slopes.dtype != np.float32:
-            _fail(f"alibi_slopes must be float32, got {alibi_slopes.dtype}", TypeError)
-        if alibi_slopes.shape != (num_heads,) or alibi_slopes.strides[0] != 4:
-            _fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
-                  f"got shape {alibi_slopes.shape}")
+    _checks.check_alibi_and_out(alibi_slopes, out, query, num_heads)
     if out is not None:
-        if out.dtype != query.dtype:
-            _fail(f"out dtype {out.dtype} does not match query dtype {query.dtype}", TypeError)
-        if out.shape != query.shape or not (empty or out.flags.c_contiguous):
-            _fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "
-                  f"{out.shape} with strides {out.strides}")
         # Written in place over the query is fine (each CTA reads its rows before it writes
         # them); a partial overlap would let one CTA's output clobber another's query.
         # (Byte ranges inline: this runs on every call.)

@@ -136,18 +136,8 @@ def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
                   f"got shape {qsl.shape}")
     if num_seqs > _checks.INT32_MAX:
         _fail(f"{num_seqs} sequences; at most {_checks.INT32_MAX} are supported")
-    if alibi is not None:
-        if alibi.dtype != np.float32:
-            _fail(f"alibi_slopes must be float32, got {alibi.dtype}", TypeError)
-        if alibi.shape != (num_heads,) or alibi.strides[0] != 4:
-            _fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
-                  f"got shape {alibi.shape}")
+    _checks.check_alibi_and_out(alibi, out, q, num_heads)
     if out is not None:
-        if out.dtype != q.dtype:
-            _fail(f"out dtype {out.dtype} does not match query dtype {q.dtype}", TypeError)
-        if out.shape != q.shape or not (total_q == 0 or out.flags.c_contiguous):
-            _fail(f"out must be a C-contiguous array of shape {q.shape}, got shape "
-                  f"{out.shape} with strides {out.strides}")
         # In place over the query is fine (each query row is read by the CTA that writes
         # its output, before it writes); any other overlap is not.
         if total_q and not (out.data.ptr == q.data.ptr and out.strides == q.strides):
