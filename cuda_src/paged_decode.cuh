@@ -33,6 +33,7 @@
 #include "common.cuh"
 #include "kv_layout.cuh"
 #include "mma.cuh"
+#include "softmax.cuh"
 
 namespace cupaged {
 
@@ -240,28 +241,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const int* ids = ids_s + (tile & 1) * Geo::kPieces;
     T* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(T)));
     T* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(T)));
-    if constexpr (Geo::kTokenMajor) {
-      // Consecutive threads take consecutive 16-byte chunks of a token's row.
-      for (int u = tid; u < Geo::kUnits; u += NT) {
-        const int t = u / Geo::kChunks;
-        const int c = u % Geo::kChunks;
-        const int tok = t0 + t;
-        if (tok >= end) continue;
-        const int phys = ids[t / Geo::kSub];
-        if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
-          *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
-          continue;
-        }
-        const int within = tok % BLOCK_SIZE;
-        cp_async16(ks + t * KROW + c * X, KV::key_chunk(kv, phys, kv_head, within, c));
-        cp_async16(vs + t * KROW + c * X, KV::value_chunk(kv, phys, kv_head, within, c));
-      }
-      return;
-    }
     for (int u = tid; u < Geo::kUnits; u += NT) {
-      const int sub = u / Geo::kUnitsPerSub;
-      const int e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
-      const int tok = t0 + sub * Geo::kSub;
+      // Token-major caches: consecutive threads take consecutive 16-byte chunks of a
+      // token's row. vLLM's: consecutive 16-byte runs of a piece, in cache order.
+      int t, sub;
+      if constexpr (Geo::kTokenMajor) {
+        t = u / Geo::kChunks;
+        sub = t / Geo::kSub;
+      } else {
+        sub = u / Geo::kUnitsPerSub;
+        t = sub * Geo::kSub;
+      }
+      const int tok = t0 + t;
       if (tok >= end) continue;
       const int phys = ids[sub];
       if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
@@ -269,22 +260,29 @@ __global__ void __launch_bounds__(kDecodeThreads)
         continue;
       }
       const int within = tok % BLOCK_SIZE;
-      {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
-        const int c = e / (Geo::kSub * X);
-        const int r = e % (Geo::kSub * X);
-        cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
-                   KV::key_chunk(kv, phys, kv_head, within, c) + r);
-      }
-      {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
-        const int d = e / Geo::kSub;
-        const int r = e % Geo::kSub;
-        T* dst;
-        if constexpr (Geo::kVTransposed) {
-          dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
-        } else {
-          dst = vs + sub * HS * Geo::kSub + e;
+      if constexpr (Geo::kTokenMajor) {
+        const int c = u % Geo::kChunks;
+        cp_async16(ks + t * KROW + c * X, KV::key_chunk(kv, phys, kv_head, within, c));
+        cp_async16(vs + t * KROW + c * X, KV::value_chunk(kv, phys, kv_head, within, c));
+      } else {
+        const int e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
+        {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
+          const int c = e / (Geo::kSub * X);
+          const int r = e % (Geo::kSub * X);
+          cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
+                     KV::key_chunk(kv, phys, kv_head, within, c) + r);
         }
-        cp_async16(dst, KV::value_chunk(kv, phys, kv_head, within, d) + r);
+        {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
+          const int d = e / Geo::kSub;
+          const int r = e % Geo::kSub;
+          T* dst;
+          if constexpr (Geo::kVTransposed) {
+            dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
+          } else {
+            dst = vs + sub * HS * Geo::kSub + e;
+          }
+          cp_async16(dst, KV::value_chunk(kv, phys, kv_head, within, d) + r);
+        }
       }
     }
   };
@@ -746,7 +744,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   m = total[0];
 
   float l = 0.f;
-  for (int p = tid; p < parts; p += NT) l += ps[p] * exp2f(pm[p] - m);
+  for (int p = tid; p < parts; p += NT) l += merge_weight(pm[p], ps[p], m);
   l = warp_sum(l);
   if ((tid & 31) == 0) red[tid >> 5] = l;
   __syncthreads();
@@ -761,7 +759,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const float* po = part_out + row * num_partitions * HEAD_SIZE;
   for (int d = tid; d < HEAD_SIZE; d += NT) {
     float a = 0.f;
-    for (int p = 0; p < parts; ++p) a += ps[p] * exp2f(pm[p] - m) * po[p * HEAD_SIZE + d];
+    for (int p = 0; p < parts; ++p) a += merge_weight(pm[p], ps[p], m) * po[p * HEAD_SIZE + d];
     out[row * HEAD_SIZE + d] = from_float<T>(a * inv);
   }
 }

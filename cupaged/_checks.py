@@ -177,6 +177,40 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
     return CacheView(dt, num_blocks, num_kv_heads, head_size, block_size, "tok", *views)
 
 
+def host_bound(value, name: str, cap: int) -> int:
+    """A host-side upper bound given by the caller (max_context_len, max_query_len,
+    max_seq_len), used only to size work: None means ``cap``, larger values are capped."""
+    if value is None:
+        return cap
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        fail(f"{name} must be an int, got {type(value).__name__}", TypeError)
+    if value < 0:
+        fail(f"{name} must be >= 0, got {value}")
+    return min(int(value), cap)
+
+
+def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: int,
+                 max_tokens: int) -> int:
+    """int32 ``block_tables [num_seqs, max_blocks]`` with contiguous rows and int32 ``lens
+    [num_seqs]`` (contiguous); returns max_blocks. A row may hold at most ``max_tokens``."""
+    check_int(block_tables, "block_tables")
+    check_int(lens, lens_name)
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
+             f"got shape {block_tables.shape}")
+    max_blocks = block_tables.shape[1]
+    st = block_tables.strides
+    if num_seqs and ((max_blocks > 1 and st[1] != 4) or st[0] < 0):  # empty: strides free
+        fail(f"block_tables' rows must be contiguous (strides {st})")
+    if max_blocks * block_size > max_tokens:
+        fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
+             f"{max_tokens} are supported")
+    if lens.shape != (num_seqs,) or (num_seqs > 1 and lens.strides[0] != 4):
+        fail(f"{lens_name} must be a contiguous [num_seqs={num_seqs}] array, "
+             f"got shape {lens.shape}")
+    return max_blocks
+
+
 def check_alibi_and_out(alibi, out, query, num_heads: int) -> None:
     """Optional ``alibi_slopes`` (float32 ``[num_heads]``, contiguous) and ``out`` (the
     query's dtype and shape, C-contiguous) of an attention entry point."""

@@ -172,11 +172,6 @@ class PrefillGeometry:
         return self.smem_bytes <= MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
 
 
-def geometry(spec):
-    """The host mirror of a ``paged_decode`` or ``paged_prefill`` spec."""
-    return (PrefillGeometry if spec.kernel == "paged_prefill" else DecodeGeometry).of(spec)
-
-
 def check_against_kernel(specs, chunk: int = 300) -> None:
     """Have NVRTC compare the mirrors with ``DecodeGeometry`` and ``PrefillGeometry`` in
     the kernel sources for each ``paged_decode`` / ``paged_prefill`` spec: one

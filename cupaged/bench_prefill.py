@@ -181,15 +181,12 @@ def _run_sdpa(case: PrefillCase, backend: str):
         qpos = torch.arange(ctx - ql, ctx, device=q.device)
         mask = (pos[None, :] <= qpos[:, None])[None, None]
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    result = {}
 
     def run():
         with sdpa_kernel([chosen]):
-            o = torch.nn.functional.scaled_dot_product_attention(
+            return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=case.causal and mask is None,
                 enable_gqa=kvh != h)
-        result["o"] = o
-        return o
 
     def run_checked():
         o = run()

@@ -179,21 +179,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     if not empty and (query.strides[2] != dt.itemsize or min(query.strides) < 0):
         _fail(f"query's last dimension must be contiguous (strides {query.strides})")
 
-    _checks.check_int(block_tables, "block_tables")
-    _checks.check_int(context_lens, "context_lens")
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        _fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
-              f"got shape {block_tables.shape}")
-    bt_strides = block_tables.strides
-    if not empty and ((block_tables.shape[1] > 1 and bt_strides[1] != 4) or bt_strides[0] < 0):
-        _fail(f"block_tables' rows must be contiguous (strides {block_tables.strides})")
-    max_blocks = block_tables.shape[1]
-    if max_blocks * cache.block_size > _MAX_TOKENS:
-        _fail(f"block_tables allows {max_blocks * cache.block_size} tokens per sequence; at "
-              f"most {_MAX_TOKENS} are supported")
-    if context_lens.shape != (num_seqs,) or (num_seqs > 1 and context_lens.strides[0] != 4):
-        _fail(f"context_lens must be a contiguous [num_seqs={num_seqs}] array, "
-              f"got shape {context_lens.shape}")
+    max_blocks = _checks.check_tables(block_tables, context_lens, "context_lens", num_seqs,
+                                      cache.block_size, _MAX_TOKENS)
     _checks.check_alibi_and_out(alibi_slopes, out, query, num_heads)
     if out is not None:
         # Written in place over the query is fine (each CTA reads its rows before it writes
@@ -228,14 +215,7 @@ def _scale(scale, head_size: int) -> float:
 
 def _max_context(max_context_len, p: _Problem) -> int:
     """A host-side bound on the context lengths, used only to size split-KV work."""
-    cap = p.max_blocks * p.block_size
-    if max_context_len is None:
-        return cap
-    if isinstance(max_context_len, bool) or not isinstance(max_context_len, (int, np.integer)):
-        _fail(f"max_context_len must be an int, got {type(max_context_len).__name__}", TypeError)
-    if max_context_len < 0:
-        _fail(f"max_context_len must be >= 0, got {max_context_len}")
-    return min(int(max_context_len), cap)
+    return _checks.host_bound(max_context_len, "max_context_len", p.max_blocks * p.block_size)
 
 
 # ---- split-KV choice --------------------------------------------------------------------------

@@ -30,9 +30,7 @@ _MAX_GRID_Y = 65535
 class _Prefill(NamedTuple):
     launch: jit.Launcher
     smem: int
-    rows: int  # packed query rows per CTA
     threads: int
-    name: str
 
 
 # (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
@@ -76,22 +74,10 @@ def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
                          f"device {device_id} allows {dev.max_smem}")
-    return _Prefill(jit.load(spec, device_id, g.smem_bytes), g.smem_bytes, g.rows, g.threads,
-                    spec.name)
+    return _Prefill(jit.load(spec, device_id, g.smem_bytes), g.smem_bytes, g.threads)
 
 
 # ---- validation ---------------------------------------------------------------------------
-
-
-def _host_bound(value, name: str, cap: int) -> int:
-    """A host-side upper bound (max_query_len, max_seq_len): None means ``cap``."""
-    if value is None:
-        return cap
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        _fail(f"{name} must be an int, got {type(value).__name__}", TypeError)
-    if value < 0:
-        _fail(f"{name} must be >= 0, got {value}")
-    return min(int(value), cap)
 
 
 def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
@@ -112,19 +98,11 @@ def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
     if total_q and (q.strides[2] != dt.itemsize or min(q.strides) < 0):
         _fail(f"query's last dimension must be contiguous (strides {q.strides})")
 
-    _checks.check_int(bt, "block_tables")
-    _checks.check_int(sl, "seq_lens")
     if bt.ndim != 2:
         _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
-    num_seqs, max_blocks = bt.shape
-    if num_seqs and ((max_blocks > 1 and bt.strides[1] != 4) or bt.strides[0] < 0):
-        _fail(f"block_tables' rows must be contiguous (strides {bt.strides})")
-    if max_blocks * cache.block_size > decode._MAX_TOKENS:
-        _fail(f"block_tables allows {max_blocks * cache.block_size} tokens per sequence; at "
-              f"most {decode._MAX_TOKENS} are supported")
-    if sl.shape != (num_seqs,) or (num_seqs > 1 and sl.strides[0] != 4):
-        _fail(f"seq_lens must be a contiguous [num_seqs={num_seqs}] array (num_seqs from "
-              f"block_tables), got shape {sl.shape}")
+    num_seqs = bt.shape[0]
+    max_blocks = _checks.check_tables(bt, sl, "seq_lens", num_seqs, cache.block_size,
+                                      decode._MAX_TOKENS)
     if qsl is None:
         if total_q != num_seqs:
             _fail(f"query has {total_q} rows but there are {num_seqs} sequences: without "
@@ -273,8 +251,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     o = optional_device_array(out, "out")
     p = _validate(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout)
     scale = decode._scale(scale, p.head_size)
-    max_q = _host_bound(max_query_len, "max_query_len", p.num_rows)
-    max_ctx = _host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
+    max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
+    max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     if isinstance(workspace, decode.DecodeWorkspace):
         workspace = workspace._partials(p)
     elif workspace is not None:

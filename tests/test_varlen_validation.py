@@ -4,7 +4,7 @@ the planner's choice of kernel."""
 import numpy as np
 import pytest
 
-from cupaged import varlen
+from cupaged import _checks, varlen
 from test_validation import Fake
 
 
@@ -98,13 +98,13 @@ def test_out_may_be_the_query_but_not_overlap_it():
 
 @pytest.mark.parametrize("name", ["max_query_len", "max_seq_len"])
 def test_host_bounds(name):
-    assert varlen._host_bound(None, name, 9) == 9
-    assert varlen._host_bound(100, name, 9) == 9
-    assert varlen._host_bound(3, name, 9) == 3
+    assert _checks.host_bound(None, name, 9) == 9
+    assert _checks.host_bound(100, name, 9) == 9
+    assert _checks.host_bound(3, name, 9) == 3
     with pytest.raises(ValueError, match=f"{name} must be >= 0"):
-        varlen._host_bound(-1, name, 9)
+        _checks.host_bound(-1, name, 9)
     with pytest.raises(TypeError, match=f"{name} must be an int"):
-        varlen._host_bound(2.0, name, 9)
+        _checks.host_bound(2.0, name, 9)
 
 
 @pytest.mark.parametrize("layout, dtype, bs, starts, max_q, total_q, kind", [
