@@ -162,8 +162,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int t0 = tile * TILE_N;
       T* ks = k_s + stage * (TILE_N * ROW);
       T* vs = v_s + stage * (Geo::kVStage / 2);
-      // Keys (and token-major values, which share their addresses' shape): consecutive
-      // threads take consecutive 16-byte runs of the cache.
+      // Keys: consecutive threads take consecutive 16-byte runs of the cache.
       for (int u = tid; u < TILE_N * Geo::kChunks; u += NT) {
         int t, c;
         if constexpr (KV_FORMAT == kFormatTokenMajor) {
@@ -180,11 +179,8 @@ __global__ void __launch_bounds__(WARPS * 32)
           *bad_block_s = 1;
           continue;
         }
-        cp_async16(ks + t * ROW + c * X, KV::key_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, c));
-        if constexpr (!Geo::kVDimMajor) {
-          cp_async16(vs + t * ROW + c * X,
-                     KV::value_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, c));
-        }
+        cp_async16(ks + t * ROW + c * X,
+                   KV::key_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, c));
       }
       if constexpr (Geo::kVDimMajor) {
         // vLLM's [dim][token] value: runs of X tokens of one dim, kept dim-major.
@@ -199,6 +195,20 @@ __global__ void __launch_bounds__(WARPS * 32)
             continue;
           }
           cp_async16(vs + d * Geo::kVRow + t, KV::value_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, d));
+        }
+      } else {
+        for (int u = tid; u < TILE_N * Geo::kChunks; u += NT) {
+          const int t = u / Geo::kChunks;
+          const int c = u % Geo::kChunks;
+          const int tok = t0 + t;
+          if (tok >= kv_end) continue;
+          const int phys = physical_block(kv, bt_row, tok, BLOCK_SIZE);
+          if (phys < 0) {
+            *bad_block_s = 1;
+            continue;
+          }
+          cp_async16(vs + t * ROW + c * X,
+                     KV::value_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, c));
         }
       }
     };
