@@ -4,7 +4,8 @@
 
 #ifdef CUPAGED_INSTANTIATE
 void cupaged_instantiate_cache_ops() {
-  (void)&cupaged::reshape_and_cache<cupaged::half_t, long long>;
+  (void)&cupaged::reshape_and_cache<cupaged::half_t, cupaged::kFormatTokenMajor, long long>;
+  (void)&cupaged::reshape_and_cache<cupaged::half_t, cupaged::kFormatVllm, int>;
   (void)&cupaged::copy_blocks<long long>;
 }
 #endif

@@ -119,6 +119,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
+// The same with the destination as a shared-window address (__cvta_generic_to_shared),
+// for loops that step it by constants instead of converting every pointer.
+__device__ __forceinline__ void cp_async16_shared(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int PENDING>
@@ -138,6 +144,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flush to 0, 2^-inf = 0).
+// exp2f without fast-math adds range fix-ups around it; softmax weights need neither.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

@@ -32,11 +32,19 @@ template <typename T, int FORMAT, int BLOCK_SIZE>
 struct KVAccess {
   static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
 
+  // A KV head's base pointers; kernels that copy many chunks of one head hoist them.
+  static __device__ __forceinline__ const T* key_head(const PagedKV& kv, int head) {
+    return static_cast<const T*>(kv.k) + head * kv.k_head;
+  }
+  static __device__ __forceinline__ const T* value_head(const PagedKV& kv, int head) {
+    return static_cast<const T*>(kv.v) + head * kv.v_head;
+  }
+
   // The 16-byte chunk `c` (dims [c * kVec, c * kVec + kVec)) of the key of token `within`
-  // of block `phys`, KV head `head`.
-  static __device__ __forceinline__ const T* key_chunk(const PagedKV& kv, int phys, int head,
-                                                       int within, int c) {
-    const T* base = static_cast<const T*>(kv.k) + phys * kv.k_block + head * kv.k_head;
+  // of block `phys`, from the head's base pointer.
+  static __device__ __forceinline__ const T* key_chunk_at(const PagedKV& kv, const T* head_base,
+                                                          int phys, int within, int c) {
+    const T* base = head_base + phys * kv.k_block;
     if constexpr (FORMAT == kFormatTokenMajor) {
       return base + within * kv.k_token + c * kVec;
     } else {
@@ -47,14 +55,24 @@ struct KVAccess {
   // Token-major: chunk `c` of the value of token `within`.
   // vLLM: dim `c` of tokens [within, within + kVec) (a 16-byte run when blocks hold at
   // least kVec tokens).
-  static __device__ __forceinline__ const T* value_chunk(const PagedKV& kv, int phys, int head,
-                                                         int within, int c) {
-    const T* base = static_cast<const T*>(kv.v) + phys * kv.v_block + head * kv.v_head;
+  static __device__ __forceinline__ const T* value_chunk_at(const PagedKV& kv,
+                                                            const T* head_base, int phys,
+                                                            int within, int c) {
+    const T* base = head_base + phys * kv.v_block;
     if constexpr (FORMAT == kFormatTokenMajor) {
       return base + within * kv.v_token + c * kVec;
     } else {
       return base + c * BLOCK_SIZE + within;
     }
+  }
+
+  static __device__ __forceinline__ const T* key_chunk(const PagedKV& kv, int phys, int head,
+                                                       int within, int c) {
+    return key_chunk_at(kv, key_head(kv, head), phys, within, c);
+  }
+  static __device__ __forceinline__ const T* value_chunk(const PagedKV& kv, int phys, int head,
+                                                         int within, int c) {
+    return value_chunk_at(kv, value_head(kv, head), phys, within, c);
   }
 };
 

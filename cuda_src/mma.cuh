@@ -8,22 +8,23 @@ namespace cupaged {
 
 // D = A (16x16, row) * B (16x8, col) + D, 16-bit inputs, fp32 sums.
 // Fragment layouts are PTX's for mma.m16n8k16; ldmatrix loads them from shared memory
-// (lane l gives the address of row l % 8 of matrix l / 8).
+// (lane l gives the address of row l % 8 of matrix l / 8). The loads are volatile, so they
+// stay on their side of barriers and cp.async waits, but clobber no memory: a clobber
+// would make the compiler reload every cached value (kernel parameters, addresses) after
+// each one. The mma is pure register arithmetic, free to be scheduled.
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
+               : "r"(s));
 }
 
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(s)
-               : "memory");
+               : "r"(s));
 }
 
 // The same, each 8x8 matrix transposed on the way: for a B operand whose shared copy has
@@ -32,16 +33,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
+               : "r"(s));
 }
 
 // Two floats rounded to T and packed (the first in the low half): an A or B fragment
-// register built from fp32 values, such as probabilities held in C fragments.
+// register built from fp32 values, such as probabilities held in C fragments. One
+// cvt.rn.{f16,bf16}x2.f32 (sm_80+), which takes the high half first.
 template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  return static_cast<unsigned>(from_float<T>(lo).bits) |
-         (static_cast<unsigned>(from_float<T>(hi).bits) << 16);
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ unsigned pack2<half_t>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <>
+__device__ __forceinline__ unsigned pack2<bfloat16_t>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 
 template <typename T>
@@ -52,7 +64,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
   template <>                                                                                 \
   __device__ __forceinline__ void mma_16816<T>(float (&d)[4], const unsigned (&a)[4],         \
                                                const unsigned (&b)[2]) {                      \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE               \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE               \
                  ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"     \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));         \

@@ -10,17 +10,19 @@
 // token i sits at position seq_len - q_len + i. Causal: it sees keys at positions up to its
 // own (bottom-right alignment); otherwise all seq_len keys.
 //
-// Work split: one CTA per (sequence, tile of query rows, KV head). A sequence's rows are
+// Work split: one CTA per (sequence, KV head, tile of query rows). A sequence's rows are
 // its tokens times the query heads of the KV head's group, packed token-major
 // (row = token * group + head), so every K/V tile the CTA loads serves the whole group:
 // four verify tokens of a 4-head group fill one 16-row mma tile. Each warp owns
 // 16 * M_ATOMS rows (FlashAttention-2's split: no cross-warp reduction), walking the
 // sequence's keys in tiles of TILE_N tokens streamed by cp.async, STAGES deep:
-//   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain, ALiBi, masks;
-//   online softmax on the rows' registers;
+//   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain; ALiBi and masks
+//   only on tiles that need them (a causal diagonal, a sequence's last tile);
+//   online softmax on the rows' registers, the output rescaled only when a maximum moved;
 //   O += P V with P rounded to T straight from the S fragments (no shared-memory trip).
-// Grid y strides over query tiles, so a host bound that undercounts the longest query
-// costs parallelism, never rows.
+// Block ids reach shared memory a tile ahead of the copies that use them, so a copy's
+// address never waits on a table read. Grid y strides over query tiles, so a host bound
+// that undercounts the longest query costs parallelism, never rows.
 #pragma once
 #include "common.cuh"
 #include "kv_layout.cuh"
@@ -48,8 +50,15 @@ struct PrefillGeometry {
   static constexpr int kVStage = kVDimMajor ? kHSP * kVRow * 2 : TILE_N * kRow * 2;
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kKStage;
-  static constexpr int kOffFlag = kOffV + STAGES * kVStage;
+  // Block ids of the tiles in flight, one slot per stage: ids of tile i sit in slot
+  // i % STAGES from a barrier before its copies until a barrier after them.
+  static constexpr int kIds = TILE_N > BLOCK_SIZE ? TILE_N / BLOCK_SIZE : 1;
+  static constexpr int kOffIds = kOffV + STAGES * kVStage;
+  static constexpr int kOffFlag = kOffIds + (STAGES * kIds * 4 + 15) / 16 * 16;
   static constexpr int kSmemBytes = kOffFlag + 16;
+  // Registers: one m-atom per warp needs about 128, so ask ptxas to fit two CTAs of eight
+  // warps per SM (16 warps hide each other's latency); two m-atoms need all 255.
+  static constexpr int kMinBlocks = M_ATOMS == 1 ? 2 : 1;
   static constexpr int kNTiles = TILE_N / 8;  // n8 tiles of S per m16 atom
   static constexpr int kDTiles = kHSP / 8;    // n8 tiles of O per m16 atom
 
@@ -63,9 +72,12 @@ struct PrefillGeometry {
   static_assert(STAGES >= 2, "STAGES");
 };
 
+
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int WARPS, int M_ATOMS,
           int TILE_N, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(
+    WARPS * 32, (PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, WARPS, M_ATOMS, TILE_N,
+                                 STAGES>::kMinBlocks))
     paged_prefill(T* __restrict__ out, const T* __restrict__ query, long long q_token_stride,
                   long long q_head_stride, const __grid_constant__ PagedKV kv,
                   const int* __restrict__ seq_lens,
@@ -78,19 +90,25 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int NT = Geo::kThreads;
   constexpr int ROW = Geo::kRow;
   constexpr int MA = M_ATOMS;
+  constexpr int CH = Geo::kChunks;
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);
   T* k_s = reinterpret_cast<T*>(smem + Geo::kOffK);
   T* v_s = reinterpret_cast<T*>(smem + Geo::kOffV);
+  int* ids_s = reinterpret_cast<int*>(smem + Geo::kOffIds);
   int* bad_block_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int seq = blockIdx.x;
-  const int kv_head = blockIdx.z;
+  // Grid x is (sequence, KV head) and y counts query tiles from each sequence's last: the
+  // hardware starts CTAs in order, so the longest causal tiles of every sequence go first
+  // and the short ones fill the last wave.
+  const int num_kv_heads = num_heads / group_size;
+  const int seq = blockIdx.x / num_kv_heads;
+  const int kv_head = blockIdx.x - seq * num_kv_heads;
 
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
 
@@ -100,9 +118,19 @@ __global__ void __launch_bounds__(WARPS * 32)
   // lengths count as empty (cupaged.check_block_tables and CUPAGED_DEBUG report both).
   const int seq_len = max(0, min(seq_lens[seq], kv.max_blocks * BLOCK_SIZE));
   const int packed = q_len * group_size;  // validation keeps total_q * group below 2^31
-  if (q_len <= 0 || static_cast<int>(blockIdx.y) * Geo::kRows >= packed) return;
+  const int q_tiles = q_len > 0 ? (packed + Geo::kRows - 1) / Geo::kRows : 0;
   const int q_shift = seq_len - q_len;  // position of query token i is q_shift + i
   const int* bt_row = kv.block_tables + seq * kv.bt_stride;
+  const T* k_base = KV::key_head(kv, kv_head);
+  const T* v_base = KV::value_head(kv, kv_head);
+  // 32-bit strides: the host checks that a block's stride is below 2^32 elements and that
+  // the offsets within a block stay below 2^31.
+  const unsigned k_block = static_cast<unsigned>(kv.k_block);
+  const unsigned v_block = static_cast<unsigned>(kv.v_block);
+  const unsigned k_token = static_cast<unsigned>(kv.k_token);
+  const unsigned v_token = static_cast<unsigned>(kv.v_token);
+  const unsigned k_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
+  const unsigned v_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
 
   // Head-size padding (kHSP > HEAD_SIZE) must read as zeros in K: the padded query columns
   // are zero, and 0 * garbage may be NaN. cp.async never writes it, so clear it once.
@@ -116,7 +144,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int frag_row = lane >> 2;
   const int frag_col = (lane & 3) * 2;
 
-  for (int qt = blockIdx.y; qt * Geo::kRows < packed; qt += gridDim.y) {
+  for (int qt = q_tiles - 1 - static_cast<int>(blockIdx.y); qt >= 0; qt -= gridDim.y) {
     const int row0 = qt * Geo::kRows;
     const int rows_here = min(Geo::kRows, packed - row0);
     // Keys any row of this tile may see: causal rows stop at their own position.
@@ -124,15 +152,46 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int kv_end = causal ? max(0, min(seq_len, last_pos + 1)) : seq_len;
     const int n_tiles = (kv_end + TILE_N - 1) / TILE_N;
 
+    // Entry i of tile `tile`'s block ids (-1: outside the cache, reported as NaN rows).
+    // Entries past kv_end are never used and never read. Thread tid owns entries
+    // tid + k * NT.
+    auto tile_id = [&](int tile, int i) -> int {
+      const int logical = tile * TILE_N / BLOCK_SIZE + i;
+      if (i >= Geo::kIds || tile >= n_tiles || logical * BLOCK_SIZE >= kv_end) return 0;
+      const int phys = __ldg(bt_row + logical);
+      return static_cast<unsigned>(phys) < static_cast<unsigned>(kv.num_blocks) ? phys : -1;
+    };
+    constexpr int kIdsPer = (Geo::kIds + NT - 1) / NT;
+    auto store_ids = [&](int tile, const int (&ids)[kIdsPer]) {
+#pragma unroll
+      for (int k = 0; k < kIdsPer; ++k) {
+        const int i = tid + k * NT;
+        if (i < Geo::kIds) ids_s[(tile % STAGES) * Geo::kIds + i] = ids[k];
+      }
+    };
+    auto fetch_ids = [&](int tile, int (&ids)[kIdsPer]) {
+#pragma unroll
+      for (int k = 0; k < kIdsPer; ++k) ids[k] = tile_id(tile, tid + k * NT);
+    };
+
     __syncthreads();  // the previous query tile is done with shared memory
     if (tid == 0) *bad_block_s = 0;
+    // Ids of the prologue's tiles and of the first tile the loop copies; the next tile's
+    // are stored at the loop's first iteration.
+    int id_ahead[kIdsPer];
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      fetch_ids(s, id_ahead);
+      store_ids(s, id_ahead);
+    }
+    fetch_ids(STAGES, id_ahead);
 
     // ---- the query tile: rows past the sequence's are zeros ------------------------------
     for (int u = tid; u < Geo::kRows * (Geo::kHSP / X); u += NT) {
       const int r = u / (Geo::kHSP / X);
       const int c = u % (Geo::kHSP / X);
       T* dst = q_s + r * ROW + c * X;
-      if (r < rows_here && c < Geo::kChunks) {
+      if (r < rows_here && c < CH) {
         const int p = row0 + r;
         const int head = kv_head * group_size + p % group_size;
         cp_async16(dst, query + (q_begin + p / group_size) * q_token_stride +
@@ -142,10 +201,12 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
 
-    // Per-row constants of this thread's rows.
+    // Per-row constants of this thread's rows, and the warp's range of limits: tiles below
+    // the smallest need no mask, tiles from the largest on contribute nothing.
     int q_pos[MA][2];
     int limit[MA][2];  // keys at positions < limit are seen
     float slope[MA][2];
+    int lim_lo = 0x7fffffff, lim_hi = 0;
 #pragma unroll
     for (int a = 0; a < MA; ++a) {
 #pragma unroll
@@ -155,60 +216,103 @@ __global__ void __launch_bounds__(WARPS * 32)
         limit[a][h] = p >= packed ? 0 : causal ? max(0, min(seq_len, q_pos[a][h] + 1)) : seq_len;
         const int head = kv_head * group_size + p % group_size;
         slope[a][h] = (alibi_slopes != nullptr && p < packed) ? alibi_slopes[head] * kLog2e : 0.f;
+        lim_lo = min(lim_lo, limit[a][h]);
+        lim_hi = max(lim_hi, limit[a][h]);
       }
     }
+    lim_lo = __reduce_min_sync(~0u, lim_lo);
+    lim_hi = __reduce_max_sync(~0u, lim_hi);
+    const bool plain = alibi_slopes == nullptr;
 
+    // One tile's K and V into a stage. Each thread owns token slots at fixed tile
+    // positions and, per slot, chunks at a fixed stride: the block id, the in-block
+    // offset and the 64-bit address are computed once per slot, and its copies differ by
+    // compile-time offsets. Offsets within a block are 32-bit (the host checks strides).
     auto load_tile = [&](int tile, int stage) {
-      const int t0 = tile * TILE_N;
-      T* ks = k_s + stage * (TILE_N * ROW);
-      T* vs = v_s + stage * (Geo::kVStage / 2);
-      // Keys: consecutive threads take consecutive 16-byte runs of the cache.
-      for (int u = tid; u < TILE_N * Geo::kChunks; u += NT) {
-        int t, c;
-        if constexpr (KV_FORMAT == kFormatTokenMajor) {
-          t = u / Geo::kChunks;
-          c = u % Geo::kChunks;
-        } else {
-          t = u % TILE_N;
-          c = u / TILE_N;
-        }
-        const int tok = t0 + t;
-        if (tok >= kv_end) continue;
-        const int phys = physical_block(kv, bt_row, tok, BLOCK_SIZE);
+      const unsigned t0 = tile * TILE_N;
+      const int* ids = ids_s + stage * Geo::kIds;
+      const unsigned ks = k_s_addr + stage * Geo::kKStage;
+      const unsigned vs = v_s_addr + stage * Geo::kVStage;
+      // Block id and offset of token t0 + t, or false: past the keys, or a bad id.
+      auto slot = [&](unsigned t, int& phys, unsigned& within) {
+        if (t0 + t >= static_cast<unsigned>(kv_end)) return false;
+        phys = ids[TILE_N > BLOCK_SIZE ? t / BLOCK_SIZE : 0];  // tiles hold whole blocks,
+        within = (t0 + t) % BLOCK_SIZE;                         // or lie within one
         if (phys < 0) {
           *bad_block_s = 1;
-          continue;
+          return false;
         }
-        cp_async16(ks + t * ROW + c * X,
-                   KV::key_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, c));
-      }
-      if constexpr (Geo::kVDimMajor) {
-        // vLLM's [dim][token] value: runs of X tokens of one dim, kept dim-major.
-        for (int u = tid; u < HEAD_SIZE * (TILE_N / X); u += NT) {
-          const int d = u / (TILE_N / X);
-          const int t = (u % (TILE_N / X)) * X;
-          const int tok = t0 + t;
-          if (tok >= kv_end) continue;
-          const int phys = physical_block(kv, bt_row, tok, BLOCK_SIZE);
-          if (phys < 0) {
-            *bad_block_s = 1;
-            continue;
+        return true;
+      };
+      if constexpr (KV_FORMAT == kFormatTokenMajor) {
+        // Eight (four) threads per token row: a warp's copies are whole 128-byte lines.
+        constexpr int kTPR = CH >= 8 ? 8 : 4;
+        constexpr int kTokPerPass = NT / kTPR;
+        constexpr int kPasses = (TILE_N + kTokPerPass - 1) / kTokPerPass;
+        constexpr int kCPer = (CH + kTPR - 1) / kTPR;
+        const unsigned c0 = tid % kTPR;
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const unsigned t = pass * kTokPerPass + tid / kTPR;
+          int phys;
+          unsigned within;
+          if ((kTokPerPass * kPasses > TILE_N && t >= TILE_N) || !slot(t, phys, within)) continue;
+          const unsigned long long pb = static_cast<unsigned long long>(phys);
+          const T* gk = k_base + pb * k_block + within * k_token + c0 * X;
+          const T* gv = v_base + pb * v_block + within * v_token + c0 * X;
+          const unsigned sk = ks + (t * ROW + c0 * X) * 2;
+          const unsigned sv = vs + (t * ROW + c0 * X) * 2;
+#pragma unroll
+          for (int i = 0; i < kCPer; ++i) {
+            if (CH % kTPR != 0 && c0 + i * kTPR >= CH) break;
+            cp_async16_shared(sk + i * kTPR * 16, gk + i * kTPR * X);
           }
-          cp_async16(vs + d * Geo::kVRow + t, KV::value_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, d));
+#pragma unroll
+          for (int i = 0; i < kCPer; ++i) {
+            if (CH % kTPR != 0 && c0 + i * kTPR >= CH) break;
+            cp_async16_shared(sv + i * kTPR * 16, gv + i * kTPR * X);
+          }
         }
       } else {
-        for (int u = tid; u < TILE_N * Geo::kChunks; u += NT) {
-          const int t = u / Geo::kChunks;
-          const int c = u % Geo::kChunks;
-          const int tok = t0 + t;
-          if (tok >= kv_end) continue;
-          const int phys = physical_block(kv, bt_row, tok, BLOCK_SIZE);
-          if (phys < 0) {
-            *bad_block_s = 1;
-            continue;
+        // vLLM's key, [chunk][token][x]: consecutive threads take consecutive tokens of one
+        // chunk (contiguous within a block); a thread's chunks are kCStep apart.
+        constexpr int kKSlots = NT >= TILE_N ? 1 : TILE_N / NT;
+        constexpr int kCStep = NT >= TILE_N ? NT / TILE_N : 1;
+        constexpr int kCPer = (CH + kCStep - 1) / kCStep;
+        const unsigned c0 = NT >= TILE_N ? tid / TILE_N : 0;
+#pragma unroll
+        for (int k = 0; k < kKSlots; ++k) {
+          const unsigned t = tid % TILE_N + k * NT;
+          int phys;
+          unsigned within;
+          if (!slot(t, phys, within)) continue;
+          const T* g = k_base + static_cast<unsigned long long>(phys) * k_block +
+                       (c0 * BLOCK_SIZE + within) * X;
+          const unsigned sk = ks + (t * ROW + c0 * X) * 2;
+#pragma unroll
+          for (int i = 0; i < kCPer; ++i) {
+            if (CH % kCStep != 0 && c0 + i * kCStep >= CH) break;
+            cp_async16_shared(sk + i * kCStep * X * 2, g + i * kCStep * BLOCK_SIZE * X);
           }
-          cp_async16(vs + t * ROW + c * X,
-                     KV::value_chunk(kv, phys, kv_head, tok % BLOCK_SIZE, c));
+        }
+        // vLLM's value, [dim][token]: runs of X tokens of one dim, kept dim-major; a
+        // thread's dims are kDStep apart.
+        constexpr int kRuns = TILE_N / X;
+        constexpr int kDStep = NT / kRuns;
+        constexpr int kDPer = (HEAD_SIZE + kDStep - 1) / kDStep;
+        const unsigned t = (tid % kRuns) * X;
+        const unsigned d0 = tid / kRuns;
+        int phys;
+        unsigned within;
+        if (slot(t, phys, within)) {
+          const T* g = v_base + static_cast<unsigned long long>(phys) * v_block +
+                       d0 * BLOCK_SIZE + within;
+          const unsigned sv = vs + (d0 * Geo::kVRow + t) * 2;
+#pragma unroll
+          for (int i = 0; i < kDPer; ++i) {
+            if (HEAD_SIZE % kDStep != 0 && d0 + i * kDStep >= HEAD_SIZE) break;
+            cp_async16_shared(sv + i * kDStep * Geo::kVRow * 2, g + i * kDStep * BLOCK_SIZE);
+          }
         }
       }
     };
@@ -229,6 +333,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
 
+    __syncthreads();  // the prologue's ids are visible
     // Prologue: the query travels in the first tile's copy group.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -245,6 +350,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int next = it + STAGES - 1;
       if (next < n_tiles) load_tile(next, next % STAGES);
       cp_async_commit();
+      // Ids of tile it + STAGES go into tile it's slot (all its copies were issued before
+      // the barrier above; they are first read after the next); the load for the tile
+      // after that flies through this tile's arithmetic.
+      store_ids(it + STAGES, id_ahead);
+      fetch_ids(it + STAGES + 1, id_ahead);
 
       const T* ks = k_s + stage * (TILE_N * ROW);
       T* vs = v_s + stage * (Geo::kVStage / 2);
@@ -264,6 +374,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
         __syncthreads();
       }
+      // Every row of this warp is past this tile's keys (a causal diagonal): nothing to add.
+      if (t0 >= lim_hi) continue;
 
       // ---- S = Q K^T --------------------------------------------------------------------
       float s[MA][Geo::kNTiles][4];
@@ -300,57 +412,64 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
 
-      // ---- scale, ALiBi, masks; online softmax ------------------------------------------
-      float alpha[MA][2];
+      // ---- scale (ALiBi, masks where needed); online softmax ----------------------------
+      const bool masked = !plain || t0 + TILE_N > lim_lo;
       unsigned pa[MA][TILE_N / 16][4];  // P as A fragments of the P V product
 #pragma unroll
       for (int a = 0; a < MA; ++a) {
         float tmax[2] = {neg_inf(), neg_inf()};
+        if (masked) {
 #pragma unroll
-        for (int n = 0; n < Geo::kNTiles; ++n) {
+          for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {  // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2
-            const int h = i >> 1;
-            const int key = t0 + n * 8 + frag_col + (i & 1);
-            const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
-                                 s[a][n][i] * scale_log2);
-            s[a][n][i] = key < limit[a][h] ? v : neg_inf();
-            tmax[h] = fmaxf(tmax[h], s[a][n][i]);
+            for (int i = 0; i < 4; ++i) {  // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2
+              const int h = i >> 1;
+              const int key = t0 + n * 8 + frag_col + (i & 1);
+              const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
+                                   s[a][n][i] * scale_log2);
+              s[a][n][i] = key < limit[a][h] ? v : neg_inf();
+              tmax[h] = fmaxf(tmax[h], s[a][n][i]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int n = 0; n < Geo::kNTiles; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              s[a][n][i] *= scale_log2;
+              tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
+            }
           }
         }
-        float sub[2];
+        float sub[2], alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
           tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
-          alpha[a][h] = softmax_advance(m_run[a][h], tmax[h], sub[h]);
-          l_run[a][h] *= alpha[a][h];
+          alpha[h] = softmax_advance(m_run[a][h], tmax[h], sub[h]);
+          l_run[a][h] *= alpha[h];
         }
 #pragma unroll
         for (int n = 0; n < Geo::kNTiles; ++n) {
-          const float p0 = exp2f(s[a][n][0] - sub[0]);
-          const float p1 = exp2f(s[a][n][1] - sub[0]);
-          const float p2 = exp2f(s[a][n][2] - sub[1]);
-          const float p3 = exp2f(s[a][n][3] - sub[1]);
-          const unsigned lo = pack2<T>(p0, p1);
-          const unsigned hi = pack2<T>(p2, p3);
-          // The sums add the rounded values the P V product uses: the output is then an
-          // exact convex combination of the V rows.
-          float r0, r1, r2, r3;
-          unpack2(lo, r0, r1, T{});
-          unpack2(hi, r2, r3, T{});
-          l_run[a][0] += r0 + r1;
-          l_run[a][1] += r2 + r3;
+          const float p0 = fast_exp2(s[a][n][0] - sub[0]);
+          const float p1 = fast_exp2(s[a][n][1] - sub[0]);
+          const float p2 = fast_exp2(s[a][n][2] - sub[1]);
+          const float p3 = fast_exp2(s[a][n][3] - sub[1]);
+          l_run[a][0] += p0 + p1;
+          l_run[a][1] += p2 + p3;
           // A fragment of k-step n / 2: regs 0,1 from n8 tile 2j (rows, rows + 8), 2,3 from 2j + 1.
-          pa[a][n / 2][(n & 1) * 2 + 0] = lo;
-          pa[a][n / 2][(n & 1) * 2 + 1] = hi;
+          pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0, p1);
+          pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2, p3);
         }
+        // Once the running maxima settle most tiles leave them unchanged (alpha = 1).
+        if (__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int d = 0; d < Geo::kDTiles; ++d) {
-          acc[a][d][0] *= alpha[a][0];
-          acc[a][d][1] *= alpha[a][0];
-          acc[a][d][2] *= alpha[a][1];
-          acc[a][d][3] *= alpha[a][1];
+          for (int d = 0; d < Geo::kDTiles; ++d) {
+            acc[a][d][0] *= alpha[0];
+            acc[a][d][1] *= alpha[0];
+            acc[a][d][2] *= alpha[1];
+            acc[a][d][3] *= alpha[1];
+          }
         }
       }
 

@@ -14,7 +14,8 @@ Public API:
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
     swap_blocks             move blocks between a device cache and a pinned host cache
     empty_pinned            pinned host arrays for swap_blocks
-    PagedKVCache            device caches for all layers plus their block bookkeeping
+    PagedKVCache            device caches for all layers (any layout) plus their block bookkeeping
+    Step                    one step's slot mapping, block tables, seq_lens, query_start_loc
     BlockManager            the bookkeeping alone (no GPU needed)
     check_block_tables      validate block tables against the cache (synchronizes)
     precompile              compile specializations ahead of use
@@ -35,7 +36,7 @@ from .decode import (
 from .cache_ops import copy_blocks, empty_pinned, reshape_and_cache, swap_blocks
 from .jit import CompileError, KernelSpec, precompile
 from .varlen import attention
-from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache
+from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "DecodeWorkspace",
     "OutOfBlocks",
     "PagedKVCache",
+    "Step",
     "copy_blocks",
     "empty_pinned",
     "reshape_and_cache",

@@ -5,9 +5,10 @@ thousands of NVRTC compiles, the check to run after changing a kernel template o
 geometry mirror). ``covering_specs`` is what the test suite compiles: per kernel, a
 pairwise covering array over its axes and the targets (every value of every axis, and
 every pair of values of any two axes, at least once), plus each target's largest and
-smallest shared-memory decode specializations. Constraints that no compile of a subset
-can prove for all (shared memory, static_asserts) are checked for every specialization by
-their host mirrors (``_geometry``), which needs no compiler.
+smallest shared-memory decode specializations, and every specialization of the cache
+kernels (small: all of them compile in about a second). Constraints that no compile of a
+subset can prove for all (shared memory, static_asserts) are checked for every
+specialization by their host mirrors (``_geometry``), which needs no compiler.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ AXES = {
     "paged_prefill": {"dtype": ("f16", "bf16"), "head_size": _checks.HEAD_SIZES,
                       "block_size": _checks.BLOCK_SIZES, "kv_format": KV_FORMATS},
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
-    "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "index_dtype": ("i32", "i64")},
+    "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "kv_format": KV_FORMATS,
+                          "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
 }
+
+# Kernels small enough to compile every specialization of, not just a covering set (the
+# cache kernels: 12 and 2 per target, about a second in all).
+SMALL_KERNELS = ("reshape_and_cache", "copy_blocks")
 
 
 def supported(spec: jit.KernelSpec) -> bool:
@@ -44,7 +50,8 @@ def supported(spec: jit.KernelSpec) -> bool:
 def prefill_tiles(head_size: int) -> tuple:
     """The (warps, m_atoms, tile_tokens, stages) shapes cupaged.varlen's planner may pick
     for paged_prefill: the default, and four warps for a few rows."""
-    return tuple(dict.fromkeys((jit.default_prefill_tile(head_size), (4, 1, 32, 2))))
+    return tuple(dict.fromkeys((jit.default_prefill_tile(head_size),
+                                jit.few_rows_prefill_tile(head_size))))
 
 
 def _with_tiles(spec: jit.KernelSpec) -> list:
@@ -83,7 +90,8 @@ def _decode_path(spec) -> tuple:
 def covering_specs(archs) -> list[jit.KernelSpec]:
     """A pairwise covering set over each kernel's axes and ``archs``; plus, for each
     target, one decode specialization of every code path (``_decode_path``) the pairs did
-    not reach and the ones with the most and the least shared memory."""
+    not reach and the ones with the most and the least shared memory; and every
+    specialization of the ``SMALL_KERNELS``."""
     specs = []
     for kernel, axes in AXES.items():
         names = (*axes, "arch")
@@ -97,6 +105,8 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
                 covered |= _pairs(s, names)
                 mine.append(s)
         specs += mine
+        if kernel in SMALL_KERNELS:
+            specs += [s for s in all_specs(archs) if s.kernel == kernel]
         if kernel == "paged_prefill":  # every tile shape, per dtype, layout and target
             for arch, dtype, fmt in product(archs, axes["dtype"], axes["kv_format"]):
                 specs += _with_tiles(jit.KernelSpec(kernel, dtype, 128, 16, kv_format=fmt,

@@ -146,7 +146,8 @@ class PrefillGeometry:
         q = self.rows * row * 2
         k_stage = self.tile_tokens * row * 2
         v_stage = hsp * (self.tile_tokens + 8) * 2 if self.kv_format == "vllm" else k_stage
-        return q + self.stages * (k_stage + v_stage) + 16
+        ids = max(1, self.tile_tokens // self.block_size)  # block ids per tile, per stage
+        return q + self.stages * (k_stage + v_stage) + _round_up(self.stages * ids * 4, 16) + 16
 
     def violations(self) -> list[str]:
         hs, bs = self.head_size, self.block_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import struct
 from functools import lru_cache
+from typing import NamedTuple
 
 import cupy
 import numpy as np
@@ -26,10 +27,11 @@ _fail = _checks.fail
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str):
+def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str, kv_format: str = ""):
     from .decode import _device
 
-    spec = jit.KernelSpec(kernel, dtype, index_dtype=index_dtype, arch=_device(device_id).arch)
+    spec = jit.KernelSpec(kernel, dtype, index_dtype=index_dtype, kv_format=kv_format,
+                          arch=_device(device_id).arch)
     return jit.load(spec, device_id)
 
 
@@ -44,29 +46,33 @@ def _check_index_array(a, name: str, shape) -> str:
 # ---- reshape_and_cache ----------------------------------------------------------------------
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, stream=None) -> None:
-    """Write each token's K and V into its cache slot.
+class _Write(NamedTuple):
+    """A validated reshape_and_cache call."""
 
-    Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype; token and
-            head strides are free (slices of a fused QKV work), dims contiguous.
-        key_cache, value_cache: vLLM's layouts, as for :func:`cupaged.paged_attention`.
-        slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
-            block_size + offset``; a negative slot marks a padding token that is skipped.
+    cache: _checks.CacheView
+    num_tokens: int
+    index: str  # slot_mapping's element type: "i32" | "i64"
+    device: int
+    vec_src: bool  # every key and value row is 16-byte aligned: vector loads
 
-    Slots past the cache are skipped too (never written outside it); ``CUPAGED_DEBUG=1``
-    raises for them instead (with a device sync). Arrays may be CuPy arrays, torch CUDA
-    tensors or any ``__dlpack__`` producer on one device; ``stream`` as for
-    :func:`cupaged.paged_attention` (torch's current stream when ``key_cache`` is a
-    torch tensor).
-    """
-    k = as_device_array(key, "key")
-    v = as_device_array(value, "value")
-    kc = as_device_array(key_cache, "key_cache")
-    vc = as_device_array(value_cache, "value_cache")
-    sm = as_device_array(slot_mapping, "slot_mapping")
+
+def _rows_aligned(a) -> bool:
+    """Does every ``[token, head]`` row of a source start on a 16-byte boundary? (The
+    stride of a dimension of size 1 is never used.)"""
+    return a.data.ptr % 16 == 0 and all(
+        st % 16 == 0 for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1)
+
+
+def _validate_write(k, v, kc, vc, sm, kv_layout) -> _Write:
+    """Every check of reshape_and_cache, on array metadata only (no device sync)."""
     dt = _checks.check_dtype(kc, "key_cache")
-    cache = _checks.check_caches(kc, vc, dt, ref="key_cache")
+    if not isinstance(kv_layout, str):
+        _fail(f"kv_layout must be one of {_checks.KV_LAYOUTS}, got {kv_layout!r}", TypeError)
+    if kv_layout == "vllm" and kc.ndim == 4:
+        _fail(f"key_cache is 4-D (shape {kc.shape}) but kv_layout='vllm' (the default) takes "
+              f"vLLM's 5-D key cache [num_blocks, num_kv_heads, head_size/x, block_size, x]: "
+              f"for an NHD or HND cache pass kv_layout=\"NHD\" or kv_layout=\"HND\"")
+    cache = _checks.check_kv_layout(kc, vc, dt, kv_layout, ref="key_cache")
     want = (cache.num_kv_heads, cache.head_size)
     for name, a in (("key", k), ("value", v)):
         if a.dtype != dt.numpy:
@@ -76,7 +82,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, strea
                   f"head_size), got shape {a.shape}")
         if not _checks.is_empty(a) and (
                 (a.shape[2] > 1 and a.strides[2] != dt.itemsize) or min(a.strides) < 0):
-            _fail(f"{name}'s last dimension must be contiguous (strides {a.strides})")
+            _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
+                  f"(strides {a.strides})")
     num_tokens = k.shape[0]
     if v.shape[0] != num_tokens:
         _fail(f"key has {num_tokens} tokens but value has {v.shape[0]}")
@@ -84,24 +91,64 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, strea
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
                                                     ("value", v), ("slot_mapping", sm)))
-    num_slots = cache.num_blocks * cache.block_size
-    if num_tokens == 0:
+    return _Write(cache, num_tokens, index, device, _rows_aligned(k) and _rows_aligned(v))
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, kv_layout="vllm",
+                      stream=None) -> None:
+    """Write each token's K and V into its cache slot, in any cache layout.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype (float16,
+            bfloat16 or float32); token and head strides are free (slices of a fused QKV
+            work), the last dimension contiguous. Rows that are 16-byte aligned (pointer,
+            token and head strides) are read in 16-byte vectors, others element by element.
+        key_cache, value_cache: the paged cache in ``kv_layout``, as for
+            :func:`cupaged.attention`:
+            ``"vllm"`` (default; vLLM's ``reshape_and_cache``): key ``[num_blocks,
+            num_kv_heads, head_size // x, block_size, x]`` with ``x = 16 // itemsize``,
+            value ``[num_blocks, num_kv_heads, head_size, block_size]``;
+            ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]``;
+            ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]`` (these two are
+            vLLM's ``reshape_and_cache_flash``). NHD/HND caches may be views with any
+            strides (K and V halves of ``[num_blocks, 2, ...]`` or of ``[..., 2 *
+            head_size]``) whose last dimension is contiguous and whose pointer and other
+            strides are multiples of 16 bytes; they are written in place.
+        slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
+            block_size + offset``; a negative slot marks a padding token that is skipped.
+        kv_layout: ``"vllm"`` (default), ``"NHD"`` or ``"HND"``.
+        stream: as for :func:`cupaged.paged_attention` (torch's current stream when
+            ``key_cache`` is a torch tensor).
+
+    Slots past the cache are skipped too (never written outside it); ``CUPAGED_DEBUG=1``
+    raises for them instead (with a device sync). Arrays may be CuPy arrays, torch CUDA
+    tensors or any ``__dlpack__`` producer on one device.
+    """
+    k = as_device_array(key, "key")
+    v = as_device_array(value, "value")
+    kc = as_device_array(key_cache, "key_cache")
+    vc = as_device_array(value_cache, "value_cache")
+    sm = as_device_array(slot_mapping, "slot_mapping")
+    w = _validate_write(k, v, kc, vc, sm, kv_layout)
+    if w.num_tokens == 0:
         return
-    it = dt.itemsize
-    with _arrays.on_device(device):
-        ctx = _arrays.context(device, _arrays.is_torch(key_cache), stream)
+    cache = w.cache
+    num_slots = cache.num_blocks * cache.block_size
+    it = cache.dtype.itemsize
+    with _arrays.on_device(w.device):
+        ctx = _arrays.context(w.device, _arrays.is_torch(key_cache), stream)
         if _checks.DEBUG:
             s = _arrays.to_host(sm, ctx)
             bad = np.flatnonzero(s >= num_slots)
             if bad.size:
                 _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
-        kern = _kernel(device, "reshape_and_cache", dt.name, index)
-        kern((num_tokens, 1, 1), _THREADS, 0, ctx.stream,
+        kern = _kernel(w.device, "reshape_and_cache", cache.dtype.name, w.index, cache.kv_format)
+        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
              k.data.ptr, k.strides[0] // it, k.strides[1] // it,
              v.data.ptr, v.strides[0] // it, v.strides[1] // it,
-             kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it,
-             vc.data.ptr, vc.strides[0] // it, vc.strides[1] // it,
-             sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots)
+             kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
+             sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots,
+             int(w.vec_src))
 
 
 # ---- block copies -----------------------------------------------------------------------------
@@ -114,14 +161,25 @@ _COPY_PAD = (0,) * (4 * _COPY_TENSORS)
 def _block_bytes(a, name: str) -> int:
     """Bytes per block of a cache (blocks along the first dimension) that the copy kernel
     moves in 16-byte vectors: each block one contiguous run, base and block stride 16-byte
-    aligned. Checked for every array a copy touches, before anything launches."""
+    aligned. Any layout (vLLM's, NHD, HND) qualifies, and so does a K or V half of a fused
+    allocation split along a leading dimension (``[num_blocks, 2, ...]``: a block stride
+    larger than the block). Checked for every array a copy touches, before anything
+    launches."""
     itemsize = a.dtype.itemsize
     if a.ndim < 2 or not _checks.dense_tail(a.shape, a.strides, a.ndim - 1, itemsize):
-        _fail(f"{name} must be contiguous within each block (shape {a.shape}, strides {a.strides})")
+        _fail(f"{name} must be contiguous within each block (shape {a.shape}, strides "
+              f"{a.strides}): blocks move as one run of bytes each, so the K or V half of a "
+              f"cache fused within its rows (such as [num_blocks, num_kv_heads, block_size, "
+              f"2 * head_size]) cannot be copied alone (swap_blocks takes the fused cache "
+              f"itself); halves of one fused along a leading dimension ([num_blocks, 2, ...]) "
+              f"can")
     nbytes = math.prod(a.shape[1:]) * itemsize
     if a.shape[0] > 1 and a.strides[0] < 0:
         _fail(f"{name}'s block stride is negative ({a.strides[0]} bytes): blocks must be in "
               f"ascending order")
+    if a.shape[0] > 1 and a.strides[0] < nbytes:
+        _fail(f"{name}'s blocks overlap: its block stride ({a.strides[0]} bytes) is less than "
+              f"a block ({nbytes} bytes)")
     if nbytes % 16 or (a.shape[0] > 1 and a.strides[0] % 16):
         _fail(f"{name}'s blocks must be multiples of 16 bytes apart and long (shape {a.shape}, "
               f"strides {a.strides})")
@@ -160,9 +218,10 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
 
     Args:
         key_caches, value_caches: lists with one cache per layer, blocks along the first
-            dimension, in any layout whose blocks are contiguous (vLLM's, NHD, HND); all
-            key caches of one shape and dtype, likewise all value caches, with blocks of
-            the same byte size; on one device; 16-byte aligned.
+            dimension, in any layout whose blocks are contiguous (vLLM's, NHD, HND, and K
+            and V halves of a ``[num_blocks, 2, ...]`` allocation, whose block stride is
+            twice the block); all key caches of one shape and dtype, likewise all value
+            caches, with blocks of the same byte size; on one device; 16-byte aligned.
         block_mapping: int32 or int64 ``[num_pairs, 2]`` on the device: (src, dst) block ids.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
             caches are torch tensors).
@@ -263,7 +322,8 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
 
     Args:
         src, dst: caches with the same dtype and per-block shape (``shape[1:]``), each
-            contiguous within a block; one on the device (CuPy, torch or DLPack), the
+            contiguous within a block (any layout, or a K or V half of a ``[num_blocks, 2,
+            ...]`` allocation); one on the device (CuPy, torch or DLPack), the
             other in pinned host memory (:func:`empty_pinned`, or a torch tensor with
             ``pin_memory=True``), or both on one device.
         block_mapping: ``[num_pairs, 2]`` (src, dst) block ids, int32 or int64, on the

@@ -63,7 +63,7 @@ _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
-    "reshape_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
+    "reshape_and_cache": ("cache_ops.cu", ("dtype", "kv_format", "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
 }
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
@@ -73,7 +73,7 @@ ARG_FORMATS = {
     "paged_decode": "PPPPPqq88sPPPiiiiif",  # PagedKV (88 bytes) by value
     "paged_prefill": "PPqq88sPPPiiif",
     "paged_decode_combine": "PPPPPiii",
-    "reshape_and_cache": "PqqPqqPqqPqqPiiiq",
+    "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqi",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
 }
 _ARG_TOKEN = re.compile(r"(\d*)([a-zA-Z?])")
@@ -93,11 +93,18 @@ def default_decode_tile(itemsize: int, head_size: int) -> int:
 
 
 def default_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
-    """(warps, m_atoms, tile_tokens, stages) of paged_prefill: 32-token K/V tiles, two
-    stages, eight warps of 16 query rows each up to head size 128, four above (registers).
-    The fastest of eight shapes measured on an H100 (docs/PERFORMANCE.md); the planner
-    takes four warps for a few rows (verify) whatever the default."""
-    return (8 if head_size <= 128 else 4, 1, 32, 2)
+    """(warps, m_atoms, tile_tokens, stages) of paged_prefill: up to head size 128,
+    FlashAttention-2's shape, four warps of 32 query rows over 64-token K/V tiles, two
+    stages (the fastest of nine shapes measured on an H100, docs/PERFORMANCE.md); above,
+    the 32 rows' accumulators do not fit in registers, so four warps of 16 rows over
+    32-token tiles."""
+    return (4, 2, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
+
+
+def few_rows_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
+    """The shape for a (sequence, KV head) with at most 64 packed query rows (verify's 4
+    tokens x 4 heads are 16): four warps of 16 rows, so fewer rows are padding."""
+    return (4, 1, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ class KernelSpec:
     tile_tokens: int = 0
     stages: int = 0
     index_dtype: str = ""  # "i32" | "i64": slot or block-id arrays
-    kv_format: str = ""  # "tok" | "vllm" (KV_FORMATS); default: decode "vllm", prefill "tok"
+    kv_format: str = ""  # "tok" | "vllm" (KV_FORMATS); default "vllm", prefill "tok"
     warps: int = 0  # paged_prefill: warps per CTA
     m_atoms: int = 0  # paged_prefill: 16-row mma tiles per warp
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
@@ -134,7 +141,7 @@ class KernelSpec:
         if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
             raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {self.arch!r}")
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
-            object.__setattr__(self, "kv_format", "vllm" if self.kernel == "paged_decode" else "tok")
+            object.__setattr__(self, "kv_format", "tok" if self.kernel == "paged_prefill" else "vllm")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
             raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
         object.__setattr__(self, "_params", params)

@@ -2,9 +2,11 @@
 
 :class:`BlockManager` hands out and frees blocks, shares them between sequences with
 reference counts (forks, and optionally prompt prefixes), and plans copy-on-write. It
-needs no GPU. :class:`PagedKVCache` owns one key and one value cache per layer, runs the
-copy-on-write copies itself, and gives each decode step its slot mapping, block tables
-and context lengths with one host-to-device copy.
+needs no GPU. :class:`PagedKVCache` owns one key and one value cache per layer in any of
+the layouts :func:`cupaged.attention` reads (vLLM's, NHD, HND), runs the copy-on-write
+copies itself, and gives every step (prefill, chunked prefill, verify, decode, mixed) its
+slot mapping, block tables, sequence lengths and query start offsets with one
+host-to-device copy.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache"]
+__all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache", "Step"]
+
+_KV_LAYOUTS = ("vllm", "NHD", "HND")
 
 
 class OutOfBlocks(RuntimeError):
@@ -28,9 +32,10 @@ class _Seq:
     blocks: list = field(default_factory=list)
     length: int = 0
     # Prefix caching: token ids of the partly filled last block, and the full block before
-    # it (its identity chains the prefix). None when the sequence has no token ids.
+    # it (its identity chains the prefix). None when a token of the sequence has no id.
     tokens: list | None = None
     parent: int | None = None
+    cached: int = 0  # leading prompt tokens that add() found in the prefix cache
 
 
 class _AppendPlan(NamedTuple):
@@ -38,16 +43,26 @@ class _AppendPlan(NamedTuple):
     changing anything. Valid until the manager next changes."""
 
     seqs: list  # the sequences, in call order
-    token_ids: list | None
-    slots: np.ndarray  # int64 [n]: where each new token goes
+    counts: list | None  # new tokens per sequence (None: one each)
+    token_ids: list | None  # one per new token, in step order
+    slots: np.ndarray  # int64 [total]: where each new token goes, in step order
     copies: np.ndarray  # int64 [k, 2]: (src, dst) copy-on-write, to run before the writes
     rows: list  # each sequence's host-table row
     lens: list  # each sequence's length after the append
-    # One entry per free block the append takes, in the order the free list gives them:
+    # One entry per free block the append takes, in the order the free list gives them
+    # (a sequence's entries are consecutive, in column order):
     taken: list  # the block
     takers: list  # the index in seqs of the sequence that takes it
     sources: list  # the block it copies (copy-on-write), or -1 for a fresh block
     cols: list  # its column in the taker's table row
+
+    def query_start_loc(self) -> np.ndarray:
+        """int32 ``[n + 1]``: where each sequence's new tokens start in step order."""
+        if self.counts is None:
+            return np.arange(len(self.seqs) + 1, dtype=np.int32)
+        starts = np.zeros(len(self.seqs) + 1, np.int32)
+        np.cumsum(self.counts, out=starts[1:])
+        return starts
 
 
 def _check_token_ids(token_ids: list) -> None:
@@ -64,6 +79,23 @@ def _check_token_ids(token_ids: list) -> None:
         raise
 
 
+def _token_counts(num_tokens, num_seqs: int) -> list | None:
+    """``num_tokens`` of an append: None (one token each) or one integer >= 0 per sequence."""
+    if num_tokens is None:
+        return None
+    try:
+        counts = [operator.index(k) for k in num_tokens]
+    except TypeError:
+        raise TypeError(f"num_tokens must be a sequence of integers, one per sequence, got "
+                        f"{num_tokens!r}") from None
+    if len(counts) != num_seqs:
+        raise ValueError(f"num_tokens has {len(counts)} entries for {num_seqs} sequences")
+    for i, k in enumerate(counts):
+        if k < 0:
+            raise ValueError(f"num_tokens[{i}] is {k}: a sequence appends 0 or more tokens")
+    return counts
+
+
 class BlockManager:
     """Block bookkeeping for a paged KV cache of ``num_blocks`` blocks of ``block_size``
     tokens.
@@ -71,10 +103,14 @@ class BlockManager:
     Sequences are identified by any hashable id. Slots are ``block * block_size + offset``.
     Every mutating call either succeeds or raises without changing anything.
 
-    With ``prefix_caching``, full blocks are registered by their tokens and the block
-    before them; a sequence added with the same leading tokens shares those blocks instead
-    of storing them again (its slots there are -1: already written). Token ids may be any
-    hashable values; they are checked whether or not prefix caching is on.
+    A sequence starts with :meth:`add` (its prompt, possibly empty) and grows with
+    :meth:`append`, any number of tokens per sequence and call (chunked prefill, verify,
+    decode). With ``prefix_caching``, full blocks are registered by their token ids and
+    the block before them; :meth:`add` of a prompt with the same leading tokens shares
+    those blocks instead of storing them again and returns slots only for the rest
+    (:meth:`num_cached_tokens` says how many were found). Token ids may be any hashable
+    values; they are checked whether or not prefix caching is on. A sequence takes part
+    in the prefix cache while every token it holds has an id.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False):
@@ -112,6 +148,12 @@ class BlockManager:
     def context_len(self, seq_id) -> int:
         return self._get(seq_id).length
 
+    def num_cached_tokens(self, seq_id) -> int:
+        """How many leading tokens of the sequence's prompt :meth:`add` found in the prefix
+        cache (a multiple of ``block_size``; 0 without prefix caching). A fork inherits
+        its parent's count."""
+        return self._get(seq_id).cached
+
     def block_table(self, seq_id) -> tuple:
         return tuple(self._get(seq_id).blocks)
 
@@ -129,9 +171,21 @@ class BlockManager:
     # ---- mutations -----------------------------------------------------------------------------
 
     def add(self, seq_id: Hashable, num_tokens: int, token_ids=None) -> np.ndarray:
-        """Start a sequence with a prompt of ``num_tokens``, whose ids are ``token_ids``
-        (optional; with prefix caching they find and register shared blocks). Returns its
-        int64 slots (-1 for tokens a shared prefix block already holds)."""
+        """Start a sequence with a prompt of ``num_tokens`` (0 is fine: an empty sequence
+        that :meth:`append` fills, say chunk by chunk), whose ids are ``token_ids``
+        (optional; with prefix caching they find and register shared blocks).
+
+        Returns the int64 slots of the tokens the caller must compute and write: the
+        whole prompt, or with a prefix-cache hit only the uncached remainder, tokens
+        ``num_cached_tokens(seq_id):num_tokens`` (the cached part is always a run of
+        leading full blocks). At least one token is always left to compute, so the
+        prompt's last token has a query row to produce logits from: when every full
+        block of a prompt is cached, its last block is not shared but stored again and
+        recomputed (a shared block is never written).
+
+        A sequence added without ``token_ids`` (and ``num_tokens > 0``) never registers
+        blocks in the prefix cache; an empty one does once its appended tokens carry ids.
+        """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         try:
@@ -145,12 +199,14 @@ class BlockManager:
             if len(token_ids) != num_tokens:
                 raise ValueError(f"token_ids has {len(token_ids)} ids for {num_tokens} tokens")
             _check_token_ids(token_ids)
+        elif num_tokens == 0:
+            token_ids = []  # no token lacks an id: appended ids may register blocks
         bs = self.block_size
         full, n_blocks = num_tokens // bs, -(-num_tokens // bs)
         shared = []  # leading full blocks found in the prefix cache
-        if self.prefix_caching and token_ids is not None:
+        if self.prefix_caching and token_ids:
             parent = None
-            for i in range(full):
+            for i in range((num_tokens - 1) // bs):  # full blocks before the last token
                 b = self._full.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
                 if b is None:
                     break
@@ -158,14 +214,13 @@ class BlockManager:
                 parent = b
         new = self._next_free(n_blocks - len(shared))
         blocks = shared + new
-        t = np.arange(num_tokens)
+        t = np.arange(len(shared) * bs, num_tokens)
         slots = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
-        slots[: len(shared) * bs] = -1
         self._ensure_width(n_blocks)
 
         # Everything that can fail has run (_take_row grows the table before it takes a
         # row); from here on the bookkeeping changes.
-        seq = _Seq(self._take_row(), blocks, num_tokens)
+        seq = _Seq(self._take_row(), blocks, num_tokens, cached=len(shared) * bs)
         for b in shared:
             self._ref[b] += 1
         self._take(new)
@@ -178,14 +233,23 @@ class BlockManager:
         self._write_row(seq)
         return slots
 
-    def append(self, seq_ids: Sequence, token_ids=None) -> tuple[np.ndarray, np.ndarray]:
-        """One new token for each sequence, whose ids are ``token_ids`` (optional; with
-        prefix caching, a block whose tokens all have ids is registered when it fills, and
-        a sequence that fills a block with a token lacking an id leaves the prefix cache).
-        Returns ``(slots int64 [n], copies int64 [k, 2])``: where each token goes, and the
-        (src, dst) block copies that must run *before* the tokens are written
-        (copy-on-write of shared, partly filled blocks)."""
-        plan = self._plan_append(seq_ids, token_ids)
+    def append(self, seq_ids: Sequence, *, num_tokens=None,
+               token_ids=None) -> tuple[np.ndarray, np.ndarray]:
+        """Append ``num_tokens[i]`` new tokens to sequence ``seq_ids[i]`` (``None``: one
+        each, a decode step). An entry may be 0: the sequence is left as it is.
+
+        ``token_ids`` (optional): one id per new token, flat in step order (sequence 0's
+        tokens, then sequence 1's, ...; for a decode step one per sequence), ``None``
+        entries allowed. With prefix caching, a block whose tokens all have ids is
+        registered when it fills, and a sequence that fills a block with a token lacking
+        an id leaves the prefix cache.
+
+        Returns ``(slots int64 [sum(num_tokens)], copies int64 [k, 2])``: where each new
+        token goes, in step order, and the (src, dst) block copies that must run *before*
+        the tokens are written (copy-on-write of shared, partly filled blocks: a sequence
+        writing into a block it shares gets a private copy; when every holder writes in
+        one step, the last writes in place)."""
+        plan = self._plan_append(seq_ids, num_tokens, token_ids)
         self._apply_append(plan)
         return plan.slots, plan.copies
 
@@ -195,7 +259,7 @@ class BlockManager:
         if child in self._seqs:
             raise ValueError(f"sequence {child!r} already exists")
         c = _Seq(self._take_row(), list(p.blocks), p.length,
-                 None if p.tokens is None else list(p.tokens), p.parent)
+                 None if p.tokens is None else list(p.tokens), p.parent, p.cached)
         for b in c.blocks:
             self._ref[b] += 1
         self._seqs[child] = c
@@ -223,46 +287,89 @@ class BlockManager:
             raise KeyError(f"unknown sequence {seq_id!r} (never added, or already freed)")
         return seq
 
-    def _plan_append(self, seq_ids: Sequence, token_ids=None) -> _AppendPlan:
+    def _plan_append(self, seq_ids: Sequence, num_tokens=None, token_ids=None) -> _AppendPlan:
         """Validate an :meth:`append` and decide everything it does, changing nothing:
         whatever can fail fails here. :meth:`_apply_append` carries the plan out."""
         seqs = [self._get(s) for s in seq_ids]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("a sequence appears twice in one append")
+        counts = _token_counts(num_tokens, len(seqs))
+        total = len(seqs) if counts is None else sum(counts)
         if token_ids is not None:
             token_ids = list(token_ids)
-            if len(token_ids) != len(seqs):
-                raise ValueError(f"token_ids has {len(token_ids)} ids for {len(seqs)} sequences")
+            if len(token_ids) != total:
+                raise ValueError(f"token_ids has {len(token_ids)} ids for {total} new tokens "
+                                 f"(one per new token, flat in step order)")
             _check_token_ids(token_ids)
         bs, ref = self.block_size, self._ref
-        # A shared partial block is copied by all but its last writer in this step, who may
-        # write it in place. Sequences that need a free block get their slot offset now and
-        # the block once all are counted (running out must be reported with the total).
-        slots, rows, lens, takers, sources, claimed = [], [], [], [], [], {}
-        for i, seq in enumerate(seqs):
-            n = seq.length
-            rows.append(seq.row)
-            lens.append(n + 1)
-            offset = n % bs
-            if offset:
-                b = seq.blocks[-1]
-                if ref[b] - claimed.get(b, 0) == 1:  # the block's last writer: in place
-                    slots.append(b * bs + offset)
-                    continue
-                claimed[b] = claimed.get(b, 0) + 1
-            else:
-                b = -1
+        # `written` gets, for every column the step writes (sequence by sequence, in
+        # column order), the slot of the first token written there. A column that needs a
+        # free block holds only the offset until the blocks are taken, once all are counted
+        # (running out must be reported with the total). A shared partial block is copied
+        # by all but its last writer in this step, who may write it in place.
+        rows, lens, written, at, takers, sources, cols, claimed = [], [], [], [], [], [], [], {}
+
+        def take(i: int, src: int, col: int, offset: int) -> None:
             takers.append(i)
-            sources.append(b)
-            slots.append(offset)
+            sources.append(src)
+            cols.append(col)
+            at.append(len(written))
+            written.append(offset)
+
+        if counts is None:  # one token each: decode, the hot path, kept lean
+            for i, seq in enumerate(seqs):
+                n = seq.length
+                rows.append(seq.row)
+                lens.append(n + 1)
+                offset = n % bs
+                if offset:
+                    b = seq.blocks[-1]
+                    if ref[b] - claimed.get(b, 0) == 1:  # the block's last writer: in place
+                        written.append(b * bs + offset)
+                        continue
+                    claimed[b] = claimed.get(b, 0) + 1
+                    take(i, b, len(seq.blocks) - 1, offset)
+                else:
+                    take(i, -1, len(seq.blocks), 0)
+        else:
+            for i, (seq, k) in enumerate(zip(seqs, counts)):
+                n = seq.length
+                rows.append(seq.row)
+                lens.append(n + k)
+                if not k:
+                    continue
+                col, offset = divmod(n, bs)
+                if offset:
+                    b = seq.blocks[-1]
+                    if ref[b] - claimed.get(b, 0) == 1:
+                        written.append(b * bs + offset)
+                    else:
+                        claimed[b] = claimed.get(b, 0) + 1
+                        take(i, b, col, offset)
+                    col += 1
+                for col in range(col, (n + k - 1) // bs + 1):  # fresh blocks
+                    take(i, -1, col, 0)
         taken = self._next_free(len(takers))
-        cols, copies = [], []
-        for i, src, b in zip(takers, sources, taken):
-            slots[i] += b * bs
-            cols.append(seqs[i].length // bs)
+        copies = []
+        for j, src, b in zip(at, sources, taken):
+            written[j] += b * bs
             if src >= 0:
                 copies.append((src, b))
-        return _AppendPlan(seqs, token_ids, np.asarray(slots, dtype=np.int64),
+        if counts is None:  # one token each: the first token of each column is all
+            slots = np.asarray(written, dtype=np.int64)
+        else:
+            blocks = np.asarray(written, dtype=np.int64) // bs
+            k = np.asarray(counts, dtype=np.int64)
+            end = np.asarray(lens, dtype=np.int64)
+            n = end - k
+            # Sequence i's columns start at blocks[base[i]]; its token at position p is in
+            # column p // bs, so in blocks[base[i] - n[i] // bs + p // bs].
+            ncols = np.where(k > 0, -(-end // bs) - n // bs, 0)
+            base = np.cumsum(ncols) - ncols
+            starts = np.cumsum(k) - k
+            pos = np.arange(total, dtype=np.int64) + np.repeat(n - starts, k)
+            slots = blocks[np.repeat(base - n // bs, k) + pos // bs] * bs + pos % bs
+        return _AppendPlan(seqs, counts, token_ids, slots,
                            np.asarray(copies, dtype=np.int64).reshape(-1, 2), rows, lens,
                            taken, takers, sources, cols)
 
@@ -274,26 +381,41 @@ class BlockManager:
             # before the bookkeeping changes.
             self._ensure_width(max(plan.cols) + 1)
             self._take(plan.taken)
-            for i, src, b in zip(plan.takers, plan.sources, plan.taken):
+            for i, src, b, col in zip(plan.takers, plan.sources, plan.taken, plan.cols):
                 if src < 0:
-                    seqs[i].blocks.append(b)
+                    seqs[i].blocks.append(b)  # a sequence's new columns come in order
                 else:
                     ref[src] -= 1
-                    seqs[i].blocks[-1] = b
+                    seqs[i].blocks[col] = b
             self._table[[plan.rows[i] for i in plan.takers], plan.cols] = plan.taken
         # Vectorized, as per-element NumPy writes would dominate the step's host time.
         self._lens[plan.rows] = plan.lens
         for seq, n in zip(seqs, plan.lens):
             seq.length = n
         if self.prefix_caching:
-            bs, ids = self.block_size, plan.token_ids
-            for i, seq in enumerate(seqs):
-                if seq.tokens is None:
-                    continue
-                seq.tokens.append(None if ids is None else ids[i])
+            self._register_appended(plan)
+
+    def _register_appended(self, plan: _AppendPlan) -> None:
+        """Prefix caching after an append: each sequence's new ids join its partly filled
+        block; a block that fills is registered, or, holding a token without an id,
+        takes its sequence out of the prefix cache."""
+        bs, ids, counts = self.block_size, plan.token_ids, plan.counts
+        end = 0
+        for i, seq in enumerate(plan.seqs):
+            k = 1 if counts is None else counts[i]
+            start, end = end, end + k
+            if seq.tokens is None or not k:
+                continue
+            new = [None] * k if ids is None else ids[start:end]
+            pos, j = seq.length - k, 0  # pos: the first new token's position
+            while j < k and seq.tokens is not None:
+                take = min(bs - len(seq.tokens), k - j)
+                seq.tokens.extend(new[j:j + take])
+                j += take
                 if len(seq.tokens) == bs:
                     if None not in seq.tokens:
-                        seq.parent = self._register(seq.parent, seq.tokens, seq.blocks[-1])
+                        block = seq.blocks[(pos + j - 1) // bs]
+                        seq.parent = self._register(seq.parent, seq.tokens, block)
                         seq.tokens = []
                     else:  # a token without an id: this sequence leaves the prefix cache
                         seq.tokens = seq.parent = None
@@ -358,10 +480,15 @@ class BlockManager:
     def check(self) -> None:
         """Assert the bookkeeping's invariants (for tests; O(blocks + tokens))."""
         owners = [0] * self.num_blocks
+        bs = self.block_size
         for seq in self._seqs.values():
-            assert len(seq.blocks) == -(-seq.length // self.block_size), "blocks match length"
+            assert len(seq.blocks) == -(-seq.length // bs), "blocks match length"
             assert list(self._table[seq.row, : len(seq.blocks)]) == seq.blocks, "table row"
             assert self._lens[seq.row] == seq.length, "length row"
+            assert seq.cached % bs == 0 and 0 <= seq.cached <= max(seq.length - 1, 0), \
+                "cached tokens are leading full blocks, short of the whole sequence"
+            assert seq.tokens is None or len(seq.tokens) == seq.length % bs, \
+                "the partial block's ids"
             for b in seq.blocks:
                 owners[b] += 1
         assert owners == self._ref, "reference counts equal owners"
@@ -370,42 +497,68 @@ class BlockManager:
         assert all((owners[b] == 0) == (b in free) for b in range(self.num_blocks)), \
             "a block is free exactly when nobody owns it"
         assert all(self._ref[b] > 0 for b in self._key_of), "registered blocks are live"
+        assert all(k[0] is None or self._ref[k[0]] >= self._ref[b] for b, k in self._key_of.items()), \
+            "every holder of a registered block holds the block before it"
+        assert all(self._full[k] == b for b, k in self._key_of.items()), "registry is one-to-one"
 
 
-class DecodeStep(NamedTuple):
-    """Device arrays for one decode step, valid until the cache's next step."""
+class Step(NamedTuple):
+    """Device int32 arrays for one step over a batch of sequences, in the order given:
+    what :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention` take. Valid until
+    the next call of the same kind (``step``, or ``prefill``)."""
 
-    slot_mapping: object  # int32 [n]
-    block_tables: object  # int32 [n, max_blocks]
-    context_lens: object  # int32 [n], the new token included
+    slot_mapping: object  # [sum(q_lens)]: each new token's slot, in step order
+    block_tables: object  # [n, max_blocks]
+    seq_lens: object  # [n]: tokens in each sequence's cache, the new ones included
+    query_start_loc: object  # [n + 1]: cumulative new-token counts, from 0
+
+    @property
+    def context_lens(self):
+        """``seq_lens``, by the name :func:`cupaged.paged_attention` uses."""
+        return self.seq_lens
+
+
+DecodeStep = Step  # the name before steps took several tokens per sequence
 
 
 class PagedKVCache:
     """Device key and value caches for ``num_layers`` layers plus their :class:`BlockManager`.
 
-    ``key_caches[l]``: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
-    ``value_caches[l]``: ``[num_blocks, num_kv_heads, head_size, block_size]`` (vLLM's
-    layouts, as :func:`cupaged.paged_attention` and :func:`cupaged.reshape_and_cache`
-    take them), on ``device`` (default: the current CuPy device). With
+    ``kv_layout`` (stored as ``cache.kv_layout``: pass it on to
+    :func:`cupaged.attention` and :func:`cupaged.reshape_and_cache`) picks the layout of
+    ``key_caches[l]`` and ``value_caches[l]``:
+
+    - ``"vllm"`` (the default): key ``[num_blocks, num_kv_heads, head_size // x,
+      block_size, x]`` with ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads,
+      head_size, block_size]`` (what :func:`cupaged.paged_attention` also takes);
+    - ``"NHD"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``;
+    - ``"HND"``: both ``[num_blocks, num_kv_heads, block_size, head_size]``.
+
+    The caches live on ``device`` (default: the current CuPy device). With
     ``framework="torch"`` the caches and every array the cache hands out are torch
     tensors, and its uploads and copies run on torch's current stream; with the default
     ``"cupy"``, CuPy arrays and CuPy's current stream.
 
-    A decode loop::
+    A step of a chunked prefill mixed with decodes (``"a"`` added with ``add("a", 0)``,
+    its prompt appended 64 tokens a step; ``"b"`` decoding)::
 
-        cache.add("a", len(prompt))             # slots for the prompt's K/V (device int32)
-        step = cache.step(["a", "b"])           # one new token each; copy-on-write done
+        step = cache.step(["a", "b"], num_tokens=[64, 1])   # copy-on-write done
         for layer in range(num_layers):
             cupaged.reshape_and_cache(k[layer], v[layer], cache.key_caches[layer],
-                                      cache.value_caches[layer], step.slot_mapping)
-            out = cupaged.paged_attention(q[layer], cache.key_caches[layer],
-                                          cache.value_caches[layer], step.block_tables,
-                                          step.context_lens)
+                                      cache.value_caches[layer], step.slot_mapping,
+                                      kv_layout=cache.kv_layout)
+            out = cupaged.attention(q[layer], cache.key_caches[layer],
+                                    cache.value_caches[layer], step.block_tables,
+                                    step.seq_lens, step.query_start_loc,
+                                    kv_layout=cache.kv_layout, max_query_len=64)
+
+    A whole prompt, with its cached prefix shared: ``step = cache.prefill(["c"],
+    [len(prompt)], token_ids=[prompt])`` gives the step for the uncached remainder.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
-                 block_size: int, dtype="float16", *, prefix_caching: bool = False,
-                 framework: str = "cupy", device=None):
+                 block_size: int, dtype="float16", *, kv_layout: str = "vllm",
+                 prefix_caching: bool = False, framework: str = "cupy", device=None):
         import cupy
 
         from . import _checks, _dtypes
@@ -419,17 +572,19 @@ class PagedKVCache:
                              f"from 1 to 256")
         if num_layers <= 0 or num_kv_heads <= 0:
             raise ValueError(f"need num_layers > 0 and num_kv_heads > 0, got {num_layers}, {num_kv_heads}")
+        if kv_layout not in _KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {_KV_LAYOUTS}, got {kv_layout!r}")
         if framework not in ("cupy", "torch"):
             raise ValueError(f"framework must be 'cupy' or 'torch', got {framework!r}")
-        x = 16 // dt.itemsize
         self.dtype = dt.numpy
+        self.kv_layout = kv_layout
         self.framework = framework
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.head_size, self.block_size = head_size, block_size
         self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        k_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
-        v_shape = (num_blocks, num_kv_heads, head_size, block_size)
+        k_shape, v_shape = _cache_shapes(kv_layout, num_blocks, num_kv_heads, head_size,
+                                         block_size, dt.itemsize)
         self.key_caches = [self._empty(k_shape, dt.numpy) for _ in range(num_layers)]
         self.value_caches = [self._empty(v_shape, dt.numpy) for _ in range(num_layers)]
         self._buffers: dict = {}  # purpose -> (host staging, device buffer), reused
@@ -457,9 +612,12 @@ class PagedKVCache:
     # ---- sequences ---------------------------------------------------------------------------
 
     def add(self, seq_id, num_tokens: int, token_ids=None):
-        """Start a sequence; returns its prompt's slot mapping (device int32; -1 where a
-        shared prefix block already holds the token), valid until the next ``add``. If
-        the upload fails, the sequence is not added."""
+        """Start a sequence with a prompt of ``num_tokens`` (as :meth:`BlockManager.add`);
+        returns the device int32 slots of the tokens to compute: the whole prompt, or
+        after a prefix-cache hit only the uncached remainder (tokens
+        ``num_cached_tokens(seq_id):num_tokens``; never empty for a non-empty prompt).
+        Valid until the next ``add``. :meth:`prefill` adds prompts and gives the whole
+        step for them. If the upload fails, the sequence is not added."""
         slots = self.manager.add(seq_id, num_tokens, token_ids)
         try:
             return self._upload("add", [slots])[0]
@@ -467,31 +625,81 @@ class PagedKVCache:
             self.manager.free(seq_id)  # undoes the add: blocks return in the order they left
             raise
 
+    def prefill(self, seq_ids: Sequence, num_tokens: Sequence, token_ids=None) -> Step:
+        """Start sequences ``seq_ids[i]`` with prompts of ``num_tokens[i]`` tokens (each as
+        :meth:`add`; ``token_ids``: optional, one list of ids per prompt, or ``None`` for a
+        prompt without ids) and return the :class:`Step` that computes them in one
+        attention call: ``slot_mapping`` of each prompt's uncached remainder, in order;
+        ``block_tables``; ``seq_lens`` (the prompt lengths); ``query_start_loc``
+        (cumulative remainder lengths). Its query rows are the remainders' tokens. A
+        prompt may share blocks that an earlier prompt of the same call stores: their K/V
+        are written by the step's ``reshape_and_cache`` before its attention reads them.
+        Valid until the next ``prefill``. All or none of the sequences are added."""
+        if num_tokens is None:
+            raise TypeError("num_tokens must list each prompt's length")
+        seq_ids = list(seq_ids)
+        counts = _token_counts(num_tokens, len(seq_ids))
+        if token_ids is None:
+            token_ids = [None] * len(seq_ids)
+        else:
+            token_ids = list(token_ids)
+            if len(token_ids) != len(seq_ids):
+                raise ValueError(f"token_ids has {len(token_ids)} entries for {len(seq_ids)} "
+                                 f"prompts (one list of ids per prompt, or None)")
+        manager, added, slots = self.manager, [], []
+        try:
+            for s, n, ids in zip(seq_ids, counts, token_ids):
+                slots.append(manager.add(s, n, ids))
+                added.append(s)
+            tables, lens = manager.tables(seq_ids)
+            starts = np.zeros(len(seq_ids) + 1, np.int32)
+            np.cumsum([len(x) for x in slots], out=starts[1:])
+            sm, bt, sl, qsl = self._upload("prefill", [
+                np.concatenate(slots) if slots else slots, tables.reshape(-1), lens, starts])
+        except BaseException:
+            for s in reversed(added):  # blocks return in the order they left
+                manager.free(s)
+            raise
+        return Step(sm, bt.reshape(tables.shape), sl, qsl)
+
+    def num_cached_tokens(self, seq_id) -> int:
+        """Leading prompt tokens ``add`` found in the prefix cache (see
+        :meth:`BlockManager.num_cached_tokens`)."""
+        return self.manager.num_cached_tokens(seq_id)
+
     def fork(self, parent, child) -> None:
         self.manager.fork(parent, child)
 
     def free(self, seq_id) -> None:
         self.manager.free(seq_id)
 
-    def step(self, seq_ids: Sequence, token_ids=None) -> DecodeStep:
-        """Append one token to each sequence: runs the copy-on-write block copies itself
-        (on the current stream, before anything the caller enqueues next), and returns the
-        step's slot mapping, block tables and context lengths. One host-to-device copy
-        carries all of it; the arrays stay valid until the next ``step``. If the upload or
-        a copy fails, the manager is left as it was, so the step can be retried."""
+    def step(self, seq_ids: Sequence, *, num_tokens=None, token_ids=None) -> Step:
+        """Append ``num_tokens[i]`` tokens to sequence ``seq_ids[i]`` (``None``: one each,
+        a decode step; 0: the sequence stays in the batch with its table row and length,
+        but gets no query row and writes nothing) and return the :class:`Step` for the
+        batch: ``slot_mapping`` (``[sum(num_tokens)]``, in step order), ``block_tables``,
+        ``seq_lens`` (new tokens included; also as ``context_lens``) and
+        ``query_start_loc``. ``token_ids``: optional, one per new token, flat in step order
+        (see :meth:`BlockManager.append`).
+
+        Runs the copy-on-write block copies itself (on the current stream, before
+        anything the caller enqueues next). One host-to-device copy carries all of it; the
+        arrays stay valid until the next ``step``. If the upload or a copy fails, the
+        manager is left as it was, so the step can be retried."""
         from .cache_ops import copy_blocks
 
         # Plan, do the device work, and only then apply the plan to the bookkeeping: the
         # upload's buffer allocation can run out of memory, and a launch can fail.
         manager = self.manager
-        plan = manager._plan_append(seq_ids, token_ids)
+        plan = manager._plan_append(seq_ids, num_tokens, token_ids)
         tables, lens = manager._tables_after(plan)
-        pairs, s, bt, cl = self._upload(
-            "step", [plan.copies.reshape(-1), plan.slots, tables.reshape(-1), lens])
+        pairs, s, bt, sl, qsl = self._upload(
+            "step", [plan.copies.reshape(-1), plan.slots, tables.reshape(-1), lens,
+                     plan.query_start_loc()])
         if len(plan.copies):
             copy_blocks(self.key_caches, self.value_caches, pairs.reshape(-1, 2))
         manager._apply_append(plan)
-        return DecodeStep(s, bt.reshape(tables.shape), cl)
+        return Step(s, bt.reshape(tables.shape), sl, qsl)
 
     def tables(self, seq_ids: Sequence):
         """Device ``(block_tables, context_lens)`` for these sequences in one upload, valid
@@ -539,3 +747,18 @@ class PagedKVCache:
                 runtime.memcpyAsync(dst, host.ctypes.data, n * 4, runtime.memcpyHostToDevice,
                                     ctx.stream)
         return [dev[a:b] for a, b in bounds]
+
+
+def _cache_shapes(kv_layout: str, num_blocks: int, num_kv_heads: int, head_size: int,
+                  block_size: int, itemsize: int) -> tuple:
+    """(key shape, value shape) of one layer's caches in ``kv_layout``: blocks along the
+    first dimension, each one contiguous run (what copy_blocks moves)."""
+    if kv_layout == "NHD":
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        return shape, shape
+    if kv_layout == "HND":
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        return shape, shape
+    x = 16 // itemsize
+    return ((num_blocks, num_kv_heads, head_size // x, block_size, x),
+            (num_blocks, num_kv_heads, head_size, block_size))

@@ -44,9 +44,9 @@ def _set_tile(tile: tuple | None) -> None:
     _prefill_kernel.cache_clear()
 
 
-# Up to this many packed query rows per (sequence, KV head), four warps instead of the
-# default's eight: verify's 4 tokens x 4 heads fill 16 rows, and eight warps of padding
-# rows cost 35% (docs/PERFORMANCE.md).
+# Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
+# the default's 32: verify's 4 tokens x 4 heads fill 16 rows, and the default's 128-row
+# tile would be mostly padding (docs/PERFORMANCE.md).
 _FEW_ROWS = 64
 
 
@@ -54,7 +54,7 @@ def _prefill_tile(head_size: int, rows_needed: int) -> tuple:
     if _tile_override is not None:
         return _tile_override
     if rows_needed <= _FEW_ROWS:
-        return (4, 1, 32, 2)
+        return jit.few_rows_prefill_tile(head_size)
     return jit.default_prefill_tile(head_size)
 
 
@@ -112,8 +112,9 @@ def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
         if qsl.shape != (num_seqs + 1,) or qsl.strides[0] != 4:
             _fail(f"query_start_loc must be a contiguous [num_seqs + 1 = {num_seqs + 1}] array, "
                   f"got shape {qsl.shape}")
-    if num_seqs > _checks.INT32_MAX:
-        _fail(f"{num_seqs} sequences; at most {_checks.INT32_MAX} are supported")
+    if num_seqs * cache.num_kv_heads > _checks.INT32_MAX:  # the prefill grid's x
+        _fail(f"{num_seqs} sequences x {cache.num_kv_heads} KV heads; at most "
+              f"{_checks.INT32_MAX} (sequence, KV head) pairs are supported")
     _checks.check_alibi_and_out(alibi, out, q, num_heads)
     if out is not None:
         # In place over the query is fine (each query row is read by the CTA that writes
@@ -184,7 +185,8 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
         _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
                         plan.tile)
-    k.launch((p.num_seqs, plan.q_tiles, p.num_kv_heads), k.threads, k.smem, ctx.stream,
+    # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's header).
+    k.launch((p.num_seqs * p.num_kv_heads, plan.q_tiles, 1), k.threads, k.smem, ctx.stream,
              out.data.ptr, q.data.ptr, q.strides[0] // it, q.strides[1] // it,
              decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,
              0 if alibi is None else alibi.data.ptr, p.num_heads,
@@ -220,6 +222,9 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             ``query_start_loc[s]:query_start_loc[s + 1]`` (``q_len`` may be 0). Those
             tokens are the last ``q_len`` of its ``seq_lens[s]``: row i is at position
             ``seq_lens[s] - q_len + i``. ``None``: one token per sequence (decode).
+            It must run from 0 to ``total_q``, non-decreasing, with each ``q_len <=
+            seq_lens[s]``: device facts that ``CUPAGED_DEBUG=1`` checks (with a sync);
+            without it, output rows outside every sequence's range are unspecified.
         kv_layout: ``"NHD"`` (default), ``"HND"`` or ``"vllm"``.
         causal: each query token sees keys at positions up to its own (bottom-right
             aligned, as FlashAttention and vLLM); ``False``: all ``seq_lens[s]`` keys.

@@ -1,52 +1,247 @@
-"""reshape_and_cache, copy_blocks and swap_blocks on the GPU against NumPy, and an
-end-to-end decode loop through PagedKVCache against the float64 reference."""
+"""reshape_and_cache, copy_blocks and swap_blocks on the GPU against NumPy, over every cache
+layout (vLLM's, NHD, HND, views of fused allocations), and an end-to-end decode loop
+through PagedKVCache against the float64 reference; their input checks on array metadata
+alone (no GPU needed)."""
+
+import contextlib
+import inspect
 
 import cupy
 import numpy as np
 import pytest
 
 import cupaged
-from cupaged import PagedKVCache, _dtypes, reference, testing
+from cupaged import PagedKVCache, _arrays, _dtypes, cache_ops, reference, testing
 from conftest import assert_close
+from test_validation import Fake
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), _dtypes.BF16.numpy]
+LAYOUTS = ("vllm", "NHD", "HND")
+# How K and V sit in memory, per layout. "dense": two arrays. "heads": vLLM's layout as a
+# slice of more heads (block and head strides larger than dense). "fused": the halves of
+# one [num_blocks, 2, ...] allocation (FlashInfer's). "packed": the halves of the last
+# dimension of one [..., 2 * head_size] allocation (vLLM's packed rows).
+CACHE_KINDS = {"vllm": ("dense", "heads"), "NHD": ("dense", "fused", "packed"),
+               "HND": ("dense", "fused", "packed")}
+# Where key and value come from. "contiguous": two arrays. "qkv": head ranges of one fused
+# [num_tokens, heads + 2 * kv_heads, head_size] projection (row-strided, 16-byte aligned
+# rows: vector loads). "unaligned": the same with every head row padded by one element and
+# starting one element in (no row 16-byte aligned: element loads).
+SOURCES = ("contiguous", "qkv", "unaligned")
 
 
-def write_reference(kc, vc, key, value, slots):
-    """NumPy: what reshape_and_cache must leave in the caches."""
-    kc, vc = kc.copy(), vc.copy()
-    bs, x = kc.shape[3], kc.shape[4]
+def _ids(d):
+    return np.dtype(d).name
+
+
+def block_shape(layout, num_kv_heads, head_size, block_size, dtype, key=True):
+    """One block of a cache in ``layout`` (the shape past num_blocks)."""
+    x = 16 // np.dtype(dtype).itemsize
+    if layout == "NHD":
+        return (block_size, num_kv_heads, head_size)
+    if layout == "HND":
+        return (num_kv_heads, block_size, head_size)
+    return ((num_kv_heads, head_size // x, block_size, x) if key
+            else (num_kv_heads, head_size, block_size))
+
+
+def make_cache(layout, kind, num_blocks, num_kv_heads, head_size, block_size, dtype, rng):
+    """Host roots with random contents (what every element no write touches must keep),
+    and ``view``: roots (NumPy, CuPy or torch, basic slicing only) -> (key_cache,
+    value_cache)."""
+    kb = block_shape(layout, num_kv_heads, head_size, block_size, dtype, True)
+    vb = block_shape(layout, num_kv_heads, head_size, block_size, dtype, False)
+    rand = lambda *shape: testing.random_normal(shape, dtype, rng)  # noqa: E731
+    if kind == "dense":
+        return [rand(num_blocks, *kb), rand(num_blocks, *vb)], lambda r: (r[0], r[1])
+    if kind == "heads":
+        roots = [rand(num_blocks, num_kv_heads + 1, *kb[1:]),
+                 rand(num_blocks, num_kv_heads + 2, *vb[1:])]
+        return roots, lambda r: (r[0][:, 1:], r[1][:, 2:])
+    if kind == "fused":
+        return [rand(num_blocks, 2, *kb)], lambda r: (r[0][:, 0], r[0][:, 1])
+    if kind == "packed":
+        hs = head_size
+        return [rand(num_blocks, *kb[:-1], 2 * hs)], lambda r: (r[0][..., :hs], r[0][..., hs:])
+    raise ValueError(kind)
+
+
+def make_source(kind, num_tokens, heads, num_kv_heads, head_size, dtype, rng):
+    """Host roots and ``view``: roots -> (key, value) ``[num_tokens, num_kv_heads,
+    head_size]``."""
+    rand = lambda *shape: testing.random_normal(shape, dtype, rng)  # noqa: E731
+    n, h, kvh, hs = num_tokens, heads, num_kv_heads, head_size
+    if kind == "contiguous":
+        return [rand(n, kvh, hs), rand(n, kvh, hs)], lambda r: (r[0], r[1])
+    if kind == "qkv":
+        return [rand(n, h + 2 * kvh, hs)], lambda r: (r[0][:, h:h + kvh], r[0][:, h + kvh:])
+    if kind == "unaligned":
+        return ([rand(n, h + 2 * kvh, hs + 1)],
+                lambda r: (r[0][:, h:h + kvh, 1:], r[0][:, h + kvh:, 1:]))
+    raise ValueError(kind)
+
+
+def write_reference(kc, vc, key, value, slots, layout):
+    """NumPy, in place through the cache views: what reshape_and_cache must write."""
+    if layout == "vllm":  # as [blocks, slot, kv_heads, ...] views
+        kt, vt = kc.transpose(0, 3, 1, 2, 4), vc.transpose(0, 3, 1, 2)
+        x = kc.shape[4]
+        kval = lambda t: key[t].reshape(key.shape[1], -1, x)  # noqa: E731
+    elif layout == "NHD":
+        kt, vt, kval = kc, vc, lambda t: key[t]
+    else:
+        kt, vt, kval = kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3), lambda t: key[t]
+    num_blocks, block_size = kt.shape[:2]
     for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        b, off = divmod(int(slot), bs)
-        kc[b, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
-        vc[b, :, :, off] = value[t]
-    return kc, vc
+        if 0 <= slot < num_blocks * block_size:
+            b, off = divmod(int(slot), block_size)
+            kt[b, off] = kval(t)
+            vt[b, off] = value[t]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-@pytest.mark.parametrize("hs, bs", [(64, 1), (128, 16), (40, 32), (256, 8)])
-@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
-def test_reshape_and_cache_matches_numpy(rng, dtype, hs, bs, slot_dtype):
-    kvh, n = 2, 20
-    nb = max(12, -(-2 * n // bs))  # room for every token, with slots to spare
-    kc, vc = testing.random_cache(nb, kvh, hs, bs, dtype, rng)
-    # key/value as slices of one fused [tokens, 3, kv_heads, hs] buffer: row-strided
-    fused = testing.random_normal((n, 3, kvh, hs), dtype, rng)
-    key, value = fused[:, 1], fused[:, 2]
-    slots = rng.choice(nb * bs, size=n, replace=False).astype(slot_dtype)
-    slots[rng.random(n) < 0.25] = -1  # padding tokens
-    want_k, want_v = write_reference(kc, vc, key, value, slots)
-    d_kc, d_vc = cupy.asarray(kc), cupy.asarray(vc)
-    d_fused = cupy.asarray(fused)
-    cupaged.reshape_and_cache(d_fused[:, 1], d_fused[:, 2], d_kc, d_vc, cupy.asarray(slots))
-    np.testing.assert_array_equal(cupy.asnumpy(d_kc).view(np.uint8), want_k.view(np.uint8))
-    np.testing.assert_array_equal(cupy.asnumpy(d_vc).view(np.uint8), want_v.view(np.uint8))
+def _layout_kw(layout):
+    """vLLM's layout through the default, the others by name."""
+    return {} if layout == "vllm" else {"kv_layout": layout}
 
 
+def _assert_same_bytes(got, want, what=""):
+    np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.uint8),
+                                  np.ascontiguousarray(want).view(np.uint8), err_msg=what)
+
+
+# ---- reshape_and_cache on the GPU ------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=_ids)
+@pytest.mark.parametrize("bs", [1, 16, 32])
+@pytest.mark.parametrize("hs", [64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reshape_and_cache_matches_numpy(rng, layout, dtype, hs, bs, slot_dtype):
+    """Every layout and kind of cache, from every kind of source: the whole cache (both
+    halves of a fused one) compared byte for byte, so every element no token owns must
+    still hold its random contents."""
+    heads, kvh, n = 4, 2, 24
+    nb = max(6, -(-2 * n // bs))  # room for every token, with slots to spare
+    for cache_kind in CACHE_KINDS[layout]:
+        for src_kind in SOURCES:
+            what = f"{cache_kind} cache, {src_kind} source"
+            roots, view = make_cache(layout, cache_kind, nb, kvh, hs, bs, dtype, rng)
+            src_roots, src_view = make_source(src_kind, n, heads, kvh, hs, dtype, rng)
+            slots = rng.choice(nb * bs, size=n, replace=False).astype(slot_dtype)
+            slots[rng.random(n) < 0.25] = -1  # padding tokens
+            want = [r.copy() for r in roots]
+            write_reference(*view(want), *src_view(src_roots), slots, layout)
+            d_roots = [cupy.asarray(r) for r in roots]
+            d_key, d_value = src_view([cupy.asarray(r) for r in src_roots])
+            d_kc, d_vc = view(d_roots)
+            d_slots = cupy.asarray(slots)
+            w = cache_ops._validate_write(d_key, d_value, d_kc, d_vc, d_slots, layout)
+            assert w.vec_src == (src_kind != "unaligned"), what  # both load paths run
+            cupaged.reshape_and_cache(d_key, d_value, d_kc, d_vc, d_slots, **_layout_kw(layout))
+            for got, exp in zip(d_roots, want):
+                _assert_same_bytes(cupy.asnumpy(got), exp, what)
+
+
+def _torch_of(a, torch):
+    """A torch CUDA tensor with ``a``'s values (bfloat16 included)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == _dtypes.BF16.numpy:
+        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(a).cuda()
+
+
+def _torch_bytes(t, torch):
+    same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(same_size[t.element_size()]).cpu().numpy().view(np.uint8)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reshape_and_cache_with_torch_tensors(rng, layout, dtype):
+    """torch tensors in, views of fused caches and of a fused QKV included."""
+    torch = pytest.importorskip("torch")
+    heads, kvh, hs, bs, n, nb = 4, 2, 128, 16, 20, 8
+    for cache_kind in CACHE_KINDS[layout]:
+        for src_kind in SOURCES:
+            roots, view = make_cache(layout, cache_kind, nb, kvh, hs, bs, dtype, rng)
+            src_roots, src_view = make_source(src_kind, n, heads, kvh, hs, dtype, rng)
+            slots = rng.choice(nb * bs, size=n, replace=False).astype(np.int64)
+            slots[::5] = -1
+            want = [r.copy() for r in roots]
+            write_reference(*view(want), *src_view(src_roots), slots, layout)
+            t_roots = [_torch_of(r, torch) for r in roots]
+            t_key, t_value = src_view([_torch_of(r, torch) for r in src_roots])
+            cupaged.reshape_and_cache(t_key, t_value, *view(t_roots), _torch_of(slots, torch),
+                                      **_layout_kw(layout))
+            for got, exp in zip(t_roots, want):
+                _assert_same_bytes(_torch_bytes(got, torch), exp.view(np.uint8),
+                                   f"{cache_kind} cache, {src_kind} source")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("layout, kind", [("NHD", "dense"), ("NHD", "fused"), ("HND", "dense"),
+                                          ("HND", "packed"), ("vllm", "dense")])
+def test_written_cache_reads_back_through_attention(rng, layout, kind, dtype):
+    """Prompts written by reshape_and_cache (from a fused QKV, with padding tokens), then
+    attended over by cupaged.attention in the same layout; then one decode step more.
+    Slots nothing writes are NaN: a missed write shows."""
+    dt = _dtypes.BY_NAME[dtype].numpy
+    heads, kvh, hs, bs = 8, 2, 128, 16
+    lens = np.array([1, 37, 100, 16, 5], np.int32)
+    bt, nb = testing.random_block_tables(lens + 1, bs, rng, spare_blocks=3)
+    roots, view = make_cache(layout, kind, nb, kvh, hs, bs, dt, rng)
+    for r in roots:
+        r[...] = np.nan
+    want = [r.copy() for r in roots]
+    d_roots = [cupy.asarray(r) for r in roots]
+    d_kc, d_vc = view(d_roots)
+    d_bt = cupy.asarray(bt)
+
+    def slot(s, pos):
+        return int(bt[s, pos // bs]) * bs + pos % bs
+
+    # Prefill: every prompt, then 3 padding tokens.
+    total = int(lens.sum())
+    qkv = testing.random_normal((total + 3, heads + 2 * kvh, hs), dt, rng)
+    slots = np.array([slot(s, p) for s, n in enumerate(lens) for p in range(n)] + [-1] * 3,
+                     np.int64)
+    split = lambda a: (a[:, :heads], a[:, heads:heads + kvh], a[:, heads + kvh:])  # noqa: E731
+    d_qkv = cupy.asarray(qkv)
+    _, d_key, d_value = split(d_qkv)
+    cupaged.reshape_and_cache(d_key, d_value, d_kc, d_vc, cupy.asarray(slots),
+                              **_layout_kw(layout))
+    _, key, value = split(qkv)
+    write_reference(*view(want), key, value, slots, layout)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    out = cupaged.attention(split(d_qkv)[0][:total], d_kc, d_vc, d_bt, cupy.asarray(lens),
+                            cupy.asarray(qsl), kv_layout=layout, max_query_len=int(lens.max()))
+    ref = reference.attention(split(qkv)[0][:total], *view(want), bt, lens, qsl,
+                              kv_layout=layout)
+    assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE[dtype], "prefill")
+
+    # Decode: one token more per sequence, int32 slots.
+    qkv = testing.random_normal((len(lens), heads + 2 * kvh, hs), dt, rng)
+    slots = np.array([slot(s, int(n)) for s, n in enumerate(lens)], np.int32)
+    d_qkv = cupy.asarray(qkv)
+    d_query, d_key, d_value = split(d_qkv)
+    cupaged.reshape_and_cache(d_key, d_value, d_kc, d_vc, cupy.asarray(slots),
+                              **_layout_kw(layout))
+    query, key, value = split(qkv)
+    write_reference(*view(want), key, value, slots, layout)
+    out = cupaged.attention(d_query, d_kc, d_vc, d_bt, cupy.asarray(lens + 1), kv_layout=layout)
+    ref = reference.attention(query, *view(want), bt, lens + 1, kv_layout=layout)
+    assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE[dtype], "decode")
+    for got, exp in zip(d_roots, want):  # and nothing else was written
+        _assert_same_bytes(cupy.asnumpy(got), exp)
+
+
+@gpu
 def test_reshape_and_cache_errors(rng):
     kc, vc = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 16, np.float16, rng))
     k = cupy.zeros((3, 2, 64), np.float16)
@@ -62,17 +257,23 @@ def test_reshape_and_cache_errors(rng):
         cupaged.reshape_and_cache(k, k, kc, vc, np.zeros(3, np.int64))
 
 
-def test_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch):
-    kc, vc = (cupy.asarray(a) for a in testing.random_cache(2, 1, 32, 4, np.float32, rng))
-    before = cupy.asnumpy(kc)
-    k = cupy.ones((1, 1, 32), np.float32)
-    cupaged.reshape_and_cache(k, k, kc, vc, cupy.asarray([8], np.int64))  # cache has 8 slots
-    np.testing.assert_array_equal(cupy.asnumpy(kc), before)
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch, layout):
+    roots, view = make_cache(layout, "dense", 2, 1, 32, 4, np.float32, rng)
+    d_roots = [cupy.asarray(r) for r in roots]
+    kc, vc = view(d_roots)
+    k = cupy.ones((3, 1, 32), np.float32)
+    slots = cupy.asarray([8, 2**40, -5], np.int64)  # the cache has 8 slots
+    cupaged.reshape_and_cache(k, k, kc, vc, slots, **_layout_kw(layout))
+    for got, before in zip(d_roots, roots):
+        _assert_same_bytes(cupy.asnumpy(got), before)
     monkeypatch.setattr(cupaged._checks, "DEBUG", True)
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is past the cache \(8 slots\)"):
-        cupaged.reshape_and_cache(k, k, kc, vc, cupy.asarray([8], np.int64))
+        cupaged.reshape_and_cache(k, k, kc, vc, slots, **_layout_kw(layout))
 
 
+@gpu
 @pytest.mark.parametrize("index", [np.int32, np.int64])
 def test_copy_blocks_all_layers_one_launch(rng, index):
     layers, nb = 3, 16
@@ -90,6 +291,7 @@ def test_copy_blocks_all_layers_one_launch(rng, index):
         np.testing.assert_array_equal(cupy.asnumpy(dv), v)
 
 
+@gpu
 def test_copy_blocks_errors(rng):
     k, v = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 8, np.float16, rng))
     with pytest.raises(ValueError, match="lists of one length"):
@@ -101,6 +303,58 @@ def test_copy_blocks_errors(rng):
         cupaged.copy_blocks([k, k2], [v, v2], cupy.zeros((1, 2), np.int64))
 
 
+@gpu
+@pytest.mark.parametrize("layout, kind", [("NHD", "dense"), ("NHD", "fused"), ("HND", "dense"),
+                                          ("HND", "fused"), ("vllm", "heads")])
+def test_copy_blocks_on_every_layout_and_fused_views(rng, layout, kind):
+    """NHD/HND caches and K/V halves of one [num_blocks, 2, ...] allocation (block stride
+    twice the block), or vLLM's layout sliced by heads: each half copies its own blocks and
+    leaves everything else as it was."""
+    layers, nb = 2, 16
+    caches = [make_cache(layout, kind, nb, 2, 64, 8, np.float16, rng) for _ in range(layers)]
+    src = rng.choice(8, size=5, replace=False)
+    dst = rng.choice(np.arange(8, 16), size=5, replace=False)
+    d_roots = [[cupy.asarray(r) for r in roots] for roots, _ in caches]
+    views = [view(d) for d, (_, view) in zip(d_roots, caches)]
+    cupaged.copy_blocks([k for k, _ in views], [v for _, v in views],
+                        cupy.asarray(np.stack([src, dst], 1).astype(np.int32)))
+    for (roots, view), d in zip(caches, d_roots):
+        want = [r.copy() for r in roots]
+        for half in view(want):  # NumPy views write through to the roots
+            half[dst] = half[src]
+        for got, exp in zip(d, want):
+            _assert_same_bytes(cupy.asnumpy(got), exp, f"{layout} {kind}")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_swap_blocks_with_fused_views(rng, layout):
+    """The V half of a fused device cache out to the V half of a fused pinned host cache,
+    then back into the K half of another device cache: only those halves change."""
+    nb_dev, nb_host, dtype = 12, 10, np.dtype(np.float16)
+    roots, view = make_cache(layout, "fused", nb_dev, 2, 64, 16, dtype, rng)
+    d_root = cupy.asarray(roots[0])
+    _, d_v = view([d_root])
+    host = cupaged.empty_pinned((nb_host,) + roots[0].shape[1:], dtype)
+    host[...] = testing.random_normal(host.shape, dtype, rng)
+    before = host.copy()
+    out_src = rng.choice(nb_dev, size=4, replace=False)
+    out_dst = rng.choice(nb_host, size=4, replace=False)
+    cupaged.swap_blocks(d_v, view([host])[1], np.stack([out_src, out_dst], 1))
+    cupy.cuda.get_current_stream().synchronize()
+    want = before.copy()
+    want[out_dst, 1] = roots[0][out_src, 1]
+    _assert_same_bytes(host, want, "swap out")
+    d_other = cupy.zeros_like(d_root)
+    back = rng.choice(nb_dev, size=4, replace=False)
+    cupaged.swap_blocks(view([host])[1], view([d_other])[0],
+                        cupy.asarray(np.stack([out_dst, back], 1)))
+    want = np.zeros_like(roots[0])
+    want[back, 0] = roots[0][out_src, 1]
+    _assert_same_bytes(cupy.asnumpy(d_other), want, "swap in")
+
+
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_swap_round_trip_through_pinned_memory(rng, dtype):
     nb_dev, nb_host = 32, 20
@@ -123,6 +377,7 @@ def test_swap_round_trip_through_pinned_memory(rng, dtype):
     assert not got[untouched].view(np.uint8).any()
 
 
+@gpu
 def test_swap_refuses_pageable_memory(rng):
     dev = cupy.zeros((4, 2, 8, 16, 8), np.float16)
     with pytest.raises(TypeError, match="pageable host memory.*cupaged.empty_pinned"):
@@ -131,6 +386,7 @@ def test_swap_refuses_pageable_memory(rng):
         cupaged.swap_blocks(dev, cupaged.empty_pinned((4, 2, 8, 8, 8), np.float16), [[0, 1]])
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=lambda d: d.name)
 def test_decode_loop_with_forks_and_frees(rng, dtype):
     """Dozens of steps over many sequences: prompts, forks (copy-on-write), frees; every
@@ -199,6 +455,7 @@ def test_decode_loop_with_forks_and_frees(rng, dtype):
     assert cache.num_used_blocks == 0 and checked > 200
 
 
+@gpu
 def test_accounting():
     cache = PagedKVCache(4, 10, 2, 64, 16, "bfloat16")
     assert cache.bytes_per_block == 2 * 4 * 2 * 64 * 16 * 2
@@ -226,6 +483,7 @@ def _expect_copied(ks, vs, before, pairs):
         np.testing.assert_array_equal(cupy.asnumpy(v), v0)
 
 
+@gpu
 def test_copy_blocks_on_two_streams_one_busy(rng):
     """The same caches copied on a busy stream A, then on stream B: B's copy must happen
     (it used to reuse a pointer table still queued for upload on A: block 6 never copied)."""
@@ -247,6 +505,7 @@ def test_copy_blocks_on_two_streams_one_busy(rng):
     _expect_copied(ks, vs, before, [(1, 2), (0, 6)])
 
 
+@gpu
 def test_copy_blocks_in_a_cuda_graph_outlives_other_calls(rng):
     """First use of a set of caches inside a capture; hundreds of other cache sets copied
     eagerly afterwards (the old per-process table cache evicted and freed tables a graph
@@ -272,6 +531,7 @@ def test_copy_blocks_in_a_cuda_graph_outlives_other_calls(rng):
         _expect_copied(ks, vs, before, [(3, 5), (4, 7)])
 
 
+@gpu
 def test_copy_blocks_spans_several_launches_for_many_layers(rng):
     """More tensors than one launch's parameter table holds (96): 60 layers."""
     ks, vs = _layers(rng, 60, nb=4)
@@ -280,6 +540,7 @@ def test_copy_blocks_spans_several_launches_for_many_layers(rng):
     _expect_copied(ks, vs, before, [(0, 3), (1, 2)])
 
 
+@gpu
 def test_copy_blocks_checks_every_layer(rng):
     """Layer 1 a strided view, or 2 bytes off 16-byte alignment: refused before launch
     (the strided view used to overwrite another tensor's heads; the misaligned one
@@ -299,6 +560,7 @@ def test_copy_blocks_checks_every_layer(rng):
     cupy.cuda.Device().synchronize()  # the context is healthy
 
 
+@gpu
 def test_swap_blocks_checks_alignment_of_both_sides(rng):
     dev = cupy.zeros((4, 2, 8, 16, 8), np.float16)
     host = cupaged.empty_pinned((4, 2, 8, 16, 8), np.float16)
@@ -313,14 +575,264 @@ def test_swap_blocks_checks_alignment_of_both_sides(rng):
     cupy.cuda.Device().synchronize()
 
 
+@gpu
 def test_empty_batches_in_the_cache_kernels(rng):
     kc, vc = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 16, np.float16, rng))
     before = cupy.asnumpy(kc)
     k = cupy.zeros((0, 2, 64), np.float16)
     assert k.strides == (0, 0, 0)
     cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros((0,), np.int64))
+    nhd = cupy.zeros((4, 16, 2, 64), np.float16)
+    cupaged.reshape_and_cache(k, k, nhd, nhd, cupy.zeros((0,), np.int32), kv_layout="NHD")
+    assert not nhd.any()
     cupaged.copy_blocks([kc], [vc], cupy.zeros((0, 2), np.int32))
     host = cupaged.empty_pinned(kc.shape, np.float16)
     cupaged.swap_blocks(kc, host, np.zeros((0, 2), np.int64))
     cupaged.swap_blocks(kc, host, cupy.zeros((0, 2), np.int64))
     np.testing.assert_array_equal(cupy.asnumpy(kc), before)
+
+
+# ---- input checks, on array metadata alone (no GPU needed) ----------------------------------
+
+
+def fake_view(view, root, base=1 << 20, device=0):
+    """A Fake device array for a NumPy view of ``root``, its pointer offset as the view's."""
+    offset = view.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return Fake(view, device=device, ptr=base + offset)
+
+
+def wargs(layout="NHD", dtype=np.float16, n=3, kvh=2, hs=64, bs=16, nb=10):
+    if layout == "vllm":
+        x = 16 // np.dtype(dtype).itemsize
+        kc = np.zeros((nb, kvh, hs // x, bs, x), dtype)
+        vc = np.zeros((nb, kvh, hs, bs), dtype)
+    else:
+        kc = vc = np.zeros((nb, *block_shape(layout, kvh, hs, bs, dtype)), dtype)
+    return dict(key=np.zeros((n, kvh, hs), dtype), value=np.zeros((n, kvh, hs), dtype),
+                key_cache=kc, value_cache=vc, slot_mapping=np.zeros(n, np.int64),
+                kv_layout=layout)
+
+
+def wvalidate(**a):
+    layout = a.pop("kv_layout")
+    f = {k: (v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
+    return cache_ops._validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
+                                     f["slot_mapping"], layout)
+
+
+def wbad(layout="NHD", **changes):
+    a = wargs(layout)
+    a.update(changes)
+    return a
+
+
+def test_kv_layout_is_keyword_only_and_vllm_by_default():
+    p = inspect.signature(cupaged.reshape_and_cache).parameters
+    assert list(p)[:5] == ["key", "value", "key_cache", "value_cache", "slot_mapping"]
+    assert p["kv_layout"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert p["kv_layout"].default == "vllm" and p["stream"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(TypeError, match="positional argument"):
+        cupaged.reshape_and_cache(None, None, None, None, None, "NHD")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_valid_writes_are_described(layout):
+    w = wvalidate(**wargs(layout))
+    c = w.cache
+    assert (c.num_blocks, c.num_kv_heads, c.head_size, c.block_size) == (10, 2, 64, 16)
+    assert (w.num_tokens, w.index, w.device, w.vec_src) == (3, "i64", 0, True)
+    assert c.kv_format == ("vllm" if layout == "vllm" else "tok")
+    if layout == "NHD":
+        assert c.k_strides == c.v_strides == (16 * 2 * 64, 64, 2 * 64)  # block, head, token
+    elif layout == "HND":
+        assert c.k_strides == c.v_strides == (2 * 16 * 64, 16 * 64, 64)
+    else:
+        assert (c.k_strides, c.v_strides) == ((2 * 64 * 16, 64 * 16, 0), (2 * 64 * 16, 64 * 16, 0))
+    assert wvalidate(**wbad(layout, slot_mapping=np.zeros(3, np.int32))).index == "i32"
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fused_cache_views_are_written_in_place(layout):
+    """K and V halves of [num_blocks, 2, ...] and of [..., 2 * head_size]: their own
+    strides, as the kernel takes them."""
+    blk = block_shape(layout, 2, 64, 16, np.float16)
+    tok_axis = 1 if layout == "NHD" else 2
+    fused = np.zeros((10, 2, *blk), np.float16)
+    k, v = fake_view(fused[:, 0], fused), fake_view(fused[:, 1], fused)
+    c = wvalidate(**wbad(layout, key_cache=k, value_cache=v)).cache
+    dense = np.zeros((10, *blk), np.float16).strides
+    want = (2 * dense[0] // 2, dense[3 - tok_axis] // 2, dense[tok_axis] // 2)
+    assert c.k_strides == c.v_strides == want
+    packed = np.zeros((10, *blk[:-1], 128), np.float16)
+    k, v = fake_view(packed[..., :64], packed), fake_view(packed[..., 64:], packed)
+    c = wvalidate(**wbad(layout, key_cache=k, value_cache=v)).cache
+    st = [s // 2 for s in packed.strides]
+    assert c.k_strides == c.v_strides == (st[0], st[3 - tok_axis], st[tok_axis])
+
+
+def test_vector_loads_only_for_16_byte_aligned_source_rows():
+    qkv = np.zeros((3, 8, 64), np.float16)  # [tokens, 4 + 2 + 2 heads, head_size]
+    k, v = fake_view(qkv[:, 4:6], qkv), fake_view(qkv[:, 6:], qkv)
+    assert wvalidate(**wbad(key=k, value=v)).vec_src  # a fused QKV's slices are aligned
+    assert not wvalidate(**wbad(key=Fake(wargs()["key"], ptr=(1 << 20) + 2))).vec_src
+    odd = np.zeros((3, 2, 65), np.float16)[:, :, :64]  # head stride 130 bytes
+    assert not wvalidate(**wbad(value=odd)).vec_src
+    rows = np.zeros((3, 2 * 64 + 1), np.float16)  # token stride 258 bytes
+    strided = np.lib.stride_tricks.as_strided(rows, (3, 2, 64), (258, 128, 2))
+    assert not wvalidate(**wbad(key=strided)).vec_src
+    # A stride no element is reached through (one token, one head) does not matter.
+    one = np.lib.stride_tricks.as_strided(rows, (1, 2, 64), (258, 128, 2))
+    assert wvalidate(**wbad(key=one, value=np.zeros((1, 2, 64), np.float16),
+                            slot_mapping=np.zeros(1, np.int64))).vec_src
+
+
+def _hnd(*shape, dtype=np.float16):
+    return np.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("a, exc, match", [
+    # the layout
+    (wbad("vllm", key_cache=_hnd(10, 16, 2, 64), value_cache=_hnd(10, 16, 2, 64)), ValueError,
+     r"key_cache is 4-D .* kv_layout='vllm' \(the default\) .* pass kv_layout=\"NHD\" or "
+     r"kv_layout=\"HND\""),
+    (wbad(kv_layout="nhd"), ValueError, r"kv_layout must be one of \('NHD', 'HND', 'vllm'\)"),
+    (wbad(kv_layout=None), TypeError, "kv_layout must be one of"),
+    (wbad("NHD", key_cache=wargs("vllm")["key_cache"], value_cache=wargs("vllm")["value_cache"]),
+     ValueError, r"key_cache must be 4-D \[num_blocks, block_size, num_kv_heads, head_size\] "
+                 r"for kv_layout='NHD'"),
+    # the caches
+    (wbad(key_cache=_hnd(10, 16, 2, 64, dtype=np.float64)), TypeError,
+     "key_cache dtype float64 is not supported"),
+    (wbad(value_cache=_hnd(10, 16, 2, 64, dtype=np.float32)), TypeError,
+     "value_cache dtype float32 does not match key_cache dtype float16"),
+    (wbad(value_cache=_hnd(10, 16, 2, 32)), ValueError,
+     r"value_cache shape \(10, 16, 2, 32\) does not match key_cache shape"),
+    (wbad(key_cache=_hnd(10, 12, 2, 64), value_cache=_hnd(10, 12, 2, 64)), ValueError,
+     r"block_size 12 \(key_cache.shape\[1\] for NHD\) is not supported"),
+    (wbad("HND", key_cache=_hnd(10, 2, 16, 36), value_cache=_hnd(10, 2, 16, 36)), ValueError,
+     "head_size 36 is not supported"),
+    (wbad(key_cache=_hnd(10, 16, 0, 64), value_cache=_hnd(10, 16, 0, 64)), ValueError,
+     "the caches have no KV heads"),
+    (wbad(value_cache=_hnd(10, 16, 2, 128)[..., ::2]), ValueError,
+     r"value_cache's last dimension \(head_size\) must be contiguous"),
+    (wbad(key_cache=_hnd(10, 16, 2, 68)[..., :64]), ValueError,
+     "key_cache must be 16-byte aligned with block, head and token strides"),
+    (wbad(value_cache=Fake(_hnd(10, 16, 2, 64), ptr=(1 << 20) + 8)), ValueError,
+     "value_cache must be 16-byte aligned"),
+    (wbad("vllm", value_cache=_hnd(10, 2, 64, 8)), ValueError,
+     "value_cache shape .* does not match the key cache"),
+    (wbad("vllm", key_cache=_hnd(10, 2, 8, 32, 8)[:, :, :, ::2]), ValueError,
+     "key_cache must be contiguous within a block"),
+    # key and value
+    (wbad(key=_hnd(3, 2, 64, dtype=np.float32)), TypeError,
+     "key dtype float32 does not match the cache dtype float16"),
+    (wbad(value=_hnd(3, 1, 64)), ValueError,
+     r"value must be \[num_tokens, 2, 64\] \(num_tokens, num_kv_heads, head_size\), got shape"),
+    (wbad(key=_hnd(3, 128)), ValueError, r"key must be \[num_tokens, 2, 64\]"),
+    (wbad(key=_hnd(3, 2, 128)[:, :, ::2]), ValueError, "key's last dimension must be contiguous"),
+    (wbad(value=_hnd(3, 2, 64)[::-1]), ValueError, "value's last dimension must be contiguous "
+                                                   "and its strides non-negative"),
+    (wbad(value=_hnd(4, 2, 64)), ValueError, "key has 3 tokens but value has 4"),
+    # slot_mapping
+    (wbad(slot_mapping=np.zeros(3, np.float32)), TypeError,
+     "slot_mapping must be int32 or int64, got float32"),
+    (wbad(slot_mapping=np.zeros(4, np.int64)), ValueError,
+     r"slot_mapping must be a contiguous array of shape \(3,\)"),
+    (wbad(slot_mapping=np.zeros(6, np.int64)[::2]), ValueError,
+     r"slot_mapping must be a contiguous array of shape \(3,\)"),
+    # devices
+    (wbad(key=Fake(_hnd(3, 2, 64), device=1)), ValueError,
+     "key is on device 1 but key_cache is on device 0"),
+    (wbad(value_cache=Fake(_hnd(10, 16, 2, 64), device=1)), ValueError,
+     "value_cache is on device 1 but key_cache is on device 0"),
+    (wbad(slot_mapping=Fake(np.zeros(3, np.int64), device=2)), ValueError,
+     "slot_mapping is on device 2"),
+])
+def test_reshape_and_cache_validation(a, exc, match):
+    with pytest.raises(exc, match=match):
+        wvalidate(**a)
+
+
+def test_reshape_and_cache_takes_device_arrays_only():
+    a = wargs()
+    with pytest.raises(TypeError, match=r"key is a NumPy array .* cupy.asarray\(key\)"):
+        cupaged.reshape_and_cache(a["key"], a["value"], a["key_cache"], a["value_cache"],
+                                  a["slot_mapping"], kv_layout="NHD")
+
+
+def test_reshape_and_cache_specializations():
+    from cupaged import jit
+
+    legacy = jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i32")
+    assert legacy.kv_format == "vllm" and legacy.name == "reshape_and_cache_f16_i32_vllm_sm90"
+    tok = jit.KernelSpec("reshape_and_cache", "bf16", index_dtype="i64", kv_format="tok")
+    assert tok.name_expression == "cupaged::reshape_and_cache<cupaged::bfloat16_t, 0, long long>"
+    with pytest.raises(ValueError, match="kv_format must be 'tok' or 'vllm'"):
+        jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i32", kv_format="NHD")
+    # The launch packs what the token-major specialization takes (NVRTC, no GPU).
+    from test_jit import _mangled_params
+
+    _, lowered = jit._compile(tok.source_file, tok.arch, [tok.name_expression], tok.name)
+    assert _mangled_params(lowered[tok.name_expression]) == jit.ARG_FORMATS["reshape_and_cache"]
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """The copy entry points take Fake arrays as device arrays and record their launches
+    instead of making them: [(tensors, block_bytes, src_blocks, dst_blocks)]."""
+    real = cache_ops.as_device_array
+    monkeypatch.setattr(cache_ops, "as_device_array",
+                        lambda x, name: x if isinstance(x, Fake) else real(x, name))
+    monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "context",
+                        lambda device, torch_in, stream=None: _arrays.Context(device, 0, False,
+                                                                                False))
+    launches = []
+    monkeypatch.setattr(cache_ops, "_launch_copy",
+                        lambda ctx, tensors, mapping, index, n, nbytes, sb, db:
+                        launches.append((tensors, nbytes, sb, db)))
+    return launches
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_copy_blocks_takes_halves_of_a_fused_allocation(fake_device, layout):
+    """K and V of one [num_blocks, 2, ...] allocation: each block one contiguous run,
+    every other block of the allocation apart."""
+    blk = block_shape(layout, 2, 64, 16, np.float16)
+    layers = [np.zeros((10, 2, *blk), np.float16) for _ in range(2)]
+    ks = [fake_view(f[:, 0], f, base=(1 << 20) * (i + 1)) for i, f in enumerate(layers)]
+    vs = [fake_view(f[:, 1], f, base=(1 << 20) * (i + 1)) for i, f in enumerate(layers)]
+    cupaged.copy_blocks(ks, vs, Fake(np.zeros((3, 2), np.int32)))
+    block = 16 * 2 * 64 * 2
+    (tensors, nbytes, src_blocks, dst_blocks), = fake_device
+    assert (nbytes, src_blocks, dst_blocks) == (block, 10, 10)
+    assert tensors == [(k.data.ptr, k.data.ptr, 2 * block, 2 * block) for k in ks] + \
+        [(v.data.ptr, v.data.ptr, 2 * block, 2 * block) for v in vs]
+    assert vs[0].data.ptr - ks[0].data.ptr == block
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_copy_and_swap_refuse_halves_of_packed_rows(fake_device, layout):
+    """The K half of [..., 2 * head_size] is not one run of bytes per block: refused with
+    the reason, before anything launches."""
+    blk = block_shape(layout, 2, 64, 16, np.float16)
+    packed = np.zeros((10, *blk[:-1], 128), np.float16)
+    k, v = fake_view(packed[..., :64], packed), fake_view(packed[..., 64:], packed)
+    mapping = Fake(np.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match=r"key_caches\[0\] must be contiguous within each "
+                                         r"block .* fused within its rows"):
+        cupaged.copy_blocks([k], [v], mapping)
+    dense = Fake(np.zeros((10, *blk), np.float16), ptr=1 << 24)
+    with pytest.raises(ValueError, match="src must be contiguous within each block"):
+        cupaged.swap_blocks(k, dense, mapping)
+    with pytest.raises(ValueError, match="dst must be contiguous within each block"):
+        cupaged.swap_blocks(dense, v, mapping)
+    assert fake_device == []
+
+
+def test_copy_blocks_refuses_overlapping_blocks(fake_device):
+    buf = np.zeros(4096, np.float16)
+    k = np.lib.stride_tricks.as_strided(buf, (4, 8, 16), (128, 32, 2))  # blocks 256 bytes long
+    with pytest.raises(ValueError, match=r"key_caches\[0\]'s blocks overlap: its block stride "
+                                         r"\(128 bytes\) is less than a block \(256 bytes\)"):
+        cupaged.copy_blocks([Fake(k)], [Fake(k)], Fake(np.zeros((1, 2), np.int64)))

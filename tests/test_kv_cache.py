@@ -1,6 +1,9 @@
 """BlockManager under random add / append / fork / free sequences, with and without prefix
-caching; failed calls change nothing; PagedKVCache.step plans, uploads and only then
-applies (checked with host stand-ins for the device). No GPU needed."""
+caching, appends of any number of tokens per sequence (0 included); failed calls change
+nothing; PagedKVCache.step and .prefill plan, upload and only then apply (checked with host
+stand-ins for the device). No GPU needed, except for the tests marked gpu at the end:
+every cache layout through reshape_and_cache and cupaged.attention, mixed steps with
+copy-on-write, and a prefix-cache hit against the whole prompt."""
 
 import numpy as np
 import pytest
@@ -8,8 +11,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import cupaged
 import cupaged.cache_ops
-from cupaged import BlockManager, OutOfBlocks, PagedKVCache
+from cupaged import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step, reference, testing
+
+from conftest import assert_close
 
 
 def snapshot(m: BlockManager) -> dict:
@@ -22,7 +28,8 @@ def snapshot(m: BlockManager) -> dict:
         "sequences": seqs,
         "free": (m.num_free_blocks, m.num_used_blocks, list(m._free)),
         "refs": [m.ref_count(b) for b in range(m.num_blocks)],
-        "seqs": {s: (s in m, m.context_len(s), m.block_table(s)) for s in seqs},
+        "seqs": {s: (s in m, m.context_len(s), m.block_table(s), m.num_cached_tokens(s))
+                 for s in seqs},
         "host": ([bt[i, : len(m.block_table(s))].tolist() for i, s in enumerate(seqs)],
                  cl.tolist()),
         "prefix": (dict(m._full), dict(m._key_of)),
@@ -31,12 +38,17 @@ def snapshot(m: BlockManager) -> dict:
     }
 
 
+def slots_of(table, bs, positions):
+    return [table[p // bs] * bs + p % bs for p in positions]
+
+
 class Model(RuleBasedStateMachine):
     """Random operations against a BlockManager, checked against a dense model: each
     sequence's token -> slot history must stay its own (never written by another
     sequence after it was shared), copy-on-write happens exactly when a shared, partly
-    filled block is written, failed calls change nothing, and every block is free again at
-    the end."""
+    filled block is written, a step writes only blocks nobody else holds, exactly the
+    blocks it needs are taken (OutOfBlocks exactly when they are missing), failed calls
+    change nothing, and every block is free again at the end."""
 
     prefix_caching = False
 
@@ -69,29 +81,52 @@ class Model(RuleBasedStateMachine):
         tok = st.one_of(st.none(), st.integers(0, 1)) if none_ok else st.integers(0, 1)
         return data.draw(st.lists(tok, min_size=n, max_size=n))
 
+    def _need(self, seqs, counts):
+        """(fresh blocks, copy-on-write copies) an append of ``counts`` takes: blocks past
+        each writer's last, and for a shared partial block with w writers among its r
+        holders, min(w, r - 1) copies (the last writer may write in place)."""
+        bs, fresh, writers = self.bs, 0, {}
+        for s, k in zip(seqs, counts):
+            n = self.m.context_len(s)
+            if not k:
+                continue
+            fresh += -(-(n + k) // bs) - -(-n // bs)
+            if n % bs:
+                b = self.m.block_table(s)[-1]
+                writers[b] = writers.get(b, 0) + 1
+        return fresh, sum(min(w, self.m.ref_count(b) - 1) for b, w in writers.items())
+
     @rule(n=st.integers(0, 13), data=st.data())
     def add(self, n, data):
-        s = self._new_id()
+        s, bs = self._new_id(), self.bs
         ids = self._ids(data, n, none_ok=False)
         before = snapshot(self.m)
         try:
             slots = self.m.add(s, n, ids)
         except OutOfBlocks:
-            assert -(-n // self.bs) > before["free"][0]
+            assert -(-n // bs) > before["free"][0]
             assert snapshot(self.m) == before
             return
-        # -1 exactly for the leading full blocks found in the prefix cache
-        shared = int((slots < 0).sum())
-        assert shared % self.bs == 0 and (slots[:shared] == -1).all()
-        assert shared == 0 or self.prefix_caching
-        written = slots[shared:].tolist()
-        assert len(written) == n - shared and len(set(written)) == len(written)
-        table = self.m.block_table(s)
-        self.slots[s] = [table[i // self.bs] * self.bs + i % self.bs for i in range(n)]
-        assert self.slots[s][shared:] == written
+        cached, table = self.m.num_cached_tokens(s), self.m.block_table(s)
+        # The cached part: leading full blocks, never the whole prompt (its last token is
+        # always computed), each the block registered under its ids and the block before.
+        assert cached % bs == 0 and (n == 0 or cached < n)
+        assert cached == 0 or self.prefix_caching
+        registry = before["prefix"][0]
+        for i in range(cached // bs):
+            key = (table[i - 1] if i else None, tuple(ids[i * bs:(i + 1) * bs]))
+            assert registry.get(key) == table[i]
+        i = cached // bs
+        if self.prefix_caching and i < (n - 1) // bs:  # the lookup stopped at a miss
+            assert (table[i - 1] if i else None, tuple(ids[i * bs:(i + 1) * bs])) not in registry
+        # Slots for the remainder only, in fresh blocks of its own.
+        assert slots.tolist() == slots_of(table, bs, range(cached, n))
+        assert all(self.m.ref_count(x // bs) == 1 for x in slots.tolist())
+        assert self.m.num_used_blocks - before["free"][1] == -(-n // bs) - cached // bs
+        self.slots[s] = slots_of(table, bs, range(n))
         self.tokens[s] = [None] * n if ids is None else list(ids)
         self.values[s] = [self._value(self.tokens[s][: i + 1]) for i in range(n)]
-        for slot, v in zip(written, self.values[s][shared:]):
+        for slot, v in zip(slots.tolist(), self.values[s][cached:]):
             self.data[slot] = v
 
     @rule(n=st.integers(1, 13), data=st.data())
@@ -106,18 +141,26 @@ class Model(RuleBasedStateMachine):
     @precondition(lambda self: self.slots)
     @rule(data=st.data())
     def append(self, data):
+        bs = self.bs
         seqs = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, unique=True))
-        ids = self._ids(data, len(seqs), none_ok=True)
+        # None: one token each (decode); else 0 to 9 per sequence (idle, verify, chunks)
+        counts = data.draw(st.one_of(st.none(), st.lists(
+            st.integers(0, 9), min_size=len(seqs), max_size=len(seqs))))
+        ks = [1] * len(seqs) if counts is None else counts
+        ids = self._ids(data, sum(ks), none_ok=True)
         via_plan = data.draw(st.booleans())
         before = snapshot(self.m)
+        lens_before = {s: self.m.context_len(s) for s in seqs}
         tables_before = {s: self.m.block_table(s) for s in seqs}
-        shared_partial = {s for s in seqs if self.m.context_len(s) % self.bs
+        shared_partial = {s for s, k in zip(seqs, ks) if k and lens_before[s] % bs
                           and self.m.ref_count(tables_before[s][-1]) > 1}
+        fresh, n_copies = self._need(seqs, ks)
         try:
             if via_plan:  # as PagedKVCache.step does: host tables from the plan, then apply
-                plan = self.m._plan_append(seqs, ids)
+                plan = self.m._plan_append(seqs, counts, ids)
                 planned_bt, planned_cl = self.m._tables_after(plan)
                 assert snapshot(self.m) == before  # planning changes nothing
+                assert plan.query_start_loc().tolist() == [0, *np.cumsum(ks).tolist()]
                 self.m._apply_append(plan)
                 slots, copies = plan.slots, plan.copies
                 bt, cl = self.m.tables(seqs)
@@ -126,39 +169,78 @@ class Model(RuleBasedStateMachine):
                     n = len(self.m.block_table(s))
                     assert planned_bt[i, :n].tolist() == bt[i, :n].tolist()
             else:
-                slots, copies = self.m.append(seqs, ids)
+                slots, copies = self.m.append(seqs, num_tokens=counts, token_ids=ids)
         except OutOfBlocks:
+            assert fresh + n_copies > before["free"][0]
             assert snapshot(self.m) == before  # nothing changed
             return
+        assert self.m.num_used_blocks - before["free"][1] == fresh + n_copies
+        assert len(copies) == n_copies
+        slots = slots.tolist()
+        # Every token its own slot, in a block nobody else holds: shared blocks are copied
+        # before they are written, never written.
+        assert len(slots) == sum(ks) and len(set(slots)) == len(slots)
+        assert all(self.m.ref_count(x // bs) == 1 for x in slots)
         for src, dst in copies.tolist():  # copies run before the writes
-            for off in range(self.bs):
-                if src * self.bs + off in self.data:
-                    self.data[dst * self.bs + off] = self.data[src * self.bs + off]
-        # Copy-on-write exactly when a shared partial block is written, at most once per
-        # (block, step) writer beyond the last.
+            for off in range(bs):
+                if src * bs + off in self.data:
+                    self.data[dst * bs + off] = self.data[src * bs + off]
+        # Copy-on-write only from shared partial blocks that this step writes.
         copied_from = [src for src, _ in copies.tolist()]
         assert set(copied_from) <= {tables_before[s][-1] for s in shared_partial}
-        for i, (s, slot) in enumerate(zip(seqs, slots.tolist())):
-            self.tokens[s].append(None if ids is None else ids[i])
-            v = self._value(self.tokens[s])
-            self.data[slot] = v
-            self.slots[s].append(slot)
-            self.values[s].append(v)
-            table = self.m.block_table(s)
-            if s in shared_partial and table[-1] != tables_before[s][-1]:
-                # this sequence now owns a private copy holding its earlier tokens
-                self.slots[s] = [table[j // self.bs] * self.bs + j % self.bs
-                                 for j in range(len(self.slots[s]))]
+        at = 0
+        for s, k in zip(seqs, ks):
+            n, table = lens_before[s], self.m.block_table(s)
+            assert self.m.context_len(s) == n + k
+            old = -(-n // bs)
+            changed = [c for c in range(old) if table[c] != tables_before[s][c]]
+            assert changed in ([], [old - 1] if s in shared_partial else [])
+            if changed:  # this sequence now owns a private copy holding its earlier tokens
+                self.slots[s] = slots_of(table, bs, range(n))
+            assert slots[at:at + k] == slots_of(table, bs, range(n, n + k))
+            for j in range(k):
+                self.tokens[s].append(None if ids is None else ids[at + j])
+                v = self._value(self.tokens[s])
+                self.data[slots[at + j]] = v
+                self.slots[s].append(slots[at + j])
+                self.values[s].append(v)
+            at += k
 
     @precondition(lambda self: self.slots)
     @rule(data=st.data())
     def append_bad_token_id(self, data):
         seqs = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, unique=True))
-        ids = [0] * len(seqs)
-        ids[data.draw(st.integers(0, len(seqs) - 1))] = [1]
+        counts = data.draw(st.one_of(st.none(), st.lists(
+            st.integers(1, 3), min_size=len(seqs), max_size=len(seqs))))
+        total = len(seqs) if counts is None else sum(counts)
+        ids = [0] * total
+        ids[data.draw(st.integers(0, total - 1))] = [1]
         before = snapshot(self.m)
         with pytest.raises(TypeError, match=r"token_ids\[\d+\] is \[1\]"):
-            self.m.append(seqs, ids)
+            self.m.append(seqs, num_tokens=counts, token_ids=ids)
+        assert snapshot(self.m) == before
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data(), how=st.sampled_from(["negative", "length", "ids", "type"]))
+    def append_bad_counts(self, data, how):
+        seqs = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, unique=True))
+        counts = data.draw(st.lists(st.integers(0, 3), min_size=len(seqs), max_size=len(seqs)))
+        ids = None
+        if how == "negative":
+            counts[data.draw(st.integers(0, len(seqs) - 1))] = -1
+            error, match = ValueError, r"num_tokens\[\d+\] is -1"
+        elif how == "length":
+            counts.append(1)
+            error, match = ValueError, "num_tokens has"
+        elif how == "ids":
+            ids = [0] * (sum(counts) + 1)
+            error, match = ValueError, "token_ids has"
+        else:
+            counts[0] = 1.5
+            error, match = TypeError, "num_tokens must be a sequence of integers"
+        before = snapshot(self.m)
+        with pytest.raises(error, match=match):
+            self.m.append(seqs, num_tokens=counts, token_ids=ids)
         assert snapshot(self.m) == before
 
     @precondition(lambda self: self.slots)
@@ -168,6 +250,7 @@ class Model(RuleBasedStateMachine):
         child = self._new_id()
         self.m.fork(parent, child)
         assert self.m.block_table(child) == self.m.block_table(parent)
+        assert self.m.num_cached_tokens(child) == self.m.num_cached_tokens(parent)
         self.slots[child] = list(self.slots[parent])
         self.values[child] = list(self.values[parent])
         self.tokens[child] = list(self.tokens[parent])
@@ -186,9 +269,28 @@ class Model(RuleBasedStateMachine):
         self.m.check()
         for s, slots in self.slots.items():
             table = self.m.block_table(s)
-            assert slots == [table[i // self.bs] * self.bs + i % self.bs for i in range(len(slots))]
+            assert slots == slots_of(table, self.bs, range(len(slots)))
             # every token still reads back what this sequence wrote
             assert [self.data[x] for x in slots] == self.values[s]
+
+    @invariant()
+    def registered_blocks_hold_their_keys(self):
+        """A block in the prefix cache holds exactly the tokens of its key: in every
+        sequence holding it, at its column, the key's ids follow the key's parent block,
+        every id before them is known, and each slot reads the value those ids give."""
+        bs = self.bs
+        for (parent, ids), b in self.m._full.items():
+            holders = 0
+            for s, table in ((s, self.m.block_table(s)) for s in self.slots):
+                for c in (c for c, x in enumerate(table) if x == b):
+                    holders += 1
+                    tokens = self.tokens[s]
+                    assert tuple(tokens[c * bs:(c + 1) * bs]) == ids
+                    assert (table[c - 1] if c else None) == parent
+                    assert None not in tokens[:(c + 1) * bs]
+                    for j in range(bs):
+                        assert self.data[b * bs + j] == self.kv[tuple(tokens[:c * bs + j + 1])]
+            assert holders == self.m.ref_count(b) > 0
 
     def teardown(self):
         for s in list(self.slots):
@@ -240,6 +342,33 @@ def test_full_shared_block_needs_no_copy():
     assert copies.size == 0 and m.block_table("a")[:2] == m.block_table("b")[:2]
 
 
+def test_multi_token_append_copies_then_fills_fresh_blocks():
+    m = BlockManager(16, 4)
+    m.add("a", 6)  # blocks [0, 1], block 1 half full
+    m.fork("a", "b")
+    m.add("c", 0)
+    slots, copies = m.append(["a", "c", "b"], num_tokens=[7, 5, 0])
+    # a copies block 1 (b still holds it) to 2, fills it, then takes 3 and 4; c takes 5, 6
+    assert copies.tolist() == [[1, 2]]
+    assert m.block_table("a") == (0, 2, 3, 4) and m.block_table("c") == (5, 6)
+    assert m.block_table("b") == (0, 1) and m.context_len("b") == 6  # 0 tokens: untouched
+    assert slots.tolist() == [10, 11, 12, 13, 14, 15, 16] + [20, 21, 22, 23, 24]
+    slots, copies = m.append(["b", "a"], num_tokens=[3, 0])  # b is block 1's only holder now
+    assert copies.size == 0 and slots.tolist() == [6, 7, 28] and m.block_table("b") == (0, 1, 7)
+    m.check()
+
+
+def test_zero_tokens_keeps_a_shared_block_shared():
+    m = BlockManager(8, 4)
+    m.add("a", 5)
+    m.fork("a", "b")
+    slots, copies = m.append(["a", "b"], num_tokens=[0, 0])
+    assert slots.size == 0 and copies.size == 0 and m.num_used_blocks == 2
+    slots, copies = m.append(["a", "b"], num_tokens=[0, 2])  # a holds block 1: b copies
+    assert copies.tolist() == [[1, 2]] and slots.tolist() == [9, 10]
+    m.check()
+
+
 def test_running_out_leaves_everything_intact():
     m = BlockManager(3, 4)
     m.add("a", 4)
@@ -248,25 +377,36 @@ def test_running_out_leaves_everything_intact():
     with pytest.raises(OutOfBlocks, match="need 2 free blocks, have 0"):
         m.append(["a", "b"])
     assert m.context_len("a") == m.context_len("b") == 4
+    with pytest.raises(OutOfBlocks, match="need 1 free blocks, have 0"):
+        m.append(["c", "a"], num_tokens=[2, 0])  # c fills its block and needs another
+    assert m.context_len("c") == 3
     with pytest.raises(OutOfBlocks):
         m.add("d", 1)
     assert "d" not in m
     m.check()
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda m: m.free("nope"), "unknown sequence 'nope'"),
-    (lambda m: m.append(["a", "a"]), "appears twice"),
-    (lambda m: m.add("a", 1), "already exists"),
-    (lambda m: m.fork("a", "a"), "already exists"),
-    (lambda m: m.fork("zz", "y"), "unknown sequence 'zz'"),
-    (lambda m: m.add("q", 3, token_ids=[1, 2]), "2 ids for 3 tokens"),
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m: m.free("nope"), KeyError, "unknown sequence 'nope'"),
+    (lambda m: m.append(["a", "a"]), ValueError, "appears twice"),
+    (lambda m: m.add("a", 1), ValueError, "already exists"),
+    (lambda m: m.fork("a", "a"), ValueError, "already exists"),
+    (lambda m: m.fork("zz", "y"), KeyError, "unknown sequence 'zz'"),
+    (lambda m: m.add("q", 3, token_ids=[1, 2]), ValueError, "2 ids for 3 tokens"),
+    (lambda m: m.append(["a"], num_tokens=[-2]), ValueError, r"num_tokens\[0\] is -2"),
+    (lambda m: m.append(["a"], num_tokens=[1, 1]), ValueError, "2 entries for 1 sequences"),
+    (lambda m: m.append(["a"], num_tokens=3), TypeError, "a sequence of integers"),
+    (lambda m: m.append(["a"], num_tokens=[2], token_ids=[5]), ValueError,
+     "1 ids for 2 new tokens"),
+    (lambda m: m.append(["a"], [5]), TypeError, "positional argument"),
 ])
-def test_misuse_is_an_error(call, match):
+def test_misuse_is_an_error(call, error, match):
     m = BlockManager(4, 4)
     m.add("a", 2)
-    with pytest.raises((KeyError, ValueError), match=match):
+    before = snapshot(m)
+    with pytest.raises(error, match=match):
         call(m)
+    assert snapshot(m) == before
     m.check()
 
 
@@ -276,24 +416,67 @@ def test_prefix_blocks_are_shared_and_released():
     a = m.add("a", 10, system)
     b = m.add("b", 12, system + [7, 8])
     assert m.block_table("a")[:2] == m.block_table("b")[:2]
-    assert (b[:8] == -1).all() and (b[8:] >= 0).all() and (a >= 0).all()
+    assert len(a) == 10 and m.num_cached_tokens("a") == 0
+    # b's slots: only the uncached remainder, tokens 8..11 in a block of its own
+    assert m.num_cached_tokens("b") == 8 and b.tolist() == slots_of(m.block_table("b"), 4, range(8, 12))
     assert m.block_table("a")[2] != m.block_table("b")[2]  # partial blocks are never shared
     c = m.add("c", 10, [1] + system[1:])  # differs in the first token: nothing shared
-    assert (c >= 0).all() and not set(m.block_table("c")) & set(m.block_table("a"))
+    assert len(c) == 10 and not set(m.block_table("c")) & set(m.block_table("a"))
     m.free("a")
     m.free("b")
     m.check()
     d = m.add("d", 10, system)  # the blocks are gone with their owners
-    assert (d >= 0).all()
+    assert len(d) == 10 and m.num_cached_tokens("d") == 0
+    m.check()
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block():
+    """Every token of the prompt is in the prefix cache: its last block is stored again and
+    recomputed, so the last token has a query row; a longer prompt shares all of it."""
+    m = BlockManager(16, 4, prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    m.add("a", 8, prompt)
+    slots = m.add("b", 8, prompt)
+    assert m.num_cached_tokens("b") == 4 and len(slots) == 4
+    assert m.block_table("b")[0] == m.block_table("a")[0]
+    assert m.block_table("b")[1] != m.block_table("a")[1]  # a shared block is never written
+    assert slots.tolist() == slots_of(m.block_table("b"), 4, range(4, 8))
+    assert m._full[(m.block_table("a")[0], (5, 6, 7, 8))] == m.block_table("a")[1]  # a's stays
+    slots = m.add("c", 9, prompt + [9])
+    assert m.num_cached_tokens("c") == 8 and len(slots) == 1
+    assert m.block_table("c")[:2] == m.block_table("a")[:2]
+    assert len(m.add("d", 1, [1])) == 1 and m.num_cached_tokens("d") == 0
+    assert len(m.add("e", 4, [1, 2, 3, 4])) == 4 and m.num_cached_tokens("e") == 0
+    assert len(m.add("f", 0, [])) == 0 and m.num_cached_tokens("f") == 0
     m.check()
 
 
 def test_prefix_registered_by_appends():
     m = BlockManager(16, 2, prefix_caching=True)
     m.add("a", 1, [5])
-    m.append(["a"], [6])  # block [5, 6] is now full and registered
+    m.append(["a"], token_ids=[6])  # block [5, 6] is now full and registered
     slots = m.add("b", 3, [5, 6, 9])
-    assert slots[:2].tolist() == [-1, -1] and m.block_table("b")[0] == m.block_table("a")[0]
+    assert len(slots) == 1 and m.num_cached_tokens("b") == 2
+    assert m.block_table("b")[0] == m.block_table("a")[0]
+
+
+def test_chunked_prompt_registers_its_blocks():
+    """An empty sequence whose prompt comes in chunks through append (with ids) registers
+    its blocks as they fill, as a prompt added whole does; a chunk with a token lacking
+    an id takes the sequence out of the prefix cache once that block fills."""
+    prompt = list(range(50, 61))  # 11 tokens: 2 full blocks of 4, then 3
+    whole = BlockManager(16, 4, prefix_caching=True)
+    whole.add("a", 11, prompt)
+    chunked = BlockManager(16, 4, prefix_caching=True)
+    chunked.add("a", 0)
+    for lo, hi in ((0, 3), (3, 3), (3, 9), (9, 11)):
+        chunked.append(["a"], num_tokens=[hi - lo], token_ids=prompt[lo:hi])
+    assert snapshot(chunked) == snapshot(whole)
+    assert chunked.add("b", 9, prompt[:9]).tolist() == whole.add("b", 9, prompt[:9]).tolist()
+    assert chunked.num_cached_tokens("b") == 8
+    chunked.append(["a"], num_tokens=[5], token_ids=[1, None, 2, 3, 4])  # block 3 has a None
+    assert chunked._seqs["a"].tokens is None and len(chunked._full) == 3
+    chunked.check()
 
 
 def test_tables_are_gathered_per_request():
@@ -311,11 +494,14 @@ def test_unhashable_token_id_in_append_changes_nothing():
     before = snapshot(m)
     with pytest.raises(TypeError, match=r"token_ids\[0\] is \[1\], which is not hashable"):
         m.append(["a"], token_ids=[[1]])
+    with pytest.raises(TypeError, match=r"token_ids\[2\] is \[1\], which is not hashable"):
+        m.append(["a"], num_tokens=[3], token_ids=[6, 7, [1]])
     assert m.context_len("a") == 1 and m.tables(["a"])[1].tolist() == [1]
     assert snapshot(m) == before
     m.check()
-    m.append(["a"], [6])  # and the manager goes on as if nothing happened
-    assert m.add("b", 3, [5, 6, 7])[:2].tolist() == [-1, -1]  # [5, 6] was registered
+    m.append(["a"], token_ids=[6])  # and the manager goes on as if nothing happened
+    assert len(m.add("b", 3, [5, 6, 7])) == 1  # [5, 6] was registered
+    assert m.num_cached_tokens("b") == 2
 
 
 def _scene():
@@ -334,11 +520,20 @@ def _scene():
 
 @pytest.mark.parametrize("call, error, match", [
     # appends: the bad id fills a block, sits behind a copy-on-write, or fills nothing yet
-    (lambda m: m.append(["b"], [[1]]), TypeError, r"token_ids\[0\] is \[1\]"),
-    (lambda m: m.append(["a", "c", "b"], [6, 7, {}]), TypeError, r"token_ids\[2\] is \{\}"),
-    (lambda m: m.append(["e", "a"], [[1], 6]), TypeError, r"token_ids\[0\]"),
-    (lambda m: m.append(["a", "nope"], [6, 7]), KeyError, "unknown sequence 'nope'"),
+    (lambda m: m.append(["b"], token_ids=[[1]]), TypeError, r"token_ids\[0\] is \[1\]"),
+    (lambda m: m.append(["a", "c", "b"], token_ids=[6, 7, {}]), TypeError,
+     r"token_ids\[2\] is \{\}"),
+    (lambda m: m.append(["e", "a"], token_ids=[[1], 6]), TypeError, r"token_ids\[0\]"),
+    (lambda m: m.append(["a", "nope"], token_ids=[6, 7]), KeyError, "unknown sequence 'nope'"),
     (lambda m: m.append(["a", "b", "a"]), ValueError, "appears twice"),
+    # multi-token appends: a bad id after a copy-on-write and fresh blocks, too few ids,
+    # a negative count, more blocks than there are
+    (lambda m: m.append(["a", "e"], num_tokens=[4, 1], token_ids=[6, 7, 8, 9, [2]]),
+     TypeError, r"token_ids\[4\] is \[2\]"),
+    (lambda m: m.append(["a", "e"], num_tokens=[4, 1], token_ids=[6, 7, 8, 9]), ValueError,
+     "4 ids for 5 new tokens"),
+    (lambda m: m.append(["a", "e"], num_tokens=[4, -1]), ValueError, r"num_tokens\[1\] is -1"),
+    (lambda m: m.append(["c", "e"], num_tokens=[9, 9]), OutOfBlocks, "need 10 free blocks"),
     # adds: the bad id in the partial last block, in a full block after a prefix-cache
     # miss, or in the block being looked up; a length that is not an integer
     (lambda m: m.add("x", 3, [1, 2, [3]]), TypeError, r"token_ids\[2\] is \[3\]"),
@@ -349,7 +544,8 @@ def _scene():
     (lambda m: m.fork("a", ["x"]), TypeError, "unhashable"),
     (lambda m: m.free(["x"]), TypeError, "unhashable"),
 ], ids=["append-fills-block", "append-after-cow", "append-no-fill", "append-unknown",
-        "append-twice", "add-partial-block", "add-after-miss", "add-lookup", "add-float-length",
+        "append-twice", "multi-bad-id", "multi-few-ids", "multi-negative", "multi-out-of-blocks",
+        "add-partial-block", "add-after-miss", "add-lookup", "add-float-length",
         "add-out-of-blocks", "fork-unhashable", "free-unhashable"])
 def test_failed_call_changes_nothing(call, error, match):
     """A call that raises leaves the manager as it was: the same answers, tables and
@@ -362,9 +558,11 @@ def test_failed_call_changes_nothing(call, error, match):
     for x in (m, twin):  # a lost host-table row, say, shows up only now
         x.add("y", 3, [1, 2, 6])
         x.add("z", 1, [4])
-    results = [x.append(["a", "b", "c", "e", "y", "z"], [6, 7, 8, 9, 10, 11]) for x in (m, twin)]
-    assert [r.tolist() for r in results[0]] == [r.tolist() for r in results[1]]
-    assert snapshot(m) == snapshot(twin)
+    seqs = ["a", "b", "c", "e", "y", "z"]
+    for counts, ids in ((None, [6, 7, 8, 9, 10, 11]), ([1, 0, 0, 0, 2, 1], [12, 13, 14, 15])):
+        results = [x.append(seqs, num_tokens=counts, token_ids=ids) for x in (m, twin)]
+        assert [r.tolist() for r in results[0]] == [r.tolist() for r in results[1]]
+        assert snapshot(m) == snapshot(twin)
     m.check()
 
 
@@ -372,11 +570,16 @@ def test_token_ids_are_checked_without_prefix_caching():
     m = BlockManager(8, 2)
     m.add("a", 1)
     with pytest.raises(TypeError, match=r"token_ids\[0\] is \[1\]"):
-        m.append(["a"], [[1]])
+        m.append(["a"], token_ids=[[1]])
     with pytest.raises(TypeError, match=r"token_ids\[1\] is \[2\]"):
         m.add("b", 2, [1, [2]])
     assert m.sequences == ["a"] and m.context_len("a") == 1
     m.check()
+
+
+def test_a_bad_layout_is_refused():
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        PagedKVCache(1, 4, 1, 64, 16, kv_layout="nhd")
 
 
 class Injected(RuntimeError):
@@ -420,46 +623,61 @@ def _as_lists(step):
     return [np.asarray(x).tolist() for x in step]
 
 
+def test_step_type():
+    assert DecodeStep is Step and cupaged.Step is Step
+    step = Step(1, 2, 3, 4)
+    assert step.context_lens == step.seq_lens == 3 and len(step) == 4
+
+
 @pytest.mark.parametrize("fail", ["upload", "copy"])
-def test_failed_step_changes_nothing_and_a_retry_matches(host_cache, fail):
-    seqs, ids = ["a", "b", "c", "e"], [6, 7, 8, 9]  # a and c copy-on-write, e takes a block
+@pytest.mark.parametrize("counts", [None, [3, 0, 1, 2]], ids=["decode", "mixed"])
+def test_failed_step_changes_nothing_and_a_retry_matches(host_cache, fail, counts):
+    seqs = ["a", "b", "c", "e"]  # a and c share a partial block: one copy
+    ids = [6, 7, 8, 9] if counts is None else list(range(20, 26))
     m, twin = _scene(), _scene()
     cache, twin_cache = host_cache(m), host_cache(twin)
-    expected = _as_lists(twin_cache.step(seqs, ids))
+    expected = _as_lists(twin_cache.step(seqs, num_tokens=counts, token_ids=ids))
     before = snapshot(m)
     cache.fail = fail
     with pytest.raises(Injected):
-        cache.step(seqs, ids)
+        cache.step(seqs, num_tokens=counts, token_ids=ids)
     assert snapshot(m) == before and cache.copied == []
     m.check()
     cache.fail = None
-    assert _as_lists(cache.step(seqs, ids)) == expected
+    assert _as_lists(cache.step(seqs, num_tokens=counts, token_ids=ids)) == expected
     assert cache.copied == twin_cache.copied and len(cache.copied[0]) == 1
     assert snapshot(m) == snapshot(twin)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 16])
-def test_step_matches_append_then_tables(host_cache, block_size):
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
+def test_step_matches_append_then_tables(host_cache, block_size, mixed):
     """step's tables come from the plan, before the manager changes; they must be the
-    tables the applied append gives (block size 1 grows the host table past its width)."""
+    tables the applied append gives (block size 1 grows the host table past its width),
+    and its query_start_loc the running sum of the new tokens."""
     def scene():
-        m = BlockManager(64, block_size)
+        m = BlockManager(512, block_size)
         m.add("a", 7)
         m.fork("a", "b")
         m.add("c", 2 * block_size)
+        m.add("d", 0)
         return m
 
     m, twin = scene(), scene()
     cache = host_cache(m)
-    seqs = ["c", "a", "b"]
+    seqs = ["c", "a", "d", "b"]
+    rng = np.random.default_rng(0)
     for _ in range(12):
+        counts = rng.integers(0, 9, size=4).tolist() if mixed else None
         copied = len(cache.copied)
-        got = cache.step(seqs)
-        slots, copies = twin.append(seqs)
+        got = cache.step(seqs, num_tokens=counts)
+        slots, copies = twin.append(seqs, num_tokens=counts)
         bt, cl = twin.tables(seqs)
         assert got.slot_mapping.tolist() == slots.tolist()
-        assert got.context_lens.tolist() == cl.tolist()
+        assert got.seq_lens.tolist() == got.context_lens.tolist() == cl.tolist()
         assert got.block_tables.tolist() == bt.tolist()
+        ks = [1] * 4 if counts is None else counts
+        assert got.query_start_loc.tolist() == [0, *np.cumsum(ks).tolist()]
         assert cache.copied[copied:] == ([copies.tolist()] if len(copies) else [])
         assert snapshot(m) == snapshot(twin)
     assert len(cache.copied) == (block_size > 1)  # a and b share a partial block once
@@ -474,5 +692,224 @@ def test_failed_add_upload_changes_nothing(host_cache):
     assert snapshot(m) == snapshot(twin)
     m.check()
     cache.fail = None
-    assert cache.add("x", 5, [1, 2, 3, 4, 6]).tolist() == twin.add("x", 5, [1, 2, 3, 4, 6]).tolist()
+    got = cache.add("x", 5, [1, 2, 3, 4, 6])
+    assert got.tolist() == twin.add("x", 5, [1, 2, 3, 4, 6]).tolist() and len(got) == 1
     assert snapshot(m) == snapshot(twin)
+
+
+def test_prefill_gives_the_step_for_the_remainders(host_cache):
+    """prefill: the adds' remainder slots in order, the tables and prompt lengths, and
+    query_start_loc over the remainders; a prompt may share blocks an earlier prompt of
+    the same call stores."""
+    m, twin = _scene(), _scene()
+    cache = host_cache(m)
+    prompts = {"x": [1, 2, 3, 4, 6], "y": [8, 8, 8, 8, 8], "z": [8, 8, 8, 8, 1], "w": None}
+    lens = [5, 5, 5, 3]
+    step = cache.prefill(list(prompts), lens, token_ids=list(prompts.values()))
+    want = [twin.add(s, n, ids) for (s, ids), n in zip(prompts.items(), lens)]
+    assert [len(x) for x in want] == [1, 5, 1, 3]  # x shares a's blocks, z shares y's
+    assert step.slot_mapping.tolist() == np.concatenate(want).tolist()
+    bt, cl = twin.tables(list(prompts))
+    assert step.block_tables.tolist() == bt.tolist() and step.seq_lens.tolist() == lens
+    assert step.query_start_loc.tolist() == [0, 1, 6, 7, 10]
+    assert snapshot(m) == snapshot(twin)
+    assert [cache.num_cached_tokens(s) for s in prompts] == [4, 0, 4, 0]
+    empty = cache.prefill([], [])
+    assert _as_lists(empty) == [[], [], [], [0]]
+
+
+@pytest.mark.parametrize("how, error, match", [
+    ("upload", Injected, "out of device memory"),
+    ("blocks", OutOfBlocks, "need 10 free blocks"),
+    ("twice", ValueError, "already exists"),
+    ("ids", TypeError, r"token_ids\[1\] is \[2\]"),
+    ("lengths", ValueError, "2 entries for 3 sequences"),
+    ("no-lengths", TypeError, "must list each prompt's length"),
+])
+def test_failed_prefill_adds_nothing(host_cache, how, error, match):
+    m, twin = _scene(), _scene()
+    cache = host_cache(m)
+    seqs, lens, ids = ["x", "y", "z"], [5, 2, 3], [[1, 2, 3, 4, 6], None, [7, 7, 7]]
+    if how == "upload":
+        cache.fail = "upload"
+    elif how == "blocks":
+        lens[2], ids[2] = 20, None
+    elif how == "twice":
+        seqs[2] = "x"
+    elif how == "ids":
+        ids[2] = [1, [2], 3]
+    elif how == "lengths":
+        lens = lens[:2]
+    else:
+        lens = None
+    with pytest.raises(error, match=match):
+        cache.prefill(seqs, lens, token_ids=ids)
+    assert snapshot(m) == snapshot(twin)
+    m.check()
+
+
+# ---- on the GPU: every layout through reshape_and_cache and cupaged.attention ------------------
+
+LAYOUTS = ("vllm", "NHD", "HND")
+
+
+def _write(cache, layer, k, v, slots):
+    """K/V rows (host) into the cache's slots, through the kernel, in the cache's layout."""
+    import cupy
+
+    cupaged.reshape_and_cache(cupy.asarray(k), cupy.asarray(v), cache.key_caches[layer],
+                              cache.value_caches[layer], slots, kv_layout=cache.kv_layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cache_layouts(layout):
+    cache = PagedKVCache(3, 10, 2, 64, 16, "bfloat16", kv_layout=layout)
+    assert cache.kv_layout == layout and len(cache.key_caches) == len(cache.value_caches) == 3
+    want = {"vllm": ((10, 2, 8, 16, 8), (10, 2, 64, 16)),
+            "NHD": ((10, 16, 2, 64),) * 2, "HND": ((10, 2, 16, 64),) * 2}[layout]
+    assert (tuple(cache.key_caches[0].shape), tuple(cache.value_caches[0].shape)) == want
+    assert cache.bytes_per_block == 2 * 3 * 2 * 64 * 16 * 2
+    assert PagedKVCache(1, 4, 1, 64, 16).kv_layout == "vllm"  # the default
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_mixed_steps_through_attention(rng, layout, dtype):
+    """Chunked prefills, verify-sized steps, decodes and idle (0-token) sequences in one
+    batch per step, with forks (copy-on-write, whole blocks along dim 0 in every layout)
+    and frees: each step writes random K/V through reshape_and_cache and checks
+    cupaged.attention over the step's arrays against the float64 reference over each
+    sequence's dense history, layer by layer."""
+    import cupy
+
+    layers, kvh, heads, hs, bs = 2, 2, 4, 64, 4
+    dt = np.dtype(dtype)
+    tol = testing.TOLERANCE["f16" if dt == np.float16 else "f32"]
+    cache = PagedKVCache(layers, 200, kvh, hs, bs, dtype, kv_layout=layout)
+    history = {}  # seq -> [layer] -> (K rows, V rows), float64 [kvh, hs] each
+    next_id, checked, copied = 0, 0, 0
+
+    def start(n):
+        nonlocal next_id
+        next_id += 1
+        history[next_id] = [([], []) for _ in range(layers)]
+        slots = cache.add(next_id, n)
+        for layer in range(layers):
+            k = testing.random_normal((n, kvh, hs), dt, rng)
+            v = testing.random_normal((n, kvh, hs), dt, rng)
+            _write(cache, layer, k, v, slots)
+            history[next_id][layer][0].extend(k.astype(np.float64))
+            history[next_id][layer][1].extend(v.astype(np.float64))
+
+    for n in (0, 3, 6, 17):
+        start(n)
+    for it in range(24):
+        live = sorted(history)
+        r = rng.random()
+        if r < 0.3 and len(live) < 8:
+            parent = int(rng.choice(live))
+            next_id += 1
+            cache.fork(parent, next_id)
+            history[next_id] = [(list(k), list(v)) for k, v in history[parent]]
+        elif r < 0.4 and len(live) > 3:
+            victim = int(rng.choice(live))
+            cache.free(victim)
+            del history[victim]
+        elif r < 0.55:
+            start(int(rng.integers(0, 12)))
+        seqs = sorted(history)
+        decode = it % 5 == 4  # one token each, without num_tokens
+        counts = [1 if decode else int(rng.choice([0, 1, 1, 2, 5, 16])) for _ in seqs]
+        m = cache.manager
+        copied += sum(1 for s, k in zip(seqs, counts) if k and m.context_len(s) % bs
+                      and m.ref_count(m.block_table(s)[-1]) > 1)
+        step = cache.step(seqs, num_tokens=None if decode else counts)
+        starts = [0, *np.cumsum(counts).tolist()]
+        total = starts[-1]
+        assert cupy.asnumpy(step.query_start_loc).tolist() == starts
+        assert cupy.asnumpy(step.seq_lens).tolist() == [m.context_len(s) for s in seqs]
+        for layer in range(layers):
+            k = testing.random_normal((total, kvh, hs), dt, rng)
+            v = testing.random_normal((total, kvh, hs), dt, rng)
+            _write(cache, layer, k, v, step.slot_mapping)
+            q = testing.random_normal((total, heads, hs), dt, rng)
+            out = cupy.full((total, heads, hs), float("nan"), dt)
+            cupaged.attention(cupy.asarray(q), cache.key_caches[layer], cache.value_caches[layer],
+                              step.block_tables, step.seq_lens, step.query_start_loc,
+                              kv_layout=cache.kv_layout, max_query_len=max(counts, default=0),
+                              out=out)
+            got = cupy.asnumpy(out)
+            for i, s in enumerate(seqs):
+                a, b = starts[i], starts[i + 1]
+                history[s][layer][0].extend(k[a:b].astype(np.float64))
+                history[s][layer][1].extend(v[a:b].astype(np.float64))
+                if a == b:
+                    continue
+                ref = reference.attend(q[a:b], np.array(history[s][layer][0]),
+                                       np.array(history[s][layer][1]), 1 / np.sqrt(hs))
+                assert_close(got[a:b], ref, tol, (it, s, layer))
+                checked += 1
+        m.check()
+    for s in list(history):
+        cache.free(s)
+    assert cache.num_used_blocks == 0 and checked > 100 and copied > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tail", [7, 0], ids=["prefix-hit", "whole-prompt-cached"])
+def test_prefix_hit_remainder_equals_whole_prompt(rng, layout, tail):
+    """B's prompt repeats A's first three blocks, then ``tail`` tokens of its own (none:
+    B's prompt is A's first three blocks exactly, so its last block is recomputed). With
+    prefix caching B stores and computes only its remainder, attending over A's shared
+    blocks and its own; those rows equal the same rows of B's whole prompt computed in a
+    cache without prefix caching (and the float64 reference)."""
+    import cupy
+
+    bs, kvh, heads, hs, dt = 16, 2, 8, 64, np.float16
+    a_ids = list(range(100, 100 + 3 * bs + 9))
+    b_ids = a_ids[:3 * bs] + list(range(900, 900 + tail))
+    n = len(b_ids)
+    # A token's K/V depend on the tokens up to it: B's first three blocks have A's.
+    kv_a = testing.random_normal((len(a_ids), 2, kvh, hs), dt, rng)
+    kv_b = np.concatenate([kv_a[:3 * bs], testing.random_normal((tail, 2, kvh, hs), dt, rng)])
+    q = testing.random_normal((n, heads, hs), dt, rng)
+
+    def attend(cache, rows, step):
+        return cupy.asnumpy(cupaged.attention(
+            cupy.asarray(q[rows]), cache.key_caches[0], cache.value_caches[0],
+            step.block_tables, step.seq_lens, step.query_start_loc, kv_layout=cache.kv_layout,
+            max_query_len=len(q[rows])))
+
+    plain = PagedKVCache(1, 32, kvh, hs, bs, "float16", kv_layout=layout)
+    plain.add("a", len(a_ids))  # the same blocks taken as below, unused
+    step = plain.prefill(["b"], [n], token_ids=[b_ids])
+    _write(plain, 0, kv_b[:, 0], kv_b[:, 1], step.slot_mapping)
+    whole = attend(plain, slice(0, n), step)
+    ref = reference.attend(q, kv_b[:, 0].astype(np.float64), kv_b[:, 1].astype(np.float64),
+                           1 / np.sqrt(hs))
+    assert_close(whole, ref, testing.TOLERANCE["f16"], "whole prompt")
+
+    cache = PagedKVCache(1, 32, kvh, hs, bs, "float16", kv_layout=layout, prefix_caching=True)
+    slots = cache.add("a", len(a_ids), token_ids=a_ids)
+    _write(cache, 0, kv_a[:, 0], kv_a[:, 1], slots)
+    step = cache.prefill(["b"], [n], token_ids=[b_ids])
+    cached = cache.num_cached_tokens("b")
+    assert cached == (3 * bs if tail else 2 * bs)
+    assert cache.manager.block_table("b")[:cached // bs] == cache.manager.block_table("a")[:cached // bs]
+    assert cupy.asnumpy(step.query_start_loc).tolist() == [0, n - cached]
+    assert cupy.asnumpy(step.seq_lens).tolist() == [n] and step.slot_mapping.shape == (n - cached,)
+    _write(cache, 0, kv_b[cached:, 0], kv_b[cached:, 1], step.slot_mapping)
+    got = attend(cache, slice(cached, n), step)
+    assert_close(got, whole[cached:], testing.TOLERANCE["f16"], "remainder vs whole prompt")
+    assert_close(got, ref[cached:], testing.TOLERANCE["f16"], "remainder vs reference")
+    # A's blocks were only read: A's own rows are as before.
+    bt, sl = cache.tables(["a"])
+    qa = testing.random_normal((len(a_ids), heads, hs), dt, rng)
+    out = cupaged.attention(cupy.asarray(qa), cache.key_caches[0], cache.value_caches[0], bt, sl,
+                            cupy.asarray([0, len(a_ids)], np.int32), kv_layout=layout)
+    ref_a = reference.attend(qa, kv_a[:, 0].astype(np.float64), kv_a[:, 1].astype(np.float64),
+                             1 / np.sqrt(hs))
+    assert_close(cupy.asnumpy(out), ref_a, testing.TOLERANCE["f16"], "A after B")

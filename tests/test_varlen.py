@@ -81,6 +81,44 @@ def test_mixed_batch_matches_reference(rng, case, layout, causal):
     assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout}")
 
 
+# Tile shapes (warps, m_atoms, tile_tokens, stages) beyond the planner's: the tuning sweep
+# (tools/prefill_tiles.py) times these, so each must compute the same attention.
+TILES = [(4, 1, 32, 2), (8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 3),
+         (4, 2, 32, 2), (2, 1, 128, 2), (4, 1, 16, 3)]
+
+
+@pytest.fixture
+def tile_override():
+    from cupaged import varlen
+
+    yield varlen._set_tile
+    varlen._set_tile(None)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("case", [("bf16", 128, 16, 16, 4, "NHD"), ("f16", 72, 128, 6, 2, "vllm"),
+                                  ("f16", 256, 8, 4, 1, "HND"), ("bf16", 64, 1, 2, 2, "NHD")],
+                         ids=lambda c: "{}_hs{}_bs{}_{}x{}_{}".format(*c))
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "w{}m{}n{}x{}".format(*t))
+def test_every_tile_shape_matches_reference(rng, tile_override, tile, case, alibi):
+    from cupaged import _geometry, jit
+
+    dtype, hs, bs, heads, kv_heads, layout = case
+    spec = jit.KernelSpec("paged_prefill", dtype, hs, bs, kv_format="vllm" if layout == "vllm"
+                          else "tok", warps=tile[0], m_atoms=tile[1], tile_tokens=tile[2],
+                          stages=tile[3])
+    if not _geometry.PrefillGeometry.of(spec).fits("sm_90"):
+        pytest.skip("shared memory")
+    tile_override(tile)
+    q_lens = [300, 1, 0, 64, 17, 200]
+    host = make_varlen(rng, q_lens, [300, 900, 40, 64 + 1000, 17 + 129, 200 + 7], layout=layout,
+                       dtype=dtype, heads=heads, kv_heads=kv_heads, head_size=hs,
+                       block_size=bs, alibi=alibi)
+    for causal in (True, False):
+        got, ref = run(host, kv_layout=layout, causal=causal, max_query_len=max(q_lens))
+        assert_close(got, ref, testing.TOLERANCE[dtype], f"{tile} {case} causal={causal}")
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
 def test_alibi(rng, dtype, layout):
@@ -228,3 +266,93 @@ def test_torch_in_torch_out(rng):
     assert isinstance(got, torch.Tensor) and got.shape == dev["query"].shape
     torch.cuda.synchronize()
     assert_close(got.cpu().numpy(), reference.attention(**host), testing.TOLERANCE["f16"])
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["prefill", "rows", "decode"])
+def test_cupy_graph_replays_every_kernel_with_new_inputs(rng, kind):
+    """Capture one call per planner path, then change every input in place (queries, cache
+    contents, block tables, lengths, query starts with the same total) and replay: the
+    graph reads the new values and matches the reference and an eager call bit for bit."""
+    import cupy
+
+    dtype = "f32" if kind == "rows" else "f16"
+    q_lens = [1, 1, 1] if kind == "decode" else [7, 1, 24]
+    seqs = [[40, 3, 70], [90, 1, 33]]  # before and after the in-place update
+    later = q_lens if kind == "decode" else q_lens[::-1]
+    hosts = [make_varlen(rng, q, s, dtype=dtype, heads=8, kv_heads=2)
+             for q, s in zip((q_lens, later), seqs)]
+    for h in hosts:  # the same shapes, so the second is written over the first
+        width = max(x["block_tables"].shape[1] for x in hosts)
+        nb = max(x["key_cache"].shape[0] for x in hosts)
+        h["block_tables"] = np.pad(h["block_tables"], ((0, 0), (0, width - h["block_tables"].shape[1])))
+        for name in ("key_cache", "value_cache"):
+            h[name] = np.concatenate([h[name], np.zeros((nb - h[name].shape[0],) + h[name].shape[1:],
+                                                       h[name].dtype)])
+    names = [k for k, v in hosts[0].items() if v is not None]
+    if kind == "decode":
+        names.remove("query_start_loc")
+    dev = {k: cupy.asarray(hosts[0][k]) for k in names}
+    out = cupy.empty_like(dev["query"])
+    bounds = dict(max_query_len=max(q_lens), max_seq_len=hosts[0]["block_tables"].shape[1] * 16,
+                  workspace=cupaged.DecodeWorkspace(3, 8, 64))  # no allocation while capturing
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cupaged.attention(**dev, out=out, **bounds)  # compiled and loaded before capture
+        stream.begin_capture()
+        cupaged.attention(**dev, out=out, **bounds)
+        graph = stream.end_capture()
+        for k in names:
+            dev[k].set(hosts[1][k])
+        graph.launch(stream)
+        stream.synchronize()
+        replayed = cupy.asnumpy(out).astype(np.float64)
+        ref_args = {k: hosts[1][k] for k in names}
+        assert_close(replayed, reference.attention(**ref_args), testing.TOLERANCE[dtype], kind)
+        eager = cupaged.attention(**dev, **bounds)
+        np.testing.assert_array_equal(cupy.asnumpy(eager).astype(np.float64), replayed)
+
+
+def test_torch_graph_replays_a_mixed_step(rng):
+    torch = pytest.importorskip("torch")
+    host = make_varlen(rng, [16, 1, 3], [100, 20, 3], dtype="f16", heads=8, kv_heads=2)
+    dev = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in host.items()
+           if v is not None}
+    out = torch.empty_like(dev["query"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cupaged.attention(**dev, out=out, max_query_len=16)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cupaged.attention(**dev, out=out, max_query_len=16)
+    q2 = testing.random_normal(host["query"].shape, np.float16, rng)
+    dev["query"].copy_(torch.from_numpy(q2).cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    got = out.cpu().numpy().astype(np.float64)
+    assert_close(got, reference.attention(**{**host, "query": q2}), testing.TOLERANCE["f16"])
+
+
+# ---- CUPAGED_DEBUG ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([0, 5, 3, 8], "must be non-decreasing: query_start_loc\\[2\\] = 3 < query_start_loc\\[1\\] = 5"),
+    ([0, 2, 5, 8], "sequence 2: 3 query tokens but seq_lens\\[2\\] = 2"),
+    ([0, 2, 4, 7], "must run from 0 to total_q = 8"),
+])
+def test_debug_checks_query_start_loc_on_the_device(rng, monkeypatch, bad, match):
+    import cupy
+
+    host = make_varlen(rng, [2, 4, 2], [10, 6, 2])
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    cupaged.attention(**dev)  # valid: no error, debug or not
+    monkeypatch.setattr(cupaged._checks, "DEBUG", True)
+    cupaged.attention(**dev)
+    dev["query_start_loc"] = cupy.asarray(bad, np.int32)
+    with pytest.raises(ValueError, match=match):
+        cupaged.attention(**dev)

@@ -7,8 +7,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cupaged import bench, bench_prefill, varlen  # noqa: E402
 
-TILES = [(4, 1, 64, 2), (4, 1, 32, 2), (4, 1, 64, 3), (4, 2, 32, 2), (8, 1, 64, 2),
-         (8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 3)]
+TILES = [(8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 2), (4, 2, 32, 2),
+         (4, 1, 32, 2), (8, 1, 32, 3), (4, 1, 64, 3), (2, 1, 128, 2)]
 names = sys.argv[1:] or ["prompt-4096", "8x2048", "chunk-512-of-8192", "verify-64x4x2048"]
 cases = [bench_prefill.PrefillCase(n, **bench_prefill.PRESETS[n]) for n in names]
 bw = bench.copy_bandwidth()
