@@ -4,7 +4,7 @@ the planner's choice of kernel."""
 import numpy as np
 import pytest
 
-from cupaged import _checks, varlen
+from cupaged import _checks, jit, varlen
 from test_validation import Fake
 
 
@@ -122,7 +122,9 @@ def test_the_planner_picks_the_kernel(layout, dtype, bs, starts, max_q, total_q,
     assert varlen._plan(p, starts, max_q).kind == kind
 
 
-def test_the_planner_takes_four_warps_for_few_rows():
+def test_the_planner_takes_16_rows_per_warp_for_few_rows():
     p = vvalidate(**vargs(total_q=7))
-    assert varlen._plan(p, True, 4).tile[0] == 4    # 4 tokens x 4 heads = 16 rows
-    assert varlen._plan(p, True, 300).tile[0] == 8
+    few, many = varlen._plan(p, True, 4).tile, varlen._plan(p, True, 300).tile
+    assert few == jit.few_rows_prefill_tile(p.head_size)    # 4 tokens x 4 heads = 16 rows
+    assert many == jit.default_prefill_tile(p.head_size)
+    assert 16 * few[0] * few[1] < 16 * many[0] * many[1]    # fewer padding rows
