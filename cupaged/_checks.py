@@ -135,11 +135,9 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
     if kv_layout == "vllm":
         c = check_caches(key_cache, value_cache, dt, ref)
         it = dt.itemsize
-        view = CacheView(dt, c.num_blocks, c.num_kv_heads, c.head_size, c.block_size, "vllm",
+        return CacheView(dt, c.num_blocks, c.num_kv_heads, c.head_size, c.block_size, "vllm",
                          (key_cache.strides[0] // it, key_cache.strides[1] // it, 0),
                          (value_cache.strides[0] // it, value_cache.strides[1] // it, 0))
-        _check_block_strides(view)
-        return view
     if kv_layout not in _TOKEN_MAJOR_AXES:
         fail(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     tok_axis, head_axis = _TOKEN_MAJOR_AXES[kv_layout]
@@ -176,12 +174,10 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
                  f"are non-negative multiples of 16 bytes (pointer {a.data.ptr:#x}, strides "
                  f"{st})")
         views.append((st[0] // it, st[head_axis] // it, st[tok_axis] // it))
-    view = CacheView(dt, num_blocks, num_kv_heads, head_size, block_size, "tok", *views)
-    _check_block_strides(view)
-    return view
+    return CacheView(dt, num_blocks, num_kv_heads, head_size, block_size, "tok", *views)
 
 
-def _check_block_strides(view: CacheView) -> None:
+def check_block_strides(view: CacheView) -> None:
     """The multi-token kernel computes a block's offset as one 32x32->64-bit product and
     offsets within a block in 32 bits: block strides below 2^32 elements, a block's rows
     within 2^31 (any real cache: a block of 256 tokens x 256 heads x 256 dims is 2^24)."""

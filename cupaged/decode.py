@@ -349,6 +349,17 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     del keep  # the scratch is freed in the stream's order, after the launches
 
 
+def _workspace_partials(workspace, p: _Problem) -> _Partials | None:
+    """The split-KV scratch of a ``workspace=`` argument: a DecodeWorkspace's, sized for
+    ``p``; partials the vLLM v2 entry point built from its own buffers; or None."""
+    if isinstance(workspace, DecodeWorkspace):
+        return workspace._partials(p)
+    if workspace is not None and not isinstance(workspace, _Partials):
+        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
+              TypeError)
+    return workspace
+
+
 def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
          max_context_len, out, partition, stream=None, workspace=None):
     q = as_device_array(query, "query")
@@ -361,11 +372,7 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     p = _validate(q, kc, vc, bt, cl, alibi, o)
     scale = _scale(scale, p.head_size)
     max_ctx = _max_context(max_context_len, p)
-    if isinstance(workspace, DecodeWorkspace):
-        workspace = workspace._partials(p)
-    elif workspace is not None and not isinstance(workspace, _Partials):
-        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
-              TypeError)
+    workspace = _workspace_partials(workspace, p)
     with _arrays.on_device(p.device):
         ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
         if _checks.DEBUG:

@@ -19,8 +19,6 @@ import numpy as np
 
 __all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache", "Step"]
 
-_KV_LAYOUTS = ("vllm", "NHD", "HND")
-
 
 class OutOfBlocks(RuntimeError):
     """Not enough free blocks for the request; nothing was changed."""
@@ -60,9 +58,14 @@ class _AppendPlan(NamedTuple):
         """int32 ``[n + 1]``: where each sequence's new tokens start in step order."""
         if self.counts is None:
             return np.arange(len(self.seqs) + 1, dtype=np.int32)
-        starts = np.zeros(len(self.seqs) + 1, np.int32)
-        np.cumsum(self.counts, out=starts[1:])
-        return starts
+        return _query_starts(self.counts)
+
+
+def _query_starts(counts) -> np.ndarray:
+    """int32 ``[len(counts) + 1]``: the running sum of ``counts`` from 0."""
+    starts = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=starts[1:])
+    return starts
 
 
 def _check_token_ids(token_ids: list) -> None:
@@ -572,8 +575,8 @@ class PagedKVCache:
                              f"from 1 to 256")
         if num_layers <= 0 or num_kv_heads <= 0:
             raise ValueError(f"need num_layers > 0 and num_kv_heads > 0, got {num_layers}, {num_kv_heads}")
-        if kv_layout not in _KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {_KV_LAYOUTS}, got {kv_layout!r}")
+        if kv_layout not in _checks.KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {_checks.KV_LAYOUTS}, got {kv_layout!r}")
         if framework not in ("cupy", "torch"):
             raise ValueError(f"framework must be 'cupy' or 'torch', got {framework!r}")
         self.dtype = dt.numpy
@@ -652,8 +655,7 @@ class PagedKVCache:
                 slots.append(manager.add(s, n, ids))
                 added.append(s)
             tables, lens = manager.tables(seq_ids)
-            starts = np.zeros(len(seq_ids) + 1, np.int32)
-            np.cumsum([len(x) for x in slots], out=starts[1:])
+            starts = _query_starts([len(x) for x in slots])
             sm, bt, sl, qsl = self._upload("prefill", [
                 np.concatenate(slots) if slots else slots, tables.reshape(-1), lens, starts])
         except BaseException:

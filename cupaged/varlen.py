@@ -183,6 +183,7 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
               f"{q.data.ptr:#x}, strides {q.strides})")
     if out.data.ptr % 4:
         _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
+    _checks.check_block_strides(p.cache)
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
                         plan.tile)
     # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's header).
@@ -258,11 +259,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     scale = decode._scale(scale, p.head_size)
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
-    if isinstance(workspace, decode.DecodeWorkspace):
-        workspace = workspace._partials(p)
-    elif workspace is not None:
-        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
-              TypeError)
+    workspace = decode._workspace_partials(workspace, p)
     plan = _plan(p, qsl is not None, max_q)
     with _arrays.on_device(p.device):
         ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)

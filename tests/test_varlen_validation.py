@@ -128,3 +128,13 @@ def test_the_planner_takes_16_rows_per_warp_for_few_rows():
     assert few == jit.few_rows_prefill_tile(p.head_size)    # 4 tokens x 4 heads = 16 rows
     assert many == jit.default_prefill_tile(p.head_size)
     assert 16 * few[0] * few[1] < 16 * many[0] * many[1]    # fewer padding rows
+
+
+def test_block_strides_past_32_bits_are_refused_for_the_prefill_kernel():
+    dt = _checks._dtypes.BY_NAME["f16"]
+    ok = _checks.CacheView(dt, 10, 8, 128, 16, "tok", (2**31, 128, 1024), (2**31, 128, 1024))
+    _checks.check_block_strides(ok)
+    for k_strides in ((2**32, 128, 1024), (2**20, 128, 2**28)):  # block stride; rows in a block
+        bad = ok._replace(k_strides=k_strides)
+        with pytest.raises(ValueError, match="key_cache's block stride .* too large"):
+            _checks.check_block_strides(bad)
