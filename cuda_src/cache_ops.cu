@@ -4,8 +4,13 @@
 
 #ifdef CUPAGED_INSTANTIATE
 void cupaged_instantiate_cache_ops() {
-  (void)&cupaged::reshape_and_cache<cupaged::half_t, cupaged::kFormatTokenMajor, long long>;
-  (void)&cupaged::reshape_and_cache<cupaged::half_t, cupaged::kFormatVllm, int>;
+  using cupaged::bfloat16_t;
+  using cupaged::half_t;
+  (void)&cupaged::reshape_and_cache<half_t, half_t, cupaged::kFormatTokenMajor, 0, long long>;
+  (void)&cupaged::reshape_and_cache<half_t, half_t, cupaged::kFormatVllm, 0, int>;
+  (void)&cupaged::reshape_and_cache<half_t, cupaged::fp8_e4m3_t, cupaged::kFormatVllm, 0, int>;
+  (void)&cupaged::reshape_and_cache<bfloat16_t, cupaged::fp8_e5m2_t, cupaged::kFormatTokenMajor,
+                                    1, long long>;
   (void)&cupaged::copy_blocks<long long>;
 }
 #endif

@@ -2,6 +2,7 @@
 // (copy-on-write inside a device cache, swapping between a device and a host cache).
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "kv_layout.cuh"
 
 namespace cupaged {
@@ -24,6 +25,78 @@ __device__ __forceinline__ uint4 load_chunk(const T* __restrict__ src, bool vec)
   return u.v;
 }
 
+// Eight 16-bit values (16 bytes) as floats.
+template <typename T>
+__device__ __forceinline__ void chunk_floats(const uint4 c, float (&f)[8]) {
+  unpack2(c.x, f[0], f[1], T{});
+  unpack2(c.y, f[2], f[3], T{});
+  unpack2(c.z, f[4], f[5], T{});
+  unpack2(c.w, f[6], f[7], T{});
+}
+
+// One token's K and V into an fp8 cache (see reshape_and_cache). A warp per head: lane l
+// holds dims [8l, 8l + 8), so a per-token-head scale is one warp reduction.
+template <typename T, typename C, int FORMAT, int KV_SCALE>
+__device__ __forceinline__ void quantize_token(
+    const T* key, long long k_head_stride, const T* value, long long v_head_stride,
+    C* kc, long long kc_head, long long kc_token, C* vc, long long vc_head, long long vc_token,
+    int num_kv_heads, int head_size, int block_size, int offset, bool vec, float* k_scale,
+    float* v_scale, long long scale_base, long long scale_head, float k_scale_value,
+    float v_scale_value) {
+  constexpr float kMax = Fp8Format<C>::kMax;
+  const int lane = threadIdx.x & 31;
+  const int d0 = lane * 8;
+  const bool active = d0 < head_size;
+  float ks = k_scale_value, vs = v_scale_value;
+  if constexpr (KV_SCALE == kScaleTensor) {
+    if (k_scale != nullptr) ks = __ldg(k_scale);
+    if (v_scale != nullptr) vs = __ldg(v_scale);
+  }
+  for (int h = threadIdx.x / 32; h < num_kv_heads; h += kCacheThreads / 32) {
+    float kf[8], vf[8];
+    float kmax = 0.f, vmax = 0.f;
+    if (active) {
+      chunk_floats<T>(load_chunk(key + h * k_head_stride + d0, vec), kf);
+      chunk_floats<T>(load_chunk(value + h * v_head_stride + d0, vec), vf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        kmax = fmaxf(kmax, fabsf(kf[i]));
+        vmax = fmaxf(vmax, fabsf(vf[i]));
+      }
+    }
+    if constexpr (KV_SCALE == kScaleTokenHead) {
+      kmax = warp_max(kmax);
+      vmax = warp_max(vmax);
+      ks = kmax > 0.f ? kmax / kMax : 1.f;
+      vs = vmax > 0.f ? vmax / kMax : 1.f;
+      if (lane == 0) {
+        k_scale[scale_base + h * scale_head] = ks;
+        v_scale[scale_base + h * scale_head] = vs;
+      }
+    }
+    if (!active) continue;
+    uint2 kq, vq;  // eight fp8 values each
+    kq.x = quantize2(kf[0] / ks, kf[1] / ks, C{}) | (quantize2(kf[2] / ks, kf[3] / ks, C{}) << 16);
+    kq.y = quantize2(kf[4] / ks, kf[5] / ks, C{}) | (quantize2(kf[6] / ks, kf[7] / ks, C{}) << 16);
+    vq.x = quantize2(vf[0] / vs, vf[1] / vs, C{}) | (quantize2(vf[2] / vs, vf[3] / vs, C{}) << 16);
+    vq.y = quantize2(vf[4] / vs, vf[5] / vs, C{}) | (quantize2(vf[6] / vs, vf[7] / vs, C{}) << 16);
+    if constexpr (FORMAT == kFormatTokenMajor) {
+      *reinterpret_cast<uint2*>(kc + h * kc_head + offset * kc_token + d0) = kq;
+      *reinterpret_cast<uint2*>(vc + h * vc_head + offset * vc_token + d0) = vq;
+    } else {
+      // vLLM's key: [dims / 16][offset][16]; value: [dim][offset], one byte per dim.
+      *reinterpret_cast<uint2*>(kc + h * kc_head +
+                                (static_cast<long long>(d0 / 16) * block_size + offset) * 16 +
+                                d0 % 16) = kq;
+      C* v = vc + h * vc_head + static_cast<long long>(d0) * block_size + offset;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        v[i * block_size].bits = static_cast<unsigned char>(((i < 4 ? vq.x : vq.y) >> (8 * (i % 4))) & 0xff);
+      }
+    }
+  }
+}
+
 // Write each token's K and V into its slot (slot = block * block_size + offset) of a cache
 // in FORMAT (KVFormat, cuda_src/kv_layout.cuh). key/value: [num_tokens, num_kv_heads,
 // head_size], token and head strides free, dims contiguous. Cache strides (block, head,
@@ -32,24 +105,43 @@ __device__ __forceinline__ uint4 load_chunk(const T* __restrict__ src, bool vec)
 // 16-byte aligned (checked on the host), so the cache side is always written in 16-byte
 // stores, except vLLM's dimension-major value.
 //
+// An fp8 cache (C is fp8_e4m3_t or fp8_e5m2_t; T the 16-bit source) stores
+// round-to-nearest-even(value / scale), saturated to the format's largest finite value.
+// KV_SCALE kScaleTensor: one scale each for K and V (k_scale / v_scale point at a device
+// float, or are null and the values are used). kScaleTokenHead: the scale of each written
+// (token, head) is amax(|row|) / largest finite (1 for an all-zero row), stored in
+// k_scale / v_scale [num_blocks, num_kv_heads, block_size] (strides scale_block,
+// scale_head, tokens contiguous).
+//
 // One CTA per token. A negative slot marks a padding token: nothing is written. Slots at
 // or past num_slots are skipped too, so a bad slot never writes outside the cache
 // (CUPAGED_DEBUG=1 reports it on the host).
-template <typename T, int FORMAT, typename SlotT>
+template <typename T, typename C, int FORMAT, int KV_SCALE, typename SlotT>
 __global__ void __launch_bounds__(kCacheThreads)
     reshape_and_cache(const T* __restrict__ key, long long k_tok_stride, long long k_head_stride,
                       const T* __restrict__ value, long long v_tok_stride, long long v_head_stride,
-                      T* __restrict__ key_cache, long long kc_block, long long kc_head,
-                      long long kc_token, T* __restrict__ value_cache, long long vc_block,
+                      C* __restrict__ key_cache, long long kc_block, long long kc_head,
+                      long long kc_token, C* __restrict__ value_cache, long long vc_block,
                       long long vc_head, long long vc_token, const SlotT* __restrict__ slot_mapping,
                       int num_kv_heads, int head_size, int block_size, long long num_slots,
-                      int vec_src) {
-  constexpr int X = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+                      int vec_src, float* __restrict__ k_scale, float* __restrict__ v_scale,
+                      long long scale_block, long long scale_head, float k_scale_value,
+                      float v_scale_value) {
   const long long tok = blockIdx.x;
   const long long slot = static_cast<long long>(slot_mapping[tok]);
   if (slot < 0 || slot >= num_slots) return;
   const long long block = slot / block_size;
   const int offset = static_cast<int>(slot % block_size);
+  if constexpr (!is_same<T, C>::value) {
+    quantize_token<T, C, FORMAT, KV_SCALE>(
+        key + tok * k_tok_stride, k_head_stride, value + tok * v_tok_stride, v_head_stride,
+        key_cache + block * kc_block, kc_head, kc_token, value_cache + block * vc_block,
+        vc_head, vc_token, num_kv_heads, head_size, block_size, offset, vec_src != 0,
+        k_scale, v_scale, block * scale_block + offset, scale_head, k_scale_value,
+        v_scale_value);
+    return;
+  } else {
+  constexpr int X = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
   const int chunks = head_size / X;  // head sizes are multiples of 8: whole chunks
   key += tok * k_tok_stride;
   value += tok * v_tok_stride;
@@ -84,6 +176,7 @@ __global__ void __launch_bounds__(kCacheThreads)
       value_cache[h * vc_head + static_cast<long long>(d) * block_size + offset] =
           value[h * v_head_stride + d];
     }
+  }
   }
 }
 

@@ -21,6 +21,15 @@ struct bfloat16_t {
   unsigned short bits;
 };
 
+template <typename A, typename B>
+struct is_same {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct is_same<A, A> {
+  static constexpr bool value = true;
+};
+
 // ---- scalar conversions -------------------------------------------------------------
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -74,6 +83,10 @@ __device__ __forceinline__ void unpack2(unsigned w, float& lo, float& hi, bfloat
 template <int BYTES>
 struct RawVec;
 template <>
+struct RawVec<1> {
+  using type = unsigned char;
+};
+template <>
 struct RawVec<2> {
   using type = unsigned short;
 };
@@ -93,10 +106,23 @@ struct RawVec<16> {
 template <typename T, int N>
 __device__ __forceinline__ void load_floats(const T* p, float (&f)[N]) {
   constexpr int kBytes = N * static_cast<int>(sizeof(T));
-  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "vector width");
+  static_assert(kBytes == 1 || kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16,
+                "vector width");
   using V = typename RawVec<kBytes>::type;
   const V v = *reinterpret_cast<const V*>(p);
-  if constexpr (kBytes == 2) {
+  if constexpr (sizeof(T) == 1) {  // fp8 (fp8.cuh): four values per 32-bit word
+    if constexpr (kBytes < 4) {
+      float g[4];
+      unpack4(static_cast<unsigned>(v), g, T{});
+#pragma unroll
+      for (int i = 0; i < N; ++i) f[i] = g[i];
+    } else {
+      unsigned w[kBytes / 4];
+      *reinterpret_cast<V*>(w) = v;
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) unpack4(w[i], f + 4 * i, T{});
+    }
+  } else if constexpr (kBytes == 2) {
     f[0] = to_float(*reinterpret_cast<const T*>(&v));
   } else {
     unsigned w[kBytes / 4];
@@ -123,6 +149,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 // for loops that step it by constants instead of converting every pointer.
 __device__ __forceinline__ void cp_async16_shared(unsigned smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
+}
+
+// 4 bytes (per-token scales of an fp8 cache): .ca, the only form that copies fewer than 16.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

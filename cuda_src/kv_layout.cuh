@@ -16,7 +16,14 @@ namespace cupaged {
 
 enum KVFormat : int { kFormatTokenMajor = 0, kFormatVllm = 1 };
 
-// Passed by value as a kernel parameter (88 bytes); element strides.
+// How an fp8 cache's scales are given (KV_SCALE template parameter). A cache of the
+// query's own type has none.
+enum KVScale : int {
+  kScaleTensor = 0,    // one k and one v scale for the whole cache
+  kScaleTokenHead = 1  // float32 [num_blocks, num_kv_heads, block_size] for K and for V
+};
+
+// Passed by value as a kernel parameter (128 bytes); element strides.
 struct PagedKV {
   const void* k;
   const void* v;
@@ -26,7 +33,28 @@ struct PagedKV {
   long long bt_stride;
   int max_blocks;  // entries per table row: lengths are clamped to max_blocks * block_size
   int num_blocks;  // ids outside [0, num_blocks) are never dereferenced
+  // fp8 caches. kScaleTensor: a device float each (read in the kernel, so the caller
+  // never syncs), or null for the host values below. kScaleTokenHead: the scale arrays,
+  // strided (block, head) with tokens contiguous.
+  const float* k_scale;
+  const float* v_scale;
+  long long scale_block, scale_head;
+  float k_scale_value, v_scale_value;
 };
+
+// Per-tensor scales, as the kernels apply them (1 for 16-bit caches).
+__device__ __forceinline__ float tensor_k_scale(const PagedKV& kv) {
+  return kv.k_scale != nullptr ? __ldg(kv.k_scale) : kv.k_scale_value;
+}
+__device__ __forceinline__ float tensor_v_scale(const PagedKV& kv) {
+  return kv.v_scale != nullptr ? __ldg(kv.v_scale) : kv.v_scale_value;
+}
+
+// Offset of (block, head, token-in-block) in the per-token-head scale arrays.
+__device__ __forceinline__ long long scale_offset(const PagedKV& kv, int phys, int head,
+                                                  int within) {
+  return phys * kv.scale_block + head * kv.scale_head + within;
+}
 
 template <typename T, int FORMAT, int BLOCK_SIZE>
 struct KVAccess {

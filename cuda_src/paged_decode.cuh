@@ -31,6 +31,7 @@
 // partition's normalized output with its max and sum; paged_decode_combine merges them.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "kv_layout.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -40,13 +41,17 @@ namespace cupaged {
 constexpr int kDecodeThreads = 128;
 
 // Compile-time geometry of one specialization. The shared-memory size is mirrored on the
-// host by cupaged/attention.py (_decode_smem_bytes); the kernel traps if launched with less.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int GROUP_TILE,
-          int TILE_TOKENS, int STAGES>
+// host by cupaged/_geometry.py (DecodeGeometry); the kernel traps if launched with less.
+// T is the query's and output's type, C the cache's: T itself, or fp8 (fp8.cuh) with
+// KV_SCALE saying how its scales are given.
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
+          int GROUP_TILE, int TILE_TOKENS, int STAGES>
 struct DecodeGeometry {
   static constexpr int kThreads = kDecodeThreads;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // "x" of the key layout
+  static constexpr bool kQuant = !is_same<T, C>::value;  // an fp8 cache, with scales
+  static constexpr bool kTokenScales = kQuant && KV_SCALE == kScaleTokenHead;
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(C));  // "x" of the key layout
   static constexpr int kChunks = HEAD_SIZE / kVec;                // 16-byte chunks per key row
   // Tokens per copied piece: a whole cache block, or a slice of one when blocks are larger
   // than a tile. Pieces are contiguous runs in the cache.
@@ -77,26 +82,35 @@ struct DecodeGeometry {
   static constexpr int kDimsPerThread = (HEAD_SIZE + 31) / 32;
   static constexpr int kTokensPerWarpPV = TILE_TOKENS / kWarps;
 
-  // Tensor cores (mma.m16n8k16, fp32 sums) do Q K^T and P V for 16-bit caches when a CTA
+  // Tensor cores (mma.m16n8k16, fp32 sums) do Q K^T and P V for 16-bit queries when a CTA
   // serves 4 or 8 query heads: there the FMA path's arithmetic, not memory, sets the pace.
   // Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
   // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
+  // An fp8 tile is first widened to T in a shared tile of the same layout (kConvert).
   static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
                                (kVTransposed || kTokenMajor);
+  static constexpr bool kConvert = kMma && kQuant;
+  static constexpr int kVecM = 16 / static_cast<int>(sizeof(T));  // the mma tiles' layout
+  static constexpr int kTokRowM = HEAD_SIZE + kVecM;
+  static constexpr int kVRowM = TILE_TOKENS + kVecM;
   static constexpr int kTokenTilesPerWarp = (TILE_TOKENS / 16 + kWarps - 1) / kWarps;
   static constexpr int kDimTilesPerWarp = (HEAD_SIZE / 16 + kWarps - 1) / kWarps;
-  static constexpr int kPRow = TILE_TOKENS + kVec;  // mma path: P as T [GROUP_TILE][kPRow]
+  static constexpr int kPRow = TILE_TOKENS + kVecM;  // mma path: P as T [GROUP_TILE][kPRow]
   // Warps whose partial maxima / sums are combined, and output partials summed.
   static constexpr int kStatWarps = kMma ? kWarps : kScoreThreads / 32;
   static constexpr int kAccSlots = kMma ? 1 : kWarps;
 
   // Shared-memory carve-up in bytes (every offset a multiple of 16).
   static constexpr int kKStage =
-      TILE_TOKENS * (kTokenMajor ? kTokRow : HEAD_SIZE) * static_cast<int>(sizeof(T));
+      TILE_TOKENS * (kTokenMajor ? kTokRow : HEAD_SIZE) * static_cast<int>(sizeof(C));
   static constexpr int kVStage =
-      (kTokenMajor ? TILE_TOKENS * kTokRow : HEAD_SIZE * kVRow) * static_cast<int>(sizeof(T));
+      (kTokenMajor ? TILE_TOKENS * kTokRow : HEAD_SIZE * kVRow) * static_cast<int>(sizeof(C));
   static constexpr int kOffV = STAGES * kKStage;
-  static constexpr int kOffQ = kOffV + STAGES * kVStage;
+  // The widened K and V tiles (kConvert), one stage each.
+  static constexpr int kKWide = TILE_TOKENS * (kTokenMajor ? kTokRowM : HEAD_SIZE) * 2;
+  static constexpr int kVWide = (kTokenMajor ? TILE_TOKENS * kTokRowM : HEAD_SIZE * kVRowM) * 2;
+  static constexpr int kOffWide = kOffV + STAGES * kVStage;
+  static constexpr int kOffQ = kOffWide + (kConvert ? kKWide + kVWide : 0);
   // The mma path keeps the query in registers and needs only GROUP_TILE floats of the
   // reduction space (its running maxima, for part_max): 8 KiB less at 8 heads, which is
   // the difference between two and three CTAs per SM.
@@ -107,7 +121,9 @@ struct DecodeGeometry {
   static constexpr int kOffWarp = kOffRed + kRedBytes;
   static constexpr int kOffFlag = kOffWarp + kWarps * GROUP_TILE * 4;
   static constexpr int kOffIds = kOffFlag + 16;  // [2][kPieces] block ids, double-buffered
-  static constexpr int kSmemBytes = kOffIds + (2 * kPieces * 4 + 15) / 16 * 16;
+  // Per-token scales (kTokenScales): [STAGES][TILE_TOKENS] floats for K, then for V.
+  static constexpr int kOffScales = kOffIds + (2 * kPieces * 4 + 15) / 16 * 16;
+  static constexpr int kSmemBytes = kOffScales + (kTokenScales ? 2 * STAGES * TILE_TOKENS * 4 : 0);
 
   static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 256, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
@@ -117,14 +133,17 @@ struct DecodeGeometry {
                 "GROUP_TILE");
   static_assert(KV_FORMAT == kFormatTokenMajor || KV_FORMAT == kFormatVllm, "KV_FORMAT");
   static_assert(STAGES >= 2, "STAGES");
+  static_assert(!kQuant || (sizeof(C) == 1 && sizeof(T) == 2 && HEAD_SIZE % 16 == 0),
+                "fp8 caches: 16-bit queries, head sizes that are multiples of 16");
+  static_assert(KV_SCALE == kScaleTensor || KV_SCALE == kScaleTokenHead, "KV_SCALE");
   static_assert(kTokensPerWarpPV % kVec == 0, "P @ V walks whole 16-byte vectors");
   // The final cross-warp reduction of the output reuses the K stages.
   static_assert(kWarps * GROUP_TILE * HEAD_SIZE * 4 <= STAGES * kKStage, "reduction space");
   static_assert(!kMma || GROUP_TILE * kPRow * 2 <= TILE_TOKENS * GROUP_TILE * 4, "P space");
 };
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int GROUP_TILE,
-          int TILE_TOKENS, int STAGES>
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
+          int GROUP_TILE, int TILE_TOKENS, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode(T* __restrict__ out,             // single pass: [num_rows, num_heads, HEAD_SIZE]
                  float* __restrict__ part_out,    // split: [num_seqs, num_heads, P, HEAD_SIZE]
@@ -138,8 +157,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  int num_heads, int group_size, int num_seqs, int causal,
                  int partition_tokens,  // 0: single pass; else tokens per partition (gridDim.z)
                  float scale_log2) {
-  using Geo = DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, GROUP_TILE, TILE_TOKENS, STAGES>;
-  using KV = KVAccess<T, KV_FORMAT, BLOCK_SIZE>;
+  using Geo = DecodeGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, GROUP_TILE,
+                             TILE_TOKENS, STAGES>;
+  using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
   constexpr int KROW = Geo::kTokRow;
   constexpr int HS = HEAD_SIZE;
   constexpr int GT = GROUP_TILE;
@@ -150,8 +170,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  T* k_s = reinterpret_cast<T*>(smem);
-  T* v_s = reinterpret_cast<T*>(smem + Geo::kOffV);
+  C* k_s = reinterpret_cast<C*>(smem);
+  C* v_s = reinterpret_cast<C*>(smem + Geo::kOffV);
+  float* ksc_s = reinterpret_cast<float*>(smem + Geo::kOffScales);  // [STAGES][TT] (kTokenScales)
+  float* vsc_s = ksc_s + STAGES * TT;
   float* q_s = reinterpret_cast<float*>(smem + Geo::kOffQ);     // [GT][HS], pre-scaled
   float* p_s = reinterpret_cast<float*>(smem + Geo::kOffP);     // [TT][GT] probabilities
   float* red_s = reinterpret_cast<float*>(smem + Geo::kOffRed); // [kSplitsQK][GT][TT]
@@ -239,8 +261,26 @@ __global__ void __launch_bounds__(kDecodeThreads)
   auto load_tile = [&](int tile, int stage) {
     const int t0 = begin + tile * TT;
     const int* ids = ids_s + (tile & 1) * Geo::kPieces;
-    T* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(T)));
-    T* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(T)));
+    C* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(C)));
+    C* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(C)));
+    if constexpr (Geo::kTokenScales) {
+      // Slots past the end (or in a bad block) get scale 0: their probabilities are 0, and
+      // 0 * a stale scale could be NaN.
+      for (int t = tid; t < TT; t += NT) {
+        float* kd = ksc_s + stage * TT + t;
+        float* vd = vsc_s + stage * TT + t;
+        const int tok = t0 + t;
+        const int phys = tok < end ? ids[t / Geo::kSub] : -1;
+        if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
+          *kd = 0.f;
+          *vd = 0.f;
+          continue;
+        }
+        const long long o = scale_offset(kv, phys, kv_head, tok % BLOCK_SIZE);
+        cp_async4(kd, kv.k_scale + o);
+        cp_async4(vd, kv.v_scale + o);
+      }
+    }
     for (int u = tid; u < Geo::kUnits; u += NT) {
       // Token-major caches: consecutive threads take consecutive 16-byte chunks of a
       // token's row. vLLM's: consecutive 16-byte runs of a piece, in cache order.
@@ -275,7 +315,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
           const int d = e / Geo::kSub;
           const int r = e % Geo::kSub;
-          T* dst;
+          C* dst;
           if constexpr (Geo::kVTransposed) {
             dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
           } else {
@@ -287,7 +327,51 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
 
+  // fp8 (kConvert): the stage's K and V widened to T, exactly, into the layouts the mma
+  // path reads (the 16-bit stage layouts, rows padded by 16 bytes of T).
+  auto widen_tile = [&](const C* ks, const C* vs, T* kw, T* vw) {
+    constexpr int kRuns = TT * HS / 16;  // runs of 16 values per tile, in K and in V
+    if constexpr (Geo::kConvert) {
+      for (int u = tid; u < kRuns; u += NT) {
+        int ksrc, kdst, vsrc, vdst;
+        int kdst_hi = 8, vdst_hi = 8;  // where the second 8 values go, from the first
+        if constexpr (Geo::kTokenMajor) {  // [TT][kTokRow] -> [TT][kTokRowM]
+          const int t = u / (HS / 16);
+          const int c = u % (HS / 16);
+          ksrc = vsrc = t * Geo::kTokRow + c * 16;
+          kdst = vdst = t * Geo::kTokRowM + c * 16;
+        } else {
+          // key [HS/16][TT][16] -> [HS/8][TT][8]; value [HS][kVRow] -> [HS][kVRowM]
+          const int c = u / TT;
+          const int t = u % TT;
+          ksrc = (c * TT + t) * 16;
+          kdst = (2 * c * TT + t) * 8;
+          kdst_hi = TT * 8;
+          const int d = u / (TT / 16);
+          const int r = u % (TT / 16);
+          vsrc = d * Geo::kVRow + r * 16;
+          vdst = d * Geo::kVRowM + r * 16;
+        }
+        uint4 lo, hi;
+        widen16<T, C>(*reinterpret_cast<const uint4*>(ks + ksrc), lo, hi);
+        *reinterpret_cast<uint4*>(kw + kdst) = lo;
+        *reinterpret_cast<uint4*>(kw + kdst + kdst_hi) = hi;
+        widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
+        *reinterpret_cast<uint4*>(vw + vdst) = lo;
+        *reinterpret_cast<uint4*>(vw + vdst + vdst_hi) = hi;
+      }
+    }
+  };
+
   fetch_ids(0);  // in flight while the query loads
+
+  // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output.
+  float score_scale = scale_log2;
+  float out_scale = 1.f;
+  if constexpr (Geo::kQuant && !Geo::kTokenScales) {
+    score_scale *= tensor_k_scale(kv);
+    out_scale = tensor_v_scale(kv);
+  }
 
   float slope[GT];
 #pragma unroll
@@ -325,7 +409,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int d = i % HS;
       float v = 0.f;
       if (g < heads_here) {
-        v = to_float(query[qrow * q_seq_stride + (head0 + g) * q_head_stride + d]) * scale_log2;
+        v = to_float(query[qrow * q_seq_stride + (head0 + g) * q_head_stride + d]) * score_scale;
       }
       q_s[i] = v;
     }
@@ -375,21 +459,36 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (next < n_tiles) load_tile(next, next % STAGES);
     cp_async_commit();
     fetch_ids(next + 1);  // in flight during this tile's compute
-    const T* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(T)));
-    const T* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(T)));
+    const C* ks = k_s + stage * (Geo::kKStage / static_cast<int>(sizeof(C)));
+    const C* vs = v_s + stage * (Geo::kVStage / static_cast<int>(sizeof(C)));
+    const float* ksc = ksc_s + stage * TT;  // per-token scales (kTokenScales)
+    const float* vsc = vsc_s + stage * TT;
     const int valid = min(TT, end - t0);
 
     if constexpr (Geo::kMma) {
+      constexpr int XM = Geo::kVecM;
+      constexpr int KROWM = Geo::kTokRowM;
+      // The tiles the mma reads: the stage itself, or for fp8 its copy widened to T.
+      const T* kt = reinterpret_cast<const T*>(ks);
+      const T* vt = reinterpret_cast<const T*>(vs);
+      if constexpr (Geo::kConvert) {
+        T* kw = reinterpret_cast<T*>(smem + Geo::kOffWide);
+        T* vw = reinterpret_cast<T*>(smem + Geo::kOffWide + Geo::kKWide);
+        widen_tile(ks, vs, kw, vw);
+        __syncthreads();
+        kt = kw;
+        vt = vw;
+      }
       T* pt = reinterpret_cast<T*>(p_s);  // [GT][kPRow]
       // Cache slots past the context end may hold anything, NaN included, and 0 * NaN is
       // NaN: clear V's columns there, up to the next 16-token step of the P V product.
       if (valid < TT) {
-        T* vz = const_cast<T*>(vs);
+        T* vz = const_cast<T*>(vt);
         const int cols = min(TT, (valid + 15) / 16 * 16) - valid;
         if constexpr (Geo::kTokenMajor) {
-          for (int i = tid; i < HS * cols; i += NT) vz[(valid + i / HS) * KROW + i % HS] = T{};
+          for (int i = tid; i < HS * cols; i += NT) vz[(valid + i / HS) * KROWM + i % HS] = T{};
         } else {
-          for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = T{};
+          for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRowM + valid + i % cols] = T{};
         }
       }
 
@@ -407,19 +506,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) sc[j][i] = 0.f;
         // A = K [token][dim]: matrix mi covers tokens + 8 (mi & 1), dims + 8 (mi >> 1).
         const T* a_row = Geo::kTokenMajor
-            ? ks + (mt * 16 + (lane & 7) + (mi & 1) * 8) * KROW + (mi >> 1) * 8
-            : ks + ((mi >> 1) * TT + mt * 16 + (lane & 7) + (mi & 1) * 8) * X;
+            ? kt + (mt * 16 + (lane & 7) + (mi & 1) * 8) * KROWM + (mi >> 1) * 8
+            : kt + ((mi >> 1) * TT + mt * 16 + (lane & 7) + (mi & 1) * 8) * XM;
 #pragma unroll
         for (int kk = 0; kk < HS / 16; ++kk) {
           unsigned a[4];
-          ldmatrix_x4(a, a_row + kk * (Geo::kTokenMajor ? 16 : 2 * TT * X));
+          ldmatrix_x4(a, a_row + kk * (Geo::kTokenMajor ? 16 : 2 * TT * XM));
           mma_16816<T>(sc[j], a, q_frag[kk]);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // C fragment: token (lane / 4) + 8 (i / 2), head hq + i % 2
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
           const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
-          const float v = fmaf(my_slope[i & 1], rel, sc[j][i] * scale_log2);
+          const float sk = Geo::kTokenScales ? score_scale * ksc[t] : score_scale;
+          const float v = fmaf(my_slope[i & 1], rel, sc[j][i] * sk);
           sc[j][i] = t < valid ? v : neg_inf();
           tmax[i & 1] = fmaxf(tmax[i & 1], sc[j][i]);
         }
@@ -454,10 +554,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int h = hq + (i & 1);
-          const T p = from_float<T>(exp2f(sc[j][i] - m_own[i & 1]));
+          const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
+          const float pf = exp2f(sc[j][i] - m_own[i & 1]);
+          // Per-token V scales weigh P V's operand; the sum keeps the plain probability.
+          const T p = from_float<T>(Geo::kTokenScales ? pf * vsc[t] : pf);
           if (h < GT) {
-            pt[h * Geo::kPRow + mt * 16 + (lane >> 2) + (i >> 1) * 8] = p;
-            l_mma[i & 1] += to_float(p);
+            pt[h * Geo::kPRow + t] = p;
+            l_mma[i & 1] += Geo::kTokenScales ? pf : to_float(p);
           }
         }
       }
@@ -483,10 +586,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
           // A = V^T [dim][token]: matrix mi covers dims + 8 (mi & 1), tokens + 8 (mi >> 1).
           unsigned a[4];
           if constexpr (Geo::kTokenMajor) {
-            ldmatrix_x4_trans(a, vs + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROW + mt * 16 +
+            ldmatrix_x4_trans(a, vt + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROWM + mt * 16 +
                                      (mi & 1) * 8);
           } else {
-            ldmatrix_x4(a, vs + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRow +
+            ldmatrix_x4(a, vt + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRowM +
                                (mi >> 1) * 8 + kk * 16);
           }
           mma_16816<T>(acc_mma[j], a, b);
@@ -504,7 +607,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int g = 0; g < GT; ++g) s[j][g] = 0.f;
         for (int c = split; c < Geo::kChunks; c += Geo::kSplitsQK) {
           float kf[X];
-          load_floats<T, X>(Geo::kTokenMajor ? ks + t * KROW + c * X : ks + (c * TT + t) * X, kf);
+          load_floats<C, X>(Geo::kTokenMajor ? ks + t * KROW + c * X : ks + (c * TT + t) * X, kf);
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
             const float4* q4 = reinterpret_cast<const float4*>(q_s + g * HS + c * X);
@@ -546,7 +649,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
-            s[j][g] = t < valid ? fmaf(slope[g], rel, s[j][g]) : neg_inf();
+            const float sv = Geo::kTokenScales ? s[j][g] * ksc[t] : s[j][g];
+            s[j][g] = t < valid ? fmaf(slope[g], rel, sv) : neg_inf();
             tmax[g] = fmaxf(tmax[g], s[j][g]);
           }
         }
@@ -574,7 +678,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
             const float p = exp2f(s[j][g] - m_run[g]);
-            p_s[t * GT + g] = p;
+            // Per-token V scales weigh P V's operand; the sum keeps the plain probability.
+            p_s[t * GT + g] = Geo::kTokenScales ? p * vsc[t] : p;
             l_run[g] = (j == 0 ? l_run[g] * alpha[g] : l_run[g]) + p;
           }
         }
@@ -605,13 +710,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   #pragma unroll
             for (int i = 0; i < X; ++i) vf[i] = to_float(vs[(tt + i) * KROW + d]);
           } else if constexpr (Geo::kVTransposed) {
-            load_floats<T, X>(vs + d * Geo::kVRow + tt, vf);
+            load_floats<C, X>(vs + d * Geo::kVRow + tt, vf);
           } else {
             constexpr int kSub = Geo::kSub;
   #pragma unroll
             for (int j = 0; j < X / kSub; ++j) {
               float part[kSub];
-              load_floats<T, kSub>(vs + ((tt / kSub + j) * HS + d) * kSub, part);
+              load_floats<C, kSub>(vs + ((tt / kSub + j) * HS + d) * kSub, part);
   #pragma unroll
               for (int i = 0; i < kSub; ++i) vf[j * kSub + i] = part[i];
             }
@@ -684,7 +789,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
     for (int w = 0; w < Geo::kStatWarps; ++w) l += warp_s[w * GT + g];
     // An empty context (n_tiles == 0, single pass only) gives zeros, never 0/0.
-    float o = n_tiles > 0 ? a / l : 0.f;
+    float o = n_tiles > 0 ? a / l * out_scale : 0.f;
     if (bad) o = quiet_nan();
     if (partition_tokens == 0) {
       out[(row0 + g) * HS + d] = from_float<T>(o);

@@ -25,19 +25,25 @@
 // that undercounts the longest query costs parallelism, never rows.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "kv_layout.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
 
 namespace cupaged {
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int WARPS, int M_ATOMS,
-          int TILE_N, int STAGES>
+// T is the query's and output's type; C the cache's: T itself, or fp8 (fp8.cuh), whose
+// tiles are widened to T in shared memory before the mma reads them.
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
+          int WARPS, int M_ATOMS, int TILE_N, int STAGES>
 struct PrefillGeometry {
   static constexpr int kThreads = WARPS * 32;
+  static constexpr bool kQuant = !is_same<T, C>::value;  // an fp8 cache, with scales
+  static constexpr bool kTokenScales = kQuant && KV_SCALE == kScaleTokenHead;
   static constexpr int kVec = 8;                              // 16-bit elements per 16 bytes
+  static constexpr int kCVec = 16 / static_cast<int>(sizeof(C));  // cache elements per 16 bytes
   static constexpr int kHSP = (HEAD_SIZE + 15) / 16 * 16;     // head size padded for mma's k
-  static constexpr int kChunks = HEAD_SIZE / kVec;            // 16-byte chunks per row
+  static constexpr int kChunks = HEAD_SIZE / kCVec;           // 16-byte chunks per cached row
   static constexpr int kWarpRows = 16 * M_ATOMS;
   static constexpr int kRows = WARPS * kWarpRows;             // query rows per CTA
   // Shared rows of kHSP elements are padded by 16 bytes: eight consecutive rows then start
@@ -46,16 +52,27 @@ struct PrefillGeometry {
   static constexpr bool kVDimMajor = KV_FORMAT == kFormatVllm;      // V stored [dim][token]
   static constexpr int kVRow = TILE_N + kVec;                 // its row, padded likewise
   static constexpr int kQBytes = kRows * kRow * 2;
-  static constexpr int kKStage = TILE_N * kRow * 2;
-  static constexpr int kVStage = kVDimMajor ? kHSP * kVRow * 2 : TILE_N * kRow * 2;
+  // Stages hold the cache's bytes in the same layouts, rows padded by 16 bytes: kCRow
+  // (K, token-major V) and kCVRow (vLLM's V) elements of C.
+  static constexpr int kCRow = kQuant ? HEAD_SIZE + kCVec : kRow;
+  static constexpr int kCVRow = kQuant ? TILE_N + kCVec : kVRow;
+  static constexpr int kKStage = TILE_N * kCRow * static_cast<int>(sizeof(C));
+  static constexpr int kVStage =
+      (kVDimMajor ? kHSP * kCVRow : TILE_N * kCRow) * static_cast<int>(sizeof(C));
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kKStage;
+  // fp8: the tile being computed, widened to T (one K and one V tile).
+  static constexpr int kKWide = TILE_N * kRow * 2;
+  static constexpr int kVWide = kVDimMajor ? kHSP * kVRow * 2 : TILE_N * kRow * 2;
+  static constexpr int kOffWide = kOffV + STAGES * kVStage;
   // Block ids of the tiles in flight, one slot per stage: ids of tile i sit in slot
   // i % STAGES from a barrier before its copies until a barrier after them.
   static constexpr int kIds = TILE_N > BLOCK_SIZE ? TILE_N / BLOCK_SIZE : 1;
-  static constexpr int kOffIds = kOffV + STAGES * kVStage;
+  static constexpr int kOffIds = kOffWide + (kQuant ? kKWide + kVWide : 0);
   static constexpr int kOffFlag = kOffIds + (STAGES * kIds * 4 + 15) / 16 * 16;
-  static constexpr int kSmemBytes = kOffFlag + 16;
+  // Per-token scales (kTokenScales): [STAGES][TILE_N] floats for K, then for V.
+  static constexpr int kOffScales = kOffFlag + 16;
+  static constexpr int kSmemBytes = kOffScales + (kTokenScales ? 2 * STAGES * TILE_N * 4 : 0);
   // Registers: one m-atom per warp needs about 128, so ask ptxas to fit two CTAs of eight
   // warps per SM (16 warps hide each other's latency); two m-atoms need all 255.
   static constexpr int kMinBlocks = M_ATOMS == 1 ? 2 : 1;
@@ -65,28 +82,35 @@ struct PrefillGeometry {
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 256, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
-  static_assert(KV_FORMAT == kFormatTokenMajor || BLOCK_SIZE >= kVec,
-                "vLLM's value layout is copied in runs of 8 tokens of one block");
+  static_assert(KV_FORMAT == kFormatTokenMajor || BLOCK_SIZE >= kCVec,
+                "vLLM's value layout is copied in runs of 16 bytes of one block");
+  static_assert(!kQuant || (sizeof(C) == 1 && HEAD_SIZE % 16 == 0),
+                "fp8 caches: head sizes that are multiples of 16");
+  static_assert(KV_SCALE == kScaleTensor || KV_SCALE == kScaleTokenHead, "KV_SCALE");
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "TILE_N");
   static_assert(WARPS >= 1 && WARPS <= 8 && (M_ATOMS == 1 || M_ATOMS == 2), "WARPS, M_ATOMS");
   static_assert(STAGES >= 2, "STAGES");
 };
 
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int WARPS, int M_ATOMS,
-          int TILE_N, int STAGES>
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
+          int WARPS, int M_ATOMS, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(
-    WARPS * 32, (PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, WARPS, M_ATOMS, TILE_N,
-                                 STAGES>::kMinBlocks))
+    WARPS * 32, (PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS,
+                                 M_ATOMS, TILE_N, STAGES>::kMinBlocks))
     paged_prefill(T* __restrict__ out, const T* __restrict__ query, long long q_token_stride,
                   long long q_head_stride, const __grid_constant__ PagedKV kv,
                   const int* __restrict__ seq_lens,
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
                   const float* __restrict__ alibi_slopes,   // [num_heads], or null
                   int num_heads, int group_size, int causal, float scale_log2) {
-  using Geo = PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, WARPS, M_ATOMS, TILE_N, STAGES>;
-  using KV = KVAccess<T, KV_FORMAT, BLOCK_SIZE>;
+  using Geo = PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS, M_ATOMS,
+                              TILE_N, STAGES>;
+  using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
   constexpr int X = Geo::kVec;
+  constexpr int CX = Geo::kCVec;  // cache elements per 16-byte copy
+  constexpr int CB = static_cast<int>(sizeof(C));
+  constexpr int CROW = Geo::kCRow;
   constexpr int NT = Geo::kThreads;
   constexpr int ROW = Geo::kRow;
   constexpr int MA = M_ATOMS;
@@ -95,8 +119,10 @@ __global__ void __launch_bounds__(
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);
-  T* k_s = reinterpret_cast<T*>(smem + Geo::kOffK);
-  T* v_s = reinterpret_cast<T*>(smem + Geo::kOffV);
+  C* k_s = reinterpret_cast<C*>(smem + Geo::kOffK);
+  C* v_s = reinterpret_cast<C*>(smem + Geo::kOffV);
+  float* ksc_s = reinterpret_cast<float*>(smem + Geo::kOffScales);  // [STAGES][TILE_N]
+  float* vsc_s = ksc_s + STAGES * TILE_N;
   int* ids_s = reinterpret_cast<int*>(smem + Geo::kOffIds);
   int* bad_block_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
 
@@ -121,14 +147,21 @@ __global__ void __launch_bounds__(
   const int q_tiles = q_len > 0 ? (packed + Geo::kRows - 1) / Geo::kRows : 0;
   const int q_shift = seq_len - q_len;  // position of query token i is q_shift + i
   const int* bt_row = kv.block_tables + seq * kv.bt_stride;
-  const T* k_base = KV::key_head(kv, kv_head);
-  const T* v_base = KV::value_head(kv, kv_head);
+  const C* k_base = KV::key_head(kv, kv_head);
+  const C* v_base = KV::value_head(kv, kv_head);
   // 32-bit strides: the host checks that a block's stride is below 2^32 elements and that
   // the offsets within a block stay below 2^31.
   const unsigned k_block = static_cast<unsigned>(kv.k_block);
   const unsigned v_block = static_cast<unsigned>(kv.v_block);
   const unsigned k_token = static_cast<unsigned>(kv.k_token);
   const unsigned v_token = static_cast<unsigned>(kv.v_token);
+  // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output.
+  float score_scale = scale_log2;
+  float out_scale = 1.f;
+  if constexpr (Geo::kQuant && !Geo::kTokenScales) {
+    score_scale *= tensor_k_scale(kv);
+    out_scale = tensor_v_scale(kv);
+  }
   const unsigned k_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
   const unsigned v_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
 
@@ -191,7 +224,7 @@ __global__ void __launch_bounds__(
       const int r = u / (Geo::kHSP / X);
       const int c = u % (Geo::kHSP / X);
       T* dst = q_s + r * ROW + c * X;
-      if (r < rows_here && c < CH) {
+      if (r < rows_here && c < HEAD_SIZE / X) {
         const int p = row0 + r;
         const int head = kv_head * group_size + p % group_size;
         cp_async16(dst, query + (q_begin + p / group_size) * q_token_stride +
@@ -244,6 +277,24 @@ __global__ void __launch_bounds__(
         }
         return true;
       };
+      if constexpr (Geo::kTokenScales) {
+        // Slots not copied get scale 0: their probabilities are 0, and 0 * a stale scale
+        // could be NaN.
+        for (int t = tid; t < TILE_N; t += NT) {
+          float* kd = ksc_s + stage * TILE_N + t;
+          float* vd = vsc_s + stage * TILE_N + t;
+          int phys;
+          unsigned within;
+          if (!slot(t, phys, within)) {
+            *kd = 0.f;
+            *vd = 0.f;
+            continue;
+          }
+          const long long o = scale_offset(kv, phys, kv_head, within);
+          cp_async4(kd, kv.k_scale + o);
+          cp_async4(vd, kv.v_scale + o);
+        }
+      }
       if constexpr (KV_FORMAT == kFormatTokenMajor) {
         // Eight (four) threads per token row: a warp's copies are whole 128-byte lines.
         constexpr int kTPR = CH >= 8 ? 8 : 4;
@@ -258,19 +309,19 @@ __global__ void __launch_bounds__(
           unsigned within;
           if ((kTokPerPass * kPasses > TILE_N && t >= TILE_N) || !slot(t, phys, within)) continue;
           const unsigned long long pb = static_cast<unsigned long long>(phys);
-          const T* gk = k_base + pb * k_block + within * k_token + c0 * X;
-          const T* gv = v_base + pb * v_block + within * v_token + c0 * X;
-          const unsigned sk = ks + (t * ROW + c0 * X) * 2;
-          const unsigned sv = vs + (t * ROW + c0 * X) * 2;
+          const C* gk = k_base + pb * k_block + within * k_token + c0 * CX;
+          const C* gv = v_base + pb * v_block + within * v_token + c0 * CX;
+          const unsigned sk = ks + (t * CROW + c0 * CX) * CB;
+          const unsigned sv = vs + (t * CROW + c0 * CX) * CB;
 #pragma unroll
           for (int i = 0; i < kCPer; ++i) {
             if (CH % kTPR != 0 && c0 + i * kTPR >= CH) break;
-            cp_async16_shared(sk + i * kTPR * 16, gk + i * kTPR * X);
+            cp_async16_shared(sk + i * kTPR * 16, gk + i * kTPR * CX);
           }
 #pragma unroll
           for (int i = 0; i < kCPer; ++i) {
             if (CH % kTPR != 0 && c0 + i * kTPR >= CH) break;
-            cp_async16_shared(sv + i * kTPR * 16, gv + i * kTPR * X);
+            cp_async16_shared(sv + i * kTPR * 16, gv + i * kTPR * CX);
           }
         }
       } else {
@@ -286,33 +337,57 @@ __global__ void __launch_bounds__(
           int phys;
           unsigned within;
           if (!slot(t, phys, within)) continue;
-          const T* g = k_base + static_cast<unsigned long long>(phys) * k_block +
-                       (c0 * BLOCK_SIZE + within) * X;
-          const unsigned sk = ks + (t * ROW + c0 * X) * 2;
+          const C* g = k_base + static_cast<unsigned long long>(phys) * k_block +
+                       (c0 * BLOCK_SIZE + within) * CX;
+          const unsigned sk = ks + (t * CROW + c0 * CX) * CB;
 #pragma unroll
           for (int i = 0; i < kCPer; ++i) {
             if (CH % kCStep != 0 && c0 + i * kCStep >= CH) break;
-            cp_async16_shared(sk + i * kCStep * X * 2, g + i * kCStep * BLOCK_SIZE * X);
+            cp_async16_shared(sk + i * kCStep * 16, g + i * kCStep * BLOCK_SIZE * CX);
           }
         }
-        // vLLM's value, [dim][token]: runs of X tokens of one dim, kept dim-major; a
-        // thread's dims are kDStep apart.
-        constexpr int kRuns = TILE_N / X;
+        // vLLM's value, [dim][token]: runs of 16 bytes (CX tokens) of one dim, kept
+        // dim-major; a thread's dims are kDStep apart.
+        constexpr int kRuns = TILE_N / CX;
         constexpr int kDStep = NT / kRuns;
         constexpr int kDPer = (HEAD_SIZE + kDStep - 1) / kDStep;
-        const unsigned t = (tid % kRuns) * X;
+        const unsigned t = (tid % kRuns) * CX;
         const unsigned d0 = tid / kRuns;
         int phys;
         unsigned within;
         if (slot(t, phys, within)) {
-          const T* g = v_base + static_cast<unsigned long long>(phys) * v_block +
+          const C* g = v_base + static_cast<unsigned long long>(phys) * v_block +
                        d0 * BLOCK_SIZE + within;
-          const unsigned sv = vs + (d0 * Geo::kVRow + t) * 2;
+          const unsigned sv = vs + (d0 * Geo::kCVRow + t) * CB;
 #pragma unroll
           for (int i = 0; i < kDPer; ++i) {
             if (HEAD_SIZE % kDStep != 0 && d0 + i * kDStep >= HEAD_SIZE) break;
-            cp_async16_shared(sv + i * kDStep * Geo::kVRow * 2, g + i * kDStep * BLOCK_SIZE);
+            cp_async16_shared(sv + i * kDStep * Geo::kCVRow * CB, g + i * kDStep * BLOCK_SIZE);
           }
+        }
+      }
+    };
+
+    // fp8: the stage's K and V widened to T, exactly, in the layouts of 16-bit stages.
+    auto widen_tile = [&](const C* ks, const C* vs, T* kw, T* vw) {
+      if constexpr (Geo::kQuant) {
+        for (int u = tid; u < TILE_N * HEAD_SIZE / 16; u += NT) {
+          uint4 lo, hi;
+          const int t = u / (HEAD_SIZE / 16);
+          const int c = u % (HEAD_SIZE / 16);
+          widen16<T, C>(*reinterpret_cast<const uint4*>(ks + t * CROW + c * 16), lo, hi);
+          *reinterpret_cast<uint4*>(kw + t * ROW + c * 16) = lo;
+          *reinterpret_cast<uint4*>(kw + t * ROW + c * 16 + 8) = hi;
+          int vsrc = t * CROW + c * 16, vdst = t * ROW + c * 16;
+          if constexpr (Geo::kVDimMajor) {  // [dim][token]
+            const int d = u / (TILE_N / 16);
+            const int r = u % (TILE_N / 16);
+            vsrc = d * Geo::kCVRow + r * 16;
+            vdst = d * Geo::kVRow + r * 16;
+          }
+          widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
+          *reinterpret_cast<uint4*>(vw + vdst) = lo;
+          *reinterpret_cast<uint4*>(vw + vdst + 8) = hi;
         }
       }
     };
@@ -356,9 +431,19 @@ __global__ void __launch_bounds__(
       store_ids(it + STAGES, id_ahead);
       fetch_ids(it + STAGES + 1, id_ahead);
 
-      const T* ks = k_s + stage * (TILE_N * ROW);
-      T* vs = v_s + stage * (Geo::kVStage / 2);
       const int valid = min(TILE_N, kv_end - t0);
+      const float* ksc = ksc_s + stage * TILE_N;  // per-token scales (kTokenScales)
+      const float* vsc = vsc_s + stage * TILE_N;
+      const T* ks = reinterpret_cast<const T*>(k_s + stage * (Geo::kKStage / CB));
+      T* vs = reinterpret_cast<T*>(v_s + stage * (Geo::kVStage / CB));
+      if constexpr (Geo::kQuant) {
+        T* kw = reinterpret_cast<T*>(smem + Geo::kOffWide);
+        T* vw = reinterpret_cast<T*>(smem + Geo::kOffWide + Geo::kKWide);
+        widen_tile(k_s + stage * (Geo::kKStage / CB), v_s + stage * (Geo::kVStage / CB), kw, vw);
+        __syncthreads();
+        ks = kw;
+        vs = vw;
+      }
       if (valid < TILE_N) {
         // Slots at or past kv_end were not copied (or hold tokens past the sequence,
         // possibly NaN); P is 0 there, and 0 * NaN is NaN, so V must read as zeros.
@@ -425,8 +510,9 @@ __global__ void __launch_bounds__(
             for (int i = 0; i < 4; ++i) {  // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2
               const int h = i >> 1;
               const int key = t0 + n * 8 + frag_col + (i & 1);
+              const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
-                                   s[a][n][i] * scale_log2);
+                                   s[a][n][i] * sk);
               s[a][n][i] = key < limit[a][h] ? v : neg_inf();
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
             }
@@ -436,7 +522,8 @@ __global__ void __launch_bounds__(
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              s[a][n][i] *= scale_log2;
+              s[a][n][i] *= Geo::kTokenScales
+                                 ? score_scale * ksc[n * 8 + frag_col + (i & 1)] : score_scale;
               tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
             }
           }
@@ -458,8 +545,16 @@ __global__ void __launch_bounds__(
           l_run[a][0] += p0 + p1;
           l_run[a][1] += p2 + p3;
           // A fragment of k-step n / 2: regs 0,1 from n8 tile 2j (rows, rows + 8), 2,3 from 2j + 1.
-          pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0, p1);
-          pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2, p3);
+          if constexpr (Geo::kTokenScales) {
+            // Per-token V scales weigh P V's operand; the sums keep the plain probabilities.
+            const float v0 = vsc[n * 8 + frag_col];
+            const float v1 = vsc[n * 8 + frag_col + 1];
+            pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0 * v0, p1 * v1);
+            pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2 * v0, p3 * v1);
+          } else {
+            pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0, p1);
+            pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2, p3);
+          }
         }
         // Once the running maxima settle most tiles leave them unchanged (alpha = 1).
         if (__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
@@ -514,7 +609,7 @@ __global__ void __launch_bounds__(
         if (p >= packed) continue;
         // A row that saw no key (an empty sequence's, or one before every cached token)
         // gets zeros, never 0 / 0.
-        const float inv = bad ? quiet_nan() : (l > 0.f ? 1.f / l : 0.f);
+        const float inv = bad ? quiet_nan() : (l > 0.f ? out_scale / l : 0.f);
         const int head = kv_head * group_size + p % group_size;
         T* o = out + (static_cast<long long>(q_begin + p / group_size) * num_heads + head) * HEAD_SIZE;
 #pragma unroll

@@ -65,6 +65,9 @@ def _dtype_tables():
             _TORCH_TO_NUMPY[getattr(t, name)] = np.dtype(np_dtype)
         if _dtypes.BF16.numpy is not None:
             _TORCH_TO_NUMPY[t.bfloat16] = _dtypes.BF16.numpy
+        for name, d in (("float8_e4m3fn", _dtypes.E4M3), ("float8_e5m2", _dtypes.E5M2)):
+            if d.numpy is not None and hasattr(t, name):  # fp8 KV caches
+                _TORCH_TO_NUMPY[getattr(t, name)] = d.numpy
         _NUMPY_TO_TORCH.update((v, k) for k, v in _TORCH_TO_NUMPY.items())
     return _TORCH_TO_NUMPY, _NUMPY_TO_TORCH
 

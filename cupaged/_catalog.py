@@ -20,16 +20,21 @@ from . import _checks, _covering, _dtypes, _geometry, jit
 
 GROUP_TILES = (1, 2, 4, 8)
 KV_FORMATS = tuple(jit.KV_FORMATS)
+# The cache's element type: "" the query's own, or an fp8 format; and its scales.
+CACHE_DTYPES = ("", *_dtypes.FP8)
+KV_SCALES = tuple(jit.KV_SCALES)
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {
-    "paged_decode": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES,
-                     "block_size": _checks.BLOCK_SIZES, "kv_format": KV_FORMATS,
-                     "group_tile": GROUP_TILES},
-    "paged_prefill": {"dtype": ("f16", "bf16"), "head_size": _checks.HEAD_SIZES,
-                      "block_size": _checks.BLOCK_SIZES, "kv_format": KV_FORMATS},
+    "paged_decode": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
+                     "head_size": _checks.HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
+                     "kv_format": KV_FORMATS, "kv_scale": KV_SCALES, "group_tile": GROUP_TILES},
+    "paged_prefill": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
+                      "head_size": _checks.HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
+                      "kv_format": KV_FORMATS, "kv_scale": KV_SCALES},
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
-    "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "kv_format": KV_FORMATS,
+    "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
+                          "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                           "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
 }
@@ -40,11 +45,28 @@ SMALL_KERNELS = ("reshape_and_cache", "copy_blocks")
 
 
 def supported(spec: jit.KernelSpec) -> bool:
-    """Axis values that exist alone but not together: paged_prefill copies vLLM's value
-    layout in 16-byte runs of one block, so it takes that layout from 8-token blocks up
-    (smaller ones go to the decode kernel's row mode)."""
+    """Axis values that exist alone but not together: fp8 caches take float16/bfloat16
+    queries and head sizes that are multiples of 16, and only they have per-token-head
+    scales; paged_prefill copies vLLM's value layout in 16-byte runs of one block, so it
+    takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
+    kernel's row mode)."""
+    fp8 = spec.cache_dtype in _dtypes.FP8
+    if fp8 and (spec.dtype == "f32" or spec.head_size % 16):
+        return False
+    if spec.kv_scale and not fp8:
+        return False
     return not (spec.kernel == "paged_prefill" and spec.kv_format == "vllm"
-                and spec.block_size < 8)
+                and spec.block_size < (16 if fp8 else 8))
+
+
+def _spec(kernel: str, **fields) -> jit.KernelSpec | None:
+    """The spec, or None when its axis values do not go together (KernelSpec refuses
+    some combinations itself, `supported` the rest)."""
+    try:
+        spec = jit.KernelSpec(kernel, **fields)
+    except ValueError:
+        return None
+    return spec if supported(spec) else None
 
 
 def prefill_tiles(head_size: int) -> tuple:
@@ -68,8 +90,8 @@ def all_specs(archs) -> list[jit.KernelSpec]:
     for kernel, axes in AXES.items():
         for arch in archs:
             for values in product(*axes.values()):
-                spec = jit.KernelSpec(kernel, arch=arch, **dict(zip(axes, values)))
-                if supported(spec):
+                spec = _spec(kernel, arch=arch, **dict(zip(axes, values)))
+                if spec is not None:
                     specs += _with_tiles(spec)
     return specs
 
@@ -80,11 +102,13 @@ def _pairs(spec: jit.KernelSpec, names) -> set:
 
 
 def _decode_path(spec) -> tuple:
-    """What selects the code a decode specialization compiles: its element type, its tile
+    """What selects the code a decode specialization compiles: its element types and scale
+    mode, its tile
     and group tile, and the branches DecodeGeometry derives from several axes at once
     (tensor cores, V's shared-memory layout), which pairs of axes alone may miss."""
     g = _geometry.DecodeGeometry.of(spec)
-    return spec.dtype, spec.tile_tokens, spec.group_tile, spec.kv_format, g.mma, g.v_transposed
+    return (spec.dtype, spec.cache_dtype, spec.kv_scale, spec.tile_tokens, spec.group_tile,
+            spec.kv_format, g.mma, g.v_transposed)
 
 
 def covering_specs(archs) -> list[jit.KernelSpec]:
@@ -95,9 +119,8 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
     specs = []
     for kernel, axes in AXES.items():
         names = (*axes, "arch")
-        rows = [jit.KernelSpec(kernel, **row)
-                for row in _covering.pairwise({**axes, "arch": tuple(archs)})]
-        mine = [s for s in rows if supported(s)]
+        rows = [_spec(kernel, **row) for row in _covering.pairwise({**axes, "arch": tuple(archs)})]
+        mine = [s for s in rows if s is not None]
         # Pairs only an unsupported row held: one supported spec for each.
         covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()
         for s in all_specs(archs):

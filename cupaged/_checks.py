@@ -61,6 +61,12 @@ def check_head_size(head_size: int) -> None:
         fail(f"head_size {head_size} is not supported: expected a multiple of 8 from 32 to 256")
 
 
+def check_fp8_head_size(dt: _dtypes.DType, head_size: int) -> None:
+    if dt.itemsize == 1 and head_size % 16:
+        fail(f"head_size {head_size} is not supported with an fp8 cache: expected a multiple "
+             f"of 16 (a cache row is copied in 16-byte pieces)")
+
+
 class CacheShape(NamedTuple):
     dtype: _dtypes.DType
     num_blocks: int
@@ -69,14 +75,19 @@ class CacheShape(NamedTuple):
     block_size: int
 
 
+def _check_cache_dtype(name: str, a, dt: _dtypes.DType, ref: str) -> None:
+    # fp8 (1-byte) storage was matched with its format by _kvquant.cache_dtype.
+    if (a.dtype.itemsize != 1) if dt.itemsize == 1 else (a.dtype != dt.numpy):
+        fail(f"{name} dtype {a.dtype} does not match {ref} dtype {dt.numpy}", TypeError)
+
+
 def check_caches(key_cache, value_cache, dt: _dtypes.DType, ref: str = "query") -> CacheShape:
-    """vLLM's cache layouts, of element type ``dt`` (that of ``ref``): key
+    """vLLM's cache layouts, of element type ``dt`` (that of ``ref``, or an fp8 format): key
     ``[num_blocks, num_kv_heads, head_size/x, block_size, x]``, value
     ``[num_blocks, num_kv_heads, head_size, block_size]``, each contiguous within a block,
     16-byte aligned with free block and head strides."""
     for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if a.dtype != dt.numpy:
-            fail(f"{name} dtype {a.dtype} does not match {ref} dtype {dt.numpy}", TypeError)
+        _check_cache_dtype(name, a, dt, ref)
     x = 16 // dt.itemsize
     if key_cache.ndim != 5 or key_cache.shape[4] != x:
         fail(f"key_cache must be 5-D [num_blocks, num_kv_heads, head_size/{x}, block_size, {x}] "
@@ -87,6 +98,7 @@ def check_caches(key_cache, value_cache, dt: _dtypes.DType, ref: str = "query") 
     num_blocks, num_kv_heads, chunks, block_size, _ = key_cache.shape
     head_size = chunks * x
     check_head_size(head_size)
+    check_fp8_head_size(dt, head_size)
     if value_cache.shape != (num_blocks, num_kv_heads, head_size, block_size):
         fail(f"value_cache shape {value_cache.shape} does not match the key cache: expected "
              f"{(num_blocks, num_kv_heads, head_size, block_size)}")
@@ -144,8 +156,7 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
     dims = ("[num_blocks, block_size, num_kv_heads, head_size]" if kv_layout == "NHD"
             else "[num_blocks, num_kv_heads, block_size, head_size]")
     for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if a.dtype != dt.numpy:
-            fail(f"{name} dtype {a.dtype} does not match {ref} dtype {dt.numpy}", TypeError)
+        _check_cache_dtype(name, a, dt, ref)
         if a.ndim != 4:
             fail(f"{name} must be 4-D {dims} for kv_layout={kv_layout!r}, got shape {a.shape}")
     if value_cache.shape != key_cache.shape:
@@ -155,6 +166,7 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
     num_blocks, block_size, num_kv_heads, head_size = (
         shape[0], shape[tok_axis], shape[head_axis], shape[3])
     check_head_size(head_size)
+    check_fp8_head_size(dt, head_size)
     if block_size not in BLOCK_SIZES:
         fail(f"block_size {block_size} (key_cache.shape[{tok_axis}] for {kv_layout}) is not "
              f"supported: expected a power of two from 1 to 256")

@@ -10,8 +10,10 @@ try:  # CuPy >= 14 represents bfloat16 arrays with ml_dtypes' NumPy dtype.
     import ml_dtypes as _ml_dtypes
 
     _BF16 = np.dtype(_ml_dtypes.bfloat16)
+    _E4M3 = np.dtype(_ml_dtypes.float8_e4m3fn)
+    _E5M2 = np.dtype(_ml_dtypes.float8_e5m2)
 except ImportError:  # pragma: no cover - ml_dtypes ships with the cuda extras
-    _BF16 = None
+    _BF16 = _E4M3 = _E5M2 = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,25 @@ F16 = DType("f16", "cupaged::half_t", 2, np.dtype(np.float16))
 BF16 = DType("bf16", "cupaged::bfloat16_t", 2, _BF16)
 
 BY_NAME = {d.name: d for d in (F32, F16, BF16)}
+
+# fp8 KV-cache formats (cuda_src/fp8.cuh): OCP E4M3 (torch.float8_e4m3fn, largest finite
+# 448) and E5M2 (torch.float8_e5m2, 57344). Caches only: queries and outputs stay 16-bit.
+E4M3 = DType("e4m3", "cupaged::fp8_e4m3_t", 1, _E4M3)
+E5M2 = DType("e5m2", "cupaged::fp8_e5m2_t", 1, _E5M2)
+FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+CACHE_BY_NAME = {**BY_NAME, **FP8}
+_FP8_BY_NUMPY = {d.numpy: d for d in FP8.values() if d.numpy is not None}
+# kv_cache_dtype spellings (vLLM's): "auto" is the query's own type.
+KV_CACHE_DTYPES = {"fp8": E4M3, "fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
+
+
+def fp8_of(dtype) -> DType | None:
+    """The fp8 format a NumPy dtype names (ml_dtypes' float8_e4m3fn / float8_e5m2), or None."""
+    try:
+        return _FP8_BY_NUMPY.get(np.dtype(dtype))
+    except TypeError:
+        return None
 _BY_NUMPY = {d.numpy: d for d in (F32, F16, BF16) if d.numpy is not None}
 _ALIASES = {"float32": F32, "float": F32, "fp32": F32, "float16": F16, "half": F16,
             "fp16": F16, "bfloat16": BF16, "bf16": BF16}

@@ -25,10 +25,15 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+def _cache_itemsize(spec) -> int:
+    return _dtypes.CACHE_BY_NAME[spec.cache_dtype or spec.dtype].itemsize
+
+
 @dataclass(frozen=True)
 class DecodeGeometry:
-    """``DecodeGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, GROUP_TILE, TILE_TOKENS,
-    STAGES>``."""
+    """``DecodeGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, GROUP_TILE,
+    TILE_TOKENS, STAGES>``: ``itemsize`` is T's (the query's), ``cache_itemsize`` C's
+    (0: the same), ``token_scales`` KV_SCALE == kScaleTokenHead with an fp8 cache."""
 
     itemsize: int
     head_size: int
@@ -37,20 +42,31 @@ class DecodeGeometry:
     tile_tokens: int
     stages: int
     kv_format: str = "vllm"
+    cache_itemsize: int = 0
+    token_scales: bool = False
 
     @classmethod
     def of(cls, spec) -> "DecodeGeometry":
         """The geometry of a ``paged_decode`` :class:`~cupaged.jit.KernelSpec`."""
         return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
-                   spec.group_tile, spec.tile_tokens, spec.stages, spec.kv_format)
+                   spec.group_tile, spec.tile_tokens, spec.stages, spec.kv_format,
+                   _cache_itemsize(spec), spec.kv_scale == "th")
+
+    @property
+    def cit(self) -> int:  # sizeof(C)
+        return self.cache_itemsize or self.itemsize
+
+    @property
+    def quant(self) -> bool:  # kQuant: an fp8 cache
+        return self.cit != self.itemsize
 
     @property
     def token_major(self) -> bool:  # kTokenMajor: K and V copied [token][dim]
         return self.kv_format == "tok"
 
     @property
-    def vec(self) -> int:  # kVec: elements per 16 bytes, the key layout's "x"
-        return 16 // self.itemsize
+    def vec(self) -> int:  # kVec: cache elements per 16 bytes, the key layout's "x"
+        return 16 // self.cit
 
     @property
     def sub(self) -> int:  # kSub: tokens per copied piece
@@ -71,15 +87,21 @@ class DecodeGeometry:
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes
-        it, tt, hs, gt = self.itemsize, self.tile_tokens, self.head_size, self.group_tile
+        it, tt, hs, gt = self.cit, self.tile_tokens, self.head_size, self.group_tile
         if self.token_major:
             k_stage = v_stage = tt * (hs + self.vec) * it
         else:
             k_stage, v_stage = tt * hs * it, hs * (tt + self.vec) * it
+        wide = 0
+        if self.mma and self.quant:  # kConvert: one tile widened to T (16-bit)
+            vm = 16 // self.itemsize
+            wide = 2 * (tt * (hs + vm if self.token_major else hs)
+                        + (tt * (hs + vm) if self.token_major else hs * (tt + vm)))
         q_bytes = 0 if self.mma else gt * hs * 4
         red_bytes = _round_up(gt * 4, 16) if self.mma else DECODE_THREADS * gt * 4
-        return (self.stages * (k_stage + v_stage) + q_bytes + tt * gt * 4 + red_bytes
-                + WARPS * gt * 4 + 16 + _round_up(2 * self.pieces * 4, 16))
+        scales = 2 * self.stages * tt * 4 if self.quant and self.token_scales else 0
+        return (self.stages * (k_stage + v_stage) + wide + q_bytes + tt * gt * 4 + red_bytes
+                + WARPS * gt * 4 + 16 + _round_up(2 * self.pieces * 4, 16) + scales)
 
     def violations(self) -> list[str]:
         """The ``static_assert``s this geometry would fail, by their messages."""
@@ -96,12 +118,14 @@ class DecodeGeometry:
             bad.append("GROUP_TILE")
         if self.stages < 2:
             bad.append("STAGES")
+        if self.quant and not (self.cit == 1 and it == 2 and hs % 16 == 0):
+            bad.append("fp8 caches: 16-bit queries, head sizes that are multiples of 16")
         if (tt // WARPS) % self.vec:
             bad.append("P @ V walks whole 16-byte vectors")
-        k_stage = tt * (hs + self.vec if self.token_major else hs) * it
+        k_stage = tt * (hs + self.vec if self.token_major else hs) * self.cit
         if WARPS * gt * hs * 4 > self.stages * k_stage:
             bad.append("reduction space")
-        if self.mma and gt * (tt + self.vec) * 2 > tt * gt * 4:
+        if self.mma and gt * (tt + 16 // it) * 2 > tt * gt * 4:
             bad.append("P space")
         return bad
 
@@ -114,8 +138,9 @@ class DecodeGeometry:
 
 @dataclass(frozen=True)
 class PrefillGeometry:
-    """``PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, WARPS, M_ATOMS, TILE_N,
-    STAGES>`` of ``cuda_src/paged_prefill.cuh``."""
+    """``PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS, M_ATOMS,
+    TILE_N, STAGES>`` of ``cuda_src/paged_prefill.cuh`` (``cache_itemsize`` and
+    ``token_scales`` as for :class:`DecodeGeometry`)."""
 
     itemsize: int
     head_size: int
@@ -125,11 +150,18 @@ class PrefillGeometry:
     m_atoms: int
     tile_tokens: int
     stages: int
+    cache_itemsize: int = 0
+    token_scales: bool = False
 
     @classmethod
     def of(cls, spec) -> "PrefillGeometry":
         return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
-                   spec.kv_format, spec.warps, spec.m_atoms, spec.tile_tokens, spec.stages)
+                   spec.kv_format, spec.warps, spec.m_atoms, spec.tile_tokens, spec.stages,
+                   _cache_itemsize(spec), spec.kv_scale == "th")
+
+    @property
+    def quant(self) -> bool:  # kQuant: an fp8 cache
+        return (self.cache_itemsize or self.itemsize) != self.itemsize
 
     @property
     def threads(self) -> int:
@@ -142,12 +174,22 @@ class PrefillGeometry:
     @property
     def smem_bytes(self) -> int:  # kSmemBytes
         hsp = _round_up(self.head_size, 16)
+        tt = self.tile_tokens
         row = hsp + 8
         q = self.rows * row * 2
-        k_stage = self.tile_tokens * row * 2
-        v_stage = hsp * (self.tile_tokens + 8) * 2 if self.kv_format == "vllm" else k_stage
-        ids = max(1, self.tile_tokens // self.block_size)  # block ids per tile, per stage
-        return q + self.stages * (k_stage + v_stage) + _round_up(self.stages * ids * 4, 16) + 16
+        vllm = self.kv_format == "vllm"
+        k_wide = tt * row * 2
+        v_wide = hsp * (tt + 8) * 2 if vllm else k_wide
+        if self.quant:  # stages of cache bytes, rows padded by 16; one tile widened to T
+            crow = self.head_size + 16
+            k_stage, v_stage = tt * crow, hsp * (tt + 16) if vllm else tt * crow
+            wide = k_wide + v_wide
+        else:
+            k_stage, v_stage, wide = k_wide, v_wide, 0
+        ids = max(1, tt // self.block_size)  # block ids per tile, per stage
+        scales = 2 * self.stages * tt * 4 if self.quant and self.token_scales else 0
+        return (q + self.stages * (k_stage + v_stage) + wide + _round_up(self.stages * ids * 4, 16)
+                + 16 + scales)
 
     def violations(self) -> list[str]:
         hs, bs = self.head_size, self.block_size
@@ -158,8 +200,10 @@ class PrefillGeometry:
             bad.append("HEAD_SIZE")
         if bs & (bs - 1) or not 1 <= bs <= 256:
             bad.append("BLOCK_SIZE")
-        if self.kv_format == "vllm" and bs < 8:
-            bad.append("vLLM's value layout is copied in runs of 8 tokens of one block")
+        if self.kv_format == "vllm" and bs < (16 if self.quant else 8):
+            bad.append("vLLM's value layout is copied in runs of 16 bytes of one block")
+        if self.quant and hs % 16:
+            bad.append("fp8 caches: head sizes that are multiples of 16")
         if self.tile_tokens not in (16, 32, 64, 128):
             bad.append("TILE_N")
         if not (1 <= self.warps <= 8 and self.m_atoms in (1, 2)):
@@ -197,17 +241,19 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
+        c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
         fmt = jit.KV_FORMATS[s.kv_format]
+        sc = jit.KV_SCALES[s.kv_scale]
         if s.kernel == "paged_prefill":
             g = PrefillGeometry.of(s)
-            cxx = (f"cupaged::PrefillGeometry<{t}, {s.head_size}, {s.block_size}, {fmt}, "
-                   f"{s.warps}, {s.m_atoms}, {s.tile_tokens}, {s.stages}>")
+            cxx = (f"cupaged::PrefillGeometry<{t}, {c}, {s.head_size}, {s.block_size}, {fmt}, "
+                   f"{sc}, {s.warps}, {s.m_atoms}, {s.tile_tokens}, {s.stages}>")
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                          f"{cxx}::kRows == {g.rows}, \"host mirror differs: {s.name}\");\n")
             continue
         g = DecodeGeometry.of(s)
-        cxx = (f"cupaged::DecodeGeometry<{t}, {s.head_size}, {s.block_size}, {fmt}, "
-               f"{s.group_tile}, {s.tile_tokens}, {s.stages}>")
+        cxx = (f"cupaged::DecodeGeometry<{t}, {c}, {s.head_size}, {s.block_size}, {fmt}, "
+               f"{sc}, {s.group_tile}, {s.tile_tokens}, {s.stages}>")
         lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                      f"{cxx}::kMma == {str(g.mma).lower()} && "
                      f"{cxx}::kVTransposed == {str(g.v_transposed).lower()} && "

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import runtime
 
-from . import _arrays, _checks, _dtypes, jit
+from . import _arrays, _checks, _dtypes, _kvquant, jit
 from ._arrays import as_device_array
 
 __all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "swap_blocks"]
@@ -27,10 +27,12 @@ _fail = _checks.fail
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str, kv_format: str = ""):
+def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str, kv_format: str = "",
+            cache_dtype: str = "", kv_scale: str = ""):
     from .decode import _device
 
     spec = jit.KernelSpec(kernel, dtype, index_dtype=index_dtype, kv_format=kv_format,
+                          cache_dtype=cache_dtype, kv_scale=kv_scale,
                           arch=_device(device_id).arch)
     return jit.load(spec, device_id)
 
@@ -49,11 +51,13 @@ def _check_index_array(a, name: str, shape) -> str:
 class _Write(NamedTuple):
     """A validated reshape_and_cache call."""
 
-    cache: _checks.CacheView
+    cache: _checks.CacheView  # its dtype is the cache's element type
     num_tokens: int
     index: str  # slot_mapping's element type: "i32" | "i64"
     device: int
     vec_src: bool  # every key and value row is 16-byte aligned: vector loads
+    source: _dtypes.DType  # key's and value's element type
+    quant: _kvquant.KVQuant
 
 
 def _rows_aligned(a) -> bool:
@@ -63,9 +67,13 @@ def _rows_aligned(a) -> bool:
         st % 16 == 0 for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1)
 
 
-def _validate_write(k, v, kc, vc, sm, kv_layout) -> _Write:
+def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
+                    v_scale=None) -> _Write:
     """Every check of reshape_and_cache, on array metadata only (no device sync)."""
-    dt = _checks.check_dtype(kc, "key_cache")
+    src = _checks.check_dtype(k, "key")
+    dt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, src)
+    if dt is src:  # a float cache: key and value must have its dtype
+        src = dt = _checks.check_dtype(kc, "key_cache")
     if not isinstance(kv_layout, str):
         _fail(f"kv_layout must be one of {_checks.KV_LAYOUTS}, got {kv_layout!r}", TypeError)
     if kv_layout == "vllm" and kc.ndim == 4:
@@ -75,13 +83,15 @@ def _validate_write(k, v, kc, vc, sm, kv_layout) -> _Write:
     cache = _checks.check_kv_layout(kc, vc, dt, kv_layout, ref="key_cache")
     want = (cache.num_kv_heads, cache.head_size)
     for name, a in (("key", k), ("value", v)):
-        if a.dtype != dt.numpy:
-            _fail(f"{name} dtype {a.dtype} does not match the cache dtype {dt.numpy}", TypeError)
+        if a.dtype != src.numpy:
+            _fail(f"{name} dtype {a.dtype} does not match "
+                  + (f"key dtype {src.numpy}" if dt is not src else f"the cache dtype {dt.numpy}"),
+                  TypeError)
         if a.ndim != 3 or a.shape[1:] != want:
             _fail(f"{name} must be [num_tokens, {want[0]}, {want[1]}] (num_tokens, num_kv_heads, "
                   f"head_size), got shape {a.shape}")
         if not _checks.is_empty(a) and (
-                (a.shape[2] > 1 and a.strides[2] != dt.itemsize) or min(a.strides) < 0):
+                (a.shape[2] > 1 and a.strides[2] != src.itemsize) or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
     num_tokens = k.shape[0]
@@ -91,11 +101,16 @@ def _validate_write(k, v, kc, vc, sm, kv_layout) -> _Write:
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
                                                     ("value", v), ("slot_mapping", sm)))
-    return _Write(cache, num_tokens, index, device, _rows_aligned(k) and _rows_aligned(v))
+    quant = _kvquant.scales(k_scale, v_scale, None if dt is src else dt, cache, device)
+    if quant.mode == "th":  # written by the kernel: no overlap with what it reads
+        _checks.check_disjoint((("k_scale", quant.keep[0]), ("v_scale", quant.keep[1]),
+                                ("key", k), ("value", v), ("slot_mapping", sm)))
+    return _Write(cache, num_tokens, index, device, _rows_aligned(k) and _rows_aligned(v),
+                  src, quant)
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, kv_layout="vllm",
-                      stream=None) -> None:
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                      k_scale=None, v_scale=None, *, kv_layout="vllm", stream=None) -> None:
     """Write each token's K and V into its cache slot, in any cache layout.
 
     Args:
@@ -116,6 +131,16 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, kv_la
             strides are multiples of 16 bytes; they are written in place.
         slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
             block_size + offset``; a negative slot marks a padding token that is skipped.
+        kv_cache_dtype: ``"auto"`` (the caches hold key's dtype, or the fp8 format their
+            float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
+            storage), as vLLM's. An fp8 cache stores ``value / scale`` rounded to nearest
+            even and saturated to the format's largest finite value (448 for e4m3, 57344
+            for e5m2; NaN stays NaN): torch's ``(x.float() / scale).clamp(-max,
+            max).to(float8)``, bit for bit. Sources must be float16 or bfloat16.
+        k_scale, v_scale: per tensor, a number or a float32 device scalar (default 1);
+            per token and head, float32 ``[num_blocks, num_kv_heads, block_size]`` arrays
+            into which each written (token, head) gets ``amax(|row|) / max`` (1 for a row
+            of zeros) before its row is divided by it. Ignored for 16-bit caches.
         kv_layout: ``"vllm"`` (default), ``"NHD"`` or ``"HND"``.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when
             ``key_cache`` is a torch tensor).
@@ -129,12 +154,12 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, kv_la
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_write(k, v, kc, vc, sm, kv_layout)
+    w = _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
     if w.num_tokens == 0:
         return
-    cache = w.cache
+    cache, q = w.cache, w.quant
     num_slots = cache.num_blocks * cache.block_size
-    it = cache.dtype.itemsize
+    it = w.source.itemsize
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.is_torch(key_cache), stream)
         if _checks.DEBUG:
@@ -142,13 +167,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, kv_la
             bad = np.flatnonzero(s >= num_slots)
             if bad.size:
                 _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
-        kern = _kernel(w.device, "reshape_and_cache", cache.dtype.name, w.index, cache.kv_format)
+        kern = _kernel(w.device, "reshape_and_cache", w.source.name, w.index, cache.kv_format,
+                       cache.dtype.name, q.mode)
         kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
              k.data.ptr, k.strides[0] // it, k.strides[1] // it,
              v.data.ptr, v.strides[0] // it, v.strides[1] // it,
              kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
              sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots,
-             int(w.vec_src))
+             int(w.vec_src), q.k_ptr, q.v_ptr, q.block_stride, q.head_stride, q.k_value,
+             q.v_value)
 
 
 # ---- block copies -----------------------------------------------------------------------------
@@ -321,7 +348,8 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
     host memory directly over the bus, so scattered blocks cost no per-block copy calls.
 
     Args:
-        src, dst: caches with the same dtype and per-block shape (``shape[1:]``), each
+        src, dst: caches (fp8 ones and their scale arrays included: any dtype cupaged's
+            caches use) with the same dtype and per-block shape (``shape[1:]``), each
             contiguous within a block (any layout, or a K or V half of a ``[num_blocks, 2,
             ...]`` allocation); one on the device (CuPy, torch or DLPack), the
             other in pinned host memory (:func:`empty_pinned`, or a torch tensor with
@@ -346,8 +374,10 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
     if src_a.dtype != dst_a.dtype or src_a.shape[1:] != dst_a.shape[1:]:
         _fail(f"src {src_a.shape} {src_a.dtype} and dst {dst_a.shape} {dst_a.dtype} must have "
               f"the same dtype and block shape")
-    if _dtypes.lookup(src_a.dtype) is None:
-        _fail(f"src dtype {src_a.dtype} is not supported: expected {_dtypes.supported_names()}",
+    if _dtypes.lookup(src_a.dtype) is None and _dtypes.fp8_of(src_a.dtype) is None \
+            and src_a.dtype not in (np.dtype(np.uint8), np.dtype(np.int8)):
+        _fail(f"src dtype {src_a.dtype} is not supported: expected {_dtypes.supported_names()}, "
+              f"float8 (e4m3fn, e5m2) or 1-byte storage of an fp8 cache (uint8, int8)",
               TypeError)
     nbytes = _block_bytes(src_a, "src")
     _block_bytes(dst_a, "dst")

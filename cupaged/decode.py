@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
-from . import _arrays, _catalog, _checks, _dtypes, _geometry, jit
+from . import _arrays, _catalog, _checks, _dtypes, _geometry, _kvquant, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = [
@@ -71,10 +71,12 @@ def _set_tile(tile: tuple[int, int] | None) -> None:
 
 
 def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
-                 kv_format: str = "vllm") -> jit.KernelSpec:
+                 kv_format: str = "vllm", cache_dtype: str = "",
+                 kv_scale: str = "") -> jit.KernelSpec:
     tt, st = _tile_override or (0, 0)
     return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
-                          kv_format=kv_format, arch=arch)
+                          kv_format=kv_format, cache_dtype=cache_dtype, kv_scale=kv_scale,
+                          arch=arch)
 
 
 class _Device(NamedTuple):
@@ -109,9 +111,10 @@ class _Kernels(NamedTuple):
 
 @lru_cache(maxsize=None)
 def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int,
-             kv_format: str = "vllm") -> _Kernels:
+             kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "") -> _Kernels:
     dev = _device(device_id)
-    spec = _decode_spec(dev.arch, dtype, head_size, block_size, group_tile, kv_format)
+    spec = _decode_spec(dev.arch, dtype, head_size, block_size, group_tile, kv_format,
+                        cache_dtype, kv_scale)
     smem = _decode_smem_bytes(spec)
     if smem > dev.max_smem:
         raise ValueError(
@@ -139,36 +142,42 @@ class _Problem(NamedTuple):
     block_size: int
     num_blocks: int
     max_blocks: int
-    cache: _checks.CacheView
+    cache: _checks.CacheView  # its dtype is the cache's element type (fp8 or the query's)
     num_rows: int  # query rows: num_seqs for decode, total_q for attention()
+    quant: _kvquant.KVQuant = _kvquant.NONE  # an fp8 cache's scales
 
 
 # PagedKV (cuda_src/kv_layout.cuh), passed by value: k, v, their (block, head, token)
-# strides, the block table and its row stride, max_blocks, num_blocks.
-_PAGED_KV = struct.Struct("@PPqqqqqqPqii")
-assert _PAGED_KV.size == 88
+# strides, the block table and its row stride, max_blocks, num_blocks, then an fp8
+# cache's scales (pointers, the per-token arrays' block and head strides, values).
+_PAGED_KV = struct.Struct("@PPqqqqqqPqiiPPqqff")
+assert _PAGED_KV.size == 128
 
 
 def _paged_kv(kc, vc, bt, p: _Problem) -> bytes:
-    c = p.cache
+    c, q = p.cache, p.quant
     return _PAGED_KV.pack(kc.data.ptr, vc.data.ptr, *c.k_strides, *c.v_strides, bt.data.ptr,
-                          bt.strides[0] // 4, p.max_blocks, p.num_blocks)
+                          bt.strides[0] // 4, p.max_blocks, p.num_blocks, q.k_ptr, q.v_ptr,
+                          q.block_stride, q.head_stride, q.k_value, q.v_value)
 
 
 def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
-              out) -> _Problem:
+              out, kv_cache_dtype="auto", k_scale=None, v_scale=None) -> _Problem:
     dt = _checks.check_dtype(query, "query")
-    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if a.dtype != query.dtype:
-            _fail(f"{name} dtype {a.dtype} does not match query dtype {query.dtype}", TypeError)
+    cdt = _kvquant.cache_dtype(kv_cache_dtype, key_cache, value_cache, dt)
+    if cdt is dt:
+        for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if a.dtype != query.dtype:
+                _fail(f"{name} dtype {a.dtype} does not match query dtype {query.dtype}",
+                      TypeError)
     if query.ndim != 3:
         _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {query.shape}")
     num_seqs, num_heads, head_size = query.shape
     _checks.check_head_size(head_size)
-    x = 16 // dt.itemsize
+    x = 16 // cdt.itemsize
     if key_cache.ndim == 5 and key_cache.shape[2] * x != head_size:
         _fail(f"key_cache.shape[2] is {key_cache.shape[2]}, expected head_size/{x} = {head_size // x}")
-    cache = _checks.check_kv_layout(key_cache, value_cache, dt, "vllm")
+    cache = _checks.check_kv_layout(key_cache, value_cache, cdt, "vllm")
     if num_heads == 0 or num_heads % cache.num_kv_heads:
         _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
               f"({cache.num_kv_heads})")
@@ -196,8 +205,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     _checks.check_same_device(device, "query", (
         ("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
         ("context_lens", context_lens), ("alibi_slopes", alibi_slopes), ("out", out)))
+    quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
     return _Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
-                    cache.block_size, cache.num_blocks, max_blocks, cache, num_seqs)
+                    cache.block_size, cache.num_blocks, max_blocks, cache, num_seqs, quant)
 
 
 def _scale(scale, head_size: int) -> float:
@@ -311,7 +321,8 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
         return
     group = p.num_heads // p.num_kv_heads
     gt = _group_tile(group)
-    ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt, p.cache.kv_format)
+    ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt, p.cache.kv_format,
+                  p.cache.dtype.name, p.quant.mode)
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
@@ -361,7 +372,8 @@ def _workspace_partials(workspace, p: _Problem) -> _Partials | None:
 
 
 def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
-         max_context_len, out, partition, stream=None, workspace=None):
+         max_context_len, out, partition, stream=None, workspace=None, kv_cache_dtype="auto",
+         k_scale=None, v_scale=None):
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -369,7 +381,7 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     cl = as_device_array(context_lens, "context_lens")
     alibi = optional_device_array(alibi_slopes, "alibi_slopes")
     o = optional_device_array(out, "out")
-    p = _validate(q, kc, vc, bt, cl, alibi, o)
+    p = _validate(q, kc, vc, bt, cl, alibi, o, kv_cache_dtype, k_scale, v_scale)
     scale = _scale(scale, p.head_size)
     max_ctx = _max_context(max_context_len, p)
     workspace = _workspace_partials(workspace, p)
@@ -452,7 +464,8 @@ class DecodeWorkspace:
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
                     alibi_slopes=None, max_context_len=None, out=None, partition="auto",
-                    stream=None, workspace=None):
+                    stream=None, workspace=None, kv_cache_dtype="auto", k_scale=None,
+                    v_scale=None):
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -460,7 +473,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
             sequence and head strides are free (a slice of a fused QKV works); the last
             dimension must be contiguous.
         key_cache: ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` with
-            ``x = 16 // itemsize`` (vLLM's layout), the query's dtype.
+            ``x = 16 // itemsize`` of the cache (vLLM's layout; 16 for fp8), the query's
+            dtype or fp8 (``kv_cache_dtype``).
         value_cache: ``[num_blocks, num_kv_heads, head_size, block_size]``.
             Both caches must be contiguous within a block; their block and head strides
             are free (multiples of 16 bytes).
@@ -480,6 +494,17 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
             arrays' device when ``query`` is a torch tensor, else CuPy's.
         workspace: a :class:`DecodeWorkspace` for the split-KV partials; with ``out``
             given, the call then allocates nothing (CUDA graph capture).
+        kv_cache_dtype: ``"auto"``: the caches hold the query's dtype, or an fp8 format
+            their dtype names (torch's ``float8_e4m3fn``/``float8_e5m2``, ml_dtypes');
+            ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"``: fp8 in any 1-byte storage (uint8,
+            int8 or the float8 types). fp8 needs float16/bfloat16 queries and head sizes
+            that are multiples of 16.
+        k_scale, v_scale: an fp8 cache's scales: it holds ``value / scale`` and is read
+            as ``stored * scale`` (fp32). Per tensor: a number, or a float32 device scalar
+            (read in the kernel: no sync, graph-safe; vLLM's ``layer._k_scale``); default
+            1. Per token and head: float32 ``[num_blocks, num_kv_heads, block_size]``
+            arrays (tokens contiguous), as :func:`reshape_and_cache` writes them. Ignored
+            for caches of the query's dtype.
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
     device, mixed freely; none is copied.
@@ -495,7 +520,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
     read; use :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
     """
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale,
-                alibi_slopes, max_context_len, out, partition, stream, workspace)
+                alibi_slopes, max_context_len, out, partition, stream, workspace,
+                kv_cache_dtype, k_scale, v_scale)
 
 
 def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
@@ -505,27 +531,56 @@ def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
               f"key_cache of shape {kc.shape}")
 
 
+def _check_blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_step):
+    """vLLM's blocksparse arguments: accepted at their values for dense attention (vLLM's
+    kernels are dense unless ``blocksparse_vert_stride > 1``)."""
+    for name, v in (("tp_rank", tp_rank), ("blocksparse_local_blocks", local_blocks),
+                    ("blocksparse_vert_stride", vert_stride),
+                    ("blocksparse_block_size", block_size),
+                    ("blocksparse_head_sliding_step", head_sliding_step)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            _fail(f"{name} must be an int, got {type(v).__name__}", TypeError)
+    if vert_stride > 1:
+        raise NotImplementedError(
+            f"blocksparse attention (blocksparse_vert_stride={vert_stride}) is not implemented "
+            f"yet; dense attention takes blocksparse_vert_stride 0 or 1")
+
+
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                       context_lens, block_size, max_context_len, alibi_slopes=None, *,
+                       context_lens, block_size, max_context_len, alibi_slopes=None,
+                       kv_cache_dtype="auto", k_scale=None, v_scale=None, tp_rank=0,
+                       blocksparse_local_blocks=0, blocksparse_vert_stride=0,
+                       blocksparse_block_size=64, blocksparse_head_sliding_step=0, *,
                        stream=None):
-    """vLLM's ``paged_attention_v1`` argument order: single-pass decode into ``out``."""
+    """vLLM's ``paged_attention_v1``, with its full positional argument list: single-pass
+    decode into ``out``. ``kv_cache_dtype``, ``k_scale`` and ``v_scale`` are as for
+    :func:`paged_attention`; the blocksparse arguments must describe dense attention
+    (``blocksparse_vert_stride`` 0 or 1), else NotImplementedError."""
+    _check_blocksparse(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
+                       blocksparse_block_size, blocksparse_head_sliding_step)
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v1")
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
-                max_context_len, out, "never", stream)
+                max_context_len, out, "never", stream, None, kv_cache_dtype, k_scale, v_scale)
 
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
                        num_kv_heads, scale, block_tables, context_lens, block_size,
-                       max_context_len, alibi_slopes=None, *, stream=None):
-    """vLLM's ``paged_attention_v2`` argument order: split-KV decode into ``out``.
+                       max_context_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=None,
+                       v_scale=None, tp_rank=0, blocksparse_local_blocks=0,
+                       blocksparse_vert_stride=0, blocksparse_block_size=64,
+                       blocksparse_head_sliding_step=0, *, stream=None):
+    """vLLM's ``paged_attention_v2``, with its full positional argument list: split-KV
+    decode into ``out`` (fp8 and blocksparse arguments as for :func:`paged_attention_v1`).
 
     ``exp_sums``/``max_logits``: float32 ``[num_seqs, num_heads, P]``; ``tmp_out``:
     ``[num_seqs, num_heads, P, head_size]``, float32 or the query's dtype, all contiguous.
     They are scratch space; cupaged picks a partition size so its (float32) partials fit
     in them, which for a 16-bit ``tmp_out`` means at most P // 2 partitions.
     """
+    _check_blocksparse(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
+                       blocksparse_block_size, blocksparse_head_sliding_step)
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v2")
@@ -573,7 +628,8 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         # The partials are float32 rows carved from the caller's buffers (sizes checked above).
         workspace = _Partials(tmp.data.ptr, ml.data.ptr, es.data.ptr, s * h * capacity)
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
-                max_context_len, out, partition, stream, workspace)
+                max_context_len, out, partition, stream, workspace, kv_cache_dtype, k_scale,
+                v_scale)
 
 
 def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: int, *,

@@ -55,25 +55,26 @@ class CompileError(RuntimeError):
 
 # ---- the kernels: template name -> entry file and template parameters ---------------------
 
-_DECODE_PARAMS = ("dtype", "head_size", "block_size", "kv_format", "group_tile", "tile_tokens",
-                  "stages")
-_PREFILL_PARAMS = ("dtype", "head_size", "block_size", "kv_format", "warps", "m_atoms",
-                   "tile_tokens", "stages")
+_DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
+                  "group_tile", "tile_tokens", "stages")
+_PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
+                   "warps", "m_atoms", "tile_tokens", "stages")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
-    "reshape_and_cache": ("cache_ops.cu", ("dtype", "kv_format", "index_dtype")),
+    "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
+                                           "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
 }
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
 ARG_FORMATS = {
-    "paged_decode": "PPPPPqq88sPPPiiiiif",  # PagedKV (88 bytes) by value
-    "paged_prefill": "PPqq88sPPPiiif",
+    "paged_decode": "PPPPPqq128sPPPiiiiif",  # PagedKV (128 bytes) by value
+    "paged_prefill": "PPqq128sPPPiiif",
     "paged_decode_combine": "PPPPPiii",
-    "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqi",
+    "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
 }
 _ARG_TOKEN = re.compile(r"(\d*)([a-zA-Z?])")
@@ -81,15 +82,20 @@ _INDEX_CXX = {"i32": "int", "i64": "long long"}
 # KVFormat in cuda_src/kv_layout.cuh: "tok" for token-major caches (NHD, HND, fused views),
 # "vllm" for vLLM's legacy x-split key and dimension-major value.
 KV_FORMATS = {"tok": 0, "vllm": 1}
+# KVScale in cuda_src/kv_layout.cuh: how an fp8 cache's scales come. "" one per tensor (and
+# caches of the query's type, which have none), "th" one per (token, KV head).
+KV_SCALES = {"": 0, "th": 1}
 
 
-def default_decode_tile(itemsize: int, head_size: int) -> int:
-    """Tokens per pipeline tile: about 16 KiB of K (and of V) per stage, a power of two
-    in [32, 256]. Large enough to keep many bytes in flight, small enough for two or three
-    CTAs per SM."""
+def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
+    """Tokens per pipeline tile: about 16 KiB of K (and of V) per stage at the query's
+    ``itemsize``, a power of two in [32, 256]. Large enough to keep many bytes in flight,
+    small enough for two or three CTAs per SM. An fp8 cache takes the same tokens (its
+    stages hold half the bytes, but the tensor-core path widens each tile into a 16-bit
+    copy), and at least 64: the FMA path walks V in 16-byte runs of tokens per warp."""
     tokens = max(1, 16384 // (head_size * itemsize))
     tokens = 1 << (tokens.bit_length() - 1)
-    return min(256, max(32, tokens))
+    return min(256, max(64 if fp8 else 32, tokens))
 
 
 def default_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
@@ -117,7 +123,7 @@ class KernelSpec:
     """
 
     kernel: str
-    dtype: str = ""  # "f32" | "f16" | "bf16"
+    dtype: str = ""  # "f32" | "f16" | "bf16": the query's (and the output's)
     head_size: int = 0
     block_size: int = 0
     group_tile: int = 0
@@ -127,6 +133,8 @@ class KernelSpec:
     kv_format: str = ""  # "tok" | "vllm" (KV_FORMATS); default "vllm", prefill "tok"
     warps: int = 0  # paged_prefill: warps per CTA
     m_atoms: int = 0  # paged_prefill: 16-row mma tiles per warp
+    cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same
+    kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -136,6 +144,18 @@ class KernelSpec:
         params = _KERNELS[self.kernel][1]
         if ("dtype" in params) != (self.dtype in _dtypes.BY_NAME):
             raise ValueError(f"unknown dtype in {self!r}")
+        if "cache_dtype" in params:
+            if self.cache_dtype in ("", self.dtype):
+                object.__setattr__(self, "cache_dtype", self.dtype)
+            elif self.cache_dtype not in _dtypes.FP8:
+                raise ValueError(f"cache_dtype must be the dtype or one of {sorted(_dtypes.FP8)} "
+                                 f"in {self!r}")
+            if self.kv_scale not in KV_SCALES:
+                raise ValueError(f"kv_scale must be one of {sorted(KV_SCALES)} in {self!r}")
+            if self.kv_scale and self.cache_dtype not in _dtypes.FP8:
+                raise ValueError(f"kv_scale {self.kv_scale!r} needs an fp8 cache_dtype in {self!r}")
+        elif self.cache_dtype or self.kv_scale:
+            raise ValueError(f"{self.kernel} takes no cache_dtype or kv_scale: {self!r}")
         if ("index_dtype" in params) != (self.index_dtype in _INDEX_CXX):
             raise ValueError(f"index_dtype must be 'i32' or 'i64' in {self!r}")
         if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
@@ -151,11 +171,14 @@ class KernelSpec:
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
         elif "tile_tokens" in params:
-            itemsize = _dtypes.BY_NAME[self.dtype].itemsize
             if self.tile_tokens == 0:
-                object.__setattr__(self, "tile_tokens", default_decode_tile(itemsize, self.head_size))
+                object.__setattr__(self, "tile_tokens", self._default_tile())
             if self.stages == 0:
                 object.__setattr__(self, "stages", 2)
+
+    def _default_tile(self) -> int:
+        return default_decode_tile(_dtypes.BY_NAME[self.dtype].itemsize, self.head_size,
+                                   self.cache_dtype in _dtypes.FP8)
 
     @property
     def source_file(self) -> str:
@@ -168,6 +191,8 @@ class KernelSpec:
         parts = [self.kernel]
         if "dtype" in p:
             parts.append(self.dtype)
+        if "cache_dtype" in p and self.cache_dtype != self.dtype:
+            parts.append(self.cache_dtype)
         if "head_size" in p:
             parts.append(f"hs{self.head_size}")
         if "index_dtype" in p:
@@ -176,6 +201,8 @@ class KernelSpec:
             parts.append(f"bs{self.block_size}")
         if "kv_format" in p:
             parts.append(self.kv_format)
+        if self.kv_scale:
+            parts.append(self.kv_scale)
         if "group_tile" in p:
             parts.append(f"g{self.group_tile}")
         if self.kernel == "paged_prefill":
@@ -183,8 +210,7 @@ class KernelSpec:
             if tile != default_prefill_tile(self.head_size):
                 parts.append("w{}m{}n{}x{}".format(*tile))
         elif "tile_tokens" in p:
-            itemsize = _dtypes.BY_NAME[self.dtype].itemsize
-            if (self.tile_tokens, self.stages) != (default_decode_tile(itemsize, self.head_size), 2):
+            if (self.tile_tokens, self.stages) != (self._default_tile(), 2):
                 parts.append(f"t{self.tile_tokens}x{self.stages}")
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
@@ -195,8 +221,10 @@ class KernelSpec:
         args = []
         for p in self._params:
             v = getattr(self, p)
-            if p == "dtype":
-                v = _dtypes.BY_NAME[v].cxx
+            if p in ("dtype", "cache_dtype"):
+                v = _dtypes.CACHE_BY_NAME[v].cxx
+            elif p == "kv_scale":
+                v = KV_SCALES[v]
             elif p == "index_dtype":
                 v = _INDEX_CXX[v]
             elif p == "kv_format":

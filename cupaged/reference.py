@@ -8,6 +8,10 @@ Cache layouts (``kv_layout``), one block of ``block_size`` tokens per leading in
             of elements), value ``[num_blocks, num_kv_heads, head_size, block_size]``
     "NHD"   key and value ``[num_blocks, block_size, num_kv_heads, head_size]``
     "HND"   key and value ``[num_blocks, num_kv_heads, block_size, head_size]``
+
+fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays with
+"auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
+float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import math
 
 import numpy as np
 
-__all__ = ["KV_LAYOUTS", "attention", "gather_kv", "paged_attention"]
+__all__ = ["KV_LAYOUTS", "attention", "dequantize_fp8", "gather_kv", "paged_attention",
+           "quantize_fp8", "reshape_and_cache", "token_head_scales"]
 
 KV_LAYOUTS = ("NHD", "HND", "vllm")
 
@@ -36,11 +41,112 @@ def _as_tokens(cache, kv_layout: str, is_key: bool):
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
 
 
-def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: str = "vllm"):
+# ---- fp8 ------------------------------------------------------------------------------------
+
+
+def _fp8_format(kv_cache_dtype, cache):
+    """The ml_dtypes float8 type of a cache, or None for a plain float cache."""
+    import ml_dtypes
+
+    types = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+             "fp8_e5m2": ml_dtypes.float8_e5m2}
+    dt = np.asarray(cache).dtype
+    if kv_cache_dtype in (None, "auto"):
+        return dt.type if dt in (np.dtype(ml_dtypes.float8_e4m3fn),
+                                 np.dtype(ml_dtypes.float8_e5m2)) else None
+    if kv_cache_dtype not in types:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
+    return types[kv_cache_dtype]
+
+
+_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+
+
+def _fp8_max(fmt) -> float:
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(fmt).max)
+
+
+def quantize_fp8(x, kv_cache_dtype: str = "fp8_e4m3", scale=1.0):
+    """``x / scale`` in float32, saturated to the format's largest finite value and
+    rounded to nearest even (NaN stays NaN): what the cache write stores, as ml_dtypes'
+    float8 array. ``scale`` broadcasts against ``x`` (per tensor, or per token and head
+    with a trailing axis of 1)."""
+    fmt = _fp8_format(kv_cache_dtype, np.zeros(0))
+    m = np.float32(_fp8_max(fmt))
+    y = np.asarray(x).astype(np.float32) / np.asarray(scale, dtype=np.float32)
+    return np.clip(y, -m, m).astype(fmt)
+
+
+def token_head_scales(x, kv_cache_dtype: str = "fp8_e4m3"):
+    """Per-token-head scales of rows ``x [..., head_size]``: ``amax(|row|) / max`` in
+    float32 (1 for a row of zeros), with the last axis kept (length 1)."""
+    fmt = _fp8_format(kv_cache_dtype, np.zeros(0))
+    a = np.abs(np.asarray(x).astype(np.float32)).max(axis=-1, keepdims=True)
+    return np.where(a > 0, a / np.float32(_fp8_max(fmt)), np.float32(1)).astype(np.float32)
+
+
+def dequantize_fp8(cache, kv_cache_dtype="auto", scale=1.0):
+    """An fp8 cache's values, ``stored * scale`` in float64 (``cache`` may be any 1-byte
+    dtype; ``scale`` broadcasts)."""
+    fmt = _fp8_format(kv_cache_dtype, cache)
+    c = np.asarray(cache)
+    return c.view(fmt).astype(np.float64) * np.asarray(scale, dtype=np.float64)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                      k_scale=None, v_scale=None, *, kv_layout: str = "vllm") -> None:
+    """What ``cupaged.reshape_and_cache`` writes, into host caches in place (NumPy; an fp8
+    cache may be 1-byte storage of any dtype). Per-token-head ``k_scale``/``v_scale``
+    arrays ``[num_blocks, num_kv_heads, block_size]`` are written too."""
+    fmt = _fp8_format(kv_cache_dtype, key_cache)
+    kc = _as_tokens(key_cache, kv_layout, True)  # writable views [blocks, bs, kvh, hs]
+    vc = _as_tokens(value_cache, kv_layout, False)
+    if kv_layout == "vllm":  # the key view above is a reshaped copy: write through indices
+        kc = None
+    block_size = vc.shape[1]
+    per_token = k_scale is not None and np.ndim(k_scale) == 3
+    for i, slot in enumerate(np.asarray(slot_mapping).astype(np.int64)):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), block_size)
+        for rows, cache, is_key, sc in ((key[i], kc, True, k_scale), (value[i], vc, False, v_scale)):
+            rows = np.asarray(rows)
+            if fmt is None:
+                new = rows.astype(np.asarray(key_cache).dtype)
+            else:
+                if per_token:
+                    s = token_head_scales(rows, _NAMES[np.dtype(fmt).name])
+                    sc[b, :, o] = s[:, 0]
+                else:
+                    s = np.float32(1.0 if sc is None else sc)
+                    s = np.full((rows.shape[0], 1), s, dtype=np.float32)
+                q = np.clip(rows.astype(np.float32) / s, -_fp8_max(fmt), _fp8_max(fmt))
+                new = q.astype(np.float32).astype(fmt).view(np.uint8).view(
+                    np.asarray(key_cache).dtype)
+            if cache is not None:
+                cache[b, o] = new
+            else:  # vLLM's key: [blocks, kvh, hs / x, bs, x]
+                x = key_cache.shape[-1]
+                key_cache[b, :, :, o, :] = new.reshape(new.shape[0], -1, x)
+
+
+def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: str = "vllm",
+              kv_cache_dtype="auto", k_scale=None, v_scale=None):
     """One sequence's dense K and V, ``[context_len, num_kv_heads, head_size]`` float64,
-    read from the paged caches through its row of the block table."""
+    read from the paged caches through its row of the block table (an fp8 cache
+    dequantized as ``stored * scale``)."""
     k = _as_tokens(key_cache, kv_layout, True)
     v = _as_tokens(value_cache, kv_layout, False)
+    if _fp8_format(kv_cache_dtype, key_cache) is not None:
+        def scaled(c, s):
+            s = 1.0 if s is None else s
+            if np.ndim(s) == 3:  # [blocks, kv_heads, bs] -> [blocks, bs, kv_heads, 1]
+                s = np.asarray(s).transpose(0, 2, 1)[..., None]
+            return dequantize_fp8(c, kv_cache_dtype, s)
+
+        k, v = scaled(k, k_scale), scaled(v, v_scale)
     block_size = k.shape[1]
     n_blocks = -(-context_len // block_size)
     blocks = np.asarray(block_table)[:n_blocks]
@@ -88,7 +194,8 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
               kv_layout: str = "NHD", causal: bool = True, scale=None, alibi_slopes=None,
-              max_query_len=None, max_seq_len=None):
+              max_query_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=None,
+              v_scale=None):
     """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention``.
 
     Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` (default: one
@@ -96,7 +203,9 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     tokens, so row i sits at position ``seq_lens[s] - q_len + i`` (bottom-right aligned);
     with ``causal`` it attends to positions up to its own, otherwise to all ``seq_lens[s]``.
     Without ``query_start_loc`` (decode) a sequence of length 0 gives a zero row.
-    ``max_query_len`` and ``max_seq_len`` are accepted and ignored."""
+    ``max_query_len`` and ``max_seq_len`` are accepted and ignored. An fp8 cache
+    (``kv_cache_dtype``, ``k_scale``, ``v_scale`` as for the kernels) is read as
+    ``stored * scale``."""
     query = np.asarray(query)
     total_q, num_heads, head_size = query.shape
     lens = np.asarray(seq_lens)
@@ -117,15 +226,18 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             continue  # (decode's convention: an empty context gives a zero row)
         if b - a > n:
             raise ValueError(f"sequence {s} has {b - a} query tokens but only {n} cached")
-        k, v = gather_kv(key_cache, value_cache, tables[s], n, kv_layout)
+        k, v = gather_kv(key_cache, value_cache, tables[s], n, kv_layout, kv_cache_dtype,
+                         k_scale, v_scale)
         out[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal)
     return out
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
-                    alibi_slopes=None, max_context_len=None):
+                    alibi_slopes=None, max_context_len=None, kv_cache_dtype="auto",
+                    k_scale=None, v_scale=None):
     """Float64 result ``[num_seqs, num_heads, head_size]`` of the same call as
     :func:`cupaged.paged_attention` (decode over vLLM's layout). ``max_context_len`` is
     accepted and ignored."""
     return attention(query, key_cache, value_cache, block_tables, context_lens,
-                     kv_layout="vllm", scale=scale, alibi_slopes=alibi_slopes)
+                     kv_layout="vllm", scale=scale, alibi_slopes=alibi_slopes,
+                     kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, _geometry, decode, jit
+from . import _arrays, _checks, _geometry, _kvquant, decode, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = ["attention"]
@@ -59,17 +59,21 @@ def _prefill_tile(head_size: int, rows_needed: int) -> tuple:
 
 
 def _prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
-                  kv_format: str, tile: tuple) -> jit.KernelSpec:
+                  kv_format: str, tile: tuple, cache_dtype: str = "",
+                  kv_scale: str = "") -> jit.KernelSpec:
     w, m, n, st = tile
     return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, tile_tokens=n,
-                          stages=st, kv_format=kv_format, warps=w, m_atoms=m, arch=arch)
+                          stages=st, kv_format=kv_format, warps=w, m_atoms=m,
+                          cache_dtype=cache_dtype, kv_scale=kv_scale, arch=arch)
 
 
 @lru_cache(maxsize=None)
 def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
-                    kv_format: str, tile: tuple) -> _Prefill:
+                    kv_format: str, tile: tuple, cache_dtype: str = "",
+                    kv_scale: str = "") -> _Prefill:
     dev = decode._device(device_id)
-    spec = _prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile)
+    spec = _prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile, cache_dtype,
+                         kv_scale)
     g = _geometry.PrefillGeometry.of(spec)
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
@@ -80,12 +84,14 @@ def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
 # ---- validation ---------------------------------------------------------------------------
 
 
-def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
+def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="auto",
+              k_scale=None, v_scale=None) -> decode._Problem:
     dt = _checks.check_dtype(q, "query")
     if q.ndim != 3:
         _fail(f"query must be 3-D [total_q, num_heads, head_size], got shape {q.shape}")
     total_q, num_heads, head_size = q.shape
-    cache = _checks.check_kv_layout(kc, vc, dt, kv_layout)
+    cdt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
+    cache = _checks.check_kv_layout(kc, vc, cdt, kv_layout)
     if cache.head_size != head_size:
         _fail(f"query's head_size is {head_size} but the caches' is {cache.head_size}")
     if num_heads == 0 or num_heads % cache.num_kv_heads:
@@ -125,8 +131,9 @@ def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout) -> decode._Problem:
     _checks.check_same_device(device, "query", (
         ("key_cache", kc), ("value_cache", vc), ("block_tables", bt), ("seq_lens", sl),
         ("query_start_loc", qsl), ("alibi_slopes", alibi), ("out", out)))
+    quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
     return decode._Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
-                           cache.block_size, cache.num_blocks, max_blocks, cache, total_q)
+                           cache.block_size, cache.num_blocks, max_blocks, cache, total_q, quant)
 
 
 def _check_queries(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
@@ -163,7 +170,9 @@ def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
     if not has_starts or (max_q <= 1 and p.num_rows == p.num_seqs):
         # One token per sequence: each q_len <= 1 and they sum to num_seqs.
         return _Plan("decode")
-    if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok" or p.block_size >= 8):
+    # vLLM's value layout is copied in 16-byte runs of one block: 8 tokens, 16 for fp8.
+    if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
+                                  or p.block_size * p.cache.dtype.itemsize >= 16):
         group = p.num_heads // p.num_kv_heads
         tile = _prefill_tile(p.head_size, max_q * group)
         rows = 16 * tile[0] * tile[1]
@@ -185,7 +194,7 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
         _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
     _checks.check_block_strides(p.cache)
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
-                        plan.tile)
+                        plan.tile, p.cache.dtype.name, p.quant.mode)
     # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's header).
     k.launch((p.num_seqs * p.num_kv_heads, plan.q_tiles, 1), k.threads, k.smem, ctx.stream,
              out.data.ptr, q.data.ptr, q.strides[0] // it, q.strides[1] // it,
@@ -196,7 +205,8 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
               kv_layout="NHD", causal=True, scale=None, alibi_slopes=None, max_query_len=None,
-              max_seq_len=None, out=None, stream=None, workspace=None):
+              max_seq_len=None, out=None, stream=None, workspace=None, kv_cache_dtype="auto",
+              k_scale=None, v_scale=None):
     """Paged attention of a varlen batch of query tokens over a paged KV cache: prefill,
     chunked prefill, speculative verify and decode, mixed freely in one call.
 
@@ -205,11 +215,12 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             head strides are free (a slice of a fused QKV works); the last dimension must
             be contiguous. For several tokens per sequence with a 16-bit dtype the pointer
             and strides must be multiples of 16 bytes.
-        key_cache, value_cache: the paged cache in ``kv_layout``, the query's dtype:
+        key_cache, value_cache: the paged cache in ``kv_layout``, the query's dtype or fp8
+            (``kv_cache_dtype``):
             ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]``;
             ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]``;
             ``"vllm"``: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``
-            with ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads, head_size,
+            with ``x = 16 // itemsize`` (16 for fp8), value ``[num_blocks, num_kv_heads, head_size,
             block_size]`` (what :func:`paged_attention` takes).
             NHD/HND caches may be views with any strides (K and V halves of FlashInfer's
             ``[num_blocks, 2, ...]`` or of vLLM's ``[..., 2 * head_size]``) as long as the
@@ -240,6 +251,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             query itself, written in place).
         stream: as for :func:`paged_attention`.
         workspace: a :class:`DecodeWorkspace` for decode's split-KV partials.
+        kv_cache_dtype, k_scale, v_scale: an fp8 cache and its scales, as for
+            :func:`paged_attention` (every layout, every kind of step).
 
     Returns:
         ``out``, a new torch tensor when ``query`` is one (else a CuPy array). A query row
@@ -255,7 +268,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     qsl = optional_device_array(query_start_loc, "query_start_loc")
     alibi = optional_device_array(alibi_slopes, "alibi_slopes")
     o = optional_device_array(out, "out")
-    p = _validate(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout)
+    p = _validate(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout, kv_cache_dtype, k_scale, v_scale)
     scale = decode._scale(scale, p.head_size)
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)

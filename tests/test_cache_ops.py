@@ -628,11 +628,13 @@ def wbad(layout="NHD", **changes):
 
 def test_kv_layout_is_keyword_only_and_vllm_by_default():
     p = inspect.signature(cupaged.reshape_and_cache).parameters
-    assert list(p)[:5] == ["key", "value", "key_cache", "value_cache", "slot_mapping"]
+    # vLLM's positional order, fp8 arguments included.
+    assert list(p)[:8] == ["key", "value", "key_cache", "value_cache", "slot_mapping",
+                           "kv_cache_dtype", "k_scale", "v_scale"]
     assert p["kv_layout"].kind is inspect.Parameter.KEYWORD_ONLY
     assert p["kv_layout"].default == "vllm" and p["stream"].kind is inspect.Parameter.KEYWORD_ONLY
     with pytest.raises(TypeError, match="positional argument"):
-        cupaged.reshape_and_cache(None, None, None, None, None, "NHD")
+        cupaged.reshape_and_cache(None, None, None, None, None, "auto", 1.0, 1.0, "NHD")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -766,7 +768,8 @@ def test_reshape_and_cache_specializations():
     legacy = jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i32")
     assert legacy.kv_format == "vllm" and legacy.name == "reshape_and_cache_f16_i32_vllm_sm90"
     tok = jit.KernelSpec("reshape_and_cache", "bf16", index_dtype="i64", kv_format="tok")
-    assert tok.name_expression == "cupaged::reshape_and_cache<cupaged::bfloat16_t, 0, long long>"
+    assert tok.name_expression == ("cupaged::reshape_and_cache<cupaged::bfloat16_t, "
+                                   "cupaged::bfloat16_t, 0, 0, long long>")
     with pytest.raises(ValueError, match="kv_format must be 'tok' or 'vllm'"):
         jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i32", kv_format="NHD")
     # The launch packs what the token-major specialization takes (NVRTC, no GPU).

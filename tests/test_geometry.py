@@ -16,7 +16,9 @@ PREFILL = [s for s in ALL if s.kernel == "paged_prefill"]
 def test_every_supported_decode_specialization_satisfies_the_kernel_constraints():
     """Every static_assert of DecodeGeometry, and the shared memory of each target, for
     all specializations: what compiling a covering set cannot prove for the rest."""
-    assert len(DECODE) == 2 * 3 * 29 * 9 * 2 * 4
+    # 16-bit caches: 3 dtypes x 29 head sizes x 9 block sizes x 2 layouts x 4 group tiles;
+    # fp8: 2 query dtypes x 2 formats x 2 scale modes x 15 head sizes (multiples of 16)
+    assert len(DECODE) == 2 * (3 * 29 * 9 * 2 * 4 + 2 * 2 * 2 * 15 * 9 * 2 * 4)
     for s in DECODE:
         g = _geometry.DecodeGeometry.of(s)
         assert g.violations() == [], s.name
@@ -24,9 +26,9 @@ def test_every_supported_decode_specialization_satisfies_the_kernel_constraints(
 
 
 def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints():
-    # vLLM's layout from block size 8 up (6 of 9 sizes), the token-major one for all 9;
-    # head sizes up to 128 (13 of 29) in two tile shapes
-    assert len(PREFILL) == 2 * 2 * (29 + 13) * (9 + 6)
+    # vLLM's layout from block size 8 up (6 of 9 sizes; fp8 from 16: 5), the token-major
+    # one for all 9; head sizes up to 128 (13 of 29; fp8: 7 of 15) in two tile shapes
+    assert len(PREFILL) == 2 * (2 * (29 + 13) * (9 + 6) + 2 * 2 * 2 * (15 + 7) * (9 + 5))
     for s in PREFILL:
         g = _geometry.PrefillGeometry.of(s)
         assert g.violations() == [], s.name
@@ -34,19 +36,24 @@ def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints
 
 
 def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
-    """NVRTC evaluates DecodeGeometry for each of the 6,264 decode geometries and
-    PrefillGeometry for the 1,260 prefill ones, and compares their shared memory, path and
+    """NVRTC evaluates DecodeGeometry for each of the 14,904 decode geometries and
+    PrefillGeometry for the 3,724 prefill ones, and compares their shared memory, path and
     piece count with the host's (seconds: no kernel is built)."""
     _geometry.check_against_kernel([s for s in DECODE + PREFILL if s.arch == "sm_90"])
 
 
-def test_prefill_takes_vllm_layout_from_8_token_blocks():
-    spec = jit.KernelSpec("paged_prefill", "f16", 64, 4, kv_format="vllm")
+@pytest.mark.parametrize("cache, block_size", [("", 4), ("e4m3", 8)])
+def test_prefill_takes_vllm_layout_from_16_byte_runs(cache, block_size):
+    """8-token blocks of 16-bit values, 16-token blocks of fp8."""
+    spec = jit.KernelSpec("paged_prefill", "f16", 64, block_size, kv_format="vllm",
+                          cache_dtype=cache)
     assert not _catalog.supported(spec)
-    assert "vLLM's value layout is copied in runs of 8 tokens of one block" in \
+    assert "vLLM's value layout is copied in runs of 16 bytes of one block" in \
         _geometry.PrefillGeometry.of(spec).violations()
-    with pytest.raises(jit.CompileError, match="runs of 8 tokens"):
+    with pytest.raises(jit.CompileError, match="runs of 16 bytes"):
         jit.compile_check([spec])
+    assert _catalog.supported(jit.KernelSpec("paged_prefill", "f16", 64, 2 * block_size,
+                                             kv_format="vllm", cache_dtype=cache))
 
 
 def test_a_wrong_mirror_is_caught(monkeypatch):
@@ -77,7 +84,7 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 
 def test_specialization_names_are_unique():
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (6264 + 1260 + 87 + 12 + 2)
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 + 3724 + 87 + 44 + 2)
 
 
 # ---- the covering set ------------------------------------------------------------------------
@@ -94,8 +101,10 @@ def test_covering_set_covers_every_pair_of_every_kernel(kernel):
     assert all(_catalog.supported(s) for s in cover)
     axes = {**_catalog.AXES[kernel], "arch": ARCHS}
     sizes = sorted((len(v) for v in axes.values()), reverse=True)
-    # The two largest axes' product is the least any pairwise set can have.
-    assert len(_covering.pairwise(axes)) == sizes[0] * sizes[1] or len(sizes) < 2
+    # The two largest axes' product is the least any pairwise set can have; IPOG is greedy
+    # and may need a few more (reshape_and_cache's 3 x 3 x 2^4 axes: 11 rows, not 9).
+    if len(sizes) >= 2:
+        assert sizes[0] * sizes[1] <= len(_covering.pairwise(axes)) <= 1.25 * sizes[0] * sizes[1]
 
 
 def test_covering_set_reaches_every_decode_code_path():

@@ -51,7 +51,25 @@ def test_spec_is_frozen_hashable_and_defaults_its_tile():
     assert SPEC.tile_tokens == jit.default_decode_tile(2, 64) and SPEC.stages == 2
     with pytest.raises(AttributeError):
         SPEC.head_size = 128
-    assert SPEC.name_expression == "cupaged::paged_decode<cupaged::half_t, 64, 16, 1, 4, 128, 2>"
+    assert SPEC.name_expression == (
+        "cupaged::paged_decode<cupaged::half_t, cupaged::half_t, 64, 16, 1, 0, 4, 128, 2>")
+
+
+def test_fp8_specs_name_their_cache_and_scales():
+    s = jit.KernelSpec("paged_decode", "bf16", 128, 16, 8, kv_format="tok", cache_dtype="e4m3",
+                       kv_scale="th")
+    assert s.name == "paged_decode_bf16_e4m3_hs128_bs16_tok_th_g8_sm90"
+    assert s.name_expression == ("cupaged::paged_decode<cupaged::bfloat16_t, "
+                                 "cupaged::fp8_e4m3_t, 128, 16, 0, 1, 8, 64, 2>")
+    assert jit.KernelSpec("paged_decode", "f16", 128, 16, 8, cache_dtype="f16") == \
+        jit.KernelSpec("paged_decode", "f16", 128, 16, 8)
+    assert jit.KernelSpec("paged_decode", "f16", 256, 16, 1, cache_dtype="e5m2").tile_tokens == 64
+    with pytest.raises(ValueError, match="needs an fp8 cache_dtype"):
+        jit.KernelSpec("paged_decode", "f16", 128, 16, 8, kv_scale="th")
+    with pytest.raises(ValueError, match="cache_dtype must be"):
+        jit.KernelSpec("paged_decode", "f16", 128, 16, 8, cache_dtype="bf16")
+    with pytest.raises(ValueError, match="takes no cache_dtype"):
+        jit.KernelSpec("copy_blocks", index_dtype="i32", cache_dtype="e4m3")
 
 
 @pytest.mark.parametrize("kw, match", [
