@@ -2,9 +2,10 @@
 // largest finite 448) and E5M2 (IEEE-like, largest finite 57344), as bit patterns.
 //
 // Widening is exact: every fp8 value is a float16, bfloat16 and float32 value. A cache
-// stores value / scale and is read as value * scale in fp32; the kernels apply the scale
-// to the scores and probabilities (fp32), not to the widened values, so nothing is
-// rounded on the way (attention_math in docs/DEVELOPERS.md).
+// stores value / scale and is read as value * scale in fp32: K's scales multiply the fp32
+// scores and a per-tensor V scale the output, so nothing is rounded on the way; per-token
+// V scales multiply the fp32 probabilities on the FMA paths, and on the tensor-core paths
+// the values as they are widened (one rounding to T, as a 16-bit cache would hold them).
 //
 // Narrowing (the cache write) rounds to nearest even and saturates to the largest finite
 // value (NaN stays NaN): cvt.rn.satfinite on sm_89 and newer, the same in integer
@@ -121,6 +122,34 @@ __device__ __forceinline__ void widen16(const uint4 raw, uint4& lo, uint4& hi) {
   hi.y = fp8x2_to<T, C>(raw.z >> 16);
   hi.z = fp8x2_to<T, C>(raw.w & 0xffffu);
   hi.w = fp8x2_to<T, C>(raw.w >> 16);
+}
+
+// The same, each value times its scale in fp32 and rounded to T: an fp8 cache's
+// per-token V scales on the tensor-core paths, whose P operand is T (scaling P instead
+// would push small probabilities into float16's subnormals). Value j's scale is
+// scale[j * stride] (stride 0: one for all 16).
+template <typename T, typename C>
+__device__ __forceinline__ void widen16_scaled(const uint4 raw, const float* scale, int stride,
+                                               uint4& lo, uint4& hi) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  unsigned r[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float f[4];
+    unpack4(w[i], f, C{});
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float a = f[2 * j] * scale[(4 * i + 2 * j) * stride];
+      const float b = f[2 * j + 1] * scale[(4 * i + 2 * j + 1) * stride];
+      if constexpr (is_same<T, half_t>::value) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r[2 * i + j]) : "f"(b), "f"(a));
+      } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r[2 * i + j]) : "f"(b), "f"(a));
+      }
+    }
+  }
+  lo = make_uint4(r[0], r[1], r[2], r[3]);
+  hi = make_uint4(r[4], r[5], r[6], r[7]);
 }
 
 // ---- narrowing -----------------------------------------------------------------------------

@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   // fp8 (kConvert): the stage's K and V widened to T, exactly, into the layouts the mma
   // path reads (the 16-bit stage layouts, rows padded by 16 bytes of T).
-  auto widen_tile = [&](const C* ks, const C* vs, T* kw, T* vw) {
+  auto widen_tile = [&](const C* ks, const C* vs, const float* vsc, T* kw, T* vw) {
     constexpr int kRuns = TT * HS / 16;  // runs of 16 values per tile, in K and in V
     if constexpr (Geo::kConvert) {
       for (int u = tid; u < kRuns; u += NT) {
@@ -356,7 +356,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
         widen16<T, C>(*reinterpret_cast<const uint4*>(ks + ksrc), lo, hi);
         *reinterpret_cast<uint4*>(kw + kdst) = lo;
         *reinterpret_cast<uint4*>(kw + kdst + kdst_hi) = hi;
-        widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
+        if constexpr (Geo::kTokenScales) {  // V's per-token scales (fp8.cuh)
+          if constexpr (Geo::kTokenMajor) {
+            widen16_scaled<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), vsc + u / (HS / 16),
+                                 0, lo, hi);
+          } else {
+            widen16_scaled<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc),
+                                 vsc + (u % (TT / 16)) * 16, 1, lo, hi);
+          }
+        } else {
+          widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
+        }
         *reinterpret_cast<uint4*>(vw + vdst) = lo;
         *reinterpret_cast<uint4*>(vw + vdst + vdst_hi) = hi;
       }
@@ -474,7 +484,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       if constexpr (Geo::kConvert) {
         T* kw = reinterpret_cast<T*>(smem + Geo::kOffWide);
         T* vw = reinterpret_cast<T*>(smem + Geo::kOffWide + Geo::kKWide);
-        widen_tile(ks, vs, kw, vw);
+        widen_tile(ks, vs, vsc, kw, vw);
         __syncthreads();
         kt = kw;
         vt = vw;
@@ -555,12 +565,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) {
           const int h = hq + (i & 1);
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
-          const float pf = exp2f(sc[j][i] - m_own[i & 1]);
-          // Per-token V scales weigh P V's operand; the sum keeps the plain probability.
-          const T p = from_float<T>(Geo::kTokenScales ? pf * vsc[t] : pf);
+          const T p = from_float<T>(exp2f(sc[j][i] - m_own[i & 1]));
           if (h < GT) {
             pt[h * Geo::kPRow + t] = p;
-            l_mma[i & 1] += Geo::kTokenScales ? pf : to_float(p);
+            l_mma[i & 1] += to_float(p);
           }
         }
       }

@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(
     };
 
     // fp8: the stage's K and V widened to T, exactly, in the layouts of 16-bit stages.
-    auto widen_tile = [&](const C* ks, const C* vs, T* kw, T* vw) {
+    auto widen_tile = [&](const C* ks, const C* vs, const float* vsc, T* kw, T* vw) {
       if constexpr (Geo::kQuant) {
         for (int u = tid; u < TILE_N * HEAD_SIZE / 16; u += NT) {
           uint4 lo, hi;
@@ -379,13 +379,21 @@ __global__ void __launch_bounds__(
           *reinterpret_cast<uint4*>(kw + t * ROW + c * 16) = lo;
           *reinterpret_cast<uint4*>(kw + t * ROW + c * 16 + 8) = hi;
           int vsrc = t * CROW + c * 16, vdst = t * ROW + c * 16;
+          const float* sc = vsc + t;  // V's per-token scales (fp8.cuh), one per token
+          int sc_stride = 0;
           if constexpr (Geo::kVDimMajor) {  // [dim][token]
             const int d = u / (TILE_N / 16);
             const int r = u % (TILE_N / 16);
             vsrc = d * Geo::kCVRow + r * 16;
             vdst = d * Geo::kVRow + r * 16;
+            sc = vsc + r * 16;
+            sc_stride = 1;
           }
-          widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
+          if constexpr (Geo::kTokenScales) {
+            widen16_scaled<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), sc, sc_stride, lo, hi);
+          } else {
+            widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
+          }
           *reinterpret_cast<uint4*>(vw + vdst) = lo;
           *reinterpret_cast<uint4*>(vw + vdst + 8) = hi;
         }
@@ -439,7 +447,8 @@ __global__ void __launch_bounds__(
       if constexpr (Geo::kQuant) {
         T* kw = reinterpret_cast<T*>(smem + Geo::kOffWide);
         T* vw = reinterpret_cast<T*>(smem + Geo::kOffWide + Geo::kKWide);
-        widen_tile(k_s + stage * (Geo::kKStage / CB), v_s + stage * (Geo::kVStage / CB), kw, vw);
+        widen_tile(k_s + stage * (Geo::kKStage / CB), v_s + stage * (Geo::kVStage / CB), vsc, kw,
+                   vw);
         __syncthreads();
         ks = kw;
         vs = vw;
@@ -545,16 +554,8 @@ __global__ void __launch_bounds__(
           l_run[a][0] += p0 + p1;
           l_run[a][1] += p2 + p3;
           // A fragment of k-step n / 2: regs 0,1 from n8 tile 2j (rows, rows + 8), 2,3 from 2j + 1.
-          if constexpr (Geo::kTokenScales) {
-            // Per-token V scales weigh P V's operand; the sums keep the plain probabilities.
-            const float v0 = vsc[n * 8 + frag_col];
-            const float v1 = vsc[n * 8 + frag_col + 1];
-            pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0 * v0, p1 * v1);
-            pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2 * v0, p3 * v1);
-          } else {
-            pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0, p1);
-            pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2, p3);
-          }
+          pa[a][n / 2][(n & 1) * 2 + 0] = pack2<T>(p0, p1);
+          pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2, p3);
         }
         // Once the running maxima settle most tiles leave them unchanged (alpha = 1).
         if (__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {

