@@ -9,8 +9,8 @@
 //
 // Narrowing (the cache write) rounds to nearest even and saturates to the largest finite
 // value (NaN stays NaN): cvt.rn.satfinite on sm_89 and newer, the same in integer
-// arithmetic below that (or with CUPAGED_FP8_SOFTWARE defined, which tests use to run the
-// software path on any GPU).
+// arithmetic below that (or with CUPAGED_FP8_SOFTWARE defined, to run the software path on
+// a newer GPU: compile with -DCUPAGED_FP8_SOFTWARE; no test does yet).
 #pragma once
 #include "common.cuh"
 
@@ -185,23 +185,18 @@ __device__ __forceinline__ unsigned quantize_fp8_software(float x) {
 }
 
 // Two floats -> two fp8 bytes (the first in the low byte).
-__device__ __forceinline__ unsigned quantize2(float lo, float hi, fp8_e4m3_t) {
+template <typename C>
+__device__ __forceinline__ unsigned quantize2(float lo, float hi, C) {
 #if CUPAGED_FP8_HW
   unsigned short r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  if constexpr (is_same<C, fp8_e4m3_t>::value) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  }
   return r;
 #else
-  return quantize_fp8_software<fp8_e4m3_t>(lo) | (quantize_fp8_software<fp8_e4m3_t>(hi) << 8);
-#endif
-}
-
-__device__ __forceinline__ unsigned quantize2(float lo, float hi, fp8_e5m2_t) {
-#if CUPAGED_FP8_HW
-  unsigned short r;
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-#else
-  return quantize_fp8_software<fp8_e5m2_t>(lo) | (quantize_fp8_software<fp8_e5m2_t>(hi) << 8);
+  return quantize_fp8_software<C>(lo) | (quantize_fp8_software<C>(hi) << 8);
 #endif
 }
 

@@ -35,7 +35,6 @@ BY_NAME = {d.name: d for d in (F32, F16, BF16)}
 E4M3 = DType("e4m3", "cupaged::fp8_e4m3_t", 1, _E4M3)
 E5M2 = DType("e5m2", "cupaged::fp8_e5m2_t", 1, _E5M2)
 FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 CACHE_BY_NAME = {**BY_NAME, **FP8}
 _FP8_BY_NUMPY = {d.numpy: d for d in FP8.values() if d.numpy is not None}
 # kv_cache_dtype spellings (vLLM's): "auto" is the query's own type.

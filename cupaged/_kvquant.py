@@ -13,7 +13,6 @@ block_size]`` beside the cache.
 from __future__ import annotations
 
 import math
-import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -39,22 +38,8 @@ class KVQuant(NamedTuple):
     head_stride: int = 0
     keep: tuple = ()  # the adapted scale arrays, alive for the launch
 
-    @property
-    def fp8(self) -> bool:
-        return self.cache is not None
-
-    def cache_name(self, dtype: _dtypes.DType) -> str:
-        return self.cache.name if self.cache is not None else dtype.name
-
-    def packed(self) -> bytes:
-        """PagedKV's scale fields (cuda_src/kv_layout.cuh)."""
-        return _SCALES.pack(self.k_ptr, self.v_ptr, self.block_stride, self.head_stride,
-                            self.k_value, self.v_value)
-
 
 NONE = KVQuant(None)
-_SCALES = struct.Struct("@PPqqff")
-NONE_PACKED = NONE.packed()
 
 
 def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType) -> _dtypes.DType:

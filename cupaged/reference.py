@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 
-__all__ = ["KV_LAYOUTS", "attention", "dequantize_fp8", "gather_kv", "paged_attention",
-           "quantize_fp8", "reshape_and_cache", "token_head_scales"]
+__all__ = ["KV_LAYOUTS", "attention", "dequantize_fp8", "fp8_max", "gather_kv",
+           "paged_attention", "quantize_fp8", "reshape_and_cache", "token_head_scales"]
 
 KV_LAYOUTS = ("NHD", "HND", "vllm")
 
@@ -59,30 +59,34 @@ def _fp8_format(kv_cache_dtype, cache):
     return types[kv_cache_dtype]
 
 
-_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
-
-
 def _fp8_max(fmt) -> float:
     import ml_dtypes
 
     return float(ml_dtypes.finfo(fmt).max)
 
 
-def quantize_fp8(x, kv_cache_dtype: str = "fp8_e4m3", scale=1.0):
+def fp8_max(kv_cache_dtype: str = "fp8_e4m3") -> float:
+    """The largest finite value of an fp8 format: 448 (e4m3), 57344 (e5m2)."""
+    return _fp8_max(_fp8_format(kv_cache_dtype, np.zeros(0)))
+
+
+def quantize_fp8(x, kv_cache_dtype="fp8_e4m3", scale=1.0):
     """``x / scale`` in float32, saturated to the format's largest finite value and
     rounded to nearest even (NaN stays NaN): what the cache write stores, as ml_dtypes'
     float8 array. ``scale`` broadcasts against ``x`` (per tensor, or per token and head
-    with a trailing axis of 1)."""
-    fmt = _fp8_format(kv_cache_dtype, np.zeros(0))
+    with a trailing axis of 1). ``kv_cache_dtype`` may also be the float8 type itself."""
+    fmt = kv_cache_dtype if isinstance(kv_cache_dtype, type) else \
+        _fp8_format(kv_cache_dtype, np.zeros(0))
     m = np.float32(_fp8_max(fmt))
     y = np.asarray(x).astype(np.float32) / np.asarray(scale, dtype=np.float32)
     return np.clip(y, -m, m).astype(fmt)
 
 
-def token_head_scales(x, kv_cache_dtype: str = "fp8_e4m3"):
+def token_head_scales(x, kv_cache_dtype="fp8_e4m3"):
     """Per-token-head scales of rows ``x [..., head_size]``: ``amax(|row|) / max`` in
     float32 (1 for a row of zeros), with the last axis kept (length 1)."""
-    fmt = _fp8_format(kv_cache_dtype, np.zeros(0))
+    fmt = kv_cache_dtype if isinstance(kv_cache_dtype, type) else \
+        _fp8_format(kv_cache_dtype, np.zeros(0))
     a = np.abs(np.asarray(x).astype(np.float32)).max(axis=-1, keepdims=True)
     return np.where(a > 0, a / np.float32(_fp8_max(fmt)), np.float32(1)).astype(np.float32)
 
@@ -117,14 +121,11 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
                 new = rows.astype(np.asarray(key_cache).dtype)
             else:
                 if per_token:
-                    s = token_head_scales(rows, _NAMES[np.dtype(fmt).name])
+                    s = token_head_scales(rows, fmt)
                     sc[b, :, o] = s[:, 0]
                 else:
-                    s = np.float32(1.0 if sc is None else sc)
-                    s = np.full((rows.shape[0], 1), s, dtype=np.float32)
-                q = np.clip(rows.astype(np.float32) / s, -_fp8_max(fmt), _fp8_max(fmt))
-                new = q.astype(np.float32).astype(fmt).view(np.uint8).view(
-                    np.asarray(key_cache).dtype)
+                    s = 1.0 if sc is None else sc
+                new = quantize_fp8(rows, fmt, s).view(np.asarray(key_cache).dtype)
             if cache is not None:
                 cache[b, o] = new
             else:  # vLLM's key: [blocks, kvh, hs / x, bs, x]

@@ -153,7 +153,7 @@ def accuracy_rows():
                 ks = cupy.zeros((blocks, kvh, BS), np.float32)
                 vs = cupy.zeros_like(ks)
             else:
-                fmax = 448.0 if fmt == "fp8_e4m3" else 57344.0
+                fmax = reference.fp8_max(fmt)
                 ks = float(np.abs(k16).max()) / fmax
                 vs = float(np.abs(v16).max()) / fmax
             cupaged.reshape_and_cache(cupy.asarray(k16), cupy.asarray(v16), kc, vc,
