@@ -30,6 +30,16 @@ struct is_same<A, A> {
   static constexpr bool value = true;
 };
 
+// conditional<B, X, Y>::type: X if B, else Y (NVRTC has no <type_traits>).
+template <bool B, typename X, typename Y>
+struct conditional {
+  using type = X;
+};
+template <typename X, typename Y>
+struct conditional<false, X, Y> {
+  using type = Y;
+};
+
 // ---- scalar conversions -------------------------------------------------------------
 
 __device__ __forceinline__ float to_float(float v) { return v; }

@@ -9,8 +9,9 @@
 //
 // Narrowing (the cache write) rounds to nearest even and saturates to the largest finite
 // value (NaN stays NaN): cvt.rn.satfinite on sm_89 and newer, the same in integer
-// arithmetic below that (or with CUPAGED_FP8_SOFTWARE defined, to run the software path on
-// a newer GPU: compile with -DCUPAGED_FP8_SOFTWARE; no test does yet).
+// arithmetic below that (or with CUPAGED_FP8_SOFTWARE defined: the environment variable
+// CUPAGED_FP8_SOFTWARE=1 adds it to the NVRTC options, and tests/test_fp8.py checks that
+// both paths give the same bits).
 #pragma once
 #include "common.cuh"
 

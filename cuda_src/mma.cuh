@@ -3,6 +3,7 @@
 // coordinates are spelled out where each kernel uses them.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 
 namespace cupaged {
 
@@ -34,6 +35,51 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(s));
+}
+
+// ---- fp8 tiles as float16 operands, widened in registers ---------------------------------
+// ldmatrix moves 16-bit elements, so on a tile of bytes a thread's register holds four fp8
+// values: with the plain load, bytes 4c .. 4c + 3 of row r (r = lane / 4, c = lane % 4);
+// transposed, bytes 2r, 2r + 1 of rows 2c and 2c + 1. An mma fragment register pairs two
+// values that are adjacent along the reduction dimension, so the kernels pick the order
+// in which they feed the reduction to match (see paged_decode's fp8 path): what the mma
+// sums over is permuted consistently in both operands, never the result.
+
+// Bytes (0, 1) and (2, 3) of w as two float16 pairs: plain loads along the reduction.
+template <typename C>
+__device__ __forceinline__ void fp8x4_to_f16_halves(unsigned w, unsigned& lo, unsigned& hi) {
+  lo = fp8x2_to_f16x2(w & 0xffffu, C{});
+  hi = fp8x2_to_f16x2(w >> 16, C{});
+}
+
+// Bytes (0, 2) and (1, 3) of w as two float16 pairs: transposed loads, where bytes 0 and 2
+// are one column of two adjacent rows and bytes 1 and 3 the next column.
+template <typename C>
+__device__ __forceinline__ void fp8x4_to_f16_columns(unsigned w, unsigned& even, unsigned& odd) {
+  if constexpr (is_same<C, fp8_e5m2_t>::value) {  // each byte into the high byte of a half
+    even = __byte_perm(w, 0u, 0x2404);
+    odd = __byte_perm(w, 0u, 0x3414);
+  } else {
+    const unsigned p = __byte_perm(w, 0u, 0x3120);
+    even = fp8x2_to_f16x2(p & 0xffffu, C{});
+    odd = fp8x2_to_f16x2(p >> 16, C{});
+  }
+}
+
+// A float16 pair times two fp32 scales, rounded back to float16 (per-token V scales).
+__device__ __forceinline__ unsigned scale_f16x2(unsigned h, float s_lo, float s_hi) {
+  float lo, hi;
+  unpack2(h, lo, hi, half_t{});
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi * s_hi), "f"(lo * s_lo));
+  return r;
 }
 
 // Two floats rounded to T and packed (the first in the low half): an A or B fragment

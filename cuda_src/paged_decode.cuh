@@ -86,16 +86,16 @@ struct DecodeGeometry {
   // serves 4 or 8 query heads: there the FMA path's arithmetic, not memory, sets the pace.
   // Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
   // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
-  // An fp8 tile is first widened to T in a shared tile of the same layout (kConvert).
+  // An fp8 tile (kConvert) is widened to float16 in registers as its fragments load, and
+  // both products run in float16 whatever T is (MmaT; a bfloat16 query is scaled by a
+  // power of two into float16's range, exactly).
   static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
                                (kVTransposed || kTokenMajor);
   static constexpr bool kConvert = kMma && kQuant;
-  static constexpr int kVecM = 16 / static_cast<int>(sizeof(T));  // the mma tiles' layout
-  static constexpr int kTokRowM = HEAD_SIZE + kVecM;
-  static constexpr int kVRowM = TILE_TOKENS + kVecM;
+  using MmaT = typename conditional<kConvert, half_t, T>::type;
   static constexpr int kTokenTilesPerWarp = (TILE_TOKENS / 16 + kWarps - 1) / kWarps;
   static constexpr int kDimTilesPerWarp = (HEAD_SIZE / 16 + kWarps - 1) / kWarps;
-  static constexpr int kPRow = TILE_TOKENS + kVecM;  // mma path: P as T [GROUP_TILE][kPRow]
+  static constexpr int kPRow = TILE_TOKENS + 8;  // mma path: P as MmaT [GROUP_TILE][kPRow]
   // Warps whose partial maxima / sums are combined, and output partials summed.
   static constexpr int kStatWarps = kMma ? kWarps : kScoreThreads / 32;
   static constexpr int kAccSlots = kMma ? 1 : kWarps;
@@ -106,11 +106,7 @@ struct DecodeGeometry {
   static constexpr int kVStage =
       (kTokenMajor ? TILE_TOKENS * kTokRow : HEAD_SIZE * kVRow) * static_cast<int>(sizeof(C));
   static constexpr int kOffV = STAGES * kKStage;
-  // The widened K and V tiles (kConvert), one stage each.
-  static constexpr int kKWide = TILE_TOKENS * (kTokenMajor ? kTokRowM : HEAD_SIZE) * 2;
-  static constexpr int kVWide = (kTokenMajor ? TILE_TOKENS * kTokRowM : HEAD_SIZE * kVRowM) * 2;
-  static constexpr int kOffWide = kOffV + STAGES * kVStage;
-  static constexpr int kOffQ = kOffWide + (kConvert ? kKWide + kVWide : 0);
+  static constexpr int kOffQ = kOffV + STAGES * kVStage;
   // The mma path keeps the query in registers and needs only GROUP_TILE floats of the
   // reduction space (its running maxima, for part_max): 8 KiB less at 8 heads, which is
   // the difference between two and three CTAs per SM.
@@ -136,7 +132,7 @@ struct DecodeGeometry {
   static_assert(!kQuant || (sizeof(C) == 1 && sizeof(T) == 2 && HEAD_SIZE % 16 == 0),
                 "fp8 caches: 16-bit queries, head sizes that are multiples of 16");
   static_assert(KV_SCALE == kScaleTensor || KV_SCALE == kScaleTokenHead, "KV_SCALE");
-  static_assert(kTokensPerWarpPV % kVec == 0, "P @ V walks whole 16-byte vectors");
+  static_assert(kMma || kTokensPerWarpPV % kVec == 0, "P @ V walks whole 16-byte vectors");
   // The final cross-warp reduction of the output reuses the K stages.
   static_assert(kWarps * GROUP_TILE * HEAD_SIZE * 4 <= STAGES * kKStage, "reduction space");
   static_assert(!kMma || GROUP_TILE * kPRow * 2 <= TILE_TOKENS * GROUP_TILE * 4, "P space");
@@ -327,52 +323,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
 
-  // fp8 (kConvert): the stage's K and V widened to T, exactly, into the layouts the mma
-  // path reads (the 16-bit stage layouts, rows padded by 16 bytes of T).
-  auto widen_tile = [&](const C* ks, const C* vs, const float* vsc, T* kw, T* vw) {
-    constexpr int kRuns = TT * HS / 16;  // runs of 16 values per tile, in K and in V
-    if constexpr (Geo::kConvert) {
-      for (int u = tid; u < kRuns; u += NT) {
-        int ksrc, kdst, vsrc, vdst;
-        int kdst_hi = 8, vdst_hi = 8;  // where the second 8 values go, from the first
-        if constexpr (Geo::kTokenMajor) {  // [TT][kTokRow] -> [TT][kTokRowM]
-          const int t = u / (HS / 16);
-          const int c = u % (HS / 16);
-          ksrc = vsrc = t * Geo::kTokRow + c * 16;
-          kdst = vdst = t * Geo::kTokRowM + c * 16;
-        } else {
-          // key [HS/16][TT][16] -> [HS/8][TT][8]; value [HS][kVRow] -> [HS][kVRowM]
-          const int c = u / TT;
-          const int t = u % TT;
-          ksrc = (c * TT + t) * 16;
-          kdst = (2 * c * TT + t) * 8;
-          kdst_hi = TT * 8;
-          const int d = u / (TT / 16);
-          const int r = u % (TT / 16);
-          vsrc = d * Geo::kVRow + r * 16;
-          vdst = d * Geo::kVRowM + r * 16;
-        }
-        uint4 lo, hi;
-        widen16<T, C>(*reinterpret_cast<const uint4*>(ks + ksrc), lo, hi);
-        *reinterpret_cast<uint4*>(kw + kdst) = lo;
-        *reinterpret_cast<uint4*>(kw + kdst + kdst_hi) = hi;
-        if constexpr (Geo::kTokenScales) {  // V's per-token scales (fp8.cuh)
-          if constexpr (Geo::kTokenMajor) {
-            widen16_scaled<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), vsc + u / (HS / 16),
-                                 0, lo, hi);
-          } else {
-            widen16_scaled<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc),
-                                 vsc + (u % (TT / 16)) * 16, 1, lo, hi);
-          }
-        } else {
-          widen16<T, C>(*reinterpret_cast<const uint4*>(vs + vsrc), lo, hi);
-        }
-        *reinterpret_cast<uint4*>(vw + vdst) = lo;
-        *reinterpret_cast<uint4*>(vw + vdst + vdst_hi) = hi;
-      }
-    }
-  };
-
   fetch_ids(0);  // in flight while the query loads
 
   // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output.
@@ -389,8 +339,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     slope[g] = (alibi_slopes != nullptr && g < heads_here) ? alibi_slopes[head0 + g] * kLog2e
                                                            : 0.f;
   }
-  // mma path: the query as B fragments (head = lane / 4), exact in T; the scale is applied
-  // to the fp32 scores. Each thread's accumulators hold heads hq and hq + 1.
+  // mma path: the query as B fragments (head = lane / 4) of MmaT; the scale is applied to
+  // the fp32 scores. Each thread's accumulators hold heads hq and hq + 1.
   const int hq = (lane & 3) * 2;
   unsigned q_frag[Geo::kMma ? HS / 16 : 1][2];
   float my_slope[2] = {0.f, 0.f};
@@ -398,14 +348,49 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if constexpr (Geo::kMma) {
     const int h = lane >> 2;
     const T* qh = query + qrow * q_seq_stride + (head0 + h) * q_head_stride;
+    // Fragment register r of k-step kk holds dims d, d + 1 of the 16: PTX's order for
+    // 16-bit tiles, and for fp8 tiles the order a thread's bytes arrive in (mma.cuh): the
+    // dims 4c .. 4c + 3 its ldmatrix register of K holds.
+    auto dim_of = [&](int kk, int r) {
+      return Geo::kConvert ? kk * 16 + (lane & 3) * 4 + r * 2 : kk * 16 + r * 8 + hq;
+    };
+    float q_mul = 1.f;
+    if constexpr (Geo::kConvert && !is_same<T, half_t>::value) {
+      // A bfloat16 query in float16: scaled by 2^s so its largest magnitude lands in
+      // [2^14, 2^15). Exact but for values below 2^-24 of that largest, whose products
+      // are far below the scores' fp32 rounding; 2^-s joins the score scale.
+      float amax = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < HS / 16; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int d = dim_of(kk, r);
+          if (h < heads_here) amax = fmaxf(amax, fmaxf(fabsf(to_float(qh[d])), fabsf(to_float(qh[d + 1]))));
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+      // amax = 1.m * 2^(E - 127): 2^(141 - E) takes it into [2^14, 2^15). Zero, Inf and
+      // NaN stay as they are (s = 0).
+      const int biased = static_cast<int>(__float_as_uint(amax) >> 23);  // amax >= 0
+      const int sh = amax > 0.f && biased < 255 ? min(141 - biased, 100) : 0;
+      q_mul = ldexpf(1.f, sh);
+      score_scale = ldexpf(score_scale, -sh);
+    }
 #pragma unroll
     for (int kk = 0; kk < HS / 16; ++kk) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int d = kk * 16 + r * 8 + hq;
-        const unsigned lo = h < heads_here ? qh[d].bits : 0u;
-        const unsigned hi = h < heads_here ? qh[d + 1].bits : 0u;
-        q_frag[kk][r] = lo | (hi << 16);
+        const int d = dim_of(kk, r);
+        if constexpr (is_same<typename Geo::MmaT, T>::value) {
+          const unsigned lo = h < heads_here ? qh[d].bits : 0u;
+          const unsigned hi = h < heads_here ? qh[d + 1].bits : 0u;
+          q_frag[kk][r] = lo | (hi << 16);
+        } else {
+          const float lo = h < heads_here ? to_float(qh[d]) * q_mul : 0.f;
+          const float hi = h < heads_here ? to_float(qh[d + 1]) * q_mul : 0.f;
+          q_frag[kk][r] = pack2<half_t>(lo, hi);
+        }
       }
     }
 #pragma unroll
@@ -476,29 +461,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const int valid = min(TT, end - t0);
 
     if constexpr (Geo::kMma) {
-      constexpr int XM = Geo::kVecM;
-      constexpr int KROWM = Geo::kTokRowM;
-      // The tiles the mma reads: the stage itself, or for fp8 its copy widened to T.
-      const T* kt = reinterpret_cast<const T*>(ks);
-      const T* vt = reinterpret_cast<const T*>(vs);
-      if constexpr (Geo::kConvert) {
-        T* kw = reinterpret_cast<T*>(smem + Geo::kOffWide);
-        T* vw = reinterpret_cast<T*>(smem + Geo::kOffWide + Geo::kKWide);
-        widen_tile(ks, vs, vsc, kw, vw);
-        __syncthreads();
-        kt = kw;
-        vt = vw;
-      }
-      T* pt = reinterpret_cast<T*>(p_s);  // [GT][kPRow]
+      using MT = typename Geo::MmaT;
+      MT* pt = reinterpret_cast<MT*>(p_s);  // [GT][kPRow]
       // Cache slots past the context end may hold anything, NaN included, and 0 * NaN is
       // NaN: clear V's columns there, up to the next 16-token step of the P V product.
       if (valid < TT) {
-        T* vz = const_cast<T*>(vt);
+        C* vz = const_cast<C*>(vs);
         const int cols = min(TT, (valid + 15) / 16 * 16) - valid;
         if constexpr (Geo::kTokenMajor) {
-          for (int i = tid; i < HS * cols; i += NT) vz[(valid + i / HS) * KROWM + i % HS] = T{};
+          for (int i = tid; i < HS * cols; i += NT) vz[(valid + i / HS) * KROW + i % HS] = C{};
         } else {
-          for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRowM + valid + i % cols] = T{};
+          for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = C{};
         }
       }
 
@@ -514,15 +487,42 @@ __global__ void __launch_bounds__(kDecodeThreads)
         if ((TT / 16) % Geo::kWarps != 0 && mt >= TT / 16) continue;
 #pragma unroll
         for (int i = 0; i < 4; ++i) sc[j][i] = 0.f;
-        // A = K [token][dim]: matrix mi covers tokens + 8 (mi & 1), dims + 8 (mi >> 1).
-        const T* a_row = Geo::kTokenMajor
-            ? kt + (mt * 16 + (lane & 7) + (mi & 1) * 8) * KROWM + (mi >> 1) * 8
-            : kt + ((mi >> 1) * TT + mt * 16 + (lane & 7) + (mi & 1) * 8) * XM;
+        // Where K's 16-byte rows of token t, chunk c (X elements) start.
+        const int kstep = Geo::kTokenMajor ? X : TT * X;  // to the next chunk
+        auto k_row = [&](int t) { return ks + (Geo::kTokenMajor ? t * KROW : t * X); };
+        if constexpr (!Geo::kConvert) {
+          // A = K [token][dim]: matrix mi covers tokens + 8 (mi & 1), dims + 8 (mi >> 1).
+          const C* a_row = k_row(mt * 16 + (lane & 7) + (mi & 1) * 8) + (mi >> 1) * kstep;
 #pragma unroll
-        for (int kk = 0; kk < HS / 16; ++kk) {
-          unsigned a[4];
-          ldmatrix_x4(a, a_row + kk * (Geo::kTokenMajor ? 16 : 2 * TT * XM));
-          mma_16816<T>(sc[j], a, q_frag[kk]);
+          for (int kk = 0; kk < HS / 16; ++kk) {
+            unsigned a[4];
+            ldmatrix_x4(a, a_row + kk * 2 * kstep);
+            mma_16816<MT>(sc[j], a, q_frag[kk]);
+          }
+        } else {
+          // fp8: a 16-byte chunk is one k-step. Matrix mi covers tokens + 8 (mi & 1) of
+          // chunk kk + (mi >> 1); a register holds dims 4c .. 4c + 3 of one token, the low
+          // pair A's column pair c, the high pair column pair c + 4 (q_frag's order).
+          const C* a_row = k_row(mt * 16 + (lane & 7) + (mi & 1) * 8) + (mi >> 1) * kstep;
+#pragma unroll
+          for (int kk = 0; kk + 1 < HS / 16; kk += 2) {
+            unsigned r[4], a[4];
+            ldmatrix_x4(r, a_row + kk * kstep);
+            fp8x4_to_f16_halves<C>(r[0], a[0], a[2]);
+            fp8x4_to_f16_halves<C>(r[1], a[1], a[3]);
+            mma_16816<MT>(sc[j], a, q_frag[kk]);
+            fp8x4_to_f16_halves<C>(r[2], a[0], a[2]);
+            fp8x4_to_f16_halves<C>(r[3], a[1], a[3]);
+            mma_16816<MT>(sc[j], a, q_frag[kk + 1]);
+          }
+          if constexpr ((HS / 16) % 2 != 0) {  // the last chunk alone (lanes 0-15 address it)
+            constexpr int kk = HS / 16 - 1;
+            unsigned r[2], a[4];
+            ldmatrix_x2(r, k_row(mt * 16 + (lane & 7) + (mi & 1) * 8) + kk * kstep);
+            fp8x4_to_f16_halves<C>(r[0], a[0], a[2]);
+            fp8x4_to_f16_halves<C>(r[1], a[1], a[3]);
+            mma_16816<MT>(sc[j], a, q_frag[kk]);
+          }
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // C fragment: token (lane / 4) + 8 (i / 2), head hq + i % 2
@@ -554,7 +554,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
         m_own[e] = m_new;
       }
 
-      // ---- P, rounded to T; the sums add the rounded values the P V product uses ------
+      // ---- P, rounded to MT; the sums add the rounded values the P V product uses ------
+      // P's column of token t: t itself, except over a dims-major fp8 V tile, whose
+      // registers hold tokens 4c .. 4c + 3 of each 16 (see the P V step): stored where
+      // ldmatrix hands B's rows 2c, 2c + 1 and 2c + 8, 2c + 9 to that thread.
+      auto p_col = [](int t) {
+        if constexpr (Geo::kConvert && !Geo::kTokenMajor) {
+          const int u = t & 15;
+          return (t & ~15) + ((u & 2) << 2) + ((u >> 2) << 1) + (u & 1);
+        } else {
+          return t;
+        }
+      };
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_mma[e] *= alpha_own[e];
 #pragma unroll
@@ -565,9 +576,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) {
           const int h = hq + (i & 1);
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
-          const T p = from_float<T>(exp2f(sc[j][i] - m_own[i & 1]));
+          const MT p = from_float<MT>(exp2f(sc[j][i] - m_own[i & 1]));
           if (h < GT) {
-            pt[h * Geo::kPRow + t] = p;
+            pt[h * Geo::kPRow + p_col(t)] = p;
             l_mma[i & 1] += to_float(p);
           }
         }
@@ -581,7 +592,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) acc_mma[j][i] *= alpha_own[i & 1];
       }
       // B rows are heads; lanes of heads the tile lacks read row 0 (their columns are dropped).
-      const T* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
+      const MT* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
       const int steps = (valid + 15) / 16;
       for (int kk = 0; kk < TT / 16; ++kk) {
         if (kk >= steps) break;
@@ -591,16 +602,45 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
           const int mt = warp + j * Geo::kWarps;
           if ((HS / 16) % Geo::kWarps != 0 && mt >= HS / 16) continue;
-          // A = V^T [dim][token]: matrix mi covers dims + 8 (mi & 1), tokens + 8 (mi >> 1).
           unsigned a[4];
-          if constexpr (Geo::kTokenMajor) {
-            ldmatrix_x4_trans(a, vt + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROWM + mt * 16 +
-                                     (mi & 1) * 8);
+          if constexpr (!Geo::kConvert) {
+            // A = V^T [dim][token]: matrix mi covers dims + 8 (mi & 1), tokens + 8 (mi >> 1).
+            if constexpr (Geo::kTokenMajor) {
+              ldmatrix_x4_trans(a, vs + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROW + mt * 16 +
+                                       (mi & 1) * 8);
+            } else {
+              ldmatrix_x4(a, vs + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRow +
+                                 (mi >> 1) * 8 + kk * 16);
+            }
+          } else if constexpr (Geo::kTokenMajor) {
+            // fp8 [token][dim], transposed: matrix mi (lanes 0-15) covers tokens + 8 (mi & 1);
+            // a register holds tokens 2c, 2c + 1 of dims 2r, 2r + 1 (r = lane / 4). A's row r
+            // is dim 2r of the tile, row r + 8 dim 2r + 1 (the output's order, undone below).
+            unsigned r[2];
+            ldmatrix_x2_trans(r, vs + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * KROW + mt * 16);
+            fp8x4_to_f16_columns<C>(r[0], a[0], a[1]);
+            fp8x4_to_f16_columns<C>(r[1], a[2], a[3]);
           } else {
-            ldmatrix_x4(a, vt + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRowM +
-                               (mi >> 1) * 8 + kk * 16);
+            // fp8 [dim][token]: matrix mi (lanes 0-15) covers dims + 8 (mi & 1); a register
+            // holds tokens 4c .. 4c + 3 of one dim, which p_col placed as B's rows.
+            unsigned r[2];
+            ldmatrix_x2(r, vs + (mt * 16 + (mi & 1) * 8 + (lane & 7)) * Geo::kVRow + kk * 16);
+            fp8x4_to_f16_halves<C>(r[0], a[0], a[2]);
+            fp8x4_to_f16_halves<C>(r[1], a[1], a[3]);
           }
-          mma_16816<T>(acc_mma[j], a, b);
+          if constexpr (Geo::kConvert && Geo::kTokenScales) {
+            // Per-token V scales, in fp32 before the one rounding: a[0], a[1] hold tokens
+            // u, u + 1 and a[2], a[3] tokens u + du, u + du + 1 of this step.
+            const int c = lane & 3;
+            const int u = kk * 16 + (Geo::kTokenMajor ? 2 * c : 4 * c);
+            const int du = Geo::kTokenMajor ? 8 : 2;
+            const float s0 = vsc[u], s1 = vsc[u + 1], s2 = vsc[u + du], s3 = vsc[u + du + 1];
+            a[0] = scale_f16x2(a[0], s0, s1);
+            a[1] = scale_f16x2(a[1], s0, s1);
+            a[2] = scale_f16x2(a[2], s2, s3);
+            a[3] = scale_f16x2(a[3], s2, s3);
+          }
+          mma_16816<MT>(acc_mma[j], a, b);
         }
       }
     } else {
@@ -762,7 +802,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // C fragment: dim (lane / 4) + 8 (i / 2), head hq + i % 2
         const int h = hq + (i & 1);
-        if (h < GT) acc_s[h * HS + mt * 16 + (lane >> 2) + (i >> 1) * 8] = acc_mma[j][i];
+        // fp8 token-major: the rows r, r + 8 of dim tile mt are its dims 2r, 2r + 1.
+        const int d = Geo::kConvert && Geo::kTokenMajor ? mt * 16 + 2 * (lane >> 2) + (i >> 1)
+                                                        : mt * 16 + (lane >> 2) + (i >> 1) * 8;
+        if (h < GT) acc_s[h * HS + d] = acc_mma[j][i];
       }
     }
   } else {

@@ -92,15 +92,10 @@ class DecodeGeometry:
             k_stage = v_stage = tt * (hs + self.vec) * it
         else:
             k_stage, v_stage = tt * hs * it, hs * (tt + self.vec) * it
-        wide = 0
-        if self.mma and self.quant:  # kConvert: one tile widened to T (16-bit)
-            vm = 16 // self.itemsize
-            wide = 2 * (tt * (hs + vm if self.token_major else hs)
-                        + (tt * (hs + vm) if self.token_major else hs * (tt + vm)))
         q_bytes = 0 if self.mma else gt * hs * 4
         red_bytes = _round_up(gt * 4, 16) if self.mma else DECODE_THREADS * gt * 4
         scales = 2 * self.stages * tt * 4 if self.quant and self.token_scales else 0
-        return (self.stages * (k_stage + v_stage) + wide + q_bytes + tt * gt * 4 + red_bytes
+        return (self.stages * (k_stage + v_stage) + q_bytes + tt * gt * 4 + red_bytes
                 + WARPS * gt * 4 + 16 + _round_up(2 * self.pieces * 4, 16) + scales)
 
     def violations(self) -> list[str]:
@@ -120,7 +115,7 @@ class DecodeGeometry:
             bad.append("STAGES")
         if self.quant and not (self.cit == 1 and it == 2 and hs % 16 == 0):
             bad.append("fp8 caches: 16-bit queries, head sizes that are multiples of 16")
-        if (tt // WARPS) % self.vec:
+        if not self.mma and (tt // WARPS) % self.vec:
             bad.append("P @ V walks whole 16-byte vectors")
         k_stage = tt * (hs + self.vec if self.token_major else hs) * self.cit
         if WARPS * gt * hs * 4 > self.stages * k_stage:

@@ -90,9 +90,10 @@ KV_SCALES = {"": 0, "th": 1}
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
     """Tokens per pipeline tile: about 16 KiB of K (and of V) per stage at the query's
     ``itemsize``, a power of two in [32, 256]. Large enough to keep many bytes in flight,
-    small enough for two or three CTAs per SM. An fp8 cache takes the same tokens (its
-    stages hold half the bytes, but the tensor-core path widens each tile into a 16-bit
-    copy), and at least 64: the FMA path walks V in 16-byte runs of tokens per warp."""
+    small enough for two or three CTAs per SM. An fp8 cache takes the same tokens (half
+    the bytes per stage, so about five CTAs per SM; 128-token tiles and three stages
+    measured no faster on an H100, docs/PERFORMANCE.md), and at least 64: the FMA path
+    walks V in 16-byte runs of tokens per warp."""
     tokens = max(1, 16384 // (head_size * itemsize))
     tokens = 1 << (tokens.bit_length() - 1)
     return min(256, max(64 if fp8 else 32, tokens))
@@ -318,6 +319,11 @@ def target_for(compute_capability: tuple[int, int]) -> str:
 
 
 def _options(arch: str) -> tuple[str, ...]:
+    # CUPAGED_FP8_SOFTWARE=1 compiles fp8.cuh's integer conversions instead of the sm_89+
+    # instructions (what sm_80/86 run), to test them on a newer GPU. Part of the cache key;
+    # set it before the first kernel loads (in-process caches do not watch it).
+    if os.environ.get("CUPAGED_FP8_SOFTWARE", "") not in ("", "0"):
+        return (CXX_STD, f"-arch={arch}", "-DCUPAGED_FP8_SOFTWARE")
     return (CXX_STD, f"-arch={arch}")
 
 

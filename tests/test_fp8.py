@@ -126,6 +126,8 @@ SHAPES = [
     (80, 4, 3, 3, "HND"),
     (96, 2, 8, 8, "vllm"),
     (112, 64, 32, 4, "NHD"),
+    (80, 16, 8, 2, "vllm"),  # tensor cores with an odd count of 16-dim chunks
+    (48, 32, 16, 4, "HND"),
 ]
 
 
@@ -157,6 +159,22 @@ def test_fp8_shapes_match_reference(rng, shape):
                                         host["value_cache"], host["block_tables"],
                                         host["seq_lens"], kv_cache_dtype=fmt, **scales)
         assert_close(cupy.asnumpy(got), ref, tol, f"paged_attention {partition} " + what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ("HND", "vllm"))
+@pytest.mark.parametrize("magnitude", (1e30, 3e4, 1e-30))
+def test_bfloat16_queries_beyond_float16_range(rng, magnitude, layout):
+    """The tensor-core path multiplies fp8 tiles in float16, scaling a bfloat16 query into
+    float16's range: queries far above it (or far below its smallest normal) still match."""
+    seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
+    host, scales = fp8_problem(rng, "fp8_e4m3", "host", Q_LENS, seq, layout=layout,
+                               dtype="bf16")
+    host["query"] = (host["query"].astype(np.float64) * magnitude).astype(DTYPES["bf16"])
+    # K's scale shrinks as much, so the scores (and the softmax) stay as they were.
+    scales = dict(k_scale=scales["k_scale"] / magnitude, v_scale=scales["v_scale"])
+    got, ref = run(host, scales, "host", "fp8_e4m3", decode_only=True, kv_layout=layout)
+    assert_close(got, ref, testing.TOLERANCE["bf16"], f"bf16 queries ~{magnitude:g}")
 
 
 # ---- the cache write -------------------------------------------------------------------------
@@ -253,6 +271,132 @@ def test_write_then_attend_round_trip(rng, fmt):
                               kv_cache_dtype=fmt, k_scale=cupy.asnumpy(ks),
                               v_scale=cupy.asnumpy(vs))
     assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"], fmt)
+
+
+# ---- CUDA graphs ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ("device", "token"))
+def test_cuda_graph_replay_reads_new_scales(rng, mode):
+    """Scales on the device are read by the kernels, not by the host: a captured cache
+    write and attention step, replayed after the scales and inputs change in place, match
+    the reference with the new values (and an eager call, bit for bit)."""
+    import cupy
+
+    fmt = "fp8_e4m3"
+    seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
+    host, scales = fp8_problem(rng, fmt, mode, Q_LENS, seq, layout="NHD")
+    dev = {k: cupy.asarray(v) for k, v in host.items()}
+    sc = _device_scales(scales, mode)
+    nb, bs, kvh, hs = host["key_cache"].shape
+    spare = cupy.asarray(testing.random_normal((5, kvh, hs), np.float16, rng))
+    spare_slots = cupy.asarray(np.array([-1, 1, 2, 3, 4], np.int64))  # -1: padding
+    kc_side = cupy.zeros((2, bs, kvh, hs), np.uint8)  # the write goes to a side cache
+    vc_side = cupy.zeros_like(kc_side)
+    side_sc = (cupy.asarray([0.5], np.float32), cupy.asarray([0.25], np.float32))
+    out = cupy.empty_like(dev["query"])
+    kw = dict(kv_layout="NHD", kv_cache_dtype=fmt, max_query_len=max(Q_LENS),
+              max_seq_len=int(max(seq)),
+              workspace=cupaged.DecodeWorkspace(len(seq), 8, hs))  # no allocation in capture
+
+    def step():
+        cupaged.reshape_and_cache(spare, spare, kc_side, vc_side, spare_slots, fmt, *side_sc,
+                                  kv_layout="NHD")
+        cupaged.attention(**dev, out=out, **sc, **kw)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step()  # compiled and loaded before capture
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        # New values in place: scales, the query, and the tokens to write.
+        new = {k: (v * 1.7 if k == "k_scale" else v * 0.6) for k, v in scales.items()}
+        for k, v in new.items():
+            sc[k][...] = cupy.asarray(v, np.float32)
+        q2 = testing.random_normal(host["query"].shape, np.float16, rng)
+        dev["query"].set(q2)
+        spare2 = testing.random_normal((5, kvh, hs), np.float16, rng)
+        spare.set(spare2)
+        side_sc[0][...] = 2.0
+        graph.launch(stream)
+        stream.synchronize()
+        replayed = cupy.asnumpy(out).astype(np.float64)
+        written = cupy.asnumpy(kc_side), cupy.asnumpy(vc_side)
+        eager = cupaged.attention(**dev, **sc, **kw)
+    ref = reference.attention(**dict(host, query=q2), kv_cache_dtype=fmt, **new,
+                              kv_layout="NHD")
+    assert_close(replayed, ref, testing.TOLERANCE["f16"], f"replay, {mode} scales")
+    np.testing.assert_array_equal(cupy.asnumpy(eager).astype(np.float64), replayed)
+    want_k, want_v = np.zeros_like(written[0]), np.zeros_like(written[1])
+    reference.reshape_and_cache(spare2, spare2, want_k, want_v, np.array([-1, 1, 2, 3, 4]), fmt,
+                                2.0, 0.25, kv_layout="NHD")
+    np.testing.assert_array_equal(written[0], want_k)
+    np.testing.assert_array_equal(written[1], want_v)
+
+
+# ---- the software conversions (sm_80/86) -------------------------------------------------------
+
+
+def _clear_kernel_caches():
+    from cupaged import cache_ops, decode, jit, varlen
+
+    jit.clear_memory_caches()
+    decode._kernels.cache_clear()
+    varlen._prefill_kernel.cache_clear()
+    cache_ops._kernel.cache_clear()
+
+
+def _fp8_outputs(fmt, seed):
+    """Every fp8 kernel on fixed inputs: attention over a mixed batch (prefill kernel),
+    decode on tensor cores (8 / 2 heads) and on FMAs (2 / 2), each with per-token scales,
+    and the cache write in both scale modes. Host arrays, in that order."""
+    import cupy
+
+    out = []
+    seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
+    for heads, kvh, layout in ((8, 2, "HND"), (2, 2, "vllm")):
+        host, scales = fp8_problem(np.random.default_rng(seed), fmt, "token", Q_LENS, seq,
+                                   layout=layout, heads=heads, kv_heads=kvh)
+        for decode_only in (False, True):
+            got, _ = run(host, scales, "token", fmt, decode_only=decode_only, kv_layout=layout,
+                         max_query_len=max(Q_LENS))
+            out.append(got)
+    rng = np.random.default_rng(seed)
+    k = cupy.asarray(_special_rows(rng, 40, 2, 64, fmt, 1.0).astype(np.float16))
+    for token in (False, True):
+        kc, vc = cupy.zeros((4, 16, 2, 64), np.uint8), cupy.zeros((4, 16, 2, 64), np.uint8)
+        sc = (cupy.zeros((4, 2, 16), np.float32), cupy.zeros((4, 2, 16), np.float32)) if token \
+            else (0.37, 0.5)
+        cupaged.reshape_and_cache(k, k[::-1].copy(), kc, vc, cupy.arange(40, dtype=np.int64),
+                                  fmt, *sc, kv_layout="NHD")
+        out += [cupy.asnumpy(kc), cupy.asnumpy(vc)]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_software_conversions_give_the_same_bits(fmt, monkeypatch):
+    """CUPAGED_FP8_SOFTWARE=1 compiles the integer conversions sm_80/86 run: on this GPU
+    they must reproduce the hardware instructions' results bit for bit, everywhere."""
+    from cupaged import jit
+
+    spec = jit.KernelSpec("paged_decode", "f16", 128, 16, 4, kv_format="tok", cache_dtype="e4m3")
+    _clear_kernel_caches()
+    hw = _fp8_outputs(fmt, 7)
+    key_hw = jit.cache_key(spec)
+    with monkeypatch.context() as m:
+        m.setenv("CUPAGED_FP8_SOFTWARE", "1")
+        _clear_kernel_caches()
+        try:
+            assert jit.cache_key(spec) != key_hw, "the option must reach the cache key"
+            sw = _fp8_outputs(fmt, 7)
+        finally:
+            _clear_kernel_caches()
+    for i, (a, b) in enumerate(zip(hw, sw)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), f"output {i} differs"
 
 
 # ---- vLLM's signatures and torch's float8 types ----------------------------------------------

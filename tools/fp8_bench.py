@@ -4,19 +4,21 @@ TFLOP/s over fp8 against bf16, and the accuracy of e4m3 and e5m2 against a float
 One run, every figure from the same process; results in $OUT/fp8_bench.json.
 
     source tools/device_env.sh; python3 tools/fp8_bench.py [--no-flashinfer]
+        [--tiles default,64x2,128x2] [--only decode,prefill,accuracy]
+
+--tiles times the fp8 decode rows under several (tokens x stages) tiles as well.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import cupy
 import numpy as np
 
 import cupaged
-from cupaged import bench, reference, testing
+from cupaged import bench, decode, reference, testing
 
 OUT = os.environ.get("OUT", "/tmp/cupaged-out")
 HS, BS = 128, 16
@@ -33,7 +35,7 @@ def _cache(nb, kvh, fp8, rng):
     return k, k[::-1].copy()
 
 
-def decode_rows(copy_bw, use_flashinfer):
+def decode_rows(copy_bw, use_flashinfer, tiles=(None,)):
     rng = np.random.default_rng(0)
     rows = []
     for heads, kvh, batch, ctx in ((32, 8, 64, 2048), (32, 32, 64, 2048), (32, 8, 8, 32768)):
@@ -51,13 +53,22 @@ def decode_rows(copy_bw, use_flashinfer):
                 cupaged.attention(q, k, v, bt, lens, kv_layout="HND", out=out,
                                   max_seq_len=ctx, **kw)
 
-            us = bench.time_us(run).median_us
             nbytes = 2 * batch * ctx * kvh * HS * (1 if fp8 else 2) + 2 * q.nbytes
-            row[f"cupaged_{name}_us"] = us
-            row[f"cupaged_{name}_bw"] = nbytes / (us * 1e-6) / copy_bw
+            for tile in tiles if fp8 else (None,):
+                decode._set_tile(tile)
+                tag = "" if tile is None else "_{}x{}".format(*tile)
+                try:
+                    us = bench.time_us(run).median_us
+                except Exception as e:  # a tile this shape cannot take (reported, not fatal)
+                    row[f"cupaged_{name}{tag}_error"] = str(e)[:200]
+                    continue
+                row[f"cupaged_{name}{tag}_us"] = us
+                row[f"cupaged_{name}{tag}_bw"] = nbytes / (us * 1e-6) / copy_bw
+            decode._set_tile(None)
             if fp8 and use_flashinfer:
                 row.update(_flashinfer_fp8(q, k, v, bt, lens, heads, kvh, nbytes, copy_bw))
-        row["speedup_fp8"] = row["cupaged_f16_us"] / row["cupaged_e4m3_us"]
+        if "cupaged_e4m3_us" in row:
+            row["speedup_fp8"] = row["cupaged_f16_us"] / row["cupaged_e4m3_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -173,11 +184,26 @@ def accuracy_rows():
 
 
 def main():
-    use_fi = "--no-flashinfer" not in sys.argv and bench.flashinfer_unavailable() is None
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--tiles", default="default")
+    ap.add_argument("--only", default="accuracy,decode,prefill")
+    a = ap.parse_args()
+    tiles = [None if t == "default" else tuple(int(v) for v in t.split("x"))
+             for t in a.tiles.split(",")]
+    parts = a.only.split(",")
+    use_fi = not a.no_flashinfer and bench.flashinfer_unavailable() is None
     copy_bw = bench.copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; flashinfer {'on' if use_fi else 'off'}", flush=True)
-    res = dict(copy_bw=copy_bw, accuracy=accuracy_rows(), decode=decode_rows(copy_bw, use_fi),
-               prefill=prefill_rows())
+    res = dict(copy_bw=copy_bw)
+    if "accuracy" in parts:
+        res["accuracy"] = accuracy_rows()
+    if "decode" in parts:
+        res["decode"] = decode_rows(copy_bw, use_fi, tiles)
+    if "prefill" in parts:
+        res["prefill"] = prefill_rows()
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "fp8_bench.json"), "w") as f:
         json.dump(res, f, indent=1)
