@@ -3,10 +3,10 @@
 :class:`BlockManager` hands out and frees blocks, shares them between sequences with
 reference counts (forks, and optionally prompt prefixes), and plans copy-on-write. It
 needs no GPU. :class:`PagedKVCache` owns one key and one value cache per layer in any of
-the layouts :func:`cupaged.attention` reads (vLLM's, NHD, HND), runs the copy-on-write
-copies itself, and gives every step (prefill, chunked prefill, verify, decode, mixed) its
-slot mapping, block tables, sequence lengths and query start offsets with one
-host-to-device copy.
+the layouts :func:`cupaged.attention` reads (vLLM's, NHD, HND), of the model's dtype or
+fp8 (with their scales), runs the copy-on-write copies itself, and gives every step
+(prefill, chunked prefill, verify, decode, mixed) its slot mapping, block tables,
+sequence lengths and query start offsets with one host-to-device copy.
 """
 
 from __future__ import annotations
@@ -532,10 +532,34 @@ class PagedKVCache:
     ``key_caches[l]`` and ``value_caches[l]``:
 
     - ``"vllm"`` (the default): key ``[num_blocks, num_kv_heads, head_size // x,
-      block_size, x]`` with ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads,
-      head_size, block_size]`` (what :func:`cupaged.paged_attention` also takes);
+      block_size, x]`` with ``x = 16 // itemsize`` (16 for fp8), value ``[num_blocks,
+      num_kv_heads, head_size, block_size]`` (what :func:`cupaged.paged_attention` also
+      takes);
     - ``"NHD"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``;
     - ``"HND"``: both ``[num_blocks, num_kv_heads, block_size, head_size]``.
+
+    ``dtype`` is the model's (the queries'): float16, bfloat16 or float32, and with the
+    default ``kv_cache_dtype="auto"`` the caches' too. ``kv_cache_dtype="fp8"`` (=
+    ``"fp8_e4m3"``) or ``"fp8_e5m2"`` makes fp8 caches instead, for a float16 or bfloat16
+    ``dtype`` and a head size that is a multiple of 16: ``torch.float8_e4m3fn`` /
+    ``torch.float8_e5m2`` tensors with ``framework="torch"``, uint8 arrays with CuPy. An
+    fp8 cache stores ``value / scale``; ``kv_scales`` picks the float32 scales, one array
+    per layer for K (``cache.k_scales[l]``) and one for V (``cache.v_scales[l]``):
+
+    - ``"tensor"`` (the default): ``[1]``, holding 1.0 until you write a calibrated scale
+      into it in place (``cache.k_scales[l][...] = s``; the kernels read it on the device);
+    - ``"token"``: ``[num_blocks, num_kv_heads, block_size]``, into which
+      :func:`cupaged.reshape_and_cache` writes each token's ``amax(|row|) / max`` per KV
+      head; ``step`` copies them with their blocks on copy-on-write. (Views of
+      ``[num_blocks, row]`` arrays whose rows are padded to a multiple of 16 bytes when
+      ``num_kv_heads * block_size`` is not a multiple of 4.)
+
+    ``cache.kv_cache_dtype`` is ``"auto"`` or the format's full name (``"fp8_e4m3"``,
+    ``"fp8_e5m2"``), ``cache.kv_scales`` the scale mode (None for ``"auto"``, whose scale
+    lists hold None). ``cache.layer_kwargs(l)`` is ``dict(kv_cache_dtype=...,
+    k_scale=cache.k_scales[l], v_scale=cache.v_scales[l])``, the same for every dtype:
+    pass it on to :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention` (or
+    :func:`cupaged.paged_attention`).
 
     The caches live on ``device`` (default: the current CuPy device). With
     ``framework="torch"`` the caches and every array the cache hands out are torch
@@ -547,13 +571,14 @@ class PagedKVCache:
 
         step = cache.step(["a", "b"], num_tokens=[64, 1])   # copy-on-write done
         for layer in range(num_layers):
+            kw = cache.layer_kwargs(layer)   # fp8: the format and this layer's scales
             cupaged.reshape_and_cache(k[layer], v[layer], cache.key_caches[layer],
                                       cache.value_caches[layer], step.slot_mapping,
-                                      kv_layout=cache.kv_layout)
+                                      kv_layout=cache.kv_layout, **kw)
             out = cupaged.attention(q[layer], cache.key_caches[layer],
                                     cache.value_caches[layer], step.block_tables,
                                     step.seq_lens, step.query_start_loc,
-                                    kv_layout=cache.kv_layout, max_query_len=64)
+                                    kv_layout=cache.kv_layout, max_query_len=64, **kw)
 
     A whole prompt, with its cached prefix shared: ``step = cache.prefill(["c"],
     [len(prompt)], token_ids=[prompt])`` gives the step for the uncached remainder.
@@ -561,15 +586,22 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
                  block_size: int, dtype="float16", *, kv_layout: str = "vllm",
-                 prefix_caching: bool = False, framework: str = "cupy", device=None):
+                 prefix_caching: bool = False, framework: str = "cupy", device=None,
+                 kv_cache_dtype: str = "auto", kv_scales: str = "tensor"):
         import cupy
 
         from . import _checks, _dtypes
 
+        if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
+            raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
+                             f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
         dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
         if dt is None:
             raise TypeError(f"dtype {dtype} is not supported: expected {_dtypes.supported_names()}")
+        fmt = _fp8_format(kv_cache_dtype, kv_scales, dt)
         _checks.check_head_size(head_size)
+        if fmt is not None:
+            _checks.check_fp8_head_size(fmt, head_size)
         if block_size not in _checks.BLOCK_SIZES:
             raise ValueError(f"block_size {block_size} is not supported: expected a power of two "
                              f"from 1 to 256")
@@ -580,25 +612,61 @@ class PagedKVCache:
         if framework not in ("cupy", "torch"):
             raise ValueError(f"framework must be 'cupy' or 'torch', got {framework!r}")
         self.dtype = dt.numpy
+        self.kv_cache_dtype = "auto" if fmt is None else f"fp8_{fmt.name}"
+        self.kv_scales = None if fmt is None else kv_scales
         self.kv_layout = kv_layout
         self.framework = framework
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.head_size, self.block_size = head_size, block_size
         self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        # fp8 storage: torch's float8 type for torch (its dtype then names the format too),
+        # bytes for CuPy; either way cache.kv_cache_dtype names the format.
+        store = dt.numpy if fmt is None else (
+            fmt.numpy if framework == "torch" and fmt.numpy is not None else np.dtype(np.uint8))
+        self._itemsize = dt.itemsize if fmt is None else 1
         k_shape, v_shape = _cache_shapes(kv_layout, num_blocks, num_kv_heads, head_size,
-                                         block_size, dt.itemsize)
-        self.key_caches = [self._empty(k_shape, dt.numpy) for _ in range(num_layers)]
-        self.value_caches = [self._empty(v_shape, dt.numpy) for _ in range(num_layers)]
+                                         block_size, self._itemsize)
+        self.key_caches = [self._empty(k_shape, store) for _ in range(num_layers)]
+        self.value_caches = [self._empty(v_shape, store) for _ in range(num_layers)]
+        # Per-token scales: views of [num_blocks, row] arrays whose rows are padded to a
+        # multiple of 16 bytes, as copy_blocks moves blocks (padding only when
+        # num_kv_heads * block_size is not a multiple of 4).
+        per_token = self.kv_scales == "token"
+        self._scale_row = -(-num_kv_heads * block_size // 4) * 4 if per_token else 0
+        self._k_scale_blocks = self._v_scale_blocks = None
+        if fmt is None:
+            self.k_scales = [None] * num_layers
+            self.v_scales = [None] * num_layers
+        elif kv_scales == "tensor":
+            self.k_scales = [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)]
+            self.v_scales = [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)]
+        else:
+            rows = (num_blocks, self._scale_row)
+            self._k_scale_blocks = [self._empty(rows, np.float32) for _ in range(num_layers)]
+            self._v_scale_blocks = [self._empty(rows, np.float32) for _ in range(num_layers)]
+            n, shape = num_kv_heads * block_size, (num_blocks, num_kv_heads, block_size)
+            self.k_scales = [a[:, :n].reshape(shape) for a in self._k_scale_blocks]
+            self.v_scales = [a[:, :n].reshape(shape) for a in self._v_scale_blocks]
         self._buffers: dict = {}  # purpose -> (host staging, device buffer), reused
+
+    def layer_kwargs(self, layer: int) -> dict:
+        """``kv_cache_dtype``, ``k_scale`` and ``v_scale`` of ``layer``, to pass on to
+        :func:`cupaged.reshape_and_cache`, :func:`cupaged.attention` and
+        :func:`cupaged.paged_attention` (``"auto"``, ``None`` and ``None`` for a cache of
+        ``dtype``)."""
+        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scales[layer],
+                    v_scale=self.v_scales[layer])
 
     # ---- accounting ------------------------------------------------------------------------
 
     @property
     def bytes_per_block(self) -> int:
-        """Device bytes one block takes across all layers, K and V."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.block_size * \
-            self.dtype.itemsize
+        """Device bytes one block takes across all layers, K and V: its cache elements and,
+        with per-token scales, its float32 scale rows (per-tensor scales are not per
+        block)."""
+        elements = self.num_kv_heads * self.head_size * self.block_size * self._itemsize
+        return 2 * self.num_layers * (elements + 4 * self._scale_row)
 
     @property
     def num_free_blocks(self) -> int:
@@ -684,10 +752,11 @@ class PagedKVCache:
         ``query_start_loc``. ``token_ids``: optional, one per new token, flat in step order
         (see :meth:`BlockManager.append`).
 
-        Runs the copy-on-write block copies itself (on the current stream, before
-        anything the caller enqueues next). One host-to-device copy carries all of it; the
-        arrays stay valid until the next ``step``. If the upload or a copy fails, the
-        manager is left as it was, so the step can be retried."""
+        Runs the copy-on-write block copies itself, per-token fp8 scales included (on the
+        current stream, before anything the caller enqueues next). One host-to-device
+        copy carries all of it; the arrays stay valid until the next ``step``. If the
+        upload or a copy fails, the manager is left as it was, so the step can be
+        retried."""
         from .cache_ops import copy_blocks
 
         # Plan, do the device work, and only then apply the plan to the bookkeeping: the
@@ -700,6 +769,8 @@ class PagedKVCache:
                      plan.query_start_loc()])
         if len(plan.copies):
             copy_blocks(self.key_caches, self.value_caches, pairs.reshape(-1, 2))
+            if self._k_scale_blocks is not None:  # per-token scales go with their tokens
+                copy_blocks(self._k_scale_blocks, self._v_scale_blocks, pairs.reshape(-1, 2))
         manager._apply_append(plan)
         return Step(s, bt.reshape(tables.shape), sl, qsl)
 
@@ -710,18 +781,20 @@ class PagedKVCache:
         bt, cl = self._upload("tables", [tables.reshape(-1), lens])
         return bt.reshape(tables.shape), cl
 
-    def _empty(self, shape, dtype):
+    def _empty(self, shape, dtype, fill=None):
+        """A new array of the cache's framework on its device: uninitialized, or ``fill``."""
         from . import _arrays
 
         with _arrays.on_device(self.device):
             if self.framework == "torch":
                 import torch
 
-                return torch.empty(shape, dtype=_arrays.torch_dtype(dtype),
-                                   device=torch.device("cuda", self.device))
+                kw = dict(dtype=_arrays.torch_dtype(dtype),
+                          device=torch.device("cuda", self.device))
+                return torch.empty(shape, **kw) if fill is None else torch.full(shape, fill, **kw)
             import cupy
 
-            return cupy.empty(shape, dtype)
+            return cupy.empty(shape, dtype) if fill is None else cupy.full(shape, fill, dtype)
 
     def _upload(self, purpose: str, parts: list) -> list:
         """Copy int32 host arrays into the device buffer kept for ``purpose`` with one
@@ -749,6 +822,28 @@ class PagedKVCache:
                 runtime.memcpyAsync(dst, host.ctypes.data, n * 4, runtime.memcpyHostToDevice,
                                     ctx.stream)
         return [dev[a:b] for a, b in bounds]
+
+
+def _fp8_format(kv_cache_dtype, kv_scales, dt):
+    """The fp8 format (a ``_dtypes.DType``) of a PagedKVCache's caches, or None for caches
+    of the model's dtype ``dt``; the arguments checked with the kernels' wording."""
+    from . import _dtypes
+
+    if kv_scales not in ("tensor", "token"):
+        raise ValueError(f"kv_scales must be 'tensor' or 'token', got {kv_scales!r}")
+    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+        if kv_scales == "token":
+            raise ValueError(f"kv_scales='token' needs an fp8 cache (kv_cache_dtype='fp8', "
+                             f"'fp8_e4m3' or 'fp8_e5m2'): a {dt.numpy} cache has no scales")
+        return None
+    fmt = _dtypes.KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if fmt is None:
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
+                         f"{kv_cache_dtype!r}")
+    if dt.itemsize != 2:
+        raise TypeError(f"fp8 caches take float16 or bfloat16 queries, got dtype={dt.numpy} "
+                        f"(dtype is the model's, kv_cache_dtype the cache's)")
+    return fmt
 
 
 def _cache_shapes(kv_layout: str, num_blocks: int, num_kv_heads: int, head_size: int,

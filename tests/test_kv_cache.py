@@ -1,9 +1,11 @@
 """BlockManager under random add / append / fork / free sequences, with and without prefix
 caching, appends of any number of tokens per sequence (0 included); failed calls change
 nothing; PagedKVCache.step and .prefill plan, upload and only then apply (checked with host
-stand-ins for the device). No GPU needed, except for the tests marked gpu at the end:
-every cache layout through reshape_and_cache and cupaged.attention, mixed steps with
-copy-on-write, and a prefix-cache hit against the whole prompt."""
+stand-ins for the device); fp8 caches' arguments, shapes, dtypes, scale arrays and bytes
+(with host arrays). No GPU needed, except for the tests marked gpu at the end: every cache
+layout through reshape_and_cache and cupaged.attention, mixed steps with copy-on-write, a
+prefix-cache hit against the whole prompt, and fp8 caches (both frameworks, both scale
+modes) through prefill, decode and a fork's copy-on-write."""
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import cupaged
 import cupaged.cache_ops
 from cupaged import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step, reference, testing
+from cupaged import _dtypes
 
 from conftest import assert_close
 
@@ -588,24 +591,33 @@ class Injected(RuntimeError):
 
 @pytest.fixture
 def host_cache(monkeypatch):
-    """``host_cache(manager)``: a PagedKVCache over ``manager`` whose device work runs on
-    the host: uploads return NumPy copies, copy_blocks records its (src, dst) pairs in
-    ``.copied``. Setting ``.fail`` to "upload" or "copy" makes that part raise, as an
-    out-of-memory buffer allocation or a failed launch would."""
+    """``host_cache(manager, token_scales=False)``: a PagedKVCache over ``manager`` whose
+    device work runs on the host: uploads return NumPy copies, copy_blocks records its
+    (src, dst) pairs in ``.copied``, and with ``token_scales`` (an fp8 cache with
+    per-token scales) those of the scale arrays in ``.scales_copied``. Setting ``.fail``
+    to "upload", "copy" or "scales copy" makes that part raise, as an out-of-memory buffer
+    allocation or a failed launch would."""
     caches = []
 
     def copy_blocks(key_caches, value_caches, block_mapping, **kwargs):
-        cache = next(c for c in caches if c.key_caches is key_caches)
-        if cache.fail == "copy":
-            raise Injected("copy_blocks failed")
-        cache.copied.append(np.asarray(block_mapping).tolist())
+        for c in caches:
+            for what, ks, vs, log in (
+                    ("copy", c.key_caches, c.value_caches, c.copied),
+                    ("scales copy", c._k_scale_blocks, c._v_scale_blocks, c.scales_copied)):
+                if ks is key_caches and vs is value_caches:
+                    if c.fail == what:
+                        raise Injected(f"{what} failed")
+                    log.append(np.asarray(block_mapping).tolist())
+                    return
+        raise AssertionError("copy_blocks got lists that no cache holds")
 
     monkeypatch.setattr(cupaged.cache_ops, "copy_blocks", copy_blocks)
 
-    def make(manager):
+    def make(manager, token_scales=False):
         cache = object.__new__(PagedKVCache)
         cache.manager, cache.key_caches, cache.value_caches = manager, [], []
-        cache.fail, cache.copied = None, []
+        cache._k_scale_blocks, cache._v_scale_blocks = ([], []) if token_scales else (None, None)
+        cache.fail, cache.copied, cache.scales_copied = None, [], []
 
         def upload(purpose, parts):
             if cache.fail == "upload":
@@ -746,6 +758,171 @@ def test_failed_prefill_adds_nothing(host_cache, how, error, match):
         cache.prefill(seqs, lens, token_ids=ids)
     assert snapshot(m) == snapshot(twin)
     m.check()
+
+
+# ---- fp8 caches, on the host: arguments, shapes, dtypes, scales, accounting ----------------
+
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+_BF16 = _dtypes.BF16.numpy
+
+
+@pytest.fixture
+def host_arrays(monkeypatch):
+    """PagedKVCache allocates NumPy arrays of the dtypes it asks for (ml_dtypes' float8
+    for torch's float8 tensors), so it can be built without a GPU (with ``device=0``)."""
+    def empty(self, shape, dtype, fill=None):
+        a = np.empty(shape, dtype)
+        if fill is not None:
+            a.fill(fill)
+        return a
+
+    monkeypatch.setattr(PagedKVCache, "_empty", empty)
+
+
+def test_cache_shapes_of_one_byte_elements():
+    from cupaged.kv_cache import _cache_shapes
+
+    assert _cache_shapes("vllm", 10, 2, 64, 16, 1) == ((10, 2, 4, 16, 16), (10, 2, 64, 16))
+    assert _cache_shapes("vllm", 10, 2, 64, 16, 2) == ((10, 2, 8, 16, 8), (10, 2, 64, 16))
+    assert _cache_shapes("NHD", 10, 2, 64, 16, 1) == ((10, 16, 2, 64),) * 2
+    assert _cache_shapes("HND", 10, 2, 64, 16, 1) == ((10, 2, 16, 64),) * 2
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(kv_cache_dtype="int8"), ValueError, "kv_cache_dtype must be 'auto', 'fp8'"),
+    (dict(kv_cache_dtype="e4m3"), ValueError, "kv_cache_dtype must be"),
+    (dict(kv_cache_dtype="fp8", kv_scales="channel"), ValueError,
+     "kv_scales must be 'tensor' or 'token', got 'channel'"),
+    (dict(kv_scales="token"), ValueError, "kv_scales='token' needs an fp8 cache"),
+    (dict(kv_scales=None), ValueError, "kv_scales must be"),
+    (dict(kv_cache_dtype="fp8", dtype="float32"), TypeError,
+     "fp8 caches take float16 or bfloat16 queries, got dtype=float32"),
+    (dict(kv_cache_dtype="fp8_e5m2", head_size=72), ValueError,
+     "head_size 72 is not supported with an fp8 cache: expected a multiple of 16"),
+    (dict(kv_cache_dtype="fp8", head_size=20), ValueError, "head_size 20 is not supported"),
+    (dict(dtype="fp8"), ValueError, "kv_cache_dtype='fp8'"),
+    (dict(dtype="fp8_e5m2", kv_cache_dtype="fp8_e5m2"), ValueError, "dtype is the model's"),
+], ids=["format", "format-name", "scales", "token-16-bit", "scales-none", "float32",
+        "head-size", "head-size-any", "dtype-fp8", "dtype-fp8-e5m2"])
+def test_fp8_arguments_are_checked(host_arrays, kw, error, match):
+    args = dict(num_layers=2, num_blocks=4, num_kv_heads=2, head_size=64, block_size=16,
+                dtype="float16", device=0)
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        PagedKVCache(**args)
+
+
+def test_auto_cache_is_as_before(host_arrays):
+    """kv_cache_dtype="auto" (the default): caches of ``dtype``, no scales, the same bytes;
+    a head size fp8 refuses is fine."""
+    for kw in ({}, dict(kv_cache_dtype="auto", kv_scales="tensor"), dict(kv_cache_dtype=None)):
+        cache = PagedKVCache(3, 10, 2, 72, 16, "bfloat16", kv_layout="vllm", device=0, **kw)
+        assert cache.kv_cache_dtype == "auto" and cache.kv_scales is None
+        assert cache.dtype == cache.key_caches[0].dtype == cache.value_caches[0].dtype
+        assert cache.key_caches[0].shape == (10, 2, 9, 16, 8)
+        assert cache.k_scales == cache.v_scales == [None] * 3
+        assert cache.layer_kwargs(2) == dict(kv_cache_dtype="auto", k_scale=None, v_scale=None)
+        assert cache.bytes_per_block == 2 * 3 * 2 * 72 * 16 * 2
+
+
+@pytest.mark.parametrize("layout", ["vllm", "NHD", "HND"])
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_caches_per_tensor_scales(host_arrays, layout, framework, fmt, dtype):
+    layers, nb, kvh, hs, bs = 3, 10, 2, 64, 16
+    cache = PagedKVCache(layers, nb, kvh, hs, bs, dtype, kv_layout=layout,
+                         framework=framework, device=0, kv_cache_dtype=fmt)
+    name = "fp8_e5m2" if fmt == "fp8_e5m2" else "fp8_e4m3"
+    assert cache.kv_cache_dtype == name and cache.kv_scales == "tensor"
+    assert cache.dtype == np.dtype(dtype)  # the model's dtype stays
+    # torch: its float8 type (asked for as ml_dtypes' NumPy dtype); CuPy: bytes
+    store = _dtypes.KV_CACHE_DTYPES[name].numpy if framework == "torch" else np.dtype(np.uint8)
+    want = {"vllm": ((nb, kvh, hs // 16, bs, 16), (nb, kvh, hs, bs)),
+            "NHD": ((nb, bs, kvh, hs),) * 2, "HND": ((nb, kvh, bs, hs),) * 2}[layout]
+    for kc, vc in zip(cache.key_caches, cache.value_caches):
+        assert (kc.shape, vc.shape) == want and kc.dtype == vc.dtype == store
+    assert len(cache.k_scales) == len(cache.v_scales) == layers
+    scales = cache.k_scales + cache.v_scales
+    for s in scales:
+        assert s.shape == (1,) and s.dtype == np.float32 and s[0] == 1.0
+    assert len({id(s) for s in scales}) == 2 * layers  # each its own, to calibrate alone
+    kw = cache.layer_kwargs(1)
+    assert kw == dict(kv_cache_dtype=name, k_scale=cache.k_scales[1], v_scale=cache.v_scales[1])
+    assert kw["k_scale"] is cache.k_scales[1] and kw["v_scale"] is cache.v_scales[1]
+    assert cache.bytes_per_block == 2 * layers * kvh * hs * bs  # one byte each, no scales
+
+
+@pytest.mark.parametrize("layout", ["vllm", "NHD", "HND"])
+@pytest.mark.parametrize("geometry, row", [((2, 16), 32), ((4, 1), 4), ((3, 2), 8), ((1, 1), 4)],
+                         ids=["kvh2_bs16", "kvh4_bs1", "kvh3_bs2-padded", "kvh1_bs1-padded"])
+def test_fp8_caches_per_token_scales(host_arrays, layout, geometry, row):
+    """Per-token scales: [num_blocks, num_kv_heads, block_size] float32 per layer for K and
+    for V, views of [num_blocks, row] arrays (row padded to a multiple of 4 floats, 16
+    bytes, as copy_blocks moves blocks) that step's copy-on-write copies."""
+    layers, nb, hs = 2, 6, 32
+    kvh, bs = geometry
+    cache = PagedKVCache(layers, nb, kvh, hs, bs, "float16", kv_layout=layout, device=0,
+                         kv_cache_dtype="fp8_e5m2", kv_scales="token")
+    assert cache.kv_cache_dtype == "fp8_e5m2" and cache.kv_scales == "token"
+    assert cache.key_caches[0].dtype == np.uint8
+    for views, blocks in ((cache.k_scales, cache._k_scale_blocks),
+                          (cache.v_scales, cache._v_scale_blocks)):
+        assert len(views) == len(blocks) == layers
+        for view, block in zip(views, blocks):
+            assert view.shape == (nb, kvh, bs) and view.dtype == np.float32
+            assert block.shape == (nb, row) and block.dtype == np.float32
+            # tokens contiguous, blocks padded (the stride of a dimension of 1 is free)
+            assert all(n == 1 or st == want for n, st, want in
+                       zip(view.shape, view.strides, (4 * row, 4 * bs, 4))), view.strides
+            assert np.shares_memory(view, block)  # a view: copying blocks copies it
+            view[...] = np.arange(view.size, dtype=np.float32).reshape(view.shape)
+            assert block[:, :kvh * bs].ravel().tolist() == list(range(view.size))
+    all_arrays = cache.k_scales + cache.v_scales
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(all_arrays)
+                   for b in all_arrays[i + 1:])
+    assert cache.layer_kwargs(0)["k_scale"] is cache.k_scales[0]
+    assert cache.bytes_per_block == 2 * layers * (kvh * hs * bs + 4 * row)
+
+
+def test_fp8_bytes_per_block_arithmetic(host_arrays):
+    """A 32-layer, 8-KV-head, head-size-128 model with 16-token blocks: float16 2 MiB a
+    block; e4m3 half that; with per-token scales 2 * 32 * 8 * 16 * 4 bytes (32 KiB) more."""
+    args = (32, 4, 8, 128, 16, "float16")
+    f16 = PagedKVCache(*args, device=0).bytes_per_block
+    fp8 = PagedKVCache(*args, device=0, kv_cache_dtype="fp8").bytes_per_block
+    tok = PagedKVCache(*args, device=0, kv_cache_dtype="fp8", kv_scales="token").bytes_per_block
+    assert f16 == 2 * 32 * 8 * 128 * 16 * 2 == 2 << 20
+    assert fp8 * 2 == f16
+    assert tok - fp8 == 2 * 32 * 8 * 16 * 4 == 32 << 10
+    cache = PagedKVCache(*args, device=0, kv_cache_dtype="fp8", kv_scales="token")
+    cache.manager.add("a", 40)  # three blocks (the bookkeeping alone: no upload here)
+    assert cache.bytes_in_use == 3 * tok
+
+
+@pytest.mark.parametrize("fail", [None, "copy", "scales copy"])
+def test_copy_on_write_copies_token_scales(host_cache, fail):
+    """With per-token scales, step copies the scale rows of the blocks it copies, with the
+    same pairs; if either copy fails nothing changes, and a retry copies both."""
+    m, twin = _scene(), _scene()
+    cache = host_cache(m, token_scales=True)
+    twin_cache = host_cache(twin)  # without scales: only the caches are copied
+    seqs, ids = ["a", "b", "c", "e"], [6, 7, 8, 9]
+    expected = _as_lists(twin_cache.step(seqs, token_ids=ids))
+    if fail:
+        before = snapshot(m)
+        cache.fail = fail
+        with pytest.raises(Injected, match=fail):
+            cache.step(seqs, token_ids=ids)
+        assert snapshot(m) == before
+        m.check()
+        cache.fail = None
+        cache.copied, cache.scales_copied = [], []
+    assert _as_lists(cache.step(seqs, token_ids=ids)) == expected
+    assert cache.copied == cache.scales_copied == twin_cache.copied
+    assert len(cache.copied) == 1 and len(cache.copied[0]) == 1  # a and c share a block
+    assert twin_cache.scales_copied == []
+    assert snapshot(m) == snapshot(twin)
 
 
 # ---- on the GPU: every layout through reshape_and_cache and cupaged.attention ------------------
@@ -913,3 +1090,289 @@ def test_prefix_hit_remainder_equals_whole_prompt(rng, layout, tail):
     ref_a = reference.attend(qa, kv_a[:, 0].astype(np.float64), kv_a[:, 1].astype(np.float64),
                              1 / np.sqrt(hs))
     assert_close(cupy.asnumpy(out), ref_a, testing.TOLERANCE["f16"], "A after B")
+
+
+# ---- on the GPU: fp8 caches -----------------------------------------------------------------
+
+
+def _dev(x, framework):
+    """A host array on the GPU, as a CuPy array or a torch tensor."""
+    if framework == "cupy":
+        import cupy
+
+        return cupy.asarray(x)
+    import torch
+
+    from cupaged import _arrays
+
+    src = x.astype(np.float32) if x.dtype.itemsize == 2 and x.dtype != np.float16 else x
+    return torch.from_numpy(np.ascontiguousarray(src)).to("cuda", _arrays.torch_dtype(x.dtype))
+
+
+def _host(a):
+    """A CuPy array or torch tensor as a NumPy array (fp8 tensors as their bytes, bfloat16
+    tensors as float32)."""
+    if hasattr(a, "cpu"):
+        import torch
+
+        if a.element_size() == 1:
+            a = a.view(torch.uint8)
+        elif a.dtype == torch.bfloat16:
+            a = a.float()
+        return a.cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+def _host_layer(cache, layer):
+    """A layer's caches and scales on the host, as the reference takes them (per tensor:
+    the float32 value the kernels read)."""
+    kc, vc = _host(cache.key_caches[layer]), _host(cache.value_caches[layer])
+    ks, vs = _host(cache.k_scales[layer]), _host(cache.v_scales[layer])
+    return (kc, vc, ks, vs) if cache.kv_scales == "token" else (kc, vc, ks[0], vs[0])
+
+
+def _quantized(rows, fmt, scale):
+    """What an fp8 cache holds for ``rows [n, kv_heads, head_size]``, read as ``stored *
+    scale`` in float64: quantized with ``scale``, or with None per token and head."""
+    s = reference.token_head_scales(rows, fmt) if scale is None else scale
+    return reference.dequantize_fp8(reference.quantize_fp8(rows, fmt, s), fmt, s)
+
+
+def _check_stored(cache, layer, history):
+    """Every sequence's tokens in the cache are exactly its K/V history quantized with the
+    layer's scales (the reference quantizer, bit for bit)."""
+    kc, vc, ks, vs = _host_layer(cache, layer)
+    fmt, per_token = cache.kv_cache_dtype, cache.kv_scales == "token"
+    for s, hist in history.items():
+        k_rows, v_rows = (np.concatenate(h) for h in hist[layer])
+        table = np.asarray(cache.manager.block_table(s))
+        k, v = reference.gather_kv(kc, vc, table, len(k_rows), cache.kv_layout, fmt, ks, vs)
+        np.testing.assert_array_equal(k, _quantized(k_rows, fmt, None if per_token else ks),
+                                      err_msg=f"sequence {s!r}, layer {layer}: K")
+        np.testing.assert_array_equal(v, _quantized(v_rows, fmt, None if per_token else vs),
+                                      err_msg=f"sequence {s!r}, layer {layer}: V")
+
+
+def _poison(cache):
+    """NaN in every cache byte (0x7F is NaN in both formats) and every per-token scale: the
+    stale slots of recycled blocks, which must never reach an output."""
+    for a in cache.key_caches + cache.value_caches:
+        if cache.framework == "torch":
+            import torch
+
+            a.view(torch.uint8).fill_(0x7F)
+        else:
+            a.fill(0x7F)
+    if cache.kv_scales == "token":
+        for a in cache.k_scales + cache.v_scales:
+            a[...] = float("nan")
+
+
+def _rows(rng, n, kvh, hs, dtype):
+    """Random K or V rows whose magnitude varies by token and head (so per-token scales
+    differ and small rows are not lost under a large one's scale)."""
+    mag = np.exp(rng.uniform(-2, 2, (n, kvh, 1)))
+    return (rng.standard_normal((n, kvh, hs)) * mag).astype(dtype)
+
+
+def _attend(cache, layer, q, step, framework, max_query_len):
+    """cupaged.attention over the step, into a NaN-poisoned output: host result and the
+    float64 reference over the cache's stored bytes and scales."""
+    out = _dev(np.full(q.shape, np.nan, q.dtype), framework)
+    cupaged.attention(_dev(q, framework), cache.key_caches[layer], cache.value_caches[layer],
+                      step.block_tables, step.seq_lens, step.query_start_loc,
+                      kv_layout=cache.kv_layout, max_query_len=max_query_len, out=out,
+                      **cache.layer_kwargs(layer))
+    kc, vc, ks, vs = _host_layer(cache, layer)
+    ref = reference.attention(q, kc, vc, _host(step.block_tables), _host(step.seq_lens),
+                              _host(step.query_start_loc), kv_layout=cache.kv_layout,
+                              kv_cache_dtype=cache.kv_cache_dtype, k_scale=ks, v_scale=vs)
+    return _host(out), ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("fmt, kv_scales, kvh, bs", [
+    ("fp8_e4m3", "tensor", 2, 16), ("fp8_e5m2", "token", 2, 16), ("fp8", "token", 3, 2)],
+    ids=["e4m3-tensor", "e5m2-token", "e4m3-token-padded"])
+def test_fp8_caches_on_the_device(layout, framework, fmt, kv_scales, kvh, bs):
+    """fp8 caches in each layout and framework: torch's float8 type or CuPy's uint8, on
+    the device, in vLLM's layout with x = 16; per-tensor scales start at 1.0, and
+    per-token scales are views of the padded arrays copy-on-write copies."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    layers, nb, hs = 2, 6, 64
+    cache = PagedKVCache(layers, nb, kvh, hs, bs, "float16", kv_layout=layout,
+                         framework=framework, kv_cache_dtype=fmt, kv_scales=kv_scales)
+    name = "fp8_e5m2" if fmt == "fp8_e5m2" else "fp8_e4m3"
+    assert cache.kv_cache_dtype == name and cache.kv_scales == kv_scales
+    want = {"vllm": ((nb, kvh, hs // 16, bs, 16), (nb, kvh, hs, bs)),
+            "NHD": ((nb, bs, kvh, hs),) * 2, "HND": ((nb, kvh, bs, hs),) * 2}[layout]
+    for kc, vc in zip(cache.key_caches, cache.value_caches):
+        assert (tuple(kc.shape), tuple(vc.shape)) == want
+        if framework == "torch":
+            assert kc.dtype == vc.dtype == getattr(torch, "float8_e5m2" if name == "fp8_e5m2"
+                                                   else "float8_e4m3fn")
+            assert kc.is_cuda and vc.is_cuda
+        else:
+            import cupy
+
+            assert isinstance(kc, cupy.ndarray) and kc.dtype == vc.dtype == np.uint8
+    for layer in range(layers):
+        ks, vs = cache.k_scales[layer], cache.v_scales[layer]
+        if kv_scales == "tensor":
+            assert tuple(ks.shape) == tuple(vs.shape) == (1,)
+            assert _host(ks).tolist() == _host(vs).tolist() == [1.0]
+        else:
+            assert tuple(ks.shape) == tuple(vs.shape) == (nb, kvh, bs)
+            ks[...] = 3.0  # through the view into the array copy_blocks copies
+            vs[...] = 5.0
+            assert (_host(cache._k_scale_blocks[layer])[:, :kvh * bs] == 3.0).all()
+            assert (_host(cache._v_scale_blocks[layer])[:, :kvh * bs] == 5.0).all()
+        assert _host(ks).dtype == np.float32
+    row = -(-kvh * bs // 4) * 4 if kv_scales == "token" else 0
+    assert cache.bytes_per_block == 2 * layers * (kvh * hs * bs + 4 * row)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("kv_scales", ["tensor", "token"])
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_fp8_prefill_then_decode_matches_reference(rng, fmt, kv_scales, framework, layout):
+    """Two layers of fp8 cache through a prefill of three prompts and three decode steps,
+    K/V written by reshape_and_cache with ``cache.layer_kwargs`` (per tensor: calibrated
+    scales, different per layer and for K and V, written into ``cache.k_scales`` in
+    place first) into a cache whose every byte and scale starts as NaN. The cache holds
+    exactly the quantized history, and cupaged.attention (the multi-token kernel, then
+    the decode kernel; paged_attention too over vLLM's layout) matches the float64
+    reference over the stored bytes and scales."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    layers, kvh, heads, hs, bs = 2, 2, 8, 64, 16
+    dtype = np.float16 if fmt == "fp8_e4m3" else _BF16  # both model dtypes
+    tol = testing.TOLERANCE["f16" if dtype == np.float16 else "bf16"]
+    cache = PagedKVCache(layers, 24, kvh, hs, bs, np.dtype(dtype).name, kv_layout=layout,
+                         framework=framework, kv_cache_dtype=fmt, kv_scales=kv_scales)
+    assert cache.kv_cache_dtype == fmt
+    _poison(cache)
+    seqs, prompts, steps = ["a", "b", "c"], [1, 37, 16], 3
+    # K/V of every token up front, so per-tensor scales can be calibrated on them.
+    kv = {s: [[_rows(rng, n + steps, kvh, hs, dtype) for _ in "kv"] for _ in range(layers)]
+          for s, n in zip(seqs, prompts)}
+    if kv_scales == "tensor":
+        fmax = reference.fp8_max(fmt)
+        for layer in range(layers):
+            for i, (scales, factor) in enumerate(((cache.k_scales, 0.9), (cache.v_scales, 1.3))):
+                amax = max(np.abs(kv[s][layer][i].astype(np.float32)).max() for s in seqs)
+                scales[layer][...] = float(np.float32(amax / fmax * factor))  # some saturate
+    history = {s: [([], []) for _ in range(layers)] for s in seqs}
+
+    def write(step, counts, start):
+        """The next ``counts[i]`` tokens of each sequence, from token ``start[i]``."""
+        for layer in range(layers):
+            kw = cache.layer_kwargs(layer)
+            k, v = (np.concatenate([kv[s][layer][i][a:a + n] for s, a, n in
+                                    zip(seqs, start, counts)]) for i in range(2))
+            cupaged.reshape_and_cache(_dev(k, framework), _dev(v, framework),
+                                      cache.key_caches[layer], cache.value_caches[layer],
+                                      step.slot_mapping, kv_layout=cache.kv_layout, **kw)
+            for s, a, n in zip(seqs, start, counts):
+                history[s][layer][0].append(kv[s][layer][0][a:a + n])
+                history[s][layer][1].append(kv[s][layer][1][a:a + n])
+
+    step = cache.prefill(seqs, prompts)
+    write(step, prompts, [0, 0, 0])
+    for layer in range(layers):
+        _check_stored(cache, layer, history)
+        q = testing.random_normal((sum(prompts), heads, hs), dtype, rng)
+        got, ref = _attend(cache, layer, q, step, framework, max(prompts))
+        assert_close(got, ref, tol, f"prefill, layer {layer}")
+    for it in range(steps):
+        step = cache.step(seqs)
+        write(step, [1, 1, 1], [n + it for n in prompts])
+        for layer in range(layers):
+            _check_stored(cache, layer, history)
+            q = testing.random_normal((len(seqs), heads, hs), dtype, rng)
+            got, ref = _attend(cache, layer, q, step, framework, 1)
+            assert_close(got, ref, tol, f"decode {it}, layer {layer}")
+            if layout == "vllm":
+                kc, vc, ks, vs = _host_layer(cache, layer)
+                out = cupaged.paged_attention(_dev(q, framework), cache.key_caches[layer],
+                                              cache.value_caches[layer], step.block_tables,
+                                              step.context_lens, **cache.layer_kwargs(layer))
+                ref = reference.paged_attention(q, kc, vc, _host(step.block_tables),
+                                                _host(step.context_lens), kv_cache_dtype=fmt,
+                                                k_scale=ks, v_scale=vs)
+                assert_close(_host(out), ref, tol, f"paged_attention {it}, layer {layer}")
+    assert [cache.manager.context_len(s) for s in seqs] == [n + steps for n in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("kvh, bs", [(2, 16), (3, 2)], ids=["kvh2_bs16", "kvh3_bs2-padded"])
+def test_fp8_fork_copies_token_scales(rng, layout, framework, kvh, bs):
+    """Per-token scales through a fork: the step that makes the child's private copy of
+    the shared, partly filled block copies that block's scale rows too (they equal the
+    source's), and afterwards parent and child each read their own tokens, exactly
+    quantized, through attention that matches the reference."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    layers, heads, hs, fmt = 2, 2 * kvh, 64, "fp8_e4m3"
+    tol = testing.TOLERANCE["f16"]
+    cache = PagedKVCache(layers, 32, kvh, hs, bs, "float16", kv_layout=layout,
+                         framework=framework, kv_cache_dtype=fmt, kv_scales="token")
+    for layer in range(layers):  # never a scale reshape_and_cache writes: rows not copied show
+        cache.k_scales[layer][...] = -1.0
+        cache.v_scales[layer][...] = -2.0
+    n = 3 * bs + (bs + 1) // 2  # the last block partly filled
+    history = {"a": [([], []) for _ in range(layers)]}
+
+    slots = cache.add("a", n)
+    for layer in range(layers):
+        k, v = _rows(rng, n, kvh, hs, np.float16), _rows(rng, n, kvh, hs, np.float16)
+        cupaged.reshape_and_cache(_dev(k, framework), _dev(v, framework),
+                                  cache.key_caches[layer], cache.value_caches[layer], slots,
+                                  kv_layout=layout, **cache.layer_kwargs(layer))
+        history["a"][layer][0].append(k)
+        history["a"][layer][1].append(v)
+    cache.fork("a", "b")
+    history["b"] = [(list(k), list(v)) for k, v in history["a"]]
+    src = cache.manager.block_table("a")[-1]
+    before = [_host_layer(cache, layer) for layer in range(layers)]
+    step = cache.step(["b"])  # b writes into the shared partial block: copy-on-write
+    dst = cache.manager.block_table("b")[-1]
+    assert dst != src and cache.manager.block_table("a")[-1] == src
+    filled = n % bs
+    for layer in range(layers):
+        kc, vc, ks, vs = _host_layer(cache, layer)
+        for name, got, was in (("K scales", ks, before[layer][2]),
+                               ("V scales", vs, before[layer][3])):
+            assert (was[src][:, :filled] > 0).all(), f"{name}: the source's rows were written"
+            assert (was[dst] < 0).all(), f"{name}: the destination held the sentinel"
+            np.testing.assert_array_equal(got[dst], got[src], err_msg=f"layer {layer}: {name}")
+            np.testing.assert_array_equal(got[src], was[src], err_msg=f"layer {layer}: {name}")
+        assert (kc[dst] == kc[src]).all() and (vc[dst] == vc[src]).all()
+    # b's new token, then a step where both decode (a now writes its block in place).
+    for step_seqs in (["b"], ["a", "b"]):
+        if step_seqs != ["b"]:
+            step = cache.step(step_seqs)
+        for layer in range(layers):
+            k = _rows(rng, len(step_seqs), kvh, hs, np.float16)
+            v = _rows(rng, len(step_seqs), kvh, hs, np.float16)
+            cupaged.reshape_and_cache(_dev(k, framework), _dev(v, framework),
+                                      cache.key_caches[layer], cache.value_caches[layer],
+                                      step.slot_mapping, kv_layout=layout,
+                                      **cache.layer_kwargs(layer))
+            for i, s in enumerate(step_seqs):
+                history[s][layer][0].append(k[i:i + 1])
+                history[s][layer][1].append(v[i:i + 1])
+            _check_stored(cache, layer, history)
+            q = testing.random_normal((len(step_seqs), heads, hs), np.float16, rng)
+            got, ref = _attend(cache, layer, q, step, framework, 1)
+            assert_close(got, ref, tol, f"{step_seqs}, layer {layer}")
+    assert cache.manager.context_len("a") == n + 1 and cache.manager.context_len("b") == n + 2
