@@ -83,9 +83,51 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     return 2 * nbytes / (t.median_us * 1e-6)
 
 
+# ---- fp8 caches ------------------------------------------------------------------------------
+
+# What `--kv-cache-dtype` takes: "auto" (the query's 16-bit type), or fp8 ("fp8" is e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Per-tensor scales of the fp8 cases: their random bit patterns are log-uniform in
+# magnitude, RMS about 100 (e4m3) and 9500 (e5m2); these scales bring it near 1, as the
+# 16-bit cases' standard normal values, so softmax is as peaked in both.
+FP8_SCALES = {"fp8_e4m3": 0.01, "fp8_e5m2": 1e-4}
+# Magnitude bytes below these are finite: e4m3's 0x7F is NaN, e5m2's 0x7C..0x7F Inf and NaN.
+_FP8_FINITE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
+
+
+def kv_cache_dtype_name(name) -> str:
+    """The canonical spelling of a ``kv_cache_dtype``: ``"auto"``, ``"fp8_e4m3"`` (also
+    for ``"fp8"``) or ``"fp8_e5m2"``; ValueError for anything else."""
+    if name in (None, "auto"):
+        return "auto"
+    fmt = _dtypes.KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
+    return f"fp8_{fmt.name}"
+
+
+def random_fp8(shape, kv_cache_dtype: str, rng: np.random.Generator, xp=np):
+    """uint8 bit patterns of random finite fp8 values of ``kv_cache_dtype`` ("fp8_e4m3"
+    or "fp8_e5m2"), every finite pattern of either sign equally likely; ``xp`` is numpy or
+    cupy (generated on that side, like testing.random_normal)."""
+    n = _FP8_FINITE[kv_cache_dtype_name(kv_cache_dtype)]
+    if xp is np:
+        b = rng.integers(0, 2 * n, shape, dtype=np.uint8)
+    else:  # float32 uniforms scaled in place: 5 bytes per element at most
+        u = xp.random.default_rng(int(rng.integers(2**31))).random(shape, dtype=np.float32)
+        u *= 2 * n
+        b = xp.minimum(u, 2 * n - 1, out=u).astype(np.uint8)
+        del u
+    # [0, n): positive magnitudes; [n, 2n): the same magnitudes with the sign bit set
+    return xp.where(b < n, b, b + np.uint8(0x80 - n)).astype(np.uint8)
+
+
 @dataclass
 class DecodeCase:
-    """One decode workload: a random paged cache on the device, sequences scattered."""
+    """One decode workload: a random paged cache on the device, sequences scattered.
+    ``kv_cache_dtype`` "auto": caches of ``dtype``; "fp8_e4m3" / "fp8_e5m2": uint8 caches
+    of random finite fp8 values with per-tensor scales (FP8_SCALES)."""
 
     batch: int
     context_lens: np.ndarray  # int32 [batch]
@@ -95,11 +137,35 @@ class DecodeCase:
     block_size: int
     dtype: np.dtype
     seed: int = 0
+    kv_cache_dtype: str = "auto"
     arrays: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def k_scale(self) -> float:
+        return FP8_SCALES.get(self.kv_cache_dtype, 1.0)
+
+    @property
+    def v_scale(self) -> float:
+        return FP8_SCALES.get(self.kv_cache_dtype, 1.0)
+
+    @property
+    def kv_args(self) -> dict:
+        """What the kernels and the reference take about the cache (nothing for 16 bits)."""
+        if not self.fp8:
+            return {}
+        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scale,
+                    v_scale=self.v_scale)
 
     @property
     def kv_bytes(self) -> int:
-        it = self.dtype.itemsize
+        it = 1 if self.fp8 else self.dtype.itemsize
         return int(self.context_lens.astype(np.int64).sum()) * self.kv_heads * self.head_size * it * 2
 
     @property
@@ -110,8 +176,14 @@ class DecodeCase:
     def build(self) -> "DecodeCase":
         rng = np.random.default_rng(self.seed)
         bt, nb = testing.random_block_tables(self.context_lens, self.block_size, rng)
-        kc, vc = testing.random_cache(nb, self.kv_heads, self.head_size, self.block_size,
-                                      self.dtype, rng, xp=cupy)
+        if self.fp8:  # vLLM's layouts as testing.random_cache makes them, x = 16 bytes
+            kc = random_fp8((nb, self.kv_heads, self.head_size // 16, self.block_size, 16),
+                            self.kv_cache_dtype, rng, cupy)
+            vc = random_fp8((nb, self.kv_heads, self.head_size, self.block_size),
+                            self.kv_cache_dtype, rng, cupy)
+        else:
+            kc, vc = testing.random_cache(nb, self.kv_heads, self.head_size, self.block_size,
+                                          self.dtype, rng, xp=cupy)
         q = testing.random_normal((self.batch, self.heads, self.head_size), self.dtype, rng, cupy)
         self.arrays = dict(query=q, key_cache=kc, value_cache=vc, block_tables=cupy.asarray(bt),
                            context_lens=cupy.asarray(self.context_lens.astype(np.int32)))
@@ -122,11 +194,13 @@ class DecodeCase:
         return decode.paged_attention(a["query"], a["key_cache"], a["value_cache"],
                                          a["block_tables"], a["context_lens"], out=out,
                                          partition=partition,
-                                         max_context_len=int(self.context_lens.max(initial=0)))
+                                         max_context_len=int(self.context_lens.max(initial=0)),
+                                         **self.kv_args)
 
     def check(self, out, max_seqs: int = 8, seed: int = 1) -> float:
         """||out - ref|| / ||ref|| over up to ``max_seqs`` sequences (chosen at random),
-        computed in float64 from just those sequences' blocks (once per case)."""
+        computed in float64 from just those sequences' blocks (once per case); an fp8
+        cache is read as the kernels read it, ``stored * scale``."""
         a = self.arrays
         if "_refs" not in a:
             rng = np.random.default_rng(seed)
@@ -138,7 +212,8 @@ class DecodeCase:
                 refs.append((s, reference.paged_attention(
                     cupy.asnumpy(a["query"][s: s + 1]), cupy.asnumpy(a["key_cache"][blocks]),
                     cupy.asnumpy(a["value_cache"][blocks]),
-                    np.arange(blocks.size, dtype=np.int32)[None, :], np.array([n], np.int32))))
+                    np.arange(blocks.size, dtype=np.int32)[None, :], np.array([n], np.int32),
+                    **self.kv_args)))
             a["_refs"] = refs
         num = den = 0.0
         for s, ref in a["_refs"]:
@@ -148,13 +223,18 @@ class DecodeCase:
         return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
     def tolerance(self) -> float:
+        """The query type's: attention reads exactly what an fp8 cache stores, so the
+        reference over the same bytes is as close as over a 16-bit cache."""
         return testing.TOLERANCE[_dtypes.lookup(self.dtype).name]
 
     def spec_name(self) -> str:
+        """The decode specialization ``run()`` launches: for fp8, the cache's format as
+        _kvquant.cache_dtype names it and per-tensor scales (_kvquant.scales' mode "")."""
         dev = decode._device(cupy.cuda.Device().id)
         gt = decode._group_tile(self.heads // self.kv_heads)
+        cache = _dtypes.KV_CACHE_DTYPES[self.kv_cache_dtype].name if self.fp8 else ""
         return decode._decode_spec(dev.arch, _dtypes.lookup(self.dtype).name, self.head_size,
-                                      self.block_size, gt).name
+                                      self.block_size, gt, cache_dtype=cache, kv_scale="").name
 
 
 # ---- workloads -------------------------------------------------------------------------------
@@ -182,7 +262,8 @@ def parse_context_dist(spec: str):
 
 @dataclass(frozen=True)
 class Workload:
-    """One decode shape: a batch with a fixed context length or a uniform distribution."""
+    """One decode shape: a batch with a fixed context length or a uniform distribution,
+    over a cache of the query's type or of fp8 (``kv_cache_dtype``, as DecodeCase)."""
 
     batch: int
     context: int | tuple  # tokens, or (lo, hi) for uniform lengths
@@ -192,6 +273,10 @@ class Workload:
     block_size: int
     dtype: str  # numpy name
     preset: str = ""
+    kv_cache_dtype: str = "auto"  # "auto", "fp8_e4m3" or "fp8_e5m2" ("fp8": e4m3)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
 
     @property
     def context_label(self) -> str:
@@ -206,7 +291,8 @@ class Workload:
 
     def case(self, seed: int) -> "DecodeCase":
         return DecodeCase(self.batch, self.lengths(seed), self.heads, self.kv_heads,
-                          self.head_size, self.block_size, _dtypes.parse(self.dtype).numpy, seed)
+                          self.head_size, self.block_size, _dtypes.parse(self.dtype).numpy, seed,
+                          self.kv_cache_dtype)
 
 
 @dataclass
@@ -235,6 +321,7 @@ class Result:
     ratio_to_cupaged: float = float("nan")  # this time / cupaged's time (compare)
     plan_us: float = float("nan")  # host time of one FlashInfer plan() (NaN for the rest)
     note: str = ""
+    kv_cache_dtype: str = "auto"  # the cache's: "auto" (dtype), "fp8_e4m3" or "fp8_e5m2"
 
 
 def _oom_errors():
@@ -261,6 +348,12 @@ def _torch():
     return torch if torch.cuda.is_available() else None
 
 
+def _torch_fp8(kv_cache_dtype: str):
+    """torch's float8 type of an fp8 format ("fp8_e4m3" or "fp8_e5m2")."""
+    torch = _torch()
+    return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+
+
 def _torch_on_cupy_stream():
     """Make torch's current stream CuPy's current one, where time_us records its events
     and the checks read, so the torch and FlashInfer rows (which run on torch's current
@@ -274,6 +367,27 @@ def _torch_on_cupy_stream():
 
 
 # ---- implementations compared ----------------------------------------------------------------
+
+# Peers with no fp8 cache path: they would time a dequantizing copy, not attention.
+_NO_FP8 = ("cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense")
+
+
+def fp8_unsupported(impl: str, kv_cache_dtype: str = "auto") -> str | None:
+    """Why ``impl`` cannot run over a ``kv_cache_dtype`` cache (one line), or None."""
+    kv = kv_cache_dtype_name(kv_cache_dtype)
+    if kv == "auto":
+        return None
+    if impl in _NO_FP8:
+        return f"{impl} has no fp8 cache path (it gathers 16-bit pages)"
+    if impl == "flashinfer-xqa" and kv != "fp8_e4m3":
+        return "FlashInfer's XQA takes fp8 e4m3 caches only"
+    return None
+
+
+def _require_16bit_cache(case: "DecodeCase", impl: str) -> None:
+    why = fp8_unsupported(impl, case.kv_cache_dtype)
+    if why:
+        raise NotImplementedError(why)
 
 
 def _run_cupaged(case: "DecodeCase", partition):
@@ -299,7 +413,7 @@ def _run_cupaged_layout(case: "DecodeCase", partition, layout: str):
     out = cupy.empty(a["query"].shape, a["query"].dtype)
     max_len = int(case.context_lens.max(initial=0))
     return lambda: attention(a["query"], k, v, a["block_tables"], a["context_lens"],
-                             kv_layout=layout, max_seq_len=max_len, out=out)
+                             kv_layout=layout, max_seq_len=max_len, out=out, **case.kv_args)
 
 
 def _gather_dense(case: "DecodeCase"):
@@ -313,6 +427,7 @@ def _gather_dense(case: "DecodeCase"):
 
 def _run_cupy_gather(case: "DecodeCase", partition):
     """What a user writes by hand: gather the pages, then matmul / softmax / matmul."""
+    _require_16bit_cache(case, "cupy-gather")
     a = case.arrays
     s, h, hs = a["query"].shape
     kvh, g = case.kv_heads, case.heads // case.kv_heads
@@ -368,6 +483,7 @@ def _torch_gather(case, torch, bt, t):
 
 def _run_torch_paged(case: "DecodeCase", partition):
     """torch SDPA after gathering the pages (paging handled by indexing)."""
+    _require_16bit_cache(case, "torch-sdpa-paged")
     torch, q, bt, t, mask = _torch_inputs(case)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -381,6 +497,7 @@ def _run_torch_paged(case: "DecodeCase", partition):
 
 def _run_torch_dense(case: "DecodeCase", partition):
     """torch SDPA over contiguous K/V built beforehand: no paging at all."""
+    _require_16bit_cache(case, "torch-sdpa-dense")
     torch, q, bt, t, mask = _torch_inputs(case)
     k, v = (x.contiguous() for x in _torch_gather(case, torch, bt, t))
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -468,18 +585,24 @@ class _FlashInferInputs:
     seq_lens: object  # XQA's: int32 [S] on the device (the case's context_lens)
     workspace: object  # zeroed uint8, both kernels' scratch
     scale: float  # 1 / sqrt(head_size), cupaged's and the reference's default
+    kv_scales: dict  # the decode wrappers' run() k_scale / v_scale (none for 16 bits)
 
 
 def _flashinfer_inputs(case: "DecodeCase") -> _FlashInferInputs:
     """The case's query, lengths and tables viewed as torch tensors, its caches copied
-    into FlashInfer's "HND" layout (an out-of-memory here skips the row), and its block
-    tables as FlashInfer's page lists. The output is poisoned with NaN, so a kernel that
-    writes nothing fails the check instead of finding an earlier row's result."""
+    into FlashInfer's "HND" layout (an out-of-memory here skips the row; fp8 bytes viewed
+    as torch's float8 type of the format), and its block tables as FlashInfer's page
+    lists. The output is poisoned with NaN, so a kernel that writes nothing fails the
+    check instead of finding an earlier row's result."""
     torch = _torch()
     a = case.arrays
     q = torch.from_dlpack(a["query"])
     k, v = _to_hnd(torch.from_dlpack(a["key_cache"]), torch.from_dlpack(a["value_cache"]))
     k, v = k.contiguous().view(v.shape), v.contiguous()
+    kv_scales = {}
+    if case.fp8:
+        k, v = (x.view(_torch_fp8(case.kv_cache_dtype)) for x in (k, v))
+        kv_scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
     indptr, indices, last = _flashinfer_pages(cupy.asnumpy(a["block_tables"]), case.context_lens,
                                               case.block_size)
     tables, _ = _gather_dense(case)
@@ -492,7 +615,7 @@ def _flashinfer_inputs(case: "DecodeCase") -> _FlashInferInputs:
         block_tables=torch.from_dlpack(cupy.ascontiguousarray(tables, dtype=np.int32)),
         seq_lens=torch.from_dlpack(a["context_lens"]),
         workspace=torch.zeros(_FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device),
-        scale=1.0 / math.sqrt(case.head_size))
+        scale=1.0 / math.sqrt(case.head_size), kv_scales=kv_scales)
 
 
 def _plan_host_us(plan, calls: int = 5) -> float:
@@ -516,7 +639,9 @@ def _plan_host_us(plan, calls: int = 5) -> float:
 def _run_flashinfer_decode(case: "DecodeCase", partition, tensor_cores: bool = False):
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on "HND" caches, on CUDA cores or
     tensor cores. plan() runs once per workload, as once per step for all layers in a
-    model; its host time is the runner's ``plan_us``. The timed call is run()."""
+    model; its host time is the runner's ``plan_us``. The timed call is run() (over fp8,
+    with k_scale and v_scale: FlashInfer folds k_scale into the softmax scale and
+    multiplies the output by v_scale in a launch of its own, timed as part of run())."""
     flashinfer = _require_flashinfer()
     fi = _flashinfer_inputs(case)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fi.workspace, "HND",
@@ -530,31 +655,46 @@ def _run_flashinfer_decode(case: "DecodeCase", partition, tensor_cores: bool = F
     plan_us = _plan_host_us(plan)
 
     def run():
-        wrapper.run(fi.q, (fi.k, fi.v), out=fi.out)
+        wrapper.run(fi.q, (fi.k, fi.v), out=fi.out, **fi.kv_scales)
         return fi.out_cupy
 
     run.plan_us = plan_us
     return run
 
 
+# XQA over fp8 rounds its operands to e4m3 (unit roundoff 2^-4): twice that, which still
+# catches a wrong scale or layout (errors of order 1).
+_XQA_FP8_TOL = 2.0 ** -3
+
+
 def _run_flashinfer_xqa(case: "DecodeCase", partition):
     """FlashInfer's plan-free XQA decode (TensorRT-LLM's kernel, what FlashInfer's
     trtllm_batch_decode_with_kv_cache runs on SM90) on "HND" caches and the block table.
     Its lengths are the case's int32 context_lens: XQA reads them as uint32 (equal for
-    non-negative values), as vLLM and SGLang pass them."""
+    non-negative values), as vLLM and SGLang pass them. Over an fp8 cache (e4m3 only) the
+    scales go where vLLM puts them, k_scale into bmm1_scale and v_scale as bmm2_scale, and
+    XQA computes in fp8 ("xqa will run fp8 calculation": on an H100, 4e-2 from the
+    reference), so its row is checked against e4m3's precision instead (_XQA_FP8_TOL)."""
     flashinfer = _require_flashinfer()
     xqa = getattr(getattr(flashinfer, "decode", None), "xqa_batch_decode_with_kv_cache", None)
     if xqa is None:
         raise NotImplementedError(f"flashinfer {getattr(flashinfer, '__version__', '?')} has "
                                   "no flashinfer.decode.xqa_batch_decode_with_kv_cache")
+    _require_16bit_cache(case, "flashinfer-xqa")
     fi = _flashinfer_inputs(case)
     max_len = int(case.context_lens.max(initial=0))
+    scales = dict(bmm1_scale=fi.scale)
+    if case.fp8:
+        scales = dict(bmm1_scale=fi.scale * case.k_scale, bmm2_scale=case.v_scale)
 
     def run():
         xqa(fi.q, (fi.k, fi.v), fi.workspace, fi.block_tables, fi.seq_lens, max_len,
-            bmm1_scale=fi.scale, kv_layout="HND", out=fi.out)
+            kv_layout="HND", out=fi.out, **scales)
         return fi.out_cupy
 
+    if case.fp8:
+        run.tolerance = _XQA_FP8_TOL
+        run.note = f"computes in fp8 e4m3: checked against {_XQA_FP8_TOL:g}, not {case.tolerance():g}"
     return run
 
 
@@ -564,7 +704,8 @@ def _flashinfer_ok() -> bool:
 
 # name -> (runner factory, available?). A factory takes (case, partition) and returns
 # run(): device work on the current stream, returning the output as a CuPy array; it may
-# carry a ``plan_us`` attribute (host time of a separate planning step).
+# carry a ``plan_us`` attribute (host time of a separate planning step), and a
+# ``tolerance`` (instead of the case's) with a ``note`` saying why.
 IMPLEMENTATIONS = {
     "cupaged": (_run_cupaged, lambda: True),
     "cupaged-nhd": (functools.partial(_run_cupaged_layout, layout="NHD"), lambda: True),
@@ -580,8 +721,10 @@ IMPLEMENTATIONS = {
 FLASHINFER_IMPLS = tuple(n for n in IMPLEMENTATIONS if n.startswith("flashinfer-"))
 
 
-def available_implementations() -> list:
-    return [name for name, (_, ok) in IMPLEMENTATIONS.items() if ok()]
+def available_implementations(kv_cache_dtype: str = "auto") -> list:
+    """The implementations that can run here, over a ``kv_cache_dtype`` cache."""
+    return [name for name, (_, ok) in IMPLEMENTATIONS.items()
+            if not fp8_unsupported(name, kv_cache_dtype) and ok()]
 
 
 def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: int = 0,
@@ -592,7 +735,8 @@ def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: i
     rows = []
     base = dict(preset=workload.preset, batch=workload.batch, context=workload.context_label,
                 heads=workload.heads, kv_heads=workload.kv_heads, head_size=workload.head_size,
-                block_size=workload.block_size, dtype=workload.dtype, partition=str(partition))
+                block_size=workload.block_size, dtype=workload.dtype, partition=str(partition),
+                kv_cache_dtype=workload.kv_cache_dtype)
     try:
         case = workload.case(seed).build()
     except _oom_errors():
@@ -609,11 +753,13 @@ def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: i
             try:
                 run = IMPLEMENTATIONS[impl][0](case, partition)
                 row.plan_us = getattr(run, "plan_us", float("nan"))
+                row.note = getattr(run, "note", "")
+                tol = getattr(run, "tolerance", case.tolerance())
                 out = run()
                 row.rel_err = case.check(out)
-                if not row.rel_err <= case.tolerance():
+                if not row.rel_err <= tol:
                     row.status = "failed"
-                    row.note = f"rel err {row.rel_err:.2e} > {case.tolerance():.0e}"
+                    row.note = f"rel err {row.rel_err:.2e} > {tol:.0e}"
                 else:
                     t = time_us(run, reps=reps)
                     row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us

@@ -4,6 +4,8 @@ speculative verify over a paged cache, cupaged beside FlashInfer's paged prefill
 reference before it is timed. Throughput is TFLOP/s of useful FLOPs (causal rows count only
 the keys they see), beside the bf16 matmul rate measured in the same run; for
 memory-bound shapes (verify) also the K/V bytes read once against the copy bandwidth.
+Over an fp8 cache (``kv_cache_dtype``: random finite fp8 values, per-tensor scales, as
+the decode bench's) cupaged and FlashInfer run; torch SDPA has no fp8 path.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["PRESETS", "PrefillCase", "matmul_tflops", "measure"]
 @dataclass
 class PrefillCase:
     """``batch`` sequences, each with ``q_len`` new tokens at the end of ``ctx`` cached ones
-    (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered."""
+    (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered: of
+    ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2")."""
 
     name: str
     batch: int
@@ -34,11 +37,27 @@ class PrefillCase:
     block_size: int = 16
     dtype: str = "bfloat16"
     causal: bool = True
+    kv_cache_dtype: str = "auto"
     arrays: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.kv_cache_dtype = bench.kv_cache_dtype_name(self.kv_cache_dtype)
 
     @property
     def np_dtype(self):
         return _dtypes.parse(self.dtype).numpy
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def kv_args(self) -> dict:
+        """kv_cache_dtype, k_scale, v_scale for the kernels and the reference (fp8 only)."""
+        if not self.fp8:
+            return {}
+        s = bench.FP8_SCALES[self.kv_cache_dtype]
+        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=s, v_scale=s)
 
     def build(self, seed: int = 0) -> "PrefillCase":
         rng = np.random.default_rng(seed)
@@ -46,11 +65,16 @@ class PrefillCase:
         bt, nb = testing.random_block_tables(lens, self.block_size, rng)
         shape = (nb, self.block_size, self.kv_heads, self.head_size)
         dt = self.np_dtype
+
+        def cache():
+            if self.fp8:
+                return bench.random_fp8(shape, self.kv_cache_dtype, rng, cupy)
+            return testing.random_normal(shape, dt, rng, cupy)
+
         self.arrays = dict(
             query=testing.random_normal((self.batch * self.q_len, self.heads, self.head_size),
                                         dt, rng, cupy),
-            key_cache=testing.random_normal(shape, dt, rng, cupy),
-            value_cache=testing.random_normal(shape, dt, rng, cupy),
+            key_cache=cache(), value_cache=cache(),
             block_tables=cupy.asarray(bt), seq_lens=cupy.asarray(lens),
             query_start_loc=cupy.arange(0, self.batch * self.q_len + 1, self.q_len,
                                         dtype=np.int32))
@@ -65,8 +89,8 @@ class PrefillCase:
         return 4.0 * self.head_size * self.heads * self.batch * seen
 
     def kv_bytes(self) -> int:
-        """K and V read once."""
-        it = np.dtype(self.np_dtype).itemsize
+        """K and V read once (1 byte per element for fp8)."""
+        it = 1 if self.fp8 else np.dtype(self.np_dtype).itemsize
         return 2 * self.batch * self.ctx * self.kv_heads * self.head_size * it
 
     def check(self, out, rows: int = 6) -> float:
@@ -80,7 +104,7 @@ class PrefillCase:
         got = cupy.asnumpy(out).astype(np.float64)
         worst = 0.0
         for s in sorted({0, self.batch - 1}):
-            kk, vv = reference.gather_kv(k, v, bt[s], self.ctx, "NHD")
+            kk, vv = reference.gather_kv(k, v, bt[s], self.ctx, "NHD", **self.kv_args)
             picks = np.unique(np.linspace(0, self.q_len - 1, rows).astype(int))
             qrows = q[s * self.q_len + picks]
             pos = self.ctx - self.q_len + picks
@@ -125,12 +149,16 @@ def _run_cupaged(case: PrefillCase):
 
     def run():
         return cupaged.attention(**a, kv_layout="NHD", causal=case.causal,
-                                 max_query_len=case.q_len, max_seq_len=case.ctx, out=out)
+                                 max_query_len=case.q_len, max_seq_len=case.ctx, out=out,
+                                 **case.kv_args)
 
     return run
 
 
 def _run_flashinfer(case: PrefillCase, backend: str):
+    """FlashInfer's BatchPrefillWithPagedKVCacheWrapper; an fp8 cache's bytes viewed as
+    torch's float8 type, its scales passed to run() (k_scale folded into the softmax
+    scale, the output multiplied by v_scale: FlashInfer's own launch, timed with it)."""
     flashinfer = bench._require_flashinfer()
     torch = bench._torch()
     a = case.arrays
@@ -141,6 +169,10 @@ def _run_flashinfer(case: PrefillCase, backend: str):
     q = torch.from_dlpack(a["query"])
     k = torch.from_dlpack(a["key_cache"])
     v = torch.from_dlpack(a["value_cache"])
+    scales = {}
+    if case.fp8:
+        k, v = (x.view(bench._torch_fp8(case.kv_cache_dtype)) for x in (k, v))
+        scales = {n: case.kv_args[n] for n in ("k_scale", "v_scale")}
     out = torch.full_like(q, float("nan"))
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
@@ -152,7 +184,7 @@ def _run_flashinfer(case: PrefillCase, backend: str):
     out_cupy = cupy.from_dlpack(out)
 
     def run():
-        wrapper.run(q, (k, v), out=out)
+        wrapper.run(q, (k, v), out=out, **scales)
         return out_cupy
 
     return run
@@ -161,7 +193,9 @@ def _run_flashinfer(case: PrefillCase, backend: str):
 def _run_sdpa(case: PrefillCase, backend: str):
     """torch SDPA on dense [batch, heads, len, head_size] copies (GQA by enable_gqa).
     Whole prompts use is_causal; a chunk over a longer context needs a bottom-right
-    mask, which only the cuDNN and math backends take."""
+    mask, which only the cuDNN and math backends take. No fp8 caches."""
+    if case.fp8:
+        raise NotImplementedError(f"torch SDPA has no fp8 cache path ({case.kv_cache_dtype})")
     torch = bench._torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

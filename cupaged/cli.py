@@ -27,6 +27,33 @@ def _int_list(ctx, param, value):
     return items
 
 
+def _kv_cache_dtype_option(f):
+    """--kv-cache-dtype (decode, compare, prefill)."""
+    from .bench import KV_CACHE_DTYPES
+
+    return click.option(
+        "--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
+        show_default=True,
+        help="The KV cache's element type: auto (the query's --dtype) or fp8 (fp8 is "
+             "fp8_e4m3): random finite values with per-tensor scales, checked against "
+             "the reference on the same bytes.")(f)
+
+
+def _kv_cache_dtype(value: str, dt: _dtypes.DType) -> str:
+    """The canonical --kv-cache-dtype ('fp8' -> 'fp8_e4m3') for queries of ``dt``; usage
+    errors for a combination the kernels do not take."""
+    from .bench import kv_cache_dtype_name
+
+    try:
+        kv = kv_cache_dtype_name(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--kv-cache-dtype")
+    if kv != "auto" and dt.itemsize != 2:
+        raise click.BadParameter(f"an fp8 cache takes float16 or bfloat16 queries, not "
+                                 f"{dt.numpy}", param_hint="--kv-cache-dtype")
+    return kv
+
+
 def _gpu_count() -> int:
     try:
         import cupy
@@ -183,6 +210,7 @@ def _workload_options(f):
         click.option("--head-size", type=int, default=128, show_default=True),
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--dtype", default="float16", show_default=True),
+        _kv_cache_dtype_option,
         click.option("--partition", default="auto", show_default=True,
                      help="auto, never, always, or tokens per partition."),
         click.option("--reps", type=click.IntRange(3), default=30, show_default=True),
@@ -200,7 +228,7 @@ def _workload_options(f):
 
 
 def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
-               dtype):
+               dtype, kv_cache_dtype="auto"):
     """Expand the options into workloads; usage errors for impossible combinations."""
     from .bench import PRESETS, Workload, parse_context_dist
 
@@ -208,6 +236,7 @@ def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size
         dt = _dtypes.parse(dtype)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
+    kv = _kv_cache_dtype(kv_cache_dtype, dt)
     if context_dist is not None:
         try:
             contexts = [parse_context_dist(context_dist)]
@@ -219,7 +248,7 @@ def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size
     for _, h, kvh, _ in shapes:
         if h % kvh:
             raise click.BadParameter("--heads must be a multiple of --kv-heads", param_hint="--heads")
-    return [Workload(b, c, h, kvh, hs, block_size, dt.numpy.name, p)
+    return [Workload(b, c, h, kvh, hs, block_size, dt.numpy.name, p, kv)
             for (p, h, kvh, hs), b, c in itertools.product(shapes, batch, contexts)]
 
 
@@ -242,6 +271,7 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
     _require_gpu()
     bw = bench.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
+    _echo_kv_cache(workloads[0].kv_cache_dtype if workloads else "auto")
     results = []
     with click.progressbar(workloads, label="measuring", file=sys.stderr,
                            item_show_func=lambda w: w and f"batch {w.batch} ctx {w.context_label}") as bar:
@@ -261,6 +291,16 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
         click.echo(f"{len(skipped)} rows skipped (see their notes)")
     # 0: everything ran and passed its check; 1: a check failed; 3: some rows did not run.
     sys.exit(1 if failed else 3 if skipped else 0)
+
+
+def _echo_kv_cache(kv_cache_dtype: str):
+    """One line naming an fp8 cache and its scales (nothing for a 16-bit one)."""
+    from . import bench
+
+    if kv_cache_dtype != "auto":
+        s = bench.FP8_SCALES[kv_cache_dtype]
+        click.echo(f"KV cache {kv_cache_dtype}: random finite values, per-tensor scales "
+                   f"k_scale = v_scale = {s:g}")
 
 
 def _fmt(v, spec):
@@ -288,6 +328,8 @@ def _print_table(results, compare: bool):
             line += f" {_fmt(r.ratio_to_cupaged, '9.2f')}"
         if plan:
             line += f" {_fmt(r.plan_us, '8.1f'):>8s}"
+        if r.note:  # why an ok row is special (a looser check)
+            line += f"  {r.note}"
         click.echo(line)
 
 
@@ -309,16 +351,17 @@ def _tile(ctx, param, value):
               help="Tuning: force the decode kernels' tile (tokens) and pipeline depth, "
                    "e.g. 32x3, instead of the default for the dtype and head size.")
 def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size, dtype,
-           partition, reps, seed, json_path, csv_path, plot_path, tile):
+           kv_cache_dtype, partition, reps, seed, json_path, csv_path, plot_path, tile):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference before it is timed."""
     from . import decode
 
-    decode._set_tile(tile)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
-                    block_size, dtype)
+                    block_size, dtype, kv_cache_dtype)
+    decode._set_tile(tile)
+    kv = ws[0].kv_cache_dtype if ws else "auto"
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
-           "cupaged decode")
+           "cupaged decode" + ("" if kv == "auto" else f", {kv} cache"))
 
 
 @main.command()
@@ -326,21 +369,26 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
 @click.option("--impl", "impls", multiple=True,
               help="Implementations to run (default: every one available here).")
 def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
-            dtype, partition, reps, seed, json_path, csv_path, plot_path, impls):
+            dtype, kv_cache_dtype, partition, reps, seed, json_path, csv_path, plot_path, impls):
     """The same workloads through every implementation available here, on the same data:
     cupaged, a CuPy gather-then-attend baseline, (when torch is importable) torch SDPA
     over gathered pages and over dense contiguous KV, and (when FlashInfer is importable)
     FlashInfer's batch decode on CUDA cores and on tensor cores and its XQA kernel, whose
-    plan() host time is reported apart. Ratios are time / cupaged's time."""
+    plan() host time is reported apart. Ratios are time / cupaged's time. Over an fp8
+    cache the peers without an fp8 path (the gather baselines; XQA for e5m2) are left out."""
     from . import bench
 
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
-                    block_size, dtype)
+                    block_size, dtype, kv_cache_dtype)
+    kv = bench.kv_cache_dtype_name(kv_cache_dtype)
     known = list(bench.IMPLEMENTATIONS)
     for i in impls:
         if i not in known:
             raise click.BadParameter(f"unknown implementation {i!r}: expected {', '.join(known)}",
                                      param_hint="--impl")
+        why = bench.fp8_unsupported(i, kv)
+        if why:
+            raise click.BadParameter(f"--kv-cache-dtype {kv}: {why}", param_hint="--impl")
     asked_fi = [i for i in impls if i in bench.FLASHINFER_IMPLS]
     gpu = _gpu_count() > 0
     why = bench.flashinfer_unavailable() if asked_fi or (gpu and not impls) else None
@@ -349,11 +397,18 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
                                f"flashinfer-python) and torch with CUDA: {why}")
     if why:  # one line for all of them, not a skipped row per workload
         click.echo(f"flashinfer rows skipped: {why}")
-    chosen = list(impls) or (bench.available_implementations() if gpu else known)
+    if not impls:  # one line for the peers an fp8 cache leaves out
+        no_fp8 = [i for i in known if bench.fp8_unsupported(i, kv)]
+        if no_fp8:
+            click.echo(f"no fp8 cache path, left out: {', '.join(no_fp8)}")
+    chosen = list(impls) or (bench.available_implementations(kv) if gpu else
+                             [i for i in known if not bench.fp8_unsupported(i, kv)])
     if "cupaged" in chosen:  # first, so the others' ratios refer to it
         chosen = ["cupaged"] + [i for i in chosen if i != "cupaged"]
     title = "decode: " + ", ".join(dict.fromkeys(w.preset or f"{w.heads}/{w.kv_heads}/{w.head_size}"
                                                    for w in ws))
+    if kv != "auto":
+        title += f" ({kv} cache)"
     _sweep(ws, chosen, _partition(partition), reps, seed, json_path, csv_path, plot_path, title)
 
 
@@ -379,16 +434,25 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
 @click.option("--head-size", type=int, default=128, show_default=True)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True)
+@_kv_cache_dtype_option
 @click.option("--non-causal", is_flag=True, help="Every query token sees every key.")
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
-            dtype, non_causal, reps):
+            dtype, kv_cache_dtype, non_causal, reps):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
-    measured in the same run."""
+    measured in the same run. Over an fp8 cache (--kv-cache-dtype; the presets keep
+    their query types) torch SDPA, which has no fp8 path, is left out."""
     from . import bench, bench_prefill
 
+    kv = bench.kv_cache_dtype_name(kv_cache_dtype)
+    if kv != "auto" and (batch or query_len):  # a custom shape's --dtype (presets: 16 bits)
+        try:
+            dt = _dtypes.parse(dtype)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--dtype")
+        kv = _kv_cache_dtype(kv, dt)
     _require_gpu()
     cases = []
     if batch or query_len:
@@ -399,21 +463,23 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
             raise click.BadParameter("--context counts the new tokens: at least --query-len")
         cases.append(bench_prefill.PrefillCase(
             f"{batch}x{query_len}/{ctx}", batch, query_len, ctx, heads, kv_heads, head_size,
-            block_size, dtype, not non_causal))
+            block_size, dtype, not non_causal, kv))
     for name in presets or (() if cases else tuple(bench_prefill.PRESETS)):
         if name not in bench_prefill.PRESETS:
             raise click.BadParameter(f"unknown preset {name!r}", param_hint="--preset")
         kw = bench_prefill.PRESETS[name]
-        cases.append(bench_prefill.PrefillCase(name, causal=not non_causal, **kw))
+        cases.append(bench_prefill.PrefillCase(name, causal=not non_causal, kv_cache_dtype=kv,
+                                               **kw))
     if not impls:
         impls = ["cupaged"]
-        if bench._torch() is not None:
+        if bench._torch() is not None and kv == "auto":  # SDPA: no fp8 cache path
             impls += ["torch-sdpa-flash", "torch-sdpa-cudnn"]
         if bench.flashinfer_unavailable() is None:
             impls += ["flashinfer-fa2", "flashinfer-fa3"]
     bw = bench.copy_bandwidth()
     mm = bench_prefill.matmul_tflops()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s (same run)")
+    _echo_kv_cache(kv)
     click.echo(f"{'shape':20s} {'implementation':18s} {'median us':>10s} {'TFLOP/s':>8s} "
                f"{'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
     wrong = 0

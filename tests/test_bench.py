@@ -117,3 +117,155 @@ def test_result_has_plan_us_nan_by_default():
     r = bench.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok")
     assert r.plan_us != r.plan_us
     assert bench.Result(**{**r.__dict__, "plan_us": 612.5}).plan_us == 612.5
+
+
+# ---- fp8 caches -------------------------------------------------------------------------------
+
+
+def _finite_fp8_bytes(kv_cache_dtype):
+    """Every byte that is a finite value of the format (ml_dtypes decodes them)."""
+    from cupaged import reference
+
+    b = np.arange(256, dtype=np.uint8)
+    return set(b[np.isfinite(reference.dequantize_fp8(b, kv_cache_dtype))].tolist())
+
+
+@pytest.mark.parametrize("name, canonical", [
+    ("auto", "auto"), (None, "auto"), ("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"),
+    ("fp8_e5m2", "fp8_e5m2")])
+def test_kv_cache_dtype_names(name, canonical):
+    assert bench.kv_cache_dtype_name(name) == canonical
+
+
+@pytest.mark.parametrize("bad", ["e4m3", "fp16", "float8_e4m3fn", "FP8", 8])
+def test_unknown_kv_cache_dtype_is_refused(bad):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        bench.kv_cache_dtype_name(bad)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        bench.Workload(1, 16, 8, 2, 64, 16, "float16", kv_cache_dtype=bad)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_random_fp8_holds_every_finite_value_and_nothing_else(rng, fmt):
+    b = bench.random_fp8((40, 2, 8, 16), fmt, rng)
+    assert b.dtype == np.uint8 and b.shape == (40, 2, 8, 16)
+    finite = _finite_fp8_bytes(fmt)
+    assert len(finite) == (254 if fmt == "fp8_e4m3" else 248)
+    assert set(np.unique(b).tolist()) == finite  # 10240 draws of ~250 patterns: all seen
+
+
+def _case(kv_cache_dtype, lens=(5, 17, 300)):
+    return bench.DecodeCase(len(lens), np.array(lens, np.int32), 8, 2, 128, 16,
+                            np.dtype(np.float16), kv_cache_dtype=kv_cache_dtype)
+
+
+def test_fp8_case_counts_one_byte_per_cache_element():
+    f16, fp8 = _case("auto"), _case("fp8")
+    tokens = 5 + 17 + 300
+    assert f16.kv_bytes == tokens * 2 * 128 * 2 * 2  # K and V, 2 KV heads, 2 bytes
+    assert fp8.kv_bytes == tokens * 2 * 128 * 2 * 1 == f16.kv_bytes // 2
+    q_and_out = 2 * 3 * 8 * 128 * 2  # 16-bit query and output either way
+    assert fp8.bytes_moved - fp8.kv_bytes == f16.bytes_moved - f16.kv_bytes == q_and_out
+    assert fp8.kv_cache_dtype == "fp8_e4m3" and fp8.fp8 and not f16.fp8
+    assert f16.kv_args == {}
+    assert fp8.kv_args == dict(kv_cache_dtype="fp8_e4m3", k_scale=bench.FP8_SCALES["fp8_e4m3"],
+                               v_scale=bench.FP8_SCALES["fp8_e4m3"])
+    assert fp8.tolerance() == f16.tolerance() == testing.TOLERANCE["f16"]
+
+
+def test_workload_carries_the_kv_cache_dtype_to_its_case():
+    w = bench.Workload(4, (10, 90), 8, 2, 64, 16, "bfloat16", "p", "fp8")
+    assert w.kv_cache_dtype == "fp8_e4m3"
+    c = w.case(seed=2)
+    assert c.kv_cache_dtype == "fp8_e4m3" and c.batch == 4 and c.head_size == 64
+    assert bench.Workload(4, 10, 8, 2, 64, 16, "float16").case(0).kv_cache_dtype == "auto"
+
+
+def test_fp8_case_names_its_specialization(monkeypatch):
+    import cupy
+
+    from cupaged import decode
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448))
+    assert _case("auto").spec_name() == "paged_decode_f16_hs128_bs16_vllm_g4_sm90"
+    assert _case("fp8").spec_name() == "paged_decode_f16_e4m3_hs128_bs16_vllm_g4_sm90"
+    assert _case("fp8_e5m2").spec_name() == "paged_decode_f16_e5m2_hs128_bs16_vllm_g4_sm90"
+
+
+def test_peers_without_an_fp8_path_are_named():
+    for impl in bench.IMPLEMENTATIONS:
+        assert bench.fp8_unsupported(impl, "auto") is None
+    no_e4m3 = {i for i in bench.IMPLEMENTATIONS if bench.fp8_unsupported(i, "fp8")}
+    no_e5m2 = {i for i in bench.IMPLEMENTATIONS if bench.fp8_unsupported(i, "fp8_e5m2")}
+    assert no_e4m3 == {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"}
+    assert no_e5m2 == no_e4m3 | {"flashinfer-xqa"}
+    assert "e4m3 caches only" in bench.fp8_unsupported("flashinfer-xqa", "fp8_e5m2")
+    assert "cupy-gather" not in bench.available_implementations("fp8_e4m3")
+    assert "cupy-gather" in bench.available_implementations()
+
+
+@pytest.mark.parametrize("impl", ["cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"])
+def test_gather_peers_refuse_an_fp8_case_with_a_reason(impl):
+    with pytest.raises(NotImplementedError, match="no fp8 cache path"):
+        bench.IMPLEMENTATIONS[impl][0](_case("fp8"), "auto")  # before touching its arrays
+
+
+def test_result_says_its_kv_cache_dtype():
+    import dataclasses
+
+    r = bench.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok")
+    assert r.kv_cache_dtype == "auto"
+    assert "kv_cache_dtype" in {f.name for f in dataclasses.fields(bench.Result)}
+    assert bench.Result(**{**r.__dict__, "kv_cache_dtype": "fp8_e4m3"}).kv_cache_dtype == "fp8_e4m3"
+
+
+def test_prefill_case_over_fp8_counts_one_byte():
+    from cupaged import bench_prefill
+
+    kw = dict(batch=2, q_len=8, ctx=64, heads=4, kv_heads=2, head_size=64)
+    bf16 = bench_prefill.PrefillCase("x", **kw)
+    fp8 = bench_prefill.PrefillCase("x", **kw, kv_cache_dtype="fp8")
+    assert fp8.kv_cache_dtype == "fp8_e4m3" and bf16.kv_args == {}
+    assert bf16.kv_bytes() == 2 * fp8.kv_bytes() == 2 * 2 * 64 * 2 * 64 * 2
+    assert fp8.flops() == bf16.flops()
+    assert fp8.kv_args["k_scale"] == bench.FP8_SCALES["fp8_e4m3"]
+
+
+# ---- on a GPU: a tiny fp8 decode through the bench machinery ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_decode_measures_and_checks(fmt, dtype):
+    import cupy
+
+    from cupaged import decode
+
+    w = bench.Workload(3, (1, 300), 8, 2, 128, 16, dtype, kv_cache_dtype=fmt)
+    rows = bench.measure(w, ["cupaged", "cupaged-nhd", "cupaged-hnd"], reps=3, copy_bw=1e12)
+    assert [r.impl for r in rows] == ["cupaged", "cupaged-nhd", "cupaged-hnd"]
+    tol = testing.TOLERANCE["f16" if dtype == "float16" else "bf16"]
+    for r in rows:
+        assert r.status == "ok", r.note
+        assert r.rel_err <= tol and r.kv_cache_dtype == fmt
+    # the row names the specialization decode launched for this cache
+    name = fmt.split("_")[1]
+    launched = decode._kernels(cupy.cuda.Device().id, "f16" if dtype == "float16" else "bf16",
+                               128, 16, decode._group_tile(4), "vllm", name, "").name
+    assert rows[0].kernel == launched and f"_{name}_" in launched
+
+
+@pytest.mark.gpu
+def test_fp8_case_caches_are_finite_bytes_in_vllm_layout():
+    import cupy
+
+    c = bench.Workload(2, 40, 8, 2, 64, 16, "float16", kv_cache_dtype="fp8_e5m2").case(0).build()
+    kc, vc = c.arrays["key_cache"], c.arrays["value_cache"]
+    nb = kc.shape[0]
+    assert kc.dtype == vc.dtype == np.uint8
+    assert kc.shape == (nb, 2, 64 // 16, 16, 16) and vc.shape == (nb, 2, 64, 16)
+    seen = set(cupy.asnumpy(cupy.unique(cupy.concatenate([kc.ravel(), vc.ravel()]))).tolist())
+    assert seen == _finite_fp8_bytes("fp8_e5m2")
+    c.arrays.clear()

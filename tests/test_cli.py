@@ -9,7 +9,7 @@ from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
 
-COMMANDS = ["info", "compile", "decode", "compare", "overhead", "cache-ops"]
+COMMANDS = ["info", "compile", "decode", "compare", "prefill", "overhead", "cache-ops"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -48,6 +48,16 @@ def test_decode_without_gpu_exits_nonzero():
     (["decode", "--context-dist", "uniform:9:5"], "0 <= LO <= HI"),
     (["compare", "--preset", "gpt-5"], "Invalid value for '--preset'"),
     (["compare", "--impl", "flash"], "unknown implementation 'flash'"),
+    (["decode", "--kv-cache-dtype", "int8"], "Invalid value for '--kv-cache-dtype'"),
+    (["decode", "--kv-cache-dtype", "e4m3"], "'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'"),
+    (["decode", "--kv-cache-dtype", "fp8", "--dtype", "float32"], "float16 or bfloat16 queries"),
+    (["compare", "--kv-cache-dtype", "fp8", "--impl", "cupy-gather"],
+     "cupy-gather has no fp8 cache path"),
+    (["compare", "--kv-cache-dtype", "fp8_e5m2", "--impl", "flashinfer-xqa"],
+     "XQA takes fp8 e4m3 caches only"),
+    (["prefill", "--kv-cache-dtype", "fp16"], "Invalid value for '--kv-cache-dtype'"),
+    (["prefill", "--kv-cache-dtype", "fp8", "--batch", "1", "--query-len", "4", "--dtype",
+      "float32"], "float16 or bfloat16 queries"),
 ])
 def test_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, argv)
@@ -76,6 +86,12 @@ def test_compile_precompile_fills_the_cache(tmp_path, monkeypatch):
     jit.clear_memory_caches()
 
 
+@pytest.mark.parametrize("cmd", ["decode", "compare", "prefill"])
+def test_kv_cache_dtype_is_documented(cmd):
+    r = CliRunner().invoke(main, [cmd, "--help"])
+    assert r.exit_code == 0 and "--kv-cache-dtype" in r.output and "fp8_e5m2" in r.output
+
+
 def test_presets_and_lists_expand_to_workloads():
     from cupaged.cli import _workloads
 
@@ -88,6 +104,16 @@ def test_presets_and_lists_expand_to_workloads():
     lens = mixed[0].lengths(seed=3)
     assert lens.shape == (128,) and lens.min() >= 128 and lens.max() <= 4096 and len(set(lens)) > 50
     assert mixed[0].context_label == "U128-4096"
+    assert {w.kv_cache_dtype for w in ws + mixed} == {"auto"}
+
+
+@pytest.mark.parametrize("given, canonical", [("auto", "auto"), ("fp8", "fp8_e4m3"),
+                                              ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
+def test_workloads_carry_the_kv_cache_dtype(given, canonical):
+    from cupaged.cli import _workloads
+
+    ws = _workloads(("llama-3-8b",), [1, 8], [512], None, 1, 1, 1, 16, "bf16", given)
+    assert len(ws) == 2 and {w.kv_cache_dtype for w in ws} == {canonical}
 
 
 def _synthetic_results():
@@ -166,6 +192,18 @@ def test_table_shows_ratios_and_skips(capsys):
     assert [l.split()[-1] for l in lines[1:] if "SKIPPED" not in l] == ["-"] * 6 + ["612.5"]
 
 
+def test_table_shows_the_note_of_an_ok_row(capsys):
+    import dataclasses
+
+    from cupaged.cli import _print_table
+
+    rows = _synthetic_results()
+    rows[6] = dataclasses.replace(rows[6], note="computes in fp8 e4m3", kv_cache_dtype="fp8_e4m3")
+    _print_table(rows, compare=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[7].endswith("612.5  computes in fp8 e4m3") and "computes" not in lines[1]
+
+
 def test_table_has_no_plan_column_without_plans(capsys):
     from cupaged.cli import _print_table
 
@@ -182,17 +220,21 @@ def test_compare_flashinfer_impl_without_flashinfer_is_a_usage_error(impl, no_fl
     assert "No module named 'flashinfer'" in r.output
 
 
-def _fake_sweep(monkeypatch):
-    """compare as on a GPU, with bench.measure faked: which implementations it is asked for."""
+def _fake_sweep(monkeypatch, workloads=None):
+    """compare as on a GPU, with bench.measure faked: which implementations it is asked for
+    (and, into ``workloads``, the workloads)."""
     from cupaged import bench, cli
 
     asked = []
 
     def measure(w, impls, partition, reps, seed, bw):
         asked.append(list(impls))
+        if workloads is not None:
+            workloads.append(w)
         return [bench.Result(i, "", w.preset, w.batch, w.context_label, 512.0, w.heads,
                              w.kv_heads, w.head_size, w.block_size, w.dtype, "auto", "ok",
-                             10.0, 9.0, 11.0, 2000.0, 60.0, 1e-4, 1.0) for i in impls]
+                             10.0, 9.0, 11.0, 2000.0, 60.0, 1e-4, 1.0,
+                             kv_cache_dtype=w.kv_cache_dtype) for i in impls]
 
     monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
@@ -221,6 +263,44 @@ def test_compare_with_flashinfer_lists_its_rows(monkeypatch):
     assert r.exit_code == 0, r.output
     assert "skipped" not in r.output
     assert asked == [bench.available_implementations()] and asked[0][-1] == "flashinfer-xqa"
+
+
+def test_compare_over_fp8_leaves_out_the_peers_without_it(monkeypatch, no_flashinfer, tmp_path):
+    import csv
+
+    from cupaged import bench
+
+    seen = []
+    asked = _fake_sweep(monkeypatch, seen)
+    r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512", "--kv-cache-dtype",
+                                  "fp8", "--csv", str(tmp_path / "c.csv")])
+    assert r.exit_code == 0, r.output
+    assert "no fp8 cache path, left out: cupy-gather, torch-sdpa-paged, torch-sdpa-dense" in r.output
+    assert "KV cache fp8_e4m3: random finite values, per-tensor scales" in r.output
+    assert asked == [bench.available_implementations("fp8_e4m3")] and asked[0][0] == "cupaged"
+    assert not {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"} & set(asked[0])
+    assert [w.kv_cache_dtype for w in seen] == ["fp8_e4m3"]
+    lines = [l for l in (tmp_path / "c.csv").read_text().splitlines() if not l.startswith("#")]
+    assert {row["kv_cache_dtype"] for row in csv.DictReader(lines)} == {"fp8_e4m3"}
+
+
+def test_decode_over_fp8_e5m2_passes_it_to_every_workload(monkeypatch):
+    seen = []
+    asked = _fake_sweep(monkeypatch, seen)
+    r = CliRunner().invoke(main, ["decode", "--batch", "1,4", "--context", "512",
+                                  "--kv-cache-dtype", "fp8_e5m2", "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert asked == [["cupaged"], ["cupaged"]]
+    assert [(w.batch, w.kv_cache_dtype, w.dtype) for w in seen] == [
+        (1, "fp8_e5m2", "bfloat16"), (4, "fp8_e5m2", "bfloat16")]
+    assert "KV cache fp8_e5m2" in r.output and "left out" not in r.output
+
+
+def test_compare_over_16_bit_caches_says_nothing_of_fp8(monkeypatch, no_flashinfer):
+    _fake_sweep(monkeypatch)
+    r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512"])
+    assert r.exit_code == 0, r.output
+    assert "fp8" not in r.output and "KV cache" not in r.output
 
 
 # ---- on a GPU: every subcommand end to end, small sweeps ------------------------------------
@@ -294,6 +374,55 @@ def test_compare_flashinfer_rows_check_and_plan(tmp_path):
     assert plans["flashinfer-decode"] > 0 and plans["flashinfer-decode-tc"] > 0
     assert plans["cupaged"] != plans["cupaged"] and plans["flashinfer-xqa"] != plans["flashinfer-xqa"]
     assert "plan us" in r.output
+
+
+@pytest.mark.gpu
+def test_decode_over_an_fp8_cache(tmp_path):
+    import json
+
+    argv = ["decode", "--batch", "2", "--context", "100,700", "--heads", "8", "--kv-heads", "2",
+            "--head-size", "64", "--reps", "3", "--kv-cache-dtype", "fp8_e4m3",
+            "--json", str(tmp_path / "d.json")]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    assert "KV cache fp8_e4m3" in r.output
+    rows = json.loads((tmp_path / "d.json").read_text())["results"]
+    assert len(rows) == 2 and all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows)
+    assert all(x["kv_cache_dtype"] == "fp8_e4m3" for x in rows)
+    assert all(x["kernel"].startswith("paged_decode_f16_e4m3_hs64_bs16_vllm_g4_sm") for x in rows)
+
+
+@pytest.mark.gpu
+def test_compare_over_an_fp8_cache(tmp_path):
+    """Every implementation with an fp8 path that runs here (FlashInfer's when it
+    imports), checked against the reference on the same bytes."""
+    import json
+
+    from cupaged import bench
+
+    r = CliRunner().invoke(main, ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "3",
+                                  "--context-dist", "uniform:1:300", "--reps", "3",
+                                  "--kv-cache-dtype", "fp8", "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert [x["impl"] for x in rows] == bench.available_implementations("fp8_e4m3")
+    assert all(x["status"] == "ok" and x["kv_cache_dtype"] == "fp8_e4m3" for x in rows), \
+        [(x["impl"], x["note"]) for x in rows]
+    # XQA computes in fp8 and says so; the rest read the cache as exactly as cupaged
+    assert all(x["rel_err"] <= 1e-3 for x in rows if x["impl"] != "flashinfer-xqa")
+    assert all("computes in fp8" in x["note"] for x in rows if x["impl"] == "flashinfer-xqa")
+
+
+@pytest.mark.gpu
+def test_prefill_over_an_fp8_cache():
+    r = CliRunner().invoke(main, ["prefill", "--batch", "2", "--query-len", "64", "--context",
+                                  "200", "--heads", "8", "--kv-heads", "2", "--head-size", "64",
+                                  "--reps", "3", "--impl", "cupaged", "--kv-cache-dtype",
+                                  "fp8_e5m2"])
+    assert r.exit_code == 0, r.output
+    assert "KV cache fp8_e5m2" in r.output and "WRONG" not in r.output
+    row = [l for l in r.output.splitlines() if l.startswith("2x64/200")]
+    assert len(row) == 1 and row[0].split()[1] == "cupaged" and "Error" not in row[0]
 
 
 @pytest.mark.gpu
