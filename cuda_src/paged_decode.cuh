@@ -252,6 +252,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
 
+  // The KV head's base pointers and the cache's strides, as load_tile uses them.
+  const C* k_base = KV::key_head(kv, kv_head);
+  const C* v_base = KV::value_head(kv, kv_head);
+  const unsigned k_block = static_cast<unsigned>(kv.k_block);
+  const unsigned v_block = static_cast<unsigned>(kv.v_block);
+  const unsigned k_token = static_cast<unsigned>(kv.k_token);
+  const unsigned v_token = static_cast<unsigned>(kv.v_token);
+
   // Issue the cp.async copies of tile `tile` (tokens [t0, t0 + TT)) into stage `stage`,
   // once its ids are published and a barrier has passed.
   auto load_tile = [&](int tile, int stage) {
@@ -277,7 +285,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
         cp_async4(vd, kv.v_scale + o);
       }
     }
-    for (int u = tid; u < Geo::kUnits; u += NT) {
+    // Per unit, one 32x32->64-bit product places the block (the host checks that block
+    // strides fit 32 bits and a block's extent 31) and the rest is 32-bit. Unrolled by two:
+    // fully unrolled, the addresses of every unit stay live (up to 122 registers).
+#pragma unroll 2
+    for (int i = 0; i < (Geo::kUnits + NT - 1) / NT; ++i) {
+      const int u = tid + i * NT;
+      if (Geo::kUnits % NT != 0 && u >= Geo::kUnits) break;
       // Token-major caches: consecutive threads take consecutive 16-byte chunks of a
       // token's row. vLLM's: consecutive 16-byte runs of a piece, in cache order.
       int t, sub;
@@ -295,29 +309,31 @@ __global__ void __launch_bounds__(kDecodeThreads)
         *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
         continue;
       }
-      const int within = tok % BLOCK_SIZE;
+      const unsigned within = tok % BLOCK_SIZE;
+      const C* kb = k_base + static_cast<unsigned long long>(phys) * k_block;
+      const C* vb = v_base + static_cast<unsigned long long>(phys) * v_block;
       if constexpr (Geo::kTokenMajor) {
-        const int c = u % Geo::kChunks;
-        cp_async16(ks + t * KROW + c * X, KV::key_chunk(kv, phys, kv_head, within, c));
-        cp_async16(vs + t * KROW + c * X, KV::value_chunk(kv, phys, kv_head, within, c));
+        const unsigned c = u % Geo::kChunks;
+        cp_async16(ks + t * KROW + c * X, kb + (within * k_token + c * X));
+        cp_async16(vs + t * KROW + c * X, vb + (within * v_token + c * X));
       } else {
-        const int e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
+        const unsigned e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
         {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
-          const int c = e / (Geo::kSub * X);
-          const int r = e % (Geo::kSub * X);
+          const unsigned c = e / (Geo::kSub * X);
+          const unsigned r = e % (Geo::kSub * X);
           cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
-                     KV::key_chunk(kv, phys, kv_head, within, c) + r);
+                     kb + ((c * BLOCK_SIZE + within) * X + r));
         }
         {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
-          const int d = e / Geo::kSub;
-          const int r = e % Geo::kSub;
+          const unsigned d = e / Geo::kSub;
+          const unsigned r = e % Geo::kSub;
           C* dst;
           if constexpr (Geo::kVTransposed) {
             dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
           } else {
             dst = vs + sub * HS * Geo::kSub + e;
           }
-          cp_async16(dst, KV::value_chunk(kv, phys, kv_head, within, d) + r);
+          cp_async16(dst, vb + (d * BLOCK_SIZE + within + r));
         }
       }
     }

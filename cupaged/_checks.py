@@ -143,7 +143,13 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
     head_size]``, ``"HND"`` ``[num_blocks, num_kv_heads, block_size, head_size]`` (any
     strides, views of fused allocations included, with the last dimension contiguous, the
     pointer and every other stride a multiple of 16 bytes), or ``"vllm"`` (see
-    :func:`check_caches`)."""
+    :func:`check_caches`); block strides as :func:`check_block_strides` demands."""
+    view = _kv_view(key_cache, value_cache, dt, kv_layout, ref)
+    check_block_strides(view)
+    return view
+
+
+def _kv_view(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str, ref: str) -> CacheView:
     if kv_layout == "vllm":
         c = check_caches(key_cache, value_cache, dt, ref)
         it = dt.itemsize
@@ -190,7 +196,7 @@ def check_kv_layout(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str,
 
 
 def check_block_strides(view: CacheView) -> None:
-    """The multi-token kernel computes a block's offset as one 32x32->64-bit product and
+    """The attention kernels compute a block's offset as one 32x32->64-bit product and
     offsets within a block in 32 bits: block strides below 2^32 elements, a block's rows
     within 2^31 (any real cache: a block of 256 tokens x 256 heads x 256 dims is 2^24)."""
     for name, (block, _, token) in (("key_cache", view.k_strides),

@@ -192,7 +192,6 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
               f"{q.data.ptr:#x}, strides {q.strides})")
     if out.data.ptr % 4:
         _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
-    _checks.check_block_strides(p.cache)
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
                         plan.tile, p.cache.dtype.name, p.quant.mode)
     # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's header).
