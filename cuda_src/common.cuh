@@ -150,6 +150,14 @@ __device__ __forceinline__ void load_floats(const T* p, float (&f)[N]) {
 // ---- asynchronous global -> shared copies ---------------------------------------------
 
 // cp.async lets a whole tile be in flight while the previous one is computed.
+// a * b as 64 bits in one instruction (mul.wide.u32): block offsets, whose factors the
+// host keeps below 2^32 (left to the compiler, a zero-extended product stays 64 x 64).
+__device__ __forceinline__ unsigned long long mul_wide(unsigned a, unsigned b) {
+  unsigned long long r;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));

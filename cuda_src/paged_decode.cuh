@@ -290,11 +290,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // fully unrolled, the addresses of every unit stay live (up to 122 registers).
 #pragma unroll 2
     for (int i = 0; i < (Geo::kUnits + NT - 1) / NT; ++i) {
-      const int u = tid + i * NT;
+      // Unsigned: a unit's parts (u / kChunks, u % kUnitsPerSub, ...) are then shifts and
+      // masks, and the per-thread ones are hoisted out of the loop.
+      const unsigned u = tid + i * NT;
       if (Geo::kUnits % NT != 0 && u >= Geo::kUnits) break;
       // Token-major caches: consecutive threads take consecutive 16-byte chunks of a
       // token's row. vLLM's: consecutive 16-byte runs of a piece, in cache order.
-      int t, sub;
+      unsigned t, sub;
       if constexpr (Geo::kTokenMajor) {
         t = u / Geo::kChunks;
         sub = t / Geo::kSub;
@@ -309,15 +311,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
         *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
         continue;
       }
-      const unsigned within = tok % BLOCK_SIZE;
-      const C* kb = k_base + static_cast<unsigned long long>(phys) * k_block;
-      const C* vb = v_base + static_cast<unsigned long long>(phys) * v_block;
+      const unsigned within = static_cast<unsigned>(tok) % BLOCK_SIZE;
+      const C* kb = k_base + mul_wide(phys, k_block);  // phys >= 0 here
+      const C* vb = v_base + mul_wide(phys, v_block);
+      // Parts fixed per thread are written from tid, so they are hoisted out of the loop.
       if constexpr (Geo::kTokenMajor) {
-        const unsigned c = u % Geo::kChunks;
+        const unsigned c = (NT % Geo::kChunks == 0 ? static_cast<unsigned>(tid) : u) % Geo::kChunks;
         cp_async16(ks + t * KROW + c * X, kb + (within * k_token + c * X));
         cp_async16(vs + t * KROW + c * X, vb + (within * v_token + c * X));
       } else {
-        const unsigned e = (u % Geo::kUnitsPerSub) * X;  // element offset in the piece, cache order
+        // The element offset in the piece, in cache order.
+        const unsigned e =
+            ((NT % Geo::kUnitsPerSub == 0 ? static_cast<unsigned>(tid) : u) % Geo::kUnitsPerSub) * X;
         {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
           const unsigned c = e / (Geo::kSub * X);
           const unsigned r = e % (Geo::kSub * X);
