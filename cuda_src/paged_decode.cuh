@@ -68,8 +68,9 @@ struct DecodeGeometry {
   static constexpr bool kVTransposed = KV_FORMAT == kFormatVllm && kSub >= kVec;
   static constexpr int kVRow = TILE_TOKENS + kVec;
   // Token-major caches are copied token-major: shared K and V are [TILE_TOKENS][kTokRow],
-  // rows padded by 16 bytes, so a warp reading 32 tokens' chunks (scores) or eight token
-  // rows (ldmatrix) hits distinct banks.
+  // rows padded by 16 bytes, so with an even number of 16-byte chunks per row a warp
+  // reading 32 tokens' chunks (scores) or eight token rows (ldmatrix) hits distinct banks.
+  // (Odd counts, such as fp8 at head size 80 or 112, conflict: docs/PERFORMANCE.md.)
   static constexpr bool kTokenMajor = KV_FORMAT == kFormatTokenMajor;
   static constexpr int kTokRow = HEAD_SIZE + kVec;
 

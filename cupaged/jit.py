@@ -322,7 +322,7 @@ def _options(arch: str) -> tuple[str, ...]:
     # CUPAGED_FP8_SOFTWARE=1 compiles fp8.cuh's integer conversions instead of the sm_89+
     # instructions (what sm_80/86 run), to test them on a newer GPU. Part of the cache key;
     # set it before the first kernel loads (in-process caches do not watch it).
-    if os.environ.get("CUPAGED_FP8_SOFTWARE", "") not in ("", "0"):
+    if os.environ.get("CUPAGED_FP8_SOFTWARE", "").strip().lower() in ("1", "true", "yes", "on"):
         return (CXX_STD, f"-arch={arch}", "-DCUPAGED_FP8_SOFTWARE")
     return (CXX_STD, f"-arch={arch}")
 

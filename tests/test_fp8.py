@@ -541,3 +541,16 @@ def test_blocksparse_arguments_are_refused_until_implemented():
         cupaged.decode._check_blocksparse(0, 4, 8, 64, 0)
     cupaged.decode._check_blocksparse(0, 0, 0, 64, 0)  # dense: accepted
     cupaged.decode._check_blocksparse(1, 0, 1, 64, 0)
+
+
+def test_block_strides_past_32_bits_are_refused_for_every_attention_call():
+    """The decode and prefill kernels place a block with one 32x32->64-bit product:
+    check_kv_layout, which every attention entry point runs, refuses larger strides."""
+    from cupaged import _checks
+
+    for layout, shape in (("NHD", (4, 16, 2, 64)), ("HND", (4, 2, 16, 64))):
+        ok = _Fake(shape, np.uint8)
+        _checks.check_kv_layout(ok, ok, _dtypes.E4M3, layout)
+        wide = _Fake(shape, np.uint8, strides=(2**32,) + ok.strides[1:])  # bytes = elements
+        with pytest.raises(ValueError, match="block stride .* too large"):
+            _checks.check_kv_layout(wide, ok, _dtypes.E4M3, layout)
