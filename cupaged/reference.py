@@ -20,8 +20,9 @@ import math
 
 import numpy as np
 
-__all__ = ["KV_LAYOUTS", "attention", "dequantize_fp8", "fp8_max", "gather_kv",
-           "paged_attention", "quantize_fp8", "reshape_and_cache", "token_head_scales"]
+__all__ = ["KV_LAYOUTS", "attend", "attention", "dequantize_fp8", "fp8_max", "gather_kv",
+           "merge_state", "merge_states", "paged_attention", "quantize_fp8",
+           "reshape_and_cache", "token_head_scales"]
 
 KV_LAYOUTS = ("NHD", "HND", "vllm")
 
@@ -156,15 +157,25 @@ def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: 
     return k[:context_len], v[:context_len]
 
 
-def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = True):
+def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = True, *,
+           window=None, logits_soft_cap=None, sinks=None, return_lse: bool = False):
     """Dense attention in float64: ``q [num_heads, hs]`` (one token) or ``[q_len,
     num_heads, hs]`` against ``k, v [n, num_kv_heads, hs]``; query head h uses KV head
     h // (num_heads // num_kv_heads).
 
     ``q_pos``: each query row's position among the n keys (default: the last q_len
     positions, n - q_len + i). With ``causal`` a row sees keys at positions <= its own,
-    otherwise all n. ALiBi adds ``slope * (key_pos - q_pos)``. A row that sees no key
-    gives zeros."""
+    otherwise all n. The logit of a key is ``scale * q.k``, then with ``logits_soft_cap``
+    c it becomes ``c * tanh(logit / c)`` (Gemma 2), then ALiBi adds ``slope * (key_pos -
+    q_pos)``. ``window`` W keeps only keys at positions > q_pos - W (with ``causal``: the
+    W positions (q_pos - W, q_pos], the row's own included; FlashInfer's ``window_left``
+    is W - 1). ``sinks`` (``[num_heads]``, in logit units) adds ``exp(sink)`` to each
+    row's softmax denominator and nothing to its numerator (gpt-oss).
+
+    A row that sees no key gives zeros. ``return_lse`` also returns the natural log of
+    each row's softmax denominator, ``[q_len, num_heads]`` (``[num_heads]`` for one
+    token): -inf for a row with no key and no sink. Partial results over disjoint key
+    sets merge exactly with :func:`merge_state` (give the sinks to one partial only)."""
     q = np.asarray(q, dtype=np.float64)
     single = q.ndim == 2
     if single:
@@ -174,29 +185,78 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     if q_pos is None:
         q_pos = n - q_len + np.arange(q_len)
     q_pos = np.asarray(q_pos, dtype=np.int64)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
     out = np.zeros((q_len, num_heads, head_size))
+    sink = None if sinks is None else np.asarray(sinks, dtype=np.float64)[None, :, None]
+    lse = np.full((q_len, num_heads), -np.inf) if sink is None else \
+        np.broadcast_to(sink[..., 0], (q_len, num_heads)).copy()
     if n and q_len:
         kv_of_head = np.arange(num_heads) // (num_heads // num_kv_heads)
         kh = k[:, kv_of_head, :]  # [n, heads, hs]
         vh = v[:, kv_of_head, :]
         logits = np.einsum("qhd,nhd->qhn", q, kh) * scale
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
         rel = np.arange(n)[None, :] - q_pos[:, None]  # [q, n]: key position - query position
         if alibi_slopes is not None:
             logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[None, :, None] * rel[:, None, :]
-        visible = np.broadcast_to((rel <= 0)[:, None, :] if causal else True, logits.shape)
+        mask = rel <= 0 if causal else np.ones_like(rel, dtype=bool)
+        if window is not None:
+            mask = mask & (rel > -window)
+        visible = np.broadcast_to(mask[:, None, :], logits.shape)
         logits = np.where(visible, logits, -np.inf)
         seen = visible.any(axis=-1, keepdims=True)
-        logits -= np.where(seen, logits.max(axis=-1, keepdims=True), 0.0)
-        w = np.where(visible, np.exp(logits), 0.0)
-        w /= np.where(seen, w.sum(axis=-1, keepdims=True), 1.0)
-        out = np.einsum("qhn,nhd->qhd", w, vh)
-    return out[0] if single else out
+        m = np.where(seen, logits.max(axis=-1, keepdims=True), -np.inf)
+        if sink is not None:
+            m = np.maximum(m, sink)
+        m = np.where(np.isfinite(m), m, 0.0)
+        w = np.where(visible, np.exp(logits - m), 0.0)
+        den = w.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - m))
+        with np.errstate(divide="ignore"):
+            lse = np.where(den > 0, m + np.log(np.where(den > 0, den, 1.0)), -np.inf)[..., 0]
+        out = np.einsum("qhn,nhd->qhd", w / np.where(den > 0, den, 1.0), vh)
+    if single:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def merge_state(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions over disjoint key sets as one, in float64: ``out [..., hs]``
+    with ``lse [...]`` (natural-log softmax denominators, as :func:`attend` returns them).
+    The weights are ``exp(lse - max)``; a partial with ``lse = -inf`` (no keys) is the
+    identity, and two of them give zeros and -inf. Returns ``(out, lse)``."""
+    out_a, out_b = np.asarray(out_a, np.float64), np.asarray(out_b, np.float64)
+    lse_a, lse_b = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
+    m = np.maximum(lse_a, lse_b)
+    finite = np.isfinite(m)
+    m0 = np.where(finite, m, 0.0)
+    wa = np.where(finite, np.exp(lse_a - m0), 0.0)
+    wb = np.where(finite, np.exp(lse_b - m0), 0.0)
+    den = wa + wb
+    safe = np.where(den > 0, den, 1.0)
+    out = (wa[..., None] * out_a + wb[..., None] * out_b) / safe[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(den > 0, m0 + np.log(safe), -np.inf)
+    return out, lse
+
+
+def merge_states(outs, lses):
+    """:func:`merge_state` over any number of partials (sequences of arrays)."""
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError("merge_states needs as many lse arrays as outputs, at least one")
+    out, lse = np.asarray(outs[0], np.float64), np.asarray(lses[0], np.float64)
+    for o, l in zip(outs[1:], lses[1:]):
+        out, lse = merge_state(out, lse, o, l)
+    return out, lse
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
               kv_layout: str = "NHD", causal: bool = True, scale=None, alibi_slopes=None,
               max_query_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=None,
-              v_scale=None):
+              v_scale=None, window=None, logits_soft_cap=None, sinks=None,
+              return_lse: bool = False):
     """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention``.
 
     Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` (default: one
@@ -206,7 +266,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     Without ``query_start_loc`` (decode) a sequence of length 0 gives a zero row.
     ``max_query_len`` and ``max_seq_len`` are accepted and ignored. An fp8 cache
     (``kv_cache_dtype``, ``k_scale``, ``v_scale`` as for the kernels) is read as
-    ``stored * scale``."""
+    ``stored * scale``. ``window``, ``logits_soft_cap``, ``sinks`` and ``return_lse`` (then
+    ``(out, lse [total_q, num_heads])``) are :func:`attend`'s."""
     query = np.asarray(query)
     total_q, num_heads, head_size = query.shape
     lens = np.asarray(seq_lens)
@@ -220,6 +281,10 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     out = np.zeros((total_q, num_heads, head_size))
+    lse = np.full((total_q, num_heads), -np.inf)
+    if sinks is not None:  # a row that sees no key still has its sink
+        lse[:] = np.asarray(sinks, dtype=np.float64)[None, :]
+    variants = dict(window=window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     for s in range(len(lens)):
         a, b = int(starts[s]), int(starts[s + 1])
         n = int(lens[s])
@@ -229,16 +294,19 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             raise ValueError(f"sequence {s} has {b - a} query tokens but only {n} cached")
         k, v = gather_kv(key_cache, value_cache, tables[s], n, kv_layout, kv_cache_dtype,
                          k_scale, v_scale)
-        out[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal)
-    return out
+        out[a:b], lse[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal,
+                                    return_lse=True, **variants)
+    return (out, lse) if return_lse else out
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
                     alibi_slopes=None, max_context_len=None, kv_cache_dtype="auto",
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, **variants):
     """Float64 result ``[num_seqs, num_heads, head_size]`` of the same call as
     :func:`cupaged.paged_attention` (decode over vLLM's layout). ``max_context_len`` is
-    accepted and ignored."""
+    accepted and ignored; ``variants`` (window, logits_soft_cap, sinks, return_lse) are
+    :func:`attention`'s."""
     return attention(query, key_cache, value_cache, block_tables, context_lens,
                      kv_layout="vllm", scale=scale, alibi_slopes=alibi_slopes,
-                     kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+                     kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                     **variants)

@@ -208,3 +208,114 @@ def test_varlen_reference_refuses_inconsistent_rows(rng, starts, lens, match):
     q, k, v, bt, _, _ = varlen_problem(rng, [3, 2], [4, 9])
     with pytest.raises(ValueError, match=match):
         reference.attention(q, k, v, bt, np.array(lens), np.array(starts))
+
+
+# ---- variants: sliding window, soft-cap, sinks, log-sum-exp and merging ----------------------
+
+
+def _dense(rng, q_len=3, n=40, heads=4, kv_heads=2, hs=16):
+    q = rng.standard_normal((q_len, heads, hs))
+    k = rng.standard_normal((n, kv_heads, hs))
+    v = rng.standard_normal((n, kv_heads, hs))
+    return q, k, v
+
+
+def _one_row(q, k, v, h, visible, scale, cap=None, sink=None):
+    """One query row ``q [heads, hs]``, head h, by the scalar formulas: softmax over the
+    visible keys' (capped) logits, the sink only in the denominator; (out, lse)."""
+    g = q.shape[0] // k.shape[1]
+    logits = [scale * float(q[h] @ k[j, h // g]) for j in visible]
+    if cap is not None:
+        logits = [cap * math.tanh(x / cap) for x in logits]
+    terms = [math.exp(x) for x in logits]
+    den = sum(terms) + (math.exp(sink) if sink is not None else 0.0)
+    out = sum(t * v[j, h // g] for t, j in zip(terms, visible)) / den if terms else 0 * v[0, 0]
+    return out, (math.log(den) if den > 0 else -math.inf)
+
+
+@pytest.mark.parametrize("window", [1, 5, 40, 100])
+def test_window_keeps_the_last_w_positions(rng, window):
+    q, k, v = _dense(rng)
+    n, scale = k.shape[0], 0.3
+    out, lse = reference.attend(q, k, v, scale, window=window, return_lse=True)
+    for i in range(q.shape[0]):
+        p = n - q.shape[0] + i
+        visible = [j for j in range(n) if p - window < j <= p]
+        for h in range(q.shape[1]):
+            o, l = _one_row(q[i], k, v, h, visible, scale)
+            np.testing.assert_allclose(out[i, h], o, rtol=1e-12, atol=1e-12)
+            assert lse[i, h] == pytest.approx(l, rel=1e-12)
+    # Non-causal: the window bounds the left side only.
+    out = reference.attend(q, k, v, scale, causal=False, window=window, q_pos=[0, 10, 39])
+    o, _ = _one_row(q[1], k, v, 2, [j for j in range(n) if j > 10 - window], scale)
+    np.testing.assert_allclose(out[1, 2], o, rtol=1e-12)
+
+
+def test_soft_cap_and_sinks_follow_the_scalar_formulas(rng):
+    q, k, v = _dense(rng, q_len=2)
+    q *= 8  # logits well past the cap
+    sinks = rng.standard_normal(q.shape[1]) * 3
+    out, lse = reference.attend(q, k, v, 0.5, logits_soft_cap=4.0, sinks=sinks, return_lse=True)
+    n = k.shape[0]
+    for i in range(2):
+        for h in range(q.shape[1]):
+            o, l = _one_row(q[i], k, v, h, list(range(n - 2 + i + 1)), 0.5, cap=4.0, sink=sinks[h])
+            np.testing.assert_allclose(out[i, h], o, rtol=1e-11, atol=1e-12)
+            assert lse[i, h] == pytest.approx(l, rel=1e-12)
+
+
+def test_merging_halves_gives_the_whole(rng):
+    """Keys split at any point: the two partials' merge equals attention over all keys,
+    output and lse; sinks go with one partial only; an empty partial is the identity."""
+    q, k, v = _dense(rng, q_len=1, n=50)
+    sinks = rng.standard_normal(q.shape[1])
+    pos = [49]
+    whole, whole_lse = reference.attend(q, k, v, 0.2, q_pos=pos, sinks=sinks, return_lse=True)
+    for cut in (0, 1, 17, 49, 50):
+        a = reference.attend(q, k[:cut], v[:cut], 0.2, q_pos=pos, causal=False, sinks=sinks,
+                             return_lse=True)
+        b = reference.attend(q, k[cut:], v[cut:], 0.2, q_pos=[p - cut for p in pos],
+                             return_lse=True)
+        out, lse = reference.merge_state(*a, *b)
+        np.testing.assert_allclose(out, whole, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(lse, whole_lse, rtol=1e-12)
+    # Three pieces through merge_states, and an empty partial (lse -inf) changes nothing.
+    parts = [reference.attend(q, k[a:b], v[a:b], 0.2, q_pos=[49 - a], causal=False,
+                              return_lse=True) for a, b in ((0, 10), (10, 30), (30, 50))]
+    out, lse = reference.merge_states([p[0] for p in parts], [p[1] for p in parts])
+    plain, plain_lse = reference.attend(q, k, v, 0.2, return_lse=True)
+    np.testing.assert_allclose(out, plain, rtol=1e-12, atol=1e-14)
+    empty = (np.zeros_like(out), np.full_like(lse, -np.inf))
+    same, same_lse = reference.merge_state(out, lse, *empty)
+    np.testing.assert_array_equal(same, out)
+    np.testing.assert_array_equal(same_lse, lse)
+    both, both_lse = reference.merge_state(*empty, *empty)
+    assert not both.any() and np.isneginf(both_lse).all()
+
+
+def test_rows_without_keys_are_zero_and_finite_with_sinks(rng):
+    q, k, v = _dense(rng, q_len=2, n=0)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    out, lse = reference.attend(q, k, v, 0.3, sinks=sinks, return_lse=True)
+    assert not out.any()
+    np.testing.assert_array_equal(lse, np.broadcast_to(sinks, lse.shape))
+    out, lse = reference.attend(q, k, v, 0.3, return_lse=True)
+    assert not out.any() and np.isneginf(lse).all()
+
+
+def test_paged_reference_passes_the_variants_on(rng):
+    """attention() over a paged cache equals attend() on the gathered keys, variants on,
+    including a decode row with an empty context (zeros; lse = its sink)."""
+    p = make_problem(rng, lens=(0, 1, 33, 70), heads=4, kv_heads=2, head_size=16, block_size=8)
+    sinks = rng.standard_normal(4)
+    kw = dict(window=9, logits_soft_cap=5.0, sinks=sinks)
+    out, lse = reference.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
+                                         p.context_lens, return_lse=True, **kw)
+    assert not out[0].any()
+    np.testing.assert_array_equal(lse[0], sinks)
+    for s in (1, 2, 3):
+        n = int(p.context_lens[s])
+        k, v = reference.gather_kv(p.key_cache, p.value_cache, p.block_tables[s], n)
+        o, l = reference.attend(p.query[s], k, v, 16 ** -0.5, return_lse=True, **kw)
+        np.testing.assert_allclose(out[s], o, rtol=1e-12)
+        np.testing.assert_allclose(lse[s], l, rtol=1e-12)
