@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-__all__ = ["KV_LAYOUTS", "attend", "attention", "dequantize_fp8", "fp8_max", "gather_kv",
+__all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "dequantize_fp8",
+           "fp8_max", "gather_kv",
            "merge_state", "merge_states", "paged_attention", "quantize_fp8",
            "reshape_and_cache", "token_head_scales"]
 
@@ -134,6 +135,11 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
                 key_cache[b, :, :, o, :] = new.reshape(new.shape[0], -1, x)
 
 
+def _block_size(key_cache, kv_layout: str = "vllm") -> int:
+    """Tokens per block of a cache in ``kv_layout``."""
+    return _as_tokens(key_cache, kv_layout, True).shape[1]
+
+
 def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: str = "vllm",
               kv_cache_dtype="auto", k_scale=None, v_scale=None):
     """One sequence's dense K and V, ``[context_len, num_kv_heads, head_size]`` float64,
@@ -158,7 +164,8 @@ def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: 
 
 
 def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = True, *,
-           window=None, logits_soft_cap=None, sinks=None, return_lse: bool = False):
+           window=None, logits_soft_cap=None, sinks=None, key_mask=None,
+           return_lse: bool = False):
     """Dense attention in float64: ``q [num_heads, hs]`` (one token) or ``[q_len,
     num_heads, hs]`` against ``k, v [n, num_kv_heads, hs]``; query head h uses KV head
     h // (num_heads // num_kv_heads).
@@ -170,7 +177,9 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     q_pos)``. ``window`` W keeps only keys at positions > q_pos - W (with ``causal``: the
     W positions (q_pos - W, q_pos], the row's own included; FlashInfer's ``window_left``
     is W - 1). ``sinks`` (``[num_heads]``, in logit units) adds ``exp(sink)`` to each
-    row's softmax denominator and nothing to its numerator (gpt-oss).
+    row's softmax denominator and nothing to its numerator (gpt-oss). ``key_mask`` (bool,
+    broadcasting against ``[num_heads, n]``) drops the keys it is False for, such as
+    :func:`blocksparse_mask`'s.
 
     A row that sees no key gives zeros. ``return_lse`` also returns the natural log of
     each row's softmax denominator, ``[q_len, num_heads]`` (``[num_heads]`` for one
@@ -204,7 +213,10 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
         mask = rel <= 0 if causal else np.ones_like(rel, dtype=bool)
         if window is not None:
             mask = mask & (rel > -window)
-        visible = np.broadcast_to(mask[:, None, :], logits.shape)
+        visible = mask[:, None, :]
+        if key_mask is not None:
+            visible = visible & np.asarray(key_mask, dtype=bool)[None]
+        visible = np.broadcast_to(visible, logits.shape)
         logits = np.where(visible, logits, -np.inf)
         seen = visible.any(axis=-1, keepdims=True)
         m = np.where(seen, logits.max(axis=-1, keepdims=True), -np.inf)
@@ -219,6 +231,30 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     if single:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
+
+
+def blocksparse_mask(seq_len: int, block_size: int, num_heads: int, num_kv_heads: int,
+                     local_blocks: int, vert_stride: int, sparse_block_size: int = 64,
+                     head_sliding_step: int = 0, tp_rank: int = 0):
+    """vLLM's blocksparse pattern for one decode row (``paged_attention_v1/v2``'s
+    ``blocksparse_*`` arguments), as bool ``[num_heads, seq_len]``: key token t of cache
+    block b = t // block_size lies in sparse block ``sb = b * block_size //
+    sparse_block_size`` and is kept when it is local, ``sb > (seq_len - 1) //
+    sparse_block_size - local_blocks``, or strided, ``(sb + offset) % vert_stride == 0``,
+    with ``offset = (tp_rank * num_heads + h) * step + 1`` for a step >= 0 (sliding over
+    query heads) and ``(tp_rank * num_kv_heads + h // group) * -step + 1`` below 0 (over KV
+    heads). ``num_heads`` and ``num_kv_heads`` are this rank's."""
+    t = np.arange(seq_len)
+    sb = (t // block_size) * block_size // sparse_block_size  # [seq_len]
+    q_sb = (seq_len - 1) // sparse_block_size
+    h = np.arange(num_heads)
+    if head_sliding_step >= 0:
+        offset = (tp_rank * num_heads + h) * head_sliding_step + 1
+    else:
+        offset = (tp_rank * num_kv_heads + h // (num_heads // num_kv_heads)) * -head_sliding_step + 1
+    local = sb > q_sb - local_blocks
+    strided = (sb[None, :] + offset[:, None]) % vert_stride == 0
+    return local[None, :] | strided
 
 
 def merge_state(out_a, lse_a, out_b, lse_b):
@@ -256,7 +292,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
               kv_layout: str = "NHD", causal: bool = True, scale=None, alibi_slopes=None,
               max_query_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=None,
               v_scale=None, window=None, logits_soft_cap=None, sinks=None,
-              return_lse: bool = False):
+              blocksparse=None, return_lse: bool = False):
     """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention``.
 
     Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` (default: one
@@ -267,7 +303,9 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     ``max_query_len`` and ``max_seq_len`` are accepted and ignored. An fp8 cache
     (``kv_cache_dtype``, ``k_scale``, ``v_scale`` as for the kernels) is read as
     ``stored * scale``. ``window``, ``logits_soft_cap``, ``sinks`` and ``return_lse`` (then
-    ``(out, lse [total_q, num_heads])``) are :func:`attend`'s."""
+    ``(out, lse [total_q, num_heads])``) are :func:`attend`'s; ``blocksparse`` (decode
+    only) is a dict of :func:`blocksparse_mask`'s pattern arguments (``local_blocks``,
+    ``vert_stride``, ``sparse_block_size``, ``head_sliding_step``, ``tp_rank``)."""
     query = np.asarray(query)
     total_q, num_heads, head_size = query.shape
     lens = np.asarray(seq_lens)
@@ -294,8 +332,14 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             raise ValueError(f"sequence {s} has {b - a} query tokens but only {n} cached")
         k, v = gather_kv(key_cache, value_cache, tables[s], n, kv_layout, kv_cache_dtype,
                          k_scale, v_scale)
+        key_mask = None
+        if blocksparse is not None:
+            if b - a != 1:
+                raise ValueError("blocksparse is a decode pattern: one query row per sequence")
+            key_mask = blocksparse_mask(n, _block_size(key_cache, kv_layout), num_heads,
+                                        k.shape[1], **blocksparse)
         out[a:b], lse[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal,
-                                    return_lse=True, **variants)
+                                    key_mask=key_mask, return_lse=True, **variants)
     return (out, lse) if return_lse else out
 
 

@@ -319,3 +319,39 @@ def test_paged_reference_passes_the_variants_on(rng):
         o, l = reference.attend(p.query[s], k, v, 16 ** -0.5, return_lse=True, **kw)
         np.testing.assert_allclose(out[s], o, rtol=1e-12)
         np.testing.assert_allclose(lse[s], l, rtol=1e-12)
+
+
+@pytest.mark.parametrize("step", [0, 1, -2])
+def test_blocksparse_mask_follows_vllms_block_loop(step):
+    """The mask against vLLM's kernel logic, written as its per-cache-block loop."""
+    heads, kv_heads, tp_rank, local, vert, sparse = 8, 2, 1, 2, 3, 32
+    for seq_len in (1, 16, 100, 300):
+        for bs in (8, 16, 128):
+            m = reference.blocksparse_mask(seq_len, bs, heads, kv_heads, local, vert, sparse,
+                                           step, tp_rank)
+            assert m.shape == (heads, seq_len)
+            q_sb = (seq_len - 1) // sparse
+            for h in range(heads):
+                if step >= 0:
+                    off = (tp_rank * heads + h) * step + 1
+                else:
+                    off = (tp_rank * kv_heads + h // (heads // kv_heads)) * -step + 1
+                for blk in range(-(-seq_len // bs)):
+                    sb = blk * bs // sparse
+                    keep = (sb + off) % vert == 0 or sb > q_sb - local
+                    assert (m[h, blk * bs: (blk + 1) * bs] == keep).all(), (seq_len, bs, h, blk)
+
+
+def test_paged_reference_applies_the_blocksparse_mask(rng):
+    p = make_problem(rng, lens=(1, 70, 300), heads=4, kv_heads=2, head_size=16, block_size=16)
+    pattern = dict(local_blocks=1, vert_stride=2, sparse_block_size=32, head_sliding_step=1)
+    got = reference.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
+                                    p.context_lens, blocksparse=pattern)
+    dense = reference.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
+                                      p.context_lens)
+    for s, n in enumerate(p.context_lens):
+        k, v = reference.gather_kv(p.key_cache, p.value_cache, p.block_tables[s], int(n))
+        mask = reference.blocksparse_mask(int(n), 16, 4, 2, **pattern)
+        want = reference.attend(p.query[s], k, v, 16 ** -0.5, key_mask=mask)
+        np.testing.assert_allclose(got[s], want, rtol=1e-12)
+    assert not np.allclose(got[2], dense[2])  # the pattern dropped keys of the long row
