@@ -41,6 +41,18 @@ _FP8_BY_NUMPY = {d.numpy: d for d in FP8.values() if d.numpy is not None}
 KV_CACHE_DTYPES = {"fp8": E4M3, "fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 
 
+def kv_cache_format(name) -> DType | None:
+    """The fp8 format a ``kv_cache_dtype`` string names, or None for ``"auto"`` (or None):
+    the query's own type. ValueError for any other value."""
+    if name is None or name == "auto":
+        return None
+    fmt = KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', "
+                         f"got {name!r}")
+    return fmt
+
+
 def fp8_of(dtype) -> DType | None:
     """The fp8 format a NumPy dtype names (ml_dtypes' float8_e4m3fn / float8_e5m2), or None."""
     try:

@@ -98,13 +98,8 @@ _FP8_FINITE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
 def kv_cache_dtype_name(name) -> str:
     """The canonical spelling of a ``kv_cache_dtype``: ``"auto"``, ``"fp8_e4m3"`` (also
     for ``"fp8"``) or ``"fp8_e5m2"``; ValueError for anything else."""
-    if name in (None, "auto"):
-        return "auto"
-    fmt = _dtypes.KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
-    if fmt is None:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {name!r}")
-    return f"fp8_{fmt.name}"
+    fmt = _dtypes.kv_cache_format(name)
+    return "auto" if fmt is None else f"fp8_{fmt.name}"
 
 
 def random_fp8(shape, kv_cache_dtype: str, rng: np.random.Generator, xp=np):

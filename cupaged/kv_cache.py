@@ -831,15 +831,12 @@ def _fp8_format(kv_cache_dtype, kv_scales, dt):
 
     if kv_scales not in ("tensor", "token"):
         raise ValueError(f"kv_scales must be 'tensor' or 'token', got {kv_scales!r}")
-    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+    fmt = _dtypes.kv_cache_format(kv_cache_dtype)
+    if fmt is None:
         if kv_scales == "token":
             raise ValueError(f"kv_scales='token' needs an fp8 cache (kv_cache_dtype='fp8', "
                              f"'fp8_e4m3' or 'fp8_e5m2'): a {dt.numpy} cache has no scales")
         return None
-    fmt = _dtypes.KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
-    if fmt is None:
-        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
-                         f"{kv_cache_dtype!r}")
     if dt.itemsize != 2:
         raise TypeError(f"fp8 caches take float16 or bfloat16 queries, got dtype={dt.numpy} "
                         f"(dtype is the model's, kv_cache_dtype the cache's)")

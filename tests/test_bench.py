@@ -139,7 +139,7 @@ def test_kv_cache_dtype_names(name, canonical):
 
 @pytest.mark.parametrize("bad", ["e4m3", "fp16", "float8_e4m3fn", "FP8", 8])
 def test_unknown_kv_cache_dtype_is_refused(bad):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'fp8'"):
         bench.kv_cache_dtype_name(bad)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         bench.Workload(1, 16, 8, 2, 64, 16, "float16", kv_cache_dtype=bad)
