@@ -73,15 +73,6 @@ __device__ __forceinline__ void fp8x4_to_f16_columns(unsigned w, unsigned& even,
   }
 }
 
-// A float16 pair times two fp32 scales, rounded back to float16 (per-token V scales).
-__device__ __forceinline__ unsigned scale_f16x2(unsigned h, float s_lo, float s_hi) {
-  float lo, hi;
-  unpack2(h, lo, hi, half_t{});
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi * s_hi), "f"(lo * s_lo));
-  return r;
-}
-
 // Two floats rounded to T and packed (the first in the low half): an A or B fragment
 // register built from fp32 values, such as probabilities held in C fragments. One
 // cvt.rn.{f16,bf16}x2.f32 (sm_80+), which takes the high half first.
@@ -100,6 +91,14 @@ __device__ __forceinline__ unsigned pack2<bfloat16_t>(float lo, float hi) {
   unsigned r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+// A float16 pair times two fp32 scales, rounded to T (per-token V scales of fp8 tiles).
+template <typename T>
+__device__ __forceinline__ unsigned scale_f16x2(unsigned h, float s_lo, float s_hi) {
+  float lo, hi;
+  unpack2(h, lo, hi, half_t{});
+  return pack2<T>(lo * s_lo, hi * s_hi);
 }
 
 template <typename T>

@@ -68,11 +68,11 @@ struct DecodeGeometry {
   static constexpr bool kVTransposed = KV_FORMAT == kFormatVllm && kSub >= kVec;
   static constexpr int kVRow = TILE_TOKENS + kVec;
   // Token-major caches are copied token-major: shared K and V are [TILE_TOKENS][kTokRow],
-  // rows padded by 16 bytes, so with an even number of 16-byte chunks per row a warp
-  // reading 32 tokens' chunks (scores) or eight token rows (ldmatrix) hits distinct banks.
-  // (Odd counts, such as fp8 at head size 80 or 112, conflict: docs/PERFORMANCE.md.)
+  // rows padded to an odd number of 16-byte chunks, so eight consecutive rows start in
+  // distinct 16-byte bank groups: a warp reading 32 tokens' chunks (scores) or eight token
+  // rows (ldmatrix) is conflict-free.
   static constexpr bool kTokenMajor = KV_FORMAT == kFormatTokenMajor;
-  static constexpr int kTokRow = HEAD_SIZE + kVec;
+  static constexpr int kTokRow = HEAD_SIZE + kVec * (kChunks % 2 == 0 ? 1 : 2);
 
   // Scores: each token is owned by kScoreThreads threads' worth of lanes; when the tile is
   // narrower than the CTA, kSplitsQK threads share a token (split over key chunks).
@@ -88,15 +88,18 @@ struct DecodeGeometry {
   // Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
   // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
   // An fp8 tile (kConvert) is widened to float16 in registers as its fragments load, and
-  // both products run in float16 whatever T is (MmaT; a bfloat16 query is scaled by a
-  // power of two into float16's range, exactly).
+  // the products run in float16 whatever T is (MmaT; a bfloat16 query is scaled by a power
+  // of two into float16's range), but for P V under per-token V scales (PvT).
   static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
                                (kVTransposed || kTokenMajor);
   static constexpr bool kConvert = kMma && kQuant;
   using MmaT = typename conditional<kConvert, half_t, T>::type;
+  // P V's operand type: MmaT, except with per-token V scales, where V * scale (which may
+  // lie anywhere in the query type's range) is rounded to T, as a 16-bit cache holds it.
+  using PvT = typename conditional<kConvert && !kTokenScales, half_t, T>::type;
   static constexpr int kTokenTilesPerWarp = (TILE_TOKENS / 16 + kWarps - 1) / kWarps;
   static constexpr int kDimTilesPerWarp = (HEAD_SIZE / 16 + kWarps - 1) / kWarps;
-  static constexpr int kPRow = TILE_TOKENS + 8;  // mma path: P as MmaT [GROUP_TILE][kPRow]
+  static constexpr int kPRow = TILE_TOKENS + 8;  // mma path: P as PvT [GROUP_TILE][kPRow]
   // Warps whose partial maxima / sums are combined, and output partials summed.
   static constexpr int kStatWarps = kMma ? kWarps : kScoreThreads / 32;
   static constexpr int kAccSlots = kMma ? 1 : kWarps;
@@ -387,15 +390,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int d = dim_of(kk, r);
-          if (h < heads_here) amax = fmaxf(amax, fmaxf(fabsf(to_float(qh[d])), fabsf(to_float(qh[d + 1]))));
+          if (h < heads_here) {  // finite values only: an Inf in one head scales no other
+            const float a = fabsf(to_float(qh[d]));
+            const float b = fabsf(to_float(qh[d + 1]));
+            if (a < __int_as_float(0x7f800000)) amax = fmaxf(amax, a);
+            if (b < __int_as_float(0x7f800000)) amax = fmaxf(amax, b);
+          }
         }
       }
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-      // amax = 1.m * 2^(E - 127): 2^(141 - E) takes it into [2^14, 2^15). Zero, Inf and
-      // NaN stay as they are (s = 0).
-      const int biased = static_cast<int>(__float_as_uint(amax) >> 23);  // amax >= 0
-      const int sh = amax > 0.f && biased < 255 ? min(141 - biased, 100) : 0;
+      // amax = 1.m * 2^(E - 127): 2^(141 - E) takes it into [2^14, 2^15). All zeros (or
+      // no finite value) keep s = 0.
+      const int biased = static_cast<int>(__float_as_uint(amax) >> 23);  // amax >= 0, finite
+      const int sh = amax > 0.f ? min(141 - biased, 100) : 0;
       q_mul = ldexpf(1.f, sh);
       score_scale = ldexpf(score_scale, -sh);
     }
@@ -484,7 +492,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
     if constexpr (Geo::kMma) {
       using MT = typename Geo::MmaT;
-      MT* pt = reinterpret_cast<MT*>(p_s);  // [GT][kPRow]
+      using PT = typename Geo::PvT;
+      PT* pt = reinterpret_cast<PT*>(p_s);  // [GT][kPRow]
       // Cache slots past the context end may hold anything, NaN included, and 0 * NaN is
       // NaN: clear V's columns there, up to the next 16-token step of the P V product.
       if (valid < TT) {
@@ -576,7 +585,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         m_own[e] = m_new;
       }
 
-      // ---- P, rounded to MT; the sums add the rounded values the P V product uses ------
+      // ---- P, rounded to PT; the sums add the rounded values the P V product uses ------
       // P's column of token t: t itself, except over a dims-major fp8 V tile, whose
       // registers hold tokens 4c .. 4c + 3 of each 16 (see the P V step): stored where
       // ldmatrix hands B's rows 2c, 2c + 1 and 2c + 8, 2c + 9 to that thread.
@@ -598,7 +607,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) {
           const int h = hq + (i & 1);
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
-          const MT p = from_float<MT>(exp2f(sc[j][i] - m_own[i & 1]));
+          const PT p = from_float<PT>(exp2f(sc[j][i] - m_own[i & 1]));
           if (h < GT) {
             pt[h * Geo::kPRow + p_col(t)] = p;
             l_mma[i & 1] += to_float(p);
@@ -614,7 +623,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) acc_mma[j][i] *= alpha_own[i & 1];
       }
       // B rows are heads; lanes of heads the tile lacks read row 0 (their columns are dropped).
-      const MT* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
+      const PT* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
       const int steps = (valid + 15) / 16;
       for (int kk = 0; kk < TT / 16; ++kk) {
         if (kk >= steps) break;
@@ -651,18 +660,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
             fp8x4_to_f16_halves<C>(r[1], a[1], a[3]);
           }
           if constexpr (Geo::kConvert && Geo::kTokenScales) {
-            // Per-token V scales, in fp32 before the one rounding: a[0], a[1] hold tokens
-            // u, u + 1 and a[2], a[3] tokens u + du, u + du + 1 of this step.
+            // Per-token V scales, in fp32 before the one rounding (to T: PvT): a[0], a[1]
+            // hold tokens u, u + 1 and a[2], a[3] tokens u + du, u + du + 1 of this step.
             const int c = lane & 3;
             const int u = kk * 16 + (Geo::kTokenMajor ? 2 * c : 4 * c);
             const int du = Geo::kTokenMajor ? 8 : 2;
             const float s0 = vsc[u], s1 = vsc[u + 1], s2 = vsc[u + du], s3 = vsc[u + du + 1];
-            a[0] = scale_f16x2(a[0], s0, s1);
-            a[1] = scale_f16x2(a[1], s0, s1);
-            a[2] = scale_f16x2(a[2], s2, s3);
-            a[3] = scale_f16x2(a[3], s2, s3);
+            a[0] = scale_f16x2<PT>(a[0], s0, s1);
+            a[1] = scale_f16x2<PT>(a[1], s0, s1);
+            a[2] = scale_f16x2<PT>(a[2], s2, s3);
+            a[3] = scale_f16x2<PT>(a[3], s2, s3);
           }
-          mma_16816<MT>(acc_mma[j], a, b);
+          mma_16816<PT>(acc_mma[j], a, b);
         }
       }
     } else {

@@ -69,6 +69,11 @@ class DecodeGeometry:
         return 16 // self.cit
 
     @property
+    def tok_row(self) -> int:  # kTokRow: an odd number of 16-byte chunks
+        chunks = self.head_size // self.vec
+        return self.head_size + self.vec * (1 if chunks % 2 == 0 else 2)
+
+    @property
     def sub(self) -> int:  # kSub: tokens per copied piece
         return min(self.block_size, self.tile_tokens)
 
@@ -89,7 +94,7 @@ class DecodeGeometry:
     def smem_bytes(self) -> int:  # kSmemBytes
         it, tt, hs, gt = self.cit, self.tile_tokens, self.head_size, self.group_tile
         if self.token_major:
-            k_stage = v_stage = tt * (hs + self.vec) * it
+            k_stage = v_stage = tt * self.tok_row * it
         else:
             k_stage, v_stage = tt * hs * it, hs * (tt + self.vec) * it
         q_bytes = 0 if self.mma else gt * hs * 4
@@ -117,7 +122,7 @@ class DecodeGeometry:
             bad.append("fp8 caches: 16-bit queries, head sizes that are multiples of 16")
         if not self.mma and (tt // WARPS) % self.vec:
             bad.append("P @ V walks whole 16-byte vectors")
-        k_stage = tt * (hs + self.vec if self.token_major else hs) * self.cit
+        k_stage = tt * (self.tok_row if self.token_major else hs) * self.cit
         if WARPS * gt * hs * 4 > self.stages * k_stage:
             bad.append("reduction space")
         if self.mma and gt * (tt + 16 // it) * 2 > tt * gt * 4:

@@ -177,6 +177,21 @@ def test_bfloat16_queries_beyond_float16_range(rng, magnitude, layout):
     assert_close(got, ref, testing.TOLERANCE["bf16"], f"bf16 queries ~{magnitude:g}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ("HND", "vllm"))
+@pytest.mark.parametrize("magnitude", (1e6, 1e-6))
+def test_bfloat16_queries_with_per_token_scales_of_any_range(rng, magnitude, layout):
+    """Per-token scales carry a value's magnitude, so the dequantized V of a bfloat16 model
+    may lie far outside float16's range (above 65504, or below its normals): the tensor-core
+    path must apply them without float16 overflow or underflow."""
+    seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
+    host, scales = fp8_problem(rng, "fp8_e4m3", "token", Q_LENS, seq, layout=layout,
+                               dtype="bf16")
+    scales = dict(scales, v_scale=scales["v_scale"] * np.float32(magnitude))
+    got, ref = run(host, scales, "token", "fp8_e4m3", decode_only=True, kv_layout=layout)
+    assert_close(got, ref, testing.TOLERANCE["bf16"], f"per-token V scales x{magnitude:g}")
+
+
 # ---- the cache write -------------------------------------------------------------------------
 
 
