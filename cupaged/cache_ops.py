@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import struct
-from functools import lru_cache
 from typing import NamedTuple
 
 import cupy
@@ -26,7 +25,7 @@ _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 _fail = _checks.fail
 
 
-@lru_cache(maxsize=None)
+@jit.launcher_cache
 def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str, kv_format: str = "",
             cache_dtype: str = "", kv_scale: str = ""):
     from .decode import _device

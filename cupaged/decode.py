@@ -109,7 +109,7 @@ class _Kernels(NamedTuple):
     slots: int  # decode CTAs resident at once on the whole device
 
 
-@lru_cache(maxsize=None)
+@jit.launcher_cache
 def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int,
              kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "") -> _Kernels:
     dev = _device(device_id)

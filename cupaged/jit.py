@@ -568,10 +568,26 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
     return kernel
 
 
+# Caches of launchers kept by the modules that launch kernels (functools.lru_cache'd
+# lookups): clear_memory_caches empties them too, or they would keep serving old kernels.
+_launcher_caches: list = []
+
+
+def launcher_cache(fn):
+    """Decorator: ``functools.lru_cache`` for a function returning launchers, emptied by
+    :func:`clear_memory_caches`."""
+    cached = lru_cache(maxsize=None)(fn)
+    _launcher_caches.append(cached)
+    return cached
+
+
 def clear_memory_caches() -> None:
-    """Forget compiled and loaded kernels in this process (the disk cache stays)."""
+    """Forget compiled and loaded kernels in this process, and the launchers the
+    launching modules keep (the disk cache stays)."""
     _built.clear()
     _loaded.clear()
+    for cached in _launcher_caches:
+        cached.cache_clear()
 
 
 # ---- compile check (no GPU needed) ---------------------------------------------------------

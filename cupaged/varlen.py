@@ -13,7 +13,6 @@ tokens.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -67,7 +66,7 @@ def _prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
                           cache_dtype=cache_dtype, kv_scale=kv_scale, arch=arch)
 
 
-@lru_cache(maxsize=None)
+@jit.launcher_cache
 def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                     kv_format: str, tile: tuple, cache_dtype: str = "",
                     kv_scale: str = "") -> _Prefill:

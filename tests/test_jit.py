@@ -312,3 +312,24 @@ def test_by_value_structs_have_the_size_the_host_packs():
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_clear_memory_caches_empties_the_launcher_caches():
+    """Modules keep launchers in jit.launcher_cache lookups: clearing the memory caches
+    must empty those too, or a changed option (CUPAGED_FP8_SOFTWARE) would not take."""
+    from cupaged import cache_ops, decode, varlen
+
+    calls = []
+
+    @jit.launcher_cache
+    def lookup(x):
+        calls.append(x)
+        return object()
+
+    first = lookup(1)
+    assert lookup(1) is first and calls == [1]
+    jit.clear_memory_caches()
+    assert lookup(1) is not first and calls == [1, 1]
+    for cached in (decode._kernels, varlen._prefill_kernel, cache_ops._kernel):
+        assert cached in jit._launcher_caches
+    jit._launcher_caches.remove(lookup)
