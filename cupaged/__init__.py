@@ -14,6 +14,8 @@ Public API:
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
     swap_blocks             move blocks between a device cache and a pinned host cache
     empty_pinned            pinned host arrays for swap_blocks
+    merge_state             merge two partial attention results by their log-sum-exp
+    merge_states            merge any number of them (a list or a stacked array)
     PagedKVCache            device caches for all layers (any layout) plus their block bookkeeping
     Step                    one step's slot mapping, block tables, seq_lens, query_start_loc
     BlockManager            the bookkeeping alone (no GPU needed)
@@ -34,6 +36,7 @@ from .decode import (
     paged_attention_v2,
 )
 from .cache_ops import copy_blocks, empty_pinned, reshape_and_cache, swap_blocks
+from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .varlen import attention
 from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step
@@ -52,6 +55,8 @@ __all__ = [
     "Step",
     "copy_blocks",
     "empty_pinned",
+    "merge_state",
+    "merge_states",
     "reshape_and_cache",
     "swap_blocks",
     "HEAD_SIZES",

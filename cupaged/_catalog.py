@@ -37,11 +37,12 @@ AXES = {
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                           "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
+    "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
 # cache kernels: 12 and 2 per target, about a second in all).
-SMALL_KERNELS = ("reshape_and_cache", "copy_blocks")
+SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "merge_states")
 
 
 def supported(spec: jit.KernelSpec) -> bool:

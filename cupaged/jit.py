@@ -66,6 +66,7 @@ _KERNELS = {
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
+    "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
@@ -76,6 +77,7 @@ ARG_FORMATS = {
     "paged_decode_combine": "PPPPPiii",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
+    "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"(\d*)([a-zA-Z?])")
 _INDEX_CXX = {"i32": "int", "i64": "long long"}
