@@ -35,6 +35,7 @@
 #include "kv_layout.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
+#include "variants.cuh"
 
 namespace cupaged {
 
@@ -143,7 +144,7 @@ struct DecodeGeometry {
 };
 
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
-          int GROUP_TILE, int TILE_TOKENS, int STAGES>
+          int GROUP_TILE, int TILE_TOKENS, int STAGES, int VARIANT>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode(T* __restrict__ out,             // single pass: [num_rows, num_heads, HEAD_SIZE]
                  float* __restrict__ part_out,    // split: [num_seqs, num_heads, P, HEAD_SIZE]
@@ -156,10 +157,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  const float* __restrict__ alibi_slopes,   // [num_heads] or null
                  int num_heads, int group_size, int num_seqs, int causal,
                  int partition_tokens,  // 0: single pass; else tokens per partition (gridDim.z)
-                 float scale_log2) {
+                 float scale_log2, const __grid_constant__ VariantParams vp) {
   using Geo = DecodeGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, GROUP_TILE,
                              TILE_TOKENS, STAGES>;
   using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
+  using Var = Variant<VARIANT>;
   constexpr int KROW = Geo::kTokRow;
   constexpr int HS = HEAD_SIZE;
   constexpr int GT = GROUP_TILE;
@@ -217,15 +219,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
     ctx = causal ? max(0, min(len, q_pos + 1)) : len;
     if (qrow < qb || qrow >= qe) ctx = 0;  // a row no sequence claims gets zeros
   }
-  int begin = 0;
+  // Keys [lo, ctx) are seen. A window's keys start at lo, its tiles at lo rounded down to a
+  // tile (copies and block ids are tile-aligned; the slots before lo are masked), and
+  // split-KV partitions cover the window only (the combine counts them alike).
+  const int lo = min(Var::first_key(vp, q_pos), ctx);
+  const int base = Var::kWindow ? lo / TT * TT : 0;
+  int begin = base;
   int end = ctx;
   if (partition_tokens > 0) {
-    begin = blockIdx.z * partition_tokens;
     // The last partition runs to the end, so a host bound that undercounts the lengths
-    // costs parallelism, never tokens. (No overflow: every partition but the last ends
-    // before the host's max_context, which validation keeps below 2^31 - 1024.)
+    // costs parallelism, never tokens.
+    const long long b = base + static_cast<long long>(blockIdx.z) * partition_tokens;
+    if (b >= end) return;  // past this sequence's keys: the combine skips it
+    begin = static_cast<int>(b);
     end = blockIdx.z + 1 == gridDim.z ? ctx : min(ctx, begin + partition_tokens);
-    if (begin >= end) return;  // past this sequence's context: the combine skips it
   }
 
   const int* bt_row = kv.block_tables + seq * kv.bt_stride;
@@ -243,7 +250,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       // Pieces at or past `end` are skipped: their table entries may be garbage. Checking
       // the tile first keeps the token arithmetic below 2^31.
       const bool live = tile < n_tiles && piece < Geo::kPieces &&
-                        begin + tile * TT + piece * Geo::kSub < end;
+                        begin + tile * TT + piece * Geo::kSub < end &&
+                        (!Var::kWindow || begin + tile * TT + (piece + 1) * Geo::kSub > lo);
       id_next[j] = live ? __ldg(bt_row + (begin + tile * TT + piece * Geo::kSub) / BLOCK_SIZE)
                         : 0;
     }
@@ -278,7 +286,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         float* kd = ksc_s + stage * TT + t;
         float* vd = vsc_s + stage * TT + t;
         const int tok = t0 + t;
-        const int phys = tok < end ? ids[t / Geo::kSub] : -1;
+        const int phys = tok < end && (!Var::kWindow || tok >= lo) ? ids[t / Geo::kSub] : -1;
         if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
           *kd = 0.f;
           *vd = 0.f;
@@ -309,7 +317,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
         t = sub * Geo::kSub;
       }
       const int tok = t0 + t;
-      if (tok >= end) continue;
+      // Not seen, not read: past the end, or (a whole piece, for vLLM's layout, whose
+      // units start at their piece's first token) before the window.
+      if (tok >= end || (Var::kWindow && tok + (Geo::kTokenMajor ? 1 : Geo::kSub) <= lo)) continue;
       const int phys = ids[sub];
       if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
         *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
@@ -364,11 +374,23 @@ __global__ void __launch_bounds__(kDecodeThreads)
     slope[g] = (alibi_slopes != nullptr && g < heads_here) ? alibi_slopes[head0 + g] * kLog2e
                                                            : 0.f;
   }
+  // Blocksparse: the query's sparse block and each head's offset in the pattern.
+  const int q_sb = Var::sparse_query_block(vp, q_pos);
+  int sp_off[GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) sp_off[g] = Var::sparse_offset(vp, head0 + g, kv_head);
+  // Does a head with blocksparse offset `off` see `key` (a key before the end)? Not
+  // before the window, not where the pattern drops it.
+  auto key_seen = [&](int key, int off) {
+    return (!Var::kWindow || key >= lo) &&
+           Var::template sparse_keep<BLOCK_SIZE>(vp, key, q_sb, off);
+  };
   // mma path: the query as B fragments (head = lane / 4) of MmaT; the scale is applied to
   // the fp32 scores. Each thread's accumulators hold heads hq and hq + 1.
   const int hq = (lane & 3) * 2;
   unsigned q_frag[Geo::kMma ? HS / 16 : 1][2];
   float my_slope[2] = {0.f, 0.f};
+  int my_off[2] = {0, 0};                   // blocksparse offsets of heads hq, hq + 1
   float m_own[2] = {neg_inf(), neg_inf()};  // running maxima of heads hq, hq + 1
   if constexpr (Geo::kMma) {
     const int h = lane >> 2;
@@ -427,6 +449,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int e = 0; e < 2; ++e) {
       my_slope[e] = (alibi_slopes != nullptr && hq + e < heads_here)
                         ? alibi_slopes[head0 + hq + e] * kLog2e : 0.f;
+      my_off[e] = Var::sparse_offset(vp, head0 + hq + e, kv_head);
     }
   } else {
     for (int i = tid; i < GT * HS; i += NT) {
@@ -505,6 +528,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
           for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = C{};
         }
       }
+      if constexpr (Var::kWindow) {  // and the slots before the window (first tile only)
+        C* vz = const_cast<C*>(vs);
+        const int cols = min(TT, max(0, lo - t0));
+        if constexpr (Geo::kTokenMajor) {
+          for (int i = tid; i < HS * cols; i += NT) vz[(i / HS) * KROW + i % HS] = C{};
+        } else {
+          for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + i % cols] = C{};
+        }
+      }
 
       // ---- scores: S^T = K Q^T, token tiles of 16 spread over the warps ----------------
       const int mi = lane >> 3;  // which 8x8 matrix this lane addresses for ldmatrix
@@ -560,8 +592,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
           const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
           const float sk = Geo::kTokenScales ? score_scale * ksc[t] : score_scale;
-          const float v = fmaf(my_slope[i & 1], rel, sc[j][i] * sk);
-          sc[j][i] = t < valid ? v : neg_inf();
+          const float v = fmaf(my_slope[i & 1], rel, Var::logits(vp, sc[j][i] * sk));
+          sc[j][i] = t < valid && key_seen(t0 + t, my_off[i & 1]) ? v : neg_inf();
           tmax[i & 1] = fmaxf(tmax[i & 1], sc[j][i]);
         }
       }
@@ -573,16 +605,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
       __syncthreads();
       // Only this thread's two heads (heads past the tile mirror the last; never output).
-      float alpha_own[2];
+      float alpha_own[2], sub_own[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int h = min(hq + e, GT - 1);
         float mx = warp_s[h];
 #pragma unroll
         for (int w = 1; w < Geo::kWarps; ++w) mx = fmaxf(mx, warp_s[w * GT + h]);
-        const float m_new = fmaxf(m_own[e], mx);
-        alpha_own[e] = exp2f(m_own[e] - m_new);
-        m_own[e] = m_new;
+        alpha_own[e] = softmax_advance(m_own[e], mx, sub_own[e]);
       }
 
       // ---- P, rounded to PT; the sums add the rounded values the P V product uses ------
@@ -607,7 +637,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int i = 0; i < 4; ++i) {
           const int h = hq + (i & 1);
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
-          const PT p = from_float<PT>(exp2f(sc[j][i] - m_own[i & 1]));
+          const PT p = from_float<PT>(exp2f(sc[j][i] - sub_own[i & 1]));
           if (h < GT) {
             pt[h * Geo::kPRow + p_col(t)] = p;
             l_mma[i & 1] += to_float(p);
@@ -728,8 +758,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
-            const float sv = Geo::kTokenScales ? s[j][g] * ksc[t] : s[j][g];
-            s[j][g] = t < valid ? fmaf(slope[g], rel, sv) : neg_inf();
+            const float sv = Var::logits(vp, Geo::kTokenScales ? s[j][g] * ksc[t] : s[j][g]);
+            s[j][g] = t < valid && key_seen(t0 + t, sp_off[g]) ? fmaf(slope[g], rel, sv) : neg_inf();
             tmax[g] = fmaxf(tmax[g], s[j][g]);
           }
         }
@@ -741,14 +771,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
       __syncthreads();
       float alpha[GT];  // rescales what was accumulated under the old running maxima
+      float sub[GT];    // what this tile's scores subtract (0 while a head has seen no key)
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         float mx = warp_s[g];
 #pragma unroll
         for (int w = 1; w < Geo::kStatWarps; ++w) mx = fmaxf(mx, warp_s[w * GT + g]);
-        const float m_new = fmaxf(m_run[g], mx);
-        alpha[g] = exp2f(m_run[g] - m_new);
-        m_run[g] = m_new;
+        alpha[g] = softmax_advance(m_run[g], mx, sub[g]);
       }
       if (owner) {
   #pragma unroll
@@ -756,7 +785,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const int t = tq + j * NT;
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
-            const float p = exp2f(s[j][g] - m_run[g]);
+            const float p = exp2f(s[j][g] - sub[g]);
             // Per-token V scales weigh P V's operand; the sum keeps the plain probability.
             p_s[t * GT + g] = Geo::kTokenScales ? p * vsc[t] : p;
             l_run[g] = (j == 0 ? l_run[g] * alpha[g] : l_run[g]) + p;
@@ -803,6 +832,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
           if (tt + X > valid) {  // cache slots past the end may hold anything, NaN included
   #pragma unroll
             for (int i = 0; i < X; ++i) vf[i] = tt + i < valid ? vf[i] : 0.f;
+          }
+          if (Var::kWindow && t0 + tt < lo) {  // and so may the slots before the window
+  #pragma unroll
+            for (int i = 0; i < X; ++i) vf[i] = t0 + tt + i >= lo ? vf[i] : 0.f;
           }
   #pragma unroll
           for (int i = 0; i < X; ++i) {
@@ -860,6 +893,37 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const bool bad = *bad_block_s != 0;
   // Output rows follow the query's; split-KV partials (decode only) the sequences'.
   const long long row0 = static_cast<long long>(qrow) * num_heads + head0;
+  // Each head's end, once: its factor from the summed P V to the output (the sink in the
+  // denominator, zeros for a head that saw no key), and the lse or the partial's max/sum.
+  float mul = 0.f;
+  if (tid < heads_here) {
+    const int g = tid;
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < Geo::kStatWarps; ++w) l += warp_s[w * GT + g];
+    float m;  // the head's running maximum (log2 units; -inf if it saw no key)
+    if constexpr (Geo::kMma) {
+      m = red_s[g];
+    } else {
+      m = m_run[0];
+#pragma unroll
+      for (int gg = 1; gg < GT; ++gg) m = gg == g ? m_run[gg] : m;
+    }
+    if (partition_tokens == 0) {
+      const RowEnd e = finish_row(m, l, sink_log2(vp, head0 + g));
+      mul = bad ? quiet_nan() : e.mul * out_scale;
+      if (vp.lse != nullptr) vp.lse[row0 + g] = bad ? quiet_nan() : e.lse;
+    } else {
+      // A partition whose keys were all masked has l = 0: zeros, and no weight in the merge.
+      mul = bad ? quiet_nan() : (l > 0.f ? out_scale / l : 0.f);
+      const long long row = (row0 + g) * gridDim.z + blockIdx.z;
+      part_max[row] = bad ? quiet_nan() : m;
+      part_sum[row] = l;
+    }
+  }
+  __syncthreads();  // every l is read before warp_s holds the factors
+  if (tid < heads_here) warp_s[tid] = mul;
+  __syncthreads();
   for (int i = tid; i < GT * HS; i += NT) {
     const int g = i / HS;
     const int d = i % HS;
@@ -867,40 +931,25 @@ __global__ void __launch_bounds__(kDecodeThreads)
     float a = 0.f;
 #pragma unroll
     for (int w = 0; w < Geo::kAccSlots; ++w) a += acc_s[(w * GT + g) * HS + d];
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < Geo::kStatWarps; ++w) l += warp_s[w * GT + g];
-    // An empty context (n_tiles == 0, single pass only) gives zeros, never 0/0.
-    float o = n_tiles > 0 ? a / l * out_scale : 0.f;
-    if (bad) o = quiet_nan();
     if (partition_tokens == 0) {
-      out[(row0 + g) * HS + d] = from_float<T>(o);
+      out[(row0 + g) * HS + d] = from_float<T>(a * warp_s[g]);
     } else {
-      const long long row = (row0 + g) * gridDim.z + blockIdx.z;
-      part_out[row * HS + d] = o;
-      if (d == 0) {
-        float m = 0.f;
-        if constexpr (Geo::kMma) {
-          m = red_s[g];
-        } else {
-#pragma unroll
-          for (int gg = 0; gg < GT; ++gg) m = gg == g ? m_run[gg] : m;
-        }
-        part_max[row] = bad ? quiet_nan() : m;
-        part_sum[row] = l;
-      }
+      part_out[((row0 + g) * gridDim.z + blockIdx.z) * HS + d] = a * warp_s[g];
     }
   }
 }
 
-// Merge the partitions of split-KV decode: out = sum_p w_p o_p / sum_p w_p with
-// w_p = sum_p * 2^(max_p - max). Grid (num_seqs, num_heads).
+// Merge the partitions of split-KV decode: out = sum_p w_p o_p / (sum_p w_p + sink) with
+// w_p = sum_p * 2^(max_p - max); a partition that saw no key has weight 0. Grid
+// (num_seqs, num_heads). Sinks and the lse output come in `vp`, and its window (with the
+// decode kernel's tile_tokens) says where the partitions start.
 template <typename T, int HEAD_SIZE>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_combine(T* __restrict__ out, const float* __restrict__ part_out,
                          const float* __restrict__ part_max, const float* __restrict__ part_sum,
                          const int* __restrict__ context_lens, int max_context,
-                         int partition_tokens, int num_partitions) {
+                         int partition_tokens, int num_partitions, int tile_tokens,
+                         const __grid_constant__ VariantParams vp) {
   constexpr int NT = kDecodeThreads;
   __shared__ float red[NT / 32];
   __shared__ float total[2];
@@ -908,12 +957,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   const long long row = static_cast<long long>(seq) * gridDim.y + head;
-  // The same clamp as paged_decode, so both agree on which partitions exist.
+  // The same clamp and window start as paged_decode, so both agree on which partitions
+  // exist.
   const int ctx = max(0, min(context_lens[seq], max_context));
-  // ceil(ctx / partition_tokens) without forming ctx + partition_tokens, which overflows
+  const int base = vp.window > 0 ? max(0, ctx - vp.window) / tile_tokens * tile_tokens : 0;
+  const int span = ctx - base;
+  // ceil(span / partition_tokens) without forming span + partition_tokens, which overflows
   // int for contexts near 2^31.
   const int parts =
-      min(num_partitions, ctx / partition_tokens + (ctx % partition_tokens != 0 ? 1 : 0));
+      min(num_partitions, span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
   const float* pm = part_max + row * num_partitions;
   const float* ps = part_sum + row * num_partitions;
 
@@ -941,13 +993,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
     total[1] = v;
   }
   __syncthreads();
-  const float inv = parts > 0 ? 1.f / total[1] : 0.f;
+  const RowEnd e = finish_row(m, total[1], sink_log2(vp, head));
+  if (tid == 0 && vp.lse != nullptr) vp.lse[row] = e.lse;
 
   const float* po = part_out + row * num_partitions * HEAD_SIZE;
   for (int d = tid; d < HEAD_SIZE; d += NT) {
     float a = 0.f;
     for (int p = 0; p < parts; ++p) a += merge_weight(pm[p], ps[p], m) * po[p * HEAD_SIZE + d];
-    out[row * HEAD_SIZE + d] = from_float<T>(a * inv);
+    out[row * HEAD_SIZE + d] = from_float<T>(a * e.mul);
   }
 }
 

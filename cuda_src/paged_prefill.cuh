@@ -29,6 +29,7 @@
 #include "kv_layout.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
+#include "variants.cuh"
 
 namespace cupaged {
 
@@ -94,7 +95,7 @@ struct PrefillGeometry {
 
 
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
-          int WARPS, int M_ATOMS, int TILE_N, int STAGES>
+          int WARPS, int M_ATOMS, int TILE_N, int STAGES, int VARIANT>
 __global__ void __launch_bounds__(
     WARPS * 32, (PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS,
                                  M_ATOMS, TILE_N, STAGES>::kMinBlocks))
@@ -103,10 +104,13 @@ __global__ void __launch_bounds__(
                   const int* __restrict__ seq_lens,
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
                   const float* __restrict__ alibi_slopes,   // [num_heads], or null
-                  int num_heads, int group_size, int causal, float scale_log2) {
+                  int num_heads, int group_size, int causal, float scale_log2,
+                  const __grid_constant__ VariantParams vp) {
   using Geo = PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS, M_ATOMS,
                               TILE_N, STAGES>;
   using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
+  using Var = Variant<VARIANT>;
+  static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
   constexpr int X = Geo::kVec;
   constexpr int CX = Geo::kCVec;  // cache elements per 16-byte copy
   constexpr int CB = static_cast<int>(sizeof(C));
@@ -183,14 +187,19 @@ __global__ void __launch_bounds__(
     // Keys any row of this tile may see: causal rows stop at their own position.
     const int last_pos = q_shift + (row0 + rows_here - 1) / group_size;
     const int kv_end = causal ? max(0, min(seq_len, last_pos + 1)) : seq_len;
-    const int n_tiles = (kv_end + TILE_N - 1) / TILE_N;
+    // A window's first key for the tile's first (earliest) row: tiles from there on, the
+    // blocks before it never read.
+    const int kv_lo = min(Var::first_key(vp, q_shift + row0 / group_size), kv_end);
+    const int tile_base = kv_lo / TILE_N;
+    const int n_tiles = (kv_end + TILE_N - 1) / TILE_N - tile_base;
 
     // Entry i of tile `tile`'s block ids (-1: outside the cache, reported as NaN rows).
     // Entries past kv_end are never used and never read. Thread tid owns entries
     // tid + k * NT.
     auto tile_id = [&](int tile, int i) -> int {
-      const int logical = tile * TILE_N / BLOCK_SIZE + i;
+      const int logical = (tile_base + tile) * TILE_N / BLOCK_SIZE + i;
       if (i >= Geo::kIds || tile >= n_tiles || logical * BLOCK_SIZE >= kv_end) return 0;
+      if (Var::kWindow && (logical + 1) * BLOCK_SIZE <= kv_lo) return 0;  // before the window
       const int phys = __ldg(bt_row + logical);
       return static_cast<unsigned>(phys) < static_cast<unsigned>(kv.num_blocks) ? phys : -1;
     };
@@ -238,8 +247,10 @@ __global__ void __launch_bounds__(
     // the smallest need no mask, tiles from the largest on contribute nothing.
     int q_pos[MA][2];
     int limit[MA][2];  // keys at positions < limit are seen
+    int first[MA][2];  // and at positions >= first (a window; else 0)
     float slope[MA][2];
     int lim_lo = 0x7fffffff, lim_hi = 0;
+    int first_lo = 0x7fffffff, first_hi = 0;  // over the warp's real rows
 #pragma unroll
     for (int a = 0; a < MA; ++a) {
 #pragma unroll
@@ -247,14 +258,23 @@ __global__ void __launch_bounds__(
         const int p = row0 + warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
         q_pos[a][h] = q_shift + p / group_size;
         limit[a][h] = p >= packed ? 0 : causal ? max(0, min(seq_len, q_pos[a][h] + 1)) : seq_len;
+        first[a][h] = Var::first_key(vp, q_pos[a][h]);
         const int head = kv_head * group_size + p % group_size;
         slope[a][h] = (alibi_slopes != nullptr && p < packed) ? alibi_slopes[head] * kLog2e : 0.f;
         lim_lo = min(lim_lo, limit[a][h]);
         lim_hi = max(lim_hi, limit[a][h]);
+        if (p < packed) {
+          first_lo = min(first_lo, first[a][h]);
+          first_hi = max(first_hi, first[a][h]);
+        }
       }
     }
     lim_lo = __reduce_min_sync(~0u, lim_lo);
     lim_hi = __reduce_max_sync(~0u, lim_hi);
+    if constexpr (Var::kWindow) {
+      first_lo = __reduce_min_sync(~0u, first_lo);
+      first_hi = __reduce_max_sync(~0u, first_hi);
+    }
     const bool plain = alibi_slopes == nullptr;
 
     // One tile's K and V into a stage. Each thread owns token slots at fixed tile
@@ -262,13 +282,15 @@ __global__ void __launch_bounds__(
     // offset and the 64-bit address are computed once per slot, and its copies differ by
     // compile-time offsets. Offsets within a block are 32-bit (the host checks strides).
     auto load_tile = [&](int tile, int stage) {
-      const unsigned t0 = tile * TILE_N;
+      const unsigned t0 = (tile_base + tile) * TILE_N;
       const int* ids = ids_s + stage * Geo::kIds;
       const unsigned ks = k_s_addr + stage * Geo::kKStage;
       const unsigned vs = v_s_addr + stage * Geo::kVStage;
-      // Block id and offset of token t0 + t, or false: past the keys, or a bad id.
-      auto slot = [&](unsigned t, int& phys, unsigned& within) {
+      // Block id and offset of token t0 + t, or false: past the keys, before the window
+      // (the whole run of `span` tokens from t), or a bad id.
+      auto slot = [&](unsigned t, int& phys, unsigned& within, unsigned span = 1) {
         if (t0 + t >= static_cast<unsigned>(kv_end)) return false;
+        if (Var::kWindow && t0 + t + span <= static_cast<unsigned>(kv_lo)) return false;
         phys = ids[TILE_N > BLOCK_SIZE ? t / BLOCK_SIZE : 0];  // tiles hold whole blocks,
         within = (t0 + t) % BLOCK_SIZE;                         // or lie within one
         if (phys < 0) {
@@ -355,7 +377,7 @@ __global__ void __launch_bounds__(
         const unsigned d0 = tid / kRuns;
         int phys;
         unsigned within;
-        if (slot(t, phys, within)) {
+        if (slot(t, phys, within, CX)) {
           const C* g = v_base + static_cast<unsigned long long>(phys) * v_block +
                        d0 * BLOCK_SIZE + within;
           const unsigned sv = vs + (d0 * Geo::kCVRow + t) * CB;
@@ -426,7 +448,7 @@ __global__ void __launch_bounds__(
 
     const T* q_warp = q_s + warp * Geo::kWarpRows * ROW;
     for (int it = 0; it < n_tiles; ++it) {
-      const int t0 = it * TILE_N;
+      const int t0 = (tile_base + it) * TILE_N;
       const int stage = it % STAGES;
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // tile `it` is visible and everyone is done with tile it - 1
@@ -453,7 +475,9 @@ __global__ void __launch_bounds__(
         ks = kw;
         vs = vw;
       }
-      if (valid < TILE_N) {
+      // Slots before a window's first key (the first tile only) were not copied either.
+      const int skipped = Var::kWindow ? min(TILE_N, max(0, kv_lo - t0)) : 0;
+      if (valid < TILE_N || skipped > 0) {
         // Slots at or past kv_end were not copied (or hold tokens past the sequence,
         // possibly NaN); P is 0 there, and 0 * NaN is NaN, so V must read as zeros.
         if constexpr (Geo::kVDimMajor) {
@@ -461,15 +485,22 @@ __global__ void __launch_bounds__(
           for (int i = tid; i < HEAD_SIZE * cols; i += NT) {
             vs[(i / cols) * Geo::kVRow + valid + i % cols] = T{};
           }
+          for (int i = tid; i < HEAD_SIZE * skipped; i += NT) {
+            vs[(i / skipped) * Geo::kVRow + i % skipped] = T{};
+          }
         } else {
           for (int i = tid; i < (TILE_N - valid) * (Geo::kHSP / 2); i += NT) {
             reinterpret_cast<unsigned*>(vs + (valid + i / (Geo::kHSP / 2)) * ROW)[i % (Geo::kHSP / 2)] = 0u;
           }
+          for (int i = tid; i < skipped * (Geo::kHSP / 2); i += NT) {
+            reinterpret_cast<unsigned*>(vs + (i / (Geo::kHSP / 2)) * ROW)[i % (Geo::kHSP / 2)] = 0u;
+          }
         }
         __syncthreads();
       }
-      // Every row of this warp is past this tile's keys (a causal diagonal): nothing to add.
-      if (t0 >= lim_hi) continue;
+      // Every row of this warp is past this tile's keys (a causal diagonal), or the tile
+      // lies before every row's window: nothing to add.
+      if (t0 >= lim_hi || (Var::kWindow && t0 + TILE_N <= first_lo)) continue;
 
       // ---- S = Q K^T --------------------------------------------------------------------
       float s[MA][Geo::kNTiles][4];
@@ -507,7 +538,7 @@ __global__ void __launch_bounds__(
       }
 
       // ---- scale (ALiBi, masks where needed); online softmax ----------------------------
-      const bool masked = !plain || t0 + TILE_N > lim_lo;
+      const bool masked = !plain || t0 + TILE_N > lim_lo || (Var::kWindow && t0 < first_hi);
       unsigned pa[MA][TILE_N / 16][4];  // P as A fragments of the P V product
 #pragma unroll
       for (int a = 0; a < MA; ++a) {
@@ -521,8 +552,9 @@ __global__ void __launch_bounds__(
               const int key = t0 + n * 8 + frag_col + (i & 1);
               const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
-                                   s[a][n][i] * sk);
-              s[a][n][i] = key < limit[a][h] ? v : neg_inf();
+                                   Var::logits(vp, s[a][n][i] * sk));
+              const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
+              s[a][n][i] = seen ? v : neg_inf();
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
             }
           }
@@ -531,8 +563,8 @@ __global__ void __launch_bounds__(
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              s[a][n][i] *= Geo::kTokenScales
-                                 ? score_scale * ksc[n * 8 + frag_col + (i & 1)] : score_scale;
+              s[a][n][i] = Var::logits(vp, s[a][n][i] * (Geo::kTokenScales
+                                 ? score_scale * ksc[n * 8 + frag_col + (i & 1)] : score_scale));
               tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
             }
           }
@@ -609,10 +641,13 @@ __global__ void __launch_bounds__(
         const int p = row0 + warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
         if (p >= packed) continue;
         // A row that saw no key (an empty sequence's, or one before every cached token)
-        // gets zeros, never 0 / 0.
-        const float inv = bad ? quiet_nan() : (l > 0.f ? out_scale / l : 0.f);
+        // gets zeros, never 0 / 0; a sink joins the denominator.
         const int head = kv_head * group_size + p % group_size;
-        T* o = out + (static_cast<long long>(q_begin + p / group_size) * num_heads + head) * HEAD_SIZE;
+        const long long orow = static_cast<long long>(q_begin + p / group_size) * num_heads + head;
+        const RowEnd e = finish_row(m_run[a][h], l, sink_log2(vp, head));
+        const float inv = bad ? quiet_nan() : e.mul * out_scale;
+        if (vp.lse != nullptr && (lane & 3) == 0) vp.lse[orow] = bad ? quiet_nan() : e.lse;
+        T* o = out + orow * HEAD_SIZE;
 #pragma unroll
         for (int d = 0; d < Geo::kDTiles; ++d) {
           if (d * 8 >= HEAD_SIZE) continue;

@@ -21,9 +21,11 @@ __device__ __forceinline__ float softmax_advance(float& m_run, float tile_max, f
 }
 
 // Weight of a partial result (max m_p, sum l_p) in a merge whose overall maximum is m:
-// out = sum_p w_p o_p / sum_p w_p with o_p the partial's normalized output.
+// out = sum_p w_p o_p / sum_p w_p with o_p the partial's normalized output. A partial that
+// saw no key (m_p = -inf) weighs 0, also when every partial is empty (m = -inf); a NaN
+// partial (a bad block) stays NaN.
 __device__ __forceinline__ float merge_weight(float m_p, float l_p, float m) {
-  return l_p * exp2f(m_p - m);
+  return m_p == neg_inf() ? 0.f : l_p * exp2f(m_p - m);
 }
 
 }  // namespace cupaged

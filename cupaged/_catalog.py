@@ -14,6 +14,7 @@ specialization by their host mirrors (``_geometry``), which needs no compiler.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from itertools import product
 
 from . import _checks, _covering, _dtypes, _geometry, jit
@@ -23,15 +24,21 @@ KV_FORMATS = tuple(jit.KV_FORMATS)
 # The cache's element type: "" the query's own, or an fp8 format; and its scales.
 CACHE_DTYPES = ("", *_dtypes.FP8)
 KV_SCALES = tuple(jit.KV_SCALES)
+# Compile-time variants (cuda_src/variants.cuh): each alone and all together, so every
+# pair with another axis' values meets each feature.
+DECODE_VARIANTS = ("", "w", "c", "b", "wcb")
+PREFILL_VARIANTS = ("", "w", "c", "wc")
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {
     "paged_decode": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
                      "head_size": _checks.HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
-                     "kv_format": KV_FORMATS, "kv_scale": KV_SCALES, "group_tile": GROUP_TILES},
+                     "kv_format": KV_FORMATS, "kv_scale": KV_SCALES, "group_tile": GROUP_TILES,
+                     "variant": DECODE_VARIANTS},
     "paged_prefill": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                       "head_size": _checks.HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
-                      "kv_format": KV_FORMATS, "kv_scale": KV_SCALES},
+                      "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
+                      "variant": PREFILL_VARIANTS},
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
     "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
@@ -87,6 +94,12 @@ def _with_tiles(spec: jit.KernelSpec) -> list:
 def all_specs(archs) -> list[jit.KernelSpec]:
     """The full product: every supported specialization of every kernel, every target
     (paged_prefill in each tile shape its planner may pick)."""
+    return list(_all_specs(tuple(archs)))
+
+
+@lru_cache(maxsize=4)
+def _all_specs(archs: tuple) -> tuple:
+    """all_specs, built once per set of targets (about 180,000 specs: seconds)."""
     specs = []
     for kernel, axes in AXES.items():
         for arch in archs:
@@ -94,7 +107,7 @@ def all_specs(archs) -> list[jit.KernelSpec]:
                 spec = _spec(kernel, arch=arch, **dict(zip(axes, values)))
                 if spec is not None:
                     specs += _with_tiles(spec)
-    return specs
+    return tuple(specs)
 
 
 def _pairs(spec: jit.KernelSpec, names) -> set:
@@ -118,25 +131,26 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
     not reach and the ones with the most and the least shared memory; and every
     specialization of the ``SMALL_KERNELS``."""
     specs = []
+    full = all_specs(archs)
     for kernel, axes in AXES.items():
         names = (*axes, "arch")
         rows = [_spec(kernel, **row) for row in _covering.pairwise({**axes, "arch": tuple(archs)})]
         mine = [s for s in rows if s is not None]
         # Pairs only an unsupported row held: one supported spec for each.
         covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()
-        for s in all_specs(archs):
+        for s in full:
             if s.kernel == kernel and not _pairs(s, names) <= covered:
                 covered |= _pairs(s, names)
                 mine.append(s)
         specs += mine
         if kernel in SMALL_KERNELS:
-            specs += [s for s in all_specs(archs) if s.kernel == kernel]
+            specs += [s for s in full if s.kernel == kernel]
         if kernel == "paged_prefill":  # every tile shape, per dtype, layout and target
             for arch, dtype, fmt in product(archs, axes["dtype"], axes["kv_format"]):
                 specs += _with_tiles(jit.KernelSpec(kernel, dtype, 128, 16, kv_format=fmt,
                                                     arch=arch))
     for arch in archs:
-        decode = [s for s in all_specs([arch]) if s.kernel == "paged_decode"]
+        decode = [s for s in full if s.kernel == "paged_decode" and s.arch == arch]
         reached = {_decode_path(s) for s in specs if s.kernel == "paged_decode" and s.arch == arch}
         for s in decode:
             if _decode_path(s) not in reached:

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
-from . import _arrays, _catalog, _checks, _dtypes, _geometry, _kvquant, jit
+from . import _arrays, _catalog, _checks, _dtypes, _geometry, _kvquant, _variants, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = [
@@ -71,12 +71,12 @@ def _set_tile(tile: tuple[int, int] | None) -> None:
 
 
 def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
-                 kv_format: str = "vllm", cache_dtype: str = "",
-                 kv_scale: str = "") -> jit.KernelSpec:
+                 kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
+                 variant: str = "") -> jit.KernelSpec:
     tt, st = _tile_override or (0, 0)
     return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
                           kv_format=kv_format, cache_dtype=cache_dtype, kv_scale=kv_scale,
-                          arch=arch)
+                          variant=variant, arch=arch)
 
 
 class _Device(NamedTuple):
@@ -111,10 +111,11 @@ class _Kernels(NamedTuple):
 
 @jit.launcher_cache
 def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int,
-             kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "") -> _Kernels:
+             kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
+             variant: str = "") -> _Kernels:
     dev = _device(device_id)
     spec = _decode_spec(dev.arch, dtype, head_size, block_size, group_tile, kv_format,
-                        cache_dtype, kv_scale)
+                        cache_dtype, kv_scale, variant)
     smem = _decode_smem_bytes(spec)
     if smem > dev.max_smem:
         raise ValueError(
@@ -313,7 +314,8 @@ def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: i
 
 def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
             partition, ctx: _arrays.Context, workspace: _Partials | None = None,
-            starts=None, causal: bool = True) -> None:
+            starts=None, causal: bool = True,
+            variants: _variants.Variants = _variants.PLAIN) -> None:
     """Validate nothing, launch everything: decode (and combine) on ``ctx.stream``.
     ``workspace``: where the split-KV partials go, else a temporary buffer. ``starts``: the
     query_start_loc array for the row mode (one CTA per query row; single pass)."""
@@ -322,7 +324,10 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     group = p.num_heads // p.num_kv_heads
     gt = _group_tile(group)
     ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt, p.cache.kv_format,
-                  p.cache.dtype.name, p.quant.mode)
+                  p.cache.dtype.name, p.quant.mode, variants.letters)
+    vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
+    if variants.window:  # the partitions cover the window (from a tile before it) only
+        max_ctx = min(max_ctx, variants.window + ks.tile_tokens)
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
@@ -352,11 +357,11 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
               q.data.ptr, q.strides[0] // it, q.strides[1] // it, _paged_kv(kc, vc, bt, p),
               cl.data.ptr, 0 if starts is None else starts.data.ptr,
               0 if alibi is None else alibi.data.ptr,
-              p.num_heads, group, p.num_seqs, int(causal), size, scale * _LOG2E)
+              p.num_heads, group, p.num_seqs, int(causal), size, scale * _LOG2E, vp)
     if size:
         ks.combine((p.num_seqs, p.num_heads, 1), _THREADS, 0, ctx.stream,
                    out.data.ptr, part_out, part_max, part_sum, cl.data.ptr,
-                   p.max_blocks * p.block_size, size, n_parts)
+                   p.max_blocks * p.block_size, size, n_parts, ks.tile_tokens, vp)
     del keep  # the scratch is freed in the stream's order, after the launches
 
 
@@ -371,9 +376,55 @@ def _workspace_partials(workspace, p: _Problem) -> _Partials | None:
     return workspace
 
 
+class _VariantArgs(NamedTuple):
+    """A call's variant arguments, as given (validated by _variant_setup)."""
+
+    window: object = None
+    window_left: object = None
+    logits_soft_cap: object = None
+    sinks: object = None
+    return_lse: bool = False
+    lse: object = None
+    sparse: tuple = ()  # blocksparse, already checked by _variants.blocksparse
+
+
+_NO_VARIANTS = _VariantArgs()
+
+
+def _variant_setup(va: _VariantArgs, p: _Problem):
+    """Validate the variant arguments of a call (no launch, no allocation): the variants
+    with their sinks adapted, and the caller's ``lse=`` array (adapted) or None."""
+    if va is _NO_VARIANTS:
+        return _variants.PLAIN, None
+    window = _variants.window_size(va.window, va.window_left)
+    cap = _variants.soft_cap(va.logits_soft_cap)
+    sinks = _variants.check_sinks(optional_device_array(va.sinks, "sinks"), p.num_heads,
+                                  p.device)
+    lse = optional_device_array(va.lse, "lse")
+    if lse is not None:
+        _variants.check_lse(lse, p.num_rows, p.num_heads, p.device)
+    elif not isinstance(va.return_lse, (bool, np.bool_)):
+        _fail(f"return_lse must be a bool, got {type(va.return_lse).__name__}", TypeError)
+    if not (window or cap or sinks is not None or va.sparse):
+        return _variants.PLAIN, lse
+    return _variants.Variants(_variants.letters(window, cap, va.sparse), window, cap, sinks,
+                              None, va.sparse), lse
+
+
+def _with_lse(v: _variants.Variants, va: _VariantArgs, lse, p: _Problem, ctx):
+    """The variants with their lse output: the caller's, a new array when return_lse, or
+    none. Returns (variants, lse to return)."""
+    if lse is None and not va.return_lse:
+        return v, None
+    returned = va.lse
+    if lse is None:
+        lse, returned = _arrays.empty(ctx, (p.num_rows, p.num_heads), np.float32)
+    return v._replace(lse=lse), returned
+
+
 def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
          max_context_len, out, partition, stream=None, workspace=None, kv_cache_dtype="auto",
-         k_scale=None, v_scale=None):
+         k_scale=None, v_scale=None, va: _VariantArgs = _NO_VARIANTS):
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -385,6 +436,7 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     scale = _scale(scale, p.head_size)
     max_ctx = _max_context(max_context_len, p)
     workspace = _workspace_partials(workspace, p)
+    variants, lse = _variant_setup(va, p)
     with _arrays.on_device(p.device):
         ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
         if _checks.DEBUG:
@@ -392,8 +444,10 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
         returned = out
         if o is None:
             o, returned = _arrays.empty(ctx, q.shape, q.dtype)
-        _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, ctx, workspace)
-    return returned
+        variants, lse_returned = _with_lse(variants, va, lse, p, ctx)
+        _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, ctx, workspace,
+                variants=variants)
+    return (returned, lse_returned) if (va.return_lse or va.lse is not None) else returned
 
 
 class DecodeWorkspace:
@@ -465,7 +519,8 @@ class DecodeWorkspace:
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
                     alibi_slopes=None, max_context_len=None, out=None, partition="auto",
                     stream=None, workspace=None, kv_cache_dtype="auto", k_scale=None,
-                    v_scale=None):
+                    v_scale=None, window=None, window_left=None, logits_soft_cap=None,
+                    sinks=None, return_lse=False, lse=None):
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -505,6 +560,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
             1. Per token and head: float32 ``[num_blocks, num_kv_heads, block_size]``
             arrays (tokens contiguous), as :func:`reshape_and_cache` writes them. Ignored
             for caches of the query's dtype.
+        window, window_left, logits_soft_cap, sinks, return_lse, lse: attention variants,
+            as for :func:`attention` (a window here: the last ``window`` tokens).
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
     device, mixed freely; none is copied.
@@ -512,16 +569,21 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
     Returns:
         ``out``: ``[num_seqs, num_heads, head_size]``, the query's dtype; a new torch
         tensor when ``query`` is one, else a CuPy array. A sequence of length 0 gets
-        zeros. head_size: any multiple of 8 from 32 to 256; block_size: a power of two
+        zeros. With ``return_lse`` (or ``lse=``): ``(out, lse)``, lse float32
+        ``[num_seqs, num_heads]``. head_size: any multiple of 8 from 32 to 256; block_size: a power of two
         from 1 to 256; ``num_heads`` a multiple of ``num_kv_heads``.
 
     Never synchronizes. Block ids are not range-checked on the host (that needs a sync):
     a sequence whose table points outside the cache gets NaN, never an out-of-bounds
     read; use :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
     """
+    va = _NO_VARIANTS
+    if (window is not None or window_left is not None or logits_soft_cap is not None
+            or sinks is not None or return_lse is not False or lse is not None):
+        va = _VariantArgs(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale,
                 alibi_slopes, max_context_len, out, partition, stream, workspace,
-                kv_cache_dtype, k_scale, v_scale)
+                kv_cache_dtype, k_scale, v_scale, va)
 
 
 def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
@@ -531,19 +593,17 @@ def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
               f"key_cache of shape {kc.shape}")
 
 
-def _check_blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_step):
-    """vLLM's blocksparse arguments: accepted at their values for dense attention (vLLM's
-    kernels are dense unless ``blocksparse_vert_stride > 1``)."""
-    for name, v in (("tp_rank", tp_rank), ("blocksparse_local_blocks", local_blocks),
-                    ("blocksparse_vert_stride", vert_stride),
-                    ("blocksparse_block_size", block_size),
-                    ("blocksparse_head_sliding_step", head_sliding_step)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            _fail(f"{name} must be an int, got {type(v).__name__}", TypeError)
-    if vert_stride > 1:
-        raise NotImplementedError(
-            f"blocksparse attention (blocksparse_vert_stride={vert_stride}) is not implemented "
-            f"yet; dense attention takes blocksparse_vert_stride 0 or 1")
+def _blocksparse(query, key_cache, tp_rank, local_blocks, vert_stride, block_size,
+                 head_sliding_step) -> _VariantArgs:
+    """vLLM's blocksparse arguments as the call's variants: dense attention (no variant)
+    unless ``blocksparse_vert_stride > 1``, as in vLLM."""
+    q = as_device_array(query, "query")
+    kc = as_device_array(key_cache, "key_cache")
+    num_heads = q.shape[1] if q.ndim == 3 else 0
+    num_kv_heads = kc.shape[1] if kc.ndim >= 2 else 0
+    sparse = _variants.blocksparse(tp_rank, local_blocks, vert_stride, block_size,
+                                   head_sliding_step, num_heads, num_kv_heads)
+    return _VariantArgs(sparse=sparse) if sparse else _NO_VARIANTS
 
 
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
@@ -554,15 +614,22 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                        stream=None):
     """vLLM's ``paged_attention_v1``, with its full positional argument list: single-pass
     decode into ``out``. ``kv_cache_dtype``, ``k_scale`` and ``v_scale`` are as for
-    :func:`paged_attention`; the blocksparse arguments must describe dense attention
-    (``blocksparse_vert_stride`` 0 or 1), else NotImplementedError."""
-    _check_blocksparse(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
-                       blocksparse_block_size, blocksparse_head_sliding_step)
+    :func:`paged_attention`. With ``blocksparse_vert_stride > 1`` (vLLM's switch) a key in
+    sparse block ``sb = (key // block_size * block_size) // blocksparse_block_size`` is
+    seen when ``sb > q_sb - blocksparse_local_blocks`` (``q_sb`` the query's own) or
+    ``(sb + offset) % blocksparse_vert_stride == 0``, with ``offset = (tp_rank * num_heads
+    + head) * step + 1`` for ``step = blocksparse_head_sliding_step >= 0``, else
+    ``(tp_rank * num_kv_heads + kv_head) * -step + 1`` (vLLM's pattern;
+    :func:`cupaged.reference.blocksparse_mask`)."""
+    va = _blocksparse(query, key_cache, tp_rank, blocksparse_local_blocks,
+                      blocksparse_vert_stride, blocksparse_block_size,
+                      blocksparse_head_sliding_step)
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v1")
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
-                max_context_len, out, "never", stream, None, kv_cache_dtype, k_scale, v_scale)
+                max_context_len, out, "never", stream, None, kv_cache_dtype, k_scale, v_scale,
+                va)
 
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
@@ -579,8 +646,9 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     They are scratch space; cupaged picks a partition size so its (float32) partials fit
     in them, which for a 16-bit ``tmp_out`` means at most P // 2 partitions.
     """
-    _check_blocksparse(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
-                       blocksparse_block_size, blocksparse_head_sliding_step)
+    va = _blocksparse(query, key_cache, tp_rank, blocksparse_local_blocks,
+                      blocksparse_vert_stride, blocksparse_block_size,
+                      blocksparse_head_sliding_step)
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v2")
@@ -629,7 +697,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
         workspace = _Partials(tmp.data.ptr, ml.data.ptr, es.data.ptr, s * h * capacity)
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
                 max_context_len, out, partition, stream, workspace, kv_cache_dtype, k_scale,
-                v_scale)
+                v_scale, va)
 
 
 def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: int, *,

@@ -56,9 +56,9 @@ class CompileError(RuntimeError):
 # ---- the kernels: template name -> entry file and template parameters ---------------------
 
 _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
-                  "group_tile", "tile_tokens", "stages")
+                  "group_tile", "tile_tokens", "stages", "variant")
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
-                   "warps", "m_atoms", "tile_tokens", "stages")
+                   "warps", "m_atoms", "tile_tokens", "stages", "variant")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
@@ -72,9 +72,9 @@ _KERNELS = {
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
 ARG_FORMATS = {
-    "paged_decode": "PPPPPqq128sPPPiiiiif",  # PagedKV (128 bytes) by value
-    "paged_prefill": "PPqq128sPPPiiif",
-    "paged_decode_combine": "PPPPPiii",
+    "paged_decode": "PPPPPqq128sPPPiiiiif48s",  # PagedKV (128 bytes), VariantParams (48)
+    "paged_prefill": "PPqq128sPPPiiif48s",
+    "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
@@ -87,6 +87,9 @@ KV_FORMATS = {"tok": 0, "vllm": 1}
 # KVScale in cuda_src/kv_layout.cuh: how an fp8 cache's scales come. "" one per tensor (and
 # caches of the query's type, which have none), "th" one per (token, KV head).
 KV_SCALES = {"": 0, "th": 1}
+# VariantBits in cuda_src/variants.cuh: the compile-time variants, spelled in a spec as
+# letters in this order ("" plain attention, "wc" window and soft-cap, ...).
+VARIANT_BITS = {"w": 1, "c": 2, "b": 4}
 
 
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
@@ -138,6 +141,7 @@ class KernelSpec:
     m_atoms: int = 0  # paged_prefill: 16-row mma tiles per warp
     cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
+    variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -163,6 +167,14 @@ class KernelSpec:
             raise ValueError(f"index_dtype must be 'i32' or 'i64' in {self!r}")
         if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
             raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {self.arch!r}")
+        if self.variant:
+            if "variant" not in params:
+                raise ValueError(f"{self.kernel} takes no variant: {self!r}")
+            allowed = "wc" if self.kernel == "paged_prefill" else "wcb"
+            if any(ch not in allowed for ch in self.variant) or \
+                    "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
+                raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "
+                                 f"order, in {self!r}")
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
             object.__setattr__(self, "kv_format", "tok" if self.kernel == "paged_prefill" else "vllm")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
@@ -206,6 +218,8 @@ class KernelSpec:
             parts.append(self.kv_format)
         if self.kv_scale:
             parts.append(self.kv_scale)
+        if self.variant:
+            parts.append(self.variant)
         if "group_tile" in p:
             parts.append(f"g{self.group_tile}")
         if self.kernel == "paged_prefill":
@@ -232,6 +246,8 @@ class KernelSpec:
                 v = _INDEX_CXX[v]
             elif p == "kv_format":
                 v = KV_FORMATS[v]
+            elif p == "variant":
+                v = sum(VARIANT_BITS[ch] for ch in v)
             args.append(str(v))
         return f"cupaged::{self.kernel}<{', '.join(args)}>"
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, _geometry, _kvquant, decode, jit
+from . import _arrays, _checks, _geometry, _kvquant, _variants, decode, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = ["attention"]
@@ -59,20 +59,21 @@ def _prefill_tile(head_size: int, rows_needed: int) -> tuple:
 
 def _prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
                   kv_format: str, tile: tuple, cache_dtype: str = "",
-                  kv_scale: str = "") -> jit.KernelSpec:
+                  kv_scale: str = "", variant: str = "") -> jit.KernelSpec:
     w, m, n, st = tile
     return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, tile_tokens=n,
                           stages=st, kv_format=kv_format, warps=w, m_atoms=m,
-                          cache_dtype=cache_dtype, kv_scale=kv_scale, arch=arch)
+                          cache_dtype=cache_dtype, kv_scale=kv_scale, variant=variant,
+                          arch=arch)
 
 
 @jit.launcher_cache
 def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                     kv_format: str, tile: tuple, cache_dtype: str = "",
-                    kv_scale: str = "") -> _Prefill:
+                    kv_scale: str = "", variant: str = "") -> _Prefill:
     dev = decode._device(device_id)
     spec = _prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile, cache_dtype,
-                         kv_scale)
+                         kv_scale, variant)
     g = _geometry.PrefillGeometry.of(spec)
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
@@ -183,7 +184,8 @@ def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
 
 
 def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan: _Plan,
-                    scale: float, causal: bool, ctx: _arrays.Context) -> None:
+                    scale: float, causal: bool, ctx: _arrays.Context,
+                    variants: _variants.Variants = _variants.PLAIN) -> None:
     it = p.dtype.itemsize
     if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
         _fail(f"query must be 16-byte aligned with token and head strides that are multiples "
@@ -192,19 +194,21 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
     if out.data.ptr % 4:
         _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
-                        plan.tile, p.cache.dtype.name, p.quant.mode)
+                        plan.tile, p.cache.dtype.name, p.quant.mode, variants.letters)
+    vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
     # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's header).
     k.launch((p.num_seqs * p.num_kv_heads, plan.q_tiles, 1), k.threads, k.smem, ctx.stream,
              out.data.ptr, q.data.ptr, q.strides[0] // it, q.strides[1] // it,
              decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,
              0 if alibi is None else alibi.data.ptr, p.num_heads,
-             p.num_heads // p.num_kv_heads, int(causal), scale * decode._LOG2E)
+             p.num_heads // p.num_kv_heads, int(causal), scale * decode._LOG2E, vp)
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
               kv_layout="NHD", causal=True, scale=None, alibi_slopes=None, max_query_len=None,
               max_seq_len=None, out=None, stream=None, workspace=None, kv_cache_dtype="auto",
-              k_scale=None, v_scale=None):
+              k_scale=None, v_scale=None, window=None, window_left=None, logits_soft_cap=None,
+              sinks=None, return_lse=False, lse=None):
     """Paged attention of a varlen batch of query tokens over a paged KV cache: prefill,
     chunked prefill, speculative verify and decode, mixed freely in one call.
 
@@ -251,12 +255,30 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         workspace: a :class:`DecodeWorkspace` for decode's split-KV partials.
         kv_cache_dtype, k_scale, v_scale: an fp8 cache and its scales, as for
             :func:`paged_attention` (every layout, every kind of step).
+        window: sliding window W >= 1: a query at position p also needs keys at
+            positions > p - W (with causal: the W positions (p - W, p], its own
+            included; Mistral's and Gemma's ``sliding_window``). Blocks before the window
+            are never read, table entries included, so an engine may free them.
+        window_left: the same as FlashInfer spells it: ``window = window_left + 1``;
+            -1 means no window.
+        logits_soft_cap: c > 0: each logit ``scale * q.k`` becomes ``c * tanh(logit /
+            c)`` (Gemma 2); ALiBi is added after the cap. None or 0: no cap.
+        sinks: float32 ``[num_heads]`` on the device: each head's softmax denominator
+            gains ``exp(sink)`` (natural-log units), with no value attached (gpt-oss's
+            attention sinks). A row that sees no key then gives zeros.
+        return_lse: also return float32 ``lse [total_q, num_heads]``, the natural log of
+            each row's softmax denominator (sink included); -inf for a row with no key
+            and no sink. FlashInfer's lse is base 2: ``lse_e = lse_2 * ln(2)``. Partial
+            results over disjoint keys merge exactly with :func:`merge_state`.
+        lse: a float32 ``[total_q, num_heads]`` C-contiguous array to write the lse into
+            (implies ``return_lse``; no allocation, for graph capture).
 
     Returns:
-        ``out``, a new torch tensor when ``query`` is one (else a CuPy array). A query row
-        that sees no key (its sequence is empty) gets zeros. Never synchronizes; block ids
-        outside the cache give NaN rows, never an out-of-bounds read
-        (``CUPAGED_DEBUG=1`` checks the tables and ``query_start_loc`` with a sync).
+        ``out``, a new torch tensor when ``query`` is one (else a CuPy array); with
+        ``return_lse`` or ``lse``: ``(out, lse)``. A query row that sees no key (its
+        sequence is empty) gets zeros. Never synchronizes; block ids outside the cache give
+        NaN rows, never an out-of-bounds read (``CUPAGED_DEBUG=1`` checks the tables and
+        ``query_start_loc`` with a sync).
     """
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
@@ -271,6 +293,11 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     workspace = decode._workspace_partials(workspace, p)
+    va = decode._NO_VARIANTS
+    if (window is not None or window_left is not None or logits_soft_cap is not None
+            or sinks is not None or return_lse is not False or lse is not None):
+        va = decode._VariantArgs(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+    variants, lse_in = decode._variant_setup(va, p)
     plan = _plan(p, qsl is not None, max_q)
     with _arrays.on_device(p.device):
         ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
@@ -281,12 +308,14 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         returned = out
         if o is None:
             o, returned = _arrays.empty(ctx, q.shape, q.dtype)
-        if p.num_seqs == 0 or p.num_rows == 0:
-            return returned
-        if plan.kind == "prefill":
-            _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, o, p, plan, scale, causal, ctx)
-        else:
-            decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
-                           workspace, starts=qsl if plan.kind == "rows" else None,
-                           causal=causal)
-    return returned
+        variants, lse_returned = decode._with_lse(variants, va, lse_in, p, ctx)
+        if p.num_seqs and p.num_rows:
+            if plan.kind == "prefill":
+                _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, o, p, plan, scale, causal, ctx,
+                                variants)
+            else:
+                decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
+                               workspace, starts=qsl if plan.kind == "rows" else None,
+                               causal=causal, variants=variants)
+    return (returned, lse_returned) if va is not decode._NO_VARIANTS and (
+        va.return_lse or va.lse is not None) else returned

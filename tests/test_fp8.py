@@ -444,9 +444,16 @@ def test_vllm_full_signatures_with_torch_float8(rng):
     cupaged.paged_attention_v2(out, exp_sums, max_logits, tmp_out, q, kc, vc, kvh, scale, bt, sl,
                                bs, int(lens.max()), None, "auto", k_scale, v_scale, 0, 0, 0, 64, 0)
     assert_close(out.float().cpu().numpy(), ref, testing.TOLERANCE["f16"], "v2, float8 auto")
-    with pytest.raises(NotImplementedError, match="blocksparse"):
-        cupaged.paged_attention_v1(out, q, kc, vc, kvh, scale, bt, sl, bs, int(lens.max()), None,
-                                   "fp8", k_scale, v_scale, 0, 2, 8, 64, 0)
+    # vLLM's blocksparse arguments, positionally (local 2, vert stride 3, sparse block 32).
+    pattern = dict(local_blocks=2, vert_stride=3, sparse_block_size=32, head_sliding_step=1,
+                   tp_rank=1)
+    ref = reference.paged_attention(host["query"], host["key_cache"], host["value_cache"],
+                                    host["block_tables"], lens, kv_cache_dtype="fp8",
+                                    blocksparse=pattern, **scales)
+    out = torch.full_like(q, float("nan"))
+    cupaged.paged_attention_v1(out, q, kc, vc, kvh, scale, bt, sl, bs, int(lens.max()), None,
+                               "fp8", k_scale, v_scale, 1, 2, 3, 32, 1)
+    assert_close(out.float().cpu().numpy(), ref, testing.TOLERANCE["f16"], "v1, blocksparse")
 
 
 @pytest.mark.gpu
@@ -548,11 +555,20 @@ def test_fp8_head_size_must_be_a_multiple_of_16():
         _checks.check_kv_layout(kc, kc, _dtypes.E4M3, "NHD")
 
 
-def test_blocksparse_arguments_are_refused_until_implemented():
-    with pytest.raises(NotImplementedError, match="blocksparse"):
-        cupaged.decode._check_blocksparse(0, 4, 8, 64, 0)
-    cupaged.decode._check_blocksparse(0, 0, 0, 64, 0)  # dense: accepted
-    cupaged.decode._check_blocksparse(1, 0, 1, 64, 0)
+def test_blocksparse_arguments_select_the_variant_only_when_sparse():
+    from cupaged import _variants
+
+    # vert_stride 0 or 1 is vLLM's dense attention: no variant.
+    assert _variants.blocksparse(0, 0, 0, 64, 0, 8, 2) == ()
+    assert _variants.blocksparse(1, 4, 1, 64, 0, 8, 2) == ()
+    # (local, vert, block, step, head0): head0 counts query heads for a step >= 0, KV heads
+    # below.
+    assert _variants.blocksparse(3, 4, 8, 64, 2, 8, 2) == (4, 8, 64, 2, 24)
+    assert _variants.blocksparse(3, 4, 8, 64, -1, 8, 2) == (4, 8, 64, -1, 6)
+    with pytest.raises(ValueError, match="blocksparse_block_size"):
+        _variants.blocksparse(0, 4, 8, 0, 0, 8, 2)
+    with pytest.raises(TypeError, match="blocksparse_vert_stride"):
+        _variants.blocksparse(0, 4, 8.0, 64, 0, 8, 2)
 
 
 def test_block_strides_past_32_bits_are_refused_for_every_attention_call():

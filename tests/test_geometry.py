@@ -9,8 +9,18 @@ from cupaged import _catalog, _covering, _geometry, jit
 
 ARCHS = ("sm_80", "sm_90")
 ALL = _catalog.all_specs(ARCHS)
-DECODE = [s for s in ALL if s.kernel == "paged_decode"]
-PREFILL = [s for s in ALL if s.kernel == "paged_prefill"]
+# Shared memory and the static_asserts do not depend on the attention variant: the
+# geometry checks run over the plain specializations (each variant repeats them).
+DECODE = [s for s in ALL if s.kernel == "paged_decode" and not s.variant]
+PREFILL = [s for s in ALL if s.kernel == "paged_prefill" and not s.variant]
+
+
+def test_every_variant_repeats_the_plain_specializations():
+    for kernel, plain, variants in (("paged_decode", DECODE, _catalog.DECODE_VARIANTS),
+                                    ("paged_prefill", PREFILL, _catalog.PREFILL_VARIANTS)):
+        mine = [s for s in ALL if s.kernel == kernel]
+        assert len(mine) == len(plain) * len(variants)
+        assert {s.variant for s in mine} == set(variants)
 
 
 def test_every_supported_decode_specialization_satisfies_the_kernel_constraints():
@@ -84,7 +94,8 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 
 def test_specialization_names_are_unique():
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 + 3724 + 87 + 44 + 2 + 3)
+    # paged_decode: 14904 per target for each of 5 variants; paged_prefill: 3724 for each of 4.
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 4 + 87 + 44 + 2 + 3)
 
 
 # ---- the covering set ------------------------------------------------------------------------

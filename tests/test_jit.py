@@ -52,7 +52,7 @@ def test_spec_is_frozen_hashable_and_defaults_its_tile():
     with pytest.raises(AttributeError):
         SPEC.head_size = 128
     assert SPEC.name_expression == (
-        "cupaged::paged_decode<cupaged::half_t, cupaged::half_t, 64, 16, 1, 0, 4, 128, 2>")
+        "cupaged::paged_decode<cupaged::half_t, cupaged::half_t, 64, 16, 1, 0, 4, 128, 2, 0>")
 
 
 def test_fp8_specs_name_their_cache_and_scales():

@@ -1,0 +1,141 @@
+// Attention variants: what a call changes about plain softmax attention, as small pieces
+// the kernels compose. Features that touch the inner loop (which keys a query sees, how a
+// score is transformed) are compile-time bits of VARIANT, so a call that does not use them
+// compiles without their registers and branches. Features that only touch the epilogue
+// (attention sinks, the log-sum-exp output) are null pointers at run time: they cost a
+// test per output row, nothing per key.
+//
+// Conventions (cupaged.reference.attend is the float64 statement of them):
+//   window W     a query at position p sees keys at positions > p - W (with causal: the W
+//                positions (p - W, p], its own included). FlashInfer's window_left = W - 1.
+//   soft-cap c   logits become c * tanh(logit / c), logit = scale * q.k; ALiBi is added
+//                after the cap (the order of FlashInfer and vLLM's Triton backend).
+//   sinks        float32 [num_heads], natural-log units: each head's softmax denominator
+//                gains exp(sink); no value is attached (gpt-oss).
+//   lse          float32 [rows, num_heads]: natural log of the softmax denominator, the
+//                sink included; -inf for a row that saw no key and has no sink.
+//   blocksparse  vLLM's pattern (paged_attention_v1/v2, decode only): a key in sparse block
+//                sb = (key / BLOCK_SIZE * BLOCK_SIZE) / sparse_block is kept when
+//                sb > q_sb - local_blocks or (sb + head_offset) % vert_stride == 0, with
+//                q_sb the query's own sparse block.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+enum VariantBits : int {
+  kVarWindow = 1,       // sliding window: keys before it are skipped, never read
+  kVarSoftCap = 2,      // logits soft-cap
+  kVarBlockSparse = 4,  // vLLM's blocksparse pattern (paged_decode only)
+};
+
+// The run-time values of the variants, passed by value to every attention kernel
+// (mirrored by cupaged/_variants.py; 48 bytes).
+struct VariantParams {
+  const float* sinks;  // [num_heads] or null
+  float* lse;          // [rows, num_heads] or null (split-KV decode: written by the combine)
+  int window;          // kVarWindow: W >= 1
+  float cap_in;        // kVarSoftCap: 2 / c, the factor of exp2's argument (below)
+  float cap_out;       // kVarSoftCap: c * log2(e), the cap in the kernels' log2 units
+  int sparse_local;    // kVarBlockSparse: local_blocks
+  int sparse_vert;     //   vert_stride (>= 1)
+  int sparse_block;    //   sparse block size in tokens
+  int sparse_step;     //   head_sliding_step
+  int sparse_head0;    //   tp_rank * num_heads (step >= 0) or tp_rank * num_kv_heads (< 0)
+};
+
+template <int VARIANT>
+struct Variant {
+  static constexpr bool kWindow = (VARIANT & kVarWindow) != 0;
+  static constexpr bool kSoftCap = (VARIANT & kVarSoftCap) != 0;
+  static constexpr bool kBlockSparse = (VARIANT & kVarBlockSparse) != 0;
+  static_assert(VARIANT >= 0 && VARIANT < 8, "VARIANT");
+
+  // The logits transform, on a score x already in log2 units (x = log2(e) * scale * q.k):
+  // c * tanh(logit / c) is C * tanh(x / C) with C = c * log2(e), and
+  // tanh(y) = 1 - 2 / (e^{2y} + 1), e^{2y} = 2^{2x / c}: two MUFU operations, accurate to
+  // about 1e-7 of C absolute (tanh.approx.f32, FlashInfer's choice, is off by up to 2^-11
+  // of C: a few percent of a probability at c = 50). Saturates to +-C, keeps NaN.
+  __device__ __forceinline__ static float logits(const VariantParams& vp, float x) {
+    if constexpr (kSoftCap) {
+      const float e = fast_exp2(x * vp.cap_in);
+      return vp.cap_out - __fdividef(2.f * vp.cap_out, e + 1.f);  // e = inf: 2C / inf = 0
+    } else {
+      return x;
+    }
+  }
+
+  // The first key a query at q_pos sees: 0 without a window. (q_pos - W + 1 may be
+  // negative; the callers clamp it to the keys they have.)
+  __device__ __forceinline__ static int first_key(const VariantParams& vp, int q_pos) {
+    if constexpr (kWindow) {
+      return max(0, q_pos - vp.window + 1);
+    } else {
+      return 0;
+    }
+  }
+
+  // vLLM's head offset of query head `head` (of KV head kv_head), reduced modulo
+  // vert_stride so the per-key test stays in 32 bits.
+  __device__ __forceinline__ static int sparse_offset(const VariantParams& vp, int head,
+                                                      int kv_head) {
+    if constexpr (kBlockSparse) {
+      const long long idx = vp.sparse_step >= 0 ? vp.sparse_head0 + head : vp.sparse_head0 + kv_head;
+      const long long step = vp.sparse_step >= 0 ? vp.sparse_step : -static_cast<long long>(vp.sparse_step);
+      return static_cast<int>((idx * step + 1) % vp.sparse_vert);
+    } else {
+      return 0;
+    }
+  }
+
+  // The query's sparse block (its position q_pos is the sequence's last).
+  __device__ __forceinline__ static int sparse_query_block(const VariantParams& vp, int q_pos) {
+    if constexpr (kBlockSparse) {
+      return max(q_pos, 0) / vp.sparse_block;
+    } else {
+      return 0;
+    }
+  }
+
+  // Does the blocksparse pattern keep `key` for a head with offset `off`? (The window and
+  // the causal limit are checked by the callers, with the bounds they already hold.)
+  template <int BLOCK_SIZE>
+  __device__ __forceinline__ static bool sparse_keep(const VariantParams& vp, int key, int q_sb,
+                                                     int off) {
+    if constexpr (kBlockSparse) {
+      const int sb = (key / BLOCK_SIZE * BLOCK_SIZE) / vp.sparse_block;
+      return sb > q_sb - vp.sparse_local || (sb + off) % vp.sparse_vert == 0;
+    } else {
+      return true;
+    }
+  }
+};
+
+// The end of a softmax row: running maximum m (log2 units) and sum l = sum 2^(s - m), plus
+// an optional sink (log2 units; -inf for none). `mul` turns the accumulated sum of p * v
+// into the output, `lse` is the natural log of the denominator. A row with no key and no
+// sink gives mul 0 (zeros, never 0/0) and lse -inf; a NaN sum stays NaN in both.
+struct RowEnd {
+  float mul;
+  float lse;
+};
+
+__device__ __forceinline__ RowEnd finish_row(float m, float l, float sink) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float top = fmaxf(m, sink);
+  if (top == neg_inf()) {  // no key, no sink: zeros; a NaN sum (a bad block) stays NaN
+    return l == l ? RowEnd{0.f, neg_inf()} : RowEnd{l, l};
+  }
+  const float keys = m == neg_inf() ? 0.f : fast_exp2(m - top);  // l's factor under `top`
+  const float den = l * keys + (sink == neg_inf() ? 0.f : fast_exp2(sink - top));
+  if (den == 0.f) return {0.f, neg_inf()};
+  return {keys / den, (top + log2f(den)) * kLn2};  // a NaN sum stays NaN in both
+}
+
+// A head's sink in log2 units, or -inf without sinks.
+__device__ __forceinline__ float sink_log2(const VariantParams& vp, int head) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return vp.sinks != nullptr ? __ldg(vp.sinks + head) * kLog2e : neg_inf();
+}
+
+}  // namespace cupaged

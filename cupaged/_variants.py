@@ -1,0 +1,141 @@
+"""Attention variants on the host: validation of the window, soft-cap, sink, lse and
+blocksparse arguments, and their packing into ``VariantParams`` (cuda_src/variants.cuh).
+
+The compile-time part is a string of ``jit.VARIANT_BITS`` letters (part of the kernel's
+specialization); the run-time part is the 48-byte struct every attention kernel takes by
+value. A call that uses none of them takes the ``PLAIN`` constant without building
+anything.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _checks
+
+_fail = _checks.fail
+_LOG2E = math.log2(math.e)
+_FLT_MAX = 3.4028234663852886e38
+
+# VariantParams: sinks, lse, window, cap_in, cap_out, sparse_local, sparse_vert,
+# sparse_block, sparse_step, sparse_head0.
+_STRUCT = struct.Struct("@PPiffiiiii")
+assert _STRUCT.size == 48
+
+
+class Variants(NamedTuple):
+    letters: str  # the compile-time variants ("" plain, "w", "c", "wc", "b", ...)
+    window: int = 0  # W >= 1, or 0 for none
+    soft_cap: float = 0.0  # c > 0, or 0 for none
+    sinks: object = None  # the float32 [num_heads] device array, or None
+    lse: object = None  # the float32 [rows, num_heads] output, or None
+    sparse: tuple = ()  # blocksparse: (local_blocks, vert_stride, block_size, step, head0)
+
+    def pack(self) -> bytes:
+        """The VariantParams bytes of this call."""
+        c = self.soft_cap
+        local, vert, block, step, head0 = self.sparse or (0, 1, 1, 0, 0)
+        return _STRUCT.pack(0 if self.sinks is None else self.sinks.data.ptr,
+                            0 if self.lse is None else self.lse.data.ptr, self.window,
+                            2.0 / c if c else 0.0, c * _LOG2E if c else 0.0,
+                            local, vert, block, step, head0)
+
+
+PLAIN = Variants("")
+PLAIN_BYTES = PLAIN.pack()
+
+
+def _int(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        _fail(f"{name} must be an int, got {type(v).__name__}", TypeError)
+    return int(v)
+
+
+def window_size(window, window_left) -> int:
+    """W from ``window`` (keys in (p - W, p]) or FlashInfer's ``window_left`` (W - 1;
+    -1 for none); 0 when neither is given."""
+    if window is not None and window_left is not None:
+        _fail("give window or window_left, not both (window = window_left + 1)")
+    if window_left is not None:
+        left = _int(window_left, "window_left")
+        if left < -1:
+            _fail(f"window_left must be -1 (no window) or at least 0, got {left}")
+        return 0 if left == -1 else min(left + 1, _checks.INT32_MAX)
+    if window is None:
+        return 0
+    w = _int(window, "window")
+    if w < 1:
+        _fail(f"window must be at least 1 (keys in (pos - window, pos]), got {w}")
+    return min(w, _checks.INT32_MAX)  # beyond any position: the same as no window
+
+
+def soft_cap(value) -> float:
+    """The soft-cap c > 0, or 0.0 for none (None or 0, FlashInfer's spelling of none)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        _fail(f"logits_soft_cap must be a number, got {type(value).__name__}", TypeError)
+    c = float(value)
+    if c == 0.0:
+        return 0.0
+    if not (math.isfinite(c) and c > 0.0) or c * _LOG2E > _FLT_MAX or 2.0 / c > _FLT_MAX:
+        _fail(f"logits_soft_cap must be a positive finite float32 (or None / 0 for none), "
+              f"got {value}")
+    return c
+
+
+def check_sinks(sinks, num_heads: int, device: int):
+    """``sinks`` as a float32 [num_heads] device array (contiguous), or None."""
+    if sinks is None:
+        return None
+    if sinks.dtype != np.float32 or sinks.shape != (num_heads,) or \
+            (num_heads and sinks.strides[0] != 4):
+        _fail(f"sinks must be a contiguous float32 [num_heads = {num_heads}] array, got "
+              f"{sinks.dtype} {sinks.shape}")
+    _checks.check_same_device(device, "query", (("sinks", sinks),))
+    return sinks
+
+
+def check_lse(lse, rows: int, num_heads: int, device: int):
+    """A caller's ``lse=`` output: float32 [rows, num_heads], C-contiguous, on ``device``."""
+    if lse.dtype != np.float32 or lse.shape != (rows, num_heads) or \
+            not (rows * num_heads == 0 or lse.flags.c_contiguous):
+        _fail(f"lse must be a C-contiguous float32 [{rows}, {num_heads}] array, got "
+              f"{lse.dtype} {lse.shape}")
+    _checks.check_same_device(device, "query", (("lse", lse),))
+    _checks.check_aligned(lse.data.ptr, "lse", 4)
+    return lse
+
+
+def blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_step,
+                num_heads: int, num_kv_heads: int) -> tuple:
+    """vLLM's blocksparse arguments as VariantParams' (local, vert, block, step, head0),
+    or () for dense attention (``vert_stride`` 0 or 1, vLLM's own switch)."""
+    names = ("tp_rank", "blocksparse_local_blocks", "blocksparse_vert_stride",
+             "blocksparse_block_size", "blocksparse_head_sliding_step")
+    vals = [_int(v, n) for v, n in zip((tp_rank, local_blocks, vert_stride, block_size,
+                                        head_sliding_step), names)]
+    tp_rank, local_blocks, vert_stride, block_size, step = vals
+    if vert_stride <= 1:
+        return ()
+    if block_size <= 0:
+        _fail(f"blocksparse_block_size must be positive, got {block_size}")
+    if tp_rank < 0 or local_blocks < 0:
+        _fail(f"tp_rank and blocksparse_local_blocks must be >= 0, got {tp_rank} and "
+              f"{local_blocks}")
+    head0 = tp_rank * (num_heads if step >= 0 else num_kv_heads)
+    for name, v in (("blocksparse_vert_stride", vert_stride), ("blocksparse_block_size", block_size),
+                    ("blocksparse_local_blocks", local_blocks),
+                    ("blocksparse_head_sliding_step", step), ("tp_rank * heads", head0)):
+        if abs(v) > _checks.INT32_MAX:
+            _fail(f"{name} is {v}; at most {_checks.INT32_MAX}")
+    return (local_blocks, vert_stride, block_size, step, head0)
+
+
+def letters(window: int, cap: float, sparse: tuple) -> str:
+    """The compile-time variant string of a call."""
+    return ("w" if window else "") + ("c" if cap else "") + ("b" if sparse else "")

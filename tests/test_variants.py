@@ -1,0 +1,339 @@
+"""Attention variants (sliding window, logits soft-cap, sinks, log-sum-exp, blocksparse) on
+the GPU against the float64 reference, on every path: decode single pass and split-KV, the
+multi-token kernel, the row mode, every layout, 16-bit and fp8 caches; plus their argument
+checks (no GPU needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _variants, reference, testing
+
+from conftest import assert_close
+from test_varlen import LAYOUTS, make_varlen
+
+TOL_LSE = 2e-3  # |lse - ref| <= TOL_LSE * max(1, |ref|): scores are fp32 sums of exact products
+
+
+def _device(host):
+    import cupy
+
+    return {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
+
+
+def _quantize(host, rng, kv_cache_dtype, layout):
+    """The host problem's caches as fp8 bytes with per-tensor scales (vLLM's key layout
+    regrouped for 1-byte elements, x = 16); returns the scales."""
+    scales = dict(k_scale=float(rng.uniform(0.01, 0.05)), v_scale=float(rng.uniform(0.01, 0.05)))
+    kc, vc = testing.convert_layout(host["key_cache"], host["value_cache"], layout, "NHD")
+    kq, vq = (reference.quantize_fp8(c.astype(np.float32), kv_cache_dtype, scales[s]).view(np.uint8)
+              for c, s in ((kc, "k_scale"), (vc, "v_scale")))
+    host["key_cache"], host["value_cache"] = testing.convert_layout(kq, vq, "NHD", layout)
+    return scales
+
+
+def _check_lse(got, ref, what):
+    got = np.asarray(got, np.float64)
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    both_inf = np.isneginf(got) & np.isneginf(ref)
+    err = np.where(both_inf, 0.0, np.abs(got - ref) / np.maximum(1.0, np.abs(ref)))
+    err = np.where(np.isnan(err), np.inf, err)
+    worst = np.unravel_index(int(np.argmax(err)), err.shape)
+    assert err[worst] <= TOL_LSE, f"{what}: lse row {worst} got {got[worst]} want {ref[worst]}"
+
+
+def _poison_before_windows(host, window, q_lens):
+    """Block-table entries wholly before every query row's window of their sequence set to
+    ids outside the cache: the kernels must never read them (a bad id turns the output
+    into NaN), as an engine that frees blocks slid out of the window requires."""
+    bt = host["block_tables"].copy()
+    bs = host["block_size"]
+    nb = host["num_blocks"]
+    for s, (n, q) in enumerate(zip(host["seq_lens"], q_lens)):
+        if q == 0:
+            continue
+        first = max(0, int(n) - int(q) - window + 1)  # the earliest row's first key
+        bt[s, : first // bs] = nb + 7
+    return bt
+
+
+VARIANT_CASES = {
+    "window": dict(window=37),
+    "window1": dict(window=1),
+    "window_left": dict(window_left=15),
+    "cap": dict(logits_soft_cap=1.5),
+    "sinks": dict(sinks=True),
+    "all": dict(window=100, logits_soft_cap=2.0, sinks=True, alibi=True),
+}
+
+
+def _variant_kwargs(rng, case, heads):
+    kw = dict(VARIANT_CASES[case])
+    alibi = kw.pop("alibi", False)
+    if kw.pop("sinks", False):
+        kw["sinks"] = rng.normal(0.0, 2.0, heads).astype(np.float32)
+    return kw, alibi
+
+
+def _run(host, kw, layout, causal=True, **extra):
+    import cupy
+
+    dev = _device({k: v for k, v in host.items() if k not in ("block_size", "num_blocks",
+                                                               "kernel_tables")})
+    if "kernel_tables" in host:
+        dev["block_tables"] = cupy.asarray(host["kernel_tables"])
+    if kw.get("sinks") is not None:
+        dev_kw = dict(kw, sinks=cupy.asarray(kw["sinks"]))
+    else:
+        dev_kw = kw
+    out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
+    got, lse = cupaged.attention(**dev, out=out, kv_layout=layout, causal=causal,
+                                 return_lse=True, **dev_kw, **extra)
+    ref_kw = {k: v for k, v in kw.items() if k != "window_left"}
+    if "window_left" in kw:
+        ref_kw["window"] = kw["window_left"] + 1
+    ref_host = {k: v for k, v in host.items() if k not in ("block_size", "num_blocks",
+                                                           "kernel_tables")}
+    for k in ("max_query_len", "max_seq_len", "partition"):
+        extra.pop(k, None)
+    ref, ref_lse = reference.attention(**ref_host, kv_layout=layout, causal=causal,
+                                       return_lse=True, **ref_kw, **extra)
+    return cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(lse), ref, ref_lse
+
+
+def _problem(rng, q_lens, seq_lens, **kw):
+    host = make_varlen(rng, q_lens, seq_lens, **kw)
+    host["block_size"] = kw.get("block_size", 16)
+    host["num_blocks"] = host["key_cache"].shape[0]
+    return host
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["decode", "mixed", "rows"])
+def test_variants_match_reference(rng, case, layout, kind):
+    """Each variant alone and all together, on decode (split-KV and not), a mixed varlen
+    batch (the multi-token kernel) and float32 (the decode kernel's row mode)."""
+    heads, kvh, hs, bs = 8, 2, 64, 16
+    dtype = "f32" if kind == "rows" else ("bf16" if case == "all" else "f16")
+    if kind == "decode":
+        q_lens = [1] * 6
+        seq = [1, 16, 17, 300, 2100, 64]
+    else:
+        q_lens = [0, 1, 5, 40, 17, 1]
+        seq = [3, 1, 5, 300, 150, 700]
+    kw, alibi = _variant_kwargs(rng, case, heads)
+    host = _problem(rng, q_lens, seq, layout=layout, dtype=dtype, heads=heads, kv_heads=kvh,
+                    head_size=hs, block_size=bs, alibi=alibi)
+    w = kw.get("window", kw.get("window_left", -2) + 1)
+    if w > 0:
+        host["kernel_tables"] = _poison_before_windows(host, w, q_lens)
+    extra = dict(max_query_len=max(q_lens))
+    if kind == "decode":
+        del host["query_start_loc"]
+        extra = dict(max_query_len=1)
+    got, lse, ref, ref_lse = _run(host, kw, layout, **extra)
+    tol = testing.TOLERANCE[dtype]
+    assert_close(got, ref, tol, f"{case} {layout} {kind}")
+    _check_lse(lse, ref_lse, f"{case} {layout} {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partition", ["never", "always", 16, 64])
+@pytest.mark.parametrize("window", [1, 16, 64, 65, 200, 5000])
+def test_window_edges_on_split_kv_decode(rng, window, partition):
+    """W = 1, W = block size, W straddling tile and partition boundaries, W beyond the
+    context; split-KV partitions cover the window only and the combine agrees."""
+    heads, kvh = 8, 1
+    lens = np.array([1, 15, 16, 17, 63, 64, 65, 129, 1000, 3000], np.int32)
+    host = _problem(rng, [1] * len(lens), lens, layout="vllm", dtype="f16", heads=heads,
+                    kv_heads=kvh, head_size=128, block_size=16)
+    del host["query_start_loc"]
+    host["kernel_tables"] = _poison_before_windows(host, window, [1] * len(lens))
+    import cupy
+
+    sinks = rng.normal(0, 1, heads).astype(np.float32)
+    dev = _device({k: host[k] for k in ("query", "key_cache", "value_cache", "seq_lens")})
+    out = cupy.full(host["query"].shape, np.nan, dtype=np.float16)
+    got, lse = cupaged.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                                       cupy.asarray(host["kernel_tables"]), dev["seq_lens"],
+                                       out=out, partition=partition, window=window,
+                                       sinks=cupy.asarray(sinks), return_lse=True)
+    ref, ref_lse = reference.paged_attention(host["query"], host["key_cache"],
+                                             host["value_cache"], host["block_tables"], lens,
+                                             window=window, sinks=sinks, return_lse=True)
+    assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"], f"W={window} {partition}")
+    _check_lse(cupy.asnumpy(lse), ref_lse, f"W={window} {partition}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_variants_over_fp8_caches(rng, fmt, layout, kind):
+    heads, kvh = 16, 4
+    q_lens = [1] * 5 if kind == "decode" else [1, 9, 0, 33]
+    seq = [5, 70, 1, 900, 260] if kind == "decode" else [40, 300, 2, 600]
+    host = _problem(rng, q_lens, seq, layout=layout, dtype="bf16", heads=heads, kv_heads=kvh,
+                    head_size=128, block_size=16, alibi=True, stale=None)
+    scales = _quantize(host, rng, fmt, layout)
+    if kind == "decode":
+        del host["query_start_loc"]
+    kw = dict(window=150, logits_soft_cap=3.0, sinks=rng.normal(0, 1, heads).astype(np.float32))
+    got, lse, ref, ref_lse = _run(host, kw, layout, kv_cache_dtype=fmt, max_query_len=max(q_lens),
+                                  **scales)
+    assert_close(got, ref, testing.TOLERANCE["bf16"], f"{fmt} {layout} {kind}")
+    _check_lse(lse, ref_lse, f"{fmt} {layout} {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["never", "always"])
+def test_sinks_with_empty_contexts_give_zeros_and_the_sink_as_lse(rng, split):
+    import cupy
+
+    heads = 4
+    host = _problem(rng, [1, 1, 1], [1, 5, 1], layout="vllm", dtype="f16", heads=heads,
+                    kv_heads=2, head_size=64)
+    host["seq_lens"] = np.array([0, 5, 0], np.int32)  # sequences 0 and 2: empty contexts
+    sinks = rng.normal(0, 3, heads).astype(np.float32)
+    dev = _device({k: host[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                        "seq_lens")})
+    out, lse = cupaged.paged_attention(*dev.values(), partition=split,
+                                       sinks=cupy.asarray(sinks), return_lse=True)
+    out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
+    assert np.isfinite(out).all()
+    assert (out[[0, 2]] == 0).all()
+    np.testing.assert_allclose(lse[[0, 2]], np.broadcast_to(sinks, (2, heads)), rtol=1e-6)
+    _, ref_lse = reference.paged_attention(host["query"], host["key_cache"], host["value_cache"],
+                                           host["block_tables"], host["seq_lens"], sinks=sinks,
+                                           return_lse=True)
+    _check_lse(lse, ref_lse, "sinks, empty contexts")
+    # Without sinks an empty context's lse is -inf, and its output zeros.
+    out, lse = cupaged.paged_attention(*dev.values(), partition=split, return_lse=True)
+    assert np.isneginf(cupy.asnumpy(lse)[[0, 2]]).all()
+    assert (cupy.asnumpy(out)[[0, 2]] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", [0, 1, -2])
+@pytest.mark.parametrize("v", [1, 2])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_blocksparse_matches_dense_mask(rng, step, v, block_size):
+    """vLLM's positional v1/v2 arguments against the reference's dense NumPy mask."""
+    import cupy
+
+    heads, kvh, hs = 8, 2, 64
+    lens = np.array([1, 31, 64, 65, 500, 1300], np.int32)
+    host = _problem(rng, [1] * len(lens), lens, layout="vllm", dtype="f16", heads=heads,
+                    kv_heads=kvh, head_size=hs, block_size=block_size)
+    pattern = dict(local_blocks=2, vert_stride=4, sparse_block_size=64,
+                   head_sliding_step=step, tp_rank=1)
+    ref = reference.paged_attention(host["query"], host["key_cache"], host["value_cache"],
+                                    host["block_tables"], lens, blocksparse=pattern)
+    q, kc, vc, bt, sl = (cupy.asarray(host[k]) for k in ("query", "key_cache", "value_cache",
+                                                         "block_tables", "seq_lens"))
+    out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    args = (kvh, hs ** -0.5, bt, sl, block_size, int(lens.max()), None, "auto", 1.0, 1.0,
+            1, 2, 4, 64, step)
+    if v == 1:
+        cupaged.paged_attention_v1(out, q, kc, vc, *args)
+    else:
+        parts = 8
+        es = cupy.empty((len(lens), heads, parts), np.float32)
+        cupaged.paged_attention_v2(out, es, cupy.empty_like(es),
+                                   cupy.empty((len(lens), heads, parts, hs), np.float32),
+                                   q, kc, vc, *args)
+    assert_close(cupy.asnumpy(out), ref, testing.TOLERANCE["f16"], f"v{v} step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_lse_of_two_key_halves_merges_into_the_whole(rng, layout):
+    """Attention over a prefix (non-causal, as cascade attention runs it) and over the
+    rest, merged by their lse, equals attention over all keys."""
+    import cupy
+
+    heads, kvh, hs, bs = 8, 2, 128, 16
+    n_pre, n = 512, 700
+    host = _problem(rng, [1] * 4, [n] * 4, layout=layout, dtype="f16", heads=heads,
+                    kv_heads=kvh, head_size=hs, block_size=bs)
+    del host["query_start_loc"]
+    dev = _device({k: host[k] for k in ("query", "key_cache", "value_cache", "block_tables")})
+    whole = reference.attention(**{k: v for k, v in host.items() if k not in
+                                   ("block_size", "num_blocks")}, kv_layout=layout)
+    # Keys [0, n_pre): the first n_pre / bs blocks; keys [n_pre, n): the rest.
+    lens_a = cupy.full(4, n_pre, np.int32)
+    a, la = cupaged.attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                              dev["block_tables"], lens_a, kv_layout=layout, causal=False,
+                              return_lse=True)
+    bt_b = cupy.ascontiguousarray(dev["block_tables"][:, n_pre // bs:])
+    b, lb = cupaged.attention(dev["query"], dev["key_cache"], dev["value_cache"], bt_b,
+                              cupy.full(4, n - n_pre, np.int32), kv_layout=layout,
+                              causal=False, return_lse=True)
+    merged, _ = reference.merge_state(cupy.asnumpy(a).astype(np.float64), cupy.asnumpy(la),
+                                      cupy.asnumpy(b).astype(np.float64), cupy.asnumpy(lb))
+    assert_close(merged, whole, testing.TOLERANCE["f16"], f"{layout} halves")
+
+
+@pytest.mark.gpu
+def test_plain_calls_return_no_lse_and_lse_out_is_written_in_place(rng):
+    import cupy
+
+    host = _problem(rng, [1, 1], [9, 40], layout="HND", dtype="f16", heads=4, kv_heads=2,
+                    head_size=64)
+    del host["query_start_loc"]
+    dev = _device({k: host[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                        "seq_lens")})
+    out = cupaged.attention(*dev.values(), kv_layout="HND")
+    assert not isinstance(out, tuple)
+    lse = cupy.full((2, 4), np.nan, np.float32)
+    got, lse_ret = cupaged.attention(*dev.values(), kv_layout="HND", lse=lse)
+    assert lse_ret is lse and np.isfinite(cupy.asnumpy(lse)).all()
+    _, ref_lse = reference.attention(**{k: host[k] for k in ("query", "key_cache", "value_cache",
+                                                             "block_tables", "seq_lens")},
+                                     kv_layout="HND", return_lse=True)
+    _check_lse(cupy.asnumpy(lse), ref_lse, "lse=")
+
+
+# ---- argument checks (no GPU) ---------------------------------------------------------------
+
+
+def test_window_spellings_and_errors():
+    assert _variants.window_size(None, None) == 0
+    assert _variants.window_size(128, None) == 128
+    assert _variants.window_size(None, 127) == 128
+    assert _variants.window_size(None, -1) == 0
+    with pytest.raises(ValueError, match="not both"):
+        _variants.window_size(4, 3)
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        _variants.window_size(0, None)
+    with pytest.raises(ValueError, match="window_left must be -1"):
+        _variants.window_size(None, -2)
+    with pytest.raises(TypeError, match="window must be an int"):
+        _variants.window_size(2.5, None)
+
+
+def test_soft_cap_values():
+    assert _variants.soft_cap(None) == 0.0
+    assert _variants.soft_cap(0) == 0.0
+    assert _variants.soft_cap(30) == 30.0
+    for bad in (-1.0, float("inf"), float("nan"), 1e-45):
+        with pytest.raises(ValueError, match="logits_soft_cap"):
+            _variants.soft_cap(bad)
+    with pytest.raises(TypeError, match="logits_soft_cap"):
+        _variants.soft_cap("30")
+
+
+def test_variant_letters_and_params_layout():
+    assert _variants.letters(0, 0.0, ()) == ""
+    assert _variants.letters(5, 2.0, (1, 2, 3, 4, 5)) == "wcb"
+    v = _variants.Variants("wc", 5, 2.0, sparse=(1, 2, 3, 4, 5))
+    raw = v.pack()
+    assert len(raw) == 48
+    f = _variants._STRUCT.unpack(raw)
+    assert f[2] == 5 and f[3] == pytest.approx(1.0) and f[4] == pytest.approx(2 * 1.4426950408889634)
+    assert f[5:] == (1, 2, 3, 4, 5)
+    assert _variants.PLAIN_BYTES == _variants.PLAIN.pack()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 13 on the GPU machine: the variant tests (and the suites they touch), then the
+# plain calls' speed before and after the variants (.regress/old: the library before,
+# made with `git archive BASE cupaged cuda_src | tar -x -C .regress/old`, and carried).
+#   [TESTS="tests/test_variants.py ..."] [BENCH=1] bash tools/variants_check.sh
+source "$(dirname "$0")/device_env.sh"
+python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_variants.py} 2>&1 \
+  | tee "$OUT/variant-tests.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | head -40
+[ "${BENCH:-0}" = 1 ] || exit 0
+for tree in .regress/old .; do
+  echo "== $tree"
+  (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli compare \
+     --heads 32 --kv-heads 8 --batch 64 --context 2048 --impl cupaged --impl cupaged-hnd \
+     2>&1 | tail -3)
+  (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli prefill \
+     --preset prompt-4096 --preset 8x2048 --impl cupaged --dtype bfloat16 2>&1 | tail -3)
+done
