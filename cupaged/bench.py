@@ -1,5 +1,6 @@
 """Measurement helpers for cupaged-bench: CUDA-event timing with the L2 flushed between
-runs, the device's copy bandwidth, and decode workloads checked against the reference."""
+runs, the device's copy bandwidth, and decode workloads (with attention variants: a
+window, a soft cap, sinks, ALiBi) checked against the reference."""
 
 from __future__ import annotations
 
@@ -118,11 +119,147 @@ def random_fp8(shape, kv_cache_dtype: str, rng: np.random.Generator, xp=np):
     return xp.where(b < n, b, b + np.uint8(0x80 - n)).astype(np.uint8)
 
 
+# ---- attention variants ---------------------------------------------------------------------
+
+SINK_SEED = 1234  # the --sinks values: np.random.default_rng(SINK_SEED), one per head
+
+
+def sink_values(num_heads: int) -> np.ndarray:
+    """The benchmarks' attention sinks: float32 ``[num_heads]`` standard normal values
+    (natural-log units, as the logits), the same for every run (seed SINK_SEED)."""
+    return np.random.default_rng(SINK_SEED).standard_normal(num_heads).astype(np.float32)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's slopes, float32 ``[num_heads]``: for n heads a power of two, ``2^(-8 i / n)``
+    for i = 1..n; for other n, those of the largest power of two p below n, then the odd
+    powers 1, 3, 5, ... of ``2^(-4 / p)`` (the slopes of 2p heads not already taken)."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    p = 1 << (num_heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * i / p) for i in range(1, p + 1)]
+    slopes += [2.0 ** (-4.0 * i / p) for i in range(1, 2 * (num_heads - p), 2)]
+    return np.array(slopes, np.float32)
+
+
+def visible_tokens(context_lens, window=None) -> int:
+    """Keys one decode query per sequence sees: ``sum(min(context, window))`` (every
+    context token without a window). The bytes-moved roofline counts only these."""
+    lens = np.asarray(context_lens, dtype=np.int64)
+    if window is not None:
+        lens = np.minimum(lens, int(window))
+    return int(lens.sum())
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The attention variants a benchmark runs, all off by default: a sliding ``window``
+    of W tokens (a query at position p sees keys in (p - W, p]; FlashInfer's window_left
+    is W - 1), a logits ``soft_cap`` c (``c * tanh(logit / c)``), per-head attention
+    ``sinks`` (:func:`sink_values`) and ``alibi`` (:func:`alibi_slopes`). ValueError for
+    a window below 1 or a cap that is not a positive finite float32."""
+
+    window: int | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    alibi: bool = False
+
+    def __post_init__(self):
+        w, c = self.window, self.soft_cap
+        if w is not None:
+            if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+                raise ValueError(f"window must be an int, got {w!r}")
+            if w < 1:
+                raise ValueError(f"window must be at least 1 (a query at position p sees the "
+                                 f"keys in (p - window, p]), got {w}")
+            object.__setattr__(self, "window", int(w))
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
+                raise ValueError(f"soft cap must be a number, got {c!r}")
+            if not (math.isfinite(c) and 0 < c <= 1e37):
+                raise ValueError(f"soft cap must be a positive finite number (logits become "
+                                 f"c * tanh(logit / c)), got {c}")
+            object.__setattr__(self, "soft_cap", float(c))
+        object.__setattr__(self, "sinks", bool(self.sinks))
+        object.__setattr__(self, "alibi", bool(self.alibi))
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.soft_cap is None and not self.sinks and not self.alibi
+
+    def label(self) -> str:
+        """``"window 512, soft-cap 50, sinks, ALiBi"`` (the ones set; "" for none)."""
+        parts = []
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        if self.soft_cap is not None:
+            parts.append(f"soft-cap {self.soft_cap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.alibi:
+            parts.append("ALiBi")
+        return ", ".join(parts)
+
+    def describe(self) -> str:
+        """One line for the output, with each variant's convention ("" for none)."""
+        parts = []
+        if self.window is not None:
+            parts.append(f"window {self.window} (FlashInfer's window_left {self.window - 1}; "
+                         f"bytes and FLOPs count only the keys inside it)")
+        if self.soft_cap is not None:
+            parts.append(f"soft-cap {self.soft_cap:g}")
+        if self.sinks:
+            parts.append(f"sinks (standard normal per head, seed {SINK_SEED})")
+        if self.alibi:
+            parts.append("ALiBi (the standard slopes of the head count)")
+        return ", ".join(parts)
+
+    def fields(self) -> dict:
+        """The Result / JSON / CSV fields: window, soft_cap (None: off), sinks, alibi."""
+        return dict(window=self.window, soft_cap=self.soft_cap, sinks=self.sinks,
+                    alibi=self.alibi)
+
+    def letters(self) -> str:
+        """The compile-time variant letters of the kernels these variants launch."""
+        from . import _variants
+
+        return _variants.letters(self.window or 0, self.soft_cap or 0.0, ())
+
+    def device_arrays(self, num_heads: int) -> dict:
+        """``sinks`` and ``alibi_slopes`` as float32 device arrays (those set)."""
+        a = {}
+        if self.sinks:
+            a["sinks"] = cupy.asarray(sink_values(num_heads))
+        if self.alibi:
+            a["alibi_slopes"] = cupy.asarray(alibi_slopes(num_heads))
+        return a
+
+    def _args(self, sinks, slopes) -> dict:
+        kw = dict(window=self.window, logits_soft_cap=self.soft_cap, sinks=sinks,
+                  alibi_slopes=slopes)
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def kernel_args(self, arrays: dict) -> dict:
+        """What cupaged.attention / paged_attention take (nothing for plain attention);
+        ``arrays``: what device_arrays made."""
+        return self._args(arrays["sinks"] if self.sinks else None,
+                          arrays["alibi_slopes"] if self.alibi else None)
+
+    def reference_args(self, num_heads: int) -> dict:
+        """The same for cupaged.reference (host arrays)."""
+        return self._args(sink_values(num_heads) if self.sinks else None,
+                          alibi_slopes(num_heads) if self.alibi else None)
+
+
+PLAIN = Variants()
+
+
 @dataclass
 class DecodeCase:
     """One decode workload: a random paged cache on the device, sequences scattered.
     ``kv_cache_dtype`` "auto": caches of ``dtype``; "fp8_e4m3" / "fp8_e5m2": uint8 caches
-    of random finite fp8 values with per-tensor scales (FP8_SCALES)."""
+    of random finite fp8 values with per-tensor scales (FP8_SCALES). ``variants``: the
+    attention variants every cupaged run and the reference check use."""
 
     batch: int
     context_lens: np.ndarray  # int32 [batch]
@@ -133,6 +270,7 @@ class DecodeCase:
     dtype: np.dtype
     seed: int = 0
     kv_cache_dtype: str = "auto"
+    variants: Variants = PLAIN
     arrays: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -159,13 +297,22 @@ class DecodeCase:
                     v_scale=self.v_scale)
 
     @property
+    def variant_args(self) -> dict:
+        """The variants as the kernels take them (nothing for plain attention)."""
+        return self.variants.kernel_args(self.arrays)
+
+    @property
     def kv_bytes(self) -> int:
+        """K and V of the keys a query sees, once per KV head: every context token, or
+        with a window min(context, window) per sequence (visible_tokens)."""
         it = 1 if self.fp8 else self.dtype.itemsize
-        return int(self.context_lens.astype(np.int64).sum()) * self.kv_heads * self.head_size * it * 2
+        tokens = visible_tokens(self.context_lens, self.variants.window)
+        return tokens * self.kv_heads * self.head_size * it * 2
 
     @property
     def bytes_moved(self) -> int:
-        """Every context token's K and V once per KV head, plus q and out."""
+        """The K and V of every key a query sees once per KV head (kv_bytes), plus q and
+        out."""
         return self.kv_bytes + 2 * self.batch * self.heads * self.head_size * self.dtype.itemsize
 
     def build(self) -> "DecodeCase":
@@ -181,7 +328,8 @@ class DecodeCase:
                                           self.dtype, rng, xp=cupy)
         q = testing.random_normal((self.batch, self.heads, self.head_size), self.dtype, rng, cupy)
         self.arrays = dict(query=q, key_cache=kc, value_cache=vc, block_tables=cupy.asarray(bt),
-                           context_lens=cupy.asarray(self.context_lens.astype(np.int32)))
+                           context_lens=cupy.asarray(self.context_lens.astype(np.int32)),
+                           **self.variants.device_arrays(self.heads))
         return self
 
     def run(self, out=None, partition="auto"):
@@ -190,12 +338,12 @@ class DecodeCase:
                                          a["block_tables"], a["context_lens"], out=out,
                                          partition=partition,
                                          max_context_len=int(self.context_lens.max(initial=0)),
-                                         **self.kv_args)
+                                         **self.kv_args, **self.variant_args)
 
     def check(self, out, max_seqs: int = 8, seed: int = 1) -> float:
         """||out - ref|| / ||ref|| over up to ``max_seqs`` sequences (chosen at random),
-        computed in float64 from just those sequences' blocks (once per case); an fp8
-        cache is read as the kernels read it, ``stored * scale``."""
+        computed in float64 from just those sequences' blocks (once per case), with the
+        case's variants; an fp8 cache is read as the kernels read it, ``stored * scale``."""
         a = self.arrays
         if "_refs" not in a:
             rng = np.random.default_rng(seed)
@@ -208,7 +356,7 @@ class DecodeCase:
                     cupy.asnumpy(a["query"][s: s + 1]), cupy.asnumpy(a["key_cache"][blocks]),
                     cupy.asnumpy(a["value_cache"][blocks]),
                     np.arange(blocks.size, dtype=np.int32)[None, :], np.array([n], np.int32),
-                    **self.kv_args)))
+                    **self.kv_args, **self.variants.reference_args(self.heads))))
             a["_refs"] = refs
         num = den = 0.0
         for s, ref in a["_refs"]:
@@ -224,12 +372,14 @@ class DecodeCase:
 
     def spec_name(self) -> str:
         """The decode specialization ``run()`` launches: for fp8, the cache's format as
-        _kvquant.cache_dtype names it and per-tensor scales (_kvquant.scales' mode "")."""
+        _kvquant.cache_dtype names it and per-tensor scales (_kvquant.scales' mode ""); the
+        window and soft-cap variants' letters (sinks and ALiBi are run-time arguments)."""
         dev = decode._device(cupy.cuda.Device().id)
         gt = decode._group_tile(self.heads // self.kv_heads)
         cache = _dtypes.KV_CACHE_DTYPES[self.kv_cache_dtype].name if self.fp8 else ""
         return decode._decode_spec(dev.arch, _dtypes.lookup(self.dtype).name, self.head_size,
-                                      self.block_size, gt, cache_dtype=cache, kv_scale="").name
+                                      self.block_size, gt, cache_dtype=cache, kv_scale="",
+                                      variant=self.variants.letters()).name
 
 
 # ---- workloads -------------------------------------------------------------------------------
@@ -258,7 +408,8 @@ def parse_context_dist(spec: str):
 @dataclass(frozen=True)
 class Workload:
     """One decode shape: a batch with a fixed context length or a uniform distribution,
-    over a cache of the query's type or of fp8 (``kv_cache_dtype``, as DecodeCase)."""
+    over a cache of the query's type or of fp8 (``kv_cache_dtype``, as DecodeCase), with
+    attention ``variants`` (plain by default)."""
 
     batch: int
     context: int | tuple  # tokens, or (lo, hi) for uniform lengths
@@ -269,6 +420,7 @@ class Workload:
     dtype: str  # numpy name
     preset: str = ""
     kv_cache_dtype: str = "auto"  # "auto", "fp8_e4m3" or "fp8_e5m2" ("fp8": e4m3)
+    variants: Variants = PLAIN
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
@@ -287,7 +439,7 @@ class Workload:
     def case(self, seed: int) -> "DecodeCase":
         return DecodeCase(self.batch, self.lengths(seed), self.heads, self.kv_heads,
                           self.head_size, self.block_size, _dtypes.parse(self.dtype).numpy, seed,
-                          self.kv_cache_dtype)
+                          self.kv_cache_dtype, self.variants)
 
 
 @dataclass
@@ -317,6 +469,10 @@ class Result:
     plan_us: float = float("nan")  # host time of one FlashInfer plan() (NaN for the rest)
     note: str = ""
     kv_cache_dtype: str = "auto"  # the cache's: "auto" (dtype), "fp8_e4m3" or "fp8_e5m2"
+    window: int | None = None  # the variants run (Variants.fields); None / False: off
+    soft_cap: float | None = None
+    sinks: bool = False
+    alibi: bool = False
 
 
 def _oom_errors():
@@ -379,8 +535,32 @@ def fp8_unsupported(impl: str, kv_cache_dtype: str = "auto") -> str | None:
     return None
 
 
-def _require_16bit_cache(case: "DecodeCase", impl: str) -> None:
-    why = fp8_unsupported(impl, case.kv_cache_dtype)
+# Peers that run plain softmax attention only: no window, soft-cap, sinks or ALiBi.
+_PLAIN_ONLY = ("cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense", "flashinfer-xqa")
+
+
+def variant_unsupported(impl: str, variants: Variants = PLAIN) -> str | None:
+    """Why ``impl`` cannot run ``variants`` (one line), or None. cupaged runs them all;
+    FlashInfer's decode wrappers get a window (``window_left = W - 1``) and a soft cap
+    through plan(); their sinks and ALiBi paths are not wired up here."""
+    if variants.plain or impl.startswith("cupaged"):
+        return None
+    if impl in _PLAIN_ONLY:
+        return f"{impl} runs plain attention only (asked for: {variants.label()})"
+    missing = [n for n, on in (("sinks", variants.sinks), ("ALiBi", variants.alibi)) if on]
+    if impl.startswith("flashinfer-") and missing:
+        return (f"{impl} is run with window_left and logits_soft_cap only, not "
+                f"{' or '.join(missing)}")
+    return None
+
+
+def unsupported(impl: str, kv_cache_dtype: str = "auto", variants: Variants = PLAIN) -> str | None:
+    """Why ``impl`` cannot run over this cache with these variants, or None."""
+    return fp8_unsupported(impl, kv_cache_dtype) or variant_unsupported(impl, variants)
+
+
+def _require_supported(case: "DecodeCase", impl: str) -> None:
+    why = unsupported(impl, case.kv_cache_dtype, case.variants)
     if why:
         raise NotImplementedError(why)
 
@@ -408,7 +588,8 @@ def _run_cupaged_layout(case: "DecodeCase", partition, layout: str):
     out = cupy.empty(a["query"].shape, a["query"].dtype)
     max_len = int(case.context_lens.max(initial=0))
     return lambda: attention(a["query"], k, v, a["block_tables"], a["context_lens"],
-                             kv_layout=layout, max_seq_len=max_len, out=out, **case.kv_args)
+                             kv_layout=layout, max_seq_len=max_len, out=out, **case.kv_args,
+                             **case.variant_args)
 
 
 def _gather_dense(case: "DecodeCase"):
@@ -422,7 +603,7 @@ def _gather_dense(case: "DecodeCase"):
 
 def _run_cupy_gather(case: "DecodeCase", partition):
     """What a user writes by hand: gather the pages, then matmul / softmax / matmul."""
-    _require_16bit_cache(case, "cupy-gather")
+    _require_supported(case, "cupy-gather")
     a = case.arrays
     s, h, hs = a["query"].shape
     kvh, g = case.kv_heads, case.heads // case.kv_heads
@@ -478,7 +659,7 @@ def _torch_gather(case, torch, bt, t):
 
 def _run_torch_paged(case: "DecodeCase", partition):
     """torch SDPA after gathering the pages (paging handled by indexing)."""
-    _require_16bit_cache(case, "torch-sdpa-paged")
+    _require_supported(case, "torch-sdpa-paged")
     torch, q, bt, t, mask = _torch_inputs(case)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -492,7 +673,7 @@ def _run_torch_paged(case: "DecodeCase", partition):
 
 def _run_torch_dense(case: "DecodeCase", partition):
     """torch SDPA over contiguous K/V built beforehand: no paging at all."""
-    _require_16bit_cache(case, "torch-sdpa-dense")
+    _require_supported(case, "torch-sdpa-dense")
     torch, q, bt, t, mask = _torch_inputs(case)
     k, v = (x.contiguous() for x in _torch_gather(case, torch, bt, t))
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -636,16 +817,25 @@ def _run_flashinfer_decode(case: "DecodeCase", partition, tensor_cores: bool = F
     tensor cores. plan() runs once per workload, as once per step for all layers in a
     model; its host time is the runner's ``plan_us``. The timed call is run() (over fp8,
     with k_scale and v_scale: FlashInfer folds k_scale into the softmax scale and
-    multiplies the output by v_scale in a launch of its own, timed as part of run())."""
+    multiplies the output by v_scale in a launch of its own, timed as part of run()).
+    A window goes to plan() as ``window_left = W - 1``, a soft cap as ``logits_soft_cap``;
+    sinks and ALiBi are refused (variant_unsupported)."""
     flashinfer = _require_flashinfer()
+    _require_supported(case, "flashinfer-decode-tc" if tensor_cores else "flashinfer-decode")
     fi = _flashinfer_inputs(case)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fi.workspace, "HND",
                                                            use_tensor_cores=tensor_cores)
+    variants = {}
+    if case.variants.window is not None:
+        variants["window_left"] = case.variants.window - 1
+    if case.variants.soft_cap is not None:
+        variants["logits_soft_cap"] = case.variants.soft_cap
 
     def plan():
         wrapper.plan(fi.indptr, fi.indices, fi.last_page_len, case.heads, case.kv_heads,
                      case.head_size, case.block_size, pos_encoding_mode="NONE",
-                     q_data_type=fi.q.dtype, kv_data_type=fi.k.dtype, sm_scale=fi.scale)
+                     q_data_type=fi.q.dtype, kv_data_type=fi.k.dtype, sm_scale=fi.scale,
+                     **variants)
 
     plan_us = _plan_host_us(plan)
 
@@ -675,7 +865,7 @@ def _run_flashinfer_xqa(case: "DecodeCase", partition):
     if xqa is None:
         raise NotImplementedError(f"flashinfer {getattr(flashinfer, '__version__', '?')} has "
                                   "no flashinfer.decode.xqa_batch_decode_with_kv_cache")
-    _require_16bit_cache(case, "flashinfer-xqa")
+    _require_supported(case, "flashinfer-xqa")
     fi = _flashinfer_inputs(case)
     max_len = int(case.context_lens.max(initial=0))
     scales = dict(bmm1_scale=fi.scale)
@@ -716,10 +906,11 @@ IMPLEMENTATIONS = {
 FLASHINFER_IMPLS = tuple(n for n in IMPLEMENTATIONS if n.startswith("flashinfer-"))
 
 
-def available_implementations(kv_cache_dtype: str = "auto") -> list:
-    """The implementations that can run here, over a ``kv_cache_dtype`` cache."""
+def available_implementations(kv_cache_dtype: str = "auto", variants: Variants = PLAIN) -> list:
+    """The implementations that can run here, over a ``kv_cache_dtype`` cache, with
+    ``variants``."""
     return [name for name, (_, ok) in IMPLEMENTATIONS.items()
-            if not fp8_unsupported(name, kv_cache_dtype) and ok()]
+            if not unsupported(name, kv_cache_dtype, variants) and ok()]
 
 
 def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: int = 0,
@@ -731,7 +922,7 @@ def measure(workload: Workload, impls, partition="auto", reps: int = 30, seed: i
     base = dict(preset=workload.preset, batch=workload.batch, context=workload.context_label,
                 heads=workload.heads, kv_heads=workload.kv_heads, head_size=workload.head_size,
                 block_size=workload.block_size, dtype=workload.dtype, partition=str(partition),
-                kv_cache_dtype=workload.kv_cache_dtype)
+                kv_cache_dtype=workload.kv_cache_dtype, **workload.variants.fields())
     try:
         case = workload.case(seed).build()
     except _oom_errors():

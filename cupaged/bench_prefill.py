@@ -6,6 +6,13 @@ the keys they see), beside the bf16 matmul rate measured in the same run; for
 memory-bound shapes (verify) also the K/V bytes read once against the copy bandwidth.
 Over an fp8 cache (``kv_cache_dtype``: random finite fp8 values, per-tensor scales, as
 the decode bench's) cupaged and FlashInfer run; torch SDPA has no fp8 path.
+
+Attention variants (``variants``: a sliding window, a logits soft cap, sinks) run in
+cupaged and in FlashInfer's wrappers (``window_left = W - 1`` and ``logits_soft_cap`` to
+plan(); no sinks); torch SDPA runs plain attention only. With a window, TFLOP/s count
+only the (query, key) pairs inside both the window and the causal limit
+(:func:`attended_pairs`), and the K/V bytes only the keys some query sees
+(:func:`seen_keys`).
 """
 
 from __future__ import annotations
@@ -18,14 +25,47 @@ import numpy as np
 
 from . import _dtypes, bench, reference, testing
 
-__all__ = ["PRESETS", "PrefillCase", "matmul_tflops", "measure"]
+__all__ = ["PRESETS", "PrefillCase", "attended_pairs", "matmul_tflops", "measure",
+           "seen_keys", "variant_unsupported"]
+
+
+def attended_pairs(q_len: int, ctx: int, causal: bool = True, window=None) -> int:
+    """(query, key) pairs one sequence computes: its ``q_len`` new tokens at positions
+    ``ctx - q_len .. ctx - 1``, each seeing the keys up to its own position (``causal``)
+    or all ``ctx``, and with a window W only those at positions > p - W."""
+    if not 0 <= q_len <= ctx:
+        raise ValueError(f"expected 0 <= q_len <= ctx, got {q_len} and {ctx}")
+    p = np.arange(ctx - q_len, ctx, dtype=np.int64)
+    hi = p + 1 if causal else np.full_like(p, ctx)  # exclusive
+    lo = np.zeros_like(p) if window is None else np.maximum(p - int(window) + 1, 0)
+    return int(np.maximum(hi - lo, 0).sum())
+
+
+def seen_keys(q_len: int, ctx: int, window=None) -> int:
+    """Keys of one sequence that some query sees (causal or not: the last query sees up
+    to the end): all ``ctx``, or with a window W those from ``ctx - q_len - W + 1`` on."""
+    if window is None:
+        return ctx
+    return ctx - max(0, ctx - q_len - int(window) + 1)
+
+
+def variant_unsupported(impl: str, variants: "bench.Variants") -> str | None:
+    """Why a prefill implementation cannot run ``variants`` (one line), or None."""
+    if variants.plain or impl == "cupaged":
+        return None
+    if impl.startswith("torch-sdpa"):
+        return f"{impl} runs plain attention only (asked for: {variants.label()})"
+    if impl.startswith("flashinfer-") and (variants.sinks or variants.alibi):
+        return f"{impl} is run with window_left and logits_soft_cap only, not sinks"
+    return None
 
 
 @dataclass
 class PrefillCase:
     """``batch`` sequences, each with ``q_len`` new tokens at the end of ``ctx`` cached ones
     (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered: of
-    ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2")."""
+    ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2"), with
+    attention ``variants`` (bench.Variants; no ALiBi here)."""
 
     name: str
     batch: int
@@ -38,7 +78,9 @@ class PrefillCase:
     dtype: str = "bfloat16"
     causal: bool = True
     kv_cache_dtype: str = "auto"
+    variants: bench.Variants = bench.PLAIN
     arrays: dict = field(default_factory=dict, repr=False)
+    variant_arrays: dict = field(default_factory=dict, repr=False)  # sinks on the device
 
     def __post_init__(self):
         self.kv_cache_dtype = bench.kv_cache_dtype_name(self.kv_cache_dtype)
@@ -78,24 +120,30 @@ class PrefillCase:
             block_tables=cupy.asarray(bt), seq_lens=cupy.asarray(lens),
             query_start_loc=cupy.arange(0, self.batch * self.q_len + 1, self.q_len,
                                         dtype=np.int32))
+        self.variant_arrays = self.variants.device_arrays(self.heads)
         return self
 
+    @property
+    def variant_args(self) -> dict:
+        """The variants as cupaged.attention takes them (nothing for plain attention)."""
+        return self.variants.kernel_args(self.variant_arrays)
+
     def flops(self) -> float:
-        """Useful FLOPs: 2 matmuls of 2 * head_size per (query head, visible key)."""
-        if self.causal:
-            seen = self.q_len * (self.ctx - self.q_len) + self.q_len * (self.q_len + 1) // 2
-        else:
-            seen = self.q_len * self.ctx
+        """Useful FLOPs: 2 matmuls of 2 * head_size per (query head, visible key), the
+        visible keys within the causal limit and the window (attended_pairs)."""
+        seen = attended_pairs(self.q_len, self.ctx, self.causal, self.variants.window)
         return 4.0 * self.head_size * self.heads * self.batch * seen
 
     def kv_bytes(self) -> int:
-        """K and V read once (1 byte per element for fp8)."""
+        """K and V read once (1 byte per element for fp8): the keys some query sees
+        (seen_keys: all of them without a window)."""
         it = 1 if self.fp8 else np.dtype(self.np_dtype).itemsize
-        return 2 * self.batch * self.ctx * self.kv_heads * self.head_size * it
+        keys = seen_keys(self.q_len, self.ctx, self.variants.window)
+        return 2 * self.batch * keys * self.kv_heads * self.head_size * it
 
     def check(self, out, rows: int = 6) -> float:
         """Max relative error of a few query rows of the first and last sequences (the
-        last row of each included) against the float64 reference."""
+        last row of each included) against the float64 reference, with the variants."""
         a = self.arrays
         q = cupy.asnumpy(a["query"]).astype(np.float64)
         k = cupy.asnumpy(a["key_cache"])
@@ -109,7 +157,8 @@ class PrefillCase:
             qrows = q[s * self.q_len + picks]
             pos = self.ctx - self.q_len + picks
             ref = reference.attend(qrows, kk, vv, 1.0 / math.sqrt(self.head_size),
-                                   q_pos=pos, causal=self.causal)
+                                   q_pos=pos, causal=self.causal,
+                                   **self.variants.reference_args(self.heads))
             g = got[s * self.q_len + picks]
             err = np.linalg.norm(g - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
             worst = max(worst, float(np.nan_to_num(err, nan=np.inf).max()))
@@ -150,7 +199,7 @@ def _run_cupaged(case: PrefillCase):
     def run():
         return cupaged.attention(**a, kv_layout="NHD", causal=case.causal,
                                  max_query_len=case.q_len, max_seq_len=case.ctx, out=out,
-                                 **case.kv_args)
+                                 **case.kv_args, **case.variant_args)
 
     return run
 
@@ -158,8 +207,12 @@ def _run_cupaged(case: PrefillCase):
 def _run_flashinfer(case: PrefillCase, backend: str):
     """FlashInfer's BatchPrefillWithPagedKVCacheWrapper; an fp8 cache's bytes viewed as
     torch's float8 type, its scales passed to run() (k_scale folded into the softmax
-    scale, the output multiplied by v_scale: FlashInfer's own launch, timed with it)."""
+    scale, the output multiplied by v_scale: FlashInfer's own launch, timed with it). A
+    window goes to plan() as ``window_left = W - 1``, a soft cap as ``logits_soft_cap``."""
     flashinfer = bench._require_flashinfer()
+    why = variant_unsupported(f"flashinfer-{backend}", case.variants)
+    if why:
+        raise NotImplementedError(why)
     torch = bench._torch()
     a = case.arrays
     indptr, indices, last = bench._flashinfer_pages(cupy.asnumpy(a["block_tables"]),
@@ -180,7 +233,9 @@ def _run_flashinfer(case: PrefillCase, backend: str):
                  torch.from_numpy(indptr), torch.from_numpy(indices).to(dev),
                  torch.from_numpy(last), case.heads, case.kv_heads, case.head_size,
                  case.block_size, causal=case.causal, q_data_type=q.dtype,
-                 kv_data_type=k.dtype)
+                 kv_data_type=k.dtype,
+                 window_left=-1 if case.variants.window is None else case.variants.window - 1,
+                 logits_soft_cap=case.variants.soft_cap)
     out_cupy = cupy.from_dlpack(out)
 
     def run():
@@ -196,6 +251,9 @@ def _run_sdpa(case: PrefillCase, backend: str):
     mask, which only the cuDNN and math backends take. No fp8 caches."""
     if case.fp8:
         raise NotImplementedError(f"torch SDPA has no fp8 cache path ({case.kv_cache_dtype})")
+    why = variant_unsupported(f"torch-sdpa-{backend}", case.variants)
+    if why:
+        raise NotImplementedError(why)
     torch = bench._torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -271,5 +329,6 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
             rows.append(Row(case.name, impl, t.median_us, tflops, pct, err,
                             "" if err <= 4 * tol else "WRONG"))
         case.arrays.clear()
+        case.variant_arrays.clear()
         cupy.get_default_memory_pool().free_all_blocks()
     return rows

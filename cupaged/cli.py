@@ -54,6 +54,44 @@ def _kv_cache_dtype(value: str, dt: _dtypes.DType) -> str:
     return kv
 
 
+def _window_option(extra: str = ""):
+    return click.option(
+        "--window", type=int, default=None, metavar="W",
+        help="Sliding window: a query at position p sees only the keys in (p - W, p] "
+             "(FlashInfer's window_left = W - 1)." + extra)
+
+
+def _soft_cap_option(f):
+    return click.option("--soft-cap", type=float, default=None, metavar="C",
+                        help="Logits soft cap: each logit becomes C * tanh(logit / C) "
+                             "(Gemma 2), C > 0.")(f)
+
+
+def _sinks_option(f):
+    return click.option("--sinks", is_flag=True,
+                        help="Attention sinks: one standard normal value per head (fixed "
+                             "seed), natural-log units, added to the softmax denominator "
+                             "only.")(f)
+
+
+def _variants(window, soft_cap, sinks=False, alibi=False):
+    """The variant options as a bench.Variants; usage errors for bad values."""
+    from .bench import Variants
+
+    for hint, kw in (("--window", dict(window=window)), ("--soft-cap", dict(soft_cap=soft_cap))):
+        try:
+            Variants(**kw)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=hint)
+    return Variants(window, soft_cap, sinks, alibi)
+
+
+def _echo_variants(variants) -> None:
+    """One line naming the variants and their conventions (nothing for plain attention)."""
+    if not variants.plain:
+        click.echo(f"variants: {variants.describe()}")
+
+
 def _gpu_count() -> int:
     try:
         import cupy
@@ -211,6 +249,12 @@ def _workload_options(f):
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--dtype", default="float16", show_default=True),
         _kv_cache_dtype_option,
+        _window_option(" Bytes moved and % copy then count only the keys a query sees: "
+                       "min(context, W) tokens per sequence."),
+        _soft_cap_option,
+        _sinks_option,
+        click.option("--alibi", is_flag=True,
+                     help="ALiBi: the standard slopes of --heads (2^(-8 i / heads))."),
         click.option("--partition", default="auto", show_default=True,
                      help="auto, never, always, or tokens per partition."),
         click.option("--reps", type=click.IntRange(3), default=30, show_default=True),
@@ -228,7 +272,7 @@ def _workload_options(f):
 
 
 def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
-               dtype, kv_cache_dtype="auto"):
+               dtype, kv_cache_dtype="auto", variants=None):
     """Expand the options into workloads; usage errors for impossible combinations."""
     from .bench import PRESETS, Workload, parse_context_dist
 
@@ -248,7 +292,8 @@ def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size
     for _, h, kvh, _ in shapes:
         if h % kvh:
             raise click.BadParameter("--heads must be a multiple of --kv-heads", param_hint="--heads")
-    return [Workload(b, c, h, kvh, hs, block_size, dt.numpy.name, p, kv)
+    extra = {} if variants is None else dict(variants=variants)
+    return [Workload(b, c, h, kvh, hs, block_size, dt.numpy.name, p, kv, **extra)
             for (p, h, kvh, hs), b, c in itertools.product(shapes, batch, contexts)]
 
 
@@ -272,6 +317,8 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
     bw = bench.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
     _echo_kv_cache(workloads[0].kv_cache_dtype if workloads else "auto")
+    if workloads:
+        _echo_variants(workloads[0].variants)
     results = []
     with click.progressbar(workloads, label="measuring", file=sys.stderr,
                            item_show_func=lambda w: w and f"batch {w.batch} ctx {w.context_label}") as bar:
@@ -351,17 +398,20 @@ def _tile(ctx, param, value):
               help="Tuning: force the decode kernels' tile (tokens) and pipeline depth, "
                    "e.g. 32x3, instead of the default for the dtype and head size.")
 def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size, dtype,
-           kv_cache_dtype, partition, reps, seed, json_path, csv_path, plot_path, tile):
+           kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed, json_path,
+           csv_path, plot_path, tile):
     """Time paged-attention decode over a sweep; each result is checked against the
-    float64 reference before it is timed."""
+    float64 reference (with the same variants) before it is timed."""
     from . import decode
 
+    variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
-                    block_size, dtype, kv_cache_dtype)
+                    block_size, dtype, kv_cache_dtype, variants)
     decode._set_tile(tile)
     kv = ws[0].kv_cache_dtype if ws else "auto"
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
-           "cupaged decode" + ("" if kv == "auto" else f", {kv} cache"))
+           "cupaged decode" + ("" if kv == "auto" else f", {kv} cache")
+           + (f", {variants.label()}" if not variants.plain else ""))
 
 
 @main.command()
@@ -369,17 +419,21 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
 @click.option("--impl", "impls", multiple=True,
               help="Implementations to run (default: every one available here).")
 def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, partition, reps, seed, json_path, csv_path, plot_path, impls):
+            dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
+            json_path, csv_path, plot_path, impls):
     """The same workloads through every implementation available here, on the same data:
     cupaged, a CuPy gather-then-attend baseline, (when torch is importable) torch SDPA
     over gathered pages and over dense contiguous KV, and (when FlashInfer is importable)
     FlashInfer's batch decode on CUDA cores and on tensor cores and its XQA kernel, whose
     plan() host time is reported apart. Ratios are time / cupaged's time. Over an fp8
-    cache the peers without an fp8 path (the gather baselines; XQA for e5m2) are left out."""
+    cache the peers without an fp8 path (the gather baselines; XQA for e5m2) are left out;
+    with variants, those that cannot run them (the gather baselines and XQA for any;
+    FlashInfer's decode for sinks and ALiBi: it gets window_left and logits_soft_cap)."""
     from . import bench
 
+    variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
-                    block_size, dtype, kv_cache_dtype)
+                    block_size, dtype, kv_cache_dtype, variants)
     kv = bench.kv_cache_dtype_name(kv_cache_dtype)
     known = list(bench.IMPLEMENTATIONS)
     for i in impls:
@@ -389,6 +443,9 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
         why = bench.fp8_unsupported(i, kv)
         if why:
             raise click.BadParameter(f"--kv-cache-dtype {kv}: {why}", param_hint="--impl")
+        why = bench.variant_unsupported(i, variants)
+        if why:
+            raise click.BadParameter(why, param_hint="--impl")
     asked_fi = [i for i in impls if i in bench.FLASHINFER_IMPLS]
     gpu = _gpu_count() > 0
     why = bench.flashinfer_unavailable() if asked_fi or (gpu and not impls) else None
@@ -397,18 +454,25 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
                                f"flashinfer-python) and torch with CUDA: {why}")
     if why:  # one line for all of them, not a skipped row per workload
         click.echo(f"flashinfer rows skipped: {why}")
-    if not impls:  # one line for the peers an fp8 cache leaves out
+    if not impls:  # one line each for the peers an fp8 cache or the variants leave out
         no_fp8 = [i for i in known if bench.fp8_unsupported(i, kv)]
         if no_fp8:
             click.echo(f"no fp8 cache path, left out: {', '.join(no_fp8)}")
-    chosen = list(impls) or (bench.available_implementations(kv) if gpu else
-                             [i for i in known if not bench.fp8_unsupported(i, kv)])
+        no_var = [i for i in known if not bench.fp8_unsupported(i, kv)
+                  and bench.variant_unsupported(i, variants)
+                  and not (why and i in bench.FLASHINFER_IMPLS)]
+        if no_var:
+            click.echo(f"cannot run {variants.label()}, left out: {', '.join(no_var)}")
+    chosen = list(impls) or (bench.available_implementations(kv, variants) if gpu else
+                             [i for i in known if not bench.unsupported(i, kv, variants)])
     if "cupaged" in chosen:  # first, so the others' ratios refer to it
         chosen = ["cupaged"] + [i for i in chosen if i != "cupaged"]
     title = "decode: " + ", ".join(dict.fromkeys(w.preset or f"{w.heads}/{w.kv_heads}/{w.head_size}"
                                                    for w in ws))
     if kv != "auto":
         title += f" ({kv} cache)"
+    if not variants.plain:
+        title += f" ({variants.label()})"
     _sweep(ws, chosen, _partition(partition), reps, seed, json_path, csv_path, plot_path, title)
 
 
@@ -436,15 +500,23 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
 @click.option("--dtype", default="bfloat16", show_default=True)
 @_kv_cache_dtype_option
 @click.option("--non-causal", is_flag=True, help="Every query token sees every key.")
+@_window_option(" TFLOP/s then count only the (query, key) pairs inside the window and "
+                "the causal limit; % copy only the keys some query sees.")
+@_soft_cap_option
+@_sinks_option
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, non_causal, reps):
+            dtype, kv_cache_dtype, non_causal, window, soft_cap, sinks, reps):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
     measured in the same run. Over an fp8 cache (--kv-cache-dtype; the presets keep
-    their query types) torch SDPA, which has no fp8 path, is left out."""
+    their query types) torch SDPA, which has no fp8 path, is left out; with --window,
+    --soft-cap or --sinks it is too (plain attention only), and FlashInfer (which gets
+    window_left = W - 1 and logits_soft_cap) with --sinks."""
     from . import bench, bench_prefill
+
+    variants = _variants(window, soft_cap, sinks)
 
     kv = bench.kv_cache_dtype_name(kv_cache_dtype)
     if kv != "auto" and (batch or query_len):  # a custom shape's --dtype (presets: 16 bits)
@@ -463,23 +535,28 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
             raise click.BadParameter("--context counts the new tokens: at least --query-len")
         cases.append(bench_prefill.PrefillCase(
             f"{batch}x{query_len}/{ctx}", batch, query_len, ctx, heads, kv_heads, head_size,
-            block_size, dtype, not non_causal, kv))
+            block_size, dtype, not non_causal, kv, variants))
     for name in presets or (() if cases else tuple(bench_prefill.PRESETS)):
         if name not in bench_prefill.PRESETS:
             raise click.BadParameter(f"unknown preset {name!r}", param_hint="--preset")
         kw = bench_prefill.PRESETS[name]
         cases.append(bench_prefill.PrefillCase(name, causal=not non_causal, kv_cache_dtype=kv,
-                                               **kw))
+                                               variants=variants, **kw))
     if not impls:
         impls = ["cupaged"]
         if bench._torch() is not None and kv == "auto":  # SDPA: no fp8 cache path
             impls += ["torch-sdpa-flash", "torch-sdpa-cudnn"]
         if bench.flashinfer_unavailable() is None:
             impls += ["flashinfer-fa2", "flashinfer-fa3"]
+        left_out = [i for i in impls if bench_prefill.variant_unsupported(i, variants)]
+        if left_out:
+            click.echo(f"cannot run {variants.label()}, left out: {', '.join(left_out)}")
+            impls = [i for i in impls if i not in left_out]
     bw = bench.copy_bandwidth()
     mm = bench_prefill.matmul_tflops()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s (same run)")
     _echo_kv_cache(kv)
+    _echo_variants(variants)
     click.echo(f"{'shape':20s} {'implementation':18s} {'median us':>10s} {'TFLOP/s':>8s} "
                f"{'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
     wrong = 0
@@ -488,6 +565,88 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
                    f"{100 * r.tflops / mm:5.1f}% {r.pct_copy:6.1f}% {r.error:8.1e}  {r.note}")
         wrong += r.note == "WRONG"
     sys.exit(1 if wrong else 0)
+
+
+# ---- cascade attention ------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--seqs", type=click.IntRange(1), default=128, show_default=True,
+              help="Sequences (decode queries) sharing the prefix.")
+@click.option("--prefix", type=click.IntRange(1), default=32768, show_default=True,
+              help="Tokens of the shared prefix, stored once (a multiple of --block-size).")
+@click.option("--suffix", type=click.IntRange(1), default=256, show_default=True,
+              help="Tokens of each sequence's own after the prefix, the new one included.")
+@click.option("--heads", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--head-size", type=int, default=128, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--kv-layout", type=click.Choice(["NHD", "HND", "vllm"]), default="NHD",
+              show_default=True, help="The cache's layout (vllm: plain and suffix decode "
+                                      "through cupaged.paged_attention).")
+@click.option("--check-seqs", type=click.IntRange(1), default=3, show_default=True,
+              help="Sequences checked against the float64 reference of plain decode.")
+@click.option("--reps", type=click.IntRange(3), default=30, show_default=True)
+@click.option("--seed", type=int, default=0)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the configuration, checks, rows and environment as JSON.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+              help="Write one row per step as CSV (environment as # comment lines).")
+def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype, kv_layout,
+            check_seqs, reps, seed, json_path, csv_path):
+    """Cascade attention over a shared prefix. One paged cache stores the prefix's blocks
+    once and every sequence's table points to them, then to its own blocks. Times, on the
+    same data, plain paged decode over the full tables against the cascade: all decode
+    queries over the prefix once (cupaged.attention, one sequence of --seqs query tokens,
+    non-causal, return_lse), each sequence's decode over its own blocks (return_lse), and
+    cupaged.merge_state. The two results are checked against each other and, for
+    --check-seqs sequences, against the float64 reference before timing. Each step is
+    also timed alone (cold L2 each time, so the parts need not add up to the whole)."""
+    from . import bench, bench_cascade
+
+    try:
+        case = bench_cascade.CascadeCase(seqs, prefix, suffix, heads, kv_heads, head_size,
+                                         block_size, dtype, kv_layout, seed)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    _require_gpu()
+    bw = bench.copy_bandwidth()
+    click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
+    click.echo(f"cascade: {seqs} sequences x (shared prefix {prefix} + own {suffix} tokens), "
+               f"{heads}/{kv_heads}/{head_size}, block {block_size}, {case.dtype}, {kv_layout}")
+    try:
+        rows, checks = bench_cascade.measure(case, reps, bw, check_seqs)
+    except bench._oom_errors():
+        bench._free_memory()
+        click.echo("SKIPPED: the cache does not fit in GPU memory")
+        sys.exit(3)
+    click.echo(f"checks (tolerance {checks['tolerance']:g}, lse {checks['lse_tolerance']:g}): "
+               f"cascade vs plain {checks['cascade_vs_plain']:.1e} "
+               f"(lse {checks['lse_cascade_vs_plain']:.1e}); vs the float64 reference, "
+               f"sequences {', '.join(map(str, checks['checked_seqs']))}: plain "
+               f"{checks['plain_vs_reference']:.1e}, cascade {checks['cascade_vs_reference']:.1e} "
+               f"(lse {checks['lse_cascade_vs_reference']:.1e})"
+               + ("" if checks["ok"] else "  FAILED"))
+    click.echo(f"{'step':48s} {'median us':>10s} {'p10-p90 us':>17s} {'MiB moved':>10s} "
+               f"{'GB/s':>7s} {'% copy':>7s} {'x plain':>8s}")
+    for r in rows:
+        line = f"{r.what:48s} "
+        if r.status != "ok":
+            click.echo(line + f"{r.status.upper()}: {r.note}")
+            continue
+        click.echo(line + f"{r.median_us:10.1f} {_fmt(r.p10_us, '8.1f')}-{_fmt(r.p90_us, '<8.1f')} "
+                   f"{r.bytes_moved / 2**20:10.1f} {r.gbps:7.0f} {r.pct_copy:6.1f}% "
+                   f"{r.ratio_to_plain:8.3f}")
+    if checks["ok"]:
+        click.echo(f"speed-up of the cascade over plain decode: "
+                   f"{bench_cascade.speedup(rows):.2f}x")
+    env = bench.environment()
+    if json_path:
+        bench_cascade.write_json(json_path, case, rows, checks, env, bw / 1e9)
+    if csv_path:
+        bench_cascade.write_csv(csv_path, case, rows, checks, env, bw / 1e9)
+    sys.exit(0 if checks["ok"] else 1)
 
 
 # ---- overhead -------------------------------------------------------------------------------------

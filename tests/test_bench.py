@@ -269,3 +269,457 @@ def test_fp8_case_caches_are_finite_bytes_in_vllm_layout():
     seen = set(cupy.asnumpy(cupy.unique(cupy.concatenate([kc.ravel(), vc.ravel()]))).tolist())
     assert seen == _finite_fp8_bytes("fp8_e5m2")
     c.arrays.clear()
+
+
+# ---- attention variants: options, accounting, skips (pure functions) ----------------------------
+
+
+def test_variants_default_to_plain_and_say_what_they_are():
+    v = bench.Variants()
+    assert v.plain and v.label() == "" and v.describe() == "" and v == bench.PLAIN
+    assert v.fields() == dict(window=None, soft_cap=None, sinks=False, alibi=False)
+    assert v.kernel_args({}) == {} and v.reference_args(8) == {} and v.letters() == ""
+    w = bench.Variants(512, 50, True, True)
+    assert not w.plain and w.label() == "window 512, soft-cap 50, sinks, ALiBi"
+    assert "window_left 511" in w.describe() and f"seed {bench.SINK_SEED}" in w.describe()
+    assert w.fields() == dict(window=512, soft_cap=50.0, sinks=True, alibi=True)
+    assert w.letters() == "wc" and bench.Variants(soft_cap=30.0).letters() == "c"
+    assert bench.Variants(sinks=True).letters() == bench.Variants(alibi=True).letters() == ""
+    ref = w.reference_args(8)
+    assert ref["window"] == 512 and ref["logits_soft_cap"] == 50.0
+    assert np.array_equal(ref["sinks"], bench.sink_values(8))
+    assert np.array_equal(ref["alibi_slopes"], bench.alibi_slopes(8))
+    got = w.kernel_args({"sinks": "S", "alibi_slopes": "A"})
+    assert got == dict(window=512, logits_soft_cap=50.0, sinks="S", alibi_slopes="A")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(window=0), "window must be at least 1"),
+    (dict(window=-5), "window must be at least 1"),
+    (dict(window=2.5), "window must be an int"),
+    (dict(soft_cap=0.0), "soft cap must be a positive finite number"),
+    (dict(soft_cap=-1.0), "soft cap must be a positive finite number"),
+    (dict(soft_cap=float("inf")), "soft cap must be a positive finite number"),
+    (dict(soft_cap=float("nan")), "soft cap must be a positive finite number"),
+    (dict(soft_cap="50"), "soft cap must be a number"),
+])
+def test_bad_variants_are_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        bench.Variants(**kw)
+
+
+def test_sinks_are_fixed_standard_normal_values():
+    s = bench.sink_values(64)
+    assert s.dtype == np.float32 and s.shape == (64,)
+    assert np.array_equal(s, bench.sink_values(64)) and abs(float(s.mean())) < 0.5
+    assert np.array_equal(bench.sink_values(8), s[:8])  # the same stream, per head
+
+
+def test_alibi_slopes_are_the_standard_ones():
+    assert np.allclose(bench.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)])
+    s32 = bench.alibi_slopes(32)
+    assert np.allclose(s32, [2.0 ** (-i / 4) for i in range(1, 33)]) and s32.dtype == np.float32
+    # not a power of two: the 8 of 8 heads, then odd slopes of 16 heads
+    s12 = bench.alibi_slopes(12)
+    assert np.allclose(s12[:8], bench.alibi_slopes(8))
+    assert np.allclose(s12[8:], bench.alibi_slopes(16)[0::2][:4])
+    assert bench.alibi_slopes(1).tolist() == [2.0 ** -8]
+    assert len(bench.alibi_slopes(28)) == 28 and len(set(bench.alibi_slopes(28))) == 28
+
+
+def test_visible_tokens_count_only_the_window():
+    lens = [5, 17, 300, 32768]
+    assert bench.visible_tokens(lens) == 5 + 17 + 300 + 32768
+    assert bench.visible_tokens(lens, 512) == 5 + 17 + 300 + 512
+    assert bench.visible_tokens(lens, 1) == 4 and bench.visible_tokens([], 8) == 0
+
+
+def test_decode_bytes_with_a_window_count_the_keys_a_query_sees():
+    plain = _case("auto", lens=(100, 1000, 4000))
+    win = bench.DecodeCase(3, np.array([100, 1000, 4000], np.int32), 8, 2, 128, 16,
+                           np.dtype(np.float16), variants=bench.Variants(window=512))
+    per_token = 2 * 128 * 2 * 2  # K and V, 2 KV heads, 2 bytes
+    assert plain.kv_bytes == 5100 * per_token
+    assert win.kv_bytes == (100 + 512 + 512) * per_token
+    assert win.bytes_moved - win.kv_bytes == plain.bytes_moved - plain.kv_bytes
+    capped = bench.DecodeCase(3, np.array([100, 1000, 4000], np.int32), 8, 2, 128, 16,
+                              np.dtype(np.float16),
+                              variants=bench.Variants(soft_cap=30.0, sinks=True, alibi=True))
+    assert capped.kv_bytes == plain.kv_bytes  # no window: every key is seen
+
+
+def test_workload_carries_the_variants_to_its_case():
+    v = bench.Variants(window=64, soft_cap=20.0, sinks=True)
+    w = bench.Workload(4, (10, 90), 8, 2, 64, 16, "bfloat16", "p", "auto", v)
+    assert w.case(seed=1).variants is v
+    assert bench.Workload(4, 10, 8, 2, 64, 16, "float16").case(0).variants == bench.PLAIN
+
+
+def test_variant_case_names_its_specialization(monkeypatch):
+    import cupy
+
+    from cupaged import decode
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448))
+
+    def name(**kw):
+        return bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
+                                variants=bench.Variants(**kw)).spec_name()
+
+    assert name() == "paged_decode_f16_hs128_bs16_vllm_g4_sm90"
+    assert name(sinks=True, alibi=True) == name()  # run-time arguments only
+    assert name(window=8) != name() and name(soft_cap=5.0) != name()
+    assert name(window=8, soft_cap=5.0) not in (name(window=8), name(soft_cap=5.0))
+
+
+def test_peers_that_cannot_run_variants_are_named():
+    plain_only = {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense", "flashinfer-xqa"}
+    for impl in bench.IMPLEMENTATIONS:
+        assert bench.variant_unsupported(impl, bench.PLAIN) is None
+    for v in (bench.Variants(window=512), bench.Variants(soft_cap=50.0),
+              bench.Variants(window=512, soft_cap=50.0)):
+        no = {i for i in bench.IMPLEMENTATIONS if bench.variant_unsupported(i, v)}
+        assert no == plain_only  # FlashInfer's decode gets window_left / logits_soft_cap
+    for v in (bench.Variants(sinks=True), bench.Variants(alibi=True)):
+        no = {i for i in bench.IMPLEMENTATIONS if bench.variant_unsupported(i, v)}
+        assert no == plain_only | {"flashinfer-decode", "flashinfer-decode-tc"}
+    assert "runs plain attention only (asked for: window 512)" in bench.variant_unsupported(
+        "cupy-gather", bench.Variants(window=512))
+    assert "not sinks or ALiBi" in bench.variant_unsupported(
+        "flashinfer-decode", bench.Variants(sinks=True, alibi=True))
+    assert all(bench.variant_unsupported(i, bench.Variants(1, 1.0, True, True)) is None
+               for i in ("cupaged", "cupaged-nhd", "cupaged-hnd"))
+    # fp8 first, then the variants
+    assert "no fp8 cache path" in bench.unsupported("cupy-gather", "fp8", bench.Variants(window=4))
+    assert bench.available_implementations("auto", bench.Variants(window=4))[:3] == [
+        "cupaged", "cupaged-nhd", "cupaged-hnd"]
+    assert not set(bench.available_implementations("auto", bench.Variants(window=4))) & plain_only
+
+
+@pytest.mark.parametrize("impl", ["cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"])
+def test_gather_peers_refuse_variants_with_a_reason(impl):
+    case = bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
+                            variants=bench.Variants(soft_cap=10.0))
+    with pytest.raises(NotImplementedError, match="plain attention only"):
+        bench.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
+
+
+@pytest.mark.parametrize("impl", ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"])
+def test_flashinfer_rows_refuse_what_they_are_not_given(monkeypatch, impl):
+    fake = types.ModuleType("flashinfer")
+    fake.decode = types.SimpleNamespace(xqa_batch_decode_with_kv_cache=lambda *a, **k: None)
+    monkeypatch.setattr(bench, "_flashinfer", lambda: (fake, None))
+    case = bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
+                            variants=bench.Variants(window=4, sinks=True))
+    with pytest.raises(NotImplementedError, match="sinks" if impl != "flashinfer-xqa"
+                       else "plain attention only"):
+        bench.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
+
+
+def test_result_records_the_variants():
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(bench.Result)}
+    assert {"window", "soft_cap", "sinks", "alibi"} <= names
+    r = bench.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok",
+                     **bench.Variants(window=8, alibi=True).fields())
+    assert (r.window, r.soft_cap, r.sinks, r.alibi) == (8, None, False, True)
+
+
+# ---- prefill: FLOPs and bytes with a window ----------------------------------------------------
+
+
+def _pairs_brute(q_len, ctx, causal, window):
+    n = 0
+    for p in range(ctx - q_len, ctx):
+        for k in range(ctx):
+            n += (k <= p or not causal) and (window is None or k > p - window)
+    return n
+
+
+@pytest.mark.parametrize("q_len, ctx", [(1, 1), (4, 4), (4, 37), (37, 37), (16, 100), (0, 9)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 3, 16, 50, 1000])
+def test_attended_pairs_match_a_brute_count(q_len, ctx, causal, window):
+    from cupaged import bench_prefill
+
+    assert bench_prefill.attended_pairs(q_len, ctx, causal, window) == \
+        _pairs_brute(q_len, ctx, causal, window)
+
+
+def test_attended_pairs_closed_forms():
+    from cupaged import bench_prefill
+
+    q, c = 4096, 4096
+    assert bench_prefill.attended_pairs(q, c) == q * (q + 1) // 2
+    assert bench_prefill.attended_pairs(512, 8192) == 512 * (8192 - 512) + 512 * 513 // 2
+    assert bench_prefill.attended_pairs(q, c, False) == q * c
+    # a window W over a whole prompt: W keys per row once past the first W rows
+    w = 512
+    assert bench_prefill.attended_pairs(q, c, True, w) == w * (w + 1) // 2 + (q - w) * w
+    assert bench_prefill.attended_pairs(q, c, True, c) == bench_prefill.attended_pairs(q, c)
+    with pytest.raises(ValueError, match="q_len <= ctx"):
+        bench_prefill.attended_pairs(5, 4)
+
+
+@pytest.mark.parametrize("q_len, ctx, window, keys", [
+    (4096, 4096, None, 4096), (4096, 4096, 512, 4096), (1, 8192, 512, 512),
+    (512, 8192, 512, 1023), (4, 2048, 4096, 2048), (4, 2048, 1, 4)])
+def test_seen_keys(q_len, ctx, window, keys):
+    from cupaged import bench_prefill
+
+    assert bench_prefill.seen_keys(q_len, ctx, window) == keys
+
+
+def test_prefill_case_counts_flops_and_bytes_inside_the_window():
+    from cupaged import bench_prefill
+
+    kw = dict(batch=2, q_len=64, ctx=256, heads=4, kv_heads=2, head_size=64)
+    plain = bench_prefill.PrefillCase("x", **kw)
+    win = bench_prefill.PrefillCase("x", **kw, variants=bench.Variants(window=32))
+    cap = bench_prefill.PrefillCase("x", **kw, variants=bench.Variants(soft_cap=30.0, sinks=True))
+    assert plain.flops() == 4.0 * 64 * 4 * 2 * (64 * 192 + 64 * 65 // 2) == cap.flops()
+    assert win.flops() == 4.0 * 64 * 4 * 2 * 64 * 32
+    assert plain.kv_bytes() == cap.kv_bytes() == 2 * 2 * 256 * 2 * 64 * 2
+    assert win.kv_bytes() == 2 * 2 * (64 + 31) * 2 * 64 * 2
+    assert win.variant_args == dict(window=32) and plain.variant_args == {}
+
+
+def test_prefill_peers_that_cannot_run_variants():
+    from cupaged import bench_prefill
+
+    impls = list(bench_prefill.IMPLEMENTATIONS)
+    for v, no in ((bench.PLAIN, set()),
+                  (bench.Variants(window=4096), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
+                  (bench.Variants(soft_cap=50.0), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
+                  (bench.Variants(sinks=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
+                                                "flashinfer-fa2", "flashinfer-fa3"})):
+        assert {i for i in impls if bench_prefill.variant_unsupported(i, v)} == no
+    case = bench_prefill.PrefillCase("x", 1, 4, 4, variants=bench.Variants(window=2))
+    with pytest.raises(NotImplementedError, match="torch-sdpa-flash runs plain attention only"):
+        bench_prefill.IMPLEMENTATIONS["torch-sdpa-flash"](case)
+
+
+# ---- the cases' plumbing on the host: NumPy for CuPy, the float64 reference for the kernels ----
+
+
+def on_host(monkeypatch):
+    """Run the bench cases without a GPU: CuPy's few calls answered by NumPy, cupaged's
+    entry points by the float64 reference (writing the outputs they are given), the
+    timer by a constant. Returns the list of ``(entry point, keyword arguments)`` of the
+    calls made."""
+    import cupaged
+    from cupaged import bench_cascade, bench_prefill, decode, reference, varlen
+
+    calls = []
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    shim = types.SimpleNamespace(
+        asarray=np.asarray, asnumpy=np.asarray, full=np.full, empty=np.empty,
+        arange=np.arange, where=np.where, minimum=np.minimum,
+        ascontiguousarray=np.ascontiguousarray, random=np.random,
+        get_default_memory_pool=lambda: pool,
+        cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+                                   memory=types.SimpleNamespace(OutOfMemoryError=MemoryError)))
+    for mod in (bench, bench_prefill, bench_cascade):
+        monkeypatch.setattr(mod, "cupy", shim)
+    monkeypatch.setattr(bench, "_torch", lambda: None)
+    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448))
+    monkeypatch.setattr(bench, "time_us", lambda fn, reps=30, **kw: bench.Timing(
+        100.0, 90.0, 110.0, reps))
+
+    def attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+               kv_layout="NHD", causal=True, out=None, lse=None, return_lse=False,
+               max_query_len=None, max_seq_len=None, **kw):
+        o, l = reference.attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                   query_start_loc, kv_layout=kv_layout, causal=causal,
+                                   return_lse=True, **kw)
+        out = np.empty(query.shape, query.dtype) if out is None else out
+        out[...] = o
+        if lse is None and not return_lse:
+            return out
+        if lse is None:
+            lse = np.empty(l.shape, np.float32)
+        lse[...] = l
+        return out, lse
+
+    def attention(*args, **kw):
+        calls.append(("attention", kw))
+        return attend(*args, **kw)
+
+    def paged_attention(*args, max_context_len=None, partition="auto", **kw):
+        calls.append(("paged_attention", kw))
+        return attend(*args, kv_layout="vllm", **kw)
+
+    def merge_state(oa, la, ob, lb, *, out=None, lse_out=None):
+        calls.append(("merge_state", {}))
+        o, l = reference.merge_state(oa, la, ob, lb)
+        out[...], lse_out[...] = o, l
+        return out, lse_out
+
+    for mod, name, fn in ((cupaged, "attention", attention), (varlen, "attention", attention),
+                          (cupaged, "paged_attention", paged_attention),
+                          (decode, "paged_attention", paged_attention),
+                          (cupaged, "merge_state", merge_state)):
+        monkeypatch.setattr(mod, name, fn)
+    return calls
+
+
+@pytest.mark.parametrize("impl", ["cupaged", "cupaged-nhd", "cupaged-hnd"])
+def test_decode_variants_reach_every_cupaged_run_and_the_reference(monkeypatch, impl):
+    calls = on_host(monkeypatch)
+    v = bench.Variants(window=40, soft_cap=3.0, sinks=True, alibi=True)
+    w = bench.Workload(3, (1, 150), 8, 2, 64, 16, "float32", variants=v)
+    rows = bench.measure(w, [impl], reps=3, copy_bw=1e12)
+    assert len(rows) == 1 and rows[0].status == "ok", rows[0].note
+    assert rows[0].rel_err < 1e-6  # the fake kernel is the reference itself
+    assert (rows[0].window, rows[0].soft_cap, rows[0].sinks, rows[0].alibi) == (40, 3.0, True, True)
+    kw = calls[0][1]
+    assert calls[0][0] == ("paged_attention" if impl == "cupaged" else "attention")
+    assert kw["window"] == 40 and kw["logits_soft_cap"] == 3.0
+    assert np.array_equal(kw["sinks"], bench.sink_values(8))
+    assert np.array_equal(kw["alibi_slopes"], bench.alibi_slopes(8))
+    if impl == "cupaged":
+        assert rows[0].kernel == "paged_decode_f32_hs64_bs16_vllm_wc_g4_sm90"
+
+
+def test_decode_check_fails_when_the_reference_has_other_variants(monkeypatch):
+    """The check's reference really gets the case's variants: a run without them fails."""
+    calls = on_host(monkeypatch)
+    from cupaged import decode
+
+    plain_run = decode.paged_attention
+
+    def forgetful(*args, **kw):
+        for k in ("window", "logits_soft_cap", "sinks", "alibi_slopes"):
+            kw.pop(k, None)
+        return plain_run(*args, **kw)
+
+    monkeypatch.setattr(decode, "paged_attention", forgetful)
+    w = bench.Workload(2, 200, 8, 2, 64, 16, "float32", variants=bench.Variants(window=8))
+    rows = bench.measure(w, ["cupaged"], reps=3, copy_bw=1e12)
+    assert rows[0].status == "failed" and "rel err" in rows[0].note and calls
+
+
+def test_prefill_variants_reach_cupaged_and_the_reference(monkeypatch):
+    from cupaged import bench_prefill
+
+    calls = on_host(monkeypatch)
+    v = bench.Variants(window=24, soft_cap=5.0, sinks=True)
+    case = bench_prefill.PrefillCase("x", 2, 40, 100, 8, 2, 64, 16, "float32", variants=v)
+    rows = bench_prefill.measure([case], ["cupaged"], reps=3, copy_bw=1e12)
+    assert rows[0].note == "" and rows[0].error < 1e-6
+    kw = calls[0][1]
+    assert kw["window"] == 24 and kw["logits_soft_cap"] == 5.0 and kw["causal"]
+    assert np.array_equal(kw["sinks"], bench.sink_values(8))
+    assert rows[0].tflops == pytest.approx(case.flops() / 100e-6 / 1e12)
+    assert case.flops() == 4.0 * 64 * 8 * 2 * bench_prefill.attended_pairs(40, 100, True, 24)
+
+
+# ---- cascade attention ----------------------------------------------------------------------------
+
+
+def test_cascade_tables_share_the_prefix_blocks(rng):
+    from cupaged import bench_cascade
+
+    pt, st, full, nb = bench_cascade.cascade_tables(5, 64, 20, 16, rng)
+    assert pt.shape == (1, 4) and st.shape == (5, 2) and full.shape == (5, 6) and nb == 4 + 10
+    assert all(x.dtype == np.int32 for x in (pt, st, full))
+    assert (full[:, :4] == pt).all() and (full[:, 4:] == st).all()
+    assert sorted(np.concatenate([pt.ravel(), st.ravel()]).tolist()) == list(range(nb))
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        bench_cascade.cascade_tables(5, 60, 20, 16, rng)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(prefix=100), "prefix \\(100\\) must be a multiple of the block size \\(16\\)"),
+    (dict(seqs=65, prefix=64), "seqs must be <= prefix"),
+    (dict(heads=12, kv_heads=8), "multiple of kv_heads"),
+    (dict(suffix=0), "suffix must be at least 1"),
+    (dict(kv_layout="nhd"), "kv_layout must be one of"),
+    (dict(dtype="int8"), "unknown dtype"),
+])
+def test_cascade_case_refuses_impossible_shapes(kw, msg):
+    from cupaged import bench_cascade
+
+    with pytest.raises(ValueError, match=msg):
+        bench_cascade.CascadeCase(**kw)
+
+
+def test_cascade_bytes():
+    from cupaged import bench_cascade
+
+    c = bench_cascade.CascadeCase()
+    b = c.step_bytes()
+    kv_token = 2 * 8 * 128 * 2
+    q = 128 * 32 * 128 * 2
+    lse = 128 * 32 * 4
+    assert b["plain"] == 128 * (32768 + 256) * kv_token + 2 * q
+    assert b["prefix"] == 32768 * kv_token + 2 * q + lse
+    assert b["suffix"] == 128 * 256 * kv_token + 2 * q + lse
+    assert b["merge"] == 3 * (q + lse)
+    assert b["cascade"] == b["prefix"] + b["suffix"] + b["merge"]
+    assert b["plain"] / b["cascade"] > 30  # the prefix read once, not 128 times
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+def test_cascade_equals_plain_decode_on_the_host(monkeypatch, layout):
+    """The three calls, run by the float64 reference, give plain decode: the tables,
+    the prefix pass (one sequence, all queries, non-causal) and the merge are right."""
+    from cupaged import bench_cascade
+
+    calls = on_host(monkeypatch)
+    case = bench_cascade.CascadeCase(6, 64, 21, 8, 2, 64, 16, "float32", layout)
+    rows, checks = bench_cascade.measure(case, reps=3, copy_bw=1e12, check_seqs=3)
+    assert checks["ok"] and checks["checked_seqs"] == [0, 2, 5], checks
+    assert checks["cascade_vs_plain"] < 1e-6 and checks["cascade_vs_reference"] < 1e-6
+    assert checks["lse_cascade_vs_plain"] < 1e-6
+    assert [r.step for r in rows] == ["plain", "cascade", "prefix", "suffix", "merge"]
+    assert all(r.status == "ok" and r.median_us == 100.0 for r in rows)
+    assert rows[0].ratio_to_plain == 1.0 and bench_cascade.speedup(rows) == 1.0
+    plain_entry = "paged_attention" if layout == "vllm" else "attention"
+    names = [n for n, _ in calls]
+    assert names[:4] == [plain_entry, "attention", plain_entry, "merge_state"]
+    prefix = calls[1][1]
+    assert prefix["causal"] is False and prefix["max_query_len"] == 6
+    assert prefix["kv_layout"] == layout and prefix["lse"] is not None
+    assert calls[2][1]["lse"] is not None and "lse" in calls[0][1]  # the check's plain run
+
+
+def test_cascade_check_catches_a_wrong_merge(monkeypatch):
+    import cupaged
+    from cupaged import bench_cascade
+
+    on_host(monkeypatch)
+    monkeypatch.setattr(cupaged, "merge_state", lambda oa, la, ob, lb, out, lse_out: (out, lse_out))
+    rows, checks = bench_cascade.measure(bench_cascade.CascadeCase(4, 32, 5, 4, 2, 32, 16,
+                                                                   "float32"), reps=3)
+    assert not checks["ok"] and checks["cascade_vs_plain"] == float("inf")  # NaN-poisoned out
+    assert all(r.status == "failed" and r.median_us != r.median_us for r in rows)
+
+
+# ---- on a GPU: variants and the cascade through the bench machinery ----------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variants", [dict(window=100), dict(soft_cap=5.0), dict(sinks=True),
+                                      dict(alibi=True),
+                                      dict(window=33, soft_cap=8.0, sinks=True, alibi=True)])
+def test_decode_variants_measure_and_check(variants):
+    w = bench.Workload(3, (1, 300), 8, 2, 128, 16, "bfloat16", variants=bench.Variants(**variants))
+    rows = bench.measure(w, ["cupaged", "cupaged-nhd", "cupaged-hnd"], reps=3, copy_bw=1e12)
+    for r in rows:
+        assert r.status == "ok" and r.rel_err <= testing.TOLERANCE["bf16"], (r.impl, r.note)
+        assert r.window == variants.get("window") and r.sinks == variants.get("sinks", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_cascade_measures_and_checks(layout):
+    from cupaged import bench_cascade
+
+    case = bench_cascade.CascadeCase(8, 256, 40, 8, 2, 128, 16, "bfloat16", layout)
+    rows, checks = bench_cascade.measure(case, reps=3, copy_bw=1e12)
+    assert checks["ok"], checks
+    assert all(r.status == "ok" and r.median_us > 0 for r in rows)

@@ -9,7 +9,7 @@ from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
 
-COMMANDS = ["info", "compile", "decode", "compare", "prefill", "overhead", "cache-ops"]
+COMMANDS = ["info", "compile", "decode", "compare", "prefill", "cascade", "overhead", "cache-ops"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -58,6 +58,30 @@ def test_decode_without_gpu_exits_nonzero():
     (["prefill", "--kv-cache-dtype", "fp16"], "Invalid value for '--kv-cache-dtype'"),
     (["prefill", "--kv-cache-dtype", "fp8", "--batch", "1", "--query-len", "4", "--dtype",
       "float32"], "float16 or bfloat16 queries"),
+    (["decode", "--window", "0"], "Invalid value for --window: window must be at least 1"),
+    (["decode", "--window", "-4"], "window must be at least 1"),
+    (["decode", "--window", "x"], "Invalid value for '--window'"),
+    (["compare", "--window", "0"], "window must be at least 1"),
+    (["prefill", "--window", "0"], "Invalid value for --window: window must be at least 1"),
+    (["decode", "--soft-cap", "0"],
+     "Invalid value for --soft-cap: soft cap must be a positive finite number"),
+    (["decode", "--soft-cap", "-30"], "soft cap must be a positive finite number"),
+    (["compare", "--soft-cap", "inf"], "soft cap must be a positive finite number"),
+    (["compare", "--soft-cap", "nan"], "soft cap must be a positive finite number"),
+    (["prefill", "--soft-cap", "-1"], "soft cap must be a positive finite number"),
+    (["compare", "--window", "512", "--impl", "cupy-gather"],
+     "cupy-gather runs plain attention only (asked for: window 512)"),
+    (["compare", "--soft-cap", "50", "--impl", "flashinfer-xqa"],
+     "flashinfer-xqa runs plain attention only"),
+    (["compare", "--sinks", "--impl", "flashinfer-decode"],
+     "flashinfer-decode is run with window_left and logits_soft_cap only, not sinks"),
+    (["compare", "--alibi", "--impl", "flashinfer-decode-tc"], "not ALiBi"),
+    (["cascade", "--prefix", "1000"], "prefix (1000) must be a multiple of the block size (16)"),
+    (["cascade", "--seqs", "64", "--prefix", "32"], "seqs must be <= prefix"),
+    (["cascade", "--heads", "12"], "heads (12) must be a multiple of kv_heads (8)"),
+    (["cascade", "--dtype", "int8"], "unknown dtype"),
+    (["cascade", "--kv-layout", "nhd"], "Invalid value for '--kv-layout'"),
+    (["cascade", "--suffix", "0"], "Invalid value for '--suffix'"),
 ])
 def test_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, argv)
@@ -234,7 +258,8 @@ def _fake_sweep(monkeypatch, workloads=None):
         return [bench.Result(i, "", w.preset, w.batch, w.context_label, 512.0, w.heads,
                              w.kv_heads, w.head_size, w.block_size, w.dtype, "auto", "ok",
                              10.0, 9.0, 11.0, 2000.0, 60.0, 1e-4, 1.0,
-                             kv_cache_dtype=w.kv_cache_dtype) for i in impls]
+                             kv_cache_dtype=w.kv_cache_dtype, **w.variants.fields())
+                for i in impls]
 
     monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
@@ -301,6 +326,157 @@ def test_compare_over_16_bit_caches_says_nothing_of_fp8(monkeypatch, no_flashinf
     r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512"])
     assert r.exit_code == 0, r.output
     assert "fp8" not in r.output and "KV cache" not in r.output
+
+
+# ---- attention variants ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["decode", "compare", "prefill"])
+def test_variant_options_are_documented(cmd):
+    r = CliRunner().invoke(main, [cmd, "--help"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 0
+    for opt in ("--window W", "--soft-cap C", "--sinks", "window_left = W - 1"):
+        assert opt in out, opt
+    assert ("--alibi" in out) == (cmd != "prefill")
+    if cmd == "prefill":
+        assert "TFLOP/s then count only the (query, key) pairs inside the window" in out
+    else:
+        assert "count only the keys a query sees: min(context, W) tokens per sequence" in out
+
+
+def test_decode_passes_the_variants_to_every_workload(monkeypatch, tmp_path):
+    import csv
+    import json
+
+    from cupaged import bench
+
+    seen = []
+    asked = _fake_sweep(monkeypatch, seen)
+    r = CliRunner().invoke(main, ["decode", "--batch", "1,8", "--context", "32768",
+                                  "--window", "512", "--soft-cap", "50", "--sinks", "--alibi",
+                                  "--json", str(tmp_path / "d.json"), "--csv", str(tmp_path / "d.csv")])
+    assert r.exit_code == 0, r.output
+    assert asked == [["cupaged"], ["cupaged"]]
+    v = bench.Variants(512, 50.0, True, True)
+    assert [w.variants for w in seen] == [v, v]
+    assert "variants: window 512 (FlashInfer's window_left 511; bytes and FLOPs count only " \
+           "the keys inside it), soft-cap 50, sinks (standard normal per head, seed" in r.output
+    rows = json.loads((tmp_path / "d.json").read_text())["results"]
+    assert {(x["window"], x["soft_cap"], x["sinks"], x["alibi"]) for x in rows} == {(512, 50.0, True, True)}
+    lines = [l for l in (tmp_path / "d.csv").read_text().splitlines() if not l.startswith("#")]
+    assert {(x["window"], x["soft_cap"], x["sinks"], x["alibi"]) for x in csv.DictReader(lines)} \
+        == {("512", "50.0", "True", "True")}
+
+
+def test_plain_decode_says_nothing_of_variants(monkeypatch):
+    from cupaged import bench
+
+    seen = []
+    _fake_sweep(monkeypatch, seen)
+    r = CliRunner().invoke(main, ["decode", "--batch", "1", "--context", "512"])
+    assert r.exit_code == 0, r.output
+    assert "variants" not in r.output and seen[0].variants == bench.PLAIN
+
+
+def test_compare_with_a_window_leaves_out_the_plain_peers(monkeypatch, no_flashinfer):
+    from cupaged import bench
+
+    asked = _fake_sweep(monkeypatch)
+    r = CliRunner().invoke(main, ["compare", "--batch", "8", "--context", "2048", "--window", "512"])
+    assert r.exit_code == 0, r.output
+    # (not flashinfer-xqa: the line about FlashInfer's missing rows covers it)
+    assert [l for l in r.output.splitlines() if l.startswith("cannot run")] == [
+        "cannot run window 512, left out: cupy-gather, torch-sdpa-paged, torch-sdpa-dense"]
+    v = bench.Variants(window=512)
+    assert asked == [bench.available_implementations("auto", v)]
+    assert not {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"} & set(asked[0])
+    assert asked[0][:3] == ["cupaged", "cupaged-nhd", "cupaged-hnd"]
+
+
+@pytest.mark.parametrize("flags, left_out", [
+    (["--window", "512", "--soft-cap", "50"], ["flashinfer-xqa"]),
+    (["--sinks"], ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"]),
+    (["--alibi"], ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"]),
+])
+def test_compare_with_flashinfer_keeps_the_rows_that_take_the_variants(monkeypatch, flags,
+                                                                        left_out):
+    import types
+
+    from cupaged import bench
+
+    asked = _fake_sweep(monkeypatch)
+    monkeypatch.setattr(bench, "_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
+    r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512", *flags])
+    assert r.exit_code == 0, r.output
+    line = [l for l in r.output.splitlines() if l.startswith("cannot run")]
+    assert len(line) == 1 and line[0].endswith(", ".join(left_out))
+    fi = [i for i in asked[0] if i.startswith("flashinfer")]
+    assert fi == [i for i in bench.FLASHINFER_IMPLS if i not in left_out]
+
+
+# ---- cascade on the host (the float64 reference standing in for the kernels) ---------------------
+
+
+def _fake_cascade(monkeypatch):
+    from test_bench import on_host
+
+    from cupaged import bench, cli
+
+    calls = on_host(monkeypatch)
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(bench, "environment", lambda: ENV)
+    return calls
+
+
+def test_cascade_prints_checks_steps_and_speedup(monkeypatch, tmp_path):
+    import csv
+    import json
+
+    _fake_cascade(monkeypatch)
+    r = CliRunner().invoke(main, ["cascade", "--seqs", "5", "--prefix", "64", "--suffix", "20",
+                                  "--heads", "8", "--kv-heads", "2", "--head-size", "32",
+                                  "--dtype", "float32", "--reps", "3",
+                                  "--json", str(tmp_path / "c.json"), "--csv", str(tmp_path / "c.csv")])
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "cascade: 5 sequences x (shared prefix 64 + own 20 tokens), 8/2/32" in out
+    assert "cascade vs plain" in out and "FAILED" not in out
+    for step in ("plain decode: 5 x 84 tokens", "cascade: prefix + suffix + merge",
+                 "prefix: 5 queries x 64 shared, non-causal", "suffix: 5 x 20-token decode",
+                 "merge_state"):
+        assert step in out, step
+    assert "speed-up of the cascade over plain decode: 1.00x" in out
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["config"]["prefix"] == 64 and doc["config"]["kv_layout"] == "NHD"
+    assert doc["checks"]["ok"] and doc["speedup"] == 1.0 and doc["environment"] == ENV
+    assert [x["step"] for x in doc["rows"]] == ["plain", "cascade", "prefix", "suffix", "merge"]
+    assert all(x["status"] == "ok" for x in doc["rows"])
+    lines = [l for l in (tmp_path / "c.csv").read_text().splitlines() if not l.startswith("#")]
+    table = list(csv.DictReader(lines))
+    assert len(table) == 5 and table[0]["seqs"] == "5" and table[0]["check_ok"] == "True"
+    assert float(table[1]["median_us"]) == 100.0
+
+
+def test_cascade_with_a_failed_check_exits_1(monkeypatch):
+    import cupaged
+
+    _fake_cascade(monkeypatch)
+    monkeypatch.setattr(cupaged, "merge_state",
+                        lambda oa, la, ob, lb, out, lse_out: (out, lse_out))  # writes nothing
+    r = CliRunner().invoke(main, ["cascade", "--seqs", "4", "--prefix", "32", "--suffix", "3",
+                                  "--heads", "4", "--kv-heads", "2", "--head-size", "32",
+                                  "--dtype", "float32", "--reps", "3"])
+    assert r.exit_code == 1, r.output
+    assert "FAILED" in r.output and "speed-up" not in r.output
+    assert r.output.count("FAILED: check failed: not timed") == 5
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU message")
+def test_cascade_without_gpu_exits_nonzero():
+    r = CliRunner().invoke(main, ["cascade"])
+    assert r.exit_code == 2 and "no GPU" in r.output
 
 
 # ---- on a GPU: every subcommand end to end, small sweeps ------------------------------------
@@ -450,3 +626,87 @@ def test_cache_ops_small():
                                   "--seqs", "16", "--reps", "5"])
     assert r.exit_code == 0, r.output
     assert "FAILED" not in r.output and "swap in, one cudaMemcpyAsync per block" in r.output
+
+
+@pytest.mark.gpu
+def test_decode_with_variants(tmp_path):
+    import json
+
+    argv = ["decode", "--batch", "2,5", "--context", "300", "--heads", "8", "--kv-heads", "2",
+            "--head-size", "64", "--reps", "3", "--window", "100", "--soft-cap", "20", "--sinks",
+            "--json", str(tmp_path / "d.json")]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    assert "variants: window 100" in r.output
+    rows = json.loads((tmp_path / "d.json").read_text())["results"]
+    assert len(rows) == 2 and all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows)
+    assert all((x["window"], x["soft_cap"], x["sinks"], x["alibi"]) == (100, 20.0, True, False)
+               for x in rows)
+    assert all("_wc_" in x["kernel"] for x in rows)
+
+
+@pytest.mark.gpu
+def test_decode_with_alibi():
+    r = CliRunner().invoke(main, ["decode", "--batch", "3", "--context", "200", "--heads", "8",
+                                  "--kv-heads", "2", "--head-size", "64", "--reps", "3", "--alibi"])
+    assert r.exit_code == 0, r.output
+    assert "ALiBi" in r.output
+
+
+@pytest.mark.gpu
+def test_compare_with_a_window_and_a_soft_cap(tmp_path):
+    """cupaged's three rows and (when FlashInfer imports) its decode wrappers with
+    window_left and logits_soft_cap, all checked against the reference."""
+    import json
+
+    from cupaged import bench
+
+    r = CliRunner().invoke(main, ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "3",
+                                  "--context-dist", "uniform:1:300", "--reps", "3", "--window",
+                                  "64", "--soft-cap", "30", "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    v = bench.Variants(64, 30.0)
+    assert [x["impl"] for x in rows] == bench.available_implementations("auto", v)
+    assert all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows), \
+        [(x["impl"], x["note"]) for x in rows]
+
+
+@pytest.mark.gpu
+def test_prefill_with_variants():
+    r = CliRunner().invoke(main, ["prefill", "--batch", "2", "--query-len", "64", "--context",
+                                  "200", "--heads", "8", "--kv-heads", "2", "--head-size", "64",
+                                  "--reps", "3", "--impl", "cupaged", "--window", "50",
+                                  "--soft-cap", "20", "--sinks"])
+    assert r.exit_code == 0, r.output
+    assert "variants: window 50" in r.output and "WRONG" not in r.output
+    row = [l for l in r.output.splitlines() if l.startswith("2x64/200")]
+    assert len(row) == 1 and row[0].split()[1] == "cupaged" and "Error" not in row[0]
+
+
+@pytest.mark.gpu
+def test_prefill_with_a_window_over_the_peers():
+    """Every peer that imports: FlashInfer with window_left, SDPA left out."""
+    r = CliRunner().invoke(main, ["prefill", "--batch", "2", "--query-len", "64", "--context",
+                                  "200", "--heads", "8", "--kv-heads", "2", "--head-size", "64",
+                                  "--reps", "3", "--window", "40"])
+    assert r.exit_code == 0, r.output
+    assert "WRONG" not in r.output
+    rows = [l for l in r.output.splitlines() if l.startswith("2x64/200")]
+    assert rows and rows[0].split()[1] == "cupaged" and "Error" not in rows[0]
+    assert not any("torch-sdpa" in l for l in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+def test_cascade_small(tmp_path, layout):
+    import json
+
+    r = CliRunner().invoke(main, ["cascade", "--seqs", "6", "--prefix", "128", "--suffix", "37",
+                                  "--heads", "8", "--kv-heads", "2", "--head-size", "64",
+                                  "--kv-layout", layout, "--reps", "3",
+                                  "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["checks"]["ok"] and doc["speedup"] > 0
+    assert all(x["status"] == "ok" and x["median_us"] > 0 for x in doc["rows"])
