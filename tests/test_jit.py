@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cupaged import cache_ops, decode, jit
+from cupaged import _variants, cache_ops, decode, jit
 from cupaged.cli import main
 
 SPEC = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_90")
@@ -55,12 +55,28 @@ def test_spec_is_frozen_hashable_and_defaults_its_tile():
         "cupaged::paged_decode<cupaged::half_t, cupaged::half_t, 64, 16, 1, 0, 4, 128, 2, 0>")
 
 
+def test_variant_specs_name_their_variants_and_refuse_bad_spellings():
+    s = jit.KernelSpec("paged_decode", "f16", 128, 16, 4, kv_format="tok", variant="wcb")
+    assert s.name == "paged_decode_f16_hs128_bs16_tok_wcb_g4_sm90"
+    assert s.name_expression.endswith(", 7>")
+    p = jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant="c")
+    assert p.name.endswith("_tok_c_sm90") and p.name_expression.endswith(", 2>")
+    for bad in ("cw", "ww", "x"):
+        with pytest.raises(ValueError, match="variant must be"):
+            jit.KernelSpec("paged_decode", "f16", 128, 16, 4, variant=bad)
+    with pytest.raises(ValueError, match="variant must be"):  # blocksparse: decode only
+        jit.KernelSpec("paged_prefill", "f16", 128, 16, variant="b")
+    with pytest.raises(ValueError, match="takes no variant"):
+        jit.KernelSpec("reshape_and_cache", "f16", kv_format="tok", index_dtype="i32",
+                       variant="w")
+
+
 def test_fp8_specs_name_their_cache_and_scales():
     s = jit.KernelSpec("paged_decode", "bf16", 128, 16, 8, kv_format="tok", cache_dtype="e4m3",
                        kv_scale="th")
     assert s.name == "paged_decode_bf16_e4m3_hs128_bs16_tok_th_g8_sm90"
     assert s.name_expression == ("cupaged::paged_decode<cupaged::bfloat16_t, "
-                                 "cupaged::fp8_e4m3_t, 128, 16, 0, 1, 8, 64, 2>")
+                                 "cupaged::fp8_e4m3_t, 128, 16, 0, 1, 8, 64, 2, 0>")
     assert jit.KernelSpec("paged_decode", "f16", 128, 16, 8, cache_dtype="f16") == \
         jit.KernelSpec("paged_decode", "f16", 128, 16, 8)
     assert jit.KernelSpec("paged_decode", "f16", 256, 16, 1, cache_dtype="e5m2").tile_tokens == 64
@@ -244,7 +260,8 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 
 # Structs the kernels take by value, as ARG_FORMATS spells them.
 STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s",
-                  "PagedKV": f"{decode._PAGED_KV.size}s"}
+                  "PagedKV": f"{decode._PAGED_KV.size}s",
+                  "VariantParams": f"{_variants._STRUCT.size}s"}
 
 
 def _mangled_params(lowered: str) -> str:
@@ -299,12 +316,18 @@ def test_every_kernel_has_a_launch_format():
     assert set(jit.ARG_FORMATS) == set(jit._KERNELS)
 
 
-def test_by_value_structs_have_the_size_the_host_packs():
-    """CopyTable travels in the launch parameters: the host packs exactly its bytes."""
-    check = (f"static_assert(sizeof(cupaged::CopyTable) == {cache_ops._COPY_TABLE.size}, \"size\");\n"
-             f"static_assert(cupaged::kMaxCopyTensors == {cache_ops._COPY_TENSORS}, \"count\");\n")
+@pytest.mark.parametrize("entry, check", [
+    ("cache_ops.cu",
+     f"static_assert(sizeof(cupaged::CopyTable) == {cache_ops._COPY_TABLE.size}, \"size\");\n"
+     f"static_assert(cupaged::kMaxCopyTensors == {cache_ops._COPY_TENSORS}, \"count\");\n"),
+    ("paged_decode.cu",
+     f"static_assert(sizeof(cupaged::VariantParams) == {_variants._STRUCT.size}, \"size\");\n"
+     f"static_assert(sizeof(cupaged::PagedKV) == {decode._PAGED_KV.size}, \"size\");\n"),
+], ids=["CopyTable", "VariantParams"])
+def test_by_value_structs_have_the_size_the_host_packs(entry, check):
+    """Structs travel in the launch parameters: the host packs exactly their bytes."""
     nvrtc = jit._nvrtc()
-    prog = nvrtc.createProgram(jit.source("cache_ops.cu") + check, "sizes.cu", [], [])
+    prog = nvrtc.createProgram(jit.source(entry) + check, "sizes.cu", [], [])
     try:
         try:
             nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])
