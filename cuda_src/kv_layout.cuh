@@ -68,6 +68,20 @@ struct KVAccess {
     return static_cast<const T*>(kv.v) + head * kv.v_head;
   }
 
+  // A KV head's base pointers and the cache's strides in 32 bits, as the copy loops use
+  // them: the host checks that a block's stride is below 2^32 elements and that offsets
+  // within a block stay below 2^31 (_checks.check_block_strides).
+  struct Head {
+    const T* k;
+    const T* v;
+    unsigned k_block, v_block, k_token, v_token;
+  };
+  static __device__ __forceinline__ Head head(const PagedKV& kv, int h) {
+    return {key_head(kv, h), value_head(kv, h), static_cast<unsigned>(kv.k_block),
+            static_cast<unsigned>(kv.v_block), static_cast<unsigned>(kv.k_token),
+            static_cast<unsigned>(kv.v_token)};
+  }
+
   // The 16-byte chunk `c` (dims [c * kVec, c * kVec + kVec)) of the key of token `within`
   // of block `phys`, from the head's base pointer.
   static __device__ __forceinline__ const T* key_chunk_at(const PagedKV& kv, const T* head_base,

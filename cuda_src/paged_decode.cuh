@@ -264,13 +264,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
 
-  // The KV head's base pointers and the cache's strides, as load_tile uses them.
-  const C* k_base = KV::key_head(kv, kv_head);
-  const C* v_base = KV::value_head(kv, kv_head);
-  const unsigned k_block = static_cast<unsigned>(kv.k_block);
-  const unsigned v_block = static_cast<unsigned>(kv.v_block);
-  const unsigned k_token = static_cast<unsigned>(kv.k_token);
-  const unsigned v_token = static_cast<unsigned>(kv.v_token);
+  const typename KV::Head hd = KV::head(kv, kv_head);  // as load_tile uses them
 
   // Issue the cp.async copies of tile `tile` (tokens [t0, t0 + TT)) into stage `stage`,
   // once its ids are published and a barrier has passed.
@@ -326,13 +320,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
         continue;
       }
       const unsigned within = static_cast<unsigned>(tok) % BLOCK_SIZE;
-      const C* kb = k_base + mul_wide(phys, k_block);  // phys >= 0 here
-      const C* vb = v_base + mul_wide(phys, v_block);
+      const C* kb = hd.k + mul_wide(phys, hd.k_block);  // phys >= 0 here
+      const C* vb = hd.v + mul_wide(phys, hd.v_block);
       // Parts fixed per thread are written from tid, so they are hoisted out of the loop.
       if constexpr (Geo::kTokenMajor) {
         const unsigned c = (NT % Geo::kChunks == 0 ? static_cast<unsigned>(tid) : u) % Geo::kChunks;
-        cp_async16(ks + t * KROW + c * X, kb + (within * k_token + c * X));
-        cp_async16(vs + t * KROW + c * X, vb + (within * v_token + c * X));
+        cp_async16(ks + t * KROW + c * X, kb + (within * hd.k_token + c * X));
+        cp_async16(vs + t * KROW + c * X, vb + (within * hd.v_token + c * X));
       } else {
         // The element offset in the piece, in cache order.
         const unsigned e =
@@ -378,7 +372,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int q_sb = Var::sparse_query_block(vp, q_pos);
   int sp_off[GT];
 #pragma unroll
-  for (int g = 0; g < GT; ++g) sp_off[g] = Var::sparse_offset(vp, head0 + g, kv_head);
+  for (int g = 0; g < GT; ++g) {
+    sp_off[g] = Var::sparse_offset(vp, head0 + g, kv_head, num_heads, num_heads / group_size);
+  }
   // Does a head with blocksparse offset `off` see `key` (a key before the end)? Not
   // before the window, not where the pattern drops it.
   auto key_seen = [&](int key, int off) {
@@ -449,7 +445,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int e = 0; e < 2; ++e) {
       my_slope[e] = (alibi_slopes != nullptr && hq + e < heads_here)
                         ? alibi_slopes[head0 + hq + e] * kLog2e : 0.f;
-      my_off[e] = Var::sparse_offset(vp, head0 + hq + e, kv_head);
+      my_off[e] = Var::sparse_offset(vp, head0 + hq + e, kv_head, num_heads,
+                                     num_heads / group_size);
     }
   } else {
     for (int i = tid; i < GT * HS; i += NT) {

@@ -151,14 +151,7 @@ __global__ void __launch_bounds__(
   const int q_tiles = q_len > 0 ? (packed + Geo::kRows - 1) / Geo::kRows : 0;
   const int q_shift = seq_len - q_len;  // position of query token i is q_shift + i
   const int* bt_row = kv.block_tables + seq * kv.bt_stride;
-  const C* k_base = KV::key_head(kv, kv_head);
-  const C* v_base = KV::value_head(kv, kv_head);
-  // 32-bit strides: the host checks that a block's stride is below 2^32 elements and that
-  // the offsets within a block stay below 2^31.
-  const unsigned k_block = static_cast<unsigned>(kv.k_block);
-  const unsigned v_block = static_cast<unsigned>(kv.v_block);
-  const unsigned k_token = static_cast<unsigned>(kv.k_token);
-  const unsigned v_token = static_cast<unsigned>(kv.v_token);
+  const typename KV::Head hd = KV::head(kv, kv_head);
   // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output.
   float score_scale = scale_log2;
   float out_scale = 1.f;
@@ -331,8 +324,8 @@ __global__ void __launch_bounds__(
           unsigned within;
           if ((kTokPerPass * kPasses > TILE_N && t >= TILE_N) || !slot(t, phys, within)) continue;
           const unsigned long long pb = static_cast<unsigned long long>(phys);
-          const C* gk = k_base + pb * k_block + within * k_token + c0 * CX;
-          const C* gv = v_base + pb * v_block + within * v_token + c0 * CX;
+          const C* gk = hd.k + pb * hd.k_block + within * hd.k_token + c0 * CX;
+          const C* gv = hd.v + pb * hd.v_block + within * hd.v_token + c0 * CX;
           const unsigned sk = ks + (t * CROW + c0 * CX) * CB;
           const unsigned sv = vs + (t * CROW + c0 * CX) * CB;
 #pragma unroll
@@ -359,7 +352,7 @@ __global__ void __launch_bounds__(
           int phys;
           unsigned within;
           if (!slot(t, phys, within)) continue;
-          const C* g = k_base + static_cast<unsigned long long>(phys) * k_block +
+          const C* g = hd.k + static_cast<unsigned long long>(phys) * hd.k_block +
                        (c0 * BLOCK_SIZE + within) * CX;
           const unsigned sk = ks + (t * CROW + c0 * CX) * CB;
 #pragma unroll
@@ -378,7 +371,7 @@ __global__ void __launch_bounds__(
         int phys;
         unsigned within;
         if (slot(t, phys, within, CX)) {
-          const C* g = v_base + static_cast<unsigned long long>(phys) * v_block +
+          const C* g = hd.v + static_cast<unsigned long long>(phys) * hd.v_block +
                        d0 * BLOCK_SIZE + within;
           const unsigned sv = vs + (d0 * Geo::kCVRow + t) * CB;
 #pragma unroll

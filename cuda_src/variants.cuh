@@ -41,7 +41,7 @@ struct VariantParams {
   int sparse_vert;     //   vert_stride (>= 1)
   int sparse_block;    //   sparse block size in tokens
   int sparse_step;     //   head_sliding_step
-  int sparse_head0;    //   tp_rank * num_heads (step >= 0) or tp_rank * num_kv_heads (< 0)
+  int sparse_tp_rank;  //   tp_rank: heads are numbered across the ranks
 };
 
 template <int VARIANT>
@@ -75,13 +75,18 @@ struct Variant {
     }
   }
 
-  // vLLM's head offset of query head `head` (of KV head kv_head), reduced modulo
-  // vert_stride so the per-key test stays in 32 bits.
+  // vLLM's head offset of query head `head` (of KV head kv_head; this rank has num_heads
+  // and num_kv_heads), reduced modulo vert_stride so the per-key test stays in 32 bits: a
+  // step >= 0 slides over query heads, a negative one over KV heads.
   __device__ __forceinline__ static int sparse_offset(const VariantParams& vp, int head,
-                                                      int kv_head) {
+                                                      int kv_head, int num_heads,
+                                                      int num_kv_heads) {
     if constexpr (kBlockSparse) {
-      const long long idx = vp.sparse_step >= 0 ? vp.sparse_head0 + head : vp.sparse_head0 + kv_head;
-      const long long step = vp.sparse_step >= 0 ? vp.sparse_step : -static_cast<long long>(vp.sparse_step);
+      const long long rank = vp.sparse_tp_rank;
+      const long long idx = vp.sparse_step >= 0 ? rank * num_heads + head
+                                                : rank * num_kv_heads + kv_head;
+      const long long step = vp.sparse_step >= 0 ? vp.sparse_step
+                                                 : -static_cast<long long>(vp.sparse_step);
       return static_cast<int>((idx * step + 1) % vp.sparse_vert);
     } else {
       return 0;

@@ -22,7 +22,7 @@ _LOG2E = math.log2(math.e)
 _FLT_MAX = 3.4028234663852886e38
 
 # VariantParams: sinks, lse, window, cap_in, cap_out, sparse_local, sparse_vert,
-# sparse_block, sparse_step, sparse_head0.
+# sparse_block, sparse_step, sparse_tp_rank.
 _STRUCT = struct.Struct("@PPiffiiiii")
 assert _STRUCT.size == 48
 
@@ -33,16 +33,16 @@ class Variants(NamedTuple):
     soft_cap: float = 0.0  # c > 0, or 0 for none
     sinks: object = None  # the float32 [num_heads] device array, or None
     lse: object = None  # the float32 [rows, num_heads] output, or None
-    sparse: tuple = ()  # blocksparse: (local_blocks, vert_stride, block_size, step, head0)
+    sparse: tuple = ()  # blocksparse: (local_blocks, vert_stride, block_size, step, tp_rank)
 
     def pack(self) -> bytes:
         """The VariantParams bytes of this call."""
         c = self.soft_cap
-        local, vert, block, step, head0 = self.sparse or (0, 1, 1, 0, 0)
+        local, vert, block, step, rank = self.sparse or (0, 1, 1, 0, 0)
         return _STRUCT.pack(0 if self.sinks is None else self.sinks.data.ptr,
                             0 if self.lse is None else self.lse.data.ptr, self.window,
                             2.0 / c if c else 0.0, c * _LOG2E if c else 0.0,
-                            local, vert, block, step, head0)
+                            local, vert, block, step, rank)
 
 
 PLAIN = Variants("")
@@ -111,9 +111,8 @@ def check_lse(lse, rows: int, num_heads: int, device: int):
     return lse
 
 
-def blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_step,
-                num_heads: int, num_kv_heads: int) -> tuple:
-    """vLLM's blocksparse arguments as VariantParams' (local, vert, block, step, head0),
+def blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_step) -> tuple:
+    """vLLM's blocksparse arguments as VariantParams' (local, vert, block, step, tp_rank),
     or () for dense attention (``vert_stride`` 0 or 1, vLLM's own switch)."""
     names = ("tp_rank", "blocksparse_local_blocks", "blocksparse_vert_stride",
              "blocksparse_block_size", "blocksparse_head_sliding_step")
@@ -127,13 +126,10 @@ def blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_ste
     if tp_rank < 0 or local_blocks < 0:
         _fail(f"tp_rank and blocksparse_local_blocks must be >= 0, got {tp_rank} and "
               f"{local_blocks}")
-    head0 = tp_rank * (num_heads if step >= 0 else num_kv_heads)
-    for name, v in (("blocksparse_vert_stride", vert_stride), ("blocksparse_block_size", block_size),
-                    ("blocksparse_local_blocks", local_blocks),
-                    ("blocksparse_head_sliding_step", step), ("tp_rank * heads", head0)):
+    for name, v in zip(names, vals):
         if abs(v) > _checks.INT32_MAX:
             _fail(f"{name} is {v}; at most {_checks.INT32_MAX}")
-    return (local_blocks, vert_stride, block_size, step, head0)
+    return (local_blocks, vert_stride, block_size, step, tp_rank)
 
 
 def letters(window: int, cap: float, sparse: tuple) -> str:

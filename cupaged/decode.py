@@ -388,7 +388,21 @@ class _VariantArgs(NamedTuple):
     sparse: tuple = ()  # blocksparse, already checked by _variants.blocksparse
 
 
+    @property
+    def wants_lse(self) -> bool:
+        return bool(self.return_lse) or self.lse is not None
+
+
 _NO_VARIANTS = _VariantArgs()
+
+
+def _variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse) -> _VariantArgs:
+    """The public keywords as one value; the shared constant when none is given (the
+    common call then skips every variant check)."""
+    if (window is None and window_left is None and logits_soft_cap is None and sinks is None
+            and return_lse is False and lse is None):
+        return _NO_VARIANTS
+    return _VariantArgs(window, window_left, logits_soft_cap, sinks, return_lse, lse)
 
 
 def _variant_setup(va: _VariantArgs, p: _Problem):
@@ -414,7 +428,7 @@ def _variant_setup(va: _VariantArgs, p: _Problem):
 def _with_lse(v: _variants.Variants, va: _VariantArgs, lse, p: _Problem, ctx):
     """The variants with their lse output: the caller's, a new array when return_lse, or
     none. Returns (variants, lse to return)."""
-    if lse is None and not va.return_lse:
+    if not va.wants_lse:
         return v, None
     returned = va.lse
     if lse is None:
@@ -447,7 +461,7 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
         variants, lse_returned = _with_lse(variants, va, lse, p, ctx)
         _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, ctx, workspace,
                 variants=variants)
-    return (returned, lse_returned) if (va.return_lse or va.lse is not None) else returned
+    return (returned, lse_returned) if va.wants_lse else returned
 
 
 class DecodeWorkspace:
@@ -577,10 +591,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
     a sequence whose table points outside the cache gets NaN, never an out-of-bounds
     read; use :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
     """
-    va = _NO_VARIANTS
-    if (window is not None or window_left is not None or logits_soft_cap is not None
-            or sinks is not None or return_lse is not False or lse is not None):
-        va = _VariantArgs(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+    va = _variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale,
                 alibi_slopes, max_context_len, out, partition, stream, workspace,
                 kv_cache_dtype, k_scale, v_scale, va)
@@ -593,16 +604,12 @@ def _check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
               f"key_cache of shape {kc.shape}")
 
 
-def _blocksparse(query, key_cache, tp_rank, local_blocks, vert_stride, block_size,
+def _blocksparse(tp_rank, local_blocks, vert_stride, block_size,
                  head_sliding_step) -> _VariantArgs:
     """vLLM's blocksparse arguments as the call's variants: dense attention (no variant)
     unless ``blocksparse_vert_stride > 1``, as in vLLM."""
-    q = as_device_array(query, "query")
-    kc = as_device_array(key_cache, "key_cache")
-    num_heads = q.shape[1] if q.ndim == 3 else 0
-    num_kv_heads = kc.shape[1] if kc.ndim >= 2 else 0
     sparse = _variants.blocksparse(tp_rank, local_blocks, vert_stride, block_size,
-                                   head_sliding_step, num_heads, num_kv_heads)
+                                   head_sliding_step)
     return _VariantArgs(sparse=sparse) if sparse else _NO_VARIANTS
 
 
@@ -621,9 +628,8 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
     + head) * step + 1`` for ``step = blocksparse_head_sliding_step >= 0``, else
     ``(tp_rank * num_kv_heads + kv_head) * -step + 1`` (vLLM's pattern;
     :func:`cupaged.reference.blocksparse_mask`)."""
-    va = _blocksparse(query, key_cache, tp_rank, blocksparse_local_blocks,
-                      blocksparse_vert_stride, blocksparse_block_size,
-                      blocksparse_head_sliding_step)
+    va = _blocksparse(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
+                      blocksparse_block_size, blocksparse_head_sliding_step)
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v1")
@@ -646,9 +652,8 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     They are scratch space; cupaged picks a partition size so its (float32) partials fit
     in them, which for a 16-bit ``tmp_out`` means at most P // 2 partitions.
     """
-    va = _blocksparse(query, key_cache, tp_rank, blocksparse_local_blocks,
-                      blocksparse_vert_stride, blocksparse_block_size,
-                      blocksparse_head_sliding_step)
+    va = _blocksparse(tp_rank, blocksparse_local_blocks, blocksparse_vert_stride,
+                      blocksparse_block_size, blocksparse_head_sliding_step)
     _check_vllm_args(key_cache, num_kv_heads, block_size)
     if out is None:
         _fail("out is required by paged_attention_v2")

@@ -293,10 +293,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     workspace = decode._workspace_partials(workspace, p)
-    va = decode._NO_VARIANTS
-    if (window is not None or window_left is not None or logits_soft_cap is not None
-            or sinks is not None or return_lse is not False or lse is not None):
-        va = decode._VariantArgs(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+    va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     variants, lse_in = decode._variant_setup(va, p)
     plan = _plan(p, qsl is not None, max_q)
     with _arrays.on_device(p.device):
@@ -317,5 +314,4 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
                 decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
                                workspace, starts=qsl if plan.kind == "rows" else None,
                                causal=causal, variants=variants)
-    return (returned, lse_returned) if va is not decode._NO_VARIANTS and (
-        va.return_lse or va.lse is not None) else returned
+    return (returned, lse_returned) if va.wants_lse else returned

@@ -559,16 +559,16 @@ def test_blocksparse_arguments_select_the_variant_only_when_sparse():
     from cupaged import _variants
 
     # vert_stride 0 or 1 is vLLM's dense attention: no variant.
-    assert _variants.blocksparse(0, 0, 0, 64, 0, 8, 2) == ()
-    assert _variants.blocksparse(1, 4, 1, 64, 0, 8, 2) == ()
-    # (local, vert, block, step, head0): head0 counts query heads for a step >= 0, KV heads
-    # below.
-    assert _variants.blocksparse(3, 4, 8, 64, 2, 8, 2) == (4, 8, 64, 2, 24)
-    assert _variants.blocksparse(3, 4, 8, 64, -1, 8, 2) == (4, 8, 64, -1, 6)
+    assert _variants.blocksparse(0, 0, 0, 64, 0) == ()
+    assert _variants.blocksparse(1, 4, 1, 64, 0) == ()
+    # (local, vert, block, step, tp_rank): the kernel numbers the heads across the ranks.
+    assert _variants.blocksparse(3, 4, 8, 64, -2) == (4, 8, 64, -2, 3)
     with pytest.raises(ValueError, match="blocksparse_block_size"):
-        _variants.blocksparse(0, 4, 8, 0, 0, 8, 2)
+        _variants.blocksparse(0, 4, 8, 0, 0)
+    with pytest.raises(ValueError, match="tp_rank"):
+        _variants.blocksparse(-1, 4, 8, 64, 0)
     with pytest.raises(TypeError, match="blocksparse_vert_stride"):
-        _variants.blocksparse(0, 4, 8.0, 64, 0, 8, 2)
+        _variants.blocksparse(0, 4, 8.0, 64, 0)
 
 
 def test_block_strides_past_32_bits_are_refused_for_every_attention_call():
