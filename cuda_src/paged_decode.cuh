@@ -938,8 +938,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 // Merge the partitions of split-KV decode: out = sum_p w_p o_p / (sum_p w_p + sink) with
 // w_p = sum_p * 2^(max_p - max); a partition that saw no key has weight 0. Grid
-// (num_seqs, num_heads). Sinks and the lse output come in `vp`, and its window (with the
-// decode kernel's tile_tokens) says where the partitions start.
+// (num_seqs, num_heads), or (total_q, num_heads) for paged_prefill's partials. Sinks and
+// the lse output come in `vp`, and its window (with the decode kernel's tile_tokens) says
+// where the partitions start.
 template <typename T, int HEAD_SIZE>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_combine(T* __restrict__ out, const float* __restrict__ part_out,
@@ -955,14 +956,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int head = blockIdx.y;
   const long long row = static_cast<long long>(seq) * gridDim.y + head;
   // The same clamp and window start as paged_decode, so both agree on which partitions
-  // exist.
-  const int ctx = max(0, min(context_lens[seq], max_context));
-  const int base = vp.window > 0 ? max(0, ctx - vp.window) / tile_tokens * tile_tokens : 0;
-  const int span = ctx - base;
-  // ceil(span / partition_tokens) without forming span + partition_tokens, which overflows
-  // int for contexts near 2^31.
-  const int parts =
-      min(num_partitions, span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
+  // exist; paged_prefill's partials (context_lens null, a row per query token and head)
+  // are all written.
+  int parts = num_partitions;
+  if (context_lens != nullptr) {
+    const int ctx = max(0, min(context_lens[seq], max_context));
+    const int base = vp.window > 0 ? max(0, ctx - vp.window) / tile_tokens * tile_tokens : 0;
+    const int span = ctx - base;
+    // ceil(span / partition_tokens) without forming span + partition_tokens, which
+    // overflows int for contexts near 2^31.
+    parts = min(parts, span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
+  }
   const float* pm = part_max + row * num_partitions;
   const float* ps = part_sum + row * num_partitions;
 

@@ -99,7 +99,14 @@ template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, 
 __global__ void __launch_bounds__(
     WARPS * 32, (PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS,
                                  M_ATOMS, TILE_N, STAGES>::kMinBlocks))
-    paged_prefill(T* __restrict__ out, const T* __restrict__ query, long long q_token_stride,
+    paged_prefill(T* __restrict__ out,
+                  // Split-KV (split_tiles > 0: grid z partitions each query tile's keys into
+                  // runs of split_tiles tiles, the last running to the end): float32
+                  // [rows * num_heads, gridDim.z] partials for paged_decode_combine instead
+                  // of `out`. Rows of a partition with no key get max -inf and sum 0.
+                  float* __restrict__ part_out, float* __restrict__ part_max,
+                  float* __restrict__ part_sum, int split_tiles,
+                  const T* __restrict__ query, long long q_token_stride,
                   long long q_head_stride, const __grid_constant__ PagedKV kv,
                   const int* __restrict__ seq_lens,
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
@@ -182,9 +189,19 @@ __global__ void __launch_bounds__(
     const int kv_end = causal ? max(0, min(seq_len, last_pos + 1)) : seq_len;
     // A window's first key for the tile's first (earliest) row: tiles from there on, the
     // blocks before it never read.
-    const int kv_lo = min(Var::first_key(vp, q_shift + row0 / group_size), kv_end);
-    const int tile_base = kv_lo / TILE_N;
-    const int n_tiles = (kv_end + TILE_N - 1) / TILE_N - tile_base;
+    int kv_lo = min(Var::first_key(vp, q_shift + row0 / group_size), kv_end);
+    int tile_base = kv_lo / TILE_N;
+    int tile_end = (kv_end + TILE_N - 1) / TILE_N;
+    if (split_tiles > 0) {
+      // This CTA's run of the tile's tiles; its first key starts a tile, so nothing before
+      // it needs a mask (kv_lo only moves for the window's tests).
+      const long long first = tile_base + static_cast<long long>(blockIdx.z) * split_tiles;
+      const int b = static_cast<int>(min(first, static_cast<long long>(tile_end)));
+      if (blockIdx.z + 1 < gridDim.z) tile_end = min(tile_end, b + split_tiles);
+      if (b > tile_base) kv_lo = b * TILE_N;
+      tile_base = b;
+    }
+    const int n_tiles = kv_lo < kv_end ? tile_end - tile_base : 0;
 
     // Entry i of tile `tile`'s block ids (-1: outside the cache, reported as NaN rows).
     // Entries past kv_end are never used and never read. Thread tid owns entries
@@ -530,22 +547,31 @@ __global__ void __launch_bounds__(
         }
       }
 
-      // ---- scale (ALiBi, masks where needed); online softmax ----------------------------
+      // ---- scale, soft-cap (ALiBi, masks where needed); online softmax ------------------
       const bool masked = !plain || t0 + TILE_N > lim_lo || (Var::kWindow && t0 < first_hi);
       unsigned pa[MA][TILE_N / 16][4];  // P as A fragments of the P V product
 #pragma unroll
       for (int a = 0; a < MA; ++a) {
+        // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2.
+#pragma unroll
+        for (int n = 0; n < Geo::kNTiles; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s[a][n][i] *= Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
+                                            : score_scale;
+          }
+        }
+        Var::logits_fragment(vp, s[a]);
         float tmax[2] = {neg_inf(), neg_inf()};
         if (masked) {
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {  // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2
+            for (int i = 0; i < 4; ++i) {
               const int h = i >> 1;
               const int key = t0 + n * 8 + frag_col + (i & 1);
-              const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
-                                   Var::logits(vp, s[a][n][i] * sk));
+                                   s[a][n][i]);
               const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
               s[a][n][i] = seen ? v : neg_inf();
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
@@ -555,11 +581,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              s[a][n][i] = Var::logits(vp, s[a][n][i] * (Geo::kTokenScales
-                                 ? score_scale * ksc[n * 8 + frag_col + (i & 1)] : score_scale));
-              tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
-            }
+            for (int i = 0; i < 4; ++i) tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
           }
         }
         float sub[2], alpha[2];
@@ -637,6 +659,24 @@ __global__ void __launch_bounds__(
         // gets zeros, never 0 / 0; a sink joins the denominator.
         const int head = kv_head * group_size + p % group_size;
         const long long orow = static_cast<long long>(q_begin + p / group_size) * num_heads + head;
+        if (split_tiles > 0) {
+          // A partial: its normalized output, max and sum (the combine adds the sink and
+          // writes the lse); NaN throughout for a bad block.
+          const long long prow = orow * gridDim.z + blockIdx.z;
+          if ((lane & 3) == 0) {
+            part_max[prow] = bad ? quiet_nan() : m_run[a][h];
+            part_sum[prow] = bad ? quiet_nan() : l;
+          }
+          const float inv = bad ? quiet_nan() : l > 0.f ? out_scale / l : 0.f;
+          float* o = part_out + prow * HEAD_SIZE;
+#pragma unroll
+          for (int d = 0; d < Geo::kDTiles; ++d) {
+            if (d * 8 >= HEAD_SIZE) continue;
+            *reinterpret_cast<float2*>(o + d * 8 + frag_col) =
+                make_float2(acc[a][d][2 * h] * inv, acc[a][d][2 * h + 1] * inv);
+          }
+          continue;
+        }
         const RowEnd e = finish_row(m_run[a][h], l, sink_log2(vp, head));
         const float inv = bad ? quiet_nan() : e.mul * out_scale;
         if (vp.lse != nullptr && (lane & 3) == 0) vp.lse[orow] = bad ? quiet_nan() : e.lse;

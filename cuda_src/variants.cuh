@@ -65,6 +65,50 @@ struct Variant {
     }
   }
 
+  // The logits transform of a warp's fragment of scores (log2 units, as logits()). With
+  // the soft-cap, a warp whose scores all lie within the cap (|logit| <= c, the common
+  // case) takes tanh(y) = y P(y^2) on |y| <= 1, a minimax polynomial on the FMA pipe
+  // (relative error under 2e-7 in fp32, as close as logits()); otherwise every score
+  // takes logits(). The multi-token kernel's softmax is MUFU-bound: logits() adds two
+  // MUFU operations per score to its one. All 32 lanes must call this together.
+  template <int R, int C>
+  __device__ __forceinline__ static void logits_fragment(const VariantParams& vp,
+                                                         float (&x)[R][C]) {
+    if constexpr (kSoftCap) {
+      float top = 0.f;  // NaN scores are ignored here and stay NaN below
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) top = fmaxf(top, fabsf(x[r][c]));
+      }
+      if (__all_sync(~0u, top <= vp.cap_out)) {
+        // y = logit / c = x / cap_out; C tanh(y) = x P(y^2).
+        const float k = __fdividef(1.f, vp.cap_out * vp.cap_out);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int c = 0; c < C; ++c) {
+            const float y2 = x[r][c] * x[r][c] * k;
+            float p = 1.041028255e-03f;
+            p = fmaf(p, y2, -6.203397625e-03f);
+            p = fmaf(p, y2, 2.029000387e-02f);
+            p = fmaf(p, y2, -5.345704380e-02f);
+            p = fmaf(p, y2, 1.332520450e-01f);
+            p = fmaf(p, y2, -3.333283921e-01f);
+            p = fmaf(p, y2, 9.999999503e-01f);
+            x[r][c] *= p;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int c = 0; c < C; ++c) x[r][c] = logits(vp, x[r][c]);
+        }
+      }
+    }
+  }
+
   // The first key a query at q_pos sees: 0 without a window. (q_pos - W + 1 may be
   // negative; the callers clamp it to the keys they have.)
   __device__ __forceinline__ static int first_key(const VariantParams& vp, int q_pos) {

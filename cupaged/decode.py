@@ -301,14 +301,14 @@ class _Partials(NamedTuple):
 def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: int,
                     quantum: int) -> int:
     """The partition size again, made large enough for the partials to fit ``max_rows``."""
-    cap = max_rows // (p.num_seqs * p.num_heads)
+    cap = max_rows // (p.num_rows * p.num_heads)
     if -(-max_ctx // size) <= cap:
         return size
     if isinstance(partition, str) and cap >= 2:
         return _round_up(-(-max_ctx // cap), quantum)
     if partition == "auto":
         return 0  # no room for two partitions: a single pass
-    _fail(f"the workspace holds {cap} partitions per head for {p.num_seqs} sequences; "
+    _fail(f"the workspace holds {cap} partitions per head for {p.num_rows} query rows; "
           f"partition={partition!r} needs {-(-max_ctx // size)} (use a larger DecodeWorkspace)")
 
 
@@ -340,7 +340,7 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
 
     keep = None
     if size:
-        rows = p.num_seqs * p.num_heads * n_parts
+        rows = p.num_rows * p.num_heads * n_parts
         if workspace is None:  # one allocation, carved by pointer (slicing costs microseconds)
             base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
             workspace = _Partials(base, base + rows * p.head_size * 4,

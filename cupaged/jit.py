@@ -73,7 +73,7 @@ _KERNELS = {
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
 ARG_FORMATS = {
     "paged_decode": "PPPPPqq128sPPPiiiiif48s",  # PagedKV (128 bytes), VariantParams (48)
-    "paged_prefill": "PPqq128sPPPiiif48s",
+    "paged_prefill": "PPPPiPqq128sPPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import cupy
 import numpy as np
+from cupy_backends.cuda.api import driver as _driver
 
 from . import _arrays, _checks, _geometry, _kvquant, _variants, decode, jit
 from ._arrays import as_device_array, optional_device_array
@@ -28,8 +30,11 @@ _MAX_GRID_Y = 65535
 
 class _Prefill(NamedTuple):
     launch: jit.Launcher
+    combine: jit.Launcher  # paged_decode_combine: merges split-KV partials
     smem: int
     threads: int
+    tile_tokens: int
+    slots: int  # CTAs resident at once on the whole device
 
 
 # (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
@@ -41,6 +46,16 @@ def _set_tile(tile: tuple | None) -> None:
     global _tile_override
     _tile_override = tile
     _prefill_kernel.cache_clear()
+
+
+# Split-KV of paged_prefill instead of the cost model's choice, for tests and experiments:
+# None (the model), 0 (never) or tokens per partition (a multiple of the tile's tokens).
+_split_override: int | None = None
+
+
+def _set_split(tokens: int | None) -> None:
+    global _split_override
+    _split_override = tokens
 
 
 # Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
@@ -78,7 +93,14 @@ def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
                          f"device {device_id} allows {dev.max_smem}")
-    return _Prefill(jit.load(spec, device_id, g.smem_bytes), g.smem_bytes, g.threads)
+    kernel = jit.load(spec, device_id, g.smem_bytes)
+    combine = jit.load(jit.KernelSpec("paged_decode_combine", dtype, head_size, arch=dev.arch),
+                       device_id)
+    with cupy.cuda.Device(device_id):
+        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, g.threads,
+                                                                    g.smem_bytes)
+    return _Prefill(kernel, combine, g.smem_bytes, g.threads, spec.tile_tokens,
+                    max(1, per_sm) * dev.sm_count)
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -183,9 +205,34 @@ def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
 # ---- launch -------------------------------------------------------------------------------
 
 
+def _prefill_split(k: _Prefill, p: decode._Problem, plan: _Plan, max_q: int, max_ctx: int,
+                   variants: _variants.Variants, workspace) -> tuple:
+    """``(tokens per split-KV partition, partitions)`` of paged_prefill; ``(0, 1)`` for a
+    single pass. Each query tile splits its own keys (from its window's first tile, if
+    any) into partitions, the last running to the end: few CTAs over long contexts (a
+    shared prefix's queries, a chunk of a long prompt) would leave most SMs idle."""
+    tn = k.tile_tokens
+    # The keys of a query tile: at most its window plus its rows' positions (and a tile
+    # of alignment), else the context. An undercount costs parallelism, never keys.
+    span = max_ctx if not variants.window else min(max_ctx, variants.window + max_q + tn)
+    if _split_override is not None:
+        size = _split_override
+        if size % tn:
+            _fail(f"the split-KV partition ({size} tokens) must be a multiple of the tile's "
+                  f"{tn} tokens")
+    else:
+        ctas = p.num_seqs * p.num_kv_heads * plan.q_tiles
+        size = decode._split(ctas, span, k.slots, tn, tn, False) if span > tn else 0
+    if size and workspace is not None:
+        size = decode._fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
+    n_parts = min(-(-span // size), decode._MAX_GRID_YZ) if size else 1
+    return (size, n_parts) if n_parts > 1 else (0, 1)
+
+
 def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan: _Plan,
                     scale: float, causal: bool, ctx: _arrays.Context,
-                    variants: _variants.Variants = _variants.PLAIN) -> None:
+                    variants: _variants.Variants = _variants.PLAIN, max_q: int = 0,
+                    max_ctx: int = 0, workspace: decode._Partials | None = None) -> None:
     it = p.dtype.itemsize
     if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
         _fail(f"query must be 16-byte aligned with token and head strides that are multiples "
@@ -196,12 +243,31 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
                         plan.tile, p.cache.dtype.name, p.quant.mode, variants.letters)
     vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
-    # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's header).
-    k.launch((p.num_seqs * p.num_kv_heads, plan.q_tiles, 1), k.threads, k.smem, ctx.stream,
-             out.data.ptr, q.data.ptr, q.strides[0] // it, q.strides[1] // it,
-             decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,
+    size, n_parts = _prefill_split(k, p, plan, max_q, max_ctx, variants, workspace)
+    keep = None
+    if n_parts > 1:
+        rows = p.num_rows * p.num_heads * n_parts
+        if workspace is None:
+            base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
+            workspace = decode._Partials(base, base + rows * p.head_size * 4,
+                                         base + rows * (p.head_size + 1) * 4, rows)
+        parts = (workspace.part_out, workspace.part_max, workspace.part_sum,
+                 size // k.tile_tokens)
+    else:
+        parts = (0, 0, 0, 0)
+    # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's
+    # header), z the split-KV partitions.
+    k.launch((p.num_seqs * p.num_kv_heads, plan.q_tiles, n_parts), k.threads, k.smem,
+             ctx.stream, out.data.ptr, *parts, q.data.ptr, q.strides[0] // it,
+             q.strides[1] // it, decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,
              0 if alibi is None else alibi.data.ptr, p.num_heads,
              p.num_heads // p.num_kv_heads, int(causal), scale * decode._LOG2E, vp)
+    if n_parts > 1:
+        # Every partial row is written (a partition past a row's keys: max -inf, sum 0),
+        # so the combine takes all of them (null lengths).
+        k.combine((p.num_rows, p.num_heads, 1), decode._THREADS, 0, ctx.stream,
+                  out.data.ptr, *parts[:3], 0, 0, size, n_parts, k.tile_tokens, vp)
+    del keep  # the scratch is freed in the stream's order, after the launches
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
@@ -252,7 +318,10 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         out: optional C-contiguous ``[total_q, num_heads, head_size]`` output (may be the
             query itself, written in place).
         stream: as for :func:`paged_attention`.
-        workspace: a :class:`DecodeWorkspace` for decode's split-KV partials.
+        workspace: a :class:`DecodeWorkspace` for the split-KV partials (decode, and
+            multi-token steps with few query tiles over long contexts, such as a shared
+            prefix's queries); with ``out`` given, the call allocates nothing. Too small a
+            workspace means fewer, larger partitions, never a different result.
         kv_cache_dtype, k_scale, v_scale: an fp8 cache and its scales, as for
             :func:`paged_attention` (every layout, every kind of step).
         window: sliding window W >= 1: a query at position p also needs keys at
@@ -309,7 +378,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         if p.num_seqs and p.num_rows:
             if plan.kind == "prefill":
                 _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, o, p, plan, scale, causal, ctx,
-                                variants)
+                                variants, max_q, max_ctx, workspace)
             else:
                 decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
                                workspace, starts=qsl if plan.kind == "rows" else None,

@@ -49,6 +49,16 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture
+def prefill_split():
+    """Set paged_prefill's split-KV partition in tokens (0: never) instead of the cost
+    model's choice, for the rest of the test."""
+    from cupaged import varlen
+
+    yield varlen._set_split
+    varlen._set_split(None)
+
+
+@pytest.fixture
 def no_flashinfer(monkeypatch):
     """``import flashinfer`` fails as it does where FlashInfer is not installed."""
     real = builtins.__import__

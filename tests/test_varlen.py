@@ -129,6 +129,69 @@ def test_alibi(rng, dtype, layout):
         assert_close(got, ref, testing.TOLERANCE[dtype], f"alibi causal={causal}")
 
 
+# ---- split-KV prefill ------------------------------------------------------------------------
+
+# (dtype, head_size, block_size, heads, kv_heads): the 64-token tile (two shapes, the
+# few-rows one included), the 32-token tile of head size 256, a head size of odd chunks.
+SPLIT_CASES = [("bf16", 128, 16, 8, 2), ("f16", 64, 32, 16, 2), ("f16", 256, 8, 4, 1),
+               ("bf16", 40, 128, 6, 3)]
+
+
+@pytest.mark.parametrize("split", [0, 64, 192], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "{}_hs{}_bs{}_{}x{}".format(*c))
+def test_split_kv_prefill_matches_reference(rng, prefill_split, case, layout, split):
+    """Partitions of 64 and 192 tokens against a single pass: empty sequences, rows whose
+    causal keys end before later partitions, a context of one partition plus one token,
+    and a long one; outputs and lses against the float64 reference, every row written."""
+    from test_variants import _check_lse
+
+    dtype, hs, bs, heads, kv_heads = case
+    prefill_split(split)
+    q_lens = [0, 1, 5, 100, 3, 64, 2]
+    seq = [0, 1, 700, 1100, 3 + 129, 64 + 64, 193]
+    host = make_varlen(rng, q_lens, seq, layout=layout, dtype=dtype, heads=heads,
+                       kv_heads=kv_heads, head_size=hs, block_size=bs, share=True)
+    for causal in (True, False):
+        got, ref = run(host, kv_layout=layout, causal=causal, max_query_len=max(q_lens))
+        assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout} causal={causal}")
+    import cupy
+
+    dev = {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
+    lse = cupy.full((sum(q_lens), heads), np.nan, np.float32)
+    cupaged.attention(**dev, kv_layout=layout, lse=lse)
+    _, ref_lse = reference.attention(**host, kv_layout=layout, return_lse=True)
+    _check_lse(cupy.asnumpy(lse), ref_lse, f"{case} {layout} split={split}")
+
+
+def test_split_kv_prefill_of_a_bad_block_gives_nan_for_its_sequence_only(rng, prefill_split):
+    """A bad id in one partition of the second sequence: its rows NaN (the combine keeps
+    NaN), the first sequence's exact."""
+    import cupy
+
+    prefill_split(64)
+    host = make_varlen(rng, [4, 6], [400, 500], dtype="bf16", heads=4, kv_heads=2)
+    host["block_tables"][1, 20] = 10**6  # keys 320..335: the sixth partition of 64
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    got = cupy.asnumpy(cupaged.attention(**dev)).astype(np.float64)
+    good = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
+            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:4]}
+    assert_close(got[:4], reference.attention(**good), testing.TOLERANCE["bf16"])
+    assert np.isnan(got[4:]).all()
+
+
+def test_split_kv_prefill_fits_a_small_workspace_or_runs_single_pass(rng, prefill_split):
+    """A DecodeWorkspace too small for the chosen partitions: larger partitions, or a
+    single pass when not even two fit; the result is the same attention."""
+    prefill_split(64)
+    host = make_varlen(rng, [8, 3], [900, 300], heads=8, kv_heads=2)
+    rows = 11 * 8  # query rows x heads
+    for ws_rows in (rows * 3, rows):
+        ws = cupaged.DecodeWorkspace(2, 8, 64, rows=ws_rows)
+        got, ref = run(host, workspace=ws)
+        assert_close(got, ref, testing.TOLERANCE["f16"], f"workspace of {ws_rows} rows")
+
+
 @pytest.mark.parametrize("q_len, ctx", [(1000, 1000), (16, 100_003), (3, 131_072)])
 def test_long_prompts_and_contexts(rng, q_len, ctx):
     host = make_varlen(rng, [q_len], [ctx], dtype="bf16", heads=8, kv_heads=2, head_size=64,
@@ -191,11 +254,13 @@ def test_fused_and_packed_views_are_read_in_place(rng):
     assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"], "vLLM packed")
 
 
-def test_chunked_prefill_equals_one_shot_prefill(rng):
+def test_chunked_prefill_equals_one_shot_prefill(rng, prefill_split):
     """A 300-token prompt in chunks of 128, 100 and 72 (each attending to the cache so far)
-    gives the rows of one 300-token prefill."""
+    gives the rows of one 300-token prefill (bit for bit in a single pass: split-KV would
+    sum the chunks' keys in other partitions)."""
     import cupy
 
+    prefill_split(0)
     host = make_varlen(rng, [300], [300], dtype="bf16", heads=8, kv_heads=2)
     dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
     whole = cupy.asnumpy(cupaged.attention(**dev))

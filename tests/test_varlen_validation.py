@@ -130,6 +130,28 @@ def test_the_planner_takes_16_rows_per_warp_for_few_rows():
     assert 16 * few[0] * few[1] < 16 * many[0] * many[1]    # fewer padding rows
 
 
+def test_the_split_model_splits_few_ctas_over_long_keys_only():
+    """paged_prefill's split-KV choice (host only): a shared prefix's 32 CTAs over 32k keys
+    split; a long prompt's thousand CTAs and short contexts do not; a window bounds the
+    keys a partition covers."""
+    from cupaged import _variants, decode, varlen
+
+    k = varlen._Prefill(None, None, 0, 128, 64, 264)
+
+    def split(num_seqs, q_tiles, max_ctx, window=0, max_q=128):
+        p = decode._Problem(0, None, num_seqs, 32, 8, 128, 16, 0, 0, None, num_seqs * max_q)
+        v = _variants.Variants("w" if window else "", window)
+        return varlen._prefill_split(k, p, varlen._Plan("prefill", q_tiles), max_q, max_ctx,
+                                     v, None)
+
+    size, parts = split(1, 4, 32768)
+    assert parts >= 4 and size % 64 == 0 and size * parts >= 32768
+    assert split(1, 128, 4096) == (0, 1)  # a 4096-token prompt: 1024 CTAs
+    assert split(64, 1, 64) == (0, 1)
+    size, parts = split(1, 4, 32768, window=512)
+    assert size * (parts - 1) < 512 + 128 + 64 <= size * parts
+
+
 def test_block_strides_past_32_bits_are_refused_for_the_prefill_kernel():
     dt = _checks._dtypes.BY_NAME["f16"]
     ok = _checks.CacheView(dt, 10, 8, 128, 16, "tok", (2**31, 128, 1024), (2**31, 128, 1024))

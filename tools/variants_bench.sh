@@ -22,7 +22,7 @@ for kv in 8 32; do
   done
 done
 echo "== prefill variants"
-for v in "" "--soft-cap 50" "--sinks" "--window 4096"; do
+for v in "" "--soft-cap 50" "--soft-cap 1" "--sinks" "--window 4096"; do
   echo "-- $v"; b prefill --preset prompt-4096 --preset 8x2048 --impl cupaged $v 2>&1 | tail -2
 done
 echo "== cascade"
