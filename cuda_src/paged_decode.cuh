@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const int t = mt * 16 + (lane >> 2) + (i >> 1) * 8;
           const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
           const float sk = Geo::kTokenScales ? score_scale * ksc[t] : score_scale;
-          const float v = fmaf(my_slope[i & 1], rel, Var::logits(vp, sc[j][i] * sk));
+          const float v = fmaf(my_slope[i & 1], rel, Var::logits(vp, sc[j][i], sk));
           sc[j][i] = t < valid && key_seen(t0 + t, my_off[i & 1]) ? v : neg_inf();
           tmax[i & 1] = fmaxf(tmax[i & 1], sc[j][i]);
         }
@@ -755,7 +755,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const float rel = static_cast<float>(t0 + t - q_pos);  // ALiBi distance
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
-            const float sv = Var::logits(vp, Geo::kTokenScales ? s[j][g] * ksc[t] : s[j][g]);
+            const float sv = Var::logits(vp, s[j][g], Geo::kTokenScales ? ksc[t] : 1.f);
             s[j][g] = t < valid && key_seen(t0 + t, sp_off[g]) ? fmaf(slope[g], rel, sv) : neg_inf();
             tmax[g] = fmaxf(tmax[g], s[j][g]);
           }

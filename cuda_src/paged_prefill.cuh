@@ -547,31 +547,22 @@ __global__ void __launch_bounds__(
         }
       }
 
-      // ---- scale, soft-cap (ALiBi, masks where needed); online softmax ------------------
+      // ---- scale (ALiBi, masks where needed); online softmax ----------------------------
       const bool masked = !plain || t0 + TILE_N > lim_lo || (Var::kWindow && t0 < first_hi);
       unsigned pa[MA][TILE_N / 16][4];  // P as A fragments of the P V product
 #pragma unroll
       for (int a = 0; a < MA; ++a) {
-        // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2.
-#pragma unroll
-        for (int n = 0; n < Geo::kNTiles; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            s[a][n][i] *= Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
-                                            : score_scale;
-          }
-        }
-        Var::logits_fragment(vp, s[a]);
         float tmax[2] = {neg_inf(), neg_inf()};
         if (masked) {
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < 4; ++i) {  // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2
               const int h = i >> 1;
               const int key = t0 + n * 8 + frag_col + (i & 1);
+              const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
-                                   s[a][n][i]);
+                                   Var::logits(vp, s[a][n][i], sk));
               const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
               s[a][n][i] = seen ? v : neg_inf();
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
@@ -581,7 +572,11 @@ __global__ void __launch_bounds__(
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
+            for (int i = 0; i < 4; ++i) {
+              s[a][n][i] = Var::logits(vp, s[a][n][i], Geo::kTokenScales
+                                 ? score_scale * ksc[n * 8 + frag_col + (i & 1)] : score_scale);
+              tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
+            }
           }
         }
         float sub[2], alpha[2];

@@ -51,61 +51,21 @@ struct Variant {
   static constexpr bool kBlockSparse = (VARIANT & kVarBlockSparse) != 0;
   static_assert(VARIANT >= 0 && VARIANT < 8, "VARIANT");
 
-  // The logits transform, on a score x already in log2 units (x = log2(e) * scale * q.k):
-  // c * tanh(logit / c) is C * tanh(x / C) with C = c * log2(e), and
-  // tanh(y) = 1 - 2 / (e^{2y} + 1), e^{2y} = 2^{2x / c}: two MUFU operations, accurate to
-  // about 1e-7 of C absolute (tanh.approx.f32, FlashInfer's choice, is off by up to 2^-11
-  // of C: a few percent of a probability at c = 50). Saturates to +-C, keeps NaN.
-  __device__ __forceinline__ static float logits(const VariantParams& vp, float x) {
+  // The logits transform of a score x = s * sk already in log2 units
+  // (x = log2(e) * scale * q.k, sk the scale factors of s): c * tanh(logit / c) is
+  // C * tanh(x / C) with C = c * log2(e), and tanh(y) = 1 - 2 / (e^{2y} + 1),
+  // e^{2y} = 2^{2x / c}: two MUFU operations, accurate to about 1e-7 of C absolute
+  // (tanh.approx.f32, FlashInfer's choice, is off by up to 2^-11 of C: a few percent of a
+  // probability at c = 50). The scale factors fold into the exponent's (s * (sk * 2 / c),
+  // sk * 2 / c loop-invariant for per-tensor scales): one multiply per score fewer, as the
+  // multi-token kernel's softmax is short of FMA-pipe issue slots (docs/PERFORMANCE.md).
+  // Saturates to +-C, keeps NaN.
+  __device__ __forceinline__ static float logits(const VariantParams& vp, float s, float sk) {
     if constexpr (kSoftCap) {
-      const float e = fast_exp2(x * vp.cap_in);
-      return vp.cap_out - __fdividef(2.f * vp.cap_out, e + 1.f);  // e = inf: 2C / inf = 0
+      const float e = fast_exp2(s * (sk * vp.cap_in));
+      return vp.cap_out - __fdividef(2.f * vp.cap_out, e + 1.f);  // e = inf: C
     } else {
-      return x;
-    }
-  }
-
-  // The logits transform of a warp's fragment of scores (log2 units, as logits()). With
-  // the soft-cap, a warp whose scores all lie within the cap (|logit| <= c, the common
-  // case) takes tanh(y) = y P(y^2) on |y| <= 1, a minimax polynomial on the FMA pipe
-  // (relative error under 2e-7 in fp32, as close as logits()); otherwise every score
-  // takes logits(). The multi-token kernel's softmax is MUFU-bound: logits() adds two
-  // MUFU operations per score to its one. All 32 lanes must call this together.
-  template <int R, int C>
-  __device__ __forceinline__ static void logits_fragment(const VariantParams& vp,
-                                                         float (&x)[R][C]) {
-    if constexpr (kSoftCap) {
-      float top = 0.f;  // NaN scores are ignored here and stay NaN below
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) top = fmaxf(top, fabsf(x[r][c]));
-      }
-      if (__all_sync(~0u, top <= vp.cap_out)) {
-        // y = logit / c = x / cap_out; C tanh(y) = x P(y^2).
-        const float k = __fdividef(1.f, vp.cap_out * vp.cap_out);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-          for (int c = 0; c < C; ++c) {
-            const float y2 = x[r][c] * x[r][c] * k;
-            float p = 1.041028255e-03f;
-            p = fmaf(p, y2, -6.203397625e-03f);
-            p = fmaf(p, y2, 2.029000387e-02f);
-            p = fmaf(p, y2, -5.345704380e-02f);
-            p = fmaf(p, y2, 1.332520450e-01f);
-            p = fmaf(p, y2, -3.333283921e-01f);
-            p = fmaf(p, y2, 9.999999503e-01f);
-            x[r][c] *= p;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-          for (int c = 0; c < C; ++c) x[r][c] = logits(vp, x[r][c]);
-        }
-      }
+      return s * sk;
     }
   }
 
