@@ -82,6 +82,10 @@ def torch_dtype(np_dtype):
     return _dtype_tables()[1][np.dtype(np_dtype)]
 
 
+# torch dtype -> (NumPy dtype, itemsize): one lookup per tensor instead of two calls.
+_TORCH_META: dict = {}
+
+
 class TorchArray:
     """A PyTorch CUDA tensor seen as cupaged reads arrays (no copy; ``tensor`` is kept)."""
 
@@ -98,9 +102,11 @@ class TorchArray:
         self.tensor = tensor
         self.shape = shape = tuple(tensor.shape)
         self.ndim = len(shape)
-        self.dtype = numpy_dtype(tensor.dtype)
-        itemsize = tensor.element_size()
-        self.strides = tuple(s * itemsize for s in tensor.stride())
+        meta = _TORCH_META.get(tensor.dtype)
+        if meta is None:
+            meta = _TORCH_META[tensor.dtype] = (numpy_dtype(tensor.dtype), tensor.element_size())
+        self.dtype, itemsize = meta
+        self.strides = tuple([s * itemsize for s in tensor.stride()])
         self.data = _Data(tensor.data_ptr(), tensor.get_device())
 
     @property

@@ -350,3 +350,26 @@ def test_v2_never_asks_for_more_partitions_than_the_grid_holds(v2_args, monkeypa
     partition, workspace = seen["args"][9], seen["args"][11]
     assert -(-40_000_000 // partition) <= 65535
     assert workspace.max_rows == 2 * 4 * 65535
+
+
+def test_a_cache_layout_that_passed_is_remembered_by_its_metadata_only():
+    """check_kv_layout remembers a pass by shapes, strides, dtypes and 16-byte alignment:
+    the same metadata at other pointers is served from memory, a misaligned pointer or
+    other strides are checked again (and fail), and a failure is never remembered."""
+    from cupaged import _checks, _dtypes
+
+    _checks._LAYOUT_PASSED.clear()
+    k = np.zeros((10, 2, 8, 16, 8), np.float16)
+    v = np.zeros((10, 2, 64, 16), np.float16)
+    first = _checks.check_kv_layout(Fake(k), Fake(v), _dtypes.F16, "vllm")
+    assert len(_checks._LAYOUT_PASSED) == 1
+    again = _checks.check_kv_layout(Fake(k, ptr=1 << 24), Fake(v, ptr=1 << 25), _dtypes.F16, "vllm")
+    assert again is first and len(_checks._LAYOUT_PASSED) == 1
+    odd_stride = Fake(k)
+    odd_stride.strides = (k.strides[0] + 2,) + k.strides[1:]
+    for bad in (Fake(k, ptr=(1 << 24) + 8), odd_stride):
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            _checks.check_kv_layout(bad, Fake(v), _dtypes.F16, "vllm")
+    assert len(_checks._LAYOUT_PASSED) == 1
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        _checks.check_kv_layout(Fake(k), Fake(v), _dtypes.F16, ["vllm"])
