@@ -1255,7 +1255,9 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     ks, vs = [a["key_cache"]] * layers, [a["value_cache"]] * layers
     pairs = cupy.asarray([[0, 1], [2, 3]], np.int64)
     rows[f"copy_blocks, {layers} layers"] = _host_us(lambda: cache_ops.copy_blocks(ks, vs, pairs), calls)
-    cache = PagedKVCache(1, 64 * 80, 8, 128, 16, "float16")
+    # Room for every timed step: 64 sequences of 1,000 tokens, each growing by up to
+    # 10 + 9 x 100 tokens (the warm-up and _host_us's runs).
+    cache = PagedKVCache(1, 64 * 160, 8, 128, 16, "float16")
     ids = list(range(64))
     for s in ids:
         cache.add(s, 1000)
