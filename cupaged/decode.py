@@ -122,12 +122,24 @@ def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_
             f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
             f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
         )
-    combine = jit.KernelSpec("paged_decode_combine", dtype, head_size, arch=dev.arch)
     decode = jit.load(spec, device_id, smem)
+    return _Kernels(decode, _combine(device_id, dtype, head_size), smem, spec.tile_tokens,
+                    spec.name, _resident_ctas(device_id, decode, _THREADS, smem))
+
+
+@jit.launcher_cache
+def _combine(device_id: int, dtype: str, head_size: int) -> jit.Launcher:
+    """paged_decode_combine: merges the split-KV partials of paged_decode and of
+    paged_prefill."""
+    spec = jit.KernelSpec("paged_decode_combine", dtype, head_size, arch=_device(device_id).arch)
+    return jit.load(spec, device_id)
+
+
+def _resident_ctas(device_id: int, kernel: jit.Launcher, threads: int, smem: int) -> int:
+    """CTAs of ``kernel`` resident at once on the whole device (at least one per SM)."""
     with cupy.cuda.Device(device_id):
-        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(decode.ptr, _THREADS, smem)
-    return _Kernels(decode, jit.load(combine, device_id), smem, spec.tile_tokens, spec.name,
-                    max(1, per_sm) * dev.sm_count)
+        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, smem)
+    return max(1, per_sm) * _device(device_id).sm_count
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -340,11 +352,7 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
 
     keep = None
     if size:
-        rows = p.num_rows * p.num_heads * n_parts
-        if workspace is None:  # one allocation, carved by pointer (slicing costs microseconds)
-            base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
-            workspace = _Partials(base, base + rows * p.head_size * 4,
-                                  base + rows * (p.head_size + 1) * 4, rows)
+        workspace, keep = _partials(workspace, ctx, p, n_parts)
         part_out, part_max, part_sum = workspace.part_out, workspace.part_max, workspace.part_sum
         dst = 0
     else:
@@ -363,6 +371,19 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
                    out.data.ptr, part_out, part_max, part_sum, cl.data.ptr,
                    p.max_blocks * p.block_size, size, n_parts, ks.tile_tokens, vp)
     del keep  # the scratch is freed in the stream's order, after the launches
+
+
+def _partials(workspace: _Partials | None, ctx: _arrays.Context, p: _Problem,
+              n_parts: int) -> tuple:
+    """``(partials, owner)``: the workspace's, or a scratch buffer for ``n_parts``
+    partitions of every query row and head (one allocation carved by pointer: slicing
+    costs microseconds), with its owner to keep alive until the launches are enqueued."""
+    if workspace is not None:
+        return workspace, None
+    rows = p.num_rows * p.num_heads * n_parts
+    base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
+    return _Partials(base, base + rows * p.head_size * 4, base + rows * (p.head_size + 1) * 4,
+                     rows), keep
 
 
 def _workspace_partials(workspace, p: _Problem) -> _Partials | None:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import cupy
 import numpy as np
-from cupy_backends.cuda.api import driver as _driver
 
 from . import _arrays, _checks, _geometry, _kvquant, _variants, decode, jit
 from ._arrays import as_device_array, optional_device_array
@@ -30,7 +28,6 @@ _MAX_GRID_Y = 65535
 
 class _Prefill(NamedTuple):
     launch: jit.Launcher
-    combine: jit.Launcher  # paged_decode_combine: merges split-KV partials
     smem: int
     threads: int
     tile_tokens: int
@@ -94,13 +91,8 @@ def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
                          f"device {device_id} allows {dev.max_smem}")
     kernel = jit.load(spec, device_id, g.smem_bytes)
-    combine = jit.load(jit.KernelSpec("paged_decode_combine", dtype, head_size, arch=dev.arch),
-                       device_id)
-    with cupy.cuda.Device(device_id):
-        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, g.threads,
-                                                                    g.smem_bytes)
-    return _Prefill(kernel, combine, g.smem_bytes, g.threads, spec.tile_tokens,
-                    max(1, per_sm) * dev.sm_count)
+    return _Prefill(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
+                    decode._resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -246,11 +238,7 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
     size, n_parts = _prefill_split(k, p, plan, max_q, max_ctx, variants, workspace)
     keep = None
     if n_parts > 1:
-        rows = p.num_rows * p.num_heads * n_parts
-        if workspace is None:
-            base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
-            workspace = decode._Partials(base, base + rows * p.head_size * 4,
-                                         base + rows * (p.head_size + 1) * 4, rows)
+        workspace, keep = decode._partials(workspace, ctx, p, n_parts)
         parts = (workspace.part_out, workspace.part_max, workspace.part_sum,
                  size // k.tile_tokens)
     else:
@@ -265,8 +253,10 @@ def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan
     if n_parts > 1:
         # Every partial row is written (a partition past a row's keys: max -inf, sum 0),
         # so the combine takes all of them (null lengths).
-        k.combine((p.num_rows, p.num_heads, 1), decode._THREADS, 0, ctx.stream,
-                  out.data.ptr, *parts[:3], 0, 0, size, n_parts, k.tile_tokens, vp)
+        # (Loaded here, not with the kernel: most multi-token calls never split.)
+        combine = decode._combine(p.device, p.dtype.name, p.head_size)
+        combine((p.num_rows, p.num_heads, 1), decode._THREADS, 0, ctx.stream,
+                out.data.ptr, *parts[:3], 0, 0, size, n_parts, k.tile_tokens, vp)
     del keep  # the scratch is freed in the stream's order, after the launches
 
 

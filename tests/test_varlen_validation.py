@@ -136,7 +136,7 @@ def test_the_split_model_splits_few_ctas_over_long_keys_only():
     keys a partition covers."""
     from cupaged import _variants, decode, varlen
 
-    k = varlen._Prefill(None, None, 0, 128, 64, 264)
+    k = varlen._Prefill(None, 0, 128, 64, 264)
 
     def split(num_seqs, q_tiles, max_ctx, window=0, max_q=128):
         p = decode._Problem(0, None, num_seqs, 32, 8, 128, 16, 0, 0, None, num_seqs * max_q)
