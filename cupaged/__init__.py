@@ -7,6 +7,7 @@ dtype, head size, block size and layout, compiled with NVRTC and cached.
 
 Public API:
     attention               varlen paged attention over any layout (every kind of step)
+    AttentionPlan           attention checked and planned once, run for every layer
     paged_attention         decode attention over vLLM's layout (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
@@ -38,12 +39,13 @@ from .decode import (
 from .cache_ops import copy_blocks, empty_pinned, reshape_and_cache, swap_blocks
 from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
-from .varlen import attention
+from .varlen import AttentionPlan, attention
 from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPlan",
     "BLOCK_SIZES",
     "BlockManager",
     "attention",

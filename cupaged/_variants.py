@@ -32,15 +32,14 @@ class Variants(NamedTuple):
     window: int = 0  # W >= 1, or 0 for none
     soft_cap: float = 0.0  # c > 0, or 0 for none
     sinks: object = None  # the float32 [num_heads] device array, or None
-    lse: object = None  # the float32 [rows, num_heads] output, or None
     sparse: tuple = ()  # blocksparse: (local_blocks, vert_stride, block_size, step, tp_rank)
 
-    def pack(self) -> bytes:
-        """The VariantParams bytes of this call."""
+    def pack(self, lse: int = 0) -> bytes:
+        """The VariantParams bytes of a call; ``lse``: the address of its float32
+        ``[rows, num_heads]`` lse output (0: none), which changes from call to call."""
         c = self.soft_cap
         local, vert, block, step, rank = self.sparse or (0, 1, 1, 0, 0)
-        return _STRUCT.pack(0 if self.sinks is None else self.sinks.data.ptr,
-                            0 if self.lse is None else self.lse.data.ptr, self.window,
+        return _STRUCT.pack(0 if self.sinks is None else self.sinks.data.ptr, lse, self.window,
                             2.0 / c if c else 0.0, c * _LOG2E if c else 0.0,
                             local, vert, block, step, rank)
 

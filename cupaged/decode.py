@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
-from . import _arrays, _catalog, _checks, _dtypes, _geometry, _kvquant, _variants, jit
+from . import _arrays, _catalog, _checks, _dtypes, _geometry, _kvquant, _prepared, _variants, jit
 from ._arrays import as_device_array, optional_device_array
 
 __all__ = [
@@ -68,6 +68,7 @@ def _set_tile(tile: tuple[int, int] | None) -> None:
     global _tile_override
     _tile_override = tile
     _kernels.cache_clear()
+    _prepared.clear()
 
 
 def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
@@ -158,20 +159,14 @@ class _Problem(NamedTuple):
     cache: _checks.CacheView  # its dtype is the cache's element type (fp8 or the query's)
     num_rows: int  # query rows: num_seqs for decode, total_q for attention()
     quant: _kvquant.KVQuant = _kvquant.NONE  # an fp8 cache's scales
+    q_strides: tuple = (0, 0)  # the query's token (sequence) and head strides, in elements
+    bt_stride: int = 0  # block_tables' row stride, in entries
 
 
-# PagedKV (cuda_src/kv_layout.cuh), passed by value: k, v, their (block, head, token)
-# strides, the block table and its row stride, max_blocks, num_blocks, then an fp8
-# cache's scales (pointers, the per-token arrays' block and head strides, values).
-_PAGED_KV = struct.Struct("@PPqqqqqqPqiiPPqqff")
+# PagedKV (cuda_src/kv_layout.cuh), passed by value as the launch formats' braced fields
+# (_kv_args gives its constant ones).
+_PAGED_KV = struct.Struct("@" + jit.PAGED_KV_FORMAT.strip("{}"))
 assert _PAGED_KV.size == 128
-
-
-def _paged_kv(kc, vc, bt, p: _Problem) -> bytes:
-    c, q = p.cache, p.quant
-    return _PAGED_KV.pack(kc.data.ptr, vc.data.ptr, *c.k_strides, *c.v_strides, bt.data.ptr,
-                          bt.strides[0] // 4, p.max_blocks, p.num_blocks, q.k_ptr, q.v_ptr,
-                          q.block_stride, q.head_stride, q.k_value, q.v_value)
 
 
 def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
@@ -220,7 +215,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
         ("context_lens", context_lens), ("alibi_slopes", alibi_slopes), ("out", out)))
     quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
     return _Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
-                    cache.block_size, cache.num_blocks, max_blocks, cache, num_seqs, quant)
+                    cache.block_size, cache.num_blocks, max_blocks, cache, num_seqs, quant,
+                    (query.strides[0] // dt.itemsize, query.strides[1] // dt.itemsize),
+                    block_tables.strides[0] // 4)
 
 
 def _scale(scale, head_size: int) -> float:
@@ -324,15 +321,70 @@ def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: i
           f"partition={partition!r} needs {-(-max_ctx // size)} (use a larger DecodeWorkspace)")
 
 
-def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: int,
-            partition, ctx: _arrays.Context, workspace: _Partials | None = None,
-            starts=None, causal: bool = True,
-            variants: _variants.Variants = _variants.PLAIN) -> None:
-    """Validate nothing, launch everything: decode (and combine) on ``ctx.stream``.
-    ``workspace``: where the split-KV partials go, else a temporary buffer. ``starts``: the
-    query_start_loc array for the row mode (one CTA per query row; single pass)."""
+class _Launch(NamedTuple):
+    """A call's kernel launches with everything but the arrays' addresses decided: the
+    kernels, grids, split-KV and every constant argument, from metadata alone. ``run``
+    adds the addresses; a repeated call reuses the rest (``_prepared``)."""
+
+    kernel: jit.Launcher
+    grid: tuple
+    threads: int
+    smem: int
+    prefill: bool  # paged_prefill's argument order: split_tiles after the partials
+    head: tuple  # between the partials and the query: paged_prefill's split_tiles
+    q_strides: tuple  # the query's token (sequence) and head strides, in elements
+    kv_strides: tuple  # PagedKV between the cache pointers and the table: their strides
+    kv_tail: tuple  # PagedKV after the table pointer
+    tail: tuple  # after the lengths and query starts: ALiBi, the ints, the scale
+    variants: _variants.Variants
+    vp: bytes  # VariantParams with no lse (packed per call when there is one)
+    combine: jit.Launcher | None = None  # split-KV: merges the partials
+    combine_grid: tuple = ()
+    combine_tail: tuple = ()  # after its lengths
+    partials: _Partials | None = None  # the workspace's; None: a scratch buffer per call
+    scratch_rows: int = 0
+    head_size: int = 0
+
+    def run(self, ctx: _arrays.Context, out: int, q: int, k: int, v: int, bt: int,
+            lens: int, starts: int, lse: int = 0) -> None:
+        """Launch on ``ctx.stream`` (``starts``, ``lse``: 0 for none)."""
+        vp = self.vp if not lse else self.variants.pack(lse)
+        if self.combine is None:
+            self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, 0, 0, 0,
+                        *self.head, q, *self.q_strides, k, v, *self.kv_strides, bt,
+                        *self.kv_tail, lens, starts, *self.tail, vp)
+            return
+        parts, keep = self.partials, None
+        if parts is None:
+            parts, keep = _scratch_partials(ctx, self.scratch_rows, self.head_size)
+        po, pm, ps = parts.part_out, parts.part_max, parts.part_sum
+        self.kernel(self.grid, self.threads, self.smem, ctx.stream,
+                    out if self.prefill else 0, po, pm, ps, *self.head, q, *self.q_strides,
+                    k, v, *self.kv_strides, bt, *self.kv_tail, lens, starts, *self.tail, vp)
+        # paged_prefill writes every partial row, so its combine takes all (no lengths).
+        self.combine(self.combine_grid, _THREADS, 0, ctx.stream, out, po, pm, ps,
+                     0 if self.prefill else lens, *self.combine_tail, vp)
+        del keep  # the scratch is freed in the stream's order, after the launches
+
+
+def _kv_args(p: _Problem) -> tuple:
+    """PagedKV's constant fields (cuda_src/kv_layout.cuh): the caches' strides, then what
+    follows the table pointer (its row stride, sizes, an fp8 cache's scales)."""
+    c, q = p.cache, p.quant
+    return (*c.k_strides, *c.v_strides), (p.bt_stride, p.max_blocks, p.num_blocks, q.k_ptr,
+                                          q.v_ptr, q.block_stride, q.head_stride, q.k_value,
+                                          q.v_value)
+
+
+def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
+             workspace: _Partials | None = None, rows: bool = False, causal: bool = True,
+             variants: _variants.Variants = _variants.PLAIN) -> _Launch | None:
+    """The launches of paged_decode (and its combine) for a validated problem; None when
+    there is nothing to launch. ``rows``: one CTA per query row (the query_start_loc of
+    attention's row mode; single pass). ``workspace``: where split-KV partials go, else a
+    scratch buffer per call. ``alibi``: the slopes' address or 0."""
     if p.num_seqs == 0 or p.num_rows == 0:
-        return
+        return None
     group = p.num_heads // p.num_kv_heads
     gt = _group_tile(group)
     ks = _kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt, p.cache.kv_format,
@@ -343,46 +395,31 @@ def _launch(q, kc, vc, bt, cl, alibi, out, p: _Problem, scale: float, max_ctx: i
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
-    size = 0 if starts is not None else _partition_tokens(partition, p, max_ctx,
-                                                         p.num_seqs * grid_y, ks)
+    size = 0 if rows else _partition_tokens(partition, p, max_ctx, p.num_seqs * grid_y, ks)
     if size and workspace is not None:
         size = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
                                max(ks.tile_tokens, p.block_size))
     n_parts = -(-max_ctx // size) if size else 1
-
-    keep = None
-    if size:
-        workspace, keep = _partials(workspace, ctx, p, n_parts)
-        part_out, part_max, part_sum = workspace.part_out, workspace.part_max, workspace.part_sum
-        dst = 0
-    else:
-        part_out = part_max = part_sum = 0
-        dst = out.data.ptr
-
-    it = p.dtype.itemsize
-    ks.decode((p.num_rows, grid_y, n_parts), _THREADS, ks.smem, ctx.stream,
-              dst, part_out, part_max, part_sum,
-              q.data.ptr, q.strides[0] // it, q.strides[1] // it, _paged_kv(kc, vc, bt, p),
-              cl.data.ptr, 0 if starts is None else starts.data.ptr,
-              0 if alibi is None else alibi.data.ptr,
-              p.num_heads, group, p.num_seqs, int(causal), size, scale * _LOG2E, vp)
-    if size:
-        ks.combine((p.num_seqs, p.num_heads, 1), _THREADS, 0, ctx.stream,
-                   out.data.ptr, part_out, part_max, part_sum, cl.data.ptr,
-                   p.max_blocks * p.block_size, size, n_parts, ks.tile_tokens, vp)
-    del keep  # the scratch is freed in the stream's order, after the launches
+    kv_strides, kv_tail = _kv_args(p)
+    launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, ks.smem, False, (),
+                     p.q_strides, kv_strides, kv_tail,
+                     (alibi, p.num_heads, group, p.num_seqs, int(causal), size,
+                      scale * _LOG2E), variants, vp)
+    if not size:
+        return launch
+    return launch._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
+                           combine_tail=(p.max_blocks * p.block_size, size, n_parts,
+                                         ks.tile_tokens),
+                           partials=workspace, scratch_rows=p.num_rows * p.num_heads * n_parts,
+                           head_size=p.head_size)
 
 
-def _partials(workspace: _Partials | None, ctx: _arrays.Context, p: _Problem,
-              n_parts: int) -> tuple:
-    """``(partials, owner)``: the workspace's, or a scratch buffer for ``n_parts``
-    partitions of every query row and head (one allocation carved by pointer: slicing
-    costs microseconds), with its owner to keep alive until the launches are enqueued."""
-    if workspace is not None:
-        return workspace, None
-    rows = p.num_rows * p.num_heads * n_parts
-    base, keep = _arrays.scratch(ctx, rows * (p.head_size + 2) * 4)
-    return _Partials(base, base + rows * p.head_size * 4, base + rows * (p.head_size + 1) * 4,
+def _scratch_partials(ctx: _arrays.Context, rows: int, head_size: int) -> tuple:
+    """``(partials, owner)``: a scratch buffer for ``rows`` partial rows (one allocation
+    carved by address: slicing costs microseconds), and its owner to keep alive until the
+    launches are enqueued."""
+    base, keep = _arrays.scratch(ctx, rows * (head_size + 2) * 4)
+    return _Partials(base, base + rows * head_size * 4, base + rows * (head_size + 1) * 4,
                      rows), keep
 
 
@@ -395,6 +432,16 @@ def _workspace_partials(workspace, p: _Problem) -> _Partials | None:
         _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
               TypeError)
     return workspace
+
+
+def _workspace_key(workspace):
+    """The memo key of a ``workspace=`` argument: what its partials' addresses follow
+    from (an unknown kind: not keyed, so the validating path names it)."""
+    if workspace is None or isinstance(workspace, _Partials):
+        return workspace
+    if isinstance(workspace, DecodeWorkspace):
+        return (workspace._base, workspace.rows, workspace.head_size, workspace.device)
+    return _prepared.UNKEYED
 
 
 class _VariantArgs(NamedTuple):
@@ -443,23 +490,34 @@ def _variant_setup(va: _VariantArgs, p: _Problem):
     if not (window or cap or sinks is not None or va.sparse):
         return _variants.PLAIN, lse
     return _variants.Variants(_variants.letters(window, cap, va.sparse), window, cap, sinks,
-                              None, va.sparse), lse
-
-
-def _with_lse(v: _variants.Variants, va: _VariantArgs, lse, p: _Problem, ctx):
-    """The variants with their lse output: the caller's, a new array when return_lse, or
-    none. Returns (variants, lse to return)."""
-    if not va.wants_lse:
-        return v, None
-    returned = va.lse
-    if lse is None:
-        lse, returned = _arrays.empty(ctx, (p.num_rows, p.num_heads), np.float32)
-    return v._replace(lse=lse), returned
+                              va.sparse), lse
 
 
 def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
          max_context_len, out, partition, stream=None, workspace=None, kv_cache_dtype="auto",
          k_scale=None, v_scale=None, va: _VariantArgs = _NO_VARIANTS):
+    """One decode call: its prepared launches when the same call (by metadata) passed
+    validation before, else validation and planning first."""
+    k, ptrs = _prepared.key(
+        "decode", (query, key_cache, value_cache, block_tables, context_lens, None, out, va.lse),
+        (alibi_slopes, va.sinks, k_scale, v_scale),
+        (scale, max_context_len, partition, kv_cache_dtype, va.window, va.window_left,
+         va.logits_soft_cap, va.return_lse, va.sparse), _workspace_key(workspace))
+    prep = _prepared.lookup(k)
+    if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
+        prep, ptrs = _validate_and_prepare(query, key_cache, value_cache, block_tables,
+                                           context_lens, scale, alibi_slopes, max_context_len,
+                                           out, partition, stream, workspace, kv_cache_dtype,
+                                           k_scale, v_scale, va)
+        _prepared.remember(k, prep)
+    return _prepared.run(prep, ptrs, stream, out, va.lse)
+
+
+def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_lens, scale,
+                          alibi_slopes, max_context_len, out, partition, stream, workspace,
+                          kv_cache_dtype, k_scale, v_scale, va: _VariantArgs) -> tuple:
+    """``(prepared call, addresses)``: every check (CUPAGED_DEBUG's device reads too),
+    then the launches' plan."""
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -472,17 +530,27 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
     max_ctx = _max_context(max_context_len, p)
     workspace = _workspace_partials(workspace, p)
     variants, lse = _variant_setup(va, p)
+    if _checks.DEBUG:
+        with _arrays.on_device(p.device):
+            _check_tables(bt, cl, p.num_blocks, p.block_size,
+                          _arrays.context(p.device, _arrays.is_torch(query), stream))
     with _arrays.on_device(p.device):
-        ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
-        if _checks.DEBUG:
-            _check_tables(bt, cl, p.num_blocks, p.block_size, ctx)
-        returned = out
-        if o is None:
-            o, returned = _arrays.empty(ctx, q.shape, q.dtype)
-        variants, lse_returned = _with_lse(variants, va, lse, p, ctx)
-        _launch(q, kc, vc, bt, cl, alibi, o, p, scale, max_ctx, partition, ctx, workspace,
-                variants=variants)
-    return (returned, lse_returned) if va.wants_lse else returned
+        launch = _prepare(p, scale, max_ctx, partition, 0 if alibi is None else alibi.data.ptr,
+                          workspace, variants=variants)
+    return _prepared_call(launch, p, q, o, va, lse), [
+        q.data.ptr, kc.data.ptr, vc.data.ptr, bt.data.ptr, cl.data.ptr, 0,
+        0 if o is None else o.data.ptr, 0 if lse is None else lse.data.ptr]
+
+
+def _prepared_call(launch: _Launch | None, p: _Problem, q, o, va: _VariantArgs,
+                   lse) -> _prepared.Prepared:
+    """A validated call as the memo keeps it (``q``, ``o``, ``lse``: the adapted query,
+    out and lse arrays, or None)."""
+    return _prepared.Prepared(
+        launch, p.device, isinstance(q, _arrays.TorchArray), q.shape, q.dtype, _prepared.span(q),
+        q.shape[0] * q.shape[1] * q.shape[2] * p.dtype.itemsize,
+        o is not None and o.strides == q.strides, va.wants_lse,
+        (p.num_rows, p.num_heads) if va.wants_lse and lse is None else ())
 
 
 class DecodeWorkspace:

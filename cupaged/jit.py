@@ -71,15 +71,19 @@ _KERNELS = {
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
+# A struct passed by value is either its bytes ("48s": packed by the caller) or its fields
+# in braces (one kernel parameter packed in the same pack_into as the others: PagedKV's
+# fields change with every call's pointers, and a separate pack would cost a microsecond).
+PAGED_KV_FORMAT = "{PPqqqqqqPqiiPPqqff}"  # PagedKV (kv_layout.cuh), 128 bytes
 ARG_FORMATS = {
-    "paged_decode": "PPPPPqq128sPPPiiiiif48s",  # PagedKV (128 bytes), VariantParams (48)
-    "paged_prefill": "PPPPiPqq128sPPPiiif48s",
+    "paged_decode": f"PPPPPqq{PAGED_KV_FORMAT}PPPiiiiif48s",  # VariantParams (48 bytes)
+    "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
-_ARG_TOKEN = re.compile(r"(\d*)([a-zA-Z?])")
+_ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
 _INDEX_CXX = {"i32": "int", "i64": "long long"}
 # KVFormat in cuda_src/kv_layout.cuh: "tok" for token-major caches (NHD, HND, fused views),
 # "vllm" for vLLM's legacy x-split key and dimension-major value.
@@ -522,23 +526,30 @@ class Launcher:
     into a parameter buffer by one ``struct.pack_into``: a few microseconds per launch,
     where CuPy's generic path converts each argument separately.
 
-    ``launcher(grid, block, smem, stream_ptr, *args)``: pointers as ints (``a.data.ptr``).
-    The buffer is per thread, so concurrent launches from several threads are safe.
+    ``launcher(grid, block, smem, stream_ptr, *args)``: pointers as ints (``a.data.ptr``),
+    a braced struct's fields one by one. The buffer is per thread, so concurrent launches
+    from several threads are safe.
     """
 
     def __init__(self, function, fmt: str, name: str):
         self.function = function  # a cupy.cuda.function.Function: keeps its module loaded
         self.ptr = function.ptr
         self.name = name
-        self._fmt = "@" + fmt
-        self._size = max(struct.calcsize(self._fmt), 8)
+        flat = fmt.replace("{", "").replace("}", "")
+        self._fmt = "@" + flat
+        # Slack past the end: the driver reads a struct's full (padded) size.
+        self._size = struct.calcsize(self._fmt) + 16
         # Where each parameter starts: the native-aligned size up to and including it, less
-        # its own size. (Structs come first or after 8-byte fields, so their alignment of
-        # 8 in the kernel's ABI holds.)
+        # its own size (a braced struct: up to its first field, less that field). Byte
+        # structs come first or after 8-byte fields, so their alignment of 8 in the
+        # kernel's ABI holds; a braced struct starts with an 8-byte field.
         self._offsets, prefix = [], ""
         for m in _ARG_TOKEN.finditer(fmt):
-            prefix += m.group(0)
-            self._offsets.append(struct.calcsize("@" + prefix) - struct.calcsize("@" + m.group(0)))
+            tok = m.group(0)
+            first = _ARG_TOKEN.match(tok[1:-1]).group(0) if tok[0] == "{" else tok
+            self._offsets.append(struct.calcsize("@" + prefix + first)
+                                 - struct.calcsize("@" + first))
+            prefix += tok.strip("{}")
         self._local = threading.local()
 
     def _buffers(self):

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, _geometry, _kvquant, _variants, decode, jit
+from . import _arrays, _checks, _geometry, _kvquant, _prepared, _variants, decode, jit
 from ._arrays import as_device_array, optional_device_array
 
-__all__ = ["attention"]
+__all__ = ["AttentionPlan", "attention"]
 
 _fail = _checks.fail
 _MAX_GRID_Y = 65535
@@ -43,6 +43,7 @@ def _set_tile(tile: tuple | None) -> None:
     global _tile_override
     _tile_override = tile
     _prefill_kernel.cache_clear()
+    _prepared.clear()
 
 
 # Split-KV of paged_prefill instead of the cost model's choice, for tests and experiments:
@@ -53,6 +54,7 @@ _split_override: int | None = None
 def _set_split(tokens: int | None) -> None:
     global _split_override
     _split_override = tokens
+    _prepared.clear()
 
 
 # Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
@@ -147,7 +149,9 @@ def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="aut
         ("query_start_loc", qsl), ("alibi_slopes", alibi), ("out", out)))
     quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
     return decode._Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
-                           cache.block_size, cache.num_blocks, max_blocks, cache, total_q, quant)
+                           cache.block_size, cache.num_blocks, max_blocks, cache, total_q, quant,
+                           (q.strides[0] // dt.itemsize, q.strides[1] // dt.itemsize),
+                           bt.strides[0] // 4)
 
 
 def _check_queries(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
@@ -221,43 +225,38 @@ def _prefill_split(k: _Prefill, p: decode._Problem, plan: _Plan, max_q: int, max
     return (size, n_parts) if n_parts > 1 else (0, 1)
 
 
-def _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, out, p: decode._Problem, plan: _Plan,
-                    scale: float, causal: bool, ctx: _arrays.Context,
-                    variants: _variants.Variants = _variants.PLAIN, max_q: int = 0,
-                    max_ctx: int = 0, workspace: decode._Partials | None = None) -> None:
-    it = p.dtype.itemsize
+def _prepare_prefill(q, o, p: decode._Problem, plan: _Plan, scale: float, causal: bool,
+                     alibi: int, variants: _variants.Variants = _variants.PLAIN,
+                     max_q: int = 0, max_ctx: int = 0,
+                     workspace: decode._Partials | None = None) -> decode._Launch:
+    """paged_prefill's launches (and the combine of its split-KV) for a validated call
+    (``q``, ``o``: the adapted query and out, or None for a new out)."""
     if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
         _fail(f"query must be 16-byte aligned with token and head strides that are multiples "
               f"of 16 bytes for multi-token {p.dtype.name} attention (pointer "
               f"{q.data.ptr:#x}, strides {q.strides})")
-    if out.data.ptr % 4:
-        _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
+    if o is not None and o.data.ptr % 4:
+        _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
                         plan.tile, p.cache.dtype.name, p.quant.mode, variants.letters)
     vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
     size, n_parts = _prefill_split(k, p, plan, max_q, max_ctx, variants, workspace)
-    keep = None
-    if n_parts > 1:
-        workspace, keep = decode._partials(workspace, ctx, p, n_parts)
-        parts = (workspace.part_out, workspace.part_max, workspace.part_sum,
-                 size // k.tile_tokens)
-    else:
-        parts = (0, 0, 0, 0)
+    kv_strides, kv_tail = decode._kv_args(p)
     # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's
     # header), z the split-KV partitions.
-    k.launch((p.num_seqs * p.num_kv_heads, plan.q_tiles, n_parts), k.threads, k.smem,
-             ctx.stream, out.data.ptr, *parts, q.data.ptr, q.strides[0] // it,
-             q.strides[1] // it, decode._paged_kv(kc, vc, bt, p), sl.data.ptr, qsl.data.ptr,
-             0 if alibi is None else alibi.data.ptr, p.num_heads,
-             p.num_heads // p.num_kv_heads, int(causal), scale * decode._LOG2E, vp)
-    if n_parts > 1:
-        # Every partial row is written (a partition past a row's keys: max -inf, sum 0),
-        # so the combine takes all of them (null lengths).
-        # (Loaded here, not with the kernel: most multi-token calls never split.)
-        combine = decode._combine(p.device, p.dtype.name, p.head_size)
-        combine((p.num_rows, p.num_heads, 1), decode._THREADS, 0, ctx.stream,
-                out.data.ptr, *parts[:3], 0, 0, size, n_parts, k.tile_tokens, vp)
-    del keep  # the scratch is freed in the stream's order, after the launches
+    launch = decode._Launch(
+        k.launch, (p.num_seqs * p.num_kv_heads, plan.q_tiles, n_parts), k.threads, k.smem,
+        True, (size // k.tile_tokens,), p.q_strides, kv_strides, kv_tail,
+        (alibi, p.num_heads, p.num_heads // p.num_kv_heads, int(causal),
+         scale * decode._LOG2E), variants, vp)
+    if n_parts == 1:
+        return launch
+    # (The combine is loaded here, not with the kernel: most multi-token calls never split.)
+    return launch._replace(
+        combine=decode._combine(p.device, p.dtype.name, p.head_size),
+        combine_grid=(p.num_rows, p.num_heads, 1), combine_tail=(0, size, n_parts, k.tile_tokens),
+        partials=workspace, scratch_rows=p.num_rows * p.num_heads * n_parts,
+        head_size=p.head_size)
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
@@ -339,6 +338,30 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         NaN rows, never an out-of-bounds read (``CUPAGED_DEBUG=1`` checks the tables and
         ``query_start_loc`` with a sync).
     """
+    va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+    k, ptrs = _prepared.key(
+        "attention", (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                      out, lse),
+        (alibi_slopes, sinks, k_scale, v_scale),
+        (kv_layout, causal, scale, max_query_len, max_seq_len, kv_cache_dtype, window,
+         window_left, logits_soft_cap, return_lse), decode._workspace_key(workspace))
+    prep = _prepared.lookup(k)
+    if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
+        prep, ptrs = _validate_and_prepare(query, key_cache, value_cache, block_tables,
+                                           seq_lens, query_start_loc, kv_layout, causal, scale,
+                                           alibi_slopes, max_query_len, max_seq_len, out,
+                                           stream, workspace, kv_cache_dtype, k_scale, v_scale,
+                                           va)
+        _prepared.remember(k, prep)
+    return _prepared.run(prep, ptrs, stream, out, lse)
+
+
+def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc, kv_layout, causal, scale, alibi_slopes,
+                          max_query_len, max_seq_len, out, stream, workspace, kv_cache_dtype,
+                          k_scale, v_scale, va: decode._VariantArgs) -> tuple:
+    """``(prepared call, addresses)`` of an attention call: every check (CUPAGED_DEBUG's
+    device reads too), then the plan of its launches."""
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -352,25 +375,99 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     workspace = decode._workspace_partials(workspace, p)
-    va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
-    variants, lse_in = decode._variant_setup(va, p)
+    variants, lse = decode._variant_setup(va, p)
     plan = _plan(p, qsl is not None, max_q)
+    alibi_ptr = 0 if alibi is None else alibi.data.ptr
     with _arrays.on_device(p.device):
-        ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
         if _checks.DEBUG:
+            ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
             decode._check_tables(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 _check_queries(qsl, sl, p.num_rows, ctx)
-        returned = out
-        if o is None:
-            o, returned = _arrays.empty(ctx, q.shape, q.dtype)
-        variants, lse_returned = decode._with_lse(variants, va, lse_in, p, ctx)
-        if p.num_seqs and p.num_rows:
-            if plan.kind == "prefill":
-                _launch_prefill(q, kc, vc, bt, sl, qsl, alibi, o, p, plan, scale, causal, ctx,
-                                variants, max_q, max_ctx, workspace)
-            else:
-                decode._launch(q, kc, vc, bt, sl, alibi, o, p, scale, max_ctx, "auto", ctx,
-                               workspace, starts=qsl if plan.kind == "rows" else None,
-                               causal=causal, variants=variants)
-    return (returned, lse_returned) if va.wants_lse else returned
+        if not (p.num_seqs and p.num_rows):
+            launch = None
+        elif plan.kind == "prefill":
+            launch = _prepare_prefill(q, o, p, plan, scale, causal, alibi_ptr, variants, max_q,
+                                      max_ctx, workspace)
+        else:
+            launch = decode._prepare(p, scale, max_ctx, "auto", alibi_ptr, workspace,
+                                     rows=plan.kind == "rows", causal=causal, variants=variants)
+    return decode._prepared_call(launch, p, q, o, va, lse), [
+        q.data.ptr, kc.data.ptr, vc.data.ptr, bt.data.ptr, sl.data.ptr,
+        0 if qsl is None else qsl.data.ptr, 0 if o is None else o.data.ptr,
+        0 if lse is None else lse.data.ptr]
+
+
+class AttentionPlan:
+    """:func:`attention` validated and planned once, then run many times: every layer of
+    a model in one step, each with its own query, caches and output.
+
+    ``AttentionPlan(query, key_cache, value_cache, block_tables, seq_lens,
+    query_start_loc, **keywords)`` takes exactly :func:`attention`'s arguments (``stream``
+    excepted) and checks them as a call would, launching nothing. It binds the step's
+    shared arguments: ``block_tables``, ``seq_lens``, ``query_start_loc``, ALiBi slopes,
+    sinks, scales, the workspace and every scalar keyword. The query, caches, ``out`` and
+    ``lse`` it is given are examples: :meth:`run` takes arrays of the same kind, shapes,
+    strides, dtypes and device (their data and addresses are free), so one plan serves
+    all layers. A run with other arrays, or with ``k_scale``/``v_scale`` of its own (an
+    fp8 layer's scales), is a plain :func:`attention` call with the plan's other
+    arguments: still right, only slower.
+
+    A plan reads nothing on the device and allocates nothing; :meth:`run` allocates only
+    ``out`` (and ``lse`` with ``return_lse``) when not given, so with both given it can
+    be captured in a CUDA graph. The bound arrays must stay alive and unmoved while the
+    plan is used (the plan keeps references to them).
+
+    Example, one decode step of an n-layer model::
+
+        plan = cupaged.AttentionPlan(q[0], k_caches[0], v_caches[0], block_tables,
+                                     seq_lens, query_start_loc, out=outs[0])
+        for layer in range(n):
+            plan.run(q[layer], k_caches[layer], v_caches[layer], out=outs[layer])
+    """
+
+    def __init__(self, query, key_cache, value_cache, block_tables, seq_lens,
+                 query_start_loc=None, *, kv_layout="NHD", causal=True, scale=None,
+                 alibi_slopes=None, max_query_len=None, max_seq_len=None, out=None,
+                 workspace=None, kv_cache_dtype="auto", k_scale=None, v_scale=None,
+                 window=None, window_left=None, logits_soft_cap=None, sinks=None,
+                 return_lse=False, lse=None):
+        self._shared = (block_tables, seq_lens, query_start_loc)
+        self._keywords = dict(kv_layout=kv_layout, causal=causal, scale=scale,
+                              alibi_slopes=alibi_slopes, max_query_len=max_query_len,
+                              max_seq_len=max_seq_len, workspace=workspace,
+                              kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                              window=window, window_left=window_left,
+                              logits_soft_cap=logits_soft_cap, sinks=sinks,
+                              return_lse=return_lse)
+        va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+        self._prepared, ptrs = _validate_and_prepare(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
+            causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
+            kv_cache_dtype, k_scale, v_scale, va)
+        self._bt, self._lens, self._starts = ptrs[3:6]
+        # What run() compares: the per-layer arrays' metadata (None: not keyable, and under
+        # CUPAGED_DEBUG, so every run is a plain call).
+        self._metas = None if _checks.DEBUG else _prepared.metas(
+            (query, key_cache, value_cache, out, lse))[0]
+
+    def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
+            k_scale=None, v_scale=None):
+        """Attention of this step for one layer's arrays (see the class). Returns as
+        :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
+        m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse))
+        if (m != self._metas or self._metas is None or k_scale is not None
+                or v_scale is not None or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
+            kw = dict(self._keywords)
+            if k_scale is not None or v_scale is not None:
+                kw.update(k_scale=k_scale, v_scale=v_scale)
+            return attention(query, key_cache, value_cache, *self._shared, out=out, lse=lse,
+                             stream=stream, **kw)
+        q, kc, vc, o, l = ptrs
+        return _prepared.run(self._prepared, (q, kc, vc, self._bt, self._lens, self._starts, o, l),
+                             stream, out, lse)
+
+    def __repr__(self) -> str:
+        launch = self._prepared.launch
+        what = "nothing to launch" if launch is None else launch.kernel.name
+        return f"AttentionPlan({what}, query {self._prepared.shape})"

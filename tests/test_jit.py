@@ -260,7 +260,7 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 
 # Structs the kernels take by value, as ARG_FORMATS spells them.
 STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s",
-                  "PagedKV": f"{decode._PAGED_KV.size}s",
+                  "PagedKV": jit.PAGED_KV_FORMAT,
                   "VariantParams": f"{_variants._STRUCT.size}s"}
 
 

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# A whole device check in one call: environment, the GPU test suite, and the decode
-# benchmark of the core issue. Logs go to $OUT (the device tool brings them back).
+# A whole device check: environment, the GPU test suite, and the decode benchmark of the
+# core issue. Logs go to $OUT (the device tool brings them back).
 #   bash tools/device_check.sh [pytest args...]     e.g. -k long_context
+# The suite takes 7-8 minutes of the 10 a device command may run: SHARD=1 runs the decode,
+# varlen, interop and prepared-call tests, SHARD=2 the rest and the benchmarks, one device
+# call each (the two summary lines together are the suite's).
 source "$(dirname "$0")/device_env.sh"
 bench() { python3 -m cupaged.cli "$@"; }
+SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
+case "${SHARD:-}" in
+  1) set -- $SHARD1 "$@" ;;
+  2) for f in $SHARD1; do set -- "--ignore=$f" "$@"; done ;;
+  "") ;;
+  *) echo "SHARD must be 1, 2 or unset" >&2; exit 2 ;;
+esac
 
 bench info 2>&1 | tee "$OUT/info.txt"
-python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25
+python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests${SHARD:-}.txt" | tail -25
 status=${PIPESTATUS[0]}
-bench decode --batch 64 --context 2048 --heads 32 --kv-heads 8 --head-size 128 \
-  --block-size 16 --dtype float16 2>&1 | tee "$OUT/bench-decode.txt"
-bench compile --head-size 128 --block-size 16 2>&1 | tee "$OUT/bench-compile.txt"
-bench cache-ops 2>&1 | tee "$OUT/bench-cache-ops.txt"
-bench overhead 2>&1 | tee "$OUT/bench-overhead.txt"
+if [ "${SHARD:-}" != 1 ]; then
+  bench decode --batch 64 --context 2048 --heads 32 --kv-heads 8 --head-size 128 \
+    --block-size 16 --dtype float16 2>&1 | tee "$OUT/bench-decode.txt"
+  bench compile --head-size 128 --block-size 16 2>&1 | tee "$OUT/bench-compile.txt"
+  bench cache-ops 2>&1 | tee "$OUT/bench-cache-ops.txt"
+  bench overhead 2>&1 | tee "$OUT/bench-overhead.txt"
+fi
 echo "gpu suite exit status: $status"
 exit "$status"

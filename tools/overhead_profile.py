@@ -18,15 +18,20 @@ from cupaged import _arrays, _checks, decode, varlen
 from cupaged.bench import DecodeCase
 
 
-def per_call_us(fn, n=2000):
-    for _ in range(50):
+def per_call_us(fn, n=200, runs=7):
+    """Median over ``runs`` of ``n`` calls: few enough that the launch queue never fills
+    (then the host would wait for the GPU)."""
+    for _ in range(20):
         fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
+    times = []
+    for _ in range(runs):
+        cupy.cuda.runtime.deviceSynchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t) / n * 1e6)
     cupy.cuda.runtime.deviceSynchronize()
-    return us
+    return float(np.median(times))
 
 
 def profile(name, fn, n=3000):
@@ -41,6 +46,11 @@ def profile(name, fn, n=3000):
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
     print(f"==== cProfile: {name} ({n} calls)")
     print("\n".join(s.getvalue().splitlines()[6:34]))
+
+
+def kw20(a=None, b=None, c=None, d=None, e=None, f=None, g=None, h=None, i=None, j=None,
+         k=None, l=None, m=None, n=None, o=None, p=None, q=None, r=None, s=None, t=None):
+    return a
 
 
 def main():
@@ -78,18 +88,63 @@ def main():
         "cupy get_current_stream": lambda: cupy.cuda.get_current_stream().ptr,
         "TorchArray": lambda: _arrays.TorchArray(tq, "q"),
         "torch data_ptr": lambda: tq.data_ptr(),
+        # The primitives a metadata-keyed fast path would need.
+        "cupy (shape, strides, dtype, ptr)": lambda: (q.shape, q.strides, q.dtype, q.data.ptr),
+        "torch (shape, stride(), dtype, data_ptr)": lambda: (tq.shape, tq.stride(), tq.dtype,
+                                                              tq.data_ptr()),
+        "torch get_device": lambda: tq.get_device(),
+        "torch is_cuda + requires_grad": lambda: (tq.is_cuda, tq.requires_grad),
+        "dict get, 8-tuple key": lambda: memo.get((1, 2, 3, 4, 5, 6, 7, key)),
+        "cupy.empty(8 x 32 x 128)": lambda: cupy.empty((8, 32, 128), np.float16),
+        "torch.empty(8 x 32 x 128)": lambda: torch.empty((8, 32, 128), dtype=torch.float16,
+                                                         device="cuda"),
+        "python call, 20 kwargs": lambda: kw20(a=1, b=2, c=3, d=4, e=5, f=6, g=7, h=8, i=9,
+                                              j=10, k=11, l=12, m=13, n=14, o=15, p=16,
+                                              q=17, r=18, s=19, t=20),
     }
     p = decode._validate(q, kc, vc, bt, cl, None, out)
+    memo = {}
     key = (p.device, p.dtype.name, p.head_size, p.block_size, decode._group_tile(4),
            p.cache.kv_format, p.cache.dtype.name, p.quant.mode, "")
     ks = decode._kernels(*key)
     pieces["_kernels lookup"] = lambda: decode._kernels(*key)
-    pieces["_paged_kv pack"] = lambda: decode._paged_kv(kc, vc, bt, p)
-    stream = cupy.cuda.get_current_stream().ptr
-    args = (out.data.ptr, 0, 0, 0, q.data.ptr, q.strides[0] // 2, q.strides[1] // 2,
-            decode._paged_kv(kc, vc, bt, p), cl.data.ptr, 0, 0, 32, 4, 8, 1, 0, 0.1,
-            cupaged._variants.PLAIN_BYTES)
+    # The prepared (memoized) path's pieces.
+    from cupaged import _prepared
+
+    main_arrays = (q, kc, vc, bt, cl, None, out, None)
+    scalars = (None, 1024, "never", "auto", None, None, None, False, ())
+    pieces["_prepared.key (cupy decode)"] = lambda: _prepared.key(
+        "decode", main_arrays, (None, None, None, None), scalars, None)
+    t_main = (tq, tkc, tvc, tbt, tcl, None, tout, None)
+    pieces["_prepared.key (torch decode)"] = lambda: _prepared.key(
+        "decode", t_main, (None, None, None, None), scalars, None)
+    mk, ptrs = _prepared.key("decode", main_arrays, (None, None, None, None), scalars, None)
+    cupaged.paged_attention(q, kc, vc, bt, cl, out=out, partition="never", max_context_len=1024)
+    prep = _prepared.lookup(mk)
+    assert prep is not None, "the bench call was not memoized"
+    pieces["_prepared.lookup"] = lambda: _prepared.lookup(mk)
+    pieces["_prepared.run (context + launch)"] = lambda: _prepared.run(prep, ptrs, None, out, None)
+    ctx = _arrays.context(0, False, None)
+    pieces["_Launch.run (launch)"] = lambda: prep.launch.run(ctx, ptrs[6], *ptrs[:6])
+    pieces["_prepared.metas (4 cupy arrays)"] = lambda: _prepared.metas((q, kc, vc, out))
+    pieces["_prepared.metas (4 torch tensors)"] = lambda: _prepared.metas((tq, tkc, tvc, tout))
+    plan = cupaged.AttentionPlan(q, hk, hv, bt, cl, max_seq_len=1024, out=out,
+                                 workspace=cupaged.DecodeWorkspace(8, 32, 128))
+    pieces["AttentionPlan.run cupy NHD decode + workspace"] = lambda: plan.run(q, hk, hv, out=out)
+    stream = ctx.stream
+    la = prep.launch
+    args = (out.data.ptr, 0, 0, 0, q.data.ptr, *la.q_strides, kc.data.ptr, vc.data.ptr,
+            *la.kv_strides, bt.data.ptr, *la.kv_tail, cl.data.ptr, 0, *la.tail, la.vp)
     pieces["launch only (Launcher)"] = lambda: ks.decode((8, 8, 1), 128, ks.smem, stream, *args)
+    import struct
+
+    from cupy_backends.cuda.api import driver
+
+    buf, params = ks.decode._buffers()
+    fmt = ks.decode._fmt
+    pieces["  of which struct.pack_into"] = lambda: struct.pack_into(fmt, buf, 0, *args)
+    pieces["  of which cuLaunchKernel"] = lambda: driver.launchKernel(
+        ks.decode.ptr, 8, 8, 1, 128, 1, 1, ks.smem, stream, params, 0)
     for name, fn in pieces.items():
         print(f"  {name:38s} {per_call_us(fn):7.2f} us")
     for name, fn in calls.items():

@@ -1,0 +1,197 @@
+"""Prepared calls: a validated attention call's launches, remembered by what its validation
+read, so that repeating the call (every layer of a model, every step) skips validation and
+planning.
+
+A call's arguments are seen in two parts. Its *main* arrays (query, caches, tables,
+lengths, outputs) change address from layer to layer and step to step: the key holds
+what validation reads of them (shape, strides, dtype, device, and the address modulo 16
+for the alignment checks) and each call passes their addresses to the launches afresh.
+Its *side* arrays (ALiBi slopes, sinks, scale arrays) and its scalars rarely change: the
+key holds them whole (an array's address included), since the prepared launches embed
+them. So a key names exactly one validation outcome: a call that would fail never
+matches one that passed (a failure is never remembered), and what depends on the
+addresses themselves (the query/output overlap) is checked on every call.
+
+Only CuPy arrays and torch tensors are keyed; other DLPack producers, and
+``CUPAGED_DEBUG=1`` (whose checks read device data), take the validating path each time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+import cupy
+import numpy as np
+
+from . import _arrays, _checks, jit
+
+_MAX_ENTRIES = 256
+
+
+class _Memo(dict):
+    def cache_clear(self) -> None:  # emptied by jit.clear_memory_caches, with the launchers
+        clear()
+
+
+_MEMO = _Memo()
+jit._launcher_caches.append(_MEMO)
+UNKEYED = object()  # an argument the memo does not handle: validate every call
+_F32 = np.dtype(np.float32)
+_NUMBERS = (int, float, np.integer, np.floating)
+
+
+class Prepared(NamedTuple):
+    """What a repeated call still does itself: allocate what it returns, check that its
+    output does not overlap its query, and launch."""
+
+    launch: object  # decode._Launch, or None: nothing to launch (an empty batch)
+    device: int
+    torch: bool  # allocate and return torch tensors
+    shape: tuple  # the query's, and the output's
+    dtype: object  # NumPy dtype of the query and the output
+    q_span: tuple  # the query's bytes, [lo, hi) relative to its address; () when empty
+    out_bytes: int
+    in_place: bool  # out may be the query itself (the same strides)
+    wants_lse: bool  # the call returns (out, lse)
+    new_lse: tuple  # return_lse without lse=: the shape of a new float32 array; else ()
+
+
+def _torch_tensor():
+    t = sys.modules.get("torch")
+    return None if t is None else t.Tensor
+
+
+def key(kind: str, main, side, scalars, extra=()):
+    """``(key, addresses)`` for a call, or ``(None, None)`` when it cannot be memoized.
+    ``main``: arrays (or None) whose addresses change; ``side``: arrays, numbers or None
+    kept whole; ``scalars``: hashable arguments, keyed with their types (True is not 1,
+    16.0 is not 16, for validation); ``extra``: more hashable key parts."""
+    if _checks.DEBUG or extra is UNKEYED:
+        return None, None
+    m, ptrs = metas(main)
+    if m is None:
+        return None, None
+    tensor = _torch_tensor()
+    sides = tuple([_side(x, tensor) for x in side])
+    if UNKEYED in sides:
+        return None, None
+    # The types come before the values: a value compared with a remembered key's is then
+    # of the same (hashable) type, never an array whose == is elementwise.
+    return (kind, tuple(map(type, scalars)), scalars, extra, m, sides), ptrs
+
+
+def metas(arrays):
+    """``(metadata, addresses)`` of arrays (or None) whose addresses change from call to
+    call: per array what validation reads (shape, strides, dtype, device, the address
+    modulo 16; for torch, requires_grad) and, apart, its address (0 for None). ``(None,
+    None)`` when one is neither a CuPy array nor a torch tensor."""
+    tensor = None
+    m, ptrs = [], []
+    for x in arrays:
+        if x is None:
+            m.append(None)
+            ptrs.append(0)
+        elif type(x) is cupy.ndarray:
+            d = x.data
+            p = d.ptr
+            m.append((x.shape, x.strides, x.dtype, p & 15, d.device_id))
+            ptrs.append(p)
+        else:
+            tensor = tensor or _torch_tensor()
+            if tensor is None or not isinstance(x, tensor):
+                return None, None
+            p = x.data_ptr()
+            m.append((x.shape, x.stride(), x.dtype, p & 15, x.get_device(), x.requires_grad))
+            ptrs.append(p)
+    return tuple(m), ptrs
+
+
+def _side(x, tensor):
+    if x is None:
+        return None
+    if type(x) is cupy.ndarray:
+        return (x.shape, x.strides, x.dtype, x.data.ptr, x.data.device_id)
+    if tensor is not None and isinstance(x, tensor):
+        if not x.is_cuda:  # a CPU tensor's value (per-tensor scales) is read each call
+            return UNKEYED
+        return (x.shape, x.stride(), x.dtype, x.data_ptr(), x.get_device(), x.requires_grad)
+    if isinstance(x, _NUMBERS):
+        return (type(x), x)
+    return UNKEYED
+
+
+# The last hit of each kind of call: a model's layers repeat one call, and comparing keys
+# (mostly identical objects) costs a third of hashing one.
+_LAST: dict = {}
+
+
+def lookup(k):
+    """The prepared call of key ``k`` (None: not yet, or not keyable)."""
+    if k is None:
+        return None
+    last = _LAST.get(k[0])
+    if last is not None and last[0] == k:
+        return last[1]
+    try:
+        prep = _MEMO.get(k)
+    except TypeError:  # an unhashable scalar: the validating path names it
+        return None
+    if prep is not None:
+        _LAST[k[0]] = (k, prep)
+    return prep
+
+
+def remember(k, prepared: Prepared) -> None:
+    if k is None:
+        return
+    try:
+        hash(k)
+    except TypeError:
+        return
+    if len(_MEMO) >= _MAX_ENTRIES:
+        _MEMO.clear()
+    _MEMO[k] = prepared
+
+
+def clear() -> None:
+    _MEMO.clear()
+    _LAST.clear()
+
+
+def overlaps(prep: Prepared, q: int, out: int) -> bool:
+    """Would ``out`` at this address overlap the query in a way the kernels cannot take
+    (anything but the very same array, written in place)?"""
+    if not prep.q_span or not out:
+        return False
+    lo, hi = prep.q_span
+    return (q + lo < out + prep.out_bytes and out < q + hi
+            and not (out == q and prep.in_place))
+
+
+def run(prep: Prepared, ptrs, stream, out, lse):
+    """Launch a prepared call with these addresses (``ptrs``: query, key and value caches,
+    block tables, lengths, query starts, out, lse; 0 for none). ``out``/``lse``: the
+    caller's arrays (or None), handed back. The caller has checked ``overlaps``."""
+    q, k, v, bt, lens, starts, o, lse_ptr = ptrs
+    with _arrays.on_device(prep.device):
+        ctx = _arrays.context(prep.device, prep.torch, stream)
+        returned = out
+        if out is None:
+            made, returned = _arrays.empty(ctx, prep.shape, prep.dtype)
+            o = made.data.ptr
+        returned_lse = lse
+        if prep.new_lse:
+            made, returned_lse = _arrays.empty(ctx, prep.new_lse, _F32)
+            lse_ptr = made.data.ptr
+        if prep.launch is not None:
+            prep.launch.run(ctx, o, q, k, v, bt, lens, starts, lse_ptr)
+    return (returned, returned_lse) if prep.wants_lse else returned
+
+
+def span(a) -> tuple:
+    """An adapted array's bytes as ``(lo, hi)`` relative to its address (() if empty)."""
+    if _checks.is_empty(a):
+        return ()
+    lo, hi = _checks.extent(a)
+    return lo - a.data.ptr, hi - a.data.ptr

@@ -1,0 +1,343 @@
+"""Prepared calls (cupaged/_prepared.py): a repeated call skips validation and planning, yet
+reads each call's own arrays, and never lets through what validation would refuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _checks, _prepared, decode, reference, testing, varlen
+
+from conftest import assert_close, make_problem
+from test_varlen import make_varlen
+
+TOL = testing.TOLERANCE["f16"]
+
+
+# ---- keys (no GPU) ------------------------------------------------------------------------------
+
+
+def test_scalars_are_keyed_with_their_types():
+    """True == 1 and 16.0 == 16 in Python, but validation accepts one and refuses the other."""
+    k = lambda *s: _prepared.key("t", (), (), s)[0]
+    assert k(16) != k(16.0)
+    assert k(1) != k(True)
+    assert k(None, "auto") == k(None, "auto")
+
+
+def test_unknown_arrays_and_arguments_are_not_keyed(monkeypatch):
+    class Fake:
+        shape, strides, dtype = (2,), (4,), np.dtype(np.int32)
+
+    assert _prepared.key("t", (Fake(),), (), ())[0] is None  # not CuPy, not torch
+    assert _prepared.key("t", (), (object(),), ())[0] is None  # a side argument of no kind
+    assert _prepared.key("t", (), (), (), _prepared.UNKEYED)[0] is None
+    monkeypatch.setattr(_checks, "DEBUG", True)  # its checks read device data every call
+    assert _prepared.key("t", (), (), ())[0] is None
+
+
+def test_unhashable_scalars_take_the_validating_path():
+    k, _ = _prepared.key("t", (), (), ([1, 2],))
+    assert _prepared.lookup(k) is None
+    _prepared.remember(k, "x")  # not remembered, no error
+    assert _prepared.lookup(k) is None
+
+
+def test_the_memo_is_bounded():
+    _prepared.clear()
+    for i in range(_prepared._MAX_ENTRIES + 5):
+        _prepared.remember(("bounded", i), i)
+    assert len(_prepared._MEMO) <= _prepared._MAX_ENTRIES
+    _prepared.clear()
+
+
+# ---- repeated calls on the GPU --------------------------------------------------------------------
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Counts the calls that went through validation (the others were prepared)."""
+    count = {"decode": 0, "attention": 0}
+
+    def counting(module, name):
+        real = getattr(module, "_validate")
+
+        def wrapped(*a, **k):
+            count[name] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(module, "_validate", wrapped)
+
+    counting(decode, "decode")
+    counting(varlen, "attention")
+    _prepared.clear()
+    yield count
+    _prepared.clear()
+
+
+def _same_shape_problems(rng, n=3, **kw):
+    """Problems with identical metadata and different data and tables."""
+    return [make_problem(rng, **kw) for _ in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partition", ["never", "always", 32])
+@pytest.mark.parametrize("given_out", [True, False], ids=["out", "new-out"])
+def test_repeated_decode_reads_each_calls_arrays(rng, validations, partition, given_out):
+    import cupy
+
+    problems = _same_shape_problems(rng, lens=(40, 17, 1, 0), heads=8, kv_heads=2, head_size=64)
+    for i, pb in enumerate(problems + problems[:1]):
+        d = pb.device_args()
+        out = cupy.full(pb.query.shape, np.nan, np.float16) if given_out else None
+        got = cupaged.paged_attention(**d, out=out, partition=partition, max_context_len=48)
+        assert_close(cupy.asnumpy(got), pb.reference(), TOL, f"call {i}")
+    assert validations["decode"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "split-prefill"])
+def test_repeated_attention_reads_each_calls_arrays(rng, validations, prefill_split, layout,
+                                                    kind):
+    import cupy
+
+    if kind == "decode":
+        q_lens, seq = [1, 1, 1], [40, 1, 300]
+    else:
+        q_lens, seq = [5, 0, 33, 1], [5, 20, 200, 64]
+    if kind == "split-prefill":
+        prefill_split(64)
+    hosts = [make_varlen(rng, q_lens, seq, layout=layout, heads=8, kv_heads=2)
+             for _ in range(3)]
+    for i, host in enumerate(hosts + hosts[:1]):
+        dev = {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
+        if kind == "decode":
+            dev["query_start_loc"] = None
+        out = cupy.full(host["query"].shape, np.nan, np.float16)
+        got, lse = cupaged.attention(**dev, kv_layout=layout, out=out, return_lse=True)
+        ref, ref_lse = reference.attention(**host, kv_layout=layout, return_lse=True)
+        assert_close(cupy.asnumpy(got), ref, TOL, f"call {i}")
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=1e-4)
+    assert validations["attention"] == 1
+
+
+@pytest.mark.gpu
+def test_side_arrays_and_workspaces_are_keyed_by_address(rng, validations):
+    """ALiBi slopes, sinks and workspaces are embedded in a prepared call: another array of
+    the same shape is another call, read correctly."""
+    import cupy
+
+    pb = make_problem(rng, lens=(70, 3), heads=8, kv_heads=2, head_size=64)
+    d = pb.device_args()
+    alive = []  # each call's arrays at their own addresses
+    for _ in range(2):
+        slopes = rng.uniform(0.0, 0.5, 8).astype(np.float32)
+        sinks = rng.normal(size=8).astype(np.float32)
+        dev = (cupy.asarray(slopes), cupy.asarray(sinks), decode.DecodeWorkspace(2, 8, 64))
+        alive.append(dev)
+        got = cupaged.paged_attention(**{**d, "alibi_slopes": dev[0]}, sinks=dev[1],
+                                      workspace=dev[2], partition="always")
+        ref = reference.paged_attention(**{**pb.host_args(), "alibi_slopes": slopes},
+                                        sinks=sinks)
+        assert_close(cupy.asnumpy(got), ref, TOL)
+    assert validations["decode"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["paged_attention", "attention"])
+def test_overlap_is_checked_on_every_call(rng, validations, entry):
+    """The query and out share metadata with a call that passed; only their addresses
+    overlap now, which must still be refused (and writing in place still works)."""
+    import cupy
+
+    pb = make_problem(rng, lens=(9, 30, 4), heads=4, kv_heads=2, head_size=64)
+    d = pb.device_args()
+    buf = cupy.asarray(np.concatenate([pb.query[:1], pb.query]))
+    q = buf[1:]
+    call = (cupaged.paged_attention if entry == "paged_attention" else
+            lambda query, **a: cupaged.attention(query, a["key_cache"], a["value_cache"],
+                                                 a["block_tables"], a["context_lens"],
+                                                 kv_layout="vllm", out=a["out"]))
+    args = {k: v for k, v in d.items() if k not in ("query", "alibi_slopes")}
+    call(q, **args, out=cupy.empty_like(q))
+    with pytest.raises(ValueError, match="overlap"):
+        call(q, **args, out=buf[:-1])
+    got = call(q, **args, out=q)  # in place: the same array
+    assert got.data.ptr == q.data.ptr
+    assert_close(cupy.asnumpy(q), pb.reference(), TOL)
+
+
+@pytest.mark.gpu
+def test_a_call_validation_refuses_is_refused_after_a_hit(rng, validations):
+    """What differs from a prepared call only in a scalar's type or a pointer's alignment is
+    validated afresh, and refused."""
+    import cupy
+
+    host = make_varlen(rng, [5, 20], [40, 20], heads=4, kv_heads=2)
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    cupaged.attention(**dev, max_query_len=20)
+    with pytest.raises(TypeError, match="max_query_len must be an int"):
+        cupaged.attention(**dev, max_query_len=20.0)
+    # The same query 8 bytes off a 16-byte boundary: multi-token queries must be aligned.
+    buf = cupy.empty(dev["query"].size + 4, np.float16)
+    q = buf[4:].reshape(dev["query"].shape)
+    q[...] = dev["query"]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cupaged.attention(**{**dev, "query": q})
+    pb = make_problem(rng, lens=(9,), block_size=1)
+    d = pb.device_args()
+    cupaged.paged_attention(**d, partition=1)
+    with pytest.raises(ValueError, match="partition must be"):
+        cupaged.paged_attention(**d, partition=True)
+
+
+@pytest.mark.gpu
+def test_debug_mode_validates_every_call(rng, validations, monkeypatch):
+    monkeypatch.setattr(_checks, "DEBUG", True)
+    pb = make_problem(rng, lens=(9, 30))
+    d = pb.device_args()
+    for _ in range(3):
+        cupaged.paged_attention(**d)
+    assert validations["decode"] == 3
+
+
+@pytest.mark.gpu
+def test_repeated_torch_calls(rng, validations):
+    torch = pytest.importorskip("torch")
+    for i, pb in enumerate(_same_shape_problems(rng, lens=(33, 2), heads=8, kv_heads=2)):
+        d = {k: (None if v is None else torch.from_numpy(v).cuda())
+             for k, v in pb.host_args().items()}
+        got = cupaged.paged_attention(**d, partition="always")
+        assert isinstance(got, torch.Tensor)
+        assert_close(got.cpu().numpy(), pb.reference(), TOL, f"call {i}")
+    assert validations["decode"] == 1
+
+
+# ---- AttentionPlan ------------------------------------------------------------------------------
+
+
+def _layers(rng, n, q_lens, seq, layout="NHD", **kw):
+    """``n`` layers' host problems sharing one step's tables and lengths (the first with
+    its unused cache slots poisoned)."""
+    first = make_varlen(rng, q_lens, seq, layout=layout, **kw)
+    layers = [first]
+    for _ in range(n - 1):
+        # (Not poisoned: its unused slots follow its own tables, not the shared ones.)
+        other = make_varlen(rng, q_lens, seq, layout=layout, stale=None, **kw)
+        layers.append({**other, "block_tables": first["block_tables"],
+                       "seq_lens": first["seq_lens"], "query_start_loc": first["query_start_loc"]})
+    return layers
+
+
+def _device(host):
+    import cupy
+
+    return {k: (None if v is None else cupy.asarray(v)) for k, v in host.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_plan_runs_every_layer(rng, validations, layout, kind):
+    import cupy
+
+    q_lens, seq = ([1, 1, 1], [40, 1, 300]) if kind == "decode" else ([5, 0, 33, 1], [5, 20, 200, 64])
+    layers = _layers(rng, 3, q_lens, seq, layout, heads=8, kv_heads=2)
+    devs = [_device(h) for h in layers]
+    if kind == "decode":
+        for d in devs:
+            d["query_start_loc"] = None
+    outs = [cupy.full(h["query"].shape, np.nan, np.float16) for h in layers]
+    d0 = devs[0]
+    plan = cupaged.AttentionPlan(d0["query"], d0["key_cache"], d0["value_cache"],
+                                 d0["block_tables"], d0["seq_lens"], d0["query_start_loc"],
+                                 kv_layout=layout, out=outs[0], return_lse=True)
+    assert validations["attention"] == 1
+    for i, (h, d, o) in enumerate(zip(layers, devs, outs)):
+        got, lse = plan.run(d["query"], d["key_cache"], d["value_cache"], out=o)
+        assert got is o
+        ref, ref_lse = reference.attention(**h, kv_layout=layout, return_lse=True)
+        assert_close(cupy.asnumpy(o), ref, TOL, f"layer {i}")
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=1e-4)
+    assert validations["attention"] == 1  # the runs validated nothing
+
+
+@pytest.mark.gpu
+def test_plan_with_other_arrays_is_a_plain_call(rng, validations):
+    """Arrays unlike the plan's run as attention() would: right, or refused."""
+    import cupy
+
+    host = make_varlen(rng, [5, 30], [5, 90], heads=4, kv_heads=2)
+    d = _device(host)
+    plan = cupaged.AttentionPlan(d["query"], d["key_cache"], d["value_cache"],
+                                 d["block_tables"], d["seq_lens"], d["query_start_loc"])
+    ref = reference.attention(**host)
+    got = plan.run(d["query"], d["key_cache"], d["value_cache"],
+                   out=cupy.empty_like(d["query"]))  # planned without out
+    assert_close(cupy.asnumpy(got), ref, TOL)
+    five = cupy.concatenate([d["query"], d["query"][:, :1]], axis=1)  # 5 heads over 2
+    with pytest.raises(ValueError, match="num_heads"):
+        plan.run(five, d["key_cache"], d["value_cache"])
+    buf = cupy.concatenate([d["query"][:1], d["query"]])
+    plan2 = cupaged.AttentionPlan(buf[1:], d["key_cache"], d["value_cache"], d["block_tables"],
+                                  d["seq_lens"], d["query_start_loc"], out=buf[:-1].copy())
+    with pytest.raises(ValueError, match="overlap"):
+        plan2.run(buf[1:], d["key_cache"], d["value_cache"], out=buf[:-1])
+
+
+@pytest.mark.gpu
+def test_plan_runs_in_a_cuda_graph(rng):
+    """With out given a run allocates nothing: capture two layers, change the data, replay."""
+    import cupy
+
+    layers = _layers(rng, 2, [1, 1, 1, 1], [70, 1, 300, 16], heads=8, kv_heads=2)
+    devs = [_device(h) for h in layers]
+    outs = [cupy.full(h["query"].shape, np.nan, np.float16) for h in layers]
+    d0 = devs[0]
+    plan = cupaged.AttentionPlan(d0["query"], d0["key_cache"], d0["value_cache"],
+                                 d0["block_tables"], d0["seq_lens"], out=outs[0],
+                                 workspace=cupaged.DecodeWorkspace(4, 8, 64))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for d, o in zip(devs, outs):
+            plan.run(d["query"], d["key_cache"], d["value_cache"], out=o)
+        graph = stream.end_capture()
+    for h, d in zip(layers, devs):  # new queries, after the capture
+        h["query"] = testing.random_normal(h["query"].shape, np.float16, rng)
+        d["query"][...] = cupy.asarray(h["query"])
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    for i, (h, o) in enumerate(zip(layers, outs)):
+        host = {**h, "query_start_loc": None}
+        assert_close(cupy.asnumpy(o), reference.attention(**host), TOL, f"layer {i}")
+
+
+@pytest.mark.gpu
+def test_plan_with_torch_tensors(rng, validations):
+    torch = pytest.importorskip("torch")
+    layers = _layers(rng, 2, [3, 1], [40, 9], heads=8, kv_heads=2)
+    devs = [{k: (None if v is None else torch.from_numpy(v).cuda()) for k, v in h.items()}
+            for h in layers]
+    d0 = devs[0]
+    plan = cupaged.AttentionPlan(d0["query"], d0["key_cache"], d0["value_cache"],
+                                 d0["block_tables"], d0["seq_lens"], d0["query_start_loc"])
+    for i, (h, d) in enumerate(zip(layers, devs)):
+        got = plan.run(d["query"], d["key_cache"], d["value_cache"])
+        assert isinstance(got, torch.Tensor)
+        assert_close(got.cpu().numpy(), reference.attention(**h), TOL, f"layer {i}")
+    assert validations["attention"] == 1
+
+
+def test_array_scalars_never_match_a_remembered_key():
+    """A NumPy array where a number was remembered: compared by type first (an array's ==
+    is elementwise), never a match, never an error."""
+    k1, _ = _prepared.key("t", (), (), (0.5, "auto"))
+    _prepared.remember(k1, "prepared")
+    assert _prepared.lookup(k1) == "prepared"
+    k2, _ = _prepared.key("t", (), (), (np.array([0.5, 0.5]), "auto"))
+    assert _prepared.lookup(k2) is None
+    _prepared.clear()
