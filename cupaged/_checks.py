@@ -249,8 +249,10 @@ def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: 
              f"got shape {block_tables.shape}")
     max_blocks = block_tables.shape[1]
     st = block_tables.strides
-    if num_seqs and ((max_blocks > 1 and st[1] != 4) or st[0] < 0):  # empty: strides free
-        fail(f"block_tables' rows must be contiguous (strides {st})")
+    if num_seqs and ((max_blocks > 1 and st[1] != 4) or st[0] < 0 or st[0] % 4):
+        # (empty: strides free) The kernels index rows in entries: bytes / 4.
+        fail(f"block_tables' rows must be contiguous, a whole number of entries apart "
+             f"(strides {st})")
     if max_blocks * block_size > max_tokens:
         fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
              f"{max_tokens} are supported")
@@ -275,6 +277,14 @@ def check_alibi_and_out(alibi, out, query, num_heads: int) -> None:
         if out.shape != query.shape or not (is_empty(query) or out.flags.c_contiguous):
             fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "
                  f"{out.shape} with strides {out.strides}")
+
+
+def check_element_strides(a, name: str, itemsize: int) -> None:
+    """The kernels take ``a``'s strides in elements: each must be a whole number of them
+    (a view made with byte strides, such as ``as_strided``, may not be)."""
+    if not is_empty(a) and any(st % itemsize for st in a.strides):
+        fail(f"{name}'s strides must be multiples of its itemsize ({itemsize} bytes), got "
+             f"{a.strides}")
 
 
 def check_same_device(device: int, ref: str, arrays) -> None:

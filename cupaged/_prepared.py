@@ -39,6 +39,14 @@ jit._launcher_caches.append(_MEMO)
 UNKEYED = object()  # an argument the memo does not handle: validate every call
 _F32 = np.dtype(np.float32)
 _NUMBERS = (int, float, np.integer, np.floating)
+# Scalars keyed by value: immutable, hashed and compared by value. Anything else (a 0-d
+# tensor as scale, say, hashed by identity and mutable in place) is validated each call.
+_SCALAR_TYPES = frozenset({type(None), bool, int, float, str, tuple, np.bool_, np.int8,
+                           np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                           np.uint64, np.float16, np.float32, np.float64})
+# Bumped by clear(): a key made before a clear (an override of tiles or splits) never
+# matches one made after it, even when a racing call remembers it late.
+_generation = 0
 
 
 class Prepared(NamedTuple):
@@ -69,6 +77,9 @@ def key(kind: str, main, side, scalars, extra=()):
     16.0 is not 16, for validation); ``extra``: more hashable key parts."""
     if _checks.DEBUG or extra is UNKEYED:
         return None, None
+    types = tuple(map(type, scalars))
+    if not _SCALAR_TYPES.issuperset(types):
+        return None, None
     m, ptrs = metas(main)
     if m is None:
         return None, None
@@ -78,7 +89,7 @@ def key(kind: str, main, side, scalars, extra=()):
         return None, None
     # The types come before the values: a value compared with a remembered key's is then
     # of the same (hashable) type, never an array whose == is elementwise.
-    return (kind, tuple(map(type, scalars)), scalars, extra, m, sides), ptrs
+    return (kind, _generation, types, scalars, extra, m, sides), ptrs
 
 
 def metas(arrays):
@@ -101,6 +112,8 @@ def metas(arrays):
             tensor = tensor or _torch_tensor()
             if tensor is None or not isinstance(x, tensor):
                 return None, None
+            if not x.is_cuda:  # (get_device() is an index on other accelerators too)
+                return None, None
             p = x.data_ptr()
             m.append((x.shape, x.stride(), x.dtype, p & 15, x.get_device(), x.requires_grad))
             ptrs.append(p)
@@ -116,7 +129,7 @@ def _side(x, tensor):
         if not x.is_cuda:  # a CPU tensor's value (per-tensor scales) is read each call
             return UNKEYED
         return (x.shape, x.stride(), x.dtype, x.data_ptr(), x.get_device(), x.requires_grad)
-    if isinstance(x, _NUMBERS):
+    if type(x) in _SCALAR_TYPES and isinstance(x, _NUMBERS):
         return (type(x), x)
     return UNKEYED
 
@@ -155,6 +168,8 @@ def remember(k, prepared: Prepared) -> None:
 
 
 def clear() -> None:
+    global _generation
+    _generation += 1
     _MEMO.clear()
     _LAST.clear()
 

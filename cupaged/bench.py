@@ -1221,6 +1221,15 @@ def _host_us(fn, calls: int, repeats: int = 9) -> float:
     return float(np.median(runs))
 
 
+def _nhd_copy(arrays: dict) -> tuple:
+    """A case's vLLM-layout caches copied to NHD (for attention's default layout)."""
+    kc, vc = arrays["key_cache"], arrays["value_cache"]
+    nb, kvh, _, bs, _ = kc.shape
+    hs = vc.shape[2]
+    return (cupy.ascontiguousarray(kc.transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, hs)),
+            cupy.ascontiguousarray(vc.transpose(0, 3, 1, 2)))
+
+
 def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     """Host time per call of each entry point with its kernel cached (llama-3-8b shape,
     batch 8, context 1024), for CuPy arrays and (when torch imports) torch tensors, and
@@ -1255,9 +1264,7 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     # partials in a workspace (so the plan rows allocate nothing).
     from .varlen import AttentionPlan
 
-    nb, kvh, _, bs, _ = a["key_cache"].shape
-    hk = cupy.ascontiguousarray(a["key_cache"].transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, 128))
-    hv = cupy.ascontiguousarray(a["value_cache"].transpose(0, 3, 1, 2))
+    hk, hv = _nhd_copy(a)
     ws = decode.DecodeWorkspace(8, 32, 128)
     q, bt, cl = a["query"], a["block_tables"], a["context_lens"]
     rows["attention, NHD, decode"] = _host_us(
@@ -1266,9 +1273,21 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     rows["AttentionPlan.run, NHD, decode (split-KV, workspace)"] = _host_us(
         lambda: plan.run(q, hk, hv, out=out), calls)
     plan4 = AttentionPlan(q4, hk, hv, bt, cl, starts4, max_query_len=4, max_seq_len=1024,
-                          out=out4)
-    rows["AttentionPlan.run, NHD, verify 8 x 4 tokens (single pass)"] = _host_us(
+                          out=out4, workspace=ws)
+    rows["AttentionPlan.run, NHD, verify 8 x 4 tokens (split-KV, workspace)"] = _host_us(
         lambda: plan4.run(q4, hk, hv, out=out4), calls)
+    # The same bytes as 64 x 256 tokens: 512 CTAs, which "auto" serves in a single pass.
+    wide = DecodeCase(64, np.full(64, 256, np.int32), 32, 8, 128, 16, np.dtype(np.float16),
+                      seed=1).build()
+    w = wide.arrays
+    wk, wv = _nhd_copy(w)
+    wq, wbt, wcl = w["query"], w["block_tables"], w["context_lens"]
+    wout = cupy.empty_like(wq)
+    rows["attention, NHD, decode 64 x 256 (single pass)"] = _host_us(
+        lambda: attention(wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout), calls)
+    wplan = AttentionPlan(wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout)
+    rows["AttentionPlan.run, NHD, decode 64 x 256 (single pass)"] = _host_us(
+        lambda: wplan.run(wq, wk, wv, out=wout), calls)
     k = cupy.ones((8, 8, 128), np.float16)
     slots = cupy.arange(8, dtype=np.int64) * 16
     rows["reshape_and_cache, 8 tokens"] = _host_us(lambda: cache_ops.reshape_and_cache(
@@ -1326,6 +1345,11 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         tplan = AttentionPlan(tq, thk, thv, tbt, tcl, max_seq_len=1024, out=tout, workspace=ws)
         rows["AttentionPlan.run, torch tensors, NHD, decode (split-KV, workspace)"] = _host_us(
             lambda: tplan.run(tq, thk, thv, out=tout), calls)
+        twq, twk, twv, twbt, twcl, twout = (torch.from_dlpack(x) for x in (
+            wq, wk, wv, wbt, wcl, wout))
+        twplan = AttentionPlan(twq, twk, twv, twbt, twcl, max_seq_len=256, out=twout)
+        rows["AttentionPlan.run, torch tensors, NHD, decode 64 x 256 (single pass)"] = \
+            _host_us(lambda: twplan.run(twq, twk, twv, out=twout), calls)
         rows["reshape_and_cache, torch tensors, 8 tokens"] = _host_us(
             lambda: cache_ops.reshape_and_cache(tk, tk, tkc, tvc, t_slots), calls)
         side = torch.cuda.Stream()
@@ -1341,4 +1365,5 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         torch.cuda.synchronize()
         del g
     case.arrays.clear()
+    wide.arrays.clear()
     return rows

@@ -195,6 +195,7 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, alibi_s
     empty = num_seqs == 0
     if not empty and (query.strides[2] != dt.itemsize or min(query.strides) < 0):
         _fail(f"query's last dimension must be contiguous (strides {query.strides})")
+    _checks.check_element_strides(query, "query", dt.itemsize)
 
     max_blocks = _checks.check_tables(block_tables, context_lens, "context_lens", num_seqs,
                                       cache.block_size, _MAX_TOKENS)
@@ -344,11 +345,16 @@ class _Launch(NamedTuple):
     partials: _Partials | None = None  # the workspace's; None: a scratch buffer per call
     scratch_rows: int = 0
     head_size: int = 0
+    # Reads query_start_loc: paged_prefill, and paged_decode's row mode. paged_decode's
+    # one-token-per-sequence mode gets null (a caller's starts are then not its business).
+    takes_starts: bool = True
 
     def run(self, ctx: _arrays.Context, out: int, q: int, k: int, v: int, bt: int,
             lens: int, starts: int, lse: int = 0) -> None:
         """Launch on ``ctx.stream`` (``starts``, ``lse``: 0 for none)."""
         vp = self.vp if not lse else self.variants.pack(lse)
+        if not self.takes_starts:
+            starts = 0
         if self.combine is None:
             self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, 0, 0, 0,
                         *self.head, q, *self.q_strides, k, v, *self.kv_strides, bt,
@@ -404,7 +410,7 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
     launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, ks.smem, False, (),
                      p.q_strides, kv_strides, kv_tail,
                      (alibi, p.num_heads, group, p.num_seqs, int(causal), size,
-                      scale * _LOG2E), variants, vp)
+                      scale * _LOG2E), variants, vp, takes_starts=rows)
     if not size:
         return launch
     return launch._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
@@ -440,7 +446,8 @@ def _workspace_key(workspace):
     if workspace is None or isinstance(workspace, _Partials):
         return workspace
     if isinstance(workspace, DecodeWorkspace):
-        return (workspace._base, workspace.rows, workspace.head_size, workspace.device)
+        return ("DecodeWorkspace", workspace._base, workspace.rows, workspace.head_size,
+                workspace.device)
     return _prepared.UNKEYED
 
 

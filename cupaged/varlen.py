@@ -119,6 +119,7 @@ def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="aut
               f"{_checks.INT32_MAX} are supported per call")
     if total_q and (q.strides[2] != dt.itemsize or min(q.strides) < 0):
         _fail(f"query's last dimension must be contiguous (strides {q.strides})")
+    _checks.check_element_strides(q, "query", dt.itemsize)
 
     if bt.ndim != 2:
         _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
@@ -446,6 +447,9 @@ class AttentionPlan:
             causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
             kv_cache_dtype, k_scale, v_scale, va)
         self._bt, self._lens, self._starts = ptrs[3:6]
+        # The bound tables' metadata and addresses, checked on every run: a torch tensor
+        # resized or re-pointed in place (resize_, set_) must not be read as it was.
+        self._shared_state = _prepared.metas(self._shared)
         # What run() compares: the per-layer arrays' metadata (None: not keyable, and under
         # CUPAGED_DEBUG, so every run is a plain call).
         self._metas = None if _checks.DEBUG else _prepared.metas(
@@ -457,10 +461,13 @@ class AttentionPlan:
         :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
         m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse))
         if (m != self._metas or self._metas is None or k_scale is not None
-                or v_scale is not None or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
+                or v_scale is not None or _checks.DEBUG
+                or _prepared.metas(self._shared) != self._shared_state
+                or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
             kw = dict(self._keywords)
-            if k_scale is not None or v_scale is not None:
-                kw.update(k_scale=k_scale, v_scale=v_scale)
+            for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if given is not None:
+                    kw[name] = given
             return attention(query, key_cache, value_cache, *self._shared, out=out, lse=lse,
                              stream=stream, **kw)
         q, kc, vc, o, l = ptrs

@@ -341,3 +341,80 @@ def test_array_scalars_never_match_a_remembered_key():
     k2, _ = _prepared.key("t", (), (), (np.array([0.5, 0.5]), "auto"))
     assert _prepared.lookup(k2) is None
     _prepared.clear()
+
+
+def test_scalars_of_other_types_are_not_keyed():
+    """A 0-d tensor as ``scale`` hashes by identity and can change in place: such a scalar
+    is validated (read) on every call, never remembered."""
+
+    class Scalar:  # hashable by identity, read with float()
+        def __init__(self, v):
+            self.v = v
+
+        def __float__(self):
+            return self.v
+
+    assert _prepared.key("t", (), (), (Scalar(0.5),))[0] is None
+    assert _prepared.key("t", (), (Scalar(0.5),), ())[0] is None  # as a k_scale
+    assert _prepared.key("t", (), (), (np.float32(0.5), 3, None))[0] is not None
+
+
+def test_a_clear_outdates_every_key():
+    k1, _ = _prepared.key("t", (), (), (1,))
+    _prepared.clear()
+    k2, _ = _prepared.key("t", (), (), (1,))
+    _prepared.remember(k1, "made before the clear")  # a racing call, late
+    assert k1 != k2 and _prepared.lookup(k2) is None
+    _prepared.clear()
+
+
+@pytest.mark.gpu
+def test_plan_run_with_one_scale_keeps_the_other(rng):
+    """An fp8 layer's own k_scale at run time replaces the plan's k_scale only."""
+    import cupy
+
+    from test_fp8 import fp8_problem
+
+    host, scales = fp8_problem(rng, "fp8_e4m3", "host", [3, 1], [40, 70])
+    dev = _device(host)
+    plan = cupaged.AttentionPlan(dev["query"], dev["key_cache"], dev["value_cache"],
+                                 dev["block_tables"], dev["seq_lens"], dev["query_start_loc"],
+                                 kv_cache_dtype="fp8_e4m3", **scales)
+    k_scale = scales["k_scale"] * 1.5
+    got = plan.run(dev["query"], dev["key_cache"], dev["value_cache"], k_scale=k_scale)
+    ref = reference.attention(**host, kv_cache_dtype="fp8_e4m3", k_scale=k_scale,
+                              v_scale=scales["v_scale"])
+    assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"])
+
+
+@pytest.mark.gpu
+def test_plan_rereads_tables_replaced_in_place(rng):
+    """A bound torch table re-pointed in place (set_) between runs is read as it is now."""
+    torch = pytest.importorskip("torch")
+    h = make_varlen(rng, [2, 1], [40, 90], heads=4, kv_heads=2, stale=None)
+    d = {k: (None if v is None else torch.from_numpy(v).cuda()) for k, v in h.items()}
+    plan = cupaged.AttentionPlan(d["query"], d["key_cache"], d["value_cache"],
+                                 d["block_tables"], d["seq_lens"], d["query_start_loc"])
+    # Other blocks of the same cache, in a wider table (a new allocation).
+    other, nb = testing.random_block_tables(h["seq_lens"], 16, rng, spare_blocks=2,
+                                            extra_columns=2)
+    assert nb == h["key_cache"].shape[0]
+    d["block_tables"].set_(torch.from_numpy(other).cuda())
+    got = plan.run(d["query"], d["key_cache"], d["value_cache"])
+    ref = reference.attention(**{**h, "block_tables": other})
+    assert_close(got.cpu().numpy(), ref, TOL)
+
+
+@pytest.mark.gpu
+def test_decode_ignores_query_start_loc_it_does_not_need(rng, validations):
+    """One token per sequence (max_query_len=1) runs the decode kernel, which must not read
+    query_start_loc: a stale one (a padded graph batch) changes nothing."""
+    import cupy
+
+    host = make_varlen(rng, [1, 1, 1], [40, 1, 300], heads=8, kv_heads=2)
+    dev = _device(host)
+    ref = reference.attention(**host)
+    stale = cupy.zeros_like(dev["query_start_loc"])
+    for starts in (dev["query_start_loc"], stale):
+        got = cupaged.attention(**{**dev, "query_start_loc": starts}, max_query_len=1)
+        assert_close(cupy.asnumpy(got), ref, TOL)

@@ -373,3 +373,18 @@ def test_a_cache_layout_that_passed_is_remembered_by_its_metadata_only():
     assert len(_checks._LAYOUT_PASSED) == 1
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         _checks.check_kv_layout(Fake(k), Fake(v), _dtypes.F16, ["vllm"])
+
+
+def _odd_strides(dtype, shape, strides):
+    """A NumPy view with byte strides that are not whole elements (as_strided allows it)."""
+    base = np.zeros(int(np.prod(shape)) * 4 + 64, dtype)
+    return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+
+
+def test_strides_must_be_whole_elements():
+    """The kernels take strides in elements; a byte stride between elements would be
+    rounded down, reading the wrong rows."""
+    with pytest.raises(ValueError, match="query's strides must be multiples of its itemsize"):
+        validate(**bad(query=_odd_strides(np.float16, (3, 8, 64), (8 * 64 * 2 + 1, 128, 2))))
+    with pytest.raises(ValueError, match="block_tables' rows must be contiguous, a whole number"):
+        validate(**bad(block_tables=_odd_strides(np.int32, (3, 4), (18, 4))))

@@ -160,3 +160,11 @@ def test_block_strides_past_32_bits_are_refused_for_the_prefill_kernel():
         bad = ok._replace(k_strides=k_strides)
         with pytest.raises(ValueError, match="key_cache's block stride .* too large"):
             _checks.check_block_strides(bad)
+
+
+def test_query_strides_must_be_whole_elements():
+    from test_validation import _odd_strides
+
+    q = _odd_strides(np.float16, (7, 8, 64), (8 * 64 * 2 + 2 * 64 + 1, 128, 2))
+    with pytest.raises(ValueError, match="query's strides must be multiples of its itemsize"):
+        vvalidate(**vbad(query=q))

@@ -21,7 +21,7 @@ import numpy as np
 
 import cupaged
 import cupaged_old
-from cupaged.bench import DecodeCase
+from cupaged.bench import DecodeCase, _nhd_copy
 
 
 def _timed(fn, calls: int) -> float:
@@ -45,6 +45,7 @@ def cases(lib, a, torch):
     q, kc, vc, bt, cl, out = (a[k] for k in ("query", "key_cache", "value_cache",
                                               "block_tables", "context_lens", "out"))
     hk, hv, q4, out4, starts4 = (a[k] for k in ("nhd_k", "nhd_v", "q4", "out4", "starts4"))
+    wq, wk, wv, wbt, wcl, wout = (a[k] for k in ("wq", "wk", "wv", "wbt", "wcl", "wout"))
     ws = lib.DecodeWorkspace(8, 32, 128)
     c = {
         "python reference work (phase gauge)": _python_work,
@@ -57,6 +58,8 @@ def cases(lib, a, torch):
             max_context_len=1024),
         "attention NHD cupy decode": lambda: lib.attention(
             q, hk, hv, bt, cl, max_seq_len=1024, out=out),
+        "attention NHD cupy decode 64 x 256 (1 pass)": lambda: lib.attention(
+            wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout),
         "attention NHD cupy verify 8 x 4": lambda: lib.attention(
             q4, hk, hv, bt, cl, starts4, max_query_len=4, max_seq_len=1024, out=out4),
     }
@@ -76,11 +79,19 @@ def cases(lib, a, torch):
         c["AttentionPlan.run cupy decode"] = lambda: p.run(q, hk, hv, out=out)
         pw = plan(q, hk, hv, bt, cl, max_seq_len=1024, out=out, workspace=ws)
         c["AttentionPlan.run cupy decode + workspace"] = lambda: pw.run(q, hk, hv, out=out)
+        pw1 = plan(wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout)
+        c["AttentionPlan.run cupy decode 64 x 256 (1 pass)"] = lambda: pw1.run(wq, wk, wv,
+                                                                               out=wout)
         p4 = plan(q4, hk, hv, bt, cl, starts4, max_query_len=4, max_seq_len=1024, out=out4)
         c["AttentionPlan.run cupy verify 8 x 4"] = lambda: p4.run(q4, hk, hv, out=out4)
         if torch is not None:
             tp = plan(tq, thk, thv, tbt, tcl, max_seq_len=1024, out=tout)
             c["AttentionPlan.run torch decode"] = lambda: tp.run(tq, thk, thv, out=tout)
+            twq, twk, twv, twbt, twcl, twout = (torch.from_dlpack(x) for x in (
+                wq, wk, wv, wbt, wcl, wout))
+            tpw1 = plan(twq, twk, twv, twbt, twcl, max_seq_len=256, out=twout)
+            c["AttentionPlan.run torch decode 64 x 256 (1 pass)"] = lambda: tpw1.run(
+                twq, twk, twv, out=twout)
             tpw = plan(tq, thk, thv, tbt, tcl, max_seq_len=1024, out=tout, workspace=ws)
             c["AttentionPlan.run torch decode + workspace"] = lambda: tpw.run(tq, thk, thv,
                                                                               out=tout)
@@ -97,14 +108,16 @@ def main(argv):
     case = DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16, np.dtype(np.float16)).build()
     a = dict(case.arrays)
     a["out"] = cupy.empty(a["query"].shape, a["query"].dtype)
-    # The same cache as NHD (a copy), for attention's default layout.
-    nb, kvh, _, bs, _ = a["key_cache"].shape
-    a["nhd_k"] = cupy.ascontiguousarray(
-        a["key_cache"].transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, 128))
-    a["nhd_v"] = cupy.ascontiguousarray(a["value_cache"].transpose(0, 3, 1, 2))
+    a["nhd_k"], a["nhd_v"] = _nhd_copy(a)  # for attention's default layout
     a["q4"] = cupy.asarray(np.random.default_rng(0).standard_normal((32, 32, 128)), np.float16)
     a["out4"] = cupy.empty_like(a["q4"])
     a["starts4"] = cupy.arange(0, 36, 4, dtype=np.int32)
+    # The same bytes as 64 sequences of 256 tokens: 512 CTAs, served in a single pass.
+    wide = DecodeCase(64, np.full(64, 256, np.int32), 32, 8, 128, 16, np.dtype(np.float16),
+                      seed=1).build().arrays
+    a["wk"], a["wv"] = _nhd_copy(wide)
+    a["wq"], a["wbt"], a["wcl"] = wide["query"], wide["block_tables"], wide["context_lens"]
+    a["wout"] = cupy.empty_like(a["wq"])
     old, new = cases(cupaged_old, a, torch), cases(cupaged, a, torch)
     print(f"{'case':46s} {'old min':>8s} {'old med':>8s} {'new min':>8s} {'new med':>8s} "
           f"{'new/old':>8s}  (us per call; {rounds} interleaved rounds of {calls} calls)")
