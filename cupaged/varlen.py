@@ -338,6 +338,10 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         sequence is empty) gets zeros. Never synchronizes; block ids outside the cache give
         NaN rows, never an out-of-bounds read (``CUPAGED_DEBUG=1`` checks the tables and
         ``query_start_loc`` with a sync).
+
+    A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
+    side arrays and keywords match an earlier successful call's skips validation and
+    planning; :class:`AttentionPlan` does the same for a whole step's layers.
     """
     va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     k, ptrs = _prepared.key(
