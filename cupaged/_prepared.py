@@ -83,8 +83,7 @@ def key(kind: str, main, side, scalars, extra=()):
     m, ptrs = metas(main)
     if m is None:
         return None, None
-    tensor = _torch_tensor()
-    sides = tuple([_side(x, tensor) for x in side])
+    sides = tuple([_side(x) for x in side])
     if UNKEYED in sides:
         return None, None
     # The types come before the values: a value compared with a remembered key's is then
@@ -120,18 +119,15 @@ def metas(arrays):
     return tuple(m), ptrs
 
 
-def _side(x, tensor):
+def _side(x):
+    """A side argument's key: a number by type and value, an array by its metadata and
+    whole address (UNKEYED for other kinds, and a CPU tensor, whose value is read)."""
     if x is None:
         return None
-    if type(x) is cupy.ndarray:
-        return (x.shape, x.strides, x.dtype, x.data.ptr, x.data.device_id)
-    if tensor is not None and isinstance(x, tensor):
-        if not x.is_cuda:  # a CPU tensor's value (per-tensor scales) is read each call
-            return UNKEYED
-        return (x.shape, x.stride(), x.dtype, x.data_ptr(), x.get_device(), x.requires_grad)
     if type(x) in _SCALAR_TYPES and isinstance(x, _NUMBERS):
         return (type(x), x)
-    return UNKEYED
+    m, ptrs = metas((x,))
+    return UNKEYED if m is None else (m[0], ptrs[0])
 
 
 # The last hit of each kind of call: a model's layers repeat one call, and comparing keys
@@ -158,13 +154,12 @@ def lookup(k):
 def remember(k, prepared: Prepared) -> None:
     if k is None:
         return
-    try:
-        hash(k)
-    except TypeError:
-        return
     if len(_MEMO) >= _MAX_ENTRIES:
         _MEMO.clear()
-    _MEMO[k] = prepared
+    try:
+        _MEMO[k] = prepared
+    except TypeError:  # an unhashable scalar: not remembered
+        pass
 
 
 def clear() -> None:
@@ -202,6 +197,11 @@ def run(prep: Prepared, ptrs, stream, out, lse):
         if prep.launch is not None:
             prep.launch.run(ctx, o, q, k, v, bt, lens, starts, lse_ptr)
     return (returned, returned_lse) if prep.wants_lse else returned
+
+
+def addresses(*arrays) -> list:
+    """The addresses of adapted arrays (0 for None), in ``run``'s order."""
+    return [0 if a is None else a.data.ptr for a in arrays]
 
 
 def span(a) -> tuple:

@@ -1200,24 +1200,27 @@ def kv_cache_step_us(seqs, kv_heads, head_size, block_size, dtype, steps=200) ->
             f"PagedKVCache.step, {seqs} seqs": step}
 
 
-def _host_us(fn, calls: int, repeats: int = 9) -> float:
-    """Host microseconds per call of ``fn``: the median over ``repeats`` runs of ``calls``
-    calls each, a sync before each run and none inside (few enough calls that the launch
-    queue never fills and throttles the host). One run alone moved by 40% between
-    identical runs on the GPU machine's shared CPU; the median of nine holds still."""
+def _run_us(fn, calls: int) -> float:
+    """Host microseconds per call over one run of ``calls`` calls of ``fn``, after a sync
+    and with none inside."""
     import time
 
+    cupy.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _host_us(fn, calls: int, repeats: int = 9) -> float:
+    """Host microseconds per call of ``fn``: the median over ``repeats`` runs of ``calls``
+    calls each (few enough calls that the launch queue never fills and throttles the
+    host). One run alone moved by 40% between identical runs on the GPU machine's shared
+    CPU; the median of nine holds still."""
     for _ in range(10):
         fn()
-    sync = cupy.cuda.get_current_stream().synchronize
-    runs = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    sync()
+    runs = [_run_us(fn, calls) for _ in range(repeats)]
+    cupy.cuda.get_current_stream().synchronize()
     return float(np.median(runs))
 
 

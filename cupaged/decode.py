@@ -544,9 +544,8 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
     with _arrays.on_device(p.device):
         launch = _prepare(p, scale, max_ctx, partition, 0 if alibi is None else alibi.data.ptr,
                           workspace, variants=variants)
-    return _prepared_call(launch, p, q, o, va, lse), [
-        q.data.ptr, kc.data.ptr, vc.data.ptr, bt.data.ptr, cl.data.ptr, 0,
-        0 if o is None else o.data.ptr, 0 if lse is None else lse.data.ptr]
+    return (_prepared_call(launch, p, q, o, va, lse),
+            _prepared.addresses(q, kc, vc, bt, cl, None, o, lse))
 
 
 def _prepared_call(launch: _Launch | None, p: _Problem, q, o, va: _VariantArgs,

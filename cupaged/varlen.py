@@ -397,10 +397,8 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
         else:
             launch = decode._prepare(p, scale, max_ctx, "auto", alibi_ptr, workspace,
                                      rows=plan.kind == "rows", causal=causal, variants=variants)
-    return decode._prepared_call(launch, p, q, o, va, lse), [
-        q.data.ptr, kc.data.ptr, vc.data.ptr, bt.data.ptr, sl.data.ptr,
-        0 if qsl is None else qsl.data.ptr, 0 if o is None else o.data.ptr,
-        0 if lse is None else lse.data.ptr]
+    return (decode._prepared_call(launch, p, q, o, va, lse),
+            _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))
 
 
 class AttentionPlan:
@@ -446,27 +444,25 @@ class AttentionPlan:
                               logits_soft_cap=logits_soft_cap, sinks=sinks,
                               return_lse=return_lse)
         va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
-        self._prepared, ptrs = _validate_and_prepare(
+        self._prepared, _ = _validate_and_prepare(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
             causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
             kv_cache_dtype, k_scale, v_scale, va)
-        self._bt, self._lens, self._starts = ptrs[3:6]
-        # The bound tables' metadata and addresses, checked on every run: a torch tensor
-        # resized or re-pointed in place (resize_, set_) must not be read as it was.
-        self._shared_state = _prepared.metas(self._shared)
-        # What run() compares: the per-layer arrays' metadata (None: not keyable, and under
-        # CUPAGED_DEBUG, so every run is a plain call).
-        self._metas = None if _checks.DEBUG else _prepared.metas(
-            (query, key_cache, value_cache, out, lse))[0]
+        # What run() compares: the per-layer arrays' metadata and the bound tables'
+        # metadata and addresses (a torch tensor re-pointed or resized in place, by set_
+        # or resize_, must not be read where it was). None: not keyable, every run is a
+        # plain call.
+        self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse,
+                                             *self._shared))
+        self._shared_ptrs = None if ptrs is None else ptrs[5:]
 
     def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
             k_scale=None, v_scale=None):
         """Attention of this step for one layer's arrays (see the class). Returns as
         :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
-        m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse))
-        if (m != self._metas or self._metas is None or k_scale is not None
-                or v_scale is not None or _checks.DEBUG
-                or _prepared.metas(self._shared) != self._shared_state
+        m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse, *self._shared))
+        if (m is None or m != self._metas or ptrs[5:] != self._shared_ptrs
+                or k_scale is not None or v_scale is not None or _checks.DEBUG
                 or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
             kw = dict(self._keywords)
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -474,9 +470,9 @@ class AttentionPlan:
                     kw[name] = given
             return attention(query, key_cache, value_cache, *self._shared, out=out, lse=lse,
                              stream=stream, **kw)
-        q, kc, vc, o, l = ptrs
-        return _prepared.run(self._prepared, (q, kc, vc, self._bt, self._lens, self._starts, o, l),
-                             stream, out, lse)
+        q, kc, vc, o, l, bt, lens, starts = ptrs
+        return _prepared.run(self._prepared, (q, kc, vc, bt, lens, starts, o, l), stream, out,
+                             lse)
 
     def __repr__(self) -> str:
         launch = self._prepared.launch

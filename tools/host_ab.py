@@ -14,23 +14,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import cupy
 import numpy as np
 
 import cupaged
 import cupaged_old
-from cupaged.bench import DecodeCase, _nhd_copy
-
-
-def _timed(fn, calls: int) -> float:
-    cupy.cuda.runtime.deviceSynchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    return us
+from cupaged.bench import DecodeCase, _nhd_copy, _run_us
 
 
 def _python_work():
@@ -130,12 +120,12 @@ def main(argv):
         o, n, r = [], [], []
         for i in range(rounds):
             if fn_old is None:
-                n.append(_timed(fn_new, calls))
+                n.append(_run_us(fn_new, calls))
                 continue
             if i % 2:
-                tn, to = _timed(fn_new, calls), _timed(fn_old, calls)
+                tn, to = _run_us(fn_new, calls), _run_us(fn_old, calls)
             else:
-                to, tn = _timed(fn_old, calls), _timed(fn_new, calls)
+                to, tn = _run_us(fn_old, calls), _run_us(fn_new, calls)
             o.append(to), n.append(tn), r.append(tn / to)
         cupy.cuda.runtime.deviceSynchronize()
         if o:

@@ -6,13 +6,12 @@ idle between runs.   python3 tools/launch_cost.py   (GPU machine)"""
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import cupy
 import numpy as np
 
 from cupaged import jit
+from cupaged.bench import _host_us
 
 _SRC = r"""
 struct Big { long long v[37]; };
@@ -30,20 +29,6 @@ extern "C" __global__ void one_struct(const __grid_constant__ Big b) {
   if (b.v[0] == 12345 && threadIdx.x == 0) printf("%lld\n", b.v[36]);
 }
 """
-
-
-def _us(fn, n=200, runs=7):
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(runs):
-        cupy.cuda.runtime.deviceSynchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t) / n * 1e6)
-    cupy.cuda.runtime.deviceSynchronize()
-    return statistics.median(times)
 
 
 def main():
@@ -71,7 +56,7 @@ def main():
     except ImportError:
         pass
     for name, fn in rows.items():
-        print(f"{name:45s} {_us(fn):6.2f} us")
+        print(f"{name:45s} {_host_us(fn, 200, 7):6.2f} us")
 
 
 if __name__ == "__main__":

@@ -8,30 +8,18 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import cupy
 import numpy as np
 
 import cupaged
-from cupaged import _arrays, _checks, decode, varlen
-from cupaged.bench import DecodeCase
+from cupaged import _arrays, decode
+from cupaged.bench import DecodeCase, _host_us
 
 
-def per_call_us(fn, n=200, runs=7):
-    """Median over ``runs`` of ``n`` calls: few enough that the launch queue never fills
-    (then the host would wait for the GPU)."""
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(runs):
-        cupy.cuda.runtime.deviceSynchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t) / n * 1e6)
-    cupy.cuda.runtime.deviceSynchronize()
-    return float(np.median(times))
+def per_call_us(fn):
+    """Median of 7 runs of 200 calls (few enough that the launch queue never fills)."""
+    return _host_us(fn, 200, 7)
 
 
 def profile(name, fn, n=3000):
