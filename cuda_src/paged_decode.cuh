@@ -143,6 +143,49 @@ struct DecodeGeometry {
   static_assert(!kMma || GROUP_TILE * kPRow * 2 <= TILE_TOKENS * GROUP_TILE * 4, "P space");
 };
 
+// Merge one head's split-KV partials with one warp: out = sum_p w_p o_p / (sum_p w_p + sink)
+// with w_p = sum_p * 2^(max_p - max), a partition that saw no key weighing 0 and a NaN one
+// (a bad block) making the row NaN. Rows of `parts` partials: po [parts][HEAD_SIZE] (each
+// normalized by its own sum), pm and ps [parts] (log2 units). The loads bypass L1: other
+// CTAs of the same launch may have written them. `lse`: null, or where the row's goes.
+template <typename T, int HEAD_SIZE>
+__device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
+                                 const float* po, const float* pm, const float* ps, int parts,
+                                 float sink) {
+  constexpr int DPT = (HEAD_SIZE + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  float m = neg_inf();
+  for (int p = lane; p < parts; p += 32) m = fmaxf(m, __ldcg(pm + p));
+  m = warp_max(m);
+  float acc[DPT];
+#pragma unroll
+  for (int k = 0; k < DPT; ++k) acc[k] = 0.f;
+  float l = 0.f;
+  for (int p0 = 0; p0 < parts; p0 += 32) {
+    const int p = p0 + lane;
+    const float w = p < parts ? merge_weight(__ldcg(pm + p), __ldcg(ps + p), m) : 0.f;
+    l += w;
+    const int n = min(32, parts - p0);
+    for (int j = 0; j < n; ++j) {
+      const float wj = __shfl_sync(~0u, w, j);
+      const float* row = po + static_cast<long long>(p0 + j) * HEAD_SIZE;
+#pragma unroll
+      for (int k = 0; k < DPT; ++k) {
+        const int d = lane + 32 * k;
+        if (HEAD_SIZE % 32 == 0 || d < HEAD_SIZE) acc[k] = fmaf(wj, __ldcg(row + d), acc[k]);
+      }
+    }
+  }
+  l = warp_sum(l);
+  const RowEnd e = finish_row(m, l, sink);
+  if (lane == 0 && lse != nullptr) *lse = e.lse;
+#pragma unroll
+  for (int k = 0; k < DPT; ++k) {
+    const int d = lane + 32 * k;
+    if (HEAD_SIZE % 32 == 0 || d < HEAD_SIZE) out[d] = from_float<T>(acc[k] * e.mul);
+  }
+}
+
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
           int GROUP_TILE, int TILE_TOKENS, int STAGES, int VARIANT>
 __global__ void __launch_bounds__(kDecodeThreads)
@@ -150,6 +193,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  float* __restrict__ part_out,    // split: [num_seqs, num_heads, P, HEAD_SIZE]
                  float* __restrict__ part_max,    // split: [num_seqs, num_heads, P], log2 units
                  float* __restrict__ part_sum,    // split: [num_seqs, num_heads, P]
+                 int* __restrict__ counters,      // split, merged here: [num_seqs, gridDim.y],
+                                                  // zeros (left zero again); else null
                  const T* __restrict__ query, long long q_seq_stride, long long q_head_stride,
                  const __grid_constant__ PagedKV kv,
                  const int* __restrict__ context_lens,
@@ -226,12 +271,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int base = Var::kWindow ? lo / TT * TT : 0;
   int begin = base;
   int end = ctx;
+  int parts = 1;  // split-KV: the partitions of this row that hold keys
   if (partition_tokens > 0) {
     // The last partition runs to the end, so a host bound that undercounts the lengths
-    // costs parallelism, never tokens.
+    // costs parallelism, never tokens. ceil(span / partition_tokens) without forming
+    // span + partition_tokens, which overflows int near 2^31 (as paged_decode_combine).
+    const int span = ctx - base;
+    parts = min(static_cast<int>(gridDim.z),
+                span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
     const long long b = base + static_cast<long long>(blockIdx.z) * partition_tokens;
-    if (b >= end) return;  // past this sequence's keys: the combine skips it
-    begin = static_cast<int>(b);
+    // Past this sequence's keys: nothing to do, the merge skips it. When the row has no
+    // keys at all and merges here, partition 0 still runs (empty) to write its output.
+    if (b >= end && (counters == nullptr || blockIdx.z > 0)) return;
+    parts = max(parts, 1);
+    begin = static_cast<int>(min(b, static_cast<long long>(end)));
     end = blockIdx.z + 1 == gridDim.z ? ctx : min(ctx, begin + partition_tokens);
   }
 
@@ -934,24 +987,47 @@ __global__ void __launch_bounds__(kDecodeThreads)
       part_out[((row0 + g) * gridDim.z + blockIdx.z) * HS + d] = a * warp_s[g];
     }
   }
+  if (partition_tokens == 0 || counters == nullptr) return;
+
+  // ---- split-KV merged here: the row's last partition to finish merges them all -------
+  // Each CTA publishes its partials, then counts itself in; the one that brings the count
+  // to `parts` sees everyone's partials (the fences order the writes before the count, and
+  // the count before its reads), merges, and leaves the counter at zero for the next
+  // launch (graph replays included).
+  int* last_s = bad_block_s + 1;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* counter = counters + static_cast<long long>(qrow) * gridDim.y + blockIdx.y;
+    const bool last = atomicAdd(counter, 1) == parts - 1;
+    if (last) *counter = 0;
+    *last_s = last;
+  }
+  __syncthreads();
+  if (*last_s == 0) return;
+  __threadfence();
+  for (int g = warp; g < heads_here; g += Geo::kWarps) {
+    const long long r = (row0 + g) * gridDim.z;
+    merge_partitions<T, HS>(out + (row0 + g) * HS, vp.lse != nullptr ? vp.lse + row0 + g : nullptr,
+                            part_out + r * HS, part_max + r, part_sum + r, parts,
+                            sink_log2(vp, head0 + g));
+  }
 }
 
-// Merge the partitions of split-KV decode: out = sum_p w_p o_p / (sum_p w_p + sink) with
-// w_p = sum_p * 2^(max_p - max); a partition that saw no key has weight 0. Grid
-// (num_seqs, num_heads), or (total_q, num_heads) for paged_prefill's partials. Sinks and
-// the lse output come in `vp`, and its window (with the decode kernel's tile_tokens) says
-// where the partitions start.
+// Merge the partitions of split-KV decode that paged_decode does not merge itself (vLLM's
+// v2 entry point, whose partials live in the caller's buffers) and of paged_prefill: one
+// warp per (row, head), grid (num_seqs, num_heads), or (total_q, num_heads) for
+// paged_prefill's partials. Sinks and the lse output come in `vp`, and its window (with
+// the decode kernel's tile_tokens) says where the partitions start.
+constexpr int kCombineThreads = 32;
+
 template <typename T, int HEAD_SIZE>
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kCombineThreads)
     paged_decode_combine(T* __restrict__ out, const float* __restrict__ part_out,
                          const float* __restrict__ part_max, const float* __restrict__ part_sum,
                          const int* __restrict__ context_lens, int max_context,
                          int partition_tokens, int num_partitions, int tile_tokens,
                          const __grid_constant__ VariantParams vp) {
-  constexpr int NT = kDecodeThreads;
-  __shared__ float red[NT / 32];
-  __shared__ float total[2];
-  const int tid = threadIdx.x;
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   const long long row = static_cast<long long>(seq) * gridDim.y + head;
@@ -967,42 +1043,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // overflows int for contexts near 2^31.
     parts = min(parts, span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
   }
-  const float* pm = part_max + row * num_partitions;
-  const float* ps = part_sum + row * num_partitions;
-
-  float m = neg_inf();
-  for (int p = tid; p < parts; p += NT) m = fmaxf(m, pm[p]);
-  m = warp_max(m);
-  if ((tid & 31) == 0) red[tid >> 5] = m;
-  __syncthreads();
-  if (tid == 0) {
-    float v = red[0];
-    for (int w = 1; w < NT / 32; ++w) v = fmaxf(v, red[w]);
-    total[0] = v;
-  }
-  __syncthreads();
-  m = total[0];
-
-  float l = 0.f;
-  for (int p = tid; p < parts; p += NT) l += merge_weight(pm[p], ps[p], m);
-  l = warp_sum(l);
-  if ((tid & 31) == 0) red[tid >> 5] = l;
-  __syncthreads();
-  if (tid == 0) {
-    float v = 0.f;
-    for (int w = 0; w < NT / 32; ++w) v += red[w];
-    total[1] = v;
-  }
-  __syncthreads();
-  const RowEnd e = finish_row(m, total[1], sink_log2(vp, head));
-  if (tid == 0 && vp.lse != nullptr) vp.lse[row] = e.lse;
-
-  const float* po = part_out + row * num_partitions * HEAD_SIZE;
-  for (int d = tid; d < HEAD_SIZE; d += NT) {
-    float a = 0.f;
-    for (int p = 0; p < parts; ++p) a += merge_weight(pm[p], ps[p], m) * po[p * HEAD_SIZE + d];
-    out[row * HEAD_SIZE + d] = from_float<T>(a * e.mul);
-  }
+  merge_partitions<T, HEAD_SIZE>(out + row * HEAD_SIZE, vp.lse != nullptr ? vp.lse + row : nullptr,
+                                 part_out + row * num_partitions * HEAD_SIZE,
+                                 part_max + row * num_partitions, part_sum + row * num_partitions,
+                                 parts, sink_log2(vp, head));
 }
 
 }  // namespace cupaged

@@ -573,13 +573,12 @@ def _run_cupaged(case: "DecodeCase", partition):
     return lambda: case.run(out, partition)
 
 
-def _run_cupaged_layout(case: "DecodeCase", partition, layout: str):
-    """cupaged.attention (decode: no query_start_loc) on a copy of the case's cache in
-    ``layout`` ("NHD" or "HND"), made once outside timing."""
-    from .varlen import attention
-
-    a = case.arrays
-    k, v = a["key_cache"], a["value_cache"]
+def cache_in_layout(key_cache, value_cache, layout: str):
+    """Contiguous copies of vLLM-layout caches ([blocks, kv_heads, hs/x, bs, x] and
+    [blocks, kv_heads, hs, bs]) in ``layout``: "NHD", "HND", or "vllm" (themselves)."""
+    if layout == "vllm":
+        return key_cache, value_cache
+    k, v = key_cache, value_cache
     nb, kvh, _, bs, _ = k.shape
     if layout == "NHD":
         k = k.transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, -1)
@@ -587,7 +586,16 @@ def _run_cupaged_layout(case: "DecodeCase", partition, layout: str):
     else:
         k = k.transpose(0, 1, 3, 2, 4).reshape(nb, kvh, bs, -1)
         v = v.transpose(0, 1, 3, 2)
-    k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+    return cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+
+
+def _run_cupaged_layout(case: "DecodeCase", partition, layout: str):
+    """cupaged.attention (decode: no query_start_loc) on a copy of the case's cache in
+    ``layout`` ("NHD" or "HND"), made once outside timing."""
+    from .varlen import attention
+
+    a = case.arrays
+    k, v = cache_in_layout(a["key_cache"], a["value_cache"], layout)
     out = cupy.empty(a["query"].shape, a["query"].dtype)
     max_len = int(case.context_lens.max(initial=0))
     return lambda: attention(a["query"], k, v, a["block_tables"], a["context_lens"],

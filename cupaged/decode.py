@@ -33,6 +33,7 @@ HEAD_SIZES = _checks.HEAD_SIZES
 BLOCK_SIZES = _checks.BLOCK_SIZES
 GROUP_TILES = _catalog.GROUP_TILES
 _THREADS = _geometry.DECODE_THREADS
+_COMBINE_THREADS = 32  # kCombineThreads: one warp per (row, head)
 _MAX_GRID_YZ = 65535
 # Token positions are int32 in the kernel, which computes some up to a tile past the end.
 _MAX_TOKENS = _checks.INT32_MAX - 1024
@@ -273,7 +274,7 @@ def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_leas
     """Split-KV partition size (0: single pass) minimizing a simple cost model: CTAs run
     in waves of ``slots`` (SMs x resident CTAs per SM); a wave lasts as long as its
     partitions (rounded up to tiles) plus about one tile of fixed cost per CTA (filling
-    the pipeline, the epilogue); splitting adds the combine (two tiles) and must win by
+    the pipeline, the epilogue); splitting adds the merge (two tiles) and must win by
     3% (the partials' traffic). A single pass over few long sequences leaves SMs idle or
     a last wave mostly empty; many tiny partitions pay the fixed costs over and over."""
     max_parts = min(-(-max_ctx // quantum), _MAX_GRID_YZ)
@@ -300,12 +301,17 @@ def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_leas
 
 class _Partials(NamedTuple):
     """Where split-KV partials go: float32 part_out [rows, head_size], part_max [rows],
-    part_sum [rows], rows = num_seqs * num_heads * partitions <= max_rows."""
+    part_sum [rows], rows = num_seqs * num_heads * partitions <= max_rows; and int32
+    counters [max_counters], zeros that paged_decode leaves zero, with which the last
+    partition of a (sequence, head tile) merges the others (0: none, the combine kernel
+    merges)."""
 
     part_out: int
     part_max: int
     part_sum: int
     max_rows: int
+    counters: int = 0
+    max_counters: int = 0
 
 
 def _fit_partitions(size: int, partition, p: _Problem, max_ctx: int, max_rows: int,
@@ -339,7 +345,8 @@ class _Launch(NamedTuple):
     tail: tuple  # after the lengths and query starts: ALiBi, the ints, the scale
     variants: _variants.Variants
     vp: bytes  # VariantParams with no lse (packed per call when there is one)
-    combine: jit.Launcher | None = None  # split-KV: merges the partials
+    split: bool = False  # split-KV: partials, merged by paged_decode itself or by `combine`
+    combine: jit.Launcher | None = None  # merges the partials when the kernel does not
     combine_grid: tuple = ()
     combine_tail: tuple = ()  # after its lengths
     partials: _Partials | None = None  # the workspace's; None: a scratch buffer per call
@@ -355,21 +362,28 @@ class _Launch(NamedTuple):
         vp = self.vp if not lse else self.variants.pack(lse)
         if not self.takes_starts:
             starts = 0
-        if self.combine is None:
+        if not self.split:
             self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, 0, 0, 0,
-                        *self.head, q, *self.q_strides, k, v, *self.kv_strides, bt,
+                        *(self.head or (0,)), q, *self.q_strides, k, v, *self.kv_strides, bt,
                         *self.kv_tail, lens, starts, *self.tail, vp)
             return
         parts, keep = self.partials, None
         if parts is None:
-            parts, keep = _scratch_partials(ctx, self.scratch_rows, self.head_size)
+            merged_here = self.combine is None
+            parts, keep = _scratch_partials(ctx, self.scratch_rows, self.head_size,
+                                            self.grid[0] * self.grid[1] if merged_here else 0)
         po, pm, ps = parts.part_out, parts.part_max, parts.part_sum
+        # paged_decode's parameter after the partials is the counters (null: the combine
+        # merges), paged_prefill's its split_tiles.
+        mid = self.head if self.prefill else (0 if self.combine is not None else parts.counters,)
         self.kernel(self.grid, self.threads, self.smem, ctx.stream,
-                    out if self.prefill else 0, po, pm, ps, *self.head, q, *self.q_strides,
-                    k, v, *self.kv_strides, bt, *self.kv_tail, lens, starts, *self.tail, vp)
-        # paged_prefill writes every partial row, so its combine takes all (no lengths).
-        self.combine(self.combine_grid, _THREADS, 0, ctx.stream, out, po, pm, ps,
-                     0 if self.prefill else lens, *self.combine_tail, vp)
+                    0 if self.combine is not None and not self.prefill else out, po, pm, ps,
+                    *mid, q, *self.q_strides, k, v, *self.kv_strides, bt, *self.kv_tail, lens,
+                    starts, *self.tail, vp)
+        if self.combine is not None:
+            # paged_prefill writes every partial row, so its combine takes all (no lengths).
+            self.combine(self.combine_grid, _COMBINE_THREADS, 0, ctx.stream, out, po, pm, ps,
+                         0 if self.prefill else lens, *self.combine_tail, vp)
         del keep  # the scratch is freed in the stream's order, after the launches
 
 
@@ -413,20 +427,30 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
                       scale * _LOG2E), variants, vp, takes_starts=rows)
     if not size:
         return launch
+    launch = launch._replace(split=True, partials=workspace,
+                             scratch_rows=p.num_rows * p.num_heads * n_parts,
+                             head_size=p.head_size)
+    # The last partition of each (sequence, head tile) merges, counting in the workspace's
+    # counters or the scratch's; partials without counters (vLLM's v2 buffers) go through
+    # the combine kernel.
+    if workspace is None or workspace.max_counters >= p.num_rows * grid_y:
+        return launch
     return launch._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
                            combine_tail=(p.max_blocks * p.block_size, size, n_parts,
-                                         ks.tile_tokens),
-                           partials=workspace, scratch_rows=p.num_rows * p.num_heads * n_parts,
-                           head_size=p.head_size)
+                                         ks.tile_tokens))
 
 
-def _scratch_partials(ctx: _arrays.Context, rows: int, head_size: int) -> tuple:
-    """``(partials, owner)``: a scratch buffer for ``rows`` partial rows (one allocation
-    carved by address: slicing costs microseconds), and its owner to keep alive until the
-    launches are enqueued."""
-    base, keep = _arrays.scratch(ctx, rows * (head_size + 2) * 4)
+def _scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
+                      counters: int = 0) -> tuple:
+    """``(partials, owner)``: a scratch buffer for ``rows`` partial rows and ``counters``
+    zeroed merge counters (one allocation carved by address: slicing costs microseconds),
+    and its owner to keep alive until the launches are enqueued."""
+    nbytes = rows * (head_size + 2) * 4
+    base, keep = _arrays.scratch(ctx, nbytes + counters * 4)
+    if counters:
+        cupy.cuda.runtime.memsetAsync(base + nbytes, 0, counters * 4, ctx.stream)
     return _Partials(base, base + rows * head_size * 4, base + rows * (head_size + 1) * 4,
-                     rows), keep
+                     rows, base + nbytes if counters else 0, counters), keep
 
 
 def _workspace_partials(workspace, p: _Problem) -> _Partials | None:
@@ -564,7 +588,9 @@ class DecodeWorkspace:
     makes :func:`paged_attention` allocate nothing when ``out=`` is given too: what CUDA
     graph capture needs, and a saving for any loop.
 
-    It holds ``rows`` partial results (float32, ``head_size + 2`` each). A call with
+    It holds ``rows`` partial results (float32, ``head_size + 2`` each) and ``rows // 2``
+    int32 counters with which the kernel merges its own partitions (zero between calls;
+    a call leaves them zero, so graph replays start clean). A call with
     ``num_seqs`` sequences of ``num_heads`` heads splits each into at most
     ``rows // (num_seqs * num_heads)`` partitions: fewer than ``partition="auto"`` would
     pick means larger partitions, never a different result; an explicit partition size
@@ -594,15 +620,21 @@ class DecodeWorkspace:
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows <= 0:
             _fail(f"rows must be a positive int, got {rows!r}")
         self.rows, self.head_size = int(rows), head_size
+        # A split has at least two partitions per head, so rows // 2 counters cover every
+        # (sequence, head tile) of a split that fits.
+        self._num_counters = self.rows // 2
         with _arrays.on_device(self.device):
             self._buf = cupy.empty(self.rows * (head_size + 2), dtype=np.float32)
+            self._counters = cupy.zeros(self._num_counters, dtype=np.int32)
+            # Zeroed before any launch can read them, whichever stream it is on.
+            cupy.cuda.get_current_stream().synchronize()
         base = self._buf.data.ptr
         self._by_head_size = {}
         self._base = base
 
     @property
     def nbytes(self) -> int:
-        return self._buf.nbytes
+        return self._buf.nbytes + self._counters.nbytes
 
     def _partials(self, p: _Problem) -> _Partials:
         if p.device != self.device:
@@ -613,7 +645,8 @@ class DecodeWorkspace:
         if got is None:  # part_out first, then max and sum, as the kernels index them
             rows = self.rows * (self.head_size + 2) // (p.head_size + 2)
             b = self._base
-            got = _Partials(b, b + rows * p.head_size * 4, b + rows * (p.head_size + 1) * 4, rows)
+            got = _Partials(b, b + rows * p.head_size * 4, b + rows * (p.head_size + 1) * 4, rows,
+                            self._counters.data.ptr, self._num_counters)
             self._by_head_size[p.head_size] = got
         return got
 

@@ -254,7 +254,7 @@ def _prepare_prefill(q, o, p: decode._Problem, plan: _Plan, scale: float, causal
         return launch
     # (The combine is loaded here, not with the kernel: most multi-token calls never split.)
     return launch._replace(
-        combine=decode._combine(p.device, p.dtype.name, p.head_size),
+        split=True, combine=decode._combine(p.device, p.dtype.name, p.head_size),
         combine_grid=(p.num_rows, p.num_heads, 1), combine_tail=(0, size, n_parts, k.tile_tokens),
         partials=workspace, scratch_rows=p.num_rows * p.num_heads * n_parts,
         head_size=p.head_size)

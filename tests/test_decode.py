@@ -202,6 +202,24 @@ def test_all_empty_contexts_give_zeros(rng):
         assert (out == 0).all()
 
 
+@pytest.mark.parametrize("group", [1, 4, 6])
+def test_split_kv_merged_by_the_last_partition(rng, group):
+    """Split-KV merges in paged_decode itself (the last partition of a head tile to finish):
+    right for rows of 0, 1 and many partitions, in a workspace or a scratch buffer, with
+    the workspace's counters left at zero after every call, so repeated calls (and graph
+    replays) start clean."""
+    p = make_problem(rng, dtype=np.float16, lens=(0, 1, 16, 17, 300, 1000, 2047),
+                     heads=2 * group, kv_heads=2, head_size=64)
+    ref = p.reference()
+    ws = cupaged.DecodeWorkspace(7, 2 * group, 64)
+    for partition in (16, 64, 256, 2048, "always"):
+        for workspace in (ws, None):
+            got = run(p, partition, workspace=workspace)
+            assert_close(got, ref, tol(p))
+            assert (got[0] == 0).all()  # no key: partition 0 alone writes the zeros
+        assert int(cupy.count_nonzero(ws._counters)) == 0
+
+
 def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
     p = make_problem(rng, lens=[50, 60, 70], heads=4, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()

@@ -12,7 +12,7 @@ metrics=(
   sm__warps_active.avg.pct_of_peak_sustained_active smsp__issue_active.avg.pct_of_peak_sustained_active
   launch__registers_per_thread launch__occupancy_limit_registers launch__occupancy_limit_shared_mem
   launch__grid_size launch__waves_per_multiprocessor smsp__inst_executed.sum
-  l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+  l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum lts__t_sector_hit_rate.pct dram__bytes_read.sum sm__maximum_warps_per_active_cycle_pct
 )
 args=(--metrics "$(IFS=,; echo "${metrics[*]}")")
 for shape in ${SHAPES:-32,8,64,2048}; do
@@ -50,7 +50,7 @@ for _ in range(5):
 cupy.cuda.Device().synchronize()
 PY
     echo "== $shape $cache $layout (exit $?)"
-    grep -E "gpu__time_duration|inst_executed.sum|dram__throughput|issue_active|warps_active|registers_per|occupancy_limit|grid_size|waves_per|bank_conflicts|stalled_(barrier|long_scoreboard|short_scoreboard|math_pipe|mio|wait|not_selected|dispatch|lg_throttle|no_instruction|branch|membar|sleeping)" "$f" | sed 's/  */ /g'
+    grep -E "gpu__time_duration|sector_hit|dram__bytes|maximum_warps|inst_executed.sum|dram__throughput|issue_active|warps_active|registers_per|occupancy_limit|grid_size|waves_per|bank_conflicts|stalled_(barrier|long_scoreboard|short_scoreboard|math_pipe|mio|wait|not_selected|dispatch|lg_throttle|no_instruction|branch|membar|sleeping)" "$f" | sed 's/  */ /g'
    done
   done
 done
