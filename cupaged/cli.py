@@ -397,9 +397,12 @@ def _tile(ctx, param, value):
 @click.option("--tile", default=None, callback=_tile, metavar="TOKENSxSTAGES",
               help="Tuning: force the decode kernels' tile (tokens) and pipeline depth, "
                    "e.g. 32x3, instead of the default for the dtype and head size.")
+@click.option("--ctas-per-sm", type=click.IntRange(1, 32), default=None,
+              help="Tuning: at most this many decode CTAs resident per SM (the launch "
+                   "reserves shared memory to enforce it); the split model plans with it.")
 def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size, dtype,
            kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed, json_path,
-           csv_path, plot_path, tile):
+           csv_path, plot_path, tile, ctas_per_sm):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference (with the same variants) before it is timed."""
     from . import decode
@@ -408,6 +411,7 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype, kv_cache_dtype, variants)
     decode._set_tile(tile)
+    decode._set_ctas_per_sm(ctas_per_sm)
     kv = ws[0].kv_cache_dtype if ws else "auto"
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
            "cupaged decode" + ("" if kv == "auto" else f", {kv} cache")

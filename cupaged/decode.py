@@ -72,6 +72,19 @@ def _set_tile(tile: tuple[int, int] | None) -> None:
     _prepared.clear()
 
 
+# At most this many decode CTAs per SM (None: as many as fit), for tuning experiments
+# (cupaged-bench decode --ctas-per-sm): the launch asks for enough dynamic shared memory
+# that no more fit, and the split model plans with the slots that leaves.
+_ctas_per_sm: int | None = None
+
+
+def _set_ctas_per_sm(n: int | None) -> None:
+    global _ctas_per_sm
+    _ctas_per_sm = n
+    _kernels.cache_clear()
+    _prepared.clear()
+
+
 def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
                  kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
                  variant: str = "") -> jit.KernelSpec:
@@ -86,6 +99,7 @@ class _Device(NamedTuple):
     arch: str
     sm_count: int
     max_smem: int  # opt-in dynamic shared memory per block
+    sm_smem: int  # shared memory per SM
 
 
 @lru_cache(maxsize=None)
@@ -99,7 +113,8 @@ def _device(device_id: int) -> _Device:
             f"kernels need {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer "
             f"(Ampere, Ada, Hopper, Blackwell): they use cp.async and bf16 tensor cores")
     arch = jit.target_for(cc)
-    return _Device(device_id, arch, props["multiProcessorCount"], props["sharedMemPerBlockOptin"])
+    return _Device(device_id, arch, props["multiProcessorCount"], props["sharedMemPerBlockOptin"],
+                   props["sharedMemPerMultiprocessor"])
 
 
 class _Kernels(NamedTuple):
@@ -124,6 +139,8 @@ def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_
             f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
             f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
         )
+    if _ctas_per_sm:  # 1 KiB per block is the driver's own reservation
+        smem = max(smem, min(dev.max_smem, dev.sm_smem // _ctas_per_sm - 1024))
     decode = jit.load(spec, device_id, smem)
     return _Kernels(decode, _combine(device_id, dtype, head_size), smem, spec.tile_tokens,
                     spec.name, _resident_ctas(device_id, decode, _THREADS, smem))

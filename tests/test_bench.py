@@ -187,7 +187,7 @@ def test_fp8_case_names_its_specialization(monkeypatch):
     from cupaged import decode
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
-    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448))
+    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448, 233472))
     assert _case("auto").spec_name() == "paged_decode_f16_hs128_bs16_vllm_g4_sm90"
     assert _case("fp8").spec_name() == "paged_decode_f16_e4m3_hs128_bs16_vllm_g4_sm90"
     assert _case("fp8_e5m2").spec_name() == "paged_decode_f16_e5m2_hs128_bs16_vllm_g4_sm90"
@@ -361,7 +361,7 @@ def test_variant_case_names_its_specialization(monkeypatch):
     from cupaged import decode
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
-    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448))
+    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448, 233472))
 
     def name(**kw):
         return bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
@@ -525,7 +525,7 @@ def on_host(monkeypatch):
     for mod in (bench, bench_prefill, bench_cascade):
         monkeypatch.setattr(mod, "cupy", shim)
     monkeypatch.setattr(bench, "_torch", lambda: None)
-    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448))
+    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448, 233472))
     monkeypatch.setattr(bench, "time_us", lambda fn, reps=30, **kw: bench.Timing(
         100.0, 90.0, 110.0, reps))
 

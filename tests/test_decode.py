@@ -220,6 +220,24 @@ def test_split_kv_merged_by_the_last_partition(rng, group):
         assert int(cupy.count_nonzero(ws._counters)) == 0
 
 
+def test_ctas_per_sm_knob_pads_shared_memory_and_keeps_results(rng):
+    """The tuning knob behind cupaged-bench decode --ctas-per-sm: more dynamic shared
+    memory per launch (so at most two CTAs fit an SM), fewer planned slots, same output."""
+    p = make_problem(rng, dtype=np.float16, lens=(1, 700, 2047), heads=8, kv_heads=2,
+                     head_size=128)
+    dev = decode._device(cupy.cuda.Device().id)
+    try:
+        decode._set_ctas_per_sm(2)
+        ks = decode._kernels(dev.id, "f16", 128, 16, 4)
+        assert ks.smem >= dev.sm_smem // 2 - 1024
+        assert ks.slots <= 2 * dev.sm_count
+        for partition in ("auto", "never", "always"):
+            assert_close(run(p, partition), p.reference(), tol(p))
+    finally:
+        decode._set_ctas_per_sm(None)
+    assert decode._kernels(dev.id, "f16", 128, 16, 4).slots > 2 * dev.sm_count
+
+
 def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
     p = make_problem(rng, lens=[50, 60, 70], heads=4, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Nsight Compute counters of FlashInfer's decode kernels beside cupaged's, on the same
+# workload (fp16, hs 128, block 16; SHAPE=heads,kv_heads,batch,context): grid, registers,
+# occupancy limits, DRAM throughput, issue activity and stall reasons of each library's
+# main kernel, one launch after warm-up. Needs .flashinfer/ (see tools/flashinfer_sweep.sh).
+# Reports: $OUT/ncu-fi-<impl>-<shape>.txt.
+#   SHAPE=32,8,64,2048 IMPLS="flashinfer-decode-tc flashinfer-decode cupaged-hnd" bash tools/flashinfer_profile.sh
+source "$(dirname "$0")/device_env.sh"
+source .flashinfer/setup.sh || { echo "FlashInfer setup failed" >&2; exit 2; }
+shape=${SHAPE:-32,8,64,2048}
+metrics=(
+  "regex:smsp__average_warps_issue_stalled_(long_scoreboard|wait|barrier|short_scoreboard|not_selected)_per_issue_active\.ratio"
+  gpu__time_duration.sum dram__throughput.avg.pct_of_peak_sustained_elapsed dram__bytes_read.sum
+  sm__warps_active.avg.pct_of_peak_sustained_active smsp__issue_active.avg.pct_of_peak_sustained_active
+  launch__registers_per_thread launch__occupancy_limit_registers launch__occupancy_limit_shared_mem
+  launch__grid_size launch__block_size launch__shared_mem_per_block_dynamic
+  launch__waves_per_multiprocessor smsp__inst_executed.sum
+)
+for impl in ${IMPLS:-flashinfer-decode-tc flashinfer-decode cupaged-hnd}; do
+  f="$OUT/ncu-fi-$impl-${shape//,/_}.txt"
+  # Warm-up outside the profile (FlashInfer compiles its module on first use), then every
+  # kernel of two more calls.
+  ncu --metrics "$(IFS=,; echo "${metrics[*]}")" \
+    --nvtx --nvtx-include "timed/" python3 - "$impl" "$shape" > "$f" 2>&1 <<'PY'
+import sys
+import numpy as np
+import torch
+from cupaged import bench
+impl, shape = sys.argv[1], sys.argv[2]
+heads, kvh, batch, ctx = (int(x) for x in shape.split(","))
+case = bench.DecodeCase(batch, np.full(batch, ctx, np.int32), heads, kvh, 128, 16,
+                        np.dtype(np.float16)).build()
+fn = bench.IMPLEMENTATIONS[impl][0](case, "auto")
+for _ in range(3):
+    fn()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_push("timed")
+fn()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_pop()
+PY
+  echo "== $impl $shape (exit $?)"
+  grep -E "^  [A-Za-z_].*\(|gpu__time|dram__|grid_size|block_size|registers_per|occupancy_limit|shared_mem_per|waves|issue_active|warps_active|inst_executed|stalled" "$f" | sed 's/  */ /g' | head -60
+done
