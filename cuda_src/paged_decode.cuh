@@ -143,6 +143,13 @@ struct DecodeGeometry {
   static_assert(!kMma || GROUP_TILE * kPRow * 2 <= TILE_TOKENS * GROUP_TILE * 4, "P space");
 };
 
+// Split-KV partitions of `partition_tokens` that hold keys when `span` keys are seen, out
+// of `launched`: ceil(span / partition_tokens) without forming span + partition_tokens,
+// which overflows int for spans near 2^31. The decode kernel and the combine must agree.
+__device__ __forceinline__ int live_partitions(int span, int partition_tokens, int launched) {
+  return min(launched, span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
+}
+
 // Merge one head's split-KV partials with one warp: out = sum_p w_p o_p / (sum_p w_p + sink)
 // with w_p = sum_p * 2^(max_p - max), a partition that saw no key weighing 0 and a NaN one
 // (a bad block) making the row NaN. Rows of `parts` partials: po [parts][HEAD_SIZE] (each
@@ -271,19 +278,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int base = Var::kWindow ? lo / TT * TT : 0;
   int begin = base;
   int end = ctx;
-  int parts = 1;  // split-KV: the partitions of this row that hold keys
+  // Split-KV: the partitions the merge counts. At least one: a row with no key at all is
+  // merged (to zeros) from partition 0 alone.
+  int parts = 1;
   if (partition_tokens > 0) {
     // The last partition runs to the end, so a host bound that undercounts the lengths
-    // costs parallelism, never tokens. ceil(span / partition_tokens) without forming
-    // span + partition_tokens, which overflows int near 2^31 (as paged_decode_combine).
-    const int span = ctx - base;
-    parts = min(static_cast<int>(gridDim.z),
-                span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
+    // costs parallelism, never tokens.
+    parts = max(1, live_partitions(ctx - base, partition_tokens, gridDim.z));
     const long long b = base + static_cast<long long>(blockIdx.z) * partition_tokens;
-    // Past this sequence's keys: nothing to do, the merge skips it. When the row has no
-    // keys at all and merges here, partition 0 still runs (empty) to write its output.
+    // Past this sequence's keys: nothing to do, the merge skips it (but partition 0 of a
+    // row without keys, when the merge is here).
     if (b >= end && (counters == nullptr || blockIdx.z > 0)) return;
-    parts = max(parts, 1);
     begin = static_cast<int>(min(b, static_cast<long long>(end)));
     end = blockIdx.z + 1 == gridDim.z ? ctx : min(ctx, begin + partition_tokens);
   }
@@ -1038,10 +1043,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (context_lens != nullptr) {
     const int ctx = max(0, min(context_lens[seq], max_context));
     const int base = vp.window > 0 ? max(0, ctx - vp.window) / tile_tokens * tile_tokens : 0;
-    const int span = ctx - base;
-    // ceil(span / partition_tokens) without forming span + partition_tokens, which
-    // overflows int for contexts near 2^31.
-    parts = min(parts, span / partition_tokens + (span % partition_tokens != 0 ? 1 : 0));
+    parts = live_partitions(ctx - base, partition_tokens, num_partitions);
   }
   merge_partitions<T, HEAD_SIZE>(out + row * HEAD_SIZE, vp.lse != nullptr ? vp.lse + row : nullptr,
                                  part_out + row * num_partitions * HEAD_SIZE,

@@ -410,8 +410,7 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
     variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype, kv_cache_dtype, variants)
-    decode._set_tile(tile)
-    decode._set_ctas_per_sm(ctas_per_sm)
+    decode._set_tuning(tile, ctas_per_sm)
     kv = ws[0].kv_cache_dtype if ws else "auto"
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
            "cupaged decode" + ("" if kv == "auto" else f", {kv} cache")

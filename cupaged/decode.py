@@ -60,27 +60,25 @@ def _decode_smem_bytes(spec: jit.KernelSpec) -> int:
     return _geometry.DecodeGeometry.of(spec).smem_bytes
 
 
-# (tile_tokens, stages) for every decode specialization instead of the default, for
-# tuning experiments (cupaged-bench decode --tile); set through _set_tile.
-_tile_override: tuple[int, int] | None = None
+class _Tuning(NamedTuple):
+    """Overrides for tuning experiments (cupaged-bench decode --tile, --ctas-per-sm):
+    ``tile`` (tile_tokens, stages) for every decode specialization instead of the
+    default; ``ctas_per_sm`` at most this many decode CTAs per SM (the launch asks for
+    enough dynamic shared memory that no more fit, and the split model plans with the
+    slots that leaves). None: the default."""
+
+    tile: tuple[int, int] | None = None
+    ctas_per_sm: int | None = None
 
 
-def _set_tile(tile: tuple[int, int] | None) -> None:
-    global _tile_override
-    _tile_override = tile
-    _kernels.cache_clear()
-    _prepared.clear()
+_tuning = _Tuning()
 
 
-# At most this many decode CTAs per SM (None: as many as fit), for tuning experiments
-# (cupaged-bench decode --ctas-per-sm): the launch asks for enough dynamic shared memory
-# that no more fit, and the split model plans with the slots that leaves.
-_ctas_per_sm: int | None = None
-
-
-def _set_ctas_per_sm(n: int | None) -> None:
-    global _ctas_per_sm
-    _ctas_per_sm = n
+def _set_tuning(tile: tuple[int, int] | None = None, ctas_per_sm: int | None = None) -> None:
+    """Set every override at once (those not given back to the default) and drop the
+    kernels and prepared calls built under the old ones."""
+    global _tuning
+    _tuning = _Tuning(tile, ctas_per_sm)
     _kernels.cache_clear()
     _prepared.clear()
 
@@ -88,7 +86,7 @@ def _set_ctas_per_sm(n: int | None) -> None:
 def _decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
                  kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
                  variant: str = "") -> jit.KernelSpec:
-    tt, st = _tile_override or (0, 0)
+    tt, st = _tuning.tile or (0, 0)
     return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
                           kv_format=kv_format, cache_dtype=cache_dtype, kv_scale=kv_scale,
                           variant=variant, arch=arch)
@@ -139,8 +137,8 @@ def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_
             f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
             f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
         )
-    if _ctas_per_sm:  # 1 KiB per block is the driver's own reservation
-        smem = max(smem, min(dev.max_smem, dev.sm_smem // _ctas_per_sm - 1024))
+    if _tuning.ctas_per_sm:  # 1 KiB per block is the driver's own reservation
+        smem = max(smem, min(dev.max_smem, dev.sm_smem // _tuning.ctas_per_sm - 1024))
     decode = jit.load(spec, device_id, smem)
     return _Kernels(decode, _combine(device_id, dtype, head_size), smem, spec.tile_tokens,
                     spec.name, _resident_ctas(device_id, decode, _THREADS, smem))
@@ -354,8 +352,10 @@ class _Launch(NamedTuple):
     grid: tuple
     threads: int
     smem: int
-    prefill: bool  # paged_prefill's argument order: split_tiles after the partials
-    head: tuple  # between the partials and the query: paged_prefill's split_tiles
+    prefill: bool  # paged_prefill: its combine takes every partial row (no lengths)
+    # Between the partials and the query: paged_prefill's split_tiles; paged_decode's
+    # counters, null unless it merges its own split (then the call's: see run).
+    head: tuple
     q_strides: tuple  # the query's token (sequence) and head strides, in elements
     kv_strides: tuple  # PagedKV between the cache pointers and the table: their strides
     kv_tail: tuple  # PagedKV after the table pointer
@@ -381,23 +381,21 @@ class _Launch(NamedTuple):
             starts = 0
         if not self.split:
             self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, 0, 0, 0,
-                        *(self.head or (0,)), q, *self.q_strides, k, v, *self.kv_strides, bt,
+                        *self.head, q, *self.q_strides, k, v, *self.kv_strides, bt,
                         *self.kv_tail, lens, starts, *self.tail, vp)
             return
+        # Without a combine kernel, paged_decode merges its partitions itself, counting in
+        # the workspace's counters or in the scratch's.
+        merges_here = self.combine is None
         parts, keep = self.partials, None
         if parts is None:
-            merged_here = self.combine is None
             parts, keep = _scratch_partials(ctx, self.scratch_rows, self.head_size,
-                                            self.grid[0] * self.grid[1] if merged_here else 0)
+                                            self.grid[0] * self.grid[1] if merges_here else 0)
         po, pm, ps = parts.part_out, parts.part_max, parts.part_sum
-        # paged_decode's parameter after the partials is the counters (null: the combine
-        # merges), paged_prefill's its split_tiles.
-        mid = self.head if self.prefill else (0 if self.combine is not None else parts.counters,)
-        self.kernel(self.grid, self.threads, self.smem, ctx.stream,
-                    0 if self.combine is not None and not self.prefill else out, po, pm, ps,
-                    *mid, q, *self.q_strides, k, v, *self.kv_strides, bt, *self.kv_tail, lens,
-                    starts, *self.tail, vp)
-        if self.combine is not None:
+        self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, po, pm, ps,
+                    *((parts.counters,) if merges_here else self.head), q, *self.q_strides,
+                    k, v, *self.kv_strides, bt, *self.kv_tail, lens, starts, *self.tail, vp)
+        if not merges_here:
             # paged_prefill writes every partial row, so its combine takes all (no lengths).
             self.combine(self.combine_grid, _COMBINE_THREADS, 0, ctx.stream, out, po, pm, ps,
                          0 if self.prefill else lens, *self.combine_tail, vp)
@@ -438,7 +436,7 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
                                max(ks.tile_tokens, p.block_size))
     n_parts = -(-max_ctx // size) if size else 1
     kv_strides, kv_tail = _kv_args(p)
-    launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, ks.smem, False, (),
+    launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, ks.smem, False, (0,),
                      p.q_strides, kv_strides, kv_tail,
                      (alibi, p.num_heads, group, p.num_seqs, int(causal), size,
                       scale * _LOG2E), variants, vp, takes_starts=rows)

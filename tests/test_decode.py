@@ -227,14 +227,14 @@ def test_ctas_per_sm_knob_pads_shared_memory_and_keeps_results(rng):
                      head_size=128)
     dev = decode._device(cupy.cuda.Device().id)
     try:
-        decode._set_ctas_per_sm(2)
+        decode._set_tuning(ctas_per_sm=2)
         ks = decode._kernels(dev.id, "f16", 128, 16, 4)
         assert ks.smem >= dev.sm_smem // 2 - 1024
         assert ks.slots <= 2 * dev.sm_count
         for partition in ("auto", "never", "always"):
             assert_close(run(p, partition), p.reference(), tol(p))
     finally:
-        decode._set_ctas_per_sm(None)
+        decode._set_tuning()
     assert decode._kernels(dev.id, "f16", 128, 16, 4).slots > 2 * dev.sm_count
 
 

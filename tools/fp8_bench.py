@@ -55,7 +55,7 @@ def decode_rows(copy_bw, use_flashinfer, tiles=(None,)):
 
             nbytes = 2 * batch * ctx * kvh * HS * (1 if fp8 else 2) + 2 * q.nbytes
             for tile in tiles if fp8 else (None,):
-                decode._set_tile(tile)
+                decode._set_tuning(tile=tile)
                 tag = "" if tile is None else "_{}x{}".format(*tile)
                 try:
                     us = bench.time_us(run).median_us
@@ -64,7 +64,7 @@ def decode_rows(copy_bw, use_flashinfer, tiles=(None,)):
                     continue
                 row[f"cupaged_{name}{tag}_us"] = us
                 row[f"cupaged_{name}{tag}_bw"] = nbytes / (us * 1e-6) / copy_bw
-            decode._set_tile(None)
+            decode._set_tuning()
             if fp8 and use_flashinfer:
                 row.update(_flashinfer_fp8(q, k, v, bt, lens, heads, kvh, nbytes, copy_bw))
         if "cupaged_e4m3_us" in row:

@@ -40,7 +40,7 @@ def main():
         w = bench.Workload(batch, ctx, heads, kv, a.head_size, a.block_size, a.dtype)
         cells = []
         for t in tiles:
-            decode._set_tile(t)
+            decode._set_tuning(tile=t)
             try:
                 (r,) = bench.measure(w, ["cupaged"], a.partition, a.reps, 0, bw)
             except ValueError as e:  # e.g. the tile needs more shared memory than the device has
@@ -50,7 +50,7 @@ def main():
             cells.append(f"{r.pct_copy:5.1f}% {r.median_us:8.1f}us" if r.status == "ok"
                          else f"{r.status:>16s}")
         print(f"{heads}/{kv:<6d} {batch:5d} {w.context_label:>10s} " + " ".join(cells), flush=True)
-    decode._set_tile(None)
+    decode._set_tuning()
 
 
 if __name__ == "__main__":
