@@ -534,6 +534,7 @@ class Launcher:
     def __init__(self, function, fmt: str, name: str):
         self.function = function  # a cupy.cuda.function.Function: keeps its module loaded
         self.ptr = function.ptr
+        self.smem_limit = 48 * 1024  # dynamic shared memory a launch may ask for (jit.load)
         self.name = name
         flat = fmt.replace("{", "").replace("}", "")
         self._fmt = "@" + flat
@@ -571,10 +572,11 @@ class Launcher:
 
 def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
     """The :class:`Launcher` for ``spec`` on a device (compiled on first use). Kernels
-    needing more than 48 KiB of dynamic shared memory get their limit raised here."""
+    needing more than 48 KiB of dynamic shared memory get their limit raised here, also
+    when an earlier load of the same kernel asked for less."""
     key = (device_id, spec)
     kernel = _loaded.get(key)
-    if kernel is not None:
+    if kernel is not None and dynamic_smem <= kernel.smem_limit:
         return kernel
     import cupy
 
@@ -587,13 +589,12 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
         if kernel is None:
             module = cupy.cuda.function.Module()
             module.load(data)
-            function = module.get_function(lowered)
-            if dynamic_smem > 48 * 1024:
-                _driver.funcSetAttribute(
-                    function.ptr, _driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    dynamic_smem)
-            kernel = Launcher(function, ARG_FORMATS[spec.kernel], spec.name)
+            kernel = Launcher(module.get_function(lowered), ARG_FORMATS[spec.kernel], spec.name)
             _loaded[key] = kernel
+        if dynamic_smem > kernel.smem_limit:
+            _driver.funcSetAttribute(
+                kernel.ptr, _driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem)
+            kernel.smem_limit = dynamic_smem
     return kernel
 
 

@@ -222,10 +222,13 @@ def test_split_kv_merged_by_the_last_partition(rng, group):
 
 def test_ctas_per_sm_knob_pads_shared_memory_and_keeps_results(rng):
     """The tuning knob behind cupaged-bench decode --ctas-per-sm: more dynamic shared
-    memory per launch (so at most two CTAs fit an SM), fewer planned slots, same output."""
+    memory per launch (so at most two CTAs fit an SM), fewer planned slots, same output.
+    The kernel is loaded at its own size first: the padded launch must raise the limit
+    the first load set (it failed with CUDA_ERROR_INVALID_VALUE when it did not)."""
     p = make_problem(rng, dtype=np.float16, lens=(1, 700, 2047), heads=8, kv_heads=2,
                      head_size=128)
     dev = decode._device(cupy.cuda.Device().id)
+    assert_close(run(p, "auto"), p.reference(), tol(p))
     try:
         decode._set_tuning(ctas_per_sm=2)
         ks = decode._kernels(dev.id, "f16", 128, 16, 4)
