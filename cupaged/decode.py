@@ -34,6 +34,7 @@ BLOCK_SIZES = _checks.BLOCK_SIZES
 GROUP_TILES = _catalog.GROUP_TILES
 _THREADS = _geometry.DECODE_THREADS
 _COMBINE_THREADS = 32  # kCombineThreads: one warp per (row, head)
+_SATURATING_BYTES = 64 * 1024  # copies in flight per SM that keep its memory share busy
 _MAX_GRID_YZ = 65535
 # Token positions are int32 in the kernel, which computes some up to a tile past the end.
 _MAX_TOKENS = _checks.INT32_MAX - 1024
@@ -122,6 +123,8 @@ class _Kernels(NamedTuple):
     tile_tokens: int
     name: str
     slots: int  # decode CTAs resident at once on the whole device
+    sms: int  # the device's SMs
+    saturate: float  # CTAs per SM whose copies in flight keep its share of DRAM busy
 
 
 @jit.launcher_cache
@@ -140,8 +143,14 @@ def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_
     if _tuning.ctas_per_sm:  # 1 KiB per block is the driver's own reservation
         smem = max(smem, min(dev.max_smem, dev.sm_smem // _tuning.ctas_per_sm - 1024))
     decode = jit.load(spec, device_id, smem)
+    # A CTA keeps STAGES - 1 tiles of K and V in flight; about 64 KiB in flight per SM keep
+    # its share of the memory bandwidth busy (fitted, then checked on the auto sweep:
+    # docs/PERFORMANCE.md, issue 14), so fewer CTAs than the SM holds may saturate it.
+    geo = _geometry.DecodeGeometry.of(spec)
+    in_flight = (geo.stages - 1) * 2 * geo.tile_tokens * head_size * geo.cit
     return _Kernels(decode, _combine(device_id, dtype, head_size), smem, spec.tile_tokens,
-                    spec.name, _resident_ctas(device_id, decode, _THREADS, smem))
+                    spec.name, _resident_ctas(device_id, decode, _THREADS, smem), dev.sm_count,
+                    _SATURATING_BYTES / in_flight)
 
 
 @jit.launcher_cache
@@ -273,7 +282,8 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int, ks: "_Ker
         size = int(partition)
     elif partition in ("auto", "always"):
         size = _split(ctas, max_ctx, ks.slots, ks.tile_tokens,
-                      max(ks.tile_tokens, p.block_size), partition == "always")
+                      max(ks.tile_tokens, p.block_size), partition == "always",
+                      ks.sms, ks.saturate)
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
     if size == 0:  # the model chose a single pass
@@ -285,24 +295,41 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int, ks: "_Ker
 
 
 @lru_cache(maxsize=4096)
-def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_least_two: bool) -> int:
-    """Split-KV partition size (0: single pass) minimizing a simple cost model: CTAs run
-    in waves of ``slots`` (SMs x resident CTAs per SM); a wave lasts as long as its
-    partitions (rounded up to tiles) plus about one tile of fixed cost per CTA (filling
-    the pipeline, the epilogue); splitting adds the merge (two tiles) and must win by
-    3% (the partials' traffic). A single pass over few long sequences leaves SMs idle or
-    a last wave mostly empty; many tiny partitions pay the fixed costs over and over."""
+def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_least_two: bool,
+           sms: int = 0, saturate: float = 0.0) -> int:
+    """Split-KV partition size (0: single pass) minimizing a simple cost model.
+
+    CTAs run in waves of ``slots`` (``sms`` SMs x ``slots // sms`` resident CTAs each). A
+    CTA's work is its partition rounded up to tiles, plus about one tile of fixed cost
+    (filling the pipeline, the epilogue); a wave lasts as long as that work. A grid that
+    fits in one wave, all of its CTAs starting at once, puts at most j = ceil(ctas / sms)
+    on an SM, and while j is below ``saturate`` (the CTAs whose copies in flight keep an
+    SM's share of the memory bandwidth busy) the SM is not full and the wave is shorter:
+    max(j, saturate) / (slots per SM) of a full one. So 256 CTAs on 132 SMs of 3 slots are
+    not split into 768 to fill the wave. Grids of several waves start their CTAs
+    staggered and are priced in whole waves; ``sms = 0`` prices every grid that way.
+    Splitting adds the merge (two tiles) and must win by 3% (the partials' traffic). A
+    single pass over few long sequences leaves SMs idle or a last wave mostly empty; many
+    tiny partitions pay the fixed costs over and over."""
+    per_sm = slots // sms if sms else 0
     max_parts = min(-(-max_ctx // quantum), _MAX_GRID_YZ)
-    # Worth trying: one partition, and the most partitions that fit in w whole waves.
+    # Worth trying: one partition, the most that fit in w whole waves, and the most that
+    # put j CTAs on each SM of a single wave.
     candidates = {1, max_parts} | {min(max_parts, max(1, w * slots // ctas)) for w in range(1, 9)}
+    if sms:
+        candidates |= {min(max_parts, max(1, j * sms // ctas)) for j in range(1, per_sm)}
     best = None
     for n in sorted(candidates):
         size = _round_up(-(-max_ctx // n), quantum)
         n = -(-max_ctx // size)
         if at_least_two and n < 2 and max_parts >= 2:
             continue
-        waves = -(-(ctas * n) // slots)
-        cost = waves * (_round_up(size, tile) + tile)
+        work = _round_up(size, tile) + tile
+        if sms and ctas * n <= slots:
+            waves = min(1.0, max(-(-(ctas * n) // sms), saturate) / per_sm)
+        else:
+            waves = -(-(ctas * n) // slots)
+        cost = waves * work
         if n > 1:
             cost = 1.03 * (cost + 2 * tile)
         if best is None or cost < best[0]:

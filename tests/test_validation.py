@@ -137,7 +137,7 @@ def test_other_objects_are_refused():
         cupaged.paged_attention([[1.0]], None, None, None, None)
 
 
-KS = SimpleNamespace(slots=396, tile_tokens=64)
+KS = SimpleNamespace(slots=396, tile_tokens=64, sms=132, saturate=2)  # an H100's 64x2 tiles
 
 
 def _problem(**kw):
@@ -202,6 +202,22 @@ def test_auto_may_choose_a_single_pass():
 def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
     size = decode._split(ctas, ctx, 396, 64, 64, False)
     assert (-(-ctx // size) if size else 1) == want_parts
+
+
+@pytest.mark.parametrize("ctas, ctx, want_parts", [
+    (256, 1024, 1),      # 2 CTAs per SM in one wave already keep the SMs busy: no split
+    (64, 4096, 4),       # 8/1 heads, batch 64: 2 per SM in one wave, not 3
+    (8, 131072, 33),     # batch 1: one wave of 264 CTAs (2 per SM), not 392
+    (512, 2048, 3),      # several waves: priced in whole waves, as without the SM count
+    (2048, 512, 1),
+])
+def test_a_single_wave_is_priced_by_its_fullest_sm(ctas, ctx, want_parts):
+    size = decode._split(ctas, ctx, 396, 64, 64, False, 132, 2.0)
+    assert (-(-ctx // size) if size else 1) == want_parts
+    # Without the SM count every wave costs a full one: the same grids split further.
+    if want_parts < 8:
+        old = decode._split(ctas, ctx, 396, 64, 64, False)
+        assert (-(-ctx // old) if old else 1) >= want_parts
 
 
 def test_always_splits_at_least_in_two():

@@ -52,6 +52,9 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--layouts", default="vllm,NHD,HND")
     ap.add_argument("--cases", default="", help="indices into CASES, comma-separated")
+    ap.add_argument("--shapes", default="",
+                    help="instead of CASES: heads/kv_heads/batch/context, comma-separated "
+                         "(e.g. 32/4/64/1024,32/8/8/uniform:128:4096)")
     a = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {a.dtype} hs128 bs16; device time, median of "
@@ -59,6 +62,9 @@ def main():
     print(f"{'heads':>6s} {'batch':>5s} {'context':>16s} {'layout':>6s} {'old us':>9s} "
           f"{'new us':>9s} {'new/old':>8s} {'new %copy':>9s} {'err old':>8s} {'err new':>8s}")
     picked = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
+    if a.shapes:
+        picked = [(int(h), int(kv), int(b), c) for h, kv, b, c in
+                  (s.split("/", 3) for s in a.shapes.split(","))]
     for heads, kvh, batch, ctx in picked:
         case = DecodeCase(batch, _lens(batch, ctx), heads, kvh, 128, 16,
                           np.dtype(a.dtype)).build()
