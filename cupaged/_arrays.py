@@ -39,6 +39,17 @@ def is_torch(x) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+def framework(x) -> str:
+    """Whose arrays a call given ``x`` hands back: "torch" for a torch tensor, "jax" for a
+    JAX array (recognized by its type's module: JAX is never imported here), else "cupy"
+    (CuPy arrays and any other DLPack producer)."""
+    if is_torch(x):
+        return "torch"
+    if type(x).__module__.partition(".")[0] in ("jax", "jaxlib"):
+        return "jax"
+    return "cupy"
+
+
 # ---- torch tensors ----------------------------------------------------------------------------
 
 
@@ -151,7 +162,14 @@ def as_device_array(x, name: str):
                     f"__dlpack__ producer), got {type(x).__name__}")
 
 
+_OUTPUTS = frozenset({"out", "lse", "lse_out"})
+
+
 def optional_device_array(x, name: str):
+    if x is not None and name in _OUTPUTS and framework(x) == "jax":
+        raise TypeError(f"{name} is a JAX array, which is immutable: cupaged would write into "
+                        f"memory JAX treats as constant. Leave {name}= out and use the JAX "
+                        f"array cupaged returns")
     return None if x is None else as_device_array(x, name)
 
 
@@ -198,8 +216,12 @@ class Context(NamedTuple):
 
     device: int
     stream: int  # CUDA stream handle
-    torch: bool  # the caller passed torch tensors: allocate and return torch tensors
+    kind: str  # framework(): "torch", "jax" or "cupy", whose arrays to allocate and return
     explicit: bool  # the stream came from the caller's stream= argument
+
+    @property
+    def torch(self) -> bool:
+        return self.kind == "torch"
 
 
 def _torch_current_stream(device: int) -> int:
@@ -208,15 +230,16 @@ def _torch_current_stream(device: int) -> int:
     return raw(device) if raw is not None else t.cuda.current_stream(device).cuda_stream
 
 
-def context(device: int, torch_in: bool, stream=None) -> Context:
+def context(device: int, kind: str, stream=None) -> Context:
     """The stream: ``stream`` when given, else torch's current stream for the device
-    when the caller passed torch tensors, else CuPy's current stream (which is per
-    device: call with ``device`` current)."""
+    when the caller passed torch tensors (``kind`` "torch"), else CuPy's current stream
+    (which is per device: call with ``device`` current). JAX has no stream to share:
+    arrays handed back to it carry CuPy's through DLPack, which makes JAX wait for it."""
     if stream is not None:
-        return Context(device, stream_pointer(stream), torch_in, True)
-    if torch_in:
-        return Context(device, _torch_current_stream(device), True, False)
-    return Context(device, cupy.cuda.get_current_stream().ptr, False, False)
+        return Context(device, stream_pointer(stream), kind, True)
+    if kind == "torch":
+        return Context(device, _torch_current_stream(device), kind, False)
+    return Context(device, cupy.cuda.get_current_stream().ptr, kind, False)
 
 
 def _allocating_on(ctx: Context):
@@ -263,6 +286,8 @@ def empty(ctx: Context, shape, dtype):
                              device=t.device("cuda", ctx.device))
             return TorchArray(tensor, "out"), tensor
         a = cupy.empty(shape, dtype=dtype)
+        if ctx.kind == "jax":  # a JAX array over the same memory, which it keeps alive
+            return a, sys.modules["jax"].dlpack.from_dlpack(a)
         return a, a
 
 

@@ -55,7 +55,7 @@ class Prepared(NamedTuple):
 
     launch: object  # decode._Launch, or None: nothing to launch (an empty batch)
     device: int
-    torch: bool  # allocate and return torch tensors
+    kind: str  # _arrays.framework() of the query: whose arrays to allocate and return
     shape: tuple  # the query's, and the output's
     dtype: object  # NumPy dtype of the query and the output
     q_span: tuple  # the query's bytes, [lo, hi) relative to its address; () when empty
@@ -185,7 +185,7 @@ def run(prep: Prepared, ptrs, stream, out, lse):
     caller's arrays (or None), handed back. The caller has checked ``overlaps``."""
     q, k, v, bt, lens, starts, o, lse_ptr = ptrs
     with _arrays.on_device(prep.device):
-        ctx = _arrays.context(prep.device, prep.torch, stream)
+        ctx = _arrays.context(prep.device, prep.kind, stream)
         returned = out
         if out is None:
             made, returned = _arrays.empty(ctx, prep.shape, prep.dtype)

@@ -160,7 +160,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     num_slots = cache.num_blocks * cache.block_size
     it = w.source.itemsize
     with _arrays.on_device(w.device):
-        ctx = _arrays.context(w.device, _arrays.is_torch(key_cache), stream)
+        ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
         if _checks.DEBUG:
             s = _arrays.to_host(sm, ctx)
             bad = np.flatnonzero(s >= num_slots)
@@ -294,7 +294,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     if mapping.shape[0] == 0:
         return
     with _arrays.on_device(device):
-        ctx = _arrays.context(device, _arrays.is_torch(key_caches[0]), stream)
+        ctx = _arrays.context(device, _arrays.framework(key_caches[0]), stream)
         if _checks.DEBUG:
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
@@ -397,9 +397,9 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
         _checks.check_int(mapping, "block_mapping", (np.int32, np.int64))
     if mapping.shape[0] == 0:
         return
-    torch_in = _arrays.is_torch(src if src_dev is not None else dst)
+    kind = _arrays.framework(src if src_dev is not None else dst)
     with _arrays.on_device(device):
-        ctx = _arrays.context(device, torch_in, stream)
+        ctx = _arrays.context(device, kind, stream)
         if _checks.DEBUG:
             _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0], ctx)
         if on_host:  # uploaded in the launch stream's order

@@ -606,20 +606,20 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
     if _checks.DEBUG:
         with _arrays.on_device(p.device):
             _check_tables(bt, cl, p.num_blocks, p.block_size,
-                          _arrays.context(p.device, _arrays.is_torch(query), stream))
+                          _arrays.context(p.device, _arrays.framework(query), stream))
     with _arrays.on_device(p.device):
         launch = _prepare(p, scale, max_ctx, partition, 0 if alibi is None else alibi.data.ptr,
                           workspace, variants=variants)
-    return (_prepared_call(launch, p, q, o, va, lse),
+    return (_prepared_call(launch, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, cl, None, o, lse))
 
 
 def _prepared_call(launch: _Launch | None, p: _Problem, q, o, va: _VariantArgs,
-                   lse) -> _prepared.Prepared:
+                   lse, kind: str) -> _prepared.Prepared:
     """A validated call as the memo keeps it (``q``, ``o``, ``lse``: the adapted query,
-    out and lse arrays, or None)."""
+    out and lse arrays, or None; ``kind``: the caller's framework)."""
     return _prepared.Prepared(
-        launch, p.device, isinstance(q, _arrays.TorchArray), q.shape, q.dtype, _prepared.span(q),
+        launch, p.device, kind, q.shape, q.dtype, _prepared.span(q),
         q.shape[0] * q.shape[1] * q.shape[2] * p.dtype.itemsize,
         o is not None and o.strides == q.strides, va.wants_lse,
         (p.num_rows, p.num_heads) if va.wants_lse and lse is None else ())
@@ -885,7 +885,7 @@ def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: 
     cl = as_device_array(context_lens, "context_lens")
     device = bt.data.device_id
     with _arrays.on_device(device):
-        ctx = _arrays.context(device, _arrays.is_torch(block_tables), stream)
+        ctx = _arrays.context(device, _arrays.framework(block_tables), stream)
         _check_tables(bt, cl, num_blocks, block_size, ctx)
 
 

@@ -817,7 +817,7 @@ class PagedKVCache:
             at += len(p)
         if n:
             with _arrays.on_device(self.device):
-                ctx = _arrays.context(self.device, self.framework == "torch")
+                ctx = _arrays.context(self.device, self.framework)
                 dst = _arrays.as_device_array(dev, "buffer").data.ptr
                 runtime.memcpyAsync(dst, host.ctypes.data, n * 4, runtime.memcpyHostToDevice,
                                     ctx.stream)

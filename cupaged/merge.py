@@ -242,12 +242,12 @@ def _launch(ctx: _arrays.Context, m: _Merge, o, lo) -> None:
         kern((grid, 1, 1), _THREADS, 0, ctx.stream, _pack(chunk), *tail)
 
 
-def _merge(outs: list, lses: list, out, lse_out, stream, torch_in: bool):
+def _merge(outs: list, lses: list, out, lse_out, stream, kind: str):
     o = optional_device_array(out, "out")
     lo = optional_device_array(lse_out, "lse_out")
     m = _validate(outs, lses, o, lo)
     with _arrays.on_device(m.device):
-        ctx = _arrays.context(m.device, torch_in, stream)
+        ctx = _arrays.context(m.device, kind, stream)
         if o is None:
             o, out = _arrays.empty(ctx, m.shape, m.dtype.numpy)
         if lo is None:
@@ -281,7 +281,7 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=No
     """
     outs = [("out_a", as_device_array(out_a, "out_a")), ("out_b", as_device_array(out_b, "out_b"))]
     lses = [("lse_a", as_device_array(lse_a, "lse_a")), ("lse_b", as_device_array(lse_b, "lse_b"))]
-    return _merge(outs, lses, out, lse_out, stream, _arrays.is_torch(out_a))
+    return _merge(outs, lses, out, lse_out, stream, _arrays.framework(out_a))
 
 
 def merge_states(outs, lses, *, out=None, lse_out=None, stream=None):
@@ -307,4 +307,4 @@ def merge_states(outs, lses, *, out=None, lse_out=None, stream=None):
     o = _partials(outs, "outs", "[num_states, rows, num_heads, head_size]")
     lse = _partials(lses, "lses", "[num_states, rows, num_heads]")
     first = outs[0] if isinstance(outs, (list, tuple)) and outs else outs
-    return _merge(o, lse, out, lse_out, stream, _arrays.is_torch(first))
+    return _merge(o, lse, out, lse_out, stream, _arrays.framework(first))

@@ -385,7 +385,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     alibi_ptr = 0 if alibi is None else alibi.data.ptr
     with _arrays.on_device(p.device):
         if _checks.DEBUG:
-            ctx = _arrays.context(p.device, _arrays.is_torch(query), stream)
+            ctx = _arrays.context(p.device, _arrays.framework(query), stream)
             decode._check_tables(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 _check_queries(qsl, sl, p.num_rows, ctx)
@@ -397,7 +397,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
         else:
             launch = decode._prepare(p, scale, max_ctx, "auto", alibi_ptr, workspace,
                                      rows=plan.kind == "rows", causal=causal, variants=variants)
-    return (decode._prepared_call(launch, p, q, o, va, lse),
+    return (decode._prepared_call(launch, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))
 
 

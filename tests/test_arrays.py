@@ -197,3 +197,25 @@ def test_torch_is_never_imported_for_cupy_users():
     code = ("import sys, cupaged, cupaged.decode, cupaged.cache_ops, cupaged.kv_cache, "
             "cupaged._arrays as a; a.is_torch(1); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_framework_recognizes_jax_arrays_without_importing_jax():
+    """A JAX array is told apart by its type's module, so the outputs a call allocates can
+    follow it, and nothing imports JAX for the other callers."""
+    jax_like = type("ArrayImpl", (), {"__module__": "jaxlib.xla_extension"})()
+    jax_new = type("ArrayImpl", (), {"__module__": "jaxlib._jax"})()
+    lookalike = type("Array", (), {"__module__": "jaxtyping_not_jax"})()
+    assert _arrays.framework(jax_like) == "jax"
+    assert _arrays.framework(jax_new) == "jax"
+    assert _arrays.framework(lookalike) == "cupy"
+    assert _arrays.framework(np.zeros(1)) == "cupy"
+    before = set(sys.modules)
+    _arrays.framework(jax_like)
+    assert not any(m.partition(".")[0] in ("jax", "jaxlib") for m in set(sys.modules) - before)
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "lse_out"])
+def test_jax_arrays_are_refused_as_outputs(name):
+    jax_like = type("ArrayImpl", (), {"__module__": "jaxlib._jax"})()
+    with pytest.raises(TypeError, match=f"{name} is a JAX array, which is immutable"):
+        _arrays.optional_device_array(jax_like, name)

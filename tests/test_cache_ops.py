@@ -788,8 +788,8 @@ def fake_device(monkeypatch):
                         lambda x, name: x if isinstance(x, Fake) else real(x, name))
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_arrays, "context",
-                        lambda device, torch_in, stream=None: _arrays.Context(device, 0, False,
-                                                                                False))
+                        lambda device, kind, stream=None: _arrays.Context(device, 0, "cupy",
+                                                                            False))
     launches = []
     monkeypatch.setattr(cache_ops, "_launch_copy",
                         lambda ctx, tensors, mapping, index, n, nbytes, sb, db:

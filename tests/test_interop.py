@@ -123,6 +123,50 @@ def test_mixed_and_generic_dlpack_inputs(rng):
     assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
 
 
+def _jax():
+    # JAX would otherwise reserve most of the GPU's memory when it first runs.
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    return jax
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
+@pytest.mark.parametrize("partition", ["never", "always"])
+def test_jax_in_jax_out(rng, dtype, partition):
+    """JAX arrays go in without copies and what cupaged allocates comes back as JAX arrays
+    (paged_attention, attention with its lse, merge_state), holding the right values."""
+    jax = _jax()
+    jnp = jax.numpy
+    p = make_problem(rng, dtype=dtype, lens=(1, 17, 40, 0, 33), heads=8, kv_heads=2,
+                     head_size=64, block_size=16)
+    args = {k: jnp.asarray(v) for k, v in p.host_args().items() if v is not None}
+    out = cupaged.paged_attention(**args, partition=partition)
+    assert isinstance(out, jax.Array) and out.dtype == args["query"].dtype
+    assert out.shape == args["query"].shape
+    ref = p.reference()
+    assert_close(np.asarray(out, dtype=np.float64), ref, _tol(dtype))
+    with pytest.raises(TypeError, match="out is a JAX array, which is immutable"):
+        cupaged.paged_attention(**args, partition=partition, out=out)
+
+    out2, lse = cupaged.attention(args["query"], args["key_cache"], args["value_cache"],
+                                  args["block_tables"], args["context_lens"], kv_layout="vllm",
+                                  return_lse=True)
+    assert isinstance(out2, jax.Array) and isinstance(lse, jax.Array)
+    assert lse.dtype == jnp.float32 and lse.shape == out2.shape[:2]
+    assert_close(np.asarray(out2, dtype=np.float64), ref, _tol(dtype))
+    merged, mlse = cupaged.merge_state(out2, lse, out2, lse)  # a state merged with itself
+    assert isinstance(merged, jax.Array) and isinstance(mlse, jax.Array)
+    assert_close(np.asarray(merged, dtype=np.float64), ref, _tol(dtype))
+    got = np.asarray(mlse)
+    want = np.asarray(lse) + np.log(2.0)
+    live = np.isfinite(want)
+    np.testing.assert_allclose(got[live], want[live], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.isfinite(got), live)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
 def test_cache_ops_with_torch_match_cupy(rng, dtype):
     torch = _torch()

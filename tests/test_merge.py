@@ -100,8 +100,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(merge, "optional_device_array",
                         lambda x, name: None if x is None else adapt(x, name))
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(_arrays, "context", lambda device, torch_in, stream=None:
-                        _arrays.Context(device, 7, torch_in, stream is not None))
+    monkeypatch.setattr(_arrays, "context", lambda device, kind, stream=None:
+                        _arrays.Context(device, 7, kind, stream is not None))
     next_ptr = [1 << 32]
 
     def empty(ctx, shape, dtype):

@@ -70,8 +70,8 @@ def main():
         "as_device_array x6": lambda: [_arrays.as_device_array(x, "x") for x in (q, kc, vc, bt, cl, out)],
         "decode._validate": lambda: decode._validate(q, kc, vc, bt, cl, None, out),
         "on_device": lambda: _arrays.on_device(0),
-        "context (cupy)": lambda: _arrays.context(0, False, None),
-        "context (torch)": lambda: _arrays.context(0, True, None),
+        "context (cupy)": lambda: _arrays.context(0, "cupy", None),
+        "context (torch)": lambda: _arrays.context(0, "torch", None),
         "runtime.getDevice": lambda: cupy.cuda.runtime.getDevice(),
         "cupy get_current_stream": lambda: cupy.cuda.get_current_stream().ptr,
         "TorchArray": lambda: _arrays.TorchArray(tq, "q"),
@@ -112,7 +112,7 @@ def main():
     assert prep is not None, "the bench call was not memoized"
     pieces["_prepared.lookup"] = lambda: _prepared.lookup(mk)
     pieces["_prepared.run (context + launch)"] = lambda: _prepared.run(prep, ptrs, None, out, None)
-    ctx = _arrays.context(0, False, None)
+    ctx = _arrays.context(0, "cupy", None)
     pieces["_Launch.run (launch)"] = lambda: prep.launch.run(ctx, ptrs[6], *ptrs[:6])
     pieces["_prepared.metas (4 cupy arrays)"] = lambda: _prepared.metas((q, kc, vc, out))
     pieces["_prepared.metas (4 torch tensors)"] = lambda: _prepared.metas((tq, tkc, tvc, tout))
