@@ -27,9 +27,10 @@ all at once or Poisson. The systems:
 
 Reported per system: output tokens/s over the whole run, time to first token (arrival to
 first token) and time per output token (per request, mean gap after the first), median and
-p90, and the peak bytes of K/V held and claimed (reserved: see :class:`SystemResult`). For the engine systems also where a step's time goes
-(:meth:`Harness.breakdown`): attention (cache write and attention kernels), the rest of the
-model on the GPU, and the host (the step's time in which the GPU runs none of the forward).
+p90, and the peak bytes of K/V held and claimed (see :class:`SystemResult`). For the
+engine systems also where a step's time goes (:meth:`Harness.breakdown`): attention (cache
+write and attention kernels), the rest of the model on the GPU, and the host (the step's
+time in which the GPU runs none of the forward).
 
 torch (with CUDA, for the benchmark) is needed by everything that runs a system;
 requests, statistics, the KV arithmetic and the writers need only NumPy.
@@ -52,9 +53,10 @@ from . import _dtypes
 from .engine import Completion, Request, RequestOutput
 
 __all__ = ["SYSTEMS", "ConcatEngine", "FlashInferAttention", "Harness", "SystemResult",
-           "Workload", "arrival_offsets", "contiguous_reservation", "hf_batch_size",
-           "kv_bytes_per_token", "kv_cache_blocks", "make_requests", "serve", "summarize",
-           "table_lines", "unsupported", "write_csv", "write_json", "write_plot"]
+           "Workload", "arrival_offsets", "breakdown_lines", "contiguous_reservation",
+           "hf_batch_size", "kv_bytes_per_token", "kv_cache_blocks", "make_requests", "run",
+           "serve", "summarize", "table_lines", "unavailable", "unsupported",
+           "warmup_requests", "write_csv", "write_json", "write_plot"]
 
 SYSTEMS = ("cupaged", "flashinfer", "concat", "hf")
 PRESETS = ("llama-3.2-1b", "llama-3-8b", "tiny")
@@ -287,8 +289,9 @@ def unsupported(system: str, workload: Workload) -> str | None:
             return None
         head_dim = LlamaConfig.preset(workload.preset).head_dim
         if head_dim not in FLASHINFER_HEAD_DIMS:
-            return (f"flashinfer is run with head sizes {', '.join(map(str, FLASHINFER_HEAD_DIMS))} "
-                    f"(those of vLLM's FlashInfer backend), {workload.preset} has {head_dim}")
+            sizes = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
+            return (f"flashinfer is run with head sizes {sizes} (those of vLLM's FlashInfer "
+                    f"backend), {workload.preset} has {head_dim}")
     return None
 
 
@@ -907,13 +910,15 @@ def write_plot(path, results, title: str = "") -> None:
     plt.close(fig)
 
 
-def run(workload: Workload, systems, echo=print) -> list:
-    """Build the harness (model and budget) and run ``systems`` one after another."""
-    harness = Harness(workload)
+def run(workload: Workload, systems, echo=print, **harness_options) -> list:
+    """Build the harness (model and budget; ``harness_options`` go to :class:`Harness`),
+    say what it serves, and run ``systems`` one after another: their SystemResults."""
+    harness = Harness(workload, **harness_options)
     c, w = harness.config, workload
+    lo, hi = w.prompt_len
     echo(f"{w.preset} ({c.num_parameters / 1e9:.2f}B parameters, {w.dtype}), random weights "
-         f"(seed {w.seed}); {w.num_requests} requests, prompts {w.prompt_len[0]}..{w.prompt_len[1]} "
-         f"tokens" + (f" ({w.shared_prefix} shared)" if w.shared_prefix else "")
+         f"(seed {w.seed}); {w.num_requests} requests, prompts {lo}..{hi} tokens"
+         + (f" ({w.shared_prefix} shared)" if w.shared_prefix else "")
          + f", {w.output_len} output tokens each, "
          + ("all at once" if not math.isfinite(w.request_rate) else
             f"Poisson arrivals at {w.request_rate:g}/s"))

@@ -284,6 +284,20 @@ def test_hf_batches_halve_on_running_out_of_memory(one_thread, monkeypatch):
     assert ttft[0] < ttft[2] < ttft[4]  # later batches wait for earlier ones
 
 
+def test_run_says_what_it_serves_and_runs_each_system(one_thread):
+    pytest.importorskip("transformers")
+    lines = []
+    w = Workload(**{**TINY, "request_rate": 500.0})
+    results = bench_e2e.run(w, ["concat", "hf"], echo=lines.append, device="cpu", num_blocks=64)
+    assert [r.system for r in results] == ["concat", "hf"]
+    assert all(r.status == "ok" and r.output_tokens == 42 for r in results)
+    assert lines[0] == ("tiny (0.00B parameters, float32), random weights (seed 0); 6 requests, "
+                        "prompts 5..40 tokens (3 shared), 7 output tokens each, Poisson "
+                        "arrivals at 500/s")
+    assert lines[1].startswith("KV budget 0.00 GiB (0.85 of the free memory): 64 blocks of 16 "
+                               "tokens, HND, kv_cache_dtype auto, prefix caching off")
+
+
 def test_a_failing_system_is_reported_not_raised(one_thread, monkeypatch):
     harness = bench_e2e.Harness(Workload(**TINY), device="cpu", num_blocks=64)
 
@@ -324,6 +338,79 @@ def test_cupaged_system_on_host_kernels_matches_concat(one_thread, monkeypatch):
     assert paged.kv_peak_bytes % (4 * harness.bytes_per_token) == 0
     assert paged.steps > 7 and math.isnan(paged.attention_fraction)  # breakdown off
     assert kernels.calls["plan.run"] > 0
+
+
+def test_breakdown_replays_each_forward_on_host_kernels(one_thread, monkeypatch):
+    """The profiling pass's bookkeeping, with host stand-ins for the kernels, the CUDA
+    events (host clocks) and the GPU busy-wait: each forward runs twice, the replay's
+    logits (the tokens) are the timed run's, the busy-wait covers the real forward's
+    time, and the three shares add up to 1."""
+    torch = one_thread
+    pytest.importorskip("transformers")
+    import contextlib
+    import time
+
+    from test_engine import HostKernels
+
+    from cupaged import bench
+
+    class Event:  # a host clock standing in for a CUDA event
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    spins = []
+
+    class Spin:
+        def __init__(self, us):
+            self.ns = 0
+
+        def __call__(self):
+            spins.append(int(self.ns))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(bench, "_Spin", Spin)
+    monkeypatch.setattr(bench, "_torch_on_cupy_stream", contextlib.nullcontext)
+    kernels = HostKernels(monkeypatch)
+    harness = bench_e2e.Harness(Workload(**{**TINY, "breakdown": True}, block_size=4),
+                                device="cpu", num_blocks=64)
+    forwards = []
+    real_forward = harness.model.forward
+
+    def counting_forward(*args):
+        forwards.append(args[0].shape[0])
+        return real_forward(*args)
+
+    monkeypatch.setattr(harness.model, "forward", counting_forward)
+
+    def make_cache():
+        cache = kernels.cache(64, 4, False, model_config=harness.config)
+        cache._itemsize, cache._scale_row = 4, 0
+        return cache
+
+    monkeypatch.setattr(harness, "make_cache", make_cache)
+    result, outputs = harness.run("cupaged")
+    assert result.status == "ok", result.note
+    # Warm-up, the timed run, then the profiling pass: the same requests all at once, so
+    # the timed run's steps again, each forward twice with the same rows.
+    steps = result.steps
+    assert len(forwards) > 3 * steps
+    profiled = forwards[-2 * steps:]
+    assert profiled[0::2] == profiled[1::2] == forwards[-3 * steps:-2 * steps]
+    assert len(spins) == steps and min(spins) >= 100_000  # at least 100 us each
+    parts = (result.attention_fraction, result.model_fraction, result.host_fraction)
+    assert 0 < parts[0] < 1 and 0 < parts[1] < 1 and sum(parts) == pytest.approx(1.0)
+    concat, concat_out = harness.run("concat")
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in concat_out]
 
 
 # ---- output --------------------------------------------------------------------------------------
