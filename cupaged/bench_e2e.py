@@ -791,12 +791,12 @@ def _sync(device) -> None:
 
 def _release(device) -> None:
     """Give cached memory back between systems, so each starts with the same free memory."""
-    import torch
+    from . import bench
 
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        _sync(device)
+        bench._free_memory()  # torch's cached blocks and CuPy's pool
 
 
 def _one_line(e: BaseException) -> str:

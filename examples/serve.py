@@ -47,7 +47,7 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     try:
-        return Workload(**{k: v for k, v in vars(args).items()}, breakdown=False)
+        return Workload(**vars(args), breakdown=False)  # the options are Workload's fields
     except ValueError as e:
         p.error(str(e))
 
