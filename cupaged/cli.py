@@ -652,6 +652,118 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
     sys.exit(0 if checks["ok"] else 1)
 
 
+# ---- end to end -------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--preset", type=click.Choice(["llama-3.2-1b", "llama-3-8b", "tiny"]),
+              default="llama-3.2-1b", show_default=True,
+              help="Model shape (random weights, nothing downloaded).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+              default="bfloat16", show_default=True)
+@click.option("--num-requests", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--prompt-len", type=(int, int), default=(128, 1024), show_default=True,
+              metavar="MIN MAX", help="Prompt lengths (the shared prefix included), uniform.")
+@click.option("--output-len", type=click.IntRange(1), default=128, show_default=True,
+              help="Tokens every request generates.")
+@click.option("--shared-prefix", type=click.IntRange(0), default=0, metavar="N",
+              help="A system prompt of N tokens at the start of every prompt.")
+@click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
+              help="Share cached prompt blocks (cupaged and flashinfer).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto",
+              show_default=True, help="auto: the model's dtype; fp8: e4m3 with per-tensor "
+                                      "scales (cupaged and flashinfer only).")
+@click.option("--request-rate", type=float, default=float("inf"),
+              help="Requests per second, Poisson arrivals. Default: all at once.")
+@click.option("--systems", "systems", multiple=True,
+              type=click.Choice(["cupaged", "concat", "hf", "flashinfer"]),
+              help="Repeatable. Default: every one available here.")
+@click.option("--max-batched-tokens", type=click.IntRange(1), default=2048, show_default=True,
+              help="Query tokens per step (cupaged, flashinfer, concat).")
+@click.option("--max-running", type=click.IntRange(1), default=256, show_default=True,
+              help="Requests in a step at most (cupaged, flashinfer, concat).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Weights, prompts and arrivals.")
+@click.option("--memory-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.85,
+              show_default=True, help="Share of the GPU memory free after the weights that is "
+                                      "the KV budget of every system.")
+@click.option("--block-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--kv-layout", type=click.Choice(["HND", "NHD", "vllm"]), default="HND",
+              show_default=True, help="The paged cache's layout (flashinfer: HND or NHD).")
+@click.option("--hf-batch", type=click.IntRange(1), default=None,
+              help="Requests per generate call (default: what the KV budget holds; halved "
+                   "on running out of memory).")
+@click.option("--breakdown/--no-breakdown", default=True, show_default=True,
+              help="A profiling pass after the timed run of each engine system: the shares "
+                   "of the step time in attention, the rest of the model and the host.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the workload, every field and the environment as JSON.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+              help="Write one row per system as CSV (environment as # comment lines).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Bar charts of tokens/s, TTFT and TPOT per system (needs matplotlib).")
+def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, prefix_caching,
+        kv_cache_dtype, request_rate, systems, max_batched_tokens, max_running, seed,
+        memory_fraction, block_size, kv_layout, hf_batch, breakdown, json_path, csv_path,
+        plot_path):
+    """Serve one workload of random requests end to end through several systems, with
+    the same model weights and the same requests for each: cupaged (the engine's
+    continuous batching over a PagedKVCache), flashinfer (the same engine with FlashInfer's
+    paged prefill kernels for attention), concat (continuous batching with contiguous
+    per-request K/V grown by torch.cat, attention by torch SDPA, admission reserving
+    prompt + output per request in the same KV budget) and hf (transformers' generate on
+    the same weights, static left-padded batches). Reports output tokens/s, TTFT and TPOT
+    (median, p90) and the peak KV bytes held, and for the engine systems the share of the
+    step time in attention, the rest of the model and the host. Needs PyTorch with CUDA
+    (transformers for hf, FlashInfer for flashinfer)."""
+    from . import bench, bench_e2e
+
+    try:
+        workload = bench_e2e.Workload(
+            preset=preset, dtype=dtype, num_requests=num_requests, prompt_len=prompt_len,
+            output_len=output_len, shared_prefix=shared_prefix, prefix_caching=prefix_caching,
+            kv_cache_dtype=kv_cache_dtype, request_rate=request_rate,
+            max_batched_tokens=max_batched_tokens, max_running=max_running, seed=seed,
+            memory_fraction=memory_fraction, block_size=block_size, kv_layout=kv_layout,
+            hf_batch=hf_batch, breakdown=breakdown)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
+    for s in systems:
+        why = bench_e2e.unsupported(s, workload)
+        if why:
+            raise click.BadParameter(why, param_hint="--systems")
+    _require_gpu()
+    for s in systems:
+        why = bench_e2e.unavailable(s)
+        if why:
+            raise click.UsageError(f"--systems {s}: {why}")
+    chosen = list(dict.fromkeys(systems))
+    if not chosen:
+        for s in bench_e2e.SYSTEMS:
+            why = bench_e2e.unsupported(s, workload) or bench_e2e.unavailable(s)
+            if why:
+                click.echo(f"{s} left out: {why}")
+            else:
+                chosen.append(s)
+    if not chosen:
+        click.echo("no system can run here", err=True)
+        sys.exit(2)
+    results = bench_e2e.run(workload, chosen, echo=click.echo)
+    for line in bench_e2e.table_lines(results) + bench_e2e.breakdown_lines(results):
+        click.echo(line)
+    env = bench.environment()
+    if json_path:
+        bench_e2e.write_json(json_path, workload, results, env)
+    if csv_path:
+        bench_e2e.write_csv(csv_path, workload, results, env)
+    if plot_path:
+        bench_e2e.write_plot(plot_path, results, f"e2e: {preset} {dtype}, {num_requests} requests")
+    statuses = {r.status for r in results}
+    sys.exit(1 if "failed" in statuses else 3 if "skipped" in statuses else 0)
+
+
 # ---- overhead -------------------------------------------------------------------------------------
 
 

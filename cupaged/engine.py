@@ -44,7 +44,8 @@ import numpy as np
 
 from . import cache_ops, varlen
 
-__all__ = ["Batch", "Completion", "Engine", "Request", "RequestOutput", "Scheduler"]
+__all__ = ["Batch", "Completion", "Engine", "PagedAttention", "Request", "RequestOutput",
+           "Scheduler"]
 
 
 def _available_blocks(manager) -> int:
@@ -84,6 +85,17 @@ class Completion:
     token_ids: list = field(default_factory=list)
     token_times: list = field(default_factory=list)
     finish_reason: str | None = None
+
+    def record(self, token: int, now: float, request: Request) -> bool:
+        """Append a token sampled at ``now``; True when it ends the sample (the
+        request's ``eos_token_id``, or its ``max_new_tokens`` reached)."""
+        self.token_ids.append(token)
+        self.token_times.append(now)
+        if token == request.eos_token_id:
+            self.finish_reason = "eos"
+        elif len(self.token_ids) >= request.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -437,14 +449,7 @@ class Scheduler:
                 family += self._fork(seq)
             for s in family:
                 s.tokens.append(token)
-                c = s.completion
-                c.token_ids.append(token)
-                c.token_times.append(now)
-                if token == s.request.eos_token_id:
-                    c.finish_reason = "eos"
-                elif len(c.token_ids) >= s.request.max_new_tokens:
-                    c.finish_reason = "length"
-                if c.finish_reason is not None:
+                if s.completion.record(token, now, s.request):
                     self.manager.free(s.id)
                     self.running.remove(s)
                     if s.output.finished:
@@ -469,15 +474,24 @@ class Scheduler:
         return children
 
 
-class _PagedAttention:
-    """The model's per-layer attention over the paged cache for one step: write the new
-    tokens' K/V into their slots, then attend (one AttentionPlan for the step's layers)."""
+class PagedAttention:
+    """The engine's default attention backend: for one step, the model's per-layer
+    attention over the paged cache. Each layer writes the new tokens' K/V into their
+    slots (:func:`cupaged.reshape_and_cache`), then attends with :func:`cupaged.attention`
+    (one AttentionPlan for the step's layers; per layer over an fp8 cache, whose scales
+    differ by layer).
 
-    def __init__(self, cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                 max_query_len: int, max_seq_len: int):
+    A backend is anything called once per step as ``backend(cache, batch, slot_mapping,
+    block_tables, seq_lens, query_start_loc)`` (the device arrays of the step, int32)
+    that returns the ``attention(layer, q, k, v)`` callable the model runs for that step.
+    """
+
+    def __init__(self, cache, batch: Batch, slot_mapping, block_tables, seq_lens,
+                 query_start_loc):
         self.cache, self.slot_mapping = cache, slot_mapping
         self.tables = (block_tables, seq_lens, query_start_loc)
-        self.bounds = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
+        self.bounds = dict(max_query_len=int(batch.num_tokens.max()),
+                           max_seq_len=int(batch.seq_lens.max()))
         self.plan = None
 
     def __call__(self, layer: int, q, k, v):
@@ -503,13 +517,15 @@ class Engine:
     :class:`cupaged.PagedKVCache` made with ``framework="torch"`` on the model's device,
     with the model's layers, KV heads, head size and dtype (any layout, fp8 or not,
     prefix caching or not). ``max_batched_tokens`` and ``max_running`` go to the
-    :class:`Scheduler`.
+    :class:`Scheduler`. ``attention``: the attention backend (see :class:`PagedAttention`,
+    the default); ``cupaged-bench e2e`` plugs FlashInfer's kernels in here.
 
     ``submit(request)`` queues a request, ``step()`` runs one batch and returns the
     requests that finished, ``run(requests)`` does both until everything is done.
     """
 
-    def __init__(self, model, cache, *, max_batched_tokens: int = 2048, max_running: int = 256):
+    def __init__(self, model, cache, *, max_batched_tokens: int = 2048, max_running: int = 256,
+                 attention=PagedAttention):
         import torch  # noqa: F401  (_arrays maps dtypes through the imported torch)
 
         from . import _arrays
@@ -524,7 +540,7 @@ class Engine:
                 raise ValueError(f"the model has {want} {what}, the cache {got}")
         if _arrays.torch_dtype(cache.dtype) != model.dtype:
             raise ValueError(f"the model's dtype is {model.dtype}, the cache's {cache.dtype}")
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.attention = model, cache, attention
         self.device = cache.key_caches[0].device
         self.scheduler = Scheduler(cache.manager, max_batched_tokens=max_batched_tokens,
                                    max_running=max_running)
@@ -574,8 +590,7 @@ class Engine:
             query_start_loc = dev[at + added:].to(torch.int32)
         else:
             slot_mapping, query_start_loc = step.slot_mapping, step.query_start_loc
-        attention = _PagedAttention(cache, slot_mapping, step.block_tables, step.seq_lens,
-                                    query_start_loc, int(batch.num_tokens.max()),
-                                    int(batch.seq_lens.max()))
+        attention = self.attention(cache, batch, slot_mapping, step.block_tables, step.seq_lens,
+                                   query_start_loc)
         logits = self.model.forward(tokens, positions, attention, logits_rows)
         return logits.argmax(dim=-1).tolist()

@@ -3,8 +3,9 @@
 :class:`Llama` computes a flat batch of tokens (chunks of several sequences packed one
 after another) and leaves attention to the caller: each layer calls
 ``attention(layer, q, k, v)``, so the same model runs over cupaged's paged cache (the
-serving loop in :mod:`cupaged.engine`) or over :class:`DenseAttention`, a dense reference
-for CPU tests. Its weights are random (from a seed, on any device and dtype: nothing is
+serving loop in :mod:`cupaged.engine`), over :class:`DenseAttention`, a dense reference
+for CPU tests, or over :class:`SdpaAttention` (contiguous K/V, torch SDPA: the baseline of
+``cupaged-bench e2e``). Its weights are random (from a seed, on any device and dtype: nothing is
 downloaded) and carry Hugging Face's parameter names, so :func:`to_hf` builds
 ``transformers.LlamaForCausalLM`` with exactly the same weights to check it against.
 
@@ -20,12 +21,13 @@ transformers only by :func:`to_hf`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Callable, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseAttention", "Llama", "LlamaConfig", "dense_attention", "to_hf"]
+__all__ = ["DenseAttention", "Llama", "LlamaConfig", "SdpaAttention", "dense_attention", "to_hf"]
 
 # Attention as the model calls it: (layer, q [T, num_heads, head_dim], k [T, num_kv_heads,
 # head_dim], v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim].
@@ -279,15 +281,43 @@ class DenseAttention:
             values = v[rows] if old is None else torch.cat((old[1], v[rows]))
             self._kv[(s, layer)] = (keys, values)
             if n:
-                out[rows] = dense_attention(q[rows], keys, values)
+                out[rows] = self._attend(q[rows], keys, values)
             start += n
         return out
 
+    _attend = staticmethod(dense_attention)
 
-def to_hf(model: Llama):
+
+class SdpaAttention(DenseAttention):
+    """:class:`DenseAttention`'s contiguous per-sequence K/V (grown with ``torch.cat`` each
+    call), attended with ``torch.nn.functional.scaled_dot_product_attention``, one call per
+    sequence (GQA through ``enable_gqa``): a cache without pages, on any device. The
+    "before" of a paged cache in ``cupaged-bench e2e``."""
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, keys = q.shape[0], k.shape[0]
+        mask, causal = None, False
+        if n == keys:  # a whole prompt: SDPA's causal mask (top-left) is the right one
+            causal = n > 1
+        elif n > 1:  # a chunk after cached tokens: bottom-right aligned, spelled out
+            mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(keys - n)
+        # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: views, no copies.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+
+def to_hf(model: Llama, *, share_weights: bool = False):
     """``transformers.LlamaForCausalLM`` (SDPA attention, in eval mode) with ``model``'s
-    configuration and a copy of its weights, on its device and dtype. Meant for checking
-    small models: it initializes its own weights first."""
+    configuration and weights, on its device and dtype.
+
+    By default it holds a copy of the weights: it is built on the CPU in float32 (it
+    initializes its own weights first, which is slow for large models), then cast and
+    moved. ``share_weights=True`` builds it on the meta device instead (no memory, no
+    initialization) and makes its parameters ``model``'s own tensors: no second copy, any
+    size, but writing to one model's weights changes the other's."""
     import transformers
 
     c = model.config
@@ -301,6 +331,18 @@ def to_hf(model: Llama):
         # Random weights have no special tokens: generate() runs to max_new_tokens.
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
         attn_implementation="sdpa")
+    if share_weights:
+        with torch.device("meta"):
+            hf = transformers.LlamaForCausalLM(hf_config)
+        hf.load_state_dict(model.state_dict_hf(), strict=True, assign=True)
+        # The RoPE frequencies are buffers outside the state dict, still on the meta
+        # device: this model's (computed as Hugging Face does) on its device.
+        rotary = hf.model.rotary_emb
+        rotary.inv_freq, rotary.original_inv_freq = model.inv_freq.clone(), model.inv_freq.clone()
+        left = [n for n, t in chain(hf.named_parameters(), hf.named_buffers()) if t.is_meta]
+        if left:
+            raise RuntimeError(f"to_hf(share_weights=True): left on the meta device: {left}")
+        return hf.requires_grad_(False).eval()
     # Built on the CPU in float32, where Hugging Face computes its RoPE frequencies as this
     # model does; then only the parameters take the model's dtype (the frequencies stay
     # float32, as in a model loaded in that dtype).

@@ -9,7 +9,8 @@ from cupaged import jit
 from cupaged.cli import main
 from conftest import HAVE_GPU
 
-COMMANDS = ["info", "compile", "decode", "compare", "prefill", "cascade", "overhead", "cache-ops"]
+COMMANDS = ["info", "compile", "decode", "compare", "prefill", "cascade", "e2e", "overhead",
+            "cache-ops"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
