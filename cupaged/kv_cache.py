@@ -1,10 +1,11 @@
 """A paged KV cache: block bookkeeping (plain Python) and the device caches it manages.
 
 :class:`BlockManager` hands out and frees blocks, shares them between sequences with
-reference counts (forks, and optionally prompt prefixes), and plans copy-on-write. It
-needs no GPU. :class:`PagedKVCache` owns one key and one value cache per layer in any of
-the layouts :func:`cupaged.attention` reads (vLLM's, NHD, HND), of the model's dtype or
-fp8 (with their scales), runs the copy-on-write copies itself, and gives every step
+reference counts (forks, and optionally prompt prefixes, kept after their last owner
+until the space is needed), and plans copy-on-write. It needs no GPU.
+:class:`PagedKVCache` owns one key and one value cache per layer in any of the layouts
+:func:`cupaged.attention` reads (vLLM's, NHD, HND), of the model's dtype or fp8 (with
+their scales), runs the copy-on-write copies itself, and gives every step
 (prefill, chunked prefill, verify, decode, mixed) its slot mapping, block tables,
 sequence lengths and query start offsets with one host-to-device copy.
 """
@@ -12,6 +13,7 @@ sequence lengths and query start offsets with one host-to-device copy.
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Sequence
 
@@ -21,7 +23,8 @@ __all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache", "Step"]
 
 
 class OutOfBlocks(RuntimeError):
-    """Not enough free blocks for the request; nothing was changed."""
+    """Not enough available blocks (free, or cached and evictable) for the request;
+    nothing was changed."""
 
 
 @dataclass
@@ -29,10 +32,11 @@ class _Seq:
     row: int  # this sequence's row of the host block table
     blocks: list = field(default_factory=list)
     length: int = 0
-    # Prefix caching: token ids of the partly filled last block, and the full block before
-    # it (its identity chains the prefix). None when a token of the sequence has no id.
+    # Prefix caching: token ids of the partly filled last block, and the prefix id (see
+    # BlockManager._register) of the tokens before it. None when a token of the sequence has
+    # no id, and parent also while the sequence has no full block.
     tokens: list | None = None
-    parent: int | None = None
+    parent: tuple | None = None
     cached: int = 0  # leading prompt tokens that add() found in the prefix cache
 
 
@@ -47,8 +51,8 @@ class _AppendPlan(NamedTuple):
     copies: np.ndarray  # int64 [k, 2]: (src, dst) copy-on-write, to run before the writes
     rows: list  # each sequence's host-table row
     lens: list  # each sequence's length after the append
-    # One entry per free block the append takes, in the order the free list gives them
-    # (a sequence's entries are consecutive, in column order):
+    # One entry per block the append takes, in the order _next_free gives them (free blocks,
+    # then evicted cached ones; a sequence's entries are consecutive, in column order):
     taken: list  # the block
     takers: list  # the index in seqs of the sequence that takes it
     sources: list  # the block it copies (copy-on-write), or -1 for a fresh block
@@ -109,11 +113,24 @@ class BlockManager:
     A sequence starts with :meth:`add` (its prompt, possibly empty) and grows with
     :meth:`append`, any number of tokens per sequence and call (chunked prefill, verify,
     decode). With ``prefix_caching``, full blocks are registered by their token ids and
-    the block before them; :meth:`add` of a prompt with the same leading tokens shares
+    the tokens before them; :meth:`add` of a prompt with the same leading tokens shares
     those blocks instead of storing them again and returns slots only for the rest
     (:meth:`num_cached_tokens` says how many were found). Token ids may be any hashable
     values; they are checked whether or not prefix caching is on. A sequence takes part
     in the prefix cache while every token it holds has an id.
+
+    A registered block outlives its owners: when the last sequence holding it is freed it
+    stays in the prefix cache, *cached*, until a hit revives it or an allocation needs its
+    space. Allocations take free blocks first, then evict cached blocks, least recently
+    released first; :meth:`free` releases a sequence's blocks last to
+    first, so a prefix chain is evicted from its tail. Every block is in one of three
+    states: ``num_free_blocks`` (holding nothing), ``num_cached_blocks`` (registered, no
+    owner, evictable) and ``num_used_blocks`` (held by a sequence); they sum to
+    ``num_blocks``, and an allocation fails (:class:`OutOfBlocks`) only when it needs more
+    than ``num_available_blocks``, free plus cached. Without prefix caching no block is
+    ever cached. The K/V of a registered block are the caller's to write, as the slots
+    :meth:`add` and :meth:`append` return say; a sequence freed before they were written
+    leaves blocks in the cache that a later prompt would read.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False):
@@ -128,18 +145,38 @@ class BlockManager:
         self._free_rows: list = []
         self._table = np.zeros((8, 8), np.int32)  # [row, logical block] -> physical block
         self._lens = np.zeros(8, np.int32)
-        self._full: dict = {}  # (parent block, tokens) -> block, for live full blocks
+        self._full: dict = {}  # (prefix id, tokens) -> block, for registered full blocks
         self._key_of: dict = {}  # block -> its key in _full
+        self._gen = [0] * num_blocks  # times each block was evicted: see _register
+        # Registered blocks by release, least recent first: the cached ones (ref 0) are
+        # evicted in this order. A prefix hit leaves its block here, to be skipped while it
+        # is used and moved to the end when released again, so a failed add can be undone
+        # exactly (_undo_add).
+        self._lru: OrderedDict = OrderedDict()
+        self._num_cached = 0  # blocks in _lru with ref 0
 
     # ---- queries --------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks holding nothing: never used, evicted, or released without a prefix key."""
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Full blocks in the prefix cache that no sequence holds: a prompt's prefix hit
+        reuses them, an allocation may evict them (always 0 without prefix caching)."""
+        return self._num_cached
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - len(self._free) - self._num_cached
+
+    @property
+    def num_available_blocks(self) -> int:
+        """What allocations can take: free plus cached blocks."""
+        return len(self._free) + self._num_cached
 
     @property
     def sequences(self) -> list:
@@ -188,7 +225,14 @@ class BlockManager:
 
         A sequence added without ``token_ids`` (and ``num_tokens > 0``) never registers
         blocks in the prefix cache; an empty one does once its appended tokens carry ids.
+        A hit on a cached block (one nobody holds) takes it out of the cache, and blocks
+        the prompt needs beyond the free ones are evicted from it (never a block this
+        prompt hits).
         """
+        return self._add(seq_id, num_tokens, token_ids)[0]
+
+    def _add(self, seq_id, num_tokens, token_ids) -> tuple[np.ndarray, list]:
+        """:meth:`add`; also returns what its :meth:`_take` popped, for :meth:`_undo_add`."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         try:
@@ -206,16 +250,16 @@ class BlockManager:
             token_ids = []  # no token lacks an id: appended ids may register blocks
         bs = self.block_size
         full, n_blocks = num_tokens // bs, -(-num_tokens // bs)
-        shared = []  # leading full blocks found in the prefix cache
+        shared, parent, ref = [], None, self._ref  # leading full blocks found in the cache
         if self.prefix_caching and token_ids:
-            parent = None
             for i in range((num_tokens - 1) // bs):  # full blocks before the last token
                 b = self._full.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
                 if b is None:
                     break
                 shared.append(b)
-                parent = b
-        new = self._next_free(n_blocks - len(shared))
+                parent = (b, self._gen[b])
+        revived = {b for b in shared if not ref[b]}  # cached hits: not to be evicted
+        new = self._next_free(n_blocks - len(shared), revived)
         blocks = shared + new
         t = np.arange(len(shared) * bs, num_tokens)
         slots = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
@@ -225,16 +269,17 @@ class BlockManager:
         # row); from here on the bookkeeping changes.
         seq = _Seq(self._take_row(), blocks, num_tokens, cached=len(shared) * bs)
         for b in shared:
-            self._ref[b] += 1
-        self._take(new)
+            ref[b] += 1
+        self._num_cached -= len(revived)
+        popped = self._take(new)
         if self.prefix_caching and token_ids is not None:
-            seq.parent = shared[-1] if shared else None
+            seq.parent = parent
             for i in range(len(shared), full):
                 seq.parent = self._register(seq.parent, token_ids[i * bs:(i + 1) * bs], blocks[i])
             seq.tokens = token_ids[full * bs:]
         self._seqs[seq_id] = seq
         self._write_row(seq)
-        return slots
+        return slots, popped
 
     def append(self, seq_ids: Sequence, *, num_tokens=None,
                token_ids=None) -> tuple[np.ndarray, np.ndarray]:
@@ -269,20 +314,54 @@ class BlockManager:
         self._write_row(c)
 
     def free(self, seq_id: Hashable) -> None:
-        """End a sequence; blocks no other sequence holds return to the free list."""
+        """End a sequence. Blocks no other sequence holds are released: those registered
+        in the prefix cache stay there, cached, as its most recently released blocks; the
+        others return to the free list."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r} (never added, or already freed)")
-        for b in reversed(seq.blocks):  # children before parents in the prefix chain
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                key = self._key_of.pop(b, None)
-                if key is not None:
-                    del self._full[key]
-                self._free.append(b)
+        ref, lru = self._ref, self._lru
+        # Last block first: a chain's tail is then evicted before its head, which matters
+        # as a block can only be hit through the blocks before it.
+        for b in reversed(seq.blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                if b in self._key_of:
+                    lru[b] = None
+                    lru.move_to_end(b)  # it may still be there from before a hit
+                    self._num_cached += 1
+                else:
+                    self._free.append(b)
         self._free_rows.append(seq.row)
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _undo_add(self, seq_id, popped: list) -> None:
+        """Undo :meth:`_add` of ``seq_id``, the last change to the manager (after undoing
+        any later ones), given what it popped: everything is as before, the prefix cache's
+        keys and order included (:meth:`free` would cache the blocks the prompt registered
+        before their K/V were written, and could not restore what it evicted)."""
+        seq = self._seqs.pop(seq_id)
+        self._free_rows.append(seq.row)
+        ref, shared = self._ref, seq.cached // self.block_size
+        new = seq.blocks[shared:]
+        for b in new:  # new blocks: none had a key when taken
+            key = self._key_of.pop(b, None)
+            if key is not None:
+                del self._full[key]
+            ref[b] = 0
+        evicted = [b for b, key in popped if key is not None]
+        self._free.extend(reversed(new[:len(new) - len(evicted)]))
+        for b, key in reversed(popped):
+            if key is not None:
+                self._full[key], self._key_of[b] = b, key
+                self._gen[b] -= 1
+            self._lru[b] = None
+            self._lru.move_to_end(b, last=False)
+        self._num_cached += len(evicted)
+        for b in seq.blocks[:shared]:
+            ref[b] -= 1
+            self._num_cached += not ref[b]  # back in the cache, where the hit left it
 
     def _get(self, seq_id) -> _Seq:
         seq = self._seqs.get(seq_id)
@@ -416,11 +495,14 @@ class BlockManager:
                 seq.tokens.extend(new[j:j + take])
                 j += take
                 if len(seq.tokens) == bs:
-                    if None not in seq.tokens:
+                    # A token without an id, or a prefix whose block (another sequence's,
+                    # of the same tokens) was evicted: no later block of this sequence
+                    # could be hit, so it leaves the prefix cache.
+                    if None not in seq.tokens and self._live(seq.parent):
                         block = seq.blocks[(pos + j - 1) // bs]
                         seq.parent = self._register(seq.parent, seq.tokens, block)
                         seq.tokens = []
-                    else:  # a token without an id: this sequence leaves the prefix cache
+                    else:
                         seq.tokens = seq.parent = None
 
     def _tables_after(self, plan: _AppendPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -437,28 +519,73 @@ class BlockManager:
             bt[plan.takers, plan.cols] = plan.taken
         return bt, np.asarray(plan.lens, dtype=np.int32)
 
-    def _reserve(self, n: int) -> None:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} free blocks, have {len(self._free)} of {self.num_blocks}")
+    def _next_free(self, n: int, keep=()) -> list:
+        """The ``n`` blocks the next allocations get, without taking them: free blocks (the
+        stack's top first: low ids first in a new manager), then cached ones, least
+        recently released first, except those in ``keep`` (cached blocks the caller is
+        about to revive)."""
+        free = self._free
+        if n <= len(free):  # the usual case, decode's included
+            return free[len(free) - n:][::-1]
+        have = len(free) + self._num_cached - len(keep)
+        if n > have:
+            cached = f" ({have - len(free)} of them cached)" if self.prefix_caching else ""
+            raise OutOfBlocks(f"need {n} free blocks, have {have} of {self.num_blocks}{cached}")
+        blocks, ref = free[::-1], self._ref
+        for b in self._lru:  # skips blocks revived by hits (ref > 0), not yet released
+            if not ref[b] and b not in keep:
+                blocks.append(b)
+                if len(blocks) == n:
+                    break
+        return blocks
 
-    def _next_free(self, n: int) -> list:
-        """The ``n`` blocks the next allocations get (low ids first), without taking them."""
-        self._reserve(n)
-        return self._free[len(self._free) - n:][::-1]
-
-    def _take(self, blocks: list) -> None:
-        """Take the blocks :meth:`_next_free` just named, each with one owner."""
-        del self._free[len(self._free) - len(blocks):]
+    def _take(self, blocks: list) -> list:
+        """Take the blocks :meth:`_next_free` just named (after reviving its ``keep``), each
+        with one owner, evicting the cached ones. Returns the ``_lru`` entries it popped,
+        in order: ``(block, its key)`` for an evicted block, ``(block, None)`` for a block
+        a hit revived, left there until now."""
+        free, ref, lru = self._free, self._ref, self._lru
+        k = min(len(blocks), len(free))
+        del free[len(free) - k:]
+        popped = []
+        for b in blocks[k:]:
+            x = lru.popitem(last=False)[0]
+            while x != b:  # in front of b, only blocks in use (_next_free skipped them)
+                popped.append((x, None))
+                x = lru.popitem(last=False)[0]
+            key = self._key_of.pop(b)
+            del self._full[key]
+            self._gen[b] += 1  # retires its prefix id
+            popped.append((b, key))
+        self._num_cached -= len(blocks) - k
         for b in blocks:
-            self._ref[b] = 1
+            ref[b] = 1
+        return popped
 
-    def _register(self, parent, tokens, block: int) -> int:
-        """Record a full block for prefix sharing (the first block with a key keeps it)."""
+    def _register(self, parent, tokens, block: int) -> tuple:
+        """Record a full block for prefix sharing and return the prefix id of the tokens
+        up to its end (the first block with a key keeps it: another block of the same
+        tokens, say a fully cached prompt's recomputed last block, chains on under the
+        first's id).
+
+        A key is ``(prefix id of the tokens before the block, its tokens)``, and a prefix
+        id ``(block, generation)``: the registered block holding the prefix's last tokens
+        and the number of times that block had been evicted when it registered. So a key
+        names the whole token prefix exactly (no hash to collide), is hashed in O(block
+        size), and an id is never reused: once a block is evicted (its generation bumped),
+        keys built on its old id can match nothing, even when its number is reused for
+        other tokens. Keying on the parent's block number alone, a cached child of an
+        evicted parent would match whatever chain reached that number next."""
         key = (parent, tuple(tokens))
-        if key not in self._full and block not in self._key_of:
-            self._full[key] = block
+        b = self._full.get(key)
+        if b is None:
+            self._full[key] = b = block
             self._key_of[block] = key
-        return block
+        return b, self._gen[b]
+
+    def _live(self, prefix) -> bool:
+        """Whether a prefix id (None: the empty prefix) still names a registered block."""
+        return prefix is None or (prefix[0] in self._key_of and self._gen[prefix[0]] == prefix[1])
 
     def _take_row(self) -> int:
         if self._free_rows:
@@ -483,7 +610,11 @@ class BlockManager:
     def check(self) -> None:
         """Assert the bookkeeping's invariants (for tests; O(blocks + tokens))."""
         owners = [0] * self.num_blocks
-        bs = self.block_size
+        bs, key_of, gen = self.block_size, self._key_of, self._gen
+
+        def prefix_id(b):  # that of a registered block's tokens, to its end
+            return b, gen[b]
+
         for seq in self._seqs.values():
             assert len(seq.blocks) == -(-seq.length // bs), "blocks match length"
             assert list(self._table[seq.row, : len(seq.blocks)]) == seq.blocks, "table row"
@@ -492,17 +623,42 @@ class BlockManager:
                 "cached tokens are leading full blocks, short of the whole sequence"
             assert seq.tokens is None or len(seq.tokens) == seq.length % bs, \
                 "the partial block's ids"
-            for b in seq.blocks:
+            assert seq.tokens is not None or seq.parent is None, "out of the cache: no parent"
+            full = seq.length // bs
+            if seq.tokens is not None:
+                assert (seq.parent is None) == (full == 0), "a prefix id once a block is full"
+                assert full == 0 or seq.blocks[full - 1] not in key_of or \
+                    seq.parent == prefix_id(seq.blocks[full - 1]), \
+                    "the parent names the last full block, if that one is registered"
+            for c, b in enumerate(seq.blocks):
                 owners[b] += 1
+                if b in key_of:  # at the column of its depth in the prefix chain
+                    parent = key_of[b][0]
+                    assert (parent is None) == (c == 0), "a registered block's column"
+                    assert c == 0 or seq.blocks[c - 1] not in key_of or \
+                        parent == prefix_id(seq.blocks[c - 1]), \
+                        "a registered block's holders hold the block its key names before it"
         assert owners == self._ref, "reference counts equal owners"
         free = set(self._free)
         assert len(free) == len(self._free), "no block freed twice"
-        assert all((owners[b] == 0) == (b in free) for b in range(self.num_blocks)), \
-            "a block is free exactly when nobody owns it"
-        assert all(self._ref[b] > 0 for b in self._key_of), "registered blocks are live"
-        assert all(k[0] is None or self._ref[k[0]] >= self._ref[b] for b, k in self._key_of.items()), \
-            "every holder of a registered block holds the block before it"
-        assert all(self._full[k] == b for b, k in self._key_of.items()), "registry is one-to-one"
+        assert all(b in key_of for b in self._lru), "only registered blocks in the LRU"
+        cached = {b for b in self._lru if not owners[b]}
+        assert self._num_cached == len(cached), "the cached count"
+        for b in range(self.num_blocks):
+            if owners[b]:
+                assert b not in free and b not in cached, "a used block is neither free nor cached"
+            else:
+                assert (b in free) != (b in cached), "an unused block is free or cached"
+                assert (b in cached) == (b in key_of), "cached exactly when registered"
+        used = sum(1 for o in owners if o)
+        assert len(free) + len(cached) + used == self.num_blocks, "free + cached + used"
+        assert (self.num_free_blocks, self.num_cached_blocks, self.num_used_blocks) == \
+            (len(free), len(cached), used), "the counts"
+        assert len(self._full) == len(key_of) and \
+            all(self._full[k] == b for b, k in key_of.items()), "registry is one-to-one"
+        assert all(k[0] is None or k[0][1] <= gen[k[0][0]] for k in self._full), \
+            "keys are built on prefix ids that were handed out"
+        assert self.prefix_caching or not (key_of or self._lru), "no prefix cache, no keys"
 
 
 class Step(NamedTuple):
@@ -582,6 +738,14 @@ class PagedKVCache:
 
     A whole prompt, with its cached prefix shared: ``step = cache.prefill(["c"],
     [len(prompt)], token_ids=[prompt])`` gives the step for the uncached remainder.
+
+    With ``prefix_caching``, blocks stay in the prefix cache after their last sequence is
+    freed, until a hit reuses them or an allocation evicts them, least recently released
+    first (see :class:`BlockManager`). ``num_free_blocks``, ``num_cached_blocks`` and
+    ``num_used_blocks`` count blocks holding nothing, cached blocks nobody holds, and
+    blocks sequences hold (they sum to ``num_blocks``; ``bytes_in_use`` counts the used
+    ones); ``num_available_blocks``, free plus cached, is what ``add``, ``prefill`` and
+    ``step`` can take before they raise :class:`OutOfBlocks`.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
@@ -673,8 +837,16 @@ class PagedKVCache:
         return self.manager.num_free_blocks
 
     @property
+    def num_cached_blocks(self) -> int:
+        return self.manager.num_cached_blocks
+
+    @property
     def num_used_blocks(self) -> int:
         return self.manager.num_used_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        return self.manager.num_available_blocks
 
     @property
     def bytes_in_use(self) -> int:
@@ -689,11 +861,11 @@ class PagedKVCache:
         ``num_cached_tokens(seq_id):num_tokens``; never empty for a non-empty prompt).
         Valid until the next ``add``. :meth:`prefill` adds prompts and gives the whole
         step for them. If the upload fails, the sequence is not added."""
-        slots = self.manager.add(seq_id, num_tokens, token_ids)
+        slots, popped = self.manager._add(seq_id, num_tokens, token_ids)
         try:
             return self._upload("add", [slots])[0]
         except BaseException:
-            self.manager.free(seq_id)  # undoes the add: blocks return in the order they left
+            self.manager._undo_add(seq_id, popped)
             raise
 
     def prefill(self, seq_ids: Sequence, num_tokens: Sequence, token_ids=None) -> Step:
@@ -720,15 +892,16 @@ class PagedKVCache:
         manager, added, slots = self.manager, [], []
         try:
             for s, n, ids in zip(seq_ids, counts, token_ids):
-                slots.append(manager.add(s, n, ids))
-                added.append(s)
+                x, popped = manager._add(s, n, ids)
+                slots.append(x)
+                added.append((s, popped))
             tables, lens = manager.tables(seq_ids)
             starts = _query_starts([len(x) for x in slots])
             sm, bt, sl, qsl = self._upload("prefill", [
                 np.concatenate(slots) if slots else slots, tables.reshape(-1), lens, starts])
         except BaseException:
-            for s in reversed(added):  # blocks return in the order they left
-                manager.free(s)
+            for s, popped in reversed(added):
+                manager._undo_add(s, popped)
             raise
         return Step(sm, bt.reshape(tables.shape), sl, qsl)
 

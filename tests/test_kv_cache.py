@@ -1,6 +1,8 @@
 """BlockManager under random add / append / fork / free sequences, with and without prefix
-caching, appends of any number of tokens per sequence (0 included); failed calls change
-nothing; PagedKVCache.step and .prefill plan, upload and only then apply (checked with host
+caching (blocks cached after their sequences end, evicted least recently released first,
+found again only with the same tokens), appends of any number of tokens per sequence (0
+included); failed calls change nothing (a failed upload after an eviction included);
+PagedKVCache.step and .prefill plan, upload and only then apply (checked with host
 stand-ins for the device); fp8 caches' arguments, shapes, dtypes, scale arrays and bytes
 (with host arrays). No GPU needed, except for the tests marked gpu at the end: every cache
 layout through reshape_and_cache and cupaged.attention, mixed steps with copy-on-write, a
@@ -23,13 +25,18 @@ from conftest import assert_close
 
 def snapshot(m: BlockManager) -> dict:
     """Everything a BlockManager answers, its host table and lengths for live rows, and the
-    internals that decide what later calls do (free-list order, prefix registry, the token
-    ids of partly filled blocks): equal snapshots mean nothing changed."""
+    internals that decide what later calls do (free-list and LRU order, prefix registry and
+    block generations, the token ids of partly filled blocks): equal snapshots mean
+    nothing changed."""
     seqs = m.sequences
     bt, cl = m.tables(seqs)
     return {
         "sequences": seqs,
-        "free": (m.num_free_blocks, m.num_used_blocks, list(m._free)),
+        "counts": (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks,
+                   m.num_available_blocks),
+        "free": list(m._free),
+        "lru": list(m._lru),
+        "gen": list(m._gen),
         "refs": [m.ref_count(b) for b in range(m.num_blocks)],
         "seqs": {s: (s in m, m.context_len(s), m.block_table(s), m.num_cached_tokens(s))
                  for s in seqs},
@@ -45,26 +52,40 @@ def slots_of(table, bs, positions):
     return [table[p // bs] * bs + p % bs for p in positions]
 
 
+def cached_blocks(m: BlockManager) -> list:
+    """The blocks in m's prefix cache that nobody holds, least recently released first."""
+    return [b for b in m._lru if m.ref_count(b) == 0]
+
+
 class Model(RuleBasedStateMachine):
     """Random operations against a BlockManager, checked against a dense model: each
     sequence's token -> slot history must stay its own (never written by another
     sequence after it was shared), copy-on-write happens exactly when a shared, partly
     filled block is written, a step writes only blocks nobody else holds, exactly the
-    blocks it needs are taken (OutOfBlocks exactly when they are missing), failed calls
-    change nothing, and every block is free again at the end."""
+    blocks it needs are taken, free ones first, then cached ones least recently released
+    first (OutOfBlocks exactly when free + cached are too few), failed calls change
+    nothing, free + cached + used blocks are all blocks, and none is used at the end.
+
+    The model records what each slot holds (the value written there and the token-id
+    prefix it was computed from), like device memory: blocks in the prefix cache keep it
+    after their sequences are freed, and a prefix hit must find exactly its tokens."""
 
     prefix_caching = False
+    num_blocks = 24
 
     def __init__(self):
         super().__init__()
         self.bs = 4
-        self.m = BlockManager(24, self.bs, prefix_caching=self.prefix_caching)
+        self.m = BlockManager(self.num_blocks, self.bs, prefix_caching=self.prefix_caching)
         self.next_id = 0
         self.slots = {}  # seq -> list of slots holding its tokens, in order
         self.data = {}  # slot -> token value most recently written there
         self.values = {}  # seq -> list of token values (its dense history)
         self.tokens = {}  # seq -> its token ids (None: appended without one)
         self.kv = {}  # token-id prefix -> the value its token writes (prefix caching)
+        self.written = {}  # slot -> the token-id prefix of the value there (None: no ids)
+        self.lru = []  # cached blocks (registered, no owner), least recently released first
+        self.prompts = []  # the token ids of every prompt added with ids
 
     def _new_id(self):
         self.next_id += 1
@@ -77,6 +98,34 @@ class Model(RuleBasedStateMachine):
         if not self.prefix_caching or None in prefix:
             return np.random.random()
         return self.kv.setdefault(tuple(prefix), np.random.random())
+
+    def _write(self, slot, tokens):
+        """The model's write of the token whose ids (with those before it) are ``tokens``."""
+        v = self._value(tokens)
+        self.data[slot] = v
+        self.written[slot] = None if None in tokens else tuple(tokens)
+        return v
+
+    def _next_blocks(self, before, n, keep=()):
+        """The blocks an allocation of ``n`` takes: free ones first, from the top of the
+        stack, then cached ones, least recently released first, but not ``keep``'s."""
+        return (before["free"][::-1] + [b for b in self.lru if b not in keep])[:n]
+
+    def _hits(self, before, ids, n):
+        """The leading full blocks (short of the last token) that the registry before the
+        add gives for ``ids``: each found under (the prefix id of the one before, its
+        ids), the chain stopping at the first miss."""
+        bs, hits, parent = self.bs, [], None
+        if not self.prefix_caching or not ids:
+            return hits
+        registry, gen = before["prefix"][0], before["gen"]
+        for i in range((n - 1) // bs):
+            b = registry.get((parent, tuple(ids[i * bs:(i + 1) * bs])))
+            if b is None:
+                break
+            hits.append(b)
+            parent = (b, gen[b])
+        return hits
 
     def _ids(self, data, n, none_ok):
         if not self.prefix_caching:
@@ -101,36 +150,62 @@ class Model(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 13), data=st.data())
     def add(self, n, data):
+        self._add(n, self._ids(data, n, none_ok=False))
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def add_again(self, data):
+        """A prompt that starts like an earlier one (a shared system prompt, a retried
+        request): hits, on blocks in use or cached, far more often than random ids."""
+        ids = data.draw(st.sampled_from(self.prompts))
+        ids = ids[:data.draw(st.integers(0, len(ids)))] + self._ids(
+            data, data.draw(st.integers(0, 5)), none_ok=False)
+        self._add(len(ids), ids)
+
+    def _add(self, n, ids):
         s, bs = self._new_id(), self.bs
-        ids = self._ids(data, n, none_ok=False)
         before = snapshot(self.m)
+        hits = self._hits(before, ids, n)
+        revived = [b for b in hits if before["refs"][b] == 0]  # cached hits
+        need = -(-n // bs) - len(hits)
+        free, n_cached, used, _ = before["counts"]
         try:
             slots = self.m.add(s, n, ids)
         except OutOfBlocks:
-            assert -(-n // bs) > before["free"][0]
+            # only when the free and cached blocks, less those the prompt hits, are too few
+            assert need > free + n_cached - len(revived)
             assert snapshot(self.m) == before
             return
         cached, table = self.m.num_cached_tokens(s), self.m.block_table(s)
         # The cached part: leading full blocks, never the whole prompt (its last token is
-        # always computed), each the block registered under its ids and the block before.
+        # always computed), each the block registered under its ids and the prefix before;
+        # a hit holds exactly the K/V of the prompt's tokens up to its end.
         assert cached % bs == 0 and (n == 0 or cached < n)
         assert cached == 0 or self.prefix_caching
-        registry = before["prefix"][0]
-        for i in range(cached // bs):
-            key = (table[i - 1] if i else None, tuple(ids[i * bs:(i + 1) * bs]))
-            assert registry.get(key) == table[i]
-        i = cached // bs
-        if self.prefix_caching and i < (n - 1) // bs:  # the lookup stopped at a miss
-            assert (table[i - 1] if i else None, tuple(ids[i * bs:(i + 1) * bs])) not in registry
+        assert list(table[:cached // bs]) == hits
+        for i, b in enumerate(hits):
+            assert [self.written[b * bs + j] for j in range(bs)] == \
+                [tuple(ids[:i * bs + j + 1]) for j in range(bs)]
+        # The rest: free blocks first, then evicted cached ones, least recently released
+        # first, never one the prompt hits nor one anybody holds.
+        new = list(table[len(hits):])
+        assert new == self._next_blocks(before, need, revived)
+        assert all(before["refs"][b] == 0 for b in new)
+        evicted = new[free:]
+        assert snapshot(self.m)["counts"][:3] == (
+            free - len(new) + len(evicted), n_cached - len(revived) - len(evicted),
+            used + need + len(revived))
+        self.lru = [b for b in self.lru if b not in revived and b not in evicted]
         # Slots for the remainder only, in fresh blocks of its own.
         assert slots.tolist() == slots_of(table, bs, range(cached, n))
         assert all(self.m.ref_count(x // bs) == 1 for x in slots.tolist())
-        assert self.m.num_used_blocks - before["free"][1] == -(-n // bs) - cached // bs
         self.slots[s] = slots_of(table, bs, range(n))
         self.tokens[s] = [None] * n if ids is None else list(ids)
-        self.values[s] = [self._value(self.tokens[s][: i + 1]) for i in range(n)]
-        for slot, v in zip(slots.tolist(), self.values[s][cached:]):
-            self.data[slot] = v
+        if ids:
+            self.prompts.append(list(ids))
+        self.values[s] = [self._value(self.tokens[s][: i + 1]) for i in range(cached)]
+        for i, slot in zip(range(cached, n), slots.tolist()):
+            self.values[s].append(self._write(slot, self.tokens[s][: i + 1]))
 
     @rule(n=st.integers(1, 13), data=st.data())
     def add_bad_token_id(self, n, data):
@@ -174,10 +249,20 @@ class Model(RuleBasedStateMachine):
             else:
                 slots, copies = self.m.append(seqs, num_tokens=counts, token_ids=ids)
         except OutOfBlocks:
-            assert fresh + n_copies > before["free"][0]
+            assert fresh + n_copies > before["counts"][3]  # more than free + cached
             assert snapshot(self.m) == before  # nothing changed
             return
-        assert self.m.num_used_blocks - before["free"][1] == fresh + n_copies
+        # Free blocks first, then evicted cached ones, least recently released first;
+        # none that anybody held.
+        free, n_cached, used, _ = before["counts"]
+        taken = [b for s in seqs for b in self.m.block_table(s) if b not in tables_before[s]]
+        assert sorted(taken) == sorted(self._next_blocks(before, fresh + n_copies))
+        assert all(before["refs"][b] == 0 for b in taken)
+        evicted = self._next_blocks(before, fresh + n_copies)[free:]
+        assert snapshot(self.m)["counts"][:3] == (
+            free - len(taken) + len(evicted), n_cached - len(evicted),
+            used + fresh + n_copies)
+        self.lru = [b for b in self.lru if b not in evicted]
         assert len(copies) == n_copies
         slots = slots.tolist()
         # Every token its own slot, in a block nobody else holds: shared blocks are copied
@@ -188,6 +273,7 @@ class Model(RuleBasedStateMachine):
             for off in range(bs):
                 if src * bs + off in self.data:
                     self.data[dst * bs + off] = self.data[src * bs + off]
+                    self.written[dst * bs + off] = self.written[src * bs + off]
         # Copy-on-write only from shared partial blocks that this step writes.
         copied_from = [src for src, _ in copies.tolist()]
         assert set(copied_from) <= {tables_before[s][-1] for s in shared_partial}
@@ -203,10 +289,8 @@ class Model(RuleBasedStateMachine):
             assert slots[at:at + k] == slots_of(table, bs, range(n, n + k))
             for j in range(k):
                 self.tokens[s].append(None if ids is None else ids[at + j])
-                v = self._value(self.tokens[s])
-                self.data[slots[at + j]] = v
+                self.values[s].append(self._write(slots[at + j], self.tokens[s]))
                 self.slots[s].append(slots[at + j])
-                self.values[s].append(v)
             at += k
 
     @precondition(lambda self: self.slots)
@@ -262,7 +346,15 @@ class Model(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         s = data.draw(st.sampled_from(sorted(self.slots)))
+        table, free = self.m.block_table(s), self.m.num_free_blocks
         self.m.free(s)
+        # Blocks nobody holds now, last first: registered ones join the prefix cache as
+        # its most recently released, the others the free list.
+        released = [b for b in reversed(table) if self.m.ref_count(b) == 0]
+        self.lru += [b for b in released if b in self.m._key_of]
+        assert self.m.num_free_blocks == free + len([b for b in released
+                                                     if b not in self.m._key_of])
+        assert self.prefix_caching or self.m.num_free_blocks == free + len(released)
         del self.slots[s], self.values[s], self.tokens[s]
         with pytest.raises(KeyError, match="unknown sequence"):
             self.m.free(s)
@@ -277,36 +369,53 @@ class Model(RuleBasedStateMachine):
             assert [self.data[x] for x in slots] == self.values[s]
 
     @invariant()
+    def counts(self):
+        m = self.m
+        assert m.num_free_blocks + m.num_cached_blocks + m.num_used_blocks == m.num_blocks
+        assert m.num_available_blocks == m.num_free_blocks + m.num_cached_blocks
+        assert cached_blocks(m) == self.lru and m.num_cached_blocks == len(self.lru)
+        assert self.prefix_caching or not self.lru
+
+    @invariant()
     def registered_blocks_hold_their_keys(self):
-        """A block in the prefix cache holds exactly the tokens of its key: in every
-        sequence holding it, at its column, the key's ids follow the key's parent block,
-        every id before them is known, and each slot reads the value those ids give."""
+        """A block in the prefix cache, used or cached, holds exactly the tokens of its
+        key: the values of one whole token-id prefix ending in the key's ids, which
+        (while the key's parent prefix id names a block) continues that block's prefix;
+        every sequence holding it has those ids up to its column."""
         bs = self.bs
         for (parent, ids), b in self.m._full.items():
+            prefixes = [self.written[b * bs + j] for j in range(bs)]
+            whole = prefixes[-1]
+            assert whole is not None and whole[-bs:] == ids
+            assert prefixes == [whole[:len(whole) - bs + j + 1] for j in range(bs)]
+            assert [self.data[b * bs + j] for j in range(bs)] == [self.kv[p] for p in prefixes]
+            if parent is None:
+                assert len(whole) == bs
+            elif self.m._live(parent):
+                assert self.written[parent[0] * bs + bs - 1] == whole[:-bs]
             holders = 0
             for s, table in ((s, self.m.block_table(s)) for s in self.slots):
                 for c in (c for c, x in enumerate(table) if x == b):
                     holders += 1
-                    tokens = self.tokens[s]
-                    assert tuple(tokens[c * bs:(c + 1) * bs]) == ids
-                    assert (table[c - 1] if c else None) == parent
-                    assert None not in tokens[:(c + 1) * bs]
-                    for j in range(bs):
-                        assert self.data[b * bs + j] == self.kv[tuple(tokens[:c * bs + j + 1])]
-            assert holders == self.m.ref_count(b) > 0
+                    assert tuple(self.tokens[s][:(c + 1) * bs]) == whole
+            assert holders == self.m.ref_count(b)
 
     def teardown(self):
         for s in list(self.slots):
             self.m.free(s)
         self.m.check()
-        assert self.m.num_free_blocks == self.m.num_blocks
+        assert self.m.num_used_blocks == 0
+        assert self.m.num_free_blocks + self.m.num_cached_blocks == self.m.num_blocks
+        assert self.prefix_caching or self.m.num_free_blocks == self.m.num_blocks
 
 
 class PrefixModel(Model):
-    """The same with prefix caching: prompts and tokens from a two-id alphabet, so prefix
-    blocks are shared often, and some tokens appended without an id."""
+    """The same with prefix caching: prompts and tokens from a two-id alphabet, or starting
+    like earlier prompts, so prefix blocks are shared often; some tokens appended without
+    an id; fewer blocks, so the prefix cache fills and allocations evict from it."""
 
     prefix_caching = True
+    num_blocks = 16
 
 
 _settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
@@ -314,7 +423,8 @@ _settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
 TestBlockManager = Model.TestCase
 TestBlockManager.settings = _settings
 TestBlockManagerPrefixCaching = PrefixModel.TestCase
-TestBlockManagerPrefixCaching.settings = _settings
+# more examples: an eviction needs the free list spent and cached blocks behind it
+TestBlockManagerPrefixCaching.settings = settings(_settings, max_examples=300)
 
 
 def test_copy_on_write_after_fork():
@@ -413,7 +523,7 @@ def test_misuse_is_an_error(call, error, match):
     m.check()
 
 
-def test_prefix_blocks_are_shared_and_released():
+def test_prefix_blocks_are_shared_then_cached():
     m = BlockManager(16, 4, prefix_caching=True)
     system = list(range(100, 110))  # 2 full blocks + 2 tokens
     a = m.add("a", 10, system)
@@ -425,11 +535,16 @@ def test_prefix_blocks_are_shared_and_released():
     assert m.block_table("a")[2] != m.block_table("b")[2]  # partial blocks are never shared
     c = m.add("c", 10, [1] + system[1:])  # differs in the first token: nothing shared
     assert len(c) == 10 and not set(m.block_table("c")) & set(m.block_table("a"))
+    shared = m.block_table("a")[:2]
     m.free("a")
     m.free("b")
     m.check()
-    d = m.add("d", 10, system)  # the blocks are gone with their owners
-    assert len(d) == 10 and m.num_cached_tokens("d") == 0
+    # Their registered blocks (the shared two, b's third) stay cached; a's partial one is free.
+    assert (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks) == (10, 3, 3)
+    assert m.num_available_blocks == 13
+    d = m.add("d", 10, system)  # hits them: one new block for the last two tokens
+    assert len(d) == 2 and m.num_cached_tokens("d") == 8 and m.block_table("d")[:2] == shared
+    assert (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks) == (9, 1, 6)
     m.check()
 
 
@@ -444,7 +559,8 @@ def test_a_fully_cached_prompt_recomputes_its_last_block():
     assert m.block_table("b")[0] == m.block_table("a")[0]
     assert m.block_table("b")[1] != m.block_table("a")[1]  # a shared block is never written
     assert slots.tolist() == slots_of(m.block_table("b"), 4, range(4, 8))
-    assert m._full[(m.block_table("a")[0], (5, 6, 7, 8))] == m.block_table("a")[1]  # a's stays
+    a0, a1 = m.block_table("a")
+    assert m._full[((a0, 0), (5, 6, 7, 8))] == a1  # a's stays registered
     slots = m.add("c", 9, prompt + [9])
     assert m.num_cached_tokens("c") == 8 and len(slots) == 1
     assert m.block_table("c")[:2] == m.block_table("a")[:2]
@@ -480,6 +596,141 @@ def test_chunked_prompt_registers_its_blocks():
     chunked.append(["a"], num_tokens=[5], token_ids=[1, None, 2, 3, 4])  # block 3 has a None
     assert chunked._seqs["a"].tokens is None and len(chunked._full) == 3
     chunked.check()
+
+
+def test_a_freed_prompt_is_found_again():
+    """Freed, a prompt's registered blocks stay cached: the same prompt added again shares
+    them and takes one block, for its last token's."""
+    m = BlockManager(8, 4, prefix_caching=True)
+    prompt = list(range(9))  # 2 full blocks + 1 token
+    m.add("a", 9, prompt)
+    table = m.block_table("a")
+    m.free("a")
+    assert (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks) == (6, 2, 0)
+    assert cached_blocks(m) == [table[1], table[0]]  # released last block first
+    slots = m.add("b", 9, prompt)
+    assert m.num_cached_tokens("b") == 8 and slots.tolist() == [table[2] * 4]
+    assert m.block_table("b") == table  # the freed partial block is the free list's top
+    assert (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks) == (5, 0, 3)
+    m.check()
+
+
+def test_eviction_takes_the_least_recently_released_first():
+    """Allocations take free blocks first, then cached ones in the order they were last
+    released; a prefix hit and its release make a block the most recent."""
+    m = BlockManager(6, 2, prefix_caching=True)
+    for s, t in (("a", 1), ("b", 2), ("c", 3)):
+        m.add(s, 3, [t, t, 9])  # blocks 0-1, 2-3, 4-5: the first of each registered
+    for s in ("b", "a", "c"):
+        m.free(s)
+    assert cached_blocks(m) == [2, 0, 4] and m.num_free_blocks == 3
+    m.add("a2", 3, [1, 1, 7])  # hits block 0: out of the cache while used
+    assert m.block_table("a2")[0] == 0 and cached_blocks(m) == [2, 4]
+    m.free("a2")
+    assert cached_blocks(m) == [2, 4, 0]  # the hit made 0 the most recent
+    m.add("x", 10, [8] * 10)  # 5 blocks: the 3 free ones, then 2 then 4 are evicted
+    assert m.block_table("x")[:3] == (5, 1, 3) and m.block_table("x")[3:] == (2, 4)
+    assert cached_blocks(m) == [0] and m.num_available_blocks == 1
+    m.check()
+    m.free("x")
+    for s, t, hit in (("a3", 1, 2), ("b2", 2, 0), ("c2", 3, 0)):
+        m.add(s, 3, [t, t, 9])
+        assert m.num_cached_tokens(s) == hit, s
+    m.check()
+
+
+def test_a_chain_is_evicted_from_its_tail():
+    """free releases a sequence's blocks last first, so an allocation evicts the end of a
+    cached chain and a prompt with the same start still finds its head."""
+    m = BlockManager(5, 2, prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5, 6, 7]  # blocks 0, 1, 2 full, 3 partial
+    m.add("a", 7, prompt)
+    m.free("a")
+    assert cached_blocks(m) == [2, 1, 0] and m.num_free_blocks == 2
+    m.add("x", 5, [9] * 5)  # the 2 free blocks and the chain's tail
+    assert m.block_table("x") == (3, 4, 2) and cached_blocks(m) == [1, 0]
+    m.free("x")
+    m.add("a2", 7, prompt)
+    assert m.num_cached_tokens("a2") == 4 and m.block_table("a2")[:2] == (0, 1)
+    m.check()
+
+
+def test_an_evicted_prefix_matches_nothing_after_it():
+    """Keys name whole prefixes, not parent block numbers. A's prompt is cached, B repeats
+    it (so stores its last block again, a copy nobody registers) and registers block 3
+    after it. A's last block, 1, is evicted and reused for other tokens: a prompt reaching
+    block 1 through those must not find block 3, nor may the original prompt (its
+    second block is gone). B2, B's fork, fills a block after the evicted prefix: it
+    registers nothing and leaves the prefix cache."""
+    m = BlockManager(7, 2, prefix_caching=True)
+    m.add("A", 4, [1, 2, 3, 4])  # blocks 0, 1
+    m.add("B", 4, [1, 2, 3, 4])  # shares 0; block 2 holds [3, 4] again
+    m.fork("B", "B2")
+    m.append(["B"], num_tokens=[2], token_ids=[5, 6])  # block 3, after the prefix [1, 2, 3, 4]
+    assert m.block_table("B") == (0, 2, 3) and len(m._full) == 3
+    m.free("A")  # block 1 cached (0 is still B's)
+    m.add("filler", 6)  # the free blocks
+    m.add("q", 2, [8, 8])  # evicts block 1 and registers it for [8, 8]
+    assert m.block_table("q") == (1,) and m.num_cached_blocks == 0
+    m.free("filler")
+    registry = dict(m._full)
+    m.append(["B2"], num_tokens=[2], token_ids=[5, 6])  # after a prefix no block names now
+    assert m._full == registry and m._seqs["B2"].tokens is None
+    m.check()
+    m.free("B")
+    m.free("B2")
+    assert 3 in cached_blocks(m)  # still registered, unreachable: evicted in its turn
+    m.add("h", 5, [8, 8, 5, 6, 0])
+    assert m.num_cached_tokens("h") == 2 and m.block_table("h")[:2] != (1, 3)
+    m.add("a2", 7, [1, 2, 3, 4, 5, 6, 0])
+    assert m.num_cached_tokens("a2") == 2 and m.block_table("a2")[0] == 0
+    m.check()
+
+
+def test_allocation_evicts_before_running_out():
+    """An allocation evicts cached blocks rather than raise; OutOfBlocks only when free
+    plus cached blocks are too few, never counting or evicting the blocks the prompt
+    itself hits; and then nothing changes."""
+    m = BlockManager(4, 2, prefix_caching=True)
+    m.add("a", 8, list(range(8)))
+    m.free("a")
+    assert (m.num_free_blocks, m.num_cached_blocks, m.num_available_blocks) == (0, 4, 4)
+    m.add("b", 8, list(range(10, 18)))
+    assert m.num_used_blocks == 4 and m.num_cached_blocks == 0
+    m.free("b")
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks, match=r"need 5 free blocks, have 4 of 4 \(4 of them cached\)"):
+        m.add("c", 9, list(range(20, 29)))
+    assert snapshot(m) == before
+    m.check()
+
+    m = BlockManager(3, 2, prefix_caching=True)
+    m.add("a", 3, [1, 2, 3])  # block 0 registered, 1 partial
+    m.add("c", 2, [5, 6])  # block 2
+    m.free("a")
+    m.free("c")
+    assert cached_blocks(m) == [0, 2] and m._free == [1]
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks, match="need 3 free blocks, have 2 of 3"):
+        m.add("d", 7, [1, 2, 7, 7, 7, 7, 7])  # hits 0: 3 more, of 1 free and 1 cached
+    assert snapshot(m) == before
+    m.add("d", 5, [1, 2, 7, 7, 7])  # hits 0, the oldest: takes 1, evicts 2, not 0
+    assert m.block_table("d") == (0, 1, 2) and m.num_cached_tokens("d") == 2
+    assert m.num_available_blocks == 0
+    m.check()
+
+
+def test_without_prefix_caching_nothing_is_cached():
+    m = BlockManager(4, 2)
+    m.add("a", 5, [1, 2, 3, 4, 5])
+    m.free("a")
+    assert (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks) == (4, 0, 0)
+    assert m.num_available_blocks == 4 and not m._full and not m._lru
+    m.add("b", 5, [1, 2, 3, 4, 5])
+    assert m.num_cached_tokens("b") == 0 and m.num_cached_blocks == 0
+    with pytest.raises(OutOfBlocks, match=r"need 2 free blocks, have 1 of 4$"):
+        m.add("c", 3, [1, 2, 3])
+    m.check()
 
 
 def test_tables_are_gathered_per_request():
@@ -707,6 +958,56 @@ def test_failed_add_upload_changes_nothing(host_cache):
     got = cache.add("x", 5, [1, 2, 3, 4, 6])
     assert got.tolist() == twin.add("x", 5, [1, 2, 3, 4, 6]).tolist() and len(got) == 1
     assert snapshot(m) == snapshot(twin)
+
+
+def _cached_scene():
+    """A prefix-caching manager whose cache holds two freed chains, [1, 1, 1, 1] (blocks 0,
+    1) and then [2, 2, 2, 2] (3, 4), released last block first; one sequence still live."""
+    m = BlockManager(9, 2, prefix_caching=True)
+    for s, t in (("p1", 1), ("p2", 2), ("live", 3)):
+        m.add(s, 5, [t] * 4 + [0])
+    m.free("p1")
+    m.free("p2")
+    assert cached_blocks(m) == [1, 0, 4, 3] and m.num_free_blocks == 2
+    return m
+
+
+@pytest.mark.parametrize("prompt, hits", [
+    ([1] * 4 + [9] * 5, [0, 1]),  # hits the LRU's front: evicts 4 behind them
+    ([2] * 4 + [9] * 5, [3, 4]),  # hits its middle: evicts 1
+], ids=["hit-front", "hit-middle"])
+@pytest.mark.parametrize("prefill", [False, True], ids=["add", "prefill"])
+def test_failed_upload_after_eviction_restores_the_cache(host_cache, prompt, hits, prefill):
+    """An add (or prefill) that revives cached blocks, evicts others and registers new
+    ones, whose upload then fails, leaves the manager exactly as it was: the evicted
+    blocks' keys, every block's place in the LRU, and no key for the blocks whose K/V
+    were never written. A retry does what the twin does; the cache's counts are the
+    manager's."""
+    m, twin = _cached_scene(), _cached_scene()
+    cache = host_cache(m)
+    before = snapshot(m)
+    cache.fail = "upload"
+    with pytest.raises(Injected):
+        if prefill:  # y hits x's new blocks, then evicts another cached one
+            cache.prefill(["x", "y"], [9, 7], token_ids=[prompt, prompt[:6] + [5]])
+        else:
+            cache.add("x", 9, prompt)
+    assert snapshot(m) == before
+    m.check()
+    cache.fail = None
+    if prefill:
+        got = cache.prefill(["x", "y"], [9, 7], token_ids=[prompt, prompt[:6] + [5]])
+        want = [twin.add("x", 9, prompt), twin.add("y", 7, prompt[:6] + [5])]
+        assert got.slot_mapping.tolist() == np.concatenate(want).tolist()
+        assert twin.num_cached_tokens("y") == 6
+    else:
+        assert cache.add("x", 9, prompt).tolist() == twin.add("x", 9, prompt).tolist()
+    assert snapshot(m) == snapshot(twin)
+    assert list(m.block_table("x")[:2]) == hits and m.num_cached_tokens("x") == 4
+    assert m.num_free_blocks == 0 and before["counts"][1] - m.num_cached_blocks >= 3
+    assert (cache.num_free_blocks, cache.num_cached_blocks, cache.num_used_blocks,
+            cache.num_available_blocks) == snapshot(m)["counts"]
+    m.check()
 
 
 def test_prefill_gives_the_step_for_the_remainders(host_cache):
