@@ -162,15 +162,18 @@ def as_device_array(x, name: str):
                     f"__dlpack__ producer), got {type(x).__name__}")
 
 
-_OUTPUTS = frozenset({"out", "lse", "lse_out"})
-
-
 def optional_device_array(x, name: str):
-    if x is not None and name in _OUTPUTS and framework(x) == "jax":
+    return None if x is None else as_device_array(x, name)
+
+
+def optional_output_array(x, name: str):
+    """An array the call writes (``out=``, ``lse=``), adapted; a JAX array is refused, as
+    JAX treats its buffers as constant."""
+    if x is not None and framework(x) == "jax":
         raise TypeError(f"{name} is a JAX array, which is immutable: cupaged would write into "
                         f"memory JAX treats as constant. Leave {name}= out and use the JAX "
                         f"array cupaged returns")
-    return None if x is None else as_device_array(x, name)
+    return optional_device_array(x, name)
 
 
 def to_host(a, ctx: "Context | None" = None) -> np.ndarray:

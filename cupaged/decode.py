@@ -17,7 +17,7 @@ import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
 from . import _arrays, _catalog, _checks, _dtypes, _geometry, _kvquant, _prepared, _variants, jit
-from ._arrays import as_device_array, optional_device_array
+from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 __all__ = [
     "BLOCK_SIZES",
@@ -555,7 +555,7 @@ def _variant_setup(va: _VariantArgs, p: _Problem):
     cap = _variants.soft_cap(va.logits_soft_cap)
     sinks = _variants.check_sinks(optional_device_array(va.sinks, "sinks"), p.num_heads,
                                   p.device)
-    lse = optional_device_array(va.lse, "lse")
+    lse = optional_output_array(va.lse, "lse")
     if lse is not None:
         _variants.check_lse(lse, p.num_rows, p.num_heads, p.device)
     elif not isinstance(va.return_lse, (bool, np.bool_)):
@@ -597,7 +597,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
     bt = as_device_array(block_tables, "block_tables")
     cl = as_device_array(context_lens, "context_lens")
     alibi = optional_device_array(alibi_slopes, "alibi_slopes")
-    o = optional_device_array(out, "out")
+    o = optional_output_array(out, "out")
     p = _validate(q, kc, vc, bt, cl, alibi, o, kv_cache_dtype, k_scale, v_scale)
     scale = _scale(scale, p.head_size)
     max_ctx = _max_context(max_context_len, p)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _arrays, _checks, _dtypes, jit
-from ._arrays import as_device_array, optional_device_array
+from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 __all__ = ["merge_state", "merge_states"]
 
@@ -243,8 +243,8 @@ def _launch(ctx: _arrays.Context, m: _Merge, o, lo) -> None:
 
 
 def _merge(outs: list, lses: list, out, lse_out, stream, kind: str):
-    o = optional_device_array(out, "out")
-    lo = optional_device_array(lse_out, "lse_out")
+    o = optional_output_array(out, "out")
+    lo = optional_output_array(lse_out, "lse_out")
     m = _validate(outs, lses, o, lo)
     with _arrays.on_device(m.device):
         ctx = _arrays.context(m.device, kind, stream)

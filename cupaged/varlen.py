@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _arrays, _checks, _geometry, _kvquant, _prepared, _variants, decode, jit
-from ._arrays import as_device_array, optional_device_array
+from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 __all__ = ["AttentionPlan", "attention"]
 
@@ -374,7 +374,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     sl = as_device_array(seq_lens, "seq_lens")
     qsl = optional_device_array(query_start_loc, "query_start_loc")
     alibi = optional_device_array(alibi_slopes, "alibi_slopes")
-    o = optional_device_array(out, "out")
+    o = optional_output_array(out, "out")
     p = _validate(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout, kv_cache_dtype, k_scale, v_scale)
     scale = decode._scale(scale, p.head_size)
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)

@@ -218,4 +218,4 @@ def test_framework_recognizes_jax_arrays_without_importing_jax():
 def test_jax_arrays_are_refused_as_outputs(name):
     jax_like = type("ArrayImpl", (), {"__module__": "jaxlib._jax"})()
     with pytest.raises(TypeError, match=f"{name} is a JAX array, which is immutable"):
-        _arrays.optional_device_array(jax_like, name)
+        _arrays.optional_output_array(jax_like, name)

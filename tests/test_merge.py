@@ -99,6 +99,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(merge, "as_device_array", adapt)
     monkeypatch.setattr(merge, "optional_device_array",
                         lambda x, name: None if x is None else adapt(x, name))
+    monkeypatch.setattr(merge, "optional_output_array",
+                        lambda x, name: None if x is None else adapt(x, name))
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_arrays, "context", lambda device, kind, stream=None:
                         _arrays.Context(device, 7, kind, stream is not None))
