@@ -2,23 +2,27 @@
 # A whole device check: environment, the GPU test suite, and the decode benchmark of the
 # core issue. Logs go to $OUT (the device tool brings them back).
 #   bash tools/device_check.sh [pytest args...]     e.g. -k long_context
-# The suite takes 7-8 minutes of the 10 a device command may run: SHARD=1 runs the decode,
-# varlen, interop and prepared-call tests, SHARD=2 the rest and the benchmarks, one device
+# The suite takes over 10 minutes, the most a device command may run: SHARD=1 runs the
+# decode, varlen, interop and prepared-call tests, SHARD=3 the serving loop's (engine, model,
+# e2e: FlashInfer's modules compile there when .flashinfer is carried), SHARD=2 the rest
+# and the benchmarks, one device
 # call each (the two summary lines together are the suite's).
 source "$(dirname "$0")/device_env.sh"
 bench() { python3 -m cupaged.cli "$@"; }
 SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
+SHARD3="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py"
 case "${SHARD:-}" in
   1) set -- $SHARD1 "$@" ;;
-  2) for f in $SHARD1; do set -- "--ignore=$f" "$@"; done ;;
+  2) for f in $SHARD1 $SHARD3; do set -- "--ignore=$f" "$@"; done ;;
+  3) set -- $SHARD3 "$@" ;;
   "") ;;
-  *) echo "SHARD must be 1, 2 or unset" >&2; exit 2 ;;
+  *) echo "SHARD must be 1, 2, 3 or unset" >&2; exit 2 ;;
 esac
 
 bench info 2>&1 | tee "$OUT/info.txt"
 python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests${SHARD:-}.txt" | tail -25
 status=${PIPESTATUS[0]}
-if [ "${SHARD:-}" != 1 ]; then
+if [ "${SHARD:-}" = 2 ] || [ -z "${SHARD:-}" ]; then
   bench decode --batch 64 --context 2048 --heads 32 --kv-heads 8 --head-size 128 \
     --block-size 16 --dtype float16 2>&1 | tee "$OUT/bench-decode.txt"
   bench compile --head-size 128 --block-size 16 2>&1 | tee "$OUT/bench-compile.txt"
