@@ -8,22 +8,28 @@ all at once or Poisson. The systems:
 
 - ``cupaged``: :class:`cupaged.engine.Engine` (continuous batching, chunked prefill,
   preemption) over a :class:`cupaged.PagedKVCache` sized to the KV budget, attention by
-  :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention`.
+  :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention`; decode steps replay
+  CUDA graphs (``cuda_graphs=True``, ``max_model_len`` the longest prompt plus
+  ``output_len``, every graph captured before the timed run).
+- ``cupaged-eager``: the same without CUDA graphs: every step launched from Python, as
+  the flashinfer system runs.
 - ``flashinfer``: the same engine and cache, FlashInfer's paged prefill kernels
   (``BatchPrefillWithPagedKVCacheWrapper``, planned once per step, run per layer) in
   place of ``cupaged.attention``; the K/V writes stay ``cupaged.reshape_and_cache``, as
   vLLM's FlashInfer backend keeps its own cache write.
 - ``concat``: the "before" of a paged cache. Continuous batching where each request
   keeps its own contiguous K/V per layer, grown with ``torch.cat`` every step
-  (:class:`cupaged.llama.SdpaAttention`: torch SDPA, one call per request). Each step
+  (:class:`cupaged.llama.SdpaAttention`: torch SDPA, one call per request, flash or
+  memory-efficient: not cuDNN's, which plans anew for every length). Each step
   decodes every running request and prefills the newly admitted prompts whole, in one
   forward (the projections and the MLP batched across requests). Contiguous storage
   cannot grow into pages it does not own, so admission reserves ``prompt + output_len``
   tokens per request against a budget of the same bytes as the paged cache.
 - ``hf``: transformers' ``generate`` on the same weights (shared, not copied), static
   batches of ``hf_batch`` requests in arrival order, left-padded, its default dynamic
-  cache and SDPA. Its batch size defaults to what the same KV budget holds at the
-  longest prompt plus ``output_len``, halved on running out of memory.
+  cache and SDPA (without cuDNN's backend, as concat). Its batch size defaults to what
+  the same KV budget holds at the longest prompt plus ``output_len``, halved on running
+  out of memory.
 
 Reported per system: output tokens/s over the whole run, time to first token (arrival to
 first token) and time per output token (per request, mean gap after the first), median and
@@ -58,7 +64,7 @@ __all__ = ["SYSTEMS", "ConcatEngine", "FlashInferAttention", "Harness", "SystemR
            "serve", "summarize", "table_lines", "unavailable", "unsupported",
            "warmup_requests", "write_csv", "write_json", "write_plot"]
 
-SYSTEMS = ("cupaged", "flashinfer", "concat", "hf")
+SYSTEMS = ("cupaged", "cupaged-eager", "flashinfer", "concat", "hf")
 PRESETS = ("llama-3.2-1b", "llama-3-8b", "tiny")
 DTYPES = ("bfloat16", "float16", "float32")
 KV_LAYOUTS = ("HND", "NHD", "vllm")
@@ -266,6 +272,8 @@ class SystemResult:
     kv_reserved_peak_bytes: int = 0
     steps: int = 0  # forward passes
     batch_size: int = 0  # hf: requests per generate call (the last one used)
+    # The most requests running at once (engines and concat: in one step; hf: a batch).
+    peak_running: int = 0
     # Engine systems, from the profiling pass: shares of the step time (they add up to 1).
     attention_fraction: float = math.nan  # reshape_and_cache + attention kernels
     model_fraction: float = math.nan  # the rest of the forward's kernels
@@ -351,6 +359,7 @@ class ConcatEngine:
         self.reserved_tokens = 0  # reserved by the running requests
         self.peak_reserved_tokens = 0
         self.peak_tokens = 0  # the most K/V tokens held at once
+        self.peak_running = 0  # the most requests in one step
         self.num_steps = 0
 
     def submit(self, request: Request) -> RequestOutput:
@@ -408,6 +417,7 @@ class ConcatEngine:
         now = time.perf_counter()
         self.running = rows
         self.num_steps += 1
+        self.peak_running = max(self.peak_running, len(rows))
         self.peak_tokens = max(self.peak_tokens, sum(len(s.tokens) for s in rows))
         finished = []
         for seq, token in zip(rows, sampled):
@@ -583,7 +593,7 @@ class Harness:
             why = unsupported(system, self.workload)
             if why:
                 return SystemResult(system, "skipped", why), []
-            return getattr(self, f"_run_{system}")()
+            return getattr(self, f"_run_{system.replace('-', '_')}")()
         except bench._oom_errors() as e:
             return SystemResult(system, "skipped", f"out of GPU memory: {_one_line(e)}"), []
         except Exception as e:
@@ -593,12 +603,6 @@ class Harness:
             _release(self.device)
 
     # ---- each system -----------------------------------------------------------------------
-
-    def _run_cupaged(self):
-        return self._run_engine("cupaged")
-
-    def _run_flashinfer(self):
-        return self._run_engine("flashinfer")
 
     def make_cache(self):
         """The paged cache: ``num_blocks`` blocks in the workload's layout and types."""
@@ -611,42 +615,60 @@ class Harness:
                                     device=self.device.index,
                                     kv_cache_dtype=w.kv_cache_dtype)
 
-    def _engine(self, cache, backend, model=None):
+    def _engine(self, cache, backend, model=None, cuda_graphs=False):
         from .engine import Engine
 
         w = self.workload
         return Engine(self.model if model is None else model, cache,
                       max_batched_tokens=w.max_batched_tokens, max_running=w.max_running,
-                      attention=backend)
+                      attention=backend, cuda_graphs=cuda_graphs,
+                      max_model_len=w.prompt_len[1] + w.output_len)
+
+    def _run_cupaged(self):
+        return self._run_engine("cupaged")
+
+    def _run_cupaged_eager(self):
+        return self._run_engine("cupaged-eager")
+
+    def _run_flashinfer(self):
+        return self._run_engine("flashinfer")
 
     def _run_engine(self, system: str):
         from .engine import PagedAttention
 
         cache = self.make_cache()
-        backend = PagedAttention if system == "cupaged" else FlashInferAttention(cache, self.config)
-        peak, steps = [0], [0]
-
-        def recording(*args):  # the blocks in use while the step runs, before it frees any
-            peak[0] = max(peak[0], cache.bytes_in_use)
-            steps[0] += 1
-            return backend(*args)
-
-        engine = self._engine(cache, backend)
+        backend = (FlashInferAttention(cache, self.config) if system == "flashinfer"
+                   else PagedAttention)
+        graphs = system == "cupaged"
+        engine = self._engine(cache, backend, cuda_graphs=graphs)
         engine.run(warmup_requests(self.workload.block_size))  # compiles, loads, plans
+        if graphs:
+            engine.capture_graphs()
         _sync(self.device)
-        engine.attention = recording
+        peak, running, steps = [0], [0], [0]
+        execute = engine._execute
+
+        def recording(batch):  # after the step's appends, before it frees what finished
+            sampled = execute(batch)
+            peak[0] = max(peak[0], cache.bytes_in_use)
+            running[0] = max(running[0], len(batch.seq_ids))
+            steps[0] += 1
+            return sampled
+
+        engine._execute = recording
         requests, offsets = self.requests()
         outputs, seconds = serve(engine, requests, offsets)
+        del engine._execute
         result = SystemResult(system, **summarize(outputs, seconds),
                               kv_budget_bytes=self.num_blocks * cache.bytes_per_block,
                               kv_peak_bytes=peak[0], kv_reserved_peak_bytes=peak[0],
-                              steps=steps[0])
+                              steps=steps[0], peak_running=running[0])
         if self.workload.breakdown:
-            fractions = self.breakdown(cache, backend)
+            fractions = self.breakdown(cache, backend, engine if graphs else None)
             result.attention_fraction, result.model_fraction, result.host_fraction = fractions
         return result, outputs
 
-    def breakdown(self, cache, backend) -> tuple:
+    def breakdown(self, cache, backend, graph_engine=None) -> tuple:
         """Shares of an engine step's time: ``(attention, rest of the model, host)``,
         from a profiling pass over the same requests, all submitted at once, through the
         same cache and backend (the cache empty when it starts).
@@ -657,24 +679,37 @@ class Harness:
         calls (``reshape_and_cache`` and the attention kernels), the rest of the model the
         replay's other forward kernels, and the host whatever is left: the part of the
         step in which the GPU runs none of the forward (scheduling, block tables, uploads,
-        sampling, and launch time the GPU did not hide)."""
-        from . import bench
+        sampling, and launch time the GPU did not hide).
 
+        ``graph_engine``: the run's engine with its decode graphs, whose replays the
+        profiler cannot time inside. The device times are then those of the eager pass
+        (the same kernels on the same steps: the schedule does not depend on timing when
+        everything is submitted at once), and the step time is that of a second pass
+        through ``graph_engine``, with its graphs."""
         profiler = _StepProfiler(self.model)
         engine = self._engine(cache, backend, model=profiler)
+        wall = self._timed_pass(engine)
+        step_s = wall - profiler.replay_s
+        if graph_engine is not None:
+            step_s = self._timed_pass(graph_engine)
+        attention = profiler.attention_s / step_s
+        model = (profiler.forward_s - profiler.attention_s) / step_s
+        return attention, model, 1.0 - attention - model
+
+    def _timed_pass(self, engine) -> float:
+        """Seconds inside ``engine.step()`` serving the requests, all submitted at once."""
+        from . import bench
+
         requests, _ = self.requests()
         for r in requests:
             engine.submit(r)
         wall = 0.0
-        with bench._torch_on_cupy_stream():  # the busy-wait runs on CuPy's current stream
+        with bench._torch_on_cupy_stream():  # a profiler's busy-wait is on CuPy's stream
             while engine.has_unfinished():
                 t0 = time.perf_counter()
                 engine.step()
                 wall += time.perf_counter() - t0
-        step_s = wall - profiler.replay_s
-        attention = profiler.attention_s / step_s
-        model = (profiler.forward_s - profiler.attention_s) / step_s
-        return attention, model, 1.0 - attention - model
+        return wall
 
     def _run_concat(self):
         w = self.workload
@@ -693,7 +728,7 @@ class Harness:
                             kv_peak_bytes=engine.peak_tokens * self.bytes_per_token,
                             kv_reserved_peak_bytes=(engine.peak_reserved_tokens
                                                     * self.bytes_per_token),
-                            steps=engine.num_steps), outputs
+                            steps=engine.num_steps, peak_running=engine.peak_running), outputs
 
     def _run_hf(self):
         import torch
@@ -712,7 +747,7 @@ class Harness:
         arrivals = start + offsets
         outputs = [RequestOutput(r.id, len(r.prompt), float(a), [Completion()])
                    for r, a in zip(requests, arrivals)]
-        at, peak, reserved, steps, note = 0, 0, 0, 0, ""
+        at, peak, reserved, steps, note, peak_batch = 0, 0, 0, 0, "", 0
         while at < len(requests):
             group = requests[at:at + batch]
             time.sleep(max(arrivals[at + len(group) - 1] - time.perf_counter(), 0.0))
@@ -735,11 +770,12 @@ class Harness:
             reserved = max(reserved, (padded + len(group) * w.output_len) * self.bytes_per_token)
             steps += len(times)
             at += len(group)
+            peak_batch = max(peak_batch, len(group))
         seconds = time.perf_counter() - start
         return SystemResult("hf", note=note, **summarize(outputs, seconds),
                             kv_budget_bytes=self.budget_bytes, kv_peak_bytes=peak,
                             kv_reserved_peak_bytes=reserved, steps=steps,
-                            batch_size=batch), outputs
+                            batch_size=batch, peak_running=peak_batch), outputs
 
 
 class _StepClock:
@@ -762,6 +798,9 @@ def _hf_generate(hf, prompts: list, output_len: int) -> tuple:
     """Greedy ``generate`` of exactly ``output_len`` tokens for a left-padded batch:
     ``(token ids per prompt, the time each step's tokens arrived)``."""
     import torch
+    from torch.nn.attention import sdpa_kernel
+
+    from .llama import _SDPA_BACKENDS
 
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.int64)
@@ -772,9 +811,12 @@ def _hf_generate(hf, prompts: list, output_len: int) -> tuple:
     clock = _StepClock()
     # No end-of-sequence token (random weights have none) and min_new_tokens: every row
     # generates output_len tokens, as in the other systems.
-    out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device),
-                      max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, streamer=clock)
+    # SDPA without cuDNN's backend, as the concat system (SdpaAttention): it plans for
+    # each new shape, and a growing cache has a new one at every step.
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device),
+                          max_new_tokens=output_len, min_new_tokens=output_len,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
     tokens = out[:, longest:].tolist()
     if any(len(t) != output_len for t in tokens) or len(clock.times) != output_len:
         raise RuntimeError(f"generate returned {len(tokens[0])} tokens in {len(clock.times)} "
@@ -814,7 +856,7 @@ def table_lines(results) -> list:
     """The console table: one line per system."""
     lines = [f"{'system':11s} {'requests':>8s} {'out tok/s':>10s} {'TTFT ms p50':>12s} "
              f"{'p90':>9s} {'TPOT ms p50':>12s} {'p90':>8s} {'KV held MiB':>12s} "
-             f"{'claimed MiB':>12s} {'of budget':>10s}  note"]
+             f"{'claimed MiB':>12s} {'of budget':>10s} {'running':>8s}  note"]
     for r in results:
         line = f"{r.system:11s} "
         if r.status != "ok":
@@ -825,7 +867,7 @@ def table_lines(results) -> list:
                  f"{_fmt(r.ttft_median_ms, '12.1f')} {_fmt(r.ttft_p90_ms, '9.1f')} "
                  f"{_fmt(r.tpot_median_ms, '12.2f')} {_fmt(r.tpot_p90_ms, '8.2f')} "
                  f"{r.kv_peak_bytes / 2**20:12.1f} {r.kv_reserved_peak_bytes / 2**20:12.1f} "
-                 f"{_fmt(100 * share, '9.1f')}%")
+                 f"{_fmt(100 * share, '9.1f')}% {r.peak_running:8d}")
         extra = [r.note] if r.note else []
         if r.system == "hf":
             extra.append(f"batches of {r.batch_size}")

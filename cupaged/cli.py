@@ -676,7 +676,7 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
 @click.option("--request-rate", type=float, default=float("inf"),
               help="Requests per second, Poisson arrivals. Default: all at once.")
 @click.option("--systems", "systems", multiple=True,
-              type=click.Choice(["cupaged", "concat", "hf", "flashinfer"]),
+              type=click.Choice(["cupaged", "cupaged-eager", "concat", "hf", "flashinfer"]),
               help="Repeatable. Default: every one available here.")
 @click.option("--max-batched-tokens", type=click.IntRange(1), default=2048, show_default=True,
               help="Query tokens per step (cupaged, flashinfer, concat).")
@@ -708,7 +708,8 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
         plot_path):
     """Serve one workload of random requests end to end through several systems, with
     the same model weights and the same requests for each: cupaged (the engine's
-    continuous batching over a PagedKVCache), flashinfer (the same engine with FlashInfer's
+    continuous batching over a PagedKVCache, decode steps in CUDA graphs), cupaged-eager
+    (the same, every step launched from Python), flashinfer (the same engine with FlashInfer's
     paged prefill kernels for attention), concat (continuous batching with contiguous
     per-request K/V grown by torch.cat, attention by torch SDPA, admission reserving
     prompt + output per request in the same KV budget) and hf (transformers' generate on

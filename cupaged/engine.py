@@ -509,6 +509,137 @@ class PagedAttention:
         return self.plan.run(q, kc, vc)
 
 
+def _graph_sizes(max_batch: int) -> list:
+    """The padded batch sizes of decode graphs: 1, 2, 4, 8, then multiples of 8, up to
+    the first that holds ``max_batch``."""
+    sizes = [1, 2, 4] + list(range(8, max_batch + 8, 8))
+    return sizes[:next(i for i, b in enumerate(sizes) if b >= max_batch) + 1]
+
+
+class _DecodeGraphs:
+    """The CUDA graphs of an :class:`Engine`'s decode steps (see ``cuda_graphs``).
+
+    Every graph reads the same static inputs (token ids, positions, slots, block tables,
+    lengths: the first ``b`` rows of buffers for ``max_batch`` rows) and writes its greedy
+    tokens to its own output; all share one memory pool and one split-KV workspace, as
+    they never run at once. A step fills the first rows from the step's own device arrays
+    and marks the padding rows (slot -1: no write; length 0: no keys, a zero output row
+    that nothing samples)."""
+
+    def __init__(self, model, cache, max_batch: int, max_model_len: int):
+        import torch
+
+        from .decode import DecodeWorkspace
+
+        c = model.config
+        self.model, self.cache = model, cache
+        self.sizes = _graph_sizes(max_batch)
+        m = self.sizes[-1]
+        self.width = _blocks(max_model_len, cache.block_size)
+        self.max_seq_len = self.width * cache.block_size
+        dev = cache.key_caches[0].device
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.inputs = torch.zeros(2 * m, dtype=torch.int64, device=dev)  # tokens, positions
+        self.host = torch.zeros(2 * m, dtype=torch.int64).pin_memory()
+        self.host_np = self.host.numpy()
+        self.slots = torch.full((m,), -1, **i32)
+        self.tables = torch.zeros((m, self.width), **i32)
+        self.lens = torch.zeros((m,), **i32)
+        self.starts = torch.arange(m + 1, **i32)  # one query row per sequence
+        self.out = torch.empty((m, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
+        self.workspace = DecodeWorkspace(m, c.num_heads, c.head_dim, device=dev.index)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs = {}  # padded batch size -> (CUDAGraph, its sampled tokens)
+        self.num_replays = 0
+
+    def serves(self, batch: Batch, step) -> bool:
+        """Whether a graph runs this step: decodes only, a batch no larger than the
+        largest graph, tables no wider than the graphs'."""
+        n = len(batch.seq_ids)
+        return (batch.num_appended == n == len(batch.tokens) == len(batch.sample_rows)
+                and n <= self.sizes[-1] and step.block_tables.shape[1] <= self.width)
+
+    def _size(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    def replay(self, batch: Batch, step) -> list:
+        n = len(batch.seq_ids)
+        b = self._size(n)
+        m = self.sizes[-1]
+        # Pinned staging, one copy. The last step's copy out of it has finished: its
+        # tokens came back (a sync) after it in stream order.
+        host = self.host_np
+        host[:n], host[m:m + n] = batch.tokens, batch.positions
+        self.inputs.copy_(self.host, non_blocking=True)
+        w = step.block_tables.shape[1]
+        self.slots[:n].copy_(step.slot_mapping)
+        self.lens[:n].copy_(step.seq_lens)
+        self.tables[:n, :w].copy_(step.block_tables)
+        if b > n:  # the padding rows, left by an earlier step
+            self.slots[n:b].fill_(-1)
+            self.lens[n:b].fill_(0)
+        if b not in self.graphs:
+            self.capture([b])
+        graph, sampled = self.graphs[b]
+        graph.replay()
+        self.num_replays += 1
+        return sampled[:n].tolist()
+
+    def capture(self, sizes) -> None:
+        import torch
+
+        todo = sorted({int(b) for b in sizes} - set(self.graphs), reverse=True)
+        bad = [b for b in todo if b not in self.sizes]
+        if bad:
+            raise ValueError(f"no decode graph of batch size {bad[0]}: the sizes are "
+                             f"{self.sizes}")
+        if not todo:
+            return
+        # Captured with no keys to read and no slots to write, so the warm-up run that
+        # precedes each capture changes nothing; replay() fills the rows it runs.
+        saved = self.slots.clone(), self.lens.clone()
+        self.slots.fill_(-1)
+        self.lens.fill_(0)
+        current = torch.cuda.current_stream(self.inputs.device)
+        side = torch.cuda.Stream(self.inputs.device)
+        for b in todo:  # largest first: the smaller graphs reuse its pool's memory
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self._forward(b)  # first launches (cuBLAS, modules) outside the capture
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                sampled = self._forward(b)
+            self.graphs[b] = (graph, sampled)
+        self.slots.copy_(saved[0])
+        self.lens.copy_(saved[1])
+
+    def _forward(self, b: int):
+        """The greedy tokens of the first ``b`` rows (launched on the current stream)."""
+        from . import varlen
+
+        cache, m = self.cache, self.sizes[-1]
+        slots, out = self.slots[:b], self.out[:b]
+        shared = (self.tables[:b], self.lens[:b], self.starts[:b + 1])
+        plans = {}
+
+        def attention(layer, q, k, v):
+            kc, vc = cache.key_caches[layer], cache.value_caches[layer]
+            kw = cache.layer_kwargs(layer)
+            cache_ops.reshape_and_cache(k, v, kc, vc, slots, kv_layout=cache.kv_layout, **kw)
+            # One plan for all layers; an fp8 cache's layers each have their own scales.
+            key = layer if kw["k_scale"] is not None else None
+            if key not in plans:
+                plans[key] = varlen.AttentionPlan(
+                    q, kc, vc, *shared, kv_layout=cache.kv_layout, causal=True,
+                    max_query_len=1, max_seq_len=self.max_seq_len, out=out,
+                    workspace=self.workspace, **kw)
+            return plans[key].run(q, kc, vc, out=out)
+
+        logits = self.model.forward(self.inputs[:b], self.inputs[m:m + b], attention)
+        return logits.argmax(dim=-1)
+
+
 class Engine:
     """Continuous batching of a model over a paged KV cache, greedy sampling.
 
@@ -520,12 +651,24 @@ class Engine:
     :class:`Scheduler`. ``attention``: the attention backend (see :class:`PagedAttention`,
     the default); ``cupaged-bench e2e`` plugs FlashInfer's kernels in here.
 
+    ``cuda_graphs=True``: decode steps (every sequence computing one token) replay a CUDA
+    graph of the whole forward and the greedy sampling, one graph per padded batch size
+    (1, 2, 4, 8, then multiples of 8 up to ``max_running``), captured at a size's first
+    step or by :meth:`capture_graphs`; other steps run eagerly. Padding rows write no
+    K/V and attend over nothing. The graphs' block tables hold ``max_model_len`` tokens
+    per sequence (default: the whole cache) and their attention is planned for that
+    length: give the longest sequence the engine will serve (prompt plus generated
+    tokens), as a shorter bound plans better splits for short contexts; a step with a
+    longer sequence runs eagerly. Graphs need the default attention backend and keep
+    their inputs, outputs and activations (the largest batch's) allocated.
+
     ``submit(request)`` queues a request, ``step()`` runs one batch and returns the
     requests that finished, ``run(requests)`` does both until everything is done.
     """
 
     def __init__(self, model, cache, *, max_batched_tokens: int = 2048, max_running: int = 256,
-                 attention=PagedAttention):
+                 attention=PagedAttention, cuda_graphs: bool = False,
+                 max_model_len: int | None = None):
         import torch  # noqa: F401  (_arrays maps dtypes through the imported torch)
 
         from . import _arrays
@@ -544,6 +687,19 @@ class Engine:
         self.device = cache.key_caches[0].device
         self.scheduler = Scheduler(cache.manager, max_batched_tokens=max_batched_tokens,
                                    max_running=max_running)
+        self.graphs = None
+        if cuda_graphs:
+            if attention is not PagedAttention:
+                raise ValueError("cuda_graphs=True replays cupaged's own attention: it needs "
+                                 "the default attention backend")
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graphs=True needs a CUDA device")
+            if max_model_len is None:
+                max_model_len = cache.manager.num_blocks * cache.block_size
+            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+                    or max_model_len < 1:
+                raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+            self.graphs = _DecodeGraphs(model, cache, max_running, max_model_len)
 
     def submit(self, request: Request) -> RequestOutput:
         """Queue a request (see :meth:`Scheduler.submit`); returns its output, filled in
@@ -568,12 +724,22 @@ class Engine:
             self.step()
         return outputs
 
+    def capture_graphs(self, batch_sizes=None) -> None:
+        """Capture the decode graphs of ``batch_sizes`` now (default: every size a step can
+        be padded to) rather than at each size's first decode step: startup work, outside
+        of the steps a benchmark times. Needs ``cuda_graphs=True``."""
+        if self.graphs is None:
+            raise ValueError("capture_graphs() needs an Engine made with cuda_graphs=True")
+        self.graphs.capture(self.graphs.sizes if batch_sizes is None else batch_sizes)
+
     def _execute(self, batch: Batch) -> list:
         import torch
 
         cache = self.cache
         step = cache.step(batch.seq_ids, num_tokens=batch.step_num_tokens,
                           token_ids=batch.append_token_ids)
+        if self.graphs is not None and self.graphs.serves(batch, step):
+            return self.graphs.replay(batch, step)
         # One host-to-device copy for the model's inputs and what cache.step cannot know:
         # the added rows' slots and, with them, the query offsets of the whole batch.
         t, added = batch.num_query_tokens, len(batch.added_slots)

@@ -312,7 +312,7 @@ def test_a_failing_system_is_reported_not_raised(one_thread, monkeypatch):
     assert (result.status, result.note) == ("skipped", "hf has no fp8 KV cache path")
 
 
-def test_cupaged_system_on_host_kernels_matches_concat(one_thread, monkeypatch):
+def test_cupaged_eager_system_on_host_kernels_matches_concat(one_thread, monkeypatch):
     """The cupaged system's path (Harness, Engine, the recording backend, serve, the
     summary) over the host stand-in for the kernels and the cache: concat's tokens, and
     the peak KV bytes are the blocks in use."""
@@ -328,9 +328,10 @@ def test_cupaged_system_on_host_kernels_matches_concat(one_thread, monkeypatch):
         return cache
 
     monkeypatch.setattr(harness, "make_cache", make_cache)
-    paged, paged_out = harness.run("cupaged")
+    paged, paged_out = harness.run("cupaged-eager")  # the graphs need a GPU
     concat, concat_out = harness.run("concat")
     assert paged.status == "ok", paged.note
+    assert 1 <= paged.peak_running <= TINY["max_running"]
     assert [o.token_ids for o in paged_out] == [o.token_ids for o in concat_out]
     assert paged.kv_budget_bytes == concat.kv_budget_bytes == 64 * 4 * harness.bytes_per_token
     # The peak is whole blocks in use, claimed as they fill.
@@ -398,7 +399,7 @@ def test_breakdown_replays_each_forward_on_host_kernels(one_thread, monkeypatch)
         return cache
 
     monkeypatch.setattr(harness, "make_cache", make_cache)
-    result, outputs = harness.run("cupaged")
+    result, outputs = harness.run("cupaged-eager")
     assert result.status == "ok", result.note
     # Warm-up, the timed run, then the profiling pass: the same requests all at once, so
     # the timed run's steps again, each forward twice with the same rows.
@@ -524,14 +525,14 @@ def test_e2e_defaults(monkeypatch):
     assert r.exit_code == 0, r.output
     ((w, systems),) = calls
     assert w == Workload() and w.request_rate == math.inf and w.breakdown
-    assert systems == ["cupaged", "flashinfer", "concat", "hf"]
+    assert systems == ["cupaged", "cupaged-eager", "flashinfer", "concat", "hf"]
 
 
 def test_e2e_leaves_out_what_is_missing_or_cannot_run(monkeypatch):
     calls = _fake_run(monkeypatch, missing=("flashinfer",))
     r = CliRunner().invoke(main, ["e2e", "--kv-cache-dtype", "fp8"])
     assert r.exit_code == 0, r.output
-    assert calls[0][1] == ["cupaged"]
+    assert calls[0][1] == ["cupaged", "cupaged-eager"]
     assert "flashinfer left out: flashinfer is not installed here" in r.output
     assert "concat left out: concat has no fp8 KV cache path" in r.output
     assert "hf left out: hf has no fp8 KV cache path" in r.output
@@ -618,7 +619,8 @@ def test_e2e_tiny_every_available_system(tmp_path):
     doc = json.loads((tmp_path / "e.json").read_text())
     rows = {x["system"]: x for x in doc["results"]}
     # flashinfer is left out: the tiny preset's head size is 32.
-    expect = ["cupaged", "concat"] + (["hf"] if bench_e2e.unavailable("hf") is None else [])
+    expect = ["cupaged", "cupaged-eager", "concat"] + (
+        ["hf"] if bench_e2e.unavailable("hf") is None else [])
     assert list(rows) == expect
     assert "flashinfer left out: flashinfer is run with head sizes 64, 128, 256" in r.output
     for name, x in rows.items():
@@ -627,9 +629,12 @@ def test_e2e_tiny_every_available_system(tmp_path):
         assert x["requests"] == 6 and x["output_tokens"] == 36 and x["output_tokens_per_s"] > 0
         assert 0 < x["ttft_median_ms"] <= x["ttft_p90_ms"] and 0 < x["tpot_median_ms"]
         assert 0 < x["kv_peak_bytes"] <= x["kv_budget_bytes"]
+        # --max-running 4 for the engines and concat; hf runs one batch of all 6.
+        assert 1 <= x["peak_running"] <= (6 if name == "hf" else 4)
+    for x in (rows["cupaged"], rows["cupaged-eager"]):
+        parts = [x["attention_fraction"], x["model_fraction"], x["host_fraction"]]
+        assert all(0 < p < 1 for p in parts[:2]) and sum(parts) == pytest.approx(1.0)
     x = rows["cupaged"]
-    parts = [x["attention_fraction"], x["model_fraction"], x["host_fraction"]]
-    assert all(0 < p < 1 for p in parts[:2]) and sum(parts) == pytest.approx(1.0)
     # The shared block is found by the requests admitted while another holds it.
     assert x["cached_prompt_tokens"] > 0 and x["cached_prompt_tokens"] % 16 == 0
     assert math.isnan(rows["concat"]["attention_fraction"])
@@ -648,9 +653,11 @@ def test_cupaged_concat_and_hf_greedy_tokens_agree_in_float32():
                  breakdown=False)
     harness = bench_e2e.Harness(w)
     paged, paged_out = harness.run("cupaged")
+    eager, eager_out = harness.run("cupaged-eager")
     concat, concat_out = harness.run("concat")
-    assert paged.status == concat.status == "ok", (paged.note, concat.note)
+    assert paged.status == eager.status == concat.status == "ok", (paged.note, concat.note)
     assert [o.token_ids for o in paged_out] == [o.token_ids for o in concat_out]
+    assert [o.token_ids for o in eager_out] == [o.token_ids for o in concat_out]
     assert all(len(o.token_ids) == 12 for o in paged_out)
     if bench_e2e.unavailable("hf") is None:
         hf, hf_out = harness.run("hf")

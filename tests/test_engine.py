@@ -403,20 +403,22 @@ def check_against_hf(hf, requests, outputs):
             assert c.token_ids == want, (r.id, c.token_ids, want)
 
 
-def scenario_chunked(model, hf, make_cache):
+def scenario_chunked(model, hf, make_cache, **engine_kw):
     """Prompts from 3 to 40 tokens through a 16-token budget: chunked prefills mixed with
     decodes in every step."""
     from cupaged.engine import Engine
 
     lens, new = [5, 17, 40, 23, 3, 31], [8, 5, 10, 6, 12, 7]
     requests = [Request(i, p, k) for i, (p, k) in enumerate(zip(_prompts(lens), new))]
-    engine = Engine(model, make_cache(128, 4, False), max_batched_tokens=16, max_running=4)
+    engine = Engine(model, make_cache(128, 4, False), max_batched_tokens=16, max_running=4,
+                    **engine_kw)
     outputs = serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 6])
     check_against_hf(hf, requests, outputs)
     assert engine.cache.num_used_blocks == 0
+    return [engine]
 
 
-def scenario_forks(model, hf, make_cache):
+def scenario_forks(model, hf, make_cache, **engine_kw):
     """Parallel samples: forked after the prompt, sharing its blocks (copy-on-write of the
     partly filled last one); greedy samples agree with generate."""
     from cupaged.engine import Engine
@@ -424,41 +426,48 @@ def scenario_forks(model, hf, make_cache):
     prompts = _prompts([13, 8, 6], seed=1)
     requests = [Request("a", prompts[0], 6, n=3), Request("b", prompts[1], 9, n=2),
                 Request("c", prompts[2], 7)]
-    engine = Engine(model, make_cache(64, 4, False), max_batched_tokens=32, max_running=8)
+    engine = Engine(model, make_cache(64, 4, False), max_batched_tokens=32, max_running=8,
+                    **engine_kw)
     outputs = serve(engine, requests, arrivals=[0, 1, 1])
     check_against_hf(hf, requests, outputs)
     assert engine.cache.num_used_blocks == 0
+    return [engine]
 
 
-def scenario_prefix(model, hf, make_cache):
+def scenario_prefix(model, hf, make_cache, **engine_kw):
     """Prompts sharing a 3-block system prompt: those added after the first find its
     blocks in the prefix cache and compute only their own tokens."""
     from cupaged.engine import Engine
 
     system, *tails = _prompts([24, 5, 9, 1, 14], seed=2)
     requests = [Request(i, system + t, 6) for i, t in enumerate(tails)]
-    engine = Engine(model, make_cache(64, 8, True), max_batched_tokens=64, max_running=4)
+    engine = Engine(model, make_cache(64, 8, True), max_batched_tokens=64, max_running=4,
+                    **engine_kw)
     outputs = serve(engine, requests, arrivals=[0, 2, 2, 5])
     check_against_hf(hf, requests, outputs)
     assert [o.num_cached_tokens for o in outputs] == [0, 24, 24, 24]
     assert engine.cache.num_used_blocks == 0
+    return [engine]
 
 
-def scenario_preemption(model, hf, make_cache):
+def scenario_preemption(model, hf, make_cache, **engine_kw):
     """Five requests that need 7 blocks each in a cache of 14: the newest are preempted
     and recomputed, and the tokens are those of a roomy run (and of generate)."""
     from cupaged.engine import Engine
 
     requests = [Request(i, p, 16) for i, p in enumerate(_prompts([12] * 5, seed=3))]
-    tight = Engine(model, make_cache(14, 4, False), max_batched_tokens=64, max_running=5)
+    tight = Engine(model, make_cache(14, 4, False), max_batched_tokens=64, max_running=5,
+                   **engine_kw)
     outputs = serve(tight, requests)
     assert sum(o.num_preemptions for o in outputs) > 0
-    roomy = Engine(model, make_cache(64, 4, False), max_batched_tokens=64, max_running=5)
+    roomy = Engine(model, make_cache(64, 4, False), max_batched_tokens=64, max_running=5,
+                   **engine_kw)
     alone = serve(roomy, requests)
     assert sum(o.num_preemptions for o in alone) == 0
     assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
     check_against_hf(hf, requests, outputs)
     assert tight.cache.num_used_blocks == 0
+    return [tight, roomy]
 
 
 SCENARIOS = [scenario_chunked, scenario_forks, scenario_prefix, scenario_preemption]
@@ -634,6 +643,29 @@ def test_engine_on_host_fp8_path(tiny_cpu, monkeypatch):
     assert kernels.calls["attention"] > 0 and kernels.calls["plan.run"] == 0
 
 
+def test_cuda_graphs_need_the_default_backend_and_a_gpu(tiny_cpu, monkeypatch):
+    from cupaged.engine import Engine
+
+    model, _ = tiny_cpu
+    kernels = HostKernels(monkeypatch)
+    cache = kernels.cache(16, 4, False, model_config=model.config)
+    with pytest.raises(ValueError, match="default attention backend"):
+        Engine(model, cache, cuda_graphs=True, attention=lambda *a: None)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Engine(model, cache, cuda_graphs=True)
+    with pytest.raises(ValueError, match="needs an Engine made with cuda_graphs=True"):
+        Engine(model, cache).capture_graphs()
+
+
+@pytest.mark.parametrize("max_batch, sizes", [
+    (1, [1]), (2, [1, 2]), (3, [1, 2, 4]), (5, [1, 2, 4, 8]), (8, [1, 2, 4, 8]),
+    (9, [1, 2, 4, 8, 16]), (20, [1, 2, 4, 8, 16, 24])])
+def test_graph_batch_sizes(max_batch, sizes):
+    from cupaged.engine import _graph_sizes
+
+    assert _graph_sizes(max_batch) == sizes
+
+
 def test_engine_checks_model_against_cache(tiny_cpu, monkeypatch):
     from cupaged.engine import Engine
 
@@ -681,6 +713,115 @@ def test_engine_on_gpu_matches_transformers(tiny_gpu, scenario, layout):
     prefill under a small budget, decodes, forks, prefix-cache hits and preemption."""
     model, hf = tiny_gpu
     scenario(model, hf, _gpu_cache(model, layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__[9:])
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario, layout):
+    """Decode steps replayed from CUDA graphs (padded batches: the scenarios' batches of
+    3, 5, 6 and 7 run in graphs of 4 and 8 rows) give generate's tokens too."""
+    model, hf = tiny_gpu
+    engines = scenario(model, hf, _gpu_cache(model, layout), cuda_graphs=True)
+    for engine in engines:
+        assert engine.graphs.num_replays > 0 and engine.graphs.graphs
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_a_short_max_model_len_fall_back_to_eager(tiny_gpu):
+    """Sequences longer than max_model_len run eagerly (the graphs' tables are narrower),
+    with the same tokens; captured sizes up front are used and others are refused."""
+    from cupaged.engine import Engine
+
+    model, hf = tiny_gpu
+    requests = [Request(i, p, 12) for i, p in enumerate(_prompts([6, 9, 14], seed=6))]
+    engine = Engine(model, _gpu_cache(model, "HND")(64, 4, False), max_batched_tokens=32,
+                    max_running=4, cuda_graphs=True, max_model_len=16)
+    engine.capture_graphs([4])
+    assert sorted(engine.graphs.graphs) == [4]
+    with pytest.raises(ValueError, match="no decode graph of batch size 3"):
+        engine.capture_graphs([3])
+    outputs = engine.run(requests)
+    check_against_hf(hf, requests, outputs)
+    # 14 + 11 tokens need 7 blocks of 4, the graphs hold 4: the longest ran eagerly at the end.
+    assert 0 < engine.graphs.num_replays < sum(r.max_new_tokens - 1 for r in requests)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_over_an_fp8_cache_give_the_eager_tokens():
+    """bfloat16 over an fp8 cache (a plan per layer, for its scales): the graphs' tokens
+    are the eager run's."""
+    torch = pytest.importorskip("torch")
+    from cupaged.engine import Engine
+    from cupaged.llama import Llama, LlamaConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    model = Llama(LlamaConfig.preset("tiny"), device="cuda", dtype=torch.bfloat16, seed=0)
+    prompts = _prompts([30, 7, 45, 12, 21], seed=4)
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(model, _gpu_cache(model, "HND", "fp8_e4m3")(64, 16, True),
+                        max_batched_tokens=32, max_running=8, cuda_graphs=graphs,
+                        max_model_len=64 if graphs else None)
+        runs.append(engine.run([Request(i, p, 9) for i, p in enumerate(prompts)]))
+        assert engine.cache.num_used_blocks == 0
+    assert engine.graphs.num_replays > 0
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
+
+
+class _LogitsRecorder:
+    """Stands in for the model: runs it and keeps each forward's logits, with the
+    positions of the rows they are for."""
+
+    def __init__(self, model):
+        self.model, self.config, self.dtype, self.device = (model, model.config, model.dtype,
+                                                            model.device)
+        self.rows = []  # (position, logits [vocab]) in step order
+
+    def forward(self, tokens, positions, attention, logits_rows=None):
+        logits = self.model.forward(tokens, positions, attention, logits_rows)
+        at = positions if logits_rows is None else positions[logits_rows]
+        self.rows += list(zip(at.tolist(), logits.float()))
+        return logits
+
+
+@pytest.mark.gpu
+def test_bfloat16_logits_are_as_close_to_float32_as_transformers(tiny_gpu):
+    """The stated bf16 tolerance (README, "Serving loop"): with bfloat16 weights, the
+    engine's logits (chunked prefill through a 16-token budget, then decodes; one request
+    at a time, so each step's rows are one sequence's) deviate from the float32 model's
+    (the same bf16-rounded weights, transformers in float32) by at most 1.25x what
+    transformers' own bfloat16 forward deviates, in the largest deviation over all rows
+    and in the median of the rows' largest deviations."""
+    import torch
+
+    from cupaged.engine import Engine
+    from cupaged.llama import Llama, LlamaConfig, to_hf
+
+    model = Llama(LlamaConfig.preset("tiny"), device="cuda", dtype=torch.bfloat16, seed=1)
+    hf16 = to_hf(model, share_weights=True)
+    hf32 = to_hf(model).float()  # a copy: the bf16 weights, exactly, in float32
+    recorder = _LogitsRecorder(model)
+    engine = Engine(recorder, _gpu_cache(model, "NHD")(64, 16, False), max_batched_tokens=16,
+                    max_running=1)
+    errors = {"cupaged": [], "hf": []}
+    for i, prompt in enumerate(_prompts([37, 64, 100], seed=7)):
+        recorder.rows.clear()
+        out = engine.run([Request(i, prompt, 20)])[0]
+        full = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
+        with torch.no_grad():
+            want = hf32(full).logits[0].float()
+            hf_rows = hf16(full).logits[0].float()
+        positions = [p for p, _ in recorder.rows]
+        assert positions == list(range(len(prompt) - 1, full.shape[1]))
+        mine = torch.stack([l for _, l in recorder.rows])
+        errors["cupaged"].append((mine - want[positions]).abs().amax(dim=1))
+        errors["hf"].append((hf_rows[positions] - want[positions]).abs().amax(dim=1))
+        assert torch.isfinite(mine).all()
+    ours, theirs = (torch.cat(errors[k]) for k in ("cupaged", "hf"))
+    assert ours.max() <= 1.25 * theirs.max(), (ours.max(), theirs.max())
+    assert ours.median() <= 1.25 * theirs.median(), (ours.median(), theirs.median())
 
 
 @pytest.mark.gpu

@@ -6,3 +6,7 @@ OUT=${OUT:-/tmp/cupaged-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
+# FlashInfer, where its anchor was carried (.flashinfer): importable, its JIT set up.
+if [ -f .flashinfer/setup.sh ]; then
+  source .flashinfer/setup.sh >/dev/null 2>&1 || echo "FlashInfer did not set up" >&2
+fi
