@@ -13,10 +13,11 @@ all at once or Poisson. The systems:
   ``output_len``, every graph captured before the timed run).
 - ``cupaged-eager``: the same without CUDA graphs: every step launched from Python, as
   the flashinfer system runs.
-- ``flashinfer``: the same engine and cache, FlashInfer's paged prefill kernels
-  (``BatchPrefillWithPagedKVCacheWrapper``, planned once per step, run per layer) in
-  place of ``cupaged.attention``; the K/V writes stay ``cupaged.reshape_and_cache``, as
-  vLLM's FlashInfer backend keeps its own cache write.
+- ``flashinfer``: the same engine and cache (run eagerly), FlashInfer's paged kernels
+  in place of ``cupaged.attention`` (:class:`FlashInferAttention`: its decode wrapper on
+  tensor cores for the step's decodes, its prefill wrapper for the prompt chunks, each
+  planned once per step and run per layer); the K/V writes stay
+  ``cupaged.reshape_and_cache``, as vLLM's FlashInfer backend keeps its own cache write.
 - ``concat``: the "before" of a paged cache. Continuous batching where each request
   keeps its own contiguous K/V per layer, grown with ``torch.cat`` every step
   (:class:`cupaged.llama.SdpaAttention`: torch SDPA, one call per request, flash or
@@ -436,13 +437,15 @@ class ConcatEngine:
 
 class FlashInferAttention:
     """An attention backend for :class:`cupaged.engine.Engine` (see
-    :class:`cupaged.engine.PagedAttention`) with FlashInfer's paged prefill kernels over
-    the engine's own PagedKVCache (NHD or HND; 16-bit or fp8 with per-tensor scales).
+    :class:`cupaged.engine.PagedAttention`) with FlashInfer's paged kernels over the
+    engine's own PagedKVCache (NHD or HND; 16-bit or fp8 with per-tensor scales), split as
+    vLLM's FlashInfer backend splits a batch: the leading rows with one query token each
+    (the scheduler puts decodes first) go to ``BatchDecodeWithPagedKVCacheWrapper`` on
+    tensor cores, the rest to ``BatchPrefillWithPagedKVCacheWrapper`` (causal).
 
-    Each step it plans ``BatchPrefillWithPagedKVCacheWrapper`` once (causal, the step's
-    query offsets and page lists, from the block manager's host tables: no device sync);
-    each layer writes the new K/V with :func:`cupaged.reshape_and_cache` and runs the
-    wrapper."""
+    Each step it plans the wrappers it needs once (from the block manager's host tables:
+    no device sync); each layer writes the new K/V with :func:`cupaged.reshape_and_cache`
+    and runs them, into one output."""
 
     def __init__(self, cache, config):
         from . import _arrays, bench
@@ -452,10 +455,13 @@ class FlashInferAttention:
         if cache.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"FlashInfer takes NHD or HND caches, not {cache.kv_layout!r}")
         kc = cache.key_caches[0]
-        self.workspace = torch.zeros(bench._FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
-                                     device=kc.device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace,
+        # A workspace each: a wrapper's plan lives in its workspace until its runs.
+        self.workspaces = [torch.zeros(bench._FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
+                                       device=kc.device) for _ in range(2)]
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspaces[0],
                                                                       cache.kv_layout)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspaces[1], cache.kv_layout, use_tensor_cores=True)
         self.config, self.kv_dtype = config, kc.dtype
         self.q_dtype = _arrays.torch_dtype(cache.dtype)
         # fp8: the per-tensor scales, read once (the engine never changes them) so that
@@ -470,22 +476,44 @@ class FlashInferAttention:
         from . import bench
 
         tables, lens = cache.manager.tables(batch.seq_ids)  # after the step's appends
-        indptr, indices, last = bench._flashinfer_pages(tables, lens, cache.block_size)
-        c = self.config
-        self.wrapper.plan(torch.from_numpy(batch.query_start_loc), torch.from_numpy(indptr),
-                          torch.from_numpy(indices).to(self.workspace.device),
-                          torch.from_numpy(last), c.num_heads, c.num_kv_heads, c.head_dim,
-                          cache.block_size, causal=True, q_data_type=self.q_dtype,
-                          kv_data_type=self.kv_dtype)
-        return lambda layer, q, k, v: self._layer(cache, slot_mapping, layer, q, k, v)
+        single = batch.num_tokens == 1
+        d = len(single) if single.all() else int(np.argmin(single))  # leading decodes
+        c, dev = self.config, self.workspaces[0].device
+        common = dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
+        if d:
+            indptr, indices, last = bench._flashinfer_pages(tables[:d], lens[:d],
+                                                             cache.block_size)
+            self.decode.plan(torch.from_numpy(indptr), torch.from_numpy(indices).to(dev),
+                             torch.from_numpy(last), c.num_heads, c.num_kv_heads, c.head_dim,
+                             cache.block_size, pos_encoding_mode="NONE", **common)
+        if d < len(single):
+            indptr, indices, last = bench._flashinfer_pages(tables[d:], lens[d:],
+                                                             cache.block_size)
+            qo = batch.query_start_loc[d:] - batch.query_start_loc[d]
+            self.prefill.plan(torch.from_numpy(qo), torch.from_numpy(indptr),
+                              torch.from_numpy(indices).to(dev), torch.from_numpy(last),
+                              c.num_heads, c.num_kv_heads, c.head_dim, cache.block_size,
+                              causal=True, **common)
+        rows = int(batch.query_start_loc[d])  # query rows of the decodes
+        return lambda layer, q, k, v: self._layer(cache, slot_mapping, d, rows, layer, q, k, v)
 
-    def _layer(self, cache, slot_mapping, layer, q, k, v):
+    def _layer(self, cache, slot_mapping, d, rows, layer, q, k, v):
+        import torch
+
         from . import cache_ops
 
         kc, vc = cache.key_caches[layer], cache.value_caches[layer]
         cache_ops.reshape_and_cache(k, v, kc, vc, slot_mapping, kv_layout=cache.kv_layout,
                                     **cache.layer_kwargs(layer))
-        return self.wrapper.run(q, (kc, vc), **self.scales[layer])
+        scales = self.scales[layer]
+        if rows == q.shape[0]:
+            return self.decode.run(q, (kc, vc), **scales)
+        if not d:
+            return self.prefill.run(q, (kc, vc), **scales)
+        out = torch.empty_like(q)
+        self.decode.run(q[:rows], (kc, vc), out=out[:rows], **scales)
+        self.prefill.run(q[rows:], (kc, vc), out=out[rows:], **scales)
+        return out
 
 
 # ---- the step-time breakdown ------------------------------------------------------------------

@@ -709,8 +709,8 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     """Serve one workload of random requests end to end through several systems, with
     the same model weights and the same requests for each: cupaged (the engine's
     continuous batching over a PagedKVCache, decode steps in CUDA graphs), cupaged-eager
-    (the same, every step launched from Python), flashinfer (the same engine with FlashInfer's
-    paged prefill kernels for attention), concat (continuous batching with contiguous
+    (the same, every step launched from Python), flashinfer (the same engine, eager, with FlashInfer's
+    paged decode and prefill kernels for attention), concat (continuous batching with contiguous
     per-request K/V grown by torch.cat, attention by torch SDPA, admission reserving
     prompt + output per request in the same KV budget) and hf (transformers' generate on
     the same weights, static left-padded batches). Reports output tokens/s, TTFT and TPOT

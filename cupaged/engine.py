@@ -27,9 +27,9 @@ submission, so every request finishes.
 
 With prefix caching (``BlockManager(prefix_caching=True)``) a prompt is added with its
 token ids and the blocks found in the prefix cache are shared instead of computed
-(:meth:`BlockManager.num_cached_tokens`). The lookup covers the tokens a prompt is added
-with, its first chunk: a prompt that does not fit whole into the budget left is therefore
-added only as a step's first admission.
+(:meth:`BlockManager.num_cached_tokens`). A waiting prompt is looked up whole
+(:meth:`BlockManager.cached_prefix_len`) before it is admitted: its cached blocks take no
+step budget, so its first chunk is those blocks plus as many tokens as the budget left.
 """
 
 from __future__ import annotations
@@ -368,7 +368,6 @@ class Scheduler:
         scheduled = {id(row.seq): row.tokens for row in self._rows}
         reserve = sum(_blocks(len(s.tokens), bs) - _blocks(s.computed + scheduled.get(id(s), 0), bs)
                       for s in self.running)
-        first = True
         while self.waiting and self._budget > 0:
             seq = self.waiting[0]
             if seats + 1 + seq.forks_left > self.max_running:
@@ -377,9 +376,10 @@ class Scheduler:
             # Room for the whole prompt and the first generated token.
             if _blocks(min(size + 1, seq.max_tokens), bs) + reserve > self._avail():
                 return
-            k = min(size, self._budget)
-            if k < size and self.prefix_caching and not first:
-                return  # its prefix lookup sees only what it is added with: next step
+            # Its cached leading blocks cost no budget: the first chunk is them and what
+            # the budget allows (add() finds the same blocks in the chunk's ids).
+            hit = m.cached_prefix_len(seq.tokens) if self.prefix_caching else 0
+            k = min(size, hit + self._budget)
             slots = m.add(seq.id, k, seq.tokens[:k] if self.prefix_caching else None)
             cached = m.num_cached_tokens(seq.id)
             self.waiting.popleft()
@@ -391,7 +391,6 @@ class Scheduler:
             reserve += _blocks(size, bs) - _blocks(k, bs)
             self._rows.append(_Row(seq, k - cached, 0, slots))  # add() took its blocks
             self._budget -= k - cached
-            first = False
 
     def _preempt(self, seq: _Seq) -> None:
         """Free ``seq``'s blocks and requeue it at the front of the waiting queue, to be

@@ -210,6 +210,22 @@ class BlockManager:
 
     # ---- mutations -----------------------------------------------------------------------------
 
+    def cached_prefix_len(self, token_ids) -> int:
+        """How many leading tokens of a prompt with these ids :meth:`add` would find in
+        the prefix cache now (a multiple of ``block_size``, less than the prompt's length;
+        0 without prefix caching). Changes nothing."""
+        bs, ids = self.block_size, list(token_ids)
+        if not self.prefix_caching:
+            return 0
+        _check_token_ids(ids)
+        parent, found = None, 0
+        for i in range((len(ids) - 1) // bs):  # full blocks before the last token, as add
+            b = self._full.get((parent, tuple(ids[i * bs:(i + 1) * bs])))
+            if b is None:
+                break
+            parent, found = (b, self._gen[b]), found + bs
+        return found
+
     def add(self, seq_id: Hashable, num_tokens: int, token_ids=None) -> np.ndarray:
         """Start a sequence with a prompt of ``num_tokens`` (0 is fine: an empty sequence
         that :meth:`append` fills, say chunk by chunk), whose ids are ``token_ids``

@@ -287,14 +287,23 @@ def test_prefix_cache_hits_skip_recomputation():
     assert all_free(runner.m)
 
 
-def test_prefix_caching_waits_for_a_whole_first_chunk():
-    """With prefix caching a prompt that would be cut short is added only as a step's
-    first admission, so its lookup covers as much of it as the step allows."""
+def test_a_prompt_longer_than_the_budget_finds_its_whole_cached_prefix():
+    """A prompt is looked up whole before it is admitted: its cached blocks cost no step
+    budget, so prompts longer than a step's budget (a 2048-token system prompt in chunks
+    of 2048) still share every cached block, and several are admitted in one step."""
     system = list(range(100, 124))  # six blocks of 4
-    requests = [Request(i, system + [i], 2) for i in range(4)]
-    runner = make(64, 4, prefix_caching=True, max_batched_tokens=32, max_running=4)
-    outputs = runner.run(requests)
-    check_outputs(requests, outputs)
+    a = Request("a", system + [1], 2)
+    later = [Request(i, system + [i] * 5, 2) for i in range(3)]  # 29 tokens, 5 their own
+    runner = make(64, 4, prefix_caching=True, max_batched_tokens=16, max_running=4)
+    outputs = [runner.submit(a)]
+    while runner.s.has_unfinished():
+        runner.step()
+    outputs += [runner.submit(r) for r in later]
+    batch = runner.s.schedule()
+    assert batch.num_tokens.tolist() == [5, 5, 5]  # all three, their own tokens only
+    check = make(64, 4, prefix_caching=True, max_batched_tokens=16, max_running=4)
+    outputs = check.run([a] + later, arrivals=[0, 3, 3, 3])
+    check_outputs([a] + later, outputs)
     assert [o.num_cached_tokens for o in outputs] == [0, 24, 24, 24]
 
 

@@ -166,6 +166,11 @@ class Model(RuleBasedStateMachine):
         s, bs = self._new_id(), self.bs
         before = snapshot(self.m)
         hits = self._hits(before, ids, n)
+        # The lookup alone (the engine's, before it admits a prompt) finds them and
+        # changes nothing.
+        if ids is not None:
+            assert self.m.cached_prefix_len(ids) == len(hits) * bs
+            assert snapshot(self.m) == before
         revived = [b for b in hits if before["refs"][b] == 0]  # cached hits
         need = -(-n // bs) - len(hits)
         free, n_cached, used, _ = before["counts"]
@@ -723,6 +728,7 @@ def test_allocation_evicts_before_running_out():
 def test_without_prefix_caching_nothing_is_cached():
     m = BlockManager(4, 2)
     m.add("a", 5, [1, 2, 3, 4, 5])
+    assert m.cached_prefix_len([1, 2, 3, 4, 5]) == 0
     m.free("a")
     assert (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks) == (4, 0, 0)
     assert m.num_available_blocks == 4 and not m._full and not m._lru
