@@ -45,26 +45,35 @@ def parse_args():
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson arrivals); default: all at once")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="launch decode steps from Python instead of replaying CUDA graphs")
+    args = vars(p.parse_args())
+    graphs = not args.pop("no_cuda_graphs")
     try:
-        return Workload(**vars(args), breakdown=False)  # the options are Workload's fields
+        return Workload(**args, breakdown=False), graphs  # the other options: Workload's
     except ValueError as e:
         p.error(str(e))
 
 
 def main():
-    w = parse_args()
+    w, graphs = parse_args()
     harness = Harness(w)  # the model, and the cache's blocks from the memory left
     cache = harness.make_cache()
+    # Decode steps replay CUDA graphs, planned for the longest sequence of the workload.
     engine = Engine(harness.model, cache, max_batched_tokens=w.max_batched_tokens,
-                    max_running=w.max_running)
+                    max_running=w.max_running, cuda_graphs=graphs,
+                    max_model_len=w.prompt_len[1] + w.output_len)
     print(f"{w.preset} ({harness.config.num_parameters / 1e9:.2f}B parameters, {w.dtype}); "
           f"cache: {cache.manager.num_blocks} blocks of {w.block_size} tokens, "
           f"{w.kv_layout}, kv_cache_dtype={cache.kv_cache_dtype}, "
-          f"prefix caching {'on' if w.prefix_caching else 'off'}")
+          f"prefix caching {'on' if w.prefix_caching else 'off'}, CUDA graphs "
+          f"{'on' if graphs else 'off'}")
 
-    # Compile the kernels this run needs (prefill and decode) before timing.
+    # Compile the kernels this run needs (prefill and decode) and capture the decode
+    # graphs of every batch size before timing.
     engine.run(warmup_requests(w.block_size))
+    if graphs:
+        engine.capture_graphs()
     torch.cuda.synchronize()
 
     requests, offsets = harness.requests()

@@ -854,3 +854,26 @@ def test_engine_on_gpu_fp8_cache_runs():
         assert out.finished and all(len(c.token_ids) == 9 for c in out.completions)
         assert all(0 <= t < model.config.vocab_size for c in out.completions for t in c.token_ids)
     assert engine.cache.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_serve_example_runs(tiny_gpu):
+    """examples/serve.py, as the README runs it (from the checkout, the package on the
+    path): every request served, with CUDA graphs and without."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    for extra in ([], ["--no-cuda-graphs"]):
+        r = subprocess.run([sys.executable, "examples/serve.py", "--preset", "tiny",
+                            "--num-requests", "12", "--prompt-len", "16", "80",
+                            "--output-len", "6", "--max-running", "8", "--memory-fraction",
+                            "0.02", *extra], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "12 requests" in r.stdout and "72 output tokens" in r.stdout, r.stdout
+        assert f"CUDA graphs {'off' if extra else 'on'}" in r.stdout

@@ -8,5 +8,6 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
 # FlashInfer, where its anchor was carried (.flashinfer): importable, its JIT set up.
 if [ -f .flashinfer/setup.sh ]; then
-  source .flashinfer/setup.sh >/dev/null 2>&1 || echo "FlashInfer did not set up" >&2
+  # Its one argument given: it would take the caller's first argument for its target.
+  source .flashinfer/setup.sh /tmp/flashinfer-site >/dev/null 2>&1 || echo "FlashInfer did not set up" >&2
 fi
