@@ -711,9 +711,12 @@ class Harness:
 
         ``graph_engine``: the run's engine with its decode graphs, whose replays the
         profiler cannot time inside. The device times are then those of the eager pass
-        (the same kernels on the same steps: the schedule does not depend on timing when
-        everything is submitted at once), and the step time is that of a second pass
-        through ``graph_engine``, with its graphs."""
+        (its kernels on the same steps: the schedule does not depend on timing when
+        everything is submitted at once; the graphs' own differ a little, padding the
+        batch to their size and planning attention for ``max_model_len``), and the step
+        time is that of a second pass through ``graph_engine``, with its graphs. With
+        prefix caching each pass starts from what the one before left cached, so its
+        schedule may differ from the timed run's."""
         profiler = _StepProfiler(self.model)
         engine = self._engine(cache, backend, model=profiler)
         wall = self._timed_pass(engine)
@@ -882,11 +885,11 @@ def _fmt(v, spec: str) -> str:
 
 def table_lines(results) -> list:
     """The console table: one line per system."""
-    lines = [f"{'system':11s} {'requests':>8s} {'out tok/s':>10s} {'TTFT ms p50':>12s} "
+    lines = [f"{'system':13s} {'requests':>8s} {'out tok/s':>10s} {'TTFT ms p50':>12s} "
              f"{'p90':>9s} {'TPOT ms p50':>12s} {'p90':>8s} {'KV held MiB':>12s} "
              f"{'claimed MiB':>12s} {'of budget':>10s} {'running':>8s}  note"]
     for r in results:
-        line = f"{r.system:11s} "
+        line = f"{r.system:13s} "
         if r.status != "ok":
             lines.append(line + f"{r.status.upper()}: {r.note}")
             continue

@@ -34,6 +34,7 @@ step budget, so its first chunk is those blocks plus as many tokens as the budge
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -220,7 +221,8 @@ class Batch:
 class Scheduler:
     """Continuous batching over a :class:`cupaged.BlockManager` (or anything with its
     ``add``, ``fork``, ``free``, ``ref_count``, ``block_table``, ``num_cached_tokens``,
-    ``num_free_blocks``, ``num_blocks``, ``block_size`` and ``prefix_caching``). The
+    ``num_free_blocks``, ``num_blocks``, ``block_size`` and ``prefix_caching``; with
+    prefix caching also ``cached_prefix_len``). The
     policy is in the module's docstring.
 
     A runner loops: ``batch = schedule()``; appends the batch's tokens to the cache and
@@ -549,19 +551,26 @@ class _DecodeGraphs:
         self.workspace = DecodeWorkspace(m, c.num_heads, c.head_dim, device=dev.index)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # padded batch size -> (CUDAGraph, its sampled tokens)
+        self.failed = set()  # sizes whose capture failed at their first step: eager
         self.num_replays = 0
 
     def serves(self, batch: Batch, step) -> bool:
         """Whether a graph runs this step: decodes only, a batch no larger than the
-        largest graph, tables no wider than the graphs'."""
+        largest graph, tables no wider than the graphs', and a size whose capture has
+        not failed."""
         n = len(batch.seq_ids)
         return (batch.num_appended == n == len(batch.tokens) == len(batch.sample_rows)
-                and n <= self.sizes[-1] and step.block_tables.shape[1] <= self.width)
+                and n <= self.sizes[-1] and step.block_tables.shape[1] <= self.width
+                and self._size(n) not in self.failed)
 
     def _size(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def replay(self, batch: Batch, step) -> list:
+    def replay(self, batch: Batch, step) -> list | None:
+        """The step's greedy tokens from its size's graph (captured now if it is new);
+        ``None`` when that capture fails (the size then runs eagerly, with a warning)."""
+        import torch
+
         n = len(batch.seq_ids)
         b = self._size(n)
         m = self.sizes[-1]
@@ -578,9 +587,19 @@ class _DecodeGraphs:
             self.slots[n:b].fill_(-1)
             self.lens[n:b].fill_(0)
         if b not in self.graphs:
-            self.capture([b])
+            try:
+                self.capture([b])
+            except Exception as e:  # out of memory, say: this size runs eagerly from now on
+                import warnings
+
+                self.failed.add(b)
+                warnings.warn(f"cupaged Engine: the decode graph of batch size {b} failed to "
+                              f"capture ({type(e).__name__}: {e}); that size runs eagerly",
+                              RuntimeWarning, stacklevel=3)
+                return None
         graph, sampled = self.graphs[b]
-        graph.replay()
+        with torch.cuda.device(self.inputs.device):
+            graph.replay()
         self.num_replays += 1
         return sampled[:n].tolist()
 
@@ -599,19 +618,23 @@ class _DecodeGraphs:
         saved = self.slots.clone(), self.lens.clone()
         self.slots.fill_(-1)
         self.lens.fill_(0)
-        current = torch.cuda.current_stream(self.inputs.device)
-        side = torch.cuda.Stream(self.inputs.device)
-        for b in todo:  # largest first: the smaller graphs reuse its pool's memory
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                self._forward(b)  # first launches (cuBLAS, modules) outside the capture
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                sampled = self._forward(b)
-            self.graphs[b] = (graph, sampled)
-        self.slots.copy_(saved[0])
-        self.lens.copy_(saved[1])
+        # On the cache's device, whichever is current: capture and launches go there.
+        with torch.cuda.device(self.inputs.device):
+            current = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            try:
+                for b in todo:  # largest first: the smaller graphs reuse its pool's memory
+                    side.wait_stream(current)
+                    with torch.cuda.stream(side):
+                        self._forward(b)  # first launches (cuBLAS, modules) uncaptured
+                    current.wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        sampled = self._forward(b)
+                    self.graphs[b] = (graph, sampled)
+            finally:
+                self.slots.copy_(saved[0])
+                self.lens.copy_(saved[1])
 
     def _forward(self, b: int):
         """The greedy tokens of the first ``b`` rows (launched on the current stream)."""
@@ -652,8 +675,10 @@ class Engine:
 
     ``cuda_graphs=True``: decode steps (every sequence computing one token) replay a CUDA
     graph of the whole forward and the greedy sampling, one graph per padded batch size
-    (1, 2, 4, 8, then multiples of 8 up to ``max_running``), captured at a size's first
-    step or by :meth:`capture_graphs`; other steps run eagerly. Padding rows write no
+    (1, 2, 4, 8, then multiples of 8, the last the first at or above ``max_running``),
+    captured by :meth:`capture_graphs` (recommended, before serving) or at a size's first
+    step (a size whose capture then fails runs eagerly, with a warning); other steps run
+    eagerly. Padding rows write no
     K/V and attend over nothing. The graphs' block tables hold ``max_model_len`` tokens
     per sequence (default: the whole cache) and their attention is planned for that
     length: give the longest sequence the engine will serve (prompt plus generated
@@ -695,10 +720,13 @@ class Engine:
                 raise ValueError("cuda_graphs=True needs a CUDA device")
             if max_model_len is None:
                 max_model_len = cache.manager.num_blocks * cache.block_size
-            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
-                    or max_model_len < 1:
+            try:
+                length = operator.index(max_model_len)
+            except TypeError:
+                length = 0
+            if isinstance(max_model_len, bool) or length < 1:
                 raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-            self.graphs = _DecodeGraphs(model, cache, max_running, max_model_len)
+            self.graphs = _DecodeGraphs(model, cache, max_running, length)
 
     def submit(self, request: Request) -> RequestOutput:
         """Queue a request (see :meth:`Scheduler.submit`); returns its output, filled in
@@ -738,7 +766,9 @@ class Engine:
         step = cache.step(batch.seq_ids, num_tokens=batch.step_num_tokens,
                           token_ids=batch.append_token_ids)
         if self.graphs is not None and self.graphs.serves(batch, step):
-            return self.graphs.replay(batch, step)
+            sampled = self.graphs.replay(batch, step)
+            if sampled is not None:
+                return sampled
         # One host-to-device copy for the model's inputs and what cache.step cannot know:
         # the added rows' slots and, with them, the query offsets of the whole batch.
         t, added = batch.num_query_tokens, len(batch.added_slots)

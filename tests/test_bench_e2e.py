@@ -441,7 +441,7 @@ def test_table_and_breakdown_lines():
     assert "512 prompt tokens from the prefix cache" in lines[1]
     assert lines[2].split()[7:10] == ["2048.0", "16384.0", "100.0%"]  # concat's reservations
     assert lines[3].endswith("batches of 32")
-    assert lines[4] == f"{'flashinfer':11s} SKIPPED: out of GPU memory: fake"
+    assert lines[4] == f"{'flashinfer':13s} SKIPPED: out of GPU memory: fake"
     (b,) = bench_e2e.breakdown_lines(_results())
     assert b.startswith("cupaged step time: attention 25.0% (reshape_and_cache + attention), "
                         "rest of the model 60.0%, host 15.0%")

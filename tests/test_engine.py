@@ -727,9 +727,25 @@ def test_engine_on_gpu_matches_transformers(tiny_gpu, scenario, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__[9:])
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
-def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario, layout):
+def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario, layout,
+                                                            monkeypatch):
     """Decode steps replayed from CUDA graphs (padded batches: the scenarios' batches of
-    3, 5, 6 and 7 run in graphs of 4 and 8 rows) give generate's tokens too."""
+    3, 5, 6 and 7 run in graphs of 4 and 8 rows) give generate's tokens too, and every
+    replay's padding rows write nothing and read nothing (a batch that shrinks within a
+    graph size leaves rows of finished sequences behind, whose blocks may be reused)."""
+    from cupaged.engine import _DecodeGraphs
+
+    replay = _DecodeGraphs.replay
+
+    def checked(self, batch, step):
+        tokens = replay(self, batch, step)
+        n = len(batch.seq_ids)
+        b = self._size(n)
+        assert (self.slots[n:b] == -1).all() and (self.lens[n:b] == 0).all()
+        assert (self.lens[:n].cpu().numpy() == batch.seq_lens).all()
+        return tokens
+
+    monkeypatch.setattr(_DecodeGraphs, "replay", checked)
     model, hf = tiny_gpu
     engines = scenario(model, hf, _gpu_cache(model, layout), cuda_graphs=True)
     for engine in engines:
@@ -744,16 +760,21 @@ def test_cuda_graphs_with_a_short_max_model_len_fall_back_to_eager(tiny_gpu):
 
     model, hf = tiny_gpu
     requests = [Request(i, p, 12) for i, p in enumerate(_prompts([6, 9, 14], seed=6))]
-    engine = Engine(model, _gpu_cache(model, "HND")(64, 4, False), max_batched_tokens=32,
-                    max_running=4, cuda_graphs=True, max_model_len=16)
-    engine.capture_graphs([4])
-    assert sorted(engine.graphs.graphs) == [4]
-    with pytest.raises(ValueError, match="no decode graph of batch size 3"):
-        engine.capture_graphs([3])
-    outputs = engine.run(requests)
-    check_against_hf(hf, requests, outputs)
-    # 14 + 11 tokens need 7 blocks of 4, the graphs hold 4: the longest ran eagerly at the end.
-    assert 0 < engine.graphs.num_replays < sum(r.max_new_tokens - 1 for r in requests)
+    replays = {}
+    for length in (16, 1000):
+        engine = Engine(model, _gpu_cache(model, "HND")(64, 4, False), max_batched_tokens=32,
+                        max_running=4, cuda_graphs=True, max_model_len=length)
+        engine.capture_graphs([4])
+        assert sorted(engine.graphs.graphs) == [4]
+        with pytest.raises(ValueError, match="no decode graph of batch size 3"):
+            engine.capture_graphs([3])
+        outputs = engine.run(requests)
+        check_against_hf(hf, requests, outputs)
+        replays[length] = engine.graphs.num_replays, sorted(engine.graphs.graphs)
+    # Tables of 4 blocks hold 16 tokens: sequences grow past them (to 25) and run eagerly,
+    # so no smaller graph is ever captured; with room, every decode step replays.
+    (short, short_sizes), (roomy, roomy_sizes) = replays[16], replays[1000]
+    assert 0 < short < roomy and short_sizes == [4] and roomy_sizes[-1] == 4
 
 
 @pytest.mark.gpu
