@@ -66,6 +66,7 @@ __all__ = ["SYSTEMS", "ConcatEngine", "FlashInferAttention", "Harness", "SystemR
            "warmup_requests", "write_csv", "write_json", "write_plot"]
 
 SYSTEMS = ("cupaged", "cupaged-eager", "flashinfer", "concat", "hf")
+ENGINE_SYSTEMS = SYSTEMS[:3]  # Engine over a PagedKVCache: _run_engine
 PRESETS = ("llama-3.2-1b", "llama-3-8b", "tiny")
 DTYPES = ("bfloat16", "float16", "float32")
 KV_LAYOUTS = ("HND", "NHD", "vllm")
@@ -621,7 +622,9 @@ class Harness:
             why = unsupported(system, self.workload)
             if why:
                 return SystemResult(system, "skipped", why), []
-            return getattr(self, f"_run_{system.replace('-', '_')}")()
+            if system in ENGINE_SYSTEMS:
+                return self._run_engine(system)
+            return getattr(self, f"_run_{system}")()
         except bench._oom_errors() as e:
             return SystemResult(system, "skipped", f"out of GPU memory: {_one_line(e)}"), []
         except Exception as e:
@@ -651,15 +654,6 @@ class Harness:
                       max_batched_tokens=w.max_batched_tokens, max_running=w.max_running,
                       attention=backend, cuda_graphs=cuda_graphs,
                       max_model_len=w.prompt_len[1] + w.output_len)
-
-    def _run_cupaged(self):
-        return self._run_engine("cupaged")
-
-    def _run_cupaged_eager(self):
-        return self._run_engine("cupaged-eager")
-
-    def _run_flashinfer(self):
-        return self._run_engine("flashinfer")
 
     def _run_engine(self, system: str):
         from .engine import PagedAttention

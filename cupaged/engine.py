@@ -489,10 +489,23 @@ class PagedAttention:
 
     def __init__(self, cache, batch: Batch, slot_mapping, block_tables, seq_lens,
                  query_start_loc):
-        self.cache, self.slot_mapping = cache, slot_mapping
-        self.tables = (block_tables, seq_lens, query_start_loc)
-        self.bounds = dict(max_query_len=int(batch.num_tokens.max()),
-                           max_seq_len=int(batch.seq_lens.max()))
+        self._bind(cache, slot_mapping, (block_tables, seq_lens, query_start_loc),
+                   max_query_len=int(batch.num_tokens.max()),
+                   max_seq_len=int(batch.seq_lens.max()))
+
+    @classmethod
+    def _static(cls, cache, slot_mapping, tables, **options) -> "PagedAttention":
+        """Over arrays that outlive a step (the decode graphs'): the bounds given, and
+        ``out`` and ``workspace`` so that nothing is allocated."""
+        self = cls.__new__(cls)
+        self._bind(cache, slot_mapping, tables, **options)
+        return self
+
+    def _bind(self, cache, slot_mapping, tables, *, max_query_len, max_seq_len, out=None,
+              workspace=None):
+        self.cache, self.slot_mapping, self.tables = cache, slot_mapping, tables
+        self.options = dict(max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+                            workspace=workspace)
         self.plan = None
 
     def __call__(self, layer: int, q, k, v):
@@ -503,11 +516,11 @@ class PagedAttention:
                                     **kw)
         if kw["k_scale"] is not None:  # fp8: each layer its own scales, no plan to share
             return varlen.attention(q, kc, vc, *self.tables, kv_layout=cache.kv_layout,
-                                    causal=True, **self.bounds, **kw)
+                                    causal=True, **self.options, **kw)
         if self.plan is None:
             self.plan = varlen.AttentionPlan(q, kc, vc, *self.tables, kv_layout=cache.kv_layout,
-                                             causal=True, **self.bounds)
-        return self.plan.run(q, kc, vc)
+                                             causal=True, **self.options)
+        return self.plan.run(q, kc, vc, out=self.options["out"])
 
 
 def _graph_sizes(max_batch: int) -> list:
@@ -638,26 +651,11 @@ class _DecodeGraphs:
 
     def _forward(self, b: int):
         """The greedy tokens of the first ``b`` rows (launched on the current stream)."""
-        from . import varlen
-
-        cache, m = self.cache, self.sizes[-1]
-        slots, out = self.slots[:b], self.out[:b]
-        shared = (self.tables[:b], self.lens[:b], self.starts[:b + 1])
-        plans = {}
-
-        def attention(layer, q, k, v):
-            kc, vc = cache.key_caches[layer], cache.value_caches[layer]
-            kw = cache.layer_kwargs(layer)
-            cache_ops.reshape_and_cache(k, v, kc, vc, slots, kv_layout=cache.kv_layout, **kw)
-            # One plan for all layers; an fp8 cache's layers each have their own scales.
-            key = layer if kw["k_scale"] is not None else None
-            if key not in plans:
-                plans[key] = varlen.AttentionPlan(
-                    q, kc, vc, *shared, kv_layout=cache.kv_layout, causal=True,
-                    max_query_len=1, max_seq_len=self.max_seq_len, out=out,
-                    workspace=self.workspace, **kw)
-            return plans[key].run(q, kc, vc, out=out)
-
+        m = self.sizes[-1]
+        attention = PagedAttention._static(
+            self.cache, self.slots[:b], (self.tables[:b], self.lens[:b], self.starts[:b + 1]),
+            max_query_len=1, max_seq_len=self.max_seq_len, out=self.out[:b],
+            workspace=self.workspace)
         logits = self.model.forward(self.inputs[:b], self.inputs[m:m + b], attention)
         return logits.argmax(dim=-1)
 

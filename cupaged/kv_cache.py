@@ -214,17 +214,23 @@ class BlockManager:
         """How many leading tokens of a prompt with these ids :meth:`add` would find in
         the prefix cache now (a multiple of ``block_size``, less than the prompt's length;
         0 without prefix caching). Changes nothing."""
-        bs, ids = self.block_size, list(token_ids)
         if not self.prefix_caching:
             return 0
+        ids = list(token_ids)
         _check_token_ids(ids)
-        parent, found = None, 0
-        for i in range((len(ids) - 1) // bs):  # full blocks before the last token, as add
-            b = self._full.get((parent, tuple(ids[i * bs:(i + 1) * bs])))
+        return len(self._lookup(ids)[0]) * self.block_size
+
+    def _lookup(self, token_ids: list) -> tuple[list, tuple | None]:
+        """The cached blocks a prompt with these ids starts with (its full blocks before
+        the last token: that one is always computed), and the prefix id after them."""
+        bs, shared, parent = self.block_size, [], None
+        for i in range((len(token_ids) - 1) // bs):
+            b = self._full.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             if b is None:
                 break
-            parent, found = (b, self._gen[b]), found + bs
-        return found
+            shared.append(b)
+            parent = (b, self._gen[b])
+        return shared, parent
 
     def add(self, seq_id: Hashable, num_tokens: int, token_ids=None) -> np.ndarray:
         """Start a sequence with a prompt of ``num_tokens`` (0 is fine: an empty sequence
@@ -268,12 +274,7 @@ class BlockManager:
         full, n_blocks = num_tokens // bs, -(-num_tokens // bs)
         shared, parent, ref = [], None, self._ref  # leading full blocks found in the cache
         if self.prefix_caching and token_ids:
-            for i in range((num_tokens - 1) // bs):  # full blocks before the last token
-                b = self._full.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
-                if b is None:
-                    break
-                shared.append(b)
-                parent = (b, self._gen[b])
+            shared, parent = self._lookup(token_ids)
         revived = {b for b in shared if not ref[b]}  # cached hits: not to be evicted
         new = self._next_free(n_blocks - len(shared), revived)
         blocks = shared + new
