@@ -539,20 +539,30 @@ def fp8_unsupported(impl: str, kv_cache_dtype: str = "auto") -> str | None:
 
 
 # Peers that run plain softmax attention only: no window, soft-cap, sinks or ALiBi.
-_PLAIN_ONLY = ("cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense", "flashinfer-xqa")
+_PLAIN_ONLY = ("cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense")
+# FlashInfer's runners and the variants they are run with (the arguments they go to).
+_PEER_VARIANTS = {
+    "flashinfer-decode": {"window": "window_left", "soft_cap": "logits_soft_cap"},
+    "flashinfer-decode-tc": {"window": "window_left", "soft_cap": "logits_soft_cap"},
+    "flashinfer-xqa": {"window": "window_left", "sinks": "sinks"},
+}
+_VARIANT_LABELS = {"window": "window", "soft_cap": "soft-cap", "sinks": "sinks", "alibi": "ALiBi"}
 
 
 def variant_unsupported(impl: str, variants: Variants = PLAIN) -> str | None:
     """Why ``impl`` cannot run ``variants`` (one line), or None. cupaged runs them all;
     FlashInfer's decode wrappers get a window (``window_left = W - 1``) and a soft cap
-    through plan(); their sinks and ALiBi paths are not wired up here."""
+    through plan(), its XQA kernel a window and sinks; their other variant paths are not
+    wired up here."""
     if variants.plain or impl.startswith("cupaged"):
         return None
     if impl in _PLAIN_ONLY:
         return f"{impl} runs plain attention only (asked for: {variants.label()})"
-    missing = [n for n, on in (("sinks", variants.sinks), ("ALiBi", variants.alibi)) if on]
-    if impl.startswith("flashinfer-") and missing:
-        return (f"{impl} is run with window_left and logits_soft_cap only, not "
+    takes = _PEER_VARIANTS.get(impl, {})
+    asked = {k: v for k, v in variants.fields().items() if v not in (None, False)}
+    missing = [_VARIANT_LABELS[k] for k in _VARIANT_LABELS if k in asked and k not in takes]
+    if missing:
+        return (f"{impl} is run with {' and '.join(takes.values())} only, not "
                 f"{' or '.join(missing)}")
     return None
 
@@ -870,7 +880,9 @@ def _run_flashinfer_xqa(case: "DecodeCase", partition):
     non-negative values), as vLLM and SGLang pass them. Over an fp8 cache (e4m3 only) the
     scales go where vLLM puts them, k_scale into bmm1_scale and v_scale as bmm2_scale, and
     XQA computes in fp8 ("xqa will run fp8 calculation": on an H100, 4e-2 from the
-    reference), so its row is checked against e4m3's precision instead (_XQA_FP8_TOL)."""
+    reference), so its row is checked against e4m3's precision instead (_XQA_FP8_TOL).
+    A window goes to it as ``window_left = W - 1``, sinks (float32 ``[num_heads]``, the
+    gpt-oss convention, as cupaged's) as ``sinks``; soft-cap and ALiBi are refused."""
     flashinfer = _require_flashinfer()
     xqa = getattr(getattr(flashinfer, "decode", None), "xqa_batch_decode_with_kv_cache", None)
     if xqa is None:
@@ -879,13 +891,18 @@ def _run_flashinfer_xqa(case: "DecodeCase", partition):
     _require_supported(case, "flashinfer-xqa")
     fi = _flashinfer_inputs(case)
     max_len = int(case.context_lens.max(initial=0))
-    scales = dict(bmm1_scale=fi.scale)
+    kw = dict(bmm1_scale=fi.scale)
     if case.fp8:
-        scales = dict(bmm1_scale=fi.scale * case.k_scale, bmm2_scale=case.v_scale)
+        kw = dict(bmm1_scale=fi.scale * case.k_scale, bmm2_scale=case.v_scale)
+    if case.variants.window is not None:
+        kw["window_left"] = case.variants.window - 1
+    if case.variants.sinks:
+        torch = _torch()
+        kw["sinks"] = torch.as_tensor(sink_values(case.heads), device=fi.q.device)
 
     def run():
         xqa(fi.q, (fi.k, fi.v), fi.workspace, fi.block_tables, fi.seq_lens, max_len,
-            kv_layout="HND", out=fi.out, **scales)
+            kv_layout="HND", out=fi.out, **kw)
         return fi.out_cupy
 
     if case.fp8:

@@ -349,7 +349,8 @@ def _options(arch: str) -> tuple[str, ...]:
     return (CXX_STD, f"-arch={arch}")
 
 
-def _compile(entry: str, arch: str, name_expressions: list[str], label: str):
+def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
+             extra: tuple[str, ...] = ()):
     """Compile one program; returns (binary, {name expression: lowered name})."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(source(entry), entry, [], [])
@@ -357,7 +358,7 @@ def _compile(entry: str, arch: str, name_expressions: list[str], label: str):
         for expr in name_expressions:
             nvrtc.addNameExpression(prog, expr)
         try:
-            nvrtc.compileProgram(prog, list(_options(arch)))
+            nvrtc.compileProgram(prog, [*_options(arch), *extra])
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC could not compile {label} for {arch}: {e}\n{log}") from None
@@ -623,11 +624,27 @@ def clear_memory_caches() -> None:
 # ---- compile check (no GPU needed) ---------------------------------------------------------
 
 
+# NVRTC's fastest compile: the front end, NVVM and ptxas all run, so template errors,
+# static_asserts and PTX an architecture lacks are caught as at full optimization, but code
+# generation skips most optimizations (helpers called, not inlined): about 3.5x faster on
+# the covering set. For compile checks only; kernels are never built this way. NVRTC 12.8
+# added the option.
+_FAST_CHECK = ("--Ofast-compile=max",)
+
+
+def check_options() -> tuple[str, ...]:
+    """The options compile_check adds when ``fast`` (none where this NVRTC lacks them)."""
+    return _FAST_CHECK if nvrtc_version() >= (12, 8) else ()
+
+
 def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
-                  batch: int = 48) -> tuple[int, float]:
+                  batch: int = 48, fast: bool = True) -> tuple[int, float]:
     """Compile every spec with NVRTC, batching instantiations of one source and arch into
-    one program, without touching the disk cache or a GPU. Returns (count, seconds);
-    raises CompileError naming the failing batch."""
+    one program, without touching the disk cache or a GPU. ``fast`` (where this NVRTC has
+    it) compiles with ``--Ofast-compile=max``, which checks the same things as a full build
+    (``_FAST_CHECK``); ``fast=False`` compiles exactly as kernels are built. Returns
+    (count, seconds); raises CompileError naming the failing batch."""
+    extra = check_options() if fast else ()
     groups: dict = {}
     for s in dict.fromkeys(specs):
         groups.setdefault((s.source_file, s.arch), []).append(s)
@@ -636,7 +653,8 @@ def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
         for i in range(0, len(members), batch):
             chunk = members[i:i + batch]
             jobs.append((entry, arch, [s.name_expression for s in chunk],
-                         f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} specializations)"))
+                         f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} specializations)",
+                         extra))
     t0 = time.perf_counter()
     workers = workers or os.cpu_count() or 1
     with ThreadPoolExecutor(workers) as pool:

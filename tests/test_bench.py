@@ -374,20 +374,25 @@ def test_variant_case_names_its_specialization(monkeypatch):
 
 
 def test_peers_that_cannot_run_variants_are_named():
-    plain_only = {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense", "flashinfer-xqa"}
+    plain_only = {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"}
+    decode = {"flashinfer-decode", "flashinfer-decode-tc"}  # window_left, logits_soft_cap
+    xqa = {"flashinfer-xqa"}  # window_left, sinks
     for impl in bench.IMPLEMENTATIONS:
         assert bench.variant_unsupported(impl, bench.PLAIN) is None
-    for v in (bench.Variants(window=512), bench.Variants(soft_cap=50.0),
-              bench.Variants(window=512, soft_cap=50.0)):
-        no = {i for i in bench.IMPLEMENTATIONS if bench.variant_unsupported(i, v)}
-        assert no == plain_only  # FlashInfer's decode gets window_left / logits_soft_cap
-    for v in (bench.Variants(sinks=True), bench.Variants(alibi=True)):
-        no = {i for i in bench.IMPLEMENTATIONS if bench.variant_unsupported(i, v)}
-        assert no == plain_only | {"flashinfer-decode", "flashinfer-decode-tc"}
+    refused = {bench.Variants(window=512): plain_only,
+               bench.Variants(soft_cap=50.0): plain_only | xqa,
+               bench.Variants(window=512, soft_cap=50.0): plain_only | xqa,
+               bench.Variants(sinks=True): plain_only | decode,
+               bench.Variants(window=512, sinks=True): plain_only | decode,
+               bench.Variants(alibi=True): plain_only | decode | xqa}
+    for v, no in refused.items():
+        assert {i for i in bench.IMPLEMENTATIONS if bench.variant_unsupported(i, v)} == no, v
     assert "runs plain attention only (asked for: window 512)" in bench.variant_unsupported(
         "cupy-gather", bench.Variants(window=512))
-    assert "not sinks or ALiBi" in bench.variant_unsupported(
-        "flashinfer-decode", bench.Variants(sinks=True, alibi=True))
+    assert bench.variant_unsupported("flashinfer-decode", bench.Variants(sinks=True, alibi=True)) \
+        == "flashinfer-decode is run with window_left and logits_soft_cap only, not sinks or ALiBi"
+    assert bench.variant_unsupported("flashinfer-xqa", bench.Variants(soft_cap=5.0, sinks=True)) \
+        == "flashinfer-xqa is run with window_left and sinks only, not soft-cap"
     assert all(bench.variant_unsupported(i, bench.Variants(1, 1.0, True, True)) is None
                for i in ("cupaged", "cupaged-nhd", "cupaged-hnd"))
     # fp8 first, then the variants
@@ -410,10 +415,12 @@ def test_flashinfer_rows_refuse_what_they_are_not_given(monkeypatch, impl):
     fake = types.ModuleType("flashinfer")
     fake.decode = types.SimpleNamespace(xqa_batch_decode_with_kv_cache=lambda *a, **k: None)
     monkeypatch.setattr(bench, "_flashinfer", lambda: (fake, None))
+    # Each is given a window; the decode wrappers are refused sinks, XQA a soft cap.
+    refused = dict(soft_cap=5.0) if impl == "flashinfer-xqa" else dict(sinks=True)
     case = bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
-                            variants=bench.Variants(window=4, sinks=True))
-    with pytest.raises(NotImplementedError, match="sinks" if impl != "flashinfer-xqa"
-                       else "plain attention only"):
+                            variants=bench.Variants(window=4, **refused))
+    with pytest.raises(NotImplementedError, match="not soft-cap" if impl == "flashinfer-xqa"
+                       else "not sinks"):
         bench.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
 
 

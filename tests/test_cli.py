@@ -73,7 +73,7 @@ def test_decode_without_gpu_exits_nonzero():
     (["compare", "--window", "512", "--impl", "cupy-gather"],
      "cupy-gather runs plain attention only (asked for: window 512)"),
     (["compare", "--soft-cap", "50", "--impl", "flashinfer-xqa"],
-     "flashinfer-xqa runs plain attention only"),
+     "flashinfer-xqa is run with window_left and sinks only, not soft-cap"),
     (["compare", "--sinks", "--impl", "flashinfer-decode"],
      "flashinfer-decode is run with window_left and logits_soft_cap only, not sinks"),
     (["compare", "--alibi", "--impl", "flashinfer-decode-tc"], "not ALiBi"),
@@ -397,7 +397,8 @@ def test_compare_with_a_window_leaves_out_the_plain_peers(monkeypatch, no_flashi
 
 @pytest.mark.parametrize("flags, left_out", [
     (["--window", "512", "--soft-cap", "50"], ["flashinfer-xqa"]),
-    (["--sinks"], ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"]),
+    (["--sinks"], ["flashinfer-decode", "flashinfer-decode-tc"]),
+    (["--window", "512", "--sinks"], ["flashinfer-decode", "flashinfer-decode-tc"]),
     (["--alibi"], ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"]),
 ])
 def test_compare_with_flashinfer_keeps_the_rows_that_take_the_variants(monkeypatch, flags,
@@ -670,6 +671,25 @@ def test_compare_with_a_window_and_a_soft_cap(tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "c.json").read_text())["results"]
     v = bench.Variants(64, 30.0)
+    assert [x["impl"] for x in rows] == bench.available_implementations("auto", v)
+    assert all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows), \
+        [(x["impl"], x["note"]) for x in rows]
+
+
+@pytest.mark.gpu
+def test_compare_with_a_window_and_sinks(tmp_path):
+    """cupaged's rows and (when FlashInfer imports) XQA with window_left and sinks, checked
+    against the reference: the same conventions."""
+    import json
+
+    from cupaged import bench
+
+    r = CliRunner().invoke(main, ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "3",
+                                  "--context-dist", "uniform:1:300", "--reps", "3", "--window",
+                                  "64", "--sinks", "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    v = bench.Variants(64, sinks=True)
     assert [x["impl"] for x in rows] == bench.available_implementations("auto", v)
     assert all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows), \
         [(x["impl"], x["note"]) for x in rows]

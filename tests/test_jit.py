@@ -223,6 +223,24 @@ def test_compile_error_names_the_specialization(cache, sources):
         jit.build(SPEC)
 
 
+@pytest.mark.skipif(not jit.check_options(), reason="this NVRTC has no --Ofast-compile")
+def test_the_fast_compile_check_still_runs_ptxas(sources):
+    """compile_check's --Ofast-compile=max skips optimizations, not checks: PTX that an
+    architecture lacks (fp8 pair conversions need sm_89) still fails, as a build does."""
+    (sources / "probe.cu").write_text(
+        "namespace cupaged {\n"
+        "template <int N> __global__ void probe(unsigned short* o, float a, float b) {\n"
+        "  unsigned short r;\n"
+        "  asm(\"cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\" : \"=h\"(r) : \"f\"(a), \"f\"(b));\n"
+        "  *o = r + N;\n"
+        "}\n"
+        "}  // namespace cupaged\n")
+    for extra in ((), jit.check_options()):
+        jit._compile("probe.cu", "sm_90", ["cupaged::probe<1>"], "probe", extra)
+        with pytest.raises(jit.CompileError, match="requires .target sm_89"):
+            jit._compile("probe.cu", "sm_80", ["cupaged::probe<1>"], "probe", extra)
+
+
 def test_target_for_devices():
     assert jit.target_for((9, 0)) == "sm_90"
     newest = max(jit.supported_archs())

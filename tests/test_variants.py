@@ -174,6 +174,24 @@ def test_window_edges_on_split_kv_decode(rng, window, partition):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.3])
+@pytest.mark.parametrize("case", ["plain", "cap"])
+def test_multi_token_scores_of_any_sign(rng, scale, case):
+    """The multi-token kernel takes a tile's maximum from its raw scores only when one
+    positive factor scales them (a negative scale turns the raw maximum into the scaled
+    minimum): negative, zero and positive scales, on tiles with and without masks."""
+    heads, kvh = 8, 2
+    q_lens, seq = [40, 17, 100], [300, 150, 700]
+    host = _problem(rng, q_lens, seq, layout="NHD", dtype="f16", heads=heads, kv_heads=kvh,
+                    head_size=64, block_size=16)
+    kw = {} if case == "plain" else dict(logits_soft_cap=2.0)
+    got, lse, ref, ref_lse = _run(host, dict(kw, scale=scale), "NHD",
+                                  max_query_len=max(q_lens))
+    assert_close(got, ref, testing.TOLERANCE["f16"], f"{case} scale {scale}")
+    _check_lse(lse, ref_lse, f"{case} scale {scale}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["decode", "mixed"])

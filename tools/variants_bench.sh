@@ -7,9 +7,15 @@ b() { python3 -m cupaged.cli "$@"; }
 if [ "${FI:-0}" = 1 ]; then
   source .flashinfer/setup.sh >/dev/null 2>&1
   b compare --batch 8 --context 32768 --heads 32 --kv-heads 8 --window 512 \
-    --impl cupaged --impl cupaged-hnd --impl flashinfer-decode --impl flashinfer-decode-tc 2>&1 | tail -6
+    --impl cupaged --impl cupaged-hnd --impl flashinfer-decode --impl flashinfer-decode-tc \
+    --impl flashinfer-xqa 2>&1 | tail -7
   b compare --batch 64 --context 2048 --heads 32 --kv-heads 8 --soft-cap 50 \
     --impl cupaged --impl cupaged-hnd --impl flashinfer-decode --impl flashinfer-decode-tc 2>&1 | tail -6
+  # Sinks: FlashInfer's XQA takes them (its decode wrappers are not given them here).
+  for kv in 8 32; do
+    b compare --batch 64 --context 2048 --heads 32 --kv-heads $kv --sinks \
+      --impl cupaged --impl cupaged-hnd --impl flashinfer-xqa 2>&1 | tail -5
+  done
   exit 0
 fi
 echo "== window 512 over 32768 vs plain 512 (batch 8, 32/8)"

@@ -2,21 +2,25 @@
 # Issue 13 on the GPU machine: the variant tests (and the suites they touch), then the
 # plain calls' speed before and after the variants (.regress/old: the library before,
 # made with `git archive BASE cupaged cuda_src | tar -x -C .regress/old`, and carried).
-#   [TESTS="tests/test_variants.py ..."] [BENCH=1] bash tools/variants_check.sh
+#   [TESTS="tests/test_variants.py ..."] [BENCH=1] [ROUNDS=2] [TREES=".regress/old ."] \
+#     bash tools/variants_check.sh
+# (TREES: the library trees to time, each a checkout's cupaged and cuda_src, in turn.)
 source "$(dirname "$0")/device_env.sh"
 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_variants.py} 2>&1 \
   | tee "$OUT/variant-tests.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | head -40
 [ "${BENCH:-0}" = 1 ] || exit 0
-for tree in .regress/old .; do
-  echo "== $tree"
-  (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli compare \
-     --heads 32 --kv-heads 8 --batch 64 --context 2048 --impl cupaged --impl cupaged-hnd \
-     2>&1 | tail -3)
-  # Soft-cap 50 keeps these logits within the cap (the polynomial tanh); 1 sends every
-  # warp to the exact tanh.
-  for v in "" "--soft-cap 50" "--soft-cap 1"; do
-    echo "-- prefill $v"
-    (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli prefill \
-       --preset prompt-4096 --preset 8x2048 --impl cupaged --dtype bfloat16 $v 2>&1 | tail -2)
+# ROUNDS alternations of the trees (run-to-run noise is about +-2%).
+for round in $(seq "${ROUNDS:-1}"); do
+  for tree in ${TREES:-.regress/old .}; do
+    echo "== round $round: $tree"
+    (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli compare \
+       --heads 32 --kv-heads 8 --batch 64 --context 2048 --impl cupaged --impl cupaged-hnd \
+       2>&1 | tail -3)
+    # Soft-cap 50 keeps most logits within the cap; 1 saturates most of them.
+    for v in "" "--soft-cap 50" "--soft-cap 1"; do
+      echo "-- prefill $v"
+      (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli prefill \
+         --preset prompt-4096 --preset 8x2048 --impl cupaged --dtype bfloat16 $v 2>&1 | tail -2)
+    done
   done
 done
