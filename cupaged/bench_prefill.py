@@ -7,9 +7,9 @@ memory-bound shapes (verify) also the K/V bytes read once against the copy bandw
 Over an fp8 cache (``kv_cache_dtype``: random finite fp8 values, per-tensor scales, as
 the decode bench's) cupaged and FlashInfer run; torch SDPA has no fp8 path.
 
-Attention variants (``variants``: a sliding window, a logits soft cap, sinks) run in
+Attention variants (``variants``: a sliding window, a logits soft cap, sinks, ALiBi) run in
 cupaged and in FlashInfer's wrappers (``window_left = W - 1`` and ``logits_soft_cap`` to
-plan(); no sinks); torch SDPA runs plain attention only. With a window, TFLOP/s count
+plan(); no sinks or ALiBi); torch SDPA runs plain attention only. With a window, TFLOP/s count
 only the (query, key) pairs inside both the window and the causal limit
 (:func:`attended_pairs`), and the K/V bytes only the keys some query sees
 (:func:`seen_keys`).
@@ -55,8 +55,10 @@ def variant_unsupported(impl: str, variants: "bench.Variants") -> str | None:
         return None
     if impl.startswith("torch-sdpa"):
         return f"{impl} runs plain attention only (asked for: {variants.label()})"
-    if impl.startswith("flashinfer-") and (variants.sinks or variants.alibi):
-        return f"{impl} is run with window_left and logits_soft_cap only, not sinks"
+    missing = [n for n, on in (("sinks", variants.sinks), ("ALiBi", variants.alibi)) if on]
+    if impl.startswith("flashinfer-") and missing:
+        return (f"{impl} is run with window_left and logits_soft_cap only, not "
+                f"{' or '.join(missing)}")
     return None
 
 
@@ -65,7 +67,7 @@ class PrefillCase:
     """``batch`` sequences, each with ``q_len`` new tokens at the end of ``ctx`` cached ones
     (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered: of
     ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2"), with
-    attention ``variants`` (bench.Variants; no ALiBi here)."""
+    attention ``variants`` (bench.Variants)."""
 
     name: str
     batch: int

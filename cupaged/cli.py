@@ -514,19 +514,21 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
                 "the causal limit; % copy only the keys some query sees.")
 @_soft_cap_option
 @_sinks_option
+@click.option("--alibi", is_flag=True,
+              help="ALiBi: the standard slopes of --heads (2^(-8 i / heads)).")
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, non_causal, window, soft_cap, sinks, reps):
+            dtype, kv_cache_dtype, non_causal, window, soft_cap, sinks, alibi, reps):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
     measured in the same run. Over an fp8 cache (--kv-cache-dtype; the presets keep
     their query types) torch SDPA, which has no fp8 path, is left out; with --window,
-    --soft-cap or --sinks it is too (plain attention only), and FlashInfer (which gets
-    window_left = W - 1 and logits_soft_cap) with --sinks."""
+    --soft-cap, --sinks or --alibi it is too (plain attention only), and FlashInfer (which
+    gets window_left = W - 1 and logits_soft_cap) with --sinks or --alibi."""
     from . import bench, bench_prefill
 
-    variants = _variants(window, soft_cap, sinks)
+    variants = _variants(window, soft_cap, sinks, alibi)
 
     kv = bench.kv_cache_dtype_name(kv_cache_dtype)
     if kv != "auto" and (batch or query_len):  # a custom shape's --dtype (presets: 16 bits)

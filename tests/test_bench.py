@@ -501,8 +501,13 @@ def test_prefill_peers_that_cannot_run_variants():
                   (bench.Variants(window=4096), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
                   (bench.Variants(soft_cap=50.0), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
                   (bench.Variants(sinks=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
+                                                "flashinfer-fa2", "flashinfer-fa3"}),
+                  (bench.Variants(alibi=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
                                                 "flashinfer-fa2", "flashinfer-fa3"})):
         assert {i for i in impls if bench_prefill.variant_unsupported(i, v)} == no
+    assert bench_prefill.variant_unsupported("flashinfer-fa3", bench.Variants(
+        sinks=True, alibi=True)) == ("flashinfer-fa3 is run with window_left and "
+                                     "logits_soft_cap only, not sinks or ALiBi")
     case = bench_prefill.PrefillCase("x", 1, 4, 4, variants=bench.Variants(window=2))
     with pytest.raises(NotImplementedError, match="torch-sdpa-flash runs plain attention only"):
         bench_prefill.IMPLEMENTATIONS["torch-sdpa-flash"](case)

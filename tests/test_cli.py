@@ -337,9 +337,8 @@ def test_variant_options_are_documented(cmd):
     r = CliRunner().invoke(main, [cmd, "--help"])
     out = " ".join(r.output.split())
     assert r.exit_code == 0
-    for opt in ("--window W", "--soft-cap C", "--sinks", "window_left = W - 1"):
+    for opt in ("--window W", "--soft-cap C", "--sinks", "--alibi", "window_left = W - 1"):
         assert opt in out, opt
-    assert ("--alibi" in out) == (cmd != "prefill")
     if cmd == "prefill":
         assert "TFLOP/s then count only the (query, key) pairs inside the window" in out
     else:
@@ -703,6 +702,17 @@ def test_prefill_with_variants():
                                   "--soft-cap", "20", "--sinks"])
     assert r.exit_code == 0, r.output
     assert "variants: window 50" in r.output and "WRONG" not in r.output
+    row = [l for l in r.output.splitlines() if l.startswith("2x64/200")]
+    assert len(row) == 1 and row[0].split()[1] == "cupaged" and "Error" not in row[0]
+
+
+@pytest.mark.gpu
+def test_prefill_with_alibi_and_a_soft_cap():
+    r = CliRunner().invoke(main, ["prefill", "--batch", "2", "--query-len", "64", "--context",
+                                  "200", "--heads", "8", "--kv-heads", "2", "--head-size", "64",
+                                  "--reps", "3", "--impl", "cupaged", "--alibi", "--soft-cap", "20"])
+    assert r.exit_code == 0, r.output
+    assert "ALiBi" in r.output and "WRONG" not in r.output
     row = [l for l in r.output.splitlines() if l.startswith("2x64/200")]
     assert len(row) == 1 and row[0].split()[1] == "cupaged" and "Error" not in row[0]
 

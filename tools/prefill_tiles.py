@@ -1,6 +1,8 @@
 """Time paged_prefill's tile shapes (warps, m_atoms, tile_tokens, stages) on the prefill
 presets: which default to pick. Device only; prints one line per (tile, shape).
-    python3 tools/prefill_tiles.py [preset ...]"""
+    [SOFT_CAP=50] [TILES="4,2,64,2 8,1,32,2"] python3 tools/prefill_tiles.py [preset ...]
+(SOFT_CAP: time the soft-cap variant instead of plain attention; TILES: only these.)"""
+import os
 import sys
 from pathlib import Path
 
@@ -9,8 +11,13 @@ from cupaged import bench, bench_prefill, varlen  # noqa: E402
 
 TILES = [(8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 2), (4, 2, 32, 2),
          (4, 1, 32, 2), (8, 1, 32, 3), (4, 1, 64, 3), (2, 1, 128, 2)]
+if os.environ.get("TILES"):
+    TILES = [tuple(int(x) for x in t.split(",")) for t in os.environ["TILES"].split()]
 names = sys.argv[1:] or ["prompt-4096", "8x2048", "chunk-512-of-8192", "verify-64x4x2048"]
-cases = [bench_prefill.PrefillCase(n, **bench_prefill.PRESETS[n]) for n in names]
+cap = float(os.environ["SOFT_CAP"]) if os.environ.get("SOFT_CAP") else None
+variants = bench.Variants(soft_cap=cap) if cap else bench.PLAIN
+cases = [bench_prefill.PrefillCase(n, **bench_prefill.PRESETS[n], variants=variants)
+         for n in names]
 bw = bench.copy_bandwidth()
 for tile in TILES:
     varlen._set_tile(tile)
