@@ -204,6 +204,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 1 / x to about 1 ulp in one MUFU operation (rcp(inf) = 0, NaN stays NaN); for x >= 1
+// the flush of denormals never applies.
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }

@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                              TILE_TOKENS, STAGES>;
   using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
   using Var = Variant<VARIANT>;
+  static_assert(!Var::kAlibi, "decode takes ALiBi's slopes at run time");
   constexpr int KROW = Geo::kTokRow;
   constexpr int HS = HEAD_SIZE;
   constexpr int GT = GROUP_TILE;

@@ -285,7 +285,9 @@ __global__ void __launch_bounds__(
       first_lo = __reduce_min_sync(~0u, first_lo);
       first_hi = __reduce_max_sync(~0u, first_hi);
     }
-    const bool plain = alibi_slopes == nullptr;
+    // Tiles without masks need no per-key work: no ALiBi, or ALiBi as a ramp (kAlibi, the
+    // host's spelling of "slopes given"; slopes without it take the per-key path).
+    const bool plain = Var::kAlibi || alibi_slopes == nullptr;
 
     // One tile's K and V into a stage. Each thread owns token slots at fixed tile
     // positions and, per slot, chunks at a fixed stride: the block id, the in-block
@@ -565,6 +567,26 @@ __global__ void __launch_bounds__(
                                    Var::logits(vp, s[a][n][i], sk));
               const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
               s[a][n][i] = seen ? v : neg_inf();
+              tmax[h] = fmaxf(tmax[h], s[a][n][i]);
+            }
+          }
+        } else if constexpr (Var::kAlibi) {
+          // slope * (key - q_pos) with key = t0 + frag_col + n * 8 + (i & 1): a per-row base
+          // for the tile plus the slope times a constant, one FFMA per score.
+          float base[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            base[h] = slope[a][h] * static_cast<float>(t0 + frag_col - q_pos[a][h]);
+          }
+#pragma unroll
+          for (int n = 0; n < Geo::kNTiles; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int h = i >> 1;
+              const float sk = Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
+                                                 : score_scale;
+              s[a][n][i] = fmaf(slope[a][h], static_cast<float>(n * 8 + (i & 1)),
+                                Var::logits_plus(vp, s[a][n][i], sk, base[h]));
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
             }
           }

@@ -27,6 +27,8 @@ enum VariantBits : int {
   kVarWindow = 1,       // sliding window: keys before it are skipped, never read
   kVarSoftCap = 2,      // logits soft-cap
   kVarBlockSparse = 4,  // vLLM's blocksparse pattern (paged_decode only)
+  kVarAlibi = 8,        // ALiBi slopes given (paged_prefill only: its tiles without masks
+                        // add the bias as a ramp; paged_decode tests the pointer at run time)
 };
 
 // The run-time values of the variants, passed by value to every attention kernel
@@ -49,7 +51,8 @@ struct Variant {
   static constexpr bool kWindow = (VARIANT & kVarWindow) != 0;
   static constexpr bool kSoftCap = (VARIANT & kVarSoftCap) != 0;
   static constexpr bool kBlockSparse = (VARIANT & kVarBlockSparse) != 0;
-  static_assert(VARIANT >= 0 && VARIANT < 8, "VARIANT");
+  static constexpr bool kAlibi = (VARIANT & kVarAlibi) != 0;
+  static_assert(VARIANT >= 0 && VARIANT < 16, "VARIANT");
 
   // The logits transform of a score x = s * sk already in log2 units
   // (x = log2(e) * scale * q.k, sk the scale factors of s): c * tanh(logit / c) is
@@ -66,6 +69,18 @@ struct Variant {
       return vp.cap_out - __fdividef(2.f * vp.cap_out, e + 1.f);  // e = inf: C
     } else {
       return s * sk;
+    }
+  }
+
+  // logits(s, sk) + add in the fewest instructions: the add joins the transform's last
+  // step (plain: s * sk + add in one FFMA; soft-cap: C + add is loop-invariant).
+  __device__ __forceinline__ static float logits_plus(const VariantParams& vp, float s, float sk,
+                                                      float add) {
+    if constexpr (kSoftCap) {
+      const float e = fast_exp2(s * (sk * vp.cap_in));
+      return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, vp.cap_out + add);
+    } else {
+      return fmaf(s, sk, add);
     }
   }
 

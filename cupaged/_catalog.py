@@ -27,7 +27,7 @@ KV_SCALES = tuple(jit.KV_SCALES)
 # Compile-time variants (cuda_src/variants.cuh): each alone and all together, so every
 # pair with another axis' values meets each feature.
 DECODE_VARIANTS = ("", "w", "c", "b", "wcb")
-PREFILL_VARIANTS = ("", "w", "c", "wc")
+PREFILL_VARIANTS = ("", "w", "c", "a", "wca")
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {

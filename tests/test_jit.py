@@ -66,6 +66,13 @@ def test_variant_specs_name_their_variants_and_refuse_bad_spellings():
             jit.KernelSpec("paged_decode", "f16", 128, 16, 4, variant=bad)
     with pytest.raises(ValueError, match="variant must be"):  # blocksparse: decode only
         jit.KernelSpec("paged_prefill", "f16", 128, 16, variant="b")
+    a = jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant="wca")
+    assert a.name.endswith("_tok_wca_sm90") and a.name_expression.endswith(", 11>")
+    for bad in ("aw", "ac"):
+        with pytest.raises(ValueError, match="variant must be"):
+            jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant=bad)
+    with pytest.raises(ValueError, match="variant must be"):  # ALiBi's bit: prefill only
+        jit.KernelSpec("paged_decode", "f16", 128, 16, 4, variant="a")
     with pytest.raises(ValueError, match="takes no variant"):
         jit.KernelSpec("reshape_and_cache", "f16", kv_format="tok", index_dtype="i32",
                        variant="w")

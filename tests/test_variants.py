@@ -67,6 +67,8 @@ VARIANT_CASES = {
     # Logits spread up to about the cap (most of them well inside it, a few saturated).
     "cap_wide": dict(logits_soft_cap=30.0, scale=8.0),
     "sinks": dict(sinks=True),
+    "alibi": dict(alibi=True),
+    "alibi_cap": dict(logits_soft_cap=5.0, alibi=True),
     "all": dict(window=100, logits_soft_cap=2.0, sinks=True, alibi=True),
 }
 

@@ -4,7 +4,9 @@
 # made with `git archive BASE cupaged cuda_src | tar -x -C .regress/old`, and carried).
 #   [TESTS="tests/test_variants.py ..."] [BENCH=1] [ROUNDS=2] [TREES=".regress/old ."] \
 #     bash tools/variants_check.sh
-# (TREES: the library trees to time, each a checkout's cupaged and cuda_src, in turn.)
+# (TREES: the library trees to time, each a checkout's cupaged and cuda_src, in turn;
+# PREFILL: the prefill rows' variant flags, |-separated, "" for plain; DECODE=0 skips the
+# decode row.)
 source "$(dirname "$0")/device_env.sh"
 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_variants.py} 2>&1 \
   | tee "$OUT/variant-tests.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | head -40
@@ -13,11 +15,12 @@ python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_variants.py}
 for round in $(seq "${ROUNDS:-1}"); do
   for tree in ${TREES:-.regress/old .}; do
     echo "== round $round: $tree"
-    (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli compare \
+    [ "${DECODE:-1}" = 1 ] && (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli compare \
        --heads 32 --kv-heads 8 --batch 64 --context 2048 --impl cupaged --impl cupaged-hnd \
        2>&1 | tail -3)
     # Soft-cap 50 keeps most logits within the cap; 1 saturates most of them.
-    for v in "" "--soft-cap 50" "--soft-cap 1"; do
+    IFS='|' read -ra prefill_variants <<< "${PREFILL:-|--soft-cap 50|--soft-cap 1}"
+    for v in "${prefill_variants[@]}"; do
       echo "-- prefill $v"
       (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli prefill \
          --preset prompt-4096 --preset 8x2048 --impl cupaged --dtype bfloat16 $v 2>&1 | tail -2)
