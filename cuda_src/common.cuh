@@ -204,8 +204,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 1 / x to about 1 ulp in one MUFU operation (rcp(inf) = 0, NaN stays NaN); for x >= 1
-// the flush of denormals never applies.
+// 1 / x to about 1 ulp in one MUFU operation (rcp(inf) = 0, NaN stays NaN; results below
+// 2^-126, for x above 2^126, flush to 0).
 __device__ __forceinline__ float fast_rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -16,8 +16,9 @@
 // four verify tokens of a 4-head group fill one 16-row mma tile. Each warp owns
 // 16 * M_ATOMS rows (FlashAttention-2's split: no cross-warp reduction), walking the
 // sequence's keys in tiles of TILE_N tokens streamed by cp.async, STAGES deep:
-//   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain; ALiBi and masks
-//   only on tiles that need them (a causal diagonal, a sequence's last tile);
+//   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain; masks only on
+//   tiles that need them (a causal diagonal, a sequence's last tile, a window's edge),
+//   ALiBi per key there and as a per-tile ramp elsewhere (variant bit kVarAlibi);
 //   online softmax on the rows' registers, the output rescaled only when a maximum moved;
 //   O += P V with P rounded to T straight from the S fragments (no shared-memory trip).
 // Block ids reach shared memory a tile ahead of the copies that use them, so a copy's

@@ -220,7 +220,8 @@ class Variants:
                     alibi=self.alibi)
 
     def letters(self) -> str:
-        """The compile-time variant letters of the kernels these variants launch."""
+        """The compile-time variant letters of the decode kernel these variants launch
+        (the multi-token kernel adds ``a`` for ALiBi)."""
         from . import _variants
 
         return _variants.letters(self.window or 0, self.soft_cap or 0.0, ())
@@ -558,7 +559,9 @@ def variant_unsupported(impl: str, variants: Variants = PLAIN) -> str | None:
         return None
     if impl in _PLAIN_ONLY:
         return f"{impl} runs plain attention only (asked for: {variants.label()})"
-    takes = _PEER_VARIANTS.get(impl, {})
+    takes = _PEER_VARIANTS.get(impl)
+    if takes is None:
+        return f"{impl} runs plain attention only (asked for: {variants.label()})"
     asked = {k: v for k, v in variants.fields().items() if v not in (None, False)}
     missing = [_VARIANT_LABELS[k] for k in _VARIANT_LABELS if k in asked and k not in takes]
     if missing:

@@ -626,25 +626,38 @@ def clear_memory_caches() -> None:
 
 
 # NVRTC's fastest compile: the front end, NVVM and ptxas all run, so template errors,
-# static_asserts and PTX an architecture lacks are caught as at full optimization, but code
-# generation skips most optimizations (helpers called, not inlined): about 3.5x faster on
-# the covering set. For compile checks only; kernels are never built this way. NVRTC 12.8
-# added the option.
+# static_asserts and PTX an architecture lacks are caught as in a build, about 3.5x
+# faster on the covering set. Code generation skips most optimizations (helpers called,
+# not inlined: a prefill kernel of 255 registers comes out at 122 and a stack frame), so
+# it says nothing of resource use and cannot meet a failure of the optimizer; for those,
+# compile with fast=False (`cupaged-bench compile --covering --optimized`). For compile
+# checks only: kernels are never built this way.
 _FAST_CHECK = ("--Ofast-compile=max",)
 
 
+@lru_cache(maxsize=None)
 def check_options() -> tuple[str, ...]:
-    """The options compile_check adds when ``fast`` (none where this NVRTC lacks them)."""
-    return _FAST_CHECK if nvrtc_version() >= (12, 8) else ()
+    """The options compile_check adds when ``fast``: ``_FAST_CHECK`` where this NVRTC
+    accepts them (12.8 added them; a probe compile asks), else none."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*_FAST_CHECK, "-arch=compute_80"])
+        return _FAST_CHECK
+    except nvrtc.NVRTCError:
+        return ()
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
                   batch: int = 48, fast: bool = True) -> tuple[int, float]:
     """Compile every spec with NVRTC, batching instantiations of one source and arch into
     one program, without touching the disk cache or a GPU. ``fast`` (where this NVRTC has
-    it) compiles with ``--Ofast-compile=max``, which checks the same things as a full build
-    (``_FAST_CHECK``); ``fast=False`` compiles exactly as kernels are built. Returns
-    (count, seconds); raises CompileError naming the failing batch."""
+    it) compiles with ``--Ofast-compile=max``, which catches the same source and target
+    errors as a build but not resource use (``_FAST_CHECK``); ``fast=False`` compiles
+    exactly as kernels are built. Returns (count, seconds); raises CompileError naming
+    the failing batch."""
     extra = check_options() if fast else ()
     groups: dict = {}
     for s in dict.fromkeys(specs):

@@ -393,6 +393,9 @@ def test_peers_that_cannot_run_variants_are_named():
         == "flashinfer-decode is run with window_left and logits_soft_cap only, not sinks or ALiBi"
     assert bench.variant_unsupported("flashinfer-xqa", bench.Variants(soft_cap=5.0, sinks=True)) \
         == "flashinfer-xqa is run with window_left and sinks only, not soft-cap"
+    # A peer in neither table runs plain attention only.
+    assert "runs plain attention only" in bench.variant_unsupported(
+        "flashinfer-future", bench.Variants(window=4))
     assert all(bench.variant_unsupported(i, bench.Variants(1, 1.0, True, True)) is None
                for i in ("cupaged", "cupaged-nhd", "cupaged-hnd"))
     # fp8 first, then the variants

@@ -582,3 +582,15 @@ def test_block_strides_past_32_bits_are_refused_for_every_attention_call():
         wide = _Fake(shape, np.uint8, strides=(2**32,) + ok.strides[1:])  # bytes = elements
         with pytest.raises(ValueError, match="block stride .* too large"):
             _checks.check_kv_layout(wide, ok, _dtypes.E4M3, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_alibi_with_per_token_scales_in_the_multi_token_kernel(rng, fmt):
+    """ALiBi's ramp on tiles without masks (variant bit a) with per-token scales, which
+    scale each key's score before the bias is added; causal and not."""
+    host, scales = fp8_problem(rng, fmt, "token", [40, 17, 1, 70], [300, 150, 77, 70])
+    host["alibi_slopes"] = rng.uniform(0.0, 0.5, 8).astype(np.float32)
+    for causal in (True, False):
+        got, ref = run(host, scales, "token", fmt, causal=causal)
+        assert_close(got, ref, testing.TOLERANCE["f16"], f"{fmt} causal={causal}")

@@ -248,6 +248,26 @@ def test_the_fast_compile_check_still_runs_ptxas(sources):
             jit._compile("probe.cu", "sm_80", ["cupaged::probe<1>"], "probe", extra)
 
 
+def test_compile_check_passes_the_fast_options(monkeypatch):
+    seen = []
+    monkeypatch.setattr(jit, "_compile", lambda *job: seen.append(job[4]))
+    jit.compile_check([SPEC])
+    jit.compile_check([SPEC], fast=False)
+    assert seen == [jit.check_options(), ()]
+
+
+def test_compile_optimized_compiles_without_them(monkeypatch):
+    seen = []
+    monkeypatch.setattr(jit, "compile_check",
+                        lambda specs, fast=True: (seen.append(fast), (0, 0.0))[1])
+    for argv, fast in ((["--covering"], True), (["--covering", "--optimized"], False)):
+        r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", *argv])
+        assert r.exit_code == 0, r.output
+        assert seen.pop() is fast
+    r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", "--optimized"])
+    assert r.exit_code != 0 and "--optimized goes with --all or --covering" in r.output
+
+
 def test_target_for_devices():
     assert jit.target_for((9, 0)) == "sm_90"
     newest = max(jit.supported_archs())

@@ -179,9 +179,10 @@ def test_window_edges_on_split_kv_decode(rng, window, partition):
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 0.3])
 @pytest.mark.parametrize("case", ["plain", "cap"])
 def test_multi_token_scores_of_any_sign(rng, scale, case):
-    """The multi-token kernel takes a tile's maximum from its raw scores only when one
-    positive factor scales them (a negative scale turns the raw maximum into the scaled
-    minimum): negative, zero and positive scales, on tiles with and without masks."""
+    """Negative, zero and positive scales through the multi-token kernel, on tiles with
+    and without masks: a guard for any shortcut that assumes a positive scale (such as
+    taking a tile's maximum from its raw scores, tried and measured slower: a negative
+    scale turns the raw maximum into the scaled minimum)."""
     heads, kvh = 8, 2
     q_lens, seq = [40, 17, 100], [300, 150, 700]
     host = _problem(rng, q_lens, seq, layout="NHD", dtype="f16", heads=heads, kv_heads=kvh,
@@ -191,6 +192,46 @@ def test_multi_token_scores_of_any_sign(rng, scale, case):
                                   max_query_len=max(q_lens))
     assert_close(got, ref, testing.TOLERANCE["f16"], f"{case} scale {scale}")
     _check_lse(lse, ref_lse, f"{case} scale {scale}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("force", ["host", "bit_without_slopes", "slopes_without_bit"])
+def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch, force):
+    """The host asks for the multi-token kernel's ALiBi bit exactly when slopes are given
+    (the ramp); a spec whose bit disagrees with the call (forced here) still gives the
+    reference's result: slopes without the bit take the per-key path, the bit without
+    slopes adds a zero ramp."""
+    from cupaged import _prepared, varlen
+
+    asked = []
+
+    def spy(device_id, dtype, head_size, block_size, kv_format, tile, cache_dtype="",
+            kv_scale="", variant=""):
+        asked.append(variant)
+        if force == "bit_without_slopes":
+            variant += "" if "a" in variant else "a"
+        elif force == "slopes_without_bit":
+            variant = variant.replace("a", "")
+        return orig(device_id, dtype, head_size, block_size, kv_format, tile, cache_dtype,
+                    kv_scale, variant)
+
+    orig = varlen._prefill_kernel
+    monkeypatch.setattr(varlen, "_prefill_kernel", spy)
+    _prepared.clear()
+    try:
+        q_lens, seq = [40, 17, 1, 100], [300, 150, 77, 700]
+        for alibi in (True, False):
+            host = _problem(rng, q_lens, seq, layout="NHD", dtype="f16", heads=8, kv_heads=2,
+                            head_size=64, block_size=16, alibi=alibi)
+            got, lse, ref, ref_lse = _run(host, dict(logits_soft_cap=5.0), "NHD",
+                                          max_query_len=max(q_lens))
+            assert_close(got, ref, testing.TOLERANCE["f16"], f"alibi={alibi} {force}")
+            assert asked and all(("a" in v) == alibi for v in asked), (alibi, asked)
+            assert all(v.startswith("c") for v in asked), asked
+            asked.clear()
+            _prepared.clear()
+    finally:
+        _prepared.clear()
 
 
 @pytest.mark.gpu
