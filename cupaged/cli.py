@@ -263,7 +263,8 @@ def _workload_options(f):
         _soft_cap_option,
         _sinks_option,
         click.option("--alibi", is_flag=True,
-                     help="ALiBi: the standard slopes of --heads (2^(-8 i / heads))."),
+                     help="ALiBi: the standard slopes of --heads (2^(-8 i / heads) for a power of "
+                   "two; cupaged.bench.alibi_slopes)."),
         click.option("--partition", default="auto", show_default=True,
                      help="auto, never, always, or tokens per partition."),
         click.option("--reps", type=click.IntRange(3), default=30, show_default=True),
@@ -518,7 +519,8 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
 @_soft_cap_option
 @_sinks_option
 @click.option("--alibi", is_flag=True,
-              help="ALiBi: the standard slopes of --heads (2^(-8 i / heads)).")
+              help="ALiBi: the standard slopes of --heads (2^(-8 i / heads) for a power of "
+                   "two; cupaged.bench.alibi_slopes).")
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
             dtype, kv_cache_dtype, non_causal, window, soft_cap, sinks, alibi, reps):
