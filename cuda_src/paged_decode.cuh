@@ -350,66 +350,29 @@ __global__ void __launch_bounds__(kDecodeThreads)
         cp_async4(vd, kv.v_scale + o);
       }
     }
-    if constexpr (Geo::kTokenMajor) {
-      // Token-major caches: kTPR threads per token row (a warp's copies are whole 128-byte
-      // lines), so a row's block id, bounds test and two 64-bit addresses are computed once
-      // for its kCPer chunks of K and of V, which follow at compile-time offsets (the
-      // multi-token kernel's copy; per chunk this is about a third of the instructions
-      // of one address chain per 16 bytes).
-      constexpr int kTPR = Geo::kChunks >= 8 ? 8 : Geo::kChunks >= 4 ? 4 : Geo::kChunks >= 2 ? 2 : 1;
-      constexpr int kTokPerPass = NT / kTPR;
-      constexpr int kPasses = (TT + kTokPerPass - 1) / kTokPerPass;
-      constexpr int kCPer = (Geo::kChunks + kTPR - 1) / kTPR;
-      static_assert(NT % kTPR == 0, "token-major copy split");
-      const unsigned c0 = tid % kTPR;
-      const unsigned ks_a = static_cast<unsigned>(__cvta_generic_to_shared(ks));
-      const unsigned vs_a = static_cast<unsigned>(__cvta_generic_to_shared(vs));
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const unsigned t = pass * kTokPerPass + tid / kTPR;
-        if (kTokPerPass * kPasses > TT && t >= TT) continue;
-        const int tok = t0 + t;
-        if (tok >= end || (Var::kWindow && tok < lo)) continue;  // not seen, not read
-        const int phys = ids[t / Geo::kSub];
-        if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
-          *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
-          continue;
-        }
-        const unsigned within = static_cast<unsigned>(tok) % BLOCK_SIZE;
-        const C* gk = hd.k + mul_wide(phys, hd.k_block) + (within * hd.k_token + c0 * X);
-        const C* gv = hd.v + mul_wide(phys, hd.v_block) + (within * hd.v_token + c0 * X);
-        const unsigned sk = ks_a + (t * KROW + c0 * X) * static_cast<unsigned>(sizeof(C));
-        const unsigned sv = vs_a + (t * KROW + c0 * X) * static_cast<unsigned>(sizeof(C));
-#pragma unroll
-        for (int i = 0; i < kCPer; ++i) {
-          if (Geo::kChunks % kTPR != 0 && c0 + i * kTPR >= Geo::kChunks) break;
-          cp_async16_shared(sk + i * kTPR * 16, gk + i * kTPR * X);
-        }
-#pragma unroll
-        for (int i = 0; i < kCPer; ++i) {
-          if (Geo::kChunks % kTPR != 0 && c0 + i * kTPR >= Geo::kChunks) break;
-          cp_async16_shared(sv + i * kTPR * 16, gv + i * kTPR * X);
-        }
-      }
-      return;
-    }
-    // vLLM's layout, per unit: one 32x32->64-bit product places the block (the host checks
-    // that block strides fit 32 bits and a block's extent 31) and the rest is 32-bit.
-    // Unrolled by two: fully unrolled, the addresses of every unit stay live (up to 122
-    // registers).
+    // Per unit, one 32x32->64-bit product places the block (the host checks that block
+    // strides fit 32 bits and a block's extent 31) and the rest is 32-bit. Unrolled by two:
+    // fully unrolled, the addresses of every unit stay live (up to 122 registers).
 #pragma unroll 2
     for (int i = 0; i < (Geo::kUnits + NT - 1) / NT; ++i) {
-      // Unsigned: a unit's parts (u / kUnitsPerSub, ...) are then shifts and masks, and the
-      // per-thread ones are hoisted out of the loop.
+      // Unsigned: a unit's parts (u / kChunks, u % kUnitsPerSub, ...) are then shifts and
+      // masks, and the per-thread ones are hoisted out of the loop.
       const unsigned u = tid + i * NT;
       if (Geo::kUnits % NT != 0 && u >= Geo::kUnits) break;
-      // Consecutive threads take consecutive 16-byte runs of a piece, in cache order.
-      const unsigned sub = u / Geo::kUnitsPerSub;
-      const unsigned t = sub * Geo::kSub;
+      // Token-major caches: consecutive threads take consecutive 16-byte chunks of a
+      // token's row. vLLM's: consecutive 16-byte runs of a piece, in cache order.
+      unsigned t, sub;
+      if constexpr (Geo::kTokenMajor) {
+        t = u / Geo::kChunks;
+        sub = t / Geo::kSub;
+      } else {
+        sub = u / Geo::kUnitsPerSub;
+        t = sub * Geo::kSub;
+      }
       const int tok = t0 + t;
-      // Not seen, not read: past the end, or a whole piece (units start at their piece's
-      // first token) before the window.
-      if (tok >= end || (Var::kWindow && tok + Geo::kSub <= lo)) continue;
+      // Not seen, not read: past the end, or (a whole piece, for vLLM's layout, whose
+      // units start at their piece's first token) before the window.
+      if (tok >= end || (Var::kWindow && tok + (Geo::kTokenMajor ? 1 : Geo::kSub) <= lo)) continue;
       const int phys = ids[sub];
       if (static_cast<unsigned>(phys) >= static_cast<unsigned>(kv.num_blocks)) {
         *bad_block_s = 1;  // never read outside the cache; the output becomes NaN instead
@@ -418,26 +381,32 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const unsigned within = static_cast<unsigned>(tok) % BLOCK_SIZE;
       const C* kb = hd.k + mul_wide(phys, hd.k_block);  // phys >= 0 here
       const C* vb = hd.v + mul_wide(phys, hd.v_block);
-      // The element offset in the piece, in cache order (a per-thread part where NT allows,
-      // hoisted out of the loop).
-      const unsigned e =
-          ((NT % Geo::kUnitsPerSub == 0 ? static_cast<unsigned>(tid) : u) % Geo::kUnitsPerSub) * X;
-      {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
-        const unsigned c = e / (Geo::kSub * X);
-        const unsigned r = e % (Geo::kSub * X);
-        cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
-                   kb + ((c * BLOCK_SIZE + within) * X + r));
-      }
-      {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
-        const unsigned d = e / Geo::kSub;
-        const unsigned r = e % Geo::kSub;
-        C* dst;
-        if constexpr (Geo::kVTransposed) {
-          dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
-        } else {
-          dst = vs + sub * HS * Geo::kSub + e;
+      // Parts fixed per thread are written from tid, so they are hoisted out of the loop.
+      if constexpr (Geo::kTokenMajor) {
+        const unsigned c = (NT % Geo::kChunks == 0 ? static_cast<unsigned>(tid) : u) % Geo::kChunks;
+        cp_async16(ks + t * KROW + c * X, kb + (within * hd.k_token + c * X));
+        cp_async16(vs + t * KROW + c * X, vb + (within * hd.v_token + c * X));
+      } else {
+        // The element offset in the piece, in cache order.
+        const unsigned e =
+            ((NT % Geo::kUnitsPerSub == 0 ? static_cast<unsigned>(tid) : u) % Geo::kUnitsPerSub) * X;
+        {  // key piece: [kChunks][kSub][X] out of the block's [kChunks][BLOCK_SIZE][X]
+          const unsigned c = e / (Geo::kSub * X);
+          const unsigned r = e % (Geo::kSub * X);
+          cp_async16(ks + (c * TT + sub * Geo::kSub) * X + r,
+                     kb + ((c * BLOCK_SIZE + within) * X + r));
         }
-        cp_async16(dst, vb + (d * BLOCK_SIZE + within + r));
+        {  // value piece: [HS][kSub] out of the block's [HS][BLOCK_SIZE]
+          const unsigned d = e / Geo::kSub;
+          const unsigned r = e % Geo::kSub;
+          C* dst;
+          if constexpr (Geo::kVTransposed) {
+            dst = vs + d * Geo::kVRow + sub * Geo::kSub + r;
+          } else {
+            dst = vs + sub * HS * Geo::kSub + e;
+          }
+          cp_async16(dst, vb + (d * BLOCK_SIZE + within + r));
+        }
       }
     }
   };
