@@ -539,9 +539,8 @@ def fp8_unsupported(impl: str, kv_cache_dtype: str = "auto") -> str | None:
     return None
 
 
-# Peers that run plain softmax attention only: no window, soft-cap, sinks or ALiBi.
-_PLAIN_ONLY = ("cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense")
-# FlashInfer's runners and the variants they are run with (the arguments they go to).
+# The peers run with some variants, and the arguments those go to; every other peer (the
+# gather baselines, torch SDPA) runs plain softmax attention only.
 _PEER_VARIANTS = {
     "flashinfer-decode": {"window": "window_left", "soft_cap": "logits_soft_cap"},
     "flashinfer-decode-tc": {"window": "window_left", "soft_cap": "logits_soft_cap"},
@@ -555,15 +554,20 @@ def variant_unsupported(impl: str, variants: Variants = PLAIN) -> str | None:
     FlashInfer's decode wrappers get a window (``window_left = W - 1``) and a soft cap
     through plan(), its XQA kernel a window and sinks; their other variant paths are not
     wired up here."""
-    if variants.plain or impl.startswith("cupaged"):
+    if impl.startswith("cupaged"):
         return None
-    if impl in _PLAIN_ONLY:
-        return f"{impl} runs plain attention only (asked for: {variants.label()})"
-    takes = _PEER_VARIANTS.get(impl)
+    return peer_refusal(impl, _PEER_VARIANTS.get(impl), variants)
+
+
+def peer_refusal(impl: str, takes: dict | None, variants: Variants) -> str | None:
+    """Why peer ``impl``, run with the variants ``takes`` maps to its arguments (None: it
+    runs plain attention only), cannot run ``variants`` (one line), or None."""
+    if variants.plain:
+        return None
     if takes is None:
         return f"{impl} runs plain attention only (asked for: {variants.label()})"
-    asked = {k: v for k, v in variants.fields().items() if v not in (None, False)}
-    missing = [_VARIANT_LABELS[k] for k in _VARIANT_LABELS if k in asked and k not in takes]
+    asked = {k for k, v in variants.fields().items() if v not in (None, False)}
+    missing = [label for k, label in _VARIANT_LABELS.items() if k in asked and k not in takes]
     if missing:
         return (f"{impl} is run with {' and '.join(takes.values())} only, not "
                 f"{' or '.join(missing)}")

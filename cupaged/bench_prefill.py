@@ -49,17 +49,16 @@ def seen_keys(q_len: int, ctx: int, window=None) -> int:
     return ctx - max(0, ctx - q_len - int(window) + 1)
 
 
+# FlashInfer's prefill wrappers take these variants through plan() (not sinks or ALiBi).
+_FLASHINFER_VARIANTS = {"window": "window_left", "soft_cap": "logits_soft_cap"}
+
+
 def variant_unsupported(impl: str, variants: "bench.Variants") -> str | None:
     """Why a prefill implementation cannot run ``variants`` (one line), or None."""
-    if variants.plain or impl == "cupaged":
+    if impl == "cupaged":
         return None
-    if impl.startswith("torch-sdpa"):
-        return f"{impl} runs plain attention only (asked for: {variants.label()})"
-    missing = [n for n, on in (("sinks", variants.sinks), ("ALiBi", variants.alibi)) if on]
-    if impl.startswith("flashinfer-") and missing:
-        return (f"{impl} is run with window_left and logits_soft_cap only, not "
-                f"{' or '.join(missing)}")
-    return None
+    takes = _FLASHINFER_VARIANTS if impl.startswith("flashinfer-") else None  # SDPA: none
+    return bench.peer_refusal(impl, takes, variants)
 
 
 @dataclass

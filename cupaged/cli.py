@@ -74,6 +74,12 @@ def _sinks_option(f):
                              "only.")(f)
 
 
+def _alibi_option(f):
+    return click.option("--alibi", is_flag=True,
+                        help="ALiBi: the standard slopes of --heads (2^(-8 i / heads) for a "
+                             "power of two; cupaged.bench.alibi_slopes).")(f)
+
+
 def _variants(window, soft_cap, sinks=False, alibi=False):
     """The variant options as a bench.Variants; usage errors for bad values."""
     from .bench import Variants
@@ -262,9 +268,7 @@ def _workload_options(f):
                        "min(context, W) tokens per sequence."),
         _soft_cap_option,
         _sinks_option,
-        click.option("--alibi", is_flag=True,
-                     help="ALiBi: the standard slopes of --heads (2^(-8 i / heads) for a power of "
-                   "two; cupaged.bench.alibi_slopes)."),
+        _alibi_option,
         click.option("--partition", default="auto", show_default=True,
                      help="auto, never, always, or tokens per partition."),
         click.option("--reps", type=click.IntRange(3), default=30, show_default=True),
@@ -518,9 +522,7 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
                 "the causal limit; % copy only the keys some query sees.")
 @_soft_cap_option
 @_sinks_option
-@click.option("--alibi", is_flag=True,
-              help="ALiBi: the standard slopes of --heads (2^(-8 i / heads) for a power of "
-                   "two; cupaged.bench.alibi_slopes).")
+@_alibi_option
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
             dtype, kv_cache_dtype, non_causal, window, soft_cap, sinks, alibi, reps):
