@@ -73,8 +73,10 @@ def no_flashinfer(monkeypatch):
 
 @pytest.fixture
 def rng(request):
-    """A generator with a fresh seed each run; the seed is reported if the test fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A generator with a fresh seed each run; the seed is reported if the test fails, and
+    ``CUPAGED_TEST_SEED=<seed>`` replays it."""
+    replay = os.environ.get("CUPAGED_TEST_SEED")
+    seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
     return np.random.default_rng(seed)
 

@@ -248,7 +248,7 @@ def test_window_keeps_the_last_w_positions(rng, window):
     # Non-causal: the window bounds the left side only.
     out = reference.attend(q, k, v, scale, causal=False, window=window, q_pos=[0, 10, 39])
     o, _ = _one_row(q[1], k, v, 2, [j for j in range(n) if j > 10 - window], scale)
-    np.testing.assert_allclose(out[1, 2], o, rtol=1e-12)
+    np.testing.assert_allclose(out[1, 2], o, rtol=1e-12, atol=1e-12)
 
 
 def test_soft_cap_and_sinks_follow_the_scalar_formulas(rng):
@@ -278,7 +278,7 @@ def test_merging_halves_gives_the_whole(rng):
                              return_lse=True)
         out, lse = reference.merge_state(*a, *b)
         np.testing.assert_allclose(out, whole, rtol=1e-12, atol=1e-14)
-        np.testing.assert_allclose(lse, whole_lse, rtol=1e-12)
+        np.testing.assert_allclose(lse, whole_lse, rtol=1e-12, atol=1e-12)
     # Three pieces through merge_states, and an empty partial (lse -inf) changes nothing.
     parts = [reference.attend(q, k[a:b], v[a:b], 0.2, q_pos=[49 - a], causal=False,
                               return_lse=True) for a, b in ((0, 10), (10, 30), (30, 50))]
@@ -317,8 +317,8 @@ def test_paged_reference_passes_the_variants_on(rng):
         n = int(p.context_lens[s])
         k, v = reference.gather_kv(p.key_cache, p.value_cache, p.block_tables[s], n)
         o, l = reference.attend(p.query[s], k, v, 16 ** -0.5, return_lse=True, **kw)
-        np.testing.assert_allclose(out[s], o, rtol=1e-12)
-        np.testing.assert_allclose(lse[s], l, rtol=1e-12)
+        np.testing.assert_allclose(out[s], o, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse[s], l, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("step", [0, 1, -2])
@@ -353,5 +353,5 @@ def test_paged_reference_applies_the_blocksparse_mask(rng):
         k, v = reference.gather_kv(p.key_cache, p.value_cache, p.block_tables[s], int(n))
         mask = reference.blocksparse_mask(int(n), 16, 4, 2, **pattern)
         want = reference.attend(p.query[s], k, v, 16 ** -0.5, key_mask=mask)
-        np.testing.assert_allclose(got[s], want, rtol=1e-12)
+        np.testing.assert_allclose(got[s], want, rtol=1e-12, atol=1e-12)
     assert not np.allclose(got[2], dense[2])  # the pattern dropped keys of the long row
