@@ -393,7 +393,9 @@ def test_decode_loop_with_forks_and_frees(rng, dtype):
     step writes random K/V through reshape_and_cache and checks paged_attention against
     the float64 reference over each sequence's dense history, layer by layer."""
     layers, kvh, heads, hs, bs = 2, 2, 4, 64, 4
-    cache = PagedKVCache(layers, 96, kvh, hs, bs, dtype)
+    # Room for any walk: at most 5 + 30 sequences, each at most 17 + 30 tokens (12 blocks).
+    # (96 blocks ran out in about 0.06% of seeds: OutOfBlocks, not a kernel error.)
+    cache = PagedKVCache(layers, 35 * 12, kvh, hs, bs, dtype)
     history = {}  # seq -> [layer] -> (K list, V list) of float arrays [kvh, hs]
     next_id = [0]
 
@@ -452,7 +454,8 @@ def test_decode_loop_with_forks_and_frees(rng, dtype):
         cache.manager.check()
     for s in list(history):
         cache.free(s)
-    assert cache.num_used_blocks == 0 and checked > 200
+    # At least 3 live sequences in each of the 30 steps (frees leave 3): every row checked.
+    assert cache.num_used_blocks == 0 and checked >= 30 * layers * 3
 
 
 @gpu

@@ -1289,7 +1289,9 @@ def test_mixed_steps_through_attention(rng, layout, dtype):
 
     for n in (0, 3, 6, 17):
         start(n)
-    for it in range(24):
+    for it in range(240):
+        if it >= 24 and copied:
+            break  # 24 steps, more while no step has copied a shared block (1% of walks)
         # Preempt the longest sequences while a worst-case step might not fit, as an engine
         # would: a new sequence takes up to 3 blocks of 4 tokens, and each sequence's step
         # up to 4 plus a copy-on-write block. (Unchecked, the random walk can run out.)

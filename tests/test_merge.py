@@ -379,13 +379,14 @@ def random_partials(rng, n, rows, heads, hs, dtype, empty=0.1):
     return outs, lses
 
 
-def check(out, lse, ref_out, ref_lse, dtype, what=""):
-    """out within the dtype's tolerance of the float64 reference (per row too); lse -inf
-    exactly where the reference's is, elsewhere within float32 rounding."""
+def check(out, lse, ref_out, ref_lse, dtype, what="", row_floor=0.0):
+    """out within the dtype's tolerance of the float64 reference (per row too, each row
+    held to at least ``row_floor``: see assert_close); lse -inf exactly where the
+    reference's is, elsewhere within float32 rounding."""
     got = cupy.asnumpy(out).astype(np.float64) if isinstance(out, cupy.ndarray) else out
     got_lse = cupy.asnumpy(lse).astype(np.float64) if isinstance(lse, cupy.ndarray) else lse
     assert np.isfinite(got).all(), what
-    assert_close(got, ref_out, _tol(dtype), what)
+    assert_close(got, ref_out, _tol(dtype), what, row_floor=row_floor)
     empty = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(got_lse), empty), what
     assert np.array_equal(got[empty], ref_out[empty]), what  # zeros (one partial: itself)
@@ -424,7 +425,12 @@ def test_merge_state_head_sizes(rng, dtype, hs):
     ref_out, ref_lse = reference.merge_state(a, la, b, lb)
     out, lse = poisoned((rows, heads, hs), dtype), poisoned((rows, heads), np.float32)
     cupaged.merge_state(*(cupy.asarray(x) for x in (a, la, b, lb)), out=out, lse_out=lse)
-    check(out, lse, ref_out, ref_lse, dtype, f"head size {hs}")
+    # A row of head size 1 is one element: a merge of standard-normal partials can cancel
+    # it to near zero, while the kernel's float32 rounding scales with the partials. Rows
+    # are held to at least the typical row norm (without it, about 0.7% of float32 runs
+    # failed in a host emulation of the kernel's arithmetic).
+    floor = float(np.sqrt(np.mean(np.sum(ref_out ** 2, axis=-1))))
+    check(out, lse, ref_out, ref_lse, dtype, f"head size {hs}", row_floor=floor)
 
 
 @gpu

@@ -103,6 +103,21 @@ def test_assert_close_catches_one_bad_head_among_thousands(rng):
         assert_close(got, ref, 1e-3)
 
 
+def test_assert_close_row_floor_holds_rows_to_at_least_the_floor():
+    """A one-element row cancelled to near zero passes with rounding of its inputs' size
+    once held to the floor; a row above the floor is still held to its own norm."""
+    ref = np.ones((100, 1))
+    ref[7] = 2e-4
+    got = ref.copy()
+    got[7] += 3e-8
+    with pytest.raises(AssertionError, match=r"row \(7,\) is off by"):
+        assert_close(got, ref, 1e-5)
+    assert_close(got, ref, 1e-5, row_floor=1.0)
+    got[40] += 5e-5  # 5e-5 of its own norm > 4 x 1e-5
+    with pytest.raises(AssertionError, match=r"row \(40,\) is off by"):
+        assert_close(got, ref, 1e-5, row_floor=1.0)
+
+
 # ---- varlen (prefill, chunked prefill, verify) over every layout -------------------------------
 
 
