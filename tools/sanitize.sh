@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Device: compute-sanitizer over GPU tests that reach every kernel pipeline's edges
+# (partial last tiles and pieces, window starts inside a piece, fp8 per-token scales,
+# split-KV merges, bad block ids, the multi-token kernel and the cache writes), one tool
+# at a time:
+#   memcheck   out-of-bounds and misaligned global / shared accesses
+#   racecheck  shared-memory hazards: two threads' accesses to one address, one a write,
+#              with no barrier between them
+#   synccheck  barriers not reached by every thread
+# Only cupaged's kernels are instrumented (namespace cupaged: the name filter matches it,
+# not the busy-wait the benchmarks use); the tests are small, so the sanitizers' slowdown
+# stays within a device call.
+#   bash tools/sanitize.sh                      # the three tools over the default tests
+#   TOOLS=racecheck TESTS="tests/test_decode.py -k stale" bash tools/sanitize.sh
+source "$(dirname "$0")/device_env.sh"
+TOOLS=${TOOLS:-memcheck racecheck synccheck}
+TESTS=${TESTS:-"tests/test_decode.py tests/test_variants.py tests/test_fp8.py tests/test_varlen.py tests/test_cache_ops.py -k 'stale_slots or window_edges or variants_over_fp8 or bad_block or split_kv_merged or written_cache_reads_back or copy_blocks_all'"}
+LIMIT=${LIMIT:-170}  # seconds per tool
+# Warm the kernel cache first: compiling is host work the sanitizers only slow down.
+eval "python3 -m pytest -m gpu -q -p no:cacheprovider -x $TESTS" >"$OUT/sanitize-warm.txt" 2>&1
+tail -1 "$OUT/sanitize-warm.txt"
+status=0
+for tool in $TOOLS; do
+  log="$OUT/sanitize-$tool.txt"
+  # --kernel-name kns=<substring> limits instrumentation to matching kernels.
+  eval "timeout $LIMIT compute-sanitizer --tool $tool --error-exitcode 99 \
+    --kernel-name kns=cupaged --print-limit 20 \
+    python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS" >"$log" 2>&1
+  rc=$?
+  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | sort | uniq -c | tr '\n' ';')
+  echo "$tool: exit $rc; $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1); ${summary:-no summary line}"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
