@@ -175,6 +175,59 @@ def test_window_edges_on_split_kv_decode(rng, window, partition):
     _check_lse(cupy.asnumpy(lse), ref_lse, f"W={window} {partition}")
 
 
+def _nan_before_windows(host, window, q_lens):
+    """Copies of the (vLLM-layout) caches with NaN in every K and V slot before the
+    earliest query row's window of its sequence: slots a window engine may have reused or
+    never written."""
+    kc, vc = host["key_cache"].copy(), host["value_cache"].copy()
+    bs = host["block_size"]
+    for s, (n, q) in enumerate(zip(host["seq_lens"], q_lens)):
+        for j in range(max(0, int(n) - int(q) - window + 1)):
+            b, t = host["block_tables"][s, j // bs], j % bs
+            kc[b, :, :, t, :] = np.nan
+            vc[b, :, :, t] = np.nan
+    return kc, vc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", [2, 8], ids=["group1", "group4"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "mixed_split"])
+def test_slots_before_the_window_may_hold_nan(rng, prefill_split, layout, heads, kind):
+    """Windows that start inside blocks, inside vLLM's pieces and inside tiles, over caches
+    whose slots before the window hold NaN: the first tile a row sees copies some of them
+    (a partly seen block or piece), so the kernels must mask their scores and clear their
+    V before P V (0 * NaN is NaN). Decode on the FMA path (group 1) and tensor cores
+    (group 4), single pass and split-KV; the multi-token kernel, single pass and split."""
+    import cupy
+
+    prefill_split(64 if kind == "mixed_split" else 0)
+    window = 21
+    seq = [22, 37, 64, 100, 333, 1000]
+    q_lens = [1] * len(seq) if kind == "decode" else [1, 5, 16, 3, 40, 1]
+    host = _problem(rng, q_lens, seq, layout="vllm", dtype="f16", heads=heads, kv_heads=2,
+                    head_size=64, block_size=16)
+    qsl = None if kind == "decode" else host["query_start_loc"]
+    ref = reference.attention(host["query"], host["key_cache"], host["value_cache"],
+                              host["block_tables"], host["seq_lens"], qsl, kv_layout="vllm",
+                              window=window)
+    kc, vc = testing.convert_layout(*_nan_before_windows(host, window, q_lens), "vllm", layout)
+    dev = _device(dict(query=host["query"], key_cache=kc, value_cache=vc,
+                       block_tables=host["block_tables"], seq_lens=host["seq_lens"]))
+    calls = {"attention": lambda out: cupaged.attention(
+        **dev, query_start_loc=None if qsl is None else cupy.asarray(qsl), out=out,
+        kv_layout=layout, window=window, max_query_len=max(q_lens))}
+    if kind == "decode" and layout == "vllm":
+        for partition in ("never", "always", 16):
+            calls[f"partition {partition}"] = lambda out, partition=partition: (
+                cupaged.paged_attention(*dev.values(), out=out, partition=partition,
+                                        window=window))
+    for what, call in calls.items():
+        out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
+        got = cupy.asnumpy(call(out)).astype(np.float64)
+        assert_close(got, ref, testing.TOLERANCE["f16"], f"{layout} {kind} {what}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 0.3])
 @pytest.mark.parametrize("case", ["plain", "cap"])
