@@ -44,6 +44,12 @@ def _check_lse(got, ref, what):
     assert err[worst] <= TOL_LSE, f"{what}: lse row {worst} got {got[worst]} want {ref[worst]}"
 
 
+def _first_seen(n, q, window):
+    """The first key position the earliest of a sequence's ``q`` query rows (of ``n``
+    positions) sees under a causal ``window``."""
+    return max(0, int(n) - int(q) - window + 1)
+
+
 def _poison_before_windows(host, window, q_lens):
     """Block-table entries wholly before every query row's window of their sequence set to
     ids outside the cache: the kernels must never read them (a bad id turns the output
@@ -54,8 +60,7 @@ def _poison_before_windows(host, window, q_lens):
     for s, (n, q) in enumerate(zip(host["seq_lens"], q_lens)):
         if q == 0:
             continue
-        first = max(0, int(n) - int(q) - window + 1)  # the earliest row's first key
-        bt[s, : first // bs] = nb + 7
+        bt[s, : _first_seen(n, q, window) // bs] = nb + 7
     return bt
 
 
@@ -182,7 +187,7 @@ def _nan_before_windows(host, window, q_lens):
     kc, vc = host["key_cache"].copy(), host["value_cache"].copy()
     bs = host["block_size"]
     for s, (n, q) in enumerate(zip(host["seq_lens"], q_lens)):
-        for j in range(max(0, int(n) - int(q) - window + 1)):
+        for j in range(_first_seen(n, q, window)):
             b, t = host["block_tables"][s, j // bs], j % bs
             kc[b, :, :, t, :] = np.nan
             vc[b, :, :, t] = np.nan
@@ -220,8 +225,9 @@ def test_slots_before_the_window_may_hold_nan(rng, prefill_split, layout, heads,
     if kind == "decode" and layout == "vllm":
         for partition in ("never", "always", 16):
             calls[f"partition {partition}"] = lambda out, partition=partition: (
-                cupaged.paged_attention(*dev.values(), out=out, partition=partition,
-                                        window=window))
+                cupaged.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                                        dev["block_tables"], dev["seq_lens"], out=out,
+                                        partition=partition, window=window))
     for what, call in calls.items():
         out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
         got = cupy.asnumpy(call(out)).astype(np.float64)

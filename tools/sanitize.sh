@@ -7,8 +7,8 @@
 #   racecheck  shared-memory hazards: two threads' accesses to one address, one a write,
 #              with no barrier between them
 #   synccheck  barriers not reached by every thread
-# Only cupaged's kernels are instrumented (namespace cupaged: the name filter matches it,
-# not the busy-wait the benchmarks use); the tests are small, so the sanitizers' slowdown
+# Only kernels whose names hold "cupaged" (the namespace of every library kernel) are
+# instrumented, not CuPy's or torch's; the tests are small, so the sanitizers' slowdown
 # stays within a device call.
 #   bash tools/sanitize.sh                      # the three tools over the default tests
 #   TOOLS=racecheck TESTS="tests/test_decode.py -k stale" bash tools/sanitize.sh
