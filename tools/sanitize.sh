@@ -20,6 +20,19 @@ LIMIT=${LIMIT:-170}  # seconds per tool
 eval "python3 -m pytest -m gpu -q -p no:cacheprovider -x $TESTS" >"$OUT/sanitize-warm.txt" 2>&1
 tail -1 "$OUT/sanitize-warm.txt"
 status=0
+# Positive controls: a planted out-of-bounds write and a planted shared-memory race, in
+# namespace cupaged, must be reported, or a clean run below proves nothing.
+for control in "memcheck oob" "racecheck race"; do
+  set -- $control
+  case " $TOOLS " in *" $1 "*) ;; *) continue ;; esac
+  compute-sanitizer --tool "$1" --kernel-name kns=cupaged python3 tools/sanitize_control.py "$2" \
+    >"$OUT/sanitize-control-$1.txt" 2>&1
+  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize-control-$1.txt" | tail -1)
+  case "$line" in
+    *" 0 errors"*|*"(0 errors"*|"") echo "control $1: NOT REPORTED ($line): the runs below would miss faults"; status=1 ;;
+    *) echo "control $1: reported ($line)" ;;
+  esac
+done
 for tool in $TOOLS; do
   log="$OUT/sanitize-$tool.txt"
   # --kernel-name kns=<substring> limits instrumentation to matching kernels.
