@@ -24,6 +24,14 @@ def _gpu_available() -> bool:
 
 HAVE_GPU = _gpu_available()
 
+if HAVE_GPU and os.environ.get("CUPAGED_TEST_NO_POOL"):
+    # Under compute-sanitizer's memcheck (tools/sanitize.sh): each array its own
+    # cudaMalloc, so an overrun past an array's end leaves its allocation and is reported,
+    # not hidden inside a pool chunk. (torch: PYTORCH_NO_CUDA_MEMORY_CACHING=1.)
+    import cupy
+
+    cupy.cuda.set_allocator(None)
+
 
 def pytest_collection_modifyitems(config, items):
     if HAVE_GPU:

@@ -10,6 +10,9 @@
 # Only kernels whose names hold "cupaged" (the namespace of every library kernel) are
 # instrumented, not CuPy's or torch's; the tests are small, so the sanitizers' slowdown
 # stays within a device call.
+# Positive controls run first (tools/sanitize_control.py): planted faults each tool must
+# report, or the run fails. The tests run without CuPy's and torch's memory pools, so an
+# overrun of an array's end leaves its allocation and memcheck sees it.
 #   bash tools/sanitize.sh                      # the three tools over the default tests
 #   TOOLS=racecheck TESTS="tests/test_decode.py -k stale" bash tools/sanitize.sh
 source "$(dirname "$0")/device_env.sh"
@@ -22,15 +25,18 @@ tail -1 "$OUT/sanitize-warm.txt"
 status=0
 # Positive controls: a planted out-of-bounds write and a planted shared-memory race, in
 # namespace cupaged, must be reported, or a clean run below proves nothing.
-for control in "memcheck oob" "racecheck race"; do
+# oob-far is outside any allocation; oob-near is one element past an array's end, which
+# memcheck sees only where the array is its own allocation (no pool: see below).
+export CUPAGED_TEST_NO_POOL=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1
+for control in "memcheck oob-far" "memcheck oob-near" "racecheck race"; do
   set -- $control
   case " $TOOLS " in *" $1 "*) ;; *) continue ;; esac
   compute-sanitizer --tool "$1" --kernel-name kns=cupaged python3 tools/sanitize_control.py "$2" \
-    >"$OUT/sanitize-control-$1.txt" 2>&1
-  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize-control-$1.txt" | tail -1)
+    >"$OUT/sanitize-control-$2.txt" 2>&1
+  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize-control-$2.txt" | tail -1)
   case "$line" in
-    *" 0 errors"*|*"(0 errors"*|"") echo "control $1: NOT REPORTED ($line): the runs below would miss faults"; status=1 ;;
-    *) echo "control $1: reported ($line)" ;;
+    *" 0 errors"*|*"(0 errors"*|"") echo "control $2: NOT REPORTED ($line): the runs below would miss faults"; status=1 ;;
+    *) echo "control $2: reported ($line)" ;;
   esac
 done
 for tool in $TOOLS; do
