@@ -158,15 +158,17 @@ __device__ __forceinline__ unsigned long long mul_wide(unsigned a, unsigned b) {
   return r;
 }
 
+// .L2::128B: the L2 hint of the request's 128-byte line (docs/PERFORMANCE.md: measured
+// with and without, the KV-streaming kernels' L2 -> SM traffic and DRAM rate).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
 // The same with the destination as a shared-window address (__cvta_generic_to_shared),
 // for loops that step it by constants instead of converting every pointer.
 __device__ __forceinline__ void cp_async16_shared(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 
 // 4 bytes (per-token scales of an fp8 cache): .ca, the only form that copies fewer than 16.
