@@ -68,12 +68,7 @@ struct DecodeGeometry {
   // blocks a 16-byte copy spans several dims, so V keeps the cache's own piece layout.
   static constexpr bool kVTransposed = KV_FORMAT == kFormatVllm && kSub >= kVec;
   static constexpr int kVRow = TILE_TOKENS + kVec;
-  // Token-major caches are copied token-major: shared K and V are [TILE_TOKENS][kTokRow],
-  // rows padded to an odd number of 16-byte chunks, so eight consecutive rows start in
-  // distinct 16-byte bank groups: a warp reading 32 tokens' chunks (scores) or eight token
-  // rows (ldmatrix) is conflict-free.
   static constexpr bool kTokenMajor = KV_FORMAT == kFormatTokenMajor;
-  static constexpr int kTokRow = HEAD_SIZE + kVec * (kChunks % 2 == 0 ? 1 : 2);
 
   // Scores: each token is owned by kScoreThreads threads' worth of lanes; when the tile is
   // narrower than the CTA, kSplitsQK threads share a token (split over key chunks).
@@ -94,6 +89,22 @@ struct DecodeGeometry {
   static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
                                (kVTransposed || kTokenMajor);
   static constexpr bool kConvert = kMma && kQuant;
+  // Token-major caches are copied token-major: shared K and V are [TILE_TOKENS][kTokRow],
+  // arranged so that eight consecutive rows' chunk c lie in distinct 16-byte bank groups
+  // (a warp reading 32 tokens' chunks, or ldmatrix reading eight token rows, is
+  // conflict-free):
+  // - swizzled (the tensor-core path, rows of whole groups of eight chunks): rows unpadded,
+  //   chunk c of row t stored at chunk c ^ (t % 8). Every 32-byte sector of the cache then
+  //   lands in one aligned 32 bytes of shared memory;
+  // - padded (otherwise): rows padded to an odd number of chunks. Every other row then
+  //   starts 16 bytes into a 32-byte sector, and the copies bring those rows' sectors from
+  //   L2 twice: 1.5x the L2 -> SM bytes of the swizzled copy (docs/PERFORMANCE.md).
+  static constexpr bool kSwizzle = kTokenMajor && kMma && kChunks % 8 == 0;
+  static constexpr int kTokRow = kSwizzle ? HEAD_SIZE : HEAD_SIZE + kVec * (kChunks % 2 == 0 ? 1 : 2);
+  // The element offset of chunk c (kVec elements) of token row t in a K or V stage.
+  __device__ static constexpr int tok_chunk(int t, int c) {
+    return t * kTokRow + (kSwizzle ? c ^ (t & 7) : c) * kVec;
+  }
   using MmaT = typename conditional<kConvert, half_t, T>::type;
   // P V's operand type: MmaT, except with per-token V scales, where V * scale (which may
   // lie anywhere in the query type's range) is rounded to T, as a 16-bit cache holds it.
@@ -384,8 +395,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
       // Parts fixed per thread are written from tid, so they are hoisted out of the loop.
       if constexpr (Geo::kTokenMajor) {
         const unsigned c = (NT % Geo::kChunks == 0 ? static_cast<unsigned>(tid) : u) % Geo::kChunks;
-        cp_async16(ks + t * KROW + c * X, kb + (within * hd.k_token + c * X));
-        cp_async16(vs + t * KROW + c * X, vb + (within * hd.v_token + c * X));
+        // Where chunk c of row t goes; when NT is a multiple of 8 rows, t % 8 is the same
+        // in every iteration (written from tid, so it is hoisted).
+        const unsigned dst = Geo::kSwizzle && NT % (8 * Geo::kChunks) == 0
+            ? t * KROW + (c ^ ((static_cast<unsigned>(tid) / Geo::kChunks) & 7)) * X
+            : Geo::tok_chunk(t, c);
+        cp_async16(ks + dst, kb + (within * hd.k_token + c * X));
+        cp_async16(vs + dst, vb + (within * hd.v_token + c * X));
       } else {
         // The element offset in the piece, in cache order.
         const unsigned e =
@@ -579,6 +595,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         C* vz = const_cast<C*>(vs);
         const int cols = min(TT, (valid + 15) / 16 * 16) - valid;
         if constexpr (Geo::kTokenMajor) {
+          // Whole rows (a swizzle permutes chunks within a row only).
           for (int i = tid; i < HS * cols; i += NT) vz[(valid + i / HS) * KROW + i % HS] = C{};
         } else {
           for (int i = tid; i < HS * cols; i += NT) vz[(i / cols) * Geo::kVRow + valid + i % cols] = C{};
@@ -606,27 +623,33 @@ __global__ void __launch_bounds__(kDecodeThreads)
         if ((TT / 16) % Geo::kWarps != 0 && mt >= TT / 16) continue;
 #pragma unroll
         for (int i = 0; i < 4; ++i) sc[j][i] = 0.f;
-        // Where K's 16-byte rows of token t, chunk c (X elements) start.
+        // This lane's ldmatrix row (token) and where its chunk c (X elements) starts: the
+        // row plus c chunks, or (swizzled) plus chunk c ^ (row % 8), row % 8 == lane % 8.
+        // Chunks are c0 + m with c0 even (or, for fp8, a multiple of 2 by the loop) and m
+        // in {0, 1}, so c ^ s == c0 ^ (m ^ s): one XOR with a constant per chunk.
+        const int a_tok = mt * 16 + (lane & 7) + (mi & 1) * 8;
+        const C* a_row = ks + (Geo::kTokenMajor ? a_tok * KROW : a_tok * X);
         const int kstep = Geo::kTokenMajor ? X : TT * X;  // to the next chunk
-        auto k_row = [&](int t) { return ks + (Geo::kTokenMajor ? t * KROW : t * X); };
+        const int m_sw = (mi >> 1) ^ (Geo::kSwizzle ? lane & 7 : 0);
+        auto k_chunk = [&](int c0) {  // chunk c0 + (mi >> 1) of this lane's row
+          return Geo::kSwizzle ? a_row + (c0 ^ m_sw) * X : a_row + (c0 + (mi >> 1)) * kstep;
+        };
         if constexpr (!Geo::kConvert) {
           // A = K [token][dim]: matrix mi covers tokens + 8 (mi & 1), dims + 8 (mi >> 1).
-          const C* a_row = k_row(mt * 16 + (lane & 7) + (mi & 1) * 8) + (mi >> 1) * kstep;
 #pragma unroll
           for (int kk = 0; kk < HS / 16; ++kk) {
             unsigned a[4];
-            ldmatrix_x4(a, a_row + kk * 2 * kstep);
+            ldmatrix_x4(a, k_chunk(2 * kk));
             mma_16816<MT>(sc[j], a, q_frag[kk]);
           }
         } else {
           // fp8: a 16-byte chunk is one k-step. Matrix mi covers tokens + 8 (mi & 1) of
           // chunk kk + (mi >> 1); a register holds dims 4c .. 4c + 3 of one token, the low
           // pair A's column pair c, the high pair column pair c + 4 (q_frag's order).
-          const C* a_row = k_row(mt * 16 + (lane & 7) + (mi & 1) * 8) + (mi >> 1) * kstep;
 #pragma unroll
           for (int kk = 0; kk + 1 < HS / 16; kk += 2) {
             unsigned r[4], a[4];
-            ldmatrix_x4(r, a_row + kk * kstep);
+            ldmatrix_x4(r, k_chunk(kk));
             fp8x4_to_f16_halves<C>(r[0], a[0], a[2]);
             fp8x4_to_f16_halves<C>(r[1], a[1], a[3]);
             mma_16816<MT>(sc[j], a, q_frag[kk]);
@@ -637,7 +660,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           if constexpr ((HS / 16) % 2 != 0) {  // the last chunk alone (lanes 0-15 address it)
             constexpr int kk = HS / 16 - 1;
             unsigned r[2], a[4];
-            ldmatrix_x2(r, k_row(mt * 16 + (lane & 7) + (mi & 1) * 8) + kk * kstep);
+            ldmatrix_x2(r, Geo::kSwizzle ? a_row + (kk ^ (lane & 7)) * X : a_row + kk * kstep);
             fp8x4_to_f16_halves<C>(r[0], a[0], a[2]);
             fp8x4_to_f16_halves<C>(r[1], a[1], a[3]);
             mma_16816<MT>(sc[j], a, q_frag[kk]);
@@ -723,8 +746,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
           if constexpr (!Geo::kConvert) {
             // A = V^T [dim][token]: matrix mi covers dims + 8 (mi & 1), tokens + 8 (mi >> 1).
             if constexpr (Geo::kTokenMajor) {
-              ldmatrix_x4_trans(a, vs + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROW + mt * 16 +
-                                       (mi & 1) * 8);
+              // Row kk * 16 + (mi >> 1) * 8 + lane % 8, so row % 8 == lane % 8.
+              ldmatrix_x4_trans(a, vs + (kk * 16 + (mi >> 1) * 8 + (lane & 7)) * KROW +
+                                       (Geo::kSwizzle ? ((2 * mt + (mi & 1)) ^ (lane & 7)) * X
+                                                      : mt * 16 + (mi & 1) * 8));
             } else {
               ldmatrix_x4(a, vs + (mt * 16 + (lane & 7) + (mi & 1) * 8) * Geo::kVRow +
                                  (mi >> 1) * 8 + kk * 16);
@@ -734,7 +759,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
             // a register holds tokens 2c, 2c + 1 of dims 2r, 2r + 1 (r = lane / 4). A's row r
             // is dim 2r of the tile, row r + 8 dim 2r + 1 (the output's order, undone below).
             unsigned r[2];
-            ldmatrix_x2_trans(r, vs + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * KROW + mt * 16);
+            ldmatrix_x2_trans(r, vs + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * KROW +
+                                     (Geo::kSwizzle ? (mt ^ (lane & 7)) * X : mt * 16));
             fp8x4_to_f16_columns<C>(r[0], a[0], a[1]);
             fp8x4_to_f16_columns<C>(r[1], a[2], a[3]);
           } else {
@@ -772,7 +798,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int g = 0; g < GT; ++g) s[j][g] = 0.f;
         for (int c = split; c < Geo::kChunks; c += Geo::kSplitsQK) {
           float kf[X];
-          load_floats<C, X>(Geo::kTokenMajor ? ks + t * KROW + c * X : ks + (c * TT + t) * X, kf);
+          load_floats<C, X>(Geo::kTokenMajor ? ks + Geo::tok_chunk(t, c) : ks + (c * TT + t) * X, kf);
   #pragma unroll
           for (int g = 0; g < GT; ++g) {
             const float4* q4 = reinterpret_cast<const float4*>(q_s + g * HS + c * X);
@@ -872,7 +898,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           float vf[X];
           if constexpr (Geo::kTokenMajor) {
   #pragma unroll
-            for (int i = 0; i < X; ++i) vf[i] = to_float(vs[(tt + i) * KROW + d]);
+            for (int i = 0; i < X; ++i) vf[i] = to_float(vs[Geo::tok_chunk(tt + i, d / X) + d % X]);
           } else if constexpr (Geo::kVTransposed) {
             load_floats<C, X>(vs + d * Geo::kVRow + tt, vf);
           } else {

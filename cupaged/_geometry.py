@@ -69,8 +69,14 @@ class DecodeGeometry:
         return 16 // self.cit
 
     @property
-    def tok_row(self) -> int:  # kTokRow: an odd number of 16-byte chunks
+    def swizzle(self) -> bool:  # kSwizzle: unpadded token rows, chunks XOR-swizzled
+        return self.token_major and self.mma and (self.head_size // self.vec) % 8 == 0
+
+    @property
+    def tok_row(self) -> int:  # kTokRow: unpadded when swizzled, else an odd number of chunks
         chunks = self.head_size // self.vec
+        if self.swizzle:
+            return self.head_size
         return self.head_size + self.vec * (1 if chunks % 2 == 0 else 2)
 
     @property
@@ -257,6 +263,7 @@ def _check_chunk(specs) -> None:
         lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                      f"{cxx}::kMma == {str(g.mma).lower()} && "
                      f"{cxx}::kVTransposed == {str(g.v_transposed).lower()} && "
+                     f"{cxx}::kSwizzle == {str(g.swizzle).lower()} && "
                      f"{cxx}::kPieces == {g.pieces}, \"host mirror differs: {s.name}\");\n")
     nvrtc = jit._nvrtc()
     prog = nvrtc.createProgram(jit.source(specs[0].source_file) + "".join(lines), "mirror.cu",
