@@ -114,6 +114,21 @@ def test_attention_over_fp8_matches_reference(rng, fmt, mode, layout, dtype):
     assert_close(got, ref, tol, f"decode {fmt} {mode} {layout} {dtype}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("hs, group", [(128, 8), (256, 4)], ids=lambda c: str(c))
+def test_decode_over_fp8_token_major_swizzled_rows(rng, hs, group, layout):
+    """The tensor-core decode path over fp8 token-major caches whose rows (8 and 16
+    chunks of 16 one-byte elements) are stored swizzled in shared memory."""
+    fmt = FORMATS[int(rng.integers(2))]
+    mode = MODES[int(rng.integers(3))]
+    seq = [0, 1, 15, 16, 17, 63, 64, 65, 200, 1000]
+    host, scales = fp8_problem(rng, fmt, mode, [1] * len(seq), seq, layout=layout,
+                               heads=2 * group, kv_heads=2, head_size=hs)
+    got, ref = run(host, scales, mode, fmt, decode_only=True, kv_layout=layout)
+    assert_close(got, ref, testing.TOLERANCE["f16"], f"{fmt} {mode} hs {hs} group {group}")
+
+
 # (head_size, block_size, heads, kv_heads, layout): the FMA decode path (groups 1, 2), vLLM's
 # layout with blocks under 16 tokens (V in pieces; the row-mode fallback for several
 # tokens), tiny and huge blocks, every head size class.

@@ -131,6 +131,28 @@ def test_alibi(rng, dtype, layout):
 
 # ---- split-KV prefill ------------------------------------------------------------------------
 
+# Decode over token-major caches on the tensor-core path (groups 4 and 8): head sizes
+# whose rows are whole groups of eight 16-byte chunks, stored swizzled in shared memory
+# (64, 128, 192, 256), and two whose rows are padded instead (80 and 224: 10 and 28).
+SWIZZLE_CASES = [(64, 4), (128, 8), (192, 4), (256, 8), (80, 4), (224, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("hs, group", SWIZZLE_CASES, ids=lambda c: str(c))
+def test_decode_over_token_major_rows_of_every_chunk_count(rng, hs, group, dtype, layout):
+    """One query per sequence (the decode kernel), lengths ending inside and at the ends
+    of blocks and tiles, an empty sequence, a long one (split-KV), stale slots NaN."""
+    seq = [1, 1, 15, 16, 17, 63, 64, 65, 200, 1000]
+    host = make_varlen(rng, [1] * len(seq), seq, layout=layout, dtype=dtype, heads=2 * group,
+                       kv_heads=2, head_size=hs, block_size=16, share=True)
+    host["query_start_loc"] = None
+    host["seq_lens"][0] = 0  # empty: zeros
+    got, ref = run(host, kv_layout=layout)
+    assert_close(got, ref, testing.TOLERANCE[dtype], f"hs {hs} group {group} {dtype} {layout}")
+
+
 # (dtype, head_size, block_size, heads, kv_heads): the 64-token tile (two shapes, the
 # few-rows one included), the 32-token tile of head size 256, a head size of odd chunks.
 SPLIT_CASES = [("bf16", 128, 16, 8, 2), ("f16", 64, 32, 16, 2), ("f16", 256, 8, 4, 1),
