@@ -12,14 +12,13 @@ bench() { python3 -m cupaged.cli "$@"; }
 SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
 # FlashInfer's CLI rows compile FlashInfer's modules (minutes): with the serving loop's,
 # where .flashinfer is carried.
+SERVING="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py"
 FI_CLI=tests/test_cli.py::test_compare_flashinfer_rows_check_and_plan
-SHARD3="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py $FI_CLI"
 case "${SHARD:-}" in
   1) set -- $SHARD1 "$@" ;;
-  2) for f in $SHARD1 tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py; do
-       set -- "--ignore=$f" "$@"; done
+  2) for f in $SHARD1 $SERVING; do set -- "--ignore=$f" "$@"; done
      set -- "--deselect=$FI_CLI" "$@" ;;
-  3) set -- $SHARD3 "$@" ;;
+  3) set -- $SERVING $FI_CLI "$@" ;;
   "") ;;
   *) echo "SHARD must be 1, 2, 3 or unset" >&2; exit 2 ;;
 esac

@@ -23,20 +23,19 @@ LIMIT=${LIMIT:-170}  # seconds per tool
 eval "python3 -m pytest -m gpu -q -p no:cacheprovider -x $TESTS" >"$OUT/sanitize-warm.txt" 2>&1
 tail -1 "$OUT/sanitize-warm.txt"
 status=0
-# Positive controls: a planted out-of-bounds write and a planted shared-memory race, in
-# namespace cupaged, must be reported, or a clean run below proves nothing.
-# oob-far is outside any allocation; oob-near is one element past an array's end, which
-# memcheck sees only where the array is its own allocation (no pool: see below).
+# oob-far lies outside any allocation; oob-near one element past an array's end, which
+# memcheck sees only where the array is its own allocation (hence no pools).
 export CUPAGED_TEST_NO_POOL=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1
 for control in "memcheck oob-far" "memcheck oob-near" "racecheck race"; do
-  set -- $control
-  case " $TOOLS " in *" $1 "*) ;; *) continue ;; esac
-  compute-sanitizer --tool "$1" --kernel-name kns=cupaged python3 tools/sanitize_control.py "$2" \
-    >"$OUT/sanitize-control-$2.txt" 2>&1
-  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize-control-$2.txt" | tail -1)
+  read -r tool fault <<< "$control"
+  case " $TOOLS " in *" $tool "*) ;; *) continue ;; esac
+  log="$OUT/sanitize-control-$fault.txt"
+  compute-sanitizer --tool "$tool" --kernel-name kns=cupaged python3 tools/sanitize_control.py \
+    "$fault" >"$log" 2>&1
+  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)
   case "$line" in
-    *" 0 errors"*|*"(0 errors"*|"") echo "control $2: NOT REPORTED ($line): the runs below would miss faults"; status=1 ;;
-    *) echo "control $2: reported ($line)" ;;
+    *" 0 errors"*|*"(0 errors"*|"") echo "control $fault: NOT REPORTED ($line): the runs below would miss faults"; status=1 ;;
+    *) echo "control $fault: reported ($line)" ;;
   esac
 done
 for tool in $TOOLS; do
