@@ -116,6 +116,15 @@ def _device(device_id: int) -> _Device:
                    props["sharedMemPerMultiprocessor"])
 
 
+class _Occupancy(NamedTuple):
+    """A decode launch's residency: at most ``per_sm`` CTAs on an SM (``slots`` on the
+    device), held there by asking for ``smem`` bytes of dynamic shared memory per CTA."""
+
+    per_sm: int
+    slots: int
+    smem: int
+
+
 class _Kernels(NamedTuple):
     decode: jit.Launcher
     combine: jit.Launcher
@@ -125,6 +134,9 @@ class _Kernels(NamedTuple):
     slots: int  # decode CTAs resident at once on the whole device
     sms: int  # the device's SMs
     saturate: float  # CTAs per SM whose copies in flight keep its share of DRAM busy
+    # Lower residencies the split model may choose instead (fewest CTAs per SM first),
+    # down to `saturate`: fewer, longer CTAs fill the waves of a small grid better.
+    fewer: tuple = ()
 
 
 @jit.launcher_cache
@@ -140,17 +152,32 @@ def _kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_
             f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
             f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
         )
-    if _tuning.ctas_per_sm:  # 1 KiB per block is the driver's own reservation
-        smem = max(smem, min(dev.max_smem, dev.sm_smem // _tuning.ctas_per_sm - 1024))
-    decode = jit.load(spec, device_id, smem)
+    if _tuning.ctas_per_sm:
+        smem = max(smem, _smem_for(dev, _tuning.ctas_per_sm))
     # A CTA keeps STAGES - 1 tiles of K and V in flight; about 64 KiB in flight per SM keep
     # its share of the memory bandwidth busy (fitted, then checked on the auto sweep:
     # docs/PERFORMANCE.md, issue 14), so fewer CTAs than the SM holds may saturate it.
     geo = _geometry.DecodeGeometry.of(spec)
     in_flight = (geo.stages - 1) * 2 * geo.tile_tokens * head_size * geo.cit
+    saturate = _SATURATING_BYTES / in_flight
+    decode = jit.load(spec, device_id, smem)
+    slots = _resident_ctas(device_id, decode, _THREADS, smem)
+    fewer = []
+    if not _tuning.ctas_per_sm:
+        for per_sm in range(max(1, math.ceil(saturate)), slots // dev.sm_count):
+            smem_n = max(smem, _smem_for(dev, per_sm))
+            decode = jit.load(spec, device_id, smem_n)  # raises the kernel's limit
+            slots_n = _resident_ctas(device_id, decode, _THREADS, smem_n)
+            if slots_n // dev.sm_count == per_sm:
+                fewer.append(_Occupancy(per_sm, slots_n, smem_n))
     return _Kernels(decode, _combine(device_id, dtype, head_size), smem, spec.tile_tokens,
-                    spec.name, _resident_ctas(device_id, decode, _THREADS, smem), dev.sm_count,
-                    _SATURATING_BYTES / in_flight)
+                    spec.name, slots, dev.sm_count, saturate, tuple(fewer))
+
+
+def _smem_for(dev: "_Device", per_sm: int) -> int:
+    """Dynamic shared memory per CTA that lets at most ``per_sm`` CTAs share an SM (1 KiB
+    per block is the driver's own reservation)."""
+    return min(dev.max_smem, dev.sm_smem // per_sm - 1024)
 
 
 @jit.launcher_cache
@@ -271,47 +298,107 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
-def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int, ks: "_Kernels") -> int:
-    """0 for a single pass, else the tokens per split-KV partition."""
+def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int,
+                      ks: "_Kernels") -> tuple[int, int]:
+    """``(tokens per split-KV partition, 0 for a single pass; dynamic shared memory per
+    CTA)``: the split, and the residency it runs at (``ks.smem`` or one of ``ks.fewer``)."""
     if partition == "never" or max_ctx == 0:
-        return 0
-    if isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
+        size = 0
+    elif isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
         if partition <= 0 or partition % p.block_size or partition > _checks.INT32_MAX:
             _fail(f"partition must be a positive multiple of block_size ({p.block_size}) "
                   f"below 2^31, got {partition}")
         size = int(partition)
     elif partition in ("auto", "always"):
-        size = _split(ctas, max_ctx, ks.slots, ks.tile_tokens,
-                      max(ks.tile_tokens, p.block_size), partition == "always",
-                      ks.sms, ks.saturate)
+        size, occ = _split_and_residency(ctas, max_ctx, ks, max(ks.tile_tokens, p.block_size),
+                                         partition == "always")
+        return _check_parts(size, max_ctx), occ.smem
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
-    if size == 0:  # the model chose a single pass
-        return 0
-    if -(-max_ctx // size) > _MAX_GRID_YZ:
+    size = _check_parts(size, max_ctx)
+    if max_ctx == 0:
+        return size, ks.smem
+    n = -(-max_ctx // size) if size else 1
+    work = _round_up(size or max_ctx, ks.tile_tokens) + ks.tile_tokens
+    return size, _residency(ctas * n, work, ks).smem
+
+
+def _check_parts(size: int, max_ctx: int) -> int:
+    if size and -(-max_ctx // size) > _MAX_GRID_YZ:
         _fail(f"partition of {size} tokens gives more than {_MAX_GRID_YZ} partitions for "
               f"{max_ctx} tokens; use a larger partition")
     return size
 
 
-@lru_cache(maxsize=4096)
+def _natural(ks: "_Kernels") -> _Occupancy:
+    return _Occupancy(ks.slots // ks.sms if ks.sms else 0, ks.slots, ks.smem)
+
+
+def _residency(grid: int, work: int, ks: "_Kernels") -> _Occupancy:
+    """The residency that runs ``grid`` CTAs of ``work`` tokens soonest (_grid_cost); a
+    lower one must win by 3%, and only for a grid of at most two of its waves (larger
+    grids start their CTAs staggered, and measured faster at the full residency)."""
+    best = _natural(ks)
+    cost = _grid_cost(grid, work, best.per_sm, best.slots, ks.sms, ks.saturate)
+    for occ in ks.fewer:
+        if grid <= 2 * occ.slots:
+            c = _grid_cost(grid, work, occ.per_sm, occ.slots, ks.sms, ks.saturate)
+            if c * 1.03 < cost:
+                best, cost = occ, c
+    return best
+
+
+def _split_and_residency(ctas: int, max_ctx: int, ks: "_Kernels", quantum: int,
+                         at_least_two: bool) -> tuple[int, _Occupancy]:
+    """_split at the natural residency and at each lower one; the cheapest plan, a lower
+    residency winning by 3% and only where its grid takes at most two of its waves."""
+    best = _natural(ks)
+    cost, size = _split_cost(ctas, max_ctx, best.slots, ks.tile_tokens, quantum, at_least_two,
+                             ks.sms, ks.saturate)
+    for occ in ks.fewer:
+        c, s = _split_cost(ctas, max_ctx, occ.slots, ks.tile_tokens, quantum, at_least_two,
+                           ks.sms, ks.saturate)
+        n = -(-max_ctx // s) if s else 1
+        if ctas * n <= 2 * occ.slots and c * 1.03 < cost:
+            best, cost, size = occ, c, s
+    return size, best
+
+
+def _grid_cost(grid: int, work: int, per_sm: int, slots: int, sms: int,
+               saturate: float) -> float:
+    """Time for ``grid`` CTAs of ``work`` tokens each, in tokens streamed by one CTA that
+    has an SM to itself: waves of ``slots`` CTAs (``per_sm`` to an SM, sharing its
+    bandwidth, so a full wave lasts ``per_sm`` CTAs' work). A grid that fits in one wave,
+    all of its CTAs starting at once, puts at most j = ceil(grid / sms) on an SM; while j
+    is below ``saturate`` (the CTAs whose copies in flight keep an SM's share of the
+    memory bandwidth busy) the SM is not full and the wave is shorter: max(j, saturate)
+    CTAs' work. So 256 CTAs on 132 SMs of 3 slots are not split into 768 to fill the
+    wave. Grids of several waves start their CTAs staggered and are priced in whole
+    waves. ``sms = 0`` prices every grid in whole waves of unit length."""
+    if not sms:
+        return -(-grid // slots) * work
+    if grid <= slots:
+        return min(per_sm, max(-(-grid // sms), saturate)) * work
+    return -(-grid // slots) * per_sm * work
+
+
 def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_least_two: bool,
            sms: int = 0, saturate: float = 0.0) -> int:
-    """Split-KV partition size (0: single pass) minimizing a simple cost model.
+    """Split-KV partition size (0: single pass) minimizing _split_cost."""
+    return _split_cost(ctas, max_ctx, slots, tile, quantum, at_least_two, sms, saturate)[1]
 
-    CTAs run in waves of ``slots`` (``sms`` SMs x ``slots // sms`` resident CTAs each). A
-    CTA's work is its partition rounded up to tiles, plus about one tile of fixed cost
-    (filling the pipeline, the epilogue); a wave lasts as long as that work. A grid that
-    fits in one wave, all of its CTAs starting at once, puts at most j = ceil(ctas / sms)
-    on an SM, and while j is below ``saturate`` (the CTAs whose copies in flight keep an
-    SM's share of the memory bandwidth busy) the SM is not full and the wave is shorter:
-    max(j, saturate) / (slots per SM) of a full one. So 256 CTAs on 132 SMs of 3 slots are
-    not split into 768 to fill the wave. Grids of several waves start their CTAs
-    staggered and are priced in whole waves; ``sms = 0`` prices every grid that way.
-    Splitting adds the merge (two tiles) and must win by 3% (the partials' traffic). A
-    single pass over few long sequences leaves SMs idle or a last wave mostly empty; many
-    tiny partitions pay the fixed costs over and over."""
-    per_sm = slots // sms if sms else 0
+
+def _split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
+                at_least_two: bool, sms: int = 0, saturate: float = 0.0) -> tuple[float, int]:
+    """``(cost, partition size)``: the split-KV partition (0: single pass) of ``ctas``
+    CTAs over ``max_ctx`` tokens that minimizes a simple cost model, and its cost.
+
+    A CTA's work is its partition rounded up to tiles, plus about one tile of fixed cost
+    (filling the pipeline, the epilogue); _grid_cost prices the grid. Splitting adds the
+    merge (two tiles) and must win by 3% (the partials' traffic). A single pass over few
+    long sequences leaves SMs idle or a last wave mostly empty; many tiny partitions pay
+    the fixed costs over and over."""
+    per_sm = max(1, slots // sms) if sms else 1
     max_parts = min(-(-max_ctx // quantum), _MAX_GRID_YZ)
     # Worth trying: one partition, the most that fit in w whole waves, and the most that
     # put j CTAs on each SM of a single wave.
@@ -325,17 +412,14 @@ def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_leas
         if at_least_two and n < 2 and max_parts >= 2:
             continue
         work = _round_up(size, tile) + tile
-        if sms and ctas * n <= slots:
-            waves = min(1.0, max(-(-(ctas * n) // sms), saturate) / per_sm)
-        else:
-            waves = -(-(ctas * n) // slots)
-        cost = waves * work
-        if n > 1:
-            cost = 1.03 * (cost + 2 * tile)
+        cost = _grid_cost(ctas * n, work, per_sm, slots, sms, saturate)
+        if n > 1:  # the merge: two tiles more in a wave as long as this grid's
+            cost = 1.03 * (cost + _grid_cost(min(ctas * n, slots), 2 * tile, per_sm, slots,
+                                             sms, saturate))
         if best is None or cost < best[0]:
             best = (cost, n, size)
-    _, n, size = best
-    return size if (n > 1 or at_least_two) else 0
+    cost, n, size = best
+    return cost, (size if (n > 1 or at_least_two) else 0)
 
 
 # ---- launch -----------------------------------------------------------------------------------
@@ -457,13 +541,14 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
-    size = 0 if rows else _partition_tokens(partition, p, max_ctx, p.num_seqs * grid_y, ks)
+    size, smem = (0, ks.smem) if rows else _partition_tokens(partition, p, max_ctx,
+                                                             p.num_seqs * grid_y, ks)
     if size and workspace is not None:
         size = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
                                max(ks.tile_tokens, p.block_size))
     n_parts = -(-max_ctx // size) if size else 1
     kv_strides, kv_tail = _kv_args(p)
-    launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, ks.smem, False, (0,),
+    launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, smem, False, (0,),
                      p.q_strides, kv_strides, kv_tail,
                      (alibi, p.num_heads, group, p.num_seqs, int(causal), size,
                       scale * _LOG2E), variants, vp, takes_starts=rows)

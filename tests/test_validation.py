@@ -137,7 +137,9 @@ def test_other_objects_are_refused():
         cupaged.paged_attention([[1.0]], None, None, None, None)
 
 
-KS = SimpleNamespace(slots=396, tile_tokens=64, sms=132, saturate=2)  # an H100's 64x2 tiles
+# An H100's 64x2 tiles: 3 CTAs per SM, or 2 held there by more shared memory.
+KS = SimpleNamespace(slots=396, tile_tokens=64, sms=132, saturate=2, smem=66688,
+                     fewer=(decode._Occupancy(2, 264, 115712),))
 
 
 def _problem(**kw):
@@ -181,15 +183,15 @@ def test_too_many_partitions_are_refused():
 
 def test_explicit_partition_and_never():
     p = _problem()
-    assert decode._partition_tokens(32, p, 64, 8, KS) == 32
-    assert decode._partition_tokens("never", p, 64, 8, KS) == 0
-    assert decode._partition_tokens(32, p, 0, 8, KS) == 0  # nothing to split
+    assert decode._partition_tokens(32, p, 64, 8, KS)[0] == 32
+    assert decode._partition_tokens("never", p, 64, 8, KS)[0] == 0
+    assert decode._partition_tokens(32, p, 0, 8, KS) == (0, KS.smem)  # nothing to split
 
 
 def test_auto_may_choose_a_single_pass():
     p = _problem()
-    assert decode._partition_tokens("auto", p, 2048, 4096, KS) == 0  # many waves already
-    assert decode._partition_tokens("always", p, 2048, 4096, KS) > 0
+    assert decode._partition_tokens("auto", p, 2048, 4096, KS) == (0, KS.smem)  # many waves
+    assert decode._partition_tokens("always", p, 2048, 4096, KS)[0] > 0
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
@@ -218,6 +220,36 @@ def test_a_single_wave_is_priced_by_its_fullest_sm(ctas, ctx, want_parts):
     if want_parts < 8:
         old = decode._split(ctas, ctx, 396, 64, 64, False)
         assert (-(-ctx // old) if old else 1) >= want_parts
+
+
+@pytest.mark.parametrize("ctas, ctx, want_parts, want_per_sm", [
+    # 32/8 heads, batch 64: 1.29 waves at 3 per SM (split in 3 to fill 3.88 waves) but
+    # 1.94 at 2 per SM: one long CTA per (sequence, KV head), as FlashInfer runs it.
+    (512, 2048, 1, 2),
+    (512, 8192, 1, 2),
+    (2048, 2048, 1, 3),   # MHA batch 64: 7.8 waves at 2 per SM, staggered: stay at 3
+    (2048, 512, 1, 3),    # batch 256: the same
+    (1024, 4096, 3, 3),   # 3.9 waves at 2 per SM, more than two: split at 3 per SM
+    (384, 2048, 1, 3),    # one wave at 3 per SM already
+    (8, 131072, 33, 3),   # batch 1: one wave of 2 per SM either way; a tie keeps 3
+])
+def test_residency_is_chosen_with_the_split(ctas, ctx, want_parts, want_per_sm):
+    size, occ = decode._split_and_residency(ctas, ctx, KS, 64, False)
+    assert (-(-ctx // size) if size else 1) == want_parts
+    assert occ.per_sm == want_per_sm
+    smem = decode._partition_tokens("auto", _problem(), ctx, ctas, KS)[1]
+    assert smem == occ.smem == (KS.smem if want_per_sm == 3 else KS.fewer[0].smem)
+
+
+def test_fixed_partitions_get_a_residency_too():
+    p = _problem()
+    # A single pass of 512 CTAs: 2 waves at either residency, shorter ones at 2 per SM.
+    assert decode._partition_tokens("never", p, 2048, 512, KS) == (0, KS.fewer[0].smem)
+    assert decode._partition_tokens("never", p, 2048, 2048, KS) == (0, KS.smem)
+    # Without lower residencies (a --ctas-per-sm override) the natural one.
+    ks = SimpleNamespace(**{**vars(KS), "fewer": ()})
+    assert decode._partition_tokens("never", p, 2048, 512, ks) == (0, KS.smem)
+    assert decode._split_and_residency(512, 2048, ks, 64, False)[1].per_sm == 3
 
 
 def test_always_splits_at_least_in_two():
