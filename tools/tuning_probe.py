@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--max-gib", type=float, default=30.0, help="skip caches larger than this")
     ap.add_argument("--layout", default="HND")
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
@@ -77,7 +79,8 @@ def main():
     bw = bench.copy_bandwidth()
     settings = a.settings.split(",")
     names = settings + (["fi-tc"] if fi_ok else [])
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {a.dtype} hs128 bs16 {a.layout}; device time "
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {a.dtype} (cache {a.kv_cache_dtype}) "
+          f"hs{a.head_size} bs16 {a.layout}; device time "
           f"(µs), median of {a.rounds} rounds x {a.reps}; % of copy in brackets")
     print(f"{'heads':>6s} {'batch':>5s} {'context':>16s} " + " ".join(f"{n:>17s}" for n in names)
           + f" {'first/best':>10s}")
@@ -90,12 +93,15 @@ def main():
         h, kv, b, ctx = shape.split("/", 3)
         heads, kvh, batch = int(h), int(kv), int(b)
         context = bench.parse_context_dist(ctx) if ctx.startswith("uniform:") else int(ctx)
-        lens = bench.Workload(batch, context, 1, 1, 128, 16, a.dtype).lengths(seed=0)
-        gib = int(lens.sum()) * kvh * 128 * 2 * np.dtype(a.dtype).itemsize / 2**30
+        hs = a.head_size
+        lens = bench.Workload(batch, context, 1, 1, hs, 16, a.dtype).lengths(seed=0)
+        item = 1 if a.kv_cache_dtype != "auto" else np.dtype(a.dtype).itemsize
+        gib = int(lens.sum()) * kvh * hs * 2 * item / 2**30
         if gib > a.max_gib:
             print(f"{heads:>3d}/{kvh:<2d} {batch:5d} {ctx:>16s} skipped ({gib:.0f} GiB of cache)")
             continue
-        case = bench.DecodeCase(batch, lens, heads, kvh, 128, 16, np.dtype(a.dtype)).build()
+        case = bench.DecodeCase(batch, lens, heads, kvh, hs, 16, np.dtype(a.dtype),
+                                kv_cache_dtype=a.kv_cache_dtype).build()
         arr = case.arrays
         k, v = bench.cache_in_layout(arr["key_cache"], arr["value_cache"], a.layout)
         max_len = int(case.context_lens.max(initial=0))
@@ -109,7 +115,7 @@ def main():
             def call(out=out):
                 return cupaged.attention(arr["query"], k, v, arr["block_tables"],
                                          arr["context_lens"], kv_layout=a.layout,
-                                         max_seq_len=max_len, out=out)
+                                         max_seq_len=max_len, out=out, **case.kv_args)
             _set(tile, ctas, partition)
             call()
             if not case.check(out) <= case.tolerance():
