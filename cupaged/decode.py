@@ -316,11 +316,7 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int,
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
     size = _check_parts(size, max_ctx)
-    if max_ctx == 0:
-        return size, ks.smem
-    n = -(-max_ctx // size) if size else 1
-    work = _round_up(size or max_ctx, ks.tile_tokens) + ks.tile_tokens
-    return size, _residency(ctas * n, work, ks).smem
+    return size, _residency(ctas * (-(-max_ctx // size) if size else 1), ks).smem
 
 
 def _check_parts(size: int, max_ctx: int) -> int:
@@ -334,15 +330,19 @@ def _natural(ks: "_Kernels") -> _Occupancy:
     return _Occupancy(ks.slots // ks.sms if ks.sms else 0, ks.slots, ks.smem)
 
 
-def _residency(grid: int, work: int, ks: "_Kernels") -> _Occupancy:
-    """The residency that runs ``grid`` CTAs of ``work`` tokens soonest (_grid_cost); a
-    lower one must win by 3%, and only for a grid of at most two of its waves (larger
-    grids start their CTAs staggered, and measured faster at the full residency)."""
+def _residency(grid: int, ks: "_Kernels") -> _Occupancy:
+    """The residency for ``grid`` CTAs of a plan already chosen. A lower one (``ks.fewer``)
+    only for a grid that overfills one wave at the natural residency and fits in two of
+    the lower one's, when its whole waves (_grid_cost) cost 3% less: 512 CTAs on 132 SMs
+    are two waves either way, but waves of two CTAs' work per SM instead of three. Larger
+    grids start their CTAs staggered, and measured faster at the natural residency."""
     best = _natural(ks)
-    cost = _grid_cost(grid, work, best.per_sm, best.slots, ks.sms, ks.saturate)
+    if not ks.sms or grid <= best.slots:
+        return best
+    cost = _grid_cost(grid, 1, best.per_sm, best.slots, ks.sms, ks.saturate)
     for occ in ks.fewer:
         if grid <= 2 * occ.slots:
-            c = _grid_cost(grid, work, occ.per_sm, occ.slots, ks.sms, ks.saturate)
+            c = _grid_cost(grid, 1, occ.per_sm, occ.slots, ks.sms, ks.saturate)
             if c * 1.03 < cost:
                 best, cost = occ, c
     return best
@@ -350,16 +350,21 @@ def _residency(grid: int, work: int, ks: "_Kernels") -> _Occupancy:
 
 def _split_and_residency(ctas: int, max_ctx: int, ks: "_Kernels", quantum: int,
                          at_least_two: bool) -> tuple[int, _Occupancy]:
-    """_split at the natural residency and at each lower one; the cheapest plan, a lower
-    residency winning by 3% and only where its grid takes at most two of its waves."""
-    best = _natural(ks)
-    cost, size = _split_cost(ctas, max_ctx, best.slots, ks.tile_tokens, quantum, at_least_two,
+    """The split at the natural residency, or at a lower one (``ks.fewer``) when that
+    residency's own best split costs 3% less and its grid, as in _residency, overfills
+    one natural wave and fits in two of the lower one's. (Its best split only: a lower
+    residency whose best grid is larger is not taken, even where a smaller split at it
+    would win. That is the rule measured in PERFORMANCE.md.)"""
+    nat = best = _natural(ks)
+    cost, size = _split_cost(ctas, max_ctx, nat.slots, ks.tile_tokens, quantum, at_least_two,
                              ks.sms, ks.saturate)
+    if not ks.sms:
+        return size, best
     for occ in ks.fewer:
         c, s = _split_cost(ctas, max_ctx, occ.slots, ks.tile_tokens, quantum, at_least_two,
                            ks.sms, ks.saturate)
-        n = -(-max_ctx // s) if s else 1
-        if ctas * n <= 2 * occ.slots and c * 1.03 < cost:
+        grid = ctas * (-(-max_ctx // s) if s else 1)
+        if nat.slots < grid <= 2 * occ.slots and c * 1.03 < cost:
             best, cost, size = occ, c, s
     return size, best
 
@@ -388,6 +393,7 @@ def _split(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_leas
     return _split_cost(ctas, max_ctx, slots, tile, quantum, at_least_two, sms, saturate)[1]
 
 
+@lru_cache(maxsize=4096)
 def _split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
                 at_least_two: bool, sms: int = 0, saturate: float = 0.0) -> tuple[float, int]:
     """``(cost, partition size)``: the split-KV partition (0: single pass) of ``ctas``
@@ -395,9 +401,10 @@ def _split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
 
     A CTA's work is its partition rounded up to tiles, plus about one tile of fixed cost
     (filling the pipeline, the epilogue); _grid_cost prices the grid. Splitting adds the
-    merge (two tiles) and must win by 3% (the partials' traffic). A single pass over few
-    long sequences leaves SMs idle or a last wave mostly empty; many tiny partitions pay
-    the fixed costs over and over."""
+    merge (two tiles of a full wave) and must win by 3% (the partials' traffic). A single
+    pass over few long sequences leaves SMs idle or a last wave mostly empty; many tiny
+    partitions pay the fixed costs over and over. One residency's choices are those of
+    the wave model before residencies were chosen (PERFORMANCE.md, issue 14)."""
     per_sm = max(1, slots // sms) if sms else 1
     max_parts = min(-(-max_ctx // quantum), _MAX_GRID_YZ)
     # Worth trying: one partition, the most that fit in w whole waves, and the most that
@@ -405,7 +412,7 @@ def _split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
     candidates = {1, max_parts} | {min(max_parts, max(1, w * slots // ctas)) for w in range(1, 9)}
     if sms:
         candidates |= {min(max_parts, max(1, j * sms // ctas)) for j in range(1, per_sm)}
-    best = None
+    best = (math.inf, 1, 0)
     for n in sorted(candidates):
         size = _round_up(-(-max_ctx // n), quantum)
         n = -(-max_ctx // size)
@@ -413,10 +420,9 @@ def _split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
             continue
         work = _round_up(size, tile) + tile
         cost = _grid_cost(ctas * n, work, per_sm, slots, sms, saturate)
-        if n > 1:  # the merge: two tiles more in a wave as long as this grid's
-            cost = 1.03 * (cost + _grid_cost(min(ctas * n, slots), 2 * tile, per_sm, slots,
-                                             sms, saturate))
-        if best is None or cost < best[0]:
+        if n > 1:
+            cost = 1.03 * (cost + 2 * tile * per_sm)
+        if cost < best[0]:
             best = (cost, n, size)
     cost, n, size = best
     return cost, (size if (n > 1 or at_least_two) else 0)
@@ -544,8 +550,12 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
     size, smem = (0, ks.smem) if rows else _partition_tokens(partition, p, max_ctx,
                                                              p.num_seqs * grid_y, ks)
     if size and workspace is not None:
-        size = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
-                               max(ks.tile_tokens, p.block_size))
+        fitted = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
+                                 max(ks.tile_tokens, p.block_size))
+        if fitted != size:  # fewer partitions: a smaller grid, perhaps another residency
+            size = fitted
+            smem = _residency(p.num_seqs * grid_y * (-(-max_ctx // size) if size else 1),
+                              ks).smem
     n_parts = -(-max_ctx // size) if size else 1
     kv_strides, kv_tail = _kv_args(p)
     launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, smem, False, (0,),

@@ -241,6 +241,28 @@ def test_ctas_per_sm_knob_pads_shared_memory_and_keeps_results(rng):
     assert decode._kernels(dev.id, "f16", 128, 16, 4).slots > 2 * dev.sm_count
 
 
+def test_a_lower_residency_keeps_results_and_the_natural_one(rng):
+    """The split model's lower residencies (decode._Kernels.fewer): the driver grants each
+    its CTAs per SM at its shared memory, raising the kernel's limit leaves the natural
+    residency as it was, and a grid just over one natural wave, which the model moves to
+    a lower residency, gives the reference's output under every partition choice."""
+    dev = decode._device(cupy.cuda.Device().id)
+    ks = decode._kernels(dev.id, "f16", 128, 16, 4)
+    if not ks.fewer:
+        pytest.skip("no lower residency for this specialization on this device")
+    for occ in ks.fewer:
+        assert decode._resident_ctas(dev.id, ks.decode, decode._THREADS, occ.smem) == occ.slots
+    assert decode._resident_ctas(dev.id, ks.decode, decode._THREADS, ks.smem) == ks.slots
+    batch = ks.slots // 8 + 1  # 32/8 heads: eight CTAs per sequence
+    assert decode._split_and_residency(batch * 8, 300, ks, 64, False)[1] in ks.fewer
+    lens = rng.integers(1, 301, batch)
+    lens[:3] = (300, 16, 17)
+    p = make_problem(rng, dtype=np.float16, lens=lens, heads=32, kv_heads=8, head_size=128)
+    ref = p.reference()
+    for partition in ("auto", "never", 64):
+        assert_close(run(p, partition), ref, tol(p))
+
+
 def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
     p = make_problem(rng, lens=[50, 60, 70], heads=4, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()

@@ -252,6 +252,61 @@ def test_fixed_partitions_get_a_residency_too():
     assert decode._split_and_residency(512, 2048, ks, 64, False)[1].per_sm == 3
 
 
+def _fake_device(monkeypatch, per_sm_of):
+    """decode._kernels on a fake H100 (132 SMs, 228 KiB per SM): no compile, no launch;
+    ``per_sm_of(smem)`` the driver's occupancy at a dynamic shared memory size."""
+    dev = decode._Device(0, "sm_90", 132, 227 * 1024, 228 * 1024)
+    monkeypatch.setattr(decode, "_device", lambda device_id: dev)
+    monkeypatch.setattr(decode, "_combine", lambda *a: None)
+    monkeypatch.setattr(decode.jit, "load", lambda spec, device_id, smem=0: object())
+    monkeypatch.setattr(decode, "_resident_ctas",
+                        lambda device_id, kernel, threads, smem: per_sm_of(smem) * 132)
+    decode._kernels.cache_clear()
+
+
+@pytest.mark.parametrize("per_sm, saturating, want", [
+    (3, "f16", [2]),       # fp16 hs128: 64-token tiles, two in flight saturate
+    (2, "f16", []),        # already at the saturating count
+    (6, "e4m3", [4, 5]),   # fp8: half the bytes per tile, four saturate
+    (3, "f16-regs", []),   # registers hold it at 3 whatever the shared memory
+])
+def test_kernels_offer_the_lower_residencies_the_driver_grants(monkeypatch, per_sm, saturating,
+                                                               want):
+    def per_sm_of(smem):
+        if saturating == "f16-regs":
+            return per_sm
+        return min(per_sm, 228 * 1024 // (smem + 1024))
+    _fake_device(monkeypatch, per_sm_of)
+    cache = "e4m3" if saturating == "e4m3" else "f16"
+    try:
+        ks = decode._kernels(0, "f16", 128, 16, 4, "tok", cache, "")
+        assert ks.slots == per_sm * 132
+        assert [o.per_sm for o in ks.fewer] == want
+        for o in ks.fewer:
+            assert o.slots == o.per_sm * 132 and o.smem > ks.smem
+            assert per_sm_of(o.smem) == o.per_sm
+        decode._set_tuning(None, 2)  # an override: that residency alone
+        assert decode._kernels(0, "f16", 128, 16, 4, "tok", cache, "").fewer == ()
+    finally:
+        decode._set_tuning()
+
+
+def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
+    # 32/8 heads, batch 20, ctx 2048: three partitions (480 CTAs, over one wave at 3 per
+    # SM) at 2 per SM; a workspace with room for two leaves 320 CTAs, which 3 per SM hold
+    # in one wave.
+    ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
+    monkeypatch.setattr(decode, "_kernels", lambda *a, **k: ks)
+    p = validate(**args(seqs=20, heads=32, kv_heads=8, hs=128, bs=16, width=128))
+    launch = decode._prepare(p, 0.1, 2048, "auto", 0)
+    assert launch.grid[2] == 3 and launch.smem == KS.fewer[0].smem
+    ws = decode._Partials(1, 2, 3, max_rows=20 * 32 * 2, counters=4, max_counters=20 * 8)
+    launch = decode._prepare(p, 0.1, 2048, "auto", 0, ws)
+    assert launch.grid[2] == 2 and launch.smem == KS.smem
+    # One CTA per query row (attention's row mode): no split, the natural residency.
+    assert decode._prepare(p, 0.1, 2048, "auto", 0, rows=True).smem == KS.smem
+
+
 def test_always_splits_at_least_in_two():
     assert decode._split(4096, 2048, 396, 64, 64, True) > 0
     assert -(-2048 // decode._split(4096, 2048, 396, 64, 64, True)) >= 2
