@@ -50,8 +50,7 @@ def _set(tile, ctas, partition) -> None:
 
 
 def _tuning(setting: str):
-    if setting == "-":
-        return None, None, "auto"
+    """(tile, ctas per SM, partition) of a setting; "-" fields are the defaults."""
     parts = setting.split("@")
     if len(parts) > 3:
         raise SystemExit(f"setting {setting!r}: ctas[@partition[@TOKENSxSTAGES]]")
