@@ -298,6 +298,11 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+def _parts(max_ctx: int, size: int) -> int:
+    """Split-KV partitions of ``size`` tokens over ``max_ctx``: 1 for a single pass (0)."""
+    return -(-max_ctx // size) if size else 1
+
+
 def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int,
                       ks: "_Kernels") -> tuple[int, int]:
     """``(tokens per split-KV partition, 0 for a single pass; dynamic shared memory per
@@ -316,11 +321,11 @@ def _partition_tokens(partition, p: _Problem, max_ctx: int, ctas: int,
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
     size = _check_parts(size, max_ctx)
-    return size, _residency(ctas * (-(-max_ctx // size) if size else 1), ks).smem
+    return size, _residency(ctas * _parts(max_ctx, size), ks).smem
 
 
 def _check_parts(size: int, max_ctx: int) -> int:
-    if size and -(-max_ctx // size) > _MAX_GRID_YZ:
+    if _parts(max_ctx, size) > _MAX_GRID_YZ:
         _fail(f"partition of {size} tokens gives more than {_MAX_GRID_YZ} partitions for "
               f"{max_ctx} tokens; use a larger partition")
     return size
@@ -363,7 +368,7 @@ def _split_and_residency(ctas: int, max_ctx: int, ks: "_Kernels", quantum: int,
     for occ in ks.fewer:
         c, s = _split_cost(ctas, max_ctx, occ.slots, ks.tile_tokens, quantum, at_least_two,
                            ks.sms, ks.saturate)
-        grid = ctas * (-(-max_ctx // s) if s else 1)
+        grid = ctas * _parts(max_ctx, s)
         if nat.slots < grid <= 2 * occ.slots and c * 1.03 < cost:
             best, cost, size = occ, c, s
     return size, best
@@ -554,9 +559,8 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
                                  max(ks.tile_tokens, p.block_size))
         if fitted != size:  # fewer partitions: a smaller grid, perhaps another residency
             size = fitted
-            smem = _residency(p.num_seqs * grid_y * (-(-max_ctx // size) if size else 1),
-                              ks).smem
-    n_parts = -(-max_ctx // size) if size else 1
+            smem = _residency(p.num_seqs * grid_y * _parts(max_ctx, size), ks).smem
+    n_parts = _parts(max_ctx, size)
     kv_strides, kv_tail = _kv_args(p)
     launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, smem, False, (0,),
                      p.q_strides, kv_strides, kv_tail,

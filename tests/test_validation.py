@@ -203,7 +203,7 @@ def test_auto_may_choose_a_single_pass():
 ])
 def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
     size = decode._split(ctas, ctx, 396, 64, 64, False)
-    assert (-(-ctx // size) if size else 1) == want_parts
+    assert decode._parts(ctx, size) == want_parts
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
@@ -215,11 +215,11 @@ def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
 ])
 def test_a_single_wave_is_priced_by_its_fullest_sm(ctas, ctx, want_parts):
     size = decode._split(ctas, ctx, 396, 64, 64, False, 132, 2.0)
-    assert (-(-ctx // size) if size else 1) == want_parts
+    assert decode._parts(ctx, size) == want_parts
     # Without the SM count every wave costs a full one: the same grids split further.
     if want_parts < 8:
         old = decode._split(ctas, ctx, 396, 64, 64, False)
-        assert (-(-ctx // old) if old else 1) >= want_parts
+        assert decode._parts(ctx, old) >= want_parts
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts, want_per_sm", [
@@ -235,7 +235,7 @@ def test_a_single_wave_is_priced_by_its_fullest_sm(ctas, ctx, want_parts):
 ])
 def test_residency_is_chosen_with_the_split(ctas, ctx, want_parts, want_per_sm):
     size, occ = decode._split_and_residency(ctas, ctx, KS, 64, False)
-    assert (-(-ctx // size) if size else 1) == want_parts
+    assert decode._parts(ctx, size) == want_parts
     assert occ.per_sm == want_per_sm
     smem = decode._partition_tokens("auto", _problem(), ctx, ctas, KS)[1]
     assert smem == occ.smem == (KS.smem if want_per_sm == 3 else KS.fewer[0].smem)

@@ -129,6 +129,21 @@ def test_alibi(rng, dtype, layout):
         assert_close(got, ref, testing.TOLERANCE[dtype], f"alibi causal={causal}")
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_alibi_with_steep_slopes_over_long_contexts(rng, dtype):
+    """ALiBi with the slopes of a 32-head model (2^-0.25 .. 2^-8, the steepest near 1) over
+    long contexts, where most tiles take the ramp (no masks: non-causal, and causal rows
+    far past a tile): the ramp's slope * offset must carry the slope's full precision,
+    since a logit error of e moves a probability by about e."""
+    heads = 32
+    host = make_varlen(rng, [64, 1, 130], [3000, 2048, 1500], dtype=dtype, heads=heads,
+                       kv_heads=8, head_size=128)
+    host["alibi_slopes"] = (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+    for causal in (True, False):
+        got, ref = run(host, causal=causal)
+        assert_close(got, ref, testing.TOLERANCE[dtype], f"steep alibi causal={causal}")
+
+
 # ---- split-KV prefill ------------------------------------------------------------------------
 
 # Decode over token-major caches on the tensor-core path (groups 4 and 8): head sizes
