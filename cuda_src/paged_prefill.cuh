@@ -19,7 +19,8 @@
 //   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain; masks only on
 //   tiles that need them (a causal diagonal, a sequence's last tile, a window's edge),
 //   ALiBi per key there and as a per-tile ramp elsewhere (variant bit kVarAlibi);
-//   online softmax on the rows' registers, the output rescaled only when a maximum moved;
+//   online softmax on the rows' registers, the output rescaled only when a maximum moved
+//   (a bfloat16 soft-cap, whose logits are bounded, needs no maximum: kVarFixedOffset);
 //   O += P V with P rounded to T straight from the S fragments (no shared-memory trip).
 // Block ids reach shared memory a tile ahead of the copies that use them, so a copy's
 // address never waits on a table read. Grid y strides over query tiles, so a host bound
@@ -119,6 +120,8 @@ __global__ void __launch_bounds__(
   using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
   using Var = Variant<VARIANT>;
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
+  static_assert(!Var::kFixedOffset || is_same<T, bfloat16_t>::value,
+                "a fixed softmax offset needs P in bfloat16 (fp32's exponent range)");
   constexpr int X = Geo::kVec;
   constexpr int CX = Geo::kCVec;  // cache elements per 16-byte copy
   constexpr int CB = static_cast<int>(sizeof(C));
@@ -556,6 +559,13 @@ __global__ void __launch_bounds__(
 #pragma unroll
       for (int a = 0; a < MA; ++a) {
         float tmax[2] = {neg_inf(), neg_inf()};
+        // kFixedOffset: exp2's argument (logit - o) straight from the cap's last step, and
+        // no maximum. The sums stay fp32 sums of the unrounded weights, as with a maximum,
+        // but no weight is exactly 1 here: a row of few keys has its weights' bfloat16
+        // rounding (2^-9) in its output as well as the output's own (sums of the rounded P
+        // on the tensor cores would remove it, and cost 1.6% and the lse's accuracy:
+        // docs/PERFORMANCE.md).
+        [[maybe_unused]] const float minus_o = Var::kFixedOffset ? -Var::fixed_offset(vp) : 0.f;
         if (masked) {
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
@@ -564,8 +574,10 @@ __global__ void __launch_bounds__(
               const int h = i >> 1;
               const int key = t0 + n * 8 + frag_col + (i & 1);
               const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
-              const float v = fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
-                                   Var::logits(vp, s[a][n][i], sk));
+              const float v = Var::kFixedOffset
+                                  ? Var::logits_plus(vp, s[a][n][i], sk, minus_o)
+                                  : fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
+                                         Var::logits(vp, s[a][n][i], sk));
               const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
               s[a][n][i] = seen ? v : neg_inf();
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
@@ -596,19 +608,23 @@ __global__ void __launch_bounds__(
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              s[a][n][i] = Var::logits(vp, s[a][n][i], Geo::kTokenScales
-                                 ? score_scale * ksc[n * 8 + frag_col + (i & 1)] : score_scale);
+              const float sk = Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
+                                                 : score_scale;
+              s[a][n][i] = Var::kFixedOffset ? Var::logits_plus(vp, s[a][n][i], sk, minus_o)
+                                             : Var::logits(vp, s[a][n][i], sk);
               tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
             }
           }
         }
-        float sub[2], alpha[2];
+        float sub[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+        if constexpr (!Var::kFixedOffset) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
-          tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
-          alpha[h] = softmax_advance(m_run[a][h], tmax[h], sub[h]);
-          l_run[a][h] *= alpha[h];
+          for (int h = 0; h < 2; ++h) {
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
+            alpha[h] = softmax_advance(m_run[a][h], tmax[h], sub[h]);
+            l_run[a][h] *= alpha[h];
+          }
         }
 #pragma unroll
         for (int n = 0; n < Geo::kNTiles; ++n) {
@@ -623,7 +639,7 @@ __global__ void __launch_bounds__(
           pa[a][n / 2][(n & 1) * 2 + 1] = pack2<T>(p2, p3);
         }
         // Once the running maxima settle most tiles leave them unchanged (alpha = 1).
-        if (__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        if (!Var::kFixedOffset && __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
           for (int d = 0; d < Geo::kDTiles; ++d) {
             acc[a][d][0] *= alpha[0];
@@ -677,12 +693,17 @@ __global__ void __launch_bounds__(
         // gets zeros, never 0 / 0; a sink joins the denominator.
         const int head = kv_head * group_size + p % group_size;
         const long long orow = static_cast<long long>(q_begin + p / group_size) * num_heads + head;
+        // The row's maximum, or the fixed offset once a key was seen (every seen key's
+        // weight is positive there: kMaxFixedCap).
+        const float m = !Var::kFixedOffset ? m_run[a][h]
+                        : l == 0.f         ? neg_inf()
+                                           : Var::fixed_offset(vp);
         if (split_tiles > 0) {
           // A partial: its normalized output, max and sum (the combine adds the sink and
           // writes the lse); NaN throughout for a bad block.
           const long long prow = orow * gridDim.z + blockIdx.z;
           if ((lane & 3) == 0) {
-            part_max[prow] = bad ? quiet_nan() : m_run[a][h];
+            part_max[prow] = bad ? quiet_nan() : m;
             part_sum[prow] = bad ? quiet_nan() : l;
           }
           const float inv = bad ? quiet_nan() : l > 0.f ? out_scale / l : 0.f;
@@ -695,7 +716,7 @@ __global__ void __launch_bounds__(
           }
           continue;
         }
-        const RowEnd e = finish_row(m_run[a][h], l, sink_log2(vp, head));
+        const RowEnd e = finish_row(m, l, sink_log2(vp, head));
         const float inv = bad ? quiet_nan() : e.mul * out_scale;
         if (vp.lse != nullptr && (lane & 3) == 0) vp.lse[orow] = bad ? quiet_nan() : e.lse;
         T* o = out + orow * HEAD_SIZE;

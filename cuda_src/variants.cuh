@@ -29,7 +29,23 @@ enum VariantBits : int {
   kVarBlockSparse = 4,  // vLLM's blocksparse pattern (paged_decode only)
   kVarAlibi = 8,        // ALiBi slopes given (paged_prefill only: its tiles without masks
                         // add the bias as a ramp; paged_decode tests the pointer at run time)
+  kVarFixedOffset = 16,  // with kVarSoftCap, bfloat16, no ALiBi (paged_prefill only): the
+                         // softmax against a fixed offset instead of a running maximum
 };
+
+// kVarFixedOffset: soft-capped logits lie in [-C, C] (log2 units, C = c log2(e)), so the
+// weights 2^(logit - o) with o = C - 64 lie in [2^(64 - 2C), 2^64], within [2^-92, 2^64]
+// for C <= kMaxFixedCap. The softmax then needs no running maximum: no row maximum per
+// tile (its shuffles, and the chain of dependent steps through it) and no rescaling. It is
+// exact where fp32 holds that range:
+//   - no weight underflows, and fp32's (and bfloat16's) relative precision is the same at
+//     every normal exponent;
+//   - sums of up to 2^31 weights stay below 2^95, and weights times values stay below
+//     fp32's 2^128 while the keys' count times max |v| stays below 2^64;
+//   - the products p v stay normal for |v| >= 2^-34 (nothing relies on what the tensor
+//     cores do with subnormal sums).
+// float16 P cannot hold that range, so the offset is a bfloat16 variant.
+constexpr float kMaxFixedCap = 78.f;  // C; c <= 54.06 (Gemma 2's is 50). _variants.py too.
 
 // The run-time values of the variants, passed by value to every attention kernel
 // (mirrored by cupaged/_variants.py; 48 bytes).
@@ -52,7 +68,15 @@ struct Variant {
   static constexpr bool kSoftCap = (VARIANT & kVarSoftCap) != 0;
   static constexpr bool kBlockSparse = (VARIANT & kVarBlockSparse) != 0;
   static constexpr bool kAlibi = (VARIANT & kVarAlibi) != 0;
-  static_assert(VARIANT >= 0 && VARIANT < 16, "VARIANT");
+  static constexpr bool kFixedOffset = (VARIANT & kVarFixedOffset) != 0;
+  static_assert(VARIANT >= 0 && VARIANT < 32, "VARIANT");
+  static_assert(!kFixedOffset || (kSoftCap && !kAlibi),
+                "a fixed offset needs logits bounded by the cap: soft-cap, no ALiBi");
+
+  // The fixed offset o = C - 64 (kFixedOffset; see kMaxFixedCap).
+  __device__ __forceinline__ static float fixed_offset(const VariantParams& vp) {
+    return vp.cap_out - 64.f;
+  }
 
   // The logits transform of a score x = s * sk already in log2 units
   // (x = log2(e) * scale * q.k, sk the scale factors of s): c * tanh(logit / c) is

@@ -134,3 +134,17 @@ def blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_ste
 def letters(window: int, cap: float, sparse: tuple) -> str:
     """The compile-time variant string of a call."""
     return ("w" if window else "") + ("c" if cap else "") + ("b" if sparse else "")
+
+
+# cuda_src/variants.cuh's kMaxFixedCap: the largest soft-cap, in log2 units (c log2(e)),
+# whose logits the multi-token kernel weighs against a fixed offset instead of a running
+# maximum (c <= 54.06).
+MAX_FIXED_CAP = 78.0
+
+
+def prefill_letters(v: Variants, dtype: str, alibi: bool) -> str:
+    """paged_prefill's variant letters: the call's, "a" with ALiBi slopes, and "f" for a
+    bfloat16 soft-cap without ALiBi small enough for the fixed offset (the logits are then
+    bounded, so the softmax needs no running maximum; float16 weights lack the range)."""
+    fixed = v.soft_cap and not alibi and dtype == "bf16" and v.soft_cap * _LOG2E <= MAX_FIXED_CAP
+    return v.letters + ("a" if alibi else "") + ("f" if fixed else "")

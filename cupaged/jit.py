@@ -93,7 +93,7 @@ KV_FORMATS = {"tok": 0, "vllm": 1}
 KV_SCALES = {"": 0, "th": 1}
 # VariantBits in cuda_src/variants.cuh: the compile-time variants, spelled in a spec as
 # letters in this order ("" plain attention, "wc" window and soft-cap, ...).
-VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8}
+VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16}
 
 
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
@@ -146,7 +146,8 @@ class KernelSpec:
     cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
-    #                    "a" ALiBi (paged_prefill)
+    #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
+    #                    offset (paged_prefill, bf16, with "c" and without "a")
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -175,11 +176,15 @@ class KernelSpec:
         if self.variant:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
-            allowed = "wca" if self.kernel == "paged_prefill" else "wcb"
+            allowed = "wcaf" if self.kernel == "paged_prefill" else "wcb"
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "
                                  f"order, in {self!r}")
+            if "f" in self.variant and ("c" not in self.variant or "a" in self.variant
+                                        or self.dtype != "bf16"):
+                raise ValueError(f"variant 'f' (the soft-cap's fixed softmax offset) needs 'c', "
+                                 f"no 'a' and dtype bf16, in {self!r}")
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
             object.__setattr__(self, "kv_format", "tok" if self.kernel == "paged_prefill" else "vllm")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):

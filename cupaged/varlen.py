@@ -238,8 +238,8 @@ def _prepare_prefill(q, o, p: decode._Problem, plan: _Plan, scale: float, causal
               f"{q.data.ptr:#x}, strides {q.strides})")
     if o is not None and o.data.ptr % 4:
         _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")
-    # ALiBi is a compile-time variant of this kernel only ("a", after the others).
-    letters = variants.letters + ("a" if alibi else "")
+    # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
+    letters = _variants.prefill_letters(variants, p.dtype.name, bool(alibi))
     k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
                         plan.tile, p.cache.dtype.name, p.quant.mode, letters)
     vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()

@@ -73,6 +73,13 @@ def test_variant_specs_name_their_variants_and_refuse_bad_spellings():
             jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant=bad)
     with pytest.raises(ValueError, match="variant must be"):  # ALiBi's bit: prefill only
         jit.KernelSpec("paged_decode", "f16", 128, 16, 4, variant="a")
+    f = jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant="wcf")
+    assert f.name.endswith("_tok_wcf_sm90") and f.name_expression.endswith(", 19>")
+    for dtype, bad in (("bf16", "f"), ("bf16", "caf"), ("f16", "cf")):
+        with pytest.raises(ValueError, match="fixed softmax offset"):
+            jit.KernelSpec("paged_prefill", dtype, 128, 16, variant=bad)
+    with pytest.raises(ValueError, match="variant must be"):  # the fixed offset: prefill only
+        jit.KernelSpec("paged_decode", "bf16", 128, 16, 4, variant="cf")
     with pytest.raises(ValueError, match="takes no variant"):
         jit.KernelSpec("reshape_and_cache", "f16", kv_format="tok", index_dtype="i32",
                        variant="w")

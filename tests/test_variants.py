@@ -293,6 +293,58 @@ def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch,
         _prepared.clear()
 
 
+# (cap, scale, the fixed offset expected): a cap most logits stay inside; logits spread
+# past both ends of the cap (scale 8) and mostly saturated (-8: most rows' maximum near
+# -cap, the weights' lowest range); the largest cap the offset takes (c log2(e) = 77.9)
+# and one just past it (the running maximum again).
+FIXED_CAPS = [(1.5, None, True), (30.0, 8.0, True), (30.0, -8.0, True), (54.0, 8.0, True),
+              (54.0, -8.0, True), (54.5, 8.0, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap,scale,fixed", FIXED_CAPS, ids=lambda v: str(v))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["mixed", "mixed_split", "fp8"])
+def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap, scale, fixed,
+                                           layout, kind):
+    """bfloat16 soft-cap without ALiBi takes the multi-token kernel's fixed softmax offset
+    (variant f) up to its largest cap, and matches the reference there: with sinks, lse,
+    a window, empty rows and split-KV partitions (some with no key), and fp8 caches."""
+    from cupaged import _prepared, varlen
+
+    asked = []
+    orig = varlen._prefill_kernel
+
+    def spy(*args, **kw):
+        asked.append(kw.get("variant", args[-1] if len(args) > 8 else ""))
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(varlen, "_prefill_kernel", spy)
+    _prepared.clear()
+    prefill_split(64 if kind == "mixed_split" else 0)
+    heads, kvh = 8, 2
+    q_lens, seq = [0, 1, 5, 40, 17, 100], [3, 1, 5, 300, 150, 700]
+    host = _problem(rng, q_lens, seq, layout=layout, dtype="bf16", heads=heads, kv_heads=kvh,
+                    head_size=128 if kind == "fp8" else 64, block_size=16,
+                    stale=None if kind == "fp8" else float("nan"))
+    extra = dict(max_query_len=max(q_lens))
+    if kind == "fp8":
+        extra.update(_quantize(host, rng, "fp8_e4m3", layout), kv_cache_dtype="fp8_e4m3")
+    kw = dict(logits_soft_cap=cap, sinks=rng.normal(0, 2, heads).astype(np.float32))
+    if scale is not None:
+        kw["scale"] = scale
+    try:
+        for window in (None, 120):
+            got, lse, ref, ref_lse = _run(host, dict(kw, window=window), layout, **extra)
+            what = f"cap {cap} scale {scale} window {window} {layout} {kind}"
+            assert_close(got, ref, testing.TOLERANCE["bf16"], what)
+            _check_lse(lse, ref_lse, what)
+            assert asked and all(v.endswith("f") == fixed for v in asked), (what, asked)
+            asked.clear()
+    finally:
+        _prepared.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -455,6 +507,15 @@ def test_soft_cap_values():
 def test_variant_letters_and_params_layout():
     assert _variants.letters(0, 0.0, ()) == ""
     assert _variants.letters(5, 2.0, (1, 2, 3, 4, 5)) == "wcb"
+    # The multi-token kernel's letters: ALiBi's bit, and the fixed offset for bf16 caps
+    # up to c log2(e) = 78 without ALiBi.
+    at = _variants.Variants
+    assert _variants.prefill_letters(at("wc", 5, 54.0), "bf16", False) == "wcf"
+    assert _variants.prefill_letters(at("c", 0, 54.07), "bf16", False) == "c"
+    assert _variants.prefill_letters(at("c", 0, 50.0), "f16", False) == "c"
+    assert _variants.prefill_letters(at("c", 0, 50.0), "bf16", True) == "ca"
+    assert _variants.prefill_letters(at("w", 5), "bf16", False) == "w"
+    assert _variants.prefill_letters(_variants.PLAIN, "bf16", True) == "a"
     v = _variants.Variants("wc", 5, 2.0, sparse=(1, 2, 3, 4, 5))
     raw = v.pack()
     assert len(raw) == 48
