@@ -170,6 +170,7 @@ __global__ void __launch_bounds__(
     score_scale *= tensor_k_scale(kv);
     out_scale = tensor_v_scale(kv);
   }
+  [[maybe_unused]] const float fixed_top = Var::kFixedOffset ? Var::fixed_top(vp) : 0.f;
   const unsigned k_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
   const unsigned v_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
 
@@ -565,7 +566,6 @@ __global__ void __launch_bounds__(
         // rounding (2^-9) in its output as well as the output's own (sums of the rounded P
         // on the tensor cores would remove it, and cost 1.6% and the lse's accuracy:
         // docs/PERFORMANCE.md).
-        [[maybe_unused]] const float minus_o = Var::kFixedOffset ? -Var::fixed_offset(vp) : 0.f;
         if (masked) {
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(
               const int key = t0 + n * 8 + frag_col + (i & 1);
               const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = Var::kFixedOffset
-                                  ? Var::logits_plus(vp, s[a][n][i], sk, minus_o)
+                                  ? Var::fixed_exponent(vp, s[a][n][i], sk, fixed_top)
                                   : fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
                                          Var::logits(vp, s[a][n][i], sk));
               const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
@@ -610,8 +610,9 @@ __global__ void __launch_bounds__(
             for (int i = 0; i < 4; ++i) {
               const float sk = Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
                                                  : score_scale;
-              s[a][n][i] = Var::kFixedOffset ? Var::logits_plus(vp, s[a][n][i], sk, minus_o)
-                                             : Var::logits(vp, s[a][n][i], sk);
+              s[a][n][i] = Var::kFixedOffset
+                               ? Var::fixed_exponent(vp, s[a][n][i], sk, fixed_top)
+                               : Var::logits(vp, s[a][n][i], sk);
               tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
             }
           }

@@ -34,17 +34,21 @@ enum VariantBits : int {
 };
 
 // kVarFixedOffset: soft-capped logits lie in [-C, C] (log2 units, C = c log2(e)), so the
-// weights 2^(logit - o) with o = C - 64 lie in [2^(64 - 2C), 2^64], within [2^-92, 2^64]
-// for C <= kMaxFixedCap. The softmax then needs no running maximum: no row maximum per
-// tile (its shuffles, and the chain of dependent steps through it) and no rescaling. It is
-// exact where fp32 holds that range:
-//   - no weight underflows, and fp32's (and bfloat16's) relative precision is the same at
-//     every normal exponent;
-//   - sums of up to 2^31 weights stay below 2^95, and weights times values stay below
-//     fp32's 2^128 while the keys' count times max |v| stays below 2^64;
+// weights 2^(logit - o) with o = C - t, t = max(0, 2C - 92), lie in [2^(t - 2C), 2^t]:
+// within [2^-92, 2^64] for C <= kMaxFixedCap, and at most 1 (as under a running maximum)
+// for C <= 46. The softmax then needs no running maximum: no row maximum per tile (its
+// shuffles, and the chain of dependent steps through it) and no rescaling. Within these
+// limits nothing underflows or overflows:
+//   - every weight is a normal fp32 (and bfloat16) number, whose relative precision is the
+//     same at every exponent;
+//   - sums of up to 2^31 weights stay below 2^95, and weights times values below fp32's
+//     2^128 while the keys' count times max |v| stays below 2^(128 - t);
 //   - the products p v stay normal for |v| >= 2^-34 (nothing relies on what the tensor
-//     cores do with subnormal sums).
-// float16 P cannot hold that range, so the offset is a bfloat16 variant.
+//     cores do with subnormal sums);
+//   - a sink more than ~2^7 above o in log2 units flushes the keys' share, which is then
+//     below 2^-60 of the row's denominator, to 0.
+// One rounding more than under a maximum: no weight is exactly 1, so each carries its
+// bfloat16 rounding (2^-9) into P V; float16 P lacks the range altogether.
 constexpr float kMaxFixedCap = 78.f;  // C; c <= 54.06 (Gemma 2's is 50). _variants.py too.
 
 // The run-time values of the variants, passed by value to every attention kernel
@@ -73,9 +77,20 @@ struct Variant {
   static_assert(!kFixedOffset || (kSoftCap && !kAlibi),
                 "a fixed offset needs logits bounded by the cap: soft-cap, no ALiBi");
 
-  // The fixed offset o = C - 64 (kFixedOffset; see kMaxFixedCap).
+  // kFixedOffset (see kMaxFixedCap): the weights' top exponent t, and the offset C - t.
+  __device__ __forceinline__ static float fixed_top(const VariantParams& vp) {
+    return fmaxf(0.f, 2.f * vp.cap_out - 92.f);
+  }
   __device__ __forceinline__ static float fixed_offset(const VariantParams& vp) {
-    return vp.cap_out - 64.f;
+    return vp.cap_out - fixed_top(vp);
+  }
+
+  // kFixedOffset: exp2's argument logit - o = t - 2C / (e^{2y} + 1) for a score s with
+  // scale factors sk, in the cap's own steps (logits_plus with its constant C - o = t).
+  __device__ __forceinline__ static float fixed_exponent(const VariantParams& vp, float s,
+                                                         float sk, float top) {
+    const float e = fast_exp2(s * (sk * vp.cap_in));
+    return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, top);
   }
 
   // The logits transform of a score x = s * sk already in log2 units

@@ -25,7 +25,8 @@ KV_FORMATS = tuple(jit.KV_FORMATS)
 CACHE_DTYPES = ("", *_dtypes.FP8)
 KV_SCALES = tuple(jit.KV_SCALES)
 # Compile-time variants (cuda_src/variants.cuh): each alone and all together, so every
-# pair with another axis' values meets each feature ("f" comes with "c", bf16 only).
+# pair with another axis' values meets each feature ("f" comes with "c"; KernelSpec refuses
+# it for f16, so those rows of the product are dropped).
 DECODE_VARIANTS = ("", "w", "c", "b", "wcb")
 PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "cf", "wcf")
 

@@ -293,25 +293,35 @@ def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch,
         _prepared.clear()
 
 
-# (cap, scale, the fixed offset expected): a cap most logits stay inside; logits spread
-# past both ends of the cap (scale 8) and mostly saturated (-8: most rows' maximum near
-# -cap, the weights' lowest range); the largest cap the offset takes (c log2(e) = 77.9)
-# and one just past it (the running maximum again).
-FIXED_CAPS = [(1.5, None, True), (30.0, 8.0, True), (30.0, -8.0, True), (54.0, 8.0, True),
-              (54.0, -8.0, True), (54.5, 8.0, False)]
+# (cap, scale, saturate, the fixed offset expected): a cap most logits stay inside;
+# logits spread past both ends of the cap (scale 8); every logit saturated near -cap
+# (saturate: queries and keys made nonnegative, scale -8), the weights' lowest range,
+# with 16-bit values scaled by 2^-30 (products near the range's floor); the largest cap the
+# offset takes (c log2(e) = 77.9) and one just past it (the running maximum again).
+FIXED_CAPS = [(1.5, None, False, True), (30.0, 8.0, False, True), (30.0, -8.0, True, True),
+              (54.0, 8.0, False, True), (54.0, -8.0, True, True), (54.5, 8.0, False, False)]
+# Batches: varlen (single pass and 64-token split-KV partitions, some with no key), a
+# verify-sized one (the few-rows tile), fp8 with per-tensor scales (split) and per-token
+# e5m2 scales.
+FIXED_KINDS = ["mixed", "mixed_split", "verify", "fp8_split", "fp8_token"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cap,scale,fixed", FIXED_CAPS, ids=lambda v: str(v))
+@pytest.mark.parametrize("cap,scale,saturate,fixed", FIXED_CAPS, ids=lambda v: str(v))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["mixed", "mixed_split", "fp8"])
-def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap, scale, fixed,
-                                           layout, kind):
+@pytest.mark.parametrize("kind", FIXED_KINDS)
+def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap, scale,
+                                           saturate, fixed, layout, kind):
     """bfloat16 soft-cap without ALiBi takes the multi-token kernel's fixed softmax offset
-    (variant f) up to its largest cap, and matches the reference there: with sinks, lse,
-    a window, empty rows and split-KV partitions (some with no key), and fp8 caches."""
+    (variant f) up to its largest cap, and matches the reference there: with sinks (one
+    far above the logits where the output stays representable), lse, a window, empty
+    rows, split-KV partitions and fp8 caches."""
     from cupaged import _prepared, varlen
 
+    from test_fp8 import fp8_problem
+
+    if saturate and kind == "fp8_token":
+        pytest.skip("per-token fp8 keys keep their signs")
     asked = []
     orig = varlen._prefill_kernel
 
@@ -321,16 +331,34 @@ def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap,
 
     monkeypatch.setattr(varlen, "_prefill_kernel", spy)
     _prepared.clear()
-    prefill_split(64 if kind == "mixed_split" else 0)
+    prefill_split(64 if kind.endswith("split") else 0)
     heads, kvh = 8, 2
-    q_lens, seq = [0, 1, 5, 40, 17, 100], [3, 1, 5, 300, 150, 700]
-    host = _problem(rng, q_lens, seq, layout=layout, dtype="bf16", heads=heads, kv_heads=kvh,
-                    head_size=128 if kind == "fp8" else 64, block_size=16,
-                    stale=None if kind == "fp8" else float("nan"))
+    if kind == "verify":
+        q_lens, seq = [1, 4, 3, 2, 4, 0], [500, 900, 40, 3000, 64, 5]
+    else:
+        q_lens, seq = [0, 1, 5, 40, 17, 100], [3, 1, 5, 300, 150, 700]
     extra = dict(max_query_len=max(q_lens))
-    if kind == "fp8":
-        extra.update(_quantize(host, rng, "fp8_e4m3", layout), kv_cache_dtype="fp8_e4m3")
-    kw = dict(logits_soft_cap=cap, sinks=rng.normal(0, 2, heads).astype(np.float32))
+    if kind == "fp8_token":
+        host, scales = fp8_problem(rng, "fp8_e5m2", "token", q_lens, seq, layout=layout,
+                                   dtype="bf16", heads=heads, kv_heads=kvh)
+        host.update(scales, block_size=16, num_blocks=host["key_cache"].shape[0])
+        extra["kv_cache_dtype"] = "fp8_e5m2"
+    else:
+        host = _problem(rng, q_lens, seq, layout=layout, dtype="bf16", heads=heads,
+                        kv_heads=kvh, head_size=64 if kind in ("mixed", "mixed_split") else 128,
+                        block_size=16, stale=None if kind == "fp8_split" else float("nan"))
+        if saturate:
+            for k in ("query", "key_cache"):
+                host[k] = np.abs(host[k])
+            if kind != "fp8_split":  # (fp8 would round such values to zero)
+                host["value_cache"] = host["value_cache"] * host["value_cache"].dtype.type(2.0**-30)
+        if kind == "fp8_split":
+            extra.update(_quantize(host, rng, "fp8_e4m3", layout), kv_cache_dtype="fp8_e4m3")
+    sinks = rng.normal(0, 2, heads).astype(np.float32)
+    if not saturate:  # (with every logit near -54 and values of 2^-30, head 0's true
+        # output, around 1e-43, would be below bfloat16's smallest number)
+        sinks[0] = 30.0  # above every logit: the keys' share of head 0's denominator is tiny
+    kw = dict(logits_soft_cap=cap, sinks=sinks)
     if scale is not None:
         kw["scale"] = scale
     try:
@@ -343,6 +371,18 @@ def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap,
             asked.clear()
     finally:
         _prepared.clear()
+
+
+def test_the_fixed_offset_bound_matches_the_kernels():
+    """_variants.MAX_FIXED_CAP is variants.cuh's kMaxFixedCap: the host chooses the fixed
+    offset only where the kernel's range argument holds."""
+    import re
+
+    from cupaged import jit
+
+    src = (jit.source_dir() / "variants.cuh").read_text()
+    m = re.search(r"constexpr float kMaxFixedCap = ([0-9.]+)f;", src)
+    assert m and float(m.group(1)) == _variants.MAX_FIXED_CAP
 
 
 @pytest.mark.gpu
