@@ -170,7 +170,6 @@ __global__ void __launch_bounds__(
     score_scale *= tensor_k_scale(kv);
     out_scale = tensor_v_scale(kv);
   }
-  [[maybe_unused]] const float fixed_top = Var::kFixedOffset ? Var::fixed_top(vp) : 0.f;
   const unsigned k_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
   const unsigned v_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
 
@@ -575,7 +574,7 @@ __global__ void __launch_bounds__(
               const int key = t0 + n * 8 + frag_col + (i & 1);
               const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = Var::kFixedOffset
-                                  ? Var::fixed_exponent(vp, s[a][n][i], sk, fixed_top)
+                                  ? Var::fixed_exponent(vp, s[a][n][i], sk)
                                   : fmaf(slope[a][h], static_cast<float>(key - q_pos[a][h]),
                                          Var::logits(vp, s[a][n][i], sk));
               const bool seen = key < limit[a][h] && (!Var::kWindow || key >= first[a][h]);
@@ -611,7 +610,7 @@ __global__ void __launch_bounds__(
               const float sk = Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
                                                  : score_scale;
               s[a][n][i] = Var::kFixedOffset
-                               ? Var::fixed_exponent(vp, s[a][n][i], sk, fixed_top)
+                               ? Var::fixed_exponent(vp, s[a][n][i], sk)
                                : Var::logits(vp, s[a][n][i], sk);
               tmax[i >> 1] = fmaxf(tmax[i >> 1], s[a][n][i]);
             }

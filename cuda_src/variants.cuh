@@ -34,22 +34,24 @@ enum VariantBits : int {
 };
 
 // kVarFixedOffset: soft-capped logits lie in [-C, C] (log2 units, C = c log2(e)), so the
-// weights 2^(logit - o) with o = C - t, t = max(0, 2C - 92), lie in [2^(t - 2C), 2^t]:
-// within [2^-92, 2^64] for C <= kMaxFixedCap, and at most 1 (as under a running maximum)
-// for C <= 46. The softmax then needs no running maximum: no row maximum per tile (its
-// shuffles, and the chain of dependent steps through it) and no rescaling. Within these
-// limits nothing underflows or overflows:
+// weights 2^(logit - o) with o = C - 64 lie in [2^(64 - 2C), 2^64], within [2^-92, 2^64]
+// for C <= kMaxFixedCap. The softmax then needs no running maximum: no row maximum per
+// tile (its shuffles, and the chain of dependent steps through it) and no rescaling.
+// Within these limits nothing underflows or overflows:
 //   - every weight is a normal fp32 (and bfloat16) number, whose relative precision is the
 //     same at every exponent;
 //   - sums of up to 2^31 weights stay below 2^95, and weights times values below fp32's
-//     2^128 while the keys' count times max |v| stays below 2^(128 - t);
+//     2^128 while the keys' count times max |v| stays below 2^64;
 //   - the products p v stay normal for |v| >= 2^-34 (nothing relies on what the tensor
 //     cores do with subnormal sums);
 //   - a sink more than ~2^7 above o in log2 units flushes the keys' share, which is then
 //     below 2^-60 of the row's denominator, to 0.
+// (A top exponent of max(0, 2C - 92) instead of 64 would keep fp32's full headroom for
+// C <= 46, but as a per-CTA value it measured 0.5-2% slower: docs/PERFORMANCE.md.)
 // One rounding more than under a maximum: no weight is exactly 1, so each carries its
 // bfloat16 rounding (2^-9) into P V; float16 P lacks the range altogether.
 constexpr float kMaxFixedCap = 78.f;  // C; c <= 54.06 (Gemma 2's is 50). _variants.py too.
+constexpr float kFixedTop = 64.f;     // the weights' top exponent
 
 // The run-time values of the variants, passed by value to every attention kernel
 // (mirrored by cupaged/_variants.py; 48 bytes).
@@ -77,20 +79,17 @@ struct Variant {
   static_assert(!kFixedOffset || (kSoftCap && !kAlibi),
                 "a fixed offset needs logits bounded by the cap: soft-cap, no ALiBi");
 
-  // kFixedOffset (see kMaxFixedCap): the weights' top exponent t, and the offset C - t.
-  __device__ __forceinline__ static float fixed_top(const VariantParams& vp) {
-    return fmaxf(0.f, 2.f * vp.cap_out - 92.f);
-  }
+  // kFixedOffset (see kMaxFixedCap): the offset o = C - 64.
   __device__ __forceinline__ static float fixed_offset(const VariantParams& vp) {
-    return vp.cap_out - fixed_top(vp);
+    return vp.cap_out - kFixedTop;
   }
 
-  // kFixedOffset: exp2's argument logit - o = t - 2C / (e^{2y} + 1) for a score s with
-  // scale factors sk, in the cap's own steps (logits_plus with its constant C - o = t).
+  // kFixedOffset: exp2's argument logit - o = 64 - 2C / (e^{2y} + 1) for a score s with
+  // scale factors sk, in the cap's own steps (logits_plus with its constant C - o = 64).
   __device__ __forceinline__ static float fixed_exponent(const VariantParams& vp, float s,
-                                                         float sk, float top) {
+                                                         float sk) {
     const float e = fast_exp2(s * (sk * vp.cap_in));
-    return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, top);
+    return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, kFixedTop);
   }
 
   // The logits transform of a score x = s * sk already in log2 units
