@@ -85,11 +85,10 @@ struct Variant {
   }
 
   // kFixedOffset: exp2's argument logit - o = 64 - 2C / (e^{2y} + 1) for a score s with
-  // scale factors sk, in the cap's own steps (logits_plus with its constant C - o = 64).
+  // scale factors sk (the cap's steps with the constant 64, not C + (64 - C)).
   __device__ __forceinline__ static float fixed_exponent(const VariantParams& vp, float s,
                                                          float sk) {
-    const float e = fast_exp2(s * (sk * vp.cap_in));
-    return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, kFixedTop);
+    return cap_minus(vp, s, sk, kFixedTop);
   }
 
   // The logits transform of a score x = s * sk already in log2 units
@@ -115,11 +114,18 @@ struct Variant {
   __device__ __forceinline__ static float logits_plus(const VariantParams& vp, float s, float sk,
                                                       float add) {
     if constexpr (kSoftCap) {
-      const float e = fast_exp2(s * (sk * vp.cap_in));
-      return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, vp.cap_out + add);
+      return cap_minus(vp, s, sk, vp.cap_out + add);
     } else {
       return fmaf(s, sk, add);
     }
+  }
+
+  // top - 2C / (e^{2y} + 1), e^{2y} = 2^{2 s sk / c}: the soft-cap's steps ending at `top`
+  // (C for the logit itself; a loop-invariant top folds an addition into the last FFMA).
+  __device__ __forceinline__ static float cap_minus(const VariantParams& vp, float s, float sk,
+                                                    float top) {
+    const float e = fast_exp2(s * (sk * vp.cap_in));
+    return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, top);
   }
 
   // The first key a query at q_pos sees: 0 without a window. (q_pos - W + 1 may be

@@ -222,7 +222,7 @@ def _prefill_split(k: _Prefill, p: decode._Problem, plan: _Plan, max_q: int, max
         size = decode._split(ctas, span, k.slots, tn, tn, False) if span > tn else 0
     if size and workspace is not None:
         size = decode._fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
-    n_parts = min(-(-span // size), decode._MAX_GRID_YZ) if size else 1
+    n_parts = min(decode._parts(span, size), decode._MAX_GRID_YZ)
     return (size, n_parts) if n_parts > 1 else (0, 1)
 
 
