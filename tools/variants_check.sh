@@ -5,8 +5,8 @@
 #   [TESTS="tests/test_variants.py ..."] [BENCH=1] [ROUNDS=2] [TREES=".regress/old ."] \
 #     bash tools/variants_check.sh
 # (TREES: the library trees to time, each a checkout's cupaged and cuda_src, in turn;
-# PREFILL: the prefill rows' variant flags, |-separated, "" for plain; DECODE=0 skips the
-# decode row.)
+# PREFILL: the prefill rows' variant flags, |-separated, "" for plain; PRESETS: the
+# prefill presets, default "prompt-4096 8x2048"; DECODE=0 skips the decode row.)
 source "$(dirname "$0")/device_env.sh"
 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_variants.py} 2>&1 \
   | tee "$OUT/variant-tests.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | head -40
@@ -19,11 +19,14 @@ for round in $(seq "${ROUNDS:-1}"); do
        --heads 32 --kv-heads 8 --batch 64 --context 2048 --impl cupaged --impl cupaged-hnd \
        2>&1 | tail -3)
     # Soft-cap 50 keeps most logits within the cap; 1 saturates most of them.
-    IFS='|' read -ra prefill_variants <<< "${PREFILL:-|--soft-cap 50|--soft-cap 1}"
+    # (PREFILL="" set: the plain row alone.)
+    pv=${PREFILL-|--soft-cap 50|--soft-cap 1}
+    if [ -z "$pv" ]; then prefill_variants=(""); else IFS='|' read -ra prefill_variants <<< "$pv"; fi
     for v in "${prefill_variants[@]}"; do
       echo "-- prefill $v"
       (cd "$tree" && PYTHONPATH=$PWD CUPAGED_CACHE_DIR=$PWD/.kc python3 -m cupaged.cli prefill \
-         --preset prompt-4096 --preset 8x2048 --impl cupaged --dtype bfloat16 $v 2>&1 | tail -2)
+         $(printf -- '--preset %s ' ${PRESETS:-prompt-4096 8x2048}) --impl cupaged --dtype bfloat16 $v \
+         2>&1 | grep -E "^(shape|[a-z0-9x-]+ +cupaged)")
     done
   done
 done

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Nsight Compute counters of cupaged's multi-token kernel beside FlashInfer's fa2 prefill
+# on the same case (bf16 by default): grid, registers, occupancy, memory traffic, tensor
+# pipe, issue activity and stall reasons, one launch of each after warm-up (the NVTX range
+# "timed"). Needs .flashinfer/ carried for the FlashInfer rows.
+#   PRESETS="8x2048 prompt-4096" IMPLS="cupaged flashinfer-fa2" [SOFT_CAP=50] bash tools/prefill_peer_profile.sh
+# Reports: $OUT/ncu-pp-<impl>-<preset>.txt. SET=full: Nsight Compute's full section set.
+source "$(dirname "$0")/device_env.sh"
+metrics=(
+  "regex:smsp__average_warps_issue_stalled_(long_scoreboard|short_scoreboard|wait|barrier|math_pipe_throttle|mio_throttle|not_selected|dispatch_stall|no_instruction|lg_throttle|tex_throttle|branch_resolving|selected)_per_issue_active\.ratio"
+  gpu__time_duration.sum dram__bytes_read.sum dram__throughput.avg.pct_of_peak_sustained_elapsed
+  lts__t_sector_hit_rate.pct sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  smsp__issue_active.avg.pct_of_peak_sustained_active sm__warps_active.avg.pct_of_peak_sustained_active
+  smsp__inst_executed.sum smsp__inst_executed_op_ldsm.sum l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+  "regex:sm__inst_executed_pipe_(alu|fma|fmaheavy|xu|lsu|uniform|tensor_op_hmma)\.avg\.pct_of_peak_sustained_active"
+  launch__grid_size launch__block_size launch__registers_per_thread
+  launch__shared_mem_per_block_dynamic launch__occupancy_limit_registers
+  launch__occupancy_limit_shared_mem launch__waves_per_multiprocessor
+  sm__cycles_active.avg sm__cycles_elapsed.max
+)
+if [ -n "${SET:-}" ]; then
+  what=(--set "$SET" --print-details all)
+else
+  what=(--metrics "$(IFS=,; echo "${metrics[*]}")")
+fi
+for preset in ${PRESETS:-8x2048}; do
+  for impl in ${IMPLS:-cupaged flashinfer-fa2}; do
+    f="$OUT/ncu-pp-$impl-$preset.txt"
+    ncu "${what[@]}" --nvtx --nvtx-include "timed/" python3 - "$impl" "$preset" \
+      "${SOFT_CAP:-}" > "$f" 2>&1 <<'PY'
+import sys
+import torch
+from cupaged import bench, bench_prefill
+impl, preset, cap = sys.argv[1], sys.argv[2], sys.argv[3]
+variants = bench.Variants(soft_cap=float(cap)) if cap else bench.Variants()
+kw = dict(bench_prefill.PRESETS[preset])
+kw.setdefault("dtype", "bfloat16")
+case = bench_prefill.PrefillCase(preset, **kw, variants=variants).build()
+run = bench_prefill.IMPLEMENTATIONS[impl](case)
+print("max error", case.check(run()))
+for _ in range(3):
+    run()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_push("timed")
+run()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_pop()
+PY
+    echo "== $impl $preset ${SOFT_CAP:+soft-cap $SOFT_CAP }(exit $?)"
+    grep -E "max error|^  [A-Za-z_].*\(|gpu__time|dram__|lts__|hmma|grid_size|block_size|registers_per|occupancy_limit|shared_mem_per|waves|issue_active|warps_active|inst_executed|stalled|conflicts|cycles_" "$f" | sed 's/  */ /g' | head -70
+  done
+done
