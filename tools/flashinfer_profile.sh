@@ -33,7 +33,6 @@ for impl in ${IMPLS:-flashinfer-decode-tc flashinfer-decode cupaged-hnd}; do
     --nvtx --nvtx-include "timed/" python3 - "$impl" "$shape" > "$f" 2>&1 <<'PY'
 import sys
 import numpy as np
-import torch
 from cupaged import bench, decode
 impl, shape = sys.argv[1], sys.argv[2]
 impl, ctas, partition = (impl.split("@") + ["", ""])[:3]
@@ -42,13 +41,7 @@ heads, kvh, batch, ctx = (int(x) for x in shape.split(","))
 case = bench.DecodeCase(batch, np.full(batch, ctx, np.int32), heads, kvh, 128, 16,
                         np.dtype(np.float16)).build()
 fn = bench.IMPLEMENTATIONS[impl][0](case, partition or "auto")
-for _ in range(3):
-    fn()
-torch.cuda.synchronize()
-torch.cuda.nvtx.range_push("timed")
-fn()
-torch.cuda.synchronize()
-torch.cuda.nvtx.range_pop()
+bench.call_in_nvtx_range(fn)
 PY
   echo "== $impl $shape (exit $?)"
   grep -E "^  [A-Za-z_].*\(|gpu__time|dram__|lts__|xbar2l1tex|grid_size|block_size|registers_per|occupancy_limit|shared_mem_per|waves|issue_active|warps_active|inst_executed|stalled" "$f" | sed 's/  */ /g' | head -60
