@@ -498,14 +498,13 @@ def call_in_nvtx_range(fn, warmup: int = 3, name: str = "timed"):
     """Call ``fn`` ``warmup`` times, then once more inside the NVTX range ``name``, with
     the device idle on both sides: the one call the Nsight Compute scripts in tools/
     profile (``ncu --nvtx --nvtx-include timed/``)."""
-    torch = _torch()  # its NVTX ranges are the ones these scripts were checked with
     for _ in range(warmup):
         fn()
     cupy.cuda.runtime.deviceSynchronize()
-    torch.cuda.nvtx.range_push(name)
+    cupy.cuda.nvtx.RangePush(name)
     fn()
     cupy.cuda.runtime.deviceSynchronize()
-    torch.cuda.nvtx.range_pop()
+    cupy.cuda.nvtx.RangePop()
 
 
 def _torch():

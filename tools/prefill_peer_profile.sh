@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute counters of cupaged's multi-token kernel beside FlashInfer's fa2 prefill
-# on the same case (bf16 by default): grid, registers, occupancy, memory traffic, tensor
-# pipe, issue activity and stall reasons, one launch of each after warm-up (the NVTX range
-# "timed"). Needs .flashinfer/ carried for the FlashInfer rows.
+# on the same preset (in its dtype: bf16 but for the verify preset): grid, registers,
+# occupancy, memory traffic, tensor pipe, issue activity and stall reasons, one launch of
+# each after warm-up (the NVTX range "timed"). Needs .flashinfer/ carried for fa2's rows.
 #   PRESETS="8x2048 prompt-4096" IMPLS="cupaged flashinfer-fa2" [SOFT_CAP=50] bash tools/prefill_peer_profile.sh
 # Reports: $OUT/ncu-pp-<impl>-<preset>.txt. SET=full: Nsight Compute's full section set.
 source "$(dirname "$0")/device_env.sh"
@@ -32,9 +32,8 @@ import sys
 from cupaged import bench, bench_prefill
 impl, preset, cap = sys.argv[1], sys.argv[2], sys.argv[3]
 variants = bench.Variants(soft_cap=float(cap)) if cap else bench.Variants()
-kw = dict(bench_prefill.PRESETS[preset])
-kw.setdefault("dtype", "bfloat16")
-case = bench_prefill.PrefillCase(preset, **kw, variants=variants).build()
+case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset],
+                                 variants=variants).build()
 run = bench_prefill.IMPLEMENTATIONS[impl](case)
 print("max error", case.check(run()))
 bench.call_in_nvtx_range(run)
