@@ -11,8 +11,10 @@
 // Decode (query_start_loc null): row s is sequence s's one token, at the end of its
 // context. Row mode (query_start_loc [num_seqs + 1]): row r is token r - query_start_loc[s]
 // of the sequence s whose rows hold it, at position len - q_len + i, seeing the keys up to
-// its own position (causal) or all of them: the fallback for multi-token queries that
-// paged_prefill does not take (float32 caches, tiny vLLM blocks), single pass only.
+// its own position (causal) or all of them. It serves decode steps given with their
+// query_start_loc (which it honours whatever the host bounds claim) and the multi-token
+// queries paged_prefill does not take (float32 caches, tiny vLLM blocks); split-KV
+// partials and merge counters are per row.
 //
 // Work split: one CTA per (sequence, KV head, tile of GROUP_TILE query heads of that KV head,
 // partition). All query heads of the tile share every K/V byte the CTA loads, so a GQA
@@ -269,15 +271,23 @@ __global__ void __launch_bounds__(kDecodeThreads)
     ctx = max(0, min(context_lens[seq], max_len));
     q_pos = ctx - 1;
   } else {
-    // The sequence holding this row: the last s with query_start_loc[s] <= row.
-    int lo = 0, hi = num_seqs;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (query_start_loc[mid] <= qrow) lo = mid; else hi = mid;
+    // The sequence holding this row: the last s with query_start_loc[s] <= row. A decode
+    // batch (one token per sequence) has row r in sequence r, which is tried first: one
+    // round trip instead of a binary search. Any sequence whose range holds the row is
+    // the one the search finds (the starts are non-decreasing).
+    const bool guess = qrow < num_seqs;
+    int qb = guess ? query_start_loc[qrow] : 0;
+    int qe = guess ? query_start_loc[qrow + 1] : 0;
+    if (!(guess && qb <= qrow && qrow < qe)) {
+      int lo = 0, hi = num_seqs;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (query_start_loc[mid] <= qrow) lo = mid; else hi = mid;
+      }
+      seq = lo;
+      qb = query_start_loc[seq];
+      qe = query_start_loc[seq + 1];
     }
-    seq = lo;
-    const int qb = query_start_loc[seq];
-    const int qe = query_start_loc[seq + 1];
     const int len = max(0, min(context_lens[seq], max_len));
     q_pos = len - (qe - qb) + (qrow - qb);
     ctx = causal ? max(0, min(len, q_pos + 1)) : len;

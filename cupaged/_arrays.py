@@ -281,7 +281,9 @@ def cupy_on_launch_stream(ctx: Context):
 
 
 def empty(ctx: Context, shape, dtype):
-    """A new device array of the caller's kind on ``ctx.device``: (adapted, returned)."""
+    """A new device array on ``ctx.device`` for a call's kernels to write: ``(adapted,
+    owner)``, the owner a torch tensor for torch callers, else a CuPy array. Give the
+    caller ``hand_over(ctx, owner)`` once the kernels that write it are launched."""
     with _allocating_on(ctx):
         if ctx.torch:
             t = _torch()
@@ -289,9 +291,19 @@ def empty(ctx: Context, shape, dtype):
                              device=t.device("cuda", ctx.device))
             return TorchArray(tensor, "out"), tensor
         a = cupy.empty(shape, dtype=dtype)
-        if ctx.kind == "jax":  # a JAX array over the same memory, which it keeps alive
-            return a, sys.modules["jax"].dlpack.from_dlpack(a)
         return a, a
+
+
+def hand_over(ctx: Context, owner):
+    """What the caller gets for an array made by :func:`empty`, after the launches that
+    write it: the owner itself, or for JAX a JAX array over the same memory. JAX orders
+    its own stream after the work enqueued on the launch stream by the time it takes the
+    buffer (DLPack's stream exchange), so taking it before the launches would let JAX read
+    it unwritten."""
+    if ctx.kind != "jax":
+        return owner
+    with cupy_on_launch_stream(ctx):
+        return sys.modules["jax"].dlpack.from_dlpack(owner)
 
 
 def scratch(ctx: Context, nbytes: int):

@@ -196,6 +196,11 @@ def run(prep: Prepared, ptrs, stream, out, lse):
             lse_ptr = made.data.ptr
         if prep.launch is not None:
             prep.launch.run(ctx, o, q, k, v, bt, lens, starts, lse_ptr)
+        if ctx.kind == "jax":  # after the launches (see _arrays.hand_over)
+            if out is None:
+                returned = _arrays.hand_over(ctx, returned)
+            if prep.new_lse:
+                returned_lse = _arrays.hand_over(ctx, returned_lse)
     return (returned, returned_lse) if prep.wants_lse else returned
 
 

@@ -537,9 +537,9 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
              workspace: _Partials | None = None, rows: bool = False, causal: bool = True,
              variants: _variants.Variants = _variants.PLAIN) -> _Launch | None:
     """The launches of paged_decode (and its combine) for a validated problem; None when
-    there is nothing to launch. ``rows``: one CTA per query row (the query_start_loc of
-    attention's row mode; single pass). ``workspace``: where split-KV partials go, else a
-    scratch buffer per call. ``alibi``: the slopes' address or 0."""
+    there is nothing to launch. ``rows``: one CTA per query row, each finding its sequence
+    in ``query_start_loc`` (attention's row mode). ``workspace``: where split-KV partials
+    go, else a scratch buffer per call. ``alibi``: the slopes' address or 0."""
     if p.num_seqs == 0 or p.num_rows == 0:
         return None
     group = p.num_heads // p.num_kv_heads
@@ -552,14 +552,17 @@ def _prepare(p: _Problem, scale: float, max_ctx: int, partition, alibi: int,
     grid_y = p.num_kv_heads * -(-group // gt)
     if grid_y > _MAX_GRID_YZ:
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_MAX_GRID_YZ}")
-    size, smem = (0, ks.smem) if rows else _partition_tokens(partition, p, max_ctx,
-                                                             p.num_seqs * grid_y, ks)
+    size, smem = _partition_tokens(partition, p, max_ctx, p.num_rows * grid_y, ks)
+    # Partials without counters (vLLM's v2 buffers) are merged by the combine kernel,
+    # which takes a row per sequence: row mode then runs a single pass.
+    if size and rows and workspace is not None and workspace.max_counters < p.num_rows * grid_y:
+        size, smem = 0, _residency(p.num_rows * grid_y, ks).smem
     if size and workspace is not None:
         fitted = _fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
                                  max(ks.tile_tokens, p.block_size))
         if fitted != size:  # fewer partitions: a smaller grid, perhaps another residency
             size = fitted
-            smem = _residency(p.num_seqs * grid_y * _parts(max_ctx, size), ks).smem
+            smem = _residency(p.num_rows * grid_y * _parts(max_ctx, size), ks).smem
     n_parts = _parts(max_ctx, size)
     kv_strides, kv_tail = _kv_args(p)
     launch = _Launch(ks.decode, (p.num_rows, grid_y, n_parts), _THREADS, smem, False, (0,),
@@ -764,18 +767,24 @@ class DecodeWorkspace:
         # A split has at least two partitions per head, so rows // 2 counters cover every
         # (sequence, head tile) of a split that fits.
         self._num_counters = self.rows // 2
+        # One allocation, partial rows then counters: every address a prepared call embeds
+        # follows from its base, which is what the memo keys a workspace by
+        # (_workspace_key). Two allocations could come back from the pool as a recycled
+        # partial buffer beside a new counter array, and a remembered launch would then
+        # count in freed memory.
+        self._counters_offset = self.rows * (head_size + 2) * 4
         with _arrays.on_device(self.device):
-            self._buf = cupy.empty(self.rows * (head_size + 2), dtype=np.float32)
-            self._counters = cupy.zeros(self._num_counters, dtype=np.int32)
+            self._buf = cupy.empty(self._counters_offset + self._num_counters * 4,
+                                   dtype=np.uint8)
+            self._buf[self._counters_offset:].fill(0)
             # Zeroed before any launch can read them, whichever stream it is on.
             cupy.cuda.get_current_stream().synchronize()
-        base = self._buf.data.ptr
         self._by_head_size = {}
-        self._base = base
+        self._base = self._buf.data.ptr
 
     @property
     def nbytes(self) -> int:
-        return self._buf.nbytes + self._counters.nbytes
+        return self._buf.nbytes
 
     def _partials(self, p: _Problem) -> _Partials:
         if p.device != self.device:
@@ -787,7 +796,7 @@ class DecodeWorkspace:
             rows = self.rows * (self.head_size + 2) // (p.head_size + 2)
             b = self._base
             got = _Partials(b, b + rows * p.head_size * 4, b + rows * (p.head_size + 1) * 4, rows,
-                            self._counters.data.ptr, self._num_counters)
+                            b + self._counters_offset, self._num_counters)
             self._by_head_size[p.head_size] = got
         return got
 

@@ -46,7 +46,7 @@ import numpy as np
 from . import cache_ops, varlen
 
 __all__ = ["Batch", "Completion", "Engine", "PagedAttention", "Request", "RequestOutput",
-           "Scheduler"]
+           "SampleId", "Scheduler"]
 
 
 def _available_blocks(manager) -> int:
@@ -57,6 +57,17 @@ def _available_blocks(manager) -> int:
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+@dataclass(frozen=True, order=True)
+class SampleId:
+    """The cache's sequence id of sample ``index`` of request ``request``. Its own type,
+    equal only to another SampleId of the same request and index: never to a request id,
+    whatever hashable values the request ids are (a request ``("a", 1)`` beside a request
+    ``"a"`` with two samples)."""
+
+    request: Hashable
+    index: int
 
 
 @dataclass
@@ -275,8 +286,8 @@ class Scheduler:
             arrival = time.perf_counter() if now is None else now
         output = RequestOutput(request.id, len(prompt), arrival,
                                [Completion() for _ in range(request.n)])
-        seq_id = request.id if request.n == 1 else (request.id, 0)
-        self.waiting.append(_Seq(seq_id, request, output, output.completions[0], prompt))
+        self.waiting.append(_Seq(SampleId(request.id, 0), request, output,
+                                 output.completions[0], prompt))
         self._ids.add(request.id)
         return output
 
@@ -434,21 +445,22 @@ class Scheduler:
     def update(self, batch: Batch, sampled: Sequence[int], now: float | None = None) -> list:
         """Record a computed batch: ``sampled[j]`` is the token sampled from query row
         ``batch.sample_rows[j]``. Finishes, frees and forks sequences; returns the outputs
-        of requests that finished with this step."""
+        of requests that finished with this step. An update that raises has changed
+        nothing: the same batch can be recorded again."""
         if len(sampled) != len(batch.sample_rows):
             raise ValueError(f"{len(sampled)} tokens for {len(batch.sample_rows)} sampled rows")
+        tokens = [int(t) for t in sampled]
         now = time.perf_counter() if now is None else now
+        families = self._fork(batch)  # the one part that can fail: done (or undone) first
         for seq, k in zip(batch._seqs, batch.num_tokens.tolist()):
             seq.computed += k
             seq.shares_tail = False
         finished = []
-        for i, token in zip(batch._sampling, sampled):
+        for i, token, children in zip(batch._sampling, tokens, families):
             seq = batch._seqs[i]
-            token = int(token)
-            family = [seq]
-            if seq.forks_left:  # the prompt is computed: the other samples start here
-                family += self._fork(seq)
-            for s in family:
+            if children:  # the prompt is computed: the other samples start here
+                self._adopt(seq, children)
+            for s in (seq, *children):
                 s.tokens.append(token)
                 if s.completion.record(token, now, s.request):
                     self.manager.free(s.id)
@@ -458,21 +470,38 @@ class Scheduler:
                         finished.append(s.output)
         return finished
 
-    def _fork(self, parent: _Seq) -> list:
-        children = []
-        for i in range(parent.request.n - parent.forks_left, parent.request.n):
-            completion = parent.output.completions[i]
-            child = _Seq((parent.request.id, i), parent.request, parent.output, completion,
-                         list(parent.tokens))
+    def _fork(self, batch: Batch) -> list:
+        """For each sampling sequence of ``batch``, the samples still to fork from it,
+        forked in the manager. If a fork fails, those made are freed before it raises, so
+        the manager is as it was."""
+        families, made = [], []
+        try:
+            for i in batch._sampling:
+                parent, children = batch._seqs[i], []
+                r = parent.request
+                for j in range(r.n - parent.forks_left, r.n):
+                    child = _Seq(SampleId(r.id, j), r, parent.output, parent.output.completions[j],
+                                 list(parent.tokens))
+                    self.manager.fork(parent.id, child.id)
+                    made.append(child)
+                    children.append(child)
+                families.append(children)
+        except BaseException:
+            for child in reversed(made):
+                self.manager.free(child.id)
+            raise
+        return families
+
+    def _adopt(self, parent: _Seq, children: list) -> None:
+        """Forked samples join the running sequences, sharing the parent's cache (its
+        partly filled last block is copied on the next write)."""
+        for child in children:
             child.forks_left = 0
-            self.manager.fork(parent.id, child.id)
             child.computed, child.shares_tail = parent.computed, True
             self._stamp += 1
             child.stamp = self._stamp
             self.running.append(child)
-            children.append(child)
         parent.forks_left, parent.shares_tail = 0, True
-        return children
 
 
 class PagedAttention:

@@ -248,12 +248,17 @@ def _merge(outs: list, lses: list, out, lse_out, stream, kind: str):
     m = _validate(outs, lses, o, lo)
     with _arrays.on_device(m.device):
         ctx = _arrays.context(m.device, kind, stream)
-        if o is None:
+        made_out, made_lse = o is None, lo is None
+        if made_out:
             o, out = _arrays.empty(ctx, m.shape, m.dtype.numpy)
-        if lo is None:
+        if made_lse:
             lo, lse_out = _arrays.empty(ctx, m.shape[:2], np.float32)
         if m.shape[0] * m.shape[1]:
             _launch(ctx, m, o, lo)
+        if made_out:
+            out = _arrays.hand_over(ctx, out)
+        if made_lse:
+            lse_out = _arrays.hand_over(ctx, lse_out)
     return out, lse_out
 
 

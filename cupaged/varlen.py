@@ -4,11 +4,12 @@ legacy cache layout.
 
 The layers are those of :mod:`cupaged.decode`: array adaptation, validation (metadata only,
 no device sync), planning (which kernel, its tiles, split-KV), launch. Three kernels serve
-the plans: ``paged_decode`` for one token per sequence (with split-KV), ``paged_prefill``
-(tensor cores, the group's heads and tokens packed into each tile's rows) for several
-tokens of a 16-bit cache, and ``paged_decode``'s row mode (one CTA per query token) for
-what ``paged_prefill`` does not take: float32, and vLLM's layout with blocks under 8
-tokens.
+the plans: ``paged_decode`` for one token per sequence without ``query_start_loc`` (with
+split-KV), ``paged_prefill`` (tensor cores, the group's heads and tokens packed into each
+tile's rows) for several tokens of a 16-bit cache, and ``paged_decode``'s row mode (one
+CTA per query token, split-KV too) for one token per sequence given with
+``query_start_loc`` and for what ``paged_prefill`` does not take: float32, and vLLM's
+layout with blocks under 8 tokens.
 """
 
 from __future__ import annotations
@@ -185,10 +186,15 @@ class _Plan(NamedTuple):
 
 
 def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
-    """Which kernel serves the call, from host facts only (no device sync)."""
-    if not has_starts or (max_q <= 1 and p.num_rows == p.num_seqs):
-        # One token per sequence: each q_len <= 1 and they sum to num_seqs.
-        return _Plan("decode")
+    """Which kernel serves the call, from host facts only (no device sync). The host
+    bounds may undercount, so they choose only among kernels that read
+    ``query_start_loc`` whenever it is given."""
+    if not has_starts:
+        return _Plan("decode")  # one token per sequence, by the call's contract
+    if max_q <= 1 and p.num_rows == p.num_seqs:
+        # Most likely a decode step: the decode kernel's row mode (split-KV included)
+        # finds row r in sequence r at once, and any other split of the rows correctly.
+        return _Plan("rows")
     # vLLM's value layout is copied in 16-byte runs of one block: 8 tokens, 16 for fp8.
     if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
                                   or p.block_size * p.cache.dtype.itemsize >= 16):
@@ -306,7 +312,9 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         max_query_len, max_seq_len: host-side bounds used only to size the work (no device
             sync when omitted: ``total_q`` and the table's width). An undercount costs
             parallelism, never correctness. ``max_query_len == 1`` with
-            ``total_q == num_seqs`` selects the decode kernel (with split-KV).
+            ``total_q == num_seqs`` selects the decode kernel (with split-KV), which still
+            reads ``query_start_loc``: a batch whose rows are split otherwise (such as
+            ``[2, 0]``) is computed as it is.
         out: optional C-contiguous ``[total_q, num_heads, head_size]`` output (may be the
             query itself, written in place).
         stream: as for :func:`paged_attention`.

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import cupaged
 from cupaged import BlockManager
-from cupaged.engine import Request, Scheduler, _available_blocks
+from cupaged.engine import Request, SampleId, Scheduler, _available_blocks
 
 VOCAB = 40
 
@@ -71,7 +71,7 @@ class FakeRunner:
     def submit(self, request: Request):
         out = self.s.submit(request, now=float(self.steps))
         for i, c in enumerate(out.completions):
-            self.samples[request.id if request.n == 1 else (request.id, i)] = (request.prompt, c)
+            self.samples[SampleId(request.id, i)] = (request.prompt, c)
         self.outputs.append(out)
         return out
 
@@ -187,7 +187,7 @@ def test_decodes_come_first_and_prompts_are_chunked():
     def schedule():
         batch = real()
         if batch is not None:
-            seen.append((list(batch.seq_ids), batch.num_tokens.tolist()))
+            seen.append(([i.request for i in batch.seq_ids], batch.num_tokens.tolist()))
         return batch
 
     runner.s.schedule = schedule
@@ -249,11 +249,68 @@ def test_forks_share_the_prompt():
     out = runner.submit(r)
     runner.step()  # the prompt, and the fork
     m = runner.m
-    assert sorted(m.sequences) == [("p", 0), ("p", 1), ("p", 2)]
-    assert all(m.ref_count(b) == 3 for b in m.block_table(("p", 0)))
+    assert sorted(m.sequences) == [SampleId("p", 0), SampleId("p", 1), SampleId("p", 2)]
+    assert all(m.ref_count(b) == 3 for b in m.block_table(SampleId("p", 0)))
     while runner.s.has_unfinished():
         runner.step()
     check_outputs([r], [out])
+    assert all_free(m)
+
+
+def test_sample_ids_never_collide_with_request_ids():
+    """Request ids are any hashables: a request ("a", 1) beside a request "a" with n=2
+    (whose second sample once took the id ("a", 1) in the block manager) both run to
+    their ends with the right tokens."""
+    requests = [Request(("a", 1), [5, 6, 7], 4), Request("a", [1, 2, 3, 4, 5], 5, n=2),
+                Request(("a", 0), [9], 3, n=3)]
+    check_outputs(requests, make(64, 4).run(requests))
+    assert SampleId("a", 1) != ("a", 1)
+
+
+class _FailingFork(BlockManager):
+    """A block manager whose ``fork`` raises on its ``fail_at``-th call (counting from 1)."""
+
+    fail_at = 2
+    calls = 0
+
+    def fork(self, parent, child):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("fork refused")
+        super().fork(parent, child)
+
+
+def test_a_failed_update_changes_nothing():
+    """A step whose forks fail part-way (the second of two requests' forks) raises and
+    leaves the scheduler and the manager as they were: the same batch is then recorded
+    again and every request finishes right."""
+    m = _FailingFork(64, 4)
+    s = Scheduler(m, max_batched_tokens=64, max_running=8)
+    runner = FakeRunner(s)
+    requests = [Request("x", [1, 2, 3], 4, n=2), Request("y", [4, 5], 3, n=3)]
+    outs = [runner.submit(r) for r in requests]
+    batch = s.schedule()
+    na = batch.num_appended
+    m.append(batch.seq_ids[:na], num_tokens=batch.num_tokens[:na].tolist())
+    sampled = [7] * len(batch.sample_rows)
+    state = lambda: ([(q.id, q.computed, q.forks_left, len(q.tokens)) for q in s.running],
+                     sorted(m.sequences, key=repr), m.num_free_blocks,
+                     [len(c.token_ids) for o in outs for c in o.completions])
+    before = state()
+    with pytest.raises(RuntimeError, match="fork refused"):
+        s.update(batch, sampled, now=0.0)
+    assert state() == before
+    m.check()
+    s.update(batch, sampled, now=0.0)  # fork call 3 onwards succeeds
+    assert sorted(m.sequences, key=repr) == sorted(
+        [SampleId("x", i) for i in range(2)] + [SampleId("y", i) for i in range(3)], key=repr)
+    while s.has_unfinished():
+        b = s.schedule()
+        na = b.num_appended
+        m.append(b.seq_ids[:na], num_tokens=b.num_tokens[:na].tolist())
+        s.update(b, [7] * len(b.sample_rows), now=1.0)
+    assert all(c.token_ids == [7] * r.max_new_tokens for o, r in zip(outs, requests)
+               for c in o.completions)
     assert all_free(m)
 
 

@@ -167,6 +167,73 @@ def test_jax_in_jax_out(rng, dtype, partition):
     assert np.array_equal(np.isfinite(got), live)
 
 
+def _pool_holds_nan(*shapes_dtypes):
+    """Free NaN-filled buffers of these shapes into CuPy's pool, so the next arrays of the
+    same sizes start as NaN, not as whatever the device held."""
+    for shape, dtype in shapes_dtypes:
+        cupy.full(shape, np.nan, dtype=dtype)
+
+
+@pytest.mark.parametrize("partition", ["never", "always"])
+def test_jax_waits_for_the_kernel_that_writes_its_output(rng, partition):
+    """8 sequences of 131,072 tokens, every V row 1, so the right output is exactly 1: a
+    JAX read right after the call must see the kernel's result, not the buffer before it
+    (JAX orders its stream after what was enqueued when it took the buffer)."""
+    jax = _jax()
+    jnp = jax.numpy
+    seqs, ctx, heads, kv_heads, hs, bs = 8, 131_072, 8, 8, 128, 16
+    nb = 256  # the tables cycle over these blocks: long contexts in little memory
+    kc = testing.random_normal((nb, kv_heads, hs // 8, bs, 8), np.float16, rng)
+    args = dict(query=jnp.asarray(testing.random_normal((seqs, heads, hs), np.float16, rng)),
+                key_cache=jnp.asarray(kc),
+                value_cache=jnp.ones((nb, kv_heads, hs, bs), jnp.float16),
+                block_tables=jnp.asarray(
+                    (np.arange(seqs * ctx // bs) % nb).reshape(seqs, -1).astype(np.int32)),
+                context_lens=jnp.full((seqs,), ctx, jnp.int32))
+    for _ in range(3):
+        _pool_holds_nan(((seqs, heads, hs), np.float16))
+        out = cupaged.paged_attention(**args, partition=partition)
+        got = np.asarray(out)
+        assert (got == 1).all(), f"{np.isnan(got).mean():.0%} of the output read unwritten"
+
+
+def test_jax_takes_attention_and_merge_outputs_after_their_launches(rng, monkeypatch):
+    """attention's out and lse and merge_state's outputs: a busy-wait of 100 ms queued
+    ahead of each launch makes any JAX read that does not wait for the launch see NaN."""
+    jax = _jax()
+    jnp = jax.numpy
+    from cupaged import merge
+
+    spin = _Spin(SLEEP_US)
+    real_run, real_merge = decode._Launch.run, merge._launch
+
+    def late_run(self, *a, **k):
+        spin()
+        return real_run(self, *a, **k)
+
+    def late_merge(*a, **k):
+        spin()
+        return real_merge(*a, **k)
+
+    monkeypatch.setattr(decode._Launch, "run", late_run)
+    monkeypatch.setattr(merge, "_launch", late_merge)
+    p = make_problem(rng, lens=(1, 17, 40, 33), heads=8, kv_heads=2, head_size=64)
+    args = {k: jnp.asarray(v) for k, v in p.host_args().items() if v is not None}
+    shape = (4, 8, 64)
+    _pool_holds_nan((shape, np.float16), (shape[:2], np.float32))
+    out, lse = cupaged.attention(args["query"], args["key_cache"], args["value_cache"],
+                                 args["block_tables"], args["context_lens"], kv_layout="vllm",
+                                 return_lse=True)
+    got, got_lse = np.asarray(out), np.asarray(lse)
+    assert_close(got.astype(np.float64), p.reference(), _tol(np.float16))
+    assert np.isfinite(got_lse).all()
+    _pool_holds_nan((shape, np.float16), (shape[:2], np.float32))
+    merged, mlse = cupaged.merge_state(out, lse, out, lse)
+    got, got_mlse = np.asarray(merged), np.asarray(mlse)
+    assert_close(got.astype(np.float64), p.reference(), _tol(np.float16))
+    np.testing.assert_allclose(got_mlse, got_lse + np.log(2.0), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
 def test_cache_ops_with_torch_match_cupy(rng, dtype):
     torch = _torch()

@@ -406,15 +406,18 @@ def test_plan_rereads_tables_replaced_in_place(rng):
 
 
 @pytest.mark.gpu
-def test_decode_ignores_query_start_loc_it_does_not_need(rng, validations):
-    """One token per sequence (max_query_len=1) runs the decode kernel, which must not read
-    query_start_loc: a stale one (a padded graph batch) changes nothing."""
+def test_decode_steps_read_the_query_start_loc_they_are_given(rng, validations):
+    """One token per sequence (max_query_len=1) runs the decode kernel, which still reads
+    query_start_loc: a repeated call with the same metadata and other starts (q_lens
+    [1, 2, 0] after [1, 1, 1]) follows the starts, not the host bound."""
     import cupy
 
-    host = make_varlen(rng, [1, 1, 1], [40, 1, 300], heads=8, kv_heads=2)
+    host = make_varlen(rng, [1, 1, 1], [40, 2, 300], heads=8, kv_heads=2)
     dev = _device(host)
-    ref = reference.attention(**host)
-    stale = cupy.zeros_like(dev["query_start_loc"])
-    for starts in (dev["query_start_loc"], stale):
-        got = cupaged.attention(**{**dev, "query_start_loc": starts}, max_query_len=1)
-        assert_close(cupy.asnumpy(got), ref, TOL)
+    got = cupaged.attention(**dev, max_query_len=1)
+    assert_close(cupy.asnumpy(got), reference.attention(**host), TOL)
+    other = np.array([0, 1, 3, 3], np.int32)
+    got = cupaged.attention(**{**dev, "query_start_loc": cupy.asarray(other)}, max_query_len=1)
+    assert_close(cupy.asnumpy(got), reference.attention(**{**host, "query_start_loc": other}),
+                 TOL)
+    assert validations["attention"] == 1

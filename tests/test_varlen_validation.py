@@ -109,7 +109,8 @@ def test_host_bounds(name):
 
 @pytest.mark.parametrize("layout, dtype, bs, starts, max_q, total_q, kind", [
     ("NHD", np.float16, 16, False, 1, 3, "decode"),     # no query_start_loc
-    ("NHD", np.float16, 16, True, 1, 3, "decode"),      # one token each, said by the host
+    ("NHD", np.float16, 16, True, 1, 3, "rows"),        # one token each, said by the host:
+                                                        # still read through the starts
     ("NHD", np.float16, 16, True, 4, 7, "prefill"),
     ("NHD", np.float16, 16, True, 1, 7, "prefill"),     # bound undercounts: rows still packed
     ("vllm", np.float16, 8, True, 4, 7, "prefill"),
@@ -120,6 +121,16 @@ def test_the_planner_picks_the_kernel(layout, dtype, bs, starts, max_q, total_q,
     a = vargs(layout, dtype=dtype, bs=bs, total_q=total_q)
     p = vvalidate(**a)
     assert varlen._plan(p, starts, max_q).kind == kind
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("max_q", [0, 1, 2, 7])
+def test_a_call_with_query_start_loc_always_reads_it(layout, dtype, max_q):
+    """Host bounds may undercount: whatever they say, a call given query_start_loc runs a
+    kernel that reads it (the decode kernel's one-token mode does not)."""
+    p = vvalidate(**vargs(layout, dtype=dtype, seqs=3, total_q=3))
+    assert varlen._plan(p, True, max_q).kind in ("rows", "prefill")
 
 
 def test_the_planner_takes_16_rows_per_warp_for_few_rows():
