@@ -12,8 +12,9 @@ Public API:
     paged_attention_v1/v2   the same with vLLM's argument order
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
     reshape_and_cache       write new tokens' K and V into their cache slots
+    reshape_and_cache_flash the same with vLLM's flash-cache name and convention
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
-    swap_blocks             move blocks between a device cache and a pinned host cache
+    swap_blocks             move blocks between a device cache and a host cache
     empty_pinned            pinned host arrays for swap_blocks
     merge_state             merge two partial attention results by their log-sum-exp
     merge_states            merge any number of them (a list or a stacked array)
@@ -36,7 +37,13 @@ from .decode import (
     paged_attention_v1,
     paged_attention_v2,
 )
-from .cache_ops import copy_blocks, empty_pinned, reshape_and_cache, swap_blocks
+from .cache_ops import (
+    copy_blocks,
+    empty_pinned,
+    reshape_and_cache,
+    reshape_and_cache_flash,
+    swap_blocks,
+)
 from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .varlen import AttentionPlan, attention
@@ -60,6 +67,7 @@ __all__ = [
     "merge_state",
     "merge_states",
     "reshape_and_cache",
+    "reshape_and_cache_flash",
     "swap_blocks",
     "HEAD_SIZES",
     "KernelSpec",

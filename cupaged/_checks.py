@@ -187,6 +187,8 @@ def _kv_view(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str, ref: str
         fail(f"value_cache shape {value_cache.shape} does not match key_cache shape "
              f"{key_cache.shape}")
     shape = key_cache.shape
+    if kv_layout == "HND":
+        _check_not_vllm_hnd(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = (
         shape[0], shape[tok_axis], shape[head_axis], shape[3])
     check_head_size(head_size)
@@ -211,6 +213,26 @@ def _kv_view(key_cache, value_cache, dt: _dtypes.DType, kv_layout: str, ref: str
                  f"{st})")
         views.append((st[0] // it, st[head_axis] // it, st[tok_axis] // it))
     return CacheView(dt, num_blocks, num_kv_heads, head_size, block_size, "tok", *views)
+
+
+def _check_not_vllm_hnd(key_cache, value_cache) -> None:
+    """cupaged's kv_layout names the order of a cache's shape (its strides are free);
+    vLLM's flash caches always have the shape ``[num_blocks, block_size, num_kv_heads,
+    head_size]`` and its "HND" names their memory order (a permuted view). Such a cache
+    passed as "HND" has dimension 2 outside dimension 1 in memory, as has an HND-shaped
+    view of token-major memory: which one it is cannot be told (when num_kv_heads ==
+    block_size not even from the shape), so it is refused rather than read either way."""
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+        sh, st = a.shape, a.strides
+        if sh[1] > 1 and sh[2] > 1 and st[1] < st[2]:
+            fail(f"{name} of shape {sh} has strides {st}: its dimension 2 lies outside "
+                 f"dimension 1 in memory. kv_layout='HND' takes the shape [num_blocks, "
+                 f"num_kv_heads, block_size, head_size] (cupaged's layout names the shape's "
+                 f"order, with any strides). A vLLM cache with VLLM_KV_CACHE_LAYOUT=HND has "
+                 f"the shape [num_blocks, block_size, num_kv_heads, head_size] over head-major "
+                 f"memory: pass it as kv_layout='NHD' (or write it with "
+                 f"reshape_and_cache_flash); an HND-shaped view of token-major memory likewise "
+                 f"goes as its NHD-shaped tensor")
 
 
 def check_block_strides(view: CacheView) -> None:

@@ -7,6 +7,7 @@ else CuPy's current stream.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 from typing import NamedTuple
@@ -18,7 +19,8 @@ from cupy_backends.cuda.api import runtime
 from . import _arrays, _checks, _dtypes, _kvquant, jit
 from ._arrays import as_device_array
 
-__all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "swap_blocks"]
+__all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "reshape_and_cache_flash",
+           "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
 _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
@@ -93,9 +95,15 @@ def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=
                 (a.shape[2] > 1 and a.strides[2] != src.itemsize) or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
-    num_tokens = k.shape[0]
-    if v.shape[0] != num_tokens:
-        _fail(f"key has {num_tokens} tokens but value has {v.shape[0]}")
+    # slot_mapping says how many tokens are written; the sources may hold more rows (an
+    # engine pads them to a CUDA graph's batch), which are not read.
+    if sm.ndim != 1:
+        _fail(f"slot_mapping must be 1-D [num_tokens], got shape {sm.shape}")
+    num_tokens = sm.shape[0]
+    for name, a in (("key", k), ("value", v)):
+        if a.shape[0] < num_tokens:
+            _fail(f"{name} has {a.shape[0]} tokens but slot_mapping has {num_tokens}: the "
+                  f"sources need a row for every slot")
     index = _check_index_array(sm, "slot_mapping", (num_tokens,))
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
@@ -113,9 +121,10 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     """Write each token's K and V into its cache slot, in any cache layout.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype (float16,
-            bfloat16 or float32); token and head strides are free (slices of a fused QKV
-            work), the last dimension contiguous. Rows that are 16-byte aligned (pointer,
+        key, value: ``[n, num_kv_heads, head_size]`` with ``n >= num_tokens`` (rows past
+            ``num_tokens``, such as a CUDA graph's padding, are not read), the caches'
+            dtype (float16, bfloat16 or float32); token and head strides are free (slices
+            of a fused QKV work), the last dimension contiguous. Rows that are 16-byte aligned (pointer,
             token and head strides) are read in 16-byte vectors, others element by element.
         key_cache, value_cache: the paged cache in ``kv_layout``, as for
             :func:`cupaged.attention`:
@@ -129,7 +138,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
             head_size]``) whose last dimension is contiguous and whose pointer and other
             strides are multiples of 16 bytes; they are written in place.
         slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
-            block_size + offset``; a negative slot marks a padding token that is skipped.
+            block_size + offset``: one per token written (the first ``num_tokens`` rows of
+            key and value); a negative slot marks a padding token that is skipped.
         kv_cache_dtype: ``"auto"`` (the caches hold key's dtype, or the fp8 format their
             float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
             storage), as vLLM's. An fp8 cache stores ``value / scale`` rounded to nearest
@@ -175,6 +185,21 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
              sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots,
              int(w.vec_src), q.k_ptr, q.v_ptr, q.block_stride, q.head_stride, q.k_value,
              q.v_value)
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                            kv_cache_dtype="auto", k_scale=None, v_scale=None, *,
+                            stream=None) -> None:
+    """vLLM's ``reshape_and_cache_flash``, with its argument order and its convention: the
+    caches have the shape ``[num_blocks, block_size, num_kv_heads, head_size]`` whatever
+    their memory order (vLLM's ``VLLM_KV_CACHE_LAYOUT`` NHD, or HND as a permuted view,
+    or K and V halves of one packed ``[num_blocks, num_kv_heads, block_size, 2 *
+    head_size]`` allocation). That is cupaged's ``kv_layout="NHD"``, which reads any
+    strides: the same as ``reshape_and_cache(..., kv_layout="NHD")``; read the caches
+    back with ``attention(..., kv_layout="NHD")``. Arguments as for
+    :func:`reshape_and_cache`."""
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                      k_scale, v_scale, kv_layout="NHD", stream=stream)
 
 
 # ---- block copies -----------------------------------------------------------------------------
@@ -243,8 +268,8 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     for up to 48 layers and any number of pairs (more layers take more launches).
 
     Args:
-        key_caches, value_caches: lists with one cache per layer, blocks along the first
-            dimension, in any layout whose blocks are contiguous (vLLM's, NHD, HND, and K
+        key_caches, value_caches: lists with one cache per layer (empty lists: nothing
+            to copy), blocks along the first dimension, in any layout whose blocks are contiguous (vLLM's, NHD, HND, and K
             and V halves of a ``[num_blocks, 2, ...]`` allocation, whose block stride is
             twice the block); all key caches of one shape and dtype, likewise all value
             caches, with blocks of the same byte size; on one device; 16-byte aligned.
@@ -254,9 +279,15 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     """
     if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
         _fail("key_caches and value_caches must be lists of per-layer caches", TypeError)
-    if len(key_caches) != len(value_caches) or not key_caches:
-        _fail(f"key_caches and value_caches must be non-empty lists of one length, got "
+    if len(key_caches) != len(value_caches):
+        _fail(f"key_caches and value_caches must be lists of one length, got "
               f"{len(key_caches)} and {len(value_caches)}")
+    mapping = as_device_array(block_mapping, "block_mapping")
+    if mapping.ndim != 2 or mapping.shape[1:] != (2,):
+        _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
+    index = _check_index_array(mapping, "block_mapping", mapping.shape)
+    if not key_caches:  # no layers: nothing to copy (as vLLM's copy_blocks)
+        return
     ks = [as_device_array(a, f"key_caches[{i}]") for i, a in enumerate(key_caches)]
     vs = [as_device_array(a, f"value_caches[{i}]") for i, a in enumerate(value_caches)]
     nbytes = _block_bytes(ks[0], "key_caches[0]")
@@ -286,10 +317,6 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
                 _fail(f"{name}[{i}] is on device {data.device_id} but key_caches[0] is on "
                       f"device {device}")
             tensors.append((data.ptr, data.ptr, a.strides[0], a.strides[0]))
-    mapping = as_device_array(block_mapping, "block_mapping")
-    if mapping.ndim != 2 or mapping.shape[1:] != (2,):
-        _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
-    index = _check_index_array(mapping, "block_mapping", mapping.shape)
     _checks.check_same_device(device, "key_caches[0]", (("block_mapping", mapping),))
     if mapping.shape[0] == 0:
         return
@@ -312,9 +339,20 @@ def empty_pinned(shape, dtype) -> np.ndarray:
     return cupyx.empty_pinned(shape, dtype=dtype)
 
 
-def _side(a, name: str):
-    """One side of a swap: (the array as cupaged reads it, device id or None for host,
-    address the GPU uses)."""
+class _Side(NamedTuple):
+    """One side of a swap: the array as cupaged reads it, its device (None: host memory),
+    the address the GPU uses, and for host memory its host address and whether it is
+    pageable (which the GPU cannot reach)."""
+
+    array: object
+    device: int | None
+    gpu_ptr: int
+    host_ptr: int = 0
+    pageable: bool = False
+    writeable: bool = True
+
+
+def _side(a, name: str) -> _Side:
     host = a if isinstance(a, np.ndarray) else None
     if _arrays.is_torch(a) and a.device.type == "cpu":
         if a.requires_grad:
@@ -324,35 +362,87 @@ def _side(a, name: str):
         try:
             arr = as_device_array(a, name)
         except TypeError:
-            _fail(f"{name} must be a device array or pinned host memory (cupaged.empty_pinned, "
-                  f"or a torch tensor with pin_memory=True), got {type(a).__name__}", TypeError)
-        return arr, arr.data.device_id, arr.data.ptr
+            _fail(f"{name} must be a device array or host memory (a NumPy array or a torch "
+                  f"CPU tensor; pinned for asynchronous swaps: cupaged.empty_pinned or "
+                  f"pin_memory=True), got {type(a).__name__}", TypeError)
+        return _Side(arr, arr.data.device_id, arr.data.ptr)
     if isinstance(host, np.ndarray):
-        ptr, arr = host.ctypes.data, host
+        ptr, arr, writeable = host.ctypes.data, host, host.flags.writeable
     else:  # a torch CPU tensor: its metadata, NumPy-style
-        ptr, arr = host.data_ptr(), _arrays.HostTorchArray(host)
+        ptr, arr, writeable = host.data_ptr(), _arrays.HostTorchArray(host), True
     try:
         attrs = runtime.pointerGetAttributes(ptr)
     except runtime.CUDARuntimeError:
         attrs = None
     if attrs is None or attrs.type != runtime.memoryTypeHost:
-        _fail(f"{name} is pageable host memory, which the GPU cannot reach: allocate it "
-              f"with cupaged.empty_pinned(shape, dtype) (or torch's pin_memory=True)", TypeError)
-    return arr, None, attrs.devicePointer
+        return _Side(arr, None, 0, ptr, True, writeable)  # staged, synchronously
+    return _Side(arr, None, attrs.devicePointer, ptr, False, writeable)
+
+
+def _host_blocks(side: _Side, block_bytes: int) -> np.ndarray:
+    """A host cache's blocks as a NumPy ``uint8 [num_blocks, block_bytes]`` view of its
+    own memory (each block is one run of bytes: _block_bytes checked it)."""
+    a = side.array
+    n = a.shape[0]
+    span = (n - 1) * a.strides[0] + block_bytes if n else 0
+    base = np.frombuffer((ctypes.c_uint8 * span).from_address(side.host_ptr), np.uint8)
+    return np.lib.stride_tricks.as_strided(base, (n, block_bytes), (a.strides[0], 1))
+
+
+def _swap_staged(ctx: _arrays.Context, src: _Side, dst: _Side, mapping: np.ndarray,
+                 block_bytes: int) -> None:
+    """A swap with a pageable host side, which the GPU cannot reach: its blocks go
+    through a pinned staging buffer, one kernel between it and the device cache, and a
+    NumPy gather or scatter on the host; the stream is synchronized, so the copy is
+    complete on return."""
+    to_host = dst.device is None
+    host, dev, host_col = (dst, src, 1) if to_host else (src, dst, 0)
+    if to_host and not host.writeable:
+        _fail("dst is a read-only NumPy array")
+    pairs = mapping.astype(np.int64, copy=False)
+    for col, side, what in ((0, src, "source"), (1, dst, "destination")):
+        bad = np.flatnonzero((pairs[:, col] < 0) | (pairs[:, col] >= side.array.shape[0]))
+        if bad.size:  # read on the host anyway: checked always, not only in debug mode
+            _fail(f"block_mapping[{bad[0]}] has {what} block {pairs[bad[0], col]}, outside "
+                  f"[0, {side.array.shape[0]})")
+    n = len(pairs)
+    stage = empty_pinned((n, block_bytes), np.uint8)
+    stage_ptr = runtime.pointerGetAttributes(stage.ctypes.data).devicePointer
+    blocks = _host_blocks(host, block_bytes)
+    staged = np.stack([pairs[:, 1 - host_col], np.arange(n)], 1)
+    if to_host:
+        tensors = [(dev.gpu_ptr, stage_ptr, dev.array.strides[0], block_bytes)]
+        src_blocks, dst_blocks = dev.array.shape[0], n
+    else:
+        stage[...] = blocks[pairs[:, 0]]
+        staged = staged[:, ::-1]
+        tensors = [(stage_ptr, dev.gpu_ptr, block_bytes, dev.array.strides[0])]
+        src_blocks, dst_blocks = n, dev.array.shape[0]
+    with _arrays.cupy_on_launch_stream(ctx):
+        index = cupy.asarray(np.ascontiguousarray(staged))
+    _launch_copy(ctx, tensors, index, _INDEX[index.dtype], n, block_bytes, src_blocks,
+                 dst_blocks)
+    runtime.streamSynchronize(ctx.stream)
+    if to_host:
+        blocks[pairs[:, 1]] = stage
 
 
 def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
-    """Copy blocks between a device cache and a host cache in pinned memory (either
-    direction), in one launch whatever the mapping: the kernel reads or writes the pinned
-    host memory directly over the bus, so scattered blocks cost no per-block copy calls.
+    """Copy blocks between a device cache and a host cache (either direction), or within
+    one device. With pinned host memory it is one asynchronous launch whatever the
+    mapping: the kernel reads or writes the pinned memory directly over the bus, so
+    scattered blocks cost no per-block copy calls. Pageable host memory (a plain NumPy
+    array or torch CPU tensor), which the GPU cannot reach, is staged through a pinned
+    buffer: that call synchronizes the stream and has finished the copy when it returns
+    (as vLLM's ``swap_blocks`` does), and is slower than pinned memory.
 
     Args:
         src, dst: caches (fp8 ones and their scale arrays included: any dtype cupaged's
             caches use) with the same dtype and per-block shape (``shape[1:]``), each
             contiguous within a block (any layout, or a K or V half of a ``[num_blocks, 2,
             ...]`` allocation); one on the device (CuPy, torch or DLPack), the
-            other in pinned host memory (:func:`empty_pinned`, or a torch tensor with
-            ``pin_memory=True``), or both on one device.
+            other in host memory (pinned: :func:`empty_pinned`, or a torch tensor with
+            ``pin_memory=True``; or pageable), or both on one device.
         block_mapping: ``[num_pairs, 2]`` (src, dst) block ids, int32 or int64, on the
             host (NumPy or a list) or on the device. A host mapping is uploaded from
             pageable memory, which waits until the launch stream has drained; pass a
@@ -360,11 +450,13 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
             device side is a torch tensor).
 
-    Asynchronous like the other kernels: synchronize the stream before the host reads a
-    host-side destination.
+    With pinned memory, asynchronous like the other kernels: synchronize the stream
+    before the host reads a host-side destination. A pageable side's block ids are
+    checked on the host (ValueError for one outside its cache).
     """
-    src_a, src_dev, src_ptr = _side(src, "src")
-    dst_a, dst_dev, dst_ptr = _side(dst, "dst")
+    src_s, dst_s = _side(src, "src"), _side(dst, "dst")
+    src_a, src_dev, src_ptr = src_s.array, src_s.device, src_s.gpu_ptr
+    dst_a, dst_dev, dst_ptr = dst_s.array, dst_s.device, dst_s.gpu_ptr
     if src_dev is None and dst_dev is None:
         _fail("src and dst are both host arrays: one side must be a device array")
     if src_dev is not None and dst_dev is not None and src_dev != dst_dev:
@@ -380,8 +472,13 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
               TypeError)
     nbytes = _block_bytes(src_a, "src")
     _block_bytes(dst_a, "dst")
-    _checks.check_aligned(src_ptr, "src")
-    _checks.check_aligned(dst_ptr, "dst")
+    pageable = src_s.pageable or dst_s.pageable
+    if not pageable:
+        _checks.check_aligned(src_ptr, "src")
+        _checks.check_aligned(dst_ptr, "dst")
+    else:
+        dev_side, name = (dst_s, "dst") if src_dev is None else (src_s, "src")
+        _checks.check_aligned(dev_side.gpu_ptr, name)
     on_host = isinstance(block_mapping, (np.ndarray, list, tuple)) or (
         _arrays.is_torch(block_mapping) and block_mapping.device.type == "cpu")
     if on_host:
@@ -395,11 +492,17 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
         _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
     if on_host:
         _checks.check_int(mapping, "block_mapping", (np.int32, np.int64))
+    else:
+        _check_index_array(mapping, "block_mapping", mapping.shape)
     if mapping.shape[0] == 0:
         return
     kind = _arrays.framework(src if src_dev is not None else dst)
     with _arrays.on_device(device):
         ctx = _arrays.context(device, kind, stream)
+        if pageable:
+            host_pairs = mapping if on_host else _arrays.to_host(mapping, ctx)
+            _swap_staged(ctx, src_s, dst_s, host_pairs, nbytes)
+            return
         if _checks.DEBUG:
             _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0], ctx)
         if on_host:  # uploaded in the launch stream's order

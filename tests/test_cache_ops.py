@@ -146,6 +146,77 @@ def test_reshape_and_cache_matches_numpy(rng, layout, dtype, hs, bs, slot_dtype)
                 _assert_same_bytes(cupy.asnumpy(got), exp, what)
 
 
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reshape_and_cache_writes_slot_mappings_rows_of_padded_sources(rng, layout):
+    """key and value padded past slot_mapping's length (a CUDA graph's batch, with NaN in
+    the padding): the first num_tokens rows are written, the padding never read."""
+    heads, kvh, hs, bs, n, pad, nb = 4, 2, 64, 16, 10, 6, 4
+    roots, view = make_cache(layout, "dense", nb, kvh, hs, bs, np.float16, rng)
+    src_roots, src_view = make_source("qkv", n + pad, heads, kvh, hs, np.float16, rng)
+    src_roots[0][n:] = np.nan
+    slots = rng.choice(nb * bs, size=n, replace=False).astype(np.int64)
+    want = [r.copy() for r in roots]
+    key, value = src_view(src_roots)
+    write_reference(*view(want), key[:n], value[:n], slots, layout)
+    d_roots = [cupy.asarray(r) for r in roots]
+    d_key, d_value = src_view([cupy.asarray(r) for r in src_roots])
+    assert d_key.shape[0] == n + pad
+    cupaged.reshape_and_cache(d_key, d_value, *view(d_roots), cupy.asarray(slots),
+                              **_layout_kw(layout))
+    for got, exp in zip(d_roots, want):
+        _assert_same_bytes(cupy.asnumpy(got), exp, layout)
+
+
+@gpu
+@pytest.mark.parametrize("memory", ["NHD", "HND", "packed"])
+@pytest.mark.parametrize("kvh, bs", [(2, 16), (16, 16)])
+def test_vllm_flash_caches_written_and_read_in_vllms_convention(rng, memory, kvh, bs):
+    """A cache as vLLM hands it over (shape [nb, bs, kv_heads, hs] over NHD, HND or packed
+    memory, NaN where nothing is written), written by reshape_and_cache_flash and read by
+    attention(kv_layout="NHD"), against the float64 reference over a dense NHD copy."""
+    heads, hs = 2 * kvh, 64
+    lens = np.array([1, 37, 64, 5], np.int32)
+    bt, nb = testing.random_block_tables(lens, bs, rng, spare_blocks=2)
+    if memory == "NHD":
+        roots = [np.full((nb, bs, kvh, hs), np.nan, np.float16) for _ in range(2)]
+        view = lambda r: (r[0], r[1])  # noqa: E731
+    elif memory == "HND":
+        roots = [np.full((nb, kvh, bs, hs), np.nan, np.float16) for _ in range(2)]
+        view = lambda r: (r[0].transpose(0, 2, 1, 3), r[1].transpose(0, 2, 1, 3))  # noqa: E731
+    else:
+        roots = [np.full((nb, kvh, bs, 2 * hs), np.nan, np.float16)]
+        view = lambda r: (r[0][..., :hs].transpose(0, 2, 1, 3),  # noqa: E731
+                          r[0][..., hs:].transpose(0, 2, 1, 3))
+    n = int(lens.sum())
+    key = testing.random_normal((n, kvh, hs), np.float16, rng)
+    value = testing.random_normal((n, kvh, hs), np.float16, rng)
+    pos = np.concatenate([np.arange(x) for x in lens])
+    seq = np.repeat(np.arange(len(lens)), lens)
+    slots = (bt[seq, pos // bs].astype(np.int64) * bs + pos % bs)
+    dense = [np.full((nb, bs, kvh, hs), np.nan, np.float16) for _ in range(2)]
+    write_reference(*dense, key, value, slots, "NHD")
+    d_roots = [cupy.asarray(r) for r in roots]
+    d_kc, d_vc = view(d_roots)
+    cupaged.reshape_and_cache_flash(cupy.asarray(key), cupy.asarray(value), d_kc, d_vc,
+                                    cupy.asarray(slots), "auto", 1.0, 1.0)
+    got_k, got_v = (cupy.asnumpy(c) for c in (d_kc, d_vc))
+    want_k, want_v = dense
+    written = ~np.isnan(want_k)
+    _assert_same_bytes(got_k[written], want_k[written], "K")
+    _assert_same_bytes(got_v[written], want_v[written], "V")
+    q = testing.random_normal((len(lens), heads, hs), np.float16, rng)
+    qsl = np.arange(len(lens) + 1, dtype=np.int32)
+    got = cupaged.attention(cupy.asarray(q), d_kc, d_vc, cupy.asarray(bt), cupy.asarray(lens),
+                            cupy.asarray(qsl), kv_layout="NHD")
+    ref = reference.attention(q, *dense, bt, lens, qsl, kv_layout="NHD")
+    assert_close(cupy.asnumpy(got), ref, testing.TOLERANCE["f16"], memory)
+    if memory != "NHD":
+        with pytest.raises(ValueError, match="kv_layout='HND' takes the shape"):
+            cupaged.attention(cupy.asarray(q), d_kc, d_vc, cupy.asarray(bt),
+                              cupy.asarray(lens), cupy.asarray(qsl), kv_layout="HND")
+
+
 def _torch_of(a, torch):
     """A torch CUDA tensor with ``a``'s values (bfloat16 included)."""
     a = np.ascontiguousarray(a)
@@ -378,10 +449,66 @@ def test_swap_round_trip_through_pinned_memory(rng, dtype):
 
 
 @gpu
-def test_swap_refuses_pageable_memory(rng):
+@pytest.mark.parametrize("host_kind", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_swap_with_pageable_host_memory_has_finished_when_it_returns(rng, host_kind, dtype):
+    """vLLM passes plain (pageable) CPU tensors to swap_blocks and has the copy done when
+    the call returns. A busy-wait of 100 ms queued ahead of each call shows it: the host
+    reads the swapped-out blocks at once, and overwrites the swapped-in source at once."""
+    from cupaged.bench import _Spin
+
+    nb_dev, nb_host = 16, 12
+    kc, _ = testing.random_cache(nb_dev, 2, 64, 16, dtype, rng)
+    dev = cupy.asarray(kc)
+    host = testing.random_normal((nb_host,) + kc.shape[1:], dtype, rng)
+    before = host.copy()
+    if host_kind == "torch":
+        torch = pytest.importorskip("torch")
+        host_arg = torch.from_numpy(host.view(np.int16) if dtype == _dtypes.BF16.numpy
+                                    else host)  # shares the NumPy array's memory
+        if dtype == _dtypes.BF16.numpy:
+            host_arg = host_arg.view(torch.bfloat16)
+            dev_arg = torch.as_tensor(dev.view(np.int16), device="cuda").view(torch.bfloat16)
+        else:
+            dev_arg = torch.as_tensor(dev, device="cuda")
+    else:
+        host_arg, dev_arg = host, dev
+    spin = _Spin(100_000)
+    out_src = rng.choice(nb_dev, size=5, replace=False)
+    out_dst = rng.choice(nb_host, size=5, replace=False)
+    spin()
+    cupaged.swap_blocks(dev_arg, host_arg, np.stack([out_src, out_dst], 1))
+    want = before.copy()
+    want[out_dst] = kc[out_src]
+    _assert_same_bytes(host, want, "swap out")
+    back = rng.choice(nb_dev, size=5, replace=False)
+    dev2 = cupy.zeros_like(dev)
+    dev2_arg = dev2 if host_kind == "numpy" else (
+        torch.as_tensor(dev2.view(np.int16), device="cuda").view(torch.bfloat16)
+        if dtype == _dtypes.BF16.numpy else torch.as_tensor(dev2, device="cuda"))
+    spin()
+    cupaged.swap_blocks(host_arg, dev2_arg, cupy.asarray(np.stack([out_dst, back], 1)))
+    sent = host[out_dst].copy()
+    host[...] = np.nan  # the source may be reused as soon as the call returns
+    got = cupy.asnumpy(dev2)
+    _assert_same_bytes(got[back], sent, "swap in")
+    untouched = np.setdiff1d(np.arange(nb_dev), back)
+    assert not got[untouched].view(np.uint8).any()
+
+
+@gpu
+def test_swap_with_pageable_memory_checks_its_block_ids_and_writeability():
     dev = cupy.zeros((4, 2, 8, 16, 8), np.float16)
-    with pytest.raises(TypeError, match="pageable host memory.*cupaged.empty_pinned"):
-        cupaged.swap_blocks(dev, np.zeros((4, 2, 8, 16, 8), np.float16), [[0, 1]])
+    host = np.zeros((3, 2, 8, 16, 8), np.float16)
+    for bad, side in (([[0, 3]], "destination block 3"), ([[-1, 0]], "source block -1"),
+                      ([[4, 0]], "source block 4")):
+        with pytest.raises(ValueError, match=rf"block_mapping\[0\] has {side}, outside"):
+            cupaged.swap_blocks(dev, host, bad)
+    with pytest.raises(ValueError, match=r"destination block -2, outside \[0, 4\)"):
+        cupaged.swap_blocks(host, dev, np.array([[0, -2]]))
+    host.flags.writeable = False
+    with pytest.raises(ValueError, match="dst is a read-only NumPy array"):
+        cupaged.swap_blocks(dev, host, [[0, 1]])
     with pytest.raises(ValueError, match="same dtype and block shape"):
         cupaged.swap_blocks(dev, cupaged.empty_pinned((4, 2, 8, 8, 8), np.float16), [[0, 1]])
 
@@ -737,12 +864,15 @@ def _hnd(*shape, dtype=np.float16):
     (wbad(key=_hnd(3, 2, 128)[:, :, ::2]), ValueError, "key's last dimension must be contiguous"),
     (wbad(value=_hnd(3, 2, 64)[::-1]), ValueError, "value's last dimension must be contiguous "
                                                    "and its strides non-negative"),
-    (wbad(value=_hnd(4, 2, 64)), ValueError, "key has 3 tokens but value has 4"),
+    (wbad(value=_hnd(2, 2, 64)), ValueError,
+     "value has 2 tokens but slot_mapping has 3: the sources need a row for every slot"),
     # slot_mapping
     (wbad(slot_mapping=np.zeros(3, np.float32)), TypeError,
      "slot_mapping must be int32 or int64, got float32"),
     (wbad(slot_mapping=np.zeros(4, np.int64)), ValueError,
-     r"slot_mapping must be a contiguous array of shape \(3,\)"),
+     "key has 3 tokens but slot_mapping has 4"),
+    (wbad(slot_mapping=np.zeros((3, 1), np.int64)), ValueError,
+     r"slot_mapping must be 1-D \[num_tokens\], got shape \(3, 1\)"),
     (wbad(slot_mapping=np.zeros(6, np.int64)[::2]), ValueError,
      r"slot_mapping must be a contiguous array of shape \(3,\)"),
     # devices
@@ -756,6 +886,43 @@ def _hnd(*shape, dtype=np.float16):
 def test_reshape_and_cache_validation(a, exc, match):
     with pytest.raises(exc, match=match):
         wvalidate(**a)
+
+
+def test_sources_may_hold_more_rows_than_slot_mapping():
+    """Engines pad key and value to a CUDA graph's batch: slot_mapping's length is what is
+    written (as vLLM's reshape_and_cache)."""
+    w = wvalidate(**wbad(key=_hnd(8, 2, 64), value=_hnd(5, 2, 64)))
+    assert w.num_tokens == 3
+    assert wvalidate(**wbad(slot_mapping=np.zeros(0, np.int64))).num_tokens == 0
+
+
+def test_per_token_scales_may_not_overlap_what_the_write_reads(monkeypatch):
+    """The write fills per-token scales while it reads key, value and slot_mapping: a
+    scale array overlapping any of them is refused, and so are K and V scale arrays with
+    different strides (the kernel takes one pair)."""
+    from cupaged import _kvquant
+
+    monkeypatch.setattr(_kvquant, "as_device_array", lambda a, name: a)
+    a = wargs("NHD", nb=4)
+    kc = Fake(np.zeros((4, 16, 2, 64), np.uint8), ptr=1 << 24)
+    key = Fake(np.zeros((3, 2, 64), np.float16), ptr=1 << 26)
+    value = Fake(np.zeros((3, 2, 64), np.float16), ptr=(1 << 26) + 4096)
+    sm = Fake(np.zeros(3, np.int64), ptr=1 << 27)
+    scale = lambda ptr: Fake(np.zeros((4, 2, 16), np.float32), ptr=ptr)  # noqa: E731
+    ok = cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+                                   scale((1 << 28) + 4096))
+    assert ok.quant.mode == "th"
+    for name, ptr in (("key", 1 << 26), ("value", (1 << 26) + 4096 + 64), ("slot_mapping", 1 << 27)):
+        with pytest.raises(ValueError, match=rf"(v_scale and {name}|{name} and v_scale) overlap"):
+            cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+                                      scale(ptr))
+    with pytest.raises(ValueError, match="k_scale and v_scale overlap"):
+        cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+                                  scale((1 << 28) + 256))
+    wide = Fake(np.zeros((4, 4, 16), np.float32)[:, :2], ptr=1 << 29)  # head stride 2x
+    with pytest.raises(ValueError, match="k_scale and v_scale must have the same strides"):
+        cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28), wide)
+    del a
 
 
 def test_reshape_and_cache_takes_device_arrays_only():
@@ -834,6 +1001,19 @@ def test_copy_and_swap_refuse_halves_of_packed_rows(fake_device, layout):
     with pytest.raises(ValueError, match="dst must be contiguous within each block"):
         cupaged.swap_blocks(dense, v, mapping)
     assert fake_device == []
+
+
+def test_copy_blocks_with_no_layers_copies_nothing(fake_device):
+    """vLLM's copy_blocks returns for empty lists of caches; so does cupaged's (the
+    mapping's own checks still run)."""
+    cupaged.copy_blocks([], [], Fake(np.zeros((3, 2), np.int64)))
+    cupaged.copy_blocks((), (), Fake(np.zeros((0, 2), np.int32)))
+    assert fake_device == []
+    k = Fake(np.zeros((4, 16, 2, 64), np.float16))
+    with pytest.raises(ValueError, match="lists of one length, got 1 and 0"):
+        cupaged.copy_blocks([k], [], Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(ValueError, match=r"block_mapping must be \[num_pairs, 2\]"):
+        cupaged.copy_blocks([], [], Fake(np.zeros((3,), np.int64)))
 
 
 def test_copy_blocks_refuses_overlapping_blocks(fake_device):

@@ -89,6 +89,23 @@ def test_bad_options_are_usage_errors(argv, msg):
     assert r.exit_code == 2 and msg in r.output
 
 
+def test_compile_count_prints_the_catalogs_sizes():
+    """The numbers the docs used to copy come from the code: --count prints them."""
+    from cupaged import _catalog
+
+    archs = ("sm_80", "sm_90")
+    argv = ["compile", "--arch", "sm_80", "--arch", "sm_90", "--count"]
+    r = CliRunner().invoke(main, argv + ["--covering"])
+    assert r.exit_code == 0, r.output
+    full, cov = len(_catalog.all_specs(archs)), len(_catalog.covering_specs(archs))
+    assert r.output.strip() == (f"{cov} specializations in the covering set of the {full} "
+                                f"supported for sm_80, sm_90")
+    r = CliRunner().invoke(main, argv + ["--all"])
+    assert r.output.strip() == f"{full} specializations for sm_80, sm_90"
+    r = CliRunner().invoke(main, ["compile", "--count"])
+    assert r.exit_code == 2 and "--count goes with --all or --covering" in r.output
+
+
 def test_compile_reports_cold_and_warm_times(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path))
     r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", "--head-size", "64,96"])

@@ -402,6 +402,33 @@ def test_context_of_2_pow_31_tokens(rng):
     assert rel_err(got, ref) <= 5e-3, rel_err(got, ref)
 
 
+def test_a_context_at_the_documented_limit(rng):
+    """2,147,482,623 tokens (2^31 - 1025, the documented limit: blocks of one token, every
+    entry naming block 0, so the right output is block 0's V row): decode over vLLM's
+    layout, and the last two positions as multi-token queries over NHD (the prefill
+    kernel, whose positions reach the limit)."""
+    n = decode._MAX_TOKENS
+    assert n == 2_147_482_623
+    p = make_problem(rng, lens=[1], heads=1, kv_heads=1, head_size=32, block_size=1,
+                     spare_blocks=0)
+    ref = p.reference()  # softmax over n copies of one key: that key's value
+    a = p.device_args()
+    a["block_tables"] = cupy.zeros((1, n), np.int32)  # 8.6 GB of table
+    a["context_lens"] = cupy.asarray([n], np.int32)
+    out = poisoned((1, 1, 32), np.float16)
+    cupaged.paged_attention(**a, out=out, partition=65536)
+    assert_close(cupy.asnumpy(out), ref, tol(p))
+    kc, vc = testing.convert_layout(p.key_cache, p.value_cache, "vllm", "NHD")
+    q = testing.random_normal((2, 1, 32), np.float16, rng)
+    got = cupaged.attention(cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc),
+                            a["block_tables"], a["context_lens"],
+                            cupy.asarray([0, 2], np.int32), kv_layout="NHD")
+    want = np.broadcast_to(ref, (2, 1, 32))  # both rows see n - 1 or n copies of the key
+    got = cupy.asnumpy(got).astype(np.float64)
+    assert rel_err(got, want) <= 5e-3, rel_err(got, want)  # fp32 sums over 2^31 equal terms
+    del a
+
+
 # ---- vLLM's v2 with half-precision scratch ------------------------------------------------------
 
 
@@ -426,6 +453,32 @@ def test_v2_packs_several_partitions_into_a_half_precision_tmp_out(rng, dt):
     written = cupy.asnumpy(ml).reshape(-1)[: 3 * 8 * parts]
     assert np.isfinite(written).all()  # every partition of every head wrote its max
     assert np.isnan(cupy.asnumpy(ml).reshape(-1)[3 * 8 * parts:]).all()  # and no more
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_v2_keeps_its_float32_partials_inside_a_half_precision_tmp_out(rng, dt):
+    """4,096 tokens with vLLM's P = ceil(4096 / 512) = 8: a 16-bit tmp_out holds only 4
+    float32 partial rows per head, so the call must split into at most 4 partitions. The
+    bytes after tmp_out (a guard region of NaN in the same allocation) stay untouched."""
+    lens = [4096, 4000, 3000]
+    p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=8, kv_heads=2, head_size=128,
+                     block_size=16)
+    ref = p.reference(scale=0.1)
+    a = p.device_args()
+    P, hs = 8, 128
+    qdt = a["query"].dtype
+    out = poisoned((3, 8, hs), qdt)
+    es = poisoned((3, 8, P), np.float32)
+    ml = poisoned((3, 8, P), np.float32)
+    n = 3 * 8 * P * hs
+    buf = poisoned((2 * n,), qdt)  # tmp_out, then as many elements of guard
+    tmp = buf[:n].reshape(3, 8, P, hs)
+    cupaged.paged_attention_v2(out, es, ml, tmp, a["query"], a["key_cache"], a["value_cache"],
+                               2, 0.1, a["block_tables"], a["context_lens"], 16, max(lens))
+    assert_close(cupy.asnumpy(out), ref, tol(p))
+    guard = cupy.asnumpy(buf[n:])
+    assert np.isnan(guard.astype(np.float32)).all(), "partials written past tmp_out"
+    assert np.isnan(cupy.asnumpy(ml).reshape(-1)[3 * 8 * 4:]).all()  # at most 4 partitions
 
 
 # ---- CUPAGED_DEBUG reads on the launch stream ----------------------------------------------------

@@ -146,6 +146,32 @@ def test_side_arrays_and_workspaces_are_keyed_by_address(rng, validations):
 
 
 @pytest.mark.gpu
+def test_a_new_workspace_every_step_counts_in_its_own_memory(rng, validations):
+    """A loop that makes a new DecodeWorkspace each step gets memory of freed ones back
+    from CuPy's pool. A prepared call embeds the workspace's addresses, so its key must
+    name every one of them: a workspace is one allocation, keyed by its base."""
+    import cupy
+
+    pb = make_problem(rng, lens=(3000, 2000, 100), heads=8, kv_heads=2, head_size=64)
+    d, ref = pb.device_args(), pb.reference()
+    ws = None
+    for step in range(8):
+        if step % 2:
+            ws = None  # freed before the next one is made, as well as after
+        ws = cupaged.DecodeWorkspace(3, 8, 64)
+        out = cupaged.paged_attention(**d, workspace=ws, partition=256)
+        assert_close(cupy.asnumpy(out), ref, TOL, f"step {step}")
+        parts = ws._partials(decode._validate(*(cupaged._arrays.as_device_array(a, n) for n, a in (
+            ("query", d["query"]), ("key_cache", d["key_cache"]),
+            ("value_cache", d["value_cache"]), ("block_tables", d["block_tables"]),
+            ("context_lens", d["context_lens"]))), None, None))
+        lo, hi = ws._buf.data.ptr, ws._buf.data.ptr + ws.nbytes
+        for addr in (parts.part_out, parts.part_max, parts.part_sum, parts.counters):
+            assert lo <= addr < hi
+        assert decode._workspace_key(ws)[1] == lo
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("entry", ["paged_attention", "attention"])
 def test_overlap_is_checked_on_every_call(rng, validations, entry):
     """The query and out share metadata with a call that passed; only their addresses

@@ -303,8 +303,11 @@ def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
     ws = decode._Partials(1, 2, 3, max_rows=20 * 32 * 2, counters=4, max_counters=20 * 8)
     launch = decode._prepare(p, 0.1, 2048, "auto", 0, ws)
     assert launch.grid[2] == 2 and launch.smem == KS.smem
-    # One CTA per query row (attention's row mode): no split, the natural residency.
-    assert decode._prepare(p, 0.1, 2048, "auto", 0, rows=True).smem == KS.smem
+    # One CTA per query row (attention's row mode, here one row per sequence): the same
+    # split and residency as decode, reading query_start_loc.
+    rows = decode._prepare(p, 0.1, 2048, "auto", 0, rows=True)
+    assert rows.grid[2] == 3 and rows.smem == KS.fewer[0].smem and rows.takes_starts
+    assert not decode._prepare(p, 0.1, 2048, "auto", 0).takes_starts
 
 
 def test_always_splits_at_least_in_two():
@@ -491,3 +494,36 @@ def test_strides_must_be_whole_elements():
         validate(**bad(query=_odd_strides(np.float16, (3, 8, 64), (8 * 64 * 2 + 1, 128, 2))))
     with pytest.raises(ValueError, match="block_tables' rows must be contiguous, a whole number"):
         validate(**bad(block_tables=_odd_strides(np.int32, (3, 4), (18, 4))))
+
+
+# ---- the documented context limit ------------------------------------------------------------
+
+
+DOCUMENTED_MAX_TOKENS = 2_147_482_623  # README's support matrix: 2^31 - 1025
+
+
+def _table(width: int) -> Fake:
+    """A [1, width] int32 block table's metadata (no memory behind it)."""
+    t = Fake(np.zeros((1, 1), np.int32))
+    t.shape, t.strides = (1, width), (4 * width, 4)
+    return t
+
+
+@pytest.mark.parametrize("bs", [1, 16, 256])
+def test_the_documented_context_limit_is_where_validation_stops(bs):
+    """A table of ``width * block_size`` tokens up to the documented limit passes, one
+    block more fails, for paged_attention and attention alike."""
+    from test_varlen_validation import vargs, vvalidate
+
+    assert decode._MAX_TOKENS == DOCUMENTED_MAX_TOKENS == 2**31 - 1025
+    widest = DOCUMENTED_MAX_TOKENS // bs
+    a = args(seqs=1, bs=bs)
+    p = validate(**{**a, "block_tables": _table(widest)})
+    assert p.max_blocks * p.block_size <= DOCUMENTED_MAX_TOKENS < (p.max_blocks + 1) * bs
+    with pytest.raises(ValueError, match=rf"block_tables allows {(widest + 1) * bs} tokens per "
+                                         rf"sequence; at most {DOCUMENTED_MAX_TOKENS} are supported"):
+        validate(**{**a, "block_tables": _table(widest + 1)})
+    v = vargs(seqs=1, total_q=1, bs=bs)
+    assert vvalidate(**{**v, "block_tables": _table(widest)}).max_blocks == widest
+    with pytest.raises(ValueError, match=f"at most {DOCUMENTED_MAX_TOKENS} are supported"):
+        vvalidate(**{**v, "block_tables": _table(widest + 1)})

@@ -55,6 +55,50 @@ def test_strides_of_nhd_and_hnd_views():
     assert c.k_strides == c.v_strides == (2 * 16 * 2 * 64, 64, 2 * 64)
 
 
+def _vllm_flash_cache(num_blocks, block_size, kv_heads, hs, memory):
+    """A cache as vLLM hands it to its flash kernels: always the shape [num_blocks,
+    block_size, num_kv_heads, head_size]; ``memory`` "NHD", "HND" (a permuted view of
+    head-major memory) or "packed" (the K half of [num_blocks, kv_heads, block_size,
+    2 * head_size], permuted)."""
+    if memory == "NHD":
+        return np.zeros((num_blocks, block_size, kv_heads, hs), np.float16)
+    if memory == "HND":
+        return np.zeros((num_blocks, kv_heads, block_size, hs), np.float16).transpose(0, 2, 1, 3)
+    packed = np.zeros((num_blocks, kv_heads, block_size, 2 * hs), np.float16)
+    return packed[..., :hs].transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("memory", ["NHD", "HND", "packed"])
+@pytest.mark.parametrize("kv_heads, bs", [(2, 16), (8, 8), (16, 16)])
+def test_vllm_flash_caches_are_kv_layout_nhd_whatever_their_memory(memory, kv_heads, bs):
+    """cupaged's kv_layout names the shape's order: vLLM's flash caches (shape [nb, bs,
+    kv_heads, hs] over NHD, HND or packed memory) are read as "NHD" with their strides;
+    passed as "HND" they are refused, also when kv_heads == block_size, where the shape
+    cannot tell the two conventions apart."""
+    kc = _vllm_flash_cache(10, bs, kv_heads, 64, memory)
+    a = vargs(heads=2 * kv_heads, kv_heads=kv_heads, bs=bs)
+    c = vvalidate(**{**a, "key_cache": kc, "value_cache": kc, "kv_layout": "NHD"}).cache
+    st = tuple(x // 2 for x in kc.strides)
+    assert (c.num_kv_heads, c.block_size) == (kv_heads, bs)
+    assert c.k_strides == (st[0], st[2], st[1])  # block, head, token
+    if memory != "NHD":
+        with pytest.raises(ValueError, match=r"key_cache of shape .* has strides .*dimension 2 "
+                                             r"lies outside dimension 1.*kv_layout='NHD'"):
+            vvalidate(**{**a, "key_cache": kc, "value_cache": kc, "kv_layout": "HND"})
+
+
+def test_hnd_caches_of_every_kind_still_pass():
+    """What kv_layout='HND' always took: dense, halves of [nb, 2, ...] and of packed rows,
+    one KV head or one-token blocks (whose strides are free)."""
+    dense = np.zeros((10, 2, 16, 64), np.float16)
+    fused = np.zeros((10, 2, 2, 16, 64), np.float16)
+    packed = np.zeros((10, 2, 16, 128), np.float16)
+    one_head = np.zeros((10, 16, 1, 64), np.float16).transpose(0, 2, 1, 3)
+    for kc, vc in ((dense, dense), (fused[:, 0], fused[:, 1]), (packed[..., :64], packed[..., 64:])):
+        vvalidate(**{**vargs("HND"), "key_cache": kc, "value_cache": vc})
+    vvalidate(**{**vargs("HND", heads=4, kv_heads=1), "key_cache": one_head, "value_cache": one_head})
+
+
 @pytest.mark.parametrize("a, exc, match", [
     (vbad(kv_layout="NDH"), ValueError, r"kv_layout must be one of \('NHD', 'HND', 'vllm'\)"),
     (vbad(key_cache=np.zeros((10, 16, 2, 64, 1), np.float16)), ValueError,
