@@ -6,8 +6,6 @@
 #    `git archive BASE cupaged cuda_src | tar -x -C .regress/old`, and carried), with the
 #    current tests and test helpers (cupaged/testing.py). Each in its own process: a
 #    misaligned access poisons the whole CUDA context.
-# 2. The stale-slot tests run against the current kernels with the V masking removed
-#    (0 * NaN then reaches the output): they must fail there and pass on the real source.
 # One line per run: "fails" is what a regression test must show before its fix.
 source "$(dirname "$0")/device_env.sh"
 repo=$PWD
@@ -33,22 +31,15 @@ if [ -d .regress/old/cupaged ]; then
   for t in "$@"; do run "old: $t" "$old" "$t"; done
 fi
 
-mut=/tmp/cupaged-mutant
-rm -rf "$mut" && mkdir -p "$mut" && cp -r "$repo"/tests "$repo"/cupaged "$repo"/cuda_src "$repo"/pyproject.toml "$mut"/
-python3 - "$mut/cuda_src/paged_decode.cuh" <<'PY'
-import re, sys
-p = sys.argv[1]
-s = open(p).read()
-n0 = len(s)
-# tensor-core path: zeroing V's columns past the context end
-s, a = re.subn(r"\n      if \(valid < TT\) \{\n        T\* vz = .*?\n      \}\n", "\n", s, flags=re.S)
-# FMA path: zeroing V values past the context end
-s, b = re.subn(r"\n          if \(tt \+ X > valid\) \{.*?\n          \}\n", "\n", s, flags=re.S)
-assert (a, b) == (1, 1), (a, b)
-open(p, "w").write(s)
-print(f"mutant: removed the V masking ({n0 - len(s)} characters, 2 places)")
-PY
-echo "== current kernels without the V masking (must fail) and with it (must pass)"
-run "mutant: stale slots" "$mut" tests/test_decode.py -k stale --maxfail=1000
-run "real: stale slots" "$repo" tests/test_decode.py -k stale
-grep -h -E "^FAILED" "$OUT"/regress-mutant* | sed 's/ - .*//' | sort | uniq -c | head -30
+# 2. Each mutant (tools/mutants.py: a check or fix taken out of the current source; all of
+#    them, or those named in MUTANTS="a b") must fail its tests, which pass on the source.
+echo "== mutants (must fail) and the real source (must pass)"
+for name in ${MUTANTS:-$(python3 tools/mutants.py list)}; do
+  mut=/tmp/cupaged-mutant-$name
+  rm -rf "$mut" && mkdir -p "$mut"
+  cp -r "$repo"/tests "$repo"/cupaged "$repo"/cuda_src "$repo"/tools "$repo"/pyproject.toml "$mut"/
+  python3 tools/mutants.py apply "$name" "$mut" || continue
+  mapfile -t args < <(python3 tools/mutants.py tests "$name")
+  run "mutant $name" "$mut" "${args[@]}"
+  run "real $name" "$repo" "${args[@]}"
+done

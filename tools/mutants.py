@@ -1,0 +1,51 @@
+"""Mutants for tools/regression_check.sh: copies of the library with one check or fix
+taken out, each with the tests that must fail on it (and pass on the real source).
+
+    python3 tools/mutants.py list
+    python3 tools/mutants.py apply NAME TREE     # edit the copy of the repository at TREE
+    python3 tools/mutants.py tests NAME          # its pytest arguments, one per line
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+# name -> (file, [(pattern, replacement), ...] each of which must match exactly once,
+#          pytest arguments)
+MUTANTS = {
+    # The V masking past a context's end: 0 * stale NaN reaches the output without it.
+    "stale-slots": ("cuda_src/paged_decode.cuh", [
+        (r"\n      if \(valid < TT\) \{\n        C\* vz = .*?\n      \}\n", "\n"),
+        (r"\n          if \(tt \+ X > valid\) \{.*?\n          \}\n", "\n"),
+    ], ["tests/test_decode.py", "-k", "stale", "--maxfail=1000"]),
+    # vLLM's v2 with a 16-bit tmp_out: float32 partials take two of its elements each.
+    "v2-half-capacity": ("cupaged/decode.py", [
+        (r"capacity = n_user // 2  # float32 partials in a 16-bit buffer",
+         "capacity = n_user"),
+    ], ["tests/test_decode.py", "-k", "half_precision_tmp_out"]),
+}
+
+
+def apply(name: str, tree: str) -> None:
+    path, edits, _ = MUTANTS[name]
+    p = Path(tree) / path
+    s = p.read_text()
+    for pattern, repl in edits:
+        s, n = re.subn(pattern, repl, s, flags=re.S)
+        if n != 1:
+            raise SystemExit(f"mutant {name}: {pattern!r} matched {n} times in {path}")
+    p.write_text(s)
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1:2]
+    if cmd == ["list"]:
+        print("\n".join(MUTANTS))
+    elif cmd == ["apply"]:
+        apply(sys.argv[2], sys.argv[3])
+    elif cmd == ["tests"]:
+        print("\n".join(MUTANTS[sys.argv[2]][2]))
+    else:
+        raise SystemExit(__doc__)
