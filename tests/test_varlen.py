@@ -249,7 +249,7 @@ def test_host_bounds_that_undercount_cost_nothing_but_parallelism(rng, max_query
     ([2, 0], [5, 40]),                        # PagedKVCache.step(num_tokens=[2, 0])
     ([0, 2], [3000, 4000]),                   # long enough to split the keys
     ([0, 3, 0, 1], [9, 300, 1, 17]),
-    ([1, 0, 2, 1, 0, 1], [1, 70, 33, 2048, 0, 4]),
+    ([1, 0, 2, 1, 1, 1], [1, 70, 33, 2048, 1, 4]),
 ])
 @pytest.mark.parametrize("workspace", [False, True])
 def test_max_query_len_of_one_never_hides_a_longer_query(rng, layout, q_lens, seq, workspace):
