@@ -781,6 +781,7 @@ class DecodeWorkspace:
             cupy.cuda.get_current_stream().synchronize()
         self._by_head_size = {}
         self._base = self._buf.data.ptr
+        self._counters = self._buf[self._counters_offset:].view(np.int32)  # (a view, for tests)
 
     @property
     def nbytes(self) -> int:

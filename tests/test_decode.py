@@ -407,9 +407,10 @@ def test_a_context_at_the_documented_limit(rng, prefill_split):
     entry naming block 0: decode over vLLM's layout, and the last two positions as
     multi-token queries over NHD (the prefill kernel, whose positions reach the limit).
     The softmax over n copies of one key is that key's value. Its values are small
-    integers, so each partition's sums are exact in fp32 whatever the order and rounding
-    of the additions (the tensor cores' fp32 accumulation rounds toward zero: over a
-    partition of a million equal weights, random values drift by about 3%)."""
+    integers and the partitions 65,536 keys long, so every partition's sums and the
+    merge's are exact in fp32: the test sees indexing, not rounding. (Sums over millions
+    of equal weights do drift: with random values, 0.5% at a million keys per partition
+    and about 3% at 5.4 million, measured; docs/PERFORMANCE.md.)"""
     n = decode._MAX_TOKENS
     assert n == 2_147_482_623
     p = make_problem(rng, lens=[1], heads=1, kv_heads=1, head_size=32, block_size=1,
