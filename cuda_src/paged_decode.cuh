@@ -272,12 +272,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
     q_pos = ctx - 1;
   } else {
     // The sequence holding this row: the last s with query_start_loc[s] <= row. A decode
-    // batch (one token per sequence) has row r in sequence r, which is tried first: one
-    // round trip instead of a binary search. Any sequence whose range holds the row is
-    // the one the search finds (the starts are non-decreasing).
+    // batch (one token per sequence) has row r in sequence r, which is tried first, its
+    // length loaded alongside: one round trip, as without query_start_loc, instead of a
+    // binary search. Any sequence whose range holds the row is the one the search finds
+    // (the starts are non-decreasing).
     const bool guess = qrow < num_seqs;
     int qb = guess ? query_start_loc[qrow] : 0;
     int qe = guess ? query_start_loc[qrow + 1] : 0;
+    int seq_len = guess ? context_lens[qrow] : 0;
     if (!(guess && qb <= qrow && qrow < qe)) {
       int lo = 0, hi = num_seqs;
       while (hi - lo > 1) {
@@ -287,8 +289,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
       seq = lo;
       qb = query_start_loc[seq];
       qe = query_start_loc[seq + 1];
+      seq_len = context_lens[seq];
     }
-    const int len = max(0, min(context_lens[seq], max_len));
+    const int len = max(0, min(seq_len, max_len));
     q_pos = len - (qe - qb) + (qrow - qb);
     ctx = causal ? max(0, min(len, q_pos + 1)) : len;
     if (qrow < qb || qrow >= qe) ctx = 0;  // a row no sequence claims gets zeros

@@ -316,8 +316,10 @@ def test_written_cache_reads_back_through_attention(rng, layout, kind, dtype):
 def test_reshape_and_cache_errors(rng):
     kc, vc = (cupy.asarray(a) for a in testing.random_cache(4, 2, 64, 16, np.float16, rng))
     k = cupy.zeros((3, 2, 64), np.float16)
-    with pytest.raises(ValueError, match=r"slot_mapping must be a contiguous array of shape \(3,\)"):
+    with pytest.raises(ValueError, match="key has 3 tokens but slot_mapping has 4"):
         cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros(4, np.int64))
+    with pytest.raises(ValueError, match=r"slot_mapping must be a contiguous array of shape \(3,\)"):
+        cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros(6, np.int64)[::2])
     with pytest.raises(TypeError, match="slot_mapping must be int32 or int64, got float32"):
         cupaged.reshape_and_cache(k, k, kc, vc, cupy.zeros(3, np.float32))
     with pytest.raises(ValueError, match=r"key must be \[num_tokens, 2, 64\]"):

@@ -7,6 +7,7 @@ timing. Rounds alternate old and new (``bench.time_us``: L2 flushed, a GPU busy-
 each run, device time), so both see the same clocks; the ratio new/old is the figure.
 
     python3 tools/decode_ab.py [--rounds 3] [--reps 10] [--dtype float16] [--layouts vllm,NHD,HND]
+                               [--starts]
     (GPU machine; tools/decode_ab.sh sets up the old library)
 """
 
@@ -35,9 +36,17 @@ def _lens(batch: int, ctx: str) -> np.ndarray:
     return Workload(batch, context, 1, 1, 128, 16, "float16").lengths(seed=0)
 
 
-def _call(lib, case: DecodeCase, layout: str, k, v, out):
+def _call(lib, case: DecodeCase, layout: str, k, v, out, starts=False):
+    """One decode call: paged_attention over vLLM's layout, else attention; with
+    ``starts``, attention given query_start_loc and max_query_len=1 (as vLLM's backends
+    call it), every layout."""
     a = case.arrays
     max_len = int(case.context_lens.max(initial=0))
+    if starts:
+        qsl = cupy.arange(len(case.context_lens) + 1, dtype=cupy.int32)
+        return lambda: lib.attention(a["query"], k, v, a["block_tables"], a["context_lens"],
+                                     qsl, kv_layout=layout, max_query_len=1,
+                                     max_seq_len=max_len, out=out)
     if layout == "vllm":
         return lambda: lib.paged_attention(a["query"], k, v, a["block_tables"], a["context_lens"],
                                            out=out, max_context_len=max_len)
@@ -52,6 +61,8 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--layouts", default="vllm,NHD,HND")
     ap.add_argument("--cases", default="", help="indices into CASES, comma-separated")
+    ap.add_argument("--starts", action="store_true",
+                    help="call attention with query_start_loc and max_query_len=1")
     ap.add_argument("--shapes", default="",
                     help="instead of CASES: heads/kv_heads/batch/context, comma-separated "
                          "(e.g. 32/4/64/1024,32/8/8/uniform:128:4096)")
@@ -74,7 +85,7 @@ def main():
             outs, calls, errs = {}, {}, {}
             for name, lib in (("old", cupaged_old), ("new", cupaged)):
                 out = cupy.full(case.arrays["query"].shape, np.nan, case.arrays["query"].dtype)
-                calls[name] = _call(lib, case, layout, k, v, out)
+                calls[name] = _call(lib, case, layout, k, v, out, a.starts)
                 calls[name]()
                 errs[name] = case.check(out)
                 outs[name] = out
