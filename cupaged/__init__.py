@@ -46,7 +46,7 @@ from .cache_ops import (
 )
 from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
-from .varlen import AttentionPlan, attention
+from .attention import AttentionPlan, attention
 from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step
 
 __version__ = "0.1.0"

@@ -53,7 +53,7 @@ def framework(x) -> str:
 # ---- torch tensors ----------------------------------------------------------------------------
 
 
-class _Data(NamedTuple):
+class Data(NamedTuple):
     ptr: int
     device_id: int
 
@@ -118,7 +118,7 @@ class TorchArray:
             meta = _TORCH_META[tensor.dtype] = (numpy_dtype(tensor.dtype), tensor.element_size())
         self.dtype, itemsize = meta
         self.strides = tuple([s * itemsize for s in tensor.stride()])
-        self.data = _Data(tensor.data_ptr(), tensor.get_device())
+        self.data = Data(tensor.data_ptr(), tensor.get_device())
 
     @property
     def flags(self) -> _Flags:

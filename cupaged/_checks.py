@@ -3,6 +3,7 @@ strides, pointer, device), never the data, so they cost no device sync."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -13,6 +14,11 @@ from . import _dtypes
 HEAD_SIZES = tuple(range(32, 257, 8))
 BLOCK_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 INT32_MAX = 2**31 - 1
+# Token positions are int32 in the kernels, which compute some up to a tile past the end.
+MAX_TOKENS = INT32_MAX - 1024
+MAX_GRID_YZ = 65535  # a launch grid's y and z
+LOG2E = math.log2(math.e)
+FLT_MAX = 3.4028234663852886e38
 
 # CUPAGED_DEBUG=1 adds the checks that read device data (and so synchronize) to every call.
 DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")

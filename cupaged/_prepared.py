@@ -35,7 +35,7 @@ class _Memo(dict):
 
 
 _MEMO = _Memo()
-jit._launcher_caches.append(_MEMO)
+jit.register_launcher_cache(_MEMO)
 UNKEYED = object()  # an argument the memo does not handle: validate every call
 _F32 = np.dtype(np.float32)
 _NUMBERS = (int, float, np.integer, np.floating)
@@ -53,7 +53,7 @@ class Prepared(NamedTuple):
     """What a repeated call still does itself: allocate what it returns, check that its
     output does not overlap its query, and launch."""
 
-    launch: object  # decode._Launch, or None: nothing to launch (an empty batch)
+    launch: object  # launch.Launch, or None: nothing to launch (an empty batch)
     device: int
     kind: str  # _arrays.framework() of the query: whose arrays to allocate and return
     shape: tuple  # the query's, and the output's

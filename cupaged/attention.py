@@ -1,271 +1,26 @@
 """Paged attention for every kind of step: a varlen batch of query tokens per sequence
 (prefill, chunked prefill, speculative verify, decode, all mixed) over NHD, HND or vLLM's
-legacy cache layout.
+legacy cache layout: :func:`attention`, and :class:`AttentionPlan` for a step's layers.
 
-The layers are those of :mod:`cupaged.decode`: array adaptation, validation (metadata only,
-no device sync), planning (which kernel, its tiles, split-KV), launch. Three kernels serve
-the plans: ``paged_decode`` for one token per sequence without ``query_start_loc`` (with
-split-KV), ``paged_prefill`` (tensor cores, the group's heads and tokens packed into each
-tile's rows) for several tokens of a 16-bit cache, and ``paged_decode``'s row mode (one
-CTA per query token, split-KV too) for one token per sequence given with
-``query_start_loc`` and for what ``paged_prefill`` does not take: float32, and vLLM's
-layout with blocks under 8 tokens.
+A call goes down the layers once: array adaptation, validation (:mod:`.validation`),
+planning (:mod:`.planning`: which kernel, its tiles, split-KV), launch (:mod:`.launch`).
+Three kernels serve the plans: ``paged_decode`` for one token per sequence without
+``query_start_loc`` (with split-KV), ``paged_prefill`` (tensor cores, the group's heads
+and tokens packed into each tile's rows) for several tokens of a 16-bit cache, and
+``paged_decode``'s row mode (one CTA per query token, split-KV too) for one token per
+sequence given with ``query_start_loc`` and for what ``paged_prefill`` does not take:
+float32, and vLLM's layout with blocks under 8 tokens.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import numpy as np
-
-from . import _arrays, _checks, _geometry, _kvquant, _prepared, _variants, decode, jit
+from . import _arrays, _checks, _prepared, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
-__all__ = ["AttentionPlan", "attention"]
-
 _fail = _checks.fail
-_MAX_GRID_Y = 65535
 
 
-class _Prefill(NamedTuple):
-    launch: jit.Launcher
-    smem: int
-    threads: int
-    tile_tokens: int
-    slots: int  # CTAs resident at once on the whole device
-
-
-# (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
-# default, for tuning experiments (tools/prefill_tiles.py); set through _set_tile.
-_tile_override: tuple | None = None
-
-
-def _set_tile(tile: tuple | None) -> None:
-    global _tile_override
-    _tile_override = tile
-    _prefill_kernel.cache_clear()
-    _prepared.clear()
-
-
-# Split-KV of paged_prefill instead of the cost model's choice, for tests and experiments:
-# None (the model), 0 (never) or tokens per partition (a multiple of the tile's tokens).
-_split_override: int | None = None
-
-
-def _set_split(tokens: int | None) -> None:
-    global _split_override
-    _split_override = tokens
-    _prepared.clear()
-
-
-# Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
-# the default's 32: verify's 4 tokens x 4 heads fill 16 rows, and the default's 128-row
-# tile would be mostly padding (docs/PERFORMANCE.md).
-_FEW_ROWS = 64
-
-
-def _prefill_tile(head_size: int, rows_needed: int) -> tuple:
-    if _tile_override is not None:
-        return _tile_override
-    if rows_needed <= _FEW_ROWS:
-        return jit.few_rows_prefill_tile(head_size)
-    return jit.default_prefill_tile(head_size)
-
-
-def _prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
-                  kv_format: str, tile: tuple, cache_dtype: str = "",
-                  kv_scale: str = "", variant: str = "") -> jit.KernelSpec:
-    w, m, n, st = tile
-    return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, tile_tokens=n,
-                          stages=st, kv_format=kv_format, warps=w, m_atoms=m,
-                          cache_dtype=cache_dtype, kv_scale=kv_scale, variant=variant,
-                          arch=arch)
-
-
-@jit.launcher_cache
-def _prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
-                    kv_format: str, tile: tuple, cache_dtype: str = "",
-                    kv_scale: str = "", variant: str = "") -> _Prefill:
-    dev = decode._device(device_id)
-    spec = _prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile, cache_dtype,
-                         kv_scale, variant)
-    g = _geometry.PrefillGeometry.of(spec)
-    if g.smem_bytes > dev.max_smem:
-        raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
-                         f"device {device_id} allows {dev.max_smem}")
-    kernel = jit.load(spec, device_id, g.smem_bytes)
-    return _Prefill(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
-                    decode._resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
-
-
-# ---- validation ---------------------------------------------------------------------------
-
-
-def _validate(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="auto",
-              k_scale=None, v_scale=None) -> decode._Problem:
-    dt = _checks.check_dtype(q, "query")
-    if q.ndim != 3:
-        _fail(f"query must be 3-D [total_q, num_heads, head_size], got shape {q.shape}")
-    total_q, num_heads, head_size = q.shape
-    cdt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
-    cache = _checks.check_kv_layout(kc, vc, cdt, kv_layout)
-    if cache.head_size != head_size:
-        _fail(f"query's head_size is {head_size} but the caches' is {cache.head_size}")
-    if num_heads == 0 or num_heads % cache.num_kv_heads:
-        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
-              f"({cache.num_kv_heads})")
-    group = num_heads // cache.num_kv_heads
-    if total_q * max(group, 1) > _checks.INT32_MAX:
-        _fail(f"total_q * (num_heads / num_kv_heads) = {total_q * group} query rows; at most "
-              f"{_checks.INT32_MAX} are supported per call")
-    if total_q and (q.strides[2] != dt.itemsize or min(q.strides) < 0):
-        _fail(f"query's last dimension must be contiguous (strides {q.strides})")
-    _checks.check_element_strides(q, "query", dt.itemsize)
-
-    if bt.ndim != 2:
-        _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
-    num_seqs = bt.shape[0]
-    max_blocks = _checks.check_tables(bt, sl, "seq_lens", num_seqs, cache.block_size,
-                                      decode._MAX_TOKENS)
-    if qsl is None:
-        if total_q != num_seqs:
-            _fail(f"query has {total_q} rows but there are {num_seqs} sequences: without "
-                  f"query_start_loc each sequence has exactly one query token")
-    else:
-        _checks.check_int(qsl, "query_start_loc")
-        if qsl.shape != (num_seqs + 1,) or qsl.strides[0] != 4:
-            _fail(f"query_start_loc must be a contiguous [num_seqs + 1 = {num_seqs + 1}] array, "
-                  f"got shape {qsl.shape}")
-    if num_seqs * cache.num_kv_heads > _checks.INT32_MAX:  # the prefill grid's x
-        _fail(f"{num_seqs} sequences x {cache.num_kv_heads} KV heads; at most "
-              f"{_checks.INT32_MAX} (sequence, KV head) pairs are supported")
-    _checks.check_alibi_and_out(alibi, out, q, num_heads)
-    if out is not None:
-        # In place over the query is fine (each query row is read by the CTA that writes
-        # its output, before it writes); any other overlap is not.
-        if total_q and not (out.data.ptr == q.data.ptr and out.strides == q.strides):
-            _checks.check_disjoint((("query", q), ("out", out)))
-    device = q.data.device_id
-    _checks.check_same_device(device, "query", (
-        ("key_cache", kc), ("value_cache", vc), ("block_tables", bt), ("seq_lens", sl),
-        ("query_start_loc", qsl), ("alibi_slopes", alibi), ("out", out)))
-    quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
-    return decode._Problem(device, dt, num_seqs, num_heads, cache.num_kv_heads, head_size,
-                           cache.block_size, cache.num_blocks, max_blocks, cache, total_q, quant,
-                           (q.strides[0] // dt.itemsize, q.strides[1] // dt.itemsize),
-                           bt.strides[0] // 4)
-
-
-def _check_queries(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
-    """CUPAGED_DEBUG: the device-side facts of query_start_loc (synchronizes)."""
-    starts = _arrays.to_host(qsl, ctx).astype(np.int64)
-    lens = _arrays.to_host(sl, ctx).astype(np.int64)
-    if starts[0] != 0 or starts[-1] != total_q:
-        _fail(f"query_start_loc must run from 0 to total_q = {total_q}, got "
-              f"{starts[0]} .. {starts[-1]}")
-    q_lens = np.diff(starts)
-    bad = np.flatnonzero(q_lens < 0)
-    if bad.size:
-        i = int(bad[0])
-        _fail(f"query_start_loc must be non-decreasing: query_start_loc[{i + 1}] = "
-              f"{starts[i + 1]} < query_start_loc[{i}] = {starts[i]}")
-    bad = np.flatnonzero(q_lens > lens)
-    if bad.size:
-        i = int(bad[0])
-        _fail(f"sequence {i}: {q_lens[i]} query tokens but seq_lens[{i}] = {lens[i]} (the "
-              f"query tokens are the last q_len of the sequence's cached tokens)")
-
-
-# ---- planning -----------------------------------------------------------------------------
-
-
-class _Plan(NamedTuple):
-    kind: str  # "decode" | "prefill" | "rows"
-    q_tiles: int = 0  # prefill: grid y
-    tile: tuple = ()  # prefill: (warps, m_atoms, tile_tokens, stages)
-
-
-def _plan(p: decode._Problem, has_starts: bool, max_q: int) -> _Plan:
-    """Which kernel serves the call, from host facts only (no device sync). The host
-    bounds may undercount, so they choose only among kernels that read
-    ``query_start_loc`` whenever it is given."""
-    if not has_starts:
-        return _Plan("decode")  # one token per sequence, by the call's contract
-    if max_q <= 1 and p.num_rows == p.num_seqs:
-        # Most likely a decode step: the decode kernel's row mode (split-KV included)
-        # finds row r in sequence r at once, and any other split of the rows correctly.
-        return _Plan("rows")
-    # vLLM's value layout is copied in 16-byte runs of one block: 8 tokens, 16 for fp8.
-    if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
-                                  or p.block_size * p.cache.dtype.itemsize >= 16):
-        group = p.num_heads // p.num_kv_heads
-        tile = _prefill_tile(p.head_size, max_q * group)
-        rows = 16 * tile[0] * tile[1]
-        return _Plan("prefill", max(1, min(_MAX_GRID_Y, -(-max_q * group // rows))), tile)
-    return _Plan("rows")
-
-
-# ---- launch -------------------------------------------------------------------------------
-
-
-def _prefill_split(k: _Prefill, p: decode._Problem, plan: _Plan, max_q: int, max_ctx: int,
-                   variants: _variants.Variants, workspace) -> tuple:
-    """``(tokens per split-KV partition, partitions)`` of paged_prefill; ``(0, 1)`` for a
-    single pass. Each query tile splits its own keys (from its window's first tile, if
-    any) into partitions, the last running to the end: few CTAs over long contexts (a
-    shared prefix's queries, a chunk of a long prompt) would leave most SMs idle."""
-    tn = k.tile_tokens
-    # The keys of a query tile: at most its window plus its rows' positions (and a tile
-    # of alignment), else the context. An undercount costs parallelism, never keys.
-    span = max_ctx if not variants.window else min(max_ctx, variants.window + max_q + tn)
-    if _split_override is not None:
-        size = _split_override
-        if size % tn:
-            _fail(f"the split-KV partition ({size} tokens) must be a multiple of the tile's "
-                  f"{tn} tokens")
-    else:
-        ctas = p.num_seqs * p.num_kv_heads * plan.q_tiles
-        size = decode._split(ctas, span, k.slots, tn, tn, False) if span > tn else 0
-    if size and workspace is not None:
-        size = decode._fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
-    n_parts = min(decode._parts(span, size), decode._MAX_GRID_YZ)
-    return (size, n_parts) if n_parts > 1 else (0, 1)
-
-
-def _prepare_prefill(q, o, p: decode._Problem, plan: _Plan, scale: float, causal: bool,
-                     alibi: int, variants: _variants.Variants = _variants.PLAIN,
-                     max_q: int = 0, max_ctx: int = 0,
-                     workspace: decode._Partials | None = None) -> decode._Launch:
-    """paged_prefill's launches (and the combine of its split-KV) for a validated call
-    (``q``, ``o``: the adapted query and out, or None for a new out)."""
-    if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
-        _fail(f"query must be 16-byte aligned with token and head strides that are multiples "
-              f"of 16 bytes for multi-token {p.dtype.name} attention (pointer "
-              f"{q.data.ptr:#x}, strides {q.strides})")
-    if o is not None and o.data.ptr % 4:
-        _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")
-    # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
-    letters = _variants.prefill_letters(variants, p.dtype.name, bool(alibi))
-    k = _prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
-                        plan.tile, p.cache.dtype.name, p.quant.mode, letters)
-    vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
-    size, n_parts = _prefill_split(k, p, plan, max_q, max_ctx, variants, workspace)
-    kv_strides, kv_tail = decode._kv_args(p)
-    # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's
-    # header), z the split-KV partitions.
-    launch = decode._Launch(
-        k.launch, (p.num_seqs * p.num_kv_heads, plan.q_tiles, n_parts), k.threads, k.smem,
-        True, (size // k.tile_tokens,), p.q_strides, kv_strides, kv_tail,
-        (alibi, p.num_heads, p.num_heads // p.num_kv_heads, int(causal),
-         scale * decode._LOG2E), variants, vp)
-    if n_parts == 1:
-        return launch
-    # (The combine is loaded here, not with the kernel: most multi-token calls never split.)
-    return launch._replace(
-        split=True, combine=decode._combine(p.device, p.dtype.name, p.head_size),
-        combine_grid=(p.num_rows, p.num_heads, 1), combine_tail=(0, size, n_parts, k.tile_tokens),
-        partials=workspace, scratch_rows=p.num_rows * p.num_heads * n_parts,
-        head_size=p.head_size)
+__all__ = ["AttentionPlan", "attention"]
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
@@ -353,13 +108,13 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     side arrays and keywords match an earlier successful call's skips validation and
     planning; :class:`AttentionPlan` does the same for a whole step's layers.
     """
-    va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+    va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     k, ptrs = _prepared.key(
         "attention", (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                       out, lse),
         (alibi_slopes, sinks, k_scale, v_scale),
         (kv_layout, causal, scale, max_query_len, max_seq_len, kv_cache_dtype, window,
-         window_left, logits_soft_cap, return_lse), decode._workspace_key(workspace))
+         window_left, logits_soft_cap, return_lse), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
     if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
         prep, ptrs = _validate_and_prepare(query, key_cache, value_cache, block_tables,
@@ -374,7 +129,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, kv_layout, causal, scale, alibi_slopes,
                           max_query_len, max_seq_len, out, stream, workspace, kv_cache_dtype,
-                          k_scale, v_scale, va: decode._VariantArgs) -> tuple:
+                          k_scale, v_scale, va: validation.VariantArgs) -> tuple:
     """``(prepared call, addresses)`` of an attention call: every check (CUPAGED_DEBUG's
     device reads too), then the plan of its launches."""
     q = as_device_array(query, "query")
@@ -385,29 +140,24 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     qsl = optional_device_array(query_start_loc, "query_start_loc")
     alibi = optional_device_array(alibi_slopes, "alibi_slopes")
     o = optional_output_array(out, "out")
-    p = _validate(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout, kv_cache_dtype, k_scale, v_scale)
-    scale = decode._scale(scale, p.head_size)
+    p = validation.validate_varlen(q, kc, vc, bt, sl, qsl, alibi, o, kv_layout, kv_cache_dtype,
+                                   k_scale, v_scale)
+    scale = validation.softmax_scale(scale, p.head_size)
     max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
-    workspace = decode._workspace_partials(workspace, p)
-    variants, lse = decode._variant_setup(va, p)
-    plan = _plan(p, qsl is not None, max_q)
-    alibi_ptr = 0 if alibi is None else alibi.data.ptr
+    workspace = launch.workspace_partials(workspace, p)
+    variants, lse = validation.variant_setup(va, p)
     with _arrays.on_device(p.device):
         if _checks.DEBUG:
             ctx = _arrays.context(p.device, _arrays.framework(query), stream)
-            decode._check_tables(bt, sl, p.num_blocks, p.block_size, ctx)
+            validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
-                _check_queries(qsl, sl, p.num_rows, ctx)
-        if not (p.num_seqs and p.num_rows):
-            launch = None
-        elif plan.kind == "prefill":
-            launch = _prepare_prefill(q, o, p, plan, scale, causal, alibi_ptr, variants, max_q,
-                                      max_ctx, workspace)
-        else:
-            launch = decode._prepare(p, scale, max_ctx, "auto", alibi_ptr, workspace,
-                                     rows=plan.kind == "rows", causal=causal, variants=variants)
-    return (decode._prepared_call(launch, p, q, o, va, lse, _arrays.framework(query)),
+                validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
+        plan = planning.plan_attention(p, qsl is not None, max_q)
+        launches = launch.attention_launch(q, o, p, plan, scale, causal,
+                                           0 if alibi is None else alibi.data.ptr, variants,
+                                           max_q, max_ctx, workspace)
+    return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))
 
 
@@ -453,7 +203,7 @@ class AttentionPlan:
                               window=window, window_left=window_left,
                               logits_soft_cap=logits_soft_cap, sinks=sinks,
                               return_lse=return_lse)
-        va = decode._variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+        va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
         self._prepared, _ = _validate_and_prepare(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
             causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
@@ -485,6 +235,6 @@ class AttentionPlan:
                              lse)
 
     def __repr__(self) -> str:
-        launch = self._prepared.launch
-        what = "nothing to launch" if launch is None else launch.kernel.name
+        launches = self._prepared.launch
+        what = "nothing to launch" if launches is None else launches.kernel.name
         return f"AttentionPlan({what}, query {self._prepared.shape})"

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import runtime
 
-from . import _arrays, _checks, _dtypes, _kvquant, jit
+from . import _arrays, _checks, _dtypes, _kvquant, jit, planning
 from ._arrays import as_device_array
 
 __all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "reshape_and_cache_flash",
@@ -30,11 +30,9 @@ _fail = _checks.fail
 @jit.launcher_cache
 def _kernel(device_id: int, kernel: str, dtype: str, index_dtype: str, kv_format: str = "",
             cache_dtype: str = "", kv_scale: str = ""):
-    from .decode import _device
-
     spec = jit.KernelSpec(kernel, dtype, index_dtype=index_dtype, kv_format=kv_format,
                           cache_dtype=cache_dtype, kv_scale=kv_scale,
-                          arch=_device(device_id).arch)
+                          arch=planning.device_info(device_id).arch)
     return jit.load(spec, device_id)
 
 

@@ -317,7 +317,7 @@ def source(entry: str) -> str:
 # ---- NVRTC --------------------------------------------------------------------------------
 
 
-def _nvrtc():
+def nvrtc():
     from cupy_backends.cuda.libs import nvrtc  # loads libnvrtc only; no driver needed
 
     return nvrtc
@@ -325,12 +325,12 @@ def _nvrtc():
 
 @lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
-    return tuple(_nvrtc().getVersion())
+    return tuple(nvrtc().getVersion())
 
 
 @lru_cache(maxsize=None)
 def supported_archs() -> tuple[int, ...]:
-    return tuple(_nvrtc().getSupportedArchs())
+    return tuple(nvrtc().getSupportedArchs())
 
 
 def target_for(compute_capability: tuple[int, int]) -> str:
@@ -358,20 +358,20 @@ def _options(arch: str) -> tuple[str, ...]:
 def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
              extra: tuple[str, ...] = ()):
     """Compile one program; returns (binary, {name expression: lowered name})."""
-    nvrtc = _nvrtc()
-    prog = nvrtc.createProgram(source(entry), entry, [], [])
+    rtc = nvrtc()
+    prog = rtc.createProgram(source(entry), entry, [], [])
     try:
         for expr in name_expressions:
-            nvrtc.addNameExpression(prog, expr)
+            rtc.addNameExpression(prog, expr)
         try:
-            nvrtc.compileProgram(prog, [*_options(arch), *extra])
-        except nvrtc.NVRTCError as e:
-            log = nvrtc.getProgramLog(prog)
+            rtc.compileProgram(prog, [*_options(arch), *extra])
+        except rtc.NVRTCError as e:
+            log = rtc.getProgramLog(prog)
             raise CompileError(f"NVRTC could not compile {label} for {arch}: {e}\n{log}") from None
-        binary = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
-        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+        binary = rtc.getCUBIN(prog) if arch.startswith("sm_") else rtc.getPTX(prog)
+        lowered = {expr: rtc.getLoweredName(prog, expr) for expr in name_expressions}
     finally:
-        nvrtc.destroyProgram(prog)
+        rtc.destroyProgram(prog)
     return binary, lowered
 
 
@@ -613,9 +613,14 @@ _launcher_caches: list = []
 def launcher_cache(fn):
     """Decorator: ``functools.lru_cache`` for a function returning launchers, emptied by
     :func:`clear_memory_caches`."""
-    cached = lru_cache(maxsize=None)(fn)
-    _launcher_caches.append(cached)
-    return cached
+    return register_launcher_cache(lru_cache(maxsize=None)(fn))
+
+
+def register_launcher_cache(cache):
+    """Have :func:`clear_memory_caches` empty ``cache`` too (anything with
+    ``cache_clear()`` that holds launchers, such as the prepared-call memo)."""
+    _launcher_caches.append(cache)
+    return cache
 
 
 def clear_memory_caches() -> None:
@@ -644,15 +649,15 @@ _FAST_CHECK = ("--Ofast-compile=max",)
 def check_options() -> tuple[str, ...]:
     """The options compile_check adds when ``fast``: ``_FAST_CHECK`` where this NVRTC
     accepts them (12.8 added them; a probe compile asks), else none."""
-    nvrtc = _nvrtc()
-    prog = nvrtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
+    rtc = nvrtc()
+    prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, [*_FAST_CHECK, "-arch=compute_80"])
+        rtc.compileProgram(prog, [*_FAST_CHECK, "-arch=compute_80"])
         return _FAST_CHECK
-    except nvrtc.NVRTCError:
+    except rtc.NVRTCError:
         return ()
     finally:
-        nvrtc.destroyProgram(prog)
+        rtc.destroyProgram(prog)
 
 
 def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,

@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, _dtypes, jit
-from ._arrays import as_device_array, optional_device_array, optional_output_array
+from . import _arrays, _checks, _dtypes, jit, planning
+from ._arrays import as_device_array, optional_output_array
 
 __all__ = ["merge_state", "merge_states"]
 
@@ -42,9 +42,7 @@ _fail = _checks.fail
 
 @jit.launcher_cache
 def _kernel(device_id: int, dtype: str):
-    from .decode import _device
-
-    spec = jit.KernelSpec("merge_states", dtype, arch=_device(device_id).arch)
+    spec = jit.KernelSpec("merge_states", dtype, arch=planning.device_info(device_id).arch)
     return jit.load(spec, device_id)
 
 
@@ -57,7 +55,7 @@ class _Part(NamedTuple):
     shape: tuple
     strides: tuple
     dtype: np.dtype
-    data: _arrays._Data
+    data: _arrays.Data
 
     @property
     def ndim(self) -> int:
@@ -75,7 +73,7 @@ def _partials(xs, name: str, stacked: str) -> list:
               f"{a.shape}")
     st, ptr, device = a.strides[0], a.data.ptr, a.data.device_id
     return [(f"{name}[{i}]", _Part(a.shape[1:], a.strides[1:], a.dtype,
-                                   _arrays._Data(ptr + i * st, device)))
+                                   _arrays.Data(ptr + i * st, device)))
             for i in range(a.shape[0])]
 
 

@@ -28,8 +28,10 @@ __all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "dequantize_
 KV_LAYOUTS = ("NHD", "HND", "vllm")
 
 
-def _as_tokens(cache, kv_layout: str, is_key: bool):
-    """A cache as ``[num_blocks, block_size, num_kv_heads, head_size]`` (a view)."""
+def token_major_views(cache, kv_layout: str, is_key: bool):
+    """A cache in ``kv_layout`` ("NHD", "HND" or "vllm") as ``[num_blocks, block_size,
+    num_kv_heads, head_size]``: a NumPy view, except for vLLM's key, whose x-split rows
+    come back as a copy."""
     c = np.asarray(cache)
     if kv_layout == "NHD":
         return c
@@ -107,8 +109,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     cache may be 1-byte storage of any dtype). Per-token-head ``k_scale``/``v_scale``
     arrays ``[num_blocks, num_kv_heads, block_size]`` are written too."""
     fmt = _fp8_format(kv_cache_dtype, key_cache)
-    kc = _as_tokens(key_cache, kv_layout, True)  # writable views [blocks, bs, kvh, hs]
-    vc = _as_tokens(value_cache, kv_layout, False)
+    kc = token_major_views(key_cache, kv_layout, True)  # writable views [blocks, bs, kvh, hs]
+    vc = token_major_views(value_cache, kv_layout, False)
     if kv_layout == "vllm":  # the key view above is a reshaped copy: write through indices
         kc = None
     block_size = vc.shape[1]
@@ -137,7 +139,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
 
 def _block_size(key_cache, kv_layout: str = "vllm") -> int:
     """Tokens per block of a cache in ``kv_layout``."""
-    return _as_tokens(key_cache, kv_layout, True).shape[1]
+    return token_major_views(key_cache, kv_layout, True).shape[1]
 
 
 def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: str = "vllm",
@@ -145,8 +147,8 @@ def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: 
     """One sequence's dense K and V, ``[context_len, num_kv_heads, head_size]`` float64,
     read from the paged caches through its row of the block table (an fp8 cache
     dequantized as ``stored * scale``)."""
-    k = _as_tokens(key_cache, kv_layout, True)
-    v = _as_tokens(value_cache, kv_layout, False)
+    k = token_major_views(key_cache, kv_layout, True)
+    v = token_major_views(value_cache, kv_layout, False)
     if _fp8_format(kv_cache_dtype, key_cache) is not None:
         def scaled(c, s):
             s = 1.0 if s is None else s

@@ -82,10 +82,10 @@ def poison_unused_slots(key_cache, value_cache, block_tables, context_lens, valu
 def convert_layout(key_cache, value_cache, src: str, dst: str):
     """Host caches from one layout to another (``"NHD"``, ``"HND"``, ``"vllm"``; see
     :mod:`cupaged.reference`), as new C-contiguous NumPy arrays with the same values."""
-    from .reference import _as_tokens
+    from .reference import token_major_views
 
-    k = _as_tokens(key_cache, src, True)  # [blocks, block_size, kv_heads, head_size] views
-    v = _as_tokens(value_cache, src, False)
+    k = token_major_views(key_cache, src, True)  # [blocks, block_size, kv_heads, head_size] views
+    v = token_major_views(value_cache, src, False)
     if dst == "NHD":
         pass
     elif dst == "HND":

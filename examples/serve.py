@@ -1,7 +1,7 @@
 """Serve random requests with a randomly initialized Llama over cupaged's paged KV cache.
 
 Builds the model (random weights, nothing downloaded), a PagedKVCache sized to the GPU
-memory left, and the continuous-batching Engine (cupaged.engine); runs the requests and
+memory left, and the continuous-batching Engine (cupaged.serving.engine); runs the requests and
 prints output tokens per second, time to first token (TTFT) and time per output token
 (TPOT), median and p90. Needs PyTorch with CUDA and a GPU:
 
@@ -10,7 +10,7 @@ prints output tokens per second, time to first token (TTFT) and time per output 
     python examples/serve.py --kv-cache-dtype fp8 --request-rate 20
 
 The requests, the cache sizing, the serving loop and the statistics are those of
-`cupaged-bench e2e` (cupaged.bench_e2e), which runs the same workload through other
+`cupaged-bench e2e` (cupaged.bench.e2e), which runs the same workload through other
 systems beside this one.
 """
 
@@ -20,8 +20,8 @@ import argparse
 
 import torch
 
-from cupaged.bench_e2e import DTYPES, Harness, Workload, serve, summarize, warmup_requests
-from cupaged.engine import Engine
+from cupaged.bench.e2e import DTYPES, Harness, Workload, serve, summarize, warmup_requests
+from cupaged.serving.engine import Engine
 
 
 def parse_args():

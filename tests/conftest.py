@@ -60,10 +60,10 @@ def pytest_terminal_summary(terminalreporter):
 def prefill_split():
     """Set paged_prefill's split-KV partition in tokens (0: never) instead of the cost
     model's choice, for the rest of the test."""
-    from cupaged import varlen
+    from cupaged import planning
 
-    yield varlen._set_split
-    varlen._set_split(None)
+    yield planning.set_prefill_split
+    planning.set_prefill_split(None)
 
 
 @pytest.fixture

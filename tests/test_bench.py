@@ -10,7 +10,11 @@ import types
 import numpy as np
 import pytest
 
-from cupaged import bench, testing
+from cupaged import testing
+from cupaged.bench import decode as bench_decode
+from cupaged.bench import peers
+from cupaged.bench import timing
+from cupaged.bench import workloads
 
 BLOCK = 16
 
@@ -25,7 +29,7 @@ def test_page_lists_cover_each_sequence_in_order(rng):
     lens = rng.integers(1, 20 * BLOCK, 40)
     lens[:6] = [1, BLOCK, 2 * BLOCK, BLOCK + 1, BLOCK - 1, 7 * BLOCK]  # edges, block multiples
     tables, _ = testing.random_block_tables(lens, BLOCK, rng, extra_columns=3)
-    indptr, indices, last = bench._flashinfer_pages(tables, lens, BLOCK)
+    indptr, indices, last = peers.flashinfer_pages(tables, lens, BLOCK)
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
     need = -(-lens // BLOCK)
     assert indptr[0] == 0 and np.array_equal(np.diff(indptr), need)
@@ -40,7 +44,7 @@ def test_page_lists_cover_each_sequence_in_order(rng):
 def test_page_lists_of_an_empty_sequence(rng):
     lens = np.array([0, 5, 0, 3 * BLOCK], np.int32)
     tables, _ = testing.random_block_tables(lens, BLOCK, rng)
-    indptr, indices, last = bench._flashinfer_pages(tables, lens, BLOCK)
+    indptr, indices, last = peers.flashinfer_pages(tables, lens, BLOCK)
     assert indptr.tolist() == [0, 0, 1, 1, 4] and last.tolist() == [0, 5, 0, BLOCK]
     assert indices.tolist() == [tables[1, 0], *tables[3, :3]]
     assert np.array_equal(_seq_lens_flashinfer(indptr, last, BLOCK), lens)
@@ -53,7 +57,7 @@ def test_page_lists_of_an_empty_sequence(rng):
 ])
 def test_page_lists_reject_bad_input(lens, width, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
-        bench._flashinfer_pages(np.zeros((2, width), np.int32), lens, BLOCK)
+        peers.flashinfer_pages(np.zeros((2, width), np.int32), lens, BLOCK)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -61,7 +65,7 @@ def test_hnd_views_hold_the_same_values(rng, dtype):
     kvh, hs, nb = 2, 32, 5
     kc, vc = testing.random_cache(nb, kvh, hs, BLOCK, dtype, rng)
     x = kc.shape[-1]
-    k, v = bench._to_hnd(kc, vc)
+    k, v = bench_decode.to_hnd(kc, vc)
     k = np.ascontiguousarray(k).reshape(nb, kvh, BLOCK, hs)  # as FlashInfer's copy
     assert v.shape == (nb, kvh, BLOCK, hs)
     b, h, t, d = (rng.integers(0, n, 200) for n in (nb, kvh, BLOCK, hs))
@@ -70,41 +74,42 @@ def test_hnd_views_hold_the_same_values(rng, dtype):
 
 
 def test_flashinfer_rows_listed_only_when_importable(monkeypatch, no_flashinfer):
-    assert bench.flashinfer_unavailable() == "No module named 'flashinfer'"
-    assert not set(bench.available_implementations()) & set(bench.FLASHINFER_IMPLS)
-    monkeypatch.setattr(bench, "_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
-    listed = bench.available_implementations()
+    assert peers.flashinfer_unavailable() == "No module named 'flashinfer'"
+    assert not set(bench_decode.available_implementations()) & set(bench_decode.FLASHINFER_IMPLS)
+    monkeypatch.setattr(peers, "import_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
+    listed = bench_decode.available_implementations()
     assert listed[-3:] == ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"]
-    assert set(bench.FLASHINFER_IMPLS) == set(listed[-3:])
+    assert set(bench_decode.FLASHINFER_IMPLS) == set(listed[-3:])
 
 
 def test_flashinfer_without_torch_gpu_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
-    monkeypatch.setattr(bench, "_torch", lambda: None)
-    assert bench.flashinfer_unavailable() == "torch sees no CUDA device"
+    monkeypatch.setattr(peers, "import_torch", lambda: None)
+    assert peers.flashinfer_unavailable() == "torch sees no CUDA device"
 
 
 def test_xqa_row_without_xqa_gives_its_reason(monkeypatch):
     fake = types.ModuleType("flashinfer")
     fake.__version__ = "0.2.0"
     fake.decode = types.ModuleType("flashinfer.decode")  # no xqa_batch_decode_with_kv_cache
-    monkeypatch.setattr(bench, "_flashinfer", lambda: (fake, None))
+    monkeypatch.setattr(peers, "import_flashinfer", lambda: (fake, None))
     with pytest.raises(NotImplementedError,
                        match=r"flashinfer 0\.2\.0 has no flashinfer\.decode\.xqa_batch_decode"):
-        bench._run_flashinfer_xqa(None, "auto")  # before touching the case
+        bench_decode.run_flashinfer_xqa(None, "auto")  # before touching the case
 
 
 def test_flashinfer_factories_refuse_without_flashinfer(no_flashinfer):
-    for name in bench.FLASHINFER_IMPLS:
+    for name in bench_decode.FLASHINFER_IMPLS:
         with pytest.raises(RuntimeError, match="No module named 'flashinfer'"):
-            bench.IMPLEMENTATIONS[name][0](None, "auto")
+            bench_decode.IMPLEMENTATIONS[name][0](None, "auto")
 
 
 def test_import_cupaged_imports_neither_flashinfer_nor_torch(tmp_path):
     # a "flashinfer" first on the path that fails loudly if anything imports it
     (tmp_path / "flashinfer").mkdir()
     (tmp_path / "flashinfer" / "__init__.py").write_text("raise SystemExit('imported')\n")
-    code = ("import sys, cupaged, cupaged.bench, cupaged.cli; "
+    code = ("import sys, cupaged, cupaged.bench.cli, cupaged.bench.decode, cupaged.bench.prefill, "
+            "cupaged.bench.cascade, cupaged.bench.e2e, cupaged.serving.engine; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flashinfer', 'torch')))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -114,9 +119,9 @@ def test_import_cupaged_imports_neither_flashinfer_nor_torch(tmp_path):
 
 
 def test_result_has_plan_us_nan_by_default():
-    r = bench.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok")
+    r = workloads.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok")
     assert r.plan_us != r.plan_us
-    assert bench.Result(**{**r.__dict__, "plan_us": 612.5}).plan_us == 612.5
+    assert workloads.Result(**{**r.__dict__, "plan_us": 612.5}).plan_us == 612.5
 
 
 # ---- fp8 caches -------------------------------------------------------------------------------
@@ -134,20 +139,20 @@ def _finite_fp8_bytes(kv_cache_dtype):
     ("auto", "auto"), (None, "auto"), ("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"),
     ("fp8_e5m2", "fp8_e5m2")])
 def test_kv_cache_dtype_names(name, canonical):
-    assert bench.kv_cache_dtype_name(name) == canonical
+    assert workloads.kv_cache_dtype_name(name) == canonical
 
 
 @pytest.mark.parametrize("bad", ["e4m3", "fp16", "float8_e4m3fn", "FP8", 8])
 def test_unknown_kv_cache_dtype_is_refused(bad):
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'fp8'"):
-        bench.kv_cache_dtype_name(bad)
+        workloads.kv_cache_dtype_name(bad)
     with pytest.raises(ValueError, match="kv_cache_dtype must be "):
-        bench.Workload(1, 16, 8, 2, 64, 16, "float16", kv_cache_dtype=bad)
+        workloads.Workload(1, 16, 8, 2, 64, 16, "float16", kv_cache_dtype=bad)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_random_fp8_holds_every_finite_value_and_nothing_else(rng, fmt):
-    b = bench.random_fp8((40, 2, 8, 16), fmt, rng)
+    b = workloads.random_fp8((40, 2, 8, 16), fmt, rng)
     assert b.dtype == np.uint8 and b.shape == (40, 2, 8, 16)
     finite = _finite_fp8_bytes(fmt)
     assert len(finite) == (254 if fmt == "fp8_e4m3" else 248)
@@ -155,7 +160,7 @@ def test_random_fp8_holds_every_finite_value_and_nothing_else(rng, fmt):
 
 
 def _case(kv_cache_dtype, lens=(5, 17, 300)):
-    return bench.DecodeCase(len(lens), np.array(lens, np.int32), 8, 2, 128, 16,
+    return workloads.DecodeCase(len(lens), np.array(lens, np.int32), 8, 2, 128, 16,
                             np.dtype(np.float16), kv_cache_dtype=kv_cache_dtype)
 
 
@@ -168,60 +173,60 @@ def test_fp8_case_counts_one_byte_per_cache_element():
     assert fp8.bytes_moved - fp8.kv_bytes == f16.bytes_moved - f16.kv_bytes == q_and_out
     assert fp8.kv_cache_dtype == "fp8_e4m3" and fp8.fp8 and not f16.fp8
     assert f16.kv_args == {}
-    assert fp8.kv_args == dict(kv_cache_dtype="fp8_e4m3", k_scale=bench.FP8_SCALES["fp8_e4m3"],
-                               v_scale=bench.FP8_SCALES["fp8_e4m3"])
+    assert fp8.kv_args == dict(kv_cache_dtype="fp8_e4m3", k_scale=workloads.FP8_SCALES["fp8_e4m3"],
+                               v_scale=workloads.FP8_SCALES["fp8_e4m3"])
     assert fp8.tolerance() == f16.tolerance() == testing.TOLERANCE["f16"]
 
 
 def test_workload_carries_the_kv_cache_dtype_to_its_case():
-    w = bench.Workload(4, (10, 90), 8, 2, 64, 16, "bfloat16", "p", "fp8")
+    w = workloads.Workload(4, (10, 90), 8, 2, 64, 16, "bfloat16", "p", "fp8")
     assert w.kv_cache_dtype == "fp8_e4m3"
     c = w.case(seed=2)
     assert c.kv_cache_dtype == "fp8_e4m3" and c.batch == 4 and c.head_size == 64
-    assert bench.Workload(4, 10, 8, 2, 64, 16, "float16").case(0).kv_cache_dtype == "auto"
+    assert workloads.Workload(4, 10, 8, 2, 64, 16, "float16").case(0).kv_cache_dtype == "auto"
 
 
 def test_fp8_case_names_its_specialization(monkeypatch):
     import cupy
 
-    from cupaged import decode
+    from cupaged import planning
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
-    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448, 233472))
+    monkeypatch.setattr(planning, "device_info", lambda i: planning.DeviceInfo(i, "sm_90", 132, 232448, 233472))
     assert _case("auto").spec_name() == "paged_decode_f16_hs128_bs16_vllm_g4_sm90"
     assert _case("fp8").spec_name() == "paged_decode_f16_e4m3_hs128_bs16_vllm_g4_sm90"
     assert _case("fp8_e5m2").spec_name() == "paged_decode_f16_e5m2_hs128_bs16_vllm_g4_sm90"
 
 
 def test_peers_without_an_fp8_path_are_named():
-    for impl in bench.IMPLEMENTATIONS:
-        assert bench.fp8_unsupported(impl, "auto") is None
-    no_e4m3 = {i for i in bench.IMPLEMENTATIONS if bench.fp8_unsupported(i, "fp8")}
-    no_e5m2 = {i for i in bench.IMPLEMENTATIONS if bench.fp8_unsupported(i, "fp8_e5m2")}
+    for impl in bench_decode.IMPLEMENTATIONS:
+        assert bench_decode.fp8_unsupported(impl, "auto") is None
+    no_e4m3 = {i for i in bench_decode.IMPLEMENTATIONS if bench_decode.fp8_unsupported(i, "fp8")}
+    no_e5m2 = {i for i in bench_decode.IMPLEMENTATIONS if bench_decode.fp8_unsupported(i, "fp8_e5m2")}
     assert no_e4m3 == {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"}
     assert no_e5m2 == no_e4m3 | {"flashinfer-xqa"}
-    assert "e4m3 caches only" in bench.fp8_unsupported("flashinfer-xqa", "fp8_e5m2")
-    assert "cupy-gather" not in bench.available_implementations("fp8_e4m3")
-    assert "cupy-gather" in bench.available_implementations()
+    assert "e4m3 caches only" in bench_decode.fp8_unsupported("flashinfer-xqa", "fp8_e5m2")
+    assert "cupy-gather" not in bench_decode.available_implementations("fp8_e4m3")
+    assert "cupy-gather" in bench_decode.available_implementations()
 
 
 @pytest.mark.parametrize("impl", ["cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"])
 def test_gather_peers_refuse_an_fp8_case_with_a_reason(impl):
     with pytest.raises(NotImplementedError, match="no fp8 cache path"):
-        bench.IMPLEMENTATIONS[impl][0](_case("fp8"), "auto")  # before touching its arrays
+        bench_decode.IMPLEMENTATIONS[impl][0](_case("fp8"), "auto")  # before touching its arrays
 
 
 def test_result_says_its_kv_cache_dtype():
     import dataclasses
 
-    r = bench.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok")
+    r = workloads.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok")
     assert r.kv_cache_dtype == "auto"
-    assert "kv_cache_dtype" in {f.name for f in dataclasses.fields(bench.Result)}
-    assert bench.Result(**{**r.__dict__, "kv_cache_dtype": "fp8_e4m3"}).kv_cache_dtype == "fp8_e4m3"
+    assert "kv_cache_dtype" in {f.name for f in dataclasses.fields(workloads.Result)}
+    assert workloads.Result(**{**r.__dict__, "kv_cache_dtype": "fp8_e4m3"}).kv_cache_dtype == "fp8_e4m3"
 
 
 def test_prefill_case_over_fp8_counts_one_byte():
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     kw = dict(batch=2, q_len=8, ctx=64, heads=4, kv_heads=2, head_size=64)
     bf16 = bench_prefill.PrefillCase("x", **kw)
@@ -229,7 +234,7 @@ def test_prefill_case_over_fp8_counts_one_byte():
     assert fp8.kv_cache_dtype == "fp8_e4m3" and bf16.kv_args == {}
     assert bf16.kv_bytes() == 2 * fp8.kv_bytes() == 2 * 2 * 64 * 2 * 64 * 2
     assert fp8.flops() == bf16.flops()
-    assert fp8.kv_args["k_scale"] == bench.FP8_SCALES["fp8_e4m3"]
+    assert fp8.kv_args["k_scale"] == workloads.FP8_SCALES["fp8_e4m3"]
 
 
 # ---- on a GPU: a tiny fp8 decode through the bench machinery ------------------------------------
@@ -241,10 +246,10 @@ def test_prefill_case_over_fp8_counts_one_byte():
 def test_fp8_decode_measures_and_checks(fmt, dtype):
     import cupy
 
-    from cupaged import decode
+    from cupaged import planning
 
-    w = bench.Workload(3, (1, 300), 8, 2, 128, 16, dtype, kv_cache_dtype=fmt)
-    rows = bench.measure(w, ["cupaged", "cupaged-nhd", "cupaged-hnd"], reps=3, copy_bw=1e12)
+    w = workloads.Workload(3, (1, 300), 8, 2, 128, 16, dtype, kv_cache_dtype=fmt)
+    rows = bench_decode.measure(w, ["cupaged", "cupaged-nhd", "cupaged-hnd"], reps=3, copy_bw=1e12)
     assert [r.impl for r in rows] == ["cupaged", "cupaged-nhd", "cupaged-hnd"]
     tol = testing.TOLERANCE["f16" if dtype == "float16" else "bf16"]
     for r in rows:
@@ -252,8 +257,8 @@ def test_fp8_decode_measures_and_checks(fmt, dtype):
         assert r.rel_err <= tol and r.kv_cache_dtype == fmt
     # the row names the specialization decode launched for this cache
     name = fmt.split("_")[1]
-    launched = decode._kernels(cupy.cuda.Device().id, "f16" if dtype == "float16" else "bf16",
-                               128, 16, decode._group_tile(4), "vllm", name, "").name
+    launched = planning.decode_kernels(cupy.cuda.Device().id, "f16" if dtype == "float16" else "bf16",
+                               128, 16, planning.group_tile(4), "vllm", name, "").name
     assert rows[0].kernel == launched and f"_{name}_" in launched
 
 
@@ -261,7 +266,7 @@ def test_fp8_decode_measures_and_checks(fmt, dtype):
 def test_fp8_case_caches_are_finite_bytes_in_vllm_layout():
     import cupy
 
-    c = bench.Workload(2, 40, 8, 2, 64, 16, "float16", kv_cache_dtype="fp8_e5m2").case(0).build()
+    c = workloads.Workload(2, 40, 8, 2, 64, 16, "float16", kv_cache_dtype="fp8_e5m2").case(0).build()
     kc, vc = c.arrays["key_cache"], c.arrays["value_cache"]
     nb = kc.shape[0]
     assert kc.dtype == vc.dtype == np.uint8
@@ -275,20 +280,20 @@ def test_fp8_case_caches_are_finite_bytes_in_vllm_layout():
 
 
 def test_variants_default_to_plain_and_say_what_they_are():
-    v = bench.Variants()
-    assert v.plain and v.label() == "" and v.describe() == "" and v == bench.PLAIN
+    v = workloads.Variants()
+    assert v.plain and v.label() == "" and v.describe() == "" and v == workloads.PLAIN
     assert v.fields() == dict(window=None, soft_cap=None, sinks=False, alibi=False)
     assert v.kernel_args({}) == {} and v.reference_args(8) == {} and v.letters() == ""
-    w = bench.Variants(512, 50, True, True)
+    w = workloads.Variants(512, 50, True, True)
     assert not w.plain and w.label() == "window 512, soft-cap 50, sinks, ALiBi"
-    assert "window_left 511" in w.describe() and f"seed {bench.SINK_SEED}" in w.describe()
+    assert "window_left 511" in w.describe() and f"seed {workloads.SINK_SEED}" in w.describe()
     assert w.fields() == dict(window=512, soft_cap=50.0, sinks=True, alibi=True)
-    assert w.letters() == "wc" and bench.Variants(soft_cap=30.0).letters() == "c"
-    assert bench.Variants(sinks=True).letters() == bench.Variants(alibi=True).letters() == ""
+    assert w.letters() == "wc" and workloads.Variants(soft_cap=30.0).letters() == "c"
+    assert workloads.Variants(sinks=True).letters() == workloads.Variants(alibi=True).letters() == ""
     ref = w.reference_args(8)
     assert ref["window"] == 512 and ref["logits_soft_cap"] == 50.0
-    assert np.array_equal(ref["sinks"], bench.sink_values(8))
-    assert np.array_equal(ref["alibi_slopes"], bench.alibi_slopes(8))
+    assert np.array_equal(ref["sinks"], workloads.sink_values(8))
+    assert np.array_equal(ref["alibi_slopes"], workloads.alibi_slopes(8))
     got = w.kernel_args({"sinks": "S", "alibi_slopes": "A"})
     assert got == dict(window=512, logits_soft_cap=50.0, sinks="S", alibi_slopes="A")
 
@@ -305,67 +310,67 @@ def test_variants_default_to_plain_and_say_what_they_are():
 ])
 def test_bad_variants_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        bench.Variants(**kw)
+        workloads.Variants(**kw)
 
 
 def test_sinks_are_fixed_standard_normal_values():
-    s = bench.sink_values(64)
+    s = workloads.sink_values(64)
     assert s.dtype == np.float32 and s.shape == (64,)
-    assert np.array_equal(s, bench.sink_values(64)) and abs(float(s.mean())) < 0.5
-    assert np.array_equal(bench.sink_values(8), s[:8])  # the same stream, per head
+    assert np.array_equal(s, workloads.sink_values(64)) and abs(float(s.mean())) < 0.5
+    assert np.array_equal(workloads.sink_values(8), s[:8])  # the same stream, per head
 
 
 def test_alibi_slopes_are_the_standard_ones():
-    assert np.allclose(bench.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)])
-    s32 = bench.alibi_slopes(32)
+    assert np.allclose(workloads.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)])
+    s32 = workloads.alibi_slopes(32)
     assert np.allclose(s32, [2.0 ** (-i / 4) for i in range(1, 33)]) and s32.dtype == np.float32
     # not a power of two: the 8 of 8 heads, then odd slopes of 16 heads
-    s12 = bench.alibi_slopes(12)
-    assert np.allclose(s12[:8], bench.alibi_slopes(8))
-    assert np.allclose(s12[8:], bench.alibi_slopes(16)[0::2][:4])
-    assert bench.alibi_slopes(1).tolist() == [2.0 ** -8]
-    assert len(bench.alibi_slopes(28)) == 28 and len(set(bench.alibi_slopes(28))) == 28
+    s12 = workloads.alibi_slopes(12)
+    assert np.allclose(s12[:8], workloads.alibi_slopes(8))
+    assert np.allclose(s12[8:], workloads.alibi_slopes(16)[0::2][:4])
+    assert workloads.alibi_slopes(1).tolist() == [2.0 ** -8]
+    assert len(workloads.alibi_slopes(28)) == 28 and len(set(workloads.alibi_slopes(28))) == 28
 
 
 def test_visible_tokens_count_only_the_window():
     lens = [5, 17, 300, 32768]
-    assert bench.visible_tokens(lens) == 5 + 17 + 300 + 32768
-    assert bench.visible_tokens(lens, 512) == 5 + 17 + 300 + 512
-    assert bench.visible_tokens(lens, 1) == 4 and bench.visible_tokens([], 8) == 0
+    assert workloads.visible_tokens(lens) == 5 + 17 + 300 + 32768
+    assert workloads.visible_tokens(lens, 512) == 5 + 17 + 300 + 512
+    assert workloads.visible_tokens(lens, 1) == 4 and workloads.visible_tokens([], 8) == 0
 
 
 def test_decode_bytes_with_a_window_count_the_keys_a_query_sees():
     plain = _case("auto", lens=(100, 1000, 4000))
-    win = bench.DecodeCase(3, np.array([100, 1000, 4000], np.int32), 8, 2, 128, 16,
-                           np.dtype(np.float16), variants=bench.Variants(window=512))
+    win = workloads.DecodeCase(3, np.array([100, 1000, 4000], np.int32), 8, 2, 128, 16,
+                           np.dtype(np.float16), variants=workloads.Variants(window=512))
     per_token = 2 * 128 * 2 * 2  # K and V, 2 KV heads, 2 bytes
     assert plain.kv_bytes == 5100 * per_token
     assert win.kv_bytes == (100 + 512 + 512) * per_token
     assert win.bytes_moved - win.kv_bytes == plain.bytes_moved - plain.kv_bytes
-    capped = bench.DecodeCase(3, np.array([100, 1000, 4000], np.int32), 8, 2, 128, 16,
+    capped = workloads.DecodeCase(3, np.array([100, 1000, 4000], np.int32), 8, 2, 128, 16,
                               np.dtype(np.float16),
-                              variants=bench.Variants(soft_cap=30.0, sinks=True, alibi=True))
+                              variants=workloads.Variants(soft_cap=30.0, sinks=True, alibi=True))
     assert capped.kv_bytes == plain.kv_bytes  # no window: every key is seen
 
 
 def test_workload_carries_the_variants_to_its_case():
-    v = bench.Variants(window=64, soft_cap=20.0, sinks=True)
-    w = bench.Workload(4, (10, 90), 8, 2, 64, 16, "bfloat16", "p", "auto", v)
+    v = workloads.Variants(window=64, soft_cap=20.0, sinks=True)
+    w = workloads.Workload(4, (10, 90), 8, 2, 64, 16, "bfloat16", "p", "auto", v)
     assert w.case(seed=1).variants is v
-    assert bench.Workload(4, 10, 8, 2, 64, 16, "float16").case(0).variants == bench.PLAIN
+    assert workloads.Workload(4, 10, 8, 2, 64, 16, "float16").case(0).variants == workloads.PLAIN
 
 
 def test_variant_case_names_its_specialization(monkeypatch):
     import cupy
 
-    from cupaged import decode
+    from cupaged import planning
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
-    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448, 233472))
+    monkeypatch.setattr(planning, "device_info", lambda i: planning.DeviceInfo(i, "sm_90", 132, 232448, 233472))
 
     def name(**kw):
-        return bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
-                                variants=bench.Variants(**kw)).spec_name()
+        return workloads.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
+                                variants=workloads.Variants(**kw)).spec_name()
 
     assert name() == "paged_decode_f16_hs128_bs16_vllm_g4_sm90"
     assert name(sinks=True, alibi=True) == name()  # run-time arguments only
@@ -377,63 +382,63 @@ def test_peers_that_cannot_run_variants_are_named():
     plain_only = {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"}
     decode = {"flashinfer-decode", "flashinfer-decode-tc"}  # window_left, logits_soft_cap
     xqa = {"flashinfer-xqa"}  # window_left, sinks
-    for impl in bench.IMPLEMENTATIONS:
-        assert bench.variant_unsupported(impl, bench.PLAIN) is None
-    refused = {bench.Variants(window=512): plain_only,
-               bench.Variants(soft_cap=50.0): plain_only | xqa,
-               bench.Variants(window=512, soft_cap=50.0): plain_only | xqa,
-               bench.Variants(sinks=True): plain_only | decode,
-               bench.Variants(window=512, sinks=True): plain_only | decode,
-               bench.Variants(alibi=True): plain_only | decode | xqa}
+    for impl in bench_decode.IMPLEMENTATIONS:
+        assert bench_decode.variant_unsupported(impl, workloads.PLAIN) is None
+    refused = {workloads.Variants(window=512): plain_only,
+               workloads.Variants(soft_cap=50.0): plain_only | xqa,
+               workloads.Variants(window=512, soft_cap=50.0): plain_only | xqa,
+               workloads.Variants(sinks=True): plain_only | decode,
+               workloads.Variants(window=512, sinks=True): plain_only | decode,
+               workloads.Variants(alibi=True): plain_only | decode | xqa}
     for v, no in refused.items():
-        assert {i for i in bench.IMPLEMENTATIONS if bench.variant_unsupported(i, v)} == no, v
-    assert "runs plain attention only (asked for: window 512)" in bench.variant_unsupported(
-        "cupy-gather", bench.Variants(window=512))
-    assert bench.variant_unsupported("flashinfer-decode", bench.Variants(sinks=True, alibi=True)) \
+        assert {i for i in bench_decode.IMPLEMENTATIONS if bench_decode.variant_unsupported(i, v)} == no, v
+    assert "runs plain attention only (asked for: window 512)" in bench_decode.variant_unsupported(
+        "cupy-gather", workloads.Variants(window=512))
+    assert bench_decode.variant_unsupported("flashinfer-decode", workloads.Variants(sinks=True, alibi=True)) \
         == "flashinfer-decode is run with window_left and logits_soft_cap only, not sinks or ALiBi"
-    assert bench.variant_unsupported("flashinfer-xqa", bench.Variants(soft_cap=5.0, sinks=True)) \
+    assert bench_decode.variant_unsupported("flashinfer-xqa", workloads.Variants(soft_cap=5.0, sinks=True)) \
         == "flashinfer-xqa is run with window_left and sinks only, not soft-cap"
     # A peer in neither table runs plain attention only.
-    assert "runs plain attention only" in bench.variant_unsupported(
-        "flashinfer-future", bench.Variants(window=4))
-    assert all(bench.variant_unsupported(i, bench.Variants(1, 1.0, True, True)) is None
+    assert "runs plain attention only" in bench_decode.variant_unsupported(
+        "flashinfer-future", workloads.Variants(window=4))
+    assert all(bench_decode.variant_unsupported(i, workloads.Variants(1, 1.0, True, True)) is None
                for i in ("cupaged", "cupaged-nhd", "cupaged-hnd"))
     # fp8 first, then the variants
-    assert "no fp8 cache path" in bench.unsupported("cupy-gather", "fp8", bench.Variants(window=4))
-    assert bench.available_implementations("auto", bench.Variants(window=4))[:3] == [
+    assert "no fp8 cache path" in bench_decode.unsupported("cupy-gather", "fp8", workloads.Variants(window=4))
+    assert bench_decode.available_implementations("auto", workloads.Variants(window=4))[:3] == [
         "cupaged", "cupaged-nhd", "cupaged-hnd"]
-    assert not set(bench.available_implementations("auto", bench.Variants(window=4))) & plain_only
+    assert not set(bench_decode.available_implementations("auto", workloads.Variants(window=4))) & plain_only
 
 
 @pytest.mark.parametrize("impl", ["cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"])
 def test_gather_peers_refuse_variants_with_a_reason(impl):
-    case = bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
-                            variants=bench.Variants(soft_cap=10.0))
+    case = workloads.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
+                            variants=workloads.Variants(soft_cap=10.0))
     with pytest.raises(NotImplementedError, match="plain attention only"):
-        bench.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
+        bench_decode.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
 
 
 @pytest.mark.parametrize("impl", ["flashinfer-decode", "flashinfer-decode-tc", "flashinfer-xqa"])
 def test_flashinfer_rows_refuse_what_they_are_not_given(monkeypatch, impl):
     fake = types.ModuleType("flashinfer")
     fake.decode = types.SimpleNamespace(xqa_batch_decode_with_kv_cache=lambda *a, **k: None)
-    monkeypatch.setattr(bench, "_flashinfer", lambda: (fake, None))
+    monkeypatch.setattr(peers, "import_flashinfer", lambda: (fake, None))
     # Each is given a window; the decode wrappers are refused sinks, XQA a soft cap.
     refused = dict(soft_cap=5.0) if impl == "flashinfer-xqa" else dict(sinks=True)
-    case = bench.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
-                            variants=bench.Variants(window=4, **refused))
+    case = workloads.DecodeCase(1, np.array([5], np.int32), 8, 2, 128, 16, np.dtype(np.float16),
+                            variants=workloads.Variants(window=4, **refused))
     with pytest.raises(NotImplementedError, match="not soft-cap" if impl == "flashinfer-xqa"
                        else "not sinks"):
-        bench.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
+        bench_decode.IMPLEMENTATIONS[impl][0](case, "auto")  # before touching its arrays
 
 
 def test_result_records_the_variants():
     import dataclasses
 
-    names = {f.name for f in dataclasses.fields(bench.Result)}
+    names = {f.name for f in dataclasses.fields(workloads.Result)}
     assert {"window", "soft_cap", "sinks", "alibi"} <= names
-    r = bench.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok",
-                     **bench.Variants(window=8, alibi=True).fields())
+    r = workloads.Result("cupaged", "", "", 1, "512", 512.0, 32, 8, 128, 16, "float16", "auto", "ok",
+                     **workloads.Variants(window=8, alibi=True).fields())
     assert (r.window, r.soft_cap, r.sinks, r.alibi) == (8, None, False, True)
 
 
@@ -452,14 +457,14 @@ def _pairs_brute(q_len, ctx, causal, window):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 1, 3, 16, 50, 1000])
 def test_attended_pairs_match_a_brute_count(q_len, ctx, causal, window):
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     assert bench_prefill.attended_pairs(q_len, ctx, causal, window) == \
         _pairs_brute(q_len, ctx, causal, window)
 
 
 def test_attended_pairs_closed_forms():
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     q, c = 4096, 4096
     assert bench_prefill.attended_pairs(q, c) == q * (q + 1) // 2
@@ -477,18 +482,18 @@ def test_attended_pairs_closed_forms():
     (4096, 4096, None, 4096), (4096, 4096, 512, 4096), (1, 8192, 512, 512),
     (512, 8192, 512, 1023), (4, 2048, 4096, 2048), (4, 2048, 1, 4)])
 def test_seen_keys(q_len, ctx, window, keys):
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     assert bench_prefill.seen_keys(q_len, ctx, window) == keys
 
 
 def test_prefill_case_counts_flops_and_bytes_inside_the_window():
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     kw = dict(batch=2, q_len=64, ctx=256, heads=4, kv_heads=2, head_size=64)
     plain = bench_prefill.PrefillCase("x", **kw)
-    win = bench_prefill.PrefillCase("x", **kw, variants=bench.Variants(window=32))
-    cap = bench_prefill.PrefillCase("x", **kw, variants=bench.Variants(soft_cap=30.0, sinks=True))
+    win = bench_prefill.PrefillCase("x", **kw, variants=workloads.Variants(window=32))
+    cap = bench_prefill.PrefillCase("x", **kw, variants=workloads.Variants(soft_cap=30.0, sinks=True))
     assert plain.flops() == 4.0 * 64 * 4 * 2 * (64 * 192 + 64 * 65 // 2) == cap.flops()
     assert win.flops() == 4.0 * 64 * 4 * 2 * 64 * 32
     assert plain.kv_bytes() == cap.kv_bytes() == 2 * 2 * 256 * 2 * 64 * 2
@@ -497,21 +502,21 @@ def test_prefill_case_counts_flops_and_bytes_inside_the_window():
 
 
 def test_prefill_peers_that_cannot_run_variants():
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     impls = list(bench_prefill.IMPLEMENTATIONS)
-    for v, no in ((bench.PLAIN, set()),
-                  (bench.Variants(window=4096), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
-                  (bench.Variants(soft_cap=50.0), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
-                  (bench.Variants(sinks=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
+    for v, no in ((workloads.PLAIN, set()),
+                  (workloads.Variants(window=4096), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
+                  (workloads.Variants(soft_cap=50.0), {"torch-sdpa-flash", "torch-sdpa-cudnn"}),
+                  (workloads.Variants(sinks=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
                                                 "flashinfer-fa2", "flashinfer-fa3"}),
-                  (bench.Variants(alibi=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
+                  (workloads.Variants(alibi=True), {"torch-sdpa-flash", "torch-sdpa-cudnn",
                                                 "flashinfer-fa2", "flashinfer-fa3"})):
         assert {i for i in impls if bench_prefill.variant_unsupported(i, v)} == no
-    assert bench_prefill.variant_unsupported("flashinfer-fa3", bench.Variants(
+    assert bench_prefill.variant_unsupported("flashinfer-fa3", workloads.Variants(
         sinks=True, alibi=True)) == ("flashinfer-fa3 is run with window_left and "
                                      "logits_soft_cap only, not sinks or ALiBi")
-    case = bench_prefill.PrefillCase("x", 1, 4, 4, variants=bench.Variants(window=2))
+    case = bench_prefill.PrefillCase("x", 1, 4, 4, variants=workloads.Variants(window=2))
     with pytest.raises(NotImplementedError, match="torch-sdpa-flash runs plain attention only"):
         bench_prefill.IMPLEMENTATIONS["torch-sdpa-flash"](case)
 
@@ -525,7 +530,9 @@ def on_host(monkeypatch):
     timer by a constant. Returns the list of ``(entry point, keyword arguments)`` of the
     calls made."""
     import cupaged
-    from cupaged import bench_cascade, bench_prefill, decode, reference, varlen
+    from cupaged import decode, planning, reference
+    from cupaged.bench import cascade as bench_cascade
+    from cupaged.bench import prefill as bench_prefill
 
     calls = []
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
@@ -537,11 +544,11 @@ def on_host(monkeypatch):
         cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0),
                                    memory=types.SimpleNamespace(OutOfMemoryError=MemoryError)))
-    for mod in (bench, bench_prefill, bench_cascade):
+    for mod in (workloads, bench_decode, timing, peers, bench_prefill, bench_cascade):
         monkeypatch.setattr(mod, "cupy", shim)
-    monkeypatch.setattr(bench, "_torch", lambda: None)
-    monkeypatch.setattr(decode, "_device", lambda i: decode._Device(i, "sm_90", 132, 232448, 233472))
-    monkeypatch.setattr(bench, "time_us", lambda fn, reps=30, **kw: bench.Timing(
+    monkeypatch.setattr(peers, "import_torch", lambda: None)
+    monkeypatch.setattr(planning, "device_info", lambda i: planning.DeviceInfo(i, "sm_90", 132, 232448, 233472))
+    monkeypatch.setattr(timing, "time_us", lambda fn, reps=30, **kw: timing.Timing(
         100.0, 90.0, 110.0, reps))
 
     def attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
@@ -573,7 +580,7 @@ def on_host(monkeypatch):
         out[...], lse_out[...] = o, l
         return out, lse_out
 
-    for mod, name, fn in ((cupaged, "attention", attention), (varlen, "attention", attention),
+    for mod, name, fn in ((cupaged, "attention", attention), (sys.modules["cupaged.attention"], "attention", attention),
                           (cupaged, "paged_attention", paged_attention),
                           (decode, "paged_attention", paged_attention),
                           (cupaged, "merge_state", merge_state)):
@@ -584,17 +591,17 @@ def on_host(monkeypatch):
 @pytest.mark.parametrize("impl", ["cupaged", "cupaged-nhd", "cupaged-hnd"])
 def test_decode_variants_reach_every_cupaged_run_and_the_reference(monkeypatch, impl):
     calls = on_host(monkeypatch)
-    v = bench.Variants(window=40, soft_cap=3.0, sinks=True, alibi=True)
-    w = bench.Workload(3, (1, 150), 8, 2, 64, 16, "float32", variants=v)
-    rows = bench.measure(w, [impl], reps=3, copy_bw=1e12)
+    v = workloads.Variants(window=40, soft_cap=3.0, sinks=True, alibi=True)
+    w = workloads.Workload(3, (1, 150), 8, 2, 64, 16, "float32", variants=v)
+    rows = bench_decode.measure(w, [impl], reps=3, copy_bw=1e12)
     assert len(rows) == 1 and rows[0].status == "ok", rows[0].note
     assert rows[0].rel_err < 1e-6  # the fake kernel is the reference itself
     assert (rows[0].window, rows[0].soft_cap, rows[0].sinks, rows[0].alibi) == (40, 3.0, True, True)
     kw = calls[0][1]
     assert calls[0][0] == ("paged_attention" if impl == "cupaged" else "attention")
     assert kw["window"] == 40 and kw["logits_soft_cap"] == 3.0
-    assert np.array_equal(kw["sinks"], bench.sink_values(8))
-    assert np.array_equal(kw["alibi_slopes"], bench.alibi_slopes(8))
+    assert np.array_equal(kw["sinks"], workloads.sink_values(8))
+    assert np.array_equal(kw["alibi_slopes"], workloads.alibi_slopes(8))
     if impl == "cupaged":
         assert rows[0].kernel == "paged_decode_f32_hs64_bs16_vllm_wc_g4_sm90"
 
@@ -612,22 +619,22 @@ def test_decode_check_fails_when_the_reference_has_other_variants(monkeypatch):
         return plain_run(*args, **kw)
 
     monkeypatch.setattr(decode, "paged_attention", forgetful)
-    w = bench.Workload(2, 200, 8, 2, 64, 16, "float32", variants=bench.Variants(window=8))
-    rows = bench.measure(w, ["cupaged"], reps=3, copy_bw=1e12)
+    w = workloads.Workload(2, 200, 8, 2, 64, 16, "float32", variants=workloads.Variants(window=8))
+    rows = bench_decode.measure(w, ["cupaged"], reps=3, copy_bw=1e12)
     assert rows[0].status == "failed" and "rel err" in rows[0].note and calls
 
 
 def test_prefill_variants_reach_cupaged_and_the_reference(monkeypatch):
-    from cupaged import bench_prefill
+    from cupaged.bench import prefill as bench_prefill
 
     calls = on_host(monkeypatch)
-    v = bench.Variants(window=24, soft_cap=5.0, sinks=True)
+    v = workloads.Variants(window=24, soft_cap=5.0, sinks=True)
     case = bench_prefill.PrefillCase("x", 2, 40, 100, 8, 2, 64, 16, "float32", variants=v)
     rows = bench_prefill.measure([case], ["cupaged"], reps=3, copy_bw=1e12)
     assert rows[0].note == "" and rows[0].error < 1e-6
     kw = calls[0][1]
     assert kw["window"] == 24 and kw["logits_soft_cap"] == 5.0 and kw["causal"]
-    assert np.array_equal(kw["sinks"], bench.sink_values(8))
+    assert np.array_equal(kw["sinks"], workloads.sink_values(8))
     assert rows[0].tflops == pytest.approx(case.flops() / 100e-6 / 1e12)
     assert case.flops() == 4.0 * 64 * 8 * 2 * bench_prefill.attended_pairs(40, 100, True, 24)
 
@@ -636,7 +643,7 @@ def test_prefill_variants_reach_cupaged_and_the_reference(monkeypatch):
 
 
 def test_cascade_tables_share_the_prefix_blocks(rng):
-    from cupaged import bench_cascade
+    from cupaged.bench import cascade as bench_cascade
 
     pt, st, full, nb = bench_cascade.cascade_tables(5, 64, 20, 16, rng)
     assert pt.shape == (1, 4) and st.shape == (5, 2) and full.shape == (5, 6) and nb == 4 + 10
@@ -656,14 +663,14 @@ def test_cascade_tables_share_the_prefix_blocks(rng):
     (dict(dtype="int8"), "unknown dtype"),
 ])
 def test_cascade_case_refuses_impossible_shapes(kw, msg):
-    from cupaged import bench_cascade
+    from cupaged.bench import cascade as bench_cascade
 
     with pytest.raises(ValueError, match=msg):
         bench_cascade.CascadeCase(**kw)
 
 
 def test_cascade_bytes():
-    from cupaged import bench_cascade
+    from cupaged.bench import cascade as bench_cascade
 
     c = bench_cascade.CascadeCase()
     b = c.step_bytes()
@@ -682,7 +689,7 @@ def test_cascade_bytes():
 def test_cascade_equals_plain_decode_on_the_host(monkeypatch, layout):
     """The three calls, run by the float64 reference, give plain decode: the tables,
     the prefix pass (one sequence, all queries, non-causal) and the merge are right."""
-    from cupaged import bench_cascade
+    from cupaged.bench import cascade as bench_cascade
 
     calls = on_host(monkeypatch)
     case = bench_cascade.CascadeCase(6, 64, 21, 8, 2, 64, 16, "float32", layout)
@@ -704,7 +711,7 @@ def test_cascade_equals_plain_decode_on_the_host(monkeypatch, layout):
 
 def test_cascade_check_catches_a_wrong_merge(monkeypatch):
     import cupaged
-    from cupaged import bench_cascade
+    from cupaged.bench import cascade as bench_cascade
 
     on_host(monkeypatch)
     monkeypatch.setattr(cupaged, "merge_state", lambda oa, la, ob, lb, out, lse_out: (out, lse_out))
@@ -722,8 +729,8 @@ def test_cascade_check_catches_a_wrong_merge(monkeypatch):
                                       dict(alibi=True),
                                       dict(window=33, soft_cap=8.0, sinks=True, alibi=True)])
 def test_decode_variants_measure_and_check(variants):
-    w = bench.Workload(3, (1, 300), 8, 2, 128, 16, "bfloat16", variants=bench.Variants(**variants))
-    rows = bench.measure(w, ["cupaged", "cupaged-nhd", "cupaged-hnd"], reps=3, copy_bw=1e12)
+    w = workloads.Workload(3, (1, 300), 8, 2, 128, 16, "bfloat16", variants=workloads.Variants(**variants))
+    rows = bench_decode.measure(w, ["cupaged", "cupaged-nhd", "cupaged-hnd"], reps=3, copy_bw=1e12)
     for r in rows:
         assert r.status == "ok" and r.rel_err <= testing.TOLERANCE["bf16"], (r.impl, r.note)
         assert r.window == variants.get("window") and r.sinks == variants.get("sinks", False)
@@ -732,7 +739,7 @@ def test_decode_variants_measure_and_check(variants):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
 def test_cascade_measures_and_checks(layout):
-    from cupaged import bench_cascade
+    from cupaged.bench import cascade as bench_cascade
 
     case = bench_cascade.CascadeCase(8, 256, 40, 8, 2, 128, 16, "bfloat16", layout)
     rows, checks = bench_cascade.measure(case, reps=3, copy_bw=1e12)

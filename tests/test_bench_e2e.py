@@ -1,4 +1,4 @@
-"""cupaged-bench e2e (cupaged.bench_e2e).
+"""cupaged-bench e2e (cupaged.bench.e2e).
 
 Without a GPU: the workload's checks, the requests and arrivals (deterministic from the
 seed), the statistics from synthetic outputs, the KV budget arithmetic, the table and
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cupaged import bench_e2e
-from cupaged.bench_e2e import SystemResult, Workload
-from cupaged.cli import main
-from cupaged.engine import Completion, Request, RequestOutput
+from cupaged.bench import e2e as bench_e2e
+from cupaged.bench.e2e import SystemResult, Workload
+from cupaged.bench.cli import main
+from cupaged.serving.engine import Completion, Request, RequestOutput
 from conftest import HAVE_GPU
 
 TINY = dict(preset="tiny", dtype="float32", num_requests=6, prompt_len=(5, 40), output_len=7,
@@ -124,7 +124,7 @@ def test_summary_without_a_second_token_has_no_tpot():
 def test_kv_budget_arithmetic():
     from types import SimpleNamespace
 
-    # The presets' shapes (cupaged.llama needs torch).
+    # The presets' shapes (cupaged.serving.llama needs torch).
     one_b = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64)
     eight_b = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=128)
     assert bench_e2e.kv_bytes_per_token(one_b, 2) == 2 * 16 * 8 * 64 * 2 == 32768
@@ -147,7 +147,7 @@ def test_concat_admission_reserves_prompt_plus_output(one_thread):
     """A budget of 3 requests' reservations: never more running, the budget never
     exceeded, and every request still finishes with its tokens; a request that could
     never fit is refused."""
-    from cupaged.llama import Llama, LlamaConfig
+    from cupaged.serving.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig.preset("tiny"), seed=0)
     prompts = [[7] * 10, [8] * 12, [9] * 9, [10] * 11, [11] * 10]
@@ -171,7 +171,7 @@ def test_concat_admission_reserves_prompt_plus_output(one_thread):
 def test_concat_prompt_budget_per_step(one_thread):
     """Whole prompts only: a step admits prompts while they fit beside its decodes; a
     prompt longer than max_batched_tokens goes alone as a step's first admission."""
-    from cupaged.llama import Llama, LlamaConfig
+    from cupaged.serving.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig.preset("tiny"), seed=0)
     engine = bench_e2e.ConcatEngine(model, budget_tokens=10_000, max_batched_tokens=16,
@@ -195,7 +195,7 @@ def test_sdpa_attention_equals_the_dense_reference(one_thread):
     """The same packed batches (three sequences: whole prompts, a chunk after cached
     tokens, decodes, a freed sequence) through SdpaAttention and DenseAttention."""
     torch = one_thread
-    from cupaged.llama import DenseAttention, SdpaAttention
+    from cupaged.serving.llama import DenseAttention, SdpaAttention
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 8, 2, 32
@@ -220,7 +220,7 @@ def test_sdpa_attention_equals_the_dense_reference(one_thread):
 
 def test_sdpa_attention_in_the_model_gives_the_dense_logits(one_thread):
     torch = one_thread
-    from cupaged.llama import DenseAttention, Llama, LlamaConfig, SdpaAttention
+    from cupaged.serving.llama import DenseAttention, Llama, LlamaConfig, SdpaAttention
 
     model = Llama(LlamaConfig.preset("tiny"), seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -348,12 +348,14 @@ def test_breakdown_replays_each_forward_on_host_kernels(one_thread, monkeypatch)
     time, and the three shares add up to 1."""
     torch = one_thread
     pytest.importorskip("transformers")
+    from cupaged.bench import peers
+    from cupaged.bench import timing
     import contextlib
     import time
 
     from test_engine import HostKernels
 
-    from cupaged import bench
+
 
     class Event:  # a host clock standing in for a CUDA event
         def __init__(self, enable_timing=False):
@@ -379,8 +381,8 @@ def test_breakdown_replays_each_forward_on_host_kernels(one_thread, monkeypatch)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(bench, "_Spin", Spin)
-    monkeypatch.setattr(bench, "_torch_on_cupy_stream", contextlib.nullcontext)
+    monkeypatch.setattr(timing, "Spin", Spin)
+    monkeypatch.setattr(peers, "torch_on_cupy_stream", contextlib.nullcontext)
     kernels = HostKernels(monkeypatch)
     harness = bench_e2e.Harness(Workload(**{**TINY, "breakdown": True}, block_size=4),
                                 device="cpu", num_blocks=64)
@@ -478,7 +480,8 @@ def _fake_run(monkeypatch, missing=(), results=None):
     """e2e as on a GPU with ``missing`` systems not installed; bench_e2e.run records the
     workload and the systems it is asked for and returns ``results`` (default: one ok
     row per system)."""
-    from cupaged import bench, cli
+    from cupaged.bench import report
+    from cupaged.bench import cli
 
     calls = []
 
@@ -492,7 +495,7 @@ def _fake_run(monkeypatch, missing=(), results=None):
     monkeypatch.setattr(bench_e2e, "run", run)
     monkeypatch.setattr(bench_e2e, "unavailable",
                         lambda s: f"{s} is not installed here" if s in missing else None)
-    monkeypatch.setattr(bench, "environment", lambda: ENV)
+    monkeypatch.setattr(report, "environment", lambda: ENV)
     return calls
 
 
@@ -692,8 +695,8 @@ def test_flashinfer_backend_matches_cupaged_attention_step_by_step():
     if why:
         pytest.skip(why)
     import cupaged
-    from cupaged.engine import Engine, PagedAttention, Request
-    from cupaged.llama import Llama, LlamaConfig
+    from cupaged.serving.engine import Engine, PagedAttention, Request
+    from cupaged.serving.llama import Llama, LlamaConfig
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=8, num_kv_heads=2, head_dim=64)

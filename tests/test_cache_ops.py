@@ -457,7 +457,7 @@ def test_swap_with_pageable_host_memory_has_finished_when_it_returns(rng, host_k
     """vLLM passes plain (pageable) CPU tensors to swap_blocks and has the copy done when
     the call returns. A busy-wait of 100 ms queued ahead of each call shows it: the host
     reads the swapped-out blocks at once, and overwrites the swapped-in source at once."""
-    from cupaged.bench import _Spin
+    from cupaged.bench.timing import Spin
 
     nb_dev, nb_host = 16, 12
     kc, _ = testing.random_cache(nb_dev, 2, 64, 16, dtype, rng)
@@ -475,7 +475,7 @@ def test_swap_with_pageable_host_memory_has_finished_when_it_returns(rng, host_k
             dev_arg = torch.as_tensor(dev, device="cuda")
     else:
         host_arg, dev_arg = host, dev
-    spin = _Spin(100_000)
+    spin = Spin(100_000)
     out_src = rng.choice(nb_dev, size=5, replace=False)
     out_dst = rng.choice(nb_host, size=5, replace=False)
     spin()
@@ -619,13 +619,13 @@ def _expect_copied(ks, vs, before, pairs):
 def test_copy_blocks_on_two_streams_one_busy(rng):
     """The same caches copied on a busy stream A, then on stream B: B's copy must happen
     (it used to reuse a pointer table still queued for upload on A: block 6 never copied)."""
-    from cupaged.bench import _Spin
+    from cupaged.bench.timing import Spin
 
     ks, vs = _layers(rng, 2)
     m1 = cupy.asarray([[1, 2]], np.int64)
     m2 = cupy.asarray([[0, 6]], np.int64)
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    spin = _Spin(100_000)
+    spin = Spin(100_000)
     cupaged.copy_blocks([cupy.zeros_like(ks[0])], [cupy.zeros_like(vs[0])], m1)  # kernel loaded
     before = [(cupy.asnumpy(k), cupy.asnumpy(v)) for k, v in zip(ks, vs)]
     cupy.cuda.Device().synchronize()

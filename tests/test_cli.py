@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from cupaged import jit
-from cupaged.cli import main
+from cupaged.bench.cli import main
 from conftest import HAVE_GPU
 
 COMMANDS = ["info", "compile", "decode", "compare", "prefill", "cascade", "e2e", "overhead",
@@ -91,13 +91,13 @@ def test_bad_options_are_usage_errors(argv, msg):
 
 def test_compile_count_prints_the_catalogs_sizes():
     """The numbers the docs used to copy come from the code: --count prints them."""
-    from cupaged import _catalog
+    from cupaged.specs import catalog
 
     archs = ("sm_80", "sm_90")
     argv = ["compile", "--arch", "sm_80", "--arch", "sm_90", "--count"]
     r = CliRunner().invoke(main, argv + ["--covering"])
     assert r.exit_code == 0, r.output
-    full, cov = len(_catalog.all_specs(archs)), len(_catalog.covering_specs(archs))
+    full, cov = len(catalog.all_specs(archs)), len(catalog.covering_specs(archs))
     assert r.output.strip() == (f"{cov} specializations in the covering set of the {full} "
                                 f"supported for sm_80, sm_90")
     r = CliRunner().invoke(main, argv + ["--all"])
@@ -135,7 +135,7 @@ def test_kv_cache_dtype_is_documented(cmd):
 
 
 def test_presets_and_lists_expand_to_workloads():
-    from cupaged.cli import _workloads
+    from cupaged.bench.cli import _workloads
 
     ws = _workloads(("llama-3-8b", "llama-2-7b"), [1, 8], [512, 2048], None, 1, 1, 1, 16, "bf16")
     assert len(ws) == 8
@@ -152,14 +152,14 @@ def test_presets_and_lists_expand_to_workloads():
 @pytest.mark.parametrize("given, canonical", [("auto", "auto"), ("fp8", "fp8_e4m3"),
                                               ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
 def test_workloads_carry_the_kv_cache_dtype(given, canonical):
-    from cupaged.cli import _workloads
+    from cupaged.bench.cli import _workloads
 
     ws = _workloads(("llama-3-8b",), [1, 8], [512], None, 1, 1, 1, 16, "bf16", given)
     assert len(ws) == 2 and {w.kv_cache_dtype for w in ws} == {canonical}
 
 
 def _synthetic_results():
-    from cupaged.bench import Result
+    from cupaged.bench.workloads import Result
 
     rows = []
     for impl, scale in (("cupaged", 1.0), ("cupy-gather", 3.0)):
@@ -184,14 +184,15 @@ def test_json_writer_keeps_every_field(tmp_path):
     import dataclasses
     import json
 
-    from cupaged import bench
+    from cupaged.bench import report
+    from cupaged.bench import workloads
 
     rows = _synthetic_results()
-    bench.write_json(tmp_path / "r.json", rows, ENV, 3000.0)
+    report.write_json(tmp_path / "r.json", rows, ENV, 3000.0)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["environment"] == ENV and doc["copy_bandwidth_gbps"] == 3000.0
     assert len(doc["results"]) == len(rows)
-    assert set(doc["results"][0]) == {f.name for f in dataclasses.fields(bench.Result)}
+    assert set(doc["results"][0]) == {f.name for f in dataclasses.fields(workloads.Result)}
     assert doc["results"][3]["ratio_to_cupaged"] == 3.0
     assert doc["results"][-1]["status"] == "skipped"
     plans = [r["plan_us"] for r in doc["results"]]  # NaN (JSON's NaN) but for FlashInfer's
@@ -201,10 +202,10 @@ def test_json_writer_keeps_every_field(tmp_path):
 def test_csv_writer_has_environment_and_rows(tmp_path):
     import csv
 
-    from cupaged import bench
+    from cupaged.bench import report
 
     rows = _synthetic_results()
-    bench.write_csv(tmp_path / "r.csv", rows, ENV, 3000.0)
+    report.write_csv(tmp_path / "r.csv", rows, ENV, 3000.0)
     lines = (tmp_path / "r.csv").read_text().splitlines()
     comments = [l for l in lines if l.startswith("#")]
     assert "# cupaged: \"0.1.0\"" in comments and any("Fake GPU" in c for c in comments)
@@ -215,15 +216,15 @@ def test_csv_writer_has_environment_and_rows(tmp_path):
 
 
 def test_plot_writer_makes_a_png(tmp_path):
-    from cupaged import bench
+    from cupaged.bench import report
 
-    bench.write_plot(tmp_path / "p.png", _synthetic_results(), "synthetic")
+    report.write_plot(tmp_path / "p.png", _synthetic_results(), "synthetic")
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
 def test_table_shows_ratios_and_skips(capsys):
-    from cupaged.cli import _print_table
+    from cupaged.bench.cli import _print_table
 
     _print_table(_synthetic_results(), compare=True)
     out = capsys.readouterr().out
@@ -237,7 +238,7 @@ def test_table_shows_ratios_and_skips(capsys):
 def test_table_shows_the_note_of_an_ok_row(capsys):
     import dataclasses
 
-    from cupaged.cli import _print_table
+    from cupaged.bench.cli import _print_table
 
     rows = _synthetic_results()
     rows[6] = dataclasses.replace(rows[6], note="computes in fp8 e4m3", kv_cache_dtype="fp8_e4m3")
@@ -247,7 +248,7 @@ def test_table_shows_the_note_of_an_ok_row(capsys):
 
 
 def test_table_has_no_plan_column_without_plans(capsys):
-    from cupaged.cli import _print_table
+    from cupaged.bench.cli import _print_table
 
     _print_table([r for r in _synthetic_results() if r.impl != "flashinfer-decode"], compare=True)
     out = capsys.readouterr().out
@@ -263,9 +264,13 @@ def test_compare_flashinfer_impl_without_flashinfer_is_a_usage_error(impl, no_fl
 
 
 def _fake_sweep(monkeypatch, workloads=None):
-    """compare as on a GPU, with bench.measure faked: which implementations it is asked for
+    """compare as on a GPU, with bench_decode.measure faked: which implementations it is asked for
     (and, into ``workloads``, the workloads)."""
-    from cupaged import bench, cli
+    from cupaged.bench import timing
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import report
+    from cupaged.bench import workloads as bench_workloads
+    from cupaged.bench import cli
 
     asked = []
 
@@ -273,16 +278,16 @@ def _fake_sweep(monkeypatch, workloads=None):
         asked.append(list(impls))
         if workloads is not None:
             workloads.append(w)
-        return [bench.Result(i, "", w.preset, w.batch, w.context_label, 512.0, w.heads,
+        return [bench_workloads.Result(i, "", w.preset, w.batch, w.context_label, 512.0, w.heads,
                              w.kv_heads, w.head_size, w.block_size, w.dtype, "auto", "ok",
                              10.0, 9.0, 11.0, 2000.0, 60.0, 1e-4, 1.0,
                              kv_cache_dtype=w.kv_cache_dtype, **w.variants.fields())
                 for i in impls]
 
     monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
-    monkeypatch.setattr(bench, "measure", measure)
-    monkeypatch.setattr(bench, "environment", lambda: ENV)
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(bench_decode, "measure", measure)
+    monkeypatch.setattr(report, "environment", lambda: ENV)
     return asked
 
 
@@ -298,20 +303,21 @@ def test_compare_without_flashinfer_says_so_once(monkeypatch, no_flashinfer):
 def test_compare_with_flashinfer_lists_its_rows(monkeypatch):
     import types
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import peers
 
     asked = _fake_sweep(monkeypatch)
-    monkeypatch.setattr(bench, "_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
+    monkeypatch.setattr(peers, "import_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
     r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512"])
     assert r.exit_code == 0, r.output
     assert "skipped" not in r.output
-    assert asked == [bench.available_implementations()] and asked[0][-1] == "flashinfer-xqa"
+    assert asked == [bench_decode.available_implementations()] and asked[0][-1] == "flashinfer-xqa"
 
 
 def test_compare_over_fp8_leaves_out_the_peers_without_it(monkeypatch, no_flashinfer, tmp_path):
     import csv
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
 
     seen = []
     asked = _fake_sweep(monkeypatch, seen)
@@ -320,7 +326,7 @@ def test_compare_over_fp8_leaves_out_the_peers_without_it(monkeypatch, no_flashi
     assert r.exit_code == 0, r.output
     assert "no fp8 cache path, left out: cupy-gather, torch-sdpa-paged, torch-sdpa-dense" in r.output
     assert "KV cache fp8_e4m3: random finite values, per-tensor scales" in r.output
-    assert asked == [bench.available_implementations("fp8_e4m3")] and asked[0][0] == "cupaged"
+    assert asked == [bench_decode.available_implementations("fp8_e4m3")] and asked[0][0] == "cupaged"
     assert not {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"} & set(asked[0])
     assert [w.kv_cache_dtype for w in seen] == ["fp8_e4m3"]
     lines = [l for l in (tmp_path / "c.csv").read_text().splitlines() if not l.startswith("#")]
@@ -366,7 +372,7 @@ def test_decode_passes_the_variants_to_every_workload(monkeypatch, tmp_path):
     import csv
     import json
 
-    from cupaged import bench
+    from cupaged.bench import workloads
 
     seen = []
     asked = _fake_sweep(monkeypatch, seen)
@@ -375,7 +381,7 @@ def test_decode_passes_the_variants_to_every_workload(monkeypatch, tmp_path):
                                   "--json", str(tmp_path / "d.json"), "--csv", str(tmp_path / "d.csv")])
     assert r.exit_code == 0, r.output
     assert asked == [["cupaged"], ["cupaged"]]
-    v = bench.Variants(512, 50.0, True, True)
+    v = workloads.Variants(512, 50.0, True, True)
     assert [w.variants for w in seen] == [v, v]
     assert "variants: window 512 (FlashInfer's window_left 511; bytes and FLOPs count only " \
            "the keys inside it), soft-cap 50, sinks (standard normal per head, seed" in r.output
@@ -387,17 +393,18 @@ def test_decode_passes_the_variants_to_every_workload(monkeypatch, tmp_path):
 
 
 def test_plain_decode_says_nothing_of_variants(monkeypatch):
-    from cupaged import bench
+    from cupaged.bench import workloads
 
     seen = []
     _fake_sweep(monkeypatch, seen)
     r = CliRunner().invoke(main, ["decode", "--batch", "1", "--context", "512"])
     assert r.exit_code == 0, r.output
-    assert "variants" not in r.output and seen[0].variants == bench.PLAIN
+    assert "variants" not in r.output and seen[0].variants == workloads.PLAIN
 
 
 def test_compare_with_a_window_leaves_out_the_plain_peers(monkeypatch, no_flashinfer):
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import workloads
 
     asked = _fake_sweep(monkeypatch)
     r = CliRunner().invoke(main, ["compare", "--batch", "8", "--context", "2048", "--window", "512"])
@@ -405,8 +412,8 @@ def test_compare_with_a_window_leaves_out_the_plain_peers(monkeypatch, no_flashi
     # (not flashinfer-xqa: the line about FlashInfer's missing rows covers it)
     assert [l for l in r.output.splitlines() if l.startswith("cannot run")] == [
         "cannot run window 512, left out: cupy-gather, torch-sdpa-paged, torch-sdpa-dense"]
-    v = bench.Variants(window=512)
-    assert asked == [bench.available_implementations("auto", v)]
+    v = workloads.Variants(window=512)
+    assert asked == [bench_decode.available_implementations("auto", v)]
     assert not {"cupy-gather", "torch-sdpa-paged", "torch-sdpa-dense"} & set(asked[0])
     assert asked[0][:3] == ["cupaged", "cupaged-nhd", "cupaged-hnd"]
 
@@ -421,30 +428,33 @@ def test_compare_with_flashinfer_keeps_the_rows_that_take_the_variants(monkeypat
                                                                         left_out):
     import types
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import peers
 
     asked = _fake_sweep(monkeypatch)
-    monkeypatch.setattr(bench, "_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
+    monkeypatch.setattr(peers, "import_flashinfer", lambda: (types.ModuleType("flashinfer"), None))
     r = CliRunner().invoke(main, ["compare", "--batch", "1", "--context", "512", *flags])
     assert r.exit_code == 0, r.output
     line = [l for l in r.output.splitlines() if l.startswith("cannot run")]
     assert len(line) == 1 and line[0].endswith(", ".join(left_out))
     fi = [i for i in asked[0] if i.startswith("flashinfer")]
-    assert fi == [i for i in bench.FLASHINFER_IMPLS if i not in left_out]
+    assert fi == [i for i in bench_decode.FLASHINFER_IMPLS if i not in left_out]
 
 
 # ---- cascade on the host (the float64 reference standing in for the kernels) ---------------------
 
 
 def _fake_cascade(monkeypatch):
+    from cupaged.bench import timing
     from test_bench import on_host
 
-    from cupaged import bench, cli
+    from cupaged.bench import report
+    from cupaged.bench import cli
 
     calls = on_host(monkeypatch)
     monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
-    monkeypatch.setattr(bench, "environment", lambda: ENV)
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(report, "environment", lambda: ENV)
     return calls
 
 
@@ -534,13 +544,13 @@ def test_decode_with_mixed_lengths_and_a_preset():
 def test_compare_runs_every_available_implementation(tmp_path):
     import json
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
 
     r = CliRunner().invoke(main, ["compare", "--preset", "llama-3-8b", "--batch", "2",
                                   "--context", "300", "--reps", "5", "--json", str(tmp_path / "c.json")])
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "c.json").read_text())["results"]
-    assert [x["impl"] for x in rows] == bench.available_implementations()
+    assert [x["impl"] for x in rows] == bench_decode.available_implementations()
     assert rows[0]["ratio_to_cupaged"] == 1.0
     assert all(x["status"] == "ok" for x in rows), [x["note"] for x in rows]
 
@@ -551,18 +561,19 @@ def test_compare_flashinfer_rows_check_and_plan(tmp_path):
     against the reference; plan() host time for the planned ones only."""
     import json
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import peers
 
-    why = bench.flashinfer_unavailable()
+    why = peers.flashinfer_unavailable()
     if why:
         pytest.skip(f"flashinfer unavailable: {why} (source .flashinfer/setup.sh)")
     argv = ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "5",
             "--context-dist", "uniform:1:300", "--reps", "3", "--json", str(tmp_path / "f.json"),
-            "--impl", "cupaged"] + [a for i in bench.FLASHINFER_IMPLS for a in ("--impl", i)]
+            "--impl", "cupaged"] + [a for i in bench_decode.FLASHINFER_IMPLS for a in ("--impl", i)]
     r = CliRunner().invoke(main, argv)
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "f.json").read_text())["results"]
-    assert [x["impl"] for x in rows] == ["cupaged", *bench.FLASHINFER_IMPLS]
+    assert [x["impl"] for x in rows] == ["cupaged", *bench_decode.FLASHINFER_IMPLS]
     assert all(x["status"] == "ok" and x["rel_err"] < 1e-3 for x in rows), [x["note"] for x in rows]
     plans = {x["impl"]: x["plan_us"] for x in rows}
     assert plans["flashinfer-decode"] > 0 and plans["flashinfer-decode-tc"] > 0
@@ -592,14 +603,14 @@ def test_compare_over_an_fp8_cache(tmp_path):
     imports), checked against the reference on the same bytes."""
     import json
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
 
     r = CliRunner().invoke(main, ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "3",
                                   "--context-dist", "uniform:1:300", "--reps", "3",
                                   "--kv-cache-dtype", "fp8", "--json", str(tmp_path / "c.json")])
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "c.json").read_text())["results"]
-    assert [x["impl"] for x in rows] == bench.available_implementations("fp8_e4m3")
+    assert [x["impl"] for x in rows] == bench_decode.available_implementations("fp8_e4m3")
     assert all(x["status"] == "ok" and x["kv_cache_dtype"] == "fp8_e4m3" for x in rows), \
         [(x["impl"], x["note"]) for x in rows]
     # XQA computes in fp8 and says so; the rest read the cache as exactly as cupaged
@@ -679,15 +690,16 @@ def test_compare_with_a_window_and_a_soft_cap(tmp_path):
     window_left and logits_soft_cap, all checked against the reference."""
     import json
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import workloads
 
     r = CliRunner().invoke(main, ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "3",
                                   "--context-dist", "uniform:1:300", "--reps", "3", "--window",
                                   "64", "--soft-cap", "30", "--json", str(tmp_path / "c.json")])
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "c.json").read_text())["results"]
-    v = bench.Variants(64, 30.0)
-    assert [x["impl"] for x in rows] == bench.available_implementations("auto", v)
+    v = workloads.Variants(64, 30.0)
+    assert [x["impl"] for x in rows] == bench_decode.available_implementations("auto", v)
     assert all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows), \
         [(x["impl"], x["note"]) for x in rows]
 
@@ -698,15 +710,16 @@ def test_compare_with_a_window_and_sinks(tmp_path):
     against the reference: the same conventions."""
     import json
 
-    from cupaged import bench
+    from cupaged.bench import decode as bench_decode
+    from cupaged.bench import workloads
 
     r = CliRunner().invoke(main, ["compare", "--heads", "16", "--kv-heads", "4", "--batch", "3",
                                   "--context-dist", "uniform:1:300", "--reps", "3", "--window",
                                   "64", "--sinks", "--json", str(tmp_path / "c.json")])
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "c.json").read_text())["results"]
-    v = bench.Variants(64, sinks=True)
-    assert [x["impl"] for x in rows] == bench.available_implementations("auto", v)
+    v = workloads.Variants(64, sinks=True)
+    assert [x["impl"] for x in rows] == bench_decode.available_implementations("auto", v)
     assert all(x["status"] == "ok" and x["rel_err"] <= 1e-3 for x in rows), \
         [(x["impl"], x["note"]) for x in rows]
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _dtypes, decode, jit, testing
+from cupaged import _checks, _dtypes, decode, jit, planning, testing
+from cupaged.specs import geometry
 from conftest import assert_close, make_problem, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -38,10 +39,10 @@ GRID = _grid()
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
     """Compile the grid's specializations in parallel before the tests use them."""
-    arch = decode._device(cupy.cuda.Device().id).arch
+    arch = planning.device_info(cupy.cuda.Device().id).arch
     specs = []
     for dt, hs, bs, g, _, _ in GRID:
-        specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, decode._group_tile(g), arch=arch))
+        specs.append(jit.KernelSpec("paged_decode", dt, hs, bs, planning.group_tile(g), arch=arch))
         specs.append(jit.KernelSpec("paged_decode_combine", dt, hs, arch=arch))
     jit.precompile(specs, workers=16)
 
@@ -227,34 +228,34 @@ def test_ctas_per_sm_knob_pads_shared_memory_and_keeps_results(rng):
     the first load set (it failed with CUDA_ERROR_INVALID_VALUE when it did not)."""
     p = make_problem(rng, dtype=np.float16, lens=(1, 700, 2047), heads=8, kv_heads=2,
                      head_size=128)
-    dev = decode._device(cupy.cuda.Device().id)
+    dev = planning.device_info(cupy.cuda.Device().id)
     assert_close(run(p, "auto"), p.reference(), tol(p))
     try:
-        decode._set_tuning(ctas_per_sm=2)
-        ks = decode._kernels(dev.id, "f16", 128, 16, 4)
+        planning.set_tuning(ctas_per_sm=2)
+        ks = planning.decode_kernels(dev.id, "f16", 128, 16, 4)
         assert ks.smem >= dev.sm_smem // 2 - 1024
         assert ks.slots <= 2 * dev.sm_count
         for partition in ("auto", "never", "always"):
             assert_close(run(p, partition), p.reference(), tol(p))
     finally:
-        decode._set_tuning()
-    assert decode._kernels(dev.id, "f16", 128, 16, 4).slots > 2 * dev.sm_count
+        planning.set_tuning()
+    assert planning.decode_kernels(dev.id, "f16", 128, 16, 4).slots > 2 * dev.sm_count
 
 
 def test_a_lower_residency_keeps_results_and_the_natural_one(rng):
-    """The split model's lower residencies (decode._Kernels.fewer): the driver grants each
+    """The split model's lower residencies (planning.DecodeKernels.fewer): the driver grants each
     its CTAs per SM at its shared memory, raising the kernel's limit leaves the natural
     residency as it was, and a grid just over one natural wave, which the model moves to
     a lower residency, gives the reference's output under every partition choice."""
-    dev = decode._device(cupy.cuda.Device().id)
-    ks = decode._kernels(dev.id, "f16", 128, 16, 4)
+    dev = planning.device_info(cupy.cuda.Device().id)
+    ks = planning.decode_kernels(dev.id, "f16", 128, 16, 4)
     if not ks.fewer:
         pytest.skip("no lower residency for this specialization on this device")
     for occ in ks.fewer:
-        assert decode._resident_ctas(dev.id, ks.decode, decode._THREADS, occ.smem) == occ.slots
-    assert decode._resident_ctas(dev.id, ks.decode, decode._THREADS, ks.smem) == ks.slots
+        assert planning.resident_ctas(dev.id, ks.decode, geometry.DECODE_THREADS, occ.smem) == occ.slots
+    assert planning.resident_ctas(dev.id, ks.decode, geometry.DECODE_THREADS, ks.smem) == ks.slots
     batch = ks.slots // 8 + 1  # 32/8 heads: eight CTAs per sequence
-    assert decode._split_and_residency(batch * 8, 300, ks, 64, False)[1] in ks.fewer
+    assert planning.split_and_residency(batch * 8, 300, ks, 64, False)[1] in ks.fewer
     lens = rng.integers(1, 301, batch)
     lens[:3] = (300, 16, 17)
     p = make_problem(rng, dtype=np.float16, lens=lens, heads=32, kv_heads=8, head_size=128)
@@ -382,7 +383,7 @@ def test_context_of_2_pow_31_tokens(rng):
     the softmax over that block, so the float64 reference of block 0 alone is exact. The
     split-KV combine used to overflow int32 computing its partition count (all zeros)."""
     bs, n = 256, 2_147_481_600
-    assert n % bs == 0 and n <= decode._MAX_TOKENS
+    assert n % bs == 0 and n <= _checks.MAX_TOKENS
     p = make_problem(rng, lens=[bs], heads=1, kv_heads=1, head_size=32, block_size=bs,
                      spare_blocks=0)
     ref = p.reference()
@@ -411,7 +412,7 @@ def test_a_context_at_the_documented_limit(rng, prefill_split):
     merge's are exact in fp32: the test sees indexing, not rounding. (Sums over millions
     of equal weights do drift: with random values, 0.5% at a million keys per partition
     and about 3% at 5.4 million, measured; docs/PERFORMANCE.md.)"""
-    n = decode._MAX_TOKENS
+    n = _checks.MAX_TOKENS
     assert n == 2_147_482_623
     p = make_problem(rng, lens=[1], heads=1, kv_heads=1, head_size=32, block_size=1,
                      spare_blocks=0)
@@ -491,7 +492,7 @@ def test_v2_keeps_its_float32_partials_inside_a_half_precision_tmp_out(rng, dt):
 def test_debug_check_reads_the_tables_on_the_launch_stream(rng, monkeypatch):
     """The table is made valid by work queued on the (busy) launch stream: the debug check
     must wait for it, not read the stale table on another stream and raise."""
-    from cupaged.bench import _Spin
+    from cupaged.bench.timing import Spin
 
     p = make_problem(rng, lens=[50, 20], heads=4, kv_heads=2, head_size=64, block_size=16)
     a = p.device_args()
@@ -500,7 +501,7 @@ def test_debug_check_reads_the_tables_on_the_launch_stream(rng, monkeypatch):
     cupaged.paged_attention(**{**a, "block_tables": good})  # kernels loaded beforehand
     monkeypatch.setattr(cupaged._checks, "DEBUG", True)
     side = cupy.cuda.Stream(non_blocking=True)
-    spin = _Spin(100_000)
+    spin = Spin(100_000)
     cupy.cuda.Device().synchronize()
     with side:
         spin()

@@ -1,4 +1,4 @@
-"""The serving loop (cupaged.engine).
+"""The serving loop (cupaged.serving.engine).
 
 Scheduler tests (no torch, no GPU): a real BlockManager and a fake runner whose "model"
 writes into each slot a hash of the whole context up to that token (what a K/V vector
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import cupaged
 from cupaged import BlockManager
-from cupaged.engine import Request, SampleId, Scheduler, _available_blocks
+from cupaged.serving.engine import Request, SampleId, Scheduler, _available_blocks
 
 VOCAB = 40
 
@@ -428,7 +428,7 @@ def test_the_newest_is_preempted_to_the_front_of_the_queue():
 def _tiny(device):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from cupaged.llama import Llama, LlamaConfig, to_hf
+    from cupaged.serving.llama import Llama, LlamaConfig, to_hf
 
     model = Llama(LlamaConfig.preset("tiny"), device=device, dtype=torch.float32, seed=0)
     return model, to_hf(model)
@@ -472,7 +472,7 @@ def check_against_hf(hf, requests, outputs):
 def scenario_chunked(model, hf, make_cache, **engine_kw):
     """Prompts from 3 to 40 tokens through a 16-token budget: chunked prefills mixed with
     decodes in every step."""
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     lens, new = [5, 17, 40, 23, 3, 31], [8, 5, 10, 6, 12, 7]
     requests = [Request(i, p, k) for i, (p, k) in enumerate(zip(_prompts(lens), new))]
@@ -487,7 +487,7 @@ def scenario_chunked(model, hf, make_cache, **engine_kw):
 def scenario_forks(model, hf, make_cache, **engine_kw):
     """Parallel samples: forked after the prompt, sharing its blocks (copy-on-write of the
     partly filled last one); greedy samples agree with generate."""
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     prompts = _prompts([13, 8, 6], seed=1)
     requests = [Request("a", prompts[0], 6, n=3), Request("b", prompts[1], 9, n=2),
@@ -503,7 +503,7 @@ def scenario_forks(model, hf, make_cache, **engine_kw):
 def scenario_prefix(model, hf, make_cache, **engine_kw):
     """Prompts sharing a 3-block system prompt: those added after the first find its
     blocks in the prefix cache and compute only their own tokens."""
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     system, *tails = _prompts([24, 5, 9, 1, 14], seed=2)
     requests = [Request(i, system + t, 6) for i, t in enumerate(tails)]
@@ -519,7 +519,7 @@ def scenario_prefix(model, hf, make_cache, **engine_kw):
 def scenario_preemption(model, hf, make_cache, **engine_kw):
     """Five requests that need 7 blocks each in a cache of 14: the newest are preempted
     and recomputed, and the tokens are those of a roomy run (and of generate)."""
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     requests = [Request(i, p, 16) for i, p in enumerate(_prompts([12] * 5, seed=3))]
     tight = Engine(model, make_cache(14, 4, False), max_batched_tokens=64, max_running=5,
@@ -549,8 +549,8 @@ class HostKernels:
         import cupaged.cache_ops
         import cupaged.varlen
 
-        real = (cupaged.cache_ops.reshape_and_cache, cupaged.varlen.attention,
-                cupaged.varlen.AttentionPlan)
+        real = (cupaged.cache_ops.reshape_and_cache, cupaged.attention.attention,
+                cupaged.attention.AttentionPlan)
         self.sig_write, self.sig_attend = inspect.signature(real[0]), inspect.signature(real[1])
         self.sig_plan, self.sig_run = inspect.signature(real[2]), inspect.signature(real[2].run)
         self.calls = defaultdict(int)
@@ -639,7 +639,7 @@ class HostKernels:
     def _attend(self, a):
         import torch
 
-        from cupaged.llama import dense_attention
+        from cupaged.serving.llama import dense_attention
 
         self._check_scales(a)
         q, kc, vc = a["query"], a["key_cache"], a["value_cache"]
@@ -686,7 +686,7 @@ def test_engine_on_host_matches_transformers(tiny_cpu, monkeypatch, scenario):
 
 def test_engine_on_host_steps_without_a_token(tiny_cpu, monkeypatch):
     """A prompt alone, longer than the budget: its first steps sample nothing."""
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     model, hf = tiny_cpu
     kernels = HostKernels(monkeypatch)
@@ -710,7 +710,7 @@ def test_engine_on_host_fp8_path(tiny_cpu, monkeypatch):
 
 
 def test_cuda_graphs_need_the_default_backend_and_a_gpu(tiny_cpu, monkeypatch):
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     model, _ = tiny_cpu
     kernels = HostKernels(monkeypatch)
@@ -727,13 +727,13 @@ def test_cuda_graphs_need_the_default_backend_and_a_gpu(tiny_cpu, monkeypatch):
     (1, [1]), (2, [1, 2]), (3, [1, 2, 4]), (5, [1, 2, 4, 8]), (8, [1, 2, 4, 8]),
     (9, [1, 2, 4, 8, 16]), (20, [1, 2, 4, 8, 16, 24])])
 def test_graph_batch_sizes(max_batch, sizes):
-    from cupaged.engine import _graph_sizes
+    from cupaged.serving.engine import _graph_sizes
 
     assert _graph_sizes(max_batch) == sizes
 
 
 def test_engine_checks_model_against_cache(tiny_cpu, monkeypatch):
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     model, _ = tiny_cpu
     kernels = HostKernels(monkeypatch)
@@ -790,7 +790,7 @@ def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario,
     3, 5, 6 and 7 run in graphs of 4 and 8 rows) give generate's tokens too, and every
     replay's padding rows write nothing and read nothing (a batch that shrinks within a
     graph size leaves rows of finished sequences behind, whose blocks may be reused)."""
-    from cupaged.engine import _DecodeGraphs
+    from cupaged.serving.engine import _DecodeGraphs
 
     replay = _DecodeGraphs.replay
 
@@ -813,7 +813,7 @@ def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario,
 def test_cuda_graphs_with_a_short_max_model_len_fall_back_to_eager(tiny_gpu):
     """Sequences longer than max_model_len run eagerly (the graphs' tables are narrower),
     with the same tokens; captured sizes up front are used and others are refused."""
-    from cupaged.engine import Engine
+    from cupaged.serving.engine import Engine
 
     model, hf = tiny_gpu
     requests = [Request(i, p, 12) for i, p in enumerate(_prompts([6, 9, 14], seed=6))]
@@ -839,8 +839,8 @@ def test_cuda_graphs_over_an_fp8_cache_give_the_eager_tokens():
     """bfloat16 over an fp8 cache (a plan per layer, for its scales): the graphs' tokens
     are the eager run's."""
     torch = pytest.importorskip("torch")
-    from cupaged.engine import Engine
-    from cupaged.llama import Llama, LlamaConfig
+    from cupaged.serving.engine import Engine
+    from cupaged.serving.llama import Llama, LlamaConfig
 
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
@@ -883,8 +883,8 @@ def test_bfloat16_logits_are_as_close_to_float32_as_transformers(tiny_gpu):
     and in the median of the rows' largest deviations."""
     import torch
 
-    from cupaged.engine import Engine
-    from cupaged.llama import Llama, LlamaConfig, to_hf
+    from cupaged.serving.engine import Engine
+    from cupaged.serving.llama import Llama, LlamaConfig, to_hf
 
     model = Llama(LlamaConfig.preset("tiny"), device="cuda", dtype=torch.bfloat16, seed=1)
     hf16 = to_hf(model, share_weights=True)
@@ -917,8 +917,8 @@ def test_engine_on_gpu_fp8_cache_runs():
     finishes with its tokens, and the blocks come back. (Quantized K/V change the tokens,
     so they are not compared with generate's.)"""
     torch = pytest.importorskip("torch")
-    from cupaged.engine import Engine
-    from cupaged.llama import Llama, LlamaConfig
+    from cupaged.serving.engine import Engine
+    from cupaged.serving.llama import Llama, LlamaConfig
 
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")

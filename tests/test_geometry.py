@@ -5,10 +5,13 @@ import itertools
 
 import pytest
 
-from cupaged import _catalog, _covering, _geometry, jit
+from cupaged import jit
+from cupaged.specs import catalog
+from cupaged.specs import covering
+from cupaged.specs import geometry
 
 ARCHS = ("sm_80", "sm_90")
-ALL = _catalog.all_specs(ARCHS)
+ALL = catalog.all_specs(ARCHS)
 # Shared memory and the static_asserts do not depend on the attention variant: the
 # geometry checks run over the plain specializations (each variant repeats them).
 DECODE = [s for s in ALL if s.kernel == "paged_decode" and not s.variant]
@@ -16,8 +19,8 @@ PREFILL = [s for s in ALL if s.kernel == "paged_prefill" and not s.variant]
 
 
 def test_every_variant_repeats_the_plain_specializations():
-    for kernel, plain, variants in (("paged_decode", DECODE, _catalog.DECODE_VARIANTS),
-                                    ("paged_prefill", PREFILL, _catalog.PREFILL_VARIANTS)):
+    for kernel, plain, variants in (("paged_decode", DECODE, catalog.DECODE_VARIANTS),
+                                    ("paged_prefill", PREFILL, catalog.PREFILL_VARIANTS)):
         mine = [s for s in ALL if s.kernel == kernel]
         # The soft-cap's fixed offset ("f") exists for bfloat16 queries only.
         fixed = [v for v in variants if "f" in v]
@@ -33,7 +36,7 @@ def test_every_supported_decode_specialization_satisfies_the_kernel_constraints(
     # fp8: 2 query dtypes x 2 formats x 2 scale modes x 15 head sizes (multiples of 16)
     assert len(DECODE) == 2 * (3 * 29 * 9 * 2 * 4 + 2 * 2 * 2 * 15 * 9 * 2 * 4)
     for s in DECODE:
-        g = _geometry.DecodeGeometry.of(s)
+        g = geometry.DecodeGeometry.of(s)
         assert g.violations() == [], s.name
         assert g.fits(s.arch), (s.name, g.smem_bytes)
 
@@ -43,7 +46,7 @@ def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints
     # one for all 9; head sizes up to 128 (13 of 29; fp8: 7 of 15) in two tile shapes
     assert len(PREFILL) == 2 * (2 * (29 + 13) * (9 + 6) + 2 * 2 * 2 * (15 + 7) * (9 + 5))
     for s in PREFILL:
-        g = _geometry.PrefillGeometry.of(s)
+        g = geometry.PrefillGeometry.of(s)
         assert g.violations() == [], s.name
         assert g.fits(s.arch), (s.name, g.smem_bytes)
 
@@ -52,7 +55,7 @@ def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
     """NVRTC evaluates DecodeGeometry for each of the 14,904 decode geometries and
     PrefillGeometry for the 3,724 prefill ones, and compares their shared memory, path and
     piece count with the host's (seconds: no kernel is built)."""
-    _geometry.check_against_kernel([s for s in DECODE + PREFILL if s.arch == "sm_90"])
+    geometry.check_against_kernel([s for s in DECODE + PREFILL if s.arch == "sm_90"])
 
 
 @pytest.mark.parametrize("cache, block_size", [("", 4), ("e4m3", 8)])
@@ -60,22 +63,22 @@ def test_prefill_takes_vllm_layout_from_16_byte_runs(cache, block_size):
     """8-token blocks of 16-bit values, 16-token blocks of fp8."""
     spec = jit.KernelSpec("paged_prefill", "f16", 64, block_size, kv_format="vllm",
                           cache_dtype=cache)
-    assert not _catalog.supported(spec)
+    assert not catalog.supported(spec)
     assert "vLLM's value layout is copied in runs of 16 bytes of one block" in \
-        _geometry.PrefillGeometry.of(spec).violations()
+        geometry.PrefillGeometry.of(spec).violations()
     with pytest.raises(jit.CompileError, match="runs of 16 bytes"):
         jit.compile_check([spec])
-    assert _catalog.supported(jit.KernelSpec("paged_prefill", "f16", 64, 2 * block_size,
+    assert catalog.supported(jit.KernelSpec("paged_prefill", "f16", 64, 2 * block_size,
                                              kv_format="vllm", cache_dtype=cache))
 
 
 def test_a_wrong_mirror_is_caught(monkeypatch):
     spec = jit.KernelSpec("paged_decode", "f16", 128, 16, 4)
-    real = _geometry.DecodeGeometry.smem_bytes
-    monkeypatch.setattr(_geometry.DecodeGeometry, "smem_bytes",
+    real = geometry.DecodeGeometry.smem_bytes
+    monkeypatch.setattr(geometry.DecodeGeometry, "smem_bytes",
                         property(lambda g: real.fget(g) + 16))
     with pytest.raises(AssertionError, match=f"host mirror differs: {spec.name}"):
-        _geometry.check_against_kernel([spec])
+        geometry.check_against_kernel([spec])
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -91,7 +94,7 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
     base = dict(dtype="f16", head_size=64, block_size=16, group_tile=4, tile_tokens=64, stages=2)
     base.update(fields)
     spec = jit.KernelSpec("paged_decode", **base)
-    assert message in _geometry.DecodeGeometry.of(spec).violations()
+    assert message in geometry.DecodeGeometry.of(spec).violations()
     with pytest.raises(jit.CompileError, match=message):
         jit.compile_check([spec])
 
@@ -106,42 +109,42 @@ def test_specialization_names_are_unique():
 # ---- the covering set ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", sorted(_catalog.AXES))
+@pytest.mark.parametrize("kernel", sorted(catalog.AXES))
 def test_covering_set_covers_every_pair_of_every_kernel(kernel):
     """Every pair of values that some supported specialization has."""
-    names = (*_catalog.AXES[kernel], "arch")
-    want = set().union(*(_catalog._pairs(s, names) for s in ALL if s.kernel == kernel))
-    cover = [s for s in _catalog.covering_specs(ARCHS) if s.kernel == kernel]
-    got = set().union(*(_catalog._pairs(s, names) for s in cover))
+    names = (*catalog.AXES[kernel], "arch")
+    want = set().union(*(catalog._pairs(s, names) for s in ALL if s.kernel == kernel))
+    cover = [s for s in catalog.covering_specs(ARCHS) if s.kernel == kernel]
+    got = set().union(*(catalog._pairs(s, names) for s in cover))
     assert got == want
-    assert all(_catalog.supported(s) for s in cover)
-    axes = {**_catalog.AXES[kernel], "arch": ARCHS}
+    assert all(catalog.supported(s) for s in cover)
+    axes = {**catalog.AXES[kernel], "arch": ARCHS}
     sizes = sorted((len(v) for v in axes.values()), reverse=True)
     # The two largest axes' product is the least any pairwise set can have; IPOG is greedy
     # and may need a few more (reshape_and_cache's 3 x 3 x 2^4 axes: 11 rows, not 9).
     if len(sizes) >= 2:
-        assert sizes[0] * sizes[1] <= len(_covering.pairwise(axes)) <= 1.25 * sizes[0] * sizes[1]
+        assert sizes[0] * sizes[1] <= len(covering.pairwise(axes)) <= 1.25 * sizes[0] * sizes[1]
 
 
 def test_covering_set_reaches_every_decode_code_path():
     """Tensor cores and V's layout depend on three or four axes at once: pairs alone
     missed 10 of the 30 (dtype, tile, path) combinations, so one of each is added."""
-    cover = _catalog.covering_specs(ARCHS)
+    cover = catalog.covering_specs(ARCHS)
     for arch in ARCHS:
-        want = {_catalog._decode_path(s) for s in DECODE if s.arch == arch}
-        got = {_catalog._decode_path(s) for s in cover if s.kernel == "paged_decode" and s.arch == arch}
+        want = {catalog._decode_path(s) for s in DECODE if s.arch == arch}
+        got = {catalog._decode_path(s) for s in cover if s.kernel == "paged_decode" and s.arch == arch}
         assert got == want
 
 
 def test_covering_set_has_the_shared_memory_extremes():
-    cover = set(_catalog.covering_specs(ARCHS))
+    cover = set(catalog.covering_specs(ARCHS))
     for arch in ARCHS:
-        smem = {s: _geometry.DecodeGeometry.of(s).smem_bytes for s in DECODE if s.arch == arch}
+        smem = {s: geometry.DecodeGeometry.of(s).smem_bytes for s in DECODE if s.arch == arch}
         assert max(smem, key=smem.get) in cover and min(smem, key=smem.get) in cover
 
 
 def test_covering_set_is_deterministic_and_small():
-    a, b = _catalog.covering_specs(ARCHS), _catalog.covering_specs(ARCHS)
+    a, b = catalog.covering_specs(ARCHS), catalog.covering_specs(ARCHS)
     assert a == b and len(a) == len(set(a))
     assert len(a) < len(ALL) / 10
 
@@ -150,8 +153,8 @@ def test_covering_set_is_deterministic_and_small():
                                    (5, 5, 5, 5, 5)])
 def test_pairwise_covers_every_pair(sizes):
     axes = {f"a{i}": [f"v{j}" for j in range(n)] for i, n in enumerate(sizes)}
-    rows = _covering.pairwise(axes)
-    assert _covering.covers_all_pairs(axes, rows)
+    rows = covering.pairwise(axes)
+    assert covering.covers_all_pairs(axes, rows)
     assert all(set(r) == set(axes) for r in rows)
     full = list(itertools.product(*axes.values()))
     assert len(rows) <= len(full)
@@ -162,4 +165,4 @@ def test_pairwise_covers_every_pair(sizes):
 
 def test_covers_all_pairs_notices_a_missing_pair():
     axes = {"x": [0, 1], "y": [0, 1]}
-    assert not _covering.covers_all_pairs(axes, [{"x": 0, "y": 0}, {"x": 1, "y": 1}])
+    assert not covering.covers_all_pairs(axes, [{"x": 0, "y": 0}, {"x": 1, "y": 1}])

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _dtypes, decode, reference, testing
-from cupaged.bench import _Spin
+from cupaged import _dtypes, planning, reference, testing
+from cupaged.bench.timing import Spin
 from conftest import assert_close, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -202,10 +202,10 @@ def test_jax_takes_attention_and_merge_outputs_after_their_launches(rng, monkeyp
     ahead of each launch makes any JAX read that does not wait for the launch see NaN."""
     jax = _jax()
     jnp = jax.numpy
-    from cupaged import merge
+    from cupaged import launch, merge
 
-    spin = _Spin(SLEEP_US)
-    real_run, real_merge = decode._Launch.run, merge._launch
+    spin = Spin(SLEEP_US)
+    real_run, real_merge = launch.Launch.run, merge._launch
 
     def late_run(self, *a, **k):
         spin()
@@ -215,7 +215,7 @@ def test_jax_takes_attention_and_merge_outputs_after_their_launches(rng, monkeyp
         spin()
         return real_merge(*a, **k)
 
-    monkeypatch.setattr(decode._Launch, "run", late_run)
+    monkeypatch.setattr(launch.Launch, "run", late_run)
     monkeypatch.setattr(merge, "_launch", late_merge)
     p = make_problem(rng, lens=(1, 17, 40, 33), heads=8, kv_heads=2, head_size=64)
     args = {k: jnp.asarray(v) for k, v in p.host_args().items() if v is not None}
@@ -356,7 +356,7 @@ def test_cupy_side_stream_ordering(rng, how):
     cupaged.reshape_and_cache(zeros, zeros, cupy.empty_like(args["key_cache"]),
                               cupy.empty_like(args["value_cache"]), slot)
     side = cupy.cuda.Stream(non_blocking=True)
-    spin = _Spin(SLEEP_US)
+    spin = Spin(SLEEP_US)
     cupy.cuda.Device().synchronize()
     with side:
         spin()
@@ -543,8 +543,8 @@ def test_arrays_on_device_1(rng):
         assert cupy.cuda.runtime.getDevice() == 0  # the caller's device is restored
     assert out.device.id == 1
     assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
-    k0 = decode._kernels(0, "f16", 64, 16, 4)
-    k1 = decode._kernels(1, "f16", 64, 16, 4)
+    k0 = planning.decode_kernels(0, "f16", 64, 16, 4)
+    k1 = planning.decode_kernels(1, "f16", 64, 16, 4)
     assert k0 is not k1 and k0.decode.ptr != k1.decode.ptr
     with pytest.raises(ValueError, match="the workspace is on device 0 but query is on device 1"):
         cupaged.paged_attention(**args, workspace=cupaged.DecodeWorkspace(2, 8, 64, device=0))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cupaged import _variants, cache_ops, decode, jit
-from cupaged.cli import main
+from cupaged import _variants, cache_ops, jit, launch
+from cupaged.bench.cli import main
 
 SPEC = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_90")
 
@@ -299,10 +299,10 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
     """The CI compile check: a pairwise covering set of every kernel's specializations for
     both targets (every value and pair of values of the axes; `cupaged-bench compile --all`
     compiles all of them). The geometry of the rest is checked in test_geometry.py."""
-    from cupaged import _catalog
+    from cupaged.specs import catalog
 
-    n = len(_catalog.covering_specs(["sm_80", "sm_90"]))
-    full = len(_catalog.all_specs(["sm_80", "sm_90"]))
+    n = len(catalog.covering_specs(["sm_80", "sm_90"]))
+    full = len(catalog.all_specs(["sm_80", "sm_90"]))
     result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--covering"])
     assert result.exit_code == 0, result.output
     assert (f"compiled {n} specializations (a pairwise covering set of the {full} supported) "
@@ -374,11 +374,11 @@ def test_every_kernel_has_a_launch_format():
      f"static_assert(cupaged::kMaxCopyTensors == {cache_ops._COPY_TENSORS}, \"count\");\n"),
     ("paged_decode.cu",
      f"static_assert(sizeof(cupaged::VariantParams) == {_variants._STRUCT.size}, \"size\");\n"
-     f"static_assert(sizeof(cupaged::PagedKV) == {decode._PAGED_KV.size}, \"size\");\n"),
+     f"static_assert(sizeof(cupaged::PagedKV) == {launch._PAGED_KV.size}, \"size\");\n"),
 ], ids=["CopyTable", "VariantParams"])
 def test_by_value_structs_have_the_size_the_host_packs(entry, check):
     """Structs travel in the launch parameters: the host packs exactly their bytes."""
-    nvrtc = jit._nvrtc()
+    nvrtc = jit.nvrtc()
     prog = nvrtc.createProgram(jit.source(entry) + check, "sizes.cu", [], [])
     try:
         try:
@@ -392,7 +392,7 @@ def test_by_value_structs_have_the_size_the_host_packs(entry, check):
 def test_clear_memory_caches_empties_the_launcher_caches():
     """Modules keep launchers in jit.launcher_cache lookups: clearing the memory caches
     must empty those too, or a changed option (CUPAGED_FP8_SOFTWARE) would not take."""
-    from cupaged import cache_ops, decode, varlen
+    from cupaged import cache_ops, planning
 
     calls = []
 
@@ -405,6 +405,6 @@ def test_clear_memory_caches_empties_the_launcher_caches():
     assert lookup(1) is first and calls == [1]
     jit.clear_memory_caches()
     assert lookup(1) is not first and calls == [1, 1]
-    for cached in (decode._kernels, varlen._prefill_kernel, cache_ops._kernel):
+    for cached in (planning.decode_kernels, planning.prefill_kernel, cache_ops._kernel):
         assert cached in jit._launcher_caches
     jit._launcher_caches.remove(lookup)

@@ -1,4 +1,4 @@
-"""The Llama decoder of cupaged.llama on the CPU: its logits over packed, chunked batches
+"""The Llama decoder of cupaged.serving.llama on the CPU: its logits over packed, chunked batches
 (dense reference attention) equal transformers' LlamaForCausalLM with the same weights;
 presets, Hugging Face parameter names, seeds. Needs torch and transformers (skipped
 without them)."""
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cupaged.llama import DenseAttention, Llama, LlamaConfig, dense_attention, to_hf  # noqa: E402
+from cupaged.serving.llama import DenseAttention, Llama, LlamaConfig, dense_attention, to_hf  # noqa: E402
 
 TINY = LlamaConfig.preset("tiny")
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _arrays, _dtypes, _catalog, jit, merge, reference, testing
+from cupaged import _arrays, _dtypes, jit, merge, reference, testing
+from cupaged.specs import catalog
 from conftest import assert_close
 from test_decode import poisoned
 from test_validation import Fake
@@ -35,12 +36,12 @@ def _tol(dtype):
 
 
 def test_every_specialization_compiles_for_sm80_and_sm90():
-    specs = [s for s in _catalog.all_specs(["sm_80", "sm_90"]) if s.kernel == "merge_states"]
+    specs = [s for s in catalog.all_specs(["sm_80", "sm_90"]) if s.kernel == "merge_states"]
     assert sorted(s.name for s in specs) == sorted(
         f"merge_states_{d}_{a}" for d in ("f32", "f16", "bf16") for a in ("sm80", "sm90"))
     assert jit.compile_check(specs)[0] == 6
-    assert "merge_states" in _catalog.SMALL_KERNELS
-    assert set(_catalog.covering_specs(["sm_80", "sm_90"])) >= set(specs)
+    assert "merge_states" in catalog.SMALL_KERNELS
+    assert set(catalog.covering_specs(["sm_80", "sm_90"])) >= set(specs)
 
 
 def test_launch_format_and_struct_match_the_kernel(monkeypatch):
@@ -97,8 +98,6 @@ def fake_device(monkeypatch):
     real = merge.as_device_array
     adapt = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
     monkeypatch.setattr(merge, "as_device_array", adapt)
-    monkeypatch.setattr(merge, "optional_device_array",
-                        lambda x, name: None if x is None else adapt(x, name))
     monkeypatch.setattr(merge, "optional_output_array",
                         lambda x, name: None if x is None else adapt(x, name))
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())

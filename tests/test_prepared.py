@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _checks, _prepared, decode, reference, testing, varlen
+from cupaged import _checks, _prepared, launch, reference, testing, validation
 
 from conftest import assert_close, make_problem
 from test_varlen import make_varlen
@@ -60,17 +60,17 @@ def validations(monkeypatch):
     """Counts the calls that went through validation (the others were prepared)."""
     count = {"decode": 0, "attention": 0}
 
-    def counting(module, name):
-        real = getattr(module, "_validate")
+    def counting(name, function):
+        real = getattr(validation, function)
 
         def wrapped(*a, **k):
             count[name] += 1
             return real(*a, **k)
 
-        monkeypatch.setattr(module, "_validate", wrapped)
+        monkeypatch.setattr(validation, function, wrapped)
 
-    counting(decode, "decode")
-    counting(varlen, "attention")
+    counting("decode", "validate_decode")
+    counting("attention", "validate_varlen")
     _prepared.clear()
     yield count
     _prepared.clear()
@@ -135,7 +135,7 @@ def test_side_arrays_and_workspaces_are_keyed_by_address(rng, validations):
     for _ in range(2):
         slopes = rng.uniform(0.0, 0.5, 8).astype(np.float32)
         sinks = rng.normal(size=8).astype(np.float32)
-        dev = (cupy.asarray(slopes), cupy.asarray(sinks), decode.DecodeWorkspace(2, 8, 64))
+        dev = (cupy.asarray(slopes), cupy.asarray(sinks), launch.DecodeWorkspace(2, 8, 64))
         alive.append(dev)
         got = cupaged.paged_attention(**{**d, "alibi_slopes": dev[0]}, sinks=dev[1],
                                       workspace=dev[2], partition="always")
@@ -161,14 +161,14 @@ def test_a_new_workspace_every_step_counts_in_its_own_memory(rng, validations):
         ws = cupaged.DecodeWorkspace(3, 8, 64)
         out = cupaged.paged_attention(**d, workspace=ws, partition=256)
         assert_close(cupy.asnumpy(out), ref, TOL, f"step {step}")
-        parts = ws._partials(decode._validate(*(cupaged._arrays.as_device_array(a, n) for n, a in (
+        parts = ws._partials(validation.validate_decode(*(cupaged._arrays.as_device_array(a, n) for n, a in (
             ("query", d["query"]), ("key_cache", d["key_cache"]),
             ("value_cache", d["value_cache"]), ("block_tables", d["block_tables"]),
             ("context_lens", d["context_lens"]))), None, None))
         lo, hi = ws._buf.data.ptr, ws._buf.data.ptr + ws.nbytes
         for addr in (parts.part_out, parts.part_max, parts.part_sum, parts.counters):
             assert lo <= addr < hi
-        assert decode._workspace_key(ws)[1] == lo
+        assert launch.workspace_key(ws)[1] == lo
 
 
 @pytest.mark.gpu

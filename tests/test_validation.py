@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _checks, decode
+from cupaged import _checks, decode, launch, planning, validation
 
 
 class Fake:
@@ -33,7 +33,7 @@ def args(dtype=np.float16, seqs=3, heads=8, kv_heads=2, hs=64, bs=16, blocks=10,
 
 def validate(**a):
     fakes = {k: (None if v is None else (v if isinstance(v, Fake) else Fake(v))) for k, v in a.items()}
-    return decode._validate(fakes["query"], fakes["key_cache"], fakes["value_cache"],
+    return validation.validate_decode(fakes["query"], fakes["key_cache"], fakes["value_cache"],
                                fakes["block_tables"], fakes["context_lens"],
                                fakes["alibi_slopes"], fakes["out"])
 
@@ -139,7 +139,7 @@ def test_other_objects_are_refused():
 
 # An H100's 64x2 tiles: 3 CTAs per SM, or 2 held there by more shared memory.
 KS = SimpleNamespace(slots=396, tile_tokens=64, sms=132, saturate=2, smem=66688,
-                     fewer=(decode._Occupancy(2, 264, 115712),))
+                     fewer=(planning.Occupancy(2, 264, 115712),))
 
 
 def _problem(**kw):
@@ -151,18 +151,18 @@ def _problem(**kw):
 ])
 def test_scale_must_be_finite(value, match):
     with pytest.raises(ValueError, match=match):
-        decode._scale(value, 64)
+        validation.softmax_scale(value, 64)
 
 
 def test_max_context_len_checks():
     p = _problem()
-    assert decode._max_context(None, p) == 4 * 16
-    assert decode._max_context(30, p) == 30
-    assert decode._max_context(10**6, p) == 64  # never more than the table can hold
+    assert validation.max_context(None, p) == 4 * 16
+    assert validation.max_context(30, p) == 30
+    assert validation.max_context(10**6, p) == 64  # never more than the table can hold
     with pytest.raises(ValueError, match="max_context_len must be >= 0"):
-        decode._max_context(-1, p)
+        validation.max_context(-1, p)
     with pytest.raises(TypeError, match="max_context_len must be an int"):
-        decode._max_context(3.5, p)
+        validation.max_context(3.5, p)
 
 
 @pytest.mark.parametrize("partition, match", [
@@ -172,26 +172,26 @@ def test_max_context_len_checks():
 ])
 def test_partition_checks(partition, match):
     with pytest.raises(ValueError, match=match):
-        decode._partition_tokens(partition, _problem(), 64, 8, KS)
+        planning.partition_tokens(partition, _problem(), 64, 8, KS)
 
 
 def test_too_many_partitions_are_refused():
     p = _problem(width=2**20, bs=1)
     with pytest.raises(ValueError, match="more than 65535 partitions"):
-        decode._partition_tokens(1, p, 2**20, 8, KS)
+        planning.partition_tokens(1, p, 2**20, 8, KS)
 
 
 def test_explicit_partition_and_never():
     p = _problem()
-    assert decode._partition_tokens(32, p, 64, 8, KS)[0] == 32
-    assert decode._partition_tokens("never", p, 64, 8, KS)[0] == 0
-    assert decode._partition_tokens(32, p, 0, 8, KS) == (0, KS.smem)  # nothing to split
+    assert planning.partition_tokens(32, p, 64, 8, KS)[0] == 32
+    assert planning.partition_tokens("never", p, 64, 8, KS)[0] == 0
+    assert planning.partition_tokens(32, p, 0, 8, KS) == (0, KS.smem)  # nothing to split
 
 
 def test_auto_may_choose_a_single_pass():
     p = _problem()
-    assert decode._partition_tokens("auto", p, 2048, 4096, KS) == (0, KS.smem)  # many waves
-    assert decode._partition_tokens("always", p, 2048, 4096, KS)[0] > 0
+    assert planning.partition_tokens("auto", p, 2048, 4096, KS) == (0, KS.smem)  # many waves
+    assert planning.partition_tokens("always", p, 2048, 4096, KS)[0] > 0
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
@@ -202,8 +202,8 @@ def test_auto_may_choose_a_single_pass():
     (4096, 2048, 1),     # many waves already: no split
 ])
 def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
-    size = decode._split(ctas, ctx, 396, 64, 64, False)
-    assert decode._parts(ctx, size) == want_parts
+    size = planning.split_tokens(ctas, ctx, 396, 64, 64, False)
+    assert planning.partition_count(ctx, size) == want_parts
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
@@ -214,12 +214,12 @@ def test_split_choice_follows_the_waves(ctas, ctx, want_parts):
     (2048, 512, 1),
 ])
 def test_a_single_wave_is_priced_by_its_fullest_sm(ctas, ctx, want_parts):
-    size = decode._split(ctas, ctx, 396, 64, 64, False, 132, 2.0)
-    assert decode._parts(ctx, size) == want_parts
+    size = planning.split_tokens(ctas, ctx, 396, 64, 64, False, 132, 2.0)
+    assert planning.partition_count(ctx, size) == want_parts
     # Without the SM count every wave costs a full one: the same grids split further.
     if want_parts < 8:
-        old = decode._split(ctas, ctx, 396, 64, 64, False)
-        assert decode._parts(ctx, old) >= want_parts
+        old = planning.split_tokens(ctas, ctx, 396, 64, 64, False)
+        assert planning.partition_count(ctx, old) >= want_parts
 
 
 @pytest.mark.parametrize("ctas, ctx, want_parts, want_per_sm", [
@@ -234,34 +234,34 @@ def test_a_single_wave_is_priced_by_its_fullest_sm(ctas, ctx, want_parts):
     (8, 131072, 33, 3),   # batch 1: one wave of 2 per SM either way; a tie keeps 3
 ])
 def test_residency_is_chosen_with_the_split(ctas, ctx, want_parts, want_per_sm):
-    size, occ = decode._split_and_residency(ctas, ctx, KS, 64, False)
-    assert decode._parts(ctx, size) == want_parts
+    size, occ = planning.split_and_residency(ctas, ctx, KS, 64, False)
+    assert planning.partition_count(ctx, size) == want_parts
     assert occ.per_sm == want_per_sm
-    smem = decode._partition_tokens("auto", _problem(), ctx, ctas, KS)[1]
+    smem = planning.partition_tokens("auto", _problem(), ctx, ctas, KS)[1]
     assert smem == occ.smem == (KS.smem if want_per_sm == 3 else KS.fewer[0].smem)
 
 
 def test_fixed_partitions_get_a_residency_too():
     p = _problem()
     # A single pass of 512 CTAs: 2 waves at either residency, shorter ones at 2 per SM.
-    assert decode._partition_tokens("never", p, 2048, 512, KS) == (0, KS.fewer[0].smem)
-    assert decode._partition_tokens("never", p, 2048, 2048, KS) == (0, KS.smem)
+    assert planning.partition_tokens("never", p, 2048, 512, KS) == (0, KS.fewer[0].smem)
+    assert planning.partition_tokens("never", p, 2048, 2048, KS) == (0, KS.smem)
     # Without lower residencies (a --ctas-per-sm override) the natural one.
     ks = SimpleNamespace(**{**vars(KS), "fewer": ()})
-    assert decode._partition_tokens("never", p, 2048, 512, ks) == (0, KS.smem)
-    assert decode._split_and_residency(512, 2048, ks, 64, False)[1].per_sm == 3
+    assert planning.partition_tokens("never", p, 2048, 512, ks) == (0, KS.smem)
+    assert planning.split_and_residency(512, 2048, ks, 64, False)[1].per_sm == 3
 
 
 def _fake_device(monkeypatch, per_sm_of):
-    """decode._kernels on a fake H100 (132 SMs, 228 KiB per SM): no compile, no launch;
+    """planning.decode_kernels on a fake H100 (132 SMs, 228 KiB per SM): no compile, no launch;
     ``per_sm_of(smem)`` the driver's occupancy at a dynamic shared memory size."""
-    dev = decode._Device(0, "sm_90", 132, 227 * 1024, 228 * 1024)
-    monkeypatch.setattr(decode, "_device", lambda device_id: dev)
-    monkeypatch.setattr(decode, "_combine", lambda *a: None)
-    monkeypatch.setattr(decode.jit, "load", lambda spec, device_id, smem=0: object())
-    monkeypatch.setattr(decode, "_resident_ctas",
+    dev = planning.DeviceInfo(0, "sm_90", 132, 227 * 1024, 228 * 1024)
+    monkeypatch.setattr(planning, "device_info", lambda device_id: dev)
+    monkeypatch.setattr(planning, "combine_kernel", lambda *a: None)
+    monkeypatch.setattr(planning.jit, "load", lambda spec, device_id, smem=0: object())
+    monkeypatch.setattr(planning, "resident_ctas",
                         lambda device_id, kernel, threads, smem: per_sm_of(smem) * 132)
-    decode._kernels.cache_clear()
+    planning.decode_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("per_sm, saturating, want", [
@@ -279,16 +279,16 @@ def test_kernels_offer_the_lower_residencies_the_driver_grants(monkeypatch, per_
     _fake_device(monkeypatch, per_sm_of)
     cache = "e4m3" if saturating == "e4m3" else "f16"
     try:
-        ks = decode._kernels(0, "f16", 128, 16, 4, "tok", cache, "")
+        ks = planning.decode_kernels(0, "f16", 128, 16, 4, "tok", cache, "")
         assert ks.slots == per_sm * 132
         assert [o.per_sm for o in ks.fewer] == want
         for o in ks.fewer:
             assert o.slots == o.per_sm * 132 and o.smem > ks.smem
             assert per_sm_of(o.smem) == o.per_sm
-        decode._set_tuning(None, 2)  # an override: that residency alone
-        assert decode._kernels(0, "f16", 128, 16, 4, "tok", cache, "").fewer == ()
+        planning.set_tuning(None, 2)  # an override: that residency alone
+        assert planning.decode_kernels(0, "f16", 128, 16, 4, "tok", cache, "").fewer == ()
     finally:
-        decode._set_tuning()
+        planning.set_tuning()
 
 
 def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
@@ -296,24 +296,24 @@ def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
     # SM) at 2 per SM; a workspace with room for two leaves 320 CTAs, which 3 per SM hold
     # in one wave.
     ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
-    monkeypatch.setattr(decode, "_kernels", lambda *a, **k: ks)
+    monkeypatch.setattr(planning, "decode_kernels", lambda *a, **k: ks)
     p = validate(**args(seqs=20, heads=32, kv_heads=8, hs=128, bs=16, width=128))
-    launch = decode._prepare(p, 0.1, 2048, "auto", 0)
-    assert launch.grid[2] == 3 and launch.smem == KS.fewer[0].smem
-    ws = decode._Partials(1, 2, 3, max_rows=20 * 32 * 2, counters=4, max_counters=20 * 8)
-    launch = decode._prepare(p, 0.1, 2048, "auto", 0, ws)
-    assert launch.grid[2] == 2 and launch.smem == KS.smem
+    plan = launch.decode_launch(p, 0.1, 2048, "auto", 0)
+    assert plan.grid[2] == 3 and plan.smem == KS.fewer[0].smem
+    ws = launch.Partials(1, 2, 3, max_rows=20 * 32 * 2, counters=4, max_counters=20 * 8)
+    plan = launch.decode_launch(p, 0.1, 2048, "auto", 0, ws)
+    assert plan.grid[2] == 2 and plan.smem == KS.smem
     # One CTA per query row (attention's row mode, here one row per sequence): the same
     # split and residency as decode, reading query_start_loc.
-    rows = decode._prepare(p, 0.1, 2048, "auto", 0, rows=True)
+    rows = launch.decode_launch(p, 0.1, 2048, "auto", 0, rows=True)
     assert rows.grid[2] == 3 and rows.smem == KS.fewer[0].smem and rows.takes_starts
-    assert not decode._prepare(p, 0.1, 2048, "auto", 0).takes_starts
+    assert not launch.decode_launch(p, 0.1, 2048, "auto", 0).takes_starts
 
 
 def test_always_splits_at_least_in_two():
-    assert decode._split(4096, 2048, 396, 64, 64, True) > 0
-    assert -(-2048 // decode._split(4096, 2048, 396, 64, 64, True)) >= 2
-    assert decode._split(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
+    assert planning.split_tokens(4096, 2048, 396, 64, 64, True) > 0
+    assert -(-2048 // planning.split_tokens(4096, 2048, 396, 64, 64, True)) >= 2
+    assert planning.split_tokens(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
 
 
 # ---- regression tests for the review of issue 10 ---------------------------------------------
@@ -332,12 +332,12 @@ def test_more_query_heads_than_the_grid_allows_are_refused():
 ])
 def test_scale_must_fit_float32(value, exc, match):
     with pytest.raises(exc, match=match):
-        decode._scale(value, 64)
+        validation.softmax_scale(value, 64)
 
 
 def test_partition_of_2_pow_31_tokens_is_a_value_error():
     with pytest.raises(ValueError, match="below 2\\^31"):
-        decode._partition_tokens(2**31, _problem(), 64, 8, KS)
+        planning.partition_tokens(2**31, _problem(), 64, 8, KS)
 
 
 def _with_ptr(a, ptr):
@@ -383,13 +383,13 @@ def test_devices_older_than_sm80_are_refused_by_name(monkeypatch):
     props = {"major": 7, "minor": 5, "name": b"Tesla T4", "multiProcessorCount": 40,
              "sharedMemPerBlockOptin": 65536}
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda i: props)
-    decode._device.cache_clear()
+    planning.device_info.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"device 3 \(Tesla T4\) has compute capability "
                                                r"7\.5; cupaged's kernels need 8\.0 or newer"):
-            decode._device(3)
+            planning.device_info(3)
     finally:
-        decode._device.cache_clear()
+        planning.device_info.cache_clear()
 
 
 @pytest.fixture
@@ -397,6 +397,7 @@ def v2_args(monkeypatch):
     """paged_attention_v2's scratch checks run before anything touches a GPU: Fakes pass
     through the array adapter unchanged."""
     monkeypatch.setattr(decode, "as_device_array", lambda x, name: x)
+    monkeypatch.setattr(validation, "as_device_array", lambda x, name: x)
     a = {k: (None if v is None else Fake(v)) for k, v in args(seqs=2, heads=4).items()}
     base = 1 << 24
     a["out"] = _with_ptr(np.zeros((2, 4, 64), np.float16), base)
@@ -515,7 +516,7 @@ def test_the_documented_context_limit_is_where_validation_stops(bs):
     block more fails, for paged_attention and attention alike."""
     from test_varlen_validation import vargs, vvalidate
 
-    assert decode._MAX_TOKENS == DOCUMENTED_MAX_TOKENS == 2**31 - 1025
+    assert _checks.MAX_TOKENS == DOCUMENTED_MAX_TOKENS == 2**31 - 1025
     widest = DOCUMENTED_MAX_TOKENS // bs
     a = args(seqs=1, bs=bs)
     p = validate(**{**a, "block_tables": _table(widest)})

@@ -260,7 +260,7 @@ def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch,
     (the ramp); a spec whose bit disagrees with the call (forced here) still gives the
     reference's result: slopes without the bit take the per-key path, the bit without
     slopes adds a zero ramp."""
-    from cupaged import _prepared, varlen
+    from cupaged import _prepared, planning
 
     asked = []
 
@@ -274,8 +274,8 @@ def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch,
         return orig(device_id, dtype, head_size, block_size, kv_format, tile, cache_dtype,
                     kv_scale, variant)
 
-    orig = varlen._prefill_kernel
-    monkeypatch.setattr(varlen, "_prefill_kernel", spy)
+    orig = planning.prefill_kernel
+    monkeypatch.setattr(planning, "prefill_kernel", spy)
     _prepared.clear()
     try:
         q_lens, seq = [40, 17, 1, 100], [300, 150, 77, 700]
@@ -316,20 +316,20 @@ def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap,
     (variant f) up to its largest cap, and matches the reference there: with sinks (one
     far above the logits where the output stays representable), lse, a window, empty
     rows, split-KV partitions and fp8 caches."""
-    from cupaged import _prepared, varlen
+    from cupaged import _prepared, planning
 
     from test_fp8 import fp8_problem
 
     if saturate and kind == "fp8_token":
         pytest.skip("per-token fp8 keys keep their signs")
     asked = []
-    orig = varlen._prefill_kernel
+    orig = planning.prefill_kernel
 
     def spy(*args, **kw):
         asked.append(kw.get("variant", args[-1] if len(args) > 8 else ""))
         return orig(*args, **kw)
 
-    monkeypatch.setattr(varlen, "_prefill_kernel", spy)
+    monkeypatch.setattr(planning, "prefill_kernel", spy)
     _prepared.clear()
     prefill_split(64 if kind.endswith("split") else 0)
     heads, kvh = 8, 2

@@ -89,10 +89,10 @@ TILES = [(4, 1, 32, 2), (8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 
 
 @pytest.fixture
 def tile_override():
-    from cupaged import varlen
+    from cupaged import planning
 
-    yield varlen._set_tile
-    varlen._set_tile(None)
+    yield planning.set_prefill_tile
+    planning.set_prefill_tile(None)
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
@@ -101,13 +101,14 @@ def tile_override():
                          ids=lambda c: "{}_hs{}_bs{}_{}x{}_{}".format(*c))
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "w{}m{}n{}x{}".format(*t))
 def test_every_tile_shape_matches_reference(rng, tile_override, tile, case, alibi):
-    from cupaged import _geometry, jit
+    from cupaged import jit
+    from cupaged.specs import geometry
 
     dtype, hs, bs, heads, kv_heads, layout = case
     spec = jit.KernelSpec("paged_prefill", dtype, hs, bs, kv_format="vllm" if layout == "vllm"
                           else "tok", warps=tile[0], m_atoms=tile[1], tile_tokens=tile[2],
                           stages=tile[3])
-    if not _geometry.PrefillGeometry.of(spec).fits("sm_90"):
+    if not geometry.PrefillGeometry.of(spec).fits("sm_90"):
         pytest.skip("shared memory")
     tile_override(tile)
     q_lens = [300, 1, 0, 64, 17, 200]

@@ -1,9 +1,9 @@
 """Decode kernel time, the library as it was (.regress/old, imported as ``cupaged_old``)
 against the working tree, on the same data in one process, runs interleaved.
 
-Each case (issue 14's workloads: heads/kv heads, batch, context) runs on vLLM's legacy
+Each case (the eight decode rows of tools/decode_rows.sh: heads/kv heads, batch, context) runs on vLLM's legacy
 layout, NHD and HND, both libraries' outputs checked against the float64 reference before
-timing. Rounds alternate old and new (``bench.time_us``: L2 flushed, a GPU busy-wait before
+timing. Rounds alternate old and new (``timing.time_us``: L2 flushed, a GPU busy-wait before
 each run, device time), so both see the same clocks; the ratio new/old is the figure.
 
     python3 tools/decode_ab.py [--rounds 3] [--reps 10] [--dtype float16] [--layouts vllm,NHD,HND]
@@ -21,8 +21,9 @@ import numpy as np
 
 import cupaged
 import cupaged_old
-from cupaged.bench import (DecodeCase, Workload, cache_in_layout, copy_bandwidth,
-                           parse_context_dist, time_us)
+from cupaged.bench.decode import cache_in_layout
+from cupaged.bench.timing import copy_bandwidth, time_us
+from cupaged.bench.workloads import DecodeCase, Workload, parse_context_dist
 
 CASES = [  # heads, kv heads, batch, context
     (32, 8, 64, "2048"), (32, 32, 64, "2048"), (32, 8, 8, "32768"), (32, 8, 1, "1024"),

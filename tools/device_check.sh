@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A whole device check: environment, the GPU test suite, and the decode benchmark of the
-# core issue. Logs go to $OUT (the device tool brings them back).
+# A whole device check: environment, the GPU test suite, and the decode, compile,
+# cache-ops and overhead benchmarks. Logs go to $OUT (the device tool brings them back).
 #   bash tools/device_check.sh [pytest args...]     e.g. -k long_context
 # The suite takes over 10 minutes, the most a device command may run: SHARD=1 runs the
 # decode, varlen, interop and prepared-call tests, SHARD=3 the serving loop's (engine, model,
@@ -8,7 +8,7 @@
 # and the benchmarks, one device
 # call each (the two summary lines together are the suite's).
 source "$(dirname "$0")/device_env.sh"
-bench() { python3 -m cupaged.cli "$@"; }
+bench() { python3 -m cupaged.bench "$@"; }
 SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
 # FlashInfer's CLI rows compile FlashInfer's modules (minutes): with the serving loop's,
 # where .flashinfer is carried.

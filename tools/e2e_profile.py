@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
-from cupaged import bench_e2e
-from cupaged.engine import PagedAttention
+from cupaged.bench import e2e as bench_e2e
+from cupaged.serving.engine import PagedAttention
 
 
 def main():

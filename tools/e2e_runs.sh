@@ -11,7 +11,7 @@
 # JSON per run goes to $OUT/e2e-NAME*.json, the console to $OUT/e2e-NAME*.txt.
 source "$(dirname "$0")/device_env.sh"
 name=${1:?name}; shift
-e2e() { local tag=$1; shift; python3 -m cupaged.cli e2e "$@" --json "$OUT/e2e-$tag.json" 2>&1 | tee "$OUT/e2e-$tag.txt"; }
+e2e() { local tag=$1; shift; python3 -m cupaged.bench e2e "$@" --json "$OUT/e2e-$tag.json" 2>&1 | tee "$OUT/e2e-$tag.txt"; }
 MAIN8B="--preset llama-3-8b --num-requests 256 --prompt-len 128 2048 --output-len 256"
 case "$name" in
   quick) e2e quick --preset llama-3.2-1b --num-requests 64 --prompt-len 128 1024 --output-len 64 \

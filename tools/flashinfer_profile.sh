@@ -33,15 +33,18 @@ for impl in ${IMPLS:-flashinfer-decode-tc flashinfer-decode cupaged-hnd}; do
     --nvtx --nvtx-include "timed/" python3 - "$impl" "$shape" > "$f" 2>&1 <<'PY'
 import sys
 import numpy as np
-from cupaged import bench, decode
+from cupaged import decode, planning
+from cupaged.bench import decode as bench_decode
+from cupaged.bench import timing
+from cupaged.bench import workloads
 impl, shape = sys.argv[1], sys.argv[2]
 impl, ctas, partition = (impl.split("@") + ["", ""])[:3]
-decode._set_tuning(None, int(ctas) if ctas else None)
+planning.set_tuning(None, int(ctas) if ctas else None)
 heads, kvh, batch, ctx = (int(x) for x in shape.split(","))
-case = bench.DecodeCase(batch, np.full(batch, ctx, np.int32), heads, kvh, 128, 16,
+case = workloads.DecodeCase(batch, np.full(batch, ctx, np.int32), heads, kvh, 128, 16,
                         np.dtype(np.float16)).build()
-fn = bench.IMPLEMENTATIONS[impl][0](case, partition or "auto")
-bench.call_in_nvtx_range(fn)
+fn = bench_decode.IMPLEMENTATIONS[impl][0](case, partition or "auto")
+timing.call_in_nvtx_range(fn)
 PY
   echo "== $impl $shape (exit $?)"
   grep -E "^  [A-Za-z_].*\(|gpu__time|dram__|lts__|xbar2l1tex|grid_size|block_size|registers_per|occupancy_limit|shared_mem_per|waves|issue_active|warps_active|inst_executed|stalled" "$f" | sed 's/  */ /g' | head -60

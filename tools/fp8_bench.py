@@ -18,7 +18,9 @@ import cupy
 import numpy as np
 
 import cupaged
-from cupaged import bench, decode, reference, testing
+from cupaged import planning, reference, testing
+from cupaged.bench import peers
+from cupaged.bench import timing
 
 OUT = os.environ.get("OUT", "/tmp/cupaged-out")
 HS, BS = 128, 16
@@ -55,16 +57,16 @@ def decode_rows(copy_bw, use_flashinfer, tiles=(None,)):
 
             nbytes = 2 * batch * ctx * kvh * HS * (1 if fp8 else 2) + 2 * q.nbytes
             for tile in tiles if fp8 else (None,):
-                decode._set_tuning(tile=tile)
+                planning.set_tuning(tile=tile)
                 tag = "" if tile is None else "_{}x{}".format(*tile)
                 try:
-                    us = bench.time_us(run).median_us
+                    us = timing.time_us(run).median_us
                 except Exception as e:  # a tile this shape cannot take (reported, not fatal)
                     row[f"cupaged_{name}{tag}_error"] = str(e)[:200]
                     continue
                 row[f"cupaged_{name}{tag}_us"] = us
                 row[f"cupaged_{name}{tag}_bw"] = nbytes / (us * 1e-6) / copy_bw
-            decode._set_tuning()
+            planning.set_tuning()
             if fp8 and use_flashinfer:
                 row.update(_flashinfer_fp8(q, k, v, bt, lens, heads, kvh, nbytes, copy_bw))
         if "cupaged_e4m3_us" in row:
@@ -94,7 +96,7 @@ def _flashinfer_fp8(q, k, v, bt, lens, heads, kvh, nbytes, copy_bw):
             w.plan(indptr, indices, last, heads, kvh, HS, BS, pos_encoding_mode="NONE",
                    q_data_type=torch.float16, kv_data_type=torch.float8_e4m3fn,
                    sm_scale=HS ** -0.5)
-            us = bench.time_us(lambda: w.run(tq, (tk, tv), out=out, k_scale=0.05,
+            us = timing.time_us(lambda: w.run(tq, (tk, tv), out=out, k_scale=0.05,
                                              v_scale=0.05)).median_us
             key = "flashinfer_decode_tc" if tc else "flashinfer_decode"
             res[f"{key}_us"] = us
@@ -130,7 +132,7 @@ def prefill_rows():
                 cupaged.attention(q, k, v, bt, lens, qsl, kv_layout="HND", out=out,
                                   max_query_len=length, max_seq_len=length, **kw)
 
-            us = bench.time_us(run, reps=10).median_us
+            us = timing.time_us(run, reps=10).median_us
             row[f"{name}_tflops"] = flops / us / 1e6
         row["ratio"] = row["e4m3_tflops"] / row["bf16_tflops"]
         rows.append(row)
@@ -194,8 +196,8 @@ def main():
     tiles = [None if t == "default" else tuple(int(v) for v in t.split("x"))
              for t in a.tiles.split(",")]
     parts = a.only.split(",")
-    use_fi = not a.no_flashinfer and bench.flashinfer_unavailable() is None
-    copy_bw = bench.copy_bandwidth()
+    use_fi = not a.no_flashinfer and peers.flashinfer_unavailable() is None
+    copy_bw = timing.copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; flashinfer {'on' if use_fi else 'off'}", flush=True)
     res = dict(copy_bw=copy_bw)
     if "accuracy" in parts:

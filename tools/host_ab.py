@@ -20,7 +20,9 @@ import numpy as np
 
 import cupaged
 import cupaged_old
-from cupaged.bench import DecodeCase, _nhd_copy, _run_us
+from cupaged.bench.workloads import DecodeCase
+from cupaged.bench.overhead import nhd_copy
+from cupaged.bench.timing import run_us
 
 
 def _python_work():
@@ -98,14 +100,14 @@ def main(argv):
     case = DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16, np.dtype(np.float16)).build()
     a = dict(case.arrays)
     a["out"] = cupy.empty(a["query"].shape, a["query"].dtype)
-    a["nhd_k"], a["nhd_v"] = _nhd_copy(a)  # for attention's default layout
+    a["nhd_k"], a["nhd_v"] = nhd_copy(a)  # for attention's default layout
     a["q4"] = cupy.asarray(np.random.default_rng(0).standard_normal((32, 32, 128)), np.float16)
     a["out4"] = cupy.empty_like(a["q4"])
     a["starts4"] = cupy.arange(0, 36, 4, dtype=np.int32)
     # The same bytes as 64 sequences of 256 tokens: 512 CTAs, served in a single pass.
     wide = DecodeCase(64, np.full(64, 256, np.int32), 32, 8, 128, 16, np.dtype(np.float16),
                       seed=1).build().arrays
-    a["wk"], a["wv"] = _nhd_copy(wide)
+    a["wk"], a["wv"] = nhd_copy(wide)
     a["wq"], a["wbt"], a["wcl"] = wide["query"], wide["block_tables"], wide["context_lens"]
     a["wout"] = cupy.empty_like(a["wq"])
     old, new = cases(cupaged_old, a, torch), cases(cupaged, a, torch)
@@ -120,12 +122,12 @@ def main(argv):
         o, n, r = [], [], []
         for i in range(rounds):
             if fn_old is None:
-                n.append(_run_us(fn_new, calls))
+                n.append(run_us(fn_new, calls))
                 continue
             if i % 2:
-                tn, to = _run_us(fn_new, calls), _run_us(fn_old, calls)
+                tn, to = run_us(fn_new, calls), run_us(fn_old, calls)
             else:
-                to, tn = _run_us(fn_old, calls), _run_us(fn_new, calls)
+                to, tn = run_us(fn_old, calls), run_us(fn_new, calls)
             o.append(to), n.append(tn), r.append(tn / to)
         cupy.cuda.runtime.deviceSynchronize()
         if o:

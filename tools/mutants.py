@@ -21,7 +21,7 @@ MUTANTS = {
         (r"\n          if \(tt \+ X > valid\) \{.*?\n          \}\n", "\n"),
     ], ["tests/test_decode.py", "-k", "stale", "--maxfail=1000"]),
     # vLLM's v2 with a 16-bit tmp_out: float32 partials take two of its elements each.
-    "v2-half-capacity": ("cupaged/decode.py", [
+    "v2-half-capacity": ("cupaged/validation.py", [
         (r"capacity = n_user // 2  # float32 partials in a 16-bit buffer",
          "capacity = n_user"),
     ], ["tests/test_decode.py", "-k", "half_precision_tmp_out"]),

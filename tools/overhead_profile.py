@@ -1,4 +1,4 @@
-"""Where the host time of an eager call goes (issue 14): per-piece timings of
+"""Where the host time of an eager call goes: per-piece timings of
 paged_attention and attention with CuPy and torch inputs (kernels cached, out given), and
 a cProfile of each call. Run on the GPU machine: python3 tools/overhead_profile.py"""
 
@@ -13,13 +13,14 @@ import cupy
 import numpy as np
 
 import cupaged
-from cupaged import _arrays, decode
-from cupaged.bench import DecodeCase, _host_us
+from cupaged import _arrays, planning, validation
+from cupaged.bench.workloads import DecodeCase
+from cupaged.bench.timing import host_us
 
 
 def per_call_us(fn):
     """Median of 7 runs of 200 calls (few enough that the launch queue never fills)."""
-    return _host_us(fn, 200, 7)
+    return host_us(fn, 200, 7)
 
 
 def profile(name, fn, n=3000):
@@ -68,7 +69,7 @@ def main():
     # Pieces of the CuPy single-pass call.
     pieces = {
         "as_device_array x6": lambda: [_arrays.as_device_array(x, "x") for x in (q, kc, vc, bt, cl, out)],
-        "decode._validate": lambda: decode._validate(q, kc, vc, bt, cl, None, out),
+        "validation.validate_decode": lambda: validation.validate_decode(q, kc, vc, bt, cl, None, out),
         "on_device": lambda: _arrays.on_device(0),
         "context (cupy)": lambda: _arrays.context(0, "cupy", None),
         "context (torch)": lambda: _arrays.context(0, "torch", None),
@@ -90,14 +91,14 @@ def main():
                                               j=10, k=11, l=12, m=13, n=14, o=15, p=16,
                                               q=17, r=18, s=19, t=20),
     }
-    p = decode._validate(q, kc, vc, bt, cl, None, out)
+    p = validation.validate_decode(q, kc, vc, bt, cl, None, out)
     memo = {}
-    key = (p.device, p.dtype.name, p.head_size, p.block_size, decode._group_tile(4),
+    key = (p.device, p.dtype.name, p.head_size, p.block_size, planning.group_tile(4),
            p.cache.kv_format, p.cache.dtype.name, p.quant.mode, "")
-    ks = decode._kernels(*key)
-    pieces["_kernels lookup"] = lambda: decode._kernels(*key)
+    ks = planning.decode_kernels(*key)
+    pieces["_kernels lookup"] = lambda: planning.decode_kernels(*key)
     # The prepared (memoized) path's pieces.
-    from cupaged import _prepared
+    from cupaged import _prepared, planning, validation
 
     main_arrays = (q, kc, vc, bt, cl, None, out, None)
     scalars = (None, 1024, "never", "auto", None, None, None, False, ())

@@ -29,14 +29,16 @@ for preset in ${PRESETS:-8x2048}; do
     ncu "${what[@]}" --nvtx --nvtx-include "timed/" python3 - "$impl" "$preset" \
       "${SOFT_CAP:-}" > "$f" 2>&1 <<'PY'
 import sys
-from cupaged import bench, bench_prefill
+from cupaged.bench import timing
+from cupaged.bench import workloads
+from cupaged.bench import prefill as bench_prefill
 impl, preset, cap = sys.argv[1], sys.argv[2], sys.argv[3]
-variants = bench.Variants(soft_cap=float(cap)) if cap else bench.Variants()
+variants = workloads.Variants(soft_cap=float(cap)) if cap else workloads.Variants()
 case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset],
                                  variants=variants).build()
 run = bench_prefill.IMPLEMENTATIONS[impl](case)
 print("max error", case.check(run()))
-bench.call_in_nvtx_range(run)
+timing.call_in_nvtx_range(run)
 PY
     echo "== $impl $preset ${SOFT_CAP:+soft-cap $SOFT_CAP }(exit $?)"
     grep -E "max error|^  [A-Za-z_].*\(|gpu__time|dram__|lts__|hmma|grid_size|block_size|registers_per|occupancy_limit|shared_mem_per|waves|issue_active|warps_active|inst_executed|stalled|conflicts|cycles_" "$f" | sed 's/  */ /g' | head -70

@@ -22,10 +22,11 @@ for preset in ${PRESETS:-prompt-4096}; do
     ncu "${args[@]}" --print-metric-instances values --kernel-name regex:paged_prefill \
       --launch-skip 2 --launch-count 1 python3 - "$preset" "$tile" "$kv" > "$f" 2>&1 <<'PY'
 import sys
-from cupaged import bench, bench_prefill, varlen
+from cupaged import planning
+from cupaged.bench import prefill as bench_prefill
 preset, tile, kv = sys.argv[1], sys.argv[2], sys.argv[3]
 if tile != "planner":
-    varlen._set_tile(tuple(int(x) for x in tile.split(",")))
+    planning.set_prefill_tile(tuple(int(x) for x in tile.split(",")))
 case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset], kv_cache_dtype=kv)
 for r in bench_prefill.measure([case], ["cupaged"], reps=3, copy_bw=1.0):
     print(r.case, r.impl, r.median_us, r.error, r.note)

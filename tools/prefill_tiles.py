@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cupaged import bench, bench_prefill, varlen  # noqa: E402
+from cupaged import planning  # noqa: E402
+from cupaged.bench import timing
+from cupaged.bench import workloads
+from cupaged.bench import prefill as bench_prefill
 
 TILES = [(8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 2), (4, 2, 32, 2),
          (4, 1, 32, 2), (8, 1, 32, 3), (4, 1, 64, 3), (2, 1, 128, 2)]
@@ -15,13 +18,13 @@ if os.environ.get("TILES"):
     TILES = [tuple(int(x) for x in t.split(",")) for t in os.environ["TILES"].split()]
 names = sys.argv[1:] or ["prompt-4096", "8x2048", "chunk-512-of-8192", "verify-64x4x2048"]
 cap = float(os.environ["SOFT_CAP"]) if os.environ.get("SOFT_CAP") else None
-variants = bench.Variants(soft_cap=cap) if cap else bench.PLAIN
+variants = workloads.Variants(soft_cap=cap) if cap else workloads.PLAIN
 cases = [bench_prefill.PrefillCase(n, **bench_prefill.PRESETS[n], variants=variants)
          for n in names]
-bw = bench.copy_bandwidth()
+bw = timing.copy_bandwidth()
 for tile in TILES:
-    varlen._set_tile(tile)
+    planning.set_prefill_tile(tile)
     for r in bench_prefill.measure(cases, ["cupaged"], reps=10, copy_bw=bw):
         print(f"w{tile[0]}m{tile[1]}n{tile[2]}x{tile[3]} {r.case:20s} {r.median_us:9.1f} us "
               f"{r.tflops:6.1f} TF {r.pct_copy:5.1f}% copy err {r.error:.1e} {r.note}", flush=True)
-varlen._set_tile(None)
+planning.set_prefill_tile(None)

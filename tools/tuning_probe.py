@@ -4,7 +4,7 @@ setting is ``ctas[@partition[@TOKENSxSTAGES]]`` ("-" for the default, e.g. ``-``
 ``2@never``, ``2@auto@128x2``), run through ``cupaged.attention`` on a token-major layout
 and checked against the float64 reference before it is timed. FlashInfer's tensor-core
 decode joins the rounds when it is importable (carry .flashinfer). Rounds alternate the
-settings (``bench.time_us``: L2 flushed, device time), so all see the same clocks.
+settings (``timing.time_us``: L2 flushed, device time), so all see the same clocks.
 
     python3 tools/tuning_probe.py --settings=-,2@never,2@auto [--layout HND]
         [--shapes 32/8/64/2048,32/32/64/2048 | --heads 32/8,32/32 --batch 8,64 --context 2048]
@@ -26,27 +26,30 @@ import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import bench, decode  # noqa: E402
+from cupaged import launch, planning  # noqa: E402
+from cupaged.bench import decode as bench_decode
+from cupaged.bench import timing
+from cupaged.bench import workloads
 
 SHAPES = "32/8/64/2048,32/32/64/2048,32/8/8/32768,32/8/256/512,32/8/128/uniform:128:4096,8/1/64/4096"
 
 
 _partition = "auto"
-_prepare = decode._prepare
+_prepare = launch.decode_launch
 
 
 def _prepare_with(p, scale, max_ctx, partition, *args, **kw):
-    """decode._prepare with the probe's partition instead of attention's "auto"."""
+    """launch.decode_launch with the probe's partition instead of attention's "auto"."""
     return _prepare(p, scale, max_ctx, _partition, *args, **kw)
 
 
-decode._prepare = _prepare_with  # attention() has no partition argument: the probe's lever
+launch.decode_launch = _prepare_with  # attention() has no partition argument: the probe's lever
 
 
 def _set(tile, ctas, partition) -> None:
     global _partition
     _partition = partition
-    decode._set_tuning(tile, ctas)  # also drops the prepared calls planned before
+    planning.set_tuning(tile, ctas)  # also drops the prepared calls planned before
 
 
 def _tuning(setting: str):
@@ -85,9 +88,9 @@ def main():
                   for c in a.context.split(",")]
     settings = a.settings.split(",")
     tunings = [_tuning(x) for x in settings]  # bad settings fail here, before any GPU work
-    fi = bench.IMPLEMENTATIONS.get("flashinfer-decode-tc")
+    fi = bench_decode.IMPLEMENTATIONS.get("flashinfer-decode-tc")
     fi_ok = fi is not None and fi[1]()
-    bw = bench.copy_bandwidth()
+    bw = timing.copy_bandwidth()
     names = settings + (["fi-tc"] if fi_ok else [])
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {a.dtype} (cache {a.kv_cache_dtype}) "
           f"hs{a.head_size} bs16 {a.layout}; device time "
@@ -106,18 +109,18 @@ def _row(a, shape: str, settings: list, tunings: list, names: list, fi, bw: floa
     setting's time over the best of the others (0 when skipped)."""
     h, kv, b, ctx = shape.split("/", 3)
     heads, kvh, batch = int(h), int(kv), int(b)
-    context = bench.parse_context_dist(ctx) if ctx.startswith("uniform:") else int(ctx)
+    context = workloads.parse_context_dist(ctx) if ctx.startswith("uniform:") else int(ctx)
     hs = a.head_size
-    lens = bench.Workload(batch, context, 1, 1, hs, 16, a.dtype).lengths(seed=0)
+    lens = workloads.Workload(batch, context, 1, 1, hs, 16, a.dtype).lengths(seed=0)
     item = 1 if a.kv_cache_dtype != "auto" else np.dtype(a.dtype).itemsize
     gib = int(lens.sum()) * kvh * hs * 2 * item / 2**30
     if gib > a.max_gib:
         print(f"{heads:>3d}/{kvh:<2d} {batch:5d} {ctx:>16s} skipped ({gib:.0f} GiB of cache)")
         return 0.0
-    case = bench.DecodeCase(batch, lens, heads, kvh, hs, 16, np.dtype(a.dtype),
+    case = workloads.DecodeCase(batch, lens, heads, kvh, hs, 16, np.dtype(a.dtype),
                             kv_cache_dtype=a.kv_cache_dtype).build()
     arr = case.arrays
-    k, v = bench.cache_in_layout(arr["key_cache"], arr["value_cache"], a.layout)
+    k, v = bench_decode.cache_in_layout(arr["key_cache"], arr["value_cache"], a.layout)
     max_len = int(case.context_lens.max(initial=0))
     bad, calls = [], {}
     for s, tuning in zip(settings, tunings):
@@ -139,7 +142,7 @@ def _row(a, shape: str, settings: list, tunings: list, names: list, fi, bw: floa
         for n in names:
             fn, tuning = calls[n]
             _set(*tuning)
-            times[n].append(bench.time_us(fn, reps=a.reps).median_us)
+            times[n].append(timing.time_us(fn, reps=a.reps).median_us)
     _set(None, None, "auto")
     med = {n: statistics.median(times[n]) for n in names}
     cells = [f"{med[n]:8.1f} ({case.bytes_moved / (med[n] * 1e-6) / bw * 100:5.1f}%)"

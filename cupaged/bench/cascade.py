@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from . import _dtypes, bench, reference, testing
+from .. import _dtypes, reference, testing
+from . import timing
 
 __all__ = ["CascadeCase", "CascadeRow", "cascade_tables", "measure", "write_csv", "write_json"]
 
@@ -300,7 +301,7 @@ def measure(case: CascadeCase, reps: int = 30, copy_bw: float = math.nan,
             if not checks["ok"]:
                 row.status, row.note = "failed", "check failed: not timed"
             else:
-                t = bench.time_us(fn, reps=reps)
+                t = timing.time_us(fn, reps=reps)
                 row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
                 row.gbps = row.bytes_moved / (t.median_us * 1e-6) / 1e9
                 row.pct_copy = 100 * row.gbps * 1e9 / copy_bw

@@ -11,7 +11,7 @@ import time
 
 import click
 
-from . import __version__, _dtypes, jit
+from .. import __version__, _dtypes, jit
 
 
 def _int_list(ctx, param, value):
@@ -29,7 +29,7 @@ def _int_list(ctx, param, value):
 
 def _kv_cache_dtype_option(f):
     """--kv-cache-dtype (decode, compare, prefill)."""
-    from .bench import KV_CACHE_DTYPES
+    from .workloads import KV_CACHE_DTYPES
 
     return click.option(
         "--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
@@ -42,7 +42,7 @@ def _kv_cache_dtype_option(f):
 def _kv_cache_dtype(value: str, dt: _dtypes.DType) -> str:
     """The canonical --kv-cache-dtype ('fp8' -> 'fp8_e4m3') for queries of ``dt``; usage
     errors for a combination the kernels do not take."""
-    from .bench import kv_cache_dtype_name
+    from .workloads import kv_cache_dtype_name
 
     try:
         kv = kv_cache_dtype_name(value)
@@ -81,8 +81,8 @@ def _alibi_option(f):
 
 
 def _variants(window, soft_cap, sinks=False, alibi=False):
-    """The variant options as a bench.Variants; usage errors for bad values."""
-    from .bench import Variants
+    """The variant options as a workloads.Variants; usage errors for bad values."""
+    from .workloads import Variants
 
     for hint, kw in (("--window", dict(window=window)), ("--soft-cap", dict(soft_cap=soft_cap))):
         try:
@@ -122,7 +122,7 @@ def main():
 @main.command()
 def info():
     """GPU, driver and library versions, and the kernel cache."""
-    from .bench import environment
+    from .report import environment
 
     env = environment()
     for key in ("cupaged", "python", "numpy", "cupy", "nvrtc"):
@@ -148,9 +148,9 @@ def _default_arch() -> str:
     if _gpu_count():
         import cupy
 
-        from . import decode
+        from .. import planning
 
-        return decode._device(cupy.cuda.Device().id).arch
+        return planning.device_info(cupy.cuda.Device().id).arch
     return "sm_90"
 
 
@@ -183,7 +183,8 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
              precompile):
     """Compile kernels: the --all or --covering check, or cold/warm timings of the listed
     shapes."""
-    from . import _catalog, _geometry, decode
+    from .. import planning
+    from ..specs import catalog, geometry
 
     if not archs:
         archs = (_default_arch(),)
@@ -191,8 +192,8 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
         if given and not (all_ or covering):
             raise click.UsageError(f"{flag} goes with --all or --covering")
     if all_ or covering:
-        full = _catalog.all_specs(archs)
-        specs = full if all_ else _catalog.covering_specs(archs)
+        full = catalog.all_specs(archs)
+        specs = full if all_ else catalog.covering_specs(archs)
         if count:
             click.echo(f"{len(specs)} specializations"
                        + ("" if all_ else f" in the covering set of the {len(full)} supported")
@@ -201,7 +202,7 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
         try:
             n, secs = jit.compile_check(specs, fast=not optimized)
             if all_:  # the geometry mirror agrees with the kernel for every decode spec
-                _geometry.check_against_kernel(s for s in specs if s.kernel == "paged_decode")
+                geometry.check_against_kernel(s for s in specs if s.kernel == "paged_decode")
         except (jit.CompileError, AssertionError) as e:
             click.echo(str(e), err=True)
             sys.exit(1)
@@ -215,7 +216,7 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
         dts = [_dtypes.parse(d).name for d in dtypes]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
-    specs = [jit.KernelSpec("paged_decode", d, hs, bs, decode._group_tile(g), arch=a)
+    specs = [jit.KernelSpec("paged_decode", d, hs, bs, planning.group_tile(g), arch=a)
              for a, d, hs, bs, g in itertools.product(archs, dts, head_size, block_size, group)]
     if precompile:
         for b in jit.precompile(specs):
@@ -240,7 +241,7 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
                     import cupy
 
                     t0 = time.perf_counter()
-                    jit.load(spec, cupy.cuda.Device().id, decode._decode_smem_bytes(spec))
+                    jit.load(spec, cupy.cuda.Device().id, planning.decode_smem_bytes(spec))
                     row += f" {(time.perf_counter() - t0) * 1e3:9.2f} ms"
                 click.echo(row)
         finally:
@@ -256,7 +257,7 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
 
 def _workload_options(f):
     """The options that describe a sweep of decode workloads (decode and compare)."""
-    from .bench import PRESETS
+    from .workloads import PRESETS
 
     opts = [
         click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)),
@@ -298,7 +299,7 @@ def _workload_options(f):
 def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
                dtype, kv_cache_dtype="auto", variants=None):
     """Expand the options into workloads; usage errors for impossible combinations."""
-    from .bench import PRESETS, Workload, parse_context_dist
+    from .workloads import PRESETS, Workload, parse_context_dist
 
     try:
         dt = _dtypes.parse(dtype)
@@ -333,12 +334,12 @@ def _partition(value):
 
 def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_path, title):
     """Run, print the table, write the files; exit 1 if any check failed."""
-    from . import bench
+    from . import decode, report, timing
 
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
     _require_gpu()
-    bw = bench.copy_bandwidth()
+    bw = timing.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
     _echo_kv_cache(workloads[0].kv_cache_dtype if workloads else "auto")
     if workloads:
@@ -347,15 +348,15 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
     with click.progressbar(workloads, label="measuring", file=sys.stderr,
                            item_show_func=lambda w: w and f"batch {w.batch} ctx {w.context_label}") as bar:
         for w in bar:
-            results += bench.measure(w, impls, partition, reps, seed, bw)
+            results += decode.measure(w, impls, partition, reps, seed, bw)
     _print_table(results, compare=len(impls) > 1)
-    env = bench.environment()
+    env = report.environment()
     if json_path:
-        bench.write_json(json_path, results, env, bw / 1e9)
+        report.write_json(json_path, results, env, bw / 1e9)
     if csv_path:
-        bench.write_csv(csv_path, results, env, bw / 1e9)
+        report.write_csv(csv_path, results, env, bw / 1e9)
     if plot_path:
-        bench.write_plot(plot_path, results, title)
+        report.write_plot(plot_path, results, title)
     failed = [r for r in results if r.status == "failed"]
     skipped = [r for r in results if r.status == "skipped"]
     if skipped:
@@ -366,10 +367,10 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
 
 def _echo_kv_cache(kv_cache_dtype: str):
     """One line naming an fp8 cache and its scales (nothing for a 16-bit one)."""
-    from . import bench
+    from . import workloads
 
     if kv_cache_dtype != "auto":
-        s = bench.FP8_SCALES[kv_cache_dtype]
+        s = workloads.FP8_SCALES[kv_cache_dtype]
         click.echo(f"KV cache {kv_cache_dtype}: random finite values, per-tensor scales "
                    f"k_scale = v_scale = {s:g}")
 
@@ -429,12 +430,12 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
            csv_path, plot_path, tile, ctas_per_sm):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference (with the same variants) before it is timed."""
-    from . import decode
+    from .. import planning
 
     variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype, kv_cache_dtype, variants)
-    decode._set_tuning(tile, ctas_per_sm)
+    planning.set_tuning(tile, ctas_per_sm)
     kv = ws[0].kv_cache_dtype if ws else "auto"
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
            "cupaged decode" + ("" if kv == "auto" else f", {kv} cache")
@@ -457,42 +458,42 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
     with variants, those that cannot run them (the gather baselines for any; FlashInfer's
     decode, which gets window_left and logits_soft_cap, for sinks and ALiBi; XQA, which
     gets window_left and sinks, for soft-cap and ALiBi)."""
-    from . import bench
+    from . import decode, peers, workloads
 
     variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype, kv_cache_dtype, variants)
-    kv = bench.kv_cache_dtype_name(kv_cache_dtype)
-    known = list(bench.IMPLEMENTATIONS)
+    kv = workloads.kv_cache_dtype_name(kv_cache_dtype)
+    known = list(decode.IMPLEMENTATIONS)
     for i in impls:
         if i not in known:
             raise click.BadParameter(f"unknown implementation {i!r}: expected {', '.join(known)}",
                                      param_hint="--impl")
-        why = bench.fp8_unsupported(i, kv)
+        why = decode.fp8_unsupported(i, kv)
         if why:
             raise click.BadParameter(f"--kv-cache-dtype {kv}: {why}", param_hint="--impl")
-        why = bench.variant_unsupported(i, variants)
+        why = decode.variant_unsupported(i, variants)
         if why:
             raise click.BadParameter(why, param_hint="--impl")
-    asked_fi = [i for i in impls if i in bench.FLASHINFER_IMPLS]
+    asked_fi = [i for i in impls if i in decode.FLASHINFER_IMPLS]
     gpu = _gpu_count() > 0
-    why = bench.flashinfer_unavailable() if asked_fi or (gpu and not impls) else None
+    why = peers.flashinfer_unavailable() if asked_fi or (gpu and not impls) else None
     if why and asked_fi:
         raise click.UsageError(f"--impl {asked_fi[0]} needs FlashInfer (pip install "
                                f"flashinfer-python) and torch with CUDA: {why}")
     if why:  # one line for all of them, not a skipped row per workload
         click.echo(f"flashinfer rows skipped: {why}")
     if not impls:  # one line each for the peers an fp8 cache or the variants leave out
-        no_fp8 = [i for i in known if bench.fp8_unsupported(i, kv)]
+        no_fp8 = [i for i in known if decode.fp8_unsupported(i, kv)]
         if no_fp8:
             click.echo(f"no fp8 cache path, left out: {', '.join(no_fp8)}")
-        no_var = [i for i in known if not bench.fp8_unsupported(i, kv)
-                  and bench.variant_unsupported(i, variants)
-                  and not (why and i in bench.FLASHINFER_IMPLS)]
+        no_var = [i for i in known if not decode.fp8_unsupported(i, kv)
+                  and decode.variant_unsupported(i, variants)
+                  and not (why and i in decode.FLASHINFER_IMPLS)]
         if no_var:
             click.echo(f"cannot run {variants.label()}, left out: {', '.join(no_var)}")
-    chosen = list(impls) or (bench.available_implementations(kv, variants) if gpu else
-                             [i for i in known if not bench.unsupported(i, kv, variants)])
+    chosen = list(impls) or (decode.available_implementations(kv, variants) if gpu else
+                             [i for i in known if not decode.unsupported(i, kv, variants)])
     if "cupaged" in chosen:  # first, so the others' ratios refer to it
         chosen = ["cupaged"] + [i for i in chosen if i != "cupaged"]
     title = "decode: " + ", ".join(dict.fromkeys(w.preset or f"{w.heads}/{w.kv_heads}/{w.head_size}"
@@ -543,11 +544,11 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
     their query types) torch SDPA, which has no fp8 path, is left out; with --window,
     --soft-cap, --sinks or --alibi it is too (plain attention only), and FlashInfer (which
     gets window_left = W - 1 and logits_soft_cap) with --sinks or --alibi."""
-    from . import bench, bench_prefill
+    from . import prefill, peers, timing, workloads
 
     variants = _variants(window, soft_cap, sinks, alibi)
 
-    kv = bench.kv_cache_dtype_name(kv_cache_dtype)
+    kv = workloads.kv_cache_dtype_name(kv_cache_dtype)
     if kv != "auto" and (batch or query_len):  # a custom shape's --dtype (presets: 16 bits)
         try:
             dt = _dtypes.parse(dtype)
@@ -562,34 +563,34 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
         ctx = context or query_len
         if ctx < query_len:
             raise click.BadParameter("--context counts the new tokens: at least --query-len")
-        cases.append(bench_prefill.PrefillCase(
+        cases.append(prefill.PrefillCase(
             f"{batch}x{query_len}/{ctx}", batch, query_len, ctx, heads, kv_heads, head_size,
             block_size, dtype, not non_causal, kv, variants))
-    for name in presets or (() if cases else tuple(bench_prefill.PRESETS)):
-        if name not in bench_prefill.PRESETS:
+    for name in presets or (() if cases else tuple(prefill.PRESETS)):
+        if name not in prefill.PRESETS:
             raise click.BadParameter(f"unknown preset {name!r}", param_hint="--preset")
-        kw = bench_prefill.PRESETS[name]
-        cases.append(bench_prefill.PrefillCase(name, causal=not non_causal, kv_cache_dtype=kv,
+        kw = prefill.PRESETS[name]
+        cases.append(prefill.PrefillCase(name, causal=not non_causal, kv_cache_dtype=kv,
                                                variants=variants, **kw))
     if not impls:
         impls = ["cupaged"]
-        if bench._torch() is not None and kv == "auto":  # SDPA: no fp8 cache path
+        if peers.import_torch() is not None and kv == "auto":  # SDPA: no fp8 cache path
             impls += ["torch-sdpa-flash", "torch-sdpa-cudnn"]
-        if bench.flashinfer_unavailable() is None:
+        if peers.flashinfer_unavailable() is None:
             impls += ["flashinfer-fa2", "flashinfer-fa3"]
-        left_out = [i for i in impls if bench_prefill.variant_unsupported(i, variants)]
+        left_out = [i for i in impls if prefill.variant_unsupported(i, variants)]
         if left_out:
             click.echo(f"cannot run {variants.label()}, left out: {', '.join(left_out)}")
             impls = [i for i in impls if i not in left_out]
-    bw = bench.copy_bandwidth()
-    mm = bench_prefill.matmul_tflops()
+    bw = timing.copy_bandwidth()
+    mm = prefill.matmul_tflops()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s (same run)")
     _echo_kv_cache(kv)
     _echo_variants(variants)
     click.echo(f"{'shape':20s} {'implementation':18s} {'median us':>10s} {'TFLOP/s':>8s} "
                f"{'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
     wrong = 0
-    for r in bench_prefill.measure(cases, impls, reps, bw):
+    for r in prefill.measure(cases, impls, reps, bw):
         click.echo(f"{r.case:20s} {r.impl:18s} {r.median_us:10.1f} {r.tflops:8.1f} "
                    f"{100 * r.tflops / mm:5.1f}% {r.pct_copy:6.1f}% {r.error:8.1e}  {r.note}")
         wrong += r.note == "WRONG"
@@ -632,22 +633,22 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
     cupaged.merge_state. The two results are checked against each other and, for
     --check-seqs sequences, against the float64 reference before timing. Each step is
     also timed alone (cold L2 each time, so the parts need not add up to the whole)."""
-    from . import bench, bench_cascade
+    from . import cascade, peers, report, timing
 
     try:
-        case = bench_cascade.CascadeCase(seqs, prefix, suffix, heads, kv_heads, head_size,
+        case = cascade.CascadeCase(seqs, prefix, suffix, heads, kv_heads, head_size,
                                          block_size, dtype, kv_layout, seed)
     except ValueError as e:
         raise click.UsageError(str(e))
     _require_gpu()
-    bw = bench.copy_bandwidth()
+    bw = timing.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
     click.echo(f"cascade: {seqs} sequences x (shared prefix {prefix} + own {suffix} tokens), "
                f"{heads}/{kv_heads}/{head_size}, block {block_size}, {case.dtype}, {kv_layout}")
     try:
-        rows, checks = bench_cascade.measure(case, reps, bw, check_seqs)
-    except bench._oom_errors():
-        bench._free_memory()
+        rows, checks = cascade.measure(case, reps, bw, check_seqs)
+    except peers.oom_errors():
+        peers.free_memory()
         click.echo("SKIPPED: the cache does not fit in GPU memory")
         sys.exit(3)
     click.echo(f"checks (tolerance {checks['tolerance']:g}, lse {checks['lse_tolerance']:g}): "
@@ -669,12 +670,12 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
                    f"{r.ratio_to_plain:8.3f}")
     if checks["ok"]:
         click.echo(f"speed-up of the cascade over plain decode: "
-                   f"{bench_cascade.speedup(rows):.2f}x")
-    env = bench.environment()
+                   f"{cascade.speedup(rows):.2f}x")
+    env = report.environment()
     if json_path:
-        bench_cascade.write_json(json_path, case, rows, checks, env, bw / 1e9)
+        cascade.write_json(json_path, case, rows, checks, env, bw / 1e9)
     if csv_path:
-        bench_cascade.write_csv(csv_path, case, rows, checks, env, bw / 1e9)
+        cascade.write_csv(csv_path, case, rows, checks, env, bw / 1e9)
     sys.exit(0 if checks["ok"] else 1)
 
 
@@ -743,10 +744,10 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     (median, p90) and the peak KV bytes held, and for the engine systems the share of the
     step time in attention, the rest of the model and the host. Needs PyTorch with CUDA
     (transformers for hf, FlashInfer for flashinfer)."""
-    from . import bench, bench_e2e
+    from . import e2e, report
 
     try:
-        workload = bench_e2e.Workload(
+        workload = e2e.Workload(
             preset=preset, dtype=dtype, num_requests=num_requests, prompt_len=prompt_len,
             output_len=output_len, shared_prefix=shared_prefix, prefix_caching=prefix_caching,
             kv_cache_dtype=kv_cache_dtype, request_rate=request_rate,
@@ -758,18 +759,18 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
     for s in systems:
-        why = bench_e2e.unsupported(s, workload)
+        why = e2e.unsupported(s, workload)
         if why:
             raise click.BadParameter(why, param_hint="--systems")
     _require_gpu()
     for s in systems:
-        why = bench_e2e.unavailable(s)
+        why = e2e.unavailable(s)
         if why:
             raise click.UsageError(f"--systems {s}: {why}")
     chosen = list(dict.fromkeys(systems))
     if not chosen:
-        for s in bench_e2e.SYSTEMS:
-            why = bench_e2e.unsupported(s, workload) or bench_e2e.unavailable(s)
+        for s in e2e.SYSTEMS:
+            why = e2e.unsupported(s, workload) or e2e.unavailable(s)
             if why:
                 click.echo(f"{s} left out: {why}")
             else:
@@ -777,16 +778,16 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     if not chosen:
         click.echo("no system can run here", err=True)
         sys.exit(2)
-    results = bench_e2e.run(workload, chosen, echo=click.echo)
-    for line in bench_e2e.table_lines(results) + bench_e2e.breakdown_lines(results):
+    results = e2e.run(workload, chosen, echo=click.echo)
+    for line in e2e.table_lines(results) + e2e.breakdown_lines(results):
         click.echo(line)
-    env = bench.environment()
+    env = report.environment()
     if json_path:
-        bench_e2e.write_json(json_path, workload, results, env)
+        e2e.write_json(json_path, workload, results, env)
     if csv_path:
-        bench_e2e.write_csv(csv_path, workload, results, env)
+        e2e.write_csv(csv_path, workload, results, env)
     if plot_path:
-        bench_e2e.write_plot(plot_path, results, f"e2e: {preset} {dtype}, {num_requests} requests")
+        e2e.write_plot(plot_path, results, f"e2e: {preset} {dtype}, {num_requests} requests")
     statuses = {r.status for r in results}
     sys.exit(1 if "failed" in statuses else 3 if "skipped" in statuses else 0)
 
@@ -799,11 +800,11 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
 def overhead(calls):
     """Host time per call of the Python entry points with their kernels cached (what a
     serving loop pays per layer), and per replay of a captured CUDA graph."""
-    from . import bench
+    from . import overhead
 
     _require_gpu()
     click.echo(f"{'entry point':52s} {'host us/call':>12s}")
-    for name, us in bench.host_overheads(calls).items():
+    for name, us in overhead.host_overheads(calls).items():
         click.echo(f"{name:52s} {us:12.1f}")
 
 
@@ -827,24 +828,24 @@ def overhead(calls):
 def cache_ops(dtype, kv_heads, head_size, block_size, tokens, layers, pairs, seqs, reps):
     """Throughput of reshape_and_cache, copy_blocks and swap_blocks (against one copy per
     block), and the host time of one PagedKVCache decode step."""
-    from . import bench
+    from . import cache_ops, timing
 
     try:
         dt = _dtypes.parse(dtype)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
     _require_gpu()
-    bw = bench.copy_bandwidth()
+    bw = timing.copy_bandwidth()
     click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write), same run")
     click.echo(f"{'operation':52s} {'median us':>10s} {'GB/s':>8s} {'% copy':>7s}  check")
     failed = 0
-    for row in bench.cache_op_rows(dt.numpy, kv_heads, head_size, block_size, tokens, layers,
+    for row in cache_ops.cache_op_rows(dt.numpy, kv_heads, head_size, block_size, tokens, layers,
                                    pairs, reps):
         pct = f"{100 * row.gbps * 1e9 / bw:6.1f}%" if row.vs_copy else "      -"
         click.echo(f"{row.name:52s} {row.median_us:10.1f} {row.gbps:8.1f} {pct}  "
                    f"{'ok' if row.ok else 'FAILED'}")
         failed += not row.ok
-    for name, t in bench.kv_cache_step_us(seqs, kv_heads, head_size, block_size, dt.numpy).items():
+    for name, t in cache_ops.kv_cache_step_us(seqs, kv_heads, head_size, block_size, dt.numpy).items():
         click.echo(f"{name:52s} {t:10.1f}        -       -  host time")
     sys.exit(1 if failed else 0)
 

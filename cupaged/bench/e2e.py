@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _dtypes
-from .engine import Completion, Request, RequestOutput
+from .. import _dtypes
+from ..serving.engine import Completion, Request, RequestOutput
 
 __all__ = ["SYSTEMS", "ConcatEngine", "FlashInferAttention", "Harness", "SystemResult",
            "Workload", "arrival_offsets", "breakdown_lines", "contiguous_reservation",
@@ -294,7 +294,7 @@ def unsupported(system: str, workload: Workload) -> str | None:
         if workload.dtype == "float32":
             return "flashinfer runs float16 and bfloat16 models, not float32"
         try:
-            from .llama import LlamaConfig
+            from ..serving.llama import LlamaConfig
         except ImportError:  # no torch: unavailable() says so
             return None
         head_dim = LlamaConfig.preset(workload.preset).head_dim
@@ -307,12 +307,12 @@ def unsupported(system: str, workload: Workload) -> str | None:
 
 def unavailable(system: str) -> str | None:
     """Why ``system`` cannot run on this machine (a package missing), or None."""
-    from . import bench
+    from . import peers
 
-    if bench._torch() is None:
+    if peers.import_torch() is None:
         return "needs PyTorch with a CUDA device"
     if system == "flashinfer":
-        return bench.flashinfer_unavailable()
+        return peers.flashinfer_unavailable()
     if system == "hf":
         import importlib.util
 
@@ -350,7 +350,7 @@ class ConcatEngine:
 
     def __init__(self, model, *, budget_tokens: int, max_batched_tokens: int = 2048,
                  max_running: int = 256):
-        from .llama import SdpaAttention
+        from ..serving.llama import SdpaAttention
 
         self.model = model
         self.budget_tokens = budget_tokens
@@ -449,15 +449,16 @@ class FlashInferAttention:
     and runs them, into one output."""
 
     def __init__(self, cache, config):
-        from . import _arrays, bench
+        from .. import _arrays
+        from . import peers
 
-        flashinfer = bench._require_flashinfer()
-        torch = bench._torch()
+        flashinfer = peers.require_flashinfer()
+        torch = peers.import_torch()
         if cache.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"FlashInfer takes NHD or HND caches, not {cache.kv_layout!r}")
         kc = cache.key_caches[0]
         # A workspace each: a wrapper's plan lives in its workspace until its runs.
-        self.workspaces = [torch.zeros(bench._FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
+        self.workspaces = [torch.zeros(peers.FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
                                        device=kc.device) for _ in range(2)]
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspaces[0],
                                                                       cache.kv_layout)
@@ -474,7 +475,7 @@ class FlashInferAttention:
     def __call__(self, cache, batch, slot_mapping, block_tables, seq_lens, query_start_loc):
         import torch
 
-        from . import bench
+        from . import peers
 
         tables, lens = cache.manager.tables(batch.seq_ids)  # after the step's appends
         single = batch.num_tokens == 1
@@ -482,13 +483,13 @@ class FlashInferAttention:
         c, dev = self.config, self.workspaces[0].device
         common = dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
         if d:
-            indptr, indices, last = bench._flashinfer_pages(tables[:d], lens[:d],
+            indptr, indices, last = peers.flashinfer_pages(tables[:d], lens[:d],
                                                              cache.block_size)
             self.decode.plan(torch.from_numpy(indptr), torch.from_numpy(indices).to(dev),
                              torch.from_numpy(last), c.num_heads, c.num_kv_heads, c.head_dim,
                              cache.block_size, pos_encoding_mode="NONE", **common)
         if d < len(single):
-            indptr, indices, last = bench._flashinfer_pages(tables[d:], lens[d:],
+            indptr, indices, last = peers.flashinfer_pages(tables[d:], lens[d:],
                                                              cache.block_size)
             qo = batch.query_start_loc[d:] - batch.query_start_loc[d]
             self.prefill.plan(torch.from_numpy(qo), torch.from_numpy(indptr),
@@ -501,7 +502,7 @@ class FlashInferAttention:
     def _layer(self, cache, slot_mapping, d, rows, layer, q, k, v):
         import torch
 
-        from . import cache_ops
+        from .. import cache_ops
 
         kc, vc = cache.key_caches[layer], cache.value_caches[layer]
         cache_ops.reshape_and_cache(k, v, kc, vc, slot_mapping, kv_layout=cache.kv_layout,
@@ -529,11 +530,11 @@ class _StepProfiler:
     replay recomputes the same K/V into the same slots and returns the same logits."""
 
     def __init__(self, model):
-        from . import bench
+        from . import timing
 
         self.model, self.config, self.dtype = model, model.config, model.dtype
         self.device = model.device
-        self._spin = bench._Spin(0)
+        self._spin = timing.Spin(0)
         self.forward_s = self.attention_s = self.replay_s = 0.0
 
     def forward(self, tokens, positions, attention, logits_rows=None):
@@ -581,7 +582,7 @@ class Harness:
     def __init__(self, workload: Workload, *, device="cuda", num_blocks: int | None = None):
         import torch
 
-        from .llama import Llama, LlamaConfig
+        from ..serving.llama import Llama, LlamaConfig
 
         self.workload = w = workload
         self.device = torch.device(device)
@@ -616,7 +617,7 @@ class Harness:
         """Run one system: ``(SystemResult, outputs)``. Running out of GPU memory skips
         it and any other error fails it (the note says which; the traceback goes to
         stderr); outputs are then empty. Memory is released before returning."""
-        from . import bench
+        from . import peers
 
         try:
             why = unsupported(system, self.workload)
@@ -625,7 +626,7 @@ class Harness:
             if system in ENGINE_SYSTEMS:
                 return self._run_engine(system)
             return getattr(self, f"_run_{system}")()
-        except bench._oom_errors() as e:
+        except peers.oom_errors() as e:
             return SystemResult(system, "skipped", f"out of GPU memory: {_one_line(e)}"), []
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
@@ -647,7 +648,7 @@ class Harness:
                                     kv_cache_dtype=w.kv_cache_dtype)
 
     def _engine(self, cache, backend, model=None, cuda_graphs=False):
-        from .engine import Engine
+        from ..serving.engine import Engine
 
         w = self.workload
         return Engine(self.model if model is None else model, cache,
@@ -656,7 +657,7 @@ class Harness:
                       max_model_len=w.prompt_len[1] + w.output_len)
 
     def _run_engine(self, system: str):
-        from .engine import PagedAttention
+        from ..serving.engine import PagedAttention
 
         cache = self.make_cache()
         backend = (FlashInferAttention(cache, self.config) if system == "flashinfer"
@@ -668,7 +669,7 @@ class Harness:
             engine.capture_graphs()
         _sync(self.device)
         peak, running, steps = [0], [0], [0]
-        execute = engine._execute
+        execute = engine.execute
 
         def recording(batch):  # after the step's appends, before it frees what finished
             sampled = execute(batch)
@@ -677,10 +678,10 @@ class Harness:
             steps[0] += 1
             return sampled
 
-        engine._execute = recording
+        engine.execute = recording
         requests, offsets = self.requests()
         outputs, seconds = serve(engine, requests, offsets)
-        del engine._execute
+        del engine.execute
         result = SystemResult(system, **summarize(outputs, seconds),
                               kv_budget_bytes=self.num_blocks * cache.bytes_per_block,
                               kv_peak_bytes=peak[0], kv_reserved_peak_bytes=peak[0],
@@ -723,13 +724,13 @@ class Harness:
 
     def _timed_pass(self, engine) -> float:
         """Seconds inside ``engine.step()`` serving the requests, all submitted at once."""
-        from . import bench
+        from . import peers
 
         requests, _ = self.requests()
         for r in requests:
             engine.submit(r)
         wall = 0.0
-        with bench._torch_on_cupy_stream():  # a profiler's busy-wait is on CuPy's stream
+        with peers.torch_on_cupy_stream():  # a profiler's busy-wait is on CuPy's stream
             while engine.has_unfinished():
                 t0 = time.perf_counter()
                 engine.step()
@@ -758,7 +759,7 @@ class Harness:
     def _run_hf(self):
         import torch
 
-        from .llama import to_hf
+        from ..serving.llama import to_hf
 
         w = self.workload
         hf = to_hf(self.model, share_weights=True)
@@ -825,7 +826,7 @@ def _hf_generate(hf, prompts: list, output_len: int) -> tuple:
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from .llama import _SDPA_BACKENDS
+    from ..serving.llama import _SDPA_BACKENDS
 
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.int64)
@@ -858,12 +859,12 @@ def _sync(device) -> None:
 
 def _release(device) -> None:
     """Give cached memory back between systems, so each starts with the same free memory."""
-    from . import bench
+    from . import peers
 
     gc.collect()
     if device.type == "cuda":
         _sync(device)
-        bench._free_memory()  # torch's cached blocks and CuPy's pool
+        peers.free_memory()  # torch's cached blocks and CuPy's pool
 
 
 def _one_line(e: BaseException) -> str:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from . import _dtypes, bench, reference, testing
+from .. import _dtypes, reference, testing
+from . import decode, peers, timing, workloads
 
 __all__ = ["PRESETS", "PrefillCase", "attended_pairs", "matmul_tflops", "measure",
            "seen_keys", "variant_unsupported"]
@@ -53,12 +54,12 @@ def seen_keys(q_len: int, ctx: int, window=None) -> int:
 _FLASHINFER_VARIANTS = {"window": "window_left", "soft_cap": "logits_soft_cap"}
 
 
-def variant_unsupported(impl: str, variants: "bench.Variants") -> str | None:
+def variant_unsupported(impl: str, variants: "workloads.Variants") -> str | None:
     """Why a prefill implementation cannot run ``variants`` (one line), or None."""
     if impl == "cupaged":
         return None
     takes = _FLASHINFER_VARIANTS if impl.startswith("flashinfer-") else None  # SDPA: none
-    return bench.peer_refusal(impl, takes, variants)
+    return decode.peer_refusal(impl, takes, variants)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class PrefillCase:
     """``batch`` sequences, each with ``q_len`` new tokens at the end of ``ctx`` cached ones
     (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered: of
     ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2"), with
-    attention ``variants`` (bench.Variants)."""
+    attention ``variants`` (workloads.Variants)."""
 
     name: str
     batch: int
@@ -79,12 +80,12 @@ class PrefillCase:
     dtype: str = "bfloat16"
     causal: bool = True
     kv_cache_dtype: str = "auto"
-    variants: bench.Variants = bench.PLAIN
+    variants: workloads.Variants = workloads.PLAIN
     arrays: dict = field(default_factory=dict, repr=False)
     variant_arrays: dict = field(default_factory=dict, repr=False)  # sinks on the device
 
     def __post_init__(self):
-        self.kv_cache_dtype = bench.kv_cache_dtype_name(self.kv_cache_dtype)
+        self.kv_cache_dtype = workloads.kv_cache_dtype_name(self.kv_cache_dtype)
 
     @property
     def np_dtype(self):
@@ -99,7 +100,7 @@ class PrefillCase:
         """kv_cache_dtype, k_scale, v_scale for the kernels and the reference (fp8 only)."""
         if not self.fp8:
             return {}
-        s = bench.FP8_SCALES[self.kv_cache_dtype]
+        s = workloads.FP8_SCALES[self.kv_cache_dtype]
         return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=s, v_scale=s)
 
     def build(self, seed: int = 0) -> "PrefillCase":
@@ -111,7 +112,7 @@ class PrefillCase:
 
         def cache():
             if self.fp8:
-                return bench.random_fp8(shape, self.kv_cache_dtype, rng, cupy)
+                return workloads.random_fp8(shape, self.kv_cache_dtype, rng, cupy)
             return testing.random_normal(shape, dt, rng, cupy)
 
         self.arrays = dict(
@@ -183,7 +184,7 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
     a = cupy.ones((n, n), dtype=dt)
     b = cupy.ones((n, n), dtype=dt)
     c = cupy.empty((n, n), dtype=dt)
-    t = bench.time_us(lambda: cupy.matmul(a, b, out=c), reps=reps, flush_l2=False,
+    t = timing.time_us(lambda: cupy.matmul(a, b, out=c), reps=reps, flush_l2=False,
                       cover_host_us=0)
     return 2.0 * n ** 3 / (t.median_us * 1e-6) / 1e12
 
@@ -210,13 +211,13 @@ def _run_flashinfer(case: PrefillCase, backend: str):
     torch's float8 type, its scales passed to run() (k_scale folded into the softmax
     scale, the output multiplied by v_scale: FlashInfer's own launch, timed with it). A
     window goes to plan() as ``window_left = W - 1``, a soft cap as ``logits_soft_cap``."""
-    flashinfer = bench._require_flashinfer()
+    flashinfer = peers.require_flashinfer()
     why = variant_unsupported(f"flashinfer-{backend}", case.variants)
     if why:
         raise NotImplementedError(why)
-    torch = bench._torch()
+    torch = peers.import_torch()
     a = case.arrays
-    indptr, indices, last = bench._flashinfer_pages(cupy.asnumpy(a["block_tables"]),
+    indptr, indices, last = peers.flashinfer_pages(cupy.asnumpy(a["block_tables"]),
                                                     np.full(case.batch, case.ctx),
                                                     case.block_size)
     dev = torch.device("cuda", cupy.cuda.Device().id)
@@ -225,7 +226,7 @@ def _run_flashinfer(case: PrefillCase, backend: str):
     v = torch.from_dlpack(a["value_cache"])
     scales = {}
     if case.fp8:
-        k, v = (x.view(bench._torch_fp8(case.kv_cache_dtype)) for x in (k, v))
+        k, v = (x.view(peers.torch_fp8_dtype(case.kv_cache_dtype)) for x in (k, v))
         scales = {n: case.kv_args[n] for n in ("k_scale", "v_scale")}
     out = torch.full_like(q, float("nan"))
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
@@ -255,7 +256,7 @@ def _run_sdpa(case: PrefillCase, backend: str):
     why = variant_unsupported(f"torch-sdpa-{backend}", case.variants)
     if why:
         raise NotImplementedError(why)
-    torch = bench._torch()
+    torch = peers.import_torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     a = case.arrays
@@ -319,7 +320,7 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                 run = IMPLEMENTATIONS[impl](case)
                 err = case.check(run())
                 timed = getattr(run, "timed", run)
-                t = bench.time_us(timed, reps=reps)
+                t = timing.time_us(timed, reps=reps)
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is a row note
                 rows.append(Row(case.name, impl, math.nan, math.nan, math.nan, math.nan,
                                 " ".join(f"{type(e).__name__}: {e}".split())[:120]))

@@ -43,7 +43,8 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
-from . import cache_ops, varlen
+from .. import cache_ops
+from ..attention import AttentionPlan, attention
 
 __all__ = ["Batch", "Completion", "Engine", "PagedAttention", "Request", "RequestOutput",
            "SampleId", "Scheduler"]
@@ -544,10 +545,10 @@ class PagedAttention:
         cache_ops.reshape_and_cache(k, v, kc, vc, self.slot_mapping, kv_layout=cache.kv_layout,
                                     **kw)
         if kw["k_scale"] is not None:  # fp8: each layer its own scales, no plan to share
-            return varlen.attention(q, kc, vc, *self.tables, kv_layout=cache.kv_layout,
+            return attention(q, kc, vc, *self.tables, kv_layout=cache.kv_layout,
                                     causal=True, **self.options, **kw)
         if self.plan is None:
-            self.plan = varlen.AttentionPlan(q, kc, vc, *self.tables, kv_layout=cache.kv_layout,
+            self.plan = AttentionPlan(q, kc, vc, *self.tables, kv_layout=cache.kv_layout,
                                              causal=True, **self.options)
         return self.plan.run(q, kc, vc, out=self.options["out"])
 
@@ -572,7 +573,7 @@ class _DecodeGraphs:
     def __init__(self, model, cache, max_batch: int, max_model_len: int):
         import torch
 
-        from .decode import DecodeWorkspace
+        from ..decode import DecodeWorkspace
 
         c = model.config
         self.model, self.cache = model, cache
@@ -722,7 +723,7 @@ class Engine:
                  max_model_len: int | None = None):
         import torch  # noqa: F401  (_arrays maps dtypes through the imported torch)
 
-        from . import _arrays
+        from .. import _arrays
 
         c = model.config
         if cache.framework != "torch":
@@ -768,7 +769,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        return self.scheduler.update(batch, self._execute(batch))
+        return self.scheduler.update(batch, self.execute(batch))
 
     def run(self, requests: Sequence[Request]) -> list:
         """Submit ``requests`` and step until all of them (and anything queued before)
@@ -786,7 +787,11 @@ class Engine:
             raise ValueError("capture_graphs() needs an Engine made with cuda_graphs=True")
         self.graphs.capture(self.graphs.sizes if batch_sizes is None else batch_sizes)
 
-    def _execute(self, batch: Batch) -> list:
+    def execute(self, batch: Batch) -> list:
+        """Compute one scheduled batch: append its tokens to the cache, run the model
+        (through a captured graph where one serves) and sample greedily; the sampled
+        tokens, one per ``batch.sample_rows`` entry. :meth:`step` calls it between
+        :meth:`Scheduler.schedule` and :meth:`Scheduler.update`; a benchmark may wrap it."""
         import torch
 
         cache = self.cache

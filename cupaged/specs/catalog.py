@@ -17,7 +17,8 @@ from dataclasses import replace
 from functools import lru_cache
 from itertools import product
 
-from . import _checks, _covering, _dtypes, _geometry, jit
+from .. import _checks, _dtypes, jit
+from . import covering, geometry
 
 GROUP_TILES = (1, 2, 4, 8)
 KV_FORMATS = tuple(jit.KV_FORMATS)
@@ -121,7 +122,7 @@ def _decode_path(spec) -> tuple:
     mode, its tile
     and group tile, and the branches DecodeGeometry derives from several axes at once
     (tensor cores, V's shared-memory layout), which pairs of axes alone may miss."""
-    g = _geometry.DecodeGeometry.of(spec)
+    g = geometry.DecodeGeometry.of(spec)
     return (spec.dtype, spec.cache_dtype, spec.kv_scale, spec.tile_tokens, spec.group_tile,
             spec.kv_format, g.mma, g.v_transposed)
 
@@ -135,7 +136,7 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
     full = all_specs(archs)
     for kernel, axes in AXES.items():
         names = (*axes, "arch")
-        rows = [_spec(kernel, **row) for row in _covering.pairwise({**axes, "arch": tuple(archs)})]
+        rows = [_spec(kernel, **row) for row in covering.pairwise({**axes, "arch": tuple(archs)})]
         mine = [s for s in rows if s is not None]
         # Pairs only an unsupported row held: one supported spec for each.
         covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()
@@ -157,7 +158,7 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
             if _decode_path(s) not in reached:
                 reached.add(_decode_path(s))
                 specs.append(s)
-        smem = [_geometry.DecodeGeometry.of(s).smem_bytes for s in decode]
+        smem = [geometry.DecodeGeometry.of(s).smem_bytes for s in decode]
         specs.append(decode[smem.index(max(smem))])
         specs.append(decode[smem.index(min(smem))])
     return list(dict.fromkeys(specs))

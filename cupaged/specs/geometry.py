@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _dtypes
+from .. import _dtypes
 
 DECODE_THREADS = 128  # kDecodeThreads
 WARPS = DECODE_THREADS // 32
@@ -242,7 +242,7 @@ def check_against_kernel(specs, chunk: int = 300) -> None:
 
 
 def _check_chunk(specs) -> None:
-    from . import jit
+    from .. import jit
 
     lines = []
     for s in specs:
@@ -265,7 +265,7 @@ def _check_chunk(specs) -> None:
                      f"{cxx}::kVTransposed == {str(g.v_transposed).lower()} && "
                      f"{cxx}::kSwizzle == {str(g.swizzle).lower()} && "
                      f"{cxx}::kPieces == {g.pieces}, \"host mirror differs: {s.name}\");\n")
-    nvrtc = jit._nvrtc()
+    nvrtc = jit.nvrtc()
     prog = nvrtc.createProgram(jit.source(specs[0].source_file) + "".join(lines), "mirror.cu",
                                [], [])
     try:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Issue 5's rule for partition="auto": never more than 5% slower than the better of
-"never" and "always". One case per (batch, context), built once; the three choices are
-checked and timed on the same data in the same run (cupaged.bench's timing).
+"""The split model's rule for partition="auto": never more than 5% slower than the better
+of "never" and "always". One case per (batch, context), built once; the three choices are
+checked and timed on the same data in the same run (cupaged.bench.timing).
 
-    python3 tools/auto_sweep.py [--batch 1,8,64,256] [--context 128,1024,8192,32768,131072]
+    python3 tools/split_check.py [--batch 1,8,64,256] [--context 128,1024,8192,32768,131072]
 """
 
 import argparse
@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupaged import bench  # noqa: E402
+from cupaged.bench import decode as bench_decode  # noqa: E402
+from cupaged.bench import timing, workloads  # noqa: E402
 
 
 def main():
@@ -36,15 +37,15 @@ def main():
             if gib > a.max_gib:
                 print(f"{b:5d} {c:7d} skipped ({gib:.0f} GiB of cache)")
                 continue
-            w = bench.Workload(b, c, a.heads, a.kv_heads, 128, 16, a.dtype)
+            w = workloads.Workload(b, c, a.heads, a.kv_heads, 128, 16, a.dtype)
             case = w.case(0).build()
             t = {}
             for part in ("auto", "never", "always"):
-                run = bench._run_cupaged(case, part)
+                run = bench_decode.run_cupaged(case, part)
                 err = case.check(run(), max_seqs=2)
                 if not err <= case.tolerance():
                     sys.exit(f"batch {b} context {c} partition {part}: rel err {err:.2e}")
-                t[part] = bench.time_us(run, reps=a.reps).median_us
+                t[part] = timing.time_us(run, reps=a.reps).median_us
             ratio = t["auto"] / min(t["never"], t["always"])
             worst = max(worst, ratio)
             print(f"{b:5d} {c:7d} {t['auto']:9.1f} {t['never']:9.1f} {t['always']:9.1f} "

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 13's performance rows through cupaged-bench, one run on the GPU machine: a window
+# The attention variants' rows through cupaged-bench, one run on the GPU machine: a window
 # against a plain context of its size, soft-cap / sinks / ALiBi against plain decode and
 # prefill, the cascade case. FI=1 adds FlashInfer (carry .flashinfer) with window and cap.
 source "$(dirname "$0")/device_env.sh"
-b() { python3 -m cupaged.cli "$@"; }
+b() { python3 -m cupaged.bench "$@"; }
 if [ "${FI:-0}" = 1 ]; then
   source .flashinfer/setup.sh >/dev/null 2>&1
   b compare --batch 8 --context 32768 --heads 32 --kv-heads 8 --window 512 \

@@ -8,7 +8,7 @@
 # a copy of shared/anchors/flashinfer/, carried to the device with the working tree); this
 # script copies nothing. Each FlashInfer module compiles with nvcc on first use (decode
 # ~10 s, tensor cores ~16 s, XQA ~6 s per group size), outside every timing.
-#   bash tools/flashinfer_sweep.sh [compare options...]
+#   bash tools/compare_sweep.sh [compare options...]
 # Options given here come last, so they override --batch, --context, --reps; --preset and
 # --impl add to the defaults, which PRESETS="..." and IMPLS="..." replace. TAG names files.
 source "$(dirname "$0")/device_env.sh"
@@ -31,7 +31,7 @@ for i in ${IMPLS:-cupaged flashinfer-decode flashinfer-decode-tc flashinfer-xqa 
 done
 python3 -c "import matplotlib" 2>/dev/null && args+=(--plot "$base.png")
 rm -f "$base.json"  # its presence below means this run wrote it
-python3 -m cupaged.cli compare "${args[@]}" --batch 1,8,64,256 --context 512,2048,8192,32768 \
+python3 -m cupaged.bench compare "${args[@]}" --batch 1,8,64,256 --context 512,2048,8192,32768 \
   --reps 20 --json "$base.json" --csv "$base.csv" "$@" >"$base.txt" 2>"$base.stderr.txt"
 status=$?
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 14's eight decode rows through cupaged-bench compare, one run: cupaged on the
+# Eight decode rows through cupaged-bench compare, one run: cupaged on the
 # vLLM, NHD and HND layouts beside FlashInfer's decode, tensor-core decode and XQA and
 # dense torch SDPA, on the same data, fp16 and bf16 (head size 128, block size 16).
-# Tables in $OUT/issue14-<dtype>.txt, CSVs beside them.
-#   [DTYPES="float16 bfloat16"] [REPS=20] bash tools/issue14_rows.sh
+# Tables in $OUT/decode-rows-<dtype>.txt, CSVs beside them.
+#   [DTYPES="float16 bfloat16"] [REPS=20] bash tools/decode_rows.sh
 # Needs .flashinfer/ (a copy of shared/anchors/flashinfer/) for the FlashInfer columns.
 source "$(dirname "$0")/device_env.sh"
 [ -f .flashinfer/setup.sh ] && source .flashinfer/setup.sh >/dev/null 2>&1
@@ -17,8 +17,8 @@ for dt in ${DTYPES:-float16 bfloat16}; do
     set -- $r
     case "$4" in uniform:*) ctx=(--context-dist "$4") ;; *) ctx=(--context "$4") ;; esac
     tag="$dt-$1_$2_$3_${4//:/-}"
-    python3 -m cupaged.cli compare --heads "$1" --kv-heads "$2" --batch "$3" "${ctx[@]}" \
-      --dtype "$dt" --reps "${REPS:-20}" ${impls[@]/#/--impl } --csv "$OUT/issue14-$tag.csv" \
-      2>>"$OUT/issue14-stderr.txt" | grep -v "^#" | tee -a "$OUT/issue14-$dt.txt"
+    python3 -m cupaged.bench compare --heads "$1" --kv-heads "$2" --batch "$3" "${ctx[@]}" \
+      --dtype "$dt" --reps "${REPS:-20}" ${impls[@]/#/--impl } --csv "$OUT/decode-rows-$tag.csv" \
+      2>>"$OUT/decode-rows-stderr.txt" | grep -v "^#" | tee -a "$OUT/decode-rows-$dt.txt"
   done
 done

@@ -1,0 +1,158 @@
+"""``cupaged-bench overhead``: host time per call of every entry point, eager and
+through prepared calls, CuPy and torch, and CUDA-graph replay for scale."""
+
+from __future__ import annotations
+
+
+import cupy
+import numpy as np
+
+from . import peers, timing, workloads
+
+
+def nhd_copy(arrays: dict) -> tuple:
+    """A case's vLLM-layout caches copied to NHD (for attention's default layout)."""
+    kc, vc = arrays["key_cache"], arrays["value_cache"]
+    nb, kvh, _, bs, _ = kc.shape
+    hs = vc.shape[2]
+    return (cupy.ascontiguousarray(kc.transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, hs)),
+            cupy.ascontiguousarray(vc.transpose(0, 3, 1, 2)))
+
+
+def host_overheads(calls: int = 200, layers: int = 32) -> dict:
+    """Host time per call of each entry point with its kernel cached (llama-3-8b shape,
+    batch 8, context 1024), for CuPy arrays and (when torch imports) torch tensors, and
+    per replay of a decode step of ``layers`` layers captured in a CUDA graph."""
+    from .. import cache_ops, decode
+    from ..kv_cache import PagedKVCache
+
+    case = workloads.DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16, np.dtype(np.float16)).build()
+    a = case.arrays
+    out = cupy.empty(a["query"].shape, a["query"].dtype)
+    rows = {}
+    rows["paged_attention, single pass"] = timing.host_us(lambda: case.run(out, "never"), calls)
+    rows["paged_attention, split-KV"] = timing.host_us(lambda: case.run(out, "always"), calls)
+    rows["paged_attention_v1"] = timing.host_us(lambda: decode.paged_attention_v1(
+        out, a["query"], a["key_cache"], a["value_cache"], 8, 0.1, a["block_tables"],
+        a["context_lens"], 16, 1024), calls)
+    from ..attention import attention
+
+    starts = cupy.arange(9, dtype=np.int32)
+    rows["attention, vLLM layout, decode (query_start_loc, max_query_len=1)"] = timing.host_us(
+        lambda: attention(a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                          a["context_lens"], starts, kv_layout="vllm", max_query_len=1,
+                          max_seq_len=1024, out=out), calls)
+    starts4 = cupy.arange(0, 9 * 4, 4, dtype=np.int32)
+    q4 = cupy.ones((32, 32, 128), np.float16)
+    out4 = cupy.empty_like(q4)
+    rows["attention, vLLM layout, verify 8 x 4 tokens"] = timing.host_us(
+        lambda: attention(q4, a["key_cache"], a["value_cache"], a["block_tables"],
+                          a["context_lens"], starts4, kv_layout="vllm", max_query_len=4,
+                          max_seq_len=1024, out=out4), calls)
+    # attention() and AttentionPlan over the same cache as NHD (a copy), with the split-KV
+    # partials in a workspace (so the plan rows allocate nothing).
+    from ..attention import AttentionPlan
+
+    hk, hv = nhd_copy(a)
+    ws = decode.DecodeWorkspace(8, 32, 128)
+    q, bt, cl = a["query"], a["block_tables"], a["context_lens"]
+    rows["attention, NHD, decode"] = timing.host_us(
+        lambda: attention(q, hk, hv, bt, cl, max_seq_len=1024, out=out), calls)
+    plan = AttentionPlan(q, hk, hv, bt, cl, max_seq_len=1024, out=out, workspace=ws)
+    rows["AttentionPlan.run, NHD, decode (split-KV, workspace)"] = timing.host_us(
+        lambda: plan.run(q, hk, hv, out=out), calls)
+    plan4 = AttentionPlan(q4, hk, hv, bt, cl, starts4, max_query_len=4, max_seq_len=1024,
+                          out=out4, workspace=ws)
+    rows["AttentionPlan.run, NHD, verify 8 x 4 tokens (split-KV, workspace)"] = timing.host_us(
+        lambda: plan4.run(q4, hk, hv, out=out4), calls)
+    # The same bytes as 64 x 256 tokens: 512 CTAs, which "auto" serves in a single pass.
+    wide = workloads.DecodeCase(64, np.full(64, 256, np.int32), 32, 8, 128, 16, np.dtype(np.float16),
+                      seed=1).build()
+    w = wide.arrays
+    wk, wv = nhd_copy(w)
+    wq, wbt, wcl = w["query"], w["block_tables"], w["context_lens"]
+    wout = cupy.empty_like(wq)
+    rows["attention, NHD, decode 64 x 256 (single pass)"] = timing.host_us(
+        lambda: attention(wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout), calls)
+    wplan = AttentionPlan(wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout)
+    rows["AttentionPlan.run, NHD, decode 64 x 256 (single pass)"] = timing.host_us(
+        lambda: wplan.run(wq, wk, wv, out=wout), calls)
+    k = cupy.ones((8, 8, 128), np.float16)
+    slots = cupy.arange(8, dtype=np.int64) * 16
+    rows["reshape_and_cache, 8 tokens"] = timing.host_us(lambda: cache_ops.reshape_and_cache(
+        k, k, a["key_cache"], a["value_cache"], slots), calls)
+    ks, vs = [a["key_cache"]] * layers, [a["value_cache"]] * layers
+    pairs = cupy.asarray([[0, 1], [2, 3]], np.int64)
+    rows[f"copy_blocks, {layers} layers"] = timing.host_us(lambda: cache_ops.copy_blocks(ks, vs, pairs), calls)
+    # Room for every timed step: 64 sequences of 1,000 tokens, each growing by up to
+    # 10 + 9 x 100 tokens (the warm-up and timing.host_us's runs).
+    cache = PagedKVCache(1, 64 * 160, 8, 128, 16, "float16")
+    ids = list(range(64))
+    for s in ids:
+        cache.add(s, 1000)
+    rows["PagedKVCache.step, 64 sequences"] = timing.host_us(lambda: cache.step(ids), min(calls, 100))
+
+    # A decode step captured once and replayed: per layer, write the new token's K/V and
+    # attend (split-KV into the preallocated workspace, so nothing allocates while capturing).
+
+    def step(arrays):
+        q, kc, vc, bt, cl, o, kv, sl = arrays
+        for _ in range(layers):
+            cache_ops.reshape_and_cache(kv, kv, kc, vc, sl)
+            decode.paged_attention(q, kc, vc, bt, cl, out=o, workspace=ws, partition="always",
+                                      max_context_len=1024)
+
+    cupy_args = (a["query"], a["key_cache"], a["value_cache"], a["block_tables"],
+                 a["context_lens"], out, k, slots)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step(cupy_args)  # kernels loaded before capture
+        stream.begin_capture()
+        step(cupy_args)
+        graph = stream.end_capture()
+        rows[f"CuPy graph replay, {layers} x (reshape_and_cache + split-KV attention)"] = \
+            timing.host_us(lambda: graph.launch(stream), calls)
+    rows[f"the same step eager, {layers} x (reshape_and_cache + split-KV attention)"] = \
+        timing.host_us(lambda: step(cupy_args), max(10, calls // 10))
+
+    torch = peers.import_torch()
+    if torch is not None:  # the same arrays as torch tensors (zero-copy views)
+        tq, tkc, tvc, tbt, tcl, tk, t_slots = (torch.from_dlpack(x) for x in (
+            a["query"], a["key_cache"], a["value_cache"], a["block_tables"], a["context_lens"],
+            k, slots))
+        tout = torch.empty_like(tq)
+        torch_args = (tq, tkc, tvc, tbt, tcl, tout, tk, t_slots)
+        rows["paged_attention, torch tensors, single pass"] = timing.host_us(
+            lambda: decode.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="never",
+                                              max_context_len=1024), calls)
+        rows["paged_attention, torch tensors, split-KV + workspace"] = timing.host_us(
+            lambda: decode.paged_attention(tq, tkc, tvc, tbt, tcl, out=tout, partition="always",
+                                              workspace=ws, max_context_len=1024), calls)
+        thk, thv = torch.from_dlpack(hk), torch.from_dlpack(hv)
+        rows["attention, torch tensors, NHD, decode"] = timing.host_us(
+            lambda: attention(tq, thk, thv, tbt, tcl, max_seq_len=1024, out=tout), calls)
+        tplan = AttentionPlan(tq, thk, thv, tbt, tcl, max_seq_len=1024, out=tout, workspace=ws)
+        rows["AttentionPlan.run, torch tensors, NHD, decode (split-KV, workspace)"] = timing.host_us(
+            lambda: tplan.run(tq, thk, thv, out=tout), calls)
+        twq, twk, twv, twbt, twcl, twout = (torch.from_dlpack(x) for x in (
+            wq, wk, wv, wbt, wcl, wout))
+        twplan = AttentionPlan(twq, twk, twv, twbt, twcl, max_seq_len=256, out=twout)
+        rows["AttentionPlan.run, torch tensors, NHD, decode 64 x 256 (single pass)"] = \
+            timing.host_us(lambda: twplan.run(twq, twk, twv, out=twout), calls)
+        rows["reshape_and_cache, torch tensors, 8 tokens"] = timing.host_us(
+            lambda: cache_ops.reshape_and_cache(tk, tk, tkc, tvc, t_slots), calls)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the default stream, as torch asks
+            step(torch_args)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(torch_args)
+        rows[f"torch.cuda.graph replay, {layers} x (reshape_and_cache + split-KV attention)"] = \
+            timing.host_us(g.replay, calls)
+        torch.cuda.synchronize()
+        del g
+    case.arrays.clear()
+    wide.arrays.clear()
+    return rows

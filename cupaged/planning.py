@@ -1,0 +1,465 @@
+"""Planning: which kernel serves a validated call, its specialization (tiles, group
+tile), its split of the keys into partitions and the residency it runs at, from host
+facts only: the problem's shapes, the device's properties and the kernels' occupancy.
+
+A new kernel family adds its spec, its kernel loader and one rule in
+:func:`plan_attention` here (docs/DESIGN.md, "Adding a kernel family")."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import NamedTuple
+
+import cupy
+import numpy as np
+from cupy_backends.cuda.api import driver as _driver
+
+from . import _checks, _prepared, _variants, jit
+from .specs import catalog, geometry
+from .validation import Problem
+
+_fail = _checks.fail
+
+
+GROUP_TILES = catalog.GROUP_TILES
+
+
+_SATURATING_BYTES = 64 * 1024  # copies in flight per SM that keep its memory share busy
+
+
+MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, mma.m16n8k16 with bf16
+
+
+def group_tile(group_size: int) -> int:
+    """Query heads per CTA: the whole group up to 8 (one K/V read serves all of them)."""
+    for gt in GROUP_TILES:
+        if group_size <= gt:
+            return gt
+    return GROUP_TILES[-1]
+
+
+def decode_smem_bytes(spec: jit.KernelSpec) -> int:
+    """Dynamic shared memory of paged_decode (DecodeGeometry::kSmemBytes)."""
+    return geometry.DecodeGeometry.of(spec).smem_bytes
+
+
+class Tuning(NamedTuple):
+    """Overrides for tuning experiments (cupaged-bench decode --tile, --ctas-per-sm):
+    ``tile`` (tile_tokens, stages) for every decode specialization instead of the
+    default; ``ctas_per_sm`` at most this many decode CTAs per SM (the launch asks for
+    enough dynamic shared memory that no more fit, and the split model plans with the
+    slots that leaves). None: the default."""
+
+    tile: tuple[int, int] | None = None
+    ctas_per_sm: int | None = None
+
+
+_tuning = Tuning()
+
+
+def set_tuning(tile: tuple[int, int] | None = None, ctas_per_sm: int | None = None) -> None:
+    """Set every override at once (those not given back to the default) and drop the
+    kernels and prepared calls built under the old ones."""
+    global _tuning
+    _tuning = Tuning(tile, ctas_per_sm)
+    decode_kernels.cache_clear()
+    _prepared.clear()
+
+
+def decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_tile: int,
+                kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
+                 variant: str = "") -> jit.KernelSpec:
+    tt, st = _tuning.tile or (0, 0)
+    return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
+                          kv_format=kv_format, cache_dtype=cache_dtype, kv_scale=kv_scale,
+                          variant=variant, arch=arch)
+
+
+class DeviceInfo(NamedTuple):
+    id: int
+    arch: str
+    sm_count: int
+    max_smem: int  # opt-in dynamic shared memory per block
+    sm_smem: int  # shared memory per SM
+
+
+@lru_cache(maxsize=None)
+def device_info(device_id: int) -> DeviceInfo:
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    cc = (props["major"], props["minor"])
+    if cc < MIN_COMPUTE_CAPABILITY:
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        raise RuntimeError(
+            f"device {device_id} ({name}) has compute capability {cc[0]}.{cc[1]}; cupaged's "
+            f"kernels need {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer "
+            f"(Ampere, Ada, Hopper, Blackwell): they use cp.async and bf16 tensor cores")
+    arch = jit.target_for(cc)
+    return DeviceInfo(device_id, arch, props["multiProcessorCount"],
+                      props["sharedMemPerBlockOptin"], props["sharedMemPerMultiprocessor"])
+
+
+class Occupancy(NamedTuple):
+    """A decode launch's residency: at most ``per_sm`` CTAs on an SM (``slots`` on the
+    device), held there by asking for ``smem`` bytes of dynamic shared memory per CTA."""
+
+    per_sm: int
+    slots: int
+    smem: int
+
+
+class DecodeKernels(NamedTuple):
+    decode: jit.Launcher
+    combine: jit.Launcher
+    smem: int
+    tile_tokens: int
+    name: str
+    slots: int  # decode CTAs resident at once on the whole device
+    sms: int  # the device's SMs
+    saturate: float  # CTAs per SM whose copies in flight keep its share of DRAM busy
+    # Lower residencies the split model may choose instead (fewest CTAs per SM first),
+    # down to `saturate`: fewer, longer CTAs fill the waves of a small grid better.
+    fewer: tuple = ()
+
+
+@jit.launcher_cache
+def decode_kernels(device_id: int, dtype: str, head_size: int, block_size: int, group_tile: int,
+                   kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
+             variant: str = "") -> DecodeKernels:
+    dev = device_info(device_id)
+    spec = decode_spec(dev.arch, dtype, head_size, block_size, group_tile, kv_format,
+                       cache_dtype, kv_scale, variant)
+    smem = decode_smem_bytes(spec)
+    if smem > dev.max_smem:
+        raise ValueError(
+            f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
+            f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
+        )
+    if _tuning.ctas_per_sm:
+        smem = max(smem, smem_for(dev, _tuning.ctas_per_sm))
+    # A CTA keeps STAGES - 1 tiles of K and V in flight; about 64 KiB in flight per SM keep
+    # its share of the memory bandwidth busy (fitted, then checked on the auto sweep:
+    # docs/PERFORMANCE.md, issue 14), so fewer CTAs than the SM holds may saturate it.
+    geo = geometry.DecodeGeometry.of(spec)
+    in_flight = (geo.stages - 1) * 2 * geo.tile_tokens * head_size * geo.cit
+    saturate = _SATURATING_BYTES / in_flight
+    decode = jit.load(spec, device_id, smem)
+    slots = resident_ctas(device_id, decode, geometry.DECODE_THREADS, smem)
+    fewer = []
+    if not _tuning.ctas_per_sm:
+        for per_sm in range(max(1, math.ceil(saturate)), slots // dev.sm_count):
+            smem_n = max(smem, smem_for(dev, per_sm))
+            decode = jit.load(spec, device_id, smem_n)  # raises the kernel's limit
+            slots_n = resident_ctas(device_id, decode, geometry.DECODE_THREADS, smem_n)
+            if slots_n // dev.sm_count == per_sm:
+                fewer.append(Occupancy(per_sm, slots_n, smem_n))
+    return DecodeKernels(decode, combine_kernel(device_id, dtype, head_size), smem,
+                         spec.tile_tokens, spec.name, slots, dev.sm_count, saturate, tuple(fewer))
+
+
+def smem_for(dev: "DeviceInfo", per_sm: int) -> int:
+    """Dynamic shared memory per CTA that lets at most ``per_sm`` CTAs share an SM (1 KiB
+    per block is the driver's own reservation)."""
+    return min(dev.max_smem, dev.sm_smem // per_sm - 1024)
+
+
+@jit.launcher_cache
+def combine_kernel(device_id: int, dtype: str, head_size: int) -> jit.Launcher:
+    """paged_decode_combine: merges the split-KV partials of paged_decode and of
+    paged_prefill."""
+    spec = jit.KernelSpec("paged_decode_combine", dtype, head_size,
+                          arch=device_info(device_id).arch)
+    return jit.load(spec, device_id)
+
+
+def resident_ctas(device_id: int, kernel: jit.Launcher, threads: int, smem: int) -> int:
+    """CTAs of ``kernel`` resident at once on the whole device (at least one per SM)."""
+    with cupy.cuda.Device(device_id):
+        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, smem)
+    return max(1, per_sm) * device_info(device_id).sm_count
+
+
+def round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def partition_count(max_ctx: int, size: int) -> int:
+    """Split-KV partitions of ``size`` tokens over ``max_ctx``: 1 for a single pass (0)."""
+    return -(-max_ctx // size) if size else 1
+
+
+def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
+                     ks: "DecodeKernels") -> tuple[int, int]:
+    """``(tokens per split-KV partition, 0 for a single pass; dynamic shared memory per
+    CTA)``: the split, and the residency it runs at (``ks.smem`` or one of ``ks.fewer``)."""
+    if partition == "never" or max_ctx == 0:
+        size = 0
+    elif isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
+        if partition <= 0 or partition % p.block_size or partition > _checks.INT32_MAX:
+            _fail(f"partition must be a positive multiple of block_size ({p.block_size}) "
+                  f"below 2^31, got {partition}")
+        size = int(partition)
+    elif partition in ("auto", "always"):
+        size, occ = split_and_residency(ctas, max_ctx, ks, max(ks.tile_tokens, p.block_size),
+                                        partition == "always")
+        return check_partition_count(size, max_ctx), occ.smem
+    else:
+        _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
+    size = check_partition_count(size, max_ctx)
+    return size, residency(ctas * partition_count(max_ctx, size), ks).smem
+
+
+def check_partition_count(size: int, max_ctx: int) -> int:
+    if partition_count(max_ctx, size) > _checks.MAX_GRID_YZ:
+        _fail(f"partition of {size} tokens gives more than {_checks.MAX_GRID_YZ} partitions for "
+              f"{max_ctx} tokens; use a larger partition")
+    return size
+
+
+def natural_residency(ks: "DecodeKernels") -> Occupancy:
+    return Occupancy(ks.slots // ks.sms if ks.sms else 0, ks.slots, ks.smem)
+
+
+def residency(grid: int, ks: "DecodeKernels") -> Occupancy:
+    """The residency for ``grid`` CTAs of a plan already chosen. A lower one (``ks.fewer``)
+    only for a grid that overfills one wave at the natural residency and fits in two of
+    the lower one's, when its whole waves (grid_cost) cost 3% less: 512 CTAs on 132 SMs
+    are two waves either way, but waves of two CTAs' work per SM instead of three. Larger
+    grids start their CTAs staggered, and measured faster at the natural residency."""
+    best = natural_residency(ks)
+    if not ks.sms or grid <= best.slots:
+        return best
+    cost = grid_cost(grid, 1, best.per_sm, best.slots, ks.sms, ks.saturate)
+    for occ in ks.fewer:
+        if grid <= 2 * occ.slots:
+            c = grid_cost(grid, 1, occ.per_sm, occ.slots, ks.sms, ks.saturate)
+            if c * 1.03 < cost:
+                best, cost = occ, c
+    return best
+
+
+def split_and_residency(ctas: int, max_ctx: int, ks: "DecodeKernels", quantum: int,
+                        at_least_two: bool) -> tuple[int, Occupancy]:
+    """The split at the natural residency, or at a lower one (``ks.fewer``) when that
+    residency's own best split costs 3% less and its grid, as in residency, overfills
+    one natural wave and fits in two of the lower one's. (Its best split only: a lower
+    residency whose best grid is larger is not taken, even where a smaller split at it
+    would win. That is the rule measured in PERFORMANCE.md.)"""
+    nat = best = natural_residency(ks)
+    cost, size = split_cost(ctas, max_ctx, nat.slots, ks.tile_tokens, quantum, at_least_two,
+                            ks.sms, ks.saturate)
+    if not ks.sms:
+        return size, best
+    for occ in ks.fewer:
+        c, s = split_cost(ctas, max_ctx, occ.slots, ks.tile_tokens, quantum, at_least_two,
+                          ks.sms, ks.saturate)
+        grid = ctas * partition_count(max_ctx, s)
+        if nat.slots < grid <= 2 * occ.slots and c * 1.03 < cost:
+            best, cost, size = occ, c, s
+    return size, best
+
+
+def grid_cost(grid: int, work: int, per_sm: int, slots: int, sms: int,
+              saturate: float) -> float:
+    """Time for ``grid`` CTAs of ``work`` tokens each, in tokens streamed by one CTA that
+    has an SM to itself: waves of ``slots`` CTAs (``per_sm`` to an SM, sharing its
+    bandwidth, so a full wave lasts ``per_sm`` CTAs' work). A grid that fits in one wave,
+    all of its CTAs starting at once, puts at most j = ceil(grid / sms) on an SM; while j
+    is below ``saturate`` (the CTAs whose copies in flight keep an SM's share of the
+    memory bandwidth busy) the SM is not full and the wave is shorter: max(j, saturate)
+    CTAs' work. So 256 CTAs on 132 SMs of 3 slots are not split into 768 to fill the
+    wave. Grids of several waves start their CTAs staggered and are priced in whole
+    waves. ``sms = 0`` prices every grid in whole waves of unit length."""
+    if not sms:
+        return -(-grid // slots) * work
+    if grid <= slots:
+        return min(per_sm, max(-(-grid // sms), saturate)) * work
+    return -(-grid // slots) * per_sm * work
+
+
+def split_tokens(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int, at_least_two: bool,
+                 sms: int = 0, saturate: float = 0.0) -> int:
+    """Split-KV partition size (0: single pass) minimizing split_cost."""
+    return split_cost(ctas, max_ctx, slots, tile, quantum, at_least_two, sms, saturate)[1]
+
+
+@lru_cache(maxsize=4096)
+def split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
+               at_least_two: bool, sms: int = 0, saturate: float = 0.0) -> tuple[float, int]:
+    """``(cost, partition size)``: the split-KV partition (0: single pass) of ``ctas``
+    CTAs over ``max_ctx`` tokens that minimizes a simple cost model, and its cost.
+
+    A CTA's work is its partition rounded up to tiles, plus about one tile of fixed cost
+    (filling the pipeline, the epilogue); grid_cost prices the grid. Splitting adds the
+    merge (two tiles of a full wave) and must win by 3% (the partials' traffic). A single
+    pass over few long sequences leaves SMs idle or a last wave mostly empty; many tiny
+    partitions pay the fixed costs over and over. One residency's choices are those of
+    the wave model before residencies were chosen (PERFORMANCE.md, issue 14)."""
+    per_sm = max(1, slots // sms) if sms else 1
+    max_parts = min(-(-max_ctx // quantum), _checks.MAX_GRID_YZ)
+    # Worth trying: one partition, the most that fit in w whole waves, and the most that
+    # put j CTAs on each SM of a single wave.
+    candidates = {1, max_parts} | {min(max_parts, max(1, w * slots // ctas)) for w in range(1, 9)}
+    if sms:
+        candidates |= {min(max_parts, max(1, j * sms // ctas)) for j in range(1, per_sm)}
+    best = (math.inf, 1, 0)
+    for n in sorted(candidates):
+        size = round_up(-(-max_ctx // n), quantum)
+        n = -(-max_ctx // size)
+        if at_least_two and n < 2 and max_parts >= 2:
+            continue
+        work = round_up(size, tile) + tile
+        cost = grid_cost(ctas * n, work, per_sm, slots, sms, saturate)
+        if n > 1:
+            cost = 1.03 * (cost + 2 * tile * per_sm)
+        if cost < best[0]:
+            best = (cost, n, size)
+    cost, n, size = best
+    return cost, (size if (n > 1 or at_least_two) else 0)
+
+
+def v2_partition(capacity: int, table_tokens: int, max_context_len, block_size: int):
+    """vLLM's v2: the partition size whose float32 partials fit ``capacity`` partitions
+    per head (over at most ``max_context_len`` tokens, when it is an int), in multiples
+    of 256 tokens; ``"never"`` when none fit or there is nothing to split."""
+    max_ctx = table_tokens
+    if isinstance(max_context_len, (int, np.integer)) and not isinstance(max_context_len, bool):
+        max_ctx = min(max_ctx, int(max_context_len))  # (other values: validation names them)
+    if capacity == 0 or max_ctx <= 0:
+        return "never"
+    return round_up(-(-max_ctx // capacity), max(block_size, 256))
+
+
+def fit_partitions(size: int, partition, p: Problem, max_ctx: int, max_rows: int,
+                   quantum: int) -> int:
+    """The partition size again, made large enough for the partials to fit ``max_rows``."""
+    cap = max_rows // (p.num_rows * p.num_heads)
+    if -(-max_ctx // size) <= cap:
+        return size
+    if isinstance(partition, str) and cap >= 2:
+        return round_up(-(-max_ctx // cap), quantum)
+    if partition == "auto":
+        return 0  # no room for two partitions: a single pass
+    _fail(f"the workspace holds {cap} partitions per head for {p.num_rows} query rows; "
+          f"partition={partition!r} needs {-(-max_ctx // size)} (use a larger DecodeWorkspace)")
+
+
+class PrefillKernel(NamedTuple):
+    launch: jit.Launcher
+    smem: int
+    threads: int
+    tile_tokens: int
+    slots: int  # CTAs resident at once on the whole device
+
+
+# (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
+# default, for tuning experiments (tools/prefill_tiles.py); set through set_prefill_tile.
+_tile_override: tuple | None = None
+
+
+def set_prefill_tile(tile: tuple | None) -> None:
+    global _tile_override
+    _tile_override = tile
+    prefill_kernel.cache_clear()
+    _prepared.clear()
+
+
+# Split-KV of paged_prefill instead of the cost model's choice, for tests and experiments:
+# None (the model), 0 (never) or tokens per partition (a multiple of the tile's tokens).
+_split_override: int | None = None
+
+
+def set_prefill_split(tokens: int | None) -> None:
+    global _split_override
+    _split_override = tokens
+    _prepared.clear()
+
+
+# Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
+# the default's 32: verify's 4 tokens x 4 heads fill 16 rows, and the default's 128-row
+# tile would be mostly padding (docs/PERFORMANCE.md).
+FEW_ROWS = 64
+
+
+def prefill_tile(head_size: int, rows_needed: int) -> tuple:
+    if _tile_override is not None:
+        return _tile_override
+    if rows_needed <= FEW_ROWS:
+        return jit.few_rows_prefill_tile(head_size)
+    return jit.default_prefill_tile(head_size)
+
+
+def prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
+                 kv_format: str, tile: tuple, cache_dtype: str = "",
+                  kv_scale: str = "", variant: str = "") -> jit.KernelSpec:
+    w, m, n, st = tile
+    return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, tile_tokens=n,
+                          stages=st, kv_format=kv_format, warps=w, m_atoms=m,
+                          cache_dtype=cache_dtype, kv_scale=kv_scale, variant=variant,
+                          arch=arch)
+
+
+@jit.launcher_cache
+def prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
+                   kv_format: str, tile: tuple, cache_dtype: str = "",
+                    kv_scale: str = "", variant: str = "") -> PrefillKernel:
+    dev = device_info(device_id)
+    spec = prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile, cache_dtype,
+                        kv_scale, variant)
+    g = geometry.PrefillGeometry.of(spec)
+    if g.smem_bytes > dev.max_smem:
+        raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
+                         f"device {device_id} allows {dev.max_smem}")
+    kernel = jit.load(spec, device_id, g.smem_bytes)
+    return PrefillKernel(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
+                         resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
+
+
+class Plan(NamedTuple):
+    kind: str  # "decode" | "prefill" | "rows"
+    q_tiles: int = 0  # prefill: grid y
+    tile: tuple = ()  # prefill: (warps, m_atoms, tile_tokens, stages)
+
+
+def plan_attention(p: Problem, has_starts: bool, max_q: int) -> Plan:
+    """Which kernel serves the call, from host facts only (no device sync). The host
+    bounds may undercount, so they choose only among kernels that read
+    ``query_start_loc`` whenever it is given."""
+    if not has_starts:
+        return Plan("decode")  # one token per sequence, by the call's contract
+    if max_q <= 1 and p.num_rows == p.num_seqs:
+        # Most likely a decode step: the decode kernel's row mode (split-KV included)
+        # finds row r in sequence r at once, and any other split of the rows correctly.
+        return Plan("rows")
+    # vLLM's value layout is copied in 16-byte runs of one block: 8 tokens, 16 for fp8.
+    if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
+                                  or p.block_size * p.cache.dtype.itemsize >= 16):
+        group = p.num_heads // p.num_kv_heads
+        tile = prefill_tile(p.head_size, max_q * group)
+        rows = 16 * tile[0] * tile[1]
+        return Plan("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))), tile)
+    return Plan("rows")
+
+
+def prefill_split(k: PrefillKernel, p: Problem, plan: Plan, max_q: int, max_ctx: int,
+                  variants: _variants.Variants, workspace) -> tuple:
+    """``(tokens per split-KV partition, partitions)`` of paged_prefill; ``(0, 1)`` for a
+    single pass. Each query tile splits its own keys (from its window's first tile, if
+    any) into partitions, the last running to the end: few CTAs over long contexts (a
+    shared prefix's queries, a chunk of a long prompt) would leave most SMs idle."""
+    tn = k.tile_tokens
+    # The keys of a query tile: at most its window plus its rows' positions (and a tile
+    # of alignment), else the context. An undercount costs parallelism, never keys.
+    span = max_ctx if not variants.window else min(max_ctx, variants.window + max_q + tn)
+    if _split_override is not None:
+        size = _split_override
+        if size % tn:
+            _fail(f"the split-KV partition ({size} tokens) must be a multiple of the tile's "
+                  f"{tn} tokens")
+    else:
+        ctas = p.num_seqs * p.num_kv_heads * plan.q_tiles
+        size = split_tokens(ctas, span, k.slots, tn, tn, False) if span > tn else 0
+    if size and workspace is not None:
+        size = fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
+    n_parts = min(partition_count(span, size), _checks.MAX_GRID_YZ)
+    return (size, n_parts) if n_parts > 1 else (0, 1)

@@ -1,0 +1,332 @@
+"""Validation: every check of an attention call that reads only metadata (shapes,
+dtypes, strides, pointers, devices), before anything is planned or launched, and the
+checks that read device data (``CUPAGED_DEBUG=1``, with a sync). A call that passes is
+described by a :class:`Problem`; planning and launch take it from there."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _arrays, _checks, _dtypes, _kvquant, _variants
+from ._arrays import as_device_array, optional_device_array, optional_output_array
+
+_fail = _checks.fail
+
+
+OUT_OVER_QUERY = frozenset({("query", "out")})
+
+
+class Problem(NamedTuple):
+    device: int
+    dtype: _dtypes.DType
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    cache: _checks.CacheView  # its dtype is the cache's element type (fp8 or the query's)
+    num_rows: int  # query rows: num_seqs for decode, total_q for attention()
+    quant: _kvquant.KVQuant = _kvquant.NONE  # an fp8 cache's scales
+    q_strides: tuple = (0, 0)  # the query's token (sequence) and head strides, in elements
+    bt_stride: int = 0  # block_tables' row stride, in entries
+
+
+def validate_decode(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
+                    out, kv_cache_dtype="auto", k_scale=None, v_scale=None) -> Problem:
+    """paged_attention's arguments (adapted arrays): vLLM's cache layout, one query row per
+    sequence."""
+    dt = _checks.check_dtype(query, "query")
+    cdt = _kvquant.cache_dtype(kv_cache_dtype, key_cache, value_cache, dt)
+    if cdt is dt:
+        for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if a.dtype != query.dtype:
+                _fail(f"{name} dtype {a.dtype} does not match query dtype {query.dtype}",
+                      TypeError)
+    if query.ndim != 3:
+        _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {query.shape}")
+    num_seqs, num_heads, head_size = query.shape
+    _checks.check_head_size(head_size)
+    x = 16 // cdt.itemsize
+    if key_cache.ndim == 5 and key_cache.shape[2] * x != head_size:
+        _fail(f"key_cache.shape[2] is {key_cache.shape[2]}, expected head_size/{x} = "
+              f"{head_size // x}")
+    cache = _checks.check_kv_layout(key_cache, value_cache, cdt, "vllm")
+    if num_heads == 0 or num_heads % cache.num_kv_heads:
+        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+              f"({cache.num_kv_heads})")
+    if num_heads > _checks.MAX_GRID_YZ:
+        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
+    # Strides of an empty batch are free: nothing is read through them.
+    empty = num_seqs == 0
+    if not empty and (query.strides[2] != dt.itemsize or min(query.strides) < 0):
+        _fail(f"query's last dimension must be contiguous (strides {query.strides})")
+    _checks.check_element_strides(query, "query", dt.itemsize)
+
+    max_blocks = _checks.check_tables(block_tables, context_lens, "context_lens", num_seqs,
+                                      cache.block_size, _checks.MAX_TOKENS)
+    _checks.check_alibi_and_out(alibi_slopes, out, query, num_heads)
+    if out is not None:
+        # Written in place over the query is fine (each CTA reads its rows before it writes
+        # them); a partial overlap would let one CTA's output clobber another's query.
+        # (Byte ranges inline: this runs on every call.)
+        q_lo, o_lo, qs = query.data.ptr, out.data.ptr, query.strides
+        q_hi = q_lo + (num_seqs - 1) * qs[0] + (num_heads - 1) * qs[1] + head_size * dt.itemsize
+        o_hi = o_lo + num_seqs * num_heads * head_size * dt.itemsize
+        if not empty and q_lo < o_hi and o_lo < q_hi and not (q_lo == o_lo and out.strides == qs):
+            _checks.check_disjoint((("query", query), ("out", out)), may_alias=OUT_OVER_QUERY)
+
+    return _problem(query, dt, cdt, cache, num_seqs, max_blocks, num_seqs, block_tables,
+                    k_scale, v_scale, (("key_cache", key_cache), ("value_cache", value_cache),
+                                       ("block_tables", block_tables),
+                                       ("context_lens", context_lens),
+                                       ("alibi_slopes", alibi_slopes), ("out", out)))
+
+
+def _problem(q, dt, cdt, cache, num_seqs: int, max_blocks: int, num_rows: int, bt, k_scale,
+             v_scale, arrays) -> Problem:
+    """The Problem of a checked call, once its other ``arrays`` (name, array or None) are
+    on the query's device and its cache's scales are checked."""
+    device = q.data.device_id  # (not .device: that builds a Device object per call)
+    _checks.check_same_device(device, "query", arrays)
+    quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
+    return Problem(device, dt, num_seqs, q.shape[1], cache.num_kv_heads, q.shape[2],
+                   cache.block_size, cache.num_blocks, max_blocks, cache, num_rows, quant,
+                   (q.strides[0] // dt.itemsize, q.strides[1] // dt.itemsize),
+                   bt.strides[0] // 4)
+
+
+def softmax_scale(scale, head_size: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_size)
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        _fail(f"scale must be a number, got {type(scale).__name__}", TypeError)
+    # The kernels take scale * log2(e) as a float32.
+    if not math.isfinite(scale) or abs(scale) * _checks.LOG2E > _checks.FLT_MAX:
+        _fail(f"scale must be finite in float32 (|scale| < "
+              f"{_checks.FLT_MAX / _checks.LOG2E:.3g}), got {scale}")
+    return scale
+
+
+def max_context(max_context_len, p: Problem) -> int:
+    """A host-side bound on the context lengths, used only to size split-KV work."""
+    return _checks.host_bound(max_context_len, "max_context_len", p.max_blocks * p.block_size)
+
+
+class VariantArgs(NamedTuple):
+    """A call's variant arguments, as given (validated by variant_setup)."""
+
+    window: object = None
+    window_left: object = None
+    logits_soft_cap: object = None
+    sinks: object = None
+    return_lse: bool = False
+    lse: object = None
+    sparse: tuple = ()  # blocksparse, already checked by _variants.blocksparse
+
+
+    @property
+    def wants_lse(self) -> bool:
+        return bool(self.return_lse) or self.lse is not None
+
+
+NO_VARIANTS = VariantArgs()
+
+
+def variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse) -> VariantArgs:
+    """The public keywords as one value; the shared constant when none is given (the
+    common call then skips every variant check)."""
+    if (window is None and window_left is None and logits_soft_cap is None and sinks is None
+            and return_lse is False and lse is None):
+        return NO_VARIANTS
+    return VariantArgs(window, window_left, logits_soft_cap, sinks, return_lse, lse)
+
+
+def variant_setup(va: VariantArgs, p: Problem):
+    """Validate the variant arguments of a call (no launch, no allocation): the variants
+    with their sinks adapted, and the caller's ``lse=`` array (adapted) or None."""
+    if va is NO_VARIANTS:
+        return _variants.PLAIN, None
+    window = _variants.window_size(va.window, va.window_left)
+    cap = _variants.soft_cap(va.logits_soft_cap)
+    sinks = _variants.check_sinks(optional_device_array(va.sinks, "sinks"), p.num_heads,
+                                  p.device)
+    lse = optional_output_array(va.lse, "lse")
+    if lse is not None:
+        _variants.check_lse(lse, p.num_rows, p.num_heads, p.device)
+    elif not isinstance(va.return_lse, (bool, np.bool_)):
+        _fail(f"return_lse must be a bool, got {type(va.return_lse).__name__}", TypeError)
+    if not (window or cap or sinks is not None or va.sparse):
+        return _variants.PLAIN, lse
+    return _variants.Variants(_variants.letters(window, cap, va.sparse), window, cap, sinks,
+                              va.sparse), lse
+
+
+def check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
+    kc = as_device_array(key_cache, "key_cache")
+    if kc.ndim >= 4 and (kc.shape[1] != num_kv_heads or kc.shape[3] != block_size):
+        _fail(f"num_kv_heads={num_kv_heads} and block_size={block_size} do not match "
+              f"key_cache of shape {kc.shape}")
+
+
+def blocksparse_args(tp_rank, local_blocks, vert_stride, block_size,
+                     head_sliding_step) -> VariantArgs:
+    """vLLM's blocksparse arguments as the call's variants: dense attention (no variant)
+    unless ``blocksparse_vert_stride > 1``, as in vLLM."""
+    sparse = _variants.blocksparse(tp_rank, local_blocks, vert_stride, block_size,
+                                   head_sliding_step)
+    return VariantArgs(sparse=sparse) if sparse else NO_VARIANTS
+
+
+def check_tables_on_device(bt, cl, num_blocks: int, block_size: int,
+                           ctx: _arrays.Context) -> None:
+    """check_block_tables and CUPAGED_DEBUG: every sequence's length fits its table row and
+    its blocks are in the cache (reads the device: synchronizes)."""
+    bt = _arrays.to_host(bt, ctx)
+    cl = _arrays.to_host(cl, ctx)
+    if bt.ndim != 2 or cl.shape != (bt.shape[0],):
+        _fail(f"block_tables {bt.shape} and context_lens {cl.shape} disagree on num_seqs")
+    lens = cl.astype(np.int64)
+    bad_len = (lens < 0) | (lens > bt.shape[1] * block_size)
+    if bad_len.any():
+        i = int(np.flatnonzero(bad_len)[0])
+        _fail(f"sequence {i}: context length {lens[i]} is outside [0, {bt.shape[1] * block_size}] "
+              f"(block_tables has {bt.shape[1]} blocks of {block_size} tokens per sequence)")
+    used = np.arange(bt.shape[1])[None, :] < -(-lens // block_size)[:, None]
+    bad = used & ((bt < 0) | (bt >= num_blocks))
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        _fail(f"sequence {i}: block_tables[{i}, {j}] = {bt[i, j]} is outside [0, {num_blocks})")
+
+
+def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="auto",
+                    k_scale=None, v_scale=None) -> Problem:
+    """attention's arguments (adapted arrays): any cache layout, a varlen batch of query
+    rows (``qsl``: query_start_loc, or None for one row per sequence)."""
+    dt = _checks.check_dtype(q, "query")
+    if q.ndim != 3:
+        _fail(f"query must be 3-D [total_q, num_heads, head_size], got shape {q.shape}")
+    total_q, num_heads, head_size = q.shape
+    cdt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
+    cache = _checks.check_kv_layout(kc, vc, cdt, kv_layout)
+    if cache.head_size != head_size:
+        _fail(f"query's head_size is {head_size} but the caches' is {cache.head_size}")
+    if num_heads == 0 or num_heads % cache.num_kv_heads:
+        _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+              f"({cache.num_kv_heads})")
+    group = num_heads // cache.num_kv_heads
+    if total_q * max(group, 1) > _checks.INT32_MAX:
+        _fail(f"total_q * (num_heads / num_kv_heads) = {total_q * group} query rows; at most "
+              f"{_checks.INT32_MAX} are supported per call")
+    if total_q and (q.strides[2] != dt.itemsize or min(q.strides) < 0):
+        _fail(f"query's last dimension must be contiguous (strides {q.strides})")
+    _checks.check_element_strides(q, "query", dt.itemsize)
+
+    if bt.ndim != 2:
+        _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
+    num_seqs = bt.shape[0]
+    max_blocks = _checks.check_tables(bt, sl, "seq_lens", num_seqs, cache.block_size,
+                                      _checks.MAX_TOKENS)
+    if qsl is None:
+        if total_q != num_seqs:
+            _fail(f"query has {total_q} rows but there are {num_seqs} sequences: without "
+                  f"query_start_loc each sequence has exactly one query token")
+    else:
+        _checks.check_int(qsl, "query_start_loc")
+        if qsl.shape != (num_seqs + 1,) or qsl.strides[0] != 4:
+            _fail(f"query_start_loc must be a contiguous [num_seqs + 1 = {num_seqs + 1}] array, "
+                  f"got shape {qsl.shape}")
+    if num_seqs * cache.num_kv_heads > _checks.INT32_MAX:  # the prefill grid's x
+        _fail(f"{num_seqs} sequences x {cache.num_kv_heads} KV heads; at most "
+              f"{_checks.INT32_MAX} (sequence, KV head) pairs are supported")
+    _checks.check_alibi_and_out(alibi, out, q, num_heads)
+    if out is not None:
+        # In place over the query is fine (each query row is read by the CTA that writes
+        # its output, before it writes); any other overlap is not.
+        if total_q and not (out.data.ptr == q.data.ptr and out.strides == q.strides):
+            _checks.check_disjoint((("query", q), ("out", out)))
+    return _problem(q, dt, cdt, cache, num_seqs, max_blocks, total_q, bt, k_scale, v_scale,
+                    (("key_cache", kc), ("value_cache", vc), ("block_tables", bt),
+                     ("seq_lens", sl), ("query_start_loc", qsl), ("alibi_slopes", alibi),
+                     ("out", out)))
+
+
+def check_queries_on_device(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
+    """CUPAGED_DEBUG: the device-side facts of query_start_loc (synchronizes)."""
+    starts = _arrays.to_host(qsl, ctx).astype(np.int64)
+    lens = _arrays.to_host(sl, ctx).astype(np.int64)
+    if starts[0] != 0 or starts[-1] != total_q:
+        _fail(f"query_start_loc must run from 0 to total_q = {total_q}, got "
+              f"{starts[0]} .. {starts[-1]}")
+    q_lens = np.diff(starts)
+    bad = np.flatnonzero(q_lens < 0)
+    if bad.size:
+        i = int(bad[0])
+        _fail(f"query_start_loc must be non-decreasing: query_start_loc[{i + 1}] = "
+              f"{starts[i + 1]} < query_start_loc[{i}] = {starts[i]}")
+    bad = np.flatnonzero(q_lens > lens)
+    if bad.size:
+        i = int(bad[0])
+        _fail(f"sequence {i}: {q_lens[i]} query tokens but seq_lens[{i}] = {lens[i]} (the "
+              f"query tokens are the last q_len of the sequence's cached tokens)")
+
+
+class V2Scratch(NamedTuple):
+    """vLLM's v2 scratch buffers, checked: their addresses, the (sequence, head) rows and
+    the float32 partitions per row that fit in them."""
+
+    exp_sums: int
+    max_logits: int
+    tmp_out: int
+    rows: int
+    capacity: int
+
+
+def check_v2_scratch(query, exp_sums, max_logits, tmp_out, out) -> V2Scratch:
+    """paged_attention_v2's ``exp_sums``/``max_logits`` (float32 ``[num_seqs, num_heads,
+    P]``) and ``tmp_out`` (``[num_seqs, num_heads, P, head_size]``, float32 or the query's
+    dtype: then P // 2 float32 partials fit), all contiguous, on the query's device,
+    4-byte aligned, overlapping nothing else of the call."""
+    q = as_device_array(query, "query")
+    es = as_device_array(exp_sums, "exp_sums")
+    ml = as_device_array(max_logits, "max_logits")
+    tmp = as_device_array(tmp_out, "tmp_out")
+    if q.ndim != 3:
+        _fail(f"query must be 3-D [num_seqs, num_heads, head_size], got shape {q.shape}")
+    s, h, hs = q.shape
+    for name, a in (("exp_sums", es), ("max_logits", ml)):
+        if (a.dtype != np.float32 or a.ndim != 3 or a.shape[:2] != (s, h)
+                or not (s == 0 or a.flags.c_contiguous)):
+            _fail(f"{name} must be a contiguous float32 [{s}, {h}, max_num_partitions] array, "
+                  f"got {a.dtype} {a.shape}")
+    for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
+        if a.data.device_id != q.data.device_id:
+            _fail(f"{name} is on device {a.data.device_id} but query is on device "
+                  f"{q.data.device_id}")
+    n_user = es.shape[2]
+    if (ml.shape != es.shape or tmp.shape != (s, h, n_user, hs)
+            or not (s == 0 or tmp.flags.c_contiguous)):
+        _fail(f"max_logits and tmp_out must match exp_sums: expected {(s, h, n_user)} and "
+              f"{(s, h, n_user, hs)}, got {ml.shape} and {tmp.shape}")
+    if tmp.dtype == np.float32:
+        capacity = n_user
+    elif tmp.dtype == q.dtype:
+        capacity = n_user // 2  # float32 partials in a 16-bit buffer
+    else:
+        _fail(f"tmp_out must be float32 or the query's dtype, got {tmp.dtype}", TypeError)
+    # vLLM sizes P as ceil(max_len / 512); past 65535 partitions (33.5M tokens) the grid
+    # cannot hold them, so use fewer, larger ones.
+    capacity = min(capacity, _checks.MAX_GRID_YZ)
+    # The kernels write float32 partials into all three, whatever tmp_out's dtype.
+    for name, a in (("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp)):
+        _checks.check_aligned(a.data.ptr, name, 4)
+    _checks.check_disjoint((("exp_sums", es), ("max_logits", ml), ("tmp_out", tmp),
+                            ("query", q), ("out", as_device_array(out, "out"))),
+                           may_alias=OUT_OVER_QUERY)
+    return V2Scratch(es.data.ptr, ml.data.ptr, tmp.data.ptr, s * h, capacity)
