@@ -75,9 +75,9 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
                 bt, cl, p.num_blocks, p.block_size,
                 _arrays.context(p.device, _arrays.framework(query), stream))
     with _arrays.on_device(p.device):
-        launches = launch.decode_launch(p, scale, max_ctx, partition,
-                                        0 if alibi is None else alibi.data.ptr, workspace,
-                                        variants=variants)
+        plan = planning.plan_decode(p, max_ctx, partition, workspace, variants)
+        launches = launch.build(q, o, p, plan, scale, True,
+                                0 if alibi is None else alibi.data.ptr, variants, workspace)
     return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, cl, None, o, lse))
 

@@ -6,14 +6,16 @@ prepared call the memo keeps (``_prepared``)."""
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import cupy
 import numpy as np
 
-from . import _arrays, _checks, _prepared, _variants, jit, planning
-from .specs import geometry
+from . import _arrays, _checks, _prepared, _variants, jit
 from .validation import Problem, VariantArgs
+
+if TYPE_CHECKING:
+    from .planning import KernelPlan
 
 _fail = _checks.fail
 
@@ -112,59 +114,6 @@ def kv_args(p: Problem) -> tuple:
                                           q.v_value)
 
 
-def decode_launch(p: Problem, scale: float, max_ctx: int, partition, alibi: int,
-                  workspace: Partials | None = None, rows: bool = False, causal: bool = True,
-             variants: _variants.Variants = _variants.PLAIN) -> Launch | None:
-    """The launches of paged_decode (and its combine) for a validated problem; None when
-    there is nothing to launch. ``rows``: one CTA per query row, each finding its sequence
-    in ``query_start_loc`` (attention's row mode). ``workspace``: where split-KV partials
-    go, else a scratch buffer per call. ``alibi``: the slopes' address or 0."""
-    if p.num_seqs == 0 or p.num_rows == 0:
-        return None
-    group = p.num_heads // p.num_kv_heads
-    gt = planning.group_tile(group)
-    ks = planning.decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
-                                 p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
-                                 variants.letters)
-    vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
-    if variants.window:  # the partitions cover the window (from a tile before it) only
-        max_ctx = min(max_ctx, variants.window + ks.tile_tokens)
-    grid_y = p.num_kv_heads * -(-group // gt)
-    if grid_y > _checks.MAX_GRID_YZ:
-        _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit {_checks.MAX_GRID_YZ}")
-    size, smem = planning.partition_tokens(partition, p, max_ctx, p.num_rows * grid_y, ks)
-    # Partials without counters (vLLM's v2 buffers) are merged by the combine kernel,
-    # which takes a row per sequence: row mode then runs a single pass.
-    if size and rows and workspace is not None and workspace.max_counters < p.num_rows * grid_y:
-        size, smem = 0, planning.residency(p.num_rows * grid_y, ks).smem
-    if size and workspace is not None:
-        fitted = planning.fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
-                                         max(ks.tile_tokens, p.block_size))
-        if fitted != size:  # fewer partitions: a smaller grid, perhaps another residency
-            size = fitted
-            grid = p.num_rows * grid_y * planning.partition_count(max_ctx, size)
-            smem = planning.residency(grid, ks).smem
-    n_parts = planning.partition_count(max_ctx, size)
-    kv_strides, kv_tail = kv_args(p)
-    launch = Launch(ks.decode, (p.num_rows, grid_y, n_parts), geometry.DECODE_THREADS, smem,
-                    False, (0,), p.q_strides, kv_strides, kv_tail,
-                    (alibi, p.num_heads, group, p.num_seqs, int(causal), size,
-                     scale * _checks.LOG2E), variants, vp, takes_starts=rows)
-    if not size:
-        return launch
-    launch = launch._replace(split=True, partials=workspace,
-                             scratch_rows=p.num_rows * p.num_heads * n_parts,
-                             head_size=p.head_size)
-    # The last partition of each (sequence, head tile) merges, counting in the workspace's
-    # counters or the scratch's; partials without counters (vLLM's v2 buffers) go through
-    # the combine kernel.
-    if workspace is None or workspace.max_counters >= p.num_rows * grid_y:
-        return launch
-    return launch._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
-                           combine_tail=(p.max_blocks * p.block_size, size, n_parts,
-                                         ks.tile_tokens))
-
-
 def scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
                      counters: int = 0) -> tuple:
     """``(partials, owner)``: a scratch buffer for ``rows`` partial rows and ``counters``
@@ -243,7 +192,7 @@ class DecodeWorkspace:
         _checks.check_head_size(head_size)
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         if rows is None:
-            sms = planning.device_info(self.device).sm_count
+            sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
             rows = max(2 * max_num_seqs * num_heads, 9 * 4 * sms * 8)
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows <= 0:
             _fail(f"rows must be a positive int, got {rows!r}")
@@ -290,52 +239,38 @@ class DecodeWorkspace:
                 f"device={self.device}, {self.nbytes / 2**20:.1f} MiB)")
 
 
-def prefill_launch(q, o, p: Problem, plan: planning.Plan, scale: float, causal: bool,
-                   alibi: int, variants: _variants.Variants = _variants.PLAIN,
-                     max_q: int = 0, max_ctx: int = 0,
-                     workspace: Partials | None = None) -> Launch:
-    """paged_prefill's launches (and the combine of its split-KV) for a validated call
-    (``q``, ``o``: the adapted query and out, or None for a new out)."""
-    if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
-        _fail(f"query must be 16-byte aligned with token and head strides that are multiples "
-              f"of 16 bytes for multi-token {p.dtype.name} attention (pointer "
-              f"{q.data.ptr:#x}, strides {q.strides})")
-    if o is not None and o.data.ptr % 4:
-        _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")
-    # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
-    letters = _variants.prefill_letters(variants, p.dtype.name, bool(alibi))
-    k = planning.prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size,
-                                p.cache.kv_format, plan.tile, p.cache.dtype.name, p.quant.mode,
-                                letters)
-    vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
-    size, n_parts = planning.prefill_split(k, p, plan, max_q, max_ctx, variants, workspace)
-    kv_strides, kv_tail = kv_args(p)
-    # Grid x is (sequence, KV head), y the query tiles, heaviest first (the kernel's
-    # header), z the split-KV partitions.
-    launch = Launch(
-        k.launch, (p.num_seqs * p.num_kv_heads, plan.q_tiles, n_parts), k.threads, k.smem,
-        True, (size // k.tile_tokens,), p.q_strides, kv_strides, kv_tail,
-        (alibi, p.num_heads, p.num_heads // p.num_kv_heads, int(causal),
-         scale * _checks.LOG2E), variants, vp)
-    if n_parts == 1:
-        return launch
-    # (The combine is loaded here, not with the kernel: most multi-token calls never split.)
-    return launch._replace(
-        split=True, combine=planning.combine_kernel(p.device, p.dtype.name, p.head_size),
-        combine_grid=(p.num_rows, p.num_heads, 1), combine_tail=(0, size, n_parts, k.tile_tokens),
-        partials=workspace, scratch_rows=p.num_rows * p.num_heads * n_parts,
-        head_size=p.head_size)
-
-
-def attention_launch(q, o, p: Problem, plan: planning.Plan, scale: float, causal: bool,
-                     alibi: int, variants: _variants.Variants, max_q: int, max_ctx: int,
-                     workspace: Partials | None) -> Launch | None:
-    """The launches of a planned :func:`cupaged.attention` call (None: nothing to launch):
-    the builder of the kernel ``plan.kind`` names."""
-    if not (p.num_seqs and p.num_rows):
+def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool, alibi: int,
+          variants: _variants.Variants, workspace: Partials | None) -> Launch | None:
+    """The launches of a planned call: the kernel's arguments packed, every one but the
+    arrays' addresses (None: nothing to launch). ``q``, ``o``: the adapted query and out
+    (or None), whose alignment the multi-token kernel needs; ``alibi``: the slopes'
+    address or 0; ``workspace``: where split-KV partials go (None: a scratch buffer per
+    call)."""
+    if plan is None:
         return None
+    group = p.num_heads // p.num_kv_heads
     if plan.kind == "prefill":
-        return prefill_launch(q, o, p, plan, scale, causal, alibi, variants, max_q, max_ctx,
-                              workspace)
-    return decode_launch(p, scale, max_ctx, "auto", alibi, workspace, rows=plan.kind == "rows",
-                         causal=causal, variants=variants)
+        if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
+            _fail(f"query must be 16-byte aligned with token and head strides that are "
+                  f"multiples of 16 bytes for multi-token {p.dtype.name} attention (pointer "
+                  f"{q.data.ptr:#x}, strides {q.strides})")
+        if o is not None and o.data.ptr % 4:
+            _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")
+        tail = (alibi, p.num_heads, group, int(causal), scale * _checks.LOG2E)
+    else:
+        tail = (alibi, p.num_heads, group, p.num_seqs, int(causal), plan.split_tokens,
+                scale * _checks.LOG2E)
+    vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
+    kv_strides, kv_tail = kv_args(p)
+    launch = Launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.kind == "prefill",
+                    plan.head, p.q_strides, kv_strides, kv_tail, tail, variants, vp,
+                    takes_starts=plan.kind != "decode")
+    if not plan.split_tokens:
+        return launch
+    launch = launch._replace(split=True, partials=workspace,
+                             scratch_rows=p.num_rows * p.num_heads * plan.partitions,
+                             head_size=p.head_size)
+    if plan.combine is None:  # paged_decode merges its own partitions
+        return launch
+    return launch._replace(combine=plan.combine, combine_grid=plan.combine_grid,
+                           combine_tail=plan.combine_tail)

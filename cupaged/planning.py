@@ -415,33 +415,55 @@ def prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                          resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
 
 
-class Plan(NamedTuple):
+class KernelPlan(NamedTuple):
+    """What planning decides of a call's launches, all from host facts: the kernel, its
+    grid and shared memory, the split-KV partition and how the partials are merged.
+    ``launch.build`` packs it with the call's constants."""
+
+    kind: str  # "decode" (one token per sequence), "rows" (decode's row mode), "prefill"
+    kernel: jit.Launcher
+    grid: tuple
+    threads: int
+    smem: int
+    head: tuple  # the kernel's arguments after its partials: prefill's split_tiles, or
+    #              paged_decode's counters (filled in per call when it merges its split)
+    split_tokens: int = 0  # tokens per split-KV partition; 0: a single pass
+    partitions: int = 1
+    combine: jit.Launcher | None = None  # merges the partials when the kernel does not
+    combine_grid: tuple = ()
+    combine_tail: tuple = ()  # the combine's arguments after the lengths
+
+
+class Choice(NamedTuple):
+    """Which kernel serves an attention call (and, for paged_prefill, its tile)."""
+
     kind: str  # "decode" | "prefill" | "rows"
     q_tiles: int = 0  # prefill: grid y
     tile: tuple = ()  # prefill: (warps, m_atoms, tile_tokens, stages)
 
 
-def plan_attention(p: Problem, has_starts: bool, max_q: int) -> Plan:
-    """Which kernel serves the call, from host facts only (no device sync). The host
-    bounds may undercount, so they choose only among kernels that read
-    ``query_start_loc`` whenever it is given."""
+def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
+    """Which kernel serves an attention call, from host facts only (no device sync): the
+    rules a new kernel family adds to. The host bounds may undercount, so they choose
+    only among kernels that read ``query_start_loc`` whenever it is given."""
     if not has_starts:
-        return Plan("decode")  # one token per sequence, by the call's contract
+        return Choice("decode")  # one token per sequence, by the call's contract
     if max_q <= 1 and p.num_rows == p.num_seqs:
         # Most likely a decode step: the decode kernel's row mode (split-KV included)
         # finds row r in sequence r at once, and any other split of the rows correctly.
-        return Plan("rows")
+        return Choice("rows")
     # vLLM's value layout is copied in 16-byte runs of one block: 8 tokens, 16 for fp8.
     if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
                                   or p.block_size * p.cache.dtype.itemsize >= 16):
         group = p.num_heads // p.num_kv_heads
         tile = prefill_tile(p.head_size, max_q * group)
         rows = 16 * tile[0] * tile[1]
-        return Plan("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))), tile)
-    return Plan("rows")
+        return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
+                      tile)
+    return Choice("rows")
 
 
-def prefill_split(k: PrefillKernel, p: Problem, plan: Plan, max_q: int, max_ctx: int,
+def prefill_split(k: PrefillKernel, p: Problem, plan: Choice, max_q: int, max_ctx: int,
                   variants: _variants.Variants, workspace) -> tuple:
     """``(tokens per split-KV partition, partitions)`` of paged_prefill; ``(0, 1)`` for a
     single pass. Each query tile splits its own keys (from its window's first tile, if
@@ -463,3 +485,81 @@ def prefill_split(k: PrefillKernel, p: Problem, plan: Plan, max_q: int, max_ctx:
         size = fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
     n_parts = min(partition_count(span, size), _checks.MAX_GRID_YZ)
     return (size, n_parts) if n_parts > 1 else (0, 1)
+
+
+def plan_attention(p: Problem, has_starts: bool, max_q: int, max_ctx: int,
+                   variants: _variants.Variants, alibi: bool,
+                   workspace) -> KernelPlan | None:
+    """The launches of an attention call (None: nothing to launch): the kernel
+    choose_kernel picks, planned by its family's rule."""
+    if not (p.num_seqs and p.num_rows):
+        return None
+    choice = choose_kernel(p, has_starts, max_q)
+    if choice.kind == "prefill":
+        return plan_prefill(p, choice, max_q, max_ctx, variants, alibi, workspace)
+    return plan_decode(p, max_ctx, "auto", workspace, variants, rows=choice.kind == "rows")
+
+
+def plan_decode(p: Problem, max_ctx: int, partition, workspace,
+                variants: _variants.Variants = _variants.PLAIN,
+                rows: bool = False) -> KernelPlan | None:
+    """paged_decode's launch (and its combine) for a validated problem; None when there is
+    nothing to launch. ``rows``: one CTA per query row, each finding its sequence in
+    ``query_start_loc`` (attention's row mode). ``workspace``: the ``launch.Partials``
+    where split-KV partials go (None: a scratch buffer per call), whose room caps the
+    partitions."""
+    if p.num_seqs == 0 or p.num_rows == 0:
+        return None
+    group = p.num_heads // p.num_kv_heads
+    gt = group_tile(group)
+    ks = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
+                        p.cache.kv_format, p.cache.dtype.name, p.quant.mode, variants.letters)
+    if variants.window:  # the partitions cover the window (from a tile before it) only
+        max_ctx = min(max_ctx, variants.window + ks.tile_tokens)
+    grid_y = p.num_kv_heads * -(-group // gt)
+    if grid_y > _checks.MAX_GRID_YZ:
+        _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
+              f"{_checks.MAX_GRID_YZ}")
+    ctas = p.num_rows * grid_y
+    size, smem = partition_tokens(partition, p, max_ctx, ctas, ks)
+    # Partials without counters (vLLM's v2 buffers) are merged by the combine kernel,
+    # which takes a row per sequence: row mode then runs a single pass.
+    counted = workspace is None or workspace.max_counters >= ctas
+    if size and rows and not counted:
+        size, smem = 0, residency(ctas, ks).smem
+    if size and workspace is not None:
+        fitted = fit_partitions(size, partition, p, max_ctx, workspace.max_rows,
+                                max(ks.tile_tokens, p.block_size))
+        if fitted != size:  # fewer partitions: a smaller grid, perhaps another residency
+            size = fitted
+            smem = residency(ctas * partition_count(max_ctx, size), ks).smem
+    n_parts = partition_count(max_ctx, size)
+    plan = KernelPlan("rows" if rows else "decode", ks.decode, (p.num_rows, grid_y, n_parts),
+                      geometry.DECODE_THREADS, smem, (0,), size, n_parts)
+    # The last partition of each (sequence, head tile) merges, counting in the workspace's
+    # counters or the scratch's; partials without counters go through the combine kernel.
+    if not size or counted:
+        return plan
+    return plan._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
+                         combine_tail=(p.max_blocks * p.block_size, size, n_parts,
+                                       ks.tile_tokens))
+
+
+def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
+                 variants: _variants.Variants, alibi: bool,
+                 workspace) -> KernelPlan:
+    """paged_prefill's launch (and the combine of its split-KV): grid x is (sequence, KV
+    head), y the query tiles, heaviest first (the kernel's header), z the partitions."""
+    # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
+    letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
+    k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
+                       choice.tile, p.cache.dtype.name, p.quant.mode, letters)
+    size, n_parts = prefill_split(k, p, choice, max_q, max_ctx, variants, workspace)
+    plan = KernelPlan("prefill", k.launch, (p.num_seqs * p.num_kv_heads, choice.q_tiles, n_parts),
+                      k.threads, k.smem, (size // k.tile_tokens,), size, n_parts)
+    if n_parts == 1:
+        return plan
+    # (The combine is loaded here, not with the kernel: most multi-token calls never split.)
+    return plan._replace(combine=combine_kernel(p.device, p.dtype.name, p.head_size),
+                         combine_grid=(p.num_rows, p.num_heads, 1),
+                         combine_tail=(0, size, n_parts, k.tile_tokens))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _checks, decode, launch, planning, validation
+from cupaged import _checks, _variants, decode, launch, planning, validation
 
 
 class Fake:
@@ -298,16 +298,19 @@ def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
     ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
     monkeypatch.setattr(planning, "decode_kernels", lambda *a, **k: ks)
     p = validate(**args(seqs=20, heads=32, kv_heads=8, hs=128, bs=16, width=128))
-    plan = launch.decode_launch(p, 0.1, 2048, "auto", 0)
+    plan = planning.plan_decode(p, 2048, "auto", None)
     assert plan.grid[2] == 3 and plan.smem == KS.fewer[0].smem
     ws = launch.Partials(1, 2, 3, max_rows=20 * 32 * 2, counters=4, max_counters=20 * 8)
-    plan = launch.decode_launch(p, 0.1, 2048, "auto", 0, ws)
+    plan = planning.plan_decode(p, 2048, "auto", ws)
     assert plan.grid[2] == 2 and plan.smem == KS.smem
     # One CTA per query row (attention's row mode, here one row per sequence): the same
     # split and residency as decode, reading query_start_loc.
-    rows = launch.decode_launch(p, 0.1, 2048, "auto", 0, rows=True)
-    assert rows.grid[2] == 3 and rows.smem == KS.fewer[0].smem and rows.takes_starts
-    assert not launch.decode_launch(p, 0.1, 2048, "auto", 0).takes_starts
+    rows = planning.plan_decode(p, 2048, "auto", None, rows=True)
+    assert rows.grid[2] == 3 and rows.smem == KS.fewer[0].smem and rows.kind == "rows"
+    built = launch.build(None, None, p, rows, 0.1, True, 0, _variants.PLAIN, None)
+    assert built.takes_starts
+    plain = planning.plan_decode(p, 2048, "auto", None)
+    assert not launch.build(None, None, p, plain, 0.1, True, 0, _variants.PLAIN, None).takes_starts
 
 
 def test_always_splits_at_least_in_two():

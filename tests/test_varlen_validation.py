@@ -164,7 +164,7 @@ def test_host_bounds(name):
 def test_the_planner_picks_the_kernel(layout, dtype, bs, starts, max_q, total_q, kind):
     a = vargs(layout, dtype=dtype, bs=bs, total_q=total_q)
     p = vvalidate(**a)
-    assert planning.plan_attention(p, starts, max_q).kind == kind
+    assert planning.choose_kernel(p, starts, max_q).kind == kind
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
@@ -174,12 +174,12 @@ def test_a_call_with_query_start_loc_always_reads_it(layout, dtype, max_q):
     """Host bounds may undercount: whatever they say, a call given query_start_loc runs a
     kernel that reads it (the decode kernel's one-token mode does not)."""
     p = vvalidate(**vargs(layout, dtype=dtype, seqs=3, total_q=3))
-    assert planning.plan_attention(p, True, max_q).kind in ("rows", "prefill")
+    assert planning.choose_kernel(p, True, max_q).kind in ("rows", "prefill")
 
 
 def test_the_planner_takes_16_rows_per_warp_for_few_rows():
     p = vvalidate(**vargs(total_q=7))
-    few, many = planning.plan_attention(p, True, 4).tile, planning.plan_attention(p, True, 300).tile
+    few, many = planning.choose_kernel(p, True, 4).tile, planning.choose_kernel(p, True, 300).tile
     assert few == jit.few_rows_prefill_tile(p.head_size)    # 4 tokens x 4 heads = 16 rows
     assert many == jit.default_prefill_tile(p.head_size)
     assert 16 * few[0] * few[1] < 16 * many[0] * many[1]    # fewer padding rows
@@ -196,7 +196,7 @@ def test_the_split_model_splits_few_ctas_over_long_keys_only():
     def split(num_seqs, q_tiles, max_ctx, window=0, max_q=128):
         p = validation.Problem(0, None, num_seqs, 32, 8, 128, 16, 0, 0, None, num_seqs * max_q)
         v = _variants.Variants("w" if window else "", window)
-        return planning.prefill_split(k, p, planning.Plan("prefill", q_tiles), max_q, max_ctx,
+        return planning.prefill_split(k, p, planning.Choice("prefill", q_tiles), max_q, max_ctx,
                                      v, None)
 
     size, parts = split(1, 4, 32768)

@@ -4,5 +4,6 @@
 source "$(dirname "$0")/device_env.sh"
 old=/tmp/cupaged-ab
 rm -rf "$old" && mkdir -p "$old"
-cp -r .regress/old/cupaged "$old/cupaged_old" && cp -r .regress/old/cuda_src "$old/cuda_src"
+base=${OLD:-.regress/old}  # OLD=: another carried tree
+cp -r "$base/cupaged" "$old/cupaged_old" && cp -r "$base/cuda_src" "$old/cuda_src"
 PYTHONPATH="$PWD:$old" python3 tools/decode_ab.py "$@" 2>&1 | tee -a "$OUT/decode-ab.txt"

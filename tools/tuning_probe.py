@@ -26,7 +26,7 @@ import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import launch, planning  # noqa: E402
+from cupaged import planning  # noqa: E402
 from cupaged.bench import decode as bench_decode
 from cupaged.bench import timing
 from cupaged.bench import workloads
@@ -35,15 +35,15 @@ SHAPES = "32/8/64/2048,32/32/64/2048,32/8/8/32768,32/8/256/512,32/8/128/uniform:
 
 
 _partition = "auto"
-_prepare = launch.decode_launch
+_plan_decode = planning.plan_decode
 
 
-def _prepare_with(p, scale, max_ctx, partition, *args, **kw):
-    """launch.decode_launch with the probe's partition instead of attention's "auto"."""
-    return _prepare(p, scale, max_ctx, _partition, *args, **kw)
+def _plan_with(p, max_ctx, partition, *args, **kw):
+    """planning.plan_decode with the probe's partition instead of attention's "auto"."""
+    return _plan_decode(p, max_ctx, _partition, *args, **kw)
 
 
-launch.decode_launch = _prepare_with  # attention() has no partition argument: the probe's lever
+planning.plan_decode = _plan_with  # attention() has no partition argument: the probe's lever
 
 
 def _set(tile, ctas, partition) -> None:
