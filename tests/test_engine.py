@@ -875,7 +875,7 @@ class _LogitsRecorder:
 
 @pytest.mark.gpu
 def test_bfloat16_logits_are_as_close_to_float32_as_transformers(tiny_gpu):
-    """The stated bf16 tolerance (README, "Serving loop"): with bfloat16 weights, the
+    """The stated bf16 tolerance (docs/API.md, serving loop): with bfloat16 weights, the
     engine's logits (chunked prefill through a 16-token budget, then decodes; one request
     at a time, so each step's rows are one sequence's) deviate from the float32 model's
     (the same bf16-rounded weights, transformers in float32) by at most 1.25x what

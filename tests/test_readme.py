@@ -1,20 +1,29 @@
-"""The README's Python examples run as written (on a GPU)."""
+"""The Python examples of the README and of docs/API.md run as written (on a GPU)."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-RUNNABLE = [b for b in BLOCKS if "import cupaged" in b]
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "API.md"]
+
+
+def _runnable(path: Path) -> list:
+    """The ```python blocks of a document that import cupaged (the others are fragments)."""
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    return [b for b in blocks if "import cupaged" in b]
+
+
+EXAMPLES = [(path, code) for path in DOCS for code in _runnable(path)]
 
 
 def test_readme_has_runnable_examples():
-    assert len(RUNNABLE) >= 2
+    assert len(_runnable(DOCS[0])) >= 2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("code", RUNNABLE, ids=[f"example{i}" for i in range(len(RUNNABLE))])
-def test_readme_example_runs(code):
-    exec(compile(code, str(README), "exec"), {})
+@pytest.mark.parametrize("path, code", EXAMPLES,
+                         ids=[f"{p.name}-example{i}" for i, (p, _) in enumerate(EXAMPLES)])
+def test_example_runs(path, code):
+    exec(compile(code, str(path), "exec"), {})

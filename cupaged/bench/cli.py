@@ -77,7 +77,7 @@ def _sinks_option(f):
 def _alibi_option(f):
     return click.option("--alibi", is_flag=True,
                         help="ALiBi: the standard slopes of --heads (2^(-8 i / heads) for a "
-                             "power of two; cupaged.bench.alibi_slopes).")(f)
+                             "power of two; cupaged.bench.workloads.alibi_slopes).")(f)
 
 
 def _variants(window, soft_cap, sinks=False, alibi=False):
