@@ -2,7 +2,7 @@
 # Nsight Compute counters of FlashInfer's decode kernels beside cupaged's, on the same
 # workload (fp16, hs 128, block 16; SHAPE=heads,kv_heads,batch,context): grid, registers,
 # occupancy limits, DRAM throughput, issue activity and stall reasons of each library's
-# main kernel, one launch after warm-up. Needs .flashinfer/ (see tools/flashinfer_sweep.sh).
+# main kernel, one launch after warm-up. Needs .flashinfer/ (see tools/compare_sweep.sh).
 # Reports: $OUT/ncu-fi-<impl>-<shape>.txt.
 #   SHAPE=32,8,64,2048 IMPLS="flashinfer-decode-tc flashinfer-decode cupaged-hnd" bash tools/flashinfer_profile.sh
 # An impl may carry cupaged's tuning: cupaged-hnd@2@never runs at most 2 decode CTAs per SM
