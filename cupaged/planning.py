@@ -139,7 +139,8 @@ def decode_kernels(device_id: int, dtype: str, head_size: int, block_size: int, 
         smem = max(smem, smem_for(dev, _tuning.ctas_per_sm))
     # A CTA keeps STAGES - 1 tiles of K and V in flight; about 64 KiB in flight per SM keep
     # its share of the memory bandwidth busy (fitted, then checked on the auto sweep:
-    # docs/PERFORMANCE.md, issue 14), so fewer CTAs than the SM holds may saturate it.
+    # docs/PERFORMANCE.md, split-KV and residency model), so fewer CTAs than the SM holds
+    # may saturate it.
     geo = geometry.DecodeGeometry.of(spec)
     in_flight = (geo.stages - 1) * 2 * geo.tile_tokens * head_size * geo.cit
     saturate = _SATURATING_BYTES / in_flight
@@ -294,7 +295,7 @@ def split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
     merge (two tiles of a full wave) and must win by 3% (the partials' traffic). A single
     pass over few long sequences leaves SMs idle or a last wave mostly empty; many tiny
     partitions pay the fixed costs over and over. One residency's choices are those of
-    the wave model before residencies were chosen (PERFORMANCE.md, issue 14)."""
+    the wave model before residencies were chosen (docs/PERFORMANCE.md)."""
     per_sm = max(1, slots // sms) if sms else 1
     max_parts = min(-(-max_ctx // quantum), _checks.MAX_GRID_YZ)
     # Worth trying: one partition, the most that fit in w whole waves, and the most that

@@ -319,7 +319,7 @@ def test_always_splits_at_least_in_two():
     assert planning.split_tokens(8, 40, 396, 64, 64, True) == 64  # shorter than a tile: one part
 
 
-# ---- regression tests for the review of issue 10 ---------------------------------------------
+# ---- grid limits and scale ranges ------------------------------------------------------------
 
 
 def test_more_query_heads_than_the_grid_allows_are_refused():

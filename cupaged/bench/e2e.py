@@ -1,12 +1,12 @@
 """End-to-end serving (``cupaged-bench e2e``): one workload of random requests through
 several serving systems, the same model weights and the same requests for each.
 
-The model is :class:`cupaged.llama.Llama` with random weights drawn once from the seed;
+The model is :class:`cupaged.serving.llama.Llama` with random weights drawn once from the seed;
 the prompts are random token ids from the same seed (an optional shared system prompt
 first), each request generates exactly ``output_len`` tokens greedily, and arrivals are
 all at once or Poisson. The systems:
 
-- ``cupaged``: :class:`cupaged.engine.Engine` (continuous batching, chunked prefill,
+- ``cupaged``: :class:`cupaged.serving.engine.Engine` (continuous batching, chunked prefill,
   preemption) over a :class:`cupaged.PagedKVCache` sized to the KV budget, attention by
   :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention`; decode steps replay
   CUDA graphs (``cuda_graphs=True``, ``max_model_len`` the longest prompt plus
@@ -20,7 +20,7 @@ all at once or Poisson. The systems:
   ``cupaged.reshape_and_cache``, as vLLM's FlashInfer backend keeps its own cache write.
 - ``concat``: the "before" of a paged cache. Continuous batching where each request
   keeps its own contiguous K/V per layer, grown with ``torch.cat`` every step
-  (:class:`cupaged.llama.SdpaAttention`: torch SDPA, one call per request, flash or
+  (:class:`cupaged.serving.llama.SdpaAttention`: torch SDPA, one call per request, flash or
   memory-efficient: not cuDNN's, which plans anew for every length). Each step
   decodes every running request and prefills the newly admitted prompts whole, in one
   forward (the projections and the MLP batched across requests). Contiguous storage
@@ -335,7 +335,7 @@ class _ConcatSeq:
 
 class ConcatEngine:
     """Continuous batching without pages (the ``concat`` system): each request keeps its
-    own contiguous K/V per layer (:class:`cupaged.llama.SdpaAttention`), so admission
+    own contiguous K/V per layer (:class:`cupaged.serving.llama.SdpaAttention`), so admission
     must reserve its largest length, ``prompt + max_new_tokens`` tokens, out of
     ``budget_tokens``.
 
@@ -345,7 +345,7 @@ class ConcatEngine:
     than that goes alone as a step's first admission); all of it is one forward, so the
     projections and the MLP run batched and only attention runs per request. Greedy
     sampling; a request finishes after ``max_new_tokens`` tokens or its ``eos_token_id``.
-    ``submit``, ``has_unfinished`` and ``step`` as :class:`cupaged.engine.Engine`'s.
+    ``submit``, ``has_unfinished`` and ``step`` as :class:`cupaged.serving.engine.Engine`'s.
     """
 
     def __init__(self, model, *, budget_tokens: int, max_batched_tokens: int = 2048,
@@ -437,8 +437,8 @@ class ConcatEngine:
 
 
 class FlashInferAttention:
-    """An attention backend for :class:`cupaged.engine.Engine` (see
-    :class:`cupaged.engine.PagedAttention`) with FlashInfer's paged kernels over the
+    """An attention backend for :class:`cupaged.serving.engine.Engine` (see
+    :class:`cupaged.serving.engine.PagedAttention`) with FlashInfer's paged kernels over the
     engine's own PagedKVCache (NHD or HND; 16-bit or fp8 with per-tensor scales), split as
     vLLM's FlashInfer backend splits a batch: the leading rows with one query token each
     (the scheduler puts decodes first) go to ``BatchDecodeWithPagedKVCacheWrapper`` on

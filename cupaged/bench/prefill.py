@@ -167,7 +167,7 @@ class PrefillCase:
         return worst
 
 
-# The shapes: bf16, head size 128, blocks of 16, causal.
+# The presets: bf16, head size 128, blocks of 16, causal.
 PRESETS = {
     "prompt-4096": dict(batch=1, q_len=4096, ctx=4096),
     "prompt-16384": dict(batch=1, q_len=16384, ctx=16384),

@@ -5,7 +5,7 @@
 blocks last, preempts by recompute when they run out, and forks sequences for parallel
 sampling. It is plain Python over a :class:`cupaged.BlockManager` (no GPU, no torch), and
 hands each step to a runner as a :class:`Batch`. :class:`Engine` is that runner for a
-model such as :class:`cupaged.llama.Llama` over a :class:`cupaged.PagedKVCache` (torch
+model such as :class:`cupaged.serving.llama.Llama` over a :class:`cupaged.PagedKVCache` (torch
 framework): it packs the batch into one flat forward, writes and attends through
 :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention`, and samples greedily.
 
@@ -693,7 +693,7 @@ class _DecodeGraphs:
 class Engine:
     """Continuous batching of a model over a paged KV cache, greedy sampling.
 
-    ``model``: a :class:`cupaged.llama.Llama` (or anything with its ``config`` and
+    ``model``: a :class:`cupaged.serving.llama.Llama` (or anything with its ``config`` and
     ``forward(tokens, positions, attention, logits_rows)``); ``cache``: a
     :class:`cupaged.PagedKVCache` made with ``framework="torch"`` on the model's device,
     with the model's layers, KV heads, head size and dtype (any layout, fp8 or not,

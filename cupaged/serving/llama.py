@@ -3,7 +3,7 @@
 :class:`Llama` computes a flat batch of tokens (chunks of several sequences packed one
 after another) and leaves attention to the caller: each layer calls
 ``attention(layer, q, k, v)``, so the same model runs over cupaged's paged cache (the
-serving loop in :mod:`cupaged.engine`), over :class:`DenseAttention`, a dense reference
+serving loop in :mod:`cupaged.serving.engine`), over :class:`DenseAttention`, a dense reference
 for CPU tests, or over :class:`SdpaAttention` (contiguous K/V, torch SDPA: the baseline of
 ``cupaged-bench e2e``). Its weights are random (from a seed, on any device and dtype: nothing is
 downloaded) and carry Hugging Face's parameter names, so :func:`to_hf` builds

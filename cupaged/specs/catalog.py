@@ -8,7 +8,7 @@ every pair of values of any two axes, at least once), plus each target's largest
 smallest shared-memory decode specializations, and every specialization of the cache
 kernels (small: all of them compile in about a second). Constraints that no compile of a
 subset can prove for all (shared memory, static_asserts) are checked for every
-specialization by their host mirrors (``_geometry``), which needs no compiler.
+specialization by their host mirrors (``geometry``), which needs no compiler.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _spec(kernel: str, **fields) -> jit.KernelSpec | None:
 
 
 def prefill_tiles(head_size: int) -> tuple:
-    """The (warps, m_atoms, tile_tokens, stages) shapes cupaged.varlen's planner may pick
+    """The (warps, m_atoms, tile_tokens, stages) shapes cupaged.planning may pick
     for paged_prefill: the default, and four warps for a few rows."""
     return tuple(dict.fromkeys((jit.default_prefill_tile(head_size),
                                 jit.few_rows_prefill_tile(head_size))))
