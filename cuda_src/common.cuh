@@ -7,7 +7,7 @@
 #pragma once
 
 // cp.async, bf16 conversions and mma.m16n8k16 with bf16 need sm_80; the host refuses
-// older devices before compiling anything (cupaged.attention.MIN_COMPUTE_CAPABILITY).
+// older devices before compiling anything (cupaged.planning.MIN_COMPUTE_CAPABILITY).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "cupaged's kernels need compute capability 8.0 or newer"
 #endif

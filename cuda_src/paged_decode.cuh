@@ -44,7 +44,7 @@ namespace cupaged {
 constexpr int kDecodeThreads = 128;
 
 // Compile-time geometry of one specialization. The shared-memory size is mirrored on the
-// host by cupaged/_geometry.py (DecodeGeometry); the kernel traps if launched with less.
+// host by cupaged/specs/geometry.py (DecodeGeometry); the kernel traps if launched with less.
 // T is the query's and output's type, C the cache's: T itself, or fp8 (fp8.cuh) with
 // KV_SCALE saying how its scales are given.
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,

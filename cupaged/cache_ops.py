@@ -130,8 +130,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
             num_kv_heads, head_size // x, block_size, x]`` with ``x = 16 // itemsize``,
             value ``[num_blocks, num_kv_heads, head_size, block_size]``;
             ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]``;
-            ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]`` (these two are
-            vLLM's ``reshape_and_cache_flash``). NHD/HND caches may be views with any
+            ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]`` (vLLM's flash
+            caches are ``"NHD"`` in either of vLLM's layouts: see
+            :func:`reshape_and_cache_flash`). NHD/HND caches may be views with any
             strides (K and V halves of ``[num_blocks, 2, ...]`` or of ``[..., 2 *
             head_size]``) whose last dimension is contiguous and whose pointer and other
             strides are multiples of 16 bytes; they are written in place.

@@ -598,7 +598,7 @@ def test_accounting():
     assert cl.tolist() == [40] and bt.shape == (1, 3)
 
 
-# ---- regressions from the issue-10 review -------------------------------------------------------
+# ---- block copies: layers, strides, views ---------------------------------------------------------
 
 
 def _layers(rng, n, nb=8, dtype=np.float16):

@@ -547,10 +547,9 @@ class HostKernels:
 
     def __init__(self, monkeypatch):
         import cupaged.cache_ops
-        import cupaged.varlen
+        import cupaged.serving.engine
 
-        real = (cupaged.cache_ops.reshape_and_cache, cupaged.attention.attention,
-                cupaged.attention.AttentionPlan)
+        real = (cupaged.cache_ops.reshape_and_cache, cupaged.attention, cupaged.AttentionPlan)
         self.sig_write, self.sig_attend = inspect.signature(real[0]), inspect.signature(real[1])
         self.sig_plan, self.sig_run = inspect.signature(real[2]), inspect.signature(real[2].run)
         self.calls = defaultdict(int)
@@ -575,8 +574,9 @@ class HostKernels:
 
         monkeypatch.setattr(cupaged.cache_ops, "reshape_and_cache", self.reshape_and_cache)
         monkeypatch.setattr(cupaged.cache_ops, "copy_blocks", self.copy_blocks)
-        monkeypatch.setattr(cupaged.varlen, "attention", self.attention)
-        monkeypatch.setattr(cupaged.varlen, "AttentionPlan", Plan)
+        # The engine binds attention and AttentionPlan at import: patched where it looks.
+        monkeypatch.setattr(cupaged.serving.engine, "attention", self.attention)
+        monkeypatch.setattr(cupaged.serving.engine, "AttentionPlan", Plan)
 
     def cache(self, num_blocks, block_size, prefix_caching, *, fp8=False, model_config=None):
         """A PagedKVCache whose caches are CPU tensors (NaN until written) and whose

@@ -96,9 +96,9 @@ def main():
     key = (p.device, p.dtype.name, p.head_size, p.block_size, planning.group_tile(4),
            p.cache.kv_format, p.cache.dtype.name, p.quant.mode, "")
     ks = planning.decode_kernels(*key)
-    pieces["_kernels lookup"] = lambda: planning.decode_kernels(*key)
+    pieces["planning.decode_kernels lookup"] = lambda: planning.decode_kernels(*key)
     # The prepared (memoized) path's pieces.
-    from cupaged import _prepared, planning, validation
+    from cupaged import _prepared
 
     main_arrays = (q, kc, vc, bt, cl, None, out, None)
     scalars = (None, 1024, "never", "auto", None, None, None, False, ())
@@ -114,7 +114,7 @@ def main():
     pieces["_prepared.lookup"] = lambda: _prepared.lookup(mk)
     pieces["_prepared.run (context + launch)"] = lambda: _prepared.run(prep, ptrs, None, out, None)
     ctx = _arrays.context(0, "cupy", None)
-    pieces["_Launch.run (launch)"] = lambda: prep.launch.run(ctx, ptrs[6], *ptrs[:6])
+    pieces["launch.Launch.run (launch)"] = lambda: prep.launch.run(ctx, ptrs[6], *ptrs[:6])
     pieces["_prepared.metas (4 cupy arrays)"] = lambda: _prepared.metas((q, kc, vc, out))
     pieces["_prepared.metas (4 torch tensors)"] = lambda: _prepared.metas((tq, tkc, tvc, tout))
     plan = cupaged.AttentionPlan(q, hk, hv, bt, cl, max_seq_len=1024, out=out,
