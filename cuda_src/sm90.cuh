@@ -1,0 +1,236 @@
+// Hopper (sm_90a) device pieces: wgmma operands in shared memory (128-byte swizzled
+// tiles and their matrix descriptors), wgmma.mma_async for 16-bit inputs with fp32 sums,
+// and mbarriers for producer/consumer pipelines.
+//
+// Layouts, as the PTX ISA's "asynchronous warpgroup level matrix shared memory layout":
+// a tile of 16-bit elements is stored in 128-byte rows of 64 elements, eight rows to a
+// 1024-byte swizzle atom, 16-byte chunk c of row r at chunk c ^ (r % 8), so that any eight
+// rows' chunk c fall in distinct bank groups. Wider tiles are blocks of 64 elements
+// (along the contiguous dimension), one after the other.
+//   K-major (the reduction dimension contiguous: Q [rows][head_size], K [tokens][head_size]):
+//     element (r, k) at block k / 64, row r, chunk (k % 64) / 8.
+//   MN-major (the other dimension contiguous: V [tokens][head_size] as B of P V):
+//     element (k, n) at block n / 64, row k, chunk (n % 64) / 8.
+// A tile's base must be 1024-byte aligned (the swizzle's phase is its address bits 7-9).
+//
+// Needs sm_90a: compile with -arch=sm_90a (NVRTC) or -gencode=arch=compute_90a,code=sm_90a.
+#pragma once
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#error "sm90.cuh needs sm_90a (wgmma, setmaxnreg)"
+#endif
+
+namespace cupaged {
+namespace sm90 {
+
+// ---- shared-memory tiles and descriptors ----------------------------------------------
+
+// Byte offset of element (row, col) of a 128-byte-swizzled tile whose contiguous dimension
+// is `col` and which has `rows` rows per 64-column block.
+__device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
+  const unsigned chunk = static_cast<unsigned>((col & 63) >> 3) ^ static_cast<unsigned>(row & 7);
+  return static_cast<unsigned>((col >> 6) * rows * 128 + row * 128) + (chunk << 4) +
+         static_cast<unsigned>((col & 7) * 2);
+}
+
+// A wgmma matrix descriptor: start address, leading and stride byte offsets (16-byte
+// units), 128-byte swizzle (mode 1, bits 62-63). `smem_addr`: a shared-window address.
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned smem_addr, unsigned lbo_bytes,
+                                                        unsigned sbo_bytes) {
+  unsigned long long d = 0;
+  d |= static_cast<unsigned long long>((smem_addr & 0x3FFFF) >> 4);
+  d |= static_cast<unsigned long long>((lbo_bytes & 0x3FFFF) >> 4) << 16;
+  d |= static_cast<unsigned long long>((sbo_bytes & 0x3FFFF) >> 4) << 32;
+  d |= 1ull << 62;
+  return d;
+}
+
+// K-major operand, one k16 step at element column k0 (a multiple of 16) of a tile with
+// `rows` rows per 64-column block: the 1024-byte atoms of 8 rows follow one another
+// (SBO 1024); the leading offset is unused by a swizzled K-major layout.
+__device__ __forceinline__ unsigned long long kmajor_desc(unsigned tile, int k0, int rows) {
+  return sw128_desc(tile + static_cast<unsigned>((k0 >> 6) * rows * 128 + (k0 & 63) * 2), 16,
+                    1024);
+}
+
+// MN-major operand (B of P V: [K rows][N columns], N contiguous), the k16 step at row k0
+// (a multiple of 16), N columns from column n0 (a multiple of 64) of a tile with `rows`
+// rows per 64-column block: 8-row groups along K 1024 bytes apart (SBO), 64-column blocks
+// along N rows * 128 bytes apart (LBO).
+__device__ __forceinline__ unsigned long long mnmajor_desc(unsigned tile, int k0, int n0,
+                                                          int rows) {
+  return sw128_desc(tile + static_cast<unsigned>((n0 >> 6) * rows * 128 + k0 * 128),
+                    static_cast<unsigned>(rows * 128), 1024);
+}
+
+// Shared memory written by ordinary stores that wgmma (the async proxy) reads next: each
+// writing thread fences before the barrier that publishes it.
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- wgmma --------------------------------------------------------------------------------
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// The fp32 accumulator of m64nNk16, per thread (warp w of the warpgroup owns rows
+// 16w .. 16w + 15): d[4j + 0..3] are (16w + lane/4, 8j + 2(lane%4) + {0,1}) and
+// (16w + lane/4 + 8, 8j + 2(lane%4) + {0,1}), as mma.m16n8's C fragment per 8 columns.
+// The A fragment from registers (RS) is mma.m16n8k16's: a[0] (row lane/4, k 2(lane%4)),
+// a[1] (row + 8), a[2] (k + 8), a[3] (row + 8, k + 8), two 16-bit values each.
+
+// D (+)= A B with fp32 sums, 16-bit T: ss takes A [64 x 16] from shared memory (a
+// descriptor), rs from registers (the fragment above); B [16 x N] is always in shared
+// memory, MN-major when TRANS_B (N contiguous), else K-major. scale_d 0 overwrites D.
+// One specialization per (T, N) the kernels use; another N is the same text with its
+// register count (N / 2 fp32 outputs per thread).
+template <typename T, int N, int TRANS_B>
+struct Wgmma;
+
+// One macro per N, instantiated for both 16-bit types (the PTX type names the inputs).
+#define CUPAGED_WGMMA_N64(TY, PTX)                                                                                 \
+template <int TRANS_B>                                                                                             \
+struct Wgmma<TY, 64, TRANS_B> {                                                                                    \
+  __device__ __forceinline__ static void ss(float (&d)[32], unsigned long long a,                                  \
+                                            unsigned long long b, int scale_d) {                                   \
+    asm volatile(                                                                                                  \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                               \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "                                              \
+        "{"                                                                                                        \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                           \
+        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"                                                                       \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])   \
+        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                             \
+  }                                                                                                                \
+                                                                                                                   \
+  __device__ __forceinline__ static void rs(float (&d)[32], const unsigned (&a)[4],                                \
+                                            unsigned long long b, int scale_d) {                                   \
+    asm volatile(                                                                                                  \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                               \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "                                              \
+        "{"                                                                                                        \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                           \
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                                         \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])   \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TRANS_B));                         \
+  }                                                                                                                \
+};                                                                                                                 \
+                                                                                                                   \
+
+#define CUPAGED_WGMMA_N128(TY, PTX)                                                                                \
+template <int TRANS_B>                                                                                             \
+struct Wgmma<TY, 128, TRANS_B> {                                                                                   \
+  __device__ __forceinline__ static void ss(float (&d)[64], unsigned long long a,                                  \
+                                            unsigned long long b, int scale_d) {                                   \
+    asm volatile(                                                                                                  \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                               \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " "                                             \
+        "{"                                                                                                        \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"                                                                       \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])   \
+        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                             \
+  }                                                                                                                \
+                                                                                                                   \
+  __device__ __forceinline__ static void rs(float (&d)[64], const unsigned (&a)[4],                                \
+                                            unsigned long long b, int scale_d) {                                   \
+    asm volatile(                                                                                                  \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                               \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " "                                             \
+        "{"                                                                                                        \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                                         \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])   \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TRANS_B));                         \
+  }                                                                                                                \
+};                                                                                                                 \
+                                                                                                                   \
+
+CUPAGED_WGMMA_N64(bfloat16_t, "bf16")
+CUPAGED_WGMMA_N128(bfloat16_t, "bf16")
+CUPAGED_WGMMA_N64(half_t, "f16")
+CUPAGED_WGMMA_N128(half_t, "f16")
+#undef CUPAGED_WGMMA_N64
+#undef CUPAGED_WGMMA_N128
+
+// ---- mbarriers and register budgets ----------------------------------------------------
+
+// A shared-memory mbarrier (`addr`: its shared-window address, 8-byte aligned) expecting
+// `count` arrivals per phase; published to the CTA by a barrier after init.
+__device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+
+// This thread's arrival on `addr` once all of its earlier cp.async copies have landed (the
+// barrier's expected count includes it: noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
+
+// Wait until the phase of parity `phase` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned phase) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(addr),
+      "r"(phase)
+      : "memory");
+}
+
+// Registers per thread of the calling warpgroup (a multiple of 8, 24 to 256): producers
+// give theirs up (dec) so the consumers can take more (inc). Takes effect only in a kernel
+// with a register cap at entry (__launch_bounds__(threads, 1)).
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+}  // namespace sm90
+}  // namespace cupaged

@@ -1,0 +1,88 @@
+// Probes of sm90.cuh's operand layouts on the GPU (tests/test_sm90.py): one warpgroup
+// stores A [64 x 16] and B in the 128-byte-swizzled shared layouts, issues one wgmma and
+// writes D [64 x N] from its accumulator fragments, which the test compares with NumPy.
+// Not part of the library's kernels.
+#include "sm90.cuh"
+
+namespace cupaged {
+namespace sm90 {
+
+// A: [64][16] row-major; B: [N][16] (K-major) or [16][N] (MN_MAJOR), row-major; D: [64][N].
+// A_REGS: A from registers (rs) instead of shared memory (ss). lbo/sbo: for MN-major B,
+// its descriptor's offsets in bytes (0: mnmajor_desc's).
+template <typename T, int N, int MN_MAJOR, int A_REGS>
+__device__ void probe(const T* a, const T* b, float* d_out, unsigned lbo, unsigned sbo) {
+  __shared__ __align__(1024) unsigned char a_s[64 * 128];
+  __shared__ __align__(1024) unsigned char b_s[(N > 64 ? N : 64) * 128 > 16 * 128 * (N / 64 + 1)
+                                                   ? (N > 64 ? N : 64) * 128
+                                                   : 16 * 128 * (N / 64 + 1)];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 64 * 16; i += 128) {
+    const int r = i / 16, k = i % 16;
+    *reinterpret_cast<T*>(a_s + sw128_offset(r, k, 64)) = a[i];
+  }
+  for (int i = tid; i < N * 16; i += 128) {
+    if (MN_MAJOR) {
+      const int k = i / N, n = i % N;
+      *reinterpret_cast<T*>(b_s + sw128_offset(k, n, 16)) = b[i];
+    } else {
+      const int n = i / 16, k = i % 16;
+      *reinterpret_cast<T*>(b_s + sw128_offset(n, k, N)) = b[i];
+    }
+  }
+  fence_async_smem();
+  __syncthreads();
+  const unsigned a_addr = static_cast<unsigned>(__cvta_generic_to_shared(a_s));
+  const unsigned b_addr = static_cast<unsigned>(__cvta_generic_to_shared(b_s));
+  unsigned long long bd = MN_MAJOR ? mnmajor_desc(b_addr, 0, 0, 16) : kmajor_desc(b_addr, 0, N);
+  if (MN_MAJOR && (lbo || sbo)) bd = sw128_desc(b_addr, lbo, sbo);
+  float d[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
+  const int warp = tid >> 5, lane = tid & 31;
+  wgmma_fence();
+  if (A_REGS) {
+    // mma.m16n8k16's A fragment of rows 16w .. 16w + 15.
+    const int r = 16 * warp + (lane >> 2), k = 2 * (lane & 3);
+    unsigned af[4];
+    const unsigned short* a16 = reinterpret_cast<const unsigned short*>(a);
+    auto pack = [&](int rr, int kk) {
+      return static_cast<unsigned>(a16[rr * 16 + kk]) |
+             (static_cast<unsigned>(a16[rr * 16 + kk + 1]) << 16);
+    };
+    af[0] = pack(r, k);
+    af[1] = pack(r + 8, k);
+    af[2] = pack(r, k + 8);
+    af[3] = pack(r + 8, k + 8);
+    Wgmma<T, N, MN_MAJOR>::rs(d, af, bd, 1);
+  } else {
+    Wgmma<T, N, MN_MAJOR>::ss(d, kmajor_desc(a_addr, 0, 64), bd, 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    d_out[r * N + 8 * j + c] = d[4 * j];
+    d_out[r * N + 8 * j + c + 1] = d[4 * j + 1];
+    d_out[(r + 8) * N + 8 * j + c] = d[4 * j + 2];
+    d_out[(r + 8) * N + 8 * j + c + 1] = d[4 * j + 3];
+  }
+}
+
+}  // namespace sm90
+}  // namespace cupaged
+
+#define CUPAGED_PROBE(NAME, T, N, MN, AR)                                                  \
+  extern "C" __global__ void __launch_bounds__(128) NAME(const T* a, const T* b, float* d, \
+                                                          unsigned lbo, unsigned sbo) {   \
+    cupaged::sm90::probe<T, N, MN, AR>(a, b, d, lbo, sbo);                                \
+  }
+
+CUPAGED_PROBE(probe_bf16_n64_k_ss, cupaged::bfloat16_t, 64, 0, 0)
+CUPAGED_PROBE(probe_bf16_n64_mn_ss, cupaged::bfloat16_t, 64, 1, 0)
+CUPAGED_PROBE(probe_bf16_n128_k_ss, cupaged::bfloat16_t, 128, 0, 0)
+CUPAGED_PROBE(probe_bf16_n128_mn_ss, cupaged::bfloat16_t, 128, 1, 0)
+CUPAGED_PROBE(probe_bf16_n128_mn_rs, cupaged::bfloat16_t, 128, 1, 1)
+CUPAGED_PROBE(probe_f16_n64_k_ss, cupaged::half_t, 64, 0, 0)
+CUPAGED_PROBE(probe_f16_n64_mn_rs, cupaged::half_t, 64, 1, 1)

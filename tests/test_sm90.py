@@ -1,0 +1,67 @@
+"""Hopper's wgmma operands (cuda_src/sm90.cuh): the 128-byte-swizzled shared layouts, their
+matrix descriptors and the accumulator and register fragments, checked by one wgmma of a
+probe kernel (cuda_src/sm90_probe.cu) against NumPy; and that the header builds for
+sm_90a through NVRTC and refuses plain sm_90."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupaged import _dtypes, jit
+
+PROBES = [  # (kernel, dtype, N, B MN-major, A from registers)
+    ("probe_bf16_n64_k_ss", "bf16", 64, False, False),
+    ("probe_bf16_n64_mn_ss", "bf16", 64, True, False),
+    ("probe_bf16_n128_k_ss", "bf16", 128, False, False),
+    ("probe_bf16_n128_mn_ss", "bf16", 128, True, False),
+    ("probe_bf16_n128_mn_rs", "bf16", 128, True, True),
+    ("probe_f16_n64_k_ss", "f16", 64, False, False),
+    ("probe_f16_n64_mn_rs", "f16", 64, True, True),
+]
+
+
+def _compile(arch: str) -> bytes:
+    rtc = jit.nvrtc()
+    prog = rtc.createProgram(jit.source("sm90_probe.cu"), "sm90_probe.cu", [], [])
+    try:
+        rtc.compileProgram(prog, [jit.CXX_STD, f"-arch={arch}"])
+        return rtc.getCUBIN(prog)
+    except rtc.NVRTCError:
+        raise jit.CompileError(rtc.getProgramLog(prog)) from None
+    finally:
+        rtc.destroyProgram(prog)
+
+
+def test_sm90_header_builds_for_sm90a_only():
+    assert len(_compile("sm_90a")) > 0
+    with pytest.raises(jit.CompileError, match="sm90.cuh needs sm_90a"):
+        _compile("sm_90")
+
+
+def _hopper():
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel, dt, n, mn_major, a_regs", PROBES, ids=[p[0] for p in PROBES])
+def test_one_wgmma_matches_numpy(rng, kernel, dt, n, mn_major, a_regs):
+    cupy = _hopper()
+    module = cupy.cuda.function.Module()
+    module.load(_compile("sm_90a"))
+    npdt = _dtypes.BY_NAME[dt].numpy
+    a = rng.standard_normal((64, 16)).astype(npdt)
+    b_kn = rng.standard_normal((16, n)).astype(npdt)  # B as the product takes it: [K][N]
+    b = b_kn if mn_major else np.ascontiguousarray(b_kn.T)  # K-major: [N][K]
+    want = a.astype(np.float64) @ b_kn.astype(np.float64)
+    d = cupy.full((64, n), np.nan, np.float32)
+    args = (cupy.asarray(a.view(np.uint16)), cupy.asarray(b.view(np.uint16)), d,
+            np.uint32(0), np.uint32(0))
+    module.get_function(kernel)((1,), (128,), args)
+    got = cupy.asnumpy(d).astype(np.float64)
+    # Products of 16-bit values are exact in fp32; 16 of them summed: a few ulps of fp32.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
