@@ -826,7 +826,7 @@ def _hf_generate(hf, prompts: list, output_len: int) -> tuple:
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    from ..serving.llama import _SDPA_BACKENDS
+    from ..serving.llama import SDPA_BACKENDS
 
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.int64)
@@ -839,7 +839,7 @@ def _hf_generate(hf, prompts: list, output_len: int) -> tuple:
     # generates output_len tokens, as in the other systems.
     # SDPA without cuDNN's backend, as the concat system (SdpaAttention): it plans for
     # each new shape, and a growing cache has a new one at every step.
-    with sdpa_kernel(_SDPA_BACKENDS):
+    with sdpa_kernel(SDPA_BACKENDS):
         out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device),
                           max_new_tokens=output_len, min_new_tokens=output_len,
                           do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)

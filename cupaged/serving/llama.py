@@ -291,7 +291,7 @@ class DenseAttention:
 
 # The SDPA backends of the torch baselines (SdpaAttention, and transformers' generate in
 # cupaged-bench e2e): all but cuDNN's, see SdpaAttention.__call__.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class SdpaAttention(DenseAttention):
@@ -305,7 +305,7 @@ class SdpaAttention(DenseAttention):
         # each new shape, and a per-sequence cache meets a new length at every step
         # (measured on an H100: 0.93 ms of host time per call, 10x the whole step's GPU
         # time). Flash and memory-efficient attention take any length as it comes.
-        with sdpa_kernel(_SDPA_BACKENDS):
+        with sdpa_kernel(SDPA_BACKENDS):
             return super().__call__(layer, q, k, v)
 
     @staticmethod
