@@ -153,13 +153,10 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
-        choice = planning.choose_kernel(p, qsl is not None, max_q)
-        if choice.kind == "prefill":  # the chosen kernel's needs of the call's own arrays
-            validation.check_prefill_operands(q, o, p)
-        plan = planning.plan_attention(p, choice, max_q, max_ctx, variants, alibi is not None,
-                                       workspace)
-        launches = launch.build(p, plan, scale, causal, 0 if alibi is None else alibi.data.ptr,
-                                variants, workspace)
+        plan = planning.plan_attention(p, qsl is not None, max_q, max_ctx, variants,
+                                       alibi is not None, workspace)
+        launches = launch.build(q, o, p, plan, scale, causal,
+                                0 if alibi is None else alibi.data.ptr, variants, workspace)
     return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))
 

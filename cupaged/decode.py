@@ -76,8 +76,8 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
                 _arrays.context(p.device, _arrays.framework(query), stream))
     with _arrays.on_device(p.device):
         plan = planning.plan_decode(p, max_ctx, partition, workspace, variants)
-        launches = launch.build(p, plan, scale, True, 0 if alibi is None else alibi.data.ptr,
-                                variants, workspace)
+        launches = launch.build(q, o, p, plan, scale, True,
+                                0 if alibi is None else alibi.data.ptr, variants, workspace)
     return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, cl, None, o, lse))
 

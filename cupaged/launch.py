@@ -239,15 +239,23 @@ class DecodeWorkspace:
                 f"device={self.device}, {self.nbytes / 2**20:.1f} MiB)")
 
 
-def build(p: Problem, plan: KernelPlan | None, scale: float, causal: bool, alibi: int,
+def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool, alibi: int,
           variants: _variants.Variants, workspace: Partials | None) -> Launch | None:
     """The launches of a planned call: the kernel's arguments packed, every one but the
-    arrays' addresses (None: nothing to launch). ``alibi``: the slopes' address or 0;
-    ``workspace``: where split-KV partials go (None: a scratch buffer per call)."""
+    arrays' addresses (None: nothing to launch). ``q``, ``o``: the adapted query and out
+    (or None), whose alignment the multi-token kernel needs; ``alibi``: the slopes'
+    address or 0; ``workspace``: where split-KV partials go (None: a scratch buffer per
+    call)."""
     if plan is None:
         return None
     group = p.num_heads // p.num_kv_heads
     if plan.kind == "prefill":
+        if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
+            _fail(f"query must be 16-byte aligned with token and head strides that are "
+                  f"multiples of 16 bytes for multi-token {p.dtype.name} attention (pointer "
+                  f"{q.data.ptr:#x}, strides {q.strides})")
+        if o is not None and o.data.ptr % 4:
+            _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")
         tail = (alibi, p.num_heads, group, int(causal), scale * _checks.LOG2E)
     else:
         tail = (alibi, p.num_heads, group, p.num_seqs, int(causal), plan.split_tokens,

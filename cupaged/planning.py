@@ -488,13 +488,14 @@ def prefill_split(k: PrefillKernel, p: Problem, plan: Choice, max_q: int, max_ct
     return (size, n_parts) if n_parts > 1 else (0, 1)
 
 
-def plan_attention(p: Problem, choice: Choice, max_q: int, max_ctx: int,
+def plan_attention(p: Problem, has_starts: bool, max_q: int, max_ctx: int,
                    variants: _variants.Variants, alibi: bool,
                    workspace) -> KernelPlan | None:
     """The launches of an attention call (None: nothing to launch): the kernel
-    ``choice`` (choose_kernel's) names, planned by its family's rule."""
+    choose_kernel picks, planned by its family's rule."""
     if not (p.num_seqs and p.num_rows):
         return None
+    choice = choose_kernel(p, has_starts, max_q)
     if choice.kind == "prefill":
         return plan_prefill(p, choice, max_q, max_ctx, variants, alibi, workspace)
     return plan_decode(p, max_ctx, "auto", workspace, variants, rows=choice.kind == "rows")

@@ -257,18 +257,6 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
                      ("out", out)))
 
 
-def check_prefill_operands(q, out, p: Problem) -> None:
-    """What paged_prefill needs of a call's own arrays beyond validate_varlen's: a query
-    whose pointer and token and head strides are multiples of 16 bytes (it copies rows in
-    16-byte pieces) and a 4-byte aligned out (written in pairs)."""
-    if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
-        _fail(f"query must be 16-byte aligned with token and head strides that are "
-              f"multiples of 16 bytes for multi-token {p.dtype.name} attention (pointer "
-              f"{q.data.ptr:#x}, strides {q.strides})")
-    if out is not None and out.data.ptr % 4:
-        _fail(f"out must be 4-byte aligned (pointer {out.data.ptr:#x})")
-
-
 def check_queries_on_device(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:
     """CUPAGED_DEBUG: the device-side facts of query_start_loc (synchronizes)."""
     starts = _arrays.to_host(qsl, ctx).astype(np.int64)

@@ -307,10 +307,10 @@ def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
     # split and residency as decode, reading query_start_loc.
     rows = planning.plan_decode(p, 2048, "auto", None, rows=True)
     assert rows.grid[2] == 3 and rows.smem == KS.fewer[0].smem and rows.kind == "rows"
-    built = launch.build(p, rows, 0.1, True, 0, _variants.PLAIN, None)
+    built = launch.build(None, None, p, rows, 0.1, True, 0, _variants.PLAIN, None)
     assert built.takes_starts
     plain = planning.plan_decode(p, 2048, "auto", None)
-    assert not launch.build(p, plain, 0.1, True, 0, _variants.PLAIN, None).takes_starts
+    assert not launch.build(None, None, p, plain, 0.1, True, 0, _variants.PLAIN, None).takes_starts
 
 
 def test_always_splits_at_least_in_two():

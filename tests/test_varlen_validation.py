@@ -224,18 +224,3 @@ def test_query_strides_must_be_whole_elements():
     with pytest.raises(ValueError, match="query's strides must be multiples of its itemsize"):
         vvalidate(**vbad(query=q))
 
-
-def test_the_multi_token_kernels_operands_are_checked_before_it_is_planned():
-    """paged_prefill copies query rows in 16-byte pieces and writes out in pairs: a query
-    off a 16-byte boundary (pointer or strides) or an out off a 4-byte one is refused by
-    validation, before the chosen kernel is loaded."""
-    p = vvalidate(**vargs())
-    q = np.zeros((7, 8, 64), np.float16)
-    validation.check_prefill_operands(Fake(q), Fake(q, ptr=(1 << 21) + 4), p)
-    with pytest.raises(ValueError, match=r"query must be 16-byte aligned .* \(pointer 0x100008"):
-        validation.check_prefill_operands(Fake(q, ptr=(1 << 20) + 8), None, p)
-    odd = np.zeros((7, 8, 68), np.float16)[:, :, :64]  # head stride 136 bytes
-    with pytest.raises(ValueError, match=r"strides \(1088, 136, 2\)"):
-        validation.check_prefill_operands(Fake(odd), None, p)
-    with pytest.raises(ValueError, match="out must be 4-byte aligned"):
-        validation.check_prefill_operands(Fake(q), Fake(q, ptr=(1 << 21) + 2), p)
