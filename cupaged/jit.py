@@ -59,9 +59,12 @@ _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format"
                   "group_tile", "tile_tokens", "stages", "variant")
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
                    "warps", "m_atoms", "tile_tokens", "stages", "variant")
+# The Hopper multi-token kernel: 16-bit token-major caches only, its own tile shape.
+_PREFILL_SM90_PARAMS = ("dtype", "head_size", "block_size", "tile_tokens", "stages", "variant")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
+    "paged_prefill_sm90": ("paged_prefill_sm90.cu", _PREFILL_SM90_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
@@ -78,6 +81,7 @@ PAGED_KV_FORMAT = "{PPqqqqqqPqiiPPqqff}"  # PagedKV (kv_layout.cuh), 128 bytes
 ARG_FORMATS = {
     "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif48s",  # VariantParams (48 bytes)
     "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
+    "paged_prefill_sm90": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",  # paged_prefill's
     "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
@@ -121,6 +125,19 @@ def few_rows_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
     """The shape for a (sequence, KV head) with at most 64 packed query rows (verify's 4
     tokens x 4 heads are 16): four warps of 16 rows, so fewer rows are padding."""
     return (4, 1, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
+
+
+def default_sm90_prefill_tile(head_size: int) -> tuple[int, int]:
+    """(tile_tokens, stages) of paged_prefill_sm90: 128-token K/V tiles up to head size
+    128 (S of 64 rows x 128 keys and O fit the consumers' registers beside each other),
+    64 above (O alone is 64 x 256 fp32 over a warpgroup: 128 registers a thread); two
+    stages, which is what fits 227 KiB at head size 256."""
+    return (128, 2) if head_size <= 128 else (64, 2)
+
+
+# The targets each kernel is built for when not every one: wgmma and setmaxnreg are
+# sm_90a's (Hopper's architecture-specific features; no other GPU runs them).
+ARCH_ONLY = {"paged_prefill_sm90": "sm_90a"}
 
 
 @dataclass(frozen=True)
@@ -173,10 +190,17 @@ class KernelSpec:
             raise ValueError(f"index_dtype must be 'i32' or 'i64' in {self!r}")
         if not re.fullmatch(r"(sm|compute)_\d+a?", self.arch):
             raise ValueError(f"arch must look like 'sm_90' or 'compute_90', got {self.arch!r}")
+        if self.kernel in ARCH_ONLY:
+            # sm_90 names the same GPUs as sm_90a: the kernel's own target stands for it.
+            own = ARCH_ONLY[self.kernel]
+            if self.arch == own.rstrip("a"):
+                object.__setattr__(self, "arch", own)
+            elif self.arch != own:
+                raise ValueError(f"{self.kernel} is built for {own} only, got arch {self.arch!r}")
         if self.variant:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
-            allowed = "wcaf" if self.kernel == "paged_prefill" else "wcb"
+            allowed = "wcaf" if self.kernel.startswith("paged_prefill") else "wcb"
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "
@@ -193,6 +217,11 @@ class KernelSpec:
         if self.kernel == "paged_prefill":
             for name, default in zip(("warps", "m_atoms", "tile_tokens", "stages"),
                                      default_prefill_tile(self.head_size)):
+                if getattr(self, name) == 0:
+                    object.__setattr__(self, name, default)
+        elif self.kernel == "paged_prefill_sm90":
+            tile = default_sm90_prefill_tile(self.head_size)
+            for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
         elif "tile_tokens" in params:
@@ -236,6 +265,10 @@ class KernelSpec:
             tile = (self.warps, self.m_atoms, self.tile_tokens, self.stages)
             if tile != default_prefill_tile(self.head_size):
                 parts.append("w{}m{}n{}x{}".format(*tile))
+        elif self.kernel == "paged_prefill_sm90":
+            tile = (self.tile_tokens, self.stages)
+            if tile != default_sm90_prefill_tile(self.head_size):
+                parts.append("n{}x{}".format(*tile))
         elif "tile_tokens" in p:
             if (self.tile_tokens, self.stages) != (self._default_tile(), 2):
                 parts.append(f"t{self.tile_tokens}x{self.stages}")

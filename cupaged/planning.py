@@ -376,6 +376,20 @@ def set_prefill_split(tokens: int | None) -> None:
     _prepared.clear()
 
 
+# Which multi-token kernel family serves Hopper: None (the planner's rule), "mma" (always
+# paged_prefill's mma.sync kernel) or "sm90" (paged_prefill_sm90 wherever it applies,
+# whatever the rows), for tests and A/B measurements; set through set_prefill_family.
+_family_override: str | None = None
+
+
+def set_prefill_family(family: str | None) -> None:
+    global _family_override
+    if family not in (None, "mma", "sm90"):
+        raise ValueError(f"family must be None, 'mma' or 'sm90', got {family!r}")
+    _family_override = family
+    _prepared.clear()
+
+
 # Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
 # the default's 32: verify's 4 tokens x 4 heads fill 16 rows, and the default's 128-row
 # tile would be mostly padding (docs/PERFORMANCE.md).
@@ -416,6 +430,30 @@ def prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                          resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
 
 
+@jit.launcher_cache
+def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
+                        variant: str = "") -> PrefillKernel:
+    """paged_prefill_sm90 (Hopper's wgmma kernel) in its default tile."""
+    spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, variant=variant,
+                          arch=device_info(device_id).arch)
+    g = geometry.Sm90PrefillGeometry.of(spec)
+    kernel = jit.load(spec, device_id, g.smem_bytes)
+    return PrefillKernel(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
+                         resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
+
+
+def sm90_applies(p: Problem, rows_needed: int) -> bool:
+    """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for caches of the
+    query's own type in a token-major layout and head sizes that are multiples of 64,
+    when some (sequence, KV head) has more packed query rows than FEW_ROWS (its 128-row
+    tiles would be mostly padding below that; the mma.sync kernel takes 64)."""
+    if _family_override == "mma" or _tile_override is not None:
+        return False
+    return (p.cache.dtype == p.dtype and p.cache.kv_format == "tok" and p.head_size % 64 == 0
+            and (rows_needed > FEW_ROWS or _family_override == "sm90")
+            and device_info(p.device).arch == "sm_90")
+
+
 class KernelPlan(NamedTuple):
     """What planning decides of a call's launches, all from host facts: the kernel, its
     grid and shared memory, the split-KV partition and how the partials are merged.
@@ -440,7 +478,8 @@ class Choice(NamedTuple):
 
     kind: str  # "decode" | "prefill" | "rows"
     q_tiles: int = 0  # prefill: grid y
-    tile: tuple = ()  # prefill: (warps, m_atoms, tile_tokens, stages)
+    tile: tuple = ()  # paged_prefill: (warps, m_atoms, tile_tokens, stages)
+    sm90: bool = False  # prefill: paged_prefill_sm90 (its own tile) instead
 
 
 def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
@@ -457,6 +496,10 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
     if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
                                   or p.block_size * p.cache.dtype.itemsize >= 16):
         group = p.num_heads // p.num_kv_heads
+        if sm90_applies(p, max_q * group):
+            rows = geometry.Sm90PrefillGeometry.rows
+            return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
+                          sm90=True)
         tile = prefill_tile(p.head_size, max_q * group)
         rows = 16 * tile[0] * tile[1]
         return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
@@ -553,8 +596,12 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     head), y the query tiles, heaviest first (the kernel's header), z the partitions."""
     # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
     letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
-    k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size, p.cache.kv_format,
-                       choice.tile, p.cache.dtype.name, p.quant.mode, letters)
+    if choice.sm90:
+        k = prefill_sm90_kernel(p.device, p.dtype.name, p.head_size, p.block_size, letters)
+    else:
+        k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size,
+                           p.cache.kv_format, choice.tile, p.cache.dtype.name, p.quant.mode,
+                           letters)
     size, n_parts = prefill_split(k, p, choice, max_q, max_ctx, variants, workspace)
     plan = KernelPlan("prefill", k.launch, (p.num_seqs * p.num_kv_heads, choice.q_tiles, n_parts),
                       k.threads, k.smem, (size // k.tile_tokens,), size, n_parts)

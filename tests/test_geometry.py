@@ -51,6 +51,28 @@ def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints
         assert g.fits(s.arch), (s.name, g.smem_bytes)
 
 
+def test_every_supported_sm90_prefill_specialization_satisfies_the_kernel_constraints():
+    sm90 = [s for s in ALL if s.kernel == "paged_prefill_sm90"]
+    assert {s.arch for s in sm90} == {"sm_90a"}
+    assert {s.head_size for s in sm90} == {64, 128, 192, 256}
+    for s in sm90:
+        g = geometry.Sm90PrefillGeometry.of(s)
+        assert g.violations() == [], s.name
+        assert g.fits(s.arch), (s.name, g.smem_bytes)
+    geometry.check_against_kernel([s for s in sm90 if s.variant == ""])
+
+
+def test_the_sm90_kernel_is_built_for_sm90a_only():
+    assert jit.KernelSpec("paged_prefill_sm90", "f16", 64, 16).arch == "sm_90a"
+    assert jit.KernelSpec("paged_prefill_sm90", "f16", 64, 16, arch="sm_90").arch == "sm_90a"
+    for arch in ("sm_80", "sm_89", "compute_90", "sm_100"):
+        with pytest.raises(ValueError, match="built for sm_90a only"):
+            jit.KernelSpec("paged_prefill_sm90", "f16", 64, 16, arch=arch)
+    assert catalog.kernel_archs("paged_prefill_sm90", ("sm_80", "sm_89")) == ()
+    assert catalog.kernel_archs("paged_prefill_sm90", ("sm_80", "sm_90")) == ("sm_90a",)
+    assert catalog.kernel_archs("paged_decode", ("sm_80", "sm_90")) == ("sm_80", "sm_90")
+
+
 def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
     """NVRTC evaluates DecodeGeometry for each of the 14,904 decode geometries and
     PrefillGeometry for the 3,724 prefill ones, and compares their shared memory, path and
@@ -101,9 +123,11 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 def test_specialization_names_are_unique():
     # paged_decode: 14904 per target for each of 5 variants; paged_prefill: 3724 for each of
-    # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset.
+    # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
+    # for sm_90a only: 2 dtypes x 4 head sizes x 9 block sizes for each of 5 variants, and
+    # its 36 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 87
-                                                          + 44 + 2 + 3)
+                                                          + 44 + 2 + 3) + 72 * 5 + 36 * 2
 
 
 # ---- the covering set ------------------------------------------------------------------------

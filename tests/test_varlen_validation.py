@@ -161,7 +161,8 @@ def test_host_bounds(name):
     ("vllm", np.float16, 4, True, 4, 7, "rows"),        # tiny vLLM blocks: row mode
     ("NHD", np.float32, 16, True, 4, 7, "rows"),        # float32: row mode
 ])
-def test_the_planner_picks_the_kernel(layout, dtype, bs, starts, max_q, total_q, kind):
+def test_the_planner_picks_the_kernel(device_arch, layout, dtype, bs, starts, max_q, total_q,
+                                      kind):
     a = vargs(layout, dtype=dtype, bs=bs, total_q=total_q)
     p = vvalidate(**a)
     assert planning.choose_kernel(p, starts, max_q).kind == kind
@@ -170,19 +171,64 @@ def test_the_planner_picks_the_kernel(layout, dtype, bs, starts, max_q, total_q,
 @pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("max_q", [0, 1, 2, 7])
-def test_a_call_with_query_start_loc_always_reads_it(layout, dtype, max_q):
+def test_a_call_with_query_start_loc_always_reads_it(device_arch, layout, dtype, max_q):
     """Host bounds may undercount: whatever they say, a call given query_start_loc runs a
     kernel that reads it (the decode kernel's one-token mode does not)."""
     p = vvalidate(**vargs(layout, dtype=dtype, seqs=3, total_q=3))
     assert planning.choose_kernel(p, True, max_q).kind in ("rows", "prefill")
 
 
-def test_the_planner_takes_16_rows_per_warp_for_few_rows():
+def test_the_planner_takes_16_rows_per_warp_for_few_rows(device_arch):
     p = vvalidate(**vargs(total_q=7))
     few, many = planning.choose_kernel(p, True, 4).tile, planning.choose_kernel(p, True, 300).tile
     assert few == jit.few_rows_prefill_tile(p.head_size)    # 4 tokens x 4 heads = 16 rows
     assert many == jit.default_prefill_tile(p.head_size)
     assert 16 * few[0] * few[1] < 16 * many[0] * many[1]    # fewer padding rows
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("case, sm90", [
+    (dict(), True),                                    # f16, NHD, head size 64, 8/2 heads
+    (dict(layout="HND"), True),
+    (dict(dtype=np.float32), False),                   # row mode
+    (dict(layout="vllm"), False),                      # vLLM's layout: mma.sync
+    (dict(hs=96), False),                              # wgmma's N of P V: steps of 64
+    (dict(hs=256), True),
+])
+@pytest.mark.parametrize("max_q", [4, 16, 17, 300])
+def test_the_planner_takes_the_wgmma_kernel_on_hopper_for_many_rows(device_arch, arch, case, sm90,
+                                                                     max_q):
+    """paged_prefill_sm90 on sm_90 for 16-bit token-major caches, head sizes that are
+    multiples of 64 and more than FEW_ROWS packed rows (a group of 4: 16 tokens are 64
+    rows, 17 are 68); the mma.sync kernel elsewhere."""
+    device_arch(arch)
+    case = dict(case)
+    layout = case.pop("layout", "NHD")
+    p = vvalidate(**vargs(layout, **case))
+    c = planning.choose_kernel(p, True, max_q)
+    want = sm90 and arch == "sm_90" and max_q * 4 > planning.FEW_ROWS
+    assert c.sm90 == want
+    if want:
+        assert c.q_tiles == -(-max_q * 4 // 128) and c.tile == ()
+    planning.set_prefill_family("mma")
+    try:
+        assert not planning.choose_kernel(p, True, max_q).sm90
+    finally:
+        planning.set_prefill_family(None)
+
+
+def test_the_planner_keeps_fp8_caches_on_the_mma_kernel(device_arch):
+    device_arch("sm_90")
+    a = vargs()
+    a["key_cache"] = a["key_cache"].view(np.uint8)[..., :64]
+    a["value_cache"] = a["key_cache"]
+    p = validation.validate_varlen(*(Fake(a[k]) for k in ("query", "key_cache", "value_cache",
+                                                          "block_tables", "seq_lens",
+                                                          "query_start_loc")),
+                                   None, None, "NHD", kv_cache_dtype="fp8_e4m3", k_scale=1.0,
+                                   v_scale=1.0)
+    c = planning.choose_kernel(p, True, 300)
+    assert c.kind == "prefill" and not c.sm90
 
 
 def test_the_split_model_splits_few_ctas_over_long_keys_only():

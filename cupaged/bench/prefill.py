@@ -192,9 +192,14 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
 # ---- runners: factory(case) -> run() returning the output as a CuPy array -------------------
 
 
-def _run_cupaged(case: PrefillCase):
+def _run_cupaged(case: PrefillCase, family: str | None = None):
+    """cupaged.attention as the planner chooses; ``family="mma"``: with the mma.sync
+    multi-token kernel on Hopper too (planning.set_prefill_family, for the A/B of the
+    two families in one run; set when the runner is made, which empties the call memo)."""
     import cupaged
+    from .. import planning
 
+    planning.set_prefill_family(family)
     a = case.arrays
     out = cupy.full(a["query"].shape, np.nan, dtype=a["query"].dtype)
 
@@ -292,6 +297,7 @@ def _run_sdpa(case: PrefillCase, backend: str):
 
 IMPLEMENTATIONS = {
     "cupaged": _run_cupaged,
+    "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
     "flashinfer-fa2": lambda c: _run_flashinfer(c, "fa2"),
     "flashinfer-fa3": lambda c: _run_flashinfer(c, "fa3"),
     "torch-sdpa-flash": lambda c: _run_sdpa(c, "flash"),

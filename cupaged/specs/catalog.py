@@ -30,6 +30,8 @@ KV_SCALES = tuple(jit.KV_SCALES)
 # it for f16, so those rows of the product are dropped).
 DECODE_VARIANTS = ("", "w", "c", "b", "wcb")
 PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "cf", "wcf")
+# paged_prefill_sm90's head sizes: wgmma's N of P V in steps of 64.
+SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES if h % 64 == 0)
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {
@@ -41,6 +43,9 @@ AXES = {
                       "head_size": _checks.HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
                       "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                       "variant": PREFILL_VARIANTS},
+    # Hopper only (jit.ARCH_ONLY): built for sm_90a where the targets include sm_90.
+    "paged_prefill_sm90": {"dtype": ("f16", "bf16"), "head_size": SM90_HEAD_SIZES,
+                           "block_size": _checks.BLOCK_SIZES, "variant": PREFILL_VARIANTS},
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
     "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
@@ -104,12 +109,21 @@ def _all_specs(archs: tuple) -> tuple:
     """all_specs, built once per set of targets (about 180,000 specs: seconds)."""
     specs = []
     for kernel, axes in AXES.items():
-        for arch in archs:
+        for arch in kernel_archs(kernel, archs):
             for values in product(*axes.values()):
                 spec = _spec(kernel, arch=arch, **dict(zip(axes, values)))
                 if spec is not None:
                     specs += _with_tiles(spec)
     return tuple(specs)
+
+
+def kernel_archs(kernel: str, archs) -> tuple:
+    """The targets of ``archs`` a kernel is built for: all of them, or its own
+    (``jit.ARCH_ONLY``) where they include it or its plain form (sm_90 for sm_90a)."""
+    own = jit.ARCH_ONLY.get(kernel)
+    if own is None:
+        return tuple(archs)
+    return (own,) if own in archs or own.rstrip("a") in archs else ()
 
 
 def _pairs(spec: jit.KernelSpec, names) -> set:
@@ -136,7 +150,10 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
     full = all_specs(archs)
     for kernel, axes in AXES.items():
         names = (*axes, "arch")
-        rows = [_spec(kernel, **row) for row in covering.pairwise({**axes, "arch": tuple(archs)})]
+        targets = kernel_archs(kernel, archs)
+        if not targets:
+            continue
+        rows = [_spec(kernel, **row) for row in covering.pairwise({**axes, "arch": targets})]
         mine = [s for s in rows if s is not None]
         # Pairs only an unsupported row held: one supported spec for each.
         covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()

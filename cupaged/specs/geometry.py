@@ -223,9 +223,53 @@ class PrefillGeometry:
         return self.smem_bytes <= MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
 
 
+@dataclass(frozen=True)
+class Sm90PrefillGeometry:
+    """``Sm90PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>`` of
+    ``cuda_src/paged_prefill_sm90.cuh``."""
+
+    itemsize: int
+    head_size: int
+    block_size: int
+    tile_tokens: int
+    stages: int
+
+    @classmethod
+    def of(cls, spec) -> "Sm90PrefillGeometry":
+        return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
+                   spec.tile_tokens, spec.stages)
+
+    threads = 384  # kThreads: a producer and two consumer warpgroups
+    rows = 128  # kRows: packed query rows per CTA
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, the K and V stages, mbarriers, a flag
+        tile = self.tile_tokens * self.head_size * 2
+        return self.rows * self.head_size * 2 + 2 * self.stages * tile + 16 * self.stages + 16 + 1024
+
+    def violations(self) -> list[str]:
+        hs, bs = self.head_size, self.block_size
+        bad = []
+        if self.itemsize != 2:
+            bad.append("tensor cores take 16-bit operands")
+        if not (hs % 64 == 0 and 64 <= hs <= 256):
+            bad.append("HEAD_SIZE")
+        if bs & (bs - 1) or not 1 <= bs <= 256:
+            bad.append("BLOCK_SIZE")
+        if self.tile_tokens not in (64, 128):
+            bad.append("TILE_N: wgmma's N of S")
+        if not 2 <= self.stages <= 4:
+            bad.append("STAGES")
+        return bad
+
+    def fits(self, arch: str) -> bool:
+        cc = int(arch.split("_")[1].rstrip("a"))
+        return self.smem_bytes <= MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
+
+
 def check_against_kernel(specs, chunk: int = 300) -> None:
-    """Have NVRTC compare the mirrors with ``DecodeGeometry`` and ``PrefillGeometry`` in
-    the kernel sources for each ``paged_decode`` / ``paged_prefill`` spec: one
+    """Have NVRTC compare the mirrors with ``DecodeGeometry``, ``PrefillGeometry`` and
+    ``Sm90PrefillGeometry`` in the kernel sources for each spec of those kernels: one
     ``static_assert`` per spec over the shared memory (and for decode the path and the
     piece count). No kernel is instantiated, so a few hundred take a second (in
     programs of ``chunk``: NVRTC slows down more than linearly with thousands in one).
@@ -234,7 +278,7 @@ def check_against_kernel(specs, chunk: int = 300) -> None:
 
     specs = list(specs)
     parts = []
-    for kernel in ("paged_decode", "paged_prefill"):
+    for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90"):
         mine = [s for s in specs if s.kernel == kernel]
         parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
     with ThreadPoolExecutor() as pool:
@@ -247,6 +291,14 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
+        if s.kernel == "paged_prefill_sm90":
+            g = Sm90PrefillGeometry.of(s)
+            cxx = (f"cupaged::Sm90PrefillGeometry<{t}, {s.head_size}, {s.block_size}, "
+                   f"{s.tile_tokens}, {s.stages}>")
+            lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
+                         f"{cxx}::kRows == {g.rows} && {cxx}::kThreads == {g.threads}, "
+                         f"\"host mirror differs: {s.name}\");\n")
+            continue
         c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
         fmt = jit.KV_FORMATS[s.kv_format]
         sc = jit.KV_SCALES[s.kv_scale]
@@ -270,7 +322,9 @@ def _check_chunk(specs) -> None:
                                [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])
+            # sm90.cuh builds for sm_90a only; the others for the oldest target.
+            arch = "compute_90a" if specs[0].kernel == "paged_prefill_sm90" else "compute_80"
+            nvrtc.compileProgram(prog, [jit.CXX_STD, f"-arch={arch}"])
         except nvrtc.NVRTCError:
             raise AssertionError(nvrtc.getProgramLog(prog)) from None
     finally:

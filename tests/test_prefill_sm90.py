@@ -1,0 +1,146 @@
+"""paged_prefill_sm90, Hopper's wgmma kernel, against the float64 reference: forced for
+every call it can serve (``planning.set_prefill_family("sm90")``) over head sizes, groups,
+block sizes, layouts, variants, split-KV, stale and bad cache entries and query tiles
+that one CTA walks in turn. Skipped unless the GPU is a Hopper (compute capability 9.0)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import planning, reference, testing
+
+from conftest import assert_close
+from test_variants import VARIANT_CASES, _check_lse, _poison_before_windows, _problem, _run, \
+    _variant_kwargs
+from test_varlen import make_varlen, run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def sm90(prefill_split):
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    planning.set_prefill_family("sm90")
+    yield prefill_split
+    planning.set_prefill_family(None)
+
+
+# (dtype, head_size, block_size, heads, kv_heads)
+CASES = [
+    ("f16", 64, 16, 8, 8),
+    ("bf16", 128, 16, 32, 8),
+    ("f16", 192, 32, 8, 2),
+    ("bf16", 256, 8, 4, 1),
+    ("f16", 128, 1, 4, 4),
+    ("bf16", 64, 256, 6, 2),   # group of 3: 128-row tiles end mid-token
+    ("f16", 128, 64, 12, 3),
+    ("bf16", 256, 128, 2, 2),
+]
+# Empty sequences, single tokens, verify, chunks of long contexts, whole prompts whose
+# packed rows end mid-tile, a context of exactly one tile.
+Q_LENS = [0, 1, 4, 300, 0, 129, 64, 33, 128]
+SEQ_EXTRA = [0, 0, 2000, 0, 5, 1000, 64, 4096 + 7, 0]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_hs{}_bs{}_{}x{}".format(*c))
+def test_matches_reference(rng, sm90, case, layout, causal):
+    dtype, hs, bs, heads, kv_heads = case
+    seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
+    host = make_varlen(rng, Q_LENS, seq, layout=layout, dtype=dtype, heads=heads,
+                       kv_heads=kv_heads, head_size=hs, block_size=bs, share=True)
+    got, ref = run(host, kv_layout=layout, causal=causal, max_query_len=max(Q_LENS))
+    assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout} causal={causal}")
+
+
+@pytest.mark.parametrize("split", [0, 128, 384], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_variants_and_split_kv(rng, sm90, case, split):
+    sm90(split)
+    heads, kvh, hs, bs = 8, 2, 128, 16
+    dtype = "bf16" if case == "all" else "f16"
+    q_lens = [0, 1, 5, 200, 17, 70]
+    seq = [3, 1, 5, 900, 150, 1500]
+    kw, alibi = _variant_kwargs(rng, case, heads)
+    host = _problem(rng, q_lens, seq, dtype=dtype, heads=heads, kv_heads=kvh, head_size=hs,
+                    block_size=bs, alibi=alibi)
+    w = kw.get("window", kw.get("window_left", -2) + 1)
+    if w > 0:
+        host["kernel_tables"] = _poison_before_windows(host, w, q_lens)
+    got, lse, ref, ref_lse = _run(host, kw, "NHD", max_query_len=max(q_lens))
+    assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} split={split}")
+    _check_lse(lse, ref_lse, f"{case} split={split}")
+
+
+@pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
+def test_stale_slots_never_reach_the_output(rng, sm90, stale):
+    host = make_varlen(rng, [200, 3, 130], [200 + 9, 77, 130], heads=8, kv_heads=2,
+                       head_size=128, block_size=32, stale=stale)
+    for causal in (True, False):
+        got, ref = run(host, causal=causal)
+        assert_close(got, ref, testing.TOLERANCE["f16"], f"stale {stale} causal={causal}")
+
+
+@pytest.mark.parametrize("split", [0, 128])
+def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split):
+    import cupy
+
+    sm90(split)
+    host = make_varlen(rng, [150, 140], [400, 600], dtype="bf16", heads=8, kv_heads=2,
+                       head_size=128)
+    host["block_tables"][1, 3] = 10**6
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    got = cupy.asnumpy(cupaged.attention(**dev)).astype(np.float64)
+    good = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
+            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:150]}
+    assert_close(got[:150], reference.attention(**good), testing.TOLERANCE["bf16"])
+    assert np.isnan(got[150:]).all()
+
+
+@pytest.mark.parametrize("max_query_len", [1, 40, None])
+def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len):
+    """A host bound that undercounts the longest query gives fewer CTAs along grid y, each
+    walking several query tiles (its mbarrier phases run on across them)."""
+    host = make_varlen(rng, [1000, 7, 300], [1000, 2000, 310], heads=8, kv_heads=2,
+                       head_size=64, block_size=16)
+    for causal in (True, False):
+        got, ref = run(host, causal=causal, max_query_len=max_query_len)
+        assert_close(got, ref, testing.TOLERANCE["f16"], f"bound {max_query_len}")
+
+
+def test_odd_strides_and_long_context(rng, sm90):
+    """A query view with padded token and head strides, over a 70k-token context."""
+    import cupy
+
+    host = make_varlen(rng, [256], [70_000], dtype="bf16", heads=4, kv_heads=1,
+                       head_size=128, block_size=64)
+    q = host["query"]
+    wide = np.zeros((q.shape[0], q.shape[1] + 1, q.shape[2] + 64), q.dtype)
+    wide[:, :4, :128] = q
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None and k != "query"}
+    view = cupy.asarray(wide)[:, :4, :128]
+    got = cupy.asnumpy(cupaged.attention(view, **dev)).astype(np.float64)
+    assert_close(got, reference.attention(**host), testing.TOLERANCE["bf16"], "strided")
+
+
+def test_the_planner_takes_it_for_prompts_on_hopper(rng):
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    from cupaged import validation
+
+    host = make_varlen(rng, [300, 4], [300, 900], heads=8, kv_heads=2, head_size=128)
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    out = cupy.empty_like(dev["query"])
+    p = validation.validate_varlen(dev["query"], dev["key_cache"], dev["value_cache"],
+                                   dev["block_tables"], dev["seq_lens"], dev["query_start_loc"],
+                                   None, out, "NHD")
+    assert planning.choose_kernel(p, True, 300).sm90
+    assert not planning.choose_kernel(p, True, 4).sm90  # 4 tokens x 4 heads: 16 rows

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The Hopper kernel's checks in one device call: the wgmma operand probes (and, if one
+# fails, the descriptor scan), paged_prefill_sm90 against the reference, its SASS mix
+# (HGMMA count, spills), compute-sanitizer's racecheck and synccheck on one launch, and
+# cupaged-bench prefill with both multi-token families (and the peers, where .flashinfer
+# is carried).
+#   bash tools/sm90_check.sh [pytest args...]      BENCH=0: no benchmark; SAN=0: no sanitizer
+source "$(dirname "$0")/device_env.sh"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_sm90.py 2>&1 | tee "$OUT/sm90-probe.txt" | tail -5
+if grep -q failed "$OUT/sm90-probe.txt"; then
+  python3 tools/sm90_layout_scan.py 2>&1 | tee "$OUT/sm90-scan.txt" | tail -20
+fi
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_sm90.py "$@" 2>&1 \
+  | tee "$OUT/sm90-tests.txt" | tail -25
+status=${PIPESTATUS[0]}
+if [ "${SAN:-1}" != 0 ]; then
+  for tool in racecheck synccheck; do
+    timeout 120 compute-sanitizer --tool "$tool" --kernel-name regex:paged_prefill_sm90 python3 - <<'PY' \
+      > "$OUT/sanitize-sm90-$tool.txt" 2>&1
+import numpy as np, cupy, cupaged
+from cupaged import testing
+rng = np.random.default_rng(0)
+q_lens, seq = [300, 5, 130], [300, 900, 2000]
+bt, nb = testing.random_block_tables(np.array(seq, np.int32), 16, rng, spare_blocks=2)
+kc, vc = testing.random_cache(nb, 2, 128, 16, np.float16, rng)
+kc, vc = testing.convert_layout(kc, vc, "vllm", "NHD")
+qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+q = testing.random_normal((int(qsl[-1]), 8, 128), np.float16, rng)
+d = {k: cupy.asarray(v) for k, v in dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt,
+                                         seq_lens=np.array(seq, np.int32), query_start_loc=qsl).items()}
+from cupaged import planning
+planning.set_prefill_family("sm90")
+cupaged.attention(**d)
+cupy.cuda.Device().synchronize()
+print("done")
+PY
+    tail -3 "$OUT/sanitize-sm90-$tool.txt"
+  done
+fi
+if [ "${BENCH:-1}" != 0 ]; then
+  python3 -m cupaged.bench prefill --impl cupaged --impl cupaged-mma ${PEERS:-} 2>&1 \
+    | tee "$OUT/bench-prefill.txt"
+fi
+echo "sm90 tests exit status: $status"
+exit "$status"
