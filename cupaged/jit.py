@@ -81,7 +81,8 @@ PAGED_KV_FORMAT = "{PPqqqqqqPqiiPPqqff}"  # PagedKV (kv_layout.cuh), 128 bytes
 ARG_FORMATS = {
     "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif48s",  # VariantParams (48 bytes)
     "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
-    "paged_prefill_sm90": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",  # paged_prefill's
+    # paged_prefill's, with its job count (num_seqs, ranks) after split_tiles
+    "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
@@ -129,10 +130,11 @@ def few_rows_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
 
 def default_sm90_prefill_tile(head_size: int) -> tuple[int, int]:
     """(tile_tokens, stages) of paged_prefill_sm90: 128-token K/V tiles up to head size
-    128 (S of 64 rows x 128 keys and O fit the consumers' registers beside each other),
-    64 above (O alone is 64 x 256 fp32 over a warpgroup: 128 registers a thread); two
-    stages, which is what fits 227 KiB at head size 256."""
-    return (128, 2) if head_size <= 128 else (64, 2)
+    128 (S of 64 rows x 128 keys, P and O fit the consumers' registers beside each
+    other), 64 above (O alone is 64 x 256 fp32 over a warpgroup: 128 registers a
+    thread); three stages where 227 KiB hold them (a consumer holds two at once: tile j's
+    K and tile j - 1's V), two at head size 256."""
+    return (128 if head_size <= 128 else 64), (2 if head_size > 192 else 3)
 
 
 # The targets each kernel is built for when not every one: wgmma and setmaxnreg are

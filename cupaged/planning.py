@@ -603,8 +603,16 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
                            p.cache.kv_format, choice.tile, p.cache.dtype.name, p.quant.mode,
                            letters)
     size, n_parts = prefill_split(k, p, choice, max_q, max_ctx, variants, workspace)
-    plan = KernelPlan("prefill", k.launch, (p.num_seqs * p.num_kv_heads, choice.q_tiles, n_parts),
-                      k.threads, k.smem, (size // k.tile_tokens,), size, n_parts)
+    jobs = p.num_seqs * p.num_kv_heads
+    if choice.sm90:
+        # Persistent: as many CTAs as are resident at once (over the partitions), each
+        # walking the jobs (sequence, KV head, query tile) in the kernel's order.
+        grid = (max(1, min(jobs * choice.q_tiles, k.slots // n_parts)), 1, n_parts)
+        head = (size // k.tile_tokens, p.num_seqs, choice.q_tiles)
+    else:
+        grid = (jobs, choice.q_tiles, n_parts)
+        head = (size // k.tile_tokens,)
+    plan = KernelPlan("prefill", k.launch, grid, k.threads, k.smem, head, size, n_parts)
     if n_parts == 1:
         return plan
     # (The combine is loaded here, not with the kernel: most multi-token calls never split.)

@@ -355,6 +355,7 @@ def _mangled_params(lowered: str) -> str:
 @pytest.mark.parametrize("spec", [
     jit.KernelSpec("paged_decode", "bf16", 128, 16, 4),
     jit.KernelSpec("paged_prefill", "f16", 96, 16),
+    jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16),
     jit.KernelSpec("paged_decode_combine", "f32", 64),
     jit.KernelSpec("reshape_and_cache", "f16", index_dtype="i64"),
     jit.KernelSpec("copy_blocks", index_dtype="i32"),

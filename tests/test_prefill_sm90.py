@@ -114,6 +114,17 @@ def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len):
         assert_close(got, ref, testing.TOLERANCE["f16"], f"bound {max_query_len}")
 
 
+def test_persistent_ctas_walk_more_jobs_than_the_device_holds(rng, sm90):
+    """40 sequences x 8 KV heads x up to 3 query tiles: over 900 jobs for about one CTA
+    per SM, each CTA's producer running into its next job while its consumers finish."""
+    q_lens = list(rng.integers(1, 300, 40))
+    seq = [int(q) + int(e) for q, e in zip(q_lens, rng.integers(0, 500, 40))]
+    host = make_varlen(rng, q_lens, seq, heads=16, kv_heads=8, head_size=64, block_size=16)
+    for causal in (True, False):
+        got, ref = run(host, causal=causal, max_query_len=max(q_lens))
+        assert_close(got, ref, testing.TOLERANCE["f16"], f"causal={causal}")
+
+
 def test_odd_strides_and_long_context(rng, sm90):
     """A query view with padded token and head strides, over a 70k-token context."""
     import cupy

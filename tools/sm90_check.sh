@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The Hopper kernel's checks in one device call: the wgmma operand probes (and, if one
 # fails, the descriptor scan), paged_prefill_sm90 against the reference, its SASS mix
-# (HGMMA count, spills), compute-sanitizer's racecheck and synccheck on one launch, and
-# cupaged-bench prefill with both multi-token families (and the peers, where .flashinfer
-# is carried).
+# (HGMMA and local-memory instructions of the specializations the tests built),
+# compute-sanitizer's memcheck, racecheck and synccheck on one launch, and cupaged-bench
+# prefill with both multi-token families (and the peers named in PEERS).
 #   bash tools/sm90_check.sh [pytest args...]      BENCH=0: no benchmark; SAN=0: no sanitizer
 source "$(dirname "$0")/device_env.sh"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_sm90.py 2>&1 | tee "$OUT/sm90-probe.txt" | tail -5
@@ -13,9 +13,14 @@ fi
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_sm90.py "$@" 2>&1 \
   | tee "$OUT/sm90-tests.txt" | tail -25
 status=${PIPESTATUS[0]}
+for f in $(find "$CUPAGED_CACHE_DIR" -name '*prefill_sm90*' | head -4); do
+  echo "$(basename "$f"): $(cuobjdump -sass "$f" 2>/dev/null | grep -c HGMMA) HGMMA," \
+    "$(cuobjdump -sass "$f" 2>/dev/null | grep -cE 'LDL|STL') local loads/stores"
+done | tee "$OUT/sm90-sass.txt"
 if [ "${SAN:-1}" != 0 ]; then
-  for tool in racecheck synccheck; do
-    timeout 120 compute-sanitizer --tool "$tool" --kernel-name regex:paged_prefill_sm90 python3 - <<'PY' \
+  for tool in memcheck racecheck synccheck; do
+    timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      --kernel-name kns=paged_prefill_sm90 python3 - <<'PY' \
       > "$OUT/sanitize-sm90-$tool.txt" 2>&1
 import numpy as np, cupy, cupaged
 from cupaged import testing
@@ -34,7 +39,7 @@ cupaged.attention(**d)
 cupy.cuda.Device().synchronize()
 print("done")
 PY
-    tail -3 "$OUT/sanitize-sm90-$tool.txt"
+    echo "$tool: exit ${PIPESTATUS[0]}"; tail -3 "$OUT/sanitize-sm90-$tool.txt"
   done
 fi
 if [ "${BENCH:-1}" != 0 ]; then
