@@ -17,9 +17,10 @@
 //   swizzled [token][dim] tile as K). Each issues tile j's S = Q K^T and tile j - 1's
 //   P V together and runs tile j's softmax while the P V is on the tensor cores; the two
 //   consumers run unsynchronized, so one's softmax also overlaps the other's products.
-// The grid is persistent: CTA x takes jobs x, x + gridDim.x, ... of an order that puts
-// every sequence's last (longest causal) query tile first, so the producer loads the next
-// job's first tiles and query while the consumers finish the last one's. Grid z splits
+// The grid is persistent: each CTA takes one job of every gridDim.x, in an order that
+// keeps the CTAs running at once on a few (sequence, KV head) pairs whose keys stay in L2
+// and puts each pair's last (longest causal) query tiles first; the producer loads the
+// next job's first tiles and query while the consumers finish the last one's. Grid z splits
 // each job's keys into partitions as paged_prefill's does.
 #pragma once
 #include "common.cuh"
@@ -84,9 +85,11 @@ __global__ void __launch_bounds__(384, 1)
     paged_prefill_sm90(T* __restrict__ out, float* __restrict__ part_out,
                        float* __restrict__ part_max, float* __restrict__ part_sum,
                        int split_tiles,
-                       // Jobs: num_seqs * num_kv_heads per rank, `ranks` ranks; rank r of a
-                       // sequence is its query tiles q_tiles - 1 - r, - 1 - r - ranks, ...
-                       int num_seqs, int ranks, const T* __restrict__ query,
+                       // Jobs: `ranks` per (sequence, KV head) pair; rank r of a sequence
+                       // is its query tiles q_tiles - 1 - r, q_tiles - 1 - r - ranks, ...
+                       // Pairs go in groups of `group_pairs` (whose keys fit in L2), each
+                       // group's jobs rank by rank, heaviest first.
+                       int num_seqs, int ranks, int group_pairs, const T* __restrict__ query,
                        long long q_token_stride, long long q_head_stride,
                        const __grid_constant__ PagedKV kv, const int* __restrict__ seq_lens,
                        const int* __restrict__ query_start_loc,
@@ -121,8 +124,9 @@ __global__ void __launch_bounds__(384, 1)
   const int warp = __shfl_sync(~0u, tid >> 5, 0);
   const int lane = tid & 31;
   const int num_kv_heads = num_heads / group_size;
-  const int jobs_per_rank = num_seqs * num_kv_heads;
-  const long long num_jobs = static_cast<long long>(jobs_per_rank) * ranks;
+  const int num_pairs = num_seqs * num_kv_heads;
+  const long long num_jobs = static_cast<long long>(num_pairs) * ranks;
+  const long long group_jobs = static_cast<long long>(group_pairs) * ranks;
 
   if (tid == 0) {
     if (dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
@@ -139,14 +143,23 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
 
+  // Job w of this CTA's round k: rounds alternate direction over the CTAs, so each CTA's
+  // jobs balance (round 0 gives CTA 0 the heaviest, round 1 the lightest of the next
+  // gridDim.x), as a static schedule must.
+  auto job_index = [&](long long k) {
+    return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  };
   // A job's sequence facts, the same in both roles.
   struct Job {
     int seq, kv_head, rank, q_begin, packed, q_tiles, seq_len, q_shift;
   };
   auto job_of = [&](long long w) {
     Job jb;
-    jb.rank = static_cast<int>(w / jobs_per_rank);
-    const int sk = static_cast<int>(w - static_cast<long long>(jb.rank) * jobs_per_rank);
+    const int group = static_cast<int>(w / group_jobs);
+    const long long within = w - group * group_jobs;
+    const int pairs_here = min(group_pairs, num_pairs - group * group_pairs);
+    jb.rank = static_cast<int>(within / pairs_here);
+    const int sk = group * group_pairs + static_cast<int>(within - static_cast<long long>(jb.rank) * pairs_here);
     jb.seq = sk / num_kv_heads;
     jb.kv_head = sk - jb.seq * num_kv_heads;
     jb.q_begin = query_start_loc != nullptr ? __ldg(query_start_loc + jb.seq) : jb.seq;
@@ -200,7 +213,7 @@ __global__ void __launch_bounds__(384, 1)
     const unsigned swz = static_cast<unsigned>((c0 ^ (trow & 7)) << 4);
     unsigned g = 0;  // tiles produced: stage g % STAGES, its use g / STAGES
     unsigned j = 0;  // jobs produced: use j of the Q tiles
-    for (long long w = blockIdx.x; w < num_jobs; w += gridDim.x) {
+    for (long long k = 0, w = job_index(0); w < num_jobs; w = job_index(++k)) {
       const Job jb = job_of(w);
       const typename KV::Head hd = KV::head(kv, jb.kv_head);
       const int* bt_row = kv.block_tables + jb.seq * kv.bt_stride;
@@ -315,7 +328,7 @@ __global__ void __launch_bounds__(384, 1)
 
   unsigned g = 0;
   unsigned j = 0;
-  for (long long w = blockIdx.x; w < num_jobs; w += gridDim.x) {
+  for (long long k = 0, w = job_index(0); w < num_jobs; w = job_index(++k)) {
     const Job jb = job_of(w);
     for (int qt = jb.q_tiles - 1 - jb.rank; qt >= 0; qt -= ranks, ++j) {
       const Span sp = span_of(jb, qt);

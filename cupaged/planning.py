@@ -430,12 +430,29 @@ def prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                          resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
 
 
+# (tile_tokens, stages) of paged_prefill_sm90 instead of the default, for tuning
+# experiments (tools/prefill_tiles.py with FAMILY=sm90); set through set_sm90_tile.
+_sm90_tile_override: tuple | None = None
+
+
+def set_sm90_tile(tile: tuple | None) -> None:
+    global _sm90_tile_override
+    _sm90_tile_override = tile
+    _prepared.clear()
+
+
+def sm90_tile(head_size: int) -> tuple:
+    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size)
+
+
 @jit.launcher_cache
 def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
-                        variant: str = "") -> PrefillKernel:
-    """paged_prefill_sm90 (Hopper's wgmma kernel) in its default tile."""
-    spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, variant=variant,
-                          arch=device_info(device_id).arch)
+                        variant: str = "", tile: tuple = ()) -> PrefillKernel:
+    """paged_prefill_sm90 (Hopper's wgmma kernel) in ``tile`` (tile_tokens, stages; ()
+    the default)."""
+    tt, st = tile or (0, 0)
+    spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, tile_tokens=tt,
+                          stages=st, variant=variant, arch=device_info(device_id).arch)
     g = geometry.Sm90PrefillGeometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
     return PrefillKernel(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
@@ -478,8 +495,9 @@ class Choice(NamedTuple):
 
     kind: str  # "decode" | "prefill" | "rows"
     q_tiles: int = 0  # prefill: grid y
-    tile: tuple = ()  # paged_prefill: (warps, m_atoms, tile_tokens, stages)
-    sm90: bool = False  # prefill: paged_prefill_sm90 (its own tile) instead
+    tile: tuple = ()  # paged_prefill: (warps, m_atoms, tile_tokens, stages); with sm90,
+    #                   paged_prefill_sm90's (tile_tokens, stages)
+    sm90: bool = False  # prefill: paged_prefill_sm90 instead of paged_prefill
 
 
 def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
@@ -499,7 +517,7 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
         if sm90_applies(p, max_q * group):
             rows = geometry.Sm90PrefillGeometry.rows
             return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
-                          sm90=True)
+                          sm90_tile(p.head_size), sm90=True)
         tile = prefill_tile(p.head_size, max_q * group)
         rows = 16 * tile[0] * tile[1]
         return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
@@ -589,6 +607,12 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
                                        ks.tile_tokens))
 
 
+# paged_prefill_sm90's CTAs run on groups of (sequence, KV head) pairs whose keys and
+# values take at most this many bytes (a third of an H100's 50 MiB L2), so the query
+# tiles of a pair, which all read its keys, find them in L2.
+L2_KEYS_BYTES = 16 << 20
+
+
 def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
                  variants: _variants.Variants, alibi: bool,
                  workspace) -> KernelPlan:
@@ -597,7 +621,8 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
     letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
     if choice.sm90:
-        k = prefill_sm90_kernel(p.device, p.dtype.name, p.head_size, p.block_size, letters)
+        k = prefill_sm90_kernel(p.device, p.dtype.name, p.head_size, p.block_size, letters,
+                                choice.tile)
     else:
         k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size,
                            p.cache.kv_format, choice.tile, p.cache.dtype.name, p.quant.mode,
@@ -606,9 +631,12 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     jobs = p.num_seqs * p.num_kv_heads
     if choice.sm90:
         # Persistent: as many CTAs as are resident at once (over the partitions), each
-        # walking the jobs (sequence, KV head, query tile) in the kernel's order.
+        # walking the jobs (sequence, KV head, query tile) in the kernel's order, whose
+        # groups of pairs keep their keys within L2_KEYS_BYTES.
         grid = (max(1, min(jobs * choice.q_tiles, k.slots // n_parts)), 1, n_parts)
-        head = (size // k.tile_tokens, p.num_seqs, choice.q_tiles)
+        pair_bytes = max(1, max_ctx) * p.head_size * 2 * p.cache.dtype.itemsize
+        head = (size // k.tile_tokens, p.num_seqs, choice.q_tiles,
+                max(1, min(jobs, L2_KEYS_BYTES // pair_bytes)))
     else:
         grid = (jobs, choice.q_tiles, n_parts)
         head = (size // k.tile_tokens,)

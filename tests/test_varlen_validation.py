@@ -209,7 +209,8 @@ def test_the_planner_takes_the_wgmma_kernel_on_hopper_for_many_rows(device_arch,
     want = sm90 and arch == "sm_90" and max_q * 4 > planning.FEW_ROWS
     assert c.sm90 == want
     if want:
-        assert c.q_tiles == -(-max_q * 4 // 128) and c.tile == ()
+        assert c.q_tiles == -(-max_q * 4 // 128)
+        assert c.tile == jit.default_sm90_prefill_tile(p.head_size)
     planning.set_prefill_family("mma")
     try:
         assert not planning.choose_kernel(p, True, max_q).sm90
