@@ -16,11 +16,11 @@
 //   paged_prefill does, and O += P V (wgmma, P from registers, V MN-major: the same
 //   swizzled [token][dim] tile as K). Each issues tile j's S = Q K^T and tile j - 1's
 //   P V together and runs tile j's softmax while the P V is on the tensor cores; the two
-//   consumers run unsynchronized, so one's softmax also overlaps the other's products.
-// The grid is persistent: each CTA takes one job of every gridDim.x, in an order that
-// keeps the CTAs running at once on a few (sequence, KV head) pairs whose keys stay in L2
-// and puts each pair's last (longest causal) query tiles first; the producer loads the
-// next job's first tiles and query while the consumers finish the last one's. Grid z splits
+//   consumers take turns issuing (named barriers), so one's softmax also overlaps the
+//   other's products.
+// The grid is persistent: each CTA takes one job of every gridDim.x (jobs below), and its
+// producer loads the next job's first tiles and query while the consumers finish the
+// last one's. Grid z splits
 // each job's keys into partitions as paged_prefill's does.
 #pragma once
 #include "common.cuh"
@@ -45,13 +45,13 @@ struct Sm90PrefillGeometry {
   static constexpr int kTileBytes = TILE_N * HEAD_SIZE * 2;  // one K or V stage
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
-  // mbarriers: full[STAGES], empty[STAGES], q_full[2], q_empty[2]; then a bad-block flag
-  // per stage.
+  // mbarriers: full[STAGES], empty[STAGES], q_full[2], q_empty[2]; then bad-block flags,
+  // one per producer warp and stage.
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kOffFlags = kOffBar + 8 * (2 * STAGES + 4);
   // Tiles need 1024-byte alignment (the swizzle's phase): the kernel rounds the dynamic
   // shared memory's base up, so it asks for 1024 bytes more.
-  static constexpr int kSmemBytes = kOffFlags + 4 * STAGES + 1024;
+  static constexpr int kSmemBytes = kOffFlags + 16 * STAGES + 1024;
   // Registers per thread: the producer's copy loop needs few; the consumers take the rest
   // of the 64K (128 * (56 + 2 * 224) = 64512); 40 for the producer spills it.
   static constexpr int kProducerRegs = 56;
@@ -64,16 +64,14 @@ struct Sm90PrefillGeometry {
   static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
 };
 
-// The 128 threads of the producer warpgroup (named barrier 1), OR-reducing a flag.
-__device__ __forceinline__ bool producer_sync_or(bool flag) {
-  int r;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\n"
-      "bar.red.or.pred q, 1, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
-      : "=r"(r)
-      : "r"(static_cast<int>(flag))
-      : "memory");
-  return r != 0;
+// Ping-pong between the consumers (FlashAttention-3's warp scheduling): each waits for
+// its turn (named barrier 2 + wg) before issuing its matrix products and passes the turn
+// (the other's barrier) after, so one's products run while the other does its softmax.
+__device__ __forceinline__ void consumer_turn_wait(int wg) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+}
+__device__ __forceinline__ void consumer_turn_pass(int wg) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");
 }
 
 __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
@@ -85,11 +83,9 @@ __global__ void __launch_bounds__(384, 1)
     paged_prefill_sm90(T* __restrict__ out, float* __restrict__ part_out,
                        float* __restrict__ part_max, float* __restrict__ part_sum,
                        int split_tiles,
-                       // Jobs: `ranks` per (sequence, KV head) pair; rank r of a sequence
-                       // is its query tiles q_tiles - 1 - r, q_tiles - 1 - r - ranks, ...
-                       // Pairs go in groups of `group_pairs` (whose keys fit in L2), each
-                       // group's jobs rank by rank, heaviest first.
-                       int num_seqs, int ranks, int group_pairs, const T* __restrict__ query,
+                       // `ranks` per (sequence, KV head) pair: rank r of a sequence is its
+                       // query tiles q_tiles - 1 - r, q_tiles - 1 - r - ranks, ...
+                       int num_seqs, int ranks, const T* __restrict__ query,
                        long long q_token_stride, long long q_head_stride,
                        const __grid_constant__ PagedKV kv, const int* __restrict__ seq_lens,
                        const int* __restrict__ query_start_loc,
@@ -116,7 +112,8 @@ __global__ void __launch_bounds__(384, 1)
   auto empty_bar = [&](int s) { return base + Geo::kOffBar + 8u * (STAGES + s); };
   auto q_full_bar = [&](int wg) { return base + Geo::kOffBar + 8u * (2 * STAGES + wg); };
   auto q_empty_bar = [&](int wg) { return base + Geo::kOffBar + 8u * (2 * STAGES + 2 + wg); };
-  volatile int* bad_s = reinterpret_cast<volatile int*>(smem + Geo::kOffFlags);  // [STAGES]
+  // [STAGES][4]: producer warp w's flag of the tile in the stage.
+  volatile int* bad_s = reinterpret_cast<volatile int*>(smem + Geo::kOffFlags);
 
   const int tid = threadIdx.x;
   // Through a shuffle, so the compiler knows the warp (and its warpgroup) is uniform:
@@ -124,9 +121,13 @@ __global__ void __launch_bounds__(384, 1)
   const int warp = __shfl_sync(~0u, tid >> 5, 0);
   const int lane = tid & 31;
   const int num_kv_heads = num_heads / group_size;
+  // A job is ranks d and ranks - 1 - d of one pair: a causal prompt's longest query tile
+  // with its shortest, and so on, so a prompt's jobs take the same time (the static
+  // schedule balances) and the CTAs running at once stay on the same few pairs, whose
+  // keys then come from L2.
   const int num_pairs = num_seqs * num_kv_heads;
-  const long long num_jobs = static_cast<long long>(num_pairs) * ranks;
-  const long long group_jobs = static_cast<long long>(group_pairs) * ranks;
+  const int jobs_per_pair = (ranks + 1) / 2;
+  const long long num_jobs = static_cast<long long>(num_pairs) * jobs_per_pair;
 
   if (tid == 0) {
     if (dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
@@ -143,23 +144,19 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
 
-  // Job w of this CTA's round k: rounds alternate direction over the CTAs, so each CTA's
-  // jobs balance (round 0 gives CTA 0 the heaviest, round 1 the lightest of the next
-  // gridDim.x), as a static schedule must.
+  // Job w of this CTA's round k: rounds alternate direction over the CTAs, so uneven
+  // jobs (a varlen batch's) balance better than in rows of the same order.
   auto job_index = [&](long long k) {
     return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   };
   // A job's sequence facts, the same in both roles.
   struct Job {
-    int seq, kv_head, rank, q_begin, packed, q_tiles, seq_len, q_shift;
+    int seq, kv_head, d, q_begin, packed, q_tiles, seq_len, q_shift;
   };
   auto job_of = [&](long long w) {
     Job jb;
-    const int group = static_cast<int>(w / group_jobs);
-    const long long within = w - group * group_jobs;
-    const int pairs_here = min(group_pairs, num_pairs - group * group_pairs);
-    jb.rank = static_cast<int>(within / pairs_here);
-    const int sk = group * group_pairs + static_cast<int>(within - static_cast<long long>(jb.rank) * pairs_here);
+    const int sk = static_cast<int>(w / jobs_per_pair);
+    jb.d = static_cast<int>(w - static_cast<long long>(sk) * jobs_per_pair);
     jb.seq = sk / num_kv_heads;
     jb.kv_head = sk - jb.seq * num_kv_heads;
     jb.q_begin = query_start_loc != nullptr ? __ldg(query_start_loc + jb.seq) : jb.seq;
@@ -217,7 +214,10 @@ __global__ void __launch_bounds__(384, 1)
       const Job jb = job_of(w);
       const typename KV::Head hd = KV::head(kv, jb.kv_head);
       const int* bt_row = kv.block_tables + jb.seq * kv.bt_stride;
-      for (int qt = jb.q_tiles - 1 - jb.rank; qt >= 0; qt -= ranks, ++j) {
+      for (int half = 0; half < 2; ++half) {
+      const int rank = half == 0 ? jb.d : ranks - 1 - jb.d;
+      if (half == 1 && rank == jb.d) break;
+      for (int qt = jb.q_tiles - 1 - rank; qt >= 0; qt -= ranks, ++j) {
         const Span sp = span_of(jb, qt);
         // Each consumer's 64 query rows; rows past the sequence's are zeros.
         auto load_q = [&]() {
@@ -296,14 +296,15 @@ __global__ void __launch_bounds__(384, 1)
             }
           }
           if (stored) fence_async_smem();  // ordinary stores that wgmma reads next
-          // The tile's bad-block flag, published with the tile (the consumers read it
+          // The tile's bad-block flags, published with the tile (the consumers read them
           // after its full barrier and before its empty one).
-          bad = producer_sync_or(bad);
-          if (tid == 0) bad_s[stage] = bad;
+          bad = __any_sync(~0u, bad);
+          if (lane == 0) bad_s[stage * 4 + warp] = bad;
           cp_async_mbar_arrive(full_bar(stage));
           mbar_arrive(full_bar(stage));
         }
         if (sp.n_tiles <= 1) load_q();
+      }
       }
     }
     cp_async_wait<0>();
@@ -328,9 +329,13 @@ __global__ void __launch_bounds__(384, 1)
 
   unsigned g = 0;
   unsigned j = 0;
+  if (wg == 1) consumer_turn_pass(wg);  // the first turn is consumer 0's
   for (long long k = 0, w = job_index(0); w < num_jobs; w = job_index(++k)) {
     const Job jb = job_of(w);
-    for (int qt = jb.q_tiles - 1 - jb.rank; qt >= 0; qt -= ranks, ++j) {
+    for (int half = 0; half < 2; ++half) {
+    const int rank = half == 0 ? jb.d : ranks - 1 - jb.d;
+    if (half == 1 && rank == jb.d) break;
+    for (int qt = jb.q_tiles - 1 - rank; qt >= 0; qt -= ranks, ++j) {
       const Span sp = span_of(jb, qt);
       const int row0 = qt * Geo::kRows + wg * Geo::kWgRows;  // this warpgroup's first row
 
@@ -354,16 +359,9 @@ __global__ void __launch_bounds__(384, 1)
       lim_lo = __reduce_min_sync(~0u, lim_lo);  // this warp's tiles below it need no mask
       if constexpr (Var::kWindow) first_hi = __reduce_max_sync(~0u, first_hi);
       const bool plain = Var::kAlibi || alibi_slopes == nullptr;
-      // The warpgroup's tiles [lo, hi): its rows' limits grow with the row, so tiles from
-      // wg_hi's on, or wholly before every row's window, hold nothing for it. Uniform
-      // over the warpgroup, as the wgmma it skips must be.
-      const int wg_last = min(row0 + Geo::kWgRows, jb.packed) - 1;
-      const int wg_hi = row0 >= jb.packed ? 0
-                        : causal ? max(0, min(jb.seq_len, jb.q_shift + wg_last / group_size + 1))
-                                 : jb.seq_len;
-      const int wg_first = Var::first_key(vp, jb.q_shift + row0 / group_size);
-      const int lo = min(max(0, wg_first / TILE_N - sp.tile_base), sp.n_tiles);
-      const int hi = min(max(lo, (wg_hi + TILE_N - 1) / TILE_N - sp.tile_base), sp.n_tiles);
+      // Both consumers compute every tile of the job (a tile past one's causal limits or
+      // before its window is masked whole), so their turns at the tensor cores pair up.
+      const int n = sp.n_tiles;
 
       float m_run[2] = {neg_inf(), neg_inf()};
       float l_run[2] = {0.f, 0.f};
@@ -379,7 +377,9 @@ __global__ void __launch_bounds__(384, 1)
         const unsigned gi = g + it;
         mbar_wait(full_bar(gi % STAGES), (gi / STAGES) & 1);
         fence_async_smem();  // cp.async's writes, read next by wgmma
-        bad |= bad_s[gi % STAGES] != 0;
+        // (An ordinary load: the mbarrier wait's memory clobber keeps it after the wait.)
+        const int4 f = *reinterpret_cast<const int4*>(smem + Geo::kOffFlags + (gi % STAGES) * 16);
+        bad |= (f.x | f.y | f.z | f.w) != 0;
       };
       auto release = [&](int it) { mbar_arrive(empty_bar((g + it) % STAGES)); };
       auto issue_s = [&](int it) {
@@ -501,44 +501,42 @@ __global__ void __launch_bounds__(384, 1)
 
       mbar_wait(q_full_bar(wg), j & 1);
       fence_async_smem();
-      for (int it = 0; it < lo; ++it) {  // before the window: nothing for these rows
-        acquire(it);
-        release(it);
-      }
-      if (lo < hi) {
-        acquire(lo);
+      if (n > 0) {
+        acquire(0);
+        consumer_turn_wait(wg);
         wgmma_fence();
-        issue_s(lo);
+        issue_s(0);
+        consumer_turn_pass(wg);
         wgmma_wait<0>();
-        if (lo + 1 == hi) mbar_arrive(q_empty_bar(wg));
+        if (n == 1) mbar_arrive(q_empty_bar(wg));  // its last read of Q
         float alpha[2];
-        softmax((sp.tile_base + lo) * TILE_N, alpha);
+        softmax(sp.tile_base * TILE_N, alpha);
         pack_p();
-        for (int it = lo + 1; it < hi; ++it) {
+        for (int it = 1; it < n; ++it) {
           acquire(it);
+          consumer_turn_wait(wg);
           wgmma_fence();
           issue_s(it);
           issue_pv(it - 1);
+          consumer_turn_pass(wg);
           wgmma_wait<1>();  // S of tile it; tile it - 1's P V still runs
-          if (it + 1 == hi) mbar_arrive(q_empty_bar(wg));
+          if (it + 1 == n) mbar_arrive(q_empty_bar(wg));
           softmax((sp.tile_base + it) * TILE_N, alpha);
           wgmma_wait<0>();
           release(it - 1);
           rescale_o(alpha);
           pack_p();
         }
+        consumer_turn_wait(wg);
         wgmma_fence();
-        issue_pv(hi - 1);
+        issue_pv(n - 1);
+        consumer_turn_pass(wg);
         wgmma_wait<0>();
-        release(hi - 1);
+        release(n - 1);
       } else {
         mbar_arrive(q_empty_bar(wg));
       }
-      for (int it = hi; it < sp.n_tiles; ++it) {  // past these rows' causal limits
-        acquire(it);
-        release(it);
-      }
-      g += sp.n_tiles;
+      g += n;
 
       // ---- normalize and store ------------------------------------------------------------
 #pragma unroll
@@ -589,6 +587,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       }
+    }
     }
   }
 }

@@ -81,8 +81,8 @@ PAGED_KV_FORMAT = "{PPqqqqqqPqiiPPqqff}"  # PagedKV (kv_layout.cuh), 128 bytes
 ARG_FORMATS = {
     "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif48s",  # VariantParams (48 bytes)
     "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
-    # paged_prefill's, with its jobs (num_seqs, ranks, group_pairs) after split_tiles
-    "paged_prefill_sm90": f"PPPPiiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
+    # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
+    "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value

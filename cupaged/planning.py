@@ -607,12 +607,6 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
                                        ks.tile_tokens))
 
 
-# paged_prefill_sm90's CTAs run on groups of (sequence, KV head) pairs whose keys and
-# values take at most this many bytes (a third of an H100's 50 MiB L2), so the query
-# tiles of a pair, which all read its keys, find them in L2.
-L2_KEYS_BYTES = 16 << 20
-
-
 def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
                  variants: _variants.Variants, alibi: bool,
                  workspace) -> KernelPlan:
@@ -631,12 +625,9 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     jobs = p.num_seqs * p.num_kv_heads
     if choice.sm90:
         # Persistent: as many CTAs as are resident at once (over the partitions), each
-        # walking the jobs (sequence, KV head, query tile) in the kernel's order, whose
-        # groups of pairs keep their keys within L2_KEYS_BYTES.
-        grid = (max(1, min(jobs * choice.q_tiles, k.slots // n_parts)), 1, n_parts)
-        pair_bytes = max(1, max_ctx) * p.head_size * 2 * p.cache.dtype.itemsize
-        head = (size // k.tile_tokens, p.num_seqs, choice.q_tiles,
-                max(1, min(jobs, L2_KEYS_BYTES // pair_bytes)))
+        # walking its share of the jobs (a pair of query tiles of one sequence and KV head).
+        grid = (max(1, min(jobs * -(-choice.q_tiles // 2), k.slots // n_parts)), 1, n_parts)
+        head = (size // k.tile_tokens, p.num_seqs, choice.q_tiles)
     else:
         grid = (jobs, choice.q_tiles, n_parts)
         head = (size // k.tile_tokens,)

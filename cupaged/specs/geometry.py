@@ -246,7 +246,7 @@ class Sm90PrefillGeometry:
     def smem_bytes(self) -> int:  # kSmemBytes: Q, the K and V stages, mbarriers, flags
         tile = self.tile_tokens * self.head_size * 2
         return (self.rows * self.head_size * 2 + 2 * self.stages * tile
-                + 8 * (2 * self.stages + 4) + 4 * self.stages + 1024)
+                + 8 * (2 * self.stages + 4) + 16 * self.stages + 1024)
 
     def violations(self) -> list[str]:
         hs, bs = self.head_size, self.block_size
