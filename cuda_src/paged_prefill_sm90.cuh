@@ -410,6 +410,7 @@ __global__ void __launch_bounds__(384, 1)
       auto softmax = [&](int t0, float (&alpha)[2]) {
         const bool masked = !plain || t0 + TILE_N > lim_lo || (Var::kWindow && t0 < first_hi);
         float tmax[2] = {neg_inf(), neg_inf()};
+        float mul = 1.f;  // of the scores in exp2's argument: 1 once they are logits
         if (masked) {
 #pragma unroll
           for (int n = 0; n < TILE_N / 8; ++n) {
@@ -444,6 +445,21 @@ __global__ void __launch_bounds__(384, 1)
               tmax[h] = fmaxf(tmax[h], x);
             }
           }
+        } else if constexpr (!Var::kSoftCap && !Var::kFixedOffset) {
+          // Plain scores: the maximum of the raw products (the minimum for a negative
+          // scale) times the scale, and the scale folded into exp2's argument below (one
+          // FFMA a score instead of a multiply and a subtraction).
+          mul = score_scale;
+          if (score_scale >= 0.f) {
+#pragma unroll
+            for (int i = 0; i < TILE_N / 2; ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
+          } else {
+            tmax[0] = tmax[1] = __int_as_float(0x7f800000);
+#pragma unroll
+            for (int i = 0; i < TILE_N / 2; ++i) tmax[(i >> 1) & 1] = fminf(tmax[(i >> 1) & 1], s[i]);
+          }
+          tmax[0] *= score_scale;
+          tmax[1] *= score_scale;
         } else {
 #pragma unroll
           for (int n = 0; n < TILE_N / 8; ++n) {
@@ -470,7 +486,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int n = 0; n < TILE_N / 8; ++n) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) s[4 * n + i] = fast_exp2(s[4 * n + i] - sub[i >> 1]);
+          for (int i = 0; i < 4; ++i) s[4 * n + i] = fast_exp2(fmaf(s[4 * n + i], mul, -sub[i >> 1]));
           l_run[0] += s[4 * n + 0] + s[4 * n + 1];
           l_run[1] += s[4 * n + 2] + s[4 * n + 3];
         }
