@@ -406,6 +406,7 @@ def test_clear_memory_caches_empties_the_launcher_caches():
     assert lookup(1) is first and calls == [1]
     jit.clear_memory_caches()
     assert lookup(1) is not first and calls == [1, 1]
-    for cached in (planning.decode_kernels, planning.prefill_kernel, cache_ops._kernel):
+    for cached in (planning.decode_kernels, planning.prefill_kernel, planning.prefill_sm90_kernel,
+                   cache_ops._kernel):
         assert cached in jit._launcher_caches
     jit._launcher_caches.remove(lookup)

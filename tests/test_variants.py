@@ -264,18 +264,24 @@ def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch,
 
     asked = []
 
-    def spy(device_id, dtype, head_size, block_size, kv_format, tile, cache_dtype="",
-            kv_scale="", variant=""):
-        asked.append(variant)
-        if force == "bit_without_slopes":
-            variant += "" if "a" in variant else "a"
-        elif force == "slopes_without_bit":
-            variant = variant.replace("a", "")
-        return orig(device_id, dtype, head_size, block_size, kv_format, tile, cache_dtype,
-                    kv_scale, variant)
+    def spy_on(name, variant_at):  # each multi-token kernel, its variant argument forced
+        orig = getattr(planning, name)
 
-    orig = planning.prefill_kernel
-    monkeypatch.setattr(planning, "prefill_kernel", spy)
+        def spy(*args):
+            args = list(args) + [""] * (variant_at + 1 - len(args))
+            variant = args[variant_at]
+            asked.append(variant)
+            if force == "bit_without_slopes":
+                variant += "" if "a" in variant else "a"
+            elif force == "slopes_without_bit":
+                variant = variant.replace("a", "")
+            args[variant_at] = variant
+            return orig(*args)
+
+        monkeypatch.setattr(planning, name, spy)
+
+    spy_on("prefill_kernel", 8)
+    spy_on("prefill_sm90_kernel", 4)
     _prepared.clear()
     try:
         q_lens, seq = [40, 17, 1, 100], [300, 150, 77, 700]
@@ -323,13 +329,18 @@ def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap,
     if saturate and kind == "fp8_token":
         pytest.skip("per-token fp8 keys keep their signs")
     asked = []
-    orig = planning.prefill_kernel
 
-    def spy(*args, **kw):
-        asked.append(kw.get("variant", args[-1] if len(args) > 8 else ""))
-        return orig(*args, **kw)
+    def spy_on(name, variant_at):  # the variant letters each multi-token kernel is asked for
+        orig = getattr(planning, name)
 
-    monkeypatch.setattr(planning, "prefill_kernel", spy)
+        def spy(*args, **kw):
+            asked.append(kw.get("variant", args[variant_at] if len(args) > variant_at else ""))
+            return orig(*args, **kw)
+
+        monkeypatch.setattr(planning, name, spy)
+
+    spy_on("prefill_kernel", 8)
+    spy_on("prefill_sm90_kernel", 4)
     _prepared.clear()
     prefill_split(64 if kind.endswith("split") else 0)
     heads, kvh = 8, 2
