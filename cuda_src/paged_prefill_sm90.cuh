@@ -1,8 +1,9 @@
 // Paged attention for several query tokens per sequence on Hopper (sm_90a): paged_prefill's
 // contract and arguments (paged_prefill.cuh: query rows packed token-major within a KV
 // head's group, bottom-right causal alignment, variants, split-KV partials, NaN rows for
-// blocks outside the cache), on wgmma with warp specialization, for 16-bit token-major
-// caches (NHD, HND, strided views) and head sizes that are multiples of 64.
+// blocks outside the cache), on wgmma with warp specialization, for token-major caches
+// (NHD, HND, strided views) of the query's type or fp8 with per-tensor scales, and head
+// sizes that are multiples of 64.
 //
 // A CTA is three warpgroups; a job is 128 packed query rows of one (sequence, KV head):
 //   warpgroup 0, the producer, gathers each TILE_N-token K/V tile from the cache's pages
@@ -24,6 +25,7 @@
 // each job's keys into partitions as paged_prefill's does.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "kv_layout.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
@@ -32,9 +34,15 @@
 
 namespace cupaged {
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES>
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES>
 struct Sm90PrefillGeometry {
   static constexpr int kThreads = 384;  // producer + two consumer warpgroups
+  // An fp8 cache (per-tensor scales): the producer copies each tile's bytes into one of
+  // two raw stages and widens them to T into the ring (fp8.cuh), while the next tile's
+  // bytes are in flight.
+  static constexpr bool kQuant = !is_same<T, C>::value;
+  static constexpr int kRawStages = kQuant ? 2 : 0;
+  static constexpr int kRawTileBytes = TILE_N * HEAD_SIZE;  // one K or V tile of fp8
   static constexpr int kWgRows = 64;    // query rows per consumer (wgmma's M)
   static constexpr int kRows = 2 * kWgRows;
   static constexpr int kChunks = HEAD_SIZE / 8;  // 16-byte chunks per row
@@ -45,9 +53,10 @@ struct Sm90PrefillGeometry {
   static constexpr int kTileBytes = TILE_N * HEAD_SIZE * 2;  // one K or V stage
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
+  static constexpr int kOffRaw = kOffV + STAGES * kTileBytes;  // [kRawStages][K, V]
   // mbarriers: full[STAGES], empty[STAGES], q_full[2], q_empty[2]; then bad-block flags,
   // one per producer warp and stage.
-  static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
+  static constexpr int kOffBar = kOffRaw + kRawStages * 2 * kRawTileBytes;
   static constexpr int kOffFlags = kOffBar + 8 * (2 * STAGES + 4);
   // Tiles need 1024-byte alignment (the swizzle's phase): the kernel rounds the dynamic
   // shared memory's base up, so it asks for 1024 bytes more.
@@ -58,6 +67,7 @@ struct Sm90PrefillGeometry {
   static constexpr int kConsumerRegs = 224;
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
+  static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(HEAD_SIZE % 64 == 0 && HEAD_SIZE >= 64 && HEAD_SIZE <= 256, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
   static_assert(TILE_N == 64 || TILE_N == 128, "TILE_N: wgmma's N of S");
@@ -78,7 +88,8 @@ __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES, int VARIANT>
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES,
+          int VARIANT>
 __global__ void __launch_bounds__(384, 1)
     paged_prefill_sm90(T* __restrict__ out, float* __restrict__ part_out,
                        float* __restrict__ part_max, float* __restrict__ part_sum,
@@ -91,8 +102,8 @@ __global__ void __launch_bounds__(384, 1)
                        const int* __restrict__ query_start_loc,
                        const float* __restrict__ alibi_slopes, int num_heads, int group_size,
                        int causal, float scale_log2, const __grid_constant__ VariantParams vp) {
-  using Geo = Sm90PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>;
-  using KV = KVAccess<T, kFormatTokenMajor, BLOCK_SIZE>;
+  using Geo = Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>;
+  using KV = KVAccess<C, kFormatTokenMajor, BLOCK_SIZE>;
   using Var = Variant<VARIANT>;
   using namespace sm90;
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
@@ -108,6 +119,7 @@ __global__ void __launch_bounds__(384, 1)
   const unsigned q_s = base;
   const unsigned k_s = base + Geo::kOffK;
   const unsigned v_s = base + Geo::kOffV;
+  const unsigned raw_s = base + Geo::kOffRaw;
   auto full_bar = [&](int s) { return base + Geo::kOffBar + 8u * s; };
   auto empty_bar = [&](int s) { return base + Geo::kOffBar + 8u * (STAGES + s); };
   auto q_full_bar = [&](int wg) { return base + Geo::kOffBar + 8u * (2 * STAGES + wg); };
@@ -133,7 +145,8 @@ __global__ void __launch_bounds__(384, 1)
     if (dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 2 * 128);   // each producer thread: its copies, its stores
+      // Each producer thread: its copies and its stores (fp8: its widened stores).
+      mbar_init(full_bar(s), Geo::kQuant ? 128 : 2 * 128);
       mbar_init(empty_bar(s), 2 * 128);  // each consumer thread
     }
 #pragma unroll
@@ -250,21 +263,14 @@ __global__ void __launch_bounds__(384, 1)
             mbar_arrive(q_full_bar(wg));
           }
         };
-        for (int it = 0; it < sp.n_tiles; ++it, ++g) {
-          // The first K/V tile before the query: its stage frees up first, while the
-          // consumers still hold their Q tiles for the previous job's last tile.
-          if (it == 1) load_q();
-          const int stage = g % STAGES;
-          mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
+        // Block ids of tile `it`'s rows of this thread (-1: not copied: past the keys,
+        // before the window, or a bad id, which sets `bad`).
+        auto tile_ids = [&](int it, int (&phys)[kPasses], bool& bad) {
           const int t0 = (sp.tile_base + it) * TILE_N;
-          const unsigned ks = k_s + stage * Geo::kTileBytes;
-          const unsigned vs = v_s + stage * Geo::kTileBytes;
-          int phys[kPasses];
-          bool bad = false;
 #pragma unroll
           for (int pass = 0; pass < kPasses; ++pass) {
             const int token = t0 + pass * kRowsPerPass + trow;
-            phys[pass] = -1;  // not copied: past the keys, before the window, or a bad id
+            phys[pass] = -1;
             if (token < sp.kv_end && !(Var::kWindow && token < sp.kv_lo)) {
               phys[pass] = __ldg(bt_row + token / BLOCK_SIZE);
               if (static_cast<unsigned>(phys[pass]) >= static_cast<unsigned>(kv.num_blocks)) {
@@ -273,35 +279,138 @@ __global__ void __launch_bounds__(384, 1)
               }
             }
           }
-          bool stored = false;
-#pragma unroll
-          for (int pass = 0; pass < kPasses; ++pass) {
-            const unsigned t = pass * kRowsPerPass + trow;
-            const unsigned row = t * 128 + swz;
-            if (phys[pass] >= 0) {
-              const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
-              const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
-              const T* gk = hd.k + pb * hd.k_block + within * hd.k_token + c0 * 8;
-              const T* gv = hd.v + pb * hd.v_block + within * hd.v_token + c0 * 8;
-#pragma unroll
-              for (int i = 0; i < kCPer; ++i) cp_async16_shared(ks + i * TILE_N * 128 + row, gk + i * 64);
-#pragma unroll
-              for (int i = 0; i < kCPer; ++i) cp_async16_shared(vs + i * TILE_N * 128 + row, gv + i * 64);
-            } else {
-              // P is 0 on these keys, and 0 * a stale NaN would be NaN: V must read as
-              // zeros (K need not: their scores are masked).
-#pragma unroll
-              for (int i = 0; i < kCPer; ++i) st_shared_zero16(vs + i * TILE_N * 128 + row);
-              stored = true;
-            }
-          }
+        };
+        // The tile's bad-block flags, published with the tile (the consumers read them
+        // after its full barrier and before its empty one); then its arrival.
+        auto publish = [&](int stage, bool bad, bool stored) {
           if (stored) fence_async_smem();  // ordinary stores that wgmma reads next
-          // The tile's bad-block flags, published with the tile (the consumers read them
-          // after its full barrier and before its empty one).
           bad = __any_sync(~0u, bad);
           if (lane == 0) bad_s[stage * 4 + warp] = bad;
-          cp_async_mbar_arrive(full_bar(stage));
+          if constexpr (!Geo::kQuant) cp_async_mbar_arrive(full_bar(stage));
           mbar_arrive(full_bar(stage));
+        };
+        if constexpr (!Geo::kQuant) {
+          for (int it = 0; it < sp.n_tiles; ++it, ++g) {
+            // The first K/V tile before the query: its stage frees up first, while the
+            // consumers still hold their Q tiles for the previous job's last tile.
+            if (it == 1) load_q();
+            const int stage = g % STAGES;
+            mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
+            const int t0 = (sp.tile_base + it) * TILE_N;
+            const unsigned ks = k_s + stage * Geo::kTileBytes;
+            const unsigned vs = v_s + stage * Geo::kTileBytes;
+            int phys[kPasses];
+            bool bad = false;
+            tile_ids(it, phys, bad);
+            bool stored = false;
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+              const unsigned t = pass * kRowsPerPass + trow;
+              const unsigned row = t * 128 + swz;
+              if (phys[pass] >= 0) {
+                const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
+                const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
+                const C* gk = hd.k + pb * hd.k_block + within * hd.k_token + c0 * 8;
+                const C* gv = hd.v + pb * hd.v_block + within * hd.v_token + c0 * 8;
+#pragma unroll
+                for (int i = 0; i < kCPer; ++i) cp_async16_shared(ks + i * TILE_N * 128 + row, gk + i * 64);
+#pragma unroll
+                for (int i = 0; i < kCPer; ++i) cp_async16_shared(vs + i * TILE_N * 128 + row, gv + i * 64);
+              } else {
+                // P is 0 on these keys, and 0 * a stale NaN would be NaN: V must read as
+                // zeros (K need not: their scores are masked).
+#pragma unroll
+                for (int i = 0; i < kCPer; ++i) st_shared_zero16(vs + i * TILE_N * 128 + row);
+                stored = true;
+              }
+            }
+            publish(stage, bad, stored);
+          }
+        } else {
+          // fp8: raw rows of HEAD_SIZE bytes; thread tid copies (and later widens) their
+          // 16-byte chunks c0, c0 + 8, ... of rows tid / 8 + 16 k.
+          constexpr int kRawChunks = HEAD_SIZE / 16;
+          constexpr int kRawPer = (kRawChunks + 7) / 8;
+          auto copy_raw = [&](int it, const int (&phys)[kPasses]) {
+            const int t0 = (sp.tile_base + it) * TILE_N;
+            const unsigned rk = raw_s + (it & 1) * 2 * Geo::kRawTileBytes;
+            const unsigned rv = rk + Geo::kRawTileBytes;
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+              if (phys[pass] < 0) continue;
+              const unsigned t = pass * kRowsPerPass + trow;
+              const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
+              const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
+              const C* gk = hd.k + pb * hd.k_block + within * hd.k_token;
+              const C* gv = hd.v + pb * hd.v_block + within * hd.v_token;
+#pragma unroll
+              for (int i = 0; i < kRawPer; ++i) {
+                const int c = c0 + 8 * i;
+                if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                cp_async16_shared(rk + t * HEAD_SIZE + c * 16, gk + c * 16);
+                cp_async16_shared(rv + t * HEAD_SIZE + c * 16, gv + c * 16);
+              }
+            }
+            cp_async_commit();
+          };
+          int phys[kPasses], phys_next[kPasses];
+          bool bad = false, bad_next = false;
+          if (sp.n_tiles > 0) {
+            tile_ids(0, phys, bad);
+            copy_raw(0, phys);
+          }
+          for (int it = 0; it < sp.n_tiles; ++it, ++g) {
+            if (it == 1) load_q();
+            const bool more = it + 1 < sp.n_tiles;
+            if (more) {  // the next tile's bytes fly while this one is widened
+              bad_next = false;
+              tile_ids(it + 1, phys_next, bad_next);
+              copy_raw(it + 1, phys_next);
+              cp_async_wait<1>();
+            } else {
+              cp_async_wait<0>();
+            }
+            const int stage = g % STAGES;
+            mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
+            const unsigned ks = k_s + stage * Geo::kTileBytes;
+            const unsigned vs = v_s + stage * Geo::kTileBytes;
+            const unsigned char* rk = smem + Geo::kOffRaw + (it & 1) * 2 * Geo::kRawTileBytes;
+            const unsigned char* rv = rk + Geo::kRawTileBytes;
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+              const unsigned t = pass * kRowsPerPass + trow;
+#pragma unroll
+              for (int i = 0; i < kRawPer; ++i) {
+                const int c = c0 + 8 * i;
+                if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
+                const unsigned dk = sw128_offset(t, c * 16, TILE_N);
+                const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
+                if (phys[pass] >= 0) {
+                  uint4 lo, hi;
+                  widen16<T, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
+                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
+                               "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
+                               "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+                  widen16<T, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16), lo, hi);
+                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
+                               "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
+                               "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+                } else {
+                  st_shared_zero16(vs + dk);  // as above: V of keys not copied reads 0
+                  st_shared_zero16(vs + dk2);
+                }
+              }
+            }
+            publish(stage, bad, true);
+            if (more) {
+#pragma unroll
+              for (int pass = 0; pass < kPasses; ++pass) phys[pass] = phys_next[pass];
+              bad = bad_next;
+            }
+          }
         }
         if (sp.n_tiles <= 1) load_q();
       }
@@ -319,7 +428,13 @@ __global__ void __launch_bounds__(384, 1)
   const unsigned q_wg = q_s + wg * Geo::kWgRows * HEAD_SIZE * 2;
   const int frag_row = lane >> 2;
   const int frag_col = (lane & 3) * 2;
-  const float score_scale = scale_log2;
+  // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output.
+  float score_scale = scale_log2;
+  float out_scale = 1.f;
+  if constexpr (Geo::kQuant) {
+    score_scale *= tensor_k_scale(kv);
+    out_scale = tensor_v_scale(kv);
+  }
 
   float s[TILE_N / 2];  // S of 64 rows x TILE_N keys: s[4n + i] is mma's C fragment i of n8 tile n
 #pragma unroll
@@ -578,7 +693,7 @@ __global__ void __launch_bounds__(384, 1)
             part_max[prow] = bad ? quiet_nan() : m;
             part_sum[prow] = bad ? quiet_nan() : l;
           }
-          const float inv = bad ? quiet_nan() : l > 0.f ? 1.f / l : 0.f;
+          const float inv = bad ? quiet_nan() : l > 0.f ? out_scale / l : 0.f;
           float* dst = part_out + prow * HEAD_SIZE;
 #pragma unroll
           for (int c = 0; c < Geo::kOChunks; ++c) {
@@ -591,7 +706,7 @@ __global__ void __launch_bounds__(384, 1)
           continue;
         }
         const RowEnd e = finish_row(m, l, sink_log2(vp, head));
-        const float inv = bad ? quiet_nan() : e.mul;
+        const float inv = bad ? quiet_nan() : e.mul * out_scale;
         if (vp.lse != nullptr && (lane & 3) == 0) vp.lse[orow] = bad ? quiet_nan() : e.lse;
         T* dst = out + orow * HEAD_SIZE;
 #pragma unroll

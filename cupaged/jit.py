@@ -59,8 +59,10 @@ _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format"
                   "group_tile", "tile_tokens", "stages", "variant")
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
                    "warps", "m_atoms", "tile_tokens", "stages", "variant")
-# The Hopper multi-token kernel: 16-bit token-major caches only, its own tile shape.
-_PREFILL_SM90_PARAMS = ("dtype", "head_size", "block_size", "tile_tokens", "stages", "variant")
+# The Hopper multi-token kernel: token-major caches of the query's type or fp8 with
+# per-tensor scales, its own tile shape.
+_PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "tile_tokens",
+                        "stages", "variant")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
@@ -128,12 +130,15 @@ def few_rows_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
     return (4, 1, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
 
 
-def default_sm90_prefill_tile(head_size: int) -> tuple[int, int]:
+def default_sm90_prefill_tile(head_size: int, fp8: bool = False) -> tuple[int, int]:
     """(tile_tokens, stages) of paged_prefill_sm90: 128-token K/V tiles up to head size
     128 (S of 64 rows x 128 keys, P and O fit the consumers' registers beside each
     other), 64 above (O alone is 64 x 256 fp32 over a warpgroup: 128 registers a
     thread); three stages where 227 KiB hold them (a consumer holds two at once: tile j's
-    K and tile j - 1's V), two at head size 256."""
+    K and tile j - 1's V), two at head size 256. An fp8 cache also keeps two raw stages
+    of its bytes: 64-token tiles, two stages above head size 128 (at 256 nothing fits)."""
+    if fp8:
+        return 64, (3 if head_size <= 128 else 2)
     return (128 if head_size <= 128 else 64), (2 if head_size > 192 else 3)
 
 
@@ -222,7 +227,7 @@ class KernelSpec:
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
         elif self.kernel == "paged_prefill_sm90":
-            tile = default_sm90_prefill_tile(self.head_size)
+            tile = default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype)
             for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
@@ -269,7 +274,7 @@ class KernelSpec:
                 parts.append("w{}m{}n{}x{}".format(*tile))
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)
-            if tile != default_sm90_prefill_tile(self.head_size):
+            if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype):
                 parts.append("n{}x{}".format(*tile))
         elif "tile_tokens" in p:
             if (self.tile_tokens, self.stages) != (self._default_tile(), 2):

@@ -441,18 +441,20 @@ def set_sm90_tile(tile: tuple | None) -> None:
     _prepared.clear()
 
 
-def sm90_tile(head_size: int) -> tuple:
-    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size)
+def sm90_tile(head_size: int, fp8: bool) -> tuple:
+    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size, fp8)
 
 
 @jit.launcher_cache
 def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
-                        variant: str = "", tile: tuple = ()) -> PrefillKernel:
+                        variant: str = "", tile: tuple = (),
+                        cache_dtype: str = "") -> PrefillKernel:
     """paged_prefill_sm90 (Hopper's wgmma kernel) in ``tile`` (tile_tokens, stages; ()
     the default)."""
     tt, st = tile or (0, 0)
     spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, tile_tokens=tt,
-                          stages=st, variant=variant, arch=device_info(device_id).arch)
+                          stages=st, variant=variant, cache_dtype=cache_dtype,
+                          arch=device_info(device_id).arch)
     g = geometry.Sm90PrefillGeometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
     return PrefillKernel(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
@@ -460,13 +462,16 @@ def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: 
 
 
 def sm90_applies(p: Problem, rows_needed: int) -> bool:
-    """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for caches of the
-    query's own type in a token-major layout and head sizes that are multiples of 64,
-    when some (sequence, KV head) has more packed query rows than FEW_ROWS (its 128-row
-    tiles would be mostly padding below that; the mma.sync kernel takes 64)."""
+    """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for token-major caches
+    of the query's own type (or fp8 with per-tensor scales, head sizes up to 192), head
+    sizes that are multiples of 64, when some (sequence, KV head) has more packed query
+    rows than FEW_ROWS (its 128-row tiles would be mostly padding below that; the
+    mma.sync kernel takes 64)."""
     if _family_override == "mma" or _tile_override is not None:
         return False
-    return (p.cache.dtype == p.dtype and p.cache.kv_format == "tok" and p.head_size % 64 == 0
+    fp8 = p.cache.dtype != p.dtype
+    return (p.cache.kv_format == "tok" and p.head_size % 64 == 0
+            and (not fp8 or (p.quant.mode == "" and p.head_size <= 192))
             and (rows_needed > FEW_ROWS or _family_override == "sm90")
             and device_info(p.device).arch == "sm_90")
 
@@ -517,7 +522,7 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
         if sm90_applies(p, max_q * group):
             rows = geometry.Sm90PrefillGeometry.rows
             return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
-                          sm90_tile(p.head_size), sm90=True)
+                          sm90_tile(p.head_size, p.cache.dtype != p.dtype), sm90=True)
         tile = prefill_tile(p.head_size, max_q * group)
         rows = 16 * tile[0] * tile[1]
         return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
@@ -616,7 +621,7 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
     if choice.sm90:
         k = prefill_sm90_kernel(p.device, p.dtype.name, p.head_size, p.block_size, letters,
-                                choice.tile)
+                                choice.tile, p.cache.dtype.name)
     else:
         k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size,
                            p.cache.kv_format, choice.tile, p.cache.dtype.name, p.quant.mode,

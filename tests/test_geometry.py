@@ -124,10 +124,10 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 def test_specialization_names_are_unique():
     # paged_decode: 14904 per target for each of 5 variants; paged_prefill: 3724 for each of
     # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
-    # for sm_90a only: 2 dtypes x 4 head sizes x 9 block sizes for each of 5 variants, and
-    # its 36 of bfloat16 for each of 2.
+    # for sm_90a only: 2 dtypes x 9 block sizes x (4 head sizes of 16-bit caches, 2 fp8
+    # formats x 3 head sizes) for each of 5 variants, and its 90 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 87
-                                                          + 44 + 2 + 3) + 72 * 5 + 36 * 2
+                                                          + 44 + 2 + 3) + 180 * 5 + 90 * 2
 
 
 # ---- the covering set ------------------------------------------------------------------------

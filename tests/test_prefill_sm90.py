@@ -140,6 +140,27 @@ def test_odd_strides_and_long_context(rng, sm90):
     assert_close(got, reference.attention(**host), testing.TOLERANCE["bf16"], "strided")
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype, hs, heads, kv_heads", [("f16", 64, 8, 2), ("bf16", 128, 8, 8),
+                                                        ("bf16", 192, 6, 2), ("f16", 128, 16, 2)])
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_fp8_caches_with_per_tensor_scales(rng, sm90, fmt, dtype, hs, heads, kv_heads, mode):
+    """The producer widens fp8 tiles (NaN bytes in unused slots, some values saturated)
+    while the next tile's bytes fly; scales as device scalars or host floats; split-KV
+    too."""
+    from test_fp8 import fp8_problem, run as run_fp8
+
+    q_lens, seq = [0, 1, 37, 200, 16, 130], [9, 1, 300, 2500, 16, 131]
+    host, scales = fp8_problem(rng, fmt, "tensor", q_lens, seq, dtype=dtype, heads=heads,
+                               kv_heads=kv_heads, head_size=hs)
+    for split in (0, 192):
+        sm90(split)
+        for causal in (True, False):
+            got, ref = run_fp8(host, scales, mode, fmt, causal=causal,
+                               max_query_len=max(q_lens))
+            assert_close(got, ref, testing.TOLERANCE[dtype], f"split {split} causal={causal}")
+
+
 def test_the_planner_takes_it_for_prompts_on_hopper(rng):
     import cupy
 

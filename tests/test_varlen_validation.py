@@ -218,10 +218,14 @@ def test_the_planner_takes_the_wgmma_kernel_on_hopper_for_many_rows(device_arch,
         planning.set_prefill_family(None)
 
 
-def test_the_planner_keeps_fp8_caches_on_the_mma_kernel(device_arch):
+@pytest.mark.parametrize("hs, sm90", [(128, True), (192, True), (256, False)])
+def test_the_planner_takes_fp8_caches_with_per_tensor_scales_to_the_wgmma_kernel(
+        device_arch, hs, sm90):
+    """fp8 caches with per-tensor scales up to head size 192 (the raw stages beside the
+    ring fit there); per-token scales stay on the mma.sync kernel."""
     device_arch("sm_90")
-    a = vargs()
-    a["key_cache"] = a["key_cache"].view(np.uint8)[..., :64]
+    a = vargs(hs=hs)
+    a["key_cache"] = a["key_cache"].view(np.uint8)[..., :hs]
     a["value_cache"] = a["key_cache"]
     p = validation.validate_varlen(*(Fake(a[k]) for k in ("query", "key_cache", "value_cache",
                                                           "block_tables", "seq_lens",
@@ -229,7 +233,11 @@ def test_the_planner_keeps_fp8_caches_on_the_mma_kernel(device_arch):
                                    None, None, "NHD", kv_cache_dtype="fp8_e4m3", k_scale=1.0,
                                    v_scale=1.0)
     c = planning.choose_kernel(p, True, 300)
-    assert c.kind == "prefill" and not c.sm90
+    assert c.kind == "prefill" and c.sm90 == sm90
+    if sm90:
+        assert c.tile == jit.default_sm90_prefill_tile(hs, True)
+    per_token = p._replace(quant=p.quant._replace(mode="th"))
+    assert not planning.choose_kernel(per_token, True, 300).sm90
 
 
 def test_the_split_model_splits_few_ctas_over_long_keys_only():

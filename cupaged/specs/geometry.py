@@ -225,27 +225,34 @@ class PrefillGeometry:
 
 @dataclass(frozen=True)
 class Sm90PrefillGeometry:
-    """``Sm90PrefillGeometry<T, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>`` of
-    ``cuda_src/paged_prefill_sm90.cuh``."""
+    """``Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>`` of
+    ``cuda_src/paged_prefill_sm90.cuh`` (``cache_itemsize`` as for
+    :class:`DecodeGeometry`)."""
 
     itemsize: int
     head_size: int
     block_size: int
     tile_tokens: int
     stages: int
+    cache_itemsize: int = 0
 
     @classmethod
     def of(cls, spec) -> "Sm90PrefillGeometry":
         return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
-                   spec.tile_tokens, spec.stages)
+                   spec.tile_tokens, spec.stages, _cache_itemsize(spec))
+
+    @property
+    def quant(self) -> bool:  # kQuant: an fp8 cache, widened by the producer
+        return (self.cache_itemsize or self.itemsize) != self.itemsize
 
     threads = 384  # kThreads: a producer and two consumer warpgroups
     rows = 128  # kRows: packed query rows per CTA
 
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: Q, the K and V stages, mbarriers, flags
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, K/V stages, raw fp8 stages, barriers, flags
         tile = self.tile_tokens * self.head_size * 2
-        return (self.rows * self.head_size * 2 + 2 * self.stages * tile
+        raw = 2 * 2 * self.tile_tokens * self.head_size if self.quant else 0
+        return (self.rows * self.head_size * 2 + 2 * self.stages * tile + raw
                 + 8 * (2 * self.stages + 4) + 16 * self.stages + 1024)
 
     def violations(self) -> list[str]:
@@ -253,6 +260,8 @@ class Sm90PrefillGeometry:
         bad = []
         if self.itemsize != 2:
             bad.append("tensor cores take 16-bit operands")
+        if self.quant and self.cache_itemsize != 1:
+            bad.append("caches of T or fp8")
         if not (hs % 64 == 0 and 64 <= hs <= 256):
             bad.append("HEAD_SIZE")
         if bs & (bs - 1) or not 1 <= bs <= 256:
@@ -294,7 +303,8 @@ def _check_chunk(specs) -> None:
         t = _dtypes.BY_NAME[s.dtype].cxx
         if s.kernel == "paged_prefill_sm90":
             g = Sm90PrefillGeometry.of(s)
-            cxx = (f"cupaged::Sm90PrefillGeometry<{t}, {s.head_size}, {s.block_size}, "
+            c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
+            cxx = (f"cupaged::Sm90PrefillGeometry<{t}, {c}, {s.head_size}, {s.block_size}, "
                    f"{s.tile_tokens}, {s.stages}>")
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                          f"{cxx}::kRows == {g.rows} && {cxx}::kThreads == {g.threads}, "
