@@ -365,8 +365,9 @@ def set_prefill_tile(tile: tuple | None) -> None:
     _prepared.clear()
 
 
-# Split-KV of paged_prefill instead of the cost model's choice, for tests and experiments:
-# None (the model), 0 (never) or tokens per partition (a multiple of the tile's tokens).
+# Split-KV of the multi-token kernels instead of the cost model's choice, for tests and
+# experiments: None (the model), 0 (never) or tokens per partition (rounded up to a
+# multiple of the kernel's tile: the same override serves both kernel families).
 _split_override: int | None = None
 
 
@@ -541,10 +542,7 @@ def prefill_split(k: PrefillKernel, p: Problem, plan: Choice, max_q: int, max_ct
     # of alignment), else the context. An undercount costs parallelism, never keys.
     span = max_ctx if not variants.window else min(max_ctx, variants.window + max_q + tn)
     if _split_override is not None:
-        size = _split_override
-        if size % tn:
-            _fail(f"the split-KV partition ({size} tokens) must be a multiple of the tile's "
-                  f"{tn} tokens")
+        size = round_up(_split_override, tn)
     else:
         ctas = p.num_seqs * p.num_kv_heads * plan.q_tiles
         size = split_tokens(ctas, span, k.slots, tn, tn, False) if span > tn else 0
