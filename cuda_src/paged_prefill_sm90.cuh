@@ -37,11 +37,11 @@ namespace cupaged {
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES>
 struct Sm90PrefillGeometry {
   static constexpr int kThreads = 384;  // producer + two consumer warpgroups
-  // An fp8 cache (per-tensor scales): the producer copies each tile's bytes into a ring
-  // of raw stages and widens them to T into the ring above (fp8.cuh), while the next
-  // tiles' bytes are in flight (three of them up to head size 128, two above).
+  // An fp8 cache (per-tensor scales): the producer copies each tile's bytes into one of
+  // two raw stages and widens them to T into the ring (fp8.cuh), while the next tile's
+  // bytes are in flight.
   static constexpr bool kQuant = !is_same<T, C>::value;
-  static constexpr int kRawStages = !kQuant ? 0 : HEAD_SIZE <= 128 ? 4 : 3;
+  static constexpr int kRawStages = kQuant ? 2 : 0;
   static constexpr int kRawTileBytes = TILE_N * HEAD_SIZE;  // one K or V tile of fp8
   static constexpr int kWgRows = 64;    // query rows per consumer (wgmma's M)
   static constexpr int kRows = 2 * kWgRows;
@@ -331,58 +331,54 @@ __global__ void __launch_bounds__(384, 1)
           // 16-byte chunks c0, c0 + 8, ... of rows tid / 8 + 16 k.
           constexpr int kRawChunks = HEAD_SIZE / 16;
           constexpr int kRawPer = (kRawChunks + 7) / 8;
-          constexpr int R = Geo::kRawStages;
-          unsigned bad_tiles = 0;  // bit it % R: tile it, in flight, names a bad block
-          // Tile it's bytes into raw stage it % R (nothing past the last tile), and a copy
-          // group either way, so that group counts stay in step with tiles.
-          auto copy_raw = [&](int it) {
-            if (it < sp.n_tiles) {
-              int phys[kPasses];
-              bool bad = false;
-              tile_ids(it, phys, bad);
-              bad_tiles = (bad_tiles & ~(1u << (it % R))) | (static_cast<unsigned>(bad) << (it % R));
-              const int t0 = (sp.tile_base + it) * TILE_N;
-              const unsigned rk = raw_s + (it % R) * 2 * Geo::kRawTileBytes;
-              const unsigned rv = rk + Geo::kRawTileBytes;
+          auto copy_raw = [&](int it, const int (&phys)[kPasses]) {
+            const int t0 = (sp.tile_base + it) * TILE_N;
+            const unsigned rk = raw_s + (it & 1) * 2 * Geo::kRawTileBytes;
+            const unsigned rv = rk + Geo::kRawTileBytes;
 #pragma unroll
-              for (int pass = 0; pass < kPasses; ++pass) {
-                if (phys[pass] < 0) continue;
-                const unsigned t = pass * kRowsPerPass + trow;
-                const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
-                const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
-                const C* gk = hd.k + pb * hd.k_block + within * hd.k_token;
-                const C* gv = hd.v + pb * hd.v_block + within * hd.v_token;
+            for (int pass = 0; pass < kPasses; ++pass) {
+              if (phys[pass] < 0) continue;
+              const unsigned t = pass * kRowsPerPass + trow;
+              const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
+              const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
+              const C* gk = hd.k + pb * hd.k_block + within * hd.k_token;
+              const C* gv = hd.v + pb * hd.v_block + within * hd.v_token;
 #pragma unroll
-                for (int i = 0; i < kRawPer; ++i) {
-                  const int c = c0 + 8 * i;
-                  if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
-                  cp_async16_shared(rk + t * HEAD_SIZE + c * 16, gk + c * 16);
-                  cp_async16_shared(rv + t * HEAD_SIZE + c * 16, gv + c * 16);
-                }
+              for (int i = 0; i < kRawPer; ++i) {
+                const int c = c0 + 8 * i;
+                if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                cp_async16_shared(rk + t * HEAD_SIZE + c * 16, gk + c * 16);
+                cp_async16_shared(rv + t * HEAD_SIZE + c * 16, gv + c * 16);
               }
             }
             cp_async_commit();
           };
-#pragma unroll
-          for (int i = 0; i < R - 1; ++i) copy_raw(i);
+          int phys[kPasses], phys_next[kPasses];
+          bool bad = false, bad_next = false;
+          if (sp.n_tiles > 0) {
+            tile_ids(0, phys, bad);
+            copy_raw(0, phys);
+          }
           for (int it = 0; it < sp.n_tiles; ++it, ++g) {
             if (it == 1) load_q();
-            copy_raw(it + R - 1);
-            cp_async_wait<R - 1>();  // tile it's bytes (this thread's) have landed
+            const bool more = it + 1 < sp.n_tiles;
+            if (more) {  // the next tile's bytes fly while this one is widened
+              bad_next = false;
+              tile_ids(it + 1, phys_next, bad_next);
+              copy_raw(it + 1, phys_next);
+              cp_async_wait<1>();
+            } else {
+              cp_async_wait<0>();
+            }
             const int stage = g % STAGES;
             mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
             const unsigned ks = k_s + stage * Geo::kTileBytes;
             const unsigned vs = v_s + stage * Geo::kTileBytes;
-            const unsigned char* rk = smem + Geo::kOffRaw + (it % R) * 2 * Geo::kRawTileBytes;
+            const unsigned char* rk = smem + Geo::kOffRaw + (it & 1) * 2 * Geo::kRawTileBytes;
             const unsigned char* rv = rk + Geo::kRawTileBytes;
-            const int t0 = (sp.tile_base + it) * TILE_N;
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
               const unsigned t = pass * kRowsPerPass + trow;
-              // Rows copied (a bad block's are not, and widen stale bytes: its job's rows
-              // are NaN whatever they hold).
-              const int token = t0 + static_cast<int>(t);
-              const bool copied = token < sp.kv_end && !(Var::kWindow && token < sp.kv_lo);
 #pragma unroll
               for (int i = 0; i < kRawPer; ++i) {
                 const int c = c0 + 8 * i;
@@ -390,7 +386,7 @@ __global__ void __launch_bounds__(384, 1)
                 // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
                 const unsigned dk = sw128_offset(t, c * 16, TILE_N);
                 const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
-                if (copied) {
+                if (phys[pass] >= 0) {
                   uint4 lo, hi;
                   widen16<T, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
                   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
@@ -408,7 +404,12 @@ __global__ void __launch_bounds__(384, 1)
                 }
               }
             }
-            publish(stage, (bad_tiles >> (it % R)) & 1u, true);
+            publish(stage, bad, true);
+            if (more) {
+#pragma unroll
+              for (int pass = 0; pass < kPasses; ++pass) phys[pass] = phys_next[pass];
+              bad = bad_next;
+            }
           }
         }
         if (sp.n_tiles <= 1) load_q();

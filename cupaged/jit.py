@@ -135,9 +135,8 @@ def default_sm90_prefill_tile(head_size: int, fp8: bool = False) -> tuple[int, i
     128 (S of 64 rows x 128 keys, P and O fit the consumers' registers beside each
     other), 64 above (O alone is 64 x 256 fp32 over a warpgroup: 128 registers a
     thread); three stages where 227 KiB hold them (a consumer holds two at once: tile j's
-    K and tile j - 1's V), two at head size 256. An fp8 cache also keeps three or four
-    raw stages of its bytes: 64-token tiles, two stages above head size 128 (at 256
-    nothing fits)."""
+    K and tile j - 1's V), two at head size 256. An fp8 cache also keeps two raw stages
+    of its bytes: 64-token tiles, two stages above head size 128 (at 256 nothing fits)."""
     if fp8:
         return 64, (3 if head_size <= 128 else 2)
     return (128 if head_size <= 128 else 64), (2 if head_size > 192 else 3)

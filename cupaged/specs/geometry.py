@@ -251,8 +251,7 @@ class Sm90PrefillGeometry:
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, K/V stages, raw fp8 stages, barriers, flags
         tile = self.tile_tokens * self.head_size * 2
-        raw_stages = (4 if self.head_size <= 128 else 3) if self.quant else 0  # kRawStages
-        raw = raw_stages * 2 * self.tile_tokens * self.head_size
+        raw = 2 * 2 * self.tile_tokens * self.head_size if self.quant else 0
         return (self.rows * self.head_size * 2 + 2 * self.stages * tile + raw
                 + 8 * (2 * self.stages + 4) + 16 * self.stages + 1024)
 
