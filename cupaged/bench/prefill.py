@@ -56,7 +56,7 @@ _FLASHINFER_VARIANTS = {"window": "window_left", "soft_cap": "logits_soft_cap"}
 
 def variant_unsupported(impl: str, variants: "workloads.Variants") -> str | None:
     """Why a prefill implementation cannot run ``variants`` (one line), or None."""
-    if impl == "cupaged":
+    if impl in ("cupaged", "cupaged-mma"):
         return None
     takes = _FLASHINFER_VARIANTS if impl.startswith("flashinfer-") else None  # SDPA: none
     return decode.peer_refusal(impl, takes, variants)
