@@ -5,13 +5,15 @@
 // (NHD, HND, strided views) of the query's type or fp8 with per-tensor scales, and head
 // sizes that are multiples of 64.
 //
-// A CTA is three warpgroups; a job is 128 packed query rows of one (sequence, KV head):
+// A CTA is three warpgroups working through query tiles of 128 packed rows of one
+// (sequence, KV head):
 //   warpgroup 0, the producer, gathers each TILE_N-token K/V tile from the cache's pages
 //   with cp.async into a ring of STAGES 128-byte-swizzled tiles (sm90.cuh), and each
 //   consumer's query rows into its Q tile; a stage's `full` mbarrier completes when its
-//   copies have landed, its `empty` one when both consumers are done with it (Q's
-//   likewise). The producer gives up registers (setmaxnreg) so the consumers can hold
-//   S, P and O at once.
+//   copies have landed (fp8: when they are widened), its `empty` one when both consumers
+//   are done with it; each consumer's Q tile has a `q_full` and a `q_empty` of its own.
+//   The producer gives up registers (setmaxnreg) so the consumers can hold S, P and O at
+//   once.
 //   warpgroups 1 and 2, the consumers, own 64 rows each: S = Q K^T (wgmma, Q and K from
 //   shared memory, K K-major), scale, masks and online softmax on S's registers as
 //   paged_prefill does, and O += P V (wgmma, P from registers, V MN-major: the same
@@ -175,7 +177,10 @@ __global__ void __launch_bounds__(384, 1)
     jb.q_begin = query_start_loc != nullptr ? __ldg(query_start_loc + jb.seq) : jb.seq;
     const int q_len =
         query_start_loc != nullptr ? __ldg(query_start_loc + jb.seq + 1) - jb.q_begin : 1;
-    // Lengths past the table's width are clamped so the row is never overrun; negative
+    // Both roles compute every job's tiles from the same metadata, so they agree on the
+  // barrier phases (metadata changed by another stream during the launch, undefined for
+  // any kernel, could hang this one).
+  // Lengths past the table's width are clamped so the row is never overrun; negative
     // lengths count as empty (cupaged.check_block_tables and CUPAGED_DEBUG report both).
     jb.seq_len = max(0, min(__ldg(seq_lens + jb.seq), kv.max_blocks * BLOCK_SIZE));
     jb.packed = q_len * group_size;  // validation keeps total_q * group below 2^31

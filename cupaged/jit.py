@@ -216,8 +216,14 @@ class KernelSpec:
                                         or self.dtype != "bf16"):
                 raise ValueError(f"variant 'f' (the soft-cap's fixed softmax offset) needs 'c', "
                                  f"no 'a' and dtype bf16, in {self!r}")
+        if self.kv_scale and "kv_scale" not in params:
+            raise ValueError(f"{self.kernel} takes per-tensor scales only (kv_scale ''): "
+                             f"{self!r}")
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
             object.__setattr__(self, "kv_format", "tok" if self.kernel == "paged_prefill" else "vllm")
+        if "kv_format" not in params and self.kv_format:
+            raise ValueError(f"{self.kernel} takes no kv_format (token-major caches only): "
+                             f"{self!r}")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
             raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
         object.__setattr__(self, "_params", params)

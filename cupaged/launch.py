@@ -56,8 +56,9 @@ class Launch(NamedTuple):
     threads: int
     smem: int
     prefill: bool  # paged_prefill: its combine takes every partial row (no lengths)
-    # Between the partials and the query: paged_prefill's split_tiles; paged_decode's
-    # counters, null unless it merges its own split (then the call's: see run).
+    # Between the partials and the query: paged_prefill's split_tiles (paged_prefill_sm90's
+    # split_tiles, num_seqs, ranks); paged_decode's counters, null unless it merges its own
+    # split (then the call's: see run).
     head: tuple
     q_strides: tuple  # the query's token (sequence) and head strides, in elements
     kv_strides: tuple  # PagedKV between the cache pointers and the table: their strides

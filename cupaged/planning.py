@@ -453,10 +453,13 @@ def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: 
     """paged_prefill_sm90 (Hopper's wgmma kernel) in ``tile`` (tile_tokens, stages; ()
     the default)."""
     tt, st = tile or (0, 0)
+    dev = device_info(device_id)
     spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, tile_tokens=tt,
-                          stages=st, variant=variant, cache_dtype=cache_dtype,
-                          arch=device_info(device_id).arch)
+                          stages=st, variant=variant, cache_dtype=cache_dtype, arch=dev.arch)
     g = geometry.Sm90PrefillGeometry.of(spec)
+    if g.smem_bytes > dev.max_smem:  # (only a tile override can ask for that)
+        raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
+                         f"device {device_id} allows {dev.max_smem}")
     kernel = jit.load(spec, device_id, g.smem_bytes)
     return PrefillKernel(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
                          resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
@@ -467,7 +470,8 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     of the query's own type (or fp8 with per-tensor scales, head sizes up to 192), head
     sizes that are multiples of 64, when some (sequence, KV head) has more packed query
     rows than FEW_ROWS (its 128-row tiles would be mostly padding below that; the
-    mma.sync kernel takes 64)."""
+    mma.sync kernel takes 64). A ``set_prefill_tile`` override (paged_prefill's tiles)
+    keeps the mma.sync kernel."""
     if _family_override == "mma" or _tile_override is not None:
         return False
     fp8 = p.cache.dtype != p.dtype
@@ -487,8 +491,9 @@ class KernelPlan(NamedTuple):
     grid: tuple
     threads: int
     smem: int
-    head: tuple  # the kernel's arguments after its partials: prefill's split_tiles, or
-    #              paged_decode's counters (filled in per call when it merges its split)
+    head: tuple  # the kernel's arguments after its partials: paged_prefill's split_tiles
+    #              (paged_prefill_sm90's split_tiles, num_seqs and ranks), or paged_decode's
+    #              counters (filled in per call when it merges its split)
     split_tokens: int = 0  # tokens per split-KV partition; 0: a single pass
     partitions: int = 1
     combine: jit.Launcher | None = None  # merges the partials when the kernel does not
@@ -613,8 +618,10 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
 def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
                  variants: _variants.Variants, alibi: bool,
                  workspace) -> KernelPlan:
-    """paged_prefill's launch (and the combine of its split-KV): grid x is (sequence, KV
-    head), y the query tiles, heaviest first (the kernel's header), z the partitions."""
+    """The multi-token launch (and the combine of its split-KV). paged_prefill: grid x is
+    (sequence, KV head), y the query tiles, heaviest first (the kernel's header), z the
+    partitions. paged_prefill_sm90: persistent, about one CTA per SM over all partitions
+    (z), each taking its share of the jobs (the kernel's header)."""
     # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
     letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
     if choice.sm90:

@@ -190,3 +190,12 @@ def test_pairwise_covers_every_pair(sizes):
 def test_covers_all_pairs_notices_a_missing_pair():
     axes = {"x": [0, 1], "y": [0, 1]}
     assert not covering.covers_all_pairs(axes, [{"x": 0, "y": 0}, {"x": 1, "y": 1}])
+
+
+def test_the_sm90_kernel_refuses_what_it_does_not_take():
+    """Per-token fp8 scales and vLLM's layout go to the mma.sync kernel: a spec naming them
+    for the Hopper kernel would build the per-tensor, token-major kernel under their name."""
+    with pytest.raises(ValueError, match="per-tensor scales only"):
+        jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16, cache_dtype="e4m3", kv_scale="th")
+    with pytest.raises(ValueError, match="takes no kv_format"):
+        jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16, kv_format="vllm")

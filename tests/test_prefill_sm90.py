@@ -105,8 +105,8 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split):
 
 @pytest.mark.parametrize("max_query_len", [1, 40, None])
 def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len):
-    """A host bound that undercounts the longest query gives fewer CTAs along grid y, each
-    walking several query tiles (its mbarrier phases run on across them)."""
+    """A host bound that undercounts the longest query gives fewer ranks, each job walking
+    several query tiles (the mbarrier phases run on across them)."""
     host = make_varlen(rng, [1000, 7, 300], [1000, 2000, 310], heads=8, kv_heads=2,
                        head_size=64, block_size=16)
     for causal in (True, False):
@@ -115,8 +115,9 @@ def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len):
 
 
 def test_persistent_ctas_walk_more_jobs_than_the_device_holds(rng, sm90):
-    """40 sequences x 8 KV heads x up to 3 query tiles: over 900 jobs for about one CTA
-    per SM, each CTA's producer running into its next job while its consumers finish."""
+    """40 sequences x 8 KV heads x up to 5 query tiles (3 jobs of paired tiles): about
+    950 jobs for about one CTA per SM, each CTA's producer running into its next job while
+    its consumers finish."""
     q_lens = list(rng.integers(1, 300, 40))
     seq = [int(q) + int(e) for q, e in zip(q_lens, rng.integers(0, 500, 40))]
     host = make_varlen(rng, q_lens, seq, heads=16, kv_heads=8, head_size=64, block_size=16)

@@ -318,6 +318,8 @@ class Row:
 
 def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     """Rows for every (case, implementation): a runner that cannot run gets a note."""
+    from .. import planning
+
     rows = []
     for case in cases:
         case.build()
@@ -331,6 +333,9 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                 rows.append(Row(case.name, impl, math.nan, math.nan, math.nan, math.nan,
                                 " ".join(f"{type(e).__name__}: {e}".split())[:120]))
                 continue
+            finally:
+                if impl == "cupaged-mma":  # back to the planner's choice of kernel
+                    planning.set_prefill_family(None)
             tol = testing.TOLERANCE["f16" if case.dtype == "float16" else "bf16"]
             tflops = case.flops() / (t.median_us * 1e-6) / 1e12
             pct = 100 * case.kv_bytes() / (t.median_us * 1e-6) / copy_bw if copy_bw else math.nan
