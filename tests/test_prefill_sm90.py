@@ -162,6 +162,94 @@ def test_fp8_caches_with_per_tensor_scales(rng, sm90, fmt, dtype, hs, heads, kv_
             assert_close(got, ref, testing.TOLERANCE[dtype], f"split {split} causal={causal}")
 
 
+@pytest.fixture
+def sm90_tile(sm90):
+    yield planning.set_sm90_tile
+    planning.set_sm90_tile(None)
+
+
+@pytest.mark.parametrize("tile", [(64, 2), (64, 3), (64, 4), (128, 2), (128, 3)],
+                         ids=lambda t: "n{}x{}".format(*t))
+@pytest.mark.parametrize("case", [("bf16", 128, ""), ("f16", 64, ""), ("f16", 64, "fp8_e4m3")],
+                         ids=lambda c: "_".join(str(x) for x in c if x))
+def test_every_tile_shape(rng, sm90_tile, case, tile):
+    """The tiles tools/prefill_tiles.py times (FAMILY=sm90) beside the defaults, each the
+    same attention; fp8 with 128-token tiles too."""
+    from test_fp8 import fp8_problem, run as run_fp8
+
+    dtype, hs, fmt = case
+    sm90_tile(tile)
+    q_lens, seq = [200, 1, 0, 64, 17, 130], [300, 900, 40, 64 + 1000, 17 + 129, 130]
+    for causal in (True, False):
+        if fmt:
+            host, scales = fp8_problem(rng, fmt, "tensor", q_lens, seq, dtype=dtype, heads=8,
+                                       kv_heads=2, head_size=hs)
+            got, ref = run_fp8(host, scales, "device", fmt, causal=causal,
+                               max_query_len=max(q_lens))
+        else:
+            host = make_varlen(rng, q_lens, seq, dtype=dtype, heads=8, kv_heads=2,
+                               head_size=hs, block_size=16)
+            got, ref = run(host, causal=causal, max_query_len=max(q_lens))
+        assert_close(got, ref, testing.TOLERANCE[dtype], f"{tile} {case} causal={causal}")
+
+
+@pytest.mark.parametrize("case", ["all", "cap_wide", "window"])
+def test_fp8_with_the_variants(rng, sm90, case):
+    """The widened fp8 tiles under every variant (window, soft-cap, sinks, ALiBi together;
+    a soft-cap whose logits reach past the cap; a window), lse included."""
+    from test_fp8 import fp8_problem
+    from test_variants import _device
+
+    import cupy
+
+    heads = 8
+    q_lens, seq = [0, 1, 5, 200, 17, 70], [3, 1, 5, 900, 150, 1500]
+    host, scales = fp8_problem(rng, "fp8_e4m3", "tensor", q_lens, seq, dtype="bf16",
+                               heads=heads, kv_heads=2, head_size=128)
+    kw, alibi = _variant_kwargs(rng, case, heads)
+    if alibi:
+        host["alibi_slopes"] = rng.uniform(0.0, 0.5, heads).astype(np.float32)
+    dev = _device(host)
+    dev_kw = dict(kw, sinks=cupy.asarray(kw["sinks"])) if kw.get("sinks") is not None else kw
+    got, lse = cupaged.attention(**dev, kv_cache_dtype="fp8_e4m3", return_lse=True,
+                                 max_query_len=max(q_lens), **scales, **dev_kw)
+    ref, ref_lse = reference.attention(**host, kv_cache_dtype="fp8_e4m3", return_lse=True,
+                                       **scales, **kw)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"], case)
+    _check_lse(cupy.asnumpy(lse), ref_lse, case)
+
+
+def test_fp8_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90):
+    """A bad id in the second sequence: its rows NaN; the first's exact, although the
+    producer widens whatever stale bytes stand where the bad block was not copied."""
+    from test_fp8 import fp8_problem
+
+    import cupy
+
+    host, scales = fp8_problem(rng, "fp8_e5m2", "tensor", [150, 140], [400, 600],
+                               dtype="f16", heads=8, kv_heads=2, head_size=64)
+    host["block_tables"][1, 5] = 10**6
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    got = cupy.asnumpy(cupaged.attention(**dev, kv_cache_dtype="fp8_e5m2", **scales))
+    good = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
+            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:150]}
+    ref = reference.attention(**good, kv_cache_dtype="fp8_e5m2", **scales)
+    assert_close(got[:150].astype(np.float64), ref, testing.TOLERANCE["f16"])
+    assert np.isnan(got[150:]).all()
+
+
+def test_in_place_over_the_query(rng, sm90):
+    import cupy
+
+    host = make_varlen(rng, [300, 2], [500, 2], dtype="bf16", heads=8, kv_heads=2,
+                       head_size=128)
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    ref = reference.attention(**host)
+    out = cupaged.attention(**dev, out=dev["query"])
+    assert out is dev["query"]
+    assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
+
+
 def test_the_planner_takes_it_for_prompts_on_hopper(rng):
     import cupy
 
