@@ -117,6 +117,26 @@ def test_compile_reports_cold_and_warm_times(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # timings use a private cold cache
 
 
+def test_compile_times_the_multi_token_kernels(tmp_path, monkeypatch):
+    """--kernel prefill / prefill-sm90: their cold compiles (the Hopper kernel built for
+    sm_90a whatever the targets); shapes a kernel does not take are refused by name."""
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path))
+    r = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--kernel", "prefill-sm90",
+                                  "--dtype", "bfloat16", "--head-size", "64"])
+    assert r.exit_code == 0, r.output
+    assert [l.split()[0] for l in r.output.splitlines()[1:]] == [
+        "paged_prefill_sm90_bf16_hs64_bs16_sm90a"]
+    r = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--kernel", "prefill",
+                                  "--head-size", "80"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[1].split()[0] == "paged_prefill_f16_hs80_bs16_tok_sm80"
+    r = CliRunner().invoke(main, ["compile", "--kernel", "prefill-sm90", "--head-size", "96"])
+    assert r.exit_code == 2 and "paged_prefill_sm90 takes 64, 128, 192, 256; got 96" in r.output
+    r = CliRunner().invoke(main, ["compile", "--kernel", "prefill", "--dtype", "float32"])
+    assert r.exit_code == 2 and "got f32" in r.output
+    assert not list(tmp_path.iterdir())
+
+
 def test_compile_precompile_fills_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path))
     jit.clear_memory_caches()

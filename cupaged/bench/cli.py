@@ -154,6 +154,20 @@ def _default_arch() -> str:
     return "sm_90"
 
 
+# cupaged-bench compile --kernel: the kernel the listed shapes are of.
+_COMPILE_KERNELS = {"decode": "paged_decode", "prefill": "paged_prefill",
+                    "prefill-sm90": "paged_prefill_sm90"}
+
+
+def _smem_bytes(spec) -> int:
+    """A specialization's dynamic shared memory (its geometry mirror's)."""
+    from ..specs import geometry
+
+    mirror = {"paged_decode": geometry.DecodeGeometry, "paged_prefill": geometry.PrefillGeometry,
+              "paged_prefill_sm90": geometry.Sm90PrefillGeometry}[spec.kernel]
+    return mirror.of(spec).smem_bytes
+
+
 @main.command("compile")
 @click.option("--arch", "archs", multiple=True, help="Target, e.g. sm_90 (repeatable). "
               "Default: this machine's GPU, or sm_90 without one.")
@@ -179,8 +193,13 @@ def _default_arch() -> str:
               help="Query heads per KV head.")
 @click.option("--precompile", is_flag=True,
               help="Compile the listed shapes into the kernel cache for deployment.")
+@click.option("--kernel", type=click.Choice(list(_COMPILE_KERNELS)), default="decode",
+              show_default=True,
+              help="Which kernel the listed shapes are of: decode (paged_decode), prefill "
+                   "(paged_prefill, mma.sync) or prefill-sm90 (paged_prefill_sm90, built for "
+                   "sm_90a: the targets' sm_90, or sm_90 without one).")
 def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_size, group,
-             precompile):
+             precompile, kernel):
     """Compile kernels: the --all or --covering check, or cold/warm timings of the listed
     shapes."""
     from .. import planning
@@ -216,8 +235,23 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
         dts = [_dtypes.parse(d).name for d in dtypes]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
-    specs = [jit.KernelSpec("paged_decode", d, hs, bs, planning.group_tile(g), arch=a)
-             for a, d, hs, bs, g in itertools.product(archs, dts, head_size, block_size, group)]
+    if kernel == "decode":
+        specs = [jit.KernelSpec("paged_decode", d, hs, bs, planning.group_tile(g), arch=a)
+                 for a, d, hs, bs, g in itertools.product(archs, dts, head_size, block_size,
+                                                          group)]
+    else:
+        name = _COMPILE_KERNELS[kernel]
+        axes = catalog.AXES[name]
+        for opt, values, allowed in (("--dtype", dts, axes["dtype"]),
+                                     ("--head-size", head_size, axes["head_size"]),
+                                     ("--block-size", block_size, axes["block_size"])):
+            bad = [v for v in values if v not in allowed]
+            if bad:
+                raise click.BadParameter(f"{name} takes {', '.join(map(str, allowed))}; got "
+                                         f"{', '.join(map(str, bad))}", param_hint=opt)
+        targets = catalog.kernel_archs(name, archs if kernel == "prefill" else (*archs, "sm_90"))
+        specs = [jit.KernelSpec(name, d, hs, bs, arch=a)
+                 for a, d, hs, bs in itertools.product(targets, dts, head_size, block_size)]
     if precompile:
         for b in jit.precompile(specs):
             click.echo(f"{b.spec.name:48s} {'cached' if b.from_disk else 'compiled'} "
@@ -237,11 +271,11 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
                 warm = jit.build(spec)
                 assert warm.from_disk
                 row = f"{spec.name:48s} {cold.seconds:11.2f} s {warm.seconds * 1e3:9.2f} ms"
-                if gpu and spec.arch == _default_arch():
+                if gpu and spec.arch.rstrip("a") == _default_arch():
                     import cupy
 
                     t0 = time.perf_counter()
-                    jit.load(spec, cupy.cuda.Device().id, planning.decode_smem_bytes(spec))
+                    jit.load(spec, cupy.cuda.Device().id, _smem_bytes(spec))
                     row += f" {(time.perf_counter() - t0) * 1e3:9.2f} ms"
                 click.echo(row)
         finally:
