@@ -60,9 +60,9 @@ _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format"
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
                    "warps", "m_atoms", "tile_tokens", "stages", "variant")
 # The Hopper multi-token kernel: token-major caches of the query's type or fp8 with
-# per-tensor scales, vLLM's layout of the query's type; its own tile shape.
-_PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format",
-                        "tile_tokens", "stages", "variant")
+# per-tensor scales, its own tile shape.
+_PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "tile_tokens",
+                        "stages", "variant")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
@@ -220,8 +220,10 @@ class KernelSpec:
             raise ValueError(f"{self.kernel} takes per-tensor scales only (kv_scale ''): "
                              f"{self!r}")
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
-            object.__setattr__(self, "kv_format",
-                               "tok" if self.kernel.startswith("paged_prefill") else "vllm")
+            object.__setattr__(self, "kv_format", "tok" if self.kernel == "paged_prefill" else "vllm")
+        if "kv_format" not in params and self.kv_format:
+            raise ValueError(f"{self.kernel} takes no kv_format (token-major caches only): "
+                             f"{self!r}")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
             raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
         object.__setattr__(self, "_params", params)

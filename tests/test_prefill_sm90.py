@@ -48,14 +48,10 @@ SEQ_EXTRA = [0, 0, 2000, 0, 5, 1000, 64, 4096 + 7, 0]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_hs{}_bs{}_{}x{}".format(*c))
 def test_matches_reference(rng, sm90, case, layout, causal):
-    """(vLLM's layout takes this kernel only when asked for, as here: blocks of 8 tokens
-    or more.)"""
     dtype, hs, bs, heads, kv_heads = case
-    if layout == "vllm" and bs < 8:
-        pytest.skip("vLLM's layout: blocks of 8 tokens or more")
     seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
     host = make_varlen(rng, Q_LENS, seq, layout=layout, dtype=dtype, heads=heads,
                        kv_heads=kv_heads, head_size=hs, block_size=bs, share=True)
@@ -82,15 +78,12 @@ def test_variants_and_split_kv(rng, sm90, case, split):
     _check_lse(lse, ref_lse, f"{case} split={split}")
 
 
-@pytest.mark.parametrize("layout", ["NHD", "vllm"])
 @pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
-def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout):
-    """Slots past each sequence hold stale values; in vLLM's layout the last 8-token run of
-    V is copied through registers with them zeroed."""
+def test_stale_slots_never_reach_the_output(rng, sm90, stale):
     host = make_varlen(rng, [200, 3, 130], [200 + 9, 77, 130], heads=8, kv_heads=2,
-                       head_size=128, block_size=32, stale=stale, layout=layout)
+                       head_size=128, block_size=32, stale=stale)
     for causal in (True, False):
-        got, ref = run(host, causal=causal, kv_layout=layout)
+        got, ref = run(host, causal=causal)
         assert_close(got, ref, testing.TOLERANCE["f16"], f"stale {stale} causal={causal}")
 
 
@@ -255,35 +248,6 @@ def test_in_place_over_the_query(rng, sm90):
     out = cupaged.attention(**dev, out=dev["query"])
     assert out is dev["query"]
     assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
-
-
-@pytest.mark.parametrize("split", [0, 128])
-@pytest.mark.parametrize("window", [21, 200])
-def test_vllm_layout_with_nan_before_windows(rng, sm90, window, split):
-    """vLLM's layout under windows that start inside blocks and inside 8-token runs of V,
-    over caches with NaN in every slot before the earliest row's window: the straddling
-    runs go through registers with their outside tokens zeroed."""
-    import cupy
-
-    from test_variants import _device, _nan_before_windows, _problem
-
-    sm90(split)
-    seq = [22, 37, 300, 1000, 333]
-    q_lens = [1, 5, 130, 200, 40]
-    host = _problem(rng, q_lens, seq, layout="vllm", dtype="bf16", heads=8, kv_heads=2,
-                    head_size=128, block_size=16)
-    ref = reference.attention(host["query"], host["key_cache"], host["value_cache"],
-                              host["block_tables"], host["seq_lens"], host["query_start_loc"],
-                              kv_layout="vllm", window=window)
-    kc, vc = _nan_before_windows(host, window, q_lens)
-    dev = _device(dict(query=host["query"], key_cache=kc, value_cache=vc,
-                       block_tables=host["block_tables"], seq_lens=host["seq_lens"],
-                       query_start_loc=host["query_start_loc"]))
-    out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
-    got = cupaged.attention(**dev, out=out, kv_layout="vllm", window=window,
-                            max_query_len=max(q_lens))
-    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
-                 f"window {window} split {split}")
 
 
 def test_the_planner_takes_it_for_prompts_on_hopper(rng):
