@@ -30,6 +30,13 @@ def sm90(prefill_split):
     planning.set_prefill_family(None)
 
 
+def first_sequence(host):
+    """A varlen host problem cut to its first sequence (its rows, table row and length)."""
+    rows = int(host["query_start_loc"][1])
+    return {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
+            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:rows]}
+
+
 # (dtype, head_size, block_size, heads, kv_heads)
 CASES = [
     ("f16", 64, 16, 8, 8),
@@ -97,9 +104,8 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split):
     host["block_tables"][1, 3] = 10**6
     dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
     got = cupy.asnumpy(cupaged.attention(**dev)).astype(np.float64)
-    good = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
-            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:150]}
-    assert_close(got[:150], reference.attention(**good), testing.TOLERANCE["bf16"])
+    ref = reference.attention(**first_sequence(host))
+    assert_close(got[:150], ref, testing.TOLERANCE["bf16"])
     assert np.isnan(got[150:]).all()
 
 
@@ -231,9 +237,7 @@ def test_fp8_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90):
     host["block_tables"][1, 5] = 10**6
     dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
     got = cupy.asnumpy(cupaged.attention(**dev, kv_cache_dtype="fp8_e5m2", **scales))
-    good = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
-            "query_start_loc": host["query_start_loc"][:2], "query": host["query"][:150]}
-    ref = reference.attention(**good, kv_cache_dtype="fp8_e5m2", **scales)
+    ref = reference.attention(**first_sequence(host), kv_cache_dtype="fp8_e5m2", **scales)
     assert_close(got[:150].astype(np.float64), ref, testing.TOLERANCE["f16"])
     assert np.isnan(got[150:]).all()
 

@@ -21,6 +21,13 @@ MAX_SMEM_BY_ARCH = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024
                     90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 
 
+def max_smem(arch: str) -> int:
+    """Opt-in dynamic shared memory per block on a target (``sm_90``, ``sm_90a``,
+    ``compute_80``): MAX_SMEM_BY_ARCH's, the smallest for one it does not list."""
+    cc = int(arch.split("_")[1].rstrip("a"))
+    return MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
+
+
 def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
@@ -137,9 +144,7 @@ class DecodeGeometry:
 
     def fits(self, arch: str) -> bool:
         """Does the dynamic shared memory fit one block on this target (``sm_90``)?"""
-        cc = int(arch.split("_")[1].rstrip("a"))
-        limit = MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
-        return self.smem_bytes <= limit
+        return self.smem_bytes <= max_smem(arch)
 
 
 @dataclass(frozen=True)
@@ -219,8 +224,7 @@ class PrefillGeometry:
         return bad
 
     def fits(self, arch: str) -> bool:
-        cc = int(arch.split("_")[1].rstrip("a"))
-        return self.smem_bytes <= MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
+        return self.smem_bytes <= max_smem(arch)
 
 
 @dataclass(frozen=True)
@@ -273,8 +277,7 @@ class Sm90PrefillGeometry:
         return bad
 
     def fits(self, arch: str) -> bool:
-        cc = int(arch.split("_")[1].rstrip("a"))
-        return self.smem_bytes <= MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
+        return self.smem_bytes <= max_smem(arch)
 
 
 def check_against_kernel(specs, chunk: int = 300) -> None:
