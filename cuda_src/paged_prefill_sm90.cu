@@ -1,12 +1,14 @@
 // Entry file for the Hopper multi-token kernel (paged_prefill_sm90.cuh). cupaged's JIT
 // compiles it with NVRTC for sm_90a and instantiates the template by name expression, e.g.
-//   cupaged::paged_prefill_sm90<cupaged::bfloat16_t, cupaged::bfloat16_t, 128, 16, 128, 3, 0>
-// (query type, cache type, head size, block size, tile tokens, stages, variant bits)
+//   cupaged::paged_prefill_sm90<cupaged::bfloat16_t, cupaged::bfloat16_t, 128, 16, 0, 128, 3, 0>
+// (query type, cache type, head size, block size, KVFormat, tile tokens, stages, variant
+// bits)
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -std=c++17 -Xptxas -v \
 //        -DCUPAGED_INSTANTIATE -DCUPAGED_T=cupaged::bfloat16_t -DCUPAGED_C=cupaged::fp8_e4m3_t \
-//        -DCUPAGED_HS=128 -DCUPAGED_BS=16 -DCUPAGED_TILE=64 -DCUPAGED_STAGES=3 -DCUPAGED_VARIANT=0 \
+//        -DCUPAGED_HS=128 -DCUPAGED_BS=16 -DCUPAGED_FORMAT=0 -DCUPAGED_TILE=64 -DCUPAGED_STAGES=3 \
+//        -DCUPAGED_VARIANT=0 \
 //        cuda_src/paged_prefill_sm90.cu -o prefill_sm90.cubin
 #include "paged_prefill_sm90.cuh"
 
@@ -23,6 +25,9 @@
 #ifndef CUPAGED_BS
 #define CUPAGED_BS 16
 #endif
+#ifndef CUPAGED_FORMAT
+#define CUPAGED_FORMAT 0
+#endif
 #ifndef CUPAGED_TILE
 #define CUPAGED_TILE 128
 #endif
@@ -34,6 +39,7 @@
 #endif
 void cupaged_instantiate_prefill_sm90() {
   (void)&cupaged::paged_prefill_sm90<CUPAGED_T, CUPAGED_C, CUPAGED_HS, CUPAGED_BS,
-                                     CUPAGED_TILE, CUPAGED_STAGES, CUPAGED_VARIANT>;
+                                     CUPAGED_FORMAT, CUPAGED_TILE, CUPAGED_STAGES,
+                                     CUPAGED_VARIANT>;
 }
 #endif

@@ -64,9 +64,15 @@ struct Sm90PrefillGeometry {
   // shared memory's base up, so it asks for 1024 bytes more.
   static constexpr int kSmemBytes = kOffFlags + 16 * STAGES + 1024;
   // Registers per thread: the producer's copy loop needs few; the consumers take the rest
-  // of the 64K (128 * (56 + 2 * 224) = 64512); 40 for the producer spills it.
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  // of what the launch allocated (384 threads x 168, __launch_bounds__(384, 1)): 128 *
+  // (56 + 2 * 224) = 64512; 40 for the producer spills it. fp8's widening producer needs
+  // more, and its consumers, with S of 64 keys, fewer: 128 * (88 + 2 * 208) = 64512.
+  static constexpr int kProducerRegs = kQuant ? 88 : 56;
+  static constexpr int kConsumerRegs = kQuant ? 208 : 224;
+  // setmaxnreg.inc waits until the CTA's pool has the registers: asking for more than the
+  // launch allocated never returns.
+  static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 384 * 168,
+                "setmaxnreg: the warpgroups' registers exceed the launch's");
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
@@ -90,8 +96,8 @@ __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
 
-template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES,
-          int VARIANT>
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int TILE_N,
+          int STAGES, int VARIANT>
 __global__ void __launch_bounds__(384, 1)
     paged_prefill_sm90(T* __restrict__ out, float* __restrict__ part_out,
                        float* __restrict__ part_max, float* __restrict__ part_sum,
@@ -105,7 +111,12 @@ __global__ void __launch_bounds__(384, 1)
                        const float* __restrict__ alibi_slopes, int num_heads, int group_size,
                        int causal, float scale_log2, const __grid_constant__ VariantParams vp) {
   using Geo = Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>;
-  using KV = KVAccess<C, kFormatTokenMajor, BLOCK_SIZE>;
+  using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
+  // vLLM's layout: V [dim][token] within a block is copied in 16-byte runs of 8 tokens and
+  // kept dim-major, wgmma's K-major B of P V.
+  constexpr bool kVllm = KV_FORMAT == kFormatVllm;
+  static_assert(!kVllm || (!Geo::kQuant && BLOCK_SIZE >= 8),
+                "vLLM's layout: 16-bit caches in blocks of 8 tokens or more");
   using Var = Variant<VARIANT>;
   using namespace sm90;
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
@@ -300,33 +311,95 @@ __global__ void __launch_bounds__(384, 1)
             // consumers still hold their Q tiles for the previous job's last tile.
             if (it == 1) load_q();
             const int stage = g % STAGES;
-            mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
             const int t0 = (sp.tile_base + it) * TILE_N;
             const unsigned ks = k_s + stage * Geo::kTileBytes;
             const unsigned vs = v_s + stage * Geo::kTileBytes;
+            // The tile's block ids load while this warp waits for its stage.
             int phys[kPasses];
             bool bad = false;
             tile_ids(it, phys, bad);
+            mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
             bool stored = false;
+            if constexpr (!kVllm) {
 #pragma unroll
-            for (int pass = 0; pass < kPasses; ++pass) {
-              const unsigned t = pass * kRowsPerPass + trow;
-              const unsigned row = t * 128 + swz;
-              if (phys[pass] >= 0) {
+              for (int pass = 0; pass < kPasses; ++pass) {
+                const unsigned t = pass * kRowsPerPass + trow;
+                const unsigned row = t * 128 + swz;
+                if (phys[pass] >= 0) {
+                  const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
+                  const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
+                  const C* gk = hd.k + pb * hd.k_block + within * hd.k_token + c0 * 8;
+                  const C* gv = hd.v + pb * hd.v_block + within * hd.v_token + c0 * 8;
+#pragma unroll
+                  for (int i = 0; i < kCPer; ++i) cp_async16_shared(ks + i * TILE_N * 128 + row, gk + i * 64);
+#pragma unroll
+                  for (int i = 0; i < kCPer; ++i) cp_async16_shared(vs + i * TILE_N * 128 + row, gv + i * 64);
+                } else {
+                  // P is 0 on these keys, and 0 * a stale NaN would be NaN: V must read as
+                  // zeros (K need not: their scores are masked).
+#pragma unroll
+                  for (int i = 0; i < kCPer; ++i) st_shared_zero16(vs + i * TILE_N * 128 + row);
+                  stored = true;
+                }
+              }
+            } else {
+              // vLLM's key, [chunk][token][8] within a block: this thread's rows and chunks
+              // as above, from their strided places.
+#pragma unroll
+              for (int pass = 0; pass < kPasses; ++pass) {
+                if (phys[pass] < 0) continue;
+                const unsigned t = pass * kRowsPerPass + trow;
                 const unsigned within = static_cast<unsigned>(t0 + t) % BLOCK_SIZE;
-                const unsigned long long pb = static_cast<unsigned long long>(phys[pass]);
-                const C* gk = hd.k + pb * hd.k_block + within * hd.k_token + c0 * 8;
-                const C* gv = hd.v + pb * hd.v_block + within * hd.v_token + c0 * 8;
+                const C* gk = hd.k + static_cast<unsigned long long>(phys[pass]) * hd.k_block +
+                              (c0 * BLOCK_SIZE + within) * 8;
 #pragma unroll
-                for (int i = 0; i < kCPer; ++i) cp_async16_shared(ks + i * TILE_N * 128 + row, gk + i * 64);
+                for (int i = 0; i < kCPer; ++i) {
+                  cp_async16_shared(ks + i * TILE_N * 128 + t * 128 + swz, gk + i * 8 * BLOCK_SIZE * 8);
+                }
+              }
+              // vLLM's value, [dim][token] within a block: this thread's run of 8 tokens
+              // (tile tokens r * 8 ..) of dims d0, d0 + kDimStep, ..., into the dim-major
+              // swizzled tile (row d, 64 tokens to a 128-byte row). A run straddling the
+              // keys' end or the window's start goes through registers, its outside
+              // tokens zeroed; a run wholly outside, or of a bad block, is zeros.
+              constexpr int kRuns = TILE_N / 8;
+              constexpr int kDimStep = 128 / kRuns;
+              const int r = tid % kRuns;
+              const int d0 = tid / kRuns;
+              const int first = t0 + r * 8;
+              const int lo = Var::kWindow ? min(8, max(0, sp.kv_lo - first)) : 0;
+              const int hi = min(8, max(0, sp.kv_end - first));
+              int run_phys = -1;
+              if (lo < hi) {
+                run_phys = __ldg(bt_row + first / BLOCK_SIZE);
+                if (static_cast<unsigned>(run_phys) >= static_cast<unsigned>(kv.num_blocks)) {
+                  run_phys = -1;
+                  bad = true;
+                }
+              }
+              const unsigned dst0 = vs + (r >> 3) * HEAD_SIZE * 128 + ((r & 7) << 4);
+              const C* gv = hd.v + static_cast<unsigned long long>(max(run_phys, 0)) * hd.v_block +
+                            first % BLOCK_SIZE;
+#pragma unroll 4
+              for (int d = d0; d < HEAD_SIZE; d += kDimStep) {
+                const unsigned dst = (dst0 ^ ((d & 7) << 4)) + d * 128;
+                if (run_phys < 0) {
+                  st_shared_zero16(dst);
+                  stored = true;
+                } else if (lo == 0 && hi == 8) {
+                  cp_async16_shared(dst, gv + d * BLOCK_SIZE);
+                } else {
+                  uint4 x = __ldg(reinterpret_cast<const uint4*>(gv + d * BLOCK_SIZE));
+                  unsigned w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-                for (int i = 0; i < kCPer; ++i) cp_async16_shared(vs + i * TILE_N * 128 + row, gv + i * 64);
-              } else {
-                // P is 0 on these keys, and 0 * a stale NaN would be NaN: V must read as
-                // zeros (K need not: their scores are masked).
-#pragma unroll
-                for (int i = 0; i < kCPer; ++i) st_shared_zero16(vs + i * TILE_N * 128 + row);
-                stored = true;
+                  for (int k = 0; k < 4; ++k) {
+                    if (2 * k < lo || 2 * k >= hi) w[k] &= 0xffff0000u;
+                    if (2 * k + 1 < lo || 2 * k + 1 >= hi) w[k] &= 0x0000ffffu;
+                  }
+                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(w[0]),
+                               "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+                  stored = true;
+                }
               }
             }
             publish(stage, bad, stored);
@@ -519,8 +592,13 @@ __global__ void __launch_bounds__(384, 1)
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
 #pragma unroll
           for (int c = 0; c < Geo::kOChunks; ++c) {
-            Wgmma<T, Geo::kOCols, 1>::rs(o[c], pa[kk],
-                                         mnmajor_desc(vs, kk * 16, c * Geo::kOCols, TILE_N), 1);
+            if constexpr (kVllm) {  // V dim-major: K-major B, rows = dims
+              Wgmma<T, Geo::kOCols, 0>::rs(
+                  o[c], pa[kk], kmajor_desc(vs + c * Geo::kOCols * 128, kk * 16, HEAD_SIZE), 1);
+            } else {
+              Wgmma<T, Geo::kOCols, 1>::rs(o[c], pa[kk],
+                                           mnmajor_desc(vs, kk * 16, c * Geo::kOCols, TILE_N), 1);
+            }
           }
         }
         wgmma_commit();

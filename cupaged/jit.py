@@ -60,9 +60,9 @@ _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format"
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
                    "warps", "m_atoms", "tile_tokens", "stages", "variant")
 # The Hopper multi-token kernel: token-major caches of the query's type or fp8 with
-# per-tensor scales, its own tile shape.
-_PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "tile_tokens",
-                        "stages", "variant")
+# per-tensor scales, vLLM's layout of the query's type; its own tile shape.
+_PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format",
+                        "tile_tokens", "stages", "variant")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
@@ -220,10 +220,8 @@ class KernelSpec:
             raise ValueError(f"{self.kernel} takes per-tensor scales only (kv_scale ''): "
                              f"{self!r}")
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
-            object.__setattr__(self, "kv_format", "tok" if self.kernel == "paged_prefill" else "vllm")
-        if "kv_format" not in params and self.kv_format:
-            raise ValueError(f"{self.kernel} takes no kv_format (token-major caches only): "
-                             f"{self!r}")
+            object.__setattr__(self, "kv_format",
+                               "tok" if self.kernel.startswith("paged_prefill") else "vllm")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
             raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
         object.__setattr__(self, "_params", params)
@@ -623,6 +621,12 @@ class Launcher:
                              params, 0)
 
 
+# Registers a kernel's launch must allocate per thread: paged_prefill_sm90's warpgroups
+# re-divide the CTA's registers with setmaxnreg (its Sm90PrefillGeometry static_assert),
+# and setmaxnreg.inc waits forever for registers the launch did not allocate.
+LAUNCH_REGS = {"paged_prefill_sm90": 168}
+
+
 def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
     """The :class:`Launcher` for ``spec`` on a device (compiled on first use). Kernels
     needing more than 48 KiB of dynamic shared memory get their limit raised here, also
@@ -643,6 +647,13 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
             module = cupy.cuda.function.Module()
             module.load(data)
             kernel = Launcher(module.get_function(lowered), ARG_FORMATS[spec.kernel], spec.name)
+            need = LAUNCH_REGS.get(spec.kernel, 0)
+            if need:
+                regs = _driver.funcGetAttribute(_driver.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel.ptr)
+                if regs < need:
+                    raise RuntimeError(
+                        f"{spec.name}: compiled to {regs} registers a thread, but its "
+                        f"warpgroups divide {need} (setmaxnreg would hang); not launched")
             _loaded[key] = kernel
         if dynamic_smem > kernel.smem_limit:
             _driver.funcSetAttribute(

@@ -448,14 +448,15 @@ def sm90_tile(head_size: int, fp8: bool) -> tuple:
 
 @jit.launcher_cache
 def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
-                        variant: str = "", tile: tuple = (),
-                        cache_dtype: str = "") -> PrefillKernel:
+                        variant: str = "", tile: tuple = (), cache_dtype: str = "",
+                        kv_format: str = "tok") -> PrefillKernel:
     """paged_prefill_sm90 (Hopper's wgmma kernel) in ``tile`` (tile_tokens, stages; ()
     the default)."""
     tt, st = tile or (0, 0)
     dev = device_info(device_id)
     spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, tile_tokens=tt,
-                          stages=st, variant=variant, cache_dtype=cache_dtype, arch=dev.arch)
+                          stages=st, variant=variant, cache_dtype=cache_dtype,
+                          kv_format=kv_format, arch=dev.arch)
     g = geometry.Sm90PrefillGeometry.of(spec)
     if g.smem_bytes > dev.max_smem:  # (only a tile override can ask for that)
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
@@ -467,15 +468,16 @@ def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: 
 
 def sm90_applies(p: Problem, rows_needed: int) -> bool:
     """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for token-major caches
-    of the query's own type (or fp8 with per-tensor scales, head sizes up to 192), head
-    sizes that are multiples of 64, when some (sequence, KV head) has more packed query
-    rows than FEW_ROWS (its 128-row tiles would be mostly padding below that; the
-    mma.sync kernel takes 64). A ``set_prefill_tile`` override (paged_prefill's tiles)
-    keeps the mma.sync kernel."""
+    of the query's own type (or fp8 with per-tensor scales, head sizes up to 192) and
+    vLLM's layout (16-bit, blocks of 8 tokens or more), head sizes that are multiples of
+    64, when some (sequence, KV head) has more packed query rows than FEW_ROWS (its
+    128-row tiles would be mostly padding below that; the mma.sync kernel takes 64). A
+    ``set_prefill_tile`` override (paged_prefill's tiles) keeps the mma.sync kernel."""
     if _family_override == "mma" or _tile_override is not None:
         return False
     fp8 = p.cache.dtype != p.dtype
-    return (p.cache.kv_format == "tok" and p.head_size % 64 == 0
+    vllm_ok = not fp8 and p.block_size >= 8
+    return ((p.cache.kv_format == "tok" or vllm_ok) and p.head_size % 64 == 0
             and (not fp8 or (p.quant.mode == "" and p.head_size <= 192))
             and (rows_needed > FEW_ROWS or _family_override == "sm90")
             and device_info(p.device).arch == "sm_90")
@@ -626,7 +628,7 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
     if choice.sm90:
         k = prefill_sm90_kernel(p.device, p.dtype.name, p.head_size, p.block_size, letters,
-                                choice.tile, p.cache.dtype.name)
+                                choice.tile, p.cache.dtype.name, p.cache.kv_format)
     else:
         k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size,
                            p.cache.kv_format, choice.tile, p.cache.dtype.name, p.quant.mode,

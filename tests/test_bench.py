@@ -639,6 +639,26 @@ def test_prefill_variants_reach_cupaged_and_the_reference(monkeypatch):
     assert case.flops() == 4.0 * 64 * 8 * 2 * bench_prefill.attended_pairs(40, 100, True, 24)
 
 
+@pytest.mark.parametrize("layout", ["HND", "vllm"])
+def test_prefill_case_in_another_layout_holds_the_same_values(monkeypatch, layout):
+    from cupaged.bench import prefill as bench_prefill
+
+    calls = on_host(monkeypatch)
+    nhd = bench_prefill.PrefillCase("x", 2, 20, 50, 4, 2, 64, 16, "float32").build()
+    other = bench_prefill.PrefillCase("x", 2, 20, 50, 4, 2, 64, 16, "float32",
+                                      kv_layout=layout).build()
+    from cupaged import testing
+
+    k, v = testing.convert_layout(np.asarray(nhd.arrays["key_cache"]),
+                                  np.asarray(nhd.arrays["value_cache"]), "NHD", layout)
+    assert np.array_equal(np.asarray(other.arrays["key_cache"]), k)
+    assert np.array_equal(np.asarray(other.arrays["value_cache"]), v)
+    rows = bench_prefill.measure([other], ["cupaged", "flashinfer-fa3"], reps=3, copy_bw=1e12)
+    assert rows[0].note == "" and rows[0].error < 1e-6
+    assert calls[0][1]["kv_layout"] == layout
+    assert f"reads NHD caches here, not {layout}" in rows[1].note
+
+
 # ---- cascade attention ----------------------------------------------------------------------------
 
 

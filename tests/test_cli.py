@@ -125,7 +125,7 @@ def test_compile_times_the_multi_token_kernels(tmp_path, monkeypatch):
                                   "--dtype", "bfloat16", "--head-size", "64"])
     assert r.exit_code == 0, r.output
     assert [l.split()[0] for l in r.output.splitlines()[1:]] == [
-        "paged_prefill_sm90_bf16_hs64_bs16_sm90a"]
+        "paged_prefill_sm90_bf16_hs64_bs16_tok_sm90a"]
     r = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--kernel", "prefill",
                                   "--head-size", "80"])
     assert r.exit_code == 0, r.output

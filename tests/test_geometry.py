@@ -124,10 +124,11 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 def test_specialization_names_are_unique():
     # paged_decode: 14904 per target for each of 5 variants; paged_prefill: 3724 for each of
     # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
-    # for sm_90a only: 2 dtypes x 9 block sizes x (4 head sizes of 16-bit caches, 2 fp8
-    # formats x 3 head sizes) for each of 5 variants, and its 90 of bfloat16 for each of 2.
+    # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
+    # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
+    # for each of 5 variants, and its 114 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 87
-                                                          + 44 + 2 + 3) + 180 * 5 + 90 * 2
+                                                          + 44 + 2 + 3) + 228 * 5 + 114 * 2
 
 
 # ---- the covering set ------------------------------------------------------------------------
@@ -193,9 +194,14 @@ def test_covers_all_pairs_notices_a_missing_pair():
 
 
 def test_the_sm90_kernel_refuses_what_it_does_not_take():
-    """Per-token fp8 scales and vLLM's layout go to the mma.sync kernel: a spec naming them
-    for the Hopper kernel would build the per-tensor, token-major kernel under their name."""
+    """Per-token fp8 scales go to the mma.sync kernel (a spec naming them for the Hopper
+    kernel would build the per-tensor kernel under their name); it takes neither fp8 in
+    vLLM's layout, nor that layout in blocks under 8 tokens, nor fp8 at head size 256."""
     with pytest.raises(ValueError, match="per-tensor scales only"):
         jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16, cache_dtype="e4m3", kv_scale="th")
-    with pytest.raises(ValueError, match="takes no kv_format"):
-        jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16, kv_format="vllm")
+    for fields in (dict(cache_dtype="e4m3", kv_format="vllm"), dict(kv_format="vllm"),
+                   dict(cache_dtype="e4m3", head_size=256)):
+        spec = jit.KernelSpec("paged_prefill_sm90", "bf16", fields.pop("head_size", 128),
+                              4 if fields.get("kv_format") == "vllm" and "cache_dtype" not in
+                              fields else 16, **fields)
+        assert not catalog.supported(spec), spec.name

@@ -55,10 +55,13 @@ SEQ_EXTRA = [0, 0, 2000, 0, 5, 1000, 64, 4096 + 7, 0]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_hs{}_bs{}_{}x{}".format(*c))
 def test_matches_reference(rng, sm90, case, layout, causal):
+    """(vLLM's layout takes this kernel in blocks of 8 tokens or more.)"""
     dtype, hs, bs, heads, kv_heads = case
+    if layout == "vllm" and bs < 8:
+        pytest.skip("vLLM's layout: blocks of 8 tokens or more")
     seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
     host = make_varlen(rng, Q_LENS, seq, layout=layout, dtype=dtype, heads=heads,
                        kv_heads=kv_heads, head_size=hs, block_size=bs, share=True)
@@ -85,12 +88,15 @@ def test_variants_and_split_kv(rng, sm90, case, split):
     _check_lse(lse, ref_lse, f"{case} split={split}")
 
 
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
 @pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
-def test_stale_slots_never_reach_the_output(rng, sm90, stale):
+def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout):
+    """Slots past each sequence hold stale values; in vLLM's layout the last 8-token run of
+    V is copied through registers with them zeroed."""
     host = make_varlen(rng, [200, 3, 130], [200 + 9, 77, 130], heads=8, kv_heads=2,
-                       head_size=128, block_size=32, stale=stale)
+                       head_size=128, block_size=32, stale=stale, layout=layout)
     for causal in (True, False):
-        got, ref = run(host, causal=causal)
+        got, ref = run(host, causal=causal, kv_layout=layout)
         assert_close(got, ref, testing.TOLERANCE["f16"], f"stale {stale} causal={causal}")
 
 
@@ -254,6 +260,35 @@ def test_in_place_over_the_query(rng, sm90):
     assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
 
 
+@pytest.mark.parametrize("split", [0, 128])
+@pytest.mark.parametrize("window", [21, 200])
+def test_vllm_layout_with_nan_before_windows(rng, sm90, window, split):
+    """vLLM's layout under windows that start inside blocks and inside 8-token runs of V,
+    over caches with NaN in every slot before the earliest row's window: the straddling
+    runs go through registers with their outside tokens zeroed."""
+    import cupy
+
+    from test_variants import _device, _nan_before_windows, _problem
+
+    sm90(split)
+    seq = [22, 37, 300, 1000, 333]
+    q_lens = [1, 5, 130, 200, 40]
+    host = _problem(rng, q_lens, seq, layout="vllm", dtype="bf16", heads=8, kv_heads=2,
+                    head_size=128, block_size=16)
+    ref = reference.attention(host["query"], host["key_cache"], host["value_cache"],
+                              host["block_tables"], host["seq_lens"], host["query_start_loc"],
+                              kv_layout="vllm", window=window)
+    kc, vc = _nan_before_windows(host, window, q_lens)
+    dev = _device(dict(query=host["query"], key_cache=kc, value_cache=vc,
+                       block_tables=host["block_tables"], seq_lens=host["seq_lens"],
+                       query_start_loc=host["query_start_loc"]))
+    out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
+    got = cupaged.attention(**dev, out=out, kv_layout="vllm", window=window,
+                            max_query_len=max(q_lens))
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                 f"window {window} split {split}")
+
+
 def test_the_planner_takes_it_for_prompts_on_hopper(rng):
     import cupy
 
@@ -269,3 +304,20 @@ def test_the_planner_takes_it_for_prompts_on_hopper(rng):
                                    None, out, "NHD")
     assert planning.choose_kernel(p, True, 300).sm90
     assert not planning.choose_kernel(p, True, 4).sm90  # 4 tokens x 4 heads: 16 rows
+
+
+def test_a_launch_short_of_the_warpgroups_registers_is_refused(rng, sm90, monkeypatch):
+    """setmaxnreg.inc waits forever for registers the launch did not allocate: jit.load
+    checks the compiled count against what the warpgroups divide before any launch."""
+    from cupaged import jit
+
+    host = make_varlen(rng, [200], [300], dtype="f16", heads=4, kv_heads=4, head_size=64,
+                       block_size=16)
+    run(host, max_query_len=200)  # compiles and loads it
+    jit.clear_memory_caches()
+    monkeypatch.setitem(jit.LAUNCH_REGS, "paged_prefill_sm90", 256)
+    try:
+        with pytest.raises(RuntimeError, match="setmaxnreg would hang"):
+            run(host, max_query_len=200)
+    finally:
+        jit.clear_memory_caches()

@@ -191,16 +191,18 @@ def test_the_planner_takes_16_rows_per_warp_for_few_rows(device_arch):
     (dict(), True),                                    # f16, NHD, head size 64, 8/2 heads
     (dict(layout="HND"), True),
     (dict(dtype=np.float32), False),                   # row mode
-    (dict(layout="vllm"), False),                      # vLLM's layout: mma.sync
+    (dict(layout="vllm"), True),                       # vLLM's layout, blocks of 16
+    (dict(layout="vllm", bs=4), False),                # blocks under 8 tokens: mma.sync
     (dict(hs=96), False),                              # wgmma's N of P V: steps of 64
     (dict(hs=256), True),
 ])
 @pytest.mark.parametrize("max_q", [4, 16, 17, 300])
 def test_the_planner_takes_the_wgmma_kernel_on_hopper_for_many_rows(device_arch, arch, case, sm90,
                                                                      max_q):
-    """paged_prefill_sm90 on sm_90 for 16-bit token-major caches, head sizes that are
-    multiples of 64 and more than FEW_ROWS packed rows (a group of 4: 16 tokens are 64
-    rows, 17 are 68); the mma.sync kernel elsewhere."""
+    """paged_prefill_sm90 on sm_90 for 16-bit token-major caches (and vLLM's layout in
+    blocks of 8 tokens or more), head sizes that are multiples of 64 and more than
+    FEW_ROWS packed rows (a group of 4: 16 tokens are 64 rows, 17 are 68); the mma.sync
+    kernel elsewhere."""
     device_arch(arch)
     case = dict(case)
     layout = case.pop("layout", "NHD")
@@ -214,6 +216,10 @@ def test_the_planner_takes_the_wgmma_kernel_on_hopper_for_many_rows(device_arch,
     planning.set_prefill_family("mma")
     try:
         assert not planning.choose_kernel(p, True, max_q).sm90
+        # asked for, Hopper's kernel takes the few rows too, but nothing it cannot serve
+        planning.set_prefill_family("sm90")
+        forced = planning.choose_kernel(p, True, max_q).sm90
+        assert forced == (arch == "sm_90" and sm90)
     finally:
         planning.set_prefill_family(None)
 
@@ -283,6 +289,6 @@ def test_query_strides_must_be_whole_elements():
 
 def test_a_tile_override_past_shared_memory_is_refused_by_name(device_arch):
     device_arch("sm_90")
-    with pytest.raises(ValueError, match=r"paged_prefill_sm90_bf16_e4m3_hs128_bs16_n128x3_sm90a "
+    with pytest.raises(ValueError, match=r"paged_prefill_sm90_bf16_e4m3_hs128_bs16_tok_n128x3_sm90a "
                                          r"needs 296064 bytes"):
         planning.prefill_sm90_kernel(0, "bf16", 128, 16, "", (128, 3), "e4m3")

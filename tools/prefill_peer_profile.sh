@@ -3,8 +3,11 @@
 # on the same preset (in its dtype: bf16 but for the verify preset): grid, registers,
 # occupancy, memory traffic, tensor pipe, issue activity and stall reasons, one launch of
 # each after warm-up (the NVTX range "timed"). Needs .flashinfer/ carried for fa2's rows.
-#   PRESETS="8x2048 prompt-4096" IMPLS="cupaged flashinfer-fa2" [SOFT_CAP=50] bash tools/prefill_peer_profile.sh
-# Reports: $OUT/ncu-pp-<impl>-<preset>.txt. SET=full: Nsight Compute's full section set.
+#   PRESETS="8x2048 prompt-4096" IMPLS="cupaged flashinfer-fa2" [SOFT_CAP=50] [HEAD_SIZE=64]
+#   [KV_DTYPE=fp8] [TAG=name] bash tools/prefill_peer_profile.sh
+# Reports: $OUT/ncu-pp-<impl>-<preset><TAG>.txt. SET=full: Nsight Compute's full section set.
+# SOURCE=1: instead, the warp-state samples per SASS instruction (SourceCounters), as CSV
+# in $OUT/ncu-src-<impl>-<preset><TAG>.csv (tools/ncu_source_summary.py reads it).
 source "$(dirname "$0")/device_env.sh"
 metrics=(
   "regex:smsp__average_warps_issue_stalled_(long_scoreboard|short_scoreboard|wait|barrier|math_pipe_throttle|mio_throttle|not_selected|dispatch_stall|no_instruction|lg_throttle|tex_throttle|branch_resolving|selected)_per_issue_active\.ratio"
@@ -18,29 +21,37 @@ metrics=(
   launch__occupancy_limit_shared_mem launch__waves_per_multiprocessor
   sm__cycles_active.avg sm__cycles_elapsed.max
 )
-if [ -n "${SET:-}" ]; then
+if [ -n "${SOURCE:-}" ]; then
+  what=(--section SourceCounters --section WarpStateStats -f -o /tmp/ncu-src)
+elif [ -n "${SET:-}" ]; then
   what=(--set "$SET" --print-details all)
 else
   what=(--metrics "$(IFS=,; echo "${metrics[*]}")")
 fi
 for preset in ${PRESETS:-8x2048}; do
   for impl in ${IMPLS:-cupaged flashinfer-fa2}; do
-    f="$OUT/ncu-pp-$impl-$preset.txt"
+    f="$OUT/ncu-pp-$impl-$preset${TAG:-}.txt"
     ncu "${what[@]}" --nvtx --nvtx-include "timed/" python3 - "$impl" "$preset" \
-      "${SOFT_CAP:-}" > "$f" 2>&1 <<'PY'
+      "${SOFT_CAP:-}" "${HEAD_SIZE:-128}" "${KV_DTYPE:-auto}" > "$f" 2>&1 <<'PY'
 import sys
 from cupaged.bench import timing
 from cupaged.bench import workloads
 from cupaged.bench import prefill as bench_prefill
-impl, preset, cap = sys.argv[1], sys.argv[2], sys.argv[3]
+impl, preset, cap, hs, kv = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 variants = workloads.Variants(soft_cap=float(cap)) if cap else workloads.Variants()
-case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset],
-                                 variants=variants).build()
+case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset], head_size=hs,
+                                 kv_cache_dtype=kv, variants=variants).build()
 run = bench_prefill.IMPLEMENTATIONS[impl](case)
 print("max error", case.check(run()))
 timing.call_in_nvtx_range(run)
 PY
-    echo "== $impl $preset ${SOFT_CAP:+soft-cap $SOFT_CAP }(exit $?)"
+    echo "== $impl $preset ${SOFT_CAP:+soft-cap $SOFT_CAP }${TAG:-} (exit $?)"
+    if [ -n "${SOURCE:-}" ]; then
+      ncu -i /tmp/ncu-src.ncu-rep --page source --csv --print-source sass \
+        > "$OUT/ncu-src-$impl-$preset${TAG:-}.csv" 2>&1
+      head -c 600 "$OUT/ncu-src-$impl-$preset${TAG:-}.csv"; echo
+      continue
+    fi
     grep -E "max error|^  [A-Za-z_].*\(|gpu__time|dram__|lts__|hmma|grid_size|block_size|registers_per|occupancy_limit|shared_mem_per|waves|issue_active|warps_active|inst_executed|stalled|conflicts|cycles_" "$f" | sed 's/  */ /g' | head -70
   done
 done

@@ -5,7 +5,8 @@
 # compute-sanitizer's memcheck, racecheck and synccheck on one launch, and cupaged-bench
 # prefill with both multi-token families (and the peers named in PEERS).
 #   bash tools/sm90_check.sh [pytest args...]   BENCH=0: no benchmark; SAN=0: no sanitizer;
-#   TESTS=0: no tests
+#   TESTS=0: no tests; SAN_CASES="NHD:auto vllm:auto NHD:fp8" (layout:kv_cache_dtype) the
+#   sanitized launches (default NHD:auto)
 source "$(dirname "$0")/device_env.sh"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_sm90.py 2>&1 | tee "$OUT/sm90-probe.txt" | tail -5
 if grep -q failed "$OUT/sm90-probe.txt"; then
@@ -27,28 +28,37 @@ else
   echo "no cuobjdump: SASS not read" | tee "$OUT/sm90-sass.txt"
 fi
 if [ "${SAN:-1}" != 0 ]; then
+  for case in ${SAN_CASES:-NHD:auto}; do
   for tool in memcheck racecheck synccheck; do
+    f="$OUT/sanitize-sm90-${case/:/-}-$tool.txt"
     timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      --kernel-name kns=paged_prefill_sm90 python3 - <<'PY' \
-      > "$OUT/sanitize-sm90-$tool.txt" 2>&1
+      --kernel-name kns=paged_prefill_sm90 python3 - "${case%%:*}" "${case##*:}" <<'PY' > "$f" 2>&1
+import sys
 import numpy as np, cupy, cupaged
 from cupaged import testing
+layout, kv = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng(0)
 q_lens, seq = [300, 5, 130], [300, 900, 2000]
 bt, nb = testing.random_block_tables(np.array(seq, np.int32), 16, rng, spare_blocks=2)
 kc, vc = testing.random_cache(nb, 2, 128, 16, np.float16, rng)
-kc, vc = testing.convert_layout(kc, vc, "vllm", "NHD")
+fp8 = {}
+if kv != "auto":  # the same values' fp8 bytes, per-tensor scales
+    from cupaged import reference
+    kc, vc = (reference.quantize_fp8(c, kv, 0.01).view(np.uint8) for c in (kc, vc))
+    fp8 = dict(kv_cache_dtype=kv, k_scale=0.01, v_scale=0.01)
+kc, vc = testing.convert_layout(kc, vc, "vllm", layout)
 qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
 q = testing.random_normal((int(qsl[-1]), 8, 128), np.float16, rng)
 d = {k: cupy.asarray(v) for k, v in dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt,
                                          seq_lens=np.array(seq, np.int32), query_start_loc=qsl).items()}
 from cupaged import planning
 planning.set_prefill_family("sm90")
-cupaged.attention(**d)
+cupaged.attention(**d, kv_layout=layout, **fp8)
 cupy.cuda.Device().synchronize()
 print("done")
 PY
-    echo "$tool: exit ${PIPESTATUS[0]}"; tail -3 "$OUT/sanitize-sm90-$tool.txt"
+    echo "$case $tool: exit ${PIPESTATUS[0]}"; tail -3 "$f"
+  done
   done
 fi
 if [ "${BENCH:-1}" != 0 ]; then

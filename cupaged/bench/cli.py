@@ -563,6 +563,9 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True)
 @_kv_cache_dtype_option
+@click.option("--kv-layout", type=click.Choice(["NHD", "HND", "vllm"]), default="NHD",
+              show_default=True, help="The caches' layout (the peers read NHD only: with "
+                                      "another they are left out).")
 @click.option("--non-causal", is_flag=True, help="Every query token sees every key.")
 @_window_option(" TFLOP/s then count only the (query, key) pairs inside the window and "
                 "the causal limit; % copy only the keys some query sees.")
@@ -571,7 +574,7 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
 @_alibi_option
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, non_causal, window, soft_cap, sinks, alibi, reps):
+            dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, sinks, alibi, reps):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
@@ -600,22 +603,23 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
             raise click.BadParameter("--context counts the new tokens: at least --query-len")
         cases.append(prefill.PrefillCase(
             f"{batch}x{query_len}/{ctx}", batch, query_len, ctx, heads, kv_heads, head_size,
-            block_size, dtype, not non_causal, kv, variants))
+            block_size, dtype, not non_causal, kv, variants, kv_layout))
     for name in presets or (() if cases else tuple(prefill.PRESETS)):
         if name not in prefill.PRESETS:
             raise click.BadParameter(f"unknown preset {name!r}", param_hint="--preset")
         kw = prefill.PRESETS[name]
         cases.append(prefill.PrefillCase(name, causal=not non_causal, kv_cache_dtype=kv,
-                                               variants=variants, **kw))
+                                               variants=variants, kv_layout=kv_layout, **kw))
     if not impls:
         impls = ["cupaged"]
         if peers.import_torch() is not None and kv == "auto":  # SDPA: no fp8 cache path
             impls += ["torch-sdpa-flash", "torch-sdpa-cudnn"]
         if peers.flashinfer_unavailable() is None:
             impls += ["flashinfer-fa2", "flashinfer-fa3"]
-        left_out = [i for i in impls if prefill.variant_unsupported(i, variants)]
+        left_out = [i for i in impls if prefill.variant_unsupported(i, variants, kv_layout)]
         if left_out:
-            click.echo(f"cannot run {variants.label()}, left out: {', '.join(left_out)}")
+            click.echo(f"cannot run {variants.label()} on {kv_layout}, left out: "
+                       f"{', '.join(left_out)}")
             impls = [i for i in impls if i not in left_out]
     bw = timing.copy_bandwidth()
     mm = prefill.matmul_tflops()

@@ -54,10 +54,14 @@ def seen_keys(q_len: int, ctx: int, window=None) -> int:
 _FLASHINFER_VARIANTS = {"window": "window_left", "soft_cap": "logits_soft_cap"}
 
 
-def variant_unsupported(impl: str, variants: "workloads.Variants") -> str | None:
-    """Why a prefill implementation cannot run ``variants`` (one line), or None."""
+def variant_unsupported(impl: str, variants: "workloads.Variants",
+                        kv_layout: str = "NHD") -> str | None:
+    """Why a prefill implementation cannot run ``variants`` over a ``kv_layout`` cache (one
+    line), or None. The peers here read NHD caches only."""
     if impl in ("cupaged", "cupaged-mma"):
         return None
+    if kv_layout != "NHD":
+        return f"{impl} reads NHD caches here, not {kv_layout}"
     takes = _FLASHINFER_VARIANTS if impl.startswith("flashinfer-") else None  # SDPA: none
     return decode.peer_refusal(impl, takes, variants)
 
@@ -65,9 +69,9 @@ def variant_unsupported(impl: str, variants: "workloads.Variants") -> str | None
 @dataclass
 class PrefillCase:
     """``batch`` sequences, each with ``q_len`` new tokens at the end of ``ctx`` cached ones
-    (``q_len == ctx``: a whole prompt), on an NHD cache with the blocks scattered: of
-    ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2"), with
-    attention ``variants`` (workloads.Variants)."""
+    (``q_len == ctx``: a whole prompt), on a ``kv_layout`` cache (NHD, HND or vllm) with
+    the blocks scattered: of ``dtype``, or uint8 bytes of fp8 (``kv_cache_dtype``
+    "fp8_e4m3" / "fp8_e5m2"), with attention ``variants`` (workloads.Variants)."""
 
     name: str
     batch: int
@@ -81,6 +85,7 @@ class PrefillCase:
     causal: bool = True
     kv_cache_dtype: str = "auto"
     variants: workloads.Variants = workloads.PLAIN
+    kv_layout: str = "NHD"
     arrays: dict = field(default_factory=dict, repr=False)
     variant_arrays: dict = field(default_factory=dict, repr=False)  # sinks on the device
 
@@ -115,10 +120,15 @@ class PrefillCase:
                 return workloads.random_fp8(shape, self.kv_cache_dtype, rng, cupy)
             return testing.random_normal(shape, dt, rng, cupy)
 
+        k, v = cache(), cache()
+        if self.kv_layout != "NHD":  # the same values, rearranged on the host
+            k, v = (cupy.asarray(c) for c in testing.convert_layout(
+                cupy.asnumpy(k), cupy.asnumpy(v), "NHD", self.kv_layout))
+
         self.arrays = dict(
             query=testing.random_normal((self.batch * self.q_len, self.heads, self.head_size),
                                         dt, rng, cupy),
-            key_cache=cache(), value_cache=cache(),
+            key_cache=k, value_cache=v,
             block_tables=cupy.asarray(bt), seq_lens=cupy.asarray(lens),
             query_start_loc=cupy.arange(0, self.batch * self.q_len + 1, self.q_len,
                                         dtype=np.int32))
@@ -154,7 +164,7 @@ class PrefillCase:
         got = cupy.asnumpy(out).astype(np.float64)
         worst = 0.0
         for s in sorted({0, self.batch - 1}):
-            kk, vv = reference.gather_kv(k, v, bt[s], self.ctx, "NHD", **self.kv_args)
+            kk, vv = reference.gather_kv(k, v, bt[s], self.ctx, self.kv_layout, **self.kv_args)
             picks = np.unique(np.linspace(0, self.q_len - 1, rows).astype(int))
             qrows = q[s * self.q_len + picks]
             pos = self.ctx - self.q_len + picks
@@ -204,7 +214,7 @@ def _run_cupaged(case: PrefillCase, family: str | None = None):
     out = cupy.full(a["query"].shape, np.nan, dtype=a["query"].dtype)
 
     def run():
-        return cupaged.attention(**a, kv_layout="NHD", causal=case.causal,
+        return cupaged.attention(**a, kv_layout=case.kv_layout, causal=case.causal,
                                  max_query_len=case.q_len, max_seq_len=case.ctx, out=out,
                                  **case.kv_args, **case.variant_args)
 
@@ -216,10 +226,10 @@ def _run_flashinfer(case: PrefillCase, backend: str):
     torch's float8 type, its scales passed to run() (k_scale folded into the softmax
     scale, the output multiplied by v_scale: FlashInfer's own launch, timed with it). A
     window goes to plan() as ``window_left = W - 1``, a soft cap as ``logits_soft_cap``."""
-    flashinfer = peers.require_flashinfer()
-    why = variant_unsupported(f"flashinfer-{backend}", case.variants)
+    why = variant_unsupported(f"flashinfer-{backend}", case.variants, case.kv_layout)
     if why:
         raise NotImplementedError(why)
+    flashinfer = peers.require_flashinfer()
     torch = peers.import_torch()
     a = case.arrays
     indptr, indices, last = peers.flashinfer_pages(cupy.asnumpy(a["block_tables"]),
@@ -258,7 +268,7 @@ def _run_sdpa(case: PrefillCase, backend: str):
     mask, which only the cuDNN and math backends take. No fp8 caches."""
     if case.fp8:
         raise NotImplementedError(f"torch SDPA has no fp8 cache path ({case.kv_cache_dtype})")
-    why = variant_unsupported(f"torch-sdpa-{backend}", case.variants)
+    why = variant_unsupported(f"torch-sdpa-{backend}", case.variants, case.kv_layout)
     if why:
         raise NotImplementedError(why)
     torch = peers.import_torch()

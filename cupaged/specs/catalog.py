@@ -46,7 +46,7 @@ AXES = {
     # Hopper only (jit.ARCH_ONLY): built for sm_90a where the targets include sm_90.
     "paged_prefill_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": SM90_HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
-                           "variant": PREFILL_VARIANTS},
+                           "kv_format": KV_FORMATS, "variant": PREFILL_VARIANTS},
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
     "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
@@ -65,14 +65,18 @@ def supported(spec: jit.KernelSpec) -> bool:
     queries and head sizes that are multiples of 16, and only they have per-token-head
     scales; paged_prefill copies vLLM's value layout in 16-byte runs of one block, so it
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
-    kernel's row mode); paged_prefill_sm90 takes fp8 caches up to head size 192."""
+    kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
+    192, and vLLM's layout in blocks of 8 tokens or more."""
     fp8 = spec.cache_dtype in _dtypes.FP8
     if fp8 and (spec.dtype == "f32" or spec.head_size % 16):
         return False
     if spec.kv_scale and not fp8:
         return False
-    if spec.kernel == "paged_prefill_sm90" and fp8 and spec.head_size > 192:
-        return False  # its raw fp8 stages do not fit beside the ring at head size 256
+    if spec.kernel == "paged_prefill_sm90":
+        if fp8 and (spec.head_size > 192 or spec.kv_format == "vllm"):
+            return False  # its raw fp8 stages: token-major, and beside the ring up to 192
+        if spec.kv_format == "vllm" and spec.block_size < 8:
+            return False  # vLLM's value in 16-byte runs of one block
     return not (spec.kernel == "paged_prefill" and spec.kv_format == "vllm"
                 and spec.block_size < (16 if fp8 else 8))
 
