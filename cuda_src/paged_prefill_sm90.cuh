@@ -63,16 +63,6 @@ struct Sm90PrefillGeometry {
   // Tiles need 1024-byte alignment (the swizzle's phase): the kernel rounds the dynamic
   // shared memory's base up, so it asks for 1024 bytes more.
   static constexpr int kSmemBytes = kOffFlags + 16 * STAGES + 1024;
-  // Registers per thread: the producer's copy loop needs few; the consumers take the rest
-  // of what the launch allocated (384 threads x 168, __launch_bounds__(384, 1)): 128 *
-  // (56 + 2 * 224) = 64512; 40 for the producer spills it. fp8's widening producer needs
-  // more, and its consumers, with S of 64 keys, fewer: 128 * (88 + 2 * 208) = 64512.
-  static constexpr int kProducerRegs = kQuant ? 88 : 56;
-  static constexpr int kConsumerRegs = kQuant ? 208 : 224;
-  // setmaxnreg.inc waits until the CTA's pool has the registers: asking for more than the
-  // launch allocated never returns.
-  static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 384 * 168,
-                "setmaxnreg: the warpgroups' registers exceed the launch's");
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
@@ -96,6 +86,24 @@ __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
 
+// Registers per thread of each role, set by setmaxnreg out of what the launch allocated
+// (384 threads x 168, __launch_bounds__(384, 1)). The copy loop of a 16-bit token-major
+// producer needs few, and the consumers take the rest: 128 * (56 + 2 * 224) = 64512. A
+// producer with more work per tile runs faster with more, measured on an H200
+// (docs/PERFORMANCE.md): fp8's widening 88 (+18-23% against 56; 104 and 120 lost 1-5%),
+// vLLM's strided gathers 72 (+6-10%); their consumers fit in fewer (S of 64 keys for fp8),
+// but for head size 256, whose O alone takes 128 registers.
+template <bool QUANT, bool VLLM, int HEAD_SIZE>
+struct Sm90Registers {
+  static constexpr bool kVllmMore = VLLM && HEAD_SIZE <= 192;
+  static constexpr int kProducer = QUANT ? 88 : kVllmMore ? 72 : 56;
+  static constexpr int kConsumer = QUANT ? 208 : kVllmMore ? 216 : 224;
+  // setmaxnreg.inc waits until the CTA's pool has the registers: asking for more than the
+  // launch allocated never returns (jit.LAUNCH_REGS checks the compiled count).
+  static_assert(128 * (kProducer + 2 * kConsumer) <= 384 * 168,
+                "setmaxnreg: the warpgroups' registers exceed the launch's");
+};
+
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int TILE_N,
           int STAGES, int VARIANT>
 __global__ void __launch_bounds__(384, 1)
@@ -115,6 +123,7 @@ __global__ void __launch_bounds__(384, 1)
   // vLLM's layout: V [dim][token] within a block is copied in 16-byte runs of 8 tokens and
   // kept dim-major, wgmma's K-major B of P V.
   constexpr bool kVllm = KV_FORMAT == kFormatVllm;
+  using Regs = Sm90Registers<Geo::kQuant, kVllm, HEAD_SIZE>;
   static_assert(!kVllm || (!Geo::kQuant && BLOCK_SIZE >= 8),
                 "vLLM's layout: 16-bit caches in blocks of 8 tokens or more");
   using Var = Variant<VARIANT>;
@@ -227,7 +236,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (warp < 4) {
     // ---- producer ------------------------------------------------------------------------
-    setmaxnreg_dec<Geo::kProducerRegs>();
+    setmaxnreg_dec<Regs::kProducer>();
     // Eight threads per row (a warp's copies are whole 128-byte lines); thread tid copies
     // chunks c0, c0 + 8, ... of rows tid / 8 + 16 k. The swizzled chunk of a row depends
     // on the row's index mod 8 only, which is this thread's for every row.
@@ -499,7 +508,7 @@ __global__ void __launch_bounds__(384, 1)
   }
 
   // ---- consumers --------------------------------------------------------------------------
-  setmaxnreg_inc<Geo::kConsumerRegs>();
+  setmaxnreg_inc<Regs::kConsumer>();
   const int wg = warp / 4 - 1;
   const int ctid = tid - 128 * (wg + 1);
   const int cwarp = ctid >> 5;
