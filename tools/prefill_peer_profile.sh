@@ -3,7 +3,7 @@
 # on the same preset (in its dtype: bf16 but for the verify preset): grid, registers,
 # occupancy, memory traffic, tensor pipe, issue activity and stall reasons, one launch of
 # each after warm-up (the NVTX range "timed"). Needs .flashinfer/ carried for fa2's rows.
-#   PRESETS="8x2048 prompt-4096" IMPLS="cupaged flashinfer-fa2" [SOFT_CAP=50] [HEAD_SIZE=64]
+#   PRESETS="8x2048 prompt-4096" IMPLS="cupaged flashinfer-fa2" [SOFT_CAP=50] [ALIBI=1] [HEAD_SIZE=64]
 #   [KV_DTYPE=fp8] [TAG=name] bash tools/prefill_peer_profile.sh
 # Reports: $OUT/ncu-pp-<impl>-<preset><TAG>.txt. SET=full: Nsight Compute's full section set.
 # SOURCE=1: instead, the warp-state samples per SASS instruction (SourceCounters), as CSV
@@ -32,13 +32,13 @@ for preset in ${PRESETS:-8x2048}; do
   for impl in ${IMPLS:-cupaged flashinfer-fa2}; do
     f="$OUT/ncu-pp-$impl-$preset${TAG:-}.txt"
     ncu "${what[@]}" --nvtx --nvtx-include "timed/" python3 - "$impl" "$preset" \
-      "${SOFT_CAP:-}" "${HEAD_SIZE:-128}" "${KV_DTYPE:-auto}" > "$f" 2>&1 <<'PY'
+      "${SOFT_CAP:-}" "${HEAD_SIZE:-128}" "${KV_DTYPE:-auto}" "${ALIBI:-}" > "$f" 2>&1 <<'PY'
 import sys
 from cupaged.bench import timing
 from cupaged.bench import workloads
 from cupaged.bench import prefill as bench_prefill
 impl, preset, cap, hs, kv = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-variants = workloads.Variants(soft_cap=float(cap)) if cap else workloads.Variants()
+variants = workloads.Variants(soft_cap=float(cap) if cap else None, alibi=bool(sys.argv[6]))
 case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset], head_size=hs,
                                  kv_cache_dtype=kv, variants=variants).build()
 run = bench_prefill.IMPLEMENTATIONS[impl](case)
