@@ -419,10 +419,15 @@ def prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
 def prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                    kv_format: str, tile: tuple, cache_dtype: str = "",
                     kv_scale: str = "", variant: str = "") -> PrefillKernel:
+    spec = prefill_spec(device_info(device_id).arch, dtype, head_size, block_size, kv_format,
+                        tile, cache_dtype, kv_scale, variant)
+    return _load_prefill(spec, geometry.PrefillGeometry.of(spec), device_id)
+
+
+def _load_prefill(spec: jit.KernelSpec, g, device_id: int) -> PrefillKernel:
+    """A multi-token kernel loaded with its geometry ``g``'s shared memory (a ValueError
+    naming the spec where the device has less: only a tile override asks for that)."""
     dev = device_info(device_id)
-    spec = prefill_spec(dev.arch, dtype, head_size, block_size, kv_format, tile, cache_dtype,
-                        kv_scale, variant)
-    g = geometry.PrefillGeometry.of(spec)
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
                          f"device {device_id} allows {dev.max_smem}")
@@ -453,17 +458,10 @@ def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: 
     """paged_prefill_sm90 (Hopper's wgmma kernel) in ``tile`` (tile_tokens, stages; ()
     the default)."""
     tt, st = tile or (0, 0)
-    dev = device_info(device_id)
     spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, tile_tokens=tt,
                           stages=st, variant=variant, cache_dtype=cache_dtype,
-                          kv_format=kv_format, arch=dev.arch)
-    g = geometry.Sm90PrefillGeometry.of(spec)
-    if g.smem_bytes > dev.max_smem:  # (only a tile override can ask for that)
-        raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
-                         f"device {device_id} allows {dev.max_smem}")
-    kernel = jit.load(spec, device_id, g.smem_bytes)
-    return PrefillKernel(kernel, g.smem_bytes, g.threads, spec.tile_tokens,
-                         resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
+                          kv_format=kv_format, arch=device_info(device_id).arch)
+    return _load_prefill(spec, geometry.Sm90PrefillGeometry.of(spec), device_id)
 
 
 def sm90_applies(p: Problem, rows_needed: int) -> bool:

@@ -292,3 +292,27 @@ def test_a_tile_override_past_shared_memory_is_refused_by_name(device_arch):
     with pytest.raises(ValueError, match=r"paged_prefill_sm90_bf16_e4m3_hs128_bs16_tok_n128x3_sm90a "
                                          r"needs 296064 bytes"):
         planning.prefill_sm90_kernel(0, "bf16", 128, 16, "", (128, 3), "e4m3")
+
+
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+def test_a_tile_past_the_devices_shared_memory_is_refused_before_loading(device_arch, monkeypatch,
+                                                                        family):
+    """A tile override that needs more shared memory than the device allows is a
+    ValueError naming the kernel's specialization, raised before anything compiles or
+    loads (both multi-token families share the check)."""
+    from cupaged import jit
+
+    device_arch("sm_90")
+    loads = []
+    monkeypatch.setattr(jit, "load", lambda *a, **k: loads.append(a))
+    planning.prefill_kernel.cache_clear()
+    planning.prefill_sm90_kernel.cache_clear()
+    small = planning.DeviceInfo(0, "sm_90", 132, 48 * 1024, 233472)
+    monkeypatch.setattr(planning, "device_info", lambda device_id: small)
+    with pytest.raises(ValueError, match=r"paged_prefill\S* needs \d+ bytes of shared memory "
+                                         r"per block; device 0 allows 49152"):
+        if family == "sm90":
+            planning.prefill_sm90_kernel(0, "bf16", 128, 16, "", (128, 3))
+        else:
+            planning.prefill_kernel(0, "bf16", 128, 16, "tok", jit.default_prefill_tile(128))
+    assert loads == []
