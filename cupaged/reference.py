@@ -9,6 +9,10 @@ Cache layouts (``kv_layout``), one block of ``block_size`` tokens per leading in
     "NHD"   key and value ``[num_blocks, block_size, num_kv_heads, head_size]``
     "HND"   key and value ``[num_blocks, num_kv_heads, block_size, head_size]``
 
+MLA latent caches (:func:`mla_attention`, :func:`concat_and_cache_mla`): vLLM's
+``[num_blocks, block_size, kv_lora_rank + rope_dim]``, or a ``[.., kv_lora_rank]`` cache
+with a ``[.., rope_dim]`` one beside it.
+
 fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays with
 "auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
@@ -20,9 +24,9 @@ import math
 
 import numpy as np
 
-__all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "dequantize_fp8",
-           "fp8_max", "gather_kv",
-           "merge_state", "merge_states", "paged_attention", "quantize_fp8",
+__all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "concat_and_cache_mla",
+           "dequantize_fp8", "fp8_max", "gather_kv", "merge_state", "merge_states",
+           "mla_attention", "mla_cache_views", "paged_attention", "quantize_fp8",
            "reshape_and_cache", "token_head_scales"]
 
 KV_LAYOUTS = ("NHD", "HND", "vllm")
@@ -169,7 +173,8 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
            window=None, logits_soft_cap=None, sinks=None, key_mask=None,
            return_lse: bool = False):
     """Dense attention in float64: ``q [num_heads, hs]`` (one token) or ``[q_len,
-    num_heads, hs]`` against ``k, v [n, num_kv_heads, hs]``; query head h uses KV head
+    num_heads, hs]`` against ``k [n, num_kv_heads, hs]`` and ``v [n, num_kv_heads, hv]``
+    (``hv`` is the output's last dimension: ``hs`` but in MLA); query head h uses KV head
     h // (num_heads // num_kv_heads).
 
     ``q_pos``: each query row's position among the n keys (default: the last q_len
@@ -191,14 +196,14 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     single = q.ndim == 2
     if single:
         q = q[None]
-    q_len, num_heads, head_size = q.shape
+    q_len, num_heads, _ = q.shape
     n, num_kv_heads, _ = k.shape
     if q_pos is None:
         q_pos = n - q_len + np.arange(q_len)
     q_pos = np.asarray(q_pos, dtype=np.int64)
     if window is not None and window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
-    out = np.zeros((q_len, num_heads, head_size))
+    out = np.zeros((q_len, num_heads, v.shape[-1]))
     sink = None if sinks is None else np.asarray(sinks, dtype=np.float64)[None, :, None]
     lse = np.full((q_len, num_heads), -np.inf) if sink is None else \
         np.broadcast_to(sink[..., 0], (q_len, num_heads)).copy()
@@ -320,7 +325,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         raise ValueError(f"query_start_loc must be [num_seqs + 1] ending at total_q={total_q}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
-    out = np.zeros((total_q, num_heads, head_size))
+    value_size = token_major_views(value_cache, kv_layout, False).shape[-1]  # MLA: < head_size
+    out = np.zeros((total_q, num_heads, value_size))
     lse = np.full((total_q, num_heads), -np.inf)
     if sinks is not None:  # a row that sees no key still has its sink
         lse[:] = np.asarray(sinks, dtype=np.float64)[None, :]
@@ -343,6 +349,87 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         out[a:b], lse[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal,
                                     key_mask=key_mask, return_lse=True, **variants)
     return (out, lse) if return_lse else out
+
+
+# ---- multi-head latent attention (DeepSeek's MLA) ---------------------------------------------
+
+
+def mla_cache_views(kv_cache, k_pe_cache=None, kv_lora_rank: int = 512):
+    """The latent and rotary parts of an MLA cache, ``[num_blocks, block_size,
+    kv_lora_rank]`` and ``[num_blocks, block_size, rope_dim]`` (writable views): vLLM's
+    combined ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]``, or
+    FlashInfer's pair ``kv_cache [.., kv_lora_rank]`` and ``k_pe_cache [.., rope_dim]``."""
+    kv_cache = np.asarray(kv_cache)
+    if kv_cache.ndim != 3:
+        raise ValueError(f"an MLA cache is [num_blocks, block_size, dims], got {kv_cache.shape}")
+    if k_pe_cache is None:
+        if kv_cache.shape[-1] <= kv_lora_rank:
+            raise ValueError(f"kv_cache's last dimension ({kv_cache.shape[-1]}) must hold "
+                             f"kv_lora_rank ({kv_lora_rank}) latent values and the rotary ones")
+        return kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:]
+    k_pe_cache = np.asarray(k_pe_cache)
+    if kv_cache.shape[-1] != kv_lora_rank or k_pe_cache.shape[:2] != kv_cache.shape[:2]:
+        raise ValueError(f"kv_cache {kv_cache.shape} and k_pe_cache {k_pe_cache.shape} must "
+                         f"be [num_blocks, block_size, {kv_lora_rank}] and [num_blocks, "
+                         f"block_size, rope_dim]")
+    return kv_cache, k_pe_cache
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
+                         *, k_pe_cache=None) -> None:
+    """What the latent cache write stores (vLLM's ``concat_and_cache_mla``), into a host
+    cache in place: token i's ``kv_c[i]`` (``[num_tokens, kv_lora_rank]``) and ``k_pe[i]``
+    (``[num_tokens, rope_dim]``) at slot ``slot_mapping[i]`` (block ``slot //
+    block_size``, offset ``slot % block_size``) of :func:`mla_cache_views`' caches; a
+    negative slot (padding) is skipped. An fp8 cache stores :func:`quantize_fp8` of the
+    values with the per-tensor ``scale`` (1 when None)."""
+    kv_c, k_pe = np.asarray(kv_c), np.asarray(k_pe)
+    latent, rope = mla_cache_views(kv_cache, k_pe_cache, kv_c.shape[-1])
+    fmt = _fp8_format(kv_cache_dtype, kv_cache)
+    block_size = latent.shape[1]
+    for i, slot in enumerate(np.asarray(slot_mapping).astype(np.int64)):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), block_size)
+        for src, dst in ((kv_c[i], latent), (k_pe[i], rope)):
+            if fmt is None:
+                dst[b, o] = src.astype(dst.dtype)
+            else:
+                dst[b, o] = quantize_fp8(src, fmt, 1.0 if scale is None else scale).view(dst.dtype)
+
+
+def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, scale: float,
+                  kv_lora_rank: int = 512, k_pe_cache=None, causal: bool = True,
+                  kv_cache_dtype="auto", k_scale=None, return_lse: bool = False):
+    """Float64 absorbed multi-head latent attention (DeepSeek's MLA) over a paged latent
+    cache: ``[total_q, num_heads, kv_lora_rank]``, the latent output each head's ``W_UV``
+    then maps to its values.
+
+    ``q`` is ``[total_q, num_heads, kv_lora_rank + rope_dim]``, each head's absorbed
+    ``q_nope W_UK`` followed by its ``q_pe``, or the pair ``(q_latent, q_pe)``. A token's
+    key is its whole cached vector (``[kv_c, k_pe]``), its value the latent ``kv_c``: one
+    KV head shared by every query head. ``scale`` has no default: DeepSeek's is
+    ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (times YaRN's mscale squared), not
+    one over the root of the key's length. Rows, positions and ``causal`` are
+    :func:`attention`'s; an fp8 cache is read as ``stored * k_scale``. ``return_lse``:
+    also ``[total_q, num_heads]``."""
+    if isinstance(q, (tuple, list)):
+        q = np.concatenate([np.asarray(q[0], np.float64), np.asarray(q[1], np.float64)], -1)
+    q = np.asarray(q)
+    latent, rope = mla_cache_views(kv_cache, k_pe_cache, kv_lora_rank)
+    if q.shape[-1] != latent.shape[-1] + rope.shape[-1]:
+        raise ValueError(f"q's last dimension ({q.shape[-1]}) must be kv_lora_rank + rope_dim "
+                         f"({latent.shape[-1]} + {rope.shape[-1]})")
+    fmt = _fp8_format(kv_cache_dtype, latent)
+
+    def widen(c):
+        return np.asarray(c, np.float64) if fmt is None else dequantize_fp8(
+            c, kv_cache_dtype, 1.0 if k_scale is None else k_scale)
+
+    key = np.concatenate([widen(latent), widen(rope)], -1)[:, :, None, :]  # NHD, 1 KV head
+    value = widen(latent)[:, :, None, :]
+    return attention(q, key, value, block_tables, seq_lens, query_start_loc, kv_layout="NHD",
+                     causal=causal, scale=scale, return_lse=return_lse)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,

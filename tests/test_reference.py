@@ -370,3 +370,122 @@ def test_paged_reference_applies_the_blocksparse_mask(rng):
         want = reference.attend(p.query[s], k, v, 16 ** -0.5, key_mask=mask)
         np.testing.assert_allclose(got[s], want, rtol=1e-12, atol=1e-12)
     assert not np.allclose(got[2], dense[2])  # the pattern dropped keys of the long row
+
+
+# ---- multi-head latent attention (MLA) ----------------------------------------------------------
+
+MLA_DIMS = dict(rank=32, nope=16, rope=8, v=16)  # DeepSeek-V3's 512 / 128 / 64 / 128, shrunk
+
+
+def _mla_problem(rng, q_lens, seq_lens, heads=4, block_size=4, dims=MLA_DIMS):
+    """Random unabsorbed MLA weights and activations, and the latent cache a model would
+    hold for them: per token kv_c (the compressed K and V) and k_pe, per head W_UK and
+    W_UV (kv_c -> k_nope, kv_c -> v), per query token and head q_nope and q_pe."""
+    r, dn, dr, dv = dims["rank"], dims["nope"], dims["rope"], dims["v"]
+    bt, nb = testing.random_block_tables(np.array(seq_lens), block_size, rng, spare_blocks=2)
+    cache = np.full((nb, block_size, r + dr), np.nan)  # never-written slots stay NaN
+    kv_c, k_pe = [], []
+    for s, n in enumerate(seq_lens):
+        kv_c.append(rng.standard_normal((n, r)))
+        k_pe.append(rng.standard_normal((n, dr)))
+        slots = np.array([bt[s][t // block_size] * block_size + t % block_size for t in range(n)])
+        reference.concat_and_cache_mla(kv_c[-1], k_pe[-1], cache, slots)
+    total = sum(q_lens)
+    return dict(
+        cache=cache, bt=bt, kv_c=kv_c, k_pe=k_pe, heads=heads,
+        w_uk=rng.standard_normal((heads, r, dn)) / math.sqrt(r),
+        w_uv=rng.standard_normal((heads, r, dv)) / math.sqrt(r),
+        q_nope=rng.standard_normal((total, heads, dn)), q_pe=rng.standard_normal((total, heads, dr)),
+        starts=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        lens=np.array(seq_lens, np.int32), scale=1.0 / math.sqrt(dn + dr))
+
+
+def _unabsorbed(pb, causal=True):
+    """The model's own formulation: per head, k = [kv_c W_UK, k_pe] and v = kv_c W_UV."""
+    out = []
+    for s in range(len(pb["lens"])):
+        a, b = pb["starts"][s], pb["starts"][s + 1]
+        k_nope = np.einsum("nr,hrd->nhd", pb["kv_c"][s], pb["w_uk"])
+        k_pe = np.broadcast_to(pb["k_pe"][s][:, None, :], (len(k_nope), pb["heads"],
+                                                          pb["k_pe"][s].shape[-1]))
+        v = np.einsum("nr,hrd->nhd", pb["kv_c"][s], pb["w_uv"])
+        q = np.concatenate([pb["q_nope"][a:b], pb["q_pe"][a:b]], -1)
+        out.append(reference.attend(q, np.concatenate([k_nope, k_pe], -1), v, pb["scale"],
+                                    causal=causal))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_absorbed_mla_equals_the_unabsorbed_formulation(rng, causal):
+    """q_nope W_UK^T against the latent cache, then the latent output times W_UV, is the
+    per-head attention the model defines (empty, single-token, decode and chunked rows)."""
+    pb = _mla_problem(rng, q_lens=[0, 1, 3, 9, 1], seq_lens=[5, 1, 7, 9, 13])
+    q_latent = np.einsum("thd,hrd->thr", pb["q_nope"], pb["w_uk"])
+    latent = reference.mla_attention((q_latent, pb["q_pe"]), pb["cache"], pb["bt"], pb["lens"],
+                                     pb["starts"], scale=pb["scale"], causal=causal,
+                                     kv_lora_rank=MLA_DIMS["rank"])
+    got = np.einsum("thr,hrd->thd", latent, pb["w_uv"])
+    want = _unabsorbed(pb, causal)
+    assert got.shape == want.shape == (14, 4, MLA_DIMS["v"])
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert np.abs(want).max() > 0.1  # not a comparison of zeros
+
+
+def test_mla_cache_forms_and_the_query_forms_agree(rng):
+    """vLLM's combined cache and FlashInfer's kv_c / k_pe pair; q as one array or a pair."""
+    pb = _mla_problem(rng, q_lens=[2, 4], seq_lens=[6, 11])
+    r = MLA_DIMS["rank"]
+    q = np.concatenate([rng.standard_normal((6, 4, r)), pb["q_pe"]], -1)
+    kw = dict(scale=0.3, kv_lora_rank=r, return_lse=True)
+    one, lse = reference.mla_attention(q, pb["cache"], pb["bt"], pb["lens"], pb["starts"], **kw)
+    split, lse2 = reference.mla_attention((q[..., :r], q[..., r:]), pb["cache"][..., :r].copy(),
+                                          pb["bt"], pb["lens"], pb["starts"],
+                                          k_pe_cache=pb["cache"][..., r:].copy(), **kw)
+    np.testing.assert_array_equal(one, split)
+    np.testing.assert_array_equal(lse, lse2)
+    assert np.isfinite(one).all() and one.shape == (6, 4, r)
+
+
+def test_concat_and_cache_mla_writes_its_slots_only_and_skips_padding(rng):
+    cache = np.full((3, 4, 10), -7.0)
+    kv_c, k_pe = rng.standard_normal((3, 6)), rng.standard_normal((3, 4))
+    reference.concat_and_cache_mla(kv_c, k_pe, cache, np.array([5, -1, 11]))
+    np.testing.assert_array_equal(cache[1, 1], np.concatenate([kv_c[0], k_pe[0]]))
+    np.testing.assert_array_equal(cache[2, 3], np.concatenate([kv_c[2], k_pe[2]]))
+    assert (cache == -7.0).sum() == cache.size - 20  # the padding token wrote nothing
+
+
+def test_concat_and_cache_mla_quantizes_fp8_with_the_scale(rng):
+    cache = np.zeros((2, 4, 12), np.uint8)
+    kv_c, k_pe = rng.standard_normal((2, 8)) * 3, rng.standard_normal((2, 4))
+    reference.concat_and_cache_mla(kv_c, k_pe, cache, np.array([0, 6]), "fp8_e4m3", scale=0.5)
+    want = reference.quantize_fp8(np.concatenate([kv_c[1], k_pe[1]]), "fp8_e4m3", 0.5)
+    np.testing.assert_array_equal(cache[1, 2], want.view(np.uint8))
+    back = reference.dequantize_fp8(cache[1, 2], "fp8_e4m3", 0.5)
+    np.testing.assert_allclose(back, np.concatenate([kv_c[1], k_pe[1]]), rtol=0.07, atol=0.01)
+
+
+def test_mla_reads_an_fp8_latent_cache_as_stored_times_scale(rng):
+    pb = _mla_problem(rng, q_lens=[3], seq_lens=[9])
+    r = MLA_DIMS["rank"]
+    stored = reference.quantize_fp8(np.nan_to_num(pb["cache"]), "fp8_e4m3", 0.25).view(np.uint8)
+    q = (rng.standard_normal((3, 4, r)), pb["q_pe"])
+    got = reference.mla_attention(q, stored, pb["bt"], pb["lens"], pb["starts"], scale=0.2,
+                                  kv_lora_rank=r, kv_cache_dtype="fp8_e4m3", k_scale=0.25)
+    exact = reference.dequantize_fp8(stored, "fp8_e4m3", 0.25)
+    want = reference.mla_attention(q, exact, pb["bt"], pb["lens"], pb["starts"], scale=0.2,
+                                   kv_lora_rank=r)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cache, kw, match", [
+    (np.zeros((2, 4, 8)), dict(kv_lora_rank=8), "must hold kv_lora_rank"),
+    (np.zeros((2, 4)), dict(), r"\[num_blocks, block_size, dims\]"),
+    (np.zeros((2, 4, 8)), dict(kv_lora_rank=8, k_pe_cache=np.zeros((2, 3, 2))), "k_pe_cache"),
+    (np.zeros((2, 4, 10)), dict(kv_lora_rank=8), r"q's last dimension \(11\)"),
+])
+def test_mla_reference_refuses_inconsistent_shapes(cache, kw, match):
+    with pytest.raises(ValueError, match=match):
+        reference.mla_attention(np.zeros((1, 2, 11)), cache, np.zeros((1, 1), np.int32),
+                                np.array([1], np.int32), np.array([0, 1], np.int32), scale=1.0,
+                                **kw)
