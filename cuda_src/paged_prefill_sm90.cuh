@@ -2,8 +2,9 @@
 // contract and arguments (paged_prefill.cuh: query rows packed token-major within a KV
 // head's group, bottom-right causal alignment, variants, split-KV partials, NaN rows for
 // blocks outside the cache), on wgmma with warp specialization, for token-major caches
-// (NHD, HND, strided views) of the query's type or fp8 with per-tensor scales, and head
-// sizes that are multiples of 64.
+// (NHD, HND, strided views) of the query's type or fp8 with per-tensor scales, vLLM's
+// layout of the query's type in blocks of 8 tokens or more, and head sizes that are
+// multiples of 64.
 //
 // A CTA is three warpgroups working through query tiles of 128 packed rows of one
 // (sequence, KV head):
@@ -16,8 +17,9 @@
 //   once.
 //   warpgroups 1 and 2, the consumers, own 64 rows each: S = Q K^T (wgmma, Q and K from
 //   shared memory, K K-major), scale, masks and online softmax on S's registers as
-//   paged_prefill does, and O += P V (wgmma, P from registers, V MN-major: the same
-//   swizzled [token][dim] tile as K). Each issues tile j's S = Q K^T and tile j - 1's
+//   paged_prefill does, and O += P V (wgmma, P from registers; V MN-major, the same
+//   swizzled [token][dim] tile as K, or from vLLM's layout a K-major [dim][token] tile).
+//   Each issues tile j's S = Q K^T and tile j - 1's
 //   P V together and runs tile j's softmax while the P V is on the tensor cores; the two
 //   consumers take turns issuing (named barriers), so one's softmax also overlaps the
 //   other's products.

@@ -222,6 +222,8 @@ class KernelSpec:
         if "kv_format" in params and not self.kv_format:  # the layout each kernel began with
             object.__setattr__(self, "kv_format",
                                "tok" if self.kernel.startswith("paged_prefill") else "vllm")
+        if "kv_format" not in params and self.kv_format:
+            raise ValueError(f"{self.kernel} takes no kv_format (it reads no cache): {self!r}")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
             raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
         object.__setattr__(self, "_params", params)
@@ -622,8 +624,9 @@ class Launcher:
 
 
 # Registers a kernel's launch must allocate per thread: paged_prefill_sm90's warpgroups
-# re-divide the CTA's registers with setmaxnreg (its Sm90PrefillGeometry static_assert),
-# and setmaxnreg.inc waits forever for registers the launch did not allocate.
+# re-divide the CTA's registers with setmaxnreg, and setmaxnreg.inc waits forever for
+# registers the launch did not allocate. The C++ side bounds the split by the same 168
+# (Sm90Registers' static_assert, from __launch_bounds__(384, 1)).
 LAUNCH_REGS = {"paged_prefill_sm90": 168}
 
 

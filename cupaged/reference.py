@@ -300,7 +300,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
               max_query_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=None,
               v_scale=None, window=None, logits_soft_cap=None, sinks=None,
               blocksparse=None, return_lse: bool = False):
-    """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention``.
+    """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention`` (the
+    last dimension is the value cache's: ``head_size`` but in MLA, :func:`mla_attention`).
 
     Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` (default: one
     row each). Its ``q_len`` tokens are the last ``q_len`` of its ``seq_lens[s]`` cached
@@ -354,14 +355,17 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 # ---- multi-head latent attention (DeepSeek's MLA) ---------------------------------------------
 
 
-def mla_cache_views(kv_cache, k_pe_cache=None, kv_lora_rank: int = 512):
+def mla_cache_views(kv_cache, k_pe_cache=None, kv_lora_rank: int | None = None):
     """The latent and rotary parts of an MLA cache, ``[num_blocks, block_size,
     kv_lora_rank]`` and ``[num_blocks, block_size, rope_dim]`` (writable views): vLLM's
     combined ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]``, or
-    FlashInfer's pair ``kv_cache [.., kv_lora_rank]`` and ``k_pe_cache [.., rope_dim]``."""
+    FlashInfer's pair ``kv_cache [.., kv_lora_rank]`` and ``k_pe_cache [.., rope_dim]``
+    (``kv_lora_rank`` None: the pair's, or 512 for a combined cache)."""
     kv_cache = np.asarray(kv_cache)
     if kv_cache.ndim != 3:
         raise ValueError(f"an MLA cache is [num_blocks, block_size, dims], got {kv_cache.shape}")
+    if kv_lora_rank is None:
+        kv_lora_rank = 512 if k_pe_cache is None else kv_cache.shape[-1]
     if k_pe_cache is None:
         if kv_cache.shape[-1] <= kv_lora_rank:
             raise ValueError(f"kv_cache's last dimension ({kv_cache.shape[-1]}) must hold "
@@ -399,14 +403,17 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
 
 
 def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, scale: float,
-                  kv_lora_rank: int = 512, k_pe_cache=None, causal: bool = True,
+                  kv_lora_rank: int | None = None, k_pe_cache=None, causal: bool = True,
                   kv_cache_dtype="auto", k_scale=None, return_lse: bool = False):
     """Float64 absorbed multi-head latent attention (DeepSeek's MLA) over a paged latent
     cache: ``[total_q, num_heads, kv_lora_rank]``, the latent output each head's ``W_UV``
     then maps to its values.
 
     ``q`` is ``[total_q, num_heads, kv_lora_rank + rope_dim]``, each head's absorbed
-    ``q_nope W_UK`` followed by its ``q_pe``, or the pair ``(q_latent, q_pe)``. A token's
+    ``W_UK q_nope`` (``W_UK`` of head h ``[kv_lora_rank, qk_nope_head_dim]``, mapping
+    ``kv_c`` to the head's ``k_nope``) followed by its ``q_pe``, or the pair
+    ``(q_latent, q_pe)``. ``kv_lora_rank`` (None: 512, or a cache pair's own) splits a
+    combined cache; see :func:`mla_cache_views`. A token's
     key is its whole cached vector (``[kv_c, k_pe]``), its value the latent ``kv_c``: one
     KV head shared by every query head. ``scale`` has no default: DeepSeek's is
     ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (times YaRN's mscale squared), not

@@ -410,3 +410,12 @@ def test_clear_memory_caches_empties_the_launcher_caches():
                    cache_ops._kernel):
         assert cached in jit._launcher_caches
     jit._launcher_caches.remove(lookup)
+
+
+def test_a_kernel_without_layouts_refuses_kv_format_by_name():
+    """The merge kernel reads no cache: a kv_format is refused as such, not as a value
+    outside 'tok' / 'vllm' (which it may well be)."""
+    with pytest.raises(ValueError, match="paged_decode_combine takes no kv_format"):
+        jit.KernelSpec("paged_decode_combine", "f16", 128, kv_format="vllm")
+    with pytest.raises(ValueError, match="kv_format must be 'tok' or 'vllm'"):
+        jit.KernelSpec("paged_prefill_sm90", "f16", 128, 16, kv_format="HND")

@@ -20,14 +20,21 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def sm90(prefill_split):
+def sm90(prefill_split, monkeypatch):
+    """Hopper's kernel for every call it can serve; the test fails if it served none (a
+    call it cannot take falls back to the mma.sync kernel silently)."""
     import cupy
 
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    served = []
+    real = planning.prefill_sm90_kernel
+    monkeypatch.setattr(planning, "prefill_sm90_kernel",
+                        lambda *a, **k: served.append(a) or real(*a, **k))
     planning.set_prefill_family("sm90")
     yield prefill_split
     planning.set_prefill_family(None)
+    assert served, "paged_prefill_sm90 served none of the test's calls"
 
 
 def first_sequence(host):

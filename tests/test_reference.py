@@ -436,11 +436,12 @@ def test_mla_cache_forms_and_the_query_forms_agree(rng):
     pb = _mla_problem(rng, q_lens=[2, 4], seq_lens=[6, 11])
     r = MLA_DIMS["rank"]
     q = np.concatenate([rng.standard_normal((6, 4, r)), pb["q_pe"]], -1)
-    kw = dict(scale=0.3, kv_lora_rank=r, return_lse=True)
-    one, lse = reference.mla_attention(q, pb["cache"], pb["bt"], pb["lens"], pb["starts"], **kw)
+    kw = dict(scale=0.3, return_lse=True)
+    one, lse = reference.mla_attention(q, pb["cache"], pb["bt"], pb["lens"], pb["starts"],
+                                       kv_lora_rank=r, **kw)
     split, lse2 = reference.mla_attention((q[..., :r], q[..., r:]), pb["cache"][..., :r].copy(),
                                           pb["bt"], pb["lens"], pb["starts"],
-                                          k_pe_cache=pb["cache"][..., r:].copy(), **kw)
+                                          k_pe_cache=pb["cache"][..., r:].copy(), **kw)  # its rank
     np.testing.assert_array_equal(one, split)
     np.testing.assert_array_equal(lse, lse2)
     assert np.isfinite(one).all() and one.shape == (6, 4, r)

@@ -22,7 +22,7 @@ metrics=(
   sm__cycles_active.avg sm__cycles_elapsed.max
 )
 if [ -n "${SOURCE:-}" ]; then
-  what=(--section SourceCounters --section WarpStateStats -f -o /tmp/ncu-src)
+  what=(--section SourceCounters --section WarpStateStats -o /tmp/ncu-src)
 elif [ -n "${SET:-}" ]; then
   what=(--set "$SET" --print-details all)
 else
@@ -31,6 +31,7 @@ fi
 for preset in ${PRESETS:-8x2048}; do
   for impl in ${IMPLS:-cupaged flashinfer-fa2}; do
     f="$OUT/ncu-pp-$impl-$preset${TAG:-}.txt"
+    rm -f /tmp/ncu-src.ncu-rep  # (a run that profiles nothing must not export the last one)
     ncu "${what[@]}" --nvtx --nvtx-include "timed/" python3 - "$impl" "$preset" \
       "${SOFT_CAP:-}" "${HEAD_SIZE:-128}" "${KV_DTYPE:-auto}" "${ALIBI:-}" > "$f" 2>&1 <<'PY'
 import sys
@@ -38,7 +39,8 @@ from cupaged.bench import timing
 from cupaged.bench import workloads
 from cupaged.bench import prefill as bench_prefill
 impl, preset, cap, hs, kv = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-variants = workloads.Variants(soft_cap=float(cap) if cap else None, alibi=bool(sys.argv[6]))
+variants = workloads.Variants(soft_cap=float(cap) if cap else None,
+                              alibi=sys.argv[6] not in ("", "0"))
 case = bench_prefill.PrefillCase(preset, **bench_prefill.PRESETS[preset], head_size=hs,
                                  kv_cache_dtype=kv, variants=variants).build()
 run = bench_prefill.IMPLEMENTATIONS[impl](case)
@@ -47,6 +49,7 @@ timing.call_in_nvtx_range(run)
 PY
     echo "== $impl $preset ${SOFT_CAP:+soft-cap $SOFT_CAP }${TAG:-} (exit $?)"
     if [ -n "${SOURCE:-}" ]; then
+      [ -f /tmp/ncu-src.ncu-rep ] || { echo "no report: see $f"; continue; }
       ncu -i /tmp/ncu-src.ncu-rep --page source --csv --print-source sass \
         > "$OUT/ncu-src-$impl-$preset${TAG:-}.csv" 2>&1
       head -c 600 "$OUT/ncu-src-$impl-$preset${TAG:-}.csv"; echo

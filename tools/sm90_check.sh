@@ -53,7 +53,11 @@ d = {k: cupy.asarray(v) for k, v in dict(query=q, key_cache=kc, value_cache=vc, 
                                          seq_lens=np.array(seq, np.int32), query_start_loc=qsl).items()}
 from cupaged import planning
 planning.set_prefill_family("sm90")
+served = []  # the Hopper kernel must serve it, or the sanitizer would watch nothing
+real = planning.prefill_sm90_kernel
+planning.prefill_sm90_kernel = lambda *a, **k: served.append(a) or real(*a, **k)
 cupaged.attention(**d, kv_layout=layout, **fp8)
+assert served, f"paged_prefill_sm90 does not serve {layout}:{kv}"
 cupy.cuda.Device().synchronize()
 print("done")
 PY
