@@ -702,11 +702,8 @@ __global__ void __launch_bounds__(
           // A partial: its normalized output, max and sum (the combine adds the sink and
           // writes the lse); NaN throughout for a bad block.
           const long long prow = orow * gridDim.z + blockIdx.z;
-          if ((lane & 3) == 0) {
-            part_max[prow] = bad ? quiet_nan() : m;
-            part_sum[prow] = bad ? quiet_nan() : l;
-          }
-          const float inv = bad ? quiet_nan() : l > 0.f ? out_scale / l : 0.f;
+          const float inv = end_partial_row(m, l, bad, out_scale, prow, part_max, part_sum,
+                                            (lane & 3) == 0);
           float* o = part_out + prow * HEAD_SIZE;
 #pragma unroll
           for (int d = 0; d < Geo::kDTiles; ++d) {
@@ -716,9 +713,8 @@ __global__ void __launch_bounds__(
           }
           continue;
         }
-        const RowEnd e = finish_row(m, l, sink_log2(vp, head));
-        const float inv = bad ? quiet_nan() : e.mul * out_scale;
-        if (vp.lse != nullptr && (lane & 3) == 0) vp.lse[orow] = bad ? quiet_nan() : e.lse;
+        const float inv = end_whole_row(vp, m, l, bad, out_scale, sink_log2(vp, head), orow,
+                                        (lane & 3) == 0);
         T* o = out + orow * HEAD_SIZE;
 #pragma unroll
         for (int d = 0; d < Geo::kDTiles; ++d) {

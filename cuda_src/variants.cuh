@@ -200,6 +200,31 @@ __device__ __forceinline__ RowEnd finish_row(float m, float l, float sink) {
   return {keys / den, (top + log2f(den)) * kLn2};  // a NaN sum stays NaN in both
 }
 
+// The end of one packed row of the multi-token kernels, once its sum `l` is reduced over
+// the quad: the factor of its accumulators, with its scalars written by the quad's
+// `writer`. NaN throughout for a bad block (`bad`). A split-KV partial (end_partial_row)
+// is normalized by its own sum and leaves its maximum and sum in part_max / part_sum at
+// `prow` (the combine adds the sink and writes the lse); a whole row (end_whole_row) gets
+// finish_row's factor and writes its lse at `orow` when asked.
+__device__ __forceinline__ float end_partial_row(float m, float l, bool bad, float out_scale,
+                                                 long long prow, float* part_max,
+                                                 float* part_sum, bool writer) {
+  if (writer) {
+    part_max[prow] = bad ? quiet_nan() : m;
+    part_sum[prow] = bad ? quiet_nan() : l;
+  }
+  return bad ? quiet_nan() : l > 0.f ? out_scale / l : 0.f;
+}
+
+__device__ __forceinline__ float end_whole_row(const VariantParams& vp, float m, float l,
+                                               bool bad, float out_scale, float sink,
+                                               long long orow, bool writer) {
+  const RowEnd e = finish_row(m, l, sink);
+  const float inv = bad ? quiet_nan() : e.mul * out_scale;
+  if (vp.lse != nullptr && writer) vp.lse[orow] = bad ? quiet_nan() : e.lse;
+  return inv;
+}
+
 // A head's sink in log2 units, or -inf without sinks.
 __device__ __forceinline__ float sink_log2(const VariantParams& vp, int head) {
   constexpr float kLog2e = 1.4426950408889634f;
