@@ -19,8 +19,8 @@ from cupy_backends.cuda.api import runtime
 from . import _arrays, _checks, _dtypes, _kvquant, jit, planning
 from ._arrays import as_device_array
 
-__all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "reshape_and_cache_flash",
-           "swap_blocks"]
+__all__ = ["concat_and_cache_mla", "copy_blocks", "empty_pinned", "reshape_and_cache",
+           "reshape_and_cache_flash", "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
 _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
@@ -42,6 +42,30 @@ def _check_index_array(a, name: str, shape) -> str:
         _fail(f"{name} must be a contiguous array of shape {shape}, got shape {a.shape} "
               f"with strides {a.strides}")
     return _INDEX[a.dtype]
+
+
+def _check_slots(sm, sources) -> tuple[int, str]:
+    """A cache write's ``slot_mapping`` (1-D int32/int64: the tokens written) against its
+    ``sources`` ((name, array) pairs): (num_tokens, index type). The sources may hold more
+    rows (an engine pads them to a CUDA graph's batch), which are not read."""
+    if sm.ndim != 1:
+        _fail(f"slot_mapping must be 1-D [num_tokens], got shape {sm.shape}")
+    num_tokens = sm.shape[0]
+    for name, a in sources:
+        if a.shape[0] < num_tokens:
+            _fail(f"{name} has {a.shape[0]} tokens but slot_mapping has {num_tokens}: the "
+                  f"sources need a row for every slot")
+    return num_tokens, _check_index_array(sm, "slot_mapping", (num_tokens,))
+
+
+def _debug_check_slots(sm, num_slots: int, ctx) -> None:
+    """With CUPAGED_DEBUG=1, a slot past the cache raises (a device sync) instead of being
+    skipped."""
+    if _checks.DEBUG:
+        s = _arrays.to_host(sm, ctx)
+        bad = np.flatnonzero(s >= num_slots)
+        if bad.size:
+            _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
 
 
 # ---- reshape_and_cache ----------------------------------------------------------------------
@@ -93,16 +117,7 @@ def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=
                 (a.shape[2] > 1 and a.strides[2] != src.itemsize) or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
-    # slot_mapping says how many tokens are written; the sources may hold more rows (an
-    # engine pads them to a CUDA graph's batch), which are not read.
-    if sm.ndim != 1:
-        _fail(f"slot_mapping must be 1-D [num_tokens], got shape {sm.shape}")
-    num_tokens = sm.shape[0]
-    for name, a in (("key", k), ("value", v)):
-        if a.shape[0] < num_tokens:
-            _fail(f"{name} has {a.shape[0]} tokens but slot_mapping has {num_tokens}: the "
-                  f"sources need a row for every slot")
-    index = _check_index_array(sm, "slot_mapping", (num_tokens,))
+    num_tokens, index = _check_slots(sm, (("key", k), ("value", v)))
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
                                                     ("value", v), ("slot_mapping", sm)))
@@ -170,11 +185,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     it = w.source.itemsize
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
-        if _checks.DEBUG:
-            s = _arrays.to_host(sm, ctx)
-            bad = np.flatnonzero(s >= num_slots)
-            if bad.size:
-                _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
+        _debug_check_slots(sm, num_slots, ctx)
         kern = _kernel(w.device, "reshape_and_cache", w.source.name, w.index, cache.kv_format,
                        cache.dtype.name, q.mode)
         kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
@@ -206,6 +217,144 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
 _COPY_TENSORS = 96  # kMaxCopyTensors in cuda_src/cache_ops.cuh
 _COPY_TABLE = struct.Struct(f"{4 * _COPY_TENSORS}q")  # CopyTable: 4 int64 per tensor
 _COPY_PAD = (0,) * (4 * _COPY_TENSORS)
+
+
+# ---- concat_and_cache_mla --------------------------------------------------------------------
+
+
+class _MlaWrite(NamedTuple):
+    """A validated concat_and_cache_mla call: the two destinations' element strides."""
+
+    num_tokens: int
+    index: str
+    device: int
+    source: _dtypes.DType
+    cache: _dtypes.DType  # the source's type, or an fp8 format
+    rank: int
+    rope: int
+    block_size: int
+    num_blocks: int
+    latent: tuple  # (pointer, block stride, token stride), elements
+    rope_dst: tuple
+    vec_src: bool
+
+
+def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
+    """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
+    src = _checks.check_dtype(kv_c, "kv_c")
+    if src.itemsize != 2:
+        _fail(f"kv_c must be float16 or bfloat16, got {src.numpy}", TypeError)
+    for name, a in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if a.dtype != src.numpy:
+            _fail(f"{name} dtype {a.dtype} does not match kv_c's {src.numpy}", TypeError)
+        if a.ndim != 2:
+            _fail(f"{name} must be 2-D [num_tokens, dims], got shape {a.shape}")
+        if not _checks.is_empty(a) and ((a.shape[1] > 1 and a.strides[1] != 2)
+                                        or min(a.strides) < 0):
+            _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
+                  f"(strides {a.strides})")
+    rank, rope = kv_c.shape[1], k_pe.shape[1]
+    for name, n in (("kv_c", rank), ("k_pe", rope)):
+        if n == 0 or n % 8:
+            _fail(f"{name}'s width must be a positive multiple of 8, got {n}")
+    dt = _kvquant.cache_dtype(kv_cache_dtype, kc, kc if pc is None else pc, src,
+                              ("kv_cache", "kv_cache" if pc is None else "k_pe_cache"))
+    for name, a in (("kv_cache", kc), ("k_pe_cache", pc)):
+        if a is None:
+            continue
+        if dt is src and a.dtype != src.numpy:
+            _fail(f"{name} dtype {a.dtype} does not match kv_c's {src.numpy} (or name an fp8 "
+                  f"format with kv_cache_dtype)", TypeError)
+        if a.ndim != 3 or (a.shape[2] > 1 and a.strides[2] != a.dtype.itemsize):
+            _fail(f"{name} must be [num_blocks, block_size, dims] with its last dimension "
+                  f"contiguous, got shape {a.shape} with strides {a.strides}")
+    want = rank + rope if pc is None else rank
+    if kc.shape[2] != want:
+        _fail("kv_cache's last dimension must be " + (
+            f"kv_lora_rank + rope_dim = {rank} + {rope} (vLLM's combined cache)" if pc is None
+            else f"kv_lora_rank = {rank} (k_pe_cache holds the rotary part)")
+            + f", got shape {kc.shape}")
+    if pc is not None and pc.shape != (kc.shape[0], kc.shape[1], rope):
+        _fail(f"k_pe_cache must be [num_blocks, block_size, rope_dim] = "
+              f"{(kc.shape[0], kc.shape[1], rope)}, got {pc.shape}")
+    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    if block_size == 0:
+        _fail("kv_cache has blocks of 0 tokens")
+    it = kc.dtype.itemsize
+    align = 16 if it == 2 else 8  # one store of eight values
+    for name, a in (("kv_cache", kc), ("k_pe_cache", pc)):
+        if a is None or _checks.is_empty(a):
+            continue
+        _checks.check_aligned(a.data.ptr, name, align)
+        if any(st % align or st < 0 for st in a.strides[:2]):
+            _fail(f"{name}'s block and token strides must be non-negative multiples of "
+                  f"{align} bytes, got {a.strides}")
+    num_tokens, index = _check_slots(sm, (("kv_c", kv_c), ("k_pe", k_pe)))
+    device = kc.data.device_id
+    _checks.check_same_device(device, "kv_cache", (("k_pe_cache", pc), ("kv_c", kv_c),
+                                                   ("k_pe", k_pe), ("slot_mapping", sm)))
+    latent = (kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it)
+    rope_dst = ((kc.data.ptr + rank * it, *latent[1:]) if pc is None  # the same rows
+                else (pc.data.ptr, pc.strides[0] // it, pc.strides[1] // it))
+    vec = all(a.data.ptr % 16 == 0 and (a.shape[0] <= 1 or a.strides[0] % 16 == 0)
+              for a in (kv_c, k_pe))
+    return _MlaWrite(num_tokens, index, device, src, dt, rank, rope, block_size, num_blocks,
+                     latent, rope_dst, vec)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
+                         *, k_pe_cache=None, stream=None) -> None:
+    """Write each token's MLA latent vector into its cache slot (vLLM's
+    ``concat_and_cache_mla``, with its argument order).
+
+    Args:
+        kv_c: ``[n, kv_lora_rank]``, the compressed K and V (512 in DeepSeek-V3), float16
+            or bfloat16; ``n >= num_tokens`` (rows past ``num_tokens`` are not read); the
+            token stride is free, the last dimension contiguous.
+        k_pe: ``[n, rope_dim]`` (64), the rotary key part, kv_c's dtype. Both widths are
+            multiples of 8.
+        kv_cache: vLLM's combined ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
+            (token t's ``[kv_c, k_pe]`` in one row), or with ``k_pe_cache`` the latent part
+            ``[num_blocks, block_size, kv_lora_rank]`` (FlashInfer's ``ckv_cache``). Views
+            with any block and token strides that are multiples of 16 bytes (8 for fp8),
+            the last dimension contiguous; written in place.
+        slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
+            block_size + offset``; a negative slot marks a padding token that is skipped,
+            and a slot past the cache is skipped too (``CUPAGED_DEBUG=1`` raises for it).
+        kv_cache_dtype: ``"auto"`` (the cache holds kv_c's dtype, or the fp8 format its
+            float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
+            storage). An fp8 cache stores ``x / scale`` rounded to nearest even and
+            saturated, as :func:`reshape_and_cache` does.
+        scale: the fp8 cache's per-tensor scale, a number or a float32 device scalar
+            (default 1); ignored for 16-bit caches.
+        k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
+            the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
+            cache.
+        stream: as for :func:`reshape_and_cache`.
+
+    Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
+    device. ``cupaged.reference.concat_and_cache_mla`` is the statement of what is stored.
+    """
+    a = as_device_array(kv_c, "kv_c")
+    b = as_device_array(k_pe, "k_pe")
+    kc = as_device_array(kv_cache, "kv_cache")
+    pc = None if k_pe_cache is None else as_device_array(k_pe_cache, "k_pe_cache")
+    sm = as_device_array(slot_mapping, "slot_mapping")
+    w = _validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
+    fp8 = w.cache is not w.source
+    sp, sv, _ = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale, "scale")
+    if w.num_tokens == 0:
+        return
+    num_slots = w.num_blocks * w.block_size
+    with _arrays.on_device(w.device):
+        ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
+        _debug_check_slots(sm, num_slots, ctx)
+        kern = _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
+                       cache_dtype=w.cache.name)
+        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
+             a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *w.latent,
+             *w.rope_dst, sm.data.ptr, w.rank, w.rope, w.block_size, num_slots,
+             int(w.vec_src), sp, sv)
 
 
 def _block_bytes(a, name: str) -> int:
