@@ -15,6 +15,7 @@ Public API:
     reshape_and_cache_flash the same with vLLM's flash-cache name and convention
     concat_and_cache_mla    write new tokens' MLA latent vectors (kv_c, k_pe) into their slots
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
+    copy_blocks_mla         the same for per-layer MLA latent caches
     swap_blocks             move blocks between a device cache and a host cache
     empty_pinned            pinned host arrays for swap_blocks
     merge_state             merge two partial attention results by their log-sum-exp
@@ -41,6 +42,7 @@ from .decode import (
 from .cache_ops import (
     concat_and_cache_mla,
     copy_blocks,
+    copy_blocks_mla,
     empty_pinned,
     reshape_and_cache,
     reshape_and_cache_flash,
@@ -66,6 +68,7 @@ __all__ = [
     "Step",
     "concat_and_cache_mla",
     "copy_blocks",
+    "copy_blocks_mla",
     "empty_pinned",
     "merge_state",
     "merge_states",

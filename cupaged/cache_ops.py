@@ -19,7 +19,8 @@ from cupy_backends.cuda.api import runtime
 from . import _arrays, _checks, _dtypes, _kvquant, jit, planning
 from ._arrays import as_device_array
 
-__all__ = ["concat_and_cache_mla", "copy_blocks", "empty_pinned", "reshape_and_cache",
+__all__ = ["concat_and_cache_mla", "copy_blocks", "copy_blocks_mla", "empty_pinned",
+           "reshape_and_cache",
            "reshape_and_cache_flash", "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
@@ -446,34 +447,75 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     if vs[0].shape[0] != num_blocks:
         _fail(f"key_caches have {num_blocks} blocks but value_caches {vs[0].shape[0]}")
     device = ks[0].data.device_id
-    # Every layer is checked, cheaply: a layer laid out as layer 0 (the usual case) shares
-    # its verdict, so only its own address and device are left to check.
+    tensors = (_layer_tensors("key_caches", ks, device, "key_caches[0]")
+               + _layer_tensors("value_caches", vs, device, "key_caches[0]"))
+    _copy_within(tensors, mapping, index, nbytes, num_blocks, device, "key_caches[0]",
+                 key_caches[0], stream)
+
+
+def _layer_tensors(name: str, layers, device: int, ref: str) -> list:
+    """copy_blocks' view of per-layer caches: (src, dst, src stride, dst stride) each.
+    Every layer is checked, cheaply: a layer laid out as layer 0 (the usual case) shares
+    its verdict, so only its own address and device are left to check."""
+    first = layers[0]
+    layout = (first.shape, first.strides, first.dtype)
     tensors = []
-    for name, layers in (("key_caches", ks), ("value_caches", vs)):
-        first = layers[0]
-        layout = (first.shape, first.strides, first.dtype)
-        for i, a in enumerate(layers):
-            data = a.data
-            if (a.shape, a.strides, a.dtype) != layout:
-                if a.shape != first.shape or a.dtype != first.dtype:
-                    _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
-                          f"({first.shape}, {first.dtype}): every layer's caches must match")
-                _block_bytes(a, f"{name}[{i}]")  # the same shape: the same bytes per block
-            if data.ptr % 16:
-                _checks.check_aligned(data.ptr, f"{name}[{i}]")
-            if data.device_id != device:
-                _fail(f"{name}[{i}] is on device {data.device_id} but key_caches[0] is on "
-                      f"device {device}")
-            tensors.append((data.ptr, data.ptr, a.strides[0], a.strides[0]))
-    _checks.check_same_device(device, "key_caches[0]", (("block_mapping", mapping),))
+    for i, a in enumerate(layers):
+        data = a.data
+        if (a.shape, a.strides, a.dtype) != layout:
+            if a.shape != first.shape or a.dtype != first.dtype:
+                _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
+                      f"({first.shape}, {first.dtype}): every layer's caches must match")
+            _block_bytes(a, f"{name}[{i}]")  # the same shape: the same bytes per block
+        if data.ptr % 16:
+            _checks.check_aligned(data.ptr, f"{name}[{i}]")
+        if data.device_id != device:
+            _fail(f"{name}[{i}] is on device {data.device_id} but {ref} is on device {device}")
+        tensors.append((data.ptr, data.ptr, a.strides[0], a.strides[0]))
+    return tensors
+
+
+def _copy_within(tensors, mapping, index: str, nbytes: int, num_blocks: int, device: int,
+                 ref: str, framework_of, stream) -> None:
+    """Copy the mapped blocks within each of ``tensors`` (caches of ``num_blocks`` blocks
+    of ``nbytes`` on ``device``, ``ref``'s)."""
+    _checks.check_same_device(device, ref, (("block_mapping", mapping),))
     if mapping.shape[0] == 0:
         return
     with _arrays.on_device(device):
-        ctx = _arrays.context(device, _arrays.framework(key_caches[0]), stream)
+        ctx = _arrays.context(device, _arrays.framework(framework_of), stream)
         if _checks.DEBUG:
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
                      num_blocks)
+
+
+def copy_blocks_mla(kv_caches, block_mapping, *, stream=None) -> None:
+    """vLLM's ``copy_blocks_mla``: copy blocks within each layer's MLA latent cache (one
+    cache per layer, :func:`concat_and_cache_mla`'s ``kv_cache``), in one launch for up to
+    96 layers. With FlashInfer's pair, call it once for the ``kv_c`` caches and once for the
+    ``k_pe`` caches.
+
+    Args:
+        kv_caches: a list with one cache per layer (empty: nothing to copy), blocks along
+            the first dimension and contiguous; all of one shape and dtype, on one device,
+            16-byte aligned.
+        block_mapping: int32 or int64 ``[num_pairs, 2]`` on the device: (src, dst) block ids.
+        stream: as for :func:`copy_blocks`.
+    """
+    if not isinstance(kv_caches, (list, tuple)):
+        _fail("kv_caches must be a list of per-layer caches", TypeError)
+    mapping = as_device_array(block_mapping, "block_mapping")
+    if mapping.ndim != 2 or mapping.shape[1:] != (2,):
+        _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
+    index = _check_index_array(mapping, "block_mapping", mapping.shape)
+    if not kv_caches:
+        return
+    cs = [as_device_array(a, f"kv_caches[{i}]") for i, a in enumerate(kv_caches)]
+    nbytes = _block_bytes(cs[0], "kv_caches[0]")
+    device = cs[0].data.device_id
+    _copy_within(_layer_tensors("kv_caches", cs, device, "kv_caches[0]"), mapping, index,
+                 nbytes, cs[0].shape[0], device, "kv_caches[0]", kv_caches[0], stream)
 
 
 # ---- swapping between device and pinned host memory --------------------------------------------

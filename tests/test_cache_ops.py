@@ -1166,3 +1166,39 @@ def test_mla_write_reads_unaligned_sources_element_by_element():
     odd = np.zeros((3, 516), np.float16)  # aligned start, rows of 1,032 bytes
     assert not mvalidate(**mbad(kv_c=fake_view(odd[:, :512], odd))).vec_src
     assert mvalidate(**mbad(kv_c=fake_view(wide[:, 8:520], wide))).vec_src
+
+
+def test_copy_blocks_mla_copies_each_layers_latent_blocks(fake_device):
+    """One tensor per layer (vLLM's combined latent cache), one launch; the checks of
+    copy_blocks, with the MLA list's own name."""
+    layers = [Fake(np.zeros((10, 64, 576), np.uint8), ptr=(1 << 24) * (i + 1)) for i in range(3)]
+    cupaged.copy_blocks_mla(layers, Fake(np.zeros((4, 2), np.int32)))
+    (tensors, nbytes, src_blocks, dst_blocks), = fake_device
+    assert (nbytes, src_blocks, dst_blocks) == (64 * 576, 10, 10)
+    assert tensors == [(c.data.ptr, c.data.ptr, 64 * 576, 64 * 576) for c in layers]
+    cupaged.copy_blocks_mla([], Fake(np.zeros((2, 2), np.int64)))
+    assert len(fake_device) == 1
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] .* differs from kv_caches\[0\]"):
+        cupaged.copy_blocks_mla([layers[0], Fake(np.zeros((11, 64, 576), np.uint8))],
+                                Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] is on device 1 but kv_caches\[0\]"):
+        cupaged.copy_blocks_mla([layers[0], Fake(np.zeros((10, 64, 576), np.uint8), device=1)],
+                                Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(TypeError, match="kv_caches must be a list"):
+        cupaged.copy_blocks_mla(layers[0], Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(ValueError, match=r"block_mapping must be \[num_pairs, 2\]"):
+        cupaged.copy_blocks_mla(layers, Fake(np.zeros((3,), np.int64)))
+
+
+@gpu
+def test_copy_blocks_mla_on_the_device(rng):
+    nb = 12
+    roots = [rng.integers(0, 256, (nb, 16, 576), dtype=np.uint8) for _ in range(2)]
+    src = rng.choice(6, size=4, replace=False)
+    dst = rng.choice(np.arange(6, 12), size=4, replace=False)
+    dev = [cupy.asarray(r) for r in roots]
+    cupaged.copy_blocks_mla(dev, cupy.asarray(np.stack([src, dst], 1).astype(np.int64)))
+    for r, d in zip(roots, dev):
+        want = r.copy()
+        want[dst] = r[src]
+        np.testing.assert_array_equal(cupy.asnumpy(d), want)
