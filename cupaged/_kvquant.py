@@ -72,9 +72,10 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
     return fmt
 
 
-def tensor_scale(x, name: str):
+def tensor_scale(x, name: str, per_token: bool = True):
     """A per-tensor scale (a number, a CPU torch scalar or a float32 device scalar):
-    (device pointer or 0, host value, the device array to keep alive or None)."""
+    (device pointer or 0, host value, the device array or None). ``per_token``: the
+    caller also takes per-token arrays (the error for another shape names them)."""
     if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
         v = float(x)
     elif hasattr(x, "is_cuda") and not x.is_cuda:  # a CPU torch tensor: its value
@@ -86,8 +87,9 @@ def tensor_scale(x, name: str):
         if a.dtype != np.float32:
             _fail(f"{name} must be float32 on the device, got {a.dtype}", TypeError)
         if int(np.prod(a.shape)) != 1:
-            _fail(f"{name} must be one float (per tensor) or [num_blocks, num_kv_heads, "
-                  f"block_size] (per token and head), got shape {a.shape}")
+            _fail(f"{name} must be one float (per tensor)"
+                  + (" or [num_blocks, num_kv_heads, block_size] (per token and head)"
+                     if per_token else "") + f", got shape {a.shape}")
         _checks.check_aligned(a.data.ptr, name, 4)
         return a.data.ptr, 1.0, a
     if not (math.isfinite(v) and 0 < v <= _FLT_MAX):

@@ -343,7 +343,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     sm = as_device_array(slot_mapping, "slot_mapping")
     w = _validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
     fp8 = w.cache is not w.source
-    sp, sv, _ = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale, "scale")
+    sp, sv, sa = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale, "scale",
+                                       per_token=False)
+    _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
     if w.num_tokens == 0:
         return
     num_slots = w.num_blocks * w.block_size

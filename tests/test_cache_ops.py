@@ -1063,23 +1063,33 @@ def test_concat_and_cache_mla_writes_what_the_reference_writes(rng, form, dtype,
     slots[[3, 17]] = -1  # padding
     slots[20] = nb * bs + 5  # past the cache: skipped
     rows = n + 5  # rows past num_tokens must not be read (NaN there would show)
+    wide = testing.random_normal((rows, MLA_RANK + MLA_ROPE + 3), dtype, rng)
+    wide[n:] = np.nan
+    wide[0, 5] = 3e3  # past e4m3's 448 x scale: saturates
+    wide[1, MLA_RANK + 4] = -3e3
+    # contiguous: two arrays; unaligned: row-strided slices one element in (no row
+    # 16-byte aligned: element loads), sliced on the device (CuPy copies a strided host
+    # array into a contiguous one)
     if source == "contiguous":
-        kv_c = testing.random_normal((rows, MLA_RANK), dtype, rng)
-        k_pe = testing.random_normal((rows, MLA_ROPE), dtype, rng)
-    else:  # row-strided, one element in: no row 16-byte aligned
-        wide = testing.random_normal((rows, MLA_RANK + MLA_ROPE + 3), dtype, rng)
-        kv_c, k_pe = wide[:, 1:MLA_RANK + 1], wide[:, MLA_RANK + 2:MLA_RANK + 2 + MLA_ROPE]
-    kv_c[n:] = np.nan
-    k_pe[n:] = np.nan
-    scale = 0.02 if kv != "auto" else None
+        cols = [(0, MLA_RANK), (MLA_RANK, MLA_RANK + MLA_ROPE)]
+        kv_c, k_pe = (np.ascontiguousarray(wide[:, a:b]) for a, b in cols)
+        d_kv_c, d_k_pe = cupy.asarray(kv_c), cupy.asarray(k_pe)
+    else:
+        cols = [(1, MLA_RANK + 1), (MLA_RANK + 2, MLA_RANK + 2 + MLA_ROPE)]
+        kv_c, k_pe = (wide[:, a:b] for a, b in cols)
+        dw = cupy.asarray(wide)
+        d_kv_c, d_k_pe = (dw[:, a:b] for a, b in cols)
+    scale = 0.0173 if kv != "auto" else None  # not a power of two: x / s, not x * (1 / s)
     want = [r.copy() for r in roots]
     wkc, wpc = view(want)
     reference.concat_and_cache_mla(kv_c[:n], k_pe[:n], wkc, np.where(slots < nb * bs, slots, -1),
                                    kv if kv != "auto" else "auto", scale, k_pe_cache=wpc)
     dev = [cupy.asarray(r) for r in roots]
     kc, pc = view(dev)
-    cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), kc,
-                                 cupy.asarray(slots), kv, scale, k_pe_cache=pc)
+    d_slots = cupy.asarray(slots)
+    w8 = cache_ops._validate_mla_write(d_kv_c, d_k_pe, kc, pc, d_slots, kv)
+    assert w8.vec_src == (source == "contiguous")  # both load paths are exercised
+    cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, d_slots, kv, scale, k_pe_cache=pc)
     for got, w in zip(dev, want):
         np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint8), w.view(np.uint8))
 
@@ -1092,9 +1102,9 @@ def test_concat_and_cache_mla_takes_a_device_scale_and_int32_slots(rng):
     k_pe = testing.random_normal((5, MLA_ROPE), _dtypes.BF16.numpy, rng)
     slots = np.array([0, 70, -1, 191, 64], np.int32)
     cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), kc, cupy.asarray(slots),
-                                 "fp8_e4m3", cupy.asarray(np.float32(0.125)))
+                                 "fp8_e4m3", cupy.asarray(np.float32(0.0173)))
     want = np.zeros((nb, bs, MLA_RANK + MLA_ROPE), np.uint8)
-    reference.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_e4m3", 0.125)
+    reference.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_e4m3", np.float32(0.0173))
     np.testing.assert_array_equal(cupy.asnumpy(kc), want)
 
 
@@ -1202,3 +1212,20 @@ def test_copy_blocks_mla_on_the_device(rng):
         want = r.copy()
         want[dst] = r[src]
         np.testing.assert_array_equal(cupy.asnumpy(d), want)
+
+
+def test_mla_write_refuses_a_scale_it_cannot_read(fake_device, monkeypatch):
+    """The fp8 scale: one float32 on the cache's device (MLA's caches have no per-token
+    scales, and the message says so)."""
+    from cupaged import _kvquant
+
+    monkeypatch.setattr(_kvquant, "as_device_array", cache_ops.as_device_array)  # Fakes too
+    a = margs()
+    args = [Fake(a[k]) for k in ("kv_c", "k_pe")] + [Fake(np.zeros((10, 16, 576), np.uint8)),
+                                                      Fake(a["slot_mapping"])]
+    with pytest.raises(ValueError, match="scale is on device 1 but kv_cache is on device 0"):
+        cupaged.concat_and_cache_mla(*args, "fp8", Fake(np.zeros((), np.float32), device=1))
+    with pytest.raises(ValueError, match=r"scale must be one float \(per tensor\), got shape"):
+        cupaged.concat_and_cache_mla(*args, "fp8", Fake(np.zeros((10, 1, 16), np.float32)))
+    with pytest.raises(ValueError, match="scale must be a positive finite float32"):
+        cupaged.concat_and_cache_mla(*args, "fp8", -1.0)
