@@ -12,5 +12,7 @@ void cupaged_instantiate_cache_ops() {
   (void)&cupaged::reshape_and_cache<bfloat16_t, cupaged::fp8_e5m2_t, cupaged::kFormatTokenMajor,
                                     1, long long>;
   (void)&cupaged::copy_blocks<long long>;
+  (void)&cupaged::concat_and_cache_mla<bfloat16_t, bfloat16_t, long long>;
+  (void)&cupaged::concat_and_cache_mla<half_t, cupaged::fp8_e4m3_t, int>;
 }
 #endif

@@ -180,6 +180,62 @@ __global__ void __launch_bounds__(kCacheThreads)
   }
 }
 
+// MLA's latent cache write (vLLM's concat_and_cache_mla): token `tok`'s kv_c
+// [kv_lora_rank] and k_pe [rope_dim] (rows of stride kv_c_stride / k_pe_stride, dims
+// contiguous) into its slot: the latent part at latent_cache + block * lc_block + offset *
+// lc_token, the rotary part at rope_cache + block * rc_block + offset * rc_token (vLLM's
+// combined [num_blocks, block_size, kv_lora_rank + rope_dim] cache: rope_cache is
+// latent_cache + kv_lora_rank with the same strides). Both widths are multiples of 8, and
+// every cache row is 16-byte aligned (8-byte for fp8; checked on the host).
+//
+// An fp8 cache (C fp8_e4m3_t or fp8_e5m2_t) stores round-to-nearest-even(x / scale),
+// saturated to the format's largest finite value, with one scale for the tensor (`scale`
+// points at a device float, or is null and `scale_value` is used).
+//
+// One CTA per token; 16-byte chunks of eight values, consecutive threads on consecutive
+// chunks. A negative slot (padding) or one at or past num_slots writes nothing.
+template <typename T, typename C, typename SlotT>
+__global__ void __launch_bounds__(kCacheThreads)
+    concat_and_cache_mla(const T* __restrict__ kv_c, long long kv_c_stride,
+                         const T* __restrict__ k_pe, long long k_pe_stride,
+                         C* __restrict__ latent_cache, long long lc_block, long long lc_token,
+                         C* __restrict__ rope_cache, long long rc_block, long long rc_token,
+                         const SlotT* __restrict__ slot_mapping, int kv_lora_rank, int rope_dim,
+                         int block_size, long long num_slots, int vec_src,
+                         const float* __restrict__ scale, float scale_value) {
+  const long long tok = blockIdx.x;
+  const long long slot = static_cast<long long>(slot_mapping[tok]);
+  if (slot < 0 || slot >= num_slots) return;
+  const long long block = slot / block_size;
+  const long long offset = slot % block_size;
+  const T* src_c = kv_c + tok * kv_c_stride;
+  const T* src_r = k_pe + tok * k_pe_stride;
+  C* dst_c = latent_cache + block * lc_block + offset * lc_token;
+  C* dst_r = rope_cache + block * rc_block + offset * rc_token;
+  static_assert(sizeof(T) == 2, "float16 or bfloat16 sources: eight values a chunk");
+  const int chunks_c = kv_lora_rank / 8;
+  const int chunks = chunks_c + rope_dim / 8;
+  float s = 1.f;  // divided, not multiplied by its inverse: x / scale rounds as torch's does
+  if constexpr (!is_same<T, C>::value) s = scale != nullptr ? __ldg(scale) : scale_value;
+  for (int i = threadIdx.x; i < chunks; i += kCacheThreads) {
+    const bool latent = i < chunks_c;
+    const int d = (latent ? i : i - chunks_c) * 8;
+    const T* src = (latent ? src_c : src_r) + d;
+    C* dst = (latent ? dst_c : dst_r) + d;
+    if constexpr (sizeof(T) == sizeof(C)) {
+      static_assert(is_same<T, C>::value, "16-bit caches hold the source's type");
+      *reinterpret_cast<uint4*>(dst) = load_chunk(src, vec_src != 0);
+    } else {
+      float f[8];
+      chunk_floats<T>(load_chunk(src, vec_src != 0), f);
+      uint2 q;
+      q.x = quantize2(f[0] / s, f[1] / s, C{}) | (quantize2(f[2] / s, f[3] / s, C{}) << 16);
+      q.y = quantize2(f[4] / s, f[5] / s, C{}) | (quantize2(f[6] / s, f[7] / s, C{}) << 16);
+      *reinterpret_cast<uint2*>(dst) = q;
+    }
+  }
+}
+
 // One tensor of a block copy: source and destination base addresses (device memory, or
 // pinned host memory reached through unified addressing) and block strides, in bytes.
 struct CopyTensor {

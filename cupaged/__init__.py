@@ -13,7 +13,9 @@ Public API:
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
     reshape_and_cache       write new tokens' K and V into their cache slots
     reshape_and_cache_flash the same with vLLM's flash-cache name and convention
+    concat_and_cache_mla    write new tokens' MLA latent vectors (kv_c, k_pe) into their slots
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
+    copy_blocks_mla         the same for per-layer MLA latent caches
     swap_blocks             move blocks between a device cache and a host cache
     empty_pinned            pinned host arrays for swap_blocks
     merge_state             merge two partial attention results by their log-sum-exp
@@ -38,7 +40,9 @@ from .decode import (
     paged_attention_v2,
 )
 from .cache_ops import (
+    concat_and_cache_mla,
     copy_blocks,
+    copy_blocks_mla,
     empty_pinned,
     reshape_and_cache,
     reshape_and_cache_flash,
@@ -62,7 +66,9 @@ __all__ = [
     "OutOfBlocks",
     "PagedKVCache",
     "Step",
+    "concat_and_cache_mla",
     "copy_blocks",
+    "copy_blocks_mla",
     "empty_pinned",
     "merge_state",
     "merge_states",

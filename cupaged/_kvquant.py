@@ -42,13 +42,15 @@ class KVQuant(NamedTuple):
 NONE = KVQuant(None)
 
 
-def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType) -> _dtypes.DType:
-    """The caches' element type for ``kv_cache_dtype``, checked against the arrays'."""
+def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
+                names=("key_cache", "value_cache")) -> _dtypes.DType:
+    """The caches' element type for ``kv_cache_dtype``, checked against the arrays'
+    (``names``: theirs in errors)."""
     if kv_cache_dtype == "auto" or kv_cache_dtype is None:
         fmt = _dtypes.fp8_of(key_cache.dtype)
         if fmt is None:
             if key_cache.dtype in _ONE_BYTE:
-                _fail(f"key_cache is {key_cache.dtype}: name its fp8 format with "
+                _fail(f"{names[0]} is {key_cache.dtype}: name its fp8 format with "
                       f"kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'", TypeError)
             return query_dt  # the existing checks compare the arrays with the query
     elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _dtypes.KV_CACHE_DTYPES:
@@ -56,7 +58,7 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType)
     else:
         _fail(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
               f"{kv_cache_dtype!r}")
-    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+    for name, a in zip(names, (key_cache, value_cache)):
         named = _dtypes.fp8_of(a.dtype)
         if a.dtype not in _ONE_BYTE and named is None:
             _fail(f"{name} dtype {a.dtype} cannot hold fp8 {fmt.name}: expected a 1-byte "
@@ -70,8 +72,10 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType)
     return fmt
 
 
-def _tensor_scale(x, name: str):
-    """A per-tensor scale: (device pointer, host value, kept array)."""
+def tensor_scale(x, name: str, per_token: bool = True):
+    """A per-tensor scale (a number, a CPU torch scalar or a float32 device scalar):
+    (device pointer or 0, host value, the device array or None). ``per_token``: the
+    caller also takes per-token arrays (the error for another shape names them)."""
     if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
         v = float(x)
     elif hasattr(x, "is_cuda") and not x.is_cuda:  # a CPU torch tensor: its value
@@ -83,8 +87,9 @@ def _tensor_scale(x, name: str):
         if a.dtype != np.float32:
             _fail(f"{name} must be float32 on the device, got {a.dtype}", TypeError)
         if int(np.prod(a.shape)) != 1:
-            _fail(f"{name} must be one float (per tensor) or [num_blocks, num_kv_heads, "
-                  f"block_size] (per token and head), got shape {a.shape}")
+            _fail(f"{name} must be one float (per tensor)"
+                  + (" or [num_blocks, num_kv_heads, block_size] (per token and head)"
+                     if per_token else "") + f", got shape {a.shape}")
         _checks.check_aligned(a.data.ptr, name, 4)
         return a.data.ptr, 1.0, a
     if not (math.isfinite(v) and 0 < v <= _FLT_MAX):
@@ -129,8 +134,8 @@ def scales(k_scale, v_scale, fmt: _dtypes.DType | None, cache, device: int) -> K
                   f"{v.strides}")
         return KVQuant(fmt, "th", ptrs[0], ptrs[1], 1.0, 1.0, k.strides[0] // 4,
                        k.strides[1] // 4, tuple(kept))
-    kp, kv, ka = _tensor_scale(1.0 if k_scale is None else k_scale, "k_scale")
-    vp, vv, va = _tensor_scale(1.0 if v_scale is None else v_scale, "v_scale")
+    kp, kv, ka = tensor_scale(1.0 if k_scale is None else k_scale, "k_scale")
+    vp, vv, va = tensor_scale(1.0 if v_scale is None else v_scale, "v_scale")
     for name, a in (("k_scale", ka), ("v_scale", va)):
         if a is not None and a.data.device_id != device:
             _fail(f"{name} is on device {a.data.device_id} but query is on device {device}")

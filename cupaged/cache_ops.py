@@ -19,8 +19,9 @@ from cupy_backends.cuda.api import runtime
 from . import _arrays, _checks, _dtypes, _kvquant, jit, planning
 from ._arrays import as_device_array
 
-__all__ = ["copy_blocks", "empty_pinned", "reshape_and_cache", "reshape_and_cache_flash",
-           "swap_blocks"]
+__all__ = ["concat_and_cache_mla", "copy_blocks", "copy_blocks_mla", "empty_pinned",
+           "reshape_and_cache",
+           "reshape_and_cache_flash", "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
 _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
@@ -42,6 +43,30 @@ def _check_index_array(a, name: str, shape) -> str:
         _fail(f"{name} must be a contiguous array of shape {shape}, got shape {a.shape} "
               f"with strides {a.strides}")
     return _INDEX[a.dtype]
+
+
+def _check_slots(sm, sources) -> tuple[int, str]:
+    """A cache write's ``slot_mapping`` (1-D int32/int64: the tokens written) against its
+    ``sources`` ((name, array) pairs): (num_tokens, index type). The sources may hold more
+    rows (an engine pads them to a CUDA graph's batch), which are not read."""
+    if sm.ndim != 1:
+        _fail(f"slot_mapping must be 1-D [num_tokens], got shape {sm.shape}")
+    num_tokens = sm.shape[0]
+    for name, a in sources:
+        if a.shape[0] < num_tokens:
+            _fail(f"{name} has {a.shape[0]} tokens but slot_mapping has {num_tokens}: the "
+                  f"sources need a row for every slot")
+    return num_tokens, _check_index_array(sm, "slot_mapping", (num_tokens,))
+
+
+def _debug_check_slots(sm, num_slots: int, ctx) -> None:
+    """With CUPAGED_DEBUG=1, a slot past the cache raises (a device sync) instead of being
+    skipped."""
+    if _checks.DEBUG:
+        s = _arrays.to_host(sm, ctx)
+        bad = np.flatnonzero(s >= num_slots)
+        if bad.size:
+            _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
 
 
 # ---- reshape_and_cache ----------------------------------------------------------------------
@@ -93,16 +118,7 @@ def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=
                 (a.shape[2] > 1 and a.strides[2] != src.itemsize) or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
-    # slot_mapping says how many tokens are written; the sources may hold more rows (an
-    # engine pads them to a CUDA graph's batch), which are not read.
-    if sm.ndim != 1:
-        _fail(f"slot_mapping must be 1-D [num_tokens], got shape {sm.shape}")
-    num_tokens = sm.shape[0]
-    for name, a in (("key", k), ("value", v)):
-        if a.shape[0] < num_tokens:
-            _fail(f"{name} has {a.shape[0]} tokens but slot_mapping has {num_tokens}: the "
-                  f"sources need a row for every slot")
-    index = _check_index_array(sm, "slot_mapping", (num_tokens,))
+    num_tokens, index = _check_slots(sm, (("key", k), ("value", v)))
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
                                                     ("value", v), ("slot_mapping", sm)))
@@ -170,11 +186,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     it = w.source.itemsize
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
-        if _checks.DEBUG:
-            s = _arrays.to_host(sm, ctx)
-            bad = np.flatnonzero(s >= num_slots)
-            if bad.size:
-                _fail(f"slot_mapping[{bad[0]}] = {s[bad[0]]} is past the cache ({num_slots} slots)")
+        _debug_check_slots(sm, num_slots, ctx)
         kern = _kernel(w.device, "reshape_and_cache", w.source.name, w.index, cache.kv_format,
                        cache.dtype.name, q.mode)
         kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
@@ -206,6 +218,146 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
 _COPY_TENSORS = 96  # kMaxCopyTensors in cuda_src/cache_ops.cuh
 _COPY_TABLE = struct.Struct(f"{4 * _COPY_TENSORS}q")  # CopyTable: 4 int64 per tensor
 _COPY_PAD = (0,) * (4 * _COPY_TENSORS)
+
+
+# ---- concat_and_cache_mla --------------------------------------------------------------------
+
+
+class _MlaWrite(NamedTuple):
+    """A validated concat_and_cache_mla call: the two destinations' element strides."""
+
+    num_tokens: int
+    index: str
+    device: int
+    source: _dtypes.DType
+    cache: _dtypes.DType  # the source's type, or an fp8 format
+    rank: int
+    rope: int
+    block_size: int
+    num_blocks: int
+    latent: tuple  # (pointer, block stride, token stride), elements
+    rope_dst: tuple
+    vec_src: bool
+
+
+def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
+    """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
+    src = _checks.check_dtype(kv_c, "kv_c")
+    if src.itemsize != 2:
+        _fail(f"kv_c must be float16 or bfloat16, got {src.numpy}", TypeError)
+    for name, a in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if a.dtype != src.numpy:
+            _fail(f"{name} dtype {a.dtype} does not match kv_c's {src.numpy}", TypeError)
+        if a.ndim != 2:
+            _fail(f"{name} must be 2-D [num_tokens, dims], got shape {a.shape}")
+        if not _checks.is_empty(a) and ((a.shape[1] > 1 and a.strides[1] != 2)
+                                        or min(a.strides) < 0):
+            _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
+                  f"(strides {a.strides})")
+    rank, rope = kv_c.shape[1], k_pe.shape[1]
+    for name, n in (("kv_c", rank), ("k_pe", rope)):
+        if n == 0 or n % 8:
+            _fail(f"{name}'s width must be a positive multiple of 8, got {n}")
+    dt = _kvquant.cache_dtype(kv_cache_dtype, kc, kc if pc is None else pc, src,
+                              ("kv_cache", "kv_cache" if pc is None else "k_pe_cache"))
+    for name, a in (("kv_cache", kc), ("k_pe_cache", pc)):
+        if a is None:
+            continue
+        if dt is src and a.dtype != src.numpy:
+            _fail(f"{name} dtype {a.dtype} does not match kv_c's {src.numpy} (or name an fp8 "
+                  f"format with kv_cache_dtype)", TypeError)
+        if a.ndim != 3 or (a.shape[2] > 1 and a.strides[2] != a.dtype.itemsize):
+            _fail(f"{name} must be [num_blocks, block_size, dims] with its last dimension "
+                  f"contiguous, got shape {a.shape} with strides {a.strides}")
+    want = rank + rope if pc is None else rank
+    if kc.shape[2] != want:
+        _fail("kv_cache's last dimension must be " + (
+            f"kv_lora_rank + rope_dim = {rank} + {rope} (vLLM's combined cache)" if pc is None
+            else f"kv_lora_rank = {rank} (k_pe_cache holds the rotary part)")
+            + f", got shape {kc.shape}")
+    if pc is not None and pc.shape != (kc.shape[0], kc.shape[1], rope):
+        _fail(f"k_pe_cache must be [num_blocks, block_size, rope_dim] = "
+              f"{(kc.shape[0], kc.shape[1], rope)}, got {pc.shape}")
+    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    if block_size == 0:
+        _fail("kv_cache has blocks of 0 tokens")
+    it = kc.dtype.itemsize
+    align = 16 if it == 2 else 8  # one store of eight values
+    for name, a in (("kv_cache", kc), ("k_pe_cache", pc)):
+        if a is None or _checks.is_empty(a):
+            continue
+        _checks.check_aligned(a.data.ptr, name, align)
+        if any(st % align or st < 0 for st in a.strides[:2]):
+            _fail(f"{name}'s block and token strides must be non-negative multiples of "
+                  f"{align} bytes, got {a.strides}")
+    num_tokens, index = _check_slots(sm, (("kv_c", kv_c), ("k_pe", k_pe)))
+    device = kc.data.device_id
+    _checks.check_same_device(device, "kv_cache", (("k_pe_cache", pc), ("kv_c", kv_c),
+                                                   ("k_pe", k_pe), ("slot_mapping", sm)))
+    latent = (kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it)
+    rope_dst = ((kc.data.ptr + rank * it, *latent[1:]) if pc is None  # the same rows
+                else (pc.data.ptr, pc.strides[0] // it, pc.strides[1] // it))
+    vec = all(a.data.ptr % 16 == 0 and (a.shape[0] <= 1 or a.strides[0] % 16 == 0)
+              for a in (kv_c, k_pe))
+    return _MlaWrite(num_tokens, index, device, src, dt, rank, rope, block_size, num_blocks,
+                     latent, rope_dst, vec)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
+                         *, k_pe_cache=None, stream=None) -> None:
+    """Write each token's MLA latent vector into its cache slot (vLLM's
+    ``concat_and_cache_mla``, with its argument order).
+
+    Args:
+        kv_c: ``[n, kv_lora_rank]``, the compressed K and V (512 in DeepSeek-V3), float16
+            or bfloat16; ``n >= num_tokens`` (rows past ``num_tokens`` are not read); the
+            token stride is free, the last dimension contiguous.
+        k_pe: ``[n, rope_dim]`` (64), the rotary key part, kv_c's dtype. Both widths are
+            multiples of 8.
+        kv_cache: vLLM's combined ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
+            (token t's ``[kv_c, k_pe]`` in one row), or with ``k_pe_cache`` the latent part
+            ``[num_blocks, block_size, kv_lora_rank]`` (FlashInfer's ``ckv_cache``). Views
+            with any block and token strides that are multiples of 16 bytes (8 for fp8),
+            the last dimension contiguous; written in place.
+        slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
+            block_size + offset``; a negative slot marks a padding token that is skipped,
+            and a slot past the cache is skipped too (``CUPAGED_DEBUG=1`` raises for it).
+        kv_cache_dtype: ``"auto"`` (the cache holds kv_c's dtype, or the fp8 format its
+            float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
+            storage). An fp8 cache stores ``x / scale`` rounded to nearest even and
+            saturated, as :func:`reshape_and_cache` does.
+        scale: the fp8 cache's per-tensor scale, a number or a float32 device scalar
+            (default 1); ignored for 16-bit caches.
+        k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
+            the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
+            cache.
+        stream: as for :func:`reshape_and_cache`.
+
+    Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
+    device. ``cupaged.reference.concat_and_cache_mla`` is the statement of what is stored.
+    """
+    a = as_device_array(kv_c, "kv_c")
+    b = as_device_array(k_pe, "k_pe")
+    kc = as_device_array(kv_cache, "kv_cache")
+    pc = None if k_pe_cache is None else as_device_array(k_pe_cache, "k_pe_cache")
+    sm = as_device_array(slot_mapping, "slot_mapping")
+    w = _validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
+    fp8 = w.cache is not w.source
+    sp, sv, sa = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale, "scale",
+                                       per_token=False)
+    _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
+    if w.num_tokens == 0:
+        return
+    num_slots = w.num_blocks * w.block_size
+    with _arrays.on_device(w.device):
+        ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
+        _debug_check_slots(sm, num_slots, ctx)
+        kern = _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
+                       cache_dtype=w.cache.name)
+        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
+             a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *w.latent,
+             *w.rope_dst, sm.data.ptr, w.rank, w.rope, w.block_size, num_slots,
+             int(w.vec_src), sp, sv)
 
 
 def _block_bytes(a, name: str) -> int:
@@ -297,34 +449,75 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
     if vs[0].shape[0] != num_blocks:
         _fail(f"key_caches have {num_blocks} blocks but value_caches {vs[0].shape[0]}")
     device = ks[0].data.device_id
-    # Every layer is checked, cheaply: a layer laid out as layer 0 (the usual case) shares
-    # its verdict, so only its own address and device are left to check.
+    tensors = (_layer_tensors("key_caches", ks, device, "key_caches[0]")
+               + _layer_tensors("value_caches", vs, device, "key_caches[0]"))
+    _copy_within(tensors, mapping, index, nbytes, num_blocks, device, "key_caches[0]",
+                 key_caches[0], stream)
+
+
+def _layer_tensors(name: str, layers, device: int, ref: str) -> list:
+    """copy_blocks' view of per-layer caches: (src, dst, src stride, dst stride) each.
+    Every layer is checked, cheaply: a layer laid out as layer 0 (the usual case) shares
+    its verdict, so only its own address and device are left to check."""
+    first = layers[0]
+    layout = (first.shape, first.strides, first.dtype)
     tensors = []
-    for name, layers in (("key_caches", ks), ("value_caches", vs)):
-        first = layers[0]
-        layout = (first.shape, first.strides, first.dtype)
-        for i, a in enumerate(layers):
-            data = a.data
-            if (a.shape, a.strides, a.dtype) != layout:
-                if a.shape != first.shape or a.dtype != first.dtype:
-                    _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
-                          f"({first.shape}, {first.dtype}): every layer's caches must match")
-                _block_bytes(a, f"{name}[{i}]")  # the same shape: the same bytes per block
-            if data.ptr % 16:
-                _checks.check_aligned(data.ptr, f"{name}[{i}]")
-            if data.device_id != device:
-                _fail(f"{name}[{i}] is on device {data.device_id} but key_caches[0] is on "
-                      f"device {device}")
-            tensors.append((data.ptr, data.ptr, a.strides[0], a.strides[0]))
-    _checks.check_same_device(device, "key_caches[0]", (("block_mapping", mapping),))
+    for i, a in enumerate(layers):
+        data = a.data
+        if (a.shape, a.strides, a.dtype) != layout:
+            if a.shape != first.shape or a.dtype != first.dtype:
+                _fail(f"{name}[{i}] ({a.shape}, {a.dtype}) differs from {name}[0] "
+                      f"({first.shape}, {first.dtype}): every layer's caches must match")
+            _block_bytes(a, f"{name}[{i}]")  # the same shape: the same bytes per block
+        if data.ptr % 16:
+            _checks.check_aligned(data.ptr, f"{name}[{i}]")
+        if data.device_id != device:
+            _fail(f"{name}[{i}] is on device {data.device_id} but {ref} is on device {device}")
+        tensors.append((data.ptr, data.ptr, a.strides[0], a.strides[0]))
+    return tensors
+
+
+def _copy_within(tensors, mapping, index: str, nbytes: int, num_blocks: int, device: int,
+                 ref: str, framework_of, stream) -> None:
+    """Copy the mapped blocks within each of ``tensors`` (caches of ``num_blocks`` blocks
+    of ``nbytes`` on ``device``, ``ref``'s)."""
+    _checks.check_same_device(device, ref, (("block_mapping", mapping),))
     if mapping.shape[0] == 0:
         return
     with _arrays.on_device(device):
-        ctx = _arrays.context(device, _arrays.framework(key_caches[0]), stream)
+        ctx = _arrays.context(device, _arrays.framework(framework_of), stream)
         if _checks.DEBUG:
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
                      num_blocks)
+
+
+def copy_blocks_mla(kv_caches, block_mapping, *, stream=None) -> None:
+    """vLLM's ``copy_blocks_mla``: copy blocks within each layer's MLA latent cache (one
+    cache per layer, :func:`concat_and_cache_mla`'s ``kv_cache``), in one launch for up to
+    96 layers. With FlashInfer's pair, call it once for the ``kv_c`` caches and once for the
+    ``k_pe`` caches.
+
+    Args:
+        kv_caches: a list with one cache per layer (empty: nothing to copy), blocks along
+            the first dimension and contiguous; all of one shape and dtype, on one device,
+            16-byte aligned.
+        block_mapping: int32 or int64 ``[num_pairs, 2]`` on the device: (src, dst) block ids.
+        stream: as for :func:`copy_blocks`.
+    """
+    if not isinstance(kv_caches, (list, tuple)):
+        _fail("kv_caches must be a list of per-layer caches", TypeError)
+    mapping = as_device_array(block_mapping, "block_mapping")
+    if mapping.ndim != 2 or mapping.shape[1:] != (2,):
+        _fail(f"block_mapping must be [num_pairs, 2] (src, dst), got shape {mapping.shape}")
+    index = _check_index_array(mapping, "block_mapping", mapping.shape)
+    if not kv_caches:
+        return
+    cs = [as_device_array(a, f"kv_caches[{i}]") for i, a in enumerate(kv_caches)]
+    nbytes = _block_bytes(cs[0], "kv_caches[0]")
+    device = cs[0].data.device_id
+    _copy_within(_layer_tensors("kv_caches", cs, device, "kv_caches[0]"), mapping, index,
+                 nbytes, cs[0].shape[0], device, "kv_caches[0]", kv_caches[0], stream)
 
 
 # ---- swapping between device and pinned host memory --------------------------------------------

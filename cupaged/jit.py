@@ -71,6 +71,7 @@ _KERNELS = {
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
+    "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
@@ -88,6 +89,7 @@ ARG_FORMATS = {
     "paged_decode_combine": "PPPPPiiii48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
+    "concat_and_cache_mla": "PqPqPqqPqqPiiiqiPf",
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter

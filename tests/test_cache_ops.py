@@ -1024,3 +1024,208 @@ def test_copy_blocks_refuses_overlapping_blocks(fake_device):
     with pytest.raises(ValueError, match=r"key_caches\[0\]'s blocks overlap: its block stride "
                                          r"\(128 bytes\) is less than a block \(256 bytes\)"):
         cupaged.copy_blocks([Fake(k)], [Fake(k)], Fake(np.zeros((1, 2), np.int64)))
+
+
+# ---- concat_and_cache_mla: MLA's latent cache write ---------------------------------------------
+
+MLA_RANK, MLA_ROPE = 512, 64
+
+
+def _mla_cache(form, dtype, nb, bs, rng, rank=MLA_RANK, rope=MLA_ROPE):
+    """Host cache roots with random contents, and ``view``: roots -> (kv_cache, k_pe_cache).
+    "combined": vLLM's [nb, bs, rank + rope]; "pair": FlashInfer's two caches; "strided":
+    the combined cache as a block-strided slice of a wider allocation."""
+    fill = (lambda *s: rng.integers(0, 256, s, dtype=np.uint8)) if np.dtype(dtype).itemsize == 1 \
+        else (lambda *s: testing.random_normal(s, dtype, rng))
+    if form == "combined":
+        return [fill(nb, bs, rank + rope)], lambda r: (r[0], None)
+    if form == "pair":
+        return [fill(nb, bs, rank), fill(nb, bs, rope)], lambda r: (r[0], r[1])
+    # strided: every other block of a [2 * nb, bs, rank + rope + 64] allocation
+    return [fill(2 * nb, bs, rank + rope + 64)], lambda r: (r[0][::2, :, : rank + rope], None)
+
+
+@gpu
+@pytest.mark.parametrize("form", ["combined", "pair", "strided"])
+@pytest.mark.parametrize("dtype, kv", [(np.float16, "auto"), (_dtypes.BF16.numpy, "auto"),
+                                       (_dtypes.BF16.numpy, "fp8_e4m3"),
+                                       (np.float16, "fp8_e5m2")],
+                         ids=["f16", "bf16", "bf16-e4m3", "f16-e5m2"])
+@pytest.mark.parametrize("source", ["contiguous", "unaligned"])
+def test_concat_and_cache_mla_writes_what_the_reference_writes(rng, form, dtype, kv, source):
+    """Every written slot holds the reference's bytes (fp8: bit for bit), padding and
+    out-of-range slots write nothing, source rows past num_tokens are not read, and every
+    other byte of the allocation keeps its contents."""
+    nb, bs, n = 7, 16, 40
+    cache_dt = np.uint8 if kv != "auto" else dtype
+    roots, view = _mla_cache(form, cache_dt, nb, bs, rng)
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    slots[[3, 17]] = -1  # padding
+    slots[20] = nb * bs + 5  # past the cache: skipped
+    rows = n + 5  # rows past num_tokens must not be read (NaN there would show)
+    wide = testing.random_normal((rows, MLA_RANK + MLA_ROPE + 3), dtype, rng)
+    wide[n:] = np.nan
+    wide[0, 5] = 3e3  # past e4m3's 448 x scale: saturates
+    wide[1, MLA_RANK + 4] = -3e3
+    # contiguous: two arrays; unaligned: row-strided slices one element in (no row
+    # 16-byte aligned: element loads), sliced on the device (CuPy copies a strided host
+    # array into a contiguous one)
+    if source == "contiguous":
+        cols = [(0, MLA_RANK), (MLA_RANK, MLA_RANK + MLA_ROPE)]
+        kv_c, k_pe = (np.ascontiguousarray(wide[:, a:b]) for a, b in cols)
+        d_kv_c, d_k_pe = cupy.asarray(kv_c), cupy.asarray(k_pe)
+    else:
+        cols = [(1, MLA_RANK + 1), (MLA_RANK + 2, MLA_RANK + 2 + MLA_ROPE)]
+        kv_c, k_pe = (wide[:, a:b] for a, b in cols)
+        dw = cupy.asarray(wide)
+        d_kv_c, d_k_pe = (dw[:, a:b] for a, b in cols)
+    scale = 0.0173 if kv != "auto" else None  # not a power of two: x / s, not x * (1 / s)
+    want = [r.copy() for r in roots]
+    wkc, wpc = view(want)
+    reference.concat_and_cache_mla(kv_c[:n], k_pe[:n], wkc, np.where(slots < nb * bs, slots, -1),
+                                   kv if kv != "auto" else "auto", scale, k_pe_cache=wpc)
+    dev = [cupy.asarray(r) for r in roots]
+    kc, pc = view(dev)
+    d_slots = cupy.asarray(slots)
+    w8 = cache_ops._validate_mla_write(d_kv_c, d_k_pe, kc, pc, d_slots, kv)
+    assert w8.vec_src == (source == "contiguous")  # both load paths are exercised
+    cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, d_slots, kv, scale, k_pe_cache=pc)
+    for got, w in zip(dev, want):
+        np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint8), w.view(np.uint8))
+
+
+@gpu
+def test_concat_and_cache_mla_takes_a_device_scale_and_int32_slots(rng):
+    nb, bs = 3, 64
+    kc = cupy.zeros((nb, bs, MLA_RANK + MLA_ROPE), cupy.uint8)
+    kv_c = testing.random_normal((5, MLA_RANK), _dtypes.BF16.numpy, rng)
+    k_pe = testing.random_normal((5, MLA_ROPE), _dtypes.BF16.numpy, rng)
+    slots = np.array([0, 70, -1, 191, 64], np.int32)
+    cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), kc, cupy.asarray(slots),
+                                 "fp8_e4m3", cupy.asarray(np.float32(0.0173)))
+    want = np.zeros((nb, bs, MLA_RANK + MLA_ROPE), np.uint8)
+    reference.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_e4m3", np.float32(0.0173))
+    np.testing.assert_array_equal(cupy.asnumpy(kc), want)
+
+
+def margs(form="combined", dtype=np.float16, n=3, rank=512, rope=64, bs=16, nb=10):
+    kc = np.zeros((nb, bs, rank + rope if form == "combined" else rank), dtype)
+    return dict(kv_c=np.zeros((n, rank), dtype), k_pe=np.zeros((n, rope), dtype), kv_cache=kc,
+                k_pe_cache=None if form == "combined" else np.zeros((nb, bs, rope), dtype),
+                slot_mapping=np.zeros(n, np.int64), kv_cache_dtype="auto")
+
+
+def mvalidate(**a):
+    kv = a.pop("kv_cache_dtype")
+    f = {k: (None if v is None else v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
+    return cache_ops._validate_mla_write(f["kv_c"], f["k_pe"], f["kv_cache"], f["k_pe_cache"],
+                                         f["slot_mapping"], kv)
+
+
+def mbad(form="combined", **changes):
+    a = margs(form)
+    a.update(changes)
+    return a
+
+
+def test_mla_write_is_described():
+    w = mvalidate(**margs())
+    assert (w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks) == (3, 512, 64, 16, 10)
+    assert w.latent == (1 << 20, 16 * 576, 576) and w.rope_dst == ((1 << 20) + 1024, 16 * 576, 576)
+    assert w.vec_src and w.cache is w.source
+    p = mvalidate(**margs("pair"))
+    assert p.latent[1:] == (16 * 512, 512) and p.rope_dst[1:] == (16 * 64, 64)
+    f8 = mvalidate(**mbad(kv_cache=np.zeros((10, 16, 576), np.uint8), kv_cache_dtype="fp8"))
+    assert f8.cache.name == "e4m3" and f8.latent[1:] == (16 * 576, 576)
+
+
+@pytest.mark.parametrize("a, exc, match", [
+    (mbad(kv_c=np.zeros((3, 512), np.float32)), TypeError, "kv_c must be float16 or bfloat16"),
+    (mbad(k_pe=np.zeros((3, 64), _dtypes.BF16.numpy)), TypeError, "k_pe dtype bfloat16 does not match"),
+    (mbad(kv_c=np.zeros((3, 1, 512), np.float16)), ValueError, r"kv_c must be 2-D \[num_tokens, dims\]"),
+    (mbad(k_pe=np.zeros((3, 60), np.float16)), ValueError, "k_pe's width must be a positive multiple of 8"),
+    (mbad(kv_cache=np.zeros((10, 16, 512), np.float16)), ValueError,
+     r"kv_cache's last dimension must be kv_lora_rank \+ rope_dim = 512 \+ 64"),
+    (mbad("pair", k_pe_cache=np.zeros((10, 8, 64), np.float16)), ValueError,
+     r"k_pe_cache must be \[num_blocks, block_size, rope_dim\] = \(10, 16, 64\)"),
+    (mbad(kv_cache=np.zeros((10, 16, 576), _dtypes.BF16.numpy)), TypeError,
+     "kv_cache dtype bfloat16 does not match kv_c's float16"),
+    (mbad(kv_cache=np.zeros((10, 16, 576), np.uint8)), TypeError,
+     "kv_cache is uint8: name its fp8 format"),
+    (mbad(kv_cache_dtype="fp8"), TypeError, "kv_cache dtype float16 cannot hold fp8 e4m3"),
+    (mbad(kv_cache=np.zeros((10, 576), np.float16)), ValueError,
+     r"kv_cache must be \[num_blocks, block_size, dims\]"),
+    (mbad(kv_cache=Fake(np.zeros((10, 16, 576), np.float16), ptr=(1 << 20) + 8)), ValueError,
+     "kv_cache must start on a 16-byte boundary"),
+    (mbad(kv_cache=np.zeros((10, 16, 580), np.float16)[:, :, :576]), ValueError,
+     "block and token strides must be non-negative multiples of 16 bytes"),
+    (mbad(slot_mapping=np.zeros((3, 1), np.int64)), ValueError, "slot_mapping must be 1-D"),
+    (mbad(slot_mapping=np.zeros(4, np.int64)), ValueError, "kv_c has 3 tokens but slot_mapping has 4"),
+    (mbad(slot_mapping=np.zeros(3, np.float32)), TypeError, "slot_mapping"),
+    (mbad(k_pe=Fake(np.zeros((3, 64), np.float16), device=1)), ValueError,
+     "k_pe is on device 1 but kv_cache is on device 0"),
+])
+def test_bad_mla_writes_are_refused_by_name(a, exc, match):
+    with pytest.raises(exc, match=match):
+        mvalidate(**a)
+
+
+def test_mla_write_reads_unaligned_sources_element_by_element():
+    wide = np.zeros((3, 600), np.float16)  # rows of 1,200 bytes, one element in
+    assert not mvalidate(**mbad(kv_c=fake_view(wide[:, 1:513], wide))).vec_src
+    odd = np.zeros((3, 516), np.float16)  # aligned start, rows of 1,032 bytes
+    assert not mvalidate(**mbad(kv_c=fake_view(odd[:, :512], odd))).vec_src
+    assert mvalidate(**mbad(kv_c=fake_view(wide[:, 8:520], wide))).vec_src
+
+
+def test_copy_blocks_mla_copies_each_layers_latent_blocks(fake_device):
+    """One tensor per layer (vLLM's combined latent cache), one launch; the checks of
+    copy_blocks, with the MLA list's own name."""
+    layers = [Fake(np.zeros((10, 64, 576), np.uint8), ptr=(1 << 24) * (i + 1)) for i in range(3)]
+    cupaged.copy_blocks_mla(layers, Fake(np.zeros((4, 2), np.int32)))
+    (tensors, nbytes, src_blocks, dst_blocks), = fake_device
+    assert (nbytes, src_blocks, dst_blocks) == (64 * 576, 10, 10)
+    assert tensors == [(c.data.ptr, c.data.ptr, 64 * 576, 64 * 576) for c in layers]
+    cupaged.copy_blocks_mla([], Fake(np.zeros((2, 2), np.int64)))
+    assert len(fake_device) == 1
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] .* differs from kv_caches\[0\]"):
+        cupaged.copy_blocks_mla([layers[0], Fake(np.zeros((11, 64, 576), np.uint8))],
+                                Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] is on device 1 but kv_caches\[0\]"):
+        cupaged.copy_blocks_mla([layers[0], Fake(np.zeros((10, 64, 576), np.uint8), device=1)],
+                                Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(TypeError, match="kv_caches must be a list"):
+        cupaged.copy_blocks_mla(layers[0], Fake(np.zeros((1, 2), np.int64)))
+    with pytest.raises(ValueError, match=r"block_mapping must be \[num_pairs, 2\]"):
+        cupaged.copy_blocks_mla(layers, Fake(np.zeros((3,), np.int64)))
+
+
+@gpu
+def test_copy_blocks_mla_on_the_device(rng):
+    nb = 12
+    roots = [rng.integers(0, 256, (nb, 16, 576), dtype=np.uint8) for _ in range(2)]
+    src = rng.choice(6, size=4, replace=False)
+    dst = rng.choice(np.arange(6, 12), size=4, replace=False)
+    dev = [cupy.asarray(r) for r in roots]
+    cupaged.copy_blocks_mla(dev, cupy.asarray(np.stack([src, dst], 1).astype(np.int64)))
+    for r, d in zip(roots, dev):
+        want = r.copy()
+        want[dst] = r[src]
+        np.testing.assert_array_equal(cupy.asnumpy(d), want)
+
+
+def test_mla_write_refuses_a_scale_it_cannot_read(fake_device, monkeypatch):
+    """The fp8 scale: one float32 on the cache's device (MLA's caches have no per-token
+    scales, and the message says so)."""
+    from cupaged import _kvquant
+
+    monkeypatch.setattr(_kvquant, "as_device_array", cache_ops.as_device_array)  # Fakes too
+    a = margs()
+    args = [Fake(a[k]) for k in ("kv_c", "k_pe")] + [Fake(np.zeros((10, 16, 576), np.uint8)),
+                                                      Fake(a["slot_mapping"])]
+    with pytest.raises(ValueError, match="scale is on device 1 but kv_cache is on device 0"):
+        cupaged.concat_and_cache_mla(*args, "fp8", Fake(np.zeros((), np.float32), device=1))
+    with pytest.raises(ValueError, match=r"scale must be one float \(per tensor\), got shape"):
+        cupaged.concat_and_cache_mla(*args, "fp8", Fake(np.zeros((10, 1, 16), np.float32)))
+    with pytest.raises(ValueError, match="scale must be a positive finite float32"):
+        cupaged.concat_and_cache_mla(*args, "fp8", -1.0)

@@ -126,9 +126,10 @@ def test_specialization_names_are_unique():
     # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
     # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
-    # for each of 5 variants, and its 114 of bfloat16 for each of 2.
+    # for each of 5 variants, and its 114 of bfloat16 for each of 2; the cache kernels:
+    # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 12, merge_states 3.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 87
-                                                          + 44 + 2 + 3) + 228 * 5 + 114 * 2
+                                                          + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2
 
 
 # ---- the covering set ------------------------------------------------------------------------

@@ -52,12 +52,15 @@ AXES = {
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                           "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
+    # MLA's latent cache write: 16-bit sources (kv_c and k_pe of a model's dtype)
+    "concat_and_cache_mla": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
+                             "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
-# cache kernels: 44, 2 and 3 per target, a few seconds in all).
-SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "merge_states")
+# cache kernels: 44, 2, 12 and 3 per target, a few seconds in all).
+SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states")
 
 
 def supported(spec: jit.KernelSpec) -> bool:
