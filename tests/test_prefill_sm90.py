@@ -61,14 +61,17 @@ Q_LENS = [0, 1, 4, 300, 0, 129, 64, 33, 128]
 SEQ_EXTRA = [0, 0, 2000, 0, 5, 1000, 64, 4096 + 7, 0]
 
 
+# vLLM's layout takes this kernel in blocks of 8 tokens or more (smaller blocks stay on
+# mma.sync, which the fixture would report as a test the kernel never served).
+LAYOUT_CASES = [pytest.param(c, layout, id="{}_hs{}_bs{}_{}x{}-".format(*c) + layout)
+                for c in CASES for layout in ("NHD", "HND", "vllm")
+                if layout != "vllm" or c[2] >= 8]
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_hs{}_bs{}_{}x{}".format(*c))
+@pytest.mark.parametrize("case, layout", LAYOUT_CASES)
 def test_matches_reference(rng, sm90, case, layout, causal):
-    """(vLLM's layout takes this kernel in blocks of 8 tokens or more.)"""
     dtype, hs, bs, heads, kv_heads = case
-    if layout == "vllm" and bs < 8:
-        pytest.skip("vLLM's layout: blocks of 8 tokens or more")
     seq = [q + e for q, e in zip(Q_LENS, SEQ_EXTRA)]
     host = make_varlen(rng, Q_LENS, seq, layout=layout, dtype=dtype, heads=heads,
                        kv_heads=kv_heads, head_size=hs, block_size=bs, share=True)
