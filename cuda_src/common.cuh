@@ -171,6 +171,13 @@ __device__ __forceinline__ void cp_async16_shared(unsigned smem, const void* gme
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 
+// 16 bytes, or 16 zero bytes when `copy` is false (src-size 0: nothing is read, so `gmem`
+// may be any address): slots past a sequence's keys, whose stale bytes could be NaN.
+__device__ __forceinline__ void cp_async16_or_zero(unsigned smem, const void* gmem, bool copy) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem),
+               "l"(gmem), "r"(copy ? 16 : 0));
+}
+
 // 4 bytes (per-token scales of an fp8 cache): .ca, the only form that copies fewer than 16.
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -8,6 +8,7 @@ dtype, head size, block size and layout, compiled with NVRTC and cached.
 Public API:
     attention               varlen paged attention over any layout (every kind of step)
     AttentionPlan           attention checked and planned once, run for every layer
+    mla_attention           DeepSeek's absorbed multi-head latent attention over a paged latent cache
     paged_attention         decode attention over vLLM's layout (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
@@ -51,6 +52,7 @@ from .cache_ops import (
 from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .attention import AttentionPlan, attention
+from .mla import mla_attention
 from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step
 
 __version__ = "0.1.0"
@@ -72,6 +74,7 @@ __all__ = [
     "empty_pinned",
     "merge_state",
     "merge_states",
+    "mla_attention",
     "reshape_and_cache",
     "reshape_and_cache_flash",
     "swap_blocks",

@@ -285,8 +285,8 @@ def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: 
         fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
              f"{max_tokens} are supported")
     if lens.shape != (num_seqs,) or (num_seqs > 1 and lens.strides[0] != 4):
-        fail(f"{lens_name} must be a contiguous [num_seqs={num_seqs}] array, "
-             f"got shape {lens.shape}")
+        fail(f"{lens_name} must be a contiguous [num_seqs={num_seqs}] array, got shape "
+             f"{lens.shape} (num_seqs: the rows of block_tables {block_tables.shape})")
     return max_blocks
 
 

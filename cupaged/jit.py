@@ -63,11 +63,15 @@ _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format
 # per-tensor scales, vLLM's layout of the query's type; its own tile shape.
 _PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format",
                         "tile_tokens", "stages", "variant")
+# Absorbed MLA: head_size is the latent rank (kv_c's and the output's dims), rope_dim the
+# rotary part of the key; rows packed query rows per CTA.
+_MLA_PARAMS = ("dtype", "head_size", "rope_dim", "block_size", "rows", "tile_tokens", "stages")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
     "paged_prefill_sm90": ("paged_prefill_sm90.cu", _PREFILL_SM90_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
+    "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
@@ -87,6 +91,10 @@ ARG_FORMATS = {
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
     "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
+    # partials, split_tiles; q latent / rope and their strides; cache latent / rope and
+    # their strides; table, its stride, max_blocks, num_blocks; lengths, starts; heads,
+    # causal, scale
+    "mla_attention": "PPPPiPPqqqqPPqqqqPqiiPPiif48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     "concat_and_cache_mla": "PqPqPqqPqqPiiiqiPf",
@@ -144,6 +152,13 @@ def default_sm90_prefill_tile(head_size: int, fp8: bool = False) -> tuple[int, i
     return (128 if head_size <= 128 else 64), (2 if head_size > 192 else 3)
 
 
+def default_mla_tile() -> tuple[int, int, int, int]:
+    """(rope_dim, rows, tile_tokens, stages) of mla_attention when a spec leaves them 0:
+    DeepSeek's 64 rotary dims, 16 rows (16 heads of one decode token), 32-token tiles
+    (37 KB of latent cache each), two stages. The planner picks its own per call."""
+    return 64, 16, 32, 2
+
+
 # The targets each kernel is built for when not every one: wgmma and setmaxnreg are
 # sm_90a's (Hopper's architecture-specific features; no other GPU runs them).
 ARCH_ONLY = {"paged_prefill_sm90": "sm_90a"}
@@ -169,6 +184,8 @@ class KernelSpec:
     kv_format: str = ""  # "tok" | "vllm" (KV_FORMATS); default "vllm", prefill "tok"
     warps: int = 0  # paged_prefill: warps per CTA
     m_atoms: int = 0  # paged_prefill: 16-row mma tiles per warp
+    rope_dim: int = 0  # mla_attention: the key's rotary dims after the latent head_size
+    rows: int = 0  # mla_attention: packed query rows (tokens x heads) per CTA
     cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
@@ -239,6 +256,11 @@ class KernelSpec:
             for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
+        elif self.kernel == "mla_attention":
+            for name, default in zip(("rope_dim", "rows", "tile_tokens", "stages"),
+                                     default_mla_tile()):
+                if getattr(self, name) == 0:
+                    object.__setattr__(self, name, default)
         elif "tile_tokens" in params:
             if self.tile_tokens == 0:
                 object.__setattr__(self, "tile_tokens", self._default_tile())
@@ -264,6 +286,8 @@ class KernelSpec:
             parts.append(self.cache_dtype)
         if "head_size" in p:
             parts.append(f"hs{self.head_size}")
+        if "rope_dim" in p:
+            parts.append(f"rope{self.rope_dim}")
         if "index_dtype" in p:
             parts.append(self.index_dtype)
         if "block_size" in p:
@@ -280,6 +304,8 @@ class KernelSpec:
             tile = (self.warps, self.m_atoms, self.tile_tokens, self.stages)
             if tile != default_prefill_tile(self.head_size):
                 parts.append("w{}m{}n{}x{}".format(*tile))
+        elif self.kernel == "mla_attention":
+            parts.append(f"r{self.rows}t{self.tile_tokens}x{self.stages}")
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)
             if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype):

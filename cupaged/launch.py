@@ -12,6 +12,7 @@ import cupy
 import numpy as np
 
 from . import _arrays, _checks, _prepared, _variants, jit
+from .specs import geometry
 from .validation import Problem, VariantArgs
 
 if TYPE_CHECKING:
@@ -275,3 +276,54 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
         return launch
     return launch._replace(combine=plan.combine, combine_grid=plan.combine_grid,
                            combine_tail=plan.combine_tail)
+
+
+class MlaLaunch(NamedTuple):
+    """An mla_attention call's launches with every constant argument packed: ``run``
+    adds the addresses (a repeated call's only work)."""
+
+    kernel: jit.Launcher
+    grid: tuple
+    smem: int
+    split_tiles: int
+    q_strides: tuple  # latent token / head, rope token / head (elements)
+    q_offsets: tuple  # bytes from each query array's pointer to its part
+    c_strides: tuple  # latent block / token, rope block / token (elements)
+    c_offsets: tuple
+    table: tuple  # block_tables' row stride, max_blocks, num_blocks
+    tail: tuple  # num_heads, causal, scale * log2(e)
+    combine: jit.Launcher | None
+    combine_grid: tuple
+    combine_tail: tuple
+    scratch_rows: int  # split-KV partial rows (total_q * num_heads * partitions)
+    rank: int
+
+    def run(self, ctx: _arrays.Context, out: int, lse: int, q_lat: int, q_rope: int,
+            c_lat: int, c_rope: int, bt: int, lens: int, starts: int) -> None:
+        vp = _variants.PLAIN_BYTES if not lse else _variants.PLAIN.pack(lse)
+        qo, co = self.q_offsets, self.c_offsets
+        rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],
+                *self.c_strides, bt, *self.table, lens, starts, *self.tail, vp)
+        if not self.split_tiles:
+            self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out, 0, 0, 0, 0,
+                        *rest)
+            return
+        parts, keep = scratch_partials(ctx, self.scratch_rows, self.rank)
+        self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out,
+                    parts.part_out, parts.part_max, parts.part_sum, self.split_tiles, *rest)
+        self.combine(self.combine_grid, COMBINE_THREADS, 0, ctx.stream, out, parts.part_out,
+                     parts.part_max, parts.part_sum, 0, *self.combine_tail, vp)
+        del keep  # the scratch is freed in the stream's order, after the launches
+
+
+def build_mla(p, plan, scale: float, causal: bool) -> MlaLaunch:
+    """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
+    planning.MlaPlan), every argument but the arrays' addresses."""
+    isz = p.dtype.itemsize
+    return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
+                     p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
+                     tuple(o * isz for o in p.c_offsets),
+                     (p.bt_stride, p.max_blocks, p.num_blocks),
+                     (p.num_heads, int(causal), scale * _checks.LOG2E), plan.combine,
+                     plan.combine_grid, plan.combine_tail,
+                     p.num_rows * p.num_heads * plan.partitions, p.rank)

@@ -648,3 +648,116 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     return plan._replace(combine=combine_kernel(p.device, p.dtype.name, p.head_size),
                          combine_grid=(p.num_rows, p.num_heads, 1),
                          combine_tail=(0, size, n_parts, k.tile_tokens))
+
+
+# ---- absorbed MLA (mla_attention) ------------------------------------------------------------
+
+
+def mla_tile(arch: str, rows_needed: int) -> tuple[int, int, int]:
+    """(rows, tile_tokens, stages) of mla_attention: the fewest rows of 16, 32 and 64 that
+    hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
+    tiles where two stages fit (else 16), and as many stages up to four as fit (three
+    tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
+    fit even at 16 tokens (sm_86/89's 99 KiB), 32."""
+    rows = 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64
+
+    def fits(r, t, s):
+        return geometry.MlaGeometry(512, 64, r, t, s).fits(arch)
+
+    while rows > 16 and not fits(rows, 16, 2):
+        rows //= 2
+    tile = 32 if fits(rows, 32, 2) else 16
+    stages = max(s for s in (2, 3, 4) if fits(rows, tile, s))
+    return rows, tile, stages
+
+
+class MlaKernel(NamedTuple):
+    launch: jit.Launcher
+    spec: jit.KernelSpec
+    smem: int
+    slots: int  # CTAs resident at once on the whole device
+
+
+@jit.launcher_cache
+def mla_kernel(device_id: int, dtype: str, rank: int, rope: int, block_size: int,
+               tile: tuple) -> MlaKernel:
+    """mla_attention in ``tile`` (rows, tile_tokens, stages)."""
+    rows, tt, st = tile
+    spec = jit.KernelSpec("mla_attention", dtype, rank, block_size, rope_dim=rope, rows=rows,
+                          tile_tokens=tt, stages=st, arch=device_info(device_id).arch)
+    g = geometry.MlaGeometry.of(spec)
+    kernel = jit.load(spec, device_id, g.smem_bytes)
+    return MlaKernel(kernel, spec, g.smem_bytes,
+                     resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
+
+
+# Split-KV of mla_attention instead of the cost model's choice, for tests and experiments:
+# None (the model), 0 (never) or tiles per partition; set through set_mla_split.
+_mla_split_override: int | None = None
+
+
+def set_mla_split(tiles: int | None) -> None:
+    global _mla_split_override
+    _mla_split_override = tiles
+
+
+MLA_MAX_PARTITIONS = 32
+
+
+def mla_split(ctas: int, max_tiles: int, slots: int) -> int:
+    """Tiles per split-KV partition of mla_attention (0: a single pass). A decode batch
+    gives a CTA per (sequence, row tile): 128 sequences of 16 heads fill one CTA per SM
+    once, and the SMs left over, or a batch of 8, idle. Splitting each row tile's keys
+    into n partitions multiplies the CTAs; n is the one whose waves are fullest
+    (ceil(ctas * n / slots) / n, each partition costing a little more for its combine),
+    with at least 4 tiles a partition and at most MLA_MAX_PARTITIONS."""
+    if _mla_split_override is not None:
+        return _mla_split_override
+    best, best_cost = 1, -(-ctas // slots)
+    for n in range(2, min(MLA_MAX_PARTITIONS, max_tiles // 4) + 1):
+        cost = -(-ctas * n // slots) / n * (1 + 0.02 * n)
+        if cost < best_cost * 0.97:
+            best, best_cost = n, cost
+    return 0 if best == 1 else -(-max_tiles // best)
+
+
+class MlaPlan(NamedTuple):
+    """mla_attention's launch: kernel, grid (sequences, row tiles, partitions), shared
+    memory, tiles per partition (0: a single pass) and the combine of a split."""
+
+    kernel: MlaKernel
+    grid: tuple
+    split_tiles: int
+    partitions: int
+    combine: jit.Launcher | None = None
+    combine_grid: tuple = ()
+    combine_tail: tuple = ()
+
+
+def plan_mla(device: int, dtype: str, rank: int, rope: int, block_size: int, num_seqs: int,
+             num_rows: int, num_heads: int, max_q: int, max_ctx: int,
+             workspace_rows: int | None = None) -> MlaPlan | None:
+    """The launches of an MLA call (None: nothing to launch), from host facts only:
+    ``max_q`` and ``max_ctx`` bound the query tokens and keys of a sequence (an undercount
+    costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
+    rows (None: a scratch buffer per call)."""
+    if not (num_seqs and num_rows):
+        return None
+    rows_needed = max_q * num_heads
+    tile = mla_tile(device_info(device).arch, rows_needed)
+    k = mla_kernel(device, dtype, rank, rope, block_size, tile)
+    rows, tt = tile[0], tile[1]
+    row_tiles = max(1, min(_checks.MAX_GRID_YZ, -(-rows_needed // rows)))
+    max_tiles = max(1, -(-max_ctx // tt))
+    split = mla_split(num_seqs * row_tiles, max_tiles, k.slots)
+    parts = -(-max_tiles // split) if split else 1
+    if parts > 1 and workspace_rows is not None:
+        parts = min(parts, workspace_rows // (num_rows * num_heads))
+        split = -(-max_tiles // parts) if parts > 1 else 0
+        parts = -(-max_tiles // split) if split else 1
+    parts = min(parts, _checks.MAX_GRID_YZ)
+    if parts <= 1:
+        return MlaPlan(k, (num_seqs, row_tiles, 1), 0, 1)
+    return MlaPlan(k, (num_seqs, row_tiles, parts), split, parts,
+                   combine_kernel(device, dtype, rank), (num_rows, num_heads, 1),
+                   (0, split * tt, parts, tt))

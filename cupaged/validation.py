@@ -205,6 +205,27 @@ def check_tables_on_device(bt, cl, num_blocks: int, block_size: int,
         _fail(f"sequence {i}: block_tables[{i}, {j}] = {bt[i, j]} is outside [0, {num_blocks})")
 
 
+def check_varlen_tables(bt, sl, qsl, total_q: int, block_size: int, q_name: str) -> tuple:
+    """``(num_seqs, max_blocks)`` of a varlen call's block tables, sequence lengths and
+    query starts (``qsl`` None: one query row per sequence, ``total_q`` of them)."""
+    if bt.ndim != 2:
+        _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
+    num_seqs = bt.shape[0]
+    max_blocks = _checks.check_tables(bt, sl, "seq_lens", num_seqs, block_size,
+                                      _checks.MAX_TOKENS)
+    if qsl is None:
+        if total_q != num_seqs:
+            _fail(f"{q_name} has {total_q} rows but there are {num_seqs} sequences: without "
+                  f"query_start_loc each sequence has exactly one query token")
+    else:
+        _checks.check_int(qsl, "query_start_loc")
+        # (one entry, no sequences: its stride is free)
+        if qsl.shape != (num_seqs + 1,) or (num_seqs and qsl.strides[0] != 4):
+            _fail(f"query_start_loc must be a contiguous [num_seqs + 1 = {num_seqs + 1}] array, "
+                  f"got shape {qsl.shape}")
+    return num_seqs, max_blocks
+
+
 def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="auto",
                     k_scale=None, v_scale=None) -> Problem:
     """attention's arguments (adapted arrays): any cache layout, a varlen batch of query
@@ -228,20 +249,7 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
         _fail(f"query's last dimension must be contiguous (strides {q.strides})")
     _checks.check_element_strides(q, "query", dt.itemsize)
 
-    if bt.ndim != 2:
-        _fail(f"block_tables must be 2-D [num_seqs, max_blocks_per_seq], got shape {bt.shape}")
-    num_seqs = bt.shape[0]
-    max_blocks = _checks.check_tables(bt, sl, "seq_lens", num_seqs, cache.block_size,
-                                      _checks.MAX_TOKENS)
-    if qsl is None:
-        if total_q != num_seqs:
-            _fail(f"query has {total_q} rows but there are {num_seqs} sequences: without "
-                  f"query_start_loc each sequence has exactly one query token")
-    else:
-        _checks.check_int(qsl, "query_start_loc")
-        if qsl.shape != (num_seqs + 1,) or qsl.strides[0] != 4:
-            _fail(f"query_start_loc must be a contiguous [num_seqs + 1 = {num_seqs + 1}] array, "
-                  f"got shape {qsl.shape}")
+    num_seqs, max_blocks = check_varlen_tables(bt, sl, qsl, total_q, cache.block_size, "query")
     if num_seqs * cache.num_kv_heads > _checks.INT32_MAX:  # the prefill grid's x
         _fail(f"{num_seqs} sequences x {cache.num_kv_heads} KV heads; at most "
               f"{_checks.INT32_MAX} (sequence, KV head) pairs are supported")
@@ -330,3 +338,178 @@ def check_v2_scratch(query, exp_sums, max_logits, tmp_out, out) -> V2Scratch:
                             ("query", q), ("out", as_device_array(out, "out"))),
                            may_alias=OUT_OVER_QUERY)
     return V2Scratch(es.data.ptr, ml.data.ptr, tmp.data.ptr, s * h, capacity)
+
+
+# ---- absorbed MLA -----------------------------------------------------------------------------
+
+# The latent widths mla_attention's kernel is built for: DeepSeek-V2/V3's kv_lora_rank and
+# rotary dims (Kimi K2 and the other descendants keep them).
+MLA_RANKS = (512,)
+MLA_ROPE_DIMS = (64,)
+
+
+class MlaProblem(NamedTuple):
+    """A checked mla_attention call: adapted arrays (the query and cache as latent and
+    rotary parts, each with its own strides in elements) and their sizes."""
+
+    device: int
+    dtype: _dtypes.DType
+    num_seqs: int
+    num_rows: int  # total_q
+    num_heads: int
+    rank: int
+    rope: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    bt_stride: int
+    q_parts: tuple  # (latent, rope) adapted arrays [total_q, num_heads, ...]
+    q_offsets: tuple  # element offsets of the two parts from their arrays' pointers
+    q_strides: tuple  # (latent token, latent head, rope token, rope head)
+    c_parts: tuple  # (latent, rope) caches [num_blocks, block_size, ...]
+    c_offsets: tuple
+    c_strides: tuple  # (latent block, latent token, rope block, rope token)
+
+
+def _mla_part(a, name: str, lead: tuple, what: str):
+    """The strides (elements) of one query or cache array: 3-D with leading ``lead``
+    sizes (when given), the last dimension contiguous, 16-byte aligned pointer and
+    strides (the kernel copies 16 bytes at a time)."""
+    if a.ndim != 3 or (lead and a.shape[:2] != lead):
+        _fail(f"{name} must be 3-D {what}, got shape {a.shape}")
+    itemsize = a.dtype.itemsize
+    if not _checks.is_empty(a):
+        if min(a.strides) < 0:
+            _fail(f"{name}'s strides must be non-negative, got {a.strides}")
+        if a.shape[2] > 1 and a.strides[2] != itemsize:
+            _fail(f"{name}'s last dimension must be contiguous (strides {a.strides})")
+        _checks.check_element_strides(a, name, itemsize)
+        _checks.check_aligned(a.data.ptr, name)
+        for n, st in zip(a.shape[:2], a.strides[:2]):
+            if n > 1 and st % 16:
+                _fail(f"{name}'s strides must be multiples of 16 bytes (the kernel copies "
+                      f"16 bytes at a time), got {a.strides}")
+    return tuple(st // itemsize for st in a.strides[:2])
+
+
+def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc, out,
+                 lse, kv_lora_rank, kv_cache_dtype) -> MlaProblem:
+    """mla_attention's arguments (adapted arrays; ``q`` an array or a (latent, rope)
+    pair): metadata only, nothing read on the device."""
+    pair = isinstance(q, tuple)
+    q_lat, q_rope = q if pair else (q, q)
+    q_name = "q_nope" if pair else "q"
+    dt = _dtypes.lookup(q_lat.dtype)
+    if dt is None or dt.itemsize != 2:
+        _fail(f"{q_name} dtype {q_lat.dtype} is not supported: expected float16 or bfloat16",
+              TypeError)
+    if kv_lora_rank is not None and (isinstance(kv_lora_rank, bool)
+                                     or not isinstance(kv_lora_rank, (int, np.integer))):
+        _fail(f"kv_lora_rank must be an int, got {type(kv_lora_rank).__name__}", TypeError)
+    if pair and q_rope.dtype != q_lat.dtype:
+        _fail(f"q_pe dtype {q_rope.dtype} does not match q_nope dtype {q_lat.dtype}",
+              TypeError)
+    if kv_cache_dtype not in ("auto", None):
+        _fail(f"kv_cache_dtype {kv_cache_dtype!r}: mla_attention reads caches of the query's "
+              f"dtype ('auto'); fp8 latent caches are not supported yet")
+    for name, c in (("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache)):
+        if c is not None and c.dtype != q_lat.dtype:
+            _fail(f"{name} dtype {c.dtype} does not match the query's {q_lat.dtype} "
+                  f"(fp8 latent caches are not supported yet)", TypeError)
+    if kv_cache.ndim != 3:
+        _fail(f"kv_cache must be 3-D [num_blocks, block_size, kv_lora_rank + rope_dim] (or "
+              f"[.., kv_lora_rank] with k_pe_cache), got shape {kv_cache.shape}")
+    num_blocks, block_size, width = kv_cache.shape
+    if k_pe_cache is None:
+        rank = 512 if kv_lora_rank is None else kv_lora_rank
+        rope = width - rank
+        c_rope = kv_cache
+    else:
+        if k_pe_cache.ndim != 3 or k_pe_cache.shape[:2] != (num_blocks, block_size):
+            _fail(f"k_pe_cache must be [num_blocks={num_blocks}, block_size={block_size}, "
+                  f"rope_dim], got shape {k_pe_cache.shape}")
+        rank, rope = width, k_pe_cache.shape[2]
+        if kv_lora_rank is not None and kv_lora_rank != rank:
+            _fail(f"kv_lora_rank {kv_lora_rank} does not match kv_cache's last dimension "
+                  f"{rank} (with k_pe_cache, kv_cache holds kv_c alone)")
+        c_rope = k_pe_cache
+    if rank not in MLA_RANKS or rope not in MLA_ROPE_DIMS:
+        hint = (" (with k_pe_cache, kv_cache holds kv_c alone)"
+                if k_pe_cache is not None and rank == 576 else "")
+        _fail(f"kv_lora_rank {rank} with rope_dim {rope} is not supported: mla_attention is "
+              f"built for kv_lora_rank {MLA_RANKS} and rope_dim {MLA_ROPE_DIMS} "
+              f"(DeepSeek's){hint}")
+    if block_size not in _checks.BLOCK_SIZES:
+        _fail(f"block_size {block_size} is not supported: expected a power of two from 1 "
+              f"to 256")
+    if num_blocks >= 2 ** 31:
+        _fail(f"num_blocks {num_blocks}: at most 2^31 - 1 blocks are supported")
+
+    if q_lat.ndim != 3:
+        _fail(f"{'q_nope' if pair else 'q'} must be 3-D [total_q, num_heads, ...], got shape "
+              f"{q_lat.shape}")
+    total_q, num_heads = q_lat.shape[:2]
+    if pair:
+        if q_lat.shape[2] != rank or q_rope.shape != (total_q, num_heads, rope):
+            _fail(f"q_nope and q_pe must be [total_q, num_heads, {rank}] and [.., {rope}] "
+                  f"(kv_lora_rank, rope_dim), got shapes {q_lat.shape} and {q_rope.shape}")
+        q_offsets = (0, 0)
+    else:
+        if q_lat.shape[2] != rank + rope:
+            _fail(f"q's last dimension ({q_lat.shape[2]}) must be kv_lora_rank + rope_dim "
+                  f"({rank} + {rope})")
+        q_offsets = (0, rank)
+    if num_heads == 0:
+        _fail("q must have at least one head")
+    if total_q * num_heads > _checks.INT32_MAX:
+        _fail(f"total_q * num_heads = {total_q * num_heads} rows; at most "
+              f"{_checks.INT32_MAX} are supported per call")
+    qs = _mla_part(q_lat, q_name, (), "[total_q, num_heads, ...]")
+    if pair:
+        qs += _mla_part(q_rope, "q_pe", (total_q, num_heads), "[total_q, num_heads, rope_dim]")
+    else:
+        qs += qs
+        _checks.check_aligned(q_lat.data.ptr + rank * dt.itemsize, "q's rotary part")
+    cs = _mla_part(kv_cache, "kv_cache", (), "")
+    if k_pe_cache is None:
+        c_offsets = (0, rank)
+        cs += cs
+    else:
+        c_offsets = (0, 0)
+        cs += _mla_part(k_pe_cache, "k_pe_cache", (num_blocks, block_size), "")
+
+    num_seqs, max_blocks = check_varlen_tables(block_tables, seq_lens, query_start_loc,
+                                               total_q, block_size, q_name)
+    if out is not None:
+        if out.dtype != q_lat.dtype:
+            _fail(f"out dtype {out.dtype} does not match q's {q_lat.dtype}", TypeError)
+        if out.shape != (total_q, num_heads, rank) or not (
+                _checks.is_empty(out) or out.flags.c_contiguous):
+            _fail(f"out must be a C-contiguous array of shape {(total_q, num_heads, rank)}, "
+                  f"got shape {out.shape} with strides {out.strides}")
+        _checks.check_aligned(out.data.ptr, "out", 4)
+    if lse is not None:
+        if lse.dtype != np.float32:
+            _fail(f"lse must be float32, got {lse.dtype}", TypeError)
+        if lse.shape != (total_q, num_heads) or not (_checks.is_empty(lse) or lse.flags.c_contiguous):
+            _fail(f"lse must be a C-contiguous float32 array of shape {(total_q, num_heads)}, "
+                  f"got shape {lse.shape} with strides {lse.strides}")
+        _checks.check_aligned(lse.data.ptr, "lse", 4)
+    arrays = (("q_pe", q_rope if pair else None), ("kv_cache", kv_cache),
+              ("k_pe_cache", k_pe_cache), ("block_tables", block_tables),
+              ("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("out", out),
+              ("lse", lse))
+    device = q_lat.data.device_id
+    _checks.check_same_device(device, "q", arrays)
+    # The output and lse are written while the query and caches are read (the inputs may
+    # share memory: a pair of views of one combined cache).
+    inputs = (("q_nope" if pair else "q", q_lat), ("q_pe", q_rope if pair else None),
+              ("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache))
+    for written in (("out", out), ("lse", lse)):
+        if written[1] is not None:
+            for read in inputs:
+                _checks.check_disjoint((read, written))
+    _checks.check_disjoint((("out", out), ("lse", lse)))
+    return MlaProblem(device, dt, num_seqs, total_q, num_heads, rank, rope, block_size,
+                      num_blocks, max_blocks, block_tables.strides[0] // 4, (q_lat, q_rope),
+                      q_offsets, qs, (kv_cache, c_rope), c_offsets, cs)

@@ -109,7 +109,7 @@ def test_import_cupaged_imports_neither_flashinfer_nor_torch(tmp_path):
     (tmp_path / "flashinfer").mkdir()
     (tmp_path / "flashinfer" / "__init__.py").write_text("raise SystemExit('imported')\n")
     code = ("import sys, cupaged, cupaged.bench.cli, cupaged.bench.decode, cupaged.bench.prefill, "
-            "cupaged.bench.cascade, cupaged.bench.e2e, cupaged.serving.engine; "
+            "cupaged.bench.mla, cupaged.bench.cascade, cupaged.bench.e2e, cupaged.serving.engine; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flashinfer', 'torch')))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -532,6 +532,7 @@ def on_host(monkeypatch):
     import cupaged
     from cupaged import decode, planning, reference
     from cupaged.bench import cascade as bench_cascade
+    from cupaged.bench import mla as bench_mla
     from cupaged.bench import prefill as bench_prefill
 
     calls = []
@@ -544,7 +545,7 @@ def on_host(monkeypatch):
         cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0),
                                    memory=types.SimpleNamespace(OutOfMemoryError=MemoryError)))
-    for mod in (workloads, bench_decode, timing, peers, bench_prefill, bench_cascade):
+    for mod in (workloads, bench_decode, timing, peers, bench_prefill, bench_cascade, bench_mla):
         monkeypatch.setattr(mod, "cupy", shim)
     monkeypatch.setattr(peers, "import_torch", lambda: None)
     monkeypatch.setattr(planning, "device_info", lambda i: planning.DeviceInfo(i, "sm_90", 132, 232448, 233472))

@@ -9,8 +9,8 @@ from cupaged import jit
 from cupaged.bench.cli import main
 from conftest import HAVE_GPU
 
-COMMANDS = ["info", "compile", "decode", "compare", "prefill", "cascade", "e2e", "overhead",
-            "cache-ops"]
+COMMANDS = ["info", "compile", "decode", "compare", "prefill", "mla", "cascade", "e2e",
+            "overhead", "cache-ops"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -83,6 +83,16 @@ def test_decode_without_gpu_exits_nonzero():
     (["cascade", "--dtype", "int8"], "unknown dtype"),
     (["cascade", "--kv-layout", "nhd"], "Invalid value for '--kv-layout'"),
     (["cascade", "--suffix", "0"], "Invalid value for '--suffix'"),
+    (["mla", "--preset", "dsv3-671b"], "Invalid value for '--preset'"),
+    (["mla", "--impl", "flashinfer-fa4"], "Invalid value for '--impl'"),
+    (["mla", "--impl", "flashinfer"], "'cupaged', 'flashinfer-fa2', 'flashinfer-fa3'"),
+    (["mla", "--dtype", "float32"], "Invalid value for '--dtype'"),
+    (["mla", "--page-size", "0"], "Invalid value for '--page-size'"),
+    (["mla", "--heads", "0"], "Invalid value for '--heads'"),
+    (["mla", "--q-len", "x"], "Invalid value for '--q-len'"),
+    (["mla", "--context", "2", "--q-len", "3"],
+     "context (2) counts the query tokens: at least q_len (3)"),
+    (["mla", "--reps", "2"], "Invalid value for '--reps'"),
 ])
 def test_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, argv)

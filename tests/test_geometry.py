@@ -62,6 +62,20 @@ def test_every_supported_sm90_prefill_specialization_satisfies_the_kernel_constr
     geometry.check_against_kernel([s for s in sm90 if s.variant == ""])
 
 
+def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
+    mla = [s for s in ALL if s.kernel == "mla_attention"]
+    assert {(s.head_size, s.rope_dim) for s in mla} == {(512, 64)}
+    for s in mla:
+        g = geometry.MlaGeometry.of(s)
+        assert g.violations() == [], s.name
+        assert g.fits(s.arch), (s.name, g.smem_bytes)
+    # Shapes past a target's shared memory are not listed for it: 64 rows over three
+    # 32-token stages need 202,000 bytes (sm_90's 227 KiB, not sm_80's 163).
+    shapes = {a: {(s.rows, s.tile_tokens, s.stages) for s in mla if s.arch == a} for a in ARCHS}
+    assert (64, 32, 3) in shapes["sm_90"] and (64, 32, 3) not in shapes["sm_80"]
+    geometry.check_against_kernel([s for s in mla if s.block_size == 16])
+
+
 def test_the_sm90_kernel_is_built_for_sm90a_only():
     assert jit.KernelSpec("paged_prefill_sm90", "f16", 64, 16).arch == "sm_90a"
     assert jit.KernelSpec("paged_prefill_sm90", "f16", 64, 16, arch="sm_90").arch == "sm_90a"
@@ -127,9 +141,13 @@ def test_specialization_names_are_unique():
     # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
     # for each of 5 variants, and its 114 of bfloat16 for each of 2; the cache kernels:
-    # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 12, merge_states 3.
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 87
-                                                          + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2
+    # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 12, merge_states 3; the
+    # combine 3 dtypes x 30 head sizes (512 for MLA); mla_attention 2 dtypes x 9 block sizes
+    # x the (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80,
+    # 17 on sm_90).
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 90
+                                                          + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2 \
+        + 2 * 9 * (11 + 17)
 
 
 # ---- the covering set ------------------------------------------------------------------------

@@ -636,6 +636,93 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
     sys.exit(1 if wrong else 0)
 
 
+# ---- multi-head latent attention ------------------------------------------------------------------
+
+
+def _mla_options(f):
+    """The options of ``mla``; its choices come from cupaged.bench.mla."""
+    from .mla import DTYPES, IMPLEMENTATIONS, PRESETS
+
+    opts = [
+        click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
+                     help="Named shapes, DeepSeek-V3 absorbed (repeatable; default all, or "
+                          "none with a custom shape)."),
+        click.option("--impl", "impls", multiple=True, type=click.Choice(list(IMPLEMENTATIONS)),
+                     help="Implementations to run (repeatable; default cupaged): FlashInfer's "
+                          "BatchMLAPagedAttentionWrapper with its fa2 or fa3 backend."),
+        click.option("--heads", type=click.IntRange(1), default=None,
+                     help="A custom shape: query heads (default 16)."),
+        click.option("--batch", type=click.IntRange(1), default=None,
+                     help="A custom shape: sequences (default 128)."),
+        click.option("--context", type=click.IntRange(1), default=None,
+                     help="A custom shape: cached tokens per sequence, the query tokens "
+                          "included (default 4096)."),
+        click.option("--q-len", type=click.IntRange(1), default=None,
+                     help="A custom shape: query tokens per sequence, causal (default 1)."),
+        click.option("--page-size", type=click.IntRange(1), default=64, show_default=True,
+                     help="Tokens per cache page, every shape."),
+        click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16",
+                     show_default=True, help="q, the latent cache and out, every shape."),
+        click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _mla_row(r, mm: float) -> str:
+    """One table row ('-' for what a row that did not run lacks)."""
+    spread = "-" if r.p10_us != r.p10_us else f"{r.p10_us:8.1f}-{r.p90_us:<8.1f}"
+    return (f"{r.case:20s} {r.impl:16s} {_fmt(r.median_us, '.1f'):>10s} {spread:>17s} "
+            f"{_fmt(r.tflops, '.1f'):>8s} "
+            f"{_fmt(100 * r.tflops / mm, '.1f'):>5s}% {_fmt(r.pct_copy, '.1f'):>6s}% "
+            f"{_fmt(r.error, '.1e'):>8s}  {r.note}").rstrip()
+
+
+@main.command()
+@_mla_options
+def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, reps):
+    """Absorbed multi-head latent attention (DeepSeek's MLA) decode over a paged latent
+    cache: cupaged.mla_attention beside FlashInfer's BatchMLAPagedAttentionWrapper (fa2,
+    fa3), on the same bytes (FlashInfer's ckv and kpe caches are views of the combined
+    [blocks, page, 512 + 64] cache), scale 1/sqrt(192), random normal data, shuffled
+    blocks. Each is checked against the float64 reference (the first, middle and last
+    sequences, every head) before it is timed. % copy counts the latent cache read once
+    plus q and out against the copy bandwidth; TFLOP/s count 2 * (576 + 512) FLOPs per
+    (head, visible key), against the bf16 matmul rate; both measured in the same run. A
+    FlashInfer row that cannot run (not installed, a shape it refuses) says why.
+    Exit status 1 when a check failed, 3 when some row did not run."""
+    from . import mla, prefill, timing
+
+    cases = []
+    custom = {k: v for k, v in dict(heads=heads, batch=batch, context=context,
+                                    q_len=q_len).items() if v is not None}
+    try:
+        if custom:
+            case = mla.MLACase("", block_size=page_size, dtype=dtype, **custom)
+            case.name = f"{case.heads}h-{case.batch}x{case.q_len}/{case.context}"
+            cases.append(case)
+        for name in dict.fromkeys(presets or (() if cases else mla.PRESETS)):
+            cases.append(mla.preset_case(name, page_size, dtype))
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    impls = list(dict.fromkeys(impls or ["cupaged"]))
+    _require_gpu()
+    bw = timing.copy_bandwidth()
+    mm = prefill.matmul_tflops()
+    click.echo(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s (same run)")
+    for c in cases:
+        click.echo(c.describe())
+    click.echo(f"{'shape':20s} {'implementation':16s} {'median us':>10s} {'p10-p90 us':>17s} "
+               f"{'TFLOP/s':>8s} {'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
+    rows = mla.measure(cases, impls, reps, bw)
+    for r in rows:
+        click.echo(_mla_row(r, mm))
+    # 0: everything ran and passed its check; 1: a check failed; 3: some rows did not run.
+    sys.exit(1 if any(r.note == "WRONG" for r in rows) else
+             0 if all(r.ran for r in rows) else 3)
+
+
 # ---- cascade attention ------------------------------------------------------------------------------
 
 

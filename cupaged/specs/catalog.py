@@ -47,7 +47,9 @@ AXES = {
     "paged_prefill_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": SM90_HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
                            "kv_format": KV_FORMATS, "variant": PREFILL_VARIANTS},
-    "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME), "head_size": _checks.HEAD_SIZES},
+    # (512: mla_attention's split-KV, whose outputs are kv_lora_rank wide)
+    "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME),
+                             "head_size": (*_checks.HEAD_SIZES, 512)},
     "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                           "index_dtype": ("i32", "i64")},
@@ -56,6 +58,11 @@ AXES = {
     "concat_and_cache_mla": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
+    # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
+    # page size and each (rows, tile, stages) shape the planner picks (MLA_TILES).
+    "mla_attention": {"dtype": ("f16", "bf16"), "head_size": (512,), "rope_dim": (64,),
+                      "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
+                      "tile_tokens": (16, 32), "stages": (2, 3, 4)},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
@@ -70,6 +77,8 @@ def supported(spec: jit.KernelSpec) -> bool:
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
     192, and vLLM's layout in blocks of 8 tokens or more."""
+    if spec.kernel == "mla_attention":  # its (rows, tile, stages) where the target holds them
+        return geometry.MlaGeometry.of(spec).fits(spec.arch)
     fp8 = spec.cache_dtype in _dtypes.FP8
     if fp8 and (spec.dtype == "f32" or spec.head_size % 16):
         return False

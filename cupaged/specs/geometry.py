@@ -280,9 +280,57 @@ class Sm90PrefillGeometry:
         return self.smem_bytes <= max_smem(arch)
 
 
+MLA_THREADS = 256  # kMlaThreads: eight warps
+
+
+@dataclass(frozen=True)
+class MlaGeometry:
+    """``MlaGeometry<T, RANK, ROPE, ROWS, TILE_N, STAGES>`` of ``cuda_src/mla_attention.cuh``
+    (``rank`` is the spec's head_size, the latent width)."""
+
+    rank: int
+    rope: int
+    rows: int
+    tile_tokens: int
+    stages: int
+
+    @classmethod
+    def of(cls, spec) -> "MlaGeometry":
+        return cls(spec.head_size, spec.rope_dim, spec.rows, spec.tile_tokens, spec.stages)
+
+    threads = MLA_THREADS
+
+    @property
+    def k_split(self) -> int:  # kKSplit: warps sharing one block (up to 32 x 32) of S
+        blocks = self.rows // min(self.rows, 32) * (self.tile_tokens // min(self.tile_tokens, 32))
+        return 1 if blocks >= 8 else 8 // blocks
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, S partials, P, row state
+        row = (self.rank + self.rope + 8) * 2
+        return (self.rows * row + self.stages * self.tile_tokens * row
+                + self.k_split * self.rows * (self.tile_tokens + 4) * 4
+                + self.rows * (self.tile_tokens + 8) * 2 + 3 * self.rows * 4 + 16)
+
+    def violations(self) -> list[str]:
+        bad = []
+        if self.rank % 128 or self.rope % 16:
+            bad.append("RANK, ROPE")
+        if self.rows not in (16, 32, 64):
+            bad.append("ROWS")
+        if self.tile_tokens not in (16, 32, 64):
+            bad.append("TILE_N")
+        if self.stages < 2:
+            bad.append("STAGES")
+        return bad
+
+    def fits(self, arch: str) -> bool:
+        return self.smem_bytes <= max_smem(arch)
+
+
 def check_against_kernel(specs, chunk: int = 300) -> None:
-    """Have NVRTC compare the mirrors with ``DecodeGeometry``, ``PrefillGeometry`` and
-    ``Sm90PrefillGeometry`` in the kernel sources for each spec of those kernels: one
+    """Have NVRTC compare the mirrors with ``DecodeGeometry``, ``PrefillGeometry``,
+    ``Sm90PrefillGeometry`` and ``MlaGeometry`` in the kernel sources for each spec of those kernels: one
     ``static_assert`` per spec over the shared memory (and for decode the path and the
     piece count). No kernel is instantiated, so a few hundred take a second (in
     programs of ``chunk``: NVRTC slows down more than linearly with thousands in one).
@@ -291,7 +339,7 @@ def check_against_kernel(specs, chunk: int = 300) -> None:
 
     specs = list(specs)
     parts = []
-    for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90"):
+    for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention"):
         mine = [s for s in specs if s.kernel == kernel]
         parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
     with ThreadPoolExecutor() as pool:
@@ -304,6 +352,13 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
+        if s.kernel == "mla_attention":
+            g = MlaGeometry.of(s)
+            cxx = (f"cupaged::MlaGeometry<{t}, {s.head_size}, {s.rope_dim}, {s.rows}, "
+                   f"{s.tile_tokens}, {s.stages}>")
+            lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
+                         f"{cxx}::kKSplit == {g.k_split}, \"host mirror differs: {s.name}\");\n")
+            continue
         if s.kernel == "paged_prefill_sm90":
             g = Sm90PrefillGeometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx

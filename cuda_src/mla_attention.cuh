@@ -1,0 +1,421 @@
+// Absorbed multi-head latent attention (DeepSeek's MLA) over a paged latent cache, on
+// tensor cores (mma.sync, sm_80+), for decode, multi-token prediction, verify and chunked
+// prefill in one varlen batch.
+//
+//   q      a latent part [total_q, num_heads, RANK] and a rotary part [.., ROPE] (two
+//          pointers with their own token and head strides: one [.., RANK + ROPE] array
+//          is the pair at offsets 0 and RANK)
+//   cache  a latent part [num_blocks, BLOCK_SIZE, RANK] and a rotary part [.., ROPE]
+//          (vLLM's combined [.., RANK + ROPE] cache is the pair at offsets 0 and RANK;
+//          FlashInfer's kv_c / k_pe caches are two arrays), block and token strides free
+//   out    [total_q, num_heads, RANK] contiguous
+//
+// A token's key is its whole cached vector [kv_c, k_pe], its value the latent kv_c: one KV
+// head that every query head shares (multi-query attention with keys of RANK + ROPE and
+// values of RANK dims). The q_len query tokens of a sequence are the last q_len of its
+// seq_len cached tokens; causal: token i sees keys at positions up to seq_len - q_len + i.
+//
+// Work split: a sequence's rows are its tokens times the heads, packed token-major
+// (row = token * num_heads + head), in tiles of ROWS rows, one CTA per (sequence, row tile,
+// split-KV partition). Each K/V tile of TILE_N tokens is copied once into shared memory
+// and serves as K (all RANK + ROPE dims) and V (its first RANK dims). Eight warps:
+//   S = Q K^T: ROWS x TILE_N scores, the warps spread over blocks of up to 32 x 32 of
+//     them and, where there are fewer blocks than warps, over slices of the 576-dim
+//     reduction; partial sums meet in shared memory (fp32);
+//   softmax: ROWS rows over the CTA's threads (256 / ROWS a row), online in the log2
+//     domain; P (rounded to T) and each row's rescale factor go to shared memory;
+//   O += P V: each warp owns RANK / 8 output dims of every row (an O of 64 x 512 fp32 is
+//     too large for one warp's registers, so the value dims are what the warps split).
+// Block ids come through the read-only cache; a bad one (outside the cache) is never
+// dereferenced and gives its rows NaN.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "variants.cuh"
+
+namespace cupaged {
+
+constexpr int kMlaWarps = 8;
+constexpr int kMlaThreads = kMlaWarps * 32;
+
+// Shared-memory layout of one specialization, mirrored on the host (specs/geometry.py).
+template <typename T, int RANK, int ROPE, int ROWS, int TILE_N, int STAGES>
+struct MlaGeometry {
+  static constexpr int kDims = RANK + ROPE;       // a key's length
+  static constexpr int kRow = kDims + 8;          // shared rows padded by 16 bytes: eight
+  //                                                 consecutive rows start in distinct bank
+  //                                                 groups (conflict-free ldmatrix)
+  static constexpr int kChunks = kDims / 8;       // 16-byte chunks of a key row
+  static constexpr int kRankChunks = RANK / 8;
+  static constexpr int kAtoms = ROWS / 16;        // m16 tiles of O
+  // S = Q K^T in blocks of up to 32 x 32 a warp (each k-step's Q and K fragments then
+  // serve twice as many mma as 16 x 16 blocks would: Q K^T reads both operands from
+  // shared memory, whose bandwidth bounds it), the k-steps split over kKSplit warps
+  // where there are fewer blocks than warps.
+  static constexpr int kBlockRows = ROWS >= 32 ? 32 : 16;
+  static constexpr int kBlockCols = TILE_N >= 32 ? 32 : 16;
+  static constexpr int kRowBlocks = ROWS / kBlockRows;
+  static constexpr int kBlocks = kRowBlocks * (TILE_N / kBlockCols);
+  static constexpr int kKSplit = kBlocks >= kMlaWarps ? 1 : kMlaWarps / kBlocks;
+  static constexpr int kKSteps = kDims / 16;      // k16 steps of Q K^T
+  static constexpr int kSRow = TILE_N + 4;        // fp32 score rows, padded
+  static constexpr int kPRow = TILE_N + 8;        // P rows (T), padded by 16 bytes
+  static constexpr int kRowThreads = kMlaThreads / ROWS;  // softmax threads per row
+  static constexpr int kRowCols = TILE_N / kRowThreads;   // and columns per thread
+  static constexpr int kWarpDims = RANK / kMlaWarps;      // O dims per warp
+  // Copies of a K/V tile: kCopyThreads threads a token, kCopySteps chunks each.
+  static constexpr int kCopyThreads = kMlaThreads / TILE_N;
+  static constexpr int kCopySteps = (kChunks + kCopyThreads - 1) / kCopyThreads;
+  static __device__ __forceinline__ int copy_token(int tid) { return tid / kCopyThreads; }
+  static __device__ __forceinline__ int copy_lane(int tid) { return tid % kCopyThreads; }
+  static constexpr int kDTiles = kWarpDims / 8;           // its n8 tiles
+
+  static constexpr int kQBytes = ROWS * kRow * 2;
+  static constexpr int kStageBytes = TILE_N * kRow * 2;
+  static constexpr int kOffStages = kQBytes;
+  static constexpr int kOffS = kOffStages + STAGES * kStageBytes;
+  static constexpr int kOffP = kOffS + kKSplit * ROWS * kSRow * 4;
+  static constexpr int kOffRowState = kOffP + ROWS * kPRow * 2;  // alpha, max, sum per row
+  static constexpr int kOffFlag = kOffRowState + 3 * ROWS * 4;
+  static constexpr int kSmemBytes = kOffFlag + 16;
+
+  static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
+  static_assert(RANK % (8 * kMlaWarps * 2) == 0 && ROPE % 16 == 0, "RANK, ROPE");
+  static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "ROWS");
+  static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64, "TILE_N");
+  static_assert(kBlocks <= kMlaWarps || kBlocks % kMlaWarps == 0, "S blocks over warps");
+  static_assert(kRowCols >= 1 && kRowThreads <= 32, "softmax threads per row");
+  static_assert(STAGES >= 2, "STAGES");
+};
+
+template <typename T, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(kMlaThreads, 1)
+    mla_attention(T* __restrict__ out,
+                  // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs
+                  // of split_tiles tiles, the last running to the end): float32
+                  // [total_q * num_heads, gridDim.z] partials for paged_decode_combine
+                  // instead of `out`. Rows of a partition with no key get max -inf, sum 0.
+                  float* __restrict__ part_out, float* __restrict__ part_max,
+                  float* __restrict__ part_sum, int split_tiles,
+                  const T* __restrict__ q_lat, const T* __restrict__ q_rope,
+                  long long q_lat_token_stride, long long q_lat_head_stride,
+                  long long q_rope_token_stride, long long q_rope_head_stride,
+                  const T* __restrict__ c_lat, const T* __restrict__ c_rope,
+                  long long c_lat_block_stride, long long c_lat_token_stride,
+                  long long c_rope_block_stride, long long c_rope_token_stride,
+                  const int* __restrict__ block_tables, long long bt_stride, int max_blocks,
+                  int num_blocks,
+                  const int* __restrict__ seq_lens,
+                  const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
+                  int num_heads, int causal, float scale_log2,
+                  const __grid_constant__ VariantParams vp) {  // only vp.lse is read
+  using Geo = MlaGeometry<T, RANK, ROPE, ROWS, TILE_N, STAGES>;
+  constexpr int ROW = Geo::kRow;
+  constexpr int MA = Geo::kAtoms;
+  constexpr int KS = Geo::kKSplit;
+  constexpr int RT = Geo::kRowThreads;
+  constexpr int RC = Geo::kRowCols;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* kv_s = reinterpret_cast<T*>(smem + Geo::kOffStages);
+  float* s_s = reinterpret_cast<float*>(smem + Geo::kOffS);    // [KS][ROWS][kSRow]
+  T* p_s = reinterpret_cast<T*>(smem + Geo::kOffP);            // [ROWS][kPRow]
+  float* alpha_s = reinterpret_cast<float*>(smem + Geo::kOffRowState);
+  float* max_s = alpha_s + ROWS;
+  float* sum_s = max_s + ROWS;
+  int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  const unsigned q_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(q_s));
+  const unsigned kv_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(kv_s));
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
+  const int seq = blockIdx.x;
+  // Lengths past the table's width are clamped so its row is never overrun; negative
+  // lengths count as empty (CUPAGED_DEBUG reports both).
+  const int seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
+  const int q_begin = query_start_loc != nullptr ? query_start_loc[seq] : seq;
+  const int q_len = query_start_loc != nullptr ? query_start_loc[seq + 1] - q_begin : 1;
+  const int packed = q_len * num_heads;  // this sequence's rows
+  const int q_shift = seq_len - q_len;   // position of its first query token
+  const int* bt_row = block_tables + seq * bt_stride;
+  const int total_tiles = (seq_len + TILE_N - 1) / TILE_N;
+
+  // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
+  const int sm_row = tid / RT;
+  const int sm_col = (tid % RT) * RC;
+  // S role: warps w < kBlocks * KS own the 16 x 16 block (w % kBlocks) over k-slice
+  // w / kBlocks; with more blocks than warps, a warp walks blocks w, w + 8, ...
+  // P V role: output dims warp * kWarpDims .. + kWarpDims of every row.
+
+  // Grid y strides over row tiles, so a host bound that undercounts q_len costs
+  // parallelism, never rows.
+  for (int row0 = blockIdx.y * ROWS; row0 < packed; row0 += gridDim.y * ROWS) {
+    const int rows_here = min(ROWS, packed - row0);
+    // Keys this tile's rows can see: up to the last row's position (causal) or all.
+    const int last_pos = q_shift + (row0 + rows_here - 1) / num_heads;
+    const int kv_end = causal ? min(seq_len, last_pos + 1) : seq_len;
+    int tile_lo = 0, tile_hi = (kv_end + TILE_N - 1) / TILE_N;
+    if (split_tiles > 0) {
+      tile_lo = min(tile_hi, static_cast<int>(blockIdx.z) * split_tiles);
+      if (blockIdx.z + 1 < gridDim.z) tile_hi = min(tile_hi, tile_lo + split_tiles);
+    }
+    const int n_tiles = tile_hi - tile_lo;
+
+    __syncthreads();  // the previous row tile is done with shared memory (its flag read)
+    if (tid == 0) *bad_s = 0;
+    __syncthreads();  // the flag is clear before any copy can raise it
+
+    // ---- the query tile: rows past the sequence's are zeros ----------------------------
+    for (int u = tid; u < ROWS * Geo::kChunks; u += kMlaThreads) {
+      const int r = u / Geo::kChunks;
+      const int c = u % Geo::kChunks;
+      const bool real = r < rows_here;
+      const int p = row0 + (real ? r : 0);
+      const long long token = q_begin + p / num_heads;
+      const int head = p % num_heads;
+      const T* src = c < Geo::kRankChunks
+                         ? q_lat + token * q_lat_token_stride + head * q_lat_head_stride + c * 8
+                         : q_rope + token * q_rope_token_stride + head * q_rope_head_stride +
+                               (c - Geo::kRankChunks) * 8;
+      cp_async16_or_zero(q_s_addr + (r * ROW + c * 8) * 2, src, real);
+    }
+
+    // One K/V tile into a stage. Thread tid copies token copy_token(tid) of each tile (its
+    // chunks copy_lane(tid), + kCopyThreads, ...), so it needs one block id a tile: the id of
+    // the tile after next is read while this one is computed (tile_id), and its copies
+    // wait for no table read. Slots past kv_end are zeros (P is 0 there, and 0 * a stale
+    // NaN would be NaN); a bad block id is never dereferenced and raises the flag.
+    auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
+      const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
+      if (tile >= n_tiles || key >= kv_end) return -1;
+      const int phys = __ldg(bt_row + key / BLOCK_SIZE);
+      return static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys : -2;
+    };
+    auto load_tile = [&](int tile, int stage, int phys) {
+      const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
+      const bool copy = phys >= 0;
+      if (phys == -2) *bad_s = 1;
+      const int within = key % BLOCK_SIZE;
+      const T* lat = copy ? c_lat + phys * c_lat_block_stride + within * c_lat_token_stride : c_lat;
+      const T* rope = copy ? c_rope + phys * c_rope_block_stride + within * c_rope_token_stride
+                           : c_lat;
+      const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
+                           Geo::copy_token(tid) * ROW * 2;
+#pragma unroll
+      for (int j = 0; j < Geo::kCopySteps; ++j) {
+        const int c = Geo::copy_lane(tid) + j * Geo::kCopyThreads;
+        if (Geo::kChunks % Geo::kCopyThreads == 0 || c < Geo::kChunks) {
+          const T* src = c < Geo::kRankChunks ? lat + c * 8 : rope + (c - Geo::kRankChunks) * 8;
+          cp_async16_or_zero(dst + c * 16, copy ? src : c_lat, copy);
+        }
+      }
+    };
+
+    // Per-row constants of the softmax role: keys at positions < limit are seen.
+    const int my_p = row0 + sm_row;
+    const int limit = sm_row >= rows_here ? 0
+                      : causal ? min(seq_len, q_shift + my_p / num_heads + 1)
+                               : seq_len;
+    float m_run = neg_inf(), l_run = 0.f;  // redundant over the row's RT threads; l partial
+
+    float acc[MA][Geo::kDTiles][4];
+#pragma unroll
+    for (int a = 0; a < MA; ++a) {
+#pragma unroll
+      for (int d = 0; d < Geo::kDTiles; ++d) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[a][d][i] = 0.f;
+      }
+    }
+
+    // Prologue: the query travels in the first tile's copy group.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < n_tiles) load_tile(s, s, tile_id(s));
+      cp_async_commit();
+    }
+    int id_ahead = tile_id(STAGES - 1);
+
+    for (int it = 0; it < n_tiles; ++it) {
+      const int t0 = (tile_lo + it) * TILE_N;
+      const int stage = it % STAGES;
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile `it` has landed; everyone is done with tile it - 1
+      const int next = it + STAGES - 1;
+      if (next < n_tiles) load_tile(next, next % STAGES, id_ahead);
+      cp_async_commit();
+      id_ahead = tile_id(next + 1);
+      const T* ks = kv_s + stage * (Geo::kStageBytes / 2);
+
+      // ---- S = Q K^T, partial over this warp's k-slice -----------------------------------
+      for (int blk = warp; blk < Geo::kBlocks * KS; blk += kMlaWarps) {
+        constexpr int BA = Geo::kBlockRows / 16;  // m16 atoms of a block
+        constexpr int BP = Geo::kBlockCols / 16;  // pairs of n8 tiles
+        const int b = blk % Geo::kBlocks;
+        const int ksl = blk / Geo::kBlocks;
+        const int r0 = (b % Geo::kRowBlocks) * Geo::kBlockRows;
+        const int c0 = (b / Geo::kRowBlocks) * Geo::kBlockCols;
+        const int k_lo = ksl * Geo::kKSteps / KS;
+        const int k_hi = (ksl + 1) * Geo::kKSteps / KS;
+        float s[BA][2 * BP][4] = {};
+        const T* qa_base = q_s + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW + (lane >> 4) * 8;
+        const T* kb_base = ks + (c0 + (lane & 7) + (lane >> 4) * 8) * ROW + ((lane >> 3) & 1) * 8;
+#pragma unroll 2
+        for (int kk = k_lo; kk < k_hi; ++kk) {
+          unsigned qa[BA][4];
+#pragma unroll
+          for (int a = 0; a < BA; ++a) ldmatrix_x4(qa[a], qa_base + a * 16 * ROW + kk * 16);
+#pragma unroll
+          for (int np = 0; np < BP; ++np) {
+            unsigned kb[4];
+            ldmatrix_x4(kb, kb_base + np * 16 * ROW + kk * 16);
+            const unsigned b0[2] = {kb[0], kb[1]};
+            const unsigned b1[2] = {kb[2], kb[3]};
+#pragma unroll
+            for (int a = 0; a < BA; ++a) {
+              mma_16816<T>(s[a][2 * np], qa[a], b0);
+              mma_16816<T>(s[a][2 * np + 1], qa[a], b1);
+            }
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < BA; ++a) {
+          float* srow = s_s + (ksl * ROWS + r0 + a * 16 + (lane >> 2)) * Geo::kSRow + c0 +
+                        (lane & 3) * 2;
+#pragma unroll
+          for (int n = 0; n < 2 * BP; ++n) {
+            *reinterpret_cast<float2*>(srow + n * 8) = make_float2(s[a][n][0], s[a][n][1]);
+            *reinterpret_cast<float2*>(srow + 8 * Geo::kSRow + n * 8) =
+                make_float2(s[a][n][2], s[a][n][3]);
+          }
+        }
+      }
+      __syncthreads();  // S is complete
+
+      // ---- online softmax, a row over RT threads -------------------------------------------
+      {
+        float v[RC];
+        float tile_max = neg_inf();
+#pragma unroll
+        for (int j = 0; j < RC; ++j) {
+          float x = 0.f;
+#pragma unroll
+          for (int k = 0; k < KS; ++k) x += s_s[(k * ROWS + sm_row) * Geo::kSRow + sm_col + j];
+          v[j] = t0 + sm_col + j < limit ? x * scale_log2 : neg_inf();
+          tile_max = fmaxf(tile_max, v[j]);
+        }
+#pragma unroll
+        for (int o = RT / 2; o > 0; o >>= 1) {
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(~0u, tile_max, o));
+        }
+        float sub;
+        const float alpha = softmax_advance(m_run, tile_max, sub);
+        float sum = 0.f;
+        T* prow = p_s + sm_row * Geo::kPRow + sm_col;
+        if constexpr (RC == 1) {
+          const float p0 = fast_exp2(v[0] - sub);
+          sum = p0;
+          prow[0] = from_float<T>(p0);
+        } else {
+#pragma unroll
+          for (int j = 0; j < RC; j += 2) {
+            const float p0 = fast_exp2(v[j] - sub);
+            const float p1 = fast_exp2(v[j + 1] - sub);
+            sum += p0 + p1;
+            *reinterpret_cast<unsigned*>(prow + j) = pack2<T>(p0, p1);
+          }
+        }
+        l_run = l_run * alpha + sum;
+        if (tid % RT == 0) alpha_s[sm_row] = alpha;
+      }
+      __syncthreads();  // P and the factors are complete
+
+      // ---- O = O * alpha + P V over this warp's dims ---------------------------------------
+#pragma unroll
+      for (int a = 0; a < MA; ++a) {
+        const float a0 = alpha_s[a * 16 + (lane >> 2)];
+        const float a1 = alpha_s[a * 16 + (lane >> 2) + 8];
+#pragma unroll
+        for (int d = 0; d < Geo::kDTiles; ++d) {
+          acc[a][d][0] *= a0;
+          acc[a][d][1] *= a0;
+          acc[a][d][2] *= a1;
+          acc[a][d][3] *= a1;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < TILE_N / 16; ++kk) {
+        unsigned pa[MA][4];
+#pragma unroll
+        for (int a = 0; a < MA; ++a) {
+          ldmatrix_x4(pa[a], p_s + (a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * Geo::kPRow +
+                                 kk * 16 + (lane >> 4) * 8);
+        }
+#pragma unroll
+        for (int dp = 0; dp < Geo::kDTiles / 2; ++dp) {
+          // V rows are tokens: transposed loads give B's (token, dim) pairs.
+          unsigned vb[4];
+          ldmatrix_x4_trans(vb, ks + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
+                                    warp * Geo::kWarpDims + dp * 16 + (lane >> 4) * 8);
+          const unsigned b0[2] = {vb[0], vb[1]};
+          const unsigned b1[2] = {vb[2], vb[3]};
+#pragma unroll
+          for (int a = 0; a < MA; ++a) {
+            mma_16816<T>(acc[a][2 * dp], pa[a], b0);
+            mma_16816<T>(acc[a][2 * dp + 1], pa[a], b1);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // ---- each row's maximum and sum, then normalize and store --------------------------------
+#pragma unroll
+    for (int o = RT / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(~0u, l_run, o);
+    if (tid % RT == 0) {
+      max_s[sm_row] = m_run;
+      sum_s[sm_row] = l_run;
+    }
+    __syncthreads();  // the row state and the bad-block flag are final
+    const bool bad = *bad_s != 0;
+#pragma unroll
+    for (int a = 0; a < MA; ++a) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = a * 16 + (lane >> 2) + h * 8;
+        if (r >= rows_here) continue;
+        const int p = row0 + r;
+        const long long orow = static_cast<long long>(q_begin + p / num_heads) * num_heads +
+                               p % num_heads;
+        const bool writer = warp == 0 && (lane & 3) == 0;
+        const int col = warp * Geo::kWarpDims + (lane & 3) * 2;
+        if (split_tiles > 0) {
+          const long long prow = orow * gridDim.z + blockIdx.z;
+          const float inv = end_partial_row(max_s[r], sum_s[r], bad, 1.f, prow, part_max,
+                                            part_sum, writer);
+          float* o = part_out + prow * RANK + col;
+#pragma unroll
+          for (int d = 0; d < Geo::kDTiles; ++d) {
+            *reinterpret_cast<float2*>(o + d * 8) =
+                make_float2(acc[a][d][2 * h] * inv, acc[a][d][2 * h + 1] * inv);
+          }
+          continue;
+        }
+        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, 1.f, neg_inf(), orow,
+                                        writer);
+        T* o = out + orow * RANK + col;
+#pragma unroll
+        for (int d = 0; d < Geo::kDTiles; ++d) {
+          *reinterpret_cast<unsigned*>(o + d * 8) =
+              pack2<T>(acc[a][d][2 * h] * inv, acc[a][d][2 * h + 1] * inv);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cupaged

@@ -1,0 +1,136 @@
+"""Absorbed multi-head latent attention (DeepSeek's MLA) over a paged latent cache:
+:func:`mla_attention`. A call goes down the same layers as :func:`cupaged.attention`:
+array adaptation, validation (:func:`.validation.validate_mla`), planning
+(:func:`.planning.plan_mla`: rows per CTA, tiles, split-KV), launch
+(:func:`.launch.build_mla`), through one kernel, ``mla_attention`` (mma.sync, sm_80+),
+and ``paged_decode_combine`` for a split."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays, _checks, launch, planning, validation
+from ._arrays import as_device_array, optional_device_array, optional_output_array
+
+_fail = _checks.fail
+
+__all__ = ["mla_attention"]
+
+
+def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, scale,
+                  kv_lora_rank=None, k_pe_cache=None, causal=True, max_query_len=None,
+                  max_seq_len=None, out=None, return_lse=False, lse=None, stream=None,
+                  kv_cache_dtype="auto"):
+    """Absorbed multi-head latent attention over a paged latent cache, for decode, several
+    query tokens per sequence (multi-token prediction, speculative verify) and chunked
+    prefill, mixed in one varlen batch.
+
+    With the up-projections absorbed, every query head attends over the same cached
+    vectors: a token's key is its whole latent vector ``[kv_c, k_pe]`` (kv_lora_rank +
+    rope_dim = 512 + 64 dims), its value ``kv_c`` (512 dims). The output is each head's
+    latent result, which the caller maps to values with the head's ``W_UV``.
+
+    Args:
+        q: ``[total_q, num_heads, kv_lora_rank + rope_dim]`` (each head's absorbed
+            ``W_UK q_nope`` followed by its ``q_pe``), or the pair ``(q_nope, q_pe)`` of
+            ``[total_q, num_heads, kv_lora_rank]`` and ``[.., rope_dim]``; float16 or
+            bfloat16. Token and head strides are free; the last dimension is contiguous,
+            pointers and strides multiples of 16 bytes.
+        kv_cache: vLLM's combined latent cache ``[num_blocks, block_size, kv_lora_rank +
+            rope_dim]`` (what :func:`cupaged.concat_and_cache_mla` writes), or with
+            ``k_pe_cache`` FlashInfer's ``kv_c`` cache ``[num_blocks, block_size,
+            kv_lora_rank]``; the query's dtype. Block and token strides are free (multiples
+            of 16 bytes), so views of a larger allocation are read in place.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's
+            last block are never read, and a block id outside the cache gives its
+            sequence's rows NaN, never an out-of-bounds read.
+        seq_lens: int32 ``[num_seqs]``: cached tokens of each sequence, this step's
+            included.
+        query_start_loc: int32 ``[num_seqs + 1]``: sequence s owns query rows
+            ``query_start_loc[s]:query_start_loc[s + 1]``, the last ``q_len`` of its
+            tokens (row i at position ``seq_lens[s] - q_len + i``), as in
+            :func:`cupaged.attention`. None: one token per sequence (decode).
+        scale: the softmax scale, required: DeepSeek's is ``1 / sqrt(qk_nope_head_dim +
+            qk_rope_head_dim)`` (times YaRN's mscale squared), not one over the root of the
+            576-dim key.
+        kv_lora_rank: splits a combined cache (default 512); with ``k_pe_cache`` it must
+            match ``kv_cache``'s last dimension. Built for 512 with 64 rotary dims.
+        k_pe_cache: ``[num_blocks, block_size, rope_dim]``, the rotary keys of a split
+            cache.
+        causal: each query token sees keys up to its own position (bottom-right aligned);
+            False: all ``seq_lens[s]`` keys.
+        max_query_len, max_seq_len: host-side bounds used only to size the work (an
+            undercount costs parallelism, never correctness; no device sync when omitted).
+        out: optional C-contiguous ``[total_q, num_heads, kv_lora_rank]`` output of the
+            query's dtype.
+        return_lse, lse: also return (or write into ``lse``, float32 ``[total_q,
+            num_heads]``) each row's natural-log softmax denominator, for
+            :func:`cupaged.merge_state`.
+        stream: as for :func:`cupaged.attention` (default: the caller's framework's
+            current stream).
+        kv_cache_dtype: ``"auto"`` (the query's dtype); fp8 latent caches are not
+            supported yet.
+
+    Returns:
+        ``out`` (a torch tensor when ``q`` is one, else a CuPy array), or ``(out, lse)``.
+        Never synchronizes; nothing is allocated but ``out``/``lse`` when not given and,
+        for split-KV, a scratch buffer in the stream's order.
+
+    Page sizes are powers of two from 1 to 256; any number of heads (16 to 128 is what
+    DeepSeek's models shard to).
+    """
+    if scale is None:
+        _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
+              "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)
+    pair = isinstance(q, (tuple, list))
+    if pair:
+        if len(q) != 2:
+            _fail(f"q as a sequence must be the pair (q_nope, q_pe), got {len(q)} arrays")
+        qa = (as_device_array(q[0], "q_nope"), as_device_array(q[1], "q_pe"))
+        first = q[0]
+    else:
+        qa = as_device_array(q, "q")
+        first = q
+    kc = as_device_array(kv_cache, "kv_cache")
+    kpe = optional_device_array(k_pe_cache, "k_pe_cache")
+    bt = as_device_array(block_tables, "block_tables")
+    sl = as_device_array(seq_lens, "seq_lens")
+    qsl = optional_device_array(query_start_loc, "query_start_loc")
+    o = optional_output_array(out, "out")
+    lse_a = optional_output_array(lse, "lse")
+    p = validation.validate_mla(qa, kc, kpe, bt, sl, qsl, o, lse_a, kv_lora_rank,
+                                kv_cache_dtype)
+    scale = validation.softmax_scale(scale, p.rank + p.rope)
+    max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
+    max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
+    wants_lse = bool(return_lse) or lse is not None
+    qa_dtype = p.q_parts[0].dtype
+    kind = _arrays.framework(first)
+    with _arrays.on_device(p.device):
+        ctx = _arrays.context(p.device, kind, stream)
+        if _checks.DEBUG:
+            validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
+            if qsl is not None:
+                validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
+        plan = planning.plan_mla(p.device, p.dtype.name, p.rank, p.rope, p.block_size,
+                                 p.num_seqs, p.num_rows, p.num_heads, max_q, max_ctx)
+        returned = out
+        if o is None:
+            o, returned = _arrays.empty(ctx, (p.num_rows, p.num_heads, p.rank), qa_dtype)
+        returned_lse = lse
+        if wants_lse and lse_a is None:
+            lse_a, returned_lse = _arrays.empty(ctx, (p.num_rows, p.num_heads),
+                                                np.dtype(np.float32))
+        if plan is not None:
+            ql, qr = p.q_parts
+            cl, cr = p.c_parts
+            launch.build_mla(p, plan, scale, causal).run(
+                ctx, o.data.ptr, 0 if lse_a is None else lse_a.data.ptr, ql.data.ptr,
+                qr.data.ptr, cl.data.ptr, cr.data.ptr, bt.data.ptr, sl.data.ptr,
+                0 if qsl is None else qsl.data.ptr)
+        if ctx.kind == "jax":  # after the launches (see _arrays.hand_over)
+            if out is None:
+                returned = _arrays.hand_over(ctx, returned)
+            if wants_lse and lse is None:
+                returned_lse = _arrays.hand_over(ctx, returned_lse)
+    return (returned, returned_lse) if wants_lse else returned

@@ -1,0 +1,330 @@
+"""cupaged-bench mla without a GPU: its options, presets, byte and FLOP accounting, the
+case's data and check on the host (NumPy for CuPy, the float64 reference for the kernel),
+and FlashInfer's absence. The timed rows run on the device (the GPU tests at the end)."""
+
+import math
+import types
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cupaged import reference, testing
+from cupaged.bench import cli
+from cupaged.bench import mla as bench_mla
+from cupaged.bench import peers, prefill, timing
+
+from conftest import HAVE_GPU
+from test_bench import on_host
+
+main = cli.main
+
+
+# ---- presets and accounting -----------------------------------------------------------------------
+
+
+def test_presets_are_the_issues_shapes():
+    got = {n: bench_mla.preset_case(n) for n in bench_mla.PRESETS}
+    assert list(got) == ["dsv3-16h-4k", "dsv3-16h-32k", "dsv3-128h-4k", "dsv3-128h-4k-q2"]
+    assert [(c.heads, c.batch, c.context, c.q_len) for c in got.values()] == [
+        (16, 128, 4096, 1), (16, 128, 32768, 1), (128, 128, 4096, 1), (128, 128, 4096, 2)]
+    for c in got.values():
+        assert (c.block_size, c.dtype, c.causal) == (64, "bfloat16", True)
+        assert c.scale == 1 / math.sqrt(192) == bench_mla.DSV3_SCALE
+    c = bench_mla.preset_case("dsv3-128h-4k", block_size=16, dtype="float16")
+    assert (c.block_size, c.dtype, c.heads) == (16, "float16", 128)
+
+
+# Hand-computed: cache 576 x 2 bytes per token read once, q 576 and out 512 per (token,
+# head); FLOPs 2 x (576 + 512) per (head, visible key).
+@pytest.mark.parametrize("name, bytes_moved, flops", [
+    ("dsv3-16h-4k", 603_979_776 + 2_359_296 + 2_097_152, 18_253_611_008),
+    ("dsv3-16h-32k", 4_831_838_208 + 2_359_296 + 2_097_152, 146_028_888_064),
+    ("dsv3-128h-4k", 603_979_776 + 18_874_368 + 16_777_216, 146_028_888_064),
+    # two query tokens, causal: the first sees 4095 keys, the second 4096
+    ("dsv3-128h-4k-q2", 603_979_776 + 37_748_736 + 33_554_432, 292_022_124_544),
+])
+def test_preset_bytes_and_flops(name, bytes_moved, flops):
+    c = bench_mla.preset_case(name)
+    assert c.bytes_moved() == bytes_moved
+    assert c.flops() == flops
+
+
+def test_small_case_bytes_and_flops():
+    kw = dict(heads=4, batch=3, context=70, q_len=2, block_size=16, dtype="float16")
+    c = bench_mla.MLACase("x", **kw)
+    assert c.kv_bytes() == 3 * 70 * 576 * 2 == 241_920  # a partial last page: tokens only
+    assert c.bytes_moved() == 241_920 + 6 * 4 * 576 * 2 + 6 * 4 * 512 * 2 == 294_144
+    assert c.flops() == 2 * 4 * 3 * (69 + 70) * 1088 == 3_629_568
+    assert bench_mla.MLACase("x", causal=False, **kw).flops() == 2 * 4 * 3 * 140 * 1088
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(context=3, q_len=4), r"context \(3\) counts the query tokens: at least q_len \(4\)"),
+    (dict(heads=0), "heads must be at least 1"),
+    (dict(block_size=0), "block_size must be at least 1"),
+    (dict(dtype="float32"), "dtype must be one of bfloat16, float16"),
+])
+def test_impossible_cases_are_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        bench_mla.MLACase("x", **kw)
+
+
+def test_checked_sequences():
+    assert bench_mla.MLACase("x", batch=128).check_seqs() == [0, 64, 127]
+    assert bench_mla.MLACase("x", batch=2).check_seqs() == [0, 1]
+    assert bench_mla.MLACase("x", batch=1).check_seqs() == [0]
+
+
+# ---- the case on the host: its data, its check, the rows ----------------------------------------
+
+
+def fake_mla(monkeypatch, calls, **override):
+    """cupaged.mla_attention answered by the float64 reference, written into ``out``;
+    ``override``: arguments the fake gives the reference instead of the caller's."""
+    import cupaged
+
+    def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, scale,
+                      kv_lora_rank=None, causal=True, out=None, max_query_len=None,
+                      max_seq_len=None, **kw):
+        calls.append(dict(query_start_loc=query_start_loc, scale=scale, causal=causal,
+                          kv_lora_rank=kv_lora_rank, max_query_len=max_query_len,
+                          max_seq_len=max_seq_len, out=out, **kw))
+        args = dict(block_tables=block_tables, scale=scale, causal=causal)
+        args.update(override)
+        out[...] = reference.mla_attention(q, kv_cache, args["block_tables"], seq_lens,
+                                           query_start_loc, scale=args["scale"],
+                                           kv_lora_rank=kv_lora_rank, causal=args["causal"])
+        return out
+
+    monkeypatch.setattr(cupaged, "mla_attention", mla_attention, raising=False)
+
+
+def _case(**kw):
+    return bench_mla.MLACase("x", **{**dict(heads=4, batch=5, context=70, q_len=2,
+                                            block_size=16, dtype="float16"), **kw})
+
+
+def test_case_data_is_random_and_its_blocks_scattered(monkeypatch):
+    on_host(monkeypatch)
+    c = _case().build()
+    a = c.arrays
+    assert a["q"].shape == (10, 4, 576) and a["kv_cache"].shape == (25, 16, 576)
+    assert a["q"].dtype == a["kv_cache"].dtype == np.float16
+    assert np.all(a["kv_cache"] != 0) or np.mean(a["kv_cache"] == 0) < 1e-3  # never zeros
+    assert a["block_tables"].shape == (5, 5) and a["block_tables"].dtype == np.int32
+    assert sorted(a["block_tables"].ravel().tolist()) == list(range(25))
+    assert not np.array_equal(a["block_tables"].ravel(), np.arange(25))  # shuffled
+    assert np.array_equal(c.tables, a["block_tables"])
+    assert a["seq_lens"].tolist() == [70] * 5 and a["query_start_loc"].tolist() == [0, 2, 4, 6, 8, 10]
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_cupaged_row_is_checked_then_timed(monkeypatch, q_len):
+    on_host(monkeypatch)
+    calls = []
+    fake_mla(monkeypatch, calls)
+    c = _case(q_len=q_len)
+    rows = bench_mla.measure([c], ["cupaged"], reps=3, copy_bw=1e12)
+    (r,) = rows
+    assert r.note == "" and r.error < 1e-3 and r.ran  # the reference rounded to float16
+    assert (r.median_us, r.p10_us, r.p90_us) == (100.0, 90.0, 110.0)
+    assert r.tflops == pytest.approx(c.flops() / 100e-6 / 1e12)
+    assert r.pct_copy == pytest.approx(100 * c.bytes_moved() / 100e-6 / 1e12)
+    kw = calls[0]
+    assert kw["scale"] == bench_mla.DSV3_SCALE and kw["causal"] and kw["kv_lora_rank"] == 512
+    assert kw["max_query_len"] == q_len and kw["max_seq_len"] == 70
+    assert kw["out"].shape == (5 * q_len, 4, 512)
+    if q_len == 1:  # decode: one token per sequence, no query_start_loc
+        assert kw["query_start_loc"] is None
+    else:
+        assert kw["query_start_loc"].tolist() == list(range(0, 5 * q_len + 1, q_len))
+    assert c.arrays == {} and c.refs == []  # freed after the case
+
+
+@pytest.mark.parametrize("override", [
+    dict(scale=1 / math.sqrt(576)),  # one over the root of the key's length
+    dict(causal=False),  # the first query token seeing the second's key
+    dict(block_tables=np.tile(np.arange(5, dtype=np.int32), (5, 1))),  # tables ignored
+])
+def test_check_catches_a_wrong_kernel_and_does_not_time_it(monkeypatch, override):
+    on_host(monkeypatch)
+    fake_mla(monkeypatch, [], **override)
+    (r,) = bench_mla.measure([_case()], ["cupaged"], reps=3, copy_bw=1e12)
+    assert r.note == "WRONG" and r.error > _case().tolerance() and r.ran
+    assert math.isnan(r.median_us) and math.isnan(r.tflops)
+
+
+@pytest.mark.parametrize("heads_per_call, per_seq", [(4, [4]), (3, [3, 1]), (1, [1] * 4)])
+def test_check_reads_only_the_checked_sequences_blocks(monkeypatch, heads_per_call, per_seq):
+    """The reference runs on each checked sequence's own blocks, copied to the host, a
+    few heads at a time, and agrees with one over the whole cache."""
+    on_host(monkeypatch)
+    c = _case(batch=7, q_len=1).build()
+    a = c.arrays
+    whole = reference.mla_attention(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"],
+                                    scale=c.scale)
+    monkeypatch.setattr(bench_mla, "_REFERENCE_KEYS", 70 * heads_per_call)
+    heads, real = [], reference.mla_attention
+    monkeypatch.setattr(reference, "mla_attention",
+                        lambda q, cache, *a, **kw: heads.append(q.shape[1]) or real(q, cache, *a, **kw))
+    assert c.check(whole.astype(np.float16)) < 1e-3
+    assert [s for s, _ in c.refs] == [0, 3, 6] and heads == per_seq * 3
+    for s, ref in c.refs:
+        np.testing.assert_allclose(ref, whole[s:s + 1], rtol=1e-12, atol=1e-12)
+    bad = whole.copy()
+    bad[3, 2] *= 1.5  # one head of the middle sequence
+    assert c.check(bad) == pytest.approx(0.5)
+    bad[6, 0] = np.nan
+    assert c.check(bad) == math.inf
+
+
+def test_flashinfer_rows_without_flashinfer_say_so(monkeypatch, no_flashinfer):
+    on_host(monkeypatch)
+    fake_mla(monkeypatch, [])
+    rows = bench_mla.measure([_case()], ["cupaged", "flashinfer-fa2", "flashinfer-fa3"], reps=3)
+    assert rows[0].note == "" and rows[0].ran
+    for r in rows[1:]:
+        assert r.note == "RuntimeError: flashinfer unavailable: No module named 'flashinfer'"
+        assert not r.ran and math.isnan(r.median_us) and math.isnan(r.error)
+
+
+def test_flashinfer_rows_without_a_torch_gpu_say_so(monkeypatch):
+    on_host(monkeypatch)  # torch: not importable with a GPU
+    monkeypatch.setattr(peers, "import_flashinfer",
+                        lambda: (None, "torch sees no CUDA device"))
+    (r,) = bench_mla.measure([_case()], ["flashinfer-fa3"], reps=3)
+    assert r.note == "RuntimeError: flashinfer unavailable: torch sees no CUDA device"
+
+
+def test_a_failing_cupaged_is_a_row_note(monkeypatch):
+    import cupaged
+
+    on_host(monkeypatch)
+    monkeypatch.delattr(cupaged, "mla_attention", raising=False)
+    (r,) = bench_mla.measure([_case()], ["cupaged"], reps=3)
+    assert r.note.startswith("AttributeError:") and "mla_attention" in r.note and not r.ran
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU message")
+def test_mla_without_gpu_exits_2():
+    r = CliRunner().invoke(main, ["mla", "--preset", "dsv3-16h-4k"])
+    assert r.exit_code == 2 and "no GPU" in r.output
+
+
+def _on_fake_gpu(monkeypatch):
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(prefill, "matmul_tflops", lambda: 800.0)
+
+
+def _asked(monkeypatch):
+    """What mla.measure is asked for: [(cases, impls, reps)] (no rows come back)."""
+    _on_fake_gpu(monkeypatch)
+    asked = []
+    monkeypatch.setattr(bench_mla, "measure",
+                        lambda cases, impls, reps, bw: asked.append((cases, impls, reps)) or [])
+    return asked
+
+
+@pytest.mark.parametrize("argv, shapes", [
+    ([], [("dsv3-16h-4k", 16, 128, 4096, 1), ("dsv3-16h-32k", 16, 128, 32768, 1),
+          ("dsv3-128h-4k", 128, 128, 4096, 1), ("dsv3-128h-4k-q2", 128, 128, 4096, 2)]),
+    (["--preset", "dsv3-128h-4k-q2", "--preset", "dsv3-16h-4k", "--preset", "dsv3-128h-4k-q2"],
+     [("dsv3-128h-4k-q2", 128, 128, 4096, 2), ("dsv3-16h-4k", 16, 128, 4096, 1)]),
+    (["--heads", "32"], [("32h-128x1/4096", 32, 128, 4096, 1)]),
+    (["--batch", "8", "--context", "1000", "--q-len", "4", "--preset", "dsv3-16h-32k"],
+     [("16h-8x4/1000", 16, 8, 1000, 4), ("dsv3-16h-32k", 16, 128, 32768, 1)]),
+])
+def test_presets_and_custom_shapes(monkeypatch, argv, shapes):
+    asked = _asked(monkeypatch)
+    r = CliRunner().invoke(main, ["mla", *argv])
+    assert r.exit_code == 0, r.output
+    (cases, impls, reps), = asked
+    assert [(c.name, c.heads, c.batch, c.context, c.q_len) for c in cases] == shapes
+    assert impls == ["cupaged"] and reps == 20
+    assert all(c.block_size == 64 and c.dtype == "bfloat16" and c.causal for c in cases)
+
+
+def test_page_size_dtype_and_impls_reach_every_case(monkeypatch):
+    asked = _asked(monkeypatch)
+    r = CliRunner().invoke(main, ["mla", "--preset", "dsv3-16h-4k", "--heads", "8",
+                                  "--page-size", "16", "--dtype", "float16", "--reps", "5",
+                                  "--impl", "flashinfer-fa3", "--impl", "cupaged",
+                                  "--impl", "flashinfer-fa3"])
+    assert r.exit_code == 0, r.output
+    (cases, impls, reps), = asked
+    assert [(c.block_size, c.dtype) for c in cases] == [(16, "float16")] * 2
+    assert impls == ["flashinfer-fa3", "cupaged"] and reps == 5
+    assert "dsv3-16h-4k: 16 heads, batch 128, context 4096, 1 query token, pages of 16, " \
+           "float16: 576.0 MiB of latent cache" in r.output
+
+
+def test_mla_prints_the_ceilings_and_the_rows(monkeypatch, no_flashinfer):
+    """End to end on the host: the fake kernel's row checked and timed, FlashInfer's
+    note; exit status 3 (a row did not run)."""
+    _on_fake_gpu(monkeypatch)
+    on_host(monkeypatch)
+    fake_mla(monkeypatch, [])
+    r = CliRunner().invoke(main, ["mla", "--heads", "4", "--batch", "3", "--context", "70",
+                                  "--q-len", "2", "--page-size", "16", "--dtype", "float16",
+                                  "--reps", "3", "--impl", "cupaged", "--impl", "flashinfer-fa2"])
+    assert r.exit_code == 3, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == "copy bandwidth 3000 GB/s, bf16 matmul 800 TFLOP/s (same run)"
+    assert lines[1].startswith("4h-3x2/70: 4 heads, batch 3, context 70, 2 query tokens (causal)")
+    assert lines[2].split() == ["shape", "implementation", "median", "us", "p10-p90", "us",
+                                "TFLOP/s", "%", "mm", "%", "copy", "error", "note"]
+    ours = lines[3].split()
+    tflops = 3_629_568 / 100e-6 / 1e12
+    assert ours[:4] == ["4h-3x2/70", "cupaged", "100.0", "90.0-110.0"]
+    assert ours[4:7] == [f"{tflops:.1f}", f"{100 * tflops / 800:.1f}%",
+                         f"{100 * 294_144 / 100e-6 / 3e12:.1f}%"]
+    assert float(ours[7]) < 1e-3 and len(ours) == 8
+    assert lines[4].split()[:8] == ["4h-3x2/70", "flashinfer-fa2", "-", "-", "-", "-%", "-%", "-"]
+    assert lines[4].endswith("RuntimeError: flashinfer unavailable: No module named 'flashinfer'")
+    assert len(lines) == 5
+
+
+def test_mla_exits_1_on_a_wrong_row(monkeypatch):
+    _on_fake_gpu(monkeypatch)
+    on_host(monkeypatch)
+    fake_mla(monkeypatch, [], causal=False)
+    r = CliRunner().invoke(main, ["mla", "--heads", "4", "--batch", "3", "--context", "70",
+                                  "--q-len", "2", "--page-size", "16", "--reps", "3"])
+    assert r.exit_code == 1, r.output
+    assert r.output.splitlines()[-1].endswith("WRONG")
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------
+
+
+def _gpu_impls():
+    return ["cupaged"] + (["flashinfer-fa2", "flashinfer-fa3"] if peers.flashinfer_ok() else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [dict(heads=16, q_len=1, block_size=64),
+                                   dict(heads=128, q_len=2, block_size=16),
+                                   dict(heads=16, q_len=3, block_size=1)])
+def test_mla_rows_check_and_time(dtype, shape):
+    c = bench_mla.MLACase("x", batch=5, context=333, dtype=dtype, **shape)
+    rows = bench_mla.measure([c], _gpu_impls(), reps=3, copy_bw=1e12)
+    for r in rows:
+        assert r.note == "" and r.error <= testing.TOLERANCE[
+            "bf16" if dtype == "bfloat16" else "f16"] * testing.ROW_FACTOR, (r.impl, r.note)
+        assert r.median_us > 0 and r.tflops > 0 and r.pct_copy > 0
+
+
+@pytest.mark.gpu
+def test_mla_command_small():
+    r = CliRunner().invoke(main, ["mla", "--heads", "16", "--batch", "4", "--context", "300",
+                                  "--reps", "3", *sum((["--impl", i] for i in _gpu_impls()), [])])
+    assert r.exit_code == 0, r.output
+    rows = [l for l in r.output.splitlines() if l.startswith("16h-4x1/300")]
+    assert [l.split()[1] for l in rows] == _gpu_impls()
+    assert "WRONG" not in r.output

@@ -1,0 +1,196 @@
+"""cupaged.mla_attention (absorbed MLA over a paged latent cache) against the float64
+reference: decode, several tokens per sequence, chunked prefill, page sizes, head counts,
+both cache forms and both query forms, split-KV, stale NaN slots, bad block ids, lse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import planning, reference, testing
+
+from conftest import assert_close
+
+pytestmark = pytest.mark.gpu
+
+RANK, ROPE = 512, 64
+SCALE = 1 / np.sqrt(192)  # DeepSeek's: the per-head q.k length before absorption
+
+
+def _np_dtype(name):
+    import ml_dtypes  # noqa: F401  (bfloat16 for NumPy)
+
+    return np.float16 if name == "f16" else np.dtype("bfloat16")
+
+
+def make_mla(rng, q_lens, seq_lens, *, heads=16, block_size=16, dtype="bf16", stale=np.nan,
+             spare_blocks=3, share=False):
+    """Host arrays of an MLA problem: q [total_q, heads, 576], a combined cache whose slots
+    outside every sequence hold ``stale``, block tables, lengths, query starts."""
+    dt = _np_dtype(dtype)
+    tables, nb = testing.random_block_tables(seq_lens, block_size, rng,
+                                             spare_blocks=spare_blocks, share=share)
+    cache = testing.random_normal((nb, block_size, RANK + ROPE), dt, rng)
+    used = np.zeros((nb, block_size), bool)
+    for s, n in enumerate(seq_lens):
+        t = np.arange(n)
+        used[tables[s, t // block_size], t % block_size] = True
+    cache[~used] = stale
+    total_q = int(sum(q_lens))
+    q = testing.random_normal((total_q, heads, RANK + ROPE), dt, rng)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return dict(q=q, kv_cache=cache, block_tables=tables,
+                seq_lens=np.asarray(seq_lens, np.int32), query_start_loc=starts)
+
+
+def device(host):
+    import cupy
+
+    return {k: cupy.asarray(v) for k, v in host.items()}
+
+
+def ref_of(host, causal=True, return_lse=False, decode=False):
+    h = dict(host)
+    if decode:
+        h["query_start_loc"] = None
+    return reference.mla_attention(h["q"], h["kv_cache"], h["block_tables"], h["seq_lens"],
+                                   h["query_start_loc"], scale=SCALE, causal=causal,
+                                   return_lse=return_lse)
+
+
+@pytest.fixture
+def mla_split():
+    """Set mla_attention's split-KV (tiles per partition; 0 never) for one test."""
+    yield planning.set_mla_split
+    planning.set_mla_split(None)
+
+
+def poisoned_out(host, xp):
+    q = host["q"]
+    return xp.full((q.shape[0], q.shape[1], RANK), np.nan, dtype=q.dtype)
+
+
+# (q_lens, seq_lens): decode rows, multi-token prediction, verify, a chunk of a long
+# context, empty sequences, single-token caches, block and tile boundaries.
+MIXED = ([1, 2, 0, 4, 37, 1, 3], [1, 2, 0, 4097, 1000, 33, 64])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("heads", [16, 128, 20])
+def test_mixed_batch_matches_reference(rng, dtype, block_size, heads):
+    import cupy
+
+    host = make_mla(rng, *MIXED, heads=heads, block_size=block_size, dtype=dtype)
+    dev = device(host)
+    out = poisoned_out(dev, cupy)
+    got = cupaged.mla_attention(**dev, scale=SCALE, out=out)
+    assert got is out
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref_of(host),
+                 testing.TOLERANCE[dtype], f"{dtype} bs={block_size} heads={heads}")
+
+
+@pytest.mark.parametrize("split", [None, 0, 1, 3], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_split_kv_and_lse(rng, mla_split, split, causal):
+    import cupy
+
+    mla_split(split)
+    host = make_mla(rng, [1, 2, 0, 5, 130], [700, 2, 0, 3000, 400], heads=16, block_size=64)
+    dev = device(host)
+    got, lse = cupaged.mla_attention(**dev, scale=SCALE, causal=causal, return_lse=True)
+    ref, ref_lse = ref_of(host, causal=causal, return_lse=True)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                 f"split={split} causal={causal}")
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+
+
+def test_decode_without_query_start_loc_and_torch(rng):
+    torch = pytest.importorskip("torch")
+    host = make_mla(rng, [1] * 9, [1, 15, 16, 17, 64, 65, 300, 2048, 4096], heads=128,
+                    block_size=64)
+    t = {k: torch.from_numpy(host[k]).cuda() for k in ("block_tables", "seq_lens")}
+    for k in ("q", "kv_cache"):  # bfloat16 through its bits (ml_dtypes' is not torch's)
+        t[k] = torch.from_numpy(host[k].view(np.int16)).view(torch.bfloat16).cuda()
+    got = cupaged.mla_attention(**t, scale=SCALE)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
+    assert_close(got.float().cpu().numpy(), ref_of(host, decode=True), testing.TOLERANCE["bf16"])
+
+
+def test_query_and_cache_pairs(rng):
+    """(q_nope, q_pe) and FlashInfer's kv_c / k_pe caches: separate arrays, and views of
+    one allocation with odd strides."""
+    import cupy
+
+    host = make_mla(rng, [3, 1, 8], [50, 1, 300], heads=32, block_size=32)
+    dev = device(host)
+    ref = ref_of(host)
+    # Views: a query padded to 1024 per head, read in two parts.
+    wide = cupy.zeros(dev["q"].shape[:2] + (1024,), dev["q"].dtype)
+    wide[..., :RANK + ROPE] = dev["q"]
+    q_pair = (wide[..., :RANK], wide[..., RANK:RANK + ROPE])
+    cache = dev["kv_cache"]
+    kv_c, k_pe = cache[..., :RANK], cache[..., RANK:]
+    sep = (cupy.ascontiguousarray(kv_c), cupy.ascontiguousarray(k_pe))
+    args = dict(block_tables=dev["block_tables"], seq_lens=dev["seq_lens"],
+                query_start_loc=dev["query_start_loc"], scale=SCALE)
+    for q in (dev["q"], q_pair):
+        for c, pe in ((cache, None), (kv_c, k_pe), sep):
+            got = cupaged.mla_attention(q, c, k_pe_cache=pe, **args)
+            assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                         f"q pair={isinstance(q, tuple)} cache pair={pe is not None}")
+
+
+@pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
+def test_stale_slots_never_reach_the_output(rng, mla_split, stale):
+    import cupy
+
+    for split in (0, 2):
+        mla_split(split)
+        host = make_mla(rng, [1, 4, 3], [17, 70, 129], heads=16, block_size=64, stale=stale)
+        got = cupaged.mla_attention(**device(host), scale=SCALE)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref_of(host),
+                     testing.TOLERANCE["bf16"], f"stale={stale} split={split}")
+
+
+@pytest.mark.parametrize("split", [0, 2])
+def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, mla_split, split):
+    import cupy
+
+    mla_split(split)
+    host = make_mla(rng, [2, 3], [300, 400], heads=16, block_size=16)
+    host["block_tables"][1, 5] = 10**6
+    got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE)).astype(np.float64)
+    first = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
+             "query_start_loc": host["query_start_loc"][:2], "q": host["q"][:2]}
+    assert_close(got[:2], ref_of(first), testing.TOLERANCE["bf16"])
+    assert np.isnan(got[2:]).all()
+
+
+def test_long_context_and_undercounted_bounds(rng):
+    """128k keys in one sequence beside short ones; bounds that undercount the longest
+    query and context cost parallelism, never rows or keys."""
+    import cupy
+
+    host = make_mla(rng, [3, 1, 70], [131072, 5, 600], heads=16, block_size=64)
+    dev = device(host)
+    ref = ref_of(host)
+    for bounds in ({}, {"max_query_len": 1, "max_seq_len": 64}):
+        got = cupaged.mla_attention(**dev, scale=SCALE, **bounds)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"{bounds}")
+
+
+def test_empty_batch_and_empty_sequences(rng):
+    import cupy
+
+    host = make_mla(rng, [0, 0], [0, 5], heads=16)
+    got = cupaged.mla_attention(**device(host), scale=SCALE)
+    assert got.shape == (0, 16, RANK)
+    dev = device(make_mla(rng, [1], [3], heads=16))
+    empty = {"q": dev["q"][:0], "kv_cache": dev["kv_cache"],
+             "block_tables": dev["block_tables"][:0], "seq_lens": dev["seq_lens"][:0]}
+    got, lse = cupaged.mla_attention(**empty, scale=SCALE, return_lse=True)
+    assert got.shape == (0, 16, RANK) and lse.shape == (0, 16)
+    assert isinstance(got, cupy.ndarray)
