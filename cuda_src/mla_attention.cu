@@ -1,7 +1,8 @@
 // Entry file for absorbed MLA over a paged latent cache (mla_attention.cuh). cupaged's JIT
 // compiles it with NVRTC and instantiates the template by name expression, e.g.
-//   cupaged::mla_attention<cupaged::bfloat16_t, 512, 64, 64, 16, 32, 3>
-// (query type, kv_lora_rank, rope dims, block size, rows per CTA, tile tokens, stages)
+//   cupaged::mla_attention<cupaged::bfloat16_t, cupaged::bfloat16_t, 512, 64, 64, 16, 32, 3>
+// (query type, cache type, kv_lora_rank, rope dims, block size, rows per CTA, tile tokens,
+// stages)
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -gencode=arch=compute_90,code=sm_90 -cubin -std=c++17 -Xptxas -v \
@@ -11,6 +12,9 @@
 #ifdef CUPAGED_INSTANTIATE
 #ifndef CUPAGED_T
 #define CUPAGED_T cupaged::bfloat16_t
+#endif
+#ifndef CUPAGED_C
+#define CUPAGED_C CUPAGED_T
 #endif
 #ifndef CUPAGED_BS
 #define CUPAGED_BS 64
@@ -25,7 +29,7 @@
 #define CUPAGED_STAGES 3
 #endif
 void cupaged_instantiate_mla() {
-  (void)&cupaged::mla_attention<CUPAGED_T, 512, 64, CUPAGED_BS, CUPAGED_ROWS, CUPAGED_TILE,
-                                CUPAGED_STAGES>;
+  (void)&cupaged::mla_attention<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS, CUPAGED_ROWS,
+                                CUPAGED_TILE, CUPAGED_STAGES>;
 }
 #endif

@@ -5,8 +5,9 @@
 //   q      a latent part [total_q, num_heads, RANK] and a rotary part [.., ROPE] (two
 //          pointers with their own token and head strides: one [.., RANK + ROPE] array
 //          is the pair at offsets 0 and RANK)
-//   cache  a latent part [num_blocks, BLOCK_SIZE, RANK] and a rotary part [.., ROPE]
-//          (vLLM's combined [.., RANK + ROPE] cache is the pair at offsets 0 and RANK;
+//   cache  a latent part [num_blocks, BLOCK_SIZE, RANK] and a rotary part [.., ROPE] of C,
+//          T itself or fp8 read as stored * k_scale (vLLM's combined [.., RANK + ROPE]
+//          cache is the pair at offsets 0 and RANK;
 //          FlashInfer's kv_c / k_pe caches are two arrays), block and token strides free
 //   out    [total_q, num_heads, RANK] contiguous
 //
@@ -27,9 +28,11 @@
 //   O += P V: each warp owns RANK / 8 output dims of every row (an O of 64 x 512 fp32 is
 //     too large for one warp's registers, so the value dims are what the warps split).
 // Block ids come through the read-only cache; a bad one (outside the cache) is never
-// dereferenced and gives its rows NaN.
+// dereferenced and gives NaN to every row of each CTA whose keys include it (all rows of
+// its sequence that see the block, and others sharing their row tile).
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "variants.cuh"
@@ -40,14 +43,21 @@ constexpr int kMlaWarps = 8;
 constexpr int kMlaThreads = kMlaWarps * 32;
 
 // Shared-memory layout of one specialization, mirrored on the host (specs/geometry.py).
-template <typename T, int RANK, int ROPE, int ROWS, int TILE_N, int STAGES>
+// C is the cache's element type: T, or fp8 (its tiles widened to T before the products).
+template <typename T, typename C, int RANK, int ROPE, int ROWS, int TILE_N, int STAGES>
 struct MlaGeometry {
+  static constexpr bool kQuant = !is_same<T, C>::value;
   static constexpr int kDims = RANK + ROPE;       // a key's length
-  static constexpr int kRow = kDims + 8;          // shared rows padded by 16 bytes: eight
+  static constexpr int kRow = kDims + 8;          // shared rows of T padded by 16 bytes: eight
   //                                                 consecutive rows start in distinct bank
   //                                                 groups (conflict-free ldmatrix)
-  static constexpr int kChunks = kDims / 8;       // 16-byte chunks of a key row
+  static constexpr int kChunks = kDims / 8;       // 16-byte chunks of a query row
   static constexpr int kRankChunks = RANK / 8;
+  static constexpr int kCVec = 16 / static_cast<int>(sizeof(C));  // cache values a chunk
+  static constexpr int kCChunks = kDims / kCVec;  // 16-byte chunks of a cached row
+  static constexpr int kCRankChunks = RANK / kCVec;
+  static constexpr int kCRow = kDims * static_cast<int>(sizeof(C)) + 16;  // a stage row's
+  //                                                 bytes, padded as kRow
   static constexpr int kAtoms = ROWS / 16;        // m16 tiles of O
   // S = Q K^T in blocks of up to 32 x 32 a warp (each k-step's Q and K fragments then
   // serve twice as many mma as 16 x 16 blocks would: Q K^T reads both operands from
@@ -66,21 +76,25 @@ struct MlaGeometry {
   static constexpr int kWarpDims = RANK / kMlaWarps;      // O dims per warp
   // Copies of a K/V tile: kCopyThreads threads a token, kCopySteps chunks each.
   static constexpr int kCopyThreads = kMlaThreads / TILE_N;
-  static constexpr int kCopySteps = (kChunks + kCopyThreads - 1) / kCopyThreads;
+  static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;
   static __device__ __forceinline__ int copy_token(int tid) { return tid / kCopyThreads; }
   static __device__ __forceinline__ int copy_lane(int tid) { return tid % kCopyThreads; }
   static constexpr int kDTiles = kWarpDims / 8;           // its n8 tiles
 
   static constexpr int kQBytes = ROWS * kRow * 2;
-  static constexpr int kStageBytes = TILE_N * kRow * 2;
+  static constexpr int kStageBytes = TILE_N * kCRow;
   static constexpr int kOffStages = kQBytes;
-  static constexpr int kOffS = kOffStages + STAGES * kStageBytes;
+  // fp8: the tile being computed, widened to T (a stage's layout at 16 bits).
+  static constexpr int kOffWide = kOffStages + STAGES * kStageBytes;
+  static constexpr int kWideBytes = kQuant ? TILE_N * kRow * 2 : 0;
+  static constexpr int kOffS = kOffWide + kWideBytes;
   static constexpr int kOffP = kOffS + kKSplit * ROWS * kSRow * 4;
   static constexpr int kOffRowState = kOffP + ROWS * kPRow * 2;  // alpha, max, sum per row
   static constexpr int kOffFlag = kOffRowState + 3 * ROWS * 4;
   static constexpr int kSmemBytes = kOffFlag + 16;
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
+  static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK % (8 * kMlaWarps * 2) == 0 && ROPE % 16 == 0, "RANK, ROPE");
   static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "ROWS");
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64, "TILE_N");
@@ -89,7 +103,8 @@ struct MlaGeometry {
   static_assert(STAGES >= 2, "STAGES");
 };
 
-template <typename T, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N, int STAGES>
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
+          int STAGES>
 __global__ void __launch_bounds__(kMlaThreads, 1)
     mla_attention(T* __restrict__ out,
                   // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs
@@ -101,16 +116,19 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
                   const T* __restrict__ q_lat, const T* __restrict__ q_rope,
                   long long q_lat_token_stride, long long q_lat_head_stride,
                   long long q_rope_token_stride, long long q_rope_head_stride,
-                  const T* __restrict__ c_lat, const T* __restrict__ c_rope,
+                  const C* __restrict__ c_lat, const C* __restrict__ c_rope,
                   long long c_lat_block_stride, long long c_lat_token_stride,
                   long long c_rope_block_stride, long long c_rope_token_stride,
                   const int* __restrict__ block_tables, long long bt_stride, int max_blocks,
                   int num_blocks,
+                  // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one
+                  // (1 for a cache of T). It scales keys and values alike.
+                  const float* __restrict__ k_scale_ptr, float k_scale,
                   const int* __restrict__ seq_lens,
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
                   int num_heads, int causal, float scale_log2,
                   const __grid_constant__ VariantParams vp) {  // only vp.lse is read
-  using Geo = MlaGeometry<T, RANK, ROPE, ROWS, TILE_N, STAGES>;
+  using Geo = MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>;
   constexpr int ROW = Geo::kRow;
   constexpr int MA = Geo::kAtoms;
   constexpr int KS = Geo::kKSplit;
@@ -119,7 +137,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);
-  T* kv_s = reinterpret_cast<T*>(smem + Geo::kOffStages);
+  T* wide_s = reinterpret_cast<T*>(smem + Geo::kOffWide);  // fp8: the widened tile
   float* s_s = reinterpret_cast<float*>(smem + Geo::kOffS);    // [KS][ROWS][kSRow]
   T* p_s = reinterpret_cast<T*>(smem + Geo::kOffP);            // [ROWS][kPRow]
   float* alpha_s = reinterpret_cast<float*>(smem + Geo::kOffRowState);
@@ -127,12 +145,15 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
   float* sum_s = max_s + ROWS;
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
   const unsigned q_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(q_s));
-  const unsigned kv_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(kv_s));
+  const unsigned kv_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem + Geo::kOffStages));
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
+  // The cache's scale multiplies every score and every output (K and V are both kv_c).
+  const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
+  scale_log2 *= cache_scale;
   const int seq = blockIdx.x;
   // Lengths past the table's width are clamped so its row is never overrun; negative
   // lengths count as empty (CUPAGED_DEBUG reports both).
@@ -147,7 +168,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
   const int sm_col = (tid % RT) * RC;
-  // S role: warps w < kBlocks * KS own the 16 x 16 block (w % kBlocks) over k-slice
+  // S role: warps w < kBlocks * KS own the block (w % kBlocks) of S over k-slice
   // w / kBlocks; with more blocks than warps, a warp walks blocks w, w + 8, ...
   // P V role: output dims warp * kWarpDims .. + kWarpDims of every row.
 
@@ -200,16 +221,17 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
       const bool copy = phys >= 0;
       if (phys == -2) *bad_s = 1;
       const int within = key % BLOCK_SIZE;
-      const T* lat = copy ? c_lat + phys * c_lat_block_stride + within * c_lat_token_stride : c_lat;
-      const T* rope = copy ? c_rope + phys * c_rope_block_stride + within * c_rope_token_stride
+      const C* lat = copy ? c_lat + phys * c_lat_block_stride + within * c_lat_token_stride : c_lat;
+      const C* rope = copy ? c_rope + phys * c_rope_block_stride + within * c_rope_token_stride
                            : c_lat;
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
-                           Geo::copy_token(tid) * ROW * 2;
+                           Geo::copy_token(tid) * Geo::kCRow;
+      constexpr int CV = Geo::kCVec;
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
         const int c = Geo::copy_lane(tid) + j * Geo::kCopyThreads;
-        if (Geo::kChunks % Geo::kCopyThreads == 0 || c < Geo::kChunks) {
-          const T* src = c < Geo::kRankChunks ? lat + c * 8 : rope + (c - Geo::kRankChunks) * 8;
+        if (Geo::kCChunks % Geo::kCopyThreads == 0 || c < Geo::kCChunks) {
+          const C* src = c < Geo::kCRankChunks ? lat + c * CV : rope + (c - Geo::kCRankChunks) * CV;
           cp_async16_or_zero(dst + c * 16, copy ? src : c_lat, copy);
         }
       }
@@ -249,7 +271,23 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
       if (next < n_tiles) load_tile(next, next % STAGES, id_ahead);
       cp_async_commit();
       id_ahead = tile_id(next + 1);
-      const T* ks = kv_s + stage * (Geo::kStageBytes / 2);
+      const unsigned char* stage_s = smem + Geo::kOffStages + stage * Geo::kStageBytes;
+      const T* ks = reinterpret_cast<const T*>(stage_s);
+      if constexpr (Geo::kQuant) {
+        // Widen the landed tile to T (exact: fp8 values are all representable); zeros
+        // stay zeros. The previous tile's products are done with wide_s (the barrier).
+        for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
+          const int t = u / Geo::kCChunks;
+          const int c = u % Geo::kCChunks;
+          uint4 lo, hi;
+          widen16<T, C>(*reinterpret_cast<const uint4*>(stage_s + t * Geo::kCRow + c * 16), lo,
+                        hi);
+          *reinterpret_cast<uint4*>(wide_s + t * ROW + c * 16) = lo;
+          *reinterpret_cast<uint4*>(wide_s + t * ROW + c * 16 + 8) = hi;
+        }
+        __syncthreads();  // the widened tile is complete
+        ks = wide_s;
+      }
 
       // ---- S = Q K^T, partial over this warp's k-slice -----------------------------------
       for (int blk = warp; blk < Geo::kBlocks * KS; blk += kMlaWarps) {
@@ -395,7 +433,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
         const int col = warp * Geo::kWarpDims + (lane & 3) * 2;
         if (split_tiles > 0) {
           const long long prow = orow * gridDim.z + blockIdx.z;
-          const float inv = end_partial_row(max_s[r], sum_s[r], bad, 1.f, prow, part_max,
+          const float inv = end_partial_row(max_s[r], sum_s[r], bad, cache_scale, prow, part_max,
                                             part_sum, writer);
           float* o = part_out + prow * RANK + col;
 #pragma unroll
@@ -405,7 +443,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
           }
           continue;
         }
-        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, 1.f, neg_inf(), orow,
+        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, neg_inf(), orow,
                                         writer);
         T* o = out + orow * RANK + col;
 #pragma unroll

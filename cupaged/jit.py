@@ -65,7 +65,8 @@ _PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_f
                         "tile_tokens", "stages", "variant")
 # Absorbed MLA: head_size is the latent rank (kv_c's and the output's dims), rope_dim the
 # rotary part of the key; rows packed query rows per CTA.
-_MLA_PARAMS = ("dtype", "head_size", "rope_dim", "block_size", "rows", "tile_tokens", "stages")
+_MLA_PARAMS = ("dtype", "cache_dtype", "head_size", "rope_dim", "block_size", "rows",
+               "tile_tokens", "stages")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
@@ -92,9 +93,9 @@ ARG_FORMATS = {
     "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
     # partials, split_tiles; q latent / rope and their strides; cache latent / rope and
-    # their strides; table, its stride, max_blocks, num_blocks; lengths, starts; heads,
-    # causal, scale
-    "mla_attention": "PPPPiPPqqqqPPqqqqPqiiPPiif48s",
+    # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
+    # value); lengths, starts; heads, causal, scale
+    "mla_attention": "PPPPiPPqqqqPPqqqqPqiiPfPPiif48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     "concat_and_cache_mla": "PqPqPqqPqqPiiiqiPf",

@@ -290,7 +290,8 @@ class MlaLaunch(NamedTuple):
     q_offsets: tuple  # bytes from each query array's pointer to its part
     c_strides: tuple  # latent block / token, rope block / token (elements)
     c_offsets: tuple
-    table: tuple  # block_tables' row stride, max_blocks, num_blocks
+    table: tuple  # block_tables' row stride, max_blocks, num_blocks, the fp8 scale (pointer,
+    #               value)
     tail: tuple  # num_heads, causal, scale * log2(e)
     combine: jit.Launcher | None
     combine_grid: tuple
@@ -316,14 +317,15 @@ class MlaLaunch(NamedTuple):
         del keep  # the scratch is freed in the stream's order, after the launches
 
 
-def build_mla(p, plan, scale: float, causal: bool) -> MlaLaunch:
+def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0)) -> MlaLaunch:
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
-    planning.MlaPlan), every argument but the arrays' addresses."""
-    isz = p.dtype.itemsize
+    planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value)),
+    every argument but the arrays' addresses."""
+    isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
-                     tuple(o * isz for o in p.c_offsets),
-                     (p.bt_stride, p.max_blocks, p.num_blocks),
+                     tuple(o * csz for o in p.c_offsets),
+                     (p.bt_stride, p.max_blocks, p.num_blocks, *k_scale),
                      (p.num_heads, int(causal), scale * _checks.LOG2E), plan.combine,
                      plan.combine_grid, plan.combine_tail,
                      p.num_rows * p.num_heads * plan.partitions, p.rank)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _checks, launch, planning, validation
+from . import _arrays, _checks, _kvquant, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -20,7 +20,7 @@ __all__ = ["mla_attention"]
 def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, scale,
                   kv_lora_rank=None, k_pe_cache=None, causal=True, max_query_len=None,
                   max_seq_len=None, out=None, return_lse=False, lse=None, stream=None,
-                  kv_cache_dtype="auto"):
+                  kv_cache_dtype="auto", k_scale=None):
     """Absorbed multi-head latent attention over a paged latent cache, for decode, several
     query tokens per sequence (multi-token prediction, speculative verify) and chunked
     prefill, mixed in one varlen batch.
@@ -42,14 +42,16 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             kv_lora_rank]``; the query's dtype. Block and token strides are free (multiples
             of 16 bytes), so views of a larger allocation are read in place.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's
-            last block are never read, and a block id outside the cache gives its
-            sequence's rows NaN, never an out-of-bounds read.
+            last block are never read, and a block id outside the cache is never
+            dereferenced: the rows of its sequence that see it come out NaN (and others of
+            that sequence sharing their tile of 16-64 rows may too).
         seq_lens: int32 ``[num_seqs]``: cached tokens of each sequence, this step's
             included.
         query_start_loc: int32 ``[num_seqs + 1]``: sequence s owns query rows
             ``query_start_loc[s]:query_start_loc[s + 1]``, the last ``q_len`` of its
             tokens (row i at position ``seq_lens[s] - q_len + i``), as in
-            :func:`cupaged.attention`. None: one token per sequence (decode).
+            :func:`cupaged.attention` (its device facts are the caller's, checked under
+            ``CUPAGED_DEBUG=1``). None: one token per sequence (decode).
         scale: the softmax scale, required: DeepSeek's is ``1 / sqrt(qk_nope_head_dim +
             qk_rope_head_dim)`` (times YaRN's mscale squared), not one over the root of the
             576-dim key.
@@ -68,8 +70,12 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             :func:`cupaged.merge_state`.
         stream: as for :func:`cupaged.attention` (default: the caller's framework's
             current stream).
-        kv_cache_dtype: ``"auto"`` (the query's dtype); fp8 latent caches are not
-            supported yet.
+        kv_cache_dtype, k_scale: an fp8 latent cache (``"fp8"``/``"fp8_e4m3"``,
+            ``"fp8_e5m2"``, or ``"auto"`` with a float8 dtype; uint8/int8 arrays need the
+            name), read as ``stored * k_scale``: one scale per tensor (a number, a CPU torch
+            scalar or a float32 device scalar; default 1.0) for kv_c and k_pe alike, as
+            :func:`cupaged.concat_and_cache_mla` writes it. Each tile is widened to the
+            query's dtype in shared memory (exact) before the products.
 
     Returns:
         ``out`` (a torch tensor when ``q`` is one, else a CuPy array), or ``(out, lse)``.
@@ -100,9 +106,16 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
     lse_a = optional_output_array(lse, "lse")
     p = validation.validate_mla(qa, kc, kpe, bt, sl, qsl, o, lse_a, kv_lora_rank,
                                 kv_cache_dtype)
+    scale_ptr, scale_value, scale_a = (0, 1.0, None)
+    if p.cache_dtype is not p.dtype:
+        scale_ptr, scale_value, scale_a = _kvquant.tensor_scale(
+            1.0 if k_scale is None else k_scale, "k_scale", per_token=False)
+        _checks.check_same_device(p.device, "q", (("k_scale", scale_a),))
+    elif k_scale is not None:
+        _fail("k_scale is for an fp8 cache (kv_cache_dtype); this cache is "
+              f"{p.cache_dtype.name}")
     scale = validation.softmax_scale(scale, p.rank + p.rope)
-    max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
-    max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
+    max_q, max_ctx = validation.mla_bounds(p, qsl is not None, max_query_len, max_seq_len)
     wants_lse = bool(return_lse) or lse is not None
     qa_dtype = p.q_parts[0].dtype
     kind = _arrays.framework(first)
@@ -112,8 +125,9 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
-        plan = planning.plan_mla(p.device, p.dtype.name, p.rank, p.rope, p.block_size,
-                                 p.num_seqs, p.num_rows, p.num_heads, max_q, max_ctx)
+        plan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
+                                 p.block_size, p.num_seqs, p.num_rows, p.num_heads, max_q,
+                                 max_ctx)
         returned = out
         if o is None:
             o, returned = _arrays.empty(ctx, (p.num_rows, p.num_heads, p.rank), qa_dtype)
@@ -124,7 +138,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
         if plan is not None:
             ql, qr = p.q_parts
             cl, cr = p.c_parts
-            launch.build_mla(p, plan, scale, causal).run(
+            launch.build_mla(p, plan, scale, causal, (scale_ptr, scale_value)).run(
                 ctx, o.data.ptr, 0 if lse_a is None else lse_a.data.ptr, ql.data.ptr,
                 qr.data.ptr, cl.data.ptr, cr.data.ptr, bt.data.ptr, sl.data.ptr,
                 0 if qsl is None else qsl.data.ptr)

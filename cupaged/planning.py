@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import driver as _driver
 
-from . import _checks, _prepared, _variants, jit
+from . import _checks, _dtypes, _prepared, _variants, jit
 from .specs import catalog, geometry
 from .validation import Problem
 
@@ -653,16 +653,28 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
 # ---- absorbed MLA (mla_attention) ------------------------------------------------------------
 
 
-def mla_tile(arch: str, rows_needed: int) -> tuple[int, int, int]:
+# (rows, tile_tokens, stages) of mla_attention instead of the rule's, for tests of the
+# shapes other GPUs get and for tuning; set through set_mla_tile.
+_mla_tile_override: tuple | None = None
+
+
+def set_mla_tile(tile: tuple | None) -> None:
+    global _mla_tile_override
+    _mla_tile_override = tile
+
+
+def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int, int, int]:
     """(rows, tile_tokens, stages) of mla_attention: the fewest rows of 16, 32 and 64 that
     hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
     tiles where two stages fit (else 16), and as many stages up to four as fit (three
     tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
     fit even at 16 tokens (sm_86/89's 99 KiB), 32."""
+    if _mla_tile_override is not None:
+        return _mla_tile_override
     rows = 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64
 
     def fits(r, t, s):
-        return geometry.MlaGeometry(512, 64, r, t, s).fits(arch)
+        return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize).fits(arch)
 
     while rows > 16 and not fits(rows, 16, 2):
         rows //= 2
@@ -679,12 +691,13 @@ class MlaKernel(NamedTuple):
 
 
 @jit.launcher_cache
-def mla_kernel(device_id: int, dtype: str, rank: int, rope: int, block_size: int,
-               tile: tuple) -> MlaKernel:
+def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
+               block_size: int, tile: tuple) -> MlaKernel:
     """mla_attention in ``tile`` (rows, tile_tokens, stages)."""
     rows, tt, st = tile
     spec = jit.KernelSpec("mla_attention", dtype, rank, block_size, rope_dim=rope, rows=rows,
-                          tile_tokens=tt, stages=st, arch=device_info(device_id).arch)
+                          tile_tokens=tt, stages=st, cache_dtype=cache_dtype,
+                          arch=device_info(device_id).arch)
     g = geometry.MlaGeometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
     return MlaKernel(kernel, spec, g.smem_bytes,
@@ -734,9 +747,9 @@ class MlaPlan(NamedTuple):
     combine_tail: tuple = ()
 
 
-def plan_mla(device: int, dtype: str, rank: int, rope: int, block_size: int, num_seqs: int,
-             num_rows: int, num_heads: int, max_q: int, max_ctx: int,
-             workspace_rows: int | None = None) -> MlaPlan | None:
+def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
+             block_size: int, num_seqs: int, num_rows: int, num_heads: int, max_q: int,
+             max_ctx: int, workspace_rows: int | None = None) -> MlaPlan | None:
     """The launches of an MLA call (None: nothing to launch), from host facts only:
     ``max_q`` and ``max_ctx`` bound the query tokens and keys of a sequence (an undercount
     costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
@@ -744,8 +757,9 @@ def plan_mla(device: int, dtype: str, rank: int, rope: int, block_size: int, num
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
-    tile = mla_tile(device_info(device).arch, rows_needed)
-    k = mla_kernel(device, dtype, rank, rope, block_size, tile)
+    tile = mla_tile(device_info(device).arch, rows_needed,
+                    _dtypes.CACHE_BY_NAME[cache_dtype].itemsize)
+    k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile)
     rows, tt = tile[0], tile[1]
     row_tiles = max(1, min(_checks.MAX_GRID_YZ, -(-rows_needed // rows)))
     max_tiles = max(1, -(-max_ctx // tt))

@@ -354,6 +354,7 @@ class MlaProblem(NamedTuple):
 
     device: int
     dtype: _dtypes.DType
+    cache_dtype: _dtypes.DType  # the query's, or fp8
     num_seqs: int
     num_rows: int  # total_q
     num_heads: int
@@ -369,6 +370,16 @@ class MlaProblem(NamedTuple):
     c_parts: tuple  # (latent, rope) caches [num_blocks, block_size, ...]
     c_offsets: tuple
     c_strides: tuple  # (latent block, latent token, rope block, rope token)
+
+
+def mla_bounds(p: MlaProblem, has_starts: bool, max_query_len, max_seq_len) -> tuple:
+    """``(max_q, max_ctx)``: the host bounds that size an MLA call's work. Without
+    query_start_loc every sequence has one query token, whatever ``max_query_len`` says
+    (a bound of total_q would plan num_seqs times the rows a sequence has)."""
+    max_q = _checks.host_bound(max_query_len, "max_query_len", p.num_rows)
+    if not has_starts:
+        max_q = 1
+    return max_q, _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
 
 
 def _mla_part(a, name: str, lead: tuple, what: str):
@@ -409,13 +420,18 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
     if pair and q_rope.dtype != q_lat.dtype:
         _fail(f"q_pe dtype {q_rope.dtype} does not match q_nope dtype {q_lat.dtype}",
               TypeError)
-    if kv_cache_dtype not in ("auto", None):
-        _fail(f"kv_cache_dtype {kv_cache_dtype!r}: mla_attention reads caches of the query's "
-              f"dtype ('auto'); fp8 latent caches are not supported yet")
-    for name, c in (("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache)):
-        if c is not None and c.dtype != q_lat.dtype:
-            _fail(f"{name} dtype {c.dtype} does not match the query's {q_lat.dtype} "
-                  f"(fp8 latent caches are not supported yet)", TypeError)
+    # The cache's element type: the query's, or fp8 (named by kv_cache_dtype or its dtype).
+    names = ("kv_cache", "k_pe_cache" if k_pe_cache is not None else "kv_cache")
+    cdt = _kvquant.cache_dtype(kv_cache_dtype, kv_cache,
+                               kv_cache if k_pe_cache is None else k_pe_cache, dt, names)
+    if cdt is dt:
+        for name, c in (("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache)):
+            if c is not None and c.dtype != q_lat.dtype:
+                _fail(f"{name} dtype {c.dtype} does not match the query's {q_lat.dtype} (or "
+                      f"name an fp8 cache with kv_cache_dtype)", TypeError)
+    elif k_pe_cache is not None and k_pe_cache.dtype != kv_cache.dtype:
+        _fail(f"k_pe_cache dtype {k_pe_cache.dtype} does not match kv_cache's "
+              f"{kv_cache.dtype}", TypeError)
     if kv_cache.ndim != 3:
         _fail(f"kv_cache must be 3-D [num_blocks, block_size, kv_lora_rank + rope_dim] (or "
               f"[.., kv_lora_rank] with k_pe_cache), got shape {kv_cache.shape}")
@@ -510,6 +526,6 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
             for read in inputs:
                 _checks.check_disjoint((read, written))
     _checks.check_disjoint((("out", out), ("lse", lse)))
-    return MlaProblem(device, dt, num_seqs, total_q, num_heads, rank, rope, block_size,
+    return MlaProblem(device, dt, cdt, num_seqs, total_q, num_heads, rank, rope, block_size,
                       num_blocks, max_blocks, block_tables.strides[0] // 4, (q_lat, q_rope),
                       q_offsets, qs, (kv_cache, c_rope), c_offsets, cs)

@@ -328,3 +328,15 @@ def test_mla_command_small():
     rows = [l for l in r.output.splitlines() if l.startswith("16h-4x1/300")]
     assert [l.split()[1] for l in rows] == _gpu_impls()
     assert "WRONG" not in r.output
+
+
+def test_fp8_cases_count_one_byte_a_cached_value_and_refuse_unknown_formats():
+    from cupaged.bench import mla
+
+    bf16 = mla.MLACase("x", heads=16, batch=2, context=64)
+    fp8 = mla.MLACase("x", heads=16, batch=2, context=64, kv_cache_dtype="fp8_e4m3")
+    assert fp8.kv_bytes() * 2 == bf16.kv_bytes() == 2 * 64 * 576 * 2
+    assert fp8.flops() == bf16.flops()
+    assert "fp8_e4m3, k_scale" in fp8.describe()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
+        mla.MLACase("x", kv_cache_dtype="fp8")

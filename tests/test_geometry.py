@@ -144,10 +144,11 @@ def test_specialization_names_are_unique():
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 12, merge_states 3; the
     # combine 3 dtypes x 30 head sizes (512 for MLA); mla_attention 2 dtypes x 9 block sizes
     # x the (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80,
-    # 17 on sm_90).
+    # 17 on sm_90), and over fp8 caches 2 dtypes x 2 formats x 9 block sizes x their
+    # shapes (13 and 18: half the bytes a stage, beside a widened tile).
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 90
                                                           + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2 \
-        + 2 * 9 * (11 + 17)
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18)
 
 
 # ---- the covering set ------------------------------------------------------------------------

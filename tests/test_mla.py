@@ -66,6 +66,13 @@ def mla_split():
     planning.set_mla_split(None)
 
 
+@pytest.fixture
+def mla_tile():
+    """Force mla_attention's (rows, tile_tokens, stages) for one test."""
+    yield planning.set_mla_tile
+    planning.set_mla_tile(None)
+
+
 def poisoned_out(host, xp):
     q = host["q"]
     return xp.full((q.shape[0], q.shape[1], RANK), np.nan, dtype=q.dtype)
@@ -194,3 +201,96 @@ def test_empty_batch_and_empty_sequences(rng):
     got, lse = cupaged.mla_attention(**empty, scale=SCALE, return_lse=True)
     assert got.shape == (0, 16, RANK) and lse.shape == (0, 16)
     assert isinstance(got, cupy.ndarray)
+
+
+def to_fp8(cache, fmt, scale):
+    """A latent cache as fp8 bytes holding cache / scale (NaN and Inf slots stay non-finite)."""
+    import ml_dtypes
+
+    t = ml_dtypes.float8_e5m2 if fmt == "fp8_e5m2" else ml_dtypes.float8_e4m3fn
+    return (cache.astype(np.float32) / scale).astype(t).view(np.uint8)
+
+
+@pytest.mark.parametrize("split", [0, 2], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_latent_cache(rng, mla_split, fmt, cache_form, split):
+    """fp8 bytes read as stored * k_scale (a number, or a float32 device scalar), stale NaN
+    slots included, against the reference's dequantization of the same bytes."""
+    import cupy
+
+    mla_split(split)
+    scale = 0.0371
+    host = make_mla(rng, *MIXED, heads=16, block_size=16, dtype="bf16")
+    q8 = to_fp8(host["kv_cache"], fmt, scale)
+    ref = reference.mla_attention(host["q"], q8, host["block_tables"], host["seq_lens"],
+                                  host["query_start_loc"], scale=SCALE, kv_cache_dtype=fmt,
+                                  k_scale=scale)
+    dev = device({**host, "kv_cache": q8})
+    cache, pe = dev["kv_cache"], None
+    if cache_form == "pair":
+        cache, pe = cupy.ascontiguousarray(cache[..., :RANK]), cupy.ascontiguousarray(cache[..., RANK:])
+    for k_scale in (scale, cupy.asarray([scale], np.float32)):
+        got = cupaged.mla_attention(dev["q"], cache, dev["block_tables"], dev["seq_lens"],
+                                    dev["query_start_loc"], scale=SCALE, k_pe_cache=pe,
+                                    kv_cache_dtype=fmt, k_scale=k_scale)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"{fmt} {cache_form} split={split} k_scale={type(k_scale).__name__}")
+
+
+# The shapes smaller GPUs get (sm_80: 163 KiB, sm_86/89: 99 KiB), which an H100's planner
+# never picks: 16-token tiles (one softmax column a thread, the k-steps over 8 warps).
+OTHER_SHAPES = [(16, 16, 2), (16, 16, 3), (32, 16, 2), (64, 16, 2), (64, 16, 4), (16, 32, 3),
+                (32, 32, 2), (64, 32, 2)]
+
+
+@pytest.mark.parametrize("shape", OTHER_SHAPES, ids=lambda t: "r{}t{}x{}".format(*t))
+def test_every_tile_shape(rng, mla_tile, mla_split, shape):
+    """f16 over blocks of 1 with a split, lse, and an undercounted max_query_len (a CTA then
+    walks several row tiles, each split over grid z)."""
+    import cupy
+
+    mla_tile(shape)
+    mla_split(3)
+    host = make_mla(rng, [1, 7, 0, 12], [40, 300, 0, 130], heads=20, block_size=1,
+                    dtype="f16")
+    got, lse = cupaged.mla_attention(**device(host), scale=SCALE, return_lse=True,
+                                     max_query_len=2)
+    ref, ref_lse = ref_of(host, return_lse=True)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["f16"],
+                 f"shape {shape}")
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+
+
+def test_a_bad_block_spares_the_rows_of_other_tiles(rng, mla_split):
+    """A bad block seen only by later tokens of a long verify: the rows that see it are
+    NaN, those in row tiles before any of them stay right (a tile holds at most 64 rows:
+    4 tokens of 16 heads; tokens 12 and 13 share one with token 14, the first to see it)."""
+    import cupy
+
+    for split in (0, 2):
+        mla_split(split)
+        host = make_mla(rng, [40], [202], heads=16, block_size=16)
+        host["block_tables"][0, 11] = 10**6  # keys 176-191; token i is at position 162 + i
+        got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE))
+        assert np.isnan(got[14:]).all()
+        early = {**host, "q": host["q"][:12], "seq_lens": np.array([174], np.int32),
+                 "query_start_loc": np.array([0, 12], np.int32)}
+        assert_close(got[:12].astype(np.float64), ref_of(early), testing.TOLERANCE["bf16"],
+                     f"split={split}")
+
+
+def test_lengths_past_the_table_and_negative_are_clamped(rng):
+    """seq_lens beyond the table's width read the table's blocks only; negative lengths
+    count as empty (zeros); neither reads outside the table or the cache."""
+    import cupy
+
+    host = make_mla(rng, [1, 1, 1], [40, 64, 5], heads=16, block_size=16)
+    assert host["block_tables"].shape[1] == 4  # 64 tokens a row
+    first_two = {**host, "q": host["q"][:2], "block_tables": host["block_tables"][:2],
+                 "seq_lens": host["seq_lens"][:2], "query_start_loc": host["query_start_loc"][:3]}
+    ref = ref_of(first_two)
+    host["seq_lens"] = np.array([40, 64 + 1000, -7], np.int32)
+    got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE)).astype(np.float64)
+    assert_close(got[:2], ref, testing.TOLERANCE["bf16"])
+    assert (got[2] == 0).all()

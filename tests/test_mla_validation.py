@@ -173,11 +173,16 @@ def _strided(shape, width, dtype=F16, step=None):
     (mbad(cache_form="pair", k_pe_cache=np.zeros((10, 16, 64), BF16)), TypeError,
      "k_pe_cache dtype bfloat16 does not match the query's float16"),
     (mbad(kv_cache=np.zeros((10, 16, 576), np.uint8)), TypeError,
-     r"kv_cache dtype uint8 does not match .*fp8 latent caches are not supported yet"),
-    (mbad(kv_cache_dtype="fp8"), ValueError,
-     "kv_cache_dtype 'fp8'.*fp8 latent caches are not supported yet"),
-    (mbad(kv_cache=np.zeros((10, 16, 576), np.uint8), kv_cache_dtype="fp8_e4m3"), ValueError,
-     "kv_cache_dtype 'fp8_e4m3'.*not supported yet"),
+     r"kv_cache is uint8: name its fp8 format with kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'"),
+    (mbad(kv_cache_dtype="fp8"), TypeError,
+     "kv_cache dtype float16 cannot hold fp8 e4m3: expected a 1-byte dtype"),
+    (mbad(kv_cache_dtype="fp9"), ValueError, "kv_cache_dtype must be 'auto', 'fp8'"),
+    (mbad(cache_form="pair", kv_cache=np.zeros((10, 16, 512), np.uint8),
+          k_pe_cache=np.zeros((10, 16, 64), F16), kv_cache_dtype="fp8"), TypeError,
+     "k_pe_cache dtype float16 cannot hold fp8 e4m3"),
+    (mbad(cache_form="pair", kv_cache=np.zeros((10, 16, 512), np.uint8),
+          k_pe_cache=np.zeros((10, 16, 64), np.int8), kv_cache_dtype="fp8"), TypeError,
+     "k_pe_cache dtype int8 does not match kv_cache's uint8"),
     # the cache's shape, rank and rope
     (mbad(kv_cache=np.zeros((10, 16 * 576), F16)), ValueError,
      r"kv_cache must be 3-D \[num_blocks, block_size, kv_lora_rank \+ rope_dim\].*\(10, 9216\)"),
@@ -461,7 +466,8 @@ def fakes_adapt(monkeypatch):
     (dict(scale="0.1x"), TypeError, "scale must be a number, got str"),
     (dict(scale=0.1, max_query_len=-1), ValueError, "max_query_len must be >= 0"),
     (dict(scale=0.1, max_seq_len=2.5), TypeError, "max_seq_len must be an int, got float"),
-    (dict(scale=0.1, kv_cache_dtype="fp8"), ValueError, "fp8 latent caches are not supported"),
+    (dict(scale=0.1, kv_cache_dtype="fp8"), TypeError, "kv_cache dtype float16 cannot hold fp8"),
+    (dict(scale=0.1, k_scale=2.0), ValueError, "k_scale is for an fp8 cache"),
     (dict(scale=0.1, kv_lora_rank=256), ValueError, "kv_lora_rank 256 with rope_dim 320"),
 ])
 def test_mla_attention_checks_before_any_device_work(fakes_adapt, kw, exc, match):
@@ -475,3 +481,30 @@ def test_mla_attention_passes_the_pair_as_a_tuple(fakes_adapt):
     a["q"] = [fake(a["q"][0], "q"), fake(np.zeros((5, 16, 32), F16), "q_pe")]
     with pytest.raises(ValueError, match=r"q_nope and q_pe must be .*\(5, 16, 32\)"):
         fakes_adapt(a, scale=0.1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+def test_fp8_latent_caches_are_accepted(fmt, cache_form):
+    """One-byte caches named by kv_cache_dtype; their strides count bytes (elements)."""
+    width = 576 if cache_form == "combined" else 512
+    kw = dict(kv_cache=np.zeros((10, 16, width), np.uint8), kv_cache_dtype=fmt)
+    if cache_form == "pair":
+        kw["k_pe_cache"] = np.zeros((10, 16, 64), np.uint8)
+    a = margs(cache=cache_form)
+    a.update(kw)
+    p = mvalidate(**a)
+    assert p.cache_dtype.name == ("e5m2" if fmt == "fp8_e5m2" else "e4m3")
+    assert p.c_strides[:2] == (16 * width, width)
+    assert p.c_offsets == ((0, 512) if cache_form == "combined" else (0, 0))
+
+
+@pytest.mark.parametrize("starts", [True, False])
+def test_decode_bounds_are_one_token_a_sequence(starts):
+    """Without query_start_loc each sequence has one row per head: the rows a sequence
+    has (what the tile is sized by) must not be total_q times the heads."""
+    p = mvalidate(**margs(rows=2 if not starts else 5, starts=starts))
+    assert validation.mla_bounds(p, starts, None, None) == (p.num_rows if starts else 1,
+                                                            p.max_blocks * p.block_size)
+    assert validation.mla_bounds(p, starts, 3, 20) == (3 if starts else 1, 20)
+    assert validation.mla_bounds(p, starts, 10**6, 10**9)[1] == p.max_blocks * p.block_size

@@ -641,7 +641,7 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
 
 def _mla_options(f):
     """The options of ``mla``; its choices come from cupaged.bench.mla."""
-    from .mla import DTYPES, IMPLEMENTATIONS, PRESETS
+    from .mla import DTYPES, IMPLEMENTATIONS, KV_CACHE_DTYPES, PRESETS
 
     opts = [
         click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
@@ -663,6 +663,10 @@ def _mla_options(f):
                      help="Tokens per cache page, every shape."),
         click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16",
                      show_default=True, help="q, the latent cache and out, every shape."),
+        click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
+                     show_default=True,
+                     help="The latent cache: the query's dtype, or fp8 (per-tensor scale "
+                          "1/64, written by concat_and_cache_mla; cupaged rows only)."),
         click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
     ]
     for o in reversed(opts):
@@ -681,7 +685,7 @@ def _mla_row(r, mm: float) -> str:
 
 @main.command()
 @_mla_options
-def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, reps):
+def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache_dtype, reps):
     """Absorbed multi-head latent attention (DeepSeek's MLA) decode over a paged latent
     cache: cupaged.mla_attention beside FlashInfer's BatchMLAPagedAttentionWrapper (fa2,
     fa3), on the same bytes (FlashInfer's ckv and kpe caches are views of the combined
@@ -699,11 +703,12 @@ def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, reps):
                                     q_len=q_len).items() if v is not None}
     try:
         if custom:
-            case = mla.MLACase("", block_size=page_size, dtype=dtype, **custom)
+            case = mla.MLACase("", block_size=page_size, dtype=dtype,
+                               kv_cache_dtype=kv_cache_dtype, **custom)
             case.name = f"{case.heads}h-{case.batch}x{case.q_len}/{case.context}"
             cases.append(case)
         for name in dict.fromkeys(presets or (() if cases else mla.PRESETS)):
-            cases.append(mla.preset_case(name, page_size, dtype))
+            cases.append(mla.preset_case(name, page_size, dtype, kv_cache_dtype))
     except ValueError as e:
         raise click.UsageError(str(e))
     impls = list(dict.fromkeys(impls or ["cupaged"]))

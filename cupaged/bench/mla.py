@@ -38,6 +38,10 @@ ROPE_DIM = 64  # its decoupled rotary key (k_pe, q_pe)
 DSV3_SCALE = 1.0 / math.sqrt(128 + 64)
 
 DTYPES = ("bfloat16", "float16")
+# Latent caches: the query's dtype ("auto") or fp8 (written by cupaged.concat_and_cache_mla
+# from random normal values, per-tensor scale FP8_SCALE: |x| / scale stays inside e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+FP8_SCALE = 1.0 / 64
 
 # (key, head) pairs per call of the reference in a check (MLACase._references).
 _REFERENCE_KEYS = 1 << 18
@@ -64,6 +68,7 @@ class MLACase:
     q_len: int = 1
     block_size: int = 64
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
     causal: bool = True
     scale: float = DSV3_SCALE
     arrays: dict = field(default_factory=dict, repr=False)
@@ -79,6 +84,17 @@ class MLACase:
                              f"q_len ({self.q_len})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def cache_itemsize(self) -> int:
+        return 1 if self.fp8 else self.itemsize
 
     @property
     def np_dtype(self):
@@ -95,7 +111,7 @@ class MLACase:
     def kv_bytes(self) -> int:
         """The latent cache the call must read: ``512 + 64`` elements per cached token,
         each once (the last query row of a sequence sees all of its tokens)."""
-        return self.batch * self.context * (KV_LORA_RANK + ROPE_DIM) * self.itemsize
+        return self.batch * self.context * (KV_LORA_RANK + ROPE_DIM) * self.cache_itemsize
 
     def bytes_moved(self) -> int:
         """kv_bytes, plus q (``576`` per head and token) read and out (``512``) written."""
@@ -114,7 +130,7 @@ class MLACase:
                 f"{self.q_len} query token{'s' if self.q_len > 1 else ''}"
                 f"{' (causal)' if self.causal and self.q_len > 1 else ''}, pages of "
                 f"{self.block_size}, {self.dtype}: {self.kv_bytes() / 2**20:.1f} MiB of latent "
-                f"cache")
+                f"cache" + (f" ({self.kv_cache_dtype}, k_scale {FP8_SCALE})" if self.fp8 else ""))
 
     def build(self, seed: int = 0) -> "MLACase":
         """Random normal q and cache on the device, each sequence's blocks scattered."""
@@ -127,11 +143,30 @@ class MLACase:
         self.arrays = dict(
             q=testing.random_normal((self.total_q, self.heads, KV_LORA_RANK + ROPE_DIM), dt,
                                     rng, cupy),
-            kv_cache=testing.random_normal((nb, self.block_size, KV_LORA_RANK + ROPE_DIM), dt,
-                                           rng, cupy),
+            kv_cache=self._cache(nb, dt, rng),
             block_tables=cupy.asarray(bt), seq_lens=cupy.asarray(lens),
             query_start_loc=cupy.arange(0, self.total_q + 1, self.q_len, dtype=np.int32))
         return self
+
+    def _cache(self, nb: int, dt, rng):
+        """The latent cache: random normal values of the query's dtype, or for fp8 those
+        written through cupaged.concat_and_cache_mla (x / FP8_SCALE, saturated), a block
+        at a time so the 16-bit source stays small."""
+        shape = (nb, self.block_size, KV_LORA_RANK + ROPE_DIM)
+        if not self.fp8:
+            return testing.random_normal(shape, dt, rng, cupy)
+        import cupaged
+
+        cache = cupy.empty(shape, np.uint8)
+        step = max(1, (1 << 24) // self.block_size)  # slots a write
+        flat = nb * self.block_size
+        for lo in range(0, flat, step):
+            n = min(step, flat - lo)
+            src = testing.random_normal((n, KV_LORA_RANK + ROPE_DIM), dt, rng, cupy)
+            cupaged.concat_and_cache_mla(src[:, :KV_LORA_RANK], src[:, KV_LORA_RANK:], cache,
+                                         cupy.arange(lo, lo + n, dtype=np.int64),
+                                         self.kv_cache_dtype, FP8_SCALE)
+        return cache
 
     def check_seqs(self) -> list:
         """The sequences checked: the first, the middle and the last."""
@@ -153,11 +188,15 @@ class MLACase:
                     np.array([0, self.q_len], np.int32))
             for s in self.check_seqs():
                 blocks = self.tables[s, :n_blocks]
-                cache = cupy.asnumpy(a["kv_cache"][cupy.asarray(blocks)]).astype(np.float64)
+                cache = cupy.asnumpy(a["kv_cache"][cupy.asarray(blocks)])
+                if not self.fp8:
+                    cache = cache.astype(np.float64)
                 q = cupy.asnumpy(a["q"][s * self.q_len:(s + 1) * self.q_len])
                 self.refs.append((s, np.concatenate([reference.mla_attention(
                     q[:, h:h + step], cache, *meta, scale=self.scale, kv_lora_rank=KV_LORA_RANK,
-                    causal=self.causal) for h in range(0, self.heads, step)], axis=1)))
+                    causal=self.causal, kv_cache_dtype=self.kv_cache_dtype,
+                    k_scale=FP8_SCALE if self.fp8 else None)
+                    for h in range(0, self.heads, step)], axis=1)))
         return self.refs
 
     def check(self, out) -> float:
@@ -175,8 +214,10 @@ class MLACase:
         return testing.ROW_FACTOR * testing.TOLERANCE[_dtypes.parse(self.dtype).name]
 
 
-def preset_case(name: str, block_size: int = 64, dtype: str = "bfloat16") -> MLACase:
-    return MLACase(name, block_size=block_size, dtype=dtype, **PRESETS[name])
+def preset_case(name: str, block_size: int = 64, dtype: str = "bfloat16",
+                kv_cache_dtype: str = "auto") -> MLACase:
+    return MLACase(name, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                   **PRESETS[name])
 
 
 # ---- runners: factory(case) -> run() returning the output as a CuPy array -------------------
@@ -192,6 +233,8 @@ def _run_cupaged(case: MLACase):
     starts = a["query_start_loc"] if case.q_len > 1 else None
     kw = dict(scale=case.scale, kv_lora_rank=KV_LORA_RANK, causal=case.causal,
               max_query_len=case.q_len, max_seq_len=case.context, out=out)
+    if case.fp8:
+        kw.update(kv_cache_dtype=case.kv_cache_dtype, k_scale=FP8_SCALE)
 
     def run():
         cupaged.mla_attention(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"], starts,
@@ -211,6 +254,8 @@ def _run_flashinfer(case: MLACase, backend: str):
     ``flashinfer.mla.MLAPlanMetadata.csr`` and the split inputs as ``query=`` /
     ``kv_cache=`` pairs (the flat arguments still work there, deprecated); an older one
     takes the flat arguments only."""
+    if case.fp8:
+        raise RuntimeError("fp8 latent caches are measured for cupaged only")
     flashinfer = peers.require_flashinfer()
     torch = peers.import_torch()
     a = case.arrays

@@ -60,7 +60,8 @@ AXES = {
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
     # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
     # page size and each (rows, tile, stages) shape the planner picks (MLA_TILES).
-    "mla_attention": {"dtype": ("f16", "bf16"), "head_size": (512,), "rope_dim": (64,),
+    "mla_attention": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
+                      "head_size": (512,), "rope_dim": (64,),
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
 }

@@ -293,10 +293,12 @@ class MlaGeometry:
     rows: int
     tile_tokens: int
     stages: int
+    cache_itemsize: int = 2  # sizeof(C): 2, or 1 for an fp8 cache (widened in a tile of its own)
 
     @classmethod
     def of(cls, spec) -> "MlaGeometry":
-        return cls(spec.head_size, spec.rope_dim, spec.rows, spec.tile_tokens, spec.stages)
+        return cls(spec.head_size, spec.rope_dim, spec.rows, spec.tile_tokens, spec.stages,
+                   _cache_itemsize(spec))
 
     threads = MLA_THREADS
 
@@ -308,7 +310,9 @@ class MlaGeometry:
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, S partials, P, row state
         row = (self.rank + self.rope + 8) * 2
-        return (self.rows * row + self.stages * self.tile_tokens * row
+        stage_row = (self.rank + self.rope) * self.cache_itemsize + 16
+        wide = self.tile_tokens * row if self.cache_itemsize == 1 else 0
+        return (self.rows * row + self.stages * self.tile_tokens * stage_row + wide
                 + self.k_split * self.rows * (self.tile_tokens + 4) * 4
                 + self.rows * (self.tile_tokens + 8) * 2 + 3 * self.rows * 4 + 16)
 
@@ -354,7 +358,8 @@ def _check_chunk(specs) -> None:
         t = _dtypes.BY_NAME[s.dtype].cxx
         if s.kernel == "mla_attention":
             g = MlaGeometry.of(s)
-            cxx = (f"cupaged::MlaGeometry<{t}, {s.head_size}, {s.rope_dim}, {s.rows}, "
+            c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
+            cxx = (f"cupaged::MlaGeometry<{t}, {c}, {s.head_size}, {s.rope_dim}, {s.rows}, "
                    f"{s.tile_tokens}, {s.stages}>")
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                          f"{cxx}::kKSplit == {g.k_split}, \"host mirror differs: {s.name}\");\n")
