@@ -163,7 +163,6 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
   const int packed = q_len * num_heads;  // this sequence's rows
   const int q_shift = seq_len - q_len;   // position of its first query token
   const int* bt_row = block_tables + seq * bt_stride;
-  const int total_tiles = (seq_len + TILE_N - 1) / TILE_N;
 
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
