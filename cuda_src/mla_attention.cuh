@@ -81,6 +81,11 @@ struct MlaGeometry {
   static __device__ __forceinline__ int copy_lane(int tid) { return tid % kCopyThreads; }
   static constexpr int kDTiles = kWarpDims / 8;           // its n8 tiles
 
+  // 16 rows (a decode step's 16 heads, bandwidth-bound) fit in 128 registers, so two CTAs
+  // can share an SM where shared memory allows, one's copies and barriers overlapping the
+  // other's products; 32 and 64 rows need the whole register budget of one.
+  static constexpr int kMinBlocks = ROWS == 16 ? 2 : 1;
+
   static constexpr int kQBytes = ROWS * kRow * 2;
   static constexpr int kStageBytes = TILE_N * kCRow;
   static constexpr int kOffStages = kQBytes;
@@ -105,7 +110,8 @@ struct MlaGeometry {
 
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
           int STAGES>
-__global__ void __launch_bounds__(kMlaThreads, 1)
+__global__ void __launch_bounds__(
+    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
     mla_attention(T* __restrict__ out,
                   // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs
                   // of split_tiles tiles, the last running to the end): float32
