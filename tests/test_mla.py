@@ -294,3 +294,37 @@ def test_lengths_past_the_table_and_negative_are_clamped(rng):
     got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE)).astype(np.float64)
     assert_close(got[:2], ref, testing.TOLERANCE["bf16"])
     assert (got[2] == 0).all()
+
+
+def test_workspace_makes_a_split_call_capturable(rng, mla_split):
+    """With a DecodeWorkspace(head_size=512), out and lse given, a split call allocates
+    nothing: capture it in a CUDA graph, change the query, replay. A workspace too small
+    for the split gives fewer partitions, the same result."""
+    import cupy
+
+    mla_split(2)
+    host = make_mla(rng, [1, 3, 2], [700, 260, 1500], heads=16, block_size=64)
+    dev = device(host)
+    out = poisoned_out(dev, cupy)
+    lse = cupy.full(out.shape[:2], np.nan, np.float32)
+    ws = cupaged.DecodeWorkspace(6, 16, 512)
+    kw = dict(scale=SCALE, out=out, lse=lse, workspace=ws, max_query_len=3, max_seq_len=1500)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cupaged.mla_attention(**dev, **kw)  # compiled and planned outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        cupaged.mla_attention(**dev, **kw)
+        graph = stream.end_capture()
+    host["q"] = testing.random_normal(host["q"].shape, host["q"].dtype, rng)
+    dev["q"][...] = cupy.asarray(host["q"])
+    out.fill(np.nan)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    ref, ref_lse = ref_of(host, return_lse=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+    tiny = cupaged.DecodeWorkspace(1, 1, 512, rows=out.shape[0] * out.shape[1] * 2)
+    got = cupaged.mla_attention(**dev, scale=SCALE, workspace=tiny)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"], "tiny")
