@@ -119,6 +119,10 @@ __global__ void __launch_bounds__(
                   // instead of `out`. Rows of a partition with no key get max -inf, sum 0.
                   float* __restrict__ part_out, float* __restrict__ part_max,
                   float* __restrict__ part_sum, int split_tiles,
+                  // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles
+                  // run in one wave and read its keys from DRAM once (x = sequence, y = row
+                  // tile would run each row tile in a wave of its own over all sequences).
+                  int row_tiles,
                   const T* __restrict__ q_lat, const T* __restrict__ q_rope,
                   long long q_lat_token_stride, long long q_lat_head_stride,
                   long long q_rope_token_stride, long long q_rope_head_stride,
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(
   // The cache's scale multiplies every score and every output (K and V are both kv_c).
   const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
   scale_log2 *= cache_scale;
-  const int seq = blockIdx.x;
+  const int seq = blockIdx.x / row_tiles;
   // Lengths past the table's width are clamped so its row is never overrun; negative
   // lengths count as empty (CUPAGED_DEBUG reports both).
   const int seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
@@ -178,9 +182,9 @@ __global__ void __launch_bounds__(
   // w / kBlocks; with more blocks than warps, a warp walks blocks w, w + 8, ...
   // P V role: output dims warp * kWarpDims .. + kWarpDims of every row.
 
-  // Grid y strides over row tiles, so a host bound that undercounts q_len costs
-  // parallelism, never rows.
-  for (int row0 = blockIdx.y * ROWS; row0 < packed; row0 += gridDim.y * ROWS) {
+  // A CTA strides over row tiles (by row_tiles), so a host bound that undercounts q_len
+  // costs parallelism, never rows.
+  for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < packed; row0 += row_tiles * ROWS) {
     const int rows_here = min(ROWS, packed - row0);
     // Keys this tile's rows can see: up to the last row's position (causal) or all.
     const int last_pos = q_shift + (row0 + rows_here - 1) / num_heads;

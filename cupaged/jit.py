@@ -92,10 +92,10 @@ ARG_FORMATS = {
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
     "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
-    # partials, split_tiles; q latent / rope and their strides; cache latent / rope and
+    # partials, split_tiles, row tiles; q latent / rope and their strides; cache latent / rope and
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
-    "mla_attention": "PPPPiPPqqqqPPqqqqPqiiPfPPiif48s",
+    "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     "concat_and_cache_mla": "PqPqPqqPqqPiiiqiPf",

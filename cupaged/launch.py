@@ -296,6 +296,7 @@ class MlaLaunch(NamedTuple):
     grid: tuple
     smem: int
     split_tiles: int
+    row_tiles: int  # grid x is num_seqs * row_tiles
     q_strides: tuple  # latent token / head, rope token / head (elements)
     q_offsets: tuple  # bytes from each query array's pointer to its part
     c_strides: tuple  # latent block / token, rope block / token (elements)
@@ -318,13 +319,14 @@ class MlaLaunch(NamedTuple):
                 *self.c_strides, bt, *self.table, lens, starts, *self.tail, vp)
         if not self.split_tiles:
             self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out, 0, 0, 0, 0,
-                        *rest)
+                        self.row_tiles, *rest)
             return
         parts, keep = self.partials, None
         if parts is None:
             parts, keep = scratch_partials(ctx, self.scratch_rows, self.rank)
         self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out,
-                    parts.part_out, parts.part_max, parts.part_sum, self.split_tiles, *rest)
+                    parts.part_out, parts.part_max, parts.part_sum, self.split_tiles,
+                    self.row_tiles, *rest)
         self.combine(self.combine_grid, COMBINE_THREADS, 0, ctx.stream, out, parts.part_out,
                      parts.part_max, parts.part_sum, 0, *self.combine_tail, vp)
         del keep  # the scratch is freed in the stream's order, after the launches
@@ -338,6 +340,7 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
     but the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
+                     plan.row_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
                      tuple(o * csz for o in p.c_offsets),
                      (p.bt_stride, p.max_blocks, p.num_blocks, *k_scale),

@@ -735,11 +735,12 @@ def mla_split(ctas: int, max_tiles: int, slots: int) -> int:
 
 
 class MlaPlan(NamedTuple):
-    """mla_attention's launch: kernel, grid (sequences, row tiles, partitions), shared
+    """mla_attention's launch: kernel, grid (sequences x row tiles, 1, partitions), shared
     memory, tiles per partition (0: a single pass) and the combine of a split."""
 
     kernel: MlaKernel
     grid: tuple
+    row_tiles: int
     split_tiles: int
     partitions: int
     combine: jit.Launcher | None = None
@@ -761,7 +762,9 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
                     _dtypes.CACHE_BY_NAME[cache_dtype].itemsize)
     k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile)
     rows, tt = tile[0], tile[1]
-    row_tiles = max(1, min(_checks.MAX_GRID_YZ, -(-rows_needed // rows)))
+    # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row
+    # tiles past the bound's.
+    row_tiles = max(1, min(_checks.INT32_MAX // max(1, num_seqs), -(-rows_needed // rows)))
     max_tiles = max(1, -(-max_ctx // tt))
     split = mla_split(num_seqs * row_tiles, max_tiles, k.slots)
     parts = -(-max_tiles // split) if split else 1
@@ -771,7 +774,7 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
         parts = -(-max_tiles // split) if split else 1
     parts = min(parts, _checks.MAX_GRID_YZ)
     if parts <= 1:
-        return MlaPlan(k, (num_seqs, row_tiles, 1), 0, 1)
-    return MlaPlan(k, (num_seqs, row_tiles, parts), split, parts,
+        return MlaPlan(k, (num_seqs * row_tiles, 1, 1), row_tiles, 0, 1)
+    return MlaPlan(k, (num_seqs * row_tiles, 1, parts), row_tiles, split, parts,
                    combine_kernel(device, dtype, rank), (num_rows, num_heads, 1),
                    (0, split * tt, parts, tt))
