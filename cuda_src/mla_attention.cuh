@@ -81,11 +81,6 @@ struct MlaGeometry {
   static __device__ __forceinline__ int copy_lane(int tid) { return tid % kCopyThreads; }
   static constexpr int kDTiles = kWarpDims / 8;           // its n8 tiles
 
-  // 16 rows (a decode step's 16 heads, bandwidth-bound) fit in 128 registers, so two CTAs
-  // can share an SM where shared memory allows, one's copies and barriers overlapping the
-  // other's products; 32 and 64 rows need the whole register budget of one.
-  static constexpr int kMinBlocks = ROWS == 16 ? 2 : 1;
-
   static constexpr int kQBytes = ROWS * kRow * 2;
   static constexpr int kStageBytes = TILE_N * kCRow;
   static constexpr int kOffStages = kQBytes;
@@ -97,6 +92,19 @@ struct MlaGeometry {
   static constexpr int kOffRowState = kOffP + ROWS * kPRow * 2;  // alpha, max, sum per row
   static constexpr int kOffFlag = kOffRowState + 3 * ROWS * 4;
   static constexpr int kSmemBytes = kOffFlag + 16;
+
+  // Two CTAs an SM where the target's shared memory holds two of this shape (one's copies
+  // and barriers then overlap the other's products): 16 rows, whose registers then fit
+  // 128 a thread. Elsewhere one CTA takes the whole register budget (a cap would only
+  // make it spill).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870)
+  static constexpr int kSmSmem = 164 * 1024;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+  static constexpr int kSmSmem = 228 * 1024;
+#else
+  static constexpr int kSmSmem = 100 * 1024;
+#endif
+  static constexpr int kMinBlocks = ROWS == 16 && 2 * (kSmemBytes + 1024) <= kSmSmem ? 2 : 1;
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");

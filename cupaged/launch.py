@@ -193,7 +193,7 @@ class DecodeWorkspace:
         for name, v in (("max_num_seqs", max_num_seqs), ("num_heads", num_heads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 _fail(f"{name} must be a positive int, got {v!r}")
-        if head_size != MLA_PARTIAL_WIDTH:
+        if head_size != MLA_PARTIAL_WIDTH or not isinstance(head_size, (int, np.integer)):
             _checks.check_head_size(head_size)
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         if rows is None:

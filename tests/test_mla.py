@@ -310,12 +310,23 @@ def test_workspace_makes_a_split_call_capturable(rng, mla_split):
     ws = cupaged.DecodeWorkspace(6, 16, 512)
     kw = dict(scale=SCALE, out=out, lse=lse, workspace=ws, max_query_len=3, max_seq_len=1500)
     stream = cupy.cuda.Stream(non_blocking=True)
+    allocs = []
+
+    class Allocations(cupy.cuda.memory_hook.MemoryHook):
+        name = "allocations"
+
+        def malloc_preprocess(self, **kw):
+            allocs.append(kw)
+
     with stream:
         cupaged.mla_attention(**dev, **kw)  # compiled and planned outside the capture
         stream.synchronize()
-        stream.begin_capture()
-        cupaged.mla_attention(**dev, **kw)
-        graph = stream.end_capture()
+        # (CuPy's relaxed capture lets the pool allocate: the hook sees any allocation)
+        with Allocations():
+            stream.begin_capture()
+            cupaged.mla_attention(**dev, **kw)
+            graph = stream.end_capture()
+    assert allocs == []
     host["q"] = testing.random_normal(host["q"].shape, host["q"].dtype, rng)
     dev["q"][...] = cupy.asarray(host["q"])
     out.fill(np.nan)
@@ -325,6 +336,9 @@ def test_workspace_makes_a_split_call_capturable(rng, mla_split):
     ref, ref_lse = ref_of(host, return_lse=True)
     assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
     np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
-    tiny = cupaged.DecodeWorkspace(1, 1, 512, rows=out.shape[0] * out.shape[1] * 2)
-    got = cupaged.mla_attention(**dev, scale=SCALE, workspace=tiny)
-    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"], "tiny")
+    rows = out.shape[0] * out.shape[1]
+    for capacity in (2 * rows, 2 * rows - 1):  # two partitions; too few for two: one pass
+        small = cupaged.DecodeWorkspace(1, 1, 512, rows=capacity)
+        got = cupaged.mla_attention(**dev, scale=SCALE, workspace=small)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"workspace of {capacity} rows")

@@ -3,7 +3,7 @@ MLA presets: which the planner should pick. Device only; one line per (shape, sp
     [TILES="16,32,4 16,32,2"] [SPLITS="auto 0 16"] [KV=fp8_e4m3] python3 tools/mla_tiles.py [preset ...]
 (TILES: only these shapes, default every one this GPU's shared memory holds for the rows a
 case needs; SPLITS: tiles per split-KV partition, "auto" the planner's; KV: the cache's
-dtype.) Shapes whose shared memory allows two CTAs an SM are marked "x2"."""
+dtype.) Each line says how many CTAs of its shape an SM holds ("x2": two)."""
 import os
 import sys
 from pathlib import Path
@@ -31,7 +31,10 @@ for name in names:
         g = geometry.MlaGeometry(512, 64, *tile, csz)
         if not g.fits(dev.arch):
             continue
-        two = "x2" if 2 * (g.smem_bytes + 1024) <= dev.sm_smem else "  "
+        # CTAs an SM holds (shared memory and registers: the occupancy API)
+        k = planning.mla_kernel(0, "bf16", "bf16" if kv == "auto" else kv.split("_")[1], 512,
+                                64, 64, tile)
+        two = f"x{k.slots // dev.sm_count}"
         for split in splits:
             planning.set_mla_tile(tile)
             planning.set_mla_split(split)
