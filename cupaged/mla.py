@@ -51,7 +51,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             ``query_start_loc[s]:query_start_loc[s + 1]``, the last ``q_len`` of its
             tokens (row i at position ``seq_lens[s] - q_len + i``), as in
             :func:`cupaged.attention` (its device facts are the caller's, checked under
-            ``CUPAGED_DEBUG=1``). None: one token per sequence (decode).
+            ``CUPAGED_DEBUG=1``; output rows outside every sequence's range are
+            unspecified). None: one token per sequence (decode).
         scale: the softmax scale, required: DeepSeek's is ``1 / sqrt(qk_nope_head_dim +
             qk_rope_head_dim)`` (times YaRN's mscale squared), not one over the root of the
             576-dim key.
