@@ -86,13 +86,15 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   auto stage_s = [&](int s) { return base + Geo::kOffStages + s * Geo::kTileBytes; };
 
   const int tid = threadIdx.x;
-  const int wg = tid / 128;           // warpgroup: 0 computes S and the softmax
+  // warpgroup: 0 computes S and the softmax (warp-uniform to the compiler: a value it
+  // cannot prove uniform around wgmma makes ptxas serialize them)
+  const int wg = __shfl_sync(~0u, tid / 128, 0);
   const int warp = (tid / 32) % 4;    // warp within its warpgroup: rows 16 warp ..
   const int lane = tid & 31;
   const int frag_row = 16 * warp + (lane >> 2);  // this thread's rows: frag_row, + 8
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
-  const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
-  (void)cache_scale;  // 16-bit caches only (1): fp8 stays on mla_attention
+  (void)k_scale_ptr;  // 16-bit caches only (the host passes no scale): fp8 stays on
+  (void)k_scale;      // mla_attention
 
   const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
                                         num_heads, block_tables, bt_stride, max_blocks);
@@ -143,6 +145,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float s[32] = {};  // S of a tile (warpgroup 0): its first k-step overwrites it
 
     if (n_tiles > 0) load_tile(0, 0, tile_id(0));
     cp_async_commit();  // with the query
@@ -159,17 +162,16 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
 
       if (wg == 0) {
         // ---- S = Q K^T and the online softmax -------------------------------------------
-        float s[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        fence_regs(s);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < Geo::kDims / 16; ++k) {
           Wgmma<T, 64, 0>::ss(s, kmajor_desc(q_s, 16 * k, ROWS),
-                              kmajor_desc(stage_s(stage), 16 * k, TILE_N), 1);
+                              kmajor_desc(stage_s(stage), 16 * k, TILE_N), k > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
+        fence_regs(s);
         const int t0 = (tile_lo + it) * TILE_N;
         float tmax[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -222,6 +224,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
           o[4 * j + 2] *= a1;
           o[4 * j + 3] *= a1;
         }
+        fence_regs(o);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
@@ -230,6 +233,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         }
         wgmma_commit();
         wgmma_wait<0>();
+        fence_regs(o);
       }
       __syncthreads();  // stage `stage` and P are free for the next tile
     }

@@ -72,6 +72,15 @@ __device__ __forceinline__ void fence_async_smem() {
 
 // ---- wgmma --------------------------------------------------------------------------------
 
+// Keeps the compiler from moving other register work on `r` across a wgmma fence or wait
+// (an empty asm that reads and writes each one): accumulators must not be touched while
+// an asynchronous wgmma owns them.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
