@@ -33,6 +33,7 @@
 #pragma once
 #include "common.cuh"
 #include "fp8.cuh"
+#include "mla_common.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "variants.cuh"
@@ -93,6 +94,19 @@ struct MlaGeometry {
   static constexpr int kOffFlag = kOffRowState + 3 * ROWS * 4;
   static constexpr int kSmemBytes = kOffFlag + 16;
 
+  // Two CTAs an SM where the target's shared memory holds two of this shape (one's copies
+  // and barriers then overlap the other's products): 16 rows, whose registers then fit
+  // 128 a thread. Elsewhere one CTA takes the whole register budget (a cap would only
+  // make it spill).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870)
+  static constexpr int kSmSmem = 164 * 1024;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+  static constexpr int kSmSmem = 228 * 1024;
+#else
+  static constexpr int kSmSmem = 100 * 1024;
+#endif
+  static constexpr int kMinBlocks = ROWS == 16 && 2 * (kSmemBytes + 1024) <= kSmSmem ? 2 : 1;
+
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK % (8 * kMlaWarps * 2) == 0 && ROPE % 16 == 0, "RANK, ROPE");
@@ -105,7 +119,8 @@ struct MlaGeometry {
 
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
           int STAGES>
-__global__ void __launch_bounds__(kMlaThreads, 1)
+__global__ void __launch_bounds__(
+    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
     mla_attention(T* __restrict__ out,
                   // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs
                   // of split_tiles tiles, the last running to the end): float32
@@ -113,6 +128,10 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
                   // instead of `out`. Rows of a partition with no key get max -inf, sum 0.
                   float* __restrict__ part_out, float* __restrict__ part_max,
                   float* __restrict__ part_sum, int split_tiles,
+                  // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles
+                  // run in one wave and read its keys from DRAM once (x = sequence, y = row
+                  // tile would run each row tile in a wave of its own over all sequences).
+                  int row_tiles,
                   const T* __restrict__ q_lat, const T* __restrict__ q_rope,
                   long long q_lat_token_stride, long long q_lat_head_stride,
                   long long q_rope_token_stride, long long q_rope_head_stride,
@@ -154,15 +173,9 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
   // The cache's scale multiplies every score and every output (K and V are both kv_c).
   const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
   scale_log2 *= cache_scale;
-  const int seq = blockIdx.x;
-  // Lengths past the table's width are clamped so its row is never overrun; negative
-  // lengths count as empty (CUPAGED_DEBUG reports both).
-  const int seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
-  const int q_begin = query_start_loc != nullptr ? query_start_loc[seq] : seq;
-  const int q_len = query_start_loc != nullptr ? query_start_loc[seq + 1] - q_begin : 1;
-  const int packed = q_len * num_heads;  // this sequence's rows
-  const int q_shift = seq_len - q_len;   // position of its first query token
-  const int* bt_row = block_tables + seq * bt_stride;
+  // (CUPAGED_DEBUG reports lengths past the table or negative, which mla_seq clamps.)
+  const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
+                                        num_heads, block_tables, bt_stride, max_blocks);
 
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
@@ -171,38 +184,22 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
   // w / kBlocks; with more blocks than warps, a warp walks blocks w, w + 8, ...
   // P V role: output dims warp * kWarpDims .. + kWarpDims of every row.
 
-  // Grid y strides over row tiles, so a host bound that undercounts q_len costs
-  // parallelism, never rows.
-  for (int row0 = blockIdx.y * ROWS; row0 < packed; row0 += gridDim.y * ROWS) {
-    const int rows_here = min(ROWS, packed - row0);
-    // Keys this tile's rows can see: up to the last row's position (causal) or all.
-    const int last_pos = q_shift + (row0 + rows_here - 1) / num_heads;
-    const int kv_end = causal ? min(seq_len, last_pos + 1) : seq_len;
-    int tile_lo = 0, tile_hi = (kv_end + TILE_N - 1) / TILE_N;
-    if (split_tiles > 0) {
-      tile_lo = min(tile_hi, static_cast<int>(blockIdx.z) * split_tiles);
-      if (blockIdx.z + 1 < gridDim.z) tile_hi = min(tile_hi, tile_lo + split_tiles);
-    }
-    const int n_tiles = tile_hi - tile_lo;
+  // A CTA strides over row tiles (by row_tiles), so a host bound that undercounts q_len
+  // costs parallelism, never rows.
+  for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < sq.packed; row0 += row_tiles * ROWS) {
+    const int rows_here = min(ROWS, sq.packed - row0);
+    const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, causal, split_tiles);
+    const int kv_end = tl.kv_end, tile_lo = tl.tile_lo, n_tiles = tl.n_tiles;
 
     __syncthreads();  // the previous row tile is done with shared memory (its flag read)
     if (tid == 0) *bad_s = 0;
     __syncthreads();  // the flag is clear before any copy can raise it
 
     // ---- the query tile: rows past the sequence's are zeros ----------------------------
-    for (int u = tid; u < ROWS * Geo::kChunks; u += kMlaThreads) {
-      const int r = u / Geo::kChunks;
-      const int c = u % Geo::kChunks;
-      const bool real = r < rows_here;
-      const int p = row0 + (real ? r : 0);
-      const long long token = q_begin + p / num_heads;
-      const int head = p % num_heads;
-      const T* src = c < Geo::kRankChunks
-                         ? q_lat + token * q_lat_token_stride + head * q_lat_head_stride + c * 8
-                         : q_rope + token * q_rope_token_stride + head * q_rope_head_stride +
-                               (c - Geo::kRankChunks) * 8;
-      cp_async16_or_zero(q_s_addr + (r * ROW + c * 8) * 2, src, real);
-    }
+    mla_copy_query<T, RANK, ROPE, ROWS, kMlaThreads>(
+        q_lat, q_rope, q_lat_token_stride, q_lat_head_stride, q_rope_token_stride,
+        q_rope_head_stride, sq, row0, rows_here, num_heads,
+        [&](int r, int c) { return q_s_addr + (r * ROW + c * 8) * 2; });
 
     // One K/V tile into a stage. Thread tid copies token copy_token(tid) of each tile (its
     // chunks copy_lane(tid), + kCopyThreads, ...), so it needs one block id a tile: the id of
@@ -210,37 +207,29 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
     // wait for no table read. Slots past kv_end are zeros (P is 0 there, and 0 * a stale
     // NaN would be NaN); a bad block id is never dereferenced and raises the flag.
     auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
-      const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
-      if (tile >= n_tiles || key >= kv_end) return -1;
-      const int phys = __ldg(bt_row + key / BLOCK_SIZE);
-      return static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys : -2;
+      if (tile >= n_tiles) return -1;
+      return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + Geo::copy_token(tid),
+                                      kv_end, num_blocks);
     };
     auto load_tile = [&](int tile, int stage, int phys) {
-      const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
       const bool copy = phys >= 0;
       if (phys == -2) *bad_s = 1;
-      const int within = key % BLOCK_SIZE;
-      const C* lat = copy ? c_lat + phys * c_lat_block_stride + within * c_lat_token_stride : c_lat;
-      const C* rope = copy ? c_rope + phys * c_rope_block_stride + within * c_rope_token_stride
-                           : c_lat;
+      const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
+                                        c_rope_block_stride, c_rope_token_stride, phys,
+                                        (tile_lo + tile) * TILE_N + Geo::copy_token(tid));
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
                            Geo::copy_token(tid) * Geo::kCRow;
-      constexpr int CV = Geo::kCVec;
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
         const int c = Geo::copy_lane(tid) + j * Geo::kCopyThreads;
         if (Geo::kCChunks % Geo::kCopyThreads == 0 || c < Geo::kCChunks) {
-          const C* src = c < Geo::kCRankChunks ? lat + c * CV : rope + (c - Geo::kCRankChunks) * CV;
-          cp_async16_or_zero(dst + c * 16, copy ? src : c_lat, copy);
+          cp_async16_or_zero(dst + c * 16, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
         }
       }
     };
 
     // Per-row constants of the softmax role: keys at positions < limit are seen.
-    const int my_p = row0 + sm_row;
-    const int limit = sm_row >= rows_here ? 0
-                      : causal ? min(seq_len, q_shift + my_p / num_heads + 1)
-                               : seq_len;
+    const int limit = mla_key_limit(sq, row0 + sm_row, num_heads, causal);
     float m_run = neg_inf(), l_run = 0.f;  // redundant over the row's RT threads; l partial
 
     float acc[MA][Geo::kDTiles][4];
@@ -426,7 +415,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1)
         const int r = a * 16 + (lane >> 2) + h * 8;
         if (r >= rows_here) continue;
         const int p = row0 + r;
-        const long long orow = static_cast<long long>(q_begin + p / num_heads) * num_heads +
+        const long long orow = static_cast<long long>(sq.q_begin + p / num_heads) * num_heads +
                                p % num_heads;
         const bool writer = warp == 0 && (lane & 3) == 0;
         const int col = warp * Geo::kWarpDims + (lane & 3) * 2;

@@ -86,3 +86,7 @@ CUPAGED_PROBE(probe_bf16_n128_mn_ss, cupaged::bfloat16_t, 128, 1, 0)
 CUPAGED_PROBE(probe_bf16_n128_mn_rs, cupaged::bfloat16_t, 128, 1, 1)
 CUPAGED_PROBE(probe_f16_n64_k_ss, cupaged::half_t, 64, 0, 0)
 CUPAGED_PROBE(probe_f16_n64_mn_rs, cupaged::half_t, 64, 1, 1)
+// N = 256: an MLA output half (256 of kv_lora_rank's 512 dims) in one instruction.
+CUPAGED_PROBE(probe_bf16_n256_mn_rs, cupaged::bfloat16_t, 256, 1, 1)
+CUPAGED_PROBE(probe_bf16_n256_mn_ss, cupaged::bfloat16_t, 256, 1, 0)
+CUPAGED_PROBE(probe_f16_n256_k_ss, cupaged::half_t, 256, 0, 0)

@@ -73,6 +73,9 @@ _KERNELS = {
     "paged_prefill_sm90": ("paged_prefill_sm90.cu", _PREFILL_SM90_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
+    # Hopper's: 64 rows over 64-token tiles in two stages, 16-bit caches
+    "mla_attention_sm90": ("mla_attention_sm90.cu", ("dtype", "head_size", "rope_dim",
+                                                     "block_size")),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
@@ -92,10 +95,11 @@ ARG_FORMATS = {
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
     "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     "paged_decode_combine": "PPPPPiiii48s",
-    # partials, split_tiles; q latent / rope and their strides; cache latent / rope and
+    # partials, split_tiles, row tiles; q latent / rope and their strides; cache latent / rope and
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
-    "mla_attention": "PPPPiPPqqqqPPqqqqPqiiPfPPiif48s",
+    "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",
+    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",  # mla_attention's
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     "concat_and_cache_mla": "PqPqPqqPqqPiiiqiPf",
@@ -162,7 +166,7 @@ def default_mla_tile() -> tuple[int, int, int, int]:
 
 # The targets each kernel is built for when not every one: wgmma and setmaxnreg are
 # sm_90a's (Hopper's architecture-specific features; no other GPU runs them).
-ARCH_ONLY = {"paged_prefill_sm90": "sm_90a"}
+ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a"}
 
 
 @dataclass(frozen=True)
@@ -262,6 +266,8 @@ class KernelSpec:
                                      default_mla_tile()):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
+        elif self.kernel == "mla_attention_sm90" and self.rope_dim == 0:
+            object.__setattr__(self, "rope_dim", default_mla_tile()[0])
         elif "tile_tokens" in params:
             if self.tile_tokens == 0:
                 object.__setattr__(self, "tile_tokens", self._default_tile())

@@ -179,7 +179,9 @@ class DecodeWorkspace:
 
     Args:
         max_num_seqs, num_heads, head_size: the largest batch, the query heads and the
-            head size the workspace will serve.
+            head size the workspace will serve (512 for :func:`cupaged.mla_attention`,
+            whose partials are kv_lora_rank wide; ``max_num_seqs`` then counts query
+            rows, tokens of every sequence).
         rows: capacity in partial rows, instead of the default.
         device: CUDA device id; default the current CuPy device.
 
@@ -191,7 +193,8 @@ class DecodeWorkspace:
         for name, v in (("max_num_seqs", max_num_seqs), ("num_heads", num_heads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 _fail(f"{name} must be a positive int, got {v!r}")
-        _checks.check_head_size(head_size)
+        if head_size != MLA_PARTIAL_WIDTH or not isinstance(head_size, (int, np.integer)):
+            _checks.check_head_size(head_size)
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         if rows is None:
             sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
@@ -223,17 +226,21 @@ class DecodeWorkspace:
         return self._buf.nbytes
 
     def _partials(self, p: Problem) -> Partials:
-        if p.device != self.device:
-            _fail(f"the workspace is on device {self.device} but query is on device {p.device}")
-        if p.head_size > self.head_size:
-            _fail(f"the workspace was made for head_size {self.head_size}, got {p.head_size}")
-        got = self._by_head_size.get(p.head_size)
+        return self.partials(p.device, p.head_size)
+
+    def partials(self, device: int, head_size: int) -> Partials:
+        """Its memory as partial rows ``head_size`` wide, for a call on ``device``."""
+        if device != self.device:
+            _fail(f"the workspace is on device {self.device} but query is on device {device}")
+        if head_size > self.head_size:
+            _fail(f"the workspace was made for head_size {self.head_size}, got {head_size}")
+        got = self._by_head_size.get(head_size)
         if got is None:  # part_out first, then max and sum, as the kernels index them
-            rows = self.rows * (self.head_size + 2) // (p.head_size + 2)
+            rows = self.rows * (self.head_size + 2) // (head_size + 2)
             b = self._base
-            got = Partials(b, b + rows * p.head_size * 4, b + rows * (p.head_size + 1) * 4, rows,
+            got = Partials(b, b + rows * head_size * 4, b + rows * (head_size + 1) * 4, rows,
                            b + self._counters_offset, self._num_counters)
-            self._by_head_size[p.head_size] = got
+            self._by_head_size[head_size] = got
         return got
 
     def __repr__(self) -> str:
@@ -278,6 +285,9 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
                            combine_tail=plan.combine_tail)
 
 
+MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide
+
+
 class MlaLaunch(NamedTuple):
     """An mla_attention call's launches with every constant argument packed: ``run``
     adds the addresses (a repeated call's only work)."""
@@ -286,6 +296,7 @@ class MlaLaunch(NamedTuple):
     grid: tuple
     smem: int
     split_tiles: int
+    row_tiles: int  # grid x is num_seqs * row_tiles
     q_strides: tuple  # latent token / head, rope token / head (elements)
     q_offsets: tuple  # bytes from each query array's pointer to its part
     c_strides: tuple  # latent block / token, rope block / token (elements)
@@ -298,6 +309,7 @@ class MlaLaunch(NamedTuple):
     combine_tail: tuple
     scratch_rows: int  # split-KV partial rows (total_q * num_heads * partitions)
     rank: int
+    partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
 
     def run(self, ctx: _arrays.Context, out: int, lse: int, q_lat: int, q_rope: int,
             c_lat: int, c_rope: int, bt: int, lens: int, starts: int) -> None:
@@ -307,25 +319,31 @@ class MlaLaunch(NamedTuple):
                 *self.c_strides, bt, *self.table, lens, starts, *self.tail, vp)
         if not self.split_tiles:
             self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out, 0, 0, 0, 0,
-                        *rest)
+                        self.row_tiles, *rest)
             return
-        parts, keep = scratch_partials(ctx, self.scratch_rows, self.rank)
+        parts, keep = self.partials, None
+        if parts is None:
+            parts, keep = scratch_partials(ctx, self.scratch_rows, self.rank)
         self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out,
-                    parts.part_out, parts.part_max, parts.part_sum, self.split_tiles, *rest)
+                    parts.part_out, parts.part_max, parts.part_sum, self.split_tiles,
+                    self.row_tiles, *rest)
         self.combine(self.combine_grid, COMBINE_THREADS, 0, ctx.stream, out, parts.part_out,
                      parts.part_max, parts.part_sum, 0, *self.combine_tail, vp)
         del keep  # the scratch is freed in the stream's order, after the launches
 
 
-def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0)) -> MlaLaunch:
+def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
+              partials: Partials | None = None) -> MlaLaunch:
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
-    planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value)),
-    every argument but the arrays' addresses."""
+    planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
+    ``partials``: a workspace's, None for a scratch buffer per split call), every argument
+    but the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
+                     plan.row_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
                      tuple(o * csz for o in p.c_offsets),
                      (p.bt_stride, p.max_blocks, p.num_blocks, *k_scale),
                      (p.num_heads, int(causal), scale * _checks.LOG2E), plan.combine,
                      plan.combine_grid, plan.combine_tail,
-                     p.num_rows * p.num_heads * plan.partitions, p.rank)
+                     p.num_rows * p.num_heads * plan.partitions, p.rank, partials)

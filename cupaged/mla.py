@@ -20,7 +20,7 @@ __all__ = ["mla_attention"]
 def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, scale,
                   kv_lora_rank=None, k_pe_cache=None, causal=True, max_query_len=None,
                   max_seq_len=None, out=None, return_lse=False, lse=None, stream=None,
-                  kv_cache_dtype="auto", k_scale=None):
+                  kv_cache_dtype="auto", k_scale=None, workspace=None):
     """Absorbed multi-head latent attention over a paged latent cache, for decode, several
     query tokens per sequence (multi-token prediction, speculative verify) and chunked
     prefill, mixed in one varlen batch.
@@ -71,6 +71,10 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             :func:`cupaged.merge_state`.
         stream: as for :func:`cupaged.attention` (default: the caller's framework's
             current stream).
+        workspace: a :class:`cupaged.DecodeWorkspace` made with ``head_size=512`` for the
+            split-KV partials: with ``out`` (and ``lse`` when asked) given, the call then
+            allocates nothing (CUDA graph capture). Too small a workspace means fewer,
+            larger partitions, never a different result.
         kv_cache_dtype, k_scale: an fp8 latent cache (``"fp8"``/``"fp8_e4m3"``,
             ``"fp8_e5m2"``, or ``"auto"`` with a float8 dtype; uint8/int8 arrays need the
             name), read as ``stored * k_scale``: one scale per tensor (a number, a CPU torch
@@ -81,7 +85,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
     Returns:
         ``out`` (a torch tensor when ``q`` is one, else a CuPy array), or ``(out, lse)``.
         Never synchronizes; nothing is allocated but ``out``/``lse`` when not given and,
-        for split-KV, a scratch buffer in the stream's order.
+        for split-KV without ``workspace``, a scratch buffer in the stream's order.
 
     Page sizes are powers of two from 1 to 256; any number of heads (16 to 128 is what
     DeepSeek's models shard to).
@@ -117,6 +121,12 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
               f"{p.cache_dtype.name}")
     scale = validation.softmax_scale(scale, p.rank + p.rope)
     max_q, max_ctx = validation.mla_bounds(p, qsl is not None, max_query_len, max_seq_len)
+    parts = None
+    if workspace is not None:
+        if not isinstance(workspace, launch.DecodeWorkspace):
+            _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
+                  TypeError)
+        parts = workspace.partials(p.device, p.rank)
     wants_lse = bool(return_lse) or lse is not None
     qa_dtype = p.q_parts[0].dtype
     kind = _arrays.framework(first)
@@ -128,7 +138,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
         plan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
                                  p.block_size, p.num_seqs, p.num_rows, p.num_heads, max_q,
-                                 max_ctx)
+                                 max_ctx, None if parts is None else parts.max_rows)
         returned = out
         if o is None:
             o, returned = _arrays.empty(ctx, (p.num_rows, p.num_heads, p.rank), qa_dtype)
@@ -139,7 +149,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
         if plan is not None:
             ql, qr = p.q_parts
             cl, cr = p.c_parts
-            launch.build_mla(p, plan, scale, causal, (scale_ptr, scale_value)).run(
+            launch.build_mla(p, plan, scale, causal, (scale_ptr, scale_value), parts).run(
                 ctx, o.data.ptr, 0 if lse_a is None else lse_a.data.ptr, ql.data.ptr,
                 qr.data.ptr, cl.data.ptr, cr.data.ptr, bt.data.ptr, sl.data.ptr,
                 0 if qsl is None else qsl.data.ptr)

@@ -704,6 +704,36 @@ def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: in
                      resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
 
 
+@jit.launcher_cache
+def mla_sm90_kernel(device_id: int, dtype: str, rank: int, rope: int,
+                    block_size: int) -> MlaKernel:
+    """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles)."""
+    spec = jit.KernelSpec("mla_attention_sm90", dtype, rank, block_size, rope_dim=rope,
+                          arch=device_info(device_id).arch)
+    g = geometry.MlaSm90Geometry.of(spec)
+    kernel = jit.load(spec, device_id, g.smem_bytes)
+    return MlaKernel(kernel, spec, g.smem_bytes,
+                     resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
+
+
+# Which MLA kernel serves Hopper: None (the rule: the wgmma kernel for 16-bit caches where a
+# sequence has 64 packed rows or more), "mma" (always mla_attention) or "sm90" (the wgmma
+# kernel wherever it applies), for tests and A/B measurements; set through set_mla_family.
+_mla_family: str | None = None
+
+
+def set_mla_family(family: str | None) -> None:
+    global _mla_family
+    if family not in (None, "mma", "sm90"):
+        raise ValueError(f"family must be None, 'mma' or 'sm90', got {family!r}")
+    _mla_family = family
+
+
+def mla_sm90_applies(arch: str, cache_itemsize: int, rows_needed: int) -> bool:
+    return (_mla_family != "mma" and arch == "sm_90" and cache_itemsize == 2
+            and (rows_needed >= 64 or _mla_family == "sm90") and _mla_tile_override is None)
+
+
 # Split-KV of mla_attention instead of the cost model's choice, for tests and experiments:
 # None (the model), 0 (never) or tiles per partition; set through set_mla_split.
 _mla_split_override: int | None = None
@@ -735,11 +765,12 @@ def mla_split(ctas: int, max_tiles: int, slots: int) -> int:
 
 
 class MlaPlan(NamedTuple):
-    """mla_attention's launch: kernel, grid (sequences, row tiles, partitions), shared
+    """mla_attention's launch: kernel, grid (sequences x row tiles, 1, partitions), shared
     memory, tiles per partition (0: a single pass) and the combine of a split."""
 
     kernel: MlaKernel
     grid: tuple
+    row_tiles: int
     split_tiles: int
     partitions: int
     combine: jit.Launcher | None = None
@@ -757,11 +788,18 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
-    tile = mla_tile(device_info(device).arch, rows_needed,
-                    _dtypes.CACHE_BY_NAME[cache_dtype].itemsize)
-    k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile)
-    rows, tt = tile[0], tile[1]
-    row_tiles = max(1, min(_checks.MAX_GRID_YZ, -(-rows_needed // rows)))
+    arch = device_info(device).arch
+    csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
+    if mla_sm90_applies(arch, csize, rows_needed):
+        k = mla_sm90_kernel(device, dtype, rank, rope, block_size)
+        rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
+    else:
+        tile = mla_tile(arch, rows_needed, csize)
+        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile)
+        rows, tt = tile[0], tile[1]
+    # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row
+    # tiles past the bound's.
+    row_tiles = max(1, min(_checks.INT32_MAX // max(1, num_seqs), -(-rows_needed // rows)))
     max_tiles = max(1, -(-max_ctx // tt))
     split = mla_split(num_seqs * row_tiles, max_tiles, k.slots)
     parts = -(-max_tiles // split) if split else 1
@@ -771,7 +809,7 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
         parts = -(-max_tiles // split) if split else 1
     parts = min(parts, _checks.MAX_GRID_YZ)
     if parts <= 1:
-        return MlaPlan(k, (num_seqs, row_tiles, 1), 0, 1)
-    return MlaPlan(k, (num_seqs, row_tiles, parts), split, parts,
+        return MlaPlan(k, (num_seqs * row_tiles, 1, 1), row_tiles, 0, 1)
+    return MlaPlan(k, (num_seqs * row_tiles, 1, parts), row_tiles, split, parts,
                    combine_kernel(device, dtype, rank), (num_rows, num_heads, 1),
                    (0, split * tt, parts, tt))

@@ -74,6 +74,12 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     shapes = {a: {(s.rows, s.tile_tokens, s.stages) for s in mla if s.arch == a} for a in ARCHS}
     assert (64, 32, 3) in shapes["sm_90"] and (64, 32, 3) not in shapes["sm_80"]
     geometry.check_against_kernel([s for s in mla if s.block_size == 16])
+    # Hopper's: sm_90a only, 16-bit caches, every block size
+    sm90 = [s for s in ALL if s.kernel == "mla_attention_sm90"]
+    assert {s.arch for s in sm90} == {"sm_90a"} and len(sm90) == 2 * 9
+    for s in sm90:
+        assert geometry.MlaSm90Geometry.of(s).fits(s.arch), s.name
+    geometry.check_against_kernel([s for s in sm90 if s.block_size == 64])
 
 
 def test_the_sm90_kernel_is_built_for_sm90a_only():
@@ -148,7 +154,7 @@ def test_specialization_names_are_unique():
     # shapes (13 and 18: half the bytes a stage, beside a widened tile).
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 90
                                                           + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2 \
-        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18)
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 9
 
 
 # ---- the covering set ------------------------------------------------------------------------

@@ -66,6 +66,18 @@ def mla_split():
     planning.set_mla_split(None)
 
 
+@pytest.fixture(params=["mma", "sm90"])
+def family(request):
+    """Each MLA kernel family in turn (the wgmma one on a Hopper GPU only)."""
+    import cupy
+
+    if request.param == "sm90" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    planning.set_mla_family(request.param)
+    yield request.param
+    planning.set_mla_family(None)
+
+
 @pytest.fixture
 def mla_tile():
     """Force mla_attention's (rows, tile_tokens, stages) for one test."""
@@ -86,7 +98,7 @@ MIXED = ([1, 2, 0, 4, 37, 1, 3], [1, 2, 0, 4097, 1000, 33, 64])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("block_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("heads", [16, 128, 20])
-def test_mixed_batch_matches_reference(rng, dtype, block_size, heads):
+def test_mixed_batch_matches_reference(rng, family, dtype, block_size, heads):
     import cupy
 
     host = make_mla(rng, *MIXED, heads=heads, block_size=block_size, dtype=dtype)
@@ -100,7 +112,7 @@ def test_mixed_batch_matches_reference(rng, dtype, block_size, heads):
 
 @pytest.mark.parametrize("split", [None, 0, 1, 3], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_split_kv_and_lse(rng, mla_split, split, causal):
+def test_split_kv_and_lse(rng, family, mla_split, split, causal):
     import cupy
 
     mla_split(split)
@@ -125,7 +137,7 @@ def test_decode_without_query_start_loc_and_torch(rng):
     assert_close(got.float().cpu().numpy(), ref_of(host, decode=True), testing.TOLERANCE["bf16"])
 
 
-def test_query_and_cache_pairs(rng):
+def test_query_and_cache_pairs(rng, family):
     """(q_nope, q_pe) and FlashInfer's kv_c / k_pe caches: separate arrays, and views of
     one allocation with odd strides."""
     import cupy
@@ -150,7 +162,7 @@ def test_query_and_cache_pairs(rng):
 
 
 @pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
-def test_stale_slots_never_reach_the_output(rng, mla_split, stale):
+def test_stale_slots_never_reach_the_output(rng, family, mla_split, stale):
     import cupy
 
     for split in (0, 2):
@@ -162,7 +174,7 @@ def test_stale_slots_never_reach_the_output(rng, mla_split, stale):
 
 
 @pytest.mark.parametrize("split", [0, 2])
-def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, mla_split, split):
+def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, family, mla_split, split):
     import cupy
 
     mla_split(split)
@@ -175,7 +187,7 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, mla_split, split):
     assert np.isnan(got[2:]).all()
 
 
-def test_long_context_and_undercounted_bounds(rng):
+def test_long_context_and_undercounted_bounds(rng, family):
     """128k keys in one sequence beside short ones; bounds that undercount the longest
     query and context cost parallelism, never rows or keys."""
     import cupy
@@ -262,7 +274,7 @@ def test_every_tile_shape(rng, mla_tile, mla_split, shape):
     np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
 
 
-def test_a_bad_block_spares_the_rows_of_other_tiles(rng, mla_split):
+def test_a_bad_block_spares_the_rows_of_other_tiles(rng, family, mla_split):
     """A bad block seen only by later tokens of a long verify: the rows that see it are
     NaN, those in row tiles before any of them stay right (a tile holds at most 64 rows:
     4 tokens of 16 heads; tokens 12 and 13 share one with token 14, the first to see it)."""
@@ -294,3 +306,51 @@ def test_lengths_past_the_table_and_negative_are_clamped(rng):
     got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE)).astype(np.float64)
     assert_close(got[:2], ref, testing.TOLERANCE["bf16"])
     assert (got[2] == 0).all()
+
+
+def test_workspace_makes_a_split_call_capturable(rng, mla_split):
+    """With a DecodeWorkspace(head_size=512), out and lse given, a split call allocates
+    nothing: capture it in a CUDA graph, change the query, replay. A workspace too small
+    for the split gives fewer partitions, the same result."""
+    import cupy
+
+    mla_split(2)
+    host = make_mla(rng, [1, 3, 2], [700, 260, 1500], heads=16, block_size=64)
+    dev = device(host)
+    out = poisoned_out(dev, cupy)
+    lse = cupy.full(out.shape[:2], np.nan, np.float32)
+    ws = cupaged.DecodeWorkspace(6, 16, 512)
+    kw = dict(scale=SCALE, out=out, lse=lse, workspace=ws, max_query_len=3, max_seq_len=1500)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    allocs = []
+
+    class Allocations(cupy.cuda.memory_hook.MemoryHook):
+        name = "allocations"
+
+        def malloc_preprocess(self, **kw):
+            allocs.append(kw)
+
+    with stream:
+        cupaged.mla_attention(**dev, **kw)  # compiled and planned outside the capture
+        stream.synchronize()
+        # (CuPy's relaxed capture lets the pool allocate: the hook sees any allocation)
+        with Allocations():
+            stream.begin_capture()
+            cupaged.mla_attention(**dev, **kw)
+            graph = stream.end_capture()
+    assert allocs == []
+    host["q"] = testing.random_normal(host["q"].shape, host["q"].dtype, rng)
+    dev["q"][...] = cupy.asarray(host["q"])
+    out.fill(np.nan)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    ref, ref_lse = ref_of(host, return_lse=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+    rows = out.shape[0] * out.shape[1]
+    for capacity in (2 * rows, 2 * rows - 1):  # two partitions; too few for two: one pass
+        small = cupaged.DecodeWorkspace(1, 1, 512, rows=capacity)
+        got = cupaged.mla_attention(**dev, scale=SCALE, workspace=small)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"workspace of {capacity} rows")

@@ -468,6 +468,8 @@ def fakes_adapt(monkeypatch):
     (dict(scale=0.1, max_seq_len=2.5), TypeError, "max_seq_len must be an int, got float"),
     (dict(scale=0.1, kv_cache_dtype="fp8"), TypeError, "kv_cache dtype float16 cannot hold fp8"),
     (dict(scale=0.1, k_scale=2.0), ValueError, "k_scale is for an fp8 cache"),
+    (dict(scale=0.1, workspace=object()), TypeError,
+     "workspace must be a cupaged.DecodeWorkspace, got object"),
     (dict(scale=0.1, kv_lora_rank=256), ValueError, "kv_lora_rank 256 with rope_dim 320"),
 ])
 def test_mla_attention_checks_before_any_device_work(fakes_adapt, kw, exc, match):

@@ -18,6 +18,9 @@ PROBES = [  # (kernel, dtype, N, B MN-major, A from registers)
     ("probe_bf16_n128_mn_rs", "bf16", 128, True, True),
     ("probe_f16_n64_k_ss", "f16", 64, False, False),
     ("probe_f16_n64_mn_rs", "f16", 64, True, True),
+    ("probe_bf16_n256_mn_rs", "bf16", 256, True, True),
+    ("probe_bf16_n256_mn_ss", "bf16", 256, True, False),
+    ("probe_f16_n256_k_ss", "f16", 256, False, False),
 ]
 
 

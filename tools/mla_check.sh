@@ -13,12 +13,12 @@ if [ "${TESTS:-1}" != 0 ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "${SAN:-1}" != 0 ]; then
-  # (split-KV tiles a partition : the cache's dtype) of each sanitized launch
-  for case in ${SAN_CASES:-0:auto 2:auto 2:fp8_e4m3}; do
+  # (split-KV tiles a partition : the cache's dtype : kernel family) of each sanitized launch
+  for case in ${SAN_CASES:-0:auto:mma 2:auto:mma 2:fp8_e4m3:mma 0:auto:sm90 2:auto:sm90}; do
   for tool in memcheck racecheck synccheck; do
-    f="$OUT/sanitize-mla-${case/:/-}-$tool.txt"
+    f="$OUT/sanitize-mla-${case//:/-}-$tool.txt"
     timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      --kernel-name kns=mla_attention python3 - "${case%%:*}" "${case##*:}" <<'PY' > "$f" 2>&1
+      --kernel-name kns=mla_attention python3 - ${case//:/ } <<'PY' > "$f" 2>&1
 import sys
 import numpy as np, cupy, cupaged
 from cupaged import planning, reference
@@ -26,6 +26,7 @@ sys.path.insert(0, "tests")
 from test_mla import make_mla, device, ref_of, to_fp8, SCALE
 planning.set_mla_split(int(sys.argv[1]))
 fmt = sys.argv[2]
+planning.set_mla_family(sys.argv[3] if len(sys.argv) > 3 else None)
 rng = np.random.default_rng(0)
 host = make_mla(rng, [1, 3, 20], [100, 260, 90], heads=16, block_size=16)
 kw, ref = {}, ref_of(host)

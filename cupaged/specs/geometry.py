@@ -332,6 +332,31 @@ class MlaGeometry:
         return self.smem_bytes <= max_smem(arch)
 
 
+@dataclass(frozen=True)
+class MlaSm90Geometry:
+    """``MlaSm90Geometry<T, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64 rows,
+    64-token tiles, two stages, the 128-byte-swizzled tiles 1024-byte aligned."""
+
+    rank: int
+    rope: int
+
+    @classmethod
+    def of(cls, spec) -> "MlaSm90Geometry":
+        return cls(spec.head_size, spec.rope_dim)
+
+    threads = 256
+    rows = 64
+    tile_tokens = 64
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, two stages, P, row state, flag, alignment
+        tile = (self.rank + self.rope) // 64 * 64 * 128
+        return 3 * tile + 64 * 128 + 3 * 64 * 4 + 16 + 1024
+
+    def fits(self, arch: str) -> bool:
+        return self.smem_bytes <= max_smem(arch)
+
+
 def check_against_kernel(specs, chunk: int = 300) -> None:
     """Have NVRTC compare the mirrors with ``DecodeGeometry``, ``PrefillGeometry``,
     ``Sm90PrefillGeometry`` and ``MlaGeometry`` in the kernel sources for each spec of those kernels: one
@@ -343,7 +368,8 @@ def check_against_kernel(specs, chunk: int = 300) -> None:
 
     specs = list(specs)
     parts = []
-    for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention"):
+    for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
+                   "mla_attention_sm90"):
         mine = [s for s in specs if s.kernel == kernel]
         parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
     with ThreadPoolExecutor() as pool:
@@ -356,6 +382,12 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
+        if s.kernel == "mla_attention_sm90":
+            g = MlaSm90Geometry.of(s)
+            cxx = f"cupaged::MlaSm90Geometry<{t}, {s.head_size}, {s.rope_dim}>"
+            lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes}, "
+                         f"\"host mirror differs: {s.name}\");\n")
+            continue
         if s.kernel == "mla_attention":
             g = MlaGeometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
@@ -397,7 +429,7 @@ def _check_chunk(specs) -> None:
     try:
         try:
             # sm90.cuh builds for sm_90a only; the others for the oldest target.
-            arch = "compute_90a" if specs[0].kernel == "paged_prefill_sm90" else "compute_80"
+            arch = "compute_90a" if specs[0].kernel in jit.ARCH_ONLY else "compute_80"
             nvrtc.compileProgram(prog, [jit.CXX_STD, f"-arch={arch}"])
         except nvrtc.NVRTCError:
             raise AssertionError(nvrtc.getProgramLog(prog)) from None

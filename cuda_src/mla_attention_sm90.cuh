@@ -1,0 +1,289 @@
+// Absorbed MLA over a paged latent cache on Hopper's wgmma (sm_90a): mla_attention.cuh's
+// problem, arguments and conventions (its header), for 64 packed rows a CTA.
+//
+// Two warpgroups, 64 rows x the 512 output dims split between them (O is 64 x 256 fp32 a
+// warpgroup: 128 registers a thread). Every thread copies K/V tiles of 64 tokens with
+// cp.async into a ring of two stages, each tile stored once in the 128-byte-swizzled layout
+// (nine 64-dim blocks of [64 tokens][128 bytes]) that is K's K-major B operand of S = Q K^T
+// and, over its first eight blocks, V's MN-major B operand of P V: no copy or transpose.
+// A tile:
+//   warpgroup 0: S = Q K^T (64 x 64, 36 k-steps of m64n64k16, Q and K from shared memory),
+//     masks, the online softmax in registers, P (T) and each row's rescale factor to
+//     shared memory;
+//   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
+//     shared memory).
+// Three barriers a tile; the softmax is not overlapped with the products (a first
+// version: FlashInfer's Hopper MLA kernel has this shape).
+#pragma once
+#include "common.cuh"
+#include "mla_common.cuh"
+#include "mma.cuh"
+#include "sm90.cuh"
+#include "softmax.cuh"
+#include "variants.cuh"
+
+namespace cupaged {
+
+constexpr int kMlaSm90Threads = 256;
+
+template <typename T, int RANK, int ROPE>
+struct MlaSm90Geometry {
+  static constexpr int kRows = 64;
+  static constexpr int kTileN = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kDims = RANK + ROPE;
+  static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
+  static constexpr int kChunks = kDims / 8;   // 16-byte chunks of a row (72)
+  static constexpr int kRankChunks = RANK / 8;
+  static constexpr int kTileBytes = kBlocks * 64 * 128;  // Q, or one K/V stage: 73,728
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffStages = kTileBytes;
+  static constexpr int kOffP = kOffStages + kStages * kTileBytes;  // [64 rows][64 keys] T
+  static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
+  static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
+  // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
+  static constexpr int kSmemBytes = kOffFlag + 16 + 1024;
+  static constexpr int kCopyThreads = kMlaSm90Threads / kTileN;  // a token's copiers (4)
+  static constexpr int kCopySteps = kChunks / kCopyThreads;       // chunks each (18)
+
+  static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
+  static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
+  static_assert(kChunks % kCopyThreads == 0, "copy mapping");
+};
+
+template <typename T, int RANK, int ROPE, int BLOCK_SIZE>
+__global__ void __launch_bounds__(kMlaSm90Threads, 1)
+    mla_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
+                       float* __restrict__ part_max, float* __restrict__ part_sum,
+                       int split_tiles, int row_tiles,
+                       const T* __restrict__ q_lat, const T* __restrict__ q_rope,
+                       long long q_lat_token_stride, long long q_lat_head_stride,
+                       long long q_rope_token_stride, long long q_rope_head_stride,
+                       const T* __restrict__ c_lat, const T* __restrict__ c_rope,
+                       long long c_lat_block_stride, long long c_lat_token_stride,
+                       long long c_rope_block_stride, long long c_rope_token_stride,
+                       const int* __restrict__ block_tables, long long bt_stride,
+                       int max_blocks, int num_blocks,
+                       const float* __restrict__ k_scale_ptr, float k_scale,
+                       const int* __restrict__ seq_lens,
+                       const int* __restrict__ query_start_loc, int num_heads, int causal,
+                       float scale_log2, const __grid_constant__ VariantParams vp) {
+  using Geo = MlaSm90Geometry<T, RANK, ROPE>;
+  using namespace sm90;
+  constexpr int ROWS = Geo::kRows;
+  constexpr int TILE_N = Geo::kTileN;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  const unsigned base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const unsigned q_s = base + Geo::kOffQ;
+  const unsigned p_s = base + Geo::kOffP;
+  float* alpha_s = reinterpret_cast<float*>(smem + Geo::kOffRowState);
+  float* max_s = alpha_s + ROWS;
+  float* sum_s = max_s + ROWS;
+  int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  auto stage_s = [&](int s) { return base + Geo::kOffStages + s * Geo::kTileBytes; };
+
+  const int tid = threadIdx.x;
+  // warpgroup: 0 computes S and the softmax (warp-uniform to the compiler: a value it
+  // cannot prove uniform around wgmma makes ptxas serialize them)
+  const int wg = __shfl_sync(~0u, tid / 128, 0);
+  const int warp = (tid / 32) % 4;    // warp within its warpgroup: rows 16 warp ..
+  const int lane = tid & 31;
+  const int frag_row = 16 * warp + (lane >> 2);  // this thread's rows: frag_row, + 8
+  if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
+  (void)k_scale_ptr;  // 16-bit caches only (the host passes no scale): fp8 stays on
+  (void)k_scale;      // mla_attention
+
+  const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
+                                        num_heads, block_tables, bt_stride, max_blocks);
+  const int copy_token = tid / Geo::kCopyThreads;
+  const int copy_lane = tid % Geo::kCopyThreads;
+
+  for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < sq.packed; row0 += row_tiles * ROWS) {
+    const int rows_here = min(ROWS, sq.packed - row0);
+    const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, causal, split_tiles);
+    const int kv_end = tl.kv_end, tile_lo = tl.tile_lo, n_tiles = tl.n_tiles;
+
+    __syncthreads();  // the previous row tile is done with shared memory (its flag read)
+    if (tid == 0) *bad_s = 0;
+    __syncthreads();
+
+    // ---- the query tile, swizzled: rows past the sequence's are zeros ------------------
+    mla_copy_query<T, RANK, ROPE, ROWS, kMlaSm90Threads>(
+        q_lat, q_rope, q_lat_token_stride, q_lat_head_stride, q_rope_token_stride,
+        q_rope_head_stride, sq, row0, rows_here, num_heads,
+        [&](int r, int c) { return q_s + sw128_offset(r, c * 8, ROWS); });
+
+    // A K/V tile: thread tid copies chunks copy_lane, + 4, ... of token copy_token, its
+    // block id read a tile ahead (-1: past the keys; -2: outside the cache).
+    auto tile_id = [&](int tile) -> int {
+      if (tile >= n_tiles) return -1;
+      return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + copy_token, kv_end,
+                                      num_blocks);
+    };
+    auto load_tile = [&](int tile, int stage, int phys) {
+      const bool copy = phys >= 0;
+      if (phys == -2) *bad_s = 1;
+      const MlaToken<T, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
+                                        c_rope_block_stride, c_rope_token_stride, phys,
+                                        (tile_lo + tile) * TILE_N + copy_token);
+      const unsigned dst = stage_s(stage);
+#pragma unroll
+      for (int j = 0; j < Geo::kCopySteps; ++j) {
+        const int c = copy_lane + j * Geo::kCopyThreads;
+        cp_async16_or_zero(dst + sw128_offset(copy_token, c * 8, TILE_N),
+                           copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+      }
+    };
+
+    // The softmax role's rows (warpgroup 0): keys at positions < limit are seen.
+    const int limit[2] = {mla_key_limit(sq, row0 + frag_row, num_heads, causal),
+                          mla_key_limit(sq, row0 + frag_row + 8, num_heads, causal)};
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float s[32] = {};  // S of a tile (warpgroup 0): its first k-step overwrites it
+
+    if (n_tiles > 0) load_tile(0, 0, tile_id(0));
+    cp_async_commit();  // with the query
+    int id_ahead = tile_id(1);
+
+    for (int it = 0; it < n_tiles; ++it) {
+      const int stage = it % Geo::kStages;
+      if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) % Geo::kStages, id_ahead);
+      cp_async_commit();
+      id_ahead = tile_id(it + 2);
+      cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
+      fence_async_smem();  // this thread's copies, for wgmma's reads
+      __syncthreads();
+
+      if (wg == 0) {
+        // ---- S = Q K^T and the online softmax -------------------------------------------
+        fence_regs(s);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < Geo::kDims / 16; ++k) {
+          Wgmma<T, 64, 0>::ss(s, kmajor_desc(q_s, 16 * k, ROWS),
+                              kmajor_desc(stage_s(stage), 16 * k, TILE_N), k > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        const int t0 = (tile_lo + it) * TILE_N;
+        float tmax[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int h = i >> 1;
+            const int key = t0 + 8 * j + 2 * (lane & 3) + (i & 1);
+            s[4 * j + i] = key < limit[h] ? s[4 * j + i] * scale_log2 : neg_inf();
+            tmax[h] = fmaxf(tmax[h], s[4 * j + i]);
+          }
+        }
+        float sub[2], alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
+          tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
+          alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
+          l_run[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float p0 = fast_exp2(s[4 * j + 2 * h] - sub[h]);
+            const float p1 = fast_exp2(s[4 * j + 2 * h + 1] - sub[h]);
+            l_run[h] += p0 + p1;
+            *reinterpret_cast<unsigned*>(smem + Geo::kOffP +
+                                         sw128_offset(frag_row + 8 * h,
+                                                      8 * j + 2 * (lane & 3), ROWS)) =
+                pack2<T>(p0, p1);
+          }
+        }
+        if ((lane & 3) == 0) {
+          alpha_s[frag_row] = alpha[0];
+          alpha_s[frag_row + 8] = alpha[1];
+        }
+        fence_async_smem();  // P, for wgmma's reads
+      }
+      __syncthreads();  // P and the factors are complete
+
+      // ---- O_half = O_half * alpha + P V_half ------------------------------------------------
+      {
+        const float a0 = alpha_s[frag_row];
+        const float a1 = alpha_s[frag_row + 8];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 0] *= a0;
+          o[4 * j + 1] *= a0;
+          o[4 * j + 2] *= a1;
+          o[4 * j + 3] *= a1;
+        }
+        fence_regs(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < TILE_N / 16; ++kk) {
+          Wgmma<T, 256, 1>::ss(o, kmajor_desc(p_s, 16 * kk, ROWS),
+                               mnmajor_desc(stage_s(stage), 16 * kk, 256 * wg, TILE_N), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+      }
+      __syncthreads();  // stage `stage` and P are free for the next tile
+    }
+    cp_async_wait<0>();
+
+    // ---- each row's maximum and sum (warpgroup 0 holds them), normalize, store ---------------
+    if (wg == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
+        l += __shfl_xor_sync(~0u, l, 1);
+        l += __shfl_xor_sync(~0u, l, 2);
+        if ((lane & 3) == 0) {
+          max_s[frag_row + 8 * h] = m_run[h];
+          sum_s[frag_row + 8 * h] = l;
+        }
+      }
+    }
+    __syncthreads();  // the row state and the bad-block flag are final
+    const bool bad = *bad_s != 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = frag_row + 8 * h;
+      if (r >= rows_here) continue;
+      const int p = row0 + r;
+      const long long orow =
+          static_cast<long long>(sq.q_begin + p / num_heads) * num_heads + p % num_heads;
+      const bool writer = wg == 0 && (lane & 3) == 0;
+      const int col = 256 * wg + 2 * (lane & 3);
+      if (split_tiles > 0) {
+        const long long prow = orow * gridDim.z + blockIdx.z;
+        const float inv = end_partial_row(max_s[r], sum_s[r], bad, 1.f, prow, part_max,
+                                          part_sum, writer);
+        float* dst = part_out + prow * RANK + col;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<float2*>(dst + 8 * j) =
+              make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        }
+        continue;
+      }
+      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, 1.f, neg_inf(), orow, writer);
+      T* dst = out + orow * RANK + col;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<unsigned*>(dst + 8 * j) =
+            pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace cupaged

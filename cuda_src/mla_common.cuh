@@ -1,0 +1,129 @@
+// What both MLA kernels (mla_attention.cuh, mla_attention_sm90.cuh) share: a sequence's
+// rows and positions, a row tile's keys and split-KV range, the block id of a key, and the
+// addresses of a query row's and a cached token's 16-byte chunks (latent part first, then
+// the rotary part, each through its own pointer and strides).
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+// A sequence's query rows (tokens x heads, token-major) and where they sit.
+struct MlaSeq {
+  int seq_len;  // keys, clamped to the table's width (never overrun); negative: empty
+  int q_begin;  // its first query token in q and out
+  int packed;   // its rows: q_len * num_heads
+  int q_shift;  // position of its first query token (seq_len - q_len)
+  const int* bt_row;
+};
+
+template <int BLOCK_SIZE>
+__device__ __forceinline__ MlaSeq mla_seq(int seq, const int* seq_lens,
+                                          const int* query_start_loc, int num_heads,
+                                          const int* block_tables, long long bt_stride,
+                                          int max_blocks) {
+  MlaSeq s;
+  s.seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
+  s.q_begin = query_start_loc != nullptr ? query_start_loc[seq] : seq;
+  const int q_len = query_start_loc != nullptr ? query_start_loc[seq + 1] - s.q_begin : 1;
+  s.packed = q_len * num_heads;
+  s.q_shift = s.seq_len - q_len;
+  s.bt_row = block_tables + seq * bt_stride;
+  return s;
+}
+
+// The keys a row tile (rows row0 .. row0 + rows_here - 1) reads: up to its last row's
+// position (causal) or all, the CTA's split-KV partition of them in tiles of TILE_N.
+struct MlaTiles {
+  int kv_end;
+  int tile_lo;
+  int n_tiles;
+};
+
+template <int TILE_N>
+__device__ __forceinline__ MlaTiles mla_tiles(const MlaSeq& s, int row0, int rows_here,
+                                              int num_heads, int causal, int split_tiles) {
+  MlaTiles t;
+  const int last_pos = s.q_shift + (row0 + rows_here - 1) / num_heads;
+  t.kv_end = causal ? min(s.seq_len, last_pos + 1) : s.seq_len;
+  int lo = 0, hi = (t.kv_end + TILE_N - 1) / TILE_N;
+  if (split_tiles > 0) {
+    lo = min(hi, static_cast<int>(blockIdx.z) * split_tiles);
+    if (blockIdx.z + 1 < gridDim.z) hi = min(hi, lo + split_tiles);
+  }
+  t.tile_lo = lo;
+  t.n_tiles = hi - lo;
+  return t;
+}
+
+// Keys at positions below this are seen by packed row p (0 for a row past the sequence's).
+__device__ __forceinline__ int mla_key_limit(const MlaSeq& s, int p, int num_heads,
+                                             int causal) {
+  return p >= s.packed ? 0 : causal ? min(s.seq_len, s.q_shift + p / num_heads + 1) : s.seq_len;
+}
+
+// The block id of `key`, read through the read-only cache: -1 past kv_end (not copied),
+// -2 outside the cache (never dereferenced; its rows become NaN).
+template <int BLOCK_SIZE>
+__device__ __forceinline__ int mla_block_id(const MlaSeq& s, int key, int kv_end,
+                                            int num_blocks) {
+  if (key >= kv_end) return -1;
+  const int phys = __ldg(s.bt_row + key / BLOCK_SIZE);
+  return static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys : -2;
+}
+
+// Chunk c (8 values of T) of packed row p's query.
+template <typename T, int RANK>
+__device__ __forceinline__ const T* mla_query_chunk(const T* q_lat, const T* q_rope,
+                                                    long long lat_token, long long lat_head,
+                                                    long long rope_token, long long rope_head,
+                                                    int q_begin, int p, int num_heads, int c) {
+  const long long token = q_begin + p / num_heads;
+  const int head = p % num_heads;
+  return c < RANK / 8 ? q_lat + token * lat_token + head * lat_head + c * 8
+                      : q_rope + token * rope_token + head * rope_head + (c - RANK / 8) * 8;
+}
+
+// A row tile's query into shared memory by cp.async, ROWS rows of RANK + ROPE values over
+// THREADS threads: chunk c of row r goes to shared address dst(r, c) (the kernel's layout);
+// rows past the sequence's are zeros.
+template <typename T, int RANK, int ROPE, int ROWS, int THREADS, typename Dst>
+__device__ __forceinline__ void mla_copy_query(const T* q_lat, const T* q_rope,
+                                               long long lat_token, long long lat_head,
+                                               long long rope_token, long long rope_head,
+                                               const MlaSeq& s, int row0, int rows_here,
+                                               int num_heads, Dst dst) {
+  constexpr int CH = (RANK + ROPE) / 8;
+  for (int u = threadIdx.x; u < ROWS * CH; u += THREADS) {
+    const int r = u / CH;
+    const int c = u % CH;
+    const bool real = r < rows_here;
+    const T* src = mla_query_chunk<T, RANK>(q_lat, q_rope, lat_token, lat_head, rope_token,
+                                            rope_head, s.q_begin, row0 + (real ? r : 0),
+                                            num_heads, c);
+    cp_async16_or_zero(dst(r, c), src, real);
+  }
+}
+
+// A cached token's latent and rotary rows (phys >= 0: its block), for mla_cache_chunk.
+template <typename C, int BLOCK_SIZE>
+struct MlaToken {
+  const C* lat;
+  const C* rope;
+
+  __device__ __forceinline__ MlaToken(const C* c_lat, const C* c_rope, long long lat_block,
+                                      long long lat_token, long long rope_block,
+                                      long long rope_token, int phys, int key) {
+    const int within = key % BLOCK_SIZE;
+    lat = phys >= 0 ? c_lat + phys * lat_block + within * lat_token : c_lat;
+    rope = phys >= 0 ? c_rope + phys * rope_block + within * rope_token : c_lat;
+  }
+
+  // Chunk c (16 bytes: 16 / sizeof(C) values) of the token's RANK + ROPE values.
+  template <int RANK>
+  __device__ __forceinline__ const C* chunk(int c) const {
+    constexpr int CV = 16 / static_cast<int>(sizeof(C));
+    return c < RANK / CV ? lat + c * CV : rope + (c - RANK / CV) * CV;
+  }
+};
+
+}  // namespace cupaged
