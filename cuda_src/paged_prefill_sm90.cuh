@@ -78,10 +78,10 @@ struct Sm90PrefillGeometry {
 // its turn (named barrier 2 + wg) before issuing its matrix products and passes the turn
 // (the other's barrier) after, so one's products run while the other does its softmax.
 __device__ __forceinline__ void consumer_turn_wait(int wg) {
-  asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+  sm90::named_bar_sync(2 + wg, 256);
 }
 __device__ __forceinline__ void consumer_turn_pass(int wg) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");
+  sm90::named_bar_arrive(3 - wg, 256);
 }
 
 __device__ __forceinline__ void st_shared_zero16(unsigned addr) {

@@ -790,7 +790,8 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
-    if mla_sm90_applies(arch, csize, rows_needed):
+    sm90 = mla_sm90_applies(arch, csize, rows_needed)
+    if sm90:
         k = mla_sm90_kernel(device, dtype, rank, rope, block_size)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
@@ -807,6 +808,10 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
         parts = min(parts, workspace_rows // (num_rows * num_heads))
         split = -(-max_tiles // parts) if parts > 1 else 0
         parts = -(-max_tiles // split) if split else 1
+    if sm90 and split % 2 and _mla_split_override is None:
+        # the Hopper kernel takes tiles in pairs: an odd partition reads a masked extra one
+        split += 1
+        parts = -(-max_tiles // split)
     parts = min(parts, _checks.MAX_GRID_YZ)
     if parts <= 1:
         return MlaPlan(k, (num_seqs * row_tiles, 1, 1), row_tiles, 0, 1)

@@ -335,7 +335,8 @@ class MlaGeometry:
 @dataclass(frozen=True)
 class MlaSm90Geometry:
     """``MlaSm90Geometry<T, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64 rows,
-    64-token tiles, two stages, the 128-byte-swizzled tiles 1024-byte aligned."""
+    64-token tiles in two buffers (a pair's), the 128-byte-swizzled tiles 1024-byte
+    aligned."""
 
     rank: int
     rope: int
@@ -349,9 +350,11 @@ class MlaSm90Geometry:
     tile_tokens = 64
 
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: Q, two stages, P, row state, flag, alignment
+    def smem_bytes(self) -> int:
+        # kSmemBytes: Q, two K/V buffers, P_B, row state (m, two scales, two sums), five
+        # mbarriers, the flag, alignment slack
         tile = (self.rank + self.rope) // 64 * 64 * 128
-        return 3 * tile + 64 * 128 + 3 * 64 * 4 + 16 + 1024
+        return 3 * tile + 64 * 128 + 5 * 64 * 4 + 5 * 8 + 8 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
