@@ -24,11 +24,12 @@
 // [..]: the named barrier that publishes the step to the other warpgroup.
 //
 // Copies: cp.async, every thread a token's 64-byte half of each 128-byte row, completion
-// counted by mbarriers (cp.async.mbarrier.arrive), one per buffer half: the latent dims
-// 0-255 (L: blocks 0-3) and the rest (R: blocks 4-8). A half is refilled with the next
-// pair's tile by the warpgroup that read it last, as soon as its product is done:
+// counted by mbarriers (cp.async.mbarrier.arrive), one per 64-dim block of a buffer, so
+// that S starts on a block as soon as it lands. A buffer's halves, the latent dims 0-255
+// (L: blocks 0-3) and the rest (R: blocks 4-8), are refilled with the next pair's tile by
+// the warpgroup that read them last, as soon as its product is done:
 //   buffer 0 L: wg0 after P_A V_A,L      buffer 0 R: wg1 after P_A' V_A,R
-//   buffer 1 L: wg0 after P_B V_B,L      buffer 1 R: wg1 after P_B V_B,R
+//   buffer 1 L: wg0 after P_B V_B,L      buffer 1 R: wg1 after P_B V_B,R (before P_A')
 // A tile past the partition (an odd count) is read as zeros and masked.
 #pragma once
 #include "common.cuh"
@@ -56,8 +57,8 @@ struct MlaSm90Geometry {
   static constexpr int kOffBuf = kTileBytes;                       // buffers 0 and 1
   static constexpr int kOffPB = kOffBuf + 2 * kTileBytes;          // P_B [64 rows][64 keys]
   static constexpr int kOffRowState = kOffPB + kBlockBytes;        // m, scale0, scale1, l0, l1
-  static constexpr int kOffBars = kOffRowState + 5 * kRows * 4;    // mbarriers: Q, 2 x 2 halves
-  static constexpr int kOffFlag = kOffBars + 5 * 8;
+  static constexpr int kOffBars = kOffRowState + 5 * kRows * 4;  // mbarriers: Q, 2 x kBlocks
+  static constexpr int kOffFlag = kOffBars + (1 + 2 * kBlocks) * 8;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
   static constexpr int kSmemBytes = kOffFlag + 8 + 1024;
 
@@ -68,28 +69,26 @@ struct MlaSm90Geometry {
 };
 
 // S = Q K^T of one 64 x 64 tile (36 k-steps of m64n64k16, Q and K from shared memory) into
-// s, committed as one wgmma group. Each buffer half is waited for (its mbarrier's phase
-// `phase`) just before its k-steps: L (dims 0 .. RANK/2 - 1) then R, or R first when
-// R_FIRST (the order the halves were refilled in). The halves are constants: wgmma under
-// a condition the compiler cannot resolve, or past a wait loop without a fence of its own,
-// is serialized.
+// s, committed as one wgmma group. Each 64-dim block is waited for (its mbarrier, at
+// bars + 8 b, reaching phase `phase`) just before its four k-steps, in the order the
+// buffer's halves were refilled: L (blocks 0 .. kHalfL - 1) then R, or R first when
+// R_FIRST. The order is a constant: wgmma under a condition the compiler cannot resolve,
+// or past a wait loop without a fence of its own, is serialized.
 template <typename T, typename Geo, int R_FIRST>
 __device__ __forceinline__ void mla_sm90_s(float (&s)[32], unsigned q_s, unsigned buf,
-                                           unsigned bar_l, unsigned bar_r, unsigned phase) {
+                                           unsigned bars, unsigned phase) {
   using namespace sm90;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const bool right = (h == 0) == (R_FIRST != 0);
-    mbar_wait(right ? bar_r : bar_l, phase);
+  for (int i = 0; i < Geo::kBlocks; ++i) {
+    const int b = R_FIRST ? (i + Geo::kHalfL) % Geo::kBlocks : i;
+    mbar_wait(bars + 8u * b, phase);
     fence_async_smem();  // cp.async's writes, read next by wgmma
     fence_regs(s);
     wgmma_fence();
-    const int k0 = right ? 4 * Geo::kHalfL : 0;
-    const int k1 = right ? Geo::kDims / 16 : 4 * Geo::kHalfL;
 #pragma unroll
-    for (int k = k0; k < k1; ++k) {
+    for (int k = 4 * b; k < 4 * b + 4; ++k) {
       Wgmma<T, 64, 0>::ss(s, kmajor_desc(q_s, 16 * k, Geo::kRows),
-                          kmajor_desc(buf, 16 * k, Geo::kTileN), h > 0 || k > k0 ? 1 : 0);
+                          kmajor_desc(buf, 16 * k, Geo::kTileN), i > 0 || k > 4 * b ? 1 : 0);
     }
   }
   wgmma_commit();
@@ -132,7 +131,8 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   float* scale1_s = scale0_s + ROWS;
   float* l_s = scale1_s + ROWS;  // [2][ROWS]: each warpgroup's row sums at the end
   const unsigned q_bar = base + Geo::kOffBars;
-  auto full_bar = [&](int buf, int half) { return q_bar + 8u * (1 + 2 * buf + half); };
+  // the mbarrier of 64-dim block b of buffer buf
+  auto block_bar = [&](int buf, int b) { return q_bar + 8u * (1 + Geo::kBlocks * buf + b); };
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
 
   const int tid = threadIdx.x;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
 
   if (tid == 0) {
     mbar_init(q_bar, kMlaSm90Threads);
-    for (int b = 0; b < 4; ++b) mbar_init(q_bar + 8u * (1 + b), 128);
+    for (int b = 0; b < 2 * Geo::kBlocks; ++b) mbar_init(q_bar + 8u * (1 + b), 128);
   }
 
   const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
@@ -185,7 +185,8 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
       return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + copy_token, kv_end,
                                       num_blocks);
     };
-    // One half of tile `tile` into buffer `buf`: blocks [B0, B1), completion on its barrier.
+    // One half of tile `tile` into buffer `buf`: blocks [b0, b1), each block's completion
+    // on its barrier.
     auto load_half = [&](int tile, int buf, int half, int phys) {
       if (phys == -2) *bad_s = 1;
       const bool copy = phys >= 0;
@@ -203,17 +204,17 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
           cp_async16_or_zero(buf_s(buf) + sw128_offset(copy_token, c * 8, TILE_N),
                              copy ? tok.template chunk<RANK>(c) : c_lat, copy);
         }
+        cp_async_mbar_arrive(block_bar(buf, b));
       }
-      cp_async_mbar_arrive(full_bar(buf, half));
     };
 
     // S of this warpgroup's tile of pair `pair` (buffer wg) into s.
     auto compute_s = [&](float (&s)[32], int pair) {
       const unsigned phase = static_cast<unsigned>(fills + pair) & 1u;
       if (wg == 0) {
-        mla_sm90_s<T, Geo, 0>(s, q_s, buf_s(0), full_bar(0, 0), full_bar(0, 1), phase);
+        mla_sm90_s<T, Geo, 0>(s, q_s, buf_s(0), block_bar(0, 0), phase);
       } else {
-        mla_sm90_s<T, Geo, 1>(s, q_s, buf_s(1), full_bar(1, 0), full_bar(1, 1), phase);
+        mla_sm90_s<T, Geo, 1>(s, q_s, buf_s(1), block_bar(1, 0), phase);
       }
     };
 
@@ -235,6 +236,8 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
       wgmma_commit();
     };
     auto pv_smem = [&](float (&o)[128], unsigned p_addr, int buf) {
+      fence_regs(o);
+      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < TILE_N / 16; ++kk) {
         Wgmma<T, 256, 1>::ss(o, kmajor_desc(p_addr, 16 * kk, ROWS),
@@ -305,11 +308,12 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     };
 
     // ---- the first pair's tiles: wg0 copies the L halves, wg1 the R halves -----------------
-    int id_a = tile_id(0), id_b = tile_id(1);
     if (n_pairs > 0) {
-      load_half(0, 0, wg, id_a);
-      load_half(1, 1, wg, id_b);
+      load_half(0, 0, wg, tile_id(0));
+      load_half(1, 1, wg, tile_id(1));
     }
+    // Block ids of the next pair's tiles, read a pair ahead of their copies.
+    int id_a = tile_id(2), id_b = tile_id(3);
     mbar_wait(q_bar, static_cast<unsigned>(rounds) & 1u);  // all of Q: every thread's copies
 
     float o[128];
@@ -326,8 +330,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     if (wg == 0) {
       for (int pair = 0; pair < n_pairs; ++pair) {
         const bool more = pair + 1 < n_pairs;
-        id_a = tile_id(2 * pair + 2);
-        id_b = tile_id(2 * pair + 3);
+        const int next_a = tile_id(2 * pair + 4), next_b = tile_id(2 * pair + 5);
         // ---- softmax of tile A against the running maximum -----------------------------------
         float tmax[2], sub[2], alpha[2];
         mask_scale(s, 2 * pair, tmax);
@@ -364,8 +367,6 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         scale_o(o, beta[0], beta[1]);
         // ---- O_L += P_B V_B,L; the next pair's S_A meanwhile ---------------------------------
         named_bar_sync(kP1, 256);
-        fence_regs(o);
-        wgmma_fence();
         pv_smem(o, pb_s, 1);
         if (more) compute_s(s, pair + 1);
         wgmma_wait<1>();  // (with more) P_B V_B,L: buffer 1's L half is free
@@ -373,12 +374,13 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(s);
+        id_a = next_a;
+        id_b = next_b;
       }
     } else {
       for (int pair = 0; pair < n_pairs; ++pair) {
         const bool more = pair + 1 < n_pairs;
-        id_a = tile_id(2 * pair + 2);
-        id_b = tile_id(2 * pair + 3);
+        const int next_a = tile_id(2 * pair + 4), next_b = tile_id(2 * pair + 5);
         // ---- softmax of tile B against tile A's maximum ------------------------------------
         float tmax[2], sub[2], alpha[2];
         mask_scale(s, 2 * pair + 1, tmax);
@@ -408,12 +410,11 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         scale_o(o, f[0], f[1]);
         // ---- O_R += P_B V_B,R, then O_R += P_A' V_A,R -------------------------------------------
         pv_regs(o, s, 1);
+        wgmma_wait<0>();  // P_B V_B,R: buffer 1's R half is free, refilled before P_A' comes
+        fence_regs(o);
+        if (more) load_half(2 * pair + 3, 1, 1, id_b);
         named_bar_sync(kP0, 256);
         pv_smem(o, pa_s, 0);
-        if (more) {
-          wgmma_wait<1>();  // P_B V_B,R: buffer 1's R half is free (O_R still in flight)
-          load_half(2 * pair + 3, 1, 1, id_b);
-        }
         wgmma_wait<0>();  // P_A' V_A,R: buffer 0's R half (and P_A') is free
         fence_regs(o);
         if (more) {
@@ -423,6 +424,8 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         // (outside the branch: a wait the compiler sees as conditional makes it serialize)
         wgmma_wait<0>();
         fence_regs(s);
+        id_a = next_a;
+        id_b = next_b;
       }
     }
     fills += n_pairs;

@@ -427,13 +427,22 @@ def target_for(compute_capability: tuple[int, int]) -> str:
     return f"compute_{max(older)}"
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _options(arch: str) -> tuple[str, ...]:
     # CUPAGED_FP8_SOFTWARE=1 compiles fp8.cuh's integer conversions instead of the sm_89+
-    # instructions (what sm_80/86 run), to test them on a newer GPU. Part of the cache key;
-    # set it before the first kernel loads (in-process caches do not watch it).
-    if os.environ.get("CUPAGED_FP8_SOFTWARE", "").strip().lower() in ("1", "true", "yes", "on"):
-        return (CXX_STD, f"-arch={arch}", "-DCUPAGED_FP8_SOFTWARE")
-    return (CXX_STD, f"-arch={arch}")
+    # instructions (what sm_80/86 run), to test them on a newer GPU. CUPAGED_LINEINFO=1
+    # adds source lines (compute-sanitizer's and ncu's reports name them). Both are part
+    # of the cache key; set them before the first kernel loads (in-process caches do not
+    # watch them).
+    opts = (CXX_STD, f"-arch={arch}")
+    if _env_flag("CUPAGED_FP8_SOFTWARE"):
+        opts += ("-DCUPAGED_FP8_SOFTWARE",)
+    if _env_flag("CUPAGED_LINEINFO"):
+        opts += ("-lineinfo",)
+    return opts
 
 
 def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
