@@ -14,7 +14,7 @@
 // (shared memory) and tile A's S already in warpgroup 0's registers, tile B's in 1's:
 //   wg0: m_A = max(m, rowmax S_A); O_L, l_0 *= 2^(m - m_A); P_A = 2^(S_A - m_A)   [scale0]
 //        O_L += P_A V_A,L (P from registers)
-//   wg1: m_B = max(m_A, rowmax S_B); O_R, l_1 *= 2^(m - m_B); P_B = 2^(S_B - m_B) [scale1]
+//   wg1: m_B = max(m_A, rowmax S_B); O_R, l_1 *= 2^(m - m_B); P_B = 2^(S_B - m_B) [m_B]
 //        P_B to shared memory                                                     [p1]
 //        O_R += P_B V_B,R (registers), then O_R += P_A' V_A,R once P_A' is there
 //   wg0: P_A' = P_A 2^(m_A - m_B) to shared memory (tile A's rotary block: S_A is done
@@ -56,8 +56,8 @@ struct MlaSm90Geometry {
   static constexpr int kOffQ = 0;
   static constexpr int kOffBuf = kTileBytes;                       // buffers 0 and 1
   static constexpr int kOffPB = kOffBuf + 2 * kTileBytes;          // P_B [64 rows][64 keys]
-  static constexpr int kOffRowState = kOffPB + kBlockBytes;        // m, scale0, scale1, l0, l1
-  static constexpr int kOffBars = kOffRowState + 5 * kRows * 4;  // mbarriers: Q, 2 x kBlocks
+  static constexpr int kOffRowState = kOffPB + kBlockBytes;        // m, scale0, l0, l1
+  static constexpr int kOffBars = kOffRowState + 4 * kRows * 4;  // mbarriers: Q, 2 x kBlocks
   static constexpr int kOffFlag = kOffBars + (1 + 2 * kBlocks) * 8;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
   static constexpr int kSmemBytes = kOffFlag + 8 + 1024;
@@ -128,8 +128,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   const unsigned pb_s = base + Geo::kOffPB;
   float* m_s = reinterpret_cast<float*>(smem + Geo::kOffRowState);
   float* scale0_s = m_s + ROWS;
-  float* scale1_s = scale0_s + ROWS;
-  float* l_s = scale1_s + ROWS;  // [2][ROWS]: each warpgroup's row sums at the end
+  float* l_s = scale0_s + ROWS;  // [2][ROWS]: each warpgroup's row sums at the end
   const unsigned q_bar = base + Geo::kOffBars;
   // the mbarrier of 64-dim block b of buffer buf
   auto block_bar = [&](int buf, int b) { return q_bar + 8u * (1 + Geo::kBlocks * buf + b); };
@@ -328,14 +327,16 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     }
 
     if (wg == 0) {
+      // the running maximum of this thread's rows, as of the last pair's tile B (wg0 reads it
+      // from wg1 once a pair)
+      float m_prev[2] = {neg_inf(), neg_inf()};
       for (int pair = 0; pair < n_pairs; ++pair) {
         const bool more = pair + 1 < n_pairs;
         const int next_a = tile_id(2 * pair + 4), next_b = tile_id(2 * pair + 5);
         // ---- softmax of tile A against the running maximum -----------------------------------
         float tmax[2], sub[2], alpha[2];
         mask_scale(s, 2 * pair, tmax);
-        float m_run[2] = {m_s[frag_row], m_s[frag_row + 8]};
-        __syncwarp();  // the quad's reads of m before its writer updates it
+        float m_run[2] = {m_prev[0], m_prev[1]};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
@@ -359,7 +360,14 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         if (more) load_half(2 * pair + 2, 0, 0, id_a);
         // ---- P_A in tile B's maximum, for wg1 ------------------------------------------------
         named_bar_sync(kScale1, 256);
-        const float beta[2] = {scale1_s[frag_row], scale1_s[frag_row + 8]};
+        // tile B's factor, 2^(m_A - m_B), from m_B as wg1 computed it (softmax_advance's
+        // arithmetic on the same values: the same factor to the bit)
+        float beta[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m_prev[h] = m_s[frag_row + 8 * h];
+          beta[h] = exp2f(m_run[h] - (m_prev[h] == neg_inf() ? 0.f : m_prev[h]));
+        }
         store_p(pa_s, s, beta[0], beta[1]);
         named_bar_arrive(kP0, 256);
         l[0] *= beta[0];
@@ -396,7 +404,6 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             m_s[frag_row + 8 * h] = m_run[h];
-            scale1_s[frag_row + 8 * h] = alpha[h];
           }
         }
         named_bar_arrive(kScale1, 256);

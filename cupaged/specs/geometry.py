@@ -351,11 +351,11 @@ class MlaSm90Geometry:
 
     @property
     def smem_bytes(self) -> int:
-        # kSmemBytes: Q, two K/V buffers, P_B, row state (m, two scales, two sums),
+        # kSmemBytes: Q, two K/V buffers, P_B, row state (m, tile A's factor, two sums),
         # mbarriers (Q's, one per 64-dim block of each buffer), the flag, alignment slack
         blocks = (self.rank + self.rope) // 64
         tile = blocks * 64 * 128
-        return 3 * tile + 64 * 128 + 5 * 64 * 4 + (1 + 2 * blocks) * 8 + 8 + 1024
+        return 3 * tile + 64 * 128 + 4 * 64 * 4 + (1 + 2 * blocks) * 8 + 8 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# mla_attention's bench rows in this tree and in earlier versions of the code, in one run
+# on one card: an A/B. BASE: copies of an earlier cupaged/ and cuda_src/ (carried), e.g.
+#   rm -rf .ab/base && mkdir -p .ab/base && git archive <rev> cupaged cuda_src | tar -x -C .ab/base
+# PRESETS: cupaged-bench mla presets; IMPLS: also in this tree (flashinfer-fa3 where
+# .flashinfer is carried).
+#   BASE=".ab/base" [PRESETS="dsv3-128h-4k dsv3-128h-4k-q2"] [IMPLS=flashinfer-fa3] bash tools/mla_ab.sh
+source "$(dirname "$0")/device_env.sh"
+presets=()
+for p in ${PRESETS:-dsv3-128h-4k dsv3-128h-4k-q2}; do presets+=(--preset "$p"); done
+for round in 1 2; do  # twice, interleaved: a drifting clock shows as rounds that disagree
+  for tree in . ${BASE:-}; do
+    impls=(--impl cupaged)
+    if [ "$tree" = . ] && [ -f .flashinfer/setup.sh ]; then
+      for i in ${IMPLS:-}; do impls+=(--impl "$i"); done
+    fi
+    echo "-- round $round, $( [ "$tree" = . ] && echo current || echo "$tree" )"
+    (cd "$tree" && PYTHONPATH=$PWD python3 -m cupaged.bench mla "${presets[@]}" "${impls[@]}" 2>&1 \
+      | grep -vE "INFO|^copy bandwidth|^dsv3.*: |^shape")
+  done
+done | tee "$OUT/mla-ab.txt"
