@@ -184,12 +184,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
 
-// A 32-bit store to a shared-window address (the wgmma kernels keep tile addresses as
-// such, for their descriptors).
-__device__ __forceinline__ void st_shared_u32(unsigned smem, unsigned v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem), "r"(v) : "memory");
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int PENDING>

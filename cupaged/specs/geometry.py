@@ -21,6 +21,10 @@ MAX_SMEM_BY_ARCH = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024
                     90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 
 
+# Shared memory of an SM (what resident CTAs share), as mla_attention.cuh's kSmSmem.
+SM_SMEM_BY_ARCH = {80: 164 * 1024, 87: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
+
+
 def max_smem(arch: str) -> int:
     """Opt-in dynamic shared memory per block on a target (``sm_90``, ``sm_90a``,
     ``compute_80``): MAX_SMEM_BY_ARCH's, the smallest for one it does not list."""
@@ -331,12 +335,18 @@ class MlaGeometry:
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
 
+    def min_blocks(self, arch: str) -> int:
+        """kMinBlocks: 2 (the kernel asks for two CTAs an SM, capping registers) for 16
+        rows where the SM's shared memory holds two CTAs of the shape, else 1."""
+        cc = int(arch.split("_")[1].rstrip("a"))
+        sm = SM_SMEM_BY_ARCH.get(cc, 100 * 1024)
+        return 2 if self.rows == 16 and 2 * (self.smem_bytes + 1024) <= sm else 1
+
 
 @dataclass(frozen=True)
 class MlaSm90Geometry:
     """``MlaSm90Geometry<T, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64 rows,
-    64-token tiles in two buffers (a pair's), the 128-byte-swizzled tiles 1024-byte
-    aligned."""
+    64-token tiles, two stages, the 128-byte-swizzled tiles 1024-byte aligned."""
 
     rank: int
     rope: int
@@ -350,12 +360,9 @@ class MlaSm90Geometry:
     tile_tokens = 64
 
     @property
-    def smem_bytes(self) -> int:
-        # kSmemBytes: Q, two K/V buffers, P_B, row state (m, tile A's factor, two sums),
-        # mbarriers (Q's, one per 64-dim block of each buffer), the flag, alignment slack
-        blocks = (self.rank + self.rope) // 64
-        tile = blocks * 64 * 128
-        return 3 * tile + 64 * 128 + 4 * 64 * 4 + (1 + 2 * blocks) * 8 + 8 + 1024
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, two stages, P, row state, flag, alignment
+        tile = (self.rank + self.rope) // 64 * 64 * 128
+        return 3 * tile + 64 * 128 + 3 * 64 * 4 + 16 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
@@ -363,9 +370,10 @@ class MlaSm90Geometry:
 
 def check_against_kernel(specs, chunk: int = 300) -> None:
     """Have NVRTC compare the mirrors with ``DecodeGeometry``, ``PrefillGeometry``,
-    ``Sm90PrefillGeometry`` and ``MlaGeometry`` in the kernel sources for each spec of those kernels: one
-    ``static_assert`` per spec over the shared memory (and for decode the path and the
-    piece count). No kernel is instantiated, so a few hundred take a second (in
+    ``Sm90PrefillGeometry``, ``MlaGeometry`` and ``MlaSm90Geometry`` in the kernel sources for
+    each spec of those kernels, compiled for the spec's target: one ``static_assert`` per
+    spec over the shared memory (and for decode the path and the piece count, for MLA the
+    CTAs an SM asked for). No kernel is instantiated, so a few hundred take a second (in
     programs of ``chunk``: NVRTC slows down more than linearly with thousands in one).
     Raises AssertionError with NVRTC's log naming the specializations that differ."""
     from concurrent.futures import ThreadPoolExecutor
@@ -374,8 +382,9 @@ def check_against_kernel(specs, chunk: int = 300) -> None:
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
                    "mla_attention_sm90"):
-        mine = [s for s in specs if s.kernel == kernel]
-        parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
+        for arch in sorted({s.arch for s in specs}):
+            mine = [s for s in specs if s.kernel == kernel and s.arch == arch]
+            parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
     with ThreadPoolExecutor() as pool:
         list(pool.map(_check_chunk, parts))
 
@@ -398,7 +407,9 @@ def _check_chunk(specs) -> None:
             cxx = (f"cupaged::MlaGeometry<{t}, {c}, {s.head_size}, {s.rope_dim}, {s.rows}, "
                    f"{s.tile_tokens}, {s.stages}>")
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
-                         f"{cxx}::kKSplit == {g.k_split}, \"host mirror differs: {s.name}\");\n")
+                         f"{cxx}::kKSplit == {g.k_split} && "
+                         f"{cxx}::kMinBlocks == {g.min_blocks(s.arch)}, "
+                         f"\"host mirror differs: {s.name}\");\n")
             continue
         if s.kernel == "paged_prefill_sm90":
             g = Sm90PrefillGeometry.of(s)
@@ -432,8 +443,10 @@ def _check_chunk(specs) -> None:
                                [], [])
     try:
         try:
-            # sm90.cuh builds for sm_90a only; the others for the oldest target.
-            arch = "compute_90a" if specs[0].kernel in jit.ARCH_ONLY else "compute_80"
+            # each chunk for its specs' target (mla_attention's kMinBlocks depends on it);
+            # sm90.cuh builds for sm_90a only
+            arch = ("compute_90a" if specs[0].kernel in jit.ARCH_ONLY
+                    else "compute_" + specs[0].arch.split("_")[1])
             nvrtc.compileProgram(prog, [jit.CXX_STD, f"-arch={arch}"])
         except nvrtc.NVRTCError:
             raise AssertionError(nvrtc.getProgramLog(prog)) from None
