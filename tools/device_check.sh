@@ -4,23 +4,25 @@
 #   bash tools/device_check.sh [pytest args...]     e.g. -k long_context
 # The suite takes over 10 minutes, the most a device command may run: SHARD=1 runs the
 # decode, varlen, interop and prepared-call tests, SHARD=3 the serving loop's (engine, model,
-# e2e: FlashInfer's modules compile there when .flashinfer is carried), SHARD=2 the rest
-# and the benchmarks, one device
-# call each (the two summary lines together are the suite's).
+# e2e: FlashInfer's modules compile there when .flashinfer is carried), SHARD=4 MLA's (both
+# kernel families on a Hopper GPU), SHARD=2 the rest and the benchmarks, one device call
+# each (the summary lines together are the suite's).
 source "$(dirname "$0")/device_env.sh"
 bench() { python3 -m cupaged.bench "$@"; }
 SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
 # FlashInfer's CLI rows compile FlashInfer's modules (minutes): with the serving loop's,
 # where .flashinfer is carried.
 SERVING="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py"
+SHARD4="tests/test_mla.py"
 FI_CLI=tests/test_cli.py::test_compare_flashinfer_rows_check_and_plan
 case "${SHARD:-}" in
   1) set -- $SHARD1 "$@" ;;
-  2) for f in $SHARD1 $SERVING; do set -- "--ignore=$f" "$@"; done
+  2) for f in $SHARD1 $SERVING $SHARD4; do set -- "--ignore=$f" "$@"; done
      set -- "--deselect=$FI_CLI" "$@" ;;
   3) set -- $SERVING $FI_CLI "$@" ;;
+  4) set -- $SHARD4 "$@" ;;
   "") ;;
-  *) echo "SHARD must be 1, 2, 3 or unset" >&2; exit 2 ;;
+  *) echo "SHARD must be 1, 2, 3, 4 or unset" >&2; exit 2 ;;
 esac
 
 bench info 2>&1 | tee "$OUT/info.txt"
