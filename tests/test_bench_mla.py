@@ -325,7 +325,8 @@ def test_mla_command_small():
     r = CliRunner().invoke(main, ["mla", "--heads", "16", "--batch", "4", "--context", "300",
                                   "--reps", "3", *sum((["--impl", i] for i in _gpu_impls()), [])])
     assert r.exit_code == 0, r.output
-    rows = [l for l in r.output.splitlines() if l.startswith("16h-4x1/300")]
+    # (the case's description line starts "16h-4x1/300:", its rows with the padded name)
+    rows = [l for l in r.output.splitlines() if l.startswith("16h-4x1/300 ")]
     assert [l.split()[1] for l in rows] == _gpu_impls()
     assert "WRONG" not in r.output
 

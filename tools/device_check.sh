@@ -5,8 +5,9 @@
 # The suite takes over 10 minutes, the most a device command may run: SHARD=1 runs the
 # decode, varlen, interop and prepared-call tests, SHARD=3 the serving loop's (engine, model,
 # e2e: FlashInfer's modules compile there when .flashinfer is carried), SHARD=4 MLA's (both
-# kernel families on a Hopper GPU), SHARD=2 the rest and the benchmarks, one device call
-# each (the summary lines together are the suite's).
+# kernel families on a Hopper GPU), SHARD=5 the Hopper prefill kernel's, the variants' and
+# the README's, SHARD=2 the rest and the benchmarks, one device call each (the summary lines
+# together are the suite's).
 source "$(dirname "$0")/device_env.sh"
 bench() { python3 -m cupaged.bench "$@"; }
 SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
@@ -14,15 +15,17 @@ SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/te
 # where .flashinfer is carried.
 SERVING="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py"
 SHARD4="tests/test_mla.py"
+SHARD5="tests/test_prefill_sm90.py tests/test_sm90.py tests/test_variants.py tests/test_readme.py"
 FI_CLI=tests/test_cli.py::test_compare_flashinfer_rows_check_and_plan
 case "${SHARD:-}" in
   1) set -- $SHARD1 "$@" ;;
-  2) for f in $SHARD1 $SERVING $SHARD4; do set -- "--ignore=$f" "$@"; done
+  2) for f in $SHARD1 $SERVING $SHARD4 $SHARD5; do set -- "--ignore=$f" "$@"; done
      set -- "--deselect=$FI_CLI" "$@" ;;
   3) set -- $SERVING $FI_CLI "$@" ;;
   4) set -- $SHARD4 "$@" ;;
+  5) set -- $SHARD5 "$@" ;;
   "") ;;
-  *) echo "SHARD must be 1, 2, 3, 4 or unset" >&2; exit 2 ;;
+  *) echo "SHARD must be 1 to 5 or unset" >&2; exit 2 ;;
 esac
 
 bench info 2>&1 | tee "$OUT/info.txt"
