@@ -668,7 +668,8 @@ def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int,
     hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
     tiles where two stages fit (else 16), and as many stages up to four as fit (three
     tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
-    fit even at 16 tokens (sm_86/89's 99 KiB), 32."""
+    fit even at 16 tokens (sm_86/89's 99 KiB), 32. An fp8 cache at 16 rows takes two
+    stages where that lets two CTAs share an SM (MlaGeometry.min_blocks)."""
     if _mla_tile_override is not None:
         return _mla_tile_override
     rows = 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64
