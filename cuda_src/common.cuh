@@ -205,6 +205,17 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Over the quad of lanes (lane / 4 alike) that hold one row of an mma / wgmma accumulator.
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 // 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flush to 0, 2^-inf = 0).
 // exp2f without fast-math adds range fix-ups around it; softmax weights need neither.
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         float sub[2], alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
-          tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
+          tmax[h] = quad_max(tmax[h]);
           alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
           l_run[h] *= alpha[h];
         }
@@ -243,9 +242,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     if (wg == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float l = l_run[h];
-        l += __shfl_xor_sync(~0u, l, 1);
-        l += __shfl_xor_sync(~0u, l, 2);
+        const float l = quad_sum(l_run[h]);
         if ((lane & 3) == 0) {
           max_s[frag_row + 8 * h] = m_run[h];
           sum_s[frag_row + 8 * h] = l;

@@ -620,8 +620,7 @@ __global__ void __launch_bounds__(
         if constexpr (!Var::kFixedOffset) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
-            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
+            tmax[h] = quad_max(tmax[h]);
             alpha[h] = softmax_advance(m_run[a][h], tmax[h], sub[h]);
             l_run[a][h] *= alpha[h];
           }
@@ -684,9 +683,7 @@ __global__ void __launch_bounds__(
     for (int a = 0; a < MA; ++a) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float l = l_run[a][h];
-        l += __shfl_xor_sync(~0u, l, 1);
-        l += __shfl_xor_sync(~0u, l, 2);
+        const float l = quad_sum(l_run[a][h]);
         const int p = row0 + warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
         if (p >= packed) continue;
         // A row that saw no key (an empty sequence's, or one before every cached token)

@@ -78,10 +78,10 @@ struct Sm90PrefillGeometry {
 // its turn (named barrier 2 + wg) before issuing its matrix products and passes the turn
 // (the other's barrier) after, so one's products run while the other does its softmax.
 __device__ __forceinline__ void consumer_turn_wait(int wg) {
-  sm90::named_bar_sync(2 + wg, 256);
+  sm90::named_bar_sync<256>(2 + wg);
 }
 __device__ __forceinline__ void consumer_turn_pass(int wg) {
-  sm90::named_bar_arrive(3 - wg, 256);
+  sm90::named_bar_arrive<256>(3 - wg);
 }
 
 __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
@@ -686,8 +686,7 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (!Var::kFixedOffset) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 1));
-            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(~0u, tmax[h], 2));
+            tmax[h] = quad_max(tmax[h]);
             alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
             l_run[h] *= alpha[h];
           }
@@ -766,9 +765,7 @@ __global__ void __launch_bounds__(384, 1)
       // ---- normalize and store ------------------------------------------------------------
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float l = l_run[h];
-        l += __shfl_xor_sync(~0u, l, 1);
-        l += __shfl_xor_sync(~0u, l, 2);
+        const float l = quad_sum(l_run[h]);
         const int p = row0 + cwarp * 16 + frag_row + h * 8;
         if (p >= jb.packed) continue;
         // A row that saw no key (an empty sequence's, or one before every cached token)

@@ -672,8 +672,12 @@ def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int,
     stages where that lets two CTAs share an SM (MlaGeometry.min_blocks)."""
     if _mla_tile_override is not None:
         return _mla_tile_override
-    rows = 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64
+    return _mla_tile(arch, 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64,
+                     cache_itemsize)
 
+
+@lru_cache(maxsize=None)  # (per call: a handful of keys)
+def _mla_tile(arch: str, rows: int, cache_itemsize: int) -> tuple[int, int, int]:
     def fits(r, t, s):
         return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize).fits(arch)
 
