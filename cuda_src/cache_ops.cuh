@@ -35,7 +35,10 @@ __device__ __forceinline__ void chunk_floats(const uint4 c, float (&f)[8]) {
 }
 
 // One token's K and V into an fp8 cache (see reshape_and_cache). A warp per head: lane l
-// holds dims [8l, 8l + 8), so a per-token-head scale is one warp reduction.
+// holds dims [8l, 8l + 8) and, for heads over 256 dims, [256 + 8l, 264 + 8l) (head sizes
+// go to 512), so a per-token-head scale is one warp reduction.
+constexpr int kQuantizePieces = 2;  // 8-dim pieces a lane holds: 512 dims a warp
+
 template <typename T, typename C, int FORMAT, int KV_SCALE>
 __device__ __forceinline__ void quantize_token(
     const T* key, long long k_head_stride, const T* value, long long v_head_stride,
@@ -44,24 +47,26 @@ __device__ __forceinline__ void quantize_token(
     float* v_scale, long long scale_base, long long scale_head, float k_scale_value,
     float v_scale_value) {
   constexpr float kMax = Fp8Format<C>::kMax;
+  constexpr int P = kQuantizePieces;
   const int lane = threadIdx.x & 31;
-  const int d0 = lane * 8;
-  const bool active = d0 < head_size;
   float ks = k_scale_value, vs = v_scale_value;
   if constexpr (KV_SCALE == kScaleTensor) {
     if (k_scale != nullptr) ks = __ldg(k_scale);
     if (v_scale != nullptr) vs = __ldg(v_scale);
   }
   for (int h = threadIdx.x / 32; h < num_kv_heads; h += kCacheThreads / 32) {
-    float kf[8], vf[8];
+    float kf[P][8], vf[P][8];
     float kmax = 0.f, vmax = 0.f;
-    if (active) {
-      chunk_floats<T>(load_chunk(key + h * k_head_stride + d0, vec), kf);
-      chunk_floats<T>(load_chunk(value + h * v_head_stride + d0, vec), vf);
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int d0 = (lane + 32 * j) * 8;
+      if (d0 >= head_size) continue;
+      chunk_floats<T>(load_chunk(key + h * k_head_stride + d0, vec), kf[j]);
+      chunk_floats<T>(load_chunk(value + h * v_head_stride + d0, vec), vf[j]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        kmax = fmaxf(kmax, fabsf(kf[i]));
-        vmax = fmaxf(vmax, fabsf(vf[i]));
+        kmax = fmaxf(kmax, fabsf(kf[j][i]));
+        vmax = fmaxf(vmax, fabsf(vf[j][i]));
       }
     }
     if constexpr (KV_SCALE == kScaleTokenHead) {
@@ -74,24 +79,30 @@ __device__ __forceinline__ void quantize_token(
         v_scale[scale_base + h * scale_head] = vs;
       }
     }
-    if (!active) continue;
-    uint2 kq, vq;  // eight fp8 values each
-    kq.x = quantize2(kf[0] / ks, kf[1] / ks, C{}) | (quantize2(kf[2] / ks, kf[3] / ks, C{}) << 16);
-    kq.y = quantize2(kf[4] / ks, kf[5] / ks, C{}) | (quantize2(kf[6] / ks, kf[7] / ks, C{}) << 16);
-    vq.x = quantize2(vf[0] / vs, vf[1] / vs, C{}) | (quantize2(vf[2] / vs, vf[3] / vs, C{}) << 16);
-    vq.y = quantize2(vf[4] / vs, vf[5] / vs, C{}) | (quantize2(vf[6] / vs, vf[7] / vs, C{}) << 16);
-    if constexpr (FORMAT == kFormatTokenMajor) {
-      *reinterpret_cast<uint2*>(kc + h * kc_head + offset * kc_token + d0) = kq;
-      *reinterpret_cast<uint2*>(vc + h * vc_head + offset * vc_token + d0) = vq;
-    } else {
-      // vLLM's key: [dims / 16][offset][16]; value: [dim][offset], one byte per dim.
-      *reinterpret_cast<uint2*>(kc + h * kc_head +
-                                (static_cast<long long>(d0 / 16) * block_size + offset) * 16 +
-                                d0 % 16) = kq;
-      C* v = vc + h * vc_head + static_cast<long long>(d0) * block_size + offset;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        v[i * block_size].bits = static_cast<unsigned char>(((i < 4 ? vq.x : vq.y) >> (8 * (i % 4))) & 0xff);
+    for (int j = 0; j < P; ++j) {
+      const int d0 = (lane + 32 * j) * 8;
+      if (d0 >= head_size) continue;
+      const float* k8 = kf[j];
+      const float* v8 = vf[j];
+      uint2 kq, vq;  // eight fp8 values each
+      kq.x = quantize2(k8[0] / ks, k8[1] / ks, C{}) | (quantize2(k8[2] / ks, k8[3] / ks, C{}) << 16);
+      kq.y = quantize2(k8[4] / ks, k8[5] / ks, C{}) | (quantize2(k8[6] / ks, k8[7] / ks, C{}) << 16);
+      vq.x = quantize2(v8[0] / vs, v8[1] / vs, C{}) | (quantize2(v8[2] / vs, v8[3] / vs, C{}) << 16);
+      vq.y = quantize2(v8[4] / vs, v8[5] / vs, C{}) | (quantize2(v8[6] / vs, v8[7] / vs, C{}) << 16);
+      if constexpr (FORMAT == kFormatTokenMajor) {
+        *reinterpret_cast<uint2*>(kc + h * kc_head + offset * kc_token + d0) = kq;
+        *reinterpret_cast<uint2*>(vc + h * vc_head + offset * vc_token + d0) = vq;
+      } else {
+        // vLLM's key: [dims / 16][offset][16]; value: [dim][offset], one byte per dim.
+        *reinterpret_cast<uint2*>(kc + h * kc_head +
+                                  (static_cast<long long>(d0 / 16) * block_size + offset) * 16 +
+                                  d0 % 16) = kq;
+        C* v = vc + h * vc_head + static_cast<long long>(d0) * block_size + offset;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          v[i * block_size].bits = static_cast<unsigned char>(((i < 4 ? vq.x : vq.y) >> (8 * (i % 4))) & 0xff);
+        }
       }
     }
   }

@@ -216,6 +216,18 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// Named barrier `id` (1 to 15: 0 is __syncthreads') over COUNT threads, a multiple of 32:
+// sync waits until all have arrived, arrive counts the caller without waiting (a producer
+// signalling a consumer that syncs).
+template <int COUNT>
+__device__ __forceinline__ void named_bar_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(COUNT) : "memory");
+}
+template <int COUNT>
+__device__ __forceinline__ void named_bar_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(COUNT) : "memory");
+}
+
 // 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp, subnormal results flush to 0, 2^-inf = 0).
 // exp2f without fast-math adds range fix-ups around it; softmax weights need neither.
 __device__ __forceinline__ float fast_exp2(float x) {

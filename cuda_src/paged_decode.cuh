@@ -139,7 +139,7 @@ struct DecodeGeometry {
   static constexpr int kOffScales = kOffIds + (2 * kPieces * 4 + 15) / 16 * 16;
   static constexpr int kSmemBytes = kOffScales + (kTokenScales ? 2 * STAGES * TILE_TOKENS * 4 : 0);
 
-  static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 256, "HEAD_SIZE");
+  static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 512, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
   static_assert((TILE_TOKENS & (TILE_TOKENS - 1)) == 0 && TILE_TOKENS >= 32 &&
                     TILE_TOKENS <= 256, "TILE_TOKENS");

@@ -48,7 +48,17 @@ struct PrefillGeometry {
   static constexpr int kHSP = (HEAD_SIZE + 15) / 16 * 16;     // head size padded for mma's k
   static constexpr int kChunks = HEAD_SIZE / kCVec;           // 16-byte chunks per cached row
   static constexpr int kWarpRows = 16 * M_ATOMS;
-  static constexpr int kRows = WARPS * kWarpRows;             // query rows per CTA
+  // Heads over 256 dims split each row's work over a pair of warps: each computes Q K^T
+  // over half the dims (the pair adds its partial scores through shared memory, so both
+  // hold the same S and the same softmax) and accumulates half of O's columns. A thread
+  // then keeps a 256-dim head's accumulators, which fit its registers; 512 would not.
+  static constexpr int kDimSplit = kHSP > 256 ? 2 : 1;
+  static constexpr int kRowWarps = WARPS / kDimSplit;
+  static constexpr int kRows = kRowWarps * kWarpRows;         // query rows per CTA
+  static constexpr int kK16 = kHSP / 16;                      // 16-dim steps of a head
+  static constexpr int kSliceK16 = (kK16 + kDimSplit - 1) / kDimSplit;  // a warp's, at most
+  static constexpr int kNTiles = TILE_N / 8;  // n8 tiles of S per m16 atom
+  static constexpr int kDTiles = kSliceK16 * 2;  // n8 tiles of O per m16 atom
   // Shared rows of kHSP elements are padded by 16 bytes: eight consecutive rows then start
   // in distinct 16-byte bank groups, so ldmatrix and the cp.async stores are conflict-free.
   static constexpr int kRow = kHSP + kVec;
@@ -75,15 +85,17 @@ struct PrefillGeometry {
   static constexpr int kOffFlag = kOffIds + (STAGES * kIds * 4 + 15) / 16 * 16;
   // Per-token scales (kTokenScales): [STAGES][TILE_N] floats for K, then for V.
   static constexpr int kOffScales = kOffFlag + 16;
-  static constexpr int kSmemBytes = kOffScales + (kTokenScales ? 2 * STAGES * TILE_N * 4 : 0);
-  // Registers: one m-atom per warp needs about 128, so ask ptxas to fit two CTAs of eight
-  // warps per SM (16 warps hide each other's latency); two m-atoms need all 255.
-  static constexpr int kMinBlocks = M_ATOMS == 1 ? 2 : 1;
-  static constexpr int kNTiles = TILE_N / 8;  // n8 tiles of S per m16 atom
-  static constexpr int kDTiles = kHSP / 8;    // n8 tiles of O per m16 atom
+  // kDimSplit 2: each warp's partial scores, [kRowWarps][2][M_ATOMS][kNTiles][4][32 lanes].
+  static constexpr int kOffX = kOffScales + (kTokenScales ? 2 * STAGES * TILE_N * 4 : 0);
+  static constexpr int kXFloats = kDimSplit > 1 ? WARPS * M_ATOMS * kNTiles * 4 * 32 : 0;
+  static constexpr int kSmemBytes = kOffX + kXFloats * 4;
+  // Registers: one m-atom per warp needs about 128 (head sizes to 128; to 255 at 256 and
+  // for a warp of a pair), so ask ptxas to fit two CTAs of up to four warps per SM (16
+  // warps hide each other's latency); two m-atoms, or eight warps of pairs, need all 255.
+  static constexpr int kMinBlocks = M_ATOMS == 1 && (kDimSplit == 1 || WARPS <= 4) ? 2 : 1;
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
-  static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 256, "HEAD_SIZE");
+  static_assert(HEAD_SIZE % 8 == 0 && HEAD_SIZE >= 32 && HEAD_SIZE <= 512, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
   static_assert(KV_FORMAT == kFormatTokenMajor || BLOCK_SIZE >= kCVec,
                 "vLLM's value layout is copied in runs of 16 bytes of one block");
@@ -92,6 +104,7 @@ struct PrefillGeometry {
   static_assert(KV_SCALE == kScaleTensor || KV_SCALE == kScaleTokenHead, "KV_SCALE");
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "TILE_N");
   static_assert(WARPS >= 1 && WARPS <= 8 && (M_ATOMS == 1 || M_ATOMS == 2), "WARPS, M_ATOMS");
+  static_assert(WARPS % kDimSplit == 0, "heads over 256 dims take warps in pairs");
   static_assert(STAGES >= 2, "STAGES");
 };
 
@@ -140,10 +153,15 @@ __global__ void __launch_bounds__(
   float* vsc_s = ksc_s + STAGES * TILE_N;
   int* ids_s = reinterpret_cast<int*>(smem + Geo::kOffIds);
   int* bad_block_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  float* xs = reinterpret_cast<float*>(smem + Geo::kOffX);  // kDimSplit 2: partial scores
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  // The warp's rows, and its half of the head's dims when they are split over a pair.
+  const int row_warp = Geo::kDimSplit > 1 ? warp % Geo::kRowWarps : warp;
+  const int dslice = Geo::kDimSplit > 1 ? warp / Geo::kRowWarps : 0;
+  const int k16_0 = dslice * Geo::kSliceK16;  // the slice's first 16-dim step
   // Grid x is (sequence, KV head) and y counts query tiles from each sequence's last: the
   // hardware starts CTAs in order, so the longest causal tiles of every sequence go first
   // and the short ones fill the last wave.
@@ -269,7 +287,7 @@ __global__ void __launch_bounds__(
     for (int a = 0; a < MA; ++a) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int p = row0 + warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
+        const int p = row0 + row_warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
         q_pos[a][h] = q_shift + p / group_size;
         limit[a][h] = p >= packed ? 0 : causal ? max(0, min(seq_len, q_pos[a][h] + 1)) : seq_len;
         first[a][h] = Var::first_key(vp, q_pos[a][h]);
@@ -462,7 +480,7 @@ __global__ void __launch_bounds__(
       cp_async_commit();
     }
 
-    const T* q_warp = q_s + warp * Geo::kWarpRows * ROW;
+    const T* q_warp = q_s + row_warp * Geo::kWarpRows * ROW;
     for (int it = 0; it < n_tiles; ++it) {
       const int t0 = (tile_base + it) * TILE_N;
       const int stage = it % STAGES;
@@ -529,19 +547,21 @@ __global__ void __launch_bounds__(
         }
       }
 #pragma unroll
-      for (int kk = 0; kk < Geo::kHSP / 16; ++kk) {
+      for (int kk = 0; kk < Geo::kSliceK16; ++kk) {
+        const int k16 = k16_0 + kk;  // this warp's dims of the head
+        if (Geo::kK16 % Geo::kDimSplit != 0 && k16 >= Geo::kK16) break;
         unsigned qa[MA][4];
 #pragma unroll
         for (int a = 0; a < MA; ++a) {
           // A: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15), lanes 8m..8m+7 address matrix m.
           ldmatrix_x4(qa[a], q_warp + (a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
-                                 kk * 16 + (lane >> 4) * 8);
+                                 k16 * 16 + (lane >> 4) * 8);
         }
 #pragma unroll
         for (int np = 0; np < Geo::kNTiles / 2; ++np) {
           // B = K^T for two n8 tiles: rows of K are tokens, 16 bytes of dims each.
           unsigned kb[4];
-          ldmatrix_x4(kb, ks + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + kk * 16 +
+          ldmatrix_x4(kb, ks + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + k16 * 16 +
                               ((lane >> 3) & 1) * 8);
           const unsigned b0[2] = {kb[0], kb[1]};
           const unsigned b1[2] = {kb[2], kb[3]};
@@ -549,6 +569,32 @@ __global__ void __launch_bounds__(
           for (int a = 0; a < MA; ++a) {
             mma_16816<T>(s[a][2 * np], qa[a], b0);
             mma_16816<T>(s[a][2 * np + 1], qa[a], b1);
+          }
+        }
+      }
+
+      if constexpr (Geo::kDimSplit > 1) {
+        // The pair's partial scores: each adds the other's to its own (a + b == b + a
+        // exactly, so both warps go on with the same S). The slot is rewritten only after
+        // the next tile's __syncthreads, which the partner reaches once it has read it.
+        constexpr int kPer = MA * Geo::kNTiles * 4;
+        float* mine = xs + (row_warp * 2 + dslice) * kPer * 32 + lane;
+        const float* theirs = xs + (row_warp * 2 + 1 - dslice) * kPer * 32 + lane;
+#pragma unroll
+        for (int a = 0; a < MA; ++a) {
+#pragma unroll
+          for (int n = 0; n < Geo::kNTiles; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mine[((a * Geo::kNTiles + n) * 4 + i) * 32] = s[a][n][i];
+          }
+        }
+        named_bar_sync<64>(1 + row_warp);
+#pragma unroll
+        for (int a = 0; a < MA; ++a) {
+#pragma unroll
+          for (int n = 0; n < Geo::kNTiles; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[a][n][i] += theirs[((a * Geo::kNTiles + n) * 4 + i) * 32];
           }
         }
       }
@@ -654,15 +700,17 @@ __global__ void __launch_bounds__(
       for (int kk = 0; kk < TILE_N / 16; ++kk) {
         if (kk * 16 >= valid) break;
 #pragma unroll
-        for (int dp = 0; dp < Geo::kHSP / 16; ++dp) {
+        for (int dp = 0; dp < Geo::kSliceK16; ++dp) {
+          const int d16 = k16_0 + dp;  // this warp's columns of O
+          if (Geo::kK16 % Geo::kDimSplit != 0 && d16 >= Geo::kK16) break;
           unsigned vb[4];
           if constexpr (Geo::kVDimMajor) {
-            ldmatrix_x4(vb, vs + (dp * 16 + (lane & 7) + (lane >> 4) * 8) * Geo::kVRow +
+            ldmatrix_x4(vb, vs + (d16 * 16 + (lane & 7) + (lane >> 4) * 8) * Geo::kVRow +
                                 kk * 16 + ((lane >> 3) & 1) * 8);
           } else {
             // V rows are tokens: transposed loads give B's (token, dim) pairs.
             ldmatrix_x4_trans(vb, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
-                                      dp * 16 + (lane >> 4) * 8);
+                                      d16 * 16 + (lane >> 4) * 8);
           }
           const unsigned b0[2] = {vb[0], vb[1]};
           const unsigned b1[2] = {vb[2], vb[3]};
@@ -679,12 +727,15 @@ __global__ void __launch_bounds__(
 
     // ---- normalize and store -------------------------------------------------------------
     const bool bad = *bad_block_s != 0;
+    const int col0 = k16_0 * 16;  // the warp's first column of O
+    // One thread of each row's quad writes its max, sum or lse: of the pair, the first.
+    const bool row_writer = (lane & 3) == 0 && dslice == 0;
 #pragma unroll
     for (int a = 0; a < MA; ++a) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(l_run[a][h]);
-        const int p = row0 + warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
+        const int p = row0 + row_warp * Geo::kWarpRows + a * 16 + frag_row + h * 8;
         if (p >= packed) continue;
         // A row that saw no key (an empty sequence's, or one before every cached token)
         // gets zeros, never 0 / 0; a sink joins the denominator.
@@ -700,22 +751,22 @@ __global__ void __launch_bounds__(
           // writes the lse); NaN throughout for a bad block.
           const long long prow = orow * gridDim.z + blockIdx.z;
           const float inv = end_partial_row(m, l, bad, out_scale, prow, part_max, part_sum,
-                                            (lane & 3) == 0);
-          float* o = part_out + prow * HEAD_SIZE;
+                                            row_writer);
+          float* o = part_out + prow * HEAD_SIZE + col0;
 #pragma unroll
           for (int d = 0; d < Geo::kDTiles; ++d) {
-            if (d * 8 >= HEAD_SIZE) continue;
+            if (col0 + d * 8 >= HEAD_SIZE) continue;
             *reinterpret_cast<float2*>(o + d * 8 + frag_col) =
                 make_float2(acc[a][d][2 * h] * inv, acc[a][d][2 * h + 1] * inv);
           }
           continue;
         }
         const float inv = end_whole_row(vp, m, l, bad, out_scale, sink_log2(vp, head), orow,
-                                        (lane & 3) == 0);
-        T* o = out + orow * HEAD_SIZE;
+                                        row_writer);
+        T* o = out + orow * HEAD_SIZE + col0;
 #pragma unroll
         for (int d = 0; d < Geo::kDTiles; ++d) {
-          if (d * 8 >= HEAD_SIZE) continue;
+          if (col0 + d * 8 >= HEAD_SIZE) continue;
           *reinterpret_cast<unsigned*>(o + d * 8 + frag_col) =
               pack2<T>(acc[a][d][2 * h] * inv, acc[a][d][2 * h + 1] * inv);
         }

@@ -78,10 +78,10 @@ struct Sm90PrefillGeometry {
 // its turn (named barrier 2 + wg) before issuing its matrix products and passes the turn
 // (the other's barrier) after, so one's products run while the other does its softmax.
 __device__ __forceinline__ void consumer_turn_wait(int wg) {
-  sm90::named_bar_sync<256>(2 + wg);
+  named_bar_sync<256>(2 + wg);
 }
 __device__ __forceinline__ void consumer_turn_pass(int wg) {
-  sm90::named_bar_arrive<256>(3 - wg);
+  named_bar_arrive<256>(3 - wg);
 }
 
 __device__ __forceinline__ void st_shared_zero16(unsigned addr) {

@@ -305,18 +305,6 @@ __device__ __forceinline__ void mbar_wait(unsigned addr, unsigned phase) {
       : "memory");
 }
 
-// Named barrier `id` (1 to 15: 0 is __syncthreads') over COUNT threads, a multiple of 32:
-// sync waits until all have arrived, arrive counts the caller without waiting (a producer
-// signalling a consumer that syncs).
-template <int COUNT>
-__device__ __forceinline__ void named_bar_sync(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(COUNT) : "memory");
-}
-template <int COUNT>
-__device__ __forceinline__ void named_bar_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(COUNT) : "memory");
-}
-
 // Registers per thread of the calling warpgroup (a multiple of 8, 24 to 256): producers
 // give theirs up (dec) so the consumers can take more (inc). Takes effect only in a kernel
 // with a register cap at entry (__launch_bounds__(threads, 1)).

@@ -11,7 +11,9 @@ import numpy as np
 
 from . import _dtypes
 
-HEAD_SIZES = tuple(range(32, 257, 8))
+# Every multiple of 8 up to 256, then of 16 up to 512 (Gemma's global layers): above 256
+# the multi-token kernel splits a head's dimensions over two warps, 16 at a time.
+HEAD_SIZES = tuple(range(32, 257, 8)) + tuple(range(272, 513, 16))
 BLOCK_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 INT32_MAX = 2**31 - 1
 # Token positions are int32 in the kernels, which compute some up to a tile past the end.
@@ -64,7 +66,7 @@ def dense_tail(shape, strides, ndims: int, itemsize: int) -> bool:
 
 def check_head_size(head_size: int) -> None:
     if head_size not in HEAD_SIZES:
-        fail(f"head_size {head_size} is not supported: expected a multiple of 8 from 32 to 256")
+        fail(f"head_size {head_size} is not supported: expected a multiple of 8 from 32 to 256, or of 16 from 256 to 512")
 
 
 def check_fp8_head_size(dt: _dtypes.DType, head_size: int) -> None:

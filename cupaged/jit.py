@@ -135,14 +135,32 @@ def default_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
     FlashAttention-2's shape, four warps of 32 query rows over 64-token K/V tiles, two
     stages (the fastest of nine shapes measured on an H100, docs/PERFORMANCE.md); above,
     the 32 rows' accumulators do not fit in registers, so four warps of 16 rows over
-    32-token tiles."""
-    return (4, 2, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
+    32-token tiles; above 256, where pairs of warps share a row's dims, eight warps (64
+    rows, as at 256)."""
+    if head_size <= 128:
+        return 4, 2, 64, 2
+    return (4, 1, 32, 2) if head_size <= 256 else (8, 1, 32, 2)
 
 
 def few_rows_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
     """The shape for a (sequence, KV head) with at most 64 packed query rows (verify's 4
-    tokens x 4 heads are 16): four warps of 16 rows, so fewer rows are padding."""
+    tokens x 4 heads are 16): four warps (two pairs above head size 256), so fewer rows
+    are padding."""
     return (4, 1, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
+
+
+def smaller_prefill_tiles(head_size: int, tile: tuple) -> tuple:
+    """Shapes of paged_prefill with less shared memory than ``tile``, in the order the
+    planner tries them where ``tile`` does not fit (sm_86/89's 99 KiB): 16 rows a warp,
+    then 32- and 16-token K/V tiles, then half the warps at a time, down to one warp (a
+    pair above head size 256)."""
+    least = 2 if head_size > 256 else 1
+    warps, _, tokens, stages = tile
+    out = [(warps, 1, tokens, stages), (warps, 1, min(tokens, 32), 2), (warps, 1, 16, 2)]
+    while warps > least:
+        warps //= 2
+        out.append((warps, 1, 16, 2))
+    return tuple(t for t in dict.fromkeys(out) if t != tile)
 
 
 def default_sm90_prefill_tile(head_size: int, fp8: bool = False) -> tuple[int, int]:

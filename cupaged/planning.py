@@ -397,12 +397,35 @@ def set_prefill_family(family: str | None) -> None:
 FEW_ROWS = 64
 
 
-def prefill_tile(head_size: int, rows_needed: int) -> tuple:
+def prefill_tile(p: Problem, rows_needed: int) -> tuple:
+    """paged_prefill's (warps, m_atoms, tile_tokens, stages) for a call: the few-rows or
+    the default shape, or a smaller one where the GPU's shared memory needs it
+    (``catalog.fitting_prefill_tile``); a ValueError naming the limit where none fits."""
     if _tile_override is not None:
         return _tile_override
-    if rows_needed <= FEW_ROWS:
-        return jit.few_rows_prefill_tile(head_size)
-    return jit.default_prefill_tile(head_size)
+    return _fitting_prefill_tile(device_info(p.device).arch, p.dtype.name, p.head_size,
+                                 p.block_size, p.cache.kv_format, p.cache.dtype.name,
+                                 p.quant.mode, rows_needed <= FEW_ROWS)
+
+
+@lru_cache(maxsize=None)
+def _fitting_prefill_tile(arch: str, dtype: str, head_size: int, block_size: int,
+                          kv_format: str, cache_dtype: str, kv_scale: str,
+                          few_rows: bool) -> tuple:
+    spec = prefill_spec(arch, dtype, head_size, block_size, kv_format, (0, 0, 0, 0),
+                        cache_dtype, kv_scale)
+    tile = catalog.fitting_prefill_tile(spec, few_rows)
+    if tile is None:
+        least = (geometry.prefill_dim_split(head_size), 1, 16, 2)  # the last one tried
+        smem = geometry.PrefillGeometry.of(prefill_spec(arch, dtype, head_size, block_size,
+                                                        kv_format, least, cache_dtype,
+                                                        kv_scale)).smem_bytes
+        _fail(f"multi-token attention at head_size {head_size} ({kv_format} layout, "
+              f"{cache_dtype} cache, blocks of {block_size}) needs {smem} bytes of shared "
+              f"memory per block in its smallest tile; {arch} allows "
+              f"{geometry.max_smem(arch)}: use a smaller head size, or one query token per "
+              f"sequence (the decode kernel)")
+    return tile
 
 
 def prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
@@ -468,7 +491,7 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for token-major caches
     of the query's own type (or fp8 with per-tensor scales, head sizes up to 192) and
     vLLM's layout (16-bit, blocks of 8 tokens or more), head sizes that are multiples of
-    64, when some (sequence, KV head) has more packed query rows than FEW_ROWS (its
+    64 up to 256, when some (sequence, KV head) has more packed query rows than FEW_ROWS (its
     128-row tiles would be mostly padding below that; the mma.sync kernel takes 64). A
     ``set_prefill_tile`` override (paged_prefill's tiles) keeps the mma.sync kernel."""
     if _family_override == "mma" or _tile_override is not None:
@@ -476,6 +499,7 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     fp8 = p.cache.dtype != p.dtype
     vllm_ok = not fp8 and p.block_size >= 8
     return ((p.cache.kv_format == "tok" or vllm_ok) and p.head_size % 64 == 0
+            and p.head_size <= 256
             and (not fp8 or (p.quant.mode == "" and p.head_size <= 192))
             and (rows_needed > FEW_ROWS or _family_override == "sm90")
             and device_info(p.device).arch == "sm_90")
@@ -529,8 +553,8 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
             rows = geometry.Sm90PrefillGeometry.rows
             return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
                           sm90_tile(p.head_size, p.cache.dtype != p.dtype), sm90=True)
-        tile = prefill_tile(p.head_size, max_q * group)
-        rows = 16 * tile[0] * tile[1]
+        tile = prefill_tile(p, max_q * group)
+        rows = geometry.prefill_rows(p.head_size, tile[0], tile[1])
         return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
                       tile)
     return Choice("rows")

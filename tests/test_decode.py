@@ -17,19 +17,35 @@ DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": _dty
 GROUPS = (1, 2, 3, 4, 6, 8, 16)
 
 
+def _fits(dt, hs, bs, g):
+    """Does the specialization fit an H100's shared memory? (float32 caches stop below
+    head size 512: test_large_float32_heads_name_the_shared_memory_limit.)"""
+    spec = jit.KernelSpec("paged_decode", dt, hs, bs, planning.group_tile(g), arch="sm_90")
+    return geometry.DecodeGeometry.of(spec).fits("sm_90")
+
+
 def _grid():
     """(dtype, head_size, block_size, group, kv_heads, alibi): every head size, every
     dtype x block size and every dtype x group appear at least once; the partners are
-    drawn at random (with a fixed seed, so the test ids stay stable)."""
+    drawn at random (with a fixed seed, so the test ids stay stable) among those that fit
+    the GPU."""
     r = random.Random(2024)
     cases = set()
+
+    def draw(dt=None, hs=None, bs=None, g=None):
+        while True:
+            c = (dt or r.choice(list(DTYPES)), hs or r.choice(decode.HEAD_SIZES),
+                 bs or r.choice(decode.BLOCK_SIZES), g or r.choice(GROUPS))
+            if _fits(*c):
+                return c
+
     for hs in decode.HEAD_SIZES:
-        cases.add((r.choice(list(DTYPES)), hs, r.choice(decode.BLOCK_SIZES), r.choice(GROUPS)))
+        cases.add(draw(hs=hs))
     for dt in DTYPES:
         for bs in decode.BLOCK_SIZES:
-            cases.add((dt, r.choice(decode.HEAD_SIZES), bs, r.choice(GROUPS)))
+            cases.add(draw(dt=dt, bs=bs))
         for g in GROUPS:
-            cases.add((dt, r.choice(decode.HEAD_SIZES), r.choice(decode.BLOCK_SIZES), g))
+            cases.add(draw(dt=dt, g=g))
     return [(*c, r.choice((1, 2)), r.random() < 0.3) for c in sorted(cases)]
 
 
@@ -90,6 +106,22 @@ def test_context_of_more_than_100k_tokens(rng, dt):
     ref = p.reference()
     for partition in ("never", "auto", 4096):
         assert_close(run(p, partition), ref, tol(p), partition)
+
+
+def test_large_float32_heads_name_the_shared_memory_limit(rng):
+    """A float32 head of 512 dims needs more shared memory than an H100 block has (its
+    32-token K and V stages alone are 256 KiB): a ValueError naming the need and the
+    limit, before anything launches; float16 at 512 runs."""
+    p = make_problem(rng, dtype=np.float32, lens=[5, 40], heads=2, kv_heads=1, head_size=512,
+                     block_size=16)
+    out = poisoned(p.query.shape, p.query.dtype)
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory per block; "
+                                         r"device \d+ allows \d+"):
+        cupaged.paged_attention(**p.device_args(), out=out)
+    assert cupy.isnan(out).all()  # nothing launched
+    p = make_problem(rng, dtype=np.float16, lens=[5, 40], heads=2, kv_heads=1, head_size=512,
+                     block_size=16)
+    assert_close(run(p, "never"), p.reference(), tol(p))
 
 
 def test_long_context_fp32_large_head(rng):

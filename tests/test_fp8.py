@@ -143,6 +143,8 @@ SHAPES = [
     (112, 64, 32, 4, "NHD"),
     (80, 16, 8, 2, "vllm"),  # tensor cores with an odd count of 16-dim chunks
     (48, 32, 16, 4, "HND"),
+    (512, 16, 8, 2, "NHD"),   # heads over 256 dims: pairs of warps in the multi-token kernel
+    (384, 32, 4, 1, "vllm"),
 ]
 
 
@@ -224,14 +226,15 @@ def _special_rows(rng, n, kvh, hs, fmt, scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hs", [64, 512])  # 512: a lane quantizes two 8-dim pieces
 @pytest.mark.parametrize("src", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cache_write_is_bit_exact(rng, fmt, mode, layout, src):
+def test_cache_write_is_bit_exact(rng, fmt, mode, layout, src, hs):
     import cupy
 
-    nb, bs, kvh, hs = 6, 16, 3, 64
+    nb, bs, kvh = 6, 16, 3
     n = 40
     scale = 0.37 if mode != "token" else 1.0
     k = _special_rows(rng, n, kvh, hs, fmt, scale).astype(DTYPES[src])

@@ -32,9 +32,19 @@ def test_every_variant_repeats_the_plain_specializations():
 def test_every_supported_decode_specialization_satisfies_the_kernel_constraints():
     """Every static_assert of DecodeGeometry, and the shared memory of each target, for
     all specializations: what compiling a covering set cannot prove for the rest."""
-    # 16-bit caches: 3 dtypes x 29 head sizes x 9 block sizes x 2 layouts x 4 group tiles;
-    # fp8: 2 query dtypes x 2 formats x 2 scale modes x 15 head sizes (multiples of 16)
-    assert len(DECODE) == 2 * (3 * 29 * 9 * 2 * 4 + 2 * 2 * 2 * 15 * 9 * 2 * 4)
+    # Up to head size 256, 16-bit caches: 3 dtypes x 29 head sizes x 9 block sizes x 2
+    # layouts x 4 group tiles; fp8: 2 query dtypes x 2 formats x 2 scale modes x 15 head
+    # sizes (multiples of 16)
+    small = [s for s in DECODE if s.head_size <= 256]
+    assert len(small) == 2 * (3 * 29 * 9 * 2 * 4 + 2 * 2 * 2 * 15 * 9 * 2 * 4)
+    # Above, 16 head sizes (multiples of 16 to 512): on sm_90 every one of 16-bit queries
+    # (their own caches and the four fp8 ones); float32 and, on sm_80, vLLM's layout only
+    # where the target's shared memory holds them (never float32 at 512)
+    big = [s for s in DECODE if s.head_size > 256]
+    assert sum(s.arch == "sm_90" and s.dtype != "f32" for s in big) == 2 * 16 * 9 * 2 * 4 * 5
+    assert not [s for s in big if s.dtype == "f32" and s.head_size == 512]
+    assert {s.head_size for s in big if s.arch == "sm_80" and s.dtype != "f32"} == \
+        set(range(272, 513, 16))
     for s in DECODE:
         g = geometry.DecodeGeometry.of(s)
         assert g.violations() == [], s.name
@@ -43,8 +53,10 @@ def test_every_supported_decode_specialization_satisfies_the_kernel_constraints(
 
 def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints():
     # vLLM's layout from block size 8 up (6 of 9 sizes; fp8 from 16: 5), the token-major
-    # one for all 9; head sizes up to 128 (13 of 29; fp8: 7 of 15) in two tile shapes
-    assert len(PREFILL) == 2 * (2 * (29 + 13) * (9 + 6) + 2 * 2 * 2 * (15 + 7) * (9 + 5))
+    # one for all 9; head sizes up to 128 (13 of 29; fp8: 7 of 15) in two tile shapes, and
+    # the 16 over 256 in two (each target's: catalog.fitting_prefill_tile)
+    assert len(PREFILL) == 2 * (2 * (29 + 13 + 2 * 16) * (9 + 6)
+                                + 2 * 2 * 2 * (15 + 7 + 2 * 16) * (9 + 5))
     for s in PREFILL:
         g = geometry.PrefillGeometry.of(s)
         assert g.violations() == [], s.name
@@ -148,13 +160,15 @@ def test_specialization_names_are_unique():
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
     # for each of 5 variants, and its 114 of bfloat16 for each of 2; the cache kernels:
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 12, merge_states 3; the
-    # combine 3 dtypes x 30 head sizes (512 for MLA); mla_attention 2 dtypes x 9 block sizes
-    # x the (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80,
-    # 17 on sm_90), and over fp8 caches 2 dtypes x 2 formats x 9 block sizes x their
-    # shapes (13 and 18: half the bytes a stage, beside a widened tile).
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 90
+    # combine 3 dtypes x 45 head sizes; mla_attention 2 dtypes x 9 block sizes x the
+    # (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80, 17 on
+    # sm_90), and over fp8 caches 2 dtypes x 2 formats x 9 block sizes x their shapes (13
+    # and 18: half the bytes a stage, beside a widened tile). Head sizes over 256 add
+    # 23,866 decode specializations (both targets) for each of 5 variants, and 9,088
+    # prefill ones for each of 5 and their 4,544 of bfloat16 for each of 2.
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 135
                                                           + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2 \
-        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 9
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2
 
 
 # ---- the covering set ------------------------------------------------------------------------

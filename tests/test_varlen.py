@@ -63,6 +63,9 @@ CASES = [
     ("f16", 72, 4, 16, 2),
     ("f32", 64, 16, 4, 2),    # float32: the decode kernel's row mode
     ("f32", 128, 1, 8, 1),
+    ("bf16", 512, 16, 4, 1),  # heads over 256 dims: a pair of warps per row
+    ("f16", 272, 8, 6, 2),    # 17 16-dim steps: the pair's halves differ
+    ("bf16", 384, 32, 8, 2),
 ]
 # Mixed batches: empty sequences, decode tokens, verify, chunks, whole prompts.
 Q_LENS = [0, 1, 1, 4, 7, 16, 100, 0, 33]
@@ -97,7 +100,8 @@ def tile_override():
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("case", [("bf16", 128, 16, 16, 4, "NHD"), ("f16", 72, 128, 6, 2, "vllm"),
-                                  ("f16", 256, 8, 4, 1, "HND"), ("bf16", 64, 1, 2, 2, "NHD")],
+                                  ("f16", 256, 8, 4, 1, "HND"), ("bf16", 64, 1, 2, 2, "NHD"),
+                                  ("bf16", 512, 16, 4, 1, "NHD")],
                          ids=lambda c: "{}_hs{}_bs{}_{}x{}_{}".format(*c))
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "w{}m{}n{}x{}".format(*t))
 def test_every_tile_shape_matches_reference(rng, tile_override, tile, case, alibi):
@@ -172,7 +176,7 @@ def test_decode_over_token_major_rows_of_every_chunk_count(rng, hs, group, dtype
 # (dtype, head_size, block_size, heads, kv_heads): the 64-token tile (two shapes, the
 # few-rows one included), the 32-token tile of head size 256, a head size of odd chunks.
 SPLIT_CASES = [("bf16", 128, 16, 8, 2), ("f16", 64, 32, 16, 2), ("f16", 256, 8, 4, 1),
-               ("bf16", 40, 128, 6, 3)]
+               ("bf16", 40, 128, 6, 3), ("bf16", 512, 16, 4, 1), ("f16", 272, 32, 4, 2)]
 
 
 @pytest.mark.parametrize("split", [0, 64, 192], ids=lambda s: f"split{s}")

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cupaged import _checks, jit, planning, validation
+from cupaged.specs import geometry
 from test_validation import Fake
 
 
@@ -244,6 +245,72 @@ def test_the_planner_takes_fp8_caches_with_per_tensor_scales_to_the_wgmma_kernel
         assert c.tile == jit.default_sm90_prefill_tile(hs, True)
     per_token = p._replace(quant=p.quant._replace(mode="th"))
     assert not planning.choose_kernel(per_token, True, 300).sm90
+
+
+def _fp8(a, hs, layout="NHD"):
+    """validate_varlen over ``a``'s arrays with an fp8 e4m3 cache (per-tensor scales)."""
+    if layout == "vllm":
+        blocks, kvh, _, bs, _ = a["key_cache"].shape
+        a["key_cache"] = np.zeros((blocks, kvh, hs // 16, bs, 16), np.uint8)
+        a["value_cache"] = np.zeros((blocks, kvh, hs, bs), np.uint8)
+    else:
+        a["key_cache"] = a["key_cache"].view(np.uint8)[..., :hs]
+        a["value_cache"] = a["key_cache"]
+    return validation.validate_varlen(*(Fake(a[k]) for k in ("query", "key_cache", "value_cache",
+                                                          "block_tables", "seq_lens",
+                                                          "query_start_loc")),
+                                      None, None, layout, kv_cache_dtype="fp8_e4m3", k_scale=1.0,
+                                      v_scale=1.0)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("hs", [264 + 8, 384, 512])
+def test_heads_over_256_dims_take_the_mma_kernel_with_pairs_of_warps(device_arch, arch, hs):
+    """Above 256 dims the wgmma kernel does not apply; paged_prefill takes pairs of warps
+    per 16 rows, 64 rows a CTA where the target holds it (32 rows for a few)."""
+    device_arch(arch)
+    p = vvalidate(**vargs(hs=hs, total_q=300 * 3))
+    many, few = planning.choose_kernel(p, True, 300), planning.choose_kernel(p, True, 4)
+    assert many.kind == few.kind == "prefill" and not many.sm90 and not few.sm90
+    assert many.tile[:2] == (8, 1) and few.tile[:2] == (4, 1)  # tokens per tile: as fits
+    assert geometry.prefill_rows(hs, *many.tile[:2]) == 64
+    assert many.q_tiles == -(-300 * 4 // 64)
+    assert geometry.prefill_rows(hs, *few.tile[:2]) == 32
+    spec = planning.prefill_spec(arch, "f16", hs, 16, "tok", many.tile)
+    assert geometry.PrefillGeometry.of(spec).fits(arch)
+
+
+@pytest.mark.parametrize("hs, layout, tile", [
+    (128, "NHD", (4, 1, 64, 2)),    # the default's 104 KB: 16 rows a warp instead
+    (256, "NHD", (4, 1, 16, 2)),    # 101,408 bytes at 32 tokens, 1 KB past 99 KiB
+    (384, "vllm", (4, 1, 16, 2)),
+    (512, "NHD", (2, 1, 16, 2)),    # one pair of warps, 16 rows
+    (512, "vllm", (2, 1, 16, 2)),
+])
+def test_the_planner_fits_the_multi_token_tile_to_99_kib(device_arch, hs, layout, tile):
+    """sm_86/89 (RTX 30x0/40x0, L40) give a block 99 KiB: the first smaller shape that
+    fits, the same on every call."""
+    device_arch("sm_86")
+    p = vvalidate(**vargs(layout, hs=hs, total_q=300 * 3))
+    assert planning.choose_kernel(p, True, 300).tile == tile
+    fmt = "vllm" if layout == "vllm" else "tok"
+    spec = planning.prefill_spec("sm_86", "f16", hs, 16, fmt, tile)
+    assert geometry.PrefillGeometry.of(spec).smem_bytes <= geometry.max_smem("sm_86")
+
+
+def test_a_multi_token_call_past_the_gpus_shared_memory_names_the_limit(device_arch):
+    """An fp8 cache in vLLM's layout at head size 512 needs 101,920+ bytes even in the
+    smallest tile (one pair of warps, 16 tokens): a ValueError naming the need and the
+    target's limit, from the planner (before any launch); one token per sequence still
+    runs (the decode kernel)."""
+    device_arch("sm_86")
+    p = _fp8(vargs("vllm", hs=512, total_q=9), 512, "vllm")
+    with pytest.raises(ValueError, match=r"multi-token attention at head_size 512 \(vllm layout, "
+                                         r"e4m3 cache, blocks of 16\) needs \d+ bytes of shared "
+                                         r"memory per block in its smallest tile; sm_86 allows "
+                                         r"101376"):
+        planning.choose_kernel(p, True, 3)
+    assert planning.choose_kernel(p, False, 1).kind == "decode"
 
 
 def test_the_split_model_splits_few_ctas_over_long_keys_only():

@@ -31,7 +31,7 @@ KV_SCALES = tuple(jit.KV_SCALES)
 DECODE_VARIANTS = ("", "w", "c", "b", "wcb")
 PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "cf", "wcf")
 # paged_prefill_sm90's head sizes: wgmma's N of P V in steps of 64.
-SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES if h % 64 == 0)
+SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES if h % 64 == 0 and h <= 256)
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {
@@ -49,7 +49,7 @@ AXES = {
                            "kv_format": KV_FORMATS, "variant": PREFILL_VARIANTS},
     # (512: mla_attention's split-KV, whose outputs are kv_lora_rank wide)
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME),
-                             "head_size": (*_checks.HEAD_SIZES, 512)},
+                             "head_size": tuple(sorted({*_checks.HEAD_SIZES, 512}))},
     "reshape_and_cache": {"dtype": tuple(_dtypes.BY_NAME), "cache_dtype": CACHE_DTYPES,
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                           "index_dtype": ("i32", "i64")},
@@ -93,6 +93,10 @@ def supported(spec: jit.KernelSpec) -> bool:
             return False  # its raw fp8 stages: token-major, and beside the ring up to 192
         if spec.kv_format == "vllm" and spec.block_size < 8:
             return False  # vLLM's value in 16-byte runs of one block
+    if spec.kernel == "paged_decode":
+        # Past the target's shared memory (float32 heads over 256 dims, the largest tiles of
+        # vLLM's layout on sm_80): the planner names the limit instead.
+        return geometry.DecodeGeometry.of(spec).fits(spec.arch)
     return not (spec.kernel == "paged_prefill" and spec.kv_format == "vllm"
                 and spec.block_size < (16 if fp8 else 8))
 
@@ -107,18 +111,33 @@ def _spec(kernel: str, **fields) -> jit.KernelSpec | None:
     return spec if supported(spec) else None
 
 
-def prefill_tiles(head_size: int) -> tuple:
-    """The (warps, m_atoms, tile_tokens, stages) shapes cupaged.planning may pick
-    for paged_prefill: the default, and four warps for a few rows."""
-    return tuple(dict.fromkeys((jit.default_prefill_tile(head_size),
-                                jit.few_rows_prefill_tile(head_size))))
+def fitting_prefill_tile(spec: jit.KernelSpec, few_rows: bool) -> tuple | None:
+    """The (warps, m_atoms, tile_tokens, stages) shape cupaged.planning runs paged_prefill
+    in for ``spec``'s types, head and block size, layout and target: the default (or
+    the few-rows shape), else the first of ``jit.smaller_prefill_tiles`` whose shared
+    memory the target holds; None where none does."""
+    hs = spec.head_size
+    first = jit.few_rows_prefill_tile(hs) if few_rows else jit.default_prefill_tile(hs)
+    for w, m, n, st in (first, *jit.smaller_prefill_tiles(hs, first)):
+        g = geometry.PrefillGeometry.of(replace(spec, warps=w, m_atoms=m, tile_tokens=n,
+                                                stages=st))
+        if g.fits(spec.arch):
+            return w, m, n, st
+    return None
+
+
+def prefill_tiles(spec: jit.KernelSpec) -> tuple:
+    """The shapes cupaged.planning may pick for paged_prefill on ``spec``'s target: the
+    fitting default and few-rows shapes (``fitting_prefill_tile``)."""
+    tiles = (fitting_prefill_tile(spec, False), fitting_prefill_tile(spec, True))
+    return tuple(dict.fromkeys(t for t in tiles if t is not None))
 
 
 def _with_tiles(spec: jit.KernelSpec) -> list:
     if spec.kernel != "paged_prefill":
         return [spec]
     return [replace(spec, warps=w, m_atoms=m, tile_tokens=n, stages=st)
-            for w, m, n, st in prefill_tiles(spec.head_size)]
+            for w, m, n, st in prefill_tiles(spec)]
 
 
 def all_specs(archs) -> list[jit.KernelSpec]:

@@ -125,7 +125,7 @@ class DecodeGeometry:
         hs, bs, gt, tt, it = self.head_size, self.block_size, self.group_tile, \
             self.tile_tokens, self.itemsize
         bad = []
-        if not (hs % 8 == 0 and 32 <= hs <= 256):
+        if not (hs % 8 == 0 and 32 <= hs <= 512):
             bad.append("HEAD_SIZE")
         if bs & (bs - 1) or not 1 <= bs <= 256:
             bad.append("BLOCK_SIZE")
@@ -149,6 +149,16 @@ class DecodeGeometry:
     def fits(self, arch: str) -> bool:
         """Does the dynamic shared memory fit one block on this target (``sm_90``)?"""
         return self.smem_bytes <= max_smem(arch)
+
+
+def prefill_dim_split(head_size: int) -> int:
+    """PrefillGeometry's kDimSplit: 2 (a pair of warps shares each row) above 256 dims."""
+    return 2 if _round_up(head_size, 16) > 256 else 1
+
+
+def prefill_rows(head_size: int, warps: int, m_atoms: int) -> int:
+    """PrefillGeometry's kRows: packed query rows of a paged_prefill CTA."""
+    return 16 * m_atoms * warps // prefill_dim_split(head_size)
 
 
 @dataclass(frozen=True)
@@ -183,8 +193,12 @@ class PrefillGeometry:
         return 32 * self.warps
 
     @property
+    def dim_split(self) -> int:  # kDimSplit: warps sharing a row's dims (heads over 256)
+        return prefill_dim_split(self.head_size)
+
+    @property
     def rows(self) -> int:  # kRows: packed query rows per CTA
-        return 16 * self.m_atoms * self.warps
+        return prefill_rows(self.head_size, self.warps, self.m_atoms)
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes
@@ -203,15 +217,17 @@ class PrefillGeometry:
             k_stage, v_stage, wide = k_wide, v_wide, 0
         ids = max(1, tt // self.block_size)  # block ids per tile, per stage
         scales = 2 * self.stages * tt * 4 if self.quant and self.token_scales else 0
+        # the pairs' partial scores (kDimSplit 2): 4 floats per n8 tile and lane
+        exchange = self.warps * self.m_atoms * (tt // 8) * 4 * 32 * 4 if self.dim_split > 1 else 0
         return (q + self.stages * (k_stage + v_stage) + wide + _round_up(self.stages * ids * 4, 16)
-                + 16 + scales)
+                + 16 + scales + exchange)
 
     def violations(self) -> list[str]:
         hs, bs = self.head_size, self.block_size
         bad = []
         if self.itemsize != 2:
             bad.append("tensor cores take 16-bit operands")
-        if not (hs % 8 == 0 and 32 <= hs <= 256):
+        if not (hs % 8 == 0 and 32 <= hs <= 512):
             bad.append("HEAD_SIZE")
         if bs & (bs - 1) or not 1 <= bs <= 256:
             bad.append("BLOCK_SIZE")
@@ -223,6 +239,8 @@ class PrefillGeometry:
             bad.append("TILE_N")
         if not (1 <= self.warps <= 8 and self.m_atoms in (1, 2)):
             bad.append("WARPS, M_ATOMS")
+        if self.warps % self.dim_split:
+            bad.append("heads over 256 dims take warps in pairs")
         if self.stages < 2:
             bad.append("STAGES")
         return bad
