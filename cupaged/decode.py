@@ -136,8 +136,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
         ``out``: ``[num_seqs, num_heads, head_size]``, the query's dtype; a new torch
         tensor when ``query`` is one, else a CuPy array. A sequence of length 0 gets
         zeros. With ``return_lse`` (or ``lse=``): ``(out, lse)``, lse float32
-        ``[num_seqs, num_heads]``. head_size: any multiple of 8 from 32 to 256;
-        block_size: a power of two from 1 to 256; ``num_heads`` a multiple of
+        ``[num_seqs, num_heads]``. head_size: any multiple of 8 from 32 to 256, or of 16
+        to 512 (where the GPU's shared memory holds the tiles, else a ValueError naming
+        the limit); block_size: a power of two from 1 to 256; ``num_heads`` a multiple of
         ``num_kv_heads``.
 
     Never synchronizes. Block ids are not range-checked on the host (that needs a sync):

@@ -71,9 +71,10 @@ def decode_spec(arch: str, dtype: str, head_size: int, block_size: int, group_ti
                 kv_format: str = "vllm", cache_dtype: str = "", kv_scale: str = "",
                  variant: str = "") -> jit.KernelSpec:
     tt, st = _tuning.tile or (0, 0)
-    return jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
+    spec = jit.KernelSpec("paged_decode", dtype, head_size, block_size, group_tile, tt, st,
                           kv_format=kv_format, cache_dtype=cache_dtype, kv_scale=kv_scale,
                           variant=variant, arch=arch)
+    return spec if _tuning.tile else catalog.fitting_decode_stages(spec)
 
 
 class DeviceInfo(NamedTuple):

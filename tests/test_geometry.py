@@ -245,3 +245,17 @@ def test_the_sm90_kernel_refuses_what_it_does_not_take():
                               4 if fields.get("kv_format") == "vllm" and "cache_dtype" not in
                               fields else 16, **fields)
         assert not catalog.supported(spec), spec.name
+
+
+def test_heads_over_256_decode_in_three_stages_where_the_target_holds_them():
+    """catalog.fitting_decode_stages: what the planner and the catalog both use."""
+    def spec(hs, arch, dtype="bf16"):
+        return catalog.fitting_decode_stages(jit.KernelSpec("paged_decode", dtype, hs, 16, 4,
+                                                            arch=arch))
+    assert spec(512, "sm_90").stages == 3 and "_t32x3_" in spec(512, "sm_90").name
+    assert spec(512, "sm_80").stages == 2    # 221,808 bytes: past sm_80's 163 KiB
+    assert spec(256, "sm_90").stages == 2    # up to 256: two, several CTAs an SM
+    for s in (spec(512, "sm_90"), spec(384, "sm_80")):
+        assert geometry.DecodeGeometry.of(s).fits(s.arch)
+    three = {s.name for s in DECODE if s.stages == 3}
+    assert spec(512, "sm_90").name in three and all("_t" in n for n in three)
