@@ -22,6 +22,7 @@ Public API:
     merge_state             merge two partial attention results by their log-sum-exp
     merge_states            merge any number of them (a list or a stacked array)
     PagedKVCache            device caches for all layers (any layout) plus their block bookkeeping
+    PagedMLACache           the same for MLA latent caches (concat_and_cache_mla, mla_attention)
     Step                    one step's slot mapping, block tables, seq_lens, query_start_loc
     BlockManager            the bookkeeping alone (no GPU needed)
     check_block_tables      validate block tables against the cache (synchronizes)
@@ -53,7 +54,8 @@ from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .attention import AttentionPlan, attention
 from .mla import mla_attention
-from .kv_cache import BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Step
+from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, PagedMLACache,
+                       Step)
 
 __version__ = "0.1.0"
 
@@ -67,6 +69,7 @@ __all__ = [
     "DecodeWorkspace",
     "OutOfBlocks",
     "PagedKVCache",
+    "PagedMLACache",
     "Step",
     "concat_and_cache_mla",
     "copy_blocks",

@@ -19,7 +19,8 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache", "Step"]
+__all__ = ["BlockManager", "DecodeStep", "OutOfBlocks", "PagedKVCache", "PagedMLACache",
+           "Step"]
 
 
 class OutOfBlocks(RuntimeError):
@@ -697,157 +698,37 @@ class Step(NamedTuple):
 DecodeStep = Step  # the name before steps took several tokens per sequence
 
 
-class PagedKVCache:
-    """Device key and value caches for ``num_layers`` layers plus their :class:`BlockManager`.
+class _PagedCache:
+    """What a paged cache of any kind shares: its :class:`BlockManager`, its arrays'
+    framework and device, the accounting, the sequence operations whose tables and slots
+    it uploads, and the copy-on-write of ``step`` (each kind copies its own arrays:
+    ``_copy_on_write``)."""
 
-    ``kv_layout`` (stored as ``cache.kv_layout``: pass it on to
-    :func:`cupaged.attention` and :func:`cupaged.reshape_and_cache`) picks the layout of
-    ``key_caches[l]`` and ``value_caches[l]``:
-
-    - ``"vllm"`` (the default): key ``[num_blocks, num_kv_heads, head_size // x,
-      block_size, x]`` with ``x = 16 // itemsize`` (16 for fp8), value ``[num_blocks,
-      num_kv_heads, head_size, block_size]`` (what :func:`cupaged.paged_attention` also
-      takes);
-    - ``"NHD"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``;
-    - ``"HND"``: both ``[num_blocks, num_kv_heads, block_size, head_size]``.
-
-    ``dtype`` is the model's (the queries'): float16, bfloat16 or float32, and with the
-    default ``kv_cache_dtype="auto"`` the caches' too. ``kv_cache_dtype="fp8"`` (=
-    ``"fp8_e4m3"``) or ``"fp8_e5m2"`` makes fp8 caches instead, for a float16 or bfloat16
-    ``dtype`` and a head size that is a multiple of 16: ``torch.float8_e4m3fn`` /
-    ``torch.float8_e5m2`` tensors with ``framework="torch"``, uint8 arrays with CuPy. An
-    fp8 cache stores ``value / scale``; ``kv_scales`` picks the float32 scales, one array
-    per layer for K (``cache.k_scales[l]``) and one for V (``cache.v_scales[l]``):
-
-    - ``"tensor"`` (the default): ``[1]``, holding 1.0 until you write a calibrated scale
-      into it in place (``cache.k_scales[l][...] = s``; the kernels read it on the device);
-    - ``"token"``: ``[num_blocks, num_kv_heads, block_size]``, into which
-      :func:`cupaged.reshape_and_cache` writes each token's ``amax(|row|) / max`` per KV
-      head; ``step`` copies them with their blocks on copy-on-write. (Views of
-      ``[num_blocks, row]`` arrays whose rows are padded to a multiple of 16 bytes when
-      ``num_kv_heads * block_size`` is not a multiple of 4.)
-
-    ``cache.kv_cache_dtype`` is ``"auto"`` or the format's full name (``"fp8_e4m3"``,
-    ``"fp8_e5m2"``), ``cache.kv_scales`` the scale mode (None for ``"auto"``, whose scale
-    lists hold None). ``cache.layer_kwargs(l)`` is ``dict(kv_cache_dtype=...,
-    k_scale=cache.k_scales[l], v_scale=cache.v_scales[l])``, the same for every dtype:
-    pass it on to :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention` (or
-    :func:`cupaged.paged_attention`).
-
-    The caches live on ``device`` (default: the current CuPy device). With
-    ``framework="torch"`` the caches and every array the cache hands out are torch
-    tensors, and its uploads and copies run on torch's current stream; with the default
-    ``"cupy"``, CuPy arrays and CuPy's current stream.
-
-    A step of a chunked prefill mixed with decodes (``"a"`` added with ``add("a", 0)``,
-    its prompt appended 64 tokens a step; ``"b"`` decoding)::
-
-        step = cache.step(["a", "b"], num_tokens=[64, 1])   # copy-on-write done
-        for layer in range(num_layers):
-            kw = cache.layer_kwargs(layer)   # fp8: the format and this layer's scales
-            cupaged.reshape_and_cache(k[layer], v[layer], cache.key_caches[layer],
-                                      cache.value_caches[layer], step.slot_mapping,
-                                      kv_layout=cache.kv_layout, **kw)
-            out = cupaged.attention(q[layer], cache.key_caches[layer],
-                                    cache.value_caches[layer], step.block_tables,
-                                    step.seq_lens, step.query_start_loc,
-                                    kv_layout=cache.kv_layout, max_query_len=64, **kw)
-
-    A whole prompt, with its cached prefix shared: ``step = cache.prefill(["c"],
-    [len(prompt)], token_ids=[prompt])`` gives the step for the uncached remainder.
-
-    With ``prefix_caching``, blocks stay in the prefix cache after their last sequence is
-    freed, until a hit reuses them or an allocation evicts them, least recently released
-    first (see :class:`BlockManager`). ``num_free_blocks``, ``num_cached_blocks`` and
-    ``num_used_blocks`` count blocks holding nothing, cached blocks nobody holds, and
-    blocks sequences hold (they sum to ``num_blocks``; ``bytes_in_use`` counts the used
-    ones); ``num_available_blocks``, free plus cached, is what ``add``, ``prefill`` and
-    ``step`` can take before they raise :class:`OutOfBlocks`.
-    """
-
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
-                 block_size: int, dtype="float16", *, kv_layout: str = "vllm",
-                 prefix_caching: bool = False, framework: str = "cupy", device=None,
-                 kv_cache_dtype: str = "auto", kv_scales: str = "tensor"):
+    def _init_common(self, num_blocks: int, block_size: int, prefix_caching: bool,
+                     framework: str, device) -> None:
         import cupy
 
-        from . import _checks, _dtypes
+        from . import _checks
 
-        if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
-            raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
-                             f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
-        dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
-        if dt is None:
-            raise TypeError(f"dtype {dtype} is not supported: expected {_dtypes.supported_names()}")
-        fmt = _fp8_format(kv_cache_dtype, kv_scales, dt)
-        _checks.check_head_size(head_size)
-        if fmt is not None:
-            _checks.check_fp8_head_size(fmt, head_size)
         if block_size not in _checks.BLOCK_SIZES:
             raise ValueError(f"block_size {block_size} is not supported: expected a power of two "
                              f"from 1 to 256")
-        if num_layers <= 0 or num_kv_heads <= 0:
-            raise ValueError(f"need num_layers > 0 and num_kv_heads > 0, got {num_layers}, {num_kv_heads}")
-        if kv_layout not in _checks.KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {_checks.KV_LAYOUTS}, got {kv_layout!r}")
         if framework not in ("cupy", "torch"):
             raise ValueError(f"framework must be 'cupy' or 'torch', got {framework!r}")
-        self.dtype = dt.numpy
-        self.kv_cache_dtype = "auto" if fmt is None else f"fp8_{fmt.name}"
-        self.kv_scales = None if fmt is None else kv_scales
-        self.kv_layout = kv_layout
         self.framework = framework
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
-        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
-        self.head_size, self.block_size = head_size, block_size
+        self.block_size = block_size
         self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        # fp8 storage: torch's float8 type for torch (its dtype then names the format too),
-        # bytes for CuPy; either way cache.kv_cache_dtype names the format.
-        store = dt.numpy if fmt is None else (
-            fmt.numpy if framework == "torch" and fmt.numpy is not None else np.dtype(np.uint8))
-        self._itemsize = dt.itemsize if fmt is None else 1
-        k_shape, v_shape = _cache_shapes(kv_layout, num_blocks, num_kv_heads, head_size,
-                                         block_size, self._itemsize)
-        self.key_caches = [self._empty(k_shape, store) for _ in range(num_layers)]
-        self.value_caches = [self._empty(v_shape, store) for _ in range(num_layers)]
-        # Per-token scales: views of [num_blocks, row] arrays whose rows are padded to a
-        # multiple of 16 bytes, as copy_blocks moves blocks (padding only when
-        # num_kv_heads * block_size is not a multiple of 4).
-        per_token = self.kv_scales == "token"
-        self._scale_row = -(-num_kv_heads * block_size // 4) * 4 if per_token else 0
-        self._k_scale_blocks = self._v_scale_blocks = None
-        if fmt is None:
-            self.k_scales = [None] * num_layers
-            self.v_scales = [None] * num_layers
-        elif kv_scales == "tensor":
-            self.k_scales = [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)]
-            self.v_scales = [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)]
-        else:
-            rows = (num_blocks, self._scale_row)
-            self._k_scale_blocks = [self._empty(rows, np.float32) for _ in range(num_layers)]
-            self._v_scale_blocks = [self._empty(rows, np.float32) for _ in range(num_layers)]
-            n, shape = num_kv_heads * block_size, (num_blocks, num_kv_heads, block_size)
-            self.k_scales = [a[:, :n].reshape(shape) for a in self._k_scale_blocks]
-            self.v_scales = [a[:, :n].reshape(shape) for a in self._v_scale_blocks]
         self._buffers: dict = {}  # purpose -> (host staging, device buffer), reused
-
-    def layer_kwargs(self, layer: int) -> dict:
-        """``kv_cache_dtype``, ``k_scale`` and ``v_scale`` of ``layer``, to pass on to
-        :func:`cupaged.reshape_and_cache`, :func:`cupaged.attention` and
-        :func:`cupaged.paged_attention` (``"auto"``, ``None`` and ``None`` for a cache of
-        ``dtype``)."""
-        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scales[layer],
-                    v_scale=self.v_scales[layer])
-
-    # ---- accounting ------------------------------------------------------------------------
 
     @property
     def bytes_per_block(self) -> int:
-        """Device bytes one block takes across all layers, K and V: its cache elements and,
-        with per-token scales, its float32 scale rows (per-tensor scales are not per
-        block)."""
-        elements = self.num_kv_heads * self.head_size * self.block_size * self._itemsize
-        return 2 * self.num_layers * (elements + 4 * self._scale_row)
+        raise NotImplementedError
+
+    def _copy_on_write(self, pairs) -> None:
+        """Copy the blocks of ``pairs`` (device int32 ``[n, 2]``, source and destination)
+        in every array that holds per-block data."""
+        raise NotImplementedError
 
     @property
     def num_free_blocks(self) -> int:
@@ -947,8 +828,6 @@ class PagedKVCache:
         copy carries all of it; the arrays stay valid until the next ``step``. If the
         upload or a copy fails, the manager is left as it was, so the step can be
         retried."""
-        from .cache_ops import copy_blocks
-
         # Plan, do the device work, and only then apply the plan to the bookkeeping: the
         # upload's buffer allocation can run out of memory, and a launch can fail.
         manager = self.manager
@@ -958,9 +837,7 @@ class PagedKVCache:
             "step", [plan.copies.reshape(-1), plan.slots, tables.reshape(-1), lens,
                      plan.query_start_loc()])
         if len(plan.copies):
-            copy_blocks(self.key_caches, self.value_caches, pairs.reshape(-1, 2))
-            if self._k_scale_blocks is not None:  # per-token scales go with their tokens
-                copy_blocks(self._k_scale_blocks, self._v_scale_blocks, pairs.reshape(-1, 2))
+            self._copy_on_write(pairs.reshape(-1, 2))
         manager._apply_append(plan)
         return Step(s, bt.reshape(tables.shape), sl, qsl)
 
@@ -1012,6 +889,233 @@ class PagedKVCache:
                 runtime.memcpyAsync(dst, host.ctypes.data, n * 4, runtime.memcpyHostToDevice,
                                     ctx.stream)
         return [dev[a:b] for a, b in bounds]
+
+
+class PagedKVCache(_PagedCache):
+    """Device key and value caches for ``num_layers`` layers plus their :class:`BlockManager`.
+
+    ``kv_layout`` (stored as ``cache.kv_layout``: pass it on to
+    :func:`cupaged.attention` and :func:`cupaged.reshape_and_cache`) picks the layout of
+    ``key_caches[l]`` and ``value_caches[l]``:
+
+    - ``"vllm"`` (the default): key ``[num_blocks, num_kv_heads, head_size // x,
+      block_size, x]`` with ``x = 16 // itemsize`` (16 for fp8), value ``[num_blocks,
+      num_kv_heads, head_size, block_size]`` (what :func:`cupaged.paged_attention` also
+      takes);
+    - ``"NHD"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``;
+    - ``"HND"``: both ``[num_blocks, num_kv_heads, block_size, head_size]``.
+
+    ``dtype`` is the model's (the queries'): float16, bfloat16 or float32, and with the
+    default ``kv_cache_dtype="auto"`` the caches' too. ``kv_cache_dtype="fp8"`` (=
+    ``"fp8_e4m3"``) or ``"fp8_e5m2"`` makes fp8 caches instead, for a float16 or bfloat16
+    ``dtype`` and a head size that is a multiple of 16: ``torch.float8_e4m3fn`` /
+    ``torch.float8_e5m2`` tensors with ``framework="torch"``, uint8 arrays with CuPy. An
+    fp8 cache stores ``value / scale``; ``kv_scales`` picks the float32 scales, one array
+    per layer for K (``cache.k_scales[l]``) and one for V (``cache.v_scales[l]``):
+
+    - ``"tensor"`` (the default): ``[1]``, holding 1.0 until you write a calibrated scale
+      into it in place (``cache.k_scales[l][...] = s``; the kernels read it on the device);
+    - ``"token"``: ``[num_blocks, num_kv_heads, block_size]``, into which
+      :func:`cupaged.reshape_and_cache` writes each token's ``amax(|row|) / max`` per KV
+      head; ``step`` copies them with their blocks on copy-on-write. (Views of
+      ``[num_blocks, row]`` arrays whose rows are padded to a multiple of 16 bytes when
+      ``num_kv_heads * block_size`` is not a multiple of 4.)
+
+    ``cache.kv_cache_dtype`` is ``"auto"`` or the format's full name (``"fp8_e4m3"``,
+    ``"fp8_e5m2"``), ``cache.kv_scales`` the scale mode (None for ``"auto"``, whose scale
+    lists hold None). ``cache.layer_kwargs(l)`` is ``dict(kv_cache_dtype=...,
+    k_scale=cache.k_scales[l], v_scale=cache.v_scales[l])``, the same for every dtype:
+    pass it on to :func:`cupaged.reshape_and_cache` and :func:`cupaged.attention` (or
+    :func:`cupaged.paged_attention`).
+
+    The caches live on ``device`` (default: the current CuPy device). With
+    ``framework="torch"`` the caches and every array the cache hands out are torch
+    tensors, and its uploads and copies run on torch's current stream; with the default
+    ``"cupy"``, CuPy arrays and CuPy's current stream.
+
+    A step of a chunked prefill mixed with decodes (``"a"`` added with ``add("a", 0)``,
+    its prompt appended 64 tokens a step; ``"b"`` decoding)::
+
+        step = cache.step(["a", "b"], num_tokens=[64, 1])   # copy-on-write done
+        for layer in range(num_layers):
+            kw = cache.layer_kwargs(layer)   # fp8: the format and this layer's scales
+            cupaged.reshape_and_cache(k[layer], v[layer], cache.key_caches[layer],
+                                      cache.value_caches[layer], step.slot_mapping,
+                                      kv_layout=cache.kv_layout, **kw)
+            out = cupaged.attention(q[layer], cache.key_caches[layer],
+                                    cache.value_caches[layer], step.block_tables,
+                                    step.seq_lens, step.query_start_loc,
+                                    kv_layout=cache.kv_layout, max_query_len=64, **kw)
+
+    A whole prompt, with its cached prefix shared: ``step = cache.prefill(["c"],
+    [len(prompt)], token_ids=[prompt])`` gives the step for the uncached remainder.
+
+    With ``prefix_caching``, blocks stay in the prefix cache after their last sequence is
+    freed, until a hit reuses them or an allocation evicts them, least recently released
+    first (see :class:`BlockManager`). ``num_free_blocks``, ``num_cached_blocks`` and
+    ``num_used_blocks`` count blocks holding nothing, cached blocks nobody holds, and
+    blocks sequences hold (they sum to ``num_blocks``; ``bytes_in_use`` counts the used
+    ones); ``num_available_blocks``, free plus cached, is what ``add``, ``prefill`` and
+    ``step`` can take before they raise :class:`OutOfBlocks`.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_size: int,
+                 block_size: int, dtype="float16", *, kv_layout: str = "vllm",
+                 prefix_caching: bool = False, framework: str = "cupy", device=None,
+                 kv_cache_dtype: str = "auto", kv_scales: str = "tensor"):
+        import cupy
+
+        from . import _checks, _dtypes
+
+        if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
+            raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
+                             f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
+        dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
+        if dt is None:
+            raise TypeError(f"dtype {dtype} is not supported: expected {_dtypes.supported_names()}")
+        fmt = _fp8_format(kv_cache_dtype, kv_scales, dt)
+        _checks.check_head_size(head_size)
+        if fmt is not None:
+            _checks.check_fp8_head_size(fmt, head_size)
+        if num_layers <= 0 or num_kv_heads <= 0:
+            raise ValueError(f"need num_layers > 0 and num_kv_heads > 0, got {num_layers}, {num_kv_heads}")
+        if kv_layout not in _checks.KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {_checks.KV_LAYOUTS}, got {kv_layout!r}")
+        self._init_common(num_blocks, block_size, prefix_caching, framework, device)
+        self.dtype = dt.numpy
+        self.kv_cache_dtype = "auto" if fmt is None else f"fp8_{fmt.name}"
+        self.kv_scales = None if fmt is None else kv_scales
+        self.kv_layout = kv_layout
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.head_size = head_size
+        # fp8 storage: torch's float8 type for torch (its dtype then names the format too),
+        # bytes for CuPy; either way cache.kv_cache_dtype names the format.
+        store = dt.numpy if fmt is None else (
+            fmt.numpy if framework == "torch" and fmt.numpy is not None else np.dtype(np.uint8))
+        self._itemsize = dt.itemsize if fmt is None else 1
+        k_shape, v_shape = _cache_shapes(kv_layout, num_blocks, num_kv_heads, head_size,
+                                         block_size, self._itemsize)
+        self.key_caches = [self._empty(k_shape, store) for _ in range(num_layers)]
+        self.value_caches = [self._empty(v_shape, store) for _ in range(num_layers)]
+        # Per-token scales: views of [num_blocks, row] arrays whose rows are padded to a
+        # multiple of 16 bytes, as copy_blocks moves blocks (padding only when
+        # num_kv_heads * block_size is not a multiple of 4).
+        per_token = self.kv_scales == "token"
+        self._scale_row = -(-num_kv_heads * block_size // 4) * 4 if per_token else 0
+        self._k_scale_blocks = self._v_scale_blocks = None
+        if fmt is None:
+            self.k_scales = [None] * num_layers
+            self.v_scales = [None] * num_layers
+        elif kv_scales == "tensor":
+            self.k_scales = [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)]
+            self.v_scales = [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)]
+        else:
+            rows = (num_blocks, self._scale_row)
+            self._k_scale_blocks = [self._empty(rows, np.float32) for _ in range(num_layers)]
+            self._v_scale_blocks = [self._empty(rows, np.float32) for _ in range(num_layers)]
+            n, shape = num_kv_heads * block_size, (num_blocks, num_kv_heads, block_size)
+            self.k_scales = [a[:, :n].reshape(shape) for a in self._k_scale_blocks]
+            self.v_scales = [a[:, :n].reshape(shape) for a in self._v_scale_blocks]
+
+    def layer_kwargs(self, layer: int) -> dict:
+        """``kv_cache_dtype``, ``k_scale`` and ``v_scale`` of ``layer``, to pass on to
+        :func:`cupaged.reshape_and_cache`, :func:`cupaged.attention` and
+        :func:`cupaged.paged_attention` (``"auto"``, ``None`` and ``None`` for a cache of
+        ``dtype``)."""
+        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scales[layer],
+                    v_scale=self.v_scales[layer])
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block takes across all layers, K and V: its cache elements and,
+        with per-token scales, its float32 scale rows (per-tensor scales are not per
+        block)."""
+        elements = self.num_kv_heads * self.head_size * self.block_size * self._itemsize
+        return 2 * self.num_layers * (elements + 4 * self._scale_row)
+
+    def _copy_on_write(self, pairs) -> None:
+        from .cache_ops import copy_blocks
+
+        copy_blocks(self.key_caches, self.value_caches, pairs)
+        if self._k_scale_blocks is not None:  # per-token scales go with their tokens
+            copy_blocks(self._k_scale_blocks, self._v_scale_blocks, pairs)
+
+
+class PagedMLACache(_PagedCache):
+    """Device latent caches for ``num_layers`` layers of a model with multi-head latent
+    attention (DeepSeek-V2/V3/R1, Kimi K2), plus their :class:`BlockManager`.
+
+    ``kv_caches[l]`` is vLLM's combined latent cache ``[num_blocks, block_size,
+    kv_lora_rank + rope_dim]`` (512 + 64: each token's compressed ``kv_c`` and its rotary
+    ``k_pe``), what :func:`cupaged.concat_and_cache_mla` writes and
+    :func:`cupaged.mla_attention` reads. ``dtype``: float16 or bfloat16, the model's;
+    with ``kv_cache_dtype="fp8"`` (= ``"fp8_e4m3"``) or ``"fp8_e5m2"`` the caches are fp8
+    (``torch.float8_*`` tensors with ``framework="torch"``, uint8 arrays with CuPy) and
+    ``scales[l]`` a float32 ``[1]`` array per layer holding 1.0 until a calibrated scale
+    is written into it in place (the kernels read it on the device); without fp8,
+    ``scales`` holds None. Blocks, prefix caching, copy-on-write, ``framework`` and
+    ``device`` are as for :class:`PagedKVCache` (``step`` copies latent blocks with
+    :func:`cupaged.copy_blocks_mla`).
+
+    A step of one layer (``q``: ``[tokens, heads, 576]``, the absorbed query)::
+
+        step = cache.step(seq_ids, num_tokens=counts)
+        for l in range(num_layers):
+            cupaged.concat_and_cache_mla(kv_c[l], k_pe[l], cache.kv_caches[l],
+                                         step.slot_mapping, cache.kv_cache_dtype,
+                                         cache.scales[l])
+            out = cupaged.mla_attention(q[l], cache.kv_caches[l], step.block_tables,
+                                        step.seq_lens, step.query_start_loc, scale=s,
+                                        kv_cache_dtype=cache.kv_cache_dtype,
+                                        k_scale=cache.scales[l])
+    """
+
+    KV_LORA_RANK = 512
+    ROPE_DIM = 64
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, dtype="bfloat16",
+                 *, kv_lora_rank: int = 512, rope_dim: int = 64, prefix_caching: bool = False,
+                 framework: str = "cupy", device=None, kv_cache_dtype: str = "auto"):
+        from . import _dtypes
+
+        if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
+            raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
+                             f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
+        dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
+        if dt is None or dt.itemsize != 2:
+            raise TypeError(f"dtype {dtype} is not supported: MLA takes float16 or bfloat16")
+        if (kv_lora_rank, rope_dim) != (self.KV_LORA_RANK, self.ROPE_DIM):
+            raise ValueError(f"kv_lora_rank {kv_lora_rank} and rope_dim {rope_dim} are not "
+                             f"supported: mla_attention is built for 512 and 64 (DeepSeek's)")
+        if num_layers <= 0:
+            raise ValueError(f"need num_layers > 0, got {num_layers}")
+        fmt = _fp8_format(kv_cache_dtype, "tensor", dt)
+        self._init_common(num_blocks, block_size, prefix_caching, framework, device)
+        self.dtype = dt.numpy
+        self.kv_cache_dtype = "auto" if fmt is None else f"fp8_{fmt.name}"
+        self.num_layers = num_layers
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        store = dt.numpy if fmt is None else (
+            fmt.numpy if framework == "torch" and fmt.numpy is not None else np.dtype(np.uint8))
+        self._itemsize = dt.itemsize if fmt is None else 1
+        shape = (num_blocks, block_size, kv_lora_rank + rope_dim)
+        self.kv_caches = [self._empty(shape, store) for _ in range(num_layers)]
+        self.scales = ([None] * num_layers if fmt is None else
+                       [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)])
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block takes across all layers (per-tensor scales are not per
+        block)."""
+        return (self.num_layers * self.block_size * (self.kv_lora_rank + self.rope_dim)
+                * self._itemsize)
+
+    def _copy_on_write(self, pairs) -> None:
+        from .cache_ops import copy_blocks_mla
+
+        copy_blocks_mla(self.kv_caches, pairs)
 
 
 def _fp8_format(kv_cache_dtype, kv_scales, dt):

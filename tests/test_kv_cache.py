@@ -1692,3 +1692,134 @@ def test_fp8_fork_copies_token_scales(rng, layout, framework, kvh, bs):
             got, ref = _attend(cache, layer, q, step, framework, 1)
             assert_close(got, ref, tol, f"{step_seqs}, layer {layer}")
     assert cache.manager.context_len("a") == n + 1 and cache.manager.context_len("b") == n + 2
+
+
+# ---- PagedMLACache ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def host_latent(monkeypatch):
+    """PagedMLACache over NumPy arrays (built without a GPU, with ``device=0``)."""
+    def empty(self, shape, dtype, fill=None):
+        a = np.empty(shape, dtype)
+        if fill is not None:
+            a.fill(fill)
+        return a
+
+    monkeypatch.setattr(cupaged.PagedMLACache, "_empty", empty)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("kv, dtype", [("auto", "bfloat16"), ("auto", "float16"),
+                                       ("fp8", "bfloat16"), ("fp8_e5m2", "float16")])
+def test_latent_cache_shapes_dtypes_and_scales(host_latent, framework, kv, dtype):
+    layers, nb, bs = 3, 10, 64
+    cache = cupaged.PagedMLACache(layers, nb, bs, dtype, framework=framework, device=0,
+                                  kv_cache_dtype=kv)
+    assert cache.dtype == np.dtype(dtype) and (cache.kv_lora_rank, cache.rope_dim) == (512, 64)
+    assert len(cache.kv_caches) == len(cache.scales) == layers
+    assert len({id(c) for c in cache.kv_caches}) == layers
+    if kv == "auto":
+        assert cache.kv_cache_dtype == "auto" and cache.scales == [None] * layers
+        store = np.dtype(dtype)
+    else:
+        name = "fp8_e5m2" if kv == "fp8_e5m2" else "fp8_e4m3"
+        assert cache.kv_cache_dtype == name
+        store = (_dtypes.KV_CACHE_DTYPES[name].numpy if framework == "torch"
+                 else np.dtype(np.uint8))
+        for s in cache.scales:
+            assert s.shape == (1,) and s.dtype == np.float32 and s[0] == 1.0
+        assert len({id(s) for s in cache.scales}) == layers  # each layer calibrates its own
+    for c in cache.kv_caches:
+        assert c.shape == (nb, bs, 576) and c.dtype == store
+    assert cache.bytes_per_block == layers * bs * 576 * store.itemsize
+    assert cache.num_free_blocks == nb and cache.bytes_in_use == 0
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(dtype="float32"), TypeError, "dtype float32 is not supported: MLA takes float16 or "
+                                       "bfloat16"),
+    (dict(dtype="fp8"), ValueError, "dtype is the model's"),
+    (dict(kv_lora_rank=256), ValueError, "kv_lora_rank 256 and rope_dim 64 are not supported: "
+                                         "mla_attention is built for 512 and 64"),
+    (dict(rope_dim=32), ValueError, "rope_dim 32"),
+    (dict(block_size=24), ValueError, "block_size 24 is not supported"),
+    (dict(num_layers=0), ValueError, "need num_layers > 0"),
+    (dict(kv_cache_dtype="int8"), ValueError, "kv_cache_dtype must be"),
+    (dict(framework="jax"), ValueError, "framework must be 'cupy' or 'torch'"),
+])
+def test_latent_cache_arguments_are_checked(host_latent, kw, error, match):
+    args = dict(num_layers=2, num_blocks=4, block_size=16, device=0)
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        cupaged.PagedMLACache(**args)
+
+
+def test_latent_cache_step_copies_latent_blocks_on_write(host_latent, monkeypatch):
+    """step's copy-on-write goes through copy_blocks_mla with every layer's cache and the
+    plan's (source, destination) pairs; the upload is replaced by host views."""
+    calls = []
+    monkeypatch.setattr(cupaged.cache_ops, "copy_blocks_mla",
+                        lambda caches, pairs: calls.append((list(caches), np.array(pairs))))
+    monkeypatch.setattr(cupaged.PagedMLACache, "_upload",
+                        lambda self, purpose, parts: [np.asarray(p, np.int32) for p in parts])
+    cache = cupaged.PagedMLACache(2, 8, 4, device=0)
+    cache.add("a", 6)                  # blocks 0 (full) and 1 (half)
+    cache.fork("a", "b")               # b shares both
+    step = cache.step(["b"])           # b's 7th token: its half block is copied first
+    assert len(calls) == 1
+    caches, pairs = calls[0]
+    assert [id(c) for c in caches] == [id(c) for c in cache.kv_caches]
+    (src, dst), = pairs.tolist()
+    assert src == cache.manager.block_table("a")[1] and dst == cache.manager.block_table("b")[1]
+    assert src != dst and step.seq_lens.tolist() == [7]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_latent_cache_serves_mla_attention(rng, kv):
+    """Prompts written with concat_and_cache_mla into a PagedMLACache, a fork whose decode
+    step copies its shared half block, then mla_attention over the step's tables against
+    the float64 reference over the same cache bytes."""
+    import cupy
+
+    layers, nb, bs, heads = 2, 32, 16, 16
+    cache = cupaged.PagedMLACache(layers, nb, bs, "bfloat16", kv_cache_dtype=kv)
+    for s in cache.scales if kv != "auto" else ():
+        s[...] = 0.05
+    bf16 = _dtypes.BF16.numpy
+
+    def write(step, n):
+        for layer in range(layers):
+            kv_c = cupy.asarray(testing.random_normal((n, 512), bf16, rng))
+            k_pe = cupy.asarray(testing.random_normal((n, 64), bf16, rng))
+            cupaged.concat_and_cache_mla(kv_c, k_pe, cache.kv_caches[layer],
+                                         step.slot_mapping, cache.kv_cache_dtype,
+                                         cache.scales[layer])
+
+    write(cache.prefill(["a", "c"], [37, 5]), 42)
+    cache.fork("a", "b")
+    step = cache.step(["a", "b", "c"])  # b's copy of a's last block, then one token each
+    write(step, 3)
+    scale = 1 / np.sqrt(192)
+    for layer in range(layers):
+        q = cupy.asarray(testing.random_normal((3, heads, 576), bf16, rng))
+        out = cupy.full((3, heads, 512), np.nan, bf16)
+        kw = dict(kv_cache_dtype=cache.kv_cache_dtype, k_scale=cache.scales[layer])
+        cupaged.mla_attention(q, cache.kv_caches[layer], step.block_tables, step.seq_lens,
+                              step.query_start_loc, scale=scale, out=out, **kw)
+        host_kw = dict(kv_cache_dtype=cache.kv_cache_dtype,
+                       k_scale=None if kv == "auto" else float(cache.scales[layer][0]))
+        ref = reference.mla_attention(cupy.asnumpy(q), cupy.asnumpy(cache.kv_caches[layer]),
+                                      cupy.asnumpy(step.block_tables),
+                                      cupy.asnumpy(step.seq_lens),
+                                      cupy.asnumpy(step.query_start_loc), scale=scale,
+                                      **host_kw)
+        assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"])
+    # b's table differs from a's in its copied last block only, whose first 37 % 16 tokens
+    # are a's bytes
+    ta, tb = cache.manager.block_table("a"), cache.manager.block_table("b")
+    assert ta[:2] == tb[:2] and ta[2] != tb[2]
+    for c in cache.kv_caches:
+        got = cupy.asnumpy(c)
+        np.testing.assert_array_equal(got[tb[2], :5].view(np.uint8), got[ta[2], :5].view(np.uint8))
