@@ -1214,6 +1214,26 @@ def test_copy_blocks_mla_on_the_device(rng):
         np.testing.assert_array_equal(cupy.asnumpy(d), want)
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [_dtypes.BF16.numpy, np.uint8], ids=["bf16", "fp8-bytes"])
+def test_swap_blocks_moves_latent_blocks_out_and_back(rng, dtype):
+    """A latent cache's blocks ([num_blocks, block_size, 576], 16-bit or fp8 bytes) out to
+    pinned host memory and back to other blocks: byte for byte, the rest untouched."""
+    nb, bs = 12, 16
+    host = rng.integers(0, 256, (nb, bs, 576 * np.dtype(dtype).itemsize), dtype=np.uint8)
+    dev = cupy.asarray(host.view(dtype))
+    pinned = cupaged.empty_pinned((6, bs, 576), dtype)
+    out_map = np.array([[3, 0], [7, 1], [11, 2]], np.int32)
+    cupaged.swap_blocks(dev, pinned, out_map)
+    cupy.cuda.get_current_stream().synchronize()
+    for s, d in out_map:
+        np.testing.assert_array_equal(np.asarray(pinned[d]).view(np.uint8), host[s])
+    cupaged.swap_blocks(pinned, dev, cupy.asarray(np.array([[0, 5], [2, 6]], np.int64)))
+    want = host.copy()
+    want[5], want[6] = host[3], host[11]
+    np.testing.assert_array_equal(cupy.asnumpy(dev).view(np.uint8), want)
+
+
 def test_mla_write_refuses_a_scale_it_cannot_read(fake_device, monkeypatch):
     """The fp8 scale: one float32 on the cache's device (MLA's caches have no per-token
     scales, and the message says so)."""
