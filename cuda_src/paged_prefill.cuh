@@ -89,9 +89,10 @@ struct PrefillGeometry {
   static constexpr int kOffX = kOffScales + (kTokenScales ? 2 * STAGES * TILE_N * 4 : 0);
   static constexpr int kXFloats = kDimSplit > 1 ? WARPS * M_ATOMS * kNTiles * 4 * 32 : 0;
   static constexpr int kSmemBytes = kOffX + kXFloats * 4;
-  // Registers: one m-atom per warp needs about 128 (head sizes to 128; to 255 at 256 and
-  // for a warp of a pair), so ask ptxas to fit two CTAs of up to four warps per SM (16
-  // warps hide each other's latency); two m-atoms, or eight warps of pairs, need all 255.
+  // Registers: with one m-atom a warp, two CTAs an SM (ptxas caps a thread at 65536 / (2 x
+  // threads): 255 for four warps, whose accumulators at head size 256, or a pair's half
+  // of 512, need about 245; 128 for eight warps, enough up to head size 128); eight warps
+  // of pairs and two m-atoms need all 255, one CTA.
   static constexpr int kMinBlocks = M_ATOMS == 1 && (kDimSplit == 1 || WARPS <= 4) ? 2 : 1;
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");

@@ -134,7 +134,8 @@ def decode_kernels(device_id: int, dtype: str, head_size: int, block_size: int, 
     if smem > dev.max_smem:
         raise ValueError(
             f"{spec.name} needs {smem} bytes of shared memory per block; device {device_id} "
-            f"allows {dev.max_smem} (use a smaller head size or a 16-bit dtype)"
+            f"allows {dev.max_smem} (use a smaller head size"
+            f"{' or a 16-bit dtype' if dtype == 'f32' else ''})"
         )
     if _tuning.ctas_per_sm:
         smem = max(smem, smem_for(dev, _tuning.ctas_per_sm))
@@ -404,18 +405,19 @@ def prefill_tile(p: Problem, rows_needed: int) -> tuple:
     (``catalog.fitting_prefill_tile``); a ValueError naming the limit where none fits."""
     if _tile_override is not None:
         return _tile_override
-    return _fitting_prefill_tile(device_info(p.device).arch, p.dtype.name, p.head_size,
+    dev = device_info(p.device)
+    return _fitting_prefill_tile(dev.arch, dev.max_smem, p.dtype.name, p.head_size,
                                  p.block_size, p.cache.kv_format, p.cache.dtype.name,
                                  p.quant.mode, rows_needed <= FEW_ROWS)
 
 
 @lru_cache(maxsize=None)
-def _fitting_prefill_tile(arch: str, dtype: str, head_size: int, block_size: int,
-                          kv_format: str, cache_dtype: str, kv_scale: str,
+def _fitting_prefill_tile(arch: str, max_smem: int, dtype: str, head_size: int,
+                          block_size: int, kv_format: str, cache_dtype: str, kv_scale: str,
                           few_rows: bool) -> tuple:
     spec = prefill_spec(arch, dtype, head_size, block_size, kv_format, (0, 0, 0, 0),
                         cache_dtype, kv_scale)
-    tile = catalog.fitting_prefill_tile(spec, few_rows)
+    tile = catalog.fitting_prefill_tile(spec, few_rows, max_smem)
     if tile is None:
         least = (geometry.prefill_dim_split(head_size), 1, 16, 2)  # the last one tried
         smem = geometry.PrefillGeometry.of(prefill_spec(arch, dtype, head_size, block_size,
@@ -423,9 +425,9 @@ def _fitting_prefill_tile(arch: str, dtype: str, head_size: int, block_size: int
                                                         kv_scale)).smem_bytes
         _fail(f"multi-token attention at head_size {head_size} ({kv_format} layout, "
               f"{cache_dtype} cache, blocks of {block_size}) needs {smem} bytes of shared "
-              f"memory per block in its smallest tile; {arch} allows "
-              f"{geometry.max_smem(arch)}: use a smaller head size, or one query token per "
-              f"sequence (the decode kernel)")
+              f"memory per block in its smallest tile; the device ({arch}) allows "
+              f"{max_smem}: a smaller head size, or a token-major layout (NHD, HND), needs "
+              f"less")
     return tile
 
 

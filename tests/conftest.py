@@ -69,11 +69,12 @@ def prefill_split():
 @pytest.fixture
 def device_arch(monkeypatch):
     """Have the planner see a device of the given target (``"sm_80"``, ``"sm_90"``) with an
-    H100's multiprocessors and shared memory, so its rules run on the CPU."""
+    H100's multiprocessors and shared memory (or ``max_smem`` bytes a block), so its rules
+    run on the CPU."""
     from cupaged import planning
 
-    def set_arch(arch: str):
-        dev = planning.DeviceInfo(0, arch, 132, 232448, 233472)
+    def set_arch(arch: str, max_smem: int = 232448):
+        dev = planning.DeviceInfo(0, arch, 132, max_smem, 233472)
         monkeypatch.setattr(planning, "device_info", lambda device_id: dev)
 
     set_arch("sm_80")

@@ -259,3 +259,20 @@ def test_heads_over_256_decode_in_three_stages_where_the_target_holds_them():
         assert geometry.DecodeGeometry.of(s).fits(s.arch)
     three = {s.name for s in DECODE if s.stages == 3}
     assert spec(512, "sm_90").name in three and all("_t" in n for n in three)
+
+
+def test_the_covering_set_is_what_the_planner_runs():
+    """Every specialization CI compiles is one the planner may run (its tile and stages on
+    its target), and for each class of head size the multi-token shapes it picks are
+    among them (pairs of warps above 256, the smallest at 512 on sm_80)."""
+    cov = catalog.covering_specs(ARCHS)
+    assert set(cov) <= set(ALL)
+    shapes = {(s.arch, s.head_size, (s.warps, s.m_atoms, s.tile_tokens, s.stages))
+              for s in cov if s.kernel == "paged_prefill"}
+    for arch in ARCHS:
+        for hs in (128, 272, 512):
+            spec = jit.KernelSpec("paged_prefill", "bf16", hs, 16, arch=arch)
+            for tile in catalog.prefill_tiles(spec):
+                assert (arch, hs, tile) in shapes, (arch, hs, tile)
+    assert ("sm_80", 512, (4, 1, 16, 2)) in shapes and ("sm_90", 512, (4, 1, 32, 2)) in shapes
+    assert any(s.kernel == "paged_decode" and s.stages == 3 for s in cov)

@@ -268,7 +268,7 @@ def _fp8(a, hs, layout="NHD"):
 def test_heads_over_256_dims_take_the_mma_kernel_with_pairs_of_warps(device_arch, arch, hs):
     """Above 256 dims the wgmma kernel does not apply; paged_prefill takes pairs of warps
     per 16 rows, 64 rows a CTA where the target holds it (32 rows for a few)."""
-    device_arch(arch)
+    device_arch(arch, geometry.max_smem(arch))
     p = vvalidate(**vargs(hs=hs, total_q=300 * 3))
     many, few = planning.choose_kernel(p, True, 300), planning.choose_kernel(p, True, 4)
     assert many.kind == few.kind == "prefill" and not many.sm90 and not few.sm90
@@ -290,7 +290,7 @@ def test_heads_over_256_dims_take_the_mma_kernel_with_pairs_of_warps(device_arch
 def test_the_planner_fits_the_multi_token_tile_to_99_kib(device_arch, hs, layout, tile):
     """sm_86/89 (RTX 30x0/40x0, L40) give a block 99 KiB: the first smaller shape that
     fits, the same on every call."""
-    device_arch("sm_86")
+    device_arch("sm_86", geometry.max_smem("sm_86"))
     p = vvalidate(**vargs(layout, hs=hs, total_q=300 * 3))
     assert planning.choose_kernel(p, True, 300).tile == tile
     fmt = "vllm" if layout == "vllm" else "tok"
@@ -301,16 +301,20 @@ def test_the_planner_fits_the_multi_token_tile_to_99_kib(device_arch, hs, layout
 def test_a_multi_token_call_past_the_gpus_shared_memory_names_the_limit(device_arch):
     """An fp8 cache in vLLM's layout at head size 512 needs 101,920+ bytes even in the
     smallest tile (one pair of warps, 16 tokens): a ValueError naming the need and the
-    target's limit, from the planner (before any launch); one token per sequence still
-    runs (the decode kernel)."""
-    device_arch("sm_86")
-    p = _fp8(vargs("vllm", hs=512, total_q=9), 512, "vllm")
-    with pytest.raises(ValueError, match=r"multi-token attention at head_size 512 \(vllm layout, "
-                                         r"e4m3 cache, blocks of 16\) needs \d+ bytes of shared "
-                                         r"memory per block in its smallest tile; sm_86 allows "
-                                         r"101376"):
-        planning.choose_kernel(p, True, 3)
-    assert planning.choose_kernel(p, False, 1).kind == "decode"
+    device's limit, from the planner (before any launch). The limit is the device's own,
+    not its target's table: an sm_90 device reporting 99 KiB a block gets the same."""
+    for arch in ("sm_86", "sm_90"):
+        device_arch(arch, geometry.max_smem("sm_86"))
+        p = _fp8(vargs("vllm", hs=512, total_q=9), 512, "vllm")
+        with pytest.raises(ValueError, match=rf"multi-token attention at head_size 512 \(vllm "
+                                             rf"layout, e4m3 cache, blocks of 16\) needs \d+ bytes "
+                                             rf"of shared memory per block in its smallest tile; "
+                                             rf"the device \({arch}\) allows 101376: a smaller "
+                                             rf"head size, or a token-major layout"):
+            planning.choose_kernel(p, True, 3)
+    device_arch("sm_86", geometry.max_smem("sm_86"))
+    p = _fp8(vargs("NHD", hs=512, total_q=9), 512)  # token-major fits: one pair of warps
+    assert planning.choose_kernel(p, True, 3).tile == (2, 1, 16, 2)
 
 
 def test_the_split_model_splits_few_ctas_over_long_keys_only():

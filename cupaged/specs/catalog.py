@@ -111,27 +111,33 @@ def _spec(kernel: str, **fields) -> jit.KernelSpec | None:
     return spec if supported(spec) else None
 
 
-def fitting_prefill_tile(spec: jit.KernelSpec, few_rows: bool) -> tuple | None:
+def fitting_prefill_tile(spec: jit.KernelSpec, few_rows: bool,
+                         max_smem: int | None = None) -> tuple | None:
     """The (warps, m_atoms, tile_tokens, stages) shape cupaged.planning runs paged_prefill
     in for ``spec``'s types, head and block size, layout and target: the default (or
     the few-rows shape), else the first of ``jit.smaller_prefill_tiles`` whose shared
-    memory the target holds; None where none does."""
+    memory fits ``max_smem`` (default: the target's, ``geometry.max_smem``; the planner
+    passes the device's own); None where none does."""
     hs = spec.head_size
+    limit = geometry.max_smem(spec.arch) if max_smem is None else max_smem
     first = jit.few_rows_prefill_tile(hs) if few_rows else jit.default_prefill_tile(hs)
     for w, m, n, st in (first, *jit.smaller_prefill_tiles(hs, first)):
         g = geometry.PrefillGeometry.of(replace(spec, warps=w, m_atoms=m, tile_tokens=n,
                                                 stages=st))
-        if g.fits(spec.arch):
+        if g.smem_bytes <= limit:
             return w, m, n, st
     return None
 
 
 def fitting_decode_stages(spec: jit.KernelSpec) -> jit.KernelSpec:
-    """paged_decode in three stages above head size 256 where the target holds them, else
-    ``spec`` (two): one CTA a Hopper SM either way, and the third stage keeps more bytes
-    in flight (H100, head size 512, batch 64 x 4096: 87.0% of the copy bandwidth against
-    85.0%, docs/PERFORMANCE.md)."""
+    """paged_decode in three stages above head size 256 where two stages already leave a
+    single CTA an SM and the target holds three, else ``spec`` (two): the third stage
+    keeps more bytes in flight for the lone CTA (H100, head size 512, batch 64 x 4096:
+    87.0% of the copy bandwidth against 85.0%, docs/PERFORMANCE.md); where two stages let
+    two CTAs share an SM, those hide each other's latency instead."""
     if spec.head_size <= 256 or spec.stages != 2:
+        return spec
+    if geometry.DecodeGeometry.of(spec).ctas_per_sm(spec.arch) > 1:
         return spec
     three = replace(spec, stages=3)
     return three if geometry.DecodeGeometry.of(three).fits(spec.arch) else spec
@@ -209,7 +215,8 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
         if not targets:
             continue
         rows = [_spec(kernel, **row) for row in covering.pairwise({**axes, "arch": targets})]
-        mine = [s for s in rows if s is not None]
+        # each row in the form the planner runs it (its tile or stages on its target)
+        mine = [s for row in rows if row is not None for s in _with_tiles(row)[:1]]
         # Pairs only an unsupported row held: one supported spec for each.
         covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()
         for s in full:
@@ -219,9 +226,11 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
         specs += mine
         if kernel in SMALL_KERNELS:
             specs += [s for s in full if s.kernel == kernel]
-        if kernel == "paged_prefill":  # every tile shape, per dtype, layout and target
-            for arch, dtype, fmt in product(archs, axes["dtype"], axes["kv_format"]):
-                specs += _with_tiles(jit.KernelSpec(kernel, dtype, 128, 16, kv_format=fmt,
+        if kernel == "paged_prefill":  # every tile shape, per dtype, layout and target, in
+            # each class of head size (pairs of warps above 256, and at 512 the smallest)
+            for arch, dtype, fmt, hs in product(archs, axes["dtype"], axes["kv_format"],
+                                                (128, 272, 512)):
+                specs += _with_tiles(jit.KernelSpec(kernel, dtype, hs, 16, kv_format=fmt,
                                                     arch=arch))
     for arch in archs:
         decode = [s for s in full if s.kernel == "paged_decode" and s.arch == arch]

@@ -32,6 +32,12 @@ def max_smem(arch: str) -> int:
     return MAX_SMEM_BY_ARCH.get(cc, min(MAX_SMEM_BY_ARCH.values()))
 
 
+def sm_smem(arch: str) -> int:
+    """Shared memory of an SM on a target (SM_SMEM_BY_ARCH's; 100 KiB for others)."""
+    cc = int(arch.split("_")[1].rstrip("a"))
+    return SM_SMEM_BY_ARCH.get(cc, 100 * 1024)
+
+
 def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
@@ -149,6 +155,11 @@ class DecodeGeometry:
     def fits(self, arch: str) -> bool:
         """Does the dynamic shared memory fit one block on this target (``sm_90``)?"""
         return self.smem_bytes <= max_smem(arch)
+
+    def ctas_per_sm(self, arch: str) -> int:
+        """CTAs an SM of this target holds by shared memory (1 KiB a block is the
+        driver's)."""
+        return sm_smem(arch) // (self.smem_bytes + 1024)
 
 
 def prefill_dim_split(head_size: int) -> int:
@@ -356,9 +367,7 @@ class MlaGeometry:
     def min_blocks(self, arch: str) -> int:
         """kMinBlocks: 2 (the kernel asks for two CTAs an SM, capping registers) for 16
         rows where the SM's shared memory holds two CTAs of the shape, else 1."""
-        cc = int(arch.split("_")[1].rstrip("a"))
-        sm = SM_SMEM_BY_ARCH.get(cc, 100 * 1024)
-        return 2 if self.rows == 16 and 2 * (self.smem_bytes + 1024) <= sm else 1
+        return 2 if self.rows == 16 and 2 * (self.smem_bytes + 1024) <= sm_smem(arch) else 1
 
 
 @dataclass(frozen=True)
