@@ -191,9 +191,7 @@ __global__ void __launch_bounds__(
     const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, causal, split_tiles);
     const int kv_end = tl.kv_end, tile_lo = tl.tile_lo, n_tiles = tl.n_tiles;
 
-    __syncthreads();  // the previous row tile is done with shared memory (its flag read)
-    if (tid == 0) *bad_s = 0;
-    __syncthreads();  // the flag is clear before any copy can raise it
+    begin_row_tile(bad_s);
 
     // ---- the query tile: rows past the sequence's are zeros ----------------------------
     mla_copy_query<T, RANK, ROPE, ROWS, kMlaThreads>(

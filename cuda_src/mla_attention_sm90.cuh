@@ -106,9 +106,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, causal, split_tiles);
     const int kv_end = tl.kv_end, tile_lo = tl.tile_lo, n_tiles = tl.n_tiles;
 
-    __syncthreads();  // the previous row tile is done with shared memory (its flag read)
-    if (tid == 0) *bad_s = 0;
-    __syncthreads();
+    begin_row_tile(bad_s);
 
     // ---- the query tile, swizzled: rows past the sequence's are zeros ------------------
     mla_copy_query<T, RANK, ROPE, ROWS, kMlaSm90Threads>(
@@ -185,12 +183,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
           }
         }
         float sub[2], alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          tmax[h] = quad_max(tmax[h]);
-          alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
-          l_run[h] *= alpha[h];
-        }
+        advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll

@@ -126,4 +126,12 @@ struct MlaToken {
   }
 };
 
+// A CTA's start of a row tile: the previous row tile is done with shared memory (its
+// bad-block flag read), and the flag is clear before any copy of this one can raise it.
+__device__ __forceinline__ void begin_row_tile(int* bad_s) {
+  __syncthreads();
+  if (threadIdx.x == 0) *bad_s = 0;
+  __syncthreads();
+}
+
 }  // namespace cupaged

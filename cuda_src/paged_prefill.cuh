@@ -665,12 +665,7 @@ __global__ void __launch_bounds__(
         }
         float sub[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
         if constexpr (!Var::kFixedOffset) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            tmax[h] = quad_max(tmax[h]);
-            alpha[h] = softmax_advance(m_run[a][h], tmax[h], sub[h]);
-            l_run[a][h] *= alpha[h];
-          }
+          advance_fragment_rows(tmax, m_run[a], l_run[a], sub, alpha);
         }
 #pragma unroll
         for (int n = 0; n < Geo::kNTiles; ++n) {

@@ -683,14 +683,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         float sub[2] = {0.f, 0.f};
         alpha[0] = alpha[1] = 1.f;
-        if constexpr (!Var::kFixedOffset) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            tmax[h] = quad_max(tmax[h]);
-            alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
-            l_run[h] *= alpha[h];
-          }
-        }
+        if constexpr (!Var::kFixedOffset) advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
 #pragma unroll
         for (int n = 0; n < TILE_N / 8; ++n) {
 #pragma unroll

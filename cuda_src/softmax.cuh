@@ -20,6 +20,21 @@ __device__ __forceinline__ float softmax_advance(float& m_run, float tile_max, f
   return alpha;
 }
 
+// The two rows a thread holds of an m16 accumulator fragment (rows lane / 4 and + 8, each
+// spread over a quad of lanes): each row's tile maximum taken over its quad, its running
+// maximum advanced (softmax_advance: `sub` and the rescale factor `alpha`), its running
+// sum rescaled.
+__device__ __forceinline__ void advance_fragment_rows(float (&tmax)[2], float (&m_run)[2],
+                                                      float (&l_run)[2], float (&sub)[2],
+                                                      float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    tmax[h] = quad_max(tmax[h]);
+    alpha[h] = softmax_advance(m_run[h], tmax[h], sub[h]);
+    l_run[h] *= alpha[h];
+  }
+}
+
 // Weight of a partial result (max m_p, sum l_p) in a merge whose overall maximum is m:
 // out = sum_p w_p o_p / sum_p w_p with o_p the partial's normalized output. A partial that
 // saw no key (m_p = -inf) weighs 0, also when every partial is empty (m = -inf); a NaN

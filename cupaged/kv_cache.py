@@ -963,16 +963,9 @@ class PagedKVCache(_PagedCache):
                  block_size: int, dtype="float16", *, kv_layout: str = "vllm",
                  prefix_caching: bool = False, framework: str = "cupy", device=None,
                  kv_cache_dtype: str = "auto", kv_scales: str = "tensor"):
-        import cupy
+        from . import _checks
 
-        from . import _checks, _dtypes
-
-        if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
-            raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
-                             f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
-        dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
-        if dt is None:
-            raise TypeError(f"dtype {dtype} is not supported: expected {_dtypes.supported_names()}")
+        dt = _model_dtype(dtype)
         fmt = _fp8_format(kv_cache_dtype, kv_scales, dt)
         _checks.check_head_size(head_size)
         if fmt is not None:
@@ -988,11 +981,8 @@ class PagedKVCache(_PagedCache):
         self.kv_layout = kv_layout
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.head_size = head_size
-        # fp8 storage: torch's float8 type for torch (its dtype then names the format too),
-        # bytes for CuPy; either way cache.kv_cache_dtype names the format.
-        store = dt.numpy if fmt is None else (
-            fmt.numpy if framework == "torch" and fmt.numpy is not None else np.dtype(np.uint8))
-        self._itemsize = dt.itemsize if fmt is None else 1
+        store = _storage_dtype(dt, fmt, framework)
+        self._itemsize = store.itemsize
         k_shape, v_shape = _cache_shapes(kv_layout, num_blocks, num_kv_heads, head_size,
                                          block_size, self._itemsize)
         self.key_caches = [self._empty(k_shape, store) for _ in range(num_layers)]
@@ -1078,13 +1068,8 @@ class PagedMLACache(_PagedCache):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, dtype="bfloat16",
                  *, kv_lora_rank: int = 512, rope_dim: int = 64, prefix_caching: bool = False,
                  framework: str = "cupy", device=None, kv_cache_dtype: str = "auto"):
-        from . import _dtypes
-
-        if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
-            raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
-                             f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
-        dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
-        if dt is None or dt.itemsize != 2:
+        dt = _model_dtype(dtype)
+        if dt.itemsize != 2:
             raise TypeError(f"dtype {dtype} is not supported: MLA takes float16 or bfloat16")
         if (kv_lora_rank, rope_dim) != (self.KV_LORA_RANK, self.ROPE_DIM):
             raise ValueError(f"kv_lora_rank {kv_lora_rank} and rope_dim {rope_dim} are not "
@@ -1097,9 +1082,8 @@ class PagedMLACache(_PagedCache):
         self.kv_cache_dtype = "auto" if fmt is None else f"fp8_{fmt.name}"
         self.num_layers = num_layers
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
-        store = dt.numpy if fmt is None else (
-            fmt.numpy if framework == "torch" and fmt.numpy is not None else np.dtype(np.uint8))
-        self._itemsize = dt.itemsize if fmt is None else 1
+        store = _storage_dtype(dt, fmt, framework)
+        self._itemsize = store.itemsize
         shape = (num_blocks, block_size, kv_lora_rank + rope_dim)
         self.kv_caches = [self._empty(shape, store) for _ in range(num_layers)]
         self.scales = ([None] * num_layers if fmt is None else
@@ -1116,6 +1100,28 @@ class PagedMLACache(_PagedCache):
         from .cache_ops import copy_blocks_mla
 
         copy_blocks_mla(self.kv_caches, pairs)
+
+
+def _model_dtype(dtype):
+    """The ``_dtypes.DType`` of a cache's ``dtype`` argument, the model's (queries') type."""
+    from . import _dtypes
+
+    if isinstance(dtype, str) and dtype in _dtypes.KV_CACHE_DTYPES:
+        raise ValueError(f"dtype is the model's (the queries') dtype; for an fp8 cache pass "
+                         f"dtype='float16' or 'bfloat16' and kv_cache_dtype={dtype!r}")
+    dt = _dtypes.parse(dtype) if isinstance(dtype, str) else _dtypes.lookup(dtype)
+    if dt is None:
+        raise TypeError(f"dtype {dtype} is not supported: expected {_dtypes.supported_names()}")
+    return dt
+
+
+def _storage_dtype(dt, fmt, framework: str) -> np.dtype:
+    """What a cache's elements are stored as: the model's ``dt``, or for an fp8 ``fmt``
+    torch's float8 type (its dtype then names the format too) or bytes for CuPy (the
+    cache's ``kv_cache_dtype`` names the format)."""
+    if fmt is None:
+        return np.dtype(dt.numpy)
+    return np.dtype(fmt.numpy if framework == "torch" and fmt.numpy is not None else np.uint8)
 
 
 def _fp8_format(kv_cache_dtype, kv_scales, dt):

@@ -1075,8 +1075,9 @@ _BF16 = _dtypes.BF16.numpy
 
 @pytest.fixture
 def host_arrays(monkeypatch):
-    """PagedKVCache allocates NumPy arrays of the dtypes it asks for (ml_dtypes' float8
-    for torch's float8 tensors), so it can be built without a GPU (with ``device=0``)."""
+    """PagedKVCache and PagedMLACache allocate NumPy arrays of the dtypes they ask for
+    (ml_dtypes' float8 for torch's float8 tensors), so they can be built without a GPU
+    (with ``device=0``)."""
     def empty(self, shape, dtype, fill=None):
         a = np.empty(shape, dtype)
         if fill is not None:
@@ -1084,6 +1085,7 @@ def host_arrays(monkeypatch):
         return a
 
     monkeypatch.setattr(PagedKVCache, "_empty", empty)
+    monkeypatch.setattr(cupaged.PagedMLACache, "_empty", empty)
 
 
 def test_cache_shapes_of_one_byte_elements():
@@ -1697,22 +1699,10 @@ def test_fp8_fork_copies_token_scales(rng, layout, framework, kvh, bs):
 # ---- PagedMLACache ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def host_latent(monkeypatch):
-    """PagedMLACache over NumPy arrays (built without a GPU, with ``device=0``)."""
-    def empty(self, shape, dtype, fill=None):
-        a = np.empty(shape, dtype)
-        if fill is not None:
-            a.fill(fill)
-        return a
-
-    monkeypatch.setattr(cupaged.PagedMLACache, "_empty", empty)
-
-
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 @pytest.mark.parametrize("kv, dtype", [("auto", "bfloat16"), ("auto", "float16"),
                                        ("fp8", "bfloat16"), ("fp8_e5m2", "float16")])
-def test_latent_cache_shapes_dtypes_and_scales(host_latent, framework, kv, dtype):
+def test_latent_cache_shapes_dtypes_and_scales(host_arrays, framework, kv, dtype):
     layers, nb, bs = 3, 10, 64
     cache = cupaged.PagedMLACache(layers, nb, bs, dtype, framework=framework, device=0,
                                   kv_cache_dtype=kv)
@@ -1748,14 +1738,14 @@ def test_latent_cache_shapes_dtypes_and_scales(host_latent, framework, kv, dtype
     (dict(kv_cache_dtype="int8"), ValueError, "kv_cache_dtype must be"),
     (dict(framework="jax"), ValueError, "framework must be 'cupy' or 'torch'"),
 ])
-def test_latent_cache_arguments_are_checked(host_latent, kw, error, match):
+def test_latent_cache_arguments_are_checked(host_arrays, kw, error, match):
     args = dict(num_layers=2, num_blocks=4, block_size=16, device=0)
     args.update(kw)
     with pytest.raises(error, match=match):
         cupaged.PagedMLACache(**args)
 
 
-def test_latent_cache_step_copies_latent_blocks_on_write(host_latent, monkeypatch):
+def test_latent_cache_step_copies_latent_blocks_on_write(host_arrays, monkeypatch):
     """step's copy-on-write goes through copy_blocks_mla with every layer's cache and the
     plan's (source, destination) pairs; the upload is replaced by host views."""
     calls = []
