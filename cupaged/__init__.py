@@ -29,7 +29,13 @@ Public API:
     precompile              compile specializations ahead of use
     KernelSpec              one specialization (its .name appears in caches and errors)
     reference               float64 NumPy reference implementation
+
+With torch imported before cupaged (or ``import cupaged.integrations.torch_ops``), the
+entry points are also PyTorch custom ops, ``torch.ops.cupaged.*``, for torch.compile and
+opcheck (:mod:`cupaged.integrations.torch_ops`).
 """
+
+import sys as _sys
 
 from . import reference
 from .decode import (
@@ -58,6 +64,9 @@ from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Page
                        Step)
 
 __version__ = "0.1.0"
+
+if "torch" in _sys.modules:  # torch.ops.cupaged.*; never imports torch itself
+    from .integrations import torch_ops as _torch_ops  # noqa: F401
 
 __all__ = [
     "AttentionPlan",
