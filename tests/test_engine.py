@@ -810,6 +810,30 @@ def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__[9:])
+def test_compiled_engine_on_gpu_matches_transformers(tiny_gpu, scenario):
+    """The model under torch.compile(fullgraph=True), attention through torch.ops.cupaged,
+    decode steps in CUDA graphs of the compiled forward: generate's tokens."""
+    model, hf = tiny_gpu
+    engines = scenario(model, hf, _gpu_cache(model, "HND"), cuda_graphs=True, compile=True)
+    for engine in engines:
+        assert engine.graphs.num_replays > 0 and engine.forward is not model.forward
+
+
+def test_compile_needs_the_default_backend_and_per_tensor_scales(tiny_cpu, monkeypatch):
+    from cupaged.serving.engine import Engine
+
+    model, _ = tiny_cpu
+    kernels = HostKernels(monkeypatch)
+    cache = kernels.cache(16, 4, False, model_config=model.config)
+    with pytest.raises(ValueError, match="compile=True .* default attention backend"):
+        Engine(model, cache, compile=True, attention=lambda *a: None)
+    cache.kv_scales = "token"
+    with pytest.raises(ValueError, match="per-tensor fp8 scales"):
+        Engine(model, cache, compile=True)
+
+
+@pytest.mark.gpu
 def test_cuda_graphs_with_a_short_max_model_len_fall_back_to_eager(tiny_gpu):
     """Sequences longer than max_model_len run eagerly (the graphs' tables are narrower),
     with the same tokens; captured sizes up front are used and others are refused."""

@@ -834,8 +834,9 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
 @click.option("--request-rate", type=float, default=float("inf"),
               help="Requests per second, Poisson arrivals. Default: all at once.")
 @click.option("--systems", "systems", multiple=True,
-              type=click.Choice(["cupaged", "cupaged-eager", "concat", "hf", "flashinfer"]),
-              help="Repeatable. Default: every one available here.")
+              type=click.Choice(["cupaged", "cupaged-eager", "concat", "hf", "flashinfer",
+                                 "cupaged-compiled"]),
+              help="Repeatable. Default: every one available here but cupaged-compiled.")
 @click.option("--max-batched-tokens", type=click.IntRange(1), default=2048, show_default=True,
               help="Query tokens per step (cupaged, flashinfer, concat).")
 @click.option("--max-running", type=click.IntRange(1), default=256, show_default=True,
@@ -867,7 +868,8 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     """Serve one workload of random requests end to end through several systems, with
     the same model weights and the same requests for each: cupaged (the engine's
     continuous batching over a PagedKVCache, decode steps in CUDA graphs), cupaged-eager
-    (the same, every step launched from Python), flashinfer (the same engine, eager, with FlashInfer's
+    (the same, every step launched from Python), cupaged-compiled (cupaged with the model
+    under torch.compile, attention through torch.ops.cupaged; only when named), flashinfer (the same engine, eager, with FlashInfer's
     paged decode and prefill kernels for attention), concat (continuous batching with contiguous
     per-request K/V grown by torch.cat, attention by torch SDPA, admission reserving
     prompt + output per request in the same KV budget) and hf (transformers' generate on
@@ -900,7 +902,7 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
             raise click.UsageError(f"--systems {s}: {why}")
     chosen = list(dict.fromkeys(systems))
     if not chosen:
-        for s in e2e.SYSTEMS:
+        for s in e2e.DEFAULT_SYSTEMS:
             why = e2e.unsupported(s, workload) or e2e.unavailable(s)
             if why:
                 click.echo(f"{s} left out: {why}")

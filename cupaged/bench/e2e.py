@@ -13,6 +13,11 @@ all at once or Poisson. The systems:
   ``output_len``, every graph captured before the timed run).
 - ``cupaged-eager``: the same without CUDA graphs: every step launched from Python, as
   the flashinfer system runs.
+- ``cupaged-compiled``: ``cupaged`` with the model under ``torch.compile``
+  (``Engine(compile=True)``: attention through ``torch.ops.cupaged``, the rest fused by
+  inductor), decode steps in CUDA graphs of the compiled forward. Its compiles happen
+  in the warm-up and graph capture, before the timed run; only named with ``--systems``.
+  No breakdown (the profiling pass runs the model eagerly).
 - ``flashinfer``: the same engine and cache (run eagerly), FlashInfer's paged kernels
   in place of ``cupaged.attention`` (:class:`FlashInferAttention`: its decode wrapper on
   tensor cores for the step's decodes, its prefill wrapper for the prompt chunks, each
@@ -59,14 +64,16 @@ import numpy as np
 from .. import _dtypes
 from ..serving.engine import Completion, Request, RequestOutput
 
-__all__ = ["SYSTEMS", "ConcatEngine", "FlashInferAttention", "Harness", "SystemResult",
+__all__ = ["DEFAULT_SYSTEMS", "SYSTEMS", "ConcatEngine", "FlashInferAttention", "Harness", "SystemResult",
            "Workload", "arrival_offsets", "breakdown_lines", "contiguous_reservation",
            "hf_batch_size", "kv_bytes_per_token", "kv_cache_blocks", "make_requests", "run",
            "serve", "summarize", "table_lines", "unavailable", "unsupported",
            "warmup_requests", "write_csv", "write_json", "write_plot"]
 
-SYSTEMS = ("cupaged", "cupaged-eager", "flashinfer", "concat", "hf")
-ENGINE_SYSTEMS = SYSTEMS[:3]  # Engine over a PagedKVCache: _run_engine
+SYSTEMS = ("cupaged", "cupaged-eager", "flashinfer", "concat", "hf", "cupaged-compiled")
+# Run when none is named: all but the compiled engine, whose compiles take minutes.
+DEFAULT_SYSTEMS = SYSTEMS[:5]
+ENGINE_SYSTEMS = ("cupaged", "cupaged-eager", "flashinfer", "cupaged-compiled")  # _run_engine
 PRESETS = ("llama-3.2-1b", "llama-3-8b", "tiny")
 DTYPES = ("bfloat16", "float16", "float32")
 KV_LAYOUTS = ("HND", "NHD", "vllm")
@@ -647,14 +654,14 @@ class Harness:
                                     device=self.device.index,
                                     kv_cache_dtype=w.kv_cache_dtype)
 
-    def _engine(self, cache, backend, model=None, cuda_graphs=False):
+    def _engine(self, cache, backend, model=None, cuda_graphs=False, compile=False):
         from ..serving.engine import Engine
 
         w = self.workload
         return Engine(self.model if model is None else model, cache,
                       max_batched_tokens=w.max_batched_tokens, max_running=w.max_running,
                       attention=backend, cuda_graphs=cuda_graphs,
-                      max_model_len=w.prompt_len[1] + w.output_len)
+                      max_model_len=w.prompt_len[1] + w.output_len, compile=compile)
 
     def _run_engine(self, system: str):
         from ..serving.engine import PagedAttention
@@ -662,8 +669,9 @@ class Harness:
         cache = self.make_cache()
         backend = (FlashInferAttention(cache, self.config) if system == "flashinfer"
                    else PagedAttention)
-        graphs = system == "cupaged"
-        engine = self._engine(cache, backend, cuda_graphs=graphs)
+        graphs = system in ("cupaged", "cupaged-compiled")
+        engine = self._engine(cache, backend, cuda_graphs=graphs,
+                              compile=system == "cupaged-compiled")
         engine.run(warmup_requests(self.workload.block_size))  # compiles, loads, plans
         if graphs:
             engine.capture_graphs()
@@ -686,7 +694,7 @@ class Harness:
                               kv_budget_bytes=self.num_blocks * cache.bytes_per_block,
                               kv_peak_bytes=peak[0], kv_reserved_peak_bytes=peak[0],
                               steps=steps[0], peak_running=running[0])
-        if self.workload.breakdown:
+        if self.workload.breakdown and system != "cupaged-compiled":
             fractions = self.breakdown(cache, backend, engine if graphs else None)
             result.attention_fraction, result.model_fraction, result.host_fraction = fractions
         return result, outputs

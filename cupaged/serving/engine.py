@@ -46,8 +46,8 @@ import numpy as np
 from .. import cache_ops
 from ..attention import AttentionPlan, attention
 
-__all__ = ["Batch", "Completion", "Engine", "PagedAttention", "Request", "RequestOutput",
-           "SampleId", "Scheduler"]
+__all__ = ["Batch", "Completion", "Engine", "OpsAttention", "PagedAttention", "Request",
+           "RequestOutput", "SampleId", "Scheduler"]
 
 
 def _available_blocks(manager) -> int:
@@ -553,6 +553,31 @@ class PagedAttention:
         return self.plan.run(q, kc, vc, out=self.options["out"])
 
 
+class OpsAttention(PagedAttention):
+    """The attention backend of a compiled engine (``Engine(compile=True)``): the same
+    cache write and attention as :class:`PagedAttention`, through the custom ops
+    ``torch.ops.cupaged.reshape_and_cache`` and ``torch.ops.cupaged.attention``, which
+    ``torch.compile`` traces without a graph break (no plan object: each layer's call is
+    an op in the graph, its output allocated in the graph). Per-tensor fp8 scales are
+    passed as the ops' scale tensors; per-token scales are not taken (see
+    :mod:`cupaged.integrations.torch_ops`)."""
+
+    def __call__(self, layer: int, q, k, v):
+        import torch
+
+        ops = torch.ops.cupaged
+        cache = self.cache
+        kc, vc = cache.key_caches[layer], cache.value_caches[layer]
+        kw = cache.layer_kwargs(layer)
+        ops.reshape_and_cache(k, v, kc, vc, self.slot_mapping, kw["kv_cache_dtype"],
+                              kw["k_scale"], kw["v_scale"], kv_layout=cache.kv_layout)
+        out = torch.empty_like(q)
+        ops.attention(q, kc, vc, *self.tables, out, kv_layout=cache.kv_layout, causal=True,
+                      max_query_len=self.options["max_query_len"],
+                      max_seq_len=self.options["max_seq_len"], **kw)
+        return out
+
+
 def _graph_sizes(max_batch: int) -> list:
     """The padded batch sizes of decode graphs: 1, 2, 4, 8, then multiples of 8, up to
     the first that holds ``max_batch``."""
@@ -570,13 +595,15 @@ class _DecodeGraphs:
     and marks the padding rows (slot -1: no write; length 0: no keys, a zero output row
     that nothing samples)."""
 
-    def __init__(self, model, cache, max_batch: int, max_model_len: int):
+    def __init__(self, model, cache, max_batch: int, max_model_len: int, forward=None,
+                 backend=PagedAttention):
         import torch
 
         from ..decode import DecodeWorkspace
 
         c = model.config
         self.model, self.cache = model, cache
+        self.forward, self.backend = forward or model.forward, backend
         self.sizes = _graph_sizes(max_batch)
         m = self.sizes[-1]
         self.width = _blocks(max_model_len, cache.block_size)
@@ -682,11 +709,11 @@ class _DecodeGraphs:
     def _forward(self, b: int):
         """The greedy tokens of the first ``b`` rows (launched on the current stream)."""
         m = self.sizes[-1]
-        attention = PagedAttention._static(
+        attention = self.backend._static(
             self.cache, self.slots[:b], (self.tables[:b], self.lens[:b], self.starts[:b + 1]),
             max_query_len=1, max_seq_len=self.max_seq_len, out=self.out[:b],
             workspace=self.workspace)
-        logits = self.model.forward(self.inputs[:b], self.inputs[m:m + b], attention)
+        logits = self.forward(self.inputs[:b], self.inputs[m:m + b], attention)
         return logits.argmax(dim=-1)
 
 
@@ -714,13 +741,20 @@ class Engine:
     longer sequence runs eagerly. Graphs need the default attention backend and keep
     their inputs, outputs and activations (the largest batch's) allocated.
 
+    ``compile=True``: the model's forward runs under ``torch.compile(fullgraph=True)``
+    (inductor fuses the norms, RoPE, activations and residuals), its attention through
+    ``torch.ops.cupaged`` (:class:`OpsAttention`), in every step and in the decode
+    graphs. The first steps of new shapes compile (seconds each; the token count becomes
+    dynamic after the first change, so a handful of graphs serve every step). It needs
+    the default attention backend and, for fp8 caches, per-tensor scales.
+
     ``submit(request)`` queues a request, ``step()`` runs one batch and returns the
     requests that finished, ``run(requests)`` does both until everything is done.
     """
 
     def __init__(self, model, cache, *, max_batched_tokens: int = 2048, max_running: int = 256,
                  attention=PagedAttention, cuda_graphs: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, compile: bool = False):
         import torch  # noqa: F401  (_arrays maps dtypes through the imported torch)
 
         from .. import _arrays
@@ -736,6 +770,21 @@ class Engine:
         if _arrays.torch_dtype(cache.dtype) != model.dtype:
             raise ValueError(f"the model's dtype is {model.dtype}, the cache's {cache.dtype}")
         self.model, self.cache, self.attention = model, cache, attention
+        self.forward = model.forward
+        if compile:
+            if attention is not PagedAttention:
+                raise ValueError("compile=True runs cupaged's attention through its torch ops: "
+                                 "it needs the default attention backend")
+            if cache.kv_scales == "token":
+                raise ValueError("compile=True takes per-tensor fp8 scales (the ops do not "
+                                 "write per-token scale arrays): make the cache with "
+                                 "kv_scales='tensor'")
+            import torch
+
+            from ..integrations import torch_ops  # noqa: F401  (registers torch.ops.cupaged)
+
+            self.attention = OpsAttention
+            self.forward = torch.compile(model.forward, fullgraph=True)
         self.device = cache.key_caches[0].device
         self.scheduler = Scheduler(cache.manager, max_batched_tokens=max_batched_tokens,
                                    max_running=max_running)
@@ -754,7 +803,8 @@ class Engine:
                 length = 0
             if isinstance(max_model_len, bool) or length < 1:
                 raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-            self.graphs = _DecodeGraphs(model, cache, max_running, length)
+            self.graphs = _DecodeGraphs(model, cache, max_running, length, self.forward,
+                                        self.attention)
 
     def submit(self, request: Request) -> RequestOutput:
         """Queue a request (see :meth:`Scheduler.submit`); returns its output, filled in
@@ -819,5 +869,5 @@ class Engine:
             slot_mapping, query_start_loc = step.slot_mapping, step.query_start_loc
         attention = self.attention(cache, batch, slot_mapping, step.block_tables, step.seq_lens,
                                    query_start_loc)
-        logits = self.model.forward(tokens, positions, attention, logits_rows)
+        logits = self.forward(tokens, positions, attention, logits_rows)
         return logits.argmax(dim=-1).tolist()

@@ -156,7 +156,8 @@ class Llama:
         sd["lm_head.weight"] = self.lm_head
         return sd
 
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: torch.compile cannot trace inference tensors.
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of a flat batch of ``T`` tokens.
