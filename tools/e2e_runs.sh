@@ -5,6 +5,8 @@
 #   main       llama-3-8b bf16, 256 requests, 128..2048 -> 256 tokens: cupaged, cupaged-eager, hf
 #   main-fi    the same workload: flashinfer (carry .flashinfer)
 #   main-concat  the same workload: concat
+#   compiled   the same workload: cupaged, cupaged-compiled (torch.compile) and, where
+#              .flashinfer is carried, flashinfer; no breakdown pass (time)
 #   prefix     a 2048-token system prompt: prefill-only runs (1 output token), prefix caching
 #              on and off, user parts 128..2048 and 128..512
 #   fp8        bf16 and fp8 caches under a KV budget that binds: peak running requests
@@ -18,6 +20,9 @@ case "$name" in
            --systems cupaged --systems cupaged-eager --systems concat "$@" ;;
   main) e2e main $MAIN8B --systems cupaged --systems cupaged-eager --systems hf "$@" ;;
   main-fi) e2e main-fi $MAIN8B --systems flashinfer "$@" ;;
+  compiled) fi=(); [ -f .flashinfer/setup.sh ] && fi=(--systems flashinfer)
+    e2e compiled $MAIN8B --systems cupaged --systems cupaged-compiled "${fi[@]}" \
+      --no-breakdown "$@" ;;
   main-concat) e2e main-concat $MAIN8B --systems concat --no-breakdown "$@" ;;
   prefix)
     for own in "2176 4096" "2176 2560"; do
