@@ -539,6 +539,14 @@ def scenario_preemption(model, hf, make_cache, **engine_kw):
 SCENARIOS = [scenario_chunked, scenario_forks, scenario_prefix, scenario_preemption]
 
 
+def _same(x, y) -> bool:
+    """The same array, or both None (by address: a compiled graph passes its own tensor
+    objects over the caller's memory)."""
+    if x is None or y is None:
+        return x is y
+    return x.data_ptr() == y.data_ptr() and x.shape == y.shape
+
+
 class HostKernels:
     """reshape_and_cache, attention and AttentionPlan done in torch on the host, over a
     PagedKVCache stand-in with CPU tensors in NHD; each call is bound to the real
@@ -553,6 +561,7 @@ class HostKernels:
         self.sig_write, self.sig_attend = inspect.signature(real[0]), inspect.signature(real[1])
         self.sig_plan, self.sig_run = inspect.signature(real[2]), inspect.signature(real[2].run)
         self.calls = defaultdict(int)
+        self.functional = False
         kernels = self
 
         class Plan:
@@ -606,9 +615,12 @@ class HostKernels:
     def _check_scales(self, a):
         cache = self._cache
         assert a["kv_cache_dtype"] == cache.kv_cache_dtype and a["kv_layout"] == cache.kv_layout
-        layer = [i for i, kc in enumerate(cache.key_caches) if kc is a["key_cache"]]
-        assert len(layer) == 1 and cache.value_caches[layer[0]] is a["value_cache"]
-        assert a["k_scale"] is cache.k_scales[layer[0]] and a["v_scale"] is cache.v_scales[layer[0]]
+        if self.functional:  # a functionalized graph's ops get copies, not the caches
+            return
+        layer = [i for i, kc in enumerate(cache.key_caches) if _same(kc, a["key_cache"])]
+        assert len(layer) == 1 and _same(cache.value_caches[layer[0]], a["value_cache"])
+        assert _same(a["k_scale"], cache.k_scales[layer[0]])
+        assert _same(a["v_scale"], cache.v_scales[layer[0]])
 
     def reshape_and_cache(self, *args, **kwargs):
         import torch
@@ -979,3 +991,65 @@ def test_serve_example_runs(tiny_gpu):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "12 requests" in r.stdout and "72 output tokens" in r.stdout, r.stdout
         assert f"CUDA graphs {'off' if extra else 'on'}" in r.stdout
+
+
+# ---- the compiled engine on the host -----------------------------------------------------------
+
+_HOST_OPS = {}  # "kernels": the HostKernels serving torch.ops.cupaged on CPU tensors
+
+
+def _register_host_ops():
+    """CPU kernels for the two ops the compiled engine calls, running whichever
+    HostKernels the test made (registered once: a registration lasts the process)."""
+    import torch
+
+    from cupaged.integrations import torch_ops
+
+    if _HOST_OPS.get("registered"):
+        return
+
+    def write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+              k_scale=None, v_scale=None, kv_layout="vllm"):
+        _HOST_OPS["kernels"].reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                               kv_cache_dtype, k_scale, v_scale,
+                                               kv_layout=kv_layout)
+
+    def attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, lse,
+               kv_layout="NHD", causal=True, scale=None, alibi_slopes=None,
+               max_query_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=None,
+               v_scale=None, window=None, logits_soft_cap=None, sinks=None):
+        kernels = _HOST_OPS["kernels"]
+        kernels.calls["op"] += 1
+        out.copy_(kernels._attend(dict(
+            query=query, key_cache=key_cache, value_cache=value_cache,
+            block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+            kv_layout=kv_layout, causal=causal, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+            v_scale=v_scale)))
+
+    torch_ops.reshape_and_cache.register_kernel("cpu")(write)
+    torch_ops.attention.register_kernel("cpu")(attend)
+    _HOST_OPS["registered"] = True
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__[9:])
+def test_compiled_engine_on_host_matches_transformers(tiny_cpu, monkeypatch, scenario):
+    """Engine(compile=...): the forward traced whole by dynamo (fullgraph) and functionalized
+    (aot_eager: no inductor build on the CPU), its attention through torch.ops.cupaged,
+    served here by the host kernels: generate's tokens, every attention call an op call,
+    and few graphs for all the scenario's steps (the token count and the bounds turn
+    dynamic instead of recompiling every step)."""
+    import torch
+
+    model, hf = tiny_cpu
+    kernels = HostKernels(monkeypatch)
+    _register_host_ops()
+    monkeypatch.setitem(_HOST_OPS, "kernels", kernels)
+    kernels.functional = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engines = scenario(model, hf, lambda *a: kernels.cache(*a, model_config=model.config),
+                       compile={"backend": "aot_eager"})
+    assert kernels.calls["op"] > 0 and kernels.calls["plan.run"] == kernels.calls["attention"] == 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 6, f"{graphs} graphs for {len(engines)} engines"

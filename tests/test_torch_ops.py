@@ -94,7 +94,7 @@ def _decode_layer(hidden, wqkv, wo, kc, vc, slots, bt, seq_lens, heads: int, kv_
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     torch.ops.cupaged.attention(q, kc, vc, bt, seq_lens, None, out, lse, max_query_len=1)
     merged = torch.empty_like(out)
-    torch.ops.cupaged.merge_state(out, lse, q, lse - 1.0, merged)
+    torch.ops.cupaged.merge_state(out, lse, q, lse - 1.0, merged, None)
     return merged.flatten(1) @ wo
 
 
@@ -166,17 +166,17 @@ def _cases(rng) -> dict:
     d = {k: _cuda(v) for k, v in h.items() if v is not None}
     q = d["query"]
     c["attention"] = ([q, d["key_cache"], d["value_cache"], d["block_tables"], d["seq_lens"],
-                       d["query_start_loc"], _nan_like(q)],
-                      dict(lse=torch.full(q.shape[:2], float("nan"), device="cuda"), scale=0.1,
-                           max_query_len=17))
+                       d["query_start_loc"], _nan_like(q),
+                       torch.full(q.shape[:2], float("nan"), device="cuda")],
+                      dict(scale=0.1, max_query_len=17))
 
     m = {k: _cuda(v) for k, v in make_mla(rng, [1, 2, 0, 5], [7, 70, 3, 5], heads=16,
                                           block_size=64).items()}
     mo = torch.full((m["q"].shape[0], 16, RANK), float("nan"), dtype=m["q"].dtype, device="cuda")
     c["mla_attention"] = ([m["q"][..., :RANK], m["kv_cache"], m["block_tables"], m["seq_lens"],
-                           m["query_start_loc"], mo, float(SCALE)],
-                          dict(q_pe=m["q"][..., RANK:],
-                               lse=torch.full(mo.shape[:2], float("nan"), device="cuda")))
+                           m["query_start_loc"], mo,
+                           torch.full(mo.shape[:2], float("nan"), device="cuda"), float(SCALE)],
+                          dict(q_pe=m["q"][..., RANK:]))
 
     hv = make_varlen(rng, [1, 1, 1], [1, 300, 33], layout="vllm", dtype="f16", heads=8,
                      kv_heads=2, head_size=64, block_size=16)
@@ -203,7 +203,7 @@ def _cases(rng) -> dict:
     lat = _cuda(testing.random_normal((nb, bs, RANK + ROPE), np.float16, rng))
     c["concat_and_cache_mla"] = ([_cuda(testing.random_normal((5, RANK), np.float16, rng)),
                                   _cuda(testing.random_normal((5, ROPE), np.float16, rng)),
-                                  lat, slots], {})
+                                  lat, slots, "auto", None, None], {})
     pairs = torch.tensor([[0, 5], [7, 2], [3, 3]], device="cuda")
     c["copy_blocks"] = ([[kc.clone(), kc.clone()], [vc.clone(), vc.clone()], pairs], {})
     c["copy_blocks_mla"] = ([[lat.clone(), lat.clone()], pairs], {})
@@ -259,12 +259,14 @@ def test_op_writes_what_its_python_function_writes(rng, name):
         cupaged.attention(*a2[:6], out=call["out"], lse=call["lse"], scale=call["scale"],
                           max_query_len=call["max_query_len"])
     elif name == "mla_attention":
-        q, cache, bt, lens, qsl, out, scale = a2
+        q, cache, bt, lens, qsl, out, lse, scale = a2
         cupaged.mla_attention((q, k2["q_pe"]), cache, bt, lens, qsl, scale=scale, out=out,
-                              lse=k2["lse"])
+                              lse=lse)
     elif name in ("merge_state", "merge_states"):
         *ins, out, lse_out = a2
         getattr(cupaged, name)(*ins, out=out, lse_out=lse_out)
+    elif name == "concat_and_cache_mla":
+        cupaged.concat_and_cache_mla(*a2[:6], k_pe_cache=a2[6])
     else:
         getattr(cupaged, name)(*a2, **k2)
     torch.cuda.synchronize()

@@ -47,7 +47,9 @@ __all__ = ["OPS"]
 Tensor = torch.Tensor
 
 # The module-level functions below are the ops' real implementations (CUDA); each has a
-# fake one for tracing. Schemas are inferred from the annotations.
+# fake one for tracing. Schemas are inferred from the annotations. An optional written
+# argument (lse, lse_out, k_pe_cache) has no default: it is always passed, None or a
+# tensor (torch before 2.13 fails on a written argument left to its default).
 
 
 def _per_tensor(scale: Optional[Tensor], name: str) -> Optional[Tensor]:
@@ -62,7 +64,7 @@ def _per_tensor(scale: Optional[Tensor], name: str) -> Optional[Tensor]:
 @torch.library.custom_op("cupaged::attention", mutates_args=("out", "lse"))
 def attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
               seq_lens: Tensor, query_start_loc: Optional[Tensor], out: Tensor,
-              lse: Optional[Tensor] = None, kv_layout: str = "NHD", causal: bool = True,
+              lse: Optional[Tensor], kv_layout: str = "NHD", causal: bool = True,
               scale: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
               max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
               kv_cache_dtype: str = "auto", k_scale: Optional[Tensor] = None,
@@ -78,7 +80,7 @@ def attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table
 
 
 @attention.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, lse=None,
+def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, lse,
       kv_layout="NHD", causal=True, scale=None, alibi_slopes=None, max_query_len=None,
       max_seq_len=None, kv_cache_dtype="auto", k_scale=None, v_scale=None, window=None,
       logits_soft_cap=None, sinks=None):
@@ -87,8 +89,8 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, ou
 
 @torch.library.custom_op("cupaged::mla_attention", mutates_args=("out", "lse"))
 def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                  query_start_loc: Optional[Tensor], out: Tensor, scale: float,
-                  lse: Optional[Tensor] = None, q_pe: Optional[Tensor] = None,
+                  query_start_loc: Optional[Tensor], out: Tensor, lse: Optional[Tensor],
+                  scale: float, q_pe: Optional[Tensor] = None,
                   kv_lora_rank: Optional[int] = None, k_pe_cache: Optional[Tensor] = None,
                   causal: bool = True, max_query_len: Optional[int] = None,
                   max_seq_len: Optional[int] = None, kv_cache_dtype: str = "auto",
@@ -102,7 +104,7 @@ def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: T
 
 
 @mla_attention.register_fake
-def _(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, lse=None, q_pe=None,
+def _(q, kv_cache, block_tables, seq_lens, query_start_loc, out, lse, scale, q_pe=None,
       kv_lora_rank=None, k_pe_cache=None, causal=True, max_query_len=None, max_seq_len=None,
       kv_cache_dtype="auto", k_scale=None):
     return None
@@ -192,14 +194,14 @@ def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k
 
 @torch.library.custom_op("cupaged::concat_and_cache_mla", mutates_args=("kv_cache", "k_pe_cache"))
 def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                         kv_cache_dtype: str = "auto", scale: Optional[Tensor] = None,
-                         k_pe_cache: Optional[Tensor] = None) -> None:
+                         kv_cache_dtype: str, scale: Optional[Tensor],
+                         k_pe_cache: Optional[Tensor]) -> None:
     cache_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
                                    _per_tensor(scale, "scale"), k_pe_cache=k_pe_cache)
 
 
 @concat_and_cache_mla.register_fake
-def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None, k_pe_cache=None):
+def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, k_pe_cache):
     return None
 
 
@@ -236,25 +238,24 @@ def _(src, dst, block_mapping):
 
 @torch.library.custom_op("cupaged::merge_state", mutates_args=("out", "lse_out"))
 def merge_state(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Tensor,
-                lse_out: Optional[Tensor] = None) -> None:
+                lse_out: Optional[Tensor]) -> None:
     merge.merge_state(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse_out)
 
 
 @merge_state.register_fake
-def _(out_a, lse_a, out_b, lse_b, out, lse_out=None):
+def _(out_a, lse_a, out_b, lse_b, out, lse_out):
     return None
 
 
 @torch.library.custom_op("cupaged::merge_states", mutates_args=("out", "lse_out"))
-def merge_states(outs: Tensor, lses: Tensor, out: Tensor,
-                 lse_out: Optional[Tensor] = None) -> None:
+def merge_states(outs: Tensor, lses: Tensor, out: Tensor, lse_out: Optional[Tensor]) -> None:
     """``outs``: stacked ``[num_states, rows, num_heads, head_size]``; ``lses``: stacked
     ``[num_states, rows, num_heads]``."""
     merge.merge_states(outs, lses, out=out, lse_out=lse_out)
 
 
 @merge_states.register_fake
-def _(outs, lses, out, lse_out=None):
+def _(outs, lses, out, lse_out):
     return None
 
 

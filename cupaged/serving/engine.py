@@ -563,18 +563,48 @@ class OpsAttention(PagedAttention):
     :mod:`cupaged.integrations.torch_ops`)."""
 
     def __call__(self, layer: int, q, k, v):
+        return self.layer(layer)(q, k, v)
+
+    def layer(self, layer: int) -> "_OpsLayer":
+        """``attend(q, k, v)`` of one layer, its arrays as attributes (a compiled layer's
+        inputs: see :meth:`cupaged.serving.llama.Llama.compiled`)."""
+        cache = self.cache
+        kw = cache.layer_kwargs(layer)
+        return _OpsLayer(cache.key_caches[layer], cache.value_caches[layer], kw["k_scale"],
+                         kw["v_scale"], self.slot_mapping, *self.tables,
+                         self.options["max_query_len"], self.options["max_seq_len"],
+                         cache.kv_layout, kw["kv_cache_dtype"])
+
+
+class _OpsLayer(NamedTuple):
+    """One layer's cache write and attention through ``torch.ops.cupaged``."""
+
+    key_cache: object
+    value_cache: object
+    k_scale: object
+    v_scale: object
+    slot_mapping: object
+    block_tables: object
+    seq_lens: object
+    query_start_loc: object
+    max_query_len: int
+    max_seq_len: int
+    kv_layout: str
+    kv_cache_dtype: str
+
+    def __call__(self, q, k, v):
         import torch
 
         ops = torch.ops.cupaged
-        cache = self.cache
-        kc, vc = cache.key_caches[layer], cache.value_caches[layer]
-        kw = cache.layer_kwargs(layer)
-        ops.reshape_and_cache(k, v, kc, vc, self.slot_mapping, kw["kv_cache_dtype"],
-                              kw["k_scale"], kw["v_scale"], kv_layout=cache.kv_layout)
+        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, self.slot_mapping,
+                              self.kv_cache_dtype, self.k_scale, self.v_scale,
+                              kv_layout=self.kv_layout)
         out = torch.empty_like(q)
-        ops.attention(q, kc, vc, *self.tables, out, kv_layout=cache.kv_layout, causal=True,
-                      max_query_len=self.options["max_query_len"],
-                      max_seq_len=self.options["max_seq_len"], **kw)
+        ops.attention(q, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                      self.query_start_loc, out, None, kv_layout=self.kv_layout, causal=True,
+                      max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                      kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scale,
+                      v_scale=self.v_scale)
         return out
 
 
@@ -746,7 +776,9 @@ class Engine:
     ``torch.ops.cupaged`` (:class:`OpsAttention`), in every step and in the decode
     graphs. The first steps of new shapes compile (seconds each; the token count becomes
     dynamic after the first change, so a handful of graphs serve every step). It needs
-    the default attention backend and, for fp8 caches, per-tensor scales.
+    the default attention backend and, for fp8 caches, per-tensor scales. A dict instead
+    of True: keyword arguments for ``torch.compile`` (``{"mode": "max-autotune"}``,
+    ``{"backend": "aot_eager"}``) over the defaults ``fullgraph=True, dynamic=True``.
 
     ``submit(request)`` queues a request, ``step()`` runs one batch and returns the
     requests that finished, ``run(requests)`` does both until everything is done.
@@ -754,7 +786,7 @@ class Engine:
 
     def __init__(self, model, cache, *, max_batched_tokens: int = 2048, max_running: int = 256,
                  attention=PagedAttention, cuda_graphs: bool = False,
-                 max_model_len: int | None = None, compile: bool = False):
+                 max_model_len: int | None = None, compile: bool | dict = False):
         import torch  # noqa: F401  (_arrays maps dtypes through the imported torch)
 
         from .. import _arrays
@@ -783,8 +815,16 @@ class Engine:
 
             from ..integrations import torch_ops  # noqa: F401  (registers torch.ops.cupaged)
 
+            if not hasattr(model, "compiled"):
+                raise ValueError("compile=True needs a model with compiled(**options) (such "
+                                 "as cupaged.serving.llama.Llama)")
             self.attention = OpsAttention
-            self.forward = torch.compile(model.forward, fullgraph=True)
+            # dynamic=True: the token count, the step's bounds and the table width are
+            # symbolic from the first compile, which would otherwise specialize on the
+            # first step's and recompile as each turns out to vary.
+            options = dict(fullgraph=True, dynamic=True)
+            options.update(compile if isinstance(compile, dict) else {})
+            self.forward = model.compiled(**options).forward
         self.device = cache.key_caches[0].device
         self.scheduler = Scheduler(cache.manager, max_batched_tokens=max_batched_tokens,
                                    max_running=max_running)

@@ -20,6 +20,7 @@ transformers only by :func:`to_hf`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Hashable, Sequence
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["DenseAttention", "Llama", "LlamaConfig", "SdpaAttention", "dense_attention", "to_hf"]
+__all__ = ["DenseAttention", "Llama", "LlamaConfig", "SdpaAttention", "decoder_layer",
+           "dense_attention", "to_hf"]
 
 # Attention as the model calls it: (layer, q [T, num_heads, head_dim], k [T, num_kv_heads,
 # head_dim], v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim].
@@ -177,25 +179,32 @@ class Llama:
         Returns: ``[len(logits_rows), vocab_size]`` logits in the model's dtype.
         """
         c = self.config
-        t = tokens.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self._rope(positions)
         h = F.embedding(tokens, self.embed)
+        compiled = self._compiled
         for layer, w in enumerate(self.layers):
-            x = _rms_norm(h, w.input_norm, c.rms_norm_eps)
-            q, k, v = F.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-            o = attention(layer, q, k, v.view(t, c.num_kv_heads, c.head_dim))
-            h = h + F.linear(o.reshape(t, q_size), w.o)
-            x = _rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            if compiled is None:
+                h = decoder_layer(c, h, w, cos, sin, _LayerCall(attention, layer))
+            else:  # one graph for every layer: the layer's arrays are its arguments
+                h = compiled(c, h, w, cos, sin, attention.layer(layer))
         if logits_rows is not None:
             h = h[logits_rows]
         return F.linear(_rms_norm(h, self.norm, c.rms_norm_eps), self.lm_head)
 
     __call__ = forward
+    _compiled = None
+
+    def compiled(self, **options) -> "Llama":
+        """This model (the same weights, no copies) with each decoder layer run through
+        ``torch.compile(decoder_layer, **options)``: one compiled graph serves every layer
+        (weights, caches and step arrays are its arguments, so 32 layers compile once, not
+        32 times). Its ``forward`` needs an ``attention`` with a ``layer(i)`` method
+        returning the layer's ``attend(q, k, v)`` callable, whose arrays the graph takes
+        as inputs, such as :class:`cupaged.serving.engine.OpsAttention` (attention through
+        ``torch.ops.cupaged``: no graph break)."""
+        model = copy.copy(self)
+        model._compiled = torch.compile(decoder_layer, **options)
+        return model
 
     def _rope(self, positions: torch.Tensor):
         """cos, sin ``[T, 1, head_dim]`` in the model's dtype (float32 angles, as HF)."""
@@ -203,6 +212,35 @@ class Llama:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
+
+class _LayerCall:
+    """``attend(q, k, v)`` of one layer over an ``attention(layer, q, k, v)`` callable."""
+
+    __slots__ = ("attention", "layer")
+
+    def __init__(self, attention: Attention, layer: int):
+        self.attention, self.layer = attention, layer
+
+    def __call__(self, q, k, v):
+        return self.attention(self.layer, q, k, v)
+
+
+def decoder_layer(c: "LlamaConfig", h: torch.Tensor, w: "_Layer", cos: torch.Tensor,
+                  sin: torch.Tensor, attend) -> torch.Tensor:
+    """One decoder layer over hidden states ``h`` ``[T, hidden]``: norm, QKV projection,
+    RoPE (``cos``, ``sin`` from :meth:`Llama._rope`), ``attend(q, k, v)``, output
+    projection and residual, norm, SwiGLU MLP and residual."""
+    t = h.shape[0]
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    x = _rms_norm(h, w.input_norm, c.rms_norm_eps)
+    q, k, v = F.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
+    q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
+    k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+    o = attend(q, k, v.view(t, c.num_kv_heads, c.head_dim))
+    h = h + F.linear(o.reshape(t, q_size), w.o)
+    x = _rms_norm(h, w.post_norm, c.rms_norm_eps)
+    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, w.down)
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # In float32, rounded back before the weight: Hugging Face's order, bit for bit.
