@@ -771,14 +771,16 @@ class Engine:
     longer sequence runs eagerly. Graphs need the default attention backend and keep
     their inputs, outputs and activations (the largest batch's) allocated.
 
-    ``compile=True``: the model's forward runs under ``torch.compile(fullgraph=True)``
-    (inductor fuses the norms, RoPE, activations and residuals), its attention through
-    ``torch.ops.cupaged`` (:class:`OpsAttention`), in every step and in the decode
-    graphs. The first steps of new shapes compile (seconds each; the token count becomes
-    dynamic after the first change, so a handful of graphs serve every step). It needs
-    the default attention backend and, for fp8 caches, per-tensor scales. A dict instead
-    of True: keyword arguments for ``torch.compile`` (``{"mode": "max-autotune"}``,
-    ``{"backend": "aot_eager"}``) over the defaults ``fullgraph=True, dynamic=True``.
+    ``compile=True``: each decoder layer runs under ``torch.compile(fullgraph=True)``
+    (``model.compiled()``, such as :meth:`cupaged.serving.llama.Llama.compiled`: one graph
+    serves every layer; inductor fuses the norms, RoPE, activation and residuals), its
+    attention through ``torch.ops.cupaged`` (:class:`OpsAttention`), in every step and in
+    the decode graphs. The first steps of new shapes compile (seconds each; the token
+    count and bounds turn dynamic after their first change, so a few graphs serve every
+    step). It needs the default attention backend and, for fp8 caches, per-tensor
+    scales. A dict instead of True: keyword arguments for ``torch.compile``
+    (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``) over the default
+    ``fullgraph=True``.
 
     ``submit(request)`` queues a request, ``step()`` runs one batch and returns the
     requests that finished, ``run(requests)`` does both until everything is done.
@@ -803,7 +805,7 @@ class Engine:
             raise ValueError(f"the model's dtype is {model.dtype}, the cache's {cache.dtype}")
         self.model, self.cache, self.attention = model, cache, attention
         self.forward = model.forward
-        if compile:
+        if compile or isinstance(compile, dict):  # {}: compiled with the defaults
             if attention is not PagedAttention:
                 raise ValueError("compile=True runs cupaged's attention through its torch ops: "
                                  "it needs the default attention backend")
@@ -819,10 +821,10 @@ class Engine:
                 raise ValueError("compile=True needs a model with compiled(**options) (such "
                                  "as cupaged.serving.llama.Llama)")
             self.attention = OpsAttention
-            # dynamic=True: the token count, the step's bounds and the table width are
-            # symbolic from the first compile, which would otherwise specialize on the
-            # first step's and recompile as each turns out to vary.
-            options = dict(fullgraph=True, dynamic=True)
+            # The token count, the step's bounds and the table width turn dynamic after
+            # their first change (a few graphs in all; dynamic=True from the start trips
+            # an inductor scheduler error, KeyError 'op<n>', in torch 2.11 and 2.13).
+            options = dict(fullgraph=True)
             options.update(compile if isinstance(compile, dict) else {})
             self.forward = model.compiled(**options).forward
         self.device = cache.key_caches[0].device
