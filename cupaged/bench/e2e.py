@@ -166,9 +166,14 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> np.ndarray:
     return np.cumsum(np.random.default_rng([seed, 1]).exponential(1 / rate, num_requests))
 
 
-def warmup_requests(block_size: int) -> list:
+def warmup_requests(block_size: int, second: bool = False) -> list:
     """A few short requests that make a system compile or load what a run needs (prefill
-    over several blocks, decode) before it is timed."""
+    over several blocks, decode) before it is timed. ``second``: another round with other
+    counts and lengths, after which a compiled model has seen every size of its steps
+    (tokens, sequences, table width, bounds) change, so it compiles them as dynamic before
+    the timed run rather than in it."""
+    if second:
+        return [Request(f"warmup2-{i}", [2 + i] * (5 * block_size + 3 * i), 3) for i in range(7)]
     return [Request(f"warmup{i}", [1 + i] * (3 * block_size + i), 4) for i in range(4)]
 
 
@@ -673,6 +678,8 @@ class Harness:
         engine = self._engine(cache, backend, cuda_graphs=graphs,
                               compile=system == "cupaged-compiled")
         engine.run(warmup_requests(self.workload.block_size))  # compiles, loads, plans
+        if system == "cupaged-compiled":
+            engine.run(warmup_requests(self.workload.block_size, second=True))
         if graphs:
             engine.capture_graphs()
         _sync(self.device)
