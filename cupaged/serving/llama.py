@@ -158,8 +158,6 @@ class Llama:
         sd["lm_head.weight"] = self.lm_head
         return sd
 
-    # no_grad rather than inference_mode: torch.compile cannot trace inference tensors.
-    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of a flat batch of ``T`` tokens.
@@ -179,17 +177,20 @@ class Llama:
         Returns: ``[len(logits_rows), vocab_size]`` logits in the model's dtype.
         """
         c = self.config
-        cos, sin = self._rope(positions)
-        h = F.embedding(tokens, self.embed)
         compiled = self._compiled
-        for layer, w in enumerate(self.layers):
-            if compiled is None:
-                h = decoder_layer(c, h, w, cos, sin, _LayerCall(attention, layer))
-            else:  # one graph for every layer: the layer's arrays are its arguments
-                h = compiled(c, h, w, cos, sin, attention.layer(layer))
-        if logits_rows is not None:
-            h = h[logits_rows]
-        return F.linear(_rms_norm(h, self.norm, c.rms_norm_eps), self.lm_head)
+        # inference_mode where it runs eagerly; no_grad for compiled layers, as
+        # torch.compile cannot trace inference tensors.
+        with torch.inference_mode() if compiled is None else torch.no_grad():
+            cos, sin = self._rope(positions)
+            h = F.embedding(tokens, self.embed)
+            for layer, w in enumerate(self.layers):
+                if compiled is None:
+                    h = decoder_layer(c, h, w, cos, sin, _LayerCall(attention, layer))
+                else:  # one graph for every layer: the layer's arrays are its arguments
+                    h = compiled(c, h, w, cos, sin, attention.layer(layer))
+            if logits_rows is not None:
+                h = h[logits_rows]
+            return F.linear(_rms_norm(h, self.norm, c.rms_norm_eps), self.lm_head)
 
     __call__ = forward
     _compiled = None
