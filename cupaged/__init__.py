@@ -65,7 +65,9 @@ from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Page
 
 __version__ = "0.1.0"
 
-if "torch" in _sys.modules:  # torch.ops.cupaged.*; never imports torch itself
+# torch.ops.cupaged.* where torch is already imported (never importing it here), and new
+# enough for torch.library.custom_op (2.4).
+if hasattr(getattr(_sys.modules.get("torch"), "library", None), "custom_op"):
     from .integrations import torch_ops as _torch_ops  # noqa: F401
 
 __all__ = [
