@@ -165,7 +165,7 @@ def test_bfloat16_logits_within_the_stated_tolerance():
 def _host_kernels(monkeypatch, calls):
     """cupaged.reshape_and_cache_flash and cupaged.attention in torch on the host, over
     NHD blocks and block tables (what the kernels read), for the CPU run below."""
-    import cupaged
+    import cupaged.cache_ops
     from cupaged.serving.llama import dense_attention
 
     def write(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
@@ -190,8 +190,10 @@ def _host_kernels(monkeypatch, calls):
         calls["attention"] += 1
         return out
 
-    monkeypatch.setattr(cupaged, "reshape_and_cache_flash", write)
-    monkeypatch.setattr(cupaged, "attention", attend)
+    import sys
+
+    monkeypatch.setattr(cupaged.cache_ops, "reshape_and_cache_flash", write)
+    monkeypatch.setattr(sys.modules["cupaged.attention"], "attention", attend)
 
 
 @needs_release

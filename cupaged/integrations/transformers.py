@@ -95,7 +95,8 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
     ``write_index``). Returns ``([1, tokens, num_heads, head_size], None)``."""
     import torch
 
-    from .. import attention, reshape_and_cache_flash
+    from ..attention import attention
+    from ..cache_ops import reshape_and_cache_flash
 
     cache = kwargs.get("cache")
     if cache is None:
