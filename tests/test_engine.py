@@ -1056,3 +1056,42 @@ def test_compiled_engine_on_host_matches_transformers(tiny_cpu, monkeypatch, sce
     assert kernels.calls["op"] > 0 and kernels.calls["plan.run"] == kernels.calls["attention"] == 0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 6, f"{graphs} graphs for {len(engines)} engines"
+
+
+def test_compiled_engine_past_the_recompile_limit_runs_eagerly(tiny_cpu, monkeypatch):
+    """Steps whose sizes are 0 or 1 in different combinations (one token, one sequence,
+    one table column) each need a graph of their own: one engine serving them in turn
+    passes dynamo's recompile limit, and the steps past it run the layers eagerly, with a
+    warning, giving the eager engine's tokens; a second compiled model has a limit of its
+    own."""
+    import torch
+
+    from cupaged.serving.engine import Engine
+
+    model, _ = tiny_cpu
+    kernels = HostKernels(monkeypatch)
+    _register_host_ops()
+    monkeypatch.setitem(_HOST_OPS, "kernels", kernels)
+    kernels.functional = True
+    # (prompt length, tokens out) per request, a phase's requests at once.
+    phases = [[(2, 2), (2, 2)], [(40, 3)] * 3, [(40, 3)], [(3, 3)] * 3, [(5, 2)], [(1, 2)]]
+
+    def serve(compile):
+        engine = Engine(model, kernels.cache(256, 16, False, model_config=model.config),
+                        max_batched_tokens=64, max_running=8, compile=compile)
+        tokens, n = [], 0
+        for phase in phases:
+            requests = []
+            for length, out in phase:
+                requests.append(Request(f"r{n}", [1 + n % 50] * length, out))
+                n += 1
+            tokens += [o.token_ids for o in engine.run(requests)]
+        return tokens, engine
+
+    want, _ = serve(False)
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="recompile limit is reached"):
+        got, engine = serve({"backend": "aot_eager"})
+    assert got == want and engine.forward.__self__._warned
+    again, other = serve({"backend": "aot_eager"})  # its own limit: no warning yet
+    assert again == want and not other.forward.__self__._warned

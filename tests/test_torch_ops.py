@@ -75,6 +75,8 @@ def test_per_tensor_scales_only():
     with pytest.raises(ValueError, match="k_scale: the cupaged op takes a per-tensor scale"):
         torch_ops._per_tensor(t, "k_scale")
     assert torch_ops._per_tensor(torch.ones(()), "k_scale") is not None
+    with pytest.raises(ValueError, match="per-tensor scale"):  # read as a per-token array
+        torch_ops._per_tensor(torch.ones(1, 1, 1), "k_scale")
 
 
 class _Traced(Exception):

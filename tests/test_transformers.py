@@ -19,7 +19,10 @@ SUPPORTED = ".".join(transformers.__version__.split(".")[:2]) in cupaged_tf.SUPP
 
 @pytest.mark.parametrize("version", ["5.15.0", "5.18.0", "5.23.0", "6.0.0"])
 def test_unsupported_releases_are_refused(monkeypatch, version):
-    monkeypatch.setattr(transformers, "__version__", version)
+    import sys
+
+    # The module register() imports now (another test may have imported it anew).
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
     with pytest.raises(RuntimeError, match=f"transformers {version} differs"):
         cupaged_tf.register()
 
@@ -34,6 +37,43 @@ def test_register_names_and_refusals():
         cupaged_tf.register("my_flash")
     with pytest.raises(ValueError, match="'paged\\|' is added"):
         cupaged_tf.register("paged|x")
+
+
+def _fake_call(block_size=16, **extra):
+    """paged_attention_forward's arguments for one layer of a tiny step (CPU tensors:
+    the checks come before any kernel)."""
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(
+        sliding_windows={0: 1}, layer_index_to_group_indices={0: (0, 0)},
+        block_size=block_size, key_cache=[torch.zeros(6 * block_size, 2, 32)],
+        value_cache=[torch.zeros(6 * block_size, 2, 32)])
+    kw = dict(cache=cache, read_index=[torch.zeros(0, dtype=torch.int64)],
+              write_index=[torch.arange(3)], cu_seq_lens_q=torch.tensor([0, 3]),
+              cu_seq_lens_k=torch.tensor([0, 3]), max_seqlen_q=3, max_seqlen_k=3, **extra)
+    q, k = torch.zeros(1, 4, 3, 32), torch.zeros(1, 2, 3, 32)
+    return (SimpleNamespace(layer_idx=0), q, k, k), kw
+
+
+@pytest.mark.parametrize("extra, error, match", [
+    (dict(softcap=30.0), NotImplementedError, "softcap="),
+    (dict(s_aux=torch.zeros(4)), NotImplementedError, "s_aux="),
+    (dict(block_size=12), ValueError, "powers of two"),
+    (dict(cache=None), ValueError, "runs under continuous batching"),
+])
+def test_what_the_implementation_refuses(extra, error, match):
+    block_size = extra.pop("block_size", 16)
+    args, kw = _fake_call(block_size)
+    kw.update(extra)
+    with pytest.raises(error, match=match):
+        cupaged_tf.paged_attention_forward(*args, **kw)
+
+
+def test_sliding_window_layers_are_refused():
+    args, kw = _fake_call()
+    kw["cache"].sliding_windows[0] = 4096
+    with pytest.raises(NotImplementedError, match="layer 0 has a sliding window"):
+        cupaged_tf.paged_attention_forward(*args, **kw)
 
 
 def _slots_like_transformers(tables, lens, block_size):

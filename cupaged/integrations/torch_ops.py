@@ -54,7 +54,7 @@ Tensor = torch.Tensor
 
 def _per_tensor(scale: Optional[Tensor], name: str) -> Optional[Tensor]:
     """A scale tensor the op only reads: one element (a per-tensor scale)."""
-    if scale is not None and scale.numel() != 1:
+    if scale is not None and (scale.numel() != 1 or scale.dim() > 1):
         raise ValueError(f"{name}: the cupaged op takes a per-tensor scale (one element), "
                          f"got shape {tuple(scale.shape)}; per-token scale arrays go through "
                          f"the Python function")

@@ -24,14 +24,21 @@ num_kv_heads, head_size]`` (two padding blocks last), read here as NHD blocks.
 Supported: transformers 5.16 and 5.17 (the interface read above; 5.18 moved the cache
 into one byte tensor of sectors and 5.19 changed ``PagedAttentionCache.update``), checked
 by :func:`register`; models whose layers are all full attention (a sliding-window layer
-raises ``NotImplementedError``); float16 and bfloat16 (float32 too, through the decode
-kernel's row mode). The name must not contain "flash": transformers treats such names as
+raises ``NotImplementedError``, as do transformers' ``softcap=`` and ``s_aux=``);
+block sizes that are powers of two up to 256; float16 and bfloat16 (float32 too, through
+the decode kernel's row mode). transformers' own compiled continuous batching
+(``compile_config``) is not supported: the implementation calls cupaged's Python entry
+points, which dynamo does not trace. With transformers' CUDA graphs, the padded query rows
+(past ``cu_seq_lens_q[-1]``) belong to no sequence and are left unwritten, which
+``CUPAGED_DEBUG=1``'s check of ``query_start_loc`` reports. The name must not contain "flash": transformers treats such names as
 FlashAttention and hands them block tables and a different cache path.
 """
 
 from __future__ import annotations
 
 import math
+
+from .._checks import BLOCK_SIZES
 
 SUPPORTED_VERSIONS = ("5.16", "5.17")
 """The transformers releases (major.minor) whose continuous-batching interface this reads."""
@@ -105,6 +112,10 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
                          "forward use attn_implementation='sdpa'")
     if dropout:
         raise ValueError(f"paged|cupaged has no attention dropout (got {dropout})")
+    for name in ("softcap", "s_aux"):  # Gemma 2's logit cap, gpt-oss's sinks: not mapped yet
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"paged|cupaged does not take transformers' {name}= yet "
+                                      f"(layer {module.layer_idx}); use paged|sdpa")
     layer = module.layer_idx
     if cache.sliding_windows.get(layer, 1) != 1:
         raise NotImplementedError(
@@ -112,6 +123,9 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
             f"that paged|cupaged does not read; use paged|sdpa for this model")
     group, index = cache.layer_index_to_group_indices[layer]
     bs = cache.block_size
+    if bs not in BLOCK_SIZES:
+        raise ValueError(f"transformers' block_size is {bs}; cupaged's kernels take powers of "
+                         f"two from 1 to 256 (ContinuousBatchingConfig(block_size=...))")
     blocks = (cache.key_cache[index].shape[0] // bs, bs, *cache.key_cache[index].shape[1:])
     kc = cache.key_cache[index].view(blocks)
     vc = cache.value_cache[index].view(blocks)

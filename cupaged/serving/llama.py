@@ -21,6 +21,7 @@ transformers only by :func:`to_hf`.
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Hashable, Sequence
@@ -178,8 +179,9 @@ class Llama:
         """
         c = self.config
         compiled = self._compiled
-        # inference_mode where it runs eagerly; no_grad for compiled layers, as
-        # torch.compile cannot trace inference tensors.
+        # inference_mode where it runs eagerly; no_grad around compiled layers (an
+        # inference_mode-decorated compiled function failed in inductor, torch 2.13:
+        # "Cannot set version_counter for inference tensor").
         with torch.inference_mode() if compiled is None else torch.no_grad():
             cos, sin = self._rope(positions)
             h = F.embedding(tokens, self.embed)
@@ -187,10 +189,28 @@ class Llama:
                 if compiled is None:
                     h = decoder_layer(c, h, w, cos, sin, _LayerCall(attention, layer))
                 else:  # one graph for every layer: the layer's arrays are its arguments
-                    h = compiled(c, h, w, cos, sin, attention.layer(layer))
+                    h = self._run_compiled(c, h, w, cos, sin, attention.layer(layer))
             if logits_rows is not None:
                 h = h[logits_rows]
             return F.linear(_rms_norm(h, self.norm, c.rms_norm_eps), self.lm_head)
+
+    def _run_compiled(self, c, h, w, cos, sin, attend):
+        """The compiled layer; the eager one for a step whose shapes would need a graph
+        past dynamo's recompile limit (sizes of 0 or 1 each get a graph of their own: a
+        single token, sequence or table column), with a warning the first time. The
+        failure comes at compile time, before the layer runs."""
+        try:
+            return self._compiled(c, h, w, cos, sin, attend)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            if not self._warned:
+                import warnings
+
+                warnings.warn("cupaged Llama.compiled(): dynamo's recompile limit is reached; "
+                              "steps of new shapes run the layers eagerly (raise "
+                              "torch._dynamo.config.recompile_limit to compile them too)",
+                              RuntimeWarning, stacklevel=4)
+                self._warned = True
+            return decoder_layer(c, h, w, cos, sin, attend)
 
     __call__ = forward
     _compiled = None
@@ -199,12 +219,19 @@ class Llama:
         """This model (the same weights, no copies) with each decoder layer run through
         ``torch.compile(decoder_layer, **options)``: one compiled graph serves every layer
         (weights, caches and step arrays are its arguments, so 32 layers compile once, not
-        32 times). Its ``forward`` needs an ``attention`` with a ``layer(i)`` method
+        32 times). Each compiled model has its own function, so its graphs count toward
+        dynamo's recompile limit alone; a step past that limit runs eagerly, with a
+        warning. Its ``forward`` needs an ``attention`` with a ``layer(i)`` method
         returning the layer's ``attend(q, k, v)`` callable, whose arrays the graph takes
         as inputs, such as :class:`cupaged.serving.engine.OpsAttention` (attention through
         ``torch.ops.cupaged``: no graph break)."""
         model = copy.copy(self)
-        model._compiled = torch.compile(decoder_layer, **options)
+        # A function of its own: dynamo's graphs and recompile limit are per code object,
+        # so each compiled model gets its own rather than sharing decoder_layer's.
+        layer_fn = types.FunctionType(decoder_layer.__code__.replace(), decoder_layer.__globals__,
+                                      decoder_layer.__name__)
+        model._compiled = torch.compile(layer_fn, **options)
+        model._warned = False
         return model
 
     def _rope(self, positions: torch.Tensor):
