@@ -237,7 +237,7 @@ def _host_kernels(monkeypatch, calls):
 
 
 @needs_release
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 256])
 def test_generate_batch_on_host_gives_paged_sdpa_tokens(monkeypatch, block_size):
     """The integration's reading of transformers' cache and keywords, on the CPU: with the
     two kernels done in torch over the block tables it derives, generate_batch gives
@@ -255,4 +255,44 @@ def test_generate_batch_on_host_gives_paged_sdpa_tokens(monkeypatch, block_size)
     want = _generate(hf, "paged|sdpa", prompts, 10, block_size, max_batch_tokens=48)
     got = _generate(hf, name, prompts, 10, block_size, max_batch_tokens=48)
     assert calls["attention"] > 0 and calls["write"] == calls["attention"]
+    assert got == want
+
+
+@needs_release
+def test_padded_steps_and_shared_prefixes_on_host(monkeypatch):
+    """Steps padded as transformers pads them for its CUDA graphs (query rows past
+    cu_seq_lens_q[-1], sequences of length 0, trash slots in the slot lists) and prompts
+    with a common prefix (whose blocks transformers may share): paged|sdpa's tokens, with
+    padded rows seen."""
+    from collections import Counter
+
+    from transformers.generation.continuous_batching import model_runner
+
+    pytest.importorskip("psutil")
+    init = model_runner.ModelRunner.__init__
+
+    def padded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pad_inputs = True
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", padded)
+    model = Llama(LlamaConfig.preset("tiny"), device="cpu", dtype=torch.float32, seed=0)
+    hf = to_hf(model, share_weights=True)
+    calls = Counter()
+    _host_kernels(monkeypatch, calls)
+    name = cupaged_tf.register()
+    seen = Counter()
+
+    def spy(module, query, *args, **kwargs):
+        seen["padded"] += int(kwargs["cu_seq_lens_q"][-1]) < query.shape[2]
+        return cupaged_tf.paged_attention_forward(module, query, *args, **kwargs)
+
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, spy)
+    base = _prompts([40], seed=9)[0]
+    prompts = _prompts([5, 37, 64], seed=3) + [base + [7, 8, 9], base + [1, 2], base]
+    want = _generate(hf, "paged|sdpa", prompts, 8, 16, max_batch_tokens=48)
+    got = _generate(hf, name, prompts, 8, 16, max_batch_tokens=48)
+    assert seen["padded"] > 0 and calls["attention"] > 0
     assert got == want
