@@ -6,7 +6,8 @@
 #   main-fi    the same workload: flashinfer (carry .flashinfer)
 #   main-concat  the same workload: concat
 #   compiled   the same workload: cupaged, cupaged-compiled (torch.compile) and, where
-#              .flashinfer is carried, flashinfer; no breakdown pass (time)
+#              .flashinfer is carried, flashinfer; HF=1 adds transformers' generate (about
+#              150 s more); no breakdown pass (time)
 #   prefix     a 2048-token system prompt: prefill-only runs (1 output token), prefix caching
 #              on and off, user parts 128..2048 and 128..512
 #   fp8        bf16 and fp8 caches under a KV budget that binds: peak running requests
@@ -21,6 +22,7 @@ case "$name" in
   main) e2e main $MAIN8B --systems cupaged --systems cupaged-eager --systems hf "$@" ;;
   main-fi) e2e main-fi $MAIN8B --systems flashinfer "$@" ;;
   compiled) fi=(); [ -f .flashinfer/setup.sh ] && fi=(--systems flashinfer)
+    [ "${HF:-}" = 1 ] && fi+=(--systems hf)
     e2e compiled $MAIN8B --systems cupaged --systems cupaged-compiled "${fi[@]}" \
       --no-breakdown "$@" ;;
   main-concat) e2e main-concat $MAIN8B --systems concat --no-breakdown "$@" ;;
