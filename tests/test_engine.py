@@ -721,7 +721,9 @@ def test_engine_on_host_fp8_path(tiny_cpu, monkeypatch):
     assert kernels.calls["attention"] > 0 and kernels.calls["plan.run"] == 0
 
 
-def test_cuda_graphs_need_the_default_backend_and_a_gpu(tiny_cpu, monkeypatch):
+def test_cuda_graphs_and_compile_need_what_they_run_on(tiny_cpu, monkeypatch):
+    """CUDA graphs: the default backend and a GPU; compile: the default backend and, over
+    fp8, per-tensor scales."""
     from cupaged.serving.engine import Engine
 
     model, _ = tiny_cpu
@@ -733,6 +735,11 @@ def test_cuda_graphs_need_the_default_backend_and_a_gpu(tiny_cpu, monkeypatch):
         Engine(model, cache, cuda_graphs=True)
     with pytest.raises(ValueError, match="needs an Engine made with cuda_graphs=True"):
         Engine(model, cache).capture_graphs()
+    with pytest.raises(ValueError, match="compile=True .* default attention backend"):
+        Engine(model, cache, compile=True, attention=lambda *a: None)
+    cache.kv_scales = "token"
+    with pytest.raises(ValueError, match="per-tensor fp8 scales"):
+        Engine(model, cache, compile=True)
 
 
 @pytest.mark.parametrize("max_batch, sizes", [
@@ -826,26 +833,10 @@ def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario,
 def test_compiled_engine_on_gpu_matches_transformers(tiny_gpu, scenario):
     """The model under torch.compile(fullgraph=True), attention through torch.ops.cupaged,
     decode steps in CUDA graphs of the compiled forward: generate's tokens."""
-    import torch
-
     model, hf = tiny_gpu
-    torch._dynamo.reset()  # the graphs of other tests' engines count toward dynamo's limit
     engines = scenario(model, hf, _gpu_cache(model, "HND"), cuda_graphs=True, compile=True)
     for engine in engines:
         assert engine.graphs.num_replays > 0 and engine.forward is not model.forward
-
-
-def test_compile_needs_the_default_backend_and_per_tensor_scales(tiny_cpu, monkeypatch):
-    from cupaged.serving.engine import Engine
-
-    model, _ = tiny_cpu
-    kernels = HostKernels(monkeypatch)
-    cache = kernels.cache(16, 4, False, model_config=model.config)
-    with pytest.raises(ValueError, match="compile=True .* default attention backend"):
-        Engine(model, cache, compile=True, attention=lambda *a: None)
-    cache.kv_scales = "token"
-    with pytest.raises(ValueError, match="per-tensor fp8 scales"):
-        Engine(model, cache, compile=True)
 
 
 @pytest.mark.gpu

@@ -249,12 +249,21 @@ def test_generate_batch_on_host_gives_paged_sdpa_tokens(monkeypatch, block_size)
     hf = to_hf(model, share_weights=True)
     calls = Counter()
     _host_kernels(monkeypatch, calls)
+    tables = cupaged_tf.block_tables
+
+    def counted(*args):
+        calls["tables"] += 1
+        return tables(*args)
+
+    monkeypatch.setattr(cupaged_tf, "block_tables", counted)
     name = cupaged_tf.register()
     prompts = _prompts([5, 37, 64, 100, 1], seed=3)
     # 48 tokens a step: prompts in chunks, later chunks reading the earlier ones' cache.
     want = _generate(hf, "paged|sdpa", prompts, 10, block_size, max_batch_tokens=48)
     got = _generate(hf, name, prompts, 10, block_size, max_batch_tokens=48)
     assert calls["attention"] > 0 and calls["write"] == calls["attention"]
+    # One block table a step, shared by the model's layers.
+    assert calls["tables"] * model.config.num_layers == calls["attention"]
     assert got == want
 
 
