@@ -826,17 +826,20 @@ def test_engine_on_gpu_with_cuda_graphs_matches_transformers(tiny_gpu, scenario,
     engines = scenario(model, hf, _gpu_cache(model, layout), cuda_graphs=True)
     for engine in engines:
         assert engine.graphs.num_replays > 0 and engine.graphs.graphs
+        assert engine.graphs.out is not None and engine.graphs.workspace is not None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__[9:])
 def test_compiled_engine_on_gpu_matches_transformers(tiny_gpu, scenario):
     """The model under torch.compile(fullgraph=True), attention through torch.ops.cupaged,
-    decode steps in CUDA graphs of the compiled forward: generate's tokens."""
+    decode steps in CUDA graphs of the compiled forward: generate's tokens. The graphs
+    allocate no attention output or workspace: the ops allocate theirs in the graph."""
     model, hf = tiny_gpu
     engines = scenario(model, hf, _gpu_cache(model, "HND"), cuda_graphs=True, compile=True)
     for engine in engines:
         assert engine.graphs.num_replays > 0 and engine.forward is not model.forward
+        assert engine.graphs.out is None and engine.graphs.workspace is None
 
 
 @pytest.mark.gpu

@@ -517,6 +517,10 @@ class PagedAttention:
     that returns the ``attention(layer, q, k, v)`` callable the model runs for that step.
     """
 
+    # The decode graphs hand a backend that writes into them an ``out`` buffer and a
+    # split-KV workspace of their own; one whose outputs the graph allocates needs neither.
+    takes_buffers = True
+
     def __init__(self, cache, batch: Batch, slot_mapping, block_tables, seq_lens,
                  query_start_loc):
         self._bind(cache, slot_mapping, (block_tables, seq_lens, query_start_loc),
@@ -561,6 +565,8 @@ class OpsAttention(PagedAttention):
     an op in the graph, its output allocated in the graph). Per-tensor fp8 scales are
     passed as the ops' scale tensors; per-token scales are not taken (see
     :mod:`cupaged.integrations.torch_ops`)."""
+
+    takes_buffers = False
 
     def __call__(self, layer: int, q, k, v):
         return self.layer(layer)(q, k, v)
@@ -620,8 +626,9 @@ class _DecodeGraphs:
 
     Every graph reads the same static inputs (token ids, positions, slots, block tables,
     lengths: the first ``b`` rows of buffers for ``max_batch`` rows) and writes its greedy
-    tokens to its own output; all share one memory pool and one split-KV workspace, as
-    they never run at once. A step fills the first rows from the step's own device arrays
+    tokens to its own output; all share one memory pool and (for a backend that
+    ``takes_buffers``) one attention output and split-KV workspace, as they never run at
+    once. A step fills the first rows from the step's own device arrays
     and marks the padding rows (slot -1: no write; length 0: no keys, a zero output row
     that nothing samples)."""
 
@@ -647,8 +654,11 @@ class _DecodeGraphs:
         self.tables = torch.zeros((m, self.width), **i32)
         self.lens = torch.zeros((m,), **i32)
         self.starts = torch.arange(m + 1, **i32)  # one query row per sequence
-        self.out = torch.empty((m, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
-        self.workspace = DecodeWorkspace(m, c.num_heads, c.head_dim, device=dev.index)
+        self.out = self.workspace = None
+        if backend.takes_buffers:
+            self.out = torch.empty((m, c.num_heads, c.head_dim), dtype=model.dtype,
+                                   device=dev)
+            self.workspace = DecodeWorkspace(m, c.num_heads, c.head_dim, device=dev.index)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # padded batch size -> (CUDAGraph, its sampled tokens)
         self.failed = set()  # sizes whose capture failed at their first step: eager
@@ -741,8 +751,8 @@ class _DecodeGraphs:
         m = self.sizes[-1]
         attention = self.backend._static(
             self.cache, self.slots[:b], (self.tables[:b], self.lens[:b], self.starts[:b + 1]),
-            max_query_len=1, max_seq_len=self.max_seq_len, out=self.out[:b],
-            workspace=self.workspace)
+            max_query_len=1, max_seq_len=self.max_seq_len,
+            out=None if self.out is None else self.out[:b], workspace=self.workspace)
         logits = self.forward(self.inputs[:b], self.inputs[m:m + b], attention)
         return logits.argmax(dim=-1)
 
