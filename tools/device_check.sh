@@ -3,8 +3,9 @@
 # cache-ops and overhead benchmarks. Logs go to $OUT (the device tool brings them back).
 #   bash tools/device_check.sh [pytest args...]     e.g. -k long_context
 # The suite takes over 10 minutes, the most a device command may run: SHARD=1 runs the
-# decode, varlen, interop and prepared-call tests, SHARD=3 the serving loop's (engine, model,
-# e2e: FlashInfer's modules compile there when .flashinfer is carried), SHARD=4 MLA's (both
+# decode, varlen, interop and prepared-call tests, SHARD=3 the serving loop's and the
+# frameworks' (engine, model, e2e, torch.ops, transformers: FlashInfer's modules compile
+# there when .flashinfer is carried), SHARD=4 MLA's (both
 # kernel families on a Hopper GPU), SHARD=5 the Hopper prefill kernel's, the variants' and
 # the README's, SHARD=2 the rest and the benchmarks, one device call each (the summary lines
 # together are the suite's).
@@ -13,7 +14,8 @@ bench() { python3 -m cupaged.bench "$@"; }
 SHARD1="tests/test_decode.py tests/test_varlen.py tests/test_interop.py tests/test_prepared.py"
 # FlashInfer's CLI rows compile FlashInfer's modules (minutes): with the serving loop's,
 # where .flashinfer is carried.
-SERVING="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py"
+SERVING="tests/test_engine.py tests/test_llama.py tests/test_bench_e2e.py tests/test_torch_ops.py
+  tests/test_transformers.py"
 SHARD4="tests/test_mla.py"
 SHARD5="tests/test_prefill_sm90.py tests/test_sm90.py tests/test_variants.py tests/test_readme.py"
 FI_CLI=tests/test_cli.py::test_compare_flashinfer_rows_check_and_plan
