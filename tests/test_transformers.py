@@ -76,6 +76,39 @@ def test_sliding_window_layers_are_refused():
         cupaged_tf.paged_attention_forward(*args, **kw)
 
 
+def test_each_forward_pass_derives_its_step_arrays(monkeypatch):
+    """transformers' CUDA graphs pass the same slot tensors to every step, their contents
+    changed in place: the first layer of each forward pass derives the block tables anew
+    (so that a capture records it), and the later layers of the pass share them."""
+    import sys
+
+    import cupaged.cache_ops
+
+    seen = []
+
+    def attend(q, kc, vc, tables, *args, **kwargs):
+        seen.append((tables, tables.clone()))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(cupaged.cache_ops, "reshape_and_cache_flash", lambda *a, **k: None)
+    monkeypatch.setattr(sys.modules["cupaged.attention"], "attention", attend)
+    args, kw = _fake_call()
+    cache = kw["cache"]
+    cache.sliding_windows[1] = 1
+    cache.layer_index_to_group_indices[1] = (0, 1)
+    cache.key_cache.append(cache.key_cache[0].clone())
+    cache.value_cache.append(cache.value_cache[0].clone())
+    read = torch.arange(3 * 16, 3 * 16 + 3)  # the sequence's 3 tokens in block 3
+    kw.update(read_index=[read])
+    for block in (3, 5):
+        read.copy_(torch.arange(block * 16, block * 16 + 3))
+        for layer in (0, 1):
+            args[0].layer_idx = layer
+            cupaged_tf.paged_attention_forward(*args, **kw)
+    assert [t.tolist() for _, t in seen] == [[[3]], [[3]], [[5]], [[5]]]
+    assert seen[0][0] is seen[1][0] and seen[2][0] is seen[3][0]
+
+
 def _slots_like_transformers(tables, lens, block_size):
     """Each sequence's read slots as transformers lists them: positions 0..len-1, block by
     block (its cache manager's get_read_indices)."""

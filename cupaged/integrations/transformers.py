@@ -138,30 +138,34 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
 
     q = query[0].transpose(0, 1)  # [tokens, heads, head_size], a strided view
     reshape_and_cache_flash(key[0].transpose(0, 1), value[0].transpose(0, 1), kc, vc, write)
-    tables, seq_lens, starts = _step_arrays(read, write, cu_k, cu_q, int(max_k), bs)
+    tables, seq_lens, starts = _step_arrays(layer, read, write, cu_k, cu_q, int(max_k), bs)
     out = attention(q, kc, vc, tables, seq_lens, starts, kv_layout="NHD", causal=True,
                     scale=scaling, max_query_len=max(int(max_q), 1), max_seq_len=int(max_k))
     return out.unsqueeze(0), None
 
 
-_STEP = [None]  # the last step's (tensors, bounds, arrays): every layer of a step shares them
+_STEP = [None]  # (layer, tensors, bounds, arrays) of the last layer's call
 
 
-def _step_arrays(read, write, cu_k, cu_q, max_k: int, block_size: int) -> tuple:
-    """``(block_tables, seq_lens, query_start_loc)`` of a step, int32, made once per step:
-    its layers pass the same slot and length tensors, held here (so that a later step's
-    cannot take their addresses) and compared by identity."""
+def _step_arrays(layer: int, read, write, cu_k, cu_q, max_k: int, block_size: int) -> tuple:
+    """``(block_tables, seq_lens, query_start_loc)`` of a step, int32, made once per forward
+    pass: its later layers (a higher ``layer`` than the last call's) pass the same slot and
+    length tensors, held here (so that a later step's cannot take their addresses) and
+    compared by identity. The first layer of a pass always derives them, because
+    transformers' CUDA graphs pass the same tensors to every step with new contents: the
+    capture must record the derivation."""
     import torch
 
     tensors, bounds = (read, write, cu_k, cu_q), (max_k, block_size)
     memo = _STEP[0]
-    if (memo is not None and memo[1] == bounds
-            and all(a is b for a, b in zip(memo[0], tensors))):
-        return memo[2]
+    if (memo is not None and layer > memo[0] and memo[2] == bounds
+            and all(a is b for a, b in zip(memo[1], tensors))):
+        _STEP[0] = (layer, *memo[1:])
+        return memo[3]
     # No past to read (fresh prompts only): the read slots are left empty, and the write
     # slots are those positions' slots.
     slots = read if read.numel() else write
     arrays = (block_tables(slots, cu_k, max_k, block_size),
               (cu_k[1:] - cu_k[:-1]).to(torch.int32), cu_q.to(torch.int32))
-    _STEP[0] = (tensors, bounds, arrays)
+    _STEP[0] = (layer, tensors, bounds, arrays)
     return arrays
