@@ -76,15 +76,12 @@ def test_sliding_window_layers_are_refused():
         cupaged_tf.paged_attention_forward(*args, **kw)
 
 
-def test_each_forward_pass_derives_its_step_arrays(monkeypatch):
-    """transformers' CUDA graphs pass the same slot tensors to every step, their contents
-    changed in place: the first layer of each forward pass derives the block tables anew
-    (so that a capture records it), and the later layers of the pass share them."""
+def _three_layer_call(monkeypatch, seen):
+    """_fake_call's arguments over three layers of one cache group, the kernels replaced by
+    a recorder of the block tables attention gets (its tensor and its contents)."""
     import sys
 
     import cupaged.cache_ops
-
-    seen = []
 
     def attend(q, kc, vc, tables, *args, **kwargs):
         seen.append((tables, tables.clone()))
@@ -94,19 +91,62 @@ def test_each_forward_pass_derives_its_step_arrays(monkeypatch):
     monkeypatch.setattr(sys.modules["cupaged.attention"], "attention", attend)
     args, kw = _fake_call()
     cache = kw["cache"]
-    cache.sliding_windows[1] = 1
-    cache.layer_index_to_group_indices[1] = (0, 1)
-    cache.key_cache.append(cache.key_cache[0].clone())
-    cache.value_cache.append(cache.value_cache[0].clone())
-    read = torch.arange(3 * 16, 3 * 16 + 3)  # the sequence's 3 tokens in block 3
+    for layer in (1, 2):
+        cache.sliding_windows[layer] = 1
+        cache.layer_index_to_group_indices[layer] = (0, layer)
+        cache.key_cache.append(cache.key_cache[0].clone())
+        cache.value_cache.append(cache.value_cache[0].clone())
+    return args, kw
+
+
+def _slots_in_block(block):
+    return torch.arange(block * 16, block * 16 + 3)  # a sequence's 3 tokens in one block
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_each_forward_pass_derives_its_step_arrays(monkeypatch, order):
+    """transformers' CUDA graphs pass the same slot tensors to every step, their contents
+    changed in place: each forward pass derives the block tables anew (so that a capture
+    records it) whatever order its layers run in, and its other layers share them."""
+    seen = []
+    args, kw = _three_layer_call(monkeypatch, seen)
+    read = _slots_in_block(3)
     kw.update(read_index=[read])
     for block in (3, 5):
-        read.copy_(torch.arange(block * 16, block * 16 + 3))
-        for layer in (0, 1):
+        read.copy_(_slots_in_block(block))
+        for layer in order:
             args[0].layer_idx = layer
             cupaged_tf.paged_attention_forward(*args, **kw)
-    assert [t.tolist() for _, t in seen] == [[[3]], [[3]], [[5]], [[5]]]
-    assert seen[0][0] is seen[1][0] and seen[2][0] is seen[3][0]
+    assert [t.tolist() for _, t in seen] == [[[3]]] * 3 + [[[5]]] * 3
+    assert seen[0][0] is seen[1][0] is seen[2][0] and seen[3][0] is seen[4][0] is seen[5][0]
+
+
+def test_step_arrays_of_threads_interleaved(monkeypatch):
+    """Two generation loops (two models, a thread each) interleaved: one model's pass
+    broken by the other's layer, then its next pass over the same tensors with new
+    contents (a warm-up pass, then a capture). Each pass's tables are its own contents'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen = []
+    args, kw = _three_layer_call(monkeypatch, seen)
+    reads = {"a": _slots_in_block(3), "b": _slots_in_block(4)}
+    loops = {name: ThreadPoolExecutor(max_workers=1) for name in reads}
+    # (loop, layer, the block its read slots are set to first; None: left as they are)
+    turns = [("a", 0, 3), ("b", 0, 4), ("a", 1, None), ("a", 2, None),
+             ("a", 0, 5), ("a", 1, None), ("a", 2, None), ("b", 1, None), ("b", 2, None)]
+    want = []
+    try:
+        for name, layer, block in turns:  # one call at a time, in this order
+            if block is not None:
+                reads[name].copy_(_slots_in_block(block))
+            want.append([[int(reads[name][0]) // 16]])
+            module = type(args[0])(layer_idx=layer)
+            loops[name].submit(cupaged_tf.paged_attention_forward, module, *args[1:],
+                               **dict(kw, read_index=[reads[name]])).result()
+    finally:
+        for loop in loops.values():
+            loop.shutdown()
+    assert [t.tolist() for _, t in seen] == want
 
 
 def _slots_like_transformers(tables, lens, block_size):

@@ -30,13 +30,16 @@ the decode kernel's row mode). transformers' own compiled continuous batching
 (``compile_config``) is not supported: the implementation calls cupaged's Python entry
 points, which dynamo does not trace. With transformers' CUDA graphs, the padded query rows
 (past ``cu_seq_lens_q[-1]``) belong to no sequence and are left unwritten, which
-``CUPAGED_DEBUG=1``'s check of ``query_start_loc`` reports. The name must not contain "flash": transformers treats such names as
-FlashAttention and hands them block tables and a different cache path.
+``CUPAGED_DEBUG=1``'s check of ``query_start_loc`` reports. The name must not contain
+"flash": transformers treats such names as FlashAttention and hands them block tables and
+a different cache path.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 from .._checks import BLOCK_SIZES
 
@@ -138,34 +141,44 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
 
     q = query[0].transpose(0, 1)  # [tokens, heads, head_size], a strided view
     reshape_and_cache_flash(key[0].transpose(0, 1), value[0].transpose(0, 1), kc, vc, write)
-    tables, seq_lens, starts = _step_arrays(layer, read, write, cu_k, cu_q, int(max_k), bs)
+    tables, seq_lens, starts = _step_arrays(group, layer, read, write, cu_k, cu_q, int(max_k), bs)
     out = attention(q, kc, vc, tables, seq_lens, starts, kv_layout="NHD", causal=True,
                     scale=scaling, max_query_len=max(int(max_q), 1), max_seq_len=int(max_k))
     return out.unsqueeze(0), None
 
 
-_STEP = [None]  # (layer, tensors, bounds, arrays) of the last layer's call
+class _StepMemo(threading.local):
+    """Per thread (a generation loop runs its forward passes one after another) and per
+    cache group (whose layers share the slot tensors): the last step's arrays."""
+
+    def __init__(self):
+        self.groups = {}  # group -> (layers served, input references, bounds, arrays)
 
 
-def _step_arrays(layer: int, read, write, cu_k, cu_q, max_k: int, block_size: int) -> tuple:
+_STEP = _StepMemo()
+
+
+def _step_arrays(group: int, layer: int, read, write, cu_k, cu_q, max_k: int,
+                 block_size: int) -> tuple:
     """``(block_tables, seq_lens, query_start_loc)`` of a step, int32, made once per forward
-    pass: its later layers (a higher ``layer`` than the last call's) pass the same slot and
-    length tensors, held here (so that a later step's cannot take their addresses) and
-    compared by identity. The first layer of a pass always derives them, because
-    transformers' CUDA graphs pass the same tensors to every step with new contents: the
-    capture must record the derivation."""
+    pass and shared by the layers of a cache group, which pass the same slot and length
+    tensors (compared by identity, through weak references: a later step's cannot take
+    their place). A layer that has already been served starts a new pass, which derives
+    them anew whatever the layers' order: transformers' CUDA graphs pass the same tensors
+    to every step with new contents, so the capture after a warm-up pass must record the
+    derivation."""
     import torch
 
     tensors, bounds = (read, write, cu_k, cu_q), (max_k, block_size)
-    memo = _STEP[0]
-    if (memo is not None and layer > memo[0] and memo[2] == bounds
-            and all(a is b for a, b in zip(memo[1], tensors))):
-        _STEP[0] = (layer, *memo[1:])
+    memo = _STEP.groups.get(group)
+    if (memo is not None and layer not in memo[0] and memo[2] == bounds
+            and all(r() is t for r, t in zip(memo[1], tensors))):
+        memo[0].add(layer)
         return memo[3]
     # No past to read (fresh prompts only): the read slots are left empty, and the write
     # slots are those positions' slots.
     slots = read if read.numel() else write
     arrays = (block_tables(slots, cu_k, max_k, block_size),
               (cu_k[1:] - cu_k[:-1]).to(torch.int32), cu_q.to(torch.int32))
-    _STEP[0] = (layer, tensors, bounds, arrays)
+    _STEP.groups[group] = ({layer}, tuple(weakref.ref(t) for t in tensors), bounds, arrays)
     return arrays
