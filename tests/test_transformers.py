@@ -1,9 +1,13 @@
-"""cupaged.integrations.transformers: the version and name checks and the block tables read
-off transformers' slot lists (CPU), and on the GPU: generate_batch with paged|cupaged gives
-paged|sdpa's greedy tokens, and its bfloat16 logits stay within the engine's stated
+"""cupaged.integrations.transformers. On the CPU: the version and name checks, the block
+tables read off transformers' slot lists, the step memo, and generate_batch through host
+stand-ins for the two kernels (chunked prefill, padded steps, CUDA-graph capture and replay
+emulated). On the GPU: generate_batch with paged|cupaged gives paged|sdpa's greedy tokens,
+with and without CUDA graphs, and its bfloat16 logits stay within the engine's stated
 tolerance. Skipped where torch or transformers does not import."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -19,8 +23,6 @@ SUPPORTED = ".".join(transformers.__version__.split(".")[:2]) in cupaged_tf.SUPP
 
 @pytest.mark.parametrize("version", ["5.15.0", "5.18.0", "5.23.0", "6.0.0"])
 def test_unsupported_releases_are_refused(monkeypatch, version):
-    import sys
-
     # The module register() imports now (another test may have imported it anew).
     monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
     with pytest.raises(RuntimeError, match=f"transformers {version} differs"):
@@ -79,8 +81,6 @@ def test_sliding_window_layers_are_refused():
 def _three_layer_call(monkeypatch, seen):
     """_fake_call's arguments over three layers of one cache group, the kernels replaced by
     a recorder of the block tables attention gets (its tensor and its contents)."""
-    import sys
-
     import cupaged.cache_ops
 
     def attend(q, kc, vc, tables, *args, **kwargs):
@@ -303,8 +303,6 @@ def _host_kernels(monkeypatch, calls):
         calls["attention"] += 1
         return out
 
-    import sys
-
     monkeypatch.setattr(cupaged.cache_ops, "reshape_and_cache_flash", write)
     monkeypatch.setattr(sys.modules["cupaged.attention"], "attention", attend)
 
@@ -377,4 +375,90 @@ def test_padded_steps_and_shared_prefixes_on_host(monkeypatch):
     want = _generate(hf, "paged|sdpa", prompts, 8, 16, max_batch_tokens=48)
     got = _generate(hf, name, prompts, 8, 16, max_batch_tokens=48)
     assert seen["padded"] > 0 and calls["attention"] > 0
+    assert got == want
+
+
+@needs_release
+@pytest.mark.parametrize("warmup", [False, True])
+def test_cuda_graph_capture_and_replay_emulated_on_host(monkeypatch, warmup):
+    """transformers' CUDA-graph path on the CPU: its compute_batch with the capture and
+    replay emulated (a new graph key runs the forward twice over the same batch tensors,
+    a warm-up pass then the "capture"; a replay reruns the captured pass after the tensors
+    were refilled in place; with ``warmup``, generate_batch's warm-up captures on the
+    calling thread and the generation loop replays). The capture must derive the block
+    tables it attends with, as a real capture records only what runs inside it; the
+    tokens are paged|sdpa's."""
+    import threading
+    from collections import Counter
+
+    from transformers.generation.continuous_batching import model_runner
+
+    pytest.importorskip("psutil")
+    state = threading.local()
+    stats = Counter()
+
+    class Graph:
+        def __init__(self, forward, args):
+            self.forward, self.args = forward, args
+
+        def replay(self):
+            stats["replays"] += 1
+            self.forward(*self.args)
+
+        def reset(self):
+            pass
+
+    def compute_batch(self, model, batch_data):  # ModelRunner.compute_batch's graph branch
+        if self.supports_logits_to_keep(model):
+            batch_data["logits_to_keep"] = batch_data["logits_indices"]
+        forward, graphed = self._get_forward_fn(self.inputs_and_outputs.use_block_table)
+        assert graphed
+        graph = self.inputs_and_outputs.get_graph()
+        if graph is not None:
+            return graph.replay()
+        args = (model, batch_data, *self.inputs_and_outputs.get_cb_kwargs())
+        forward(*args)  # the warm-up pass
+        state.capturing, state.derived = True, set()
+        try:
+            forward(*args)
+        finally:
+            state.capturing = False
+        stats["captures"] += 1
+        self.inputs_and_outputs.set_graph(Graph(forward, args))
+
+    init = model_runner.ModelRunner.__init__
+
+    def graphed(self, *args, **kwargs):  # the varlen path under graphs, inputs padded
+        init(self, *args, **kwargs)
+        self.pad_inputs = self.use_cuda_graph_varlen = True
+        self.inputs_and_outputs.use_cuda_graph_varlen = True
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", graphed)
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", compute_batch)
+    calls = Counter()
+    _host_kernels(monkeypatch, calls)
+    tables = cupaged_tf.block_tables
+
+    def derived(*args):
+        t = tables(*args)
+        if getattr(state, "capturing", False):
+            state.derived.add(id(t))
+        return t
+
+    monkeypatch.setattr(cupaged_tf, "block_tables", derived)
+    attend = sys.modules["cupaged.attention"].attention
+
+    def checked(q, kc, vc, block_tables, *args, **kwargs):
+        if getattr(state, "capturing", False):
+            assert id(block_tables) in state.derived, "the capture read tables made before it"
+        return attend(q, kc, vc, block_tables, *args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["cupaged.attention"], "attention", checked)
+    model = Llama(LlamaConfig.preset("tiny"), device="cpu", dtype=torch.float32, seed=2)
+    hf = to_hf(model, share_weights=True)
+    name = cupaged_tf.register()
+    prompts = _prompts([9, 50, 17, 70, 3], seed=4)
+    want = _generate(hf, "paged|sdpa", prompts, 16, max_batch_tokens=48)
+    got = _generate(hf, name, prompts, 16, cuda_graphs=warmup, max_batch_tokens=48)
+    assert stats["captures"] > 0 and stats["replays"] > 0
     assert got == want
