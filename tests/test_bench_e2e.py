@@ -288,8 +288,11 @@ def test_run_says_what_it_serves_and_runs_each_system(one_thread):
     pytest.importorskip("transformers")
     lines = []
     w = Workload(**{**TINY, "request_rate": 500.0})
-    results = bench_e2e.run(w, ["concat", "hf"], echo=lines.append, device="cpu", num_blocks=64)
+    finished = []
+    results = bench_e2e.run(w, ["concat", "hf"], echo=lines.append, device="cpu", num_blocks=64,
+                            done=lambda so_far: finished.append([r.system for r in so_far]))
     assert [r.system for r in results] == ["concat", "hf"]
+    assert finished == [["concat"], ["concat", "hf"]]
     assert all(r.status == "ok" and r.output_tokens == 42 for r in results)
     assert lines[0] == ("tiny (0.00B parameters, float32), random weights (seed 0); 6 requests, "
                         "prompts 5..40 tokens (3 shared), 7 output tokens each, Poisson "
@@ -485,11 +488,14 @@ def _fake_run(monkeypatch, missing=(), results=None):
 
     calls = []
 
-    def run(workload, systems, echo):
+    def run(workload, systems, echo, done=None):
         calls.append((workload, list(systems)))
-        if results is not None:
-            return results
-        return [dataclasses.replace(_results()[0], system=s) for s in systems]
+        rows = results
+        if rows is None:
+            rows = [dataclasses.replace(_results()[0], system=s) for s in systems]
+        for i in range(len(rows) if done is not None else 0):
+            done(rows[:i + 1])
+        return rows
 
     monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
     monkeypatch.setattr(bench_e2e, "run", run)
@@ -520,6 +526,26 @@ def test_e2e_passes_every_option(monkeypatch, tmp_path):
     assert "cupaged step time: attention 25.0%" in r.output
     assert json.loads((tmp_path / "e.json").read_text())["workload"]["seed"] == 9
     assert (tmp_path / "e.csv").read_text().startswith("# cupaged")
+
+
+def test_e2e_json_holds_each_system_once_it_finishes(monkeypatch, tmp_path):
+    """A run cut short (the device's time limit) keeps the finished systems' rows."""
+    _fake_run(monkeypatch)
+    path = tmp_path / "e.json"
+    seen = []
+
+    def run(workload, systems, echo, done=None):
+        rows = [dataclasses.replace(_results()[0], system=s) for s in systems]
+        for i in range(len(rows)):
+            done(rows[:i + 1])
+            seen.append([r["system"] for r in json.loads(path.read_text())["results"]])
+        return rows
+
+    monkeypatch.setattr(bench_e2e, "run", run)
+    r = CliRunner().invoke(main, ["e2e", "--systems", "cupaged", "--systems", "hf",
+                                  "--json", str(path)])
+    assert r.exit_code == 0, r.output
+    assert seen == [["cupaged"], ["cupaged", "hf"]]
 
 
 def test_e2e_defaults(monkeypatch):

@@ -856,7 +856,8 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
               help="A profiling pass after the timed run of each engine system: the shares "
                    "of the step time in attention, the rest of the model and the host.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the workload, every field and the environment as JSON.")
+              help="Write the workload, every field and the environment as JSON (after each "
+                   "system: a run cut short keeps the finished rows).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write one row per system as CSV (environment as # comment lines).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -911,12 +912,13 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     if not chosen:
         click.echo("no system can run here", err=True)
         sys.exit(2)
-    results = e2e.run(workload, chosen, echo=click.echo)
+    env = report.environment()
+    # The JSON is rewritten after each system, so that a run cut short keeps its rows.
+    done = (lambda so_far: e2e.write_json(json_path, workload, so_far, env)) if json_path \
+        else None
+    results = e2e.run(workload, chosen, echo=click.echo, done=done)
     for line in e2e.table_lines(results) + e2e.breakdown_lines(results):
         click.echo(line)
-    env = report.environment()
-    if json_path:
-        e2e.write_json(json_path, workload, results, env)
     if csv_path:
         e2e.write_csv(csv_path, workload, results, env)
     if plot_path:

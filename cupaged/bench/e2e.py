@@ -938,10 +938,13 @@ def _workload_fields(workload: Workload) -> dict:
 def write_json(path, workload: Workload, results, env) -> None:
     import json
 
+    import os
+
     doc = {"environment": env, "workload": _workload_fields(workload),
            "results": [dataclasses.asdict(r) for r in results]}
-    with open(path, "w") as f:
+    with open(f"{path}.tmp", "w") as f:  # replaced whole: a run killed mid-write keeps the last
         json.dump(doc, f, indent=1, default=str)
+    os.replace(f"{path}.tmp", path)
 
 
 def write_csv(path, workload: Workload, results, env) -> None:
@@ -993,9 +996,11 @@ def write_plot(path, results, title: str = "") -> None:
     plt.close(fig)
 
 
-def run(workload: Workload, systems, echo=print, **harness_options) -> list:
+def run(workload: Workload, systems, echo=print, done=None, **harness_options) -> list:
     """Build the harness (model and budget; ``harness_options`` go to :class:`Harness`),
-    say what it serves, and run ``systems`` one after another: their SystemResults."""
+    say what it serves, and run ``systems`` one after another: their SystemResults.
+    ``done(results)`` is called with the results so far after each system (a run cut
+    short by a time limit keeps the finished systems' rows)."""
     harness = Harness(workload, **harness_options)
     c, w = harness.config, workload
     lo, hi = w.prompt_len
@@ -1013,5 +1018,10 @@ def run(workload: Workload, systems, echo=print, **harness_options) -> list:
     results = []
     for system in systems:
         print(f"running {system}...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         results.append(harness.run(system)[0])
+        print(f"{system}: {results[-1].status} in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+        if done is not None:
+            done(results)
     return results
