@@ -740,6 +740,12 @@ def test_cuda_graphs_and_compile_need_what_they_run_on(tiny_cpu, monkeypatch):
     cache.kv_scales = "token"
     with pytest.raises(ValueError, match="per-tensor fp8 scales"):
         Engine(model, cache, compile=True)
+    cache.kv_scales = "tensor"
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    with pytest.raises(ValueError, match="'dynamic': True.* torch 2.14 .*189271"):
+        Engine(model, cache, compile={"dynamic": True})
 
 
 @pytest.mark.parametrize("max_batch, sizes", [
@@ -995,11 +1001,18 @@ def test_serve_example_runs(tiny_gpu):
 _HOST_OPS = {}  # "kernels": the HostKernels serving torch.ops.cupaged on CPU tensors
 
 
-def _register_host_ops():
-    """CPU kernels for the two ops the compiled engine calls, running whichever
-    HostKernels the test made (registered once: a registration lasts the process)."""
-    import torch
+def _host_op_kernels(monkeypatch) -> "HostKernels":
+    """HostKernels, run by the CPU kernels of the two ops the compiled engine calls (for
+    this test; the registration lasts the process)."""
+    kernels = HostKernels(monkeypatch)
+    kernels.functional = True
+    _register_host_ops()
+    monkeypatch.setitem(_HOST_OPS, "kernels", kernels)
+    return kernels
 
+
+def _register_host_ops():
+    """CPU kernels for the two ops, running the test's HostKernels (registered once)."""
     from cupaged.integrations import torch_ops
 
     if _HOST_OPS.get("registered"):
@@ -1039,10 +1052,7 @@ def test_compiled_engine_on_host_matches_transformers(tiny_cpu, monkeypatch, sce
     import torch
 
     model, hf = tiny_cpu
-    kernels = HostKernels(monkeypatch)
-    _register_host_ops()
-    monkeypatch.setitem(_HOST_OPS, "kernels", kernels)
-    kernels.functional = True
+    kernels = _host_op_kernels(monkeypatch)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     engines = scenario(model, hf, lambda *a: kernels.cache(*a, model_config=model.config),
@@ -1050,6 +1060,23 @@ def test_compiled_engine_on_host_matches_transformers(tiny_cpu, monkeypatch, sce
     assert kernels.calls["op"] > 0 and kernels.calls["plan.run"] == kernels.calls["attention"] == 0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 6, f"{graphs} graphs for {len(engines)} engines"
+
+
+def test_compiled_engine_dynamic_from_the_start_with_inductor(tiny_cpu, monkeypatch):
+    """compile={"dynamic": True} with inductor (torch 2.14 or newer: older inductors fail
+    on the attention op's output, which it writes in place): generate's tokens."""
+    import torch
+
+    from cupaged.serving.engine import _torch_version
+
+    if _torch_version() < (2, 14):
+        pytest.skip(f"torch {torch.__version__}: Engine refuses dynamic=True before 2.14")
+    model, hf = tiny_cpu
+    kernels = _host_op_kernels(monkeypatch)
+    torch._dynamo.reset()
+    scenario_chunked(model, hf, lambda *a: kernels.cache(*a, model_config=model.config),
+                     compile={"dynamic": True})
+    assert kernels.calls["op"] > 0 and kernels.calls["attention"] == 0
 
 
 def test_compiled_engine_past_the_recompile_limit_runs_eagerly(tiny_cpu, monkeypatch):
@@ -1063,10 +1090,7 @@ def test_compiled_engine_past_the_recompile_limit_runs_eagerly(tiny_cpu, monkeyp
     from cupaged.serving.engine import Engine
 
     model, _ = tiny_cpu
-    kernels = HostKernels(monkeypatch)
-    _register_host_ops()
-    monkeypatch.setitem(_HOST_OPS, "kernels", kernels)
-    kernels.functional = True
+    kernels = _host_op_kernels(monkeypatch)
     # (prompt length, tokens out) per request, a phase's requests at once.
     phases = [[(2, 2), (2, 2)], [(40, 3)] * 3, [(40, 3)], [(3, 3)] * 3, [(5, 2)], [(1, 2)]]
 

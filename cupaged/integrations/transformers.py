@@ -103,8 +103,6 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
     step's new tokens, packed over its sequences), continuous batching's keywords
     (``cache``, ``cu_seq_lens_q``/``_k``, ``max_seqlen_q``/``_k``, ``read_index``,
     ``write_index``). Returns ``([1, tokens, num_heads, head_size], None)``."""
-    import torch
-
     from ..attention import attention
     from ..cache_ops import reshape_and_cache_flash
 

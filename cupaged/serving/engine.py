@@ -614,6 +614,13 @@ class _OpsLayer(NamedTuple):
         return out
 
 
+def _torch_version() -> tuple:
+    """torch's (major, minor)."""
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split(".")[:2])
+
+
 def _graph_sizes(max_batch: int) -> list:
     """The padded batch sizes of decode graphs: 1, 2, 4, 8, then multiples of 8, up to
     the first that holds ``max_batch``."""
@@ -823,19 +830,25 @@ class Engine:
                 raise ValueError("compile=True takes per-tensor fp8 scales (the ops do not "
                                  "write per-token scale arrays): make the cache with "
                                  "kv_scales='tensor'")
-            import torch
-
             from ..integrations import torch_ops  # noqa: F401  (registers torch.ops.cupaged)
 
             if not hasattr(model, "compiled"):
                 raise ValueError("compile=True needs a model with compiled(**options) (such "
                                  "as cupaged.serving.llama.Llama)")
             self.attention = OpsAttention
-            # The token count, the step's bounds and the table width turn dynamic after
-            # their first change (a few graphs in all; dynamic=True from the start trips
-            # an inductor scheduler error, KeyError 'op<n>', in torch 2.11 and 2.13).
+            # By default the token count, the step's bounds and the table width turn
+            # dynamic after their first change (a few graphs in all).
             options = dict(fullgraph=True)
             options.update(compile if isinstance(compile, dict) else {})
+            if (options.get("dynamic") is True and options.get("backend", "inductor") ==
+                    "inductor" and _torch_version() < (2, 14)):
+                # The attention op writes the output allocated before it in place, and
+                # these inductors fail on that buffer under symbolic shapes (a KeyError
+                # in Scheduler.compute_ancestors, pytorch/pytorch#189271).
+                raise ValueError(f"compile={{'dynamic': True}} with inductor needs torch 2.14 "
+                                 f"or newer (torch {torch.__version__}'s inductor fails on it: "
+                                 f"pytorch/pytorch#189271); leave 'dynamic' unset (shapes "
+                                 f"turn dynamic after their first change)")
             self.forward = model.compiled(**options).forward
         self.device = cache.key_caches[0].device
         self.scheduler = Scheduler(cache.manager, max_batched_tokens=max_batched_tokens,
