@@ -912,13 +912,13 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     if not chosen:
         click.echo("no system can run here", err=True)
         sys.exit(2)
-    env = report.environment()
-    # The JSON is rewritten after each system, so that a run cut short keeps its rows.
-    done = (lambda so_far: e2e.write_json(json_path, workload, so_far, env)) if json_path \
-        else None
-    results = e2e.run(workload, chosen, echo=click.echo, done=done)
+    def written(so_far):  # after each system, so that a run cut short keeps its rows
+        e2e.write_json(json_path, workload, so_far, report.environment())
+
+    results = e2e.run(workload, chosen, echo=click.echo, done=written if json_path else None)
     for line in e2e.table_lines(results) + e2e.breakdown_lines(results):
         click.echo(line)
+    env = report.environment()
     if csv_path:
         e2e.write_csv(csv_path, workload, results, env)
     if plot_path:

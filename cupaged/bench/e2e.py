@@ -937,12 +937,12 @@ def _workload_fields(workload: Workload) -> dict:
 
 def write_json(path, workload: Workload, results, env) -> None:
     import json
-
     import os
 
     doc = {"environment": env, "workload": _workload_fields(workload),
            "results": [dataclasses.asdict(r) for r in results]}
-    with open(f"{path}.tmp", "w") as f:  # replaced whole: a run killed mid-write keeps the last
+    # Written aside and renamed: a run killed mid-write keeps the previous file whole.
+    with open(f"{path}.tmp", "w") as f:
         json.dump(doc, f, indent=1, default=str)
     os.replace(f"{path}.tmp", path)
 
