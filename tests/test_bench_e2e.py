@@ -452,11 +452,26 @@ def test_table_and_breakdown_lines():
                         "rest of the model 60.0%, host 15.0%")
 
 
+def test_a_failed_json_write_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "e.json"
+    bench_e2e.write_json(path, Workload(), _results()[:1], ENV)
+    before = path.read_text()
+    with pytest.raises(TypeError):  # not serializable, even as a string: the write fails
+        bench_e2e.write_json(path, Workload(), _results(), {"bad": _Unprintable()})
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["e.json"]
+
+
+class _Unprintable:
+    def __str__(self):
+        raise TypeError("no text")
+
+
 def test_json_csv_and_plot_writers(tmp_path):
     import csv
 
     w = Workload(shared_prefix=64, prefix_caching=True)
     bench_e2e.write_json(tmp_path / "e.json", w, _results(), ENV)
+    assert [p.name for p in tmp_path.iterdir()] == ["e.json"]  # nothing left aside
     doc = json.loads((tmp_path / "e.json").read_text())
     assert doc["environment"] == ENV and doc["workload"]["prompt_len"] == [128, 1024]
     assert doc["workload"]["request_rate"] == math.inf and doc["workload"]["prefix_caching"]
@@ -597,6 +612,8 @@ def test_e2e_exit_status(monkeypatch, status, code):
     (["--block-size", "24"], "power of two"),
     (["--request-rate", "0"], "--request-rate must be positive"),
     (["--preset", "gpt-5"], "Invalid value for '--preset'"),
+    (["--json", "/nonexistent-folder/e.json"], "the folder /nonexistent-folder does not exist"),
+    (["--csv", "/nonexistent-folder/e.csv"], "Invalid value for --csv"),
 ])
 def test_e2e_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, ["e2e", *argv])  # before any GPU check

@@ -743,9 +743,15 @@ def test_cuda_graphs_and_compile_need_what_they_run_on(tiny_cpu, monkeypatch):
     cache.kv_scales = "tensor"
     import torch
 
+    from torch._inductor.compile_fx import compile_fx
+
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
-    with pytest.raises(ValueError, match="'dynamic': True.* torch 2.14 .*189271"):
-        Engine(model, cache, compile={"dynamic": True})
+    for backend in ({}, {"backend": "inductor"}, {"backend": compile_fx}):
+        with pytest.raises(ValueError, match="'dynamic': True.* torch 2.14 .*189271"):
+            Engine(model, cache, compile={"dynamic": True, **backend})
+    Engine(model, cache, compile={"dynamic": True, "backend": "aot_eager"})  # not inductor
+    monkeypatch.setattr(torch, "__version__", "2.14.0a0+git1234")
+    Engine(model, cache, compile={"dynamic": True})
 
 
 @pytest.mark.parametrize("max_batch, sizes", [
@@ -1074,8 +1080,16 @@ def test_compiled_engine_dynamic_from_the_start_with_inductor(tiny_cpu, monkeypa
     model, hf = tiny_cpu
     kernels = _host_op_kernels(monkeypatch)
     torch._dynamo.reset()
+    options, compile = [], torch.compile
+
+    def spy(fn, **kwargs):
+        options.append(kwargs)
+        return compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
     scenario_chunked(model, hf, lambda *a: kernels.cache(*a, model_config=model.config),
                      compile={"dynamic": True})
+    assert options and all(o == {"fullgraph": True, "dynamic": True} for o in options)
     assert kernels.calls["op"] > 0 and kernels.calls["attention"] == 0
 
 

@@ -892,6 +892,11 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
         raise click.UsageError(str(e))
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.UsageError("--plot needs matplotlib: pip install 'cupaged[plot]'")
+    # Checked now: the JSON is first written after the first system has run.
+    for hint, path in (("--json", json_path), ("--csv", csv_path), ("--plot", plot_path)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise click.BadParameter(f"the folder {folder} does not exist", param_hint=hint)
     for s in systems:
         why = e2e.unsupported(s, workload)
         if why:

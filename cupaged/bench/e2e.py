@@ -942,9 +942,14 @@ def write_json(path, workload: Workload, results, env) -> None:
     doc = {"environment": env, "workload": _workload_fields(workload),
            "results": [dataclasses.asdict(r) for r in results]}
     # Written aside and renamed: a run killed mid-write keeps the previous file whole.
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(f"{path}.tmp", path)
+    aside = f"{path}.tmp"
+    try:
+        with open(aside, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        os.replace(aside, path)
+    finally:
+        if os.path.exists(aside):
+            os.remove(aside)
 
 
 def write_csv(path, workload: Workload, results, env) -> None:

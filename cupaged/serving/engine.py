@@ -621,6 +621,14 @@ def _torch_version() -> tuple:
     return tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 
+def _is_inductor(backend) -> bool:
+    """Whether a ``torch.compile`` backend (None: the default) is inductor, by name or as
+    its compile function."""
+    if backend is None or backend == "inductor":
+        return True
+    return getattr(backend, "__module__", "").startswith("torch._inductor")
+
+
 def _graph_sizes(max_batch: int) -> list:
     """The padded batch sizes of decode graphs: 1, 2, 4, 8, then multiples of 8, up to
     the first that holds ``max_batch``."""
@@ -797,7 +805,8 @@ class Engine:
     step). It needs the default attention backend and, for fp8 caches, per-tensor
     scales. A dict instead of True: keyword arguments for ``torch.compile``
     (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``) over the default
-    ``fullgraph=True``.
+    ``fullgraph=True``; ``{"dynamic": True}`` with inductor needs torch 2.14 or newer
+    (refused before: pytorch/pytorch#189271).
 
     ``submit(request)`` queues a request, ``step()`` runs one batch and returns the
     requests that finished, ``run(requests)`` does both until everything is done.
@@ -806,7 +815,7 @@ class Engine:
     def __init__(self, model, cache, *, max_batched_tokens: int = 2048, max_running: int = 256,
                  attention=PagedAttention, cuda_graphs: bool = False,
                  max_model_len: int | None = None, compile: bool | dict = False):
-        import torch  # noqa: F401  (_arrays maps dtypes through the imported torch)
+        import torch  # also for _arrays, which maps dtypes through an imported torch
 
         from .. import _arrays
 
@@ -840,8 +849,8 @@ class Engine:
             # dynamic after their first change (a few graphs in all).
             options = dict(fullgraph=True)
             options.update(compile if isinstance(compile, dict) else {})
-            if (options.get("dynamic") is True and options.get("backend", "inductor") ==
-                    "inductor" and _torch_version() < (2, 14)):
+            if (options.get("dynamic") is True and _is_inductor(options.get("backend"))
+                    and _torch_version() < (2, 14)):
                 # The attention op writes the output allocated before it in place, and
                 # these inductors fail on that buffer under symbolic shapes (a KeyError
                 # in Scheduler.compute_ancestors, pytorch/pytorch#189271).
