@@ -46,10 +46,11 @@ __all__ = ["OPS"]
 
 Tensor = torch.Tensor
 
-# The module-level functions below are the ops' real implementations (CUDA); each has a
-# fake one for tracing. Schemas are inferred from the annotations. An optional written
-# argument (lse, lse_out, k_pe_cache) has no default: it is always passed, None or a
-# tensor (torch before 2.13 fails on a written argument left to its default).
+# The module-level functions below are the ops' real implementations (CUDA); one fake
+# implementation for tracing serves them all (see the end). Schemas are inferred from the
+# annotations. An optional written argument (lse, lse_out, k_pe_cache) has no default: it
+# is always passed, None or a tensor (torch before 2.13 fails on a written argument left
+# to its default).
 
 
 def _per_tensor(scale: Optional[Tensor], name: str) -> Optional[Tensor]:
@@ -79,14 +80,6 @@ def attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table
         logits_soft_cap=logits_soft_cap, sinks=sinks, lse=lse)
 
 
-@attention.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, lse,
-      kv_layout="NHD", causal=True, scale=None, alibi_slopes=None, max_query_len=None,
-      max_seq_len=None, kv_cache_dtype="auto", k_scale=None, v_scale=None, window=None,
-      logits_soft_cap=None, sinks=None):
-    return None
-
-
 @torch.library.custom_op("cupaged::mla_attention", mutates_args=("out", "lse"))
 def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                   query_start_loc: Optional[Tensor], out: Tensor, lse: Optional[Tensor],
@@ -103,13 +96,6 @@ def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: T
                       k_scale=_per_tensor(k_scale, "k_scale"))
 
 
-@mla_attention.register_fake
-def _(q, kv_cache, block_tables, seq_lens, query_start_loc, out, lse, scale, q_pe=None,
-      kv_lora_rank=None, k_pe_cache=None, causal=True, max_query_len=None, max_seq_len=None,
-      kv_cache_dtype="auto", k_scale=None):
-    return None
-
-
 @torch.library.custom_op("cupaged::paged_attention_v1", mutates_args=("out",))
 def paged_attention_v1(out: Tensor, query: Tensor, key_cache: Tensor, value_cache: Tensor,
                        num_kv_heads: int, scale: float, block_tables: Tensor, seq_lens: Tensor,
@@ -123,14 +109,6 @@ def paged_attention_v1(out: Tensor, query: Tensor, key_cache: Tensor, value_cach
         block_size, max_seq_len, alibi_slopes, kv_cache_dtype, _per_tensor(k_scale, "k_scale"),
         _per_tensor(v_scale, "v_scale"), tp_rank, blocksparse_local_blocks,
         blocksparse_vert_stride, blocksparse_block_size, blocksparse_head_sliding_step)
-
-
-@paged_attention_v1.register_fake
-def _(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank=0,
-      blocksparse_local_blocks=0, blocksparse_vert_stride=0, blocksparse_block_size=64,
-      blocksparse_head_sliding_step=0):
-    return None
 
 
 @torch.library.custom_op("cupaged::paged_attention_v2",
@@ -151,14 +129,6 @@ def paged_attention_v2(out: Tensor, exp_sums: Tensor, max_logits: Tensor, tmp_ou
         blocksparse_head_sliding_step)
 
 
-@paged_attention_v2.register_fake
-def _(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
-      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale,
-      v_scale, tp_rank=0, blocksparse_local_blocks=0, blocksparse_vert_stride=0,
-      blocksparse_block_size=64, blocksparse_head_sliding_step=0):
-    return None
-
-
 @torch.library.custom_op("cupaged::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
 def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                       slot_mapping: Tensor, kv_cache_dtype: str = "auto",
@@ -167,12 +137,6 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                 _per_tensor(k_scale, "k_scale"), _per_tensor(v_scale, "v_scale"),
                                 kv_layout=kv_layout)
-
-
-@reshape_and_cache.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=None,
-      v_scale=None, kv_layout="vllm"):
-    return None
 
 
 @torch.library.custom_op("cupaged::reshape_and_cache_flash",
@@ -186,12 +150,6 @@ def reshape_and_cache_flash(key: Tensor, value: Tensor, key_cache: Tensor, value
                                       _per_tensor(v_scale, "v_scale"))
 
 
-@reshape_and_cache_flash.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=None,
-      v_scale=None):
-    return None
-
-
 @torch.library.custom_op("cupaged::concat_and_cache_mla", mutates_args=("kv_cache", "k_pe_cache"))
 def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                          kv_cache_dtype: str, scale: Optional[Tensor],
@@ -200,20 +158,10 @@ def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
                                    _per_tensor(scale, "scale"), k_pe_cache=k_pe_cache)
 
 
-@concat_and_cache_mla.register_fake
-def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, k_pe_cache):
-    return None
-
-
 @torch.library.custom_op("cupaged::copy_blocks", mutates_args=("key_caches", "value_caches"))
 def copy_blocks(key_caches: List[Tensor], value_caches: List[Tensor],
                 block_mapping: Tensor) -> None:
     cache_ops.copy_blocks(key_caches, value_caches, block_mapping)
-
-
-@copy_blocks.register_fake
-def _(key_caches, value_caches, block_mapping):
-    return None
 
 
 @torch.library.custom_op("cupaged::copy_blocks_mla", mutates_args=("kv_caches",))
@@ -221,30 +169,15 @@ def copy_blocks_mla(kv_caches: List[Tensor], block_mapping: Tensor) -> None:
     cache_ops.copy_blocks_mla(kv_caches, block_mapping)
 
 
-@copy_blocks_mla.register_fake
-def _(kv_caches, block_mapping):
-    return None
-
-
 @torch.library.custom_op("cupaged::swap_blocks", mutates_args=("dst",))
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     cache_ops.swap_blocks(src, dst, block_mapping)
-
-
-@swap_blocks.register_fake
-def _(src, dst, block_mapping):
-    return None
 
 
 @torch.library.custom_op("cupaged::merge_state", mutates_args=("out", "lse_out"))
 def merge_state(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Tensor,
                 lse_out: Optional[Tensor]) -> None:
     merge.merge_state(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse_out)
-
-
-@merge_state.register_fake
-def _(out_a, lse_a, out_b, lse_b, out, lse_out):
-    return None
 
 
 @torch.library.custom_op("cupaged::merge_states", mutates_args=("out", "lse_out"))
@@ -254,13 +187,18 @@ def merge_states(outs: Tensor, lses: Tensor, out: Tensor, lse_out: Optional[Tens
     merge.merge_states(outs, lses, out=out, lse_out=lse_out)
 
 
-@merge_states.register_fake
-def _(outs, lses, out, lse_out):
-    return None
-
-
 OPS = (attention, mla_attention, paged_attention_v1, paged_attention_v2, reshape_and_cache,
        reshape_and_cache_flash, concat_and_cache_mla, copy_blocks, copy_blocks_mla,
        swap_blocks, merge_state, merge_states)
 """Every registered op (``torch.library.CustomOpDef`` objects; ``torch.ops.cupaged.<name>``
 is each one's overload packet)."""
+
+
+def _writes_only(*args, **kwargs) -> None:
+    """Every op's fake implementation: the ops return nothing and write only arguments the
+    schema marks, so tracing has no output to shape."""
+    return None
+
+
+for _op in OPS:
+    _op.register_fake(_writes_only)

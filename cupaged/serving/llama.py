@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import types
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from typing import Callable, Hashable, Sequence
 
@@ -187,7 +188,7 @@ class Llama:
             h = F.embedding(tokens, self.embed)
             for layer, w in enumerate(self.layers):
                 if compiled is None:
-                    h = decoder_layer(c, h, w, cos, sin, _LayerCall(attention, layer))
+                    h = decoder_layer(c, h, w, cos, sin, partial(attention, layer))
                 else:  # one graph for every layer: the layer's arrays are its arguments
                     h = self._run_compiled(c, h, w, cos, sin, attention.layer(layer))
             if logits_rows is not None:
@@ -241,18 +242,6 @@ class Llama:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
 
-class _LayerCall:
-    """``attend(q, k, v)`` of one layer over an ``attention(layer, q, k, v)`` callable."""
-
-    __slots__ = ("attention", "layer")
-
-    def __init__(self, attention: Attention, layer: int):
-        self.attention, self.layer = attention, layer
-
-    def __call__(self, q, k, v):
-        return self.attention(self.layer, q, k, v)
-
-
 def decoder_layer(c: "LlamaConfig", h: torch.Tensor, w: "_Layer", cos: torch.Tensor,
                   sin: torch.Tensor, attend) -> torch.Tensor:
     """One decoder layer over hidden states ``h`` ``[T, hidden]``: norm, QKV projection,
@@ -269,6 +258,7 @@ def decoder_layer(c: "LlamaConfig", h: torch.Tensor, w: "_Layer", cos: torch.Ten
     x = _rms_norm(h, w.post_norm, c.rms_norm_eps)
     gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
     return h + F.linear(F.silu(gate) * up, w.down)
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # In float32, rounded back before the weight: Hugging Face's order, bit for bit.
