@@ -11,6 +11,9 @@
 #   SHARD=4  MLA (both kernel families on a Hopper GPU)
 #   SHARD=5  the Hopper prefill kernel, the variants, the README's examples
 #   SHARD=6  fp8, the KV cache and merge
+#   SHARD=kernels  shards 1, 2, 4, 5 and 6's tests in one call, without the benchmarks: for
+#            WORKERS=N, which spreads the tests over N pytest-xdist processes (a cold run is
+#            mostly NVRTC, one CPU core per compile; the kernel cache is shared on disk)
 # On a machine whose kernel cache is cold, SHARD=2's tests alone take about 7 minutes (most
 # of it NVRTC): SHARD=6's files would take it past the limit.
 source "$(dirname "$0")/device_env.sh"
@@ -32,14 +35,17 @@ case "${SHARD:-}" in
   4) set -- $SHARD4 "$@" ;;
   5) set -- $SHARD5 "$@" ;;
   6) set -- $SHARD6 "$@" ;;
+  kernels) for f in $SERVING; do set -- "--ignore=$f" "$@"; done
+     set -- "--deselect=$FI_CLI" "$@" ;;
   "") ;;
-  *) echo "SHARD must be 1 to 6 or unset" >&2; exit 2 ;;
+  *) echo "SHARD must be 1 to 6, kernels or unset" >&2; exit 2 ;;
 esac
 
 bench info 2>&1 | tee "$OUT/info.txt"
 # SHARD=3 runs its files' host tests too: those need torch and transformers, which CI lacks.
 marker=(-m gpu)
 [ "${SHARD:-}" = 3 ] && marker=()
+[ "${WORKERS:-1}" -gt 1 ] && set -- -n "$WORKERS" "$@"
 python3 -m pytest "${marker[@]}" -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests${SHARD:-}.txt" | tail -25
 status=${PIPESTATUS[0]}
 if [ "${SHARD:-}" = 2 ] || [ -z "${SHARD:-}" ]; then
