@@ -271,18 +271,15 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
                 scale * _checks.LOG2E)
     vp = _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack()
     kv_strides, kv_tail = kv_args(p)
-    launch = Launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.kind == "prefill",
-                    plan.head, p.q_strides, kv_strides, kv_tail, tail, variants, vp,
-                    takes_starts=plan.kind != "decode")
-    if not plan.split_tokens:
-        return launch
-    launch = launch._replace(split=True, partials=workspace,
-                             scratch_rows=p.num_rows * p.num_heads * plan.partitions,
-                             head_size=p.head_size)
-    if plan.combine is None:  # paged_decode merges its own partitions
-        return launch
-    return launch._replace(combine=plan.combine, combine_grid=plan.combine_grid,
-                           combine_tail=plan.combine_tail)
+    split = bool(plan.split_tokens)
+    # The plan's combine is None (and its grid and tail empty) for a single pass, and for a
+    # split paged_decode merges itself.
+    return Launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.kind == "prefill",
+                  plan.head, p.q_strides, kv_strides, kv_tail, tail, variants, vp,
+                  split=split, combine=plan.combine, combine_grid=plan.combine_grid,
+                  combine_tail=plan.combine_tail, partials=workspace if split else None,
+                  scratch_rows=p.num_rows * p.num_heads * plan.partitions if split else 0,
+                  head_size=p.head_size if split else 0, takes_starts=plan.kind != "decode")
 
 
 MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide
