@@ -44,7 +44,8 @@ __device__ __forceinline__ MlaTiles mla_tiles(const MlaSeq& s, int row0, int row
                                               int num_heads, int causal, int split_tiles) {
   MlaTiles t;
   const int last_pos = s.q_shift + (row0 + rows_here - 1) / num_heads;
-  t.kv_end = causal ? min(s.seq_len, last_pos + 1) : s.seq_len;
+  // (max: a row before every cached token, which only a bad query_start_loc makes, reads none)
+  t.kv_end = causal ? max(0, min(s.seq_len, last_pos + 1)) : s.seq_len;
   int lo = 0, hi = (t.kv_end + TILE_N - 1) / TILE_N;
   if (split_tiles > 0) {
     lo = min(hi, static_cast<int>(blockIdx.z) * split_tiles);

@@ -718,13 +718,19 @@ __global__ void __launch_bounds__(384, 1)
 
       mbar_wait(q_full_bar(wg), j & 1);
       fence_async_smem();
+      // The fence_regs around each wgmma fence and wait tie the registers an asynchronous
+      // wgmma owns (S and O as accumulators, P as the A operand) to those points, so no
+      // other register work on them moves into its flight.
       if (n > 0) {
         acquire(0);
         consumer_turn_wait(wg);
+        fence_regs(s);
+        fence_regs(o);
         wgmma_fence();
         issue_s(0);
         consumer_turn_pass(wg);
         wgmma_wait<0>();
+        fence_regs(s);
         if (n == 1) mbar_arrive(q_empty_bar(wg));  // its last read of Q
         float alpha[2];
         softmax(sp.tile_base * TILE_N, alpha);
@@ -732,23 +738,33 @@ __global__ void __launch_bounds__(384, 1)
         for (int it = 1; it < n; ++it) {
           acquire(it);
           consumer_turn_wait(wg);
+          fence_regs(s);
+          fence_regs(o);
+          fence_regs(pa);
           wgmma_fence();
           issue_s(it);
           issue_pv(it - 1);
           consumer_turn_pass(wg);
           wgmma_wait<1>();  // S of tile it; tile it - 1's P V still runs
+          fence_regs(s);
           if (it + 1 == n) mbar_arrive(q_empty_bar(wg));
           softmax((sp.tile_base + it) * TILE_N, alpha);
           wgmma_wait<0>();
+          fence_regs(o);
+          fence_regs(pa);
           release(it - 1);
           rescale_o(alpha);
           pack_p();
         }
         consumer_turn_wait(wg);
+        fence_regs(o);
+        fence_regs(pa);
         wgmma_fence();
         issue_pv(n - 1);
         consumer_turn_pass(wg);
         wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pa);
         release(n - 1);
       } else {
         mbar_arrive(q_empty_bar(wg));

@@ -80,6 +80,17 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// (register A fragments: their registers stay untouched until the wgmma reading them is done)
+template <int N>
+__device__ __forceinline__ void fence_regs(unsigned (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int M, int N, typename R>
+__device__ __forceinline__ void fence_regs(R (&r)[M][N]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) fence_regs(r[m]);
+}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

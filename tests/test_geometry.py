@@ -173,59 +173,107 @@ def test_specialization_names_are_unique():
 
 # ---- the covering set ------------------------------------------------------------------------
 
+COVER = catalog.covering_specs(ARCHS)
+
+
+def _pairs(spec, names) -> set:
+    vals = [(n, getattr(spec, n)) for n in names]
+    return {(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]}
+
 
 @pytest.mark.parametrize("kernel", sorted(catalog.AXES))
 def test_covering_set_covers_every_pair_of_every_kernel(kernel):
-    """Every pair of values that some supported specialization has."""
+    """Every pair of values that some supported specialization has, in about as few
+    specializations as any set can: the two largest axes' pairs (a lower bound), the
+    decode code paths (below) and the extras covering_specs adds."""
     names = (*catalog.AXES[kernel], "arch")
-    want = set().union(*(catalog._pairs(s, names) for s in ALL if s.kernel == kernel))
-    cover = [s for s in catalog.covering_specs(ARCHS) if s.kernel == kernel]
-    got = set().union(*(catalog._pairs(s, names) for s in cover))
+    mine = [s for s in ALL if s.kernel == kernel]
+    want = set().union(*(_pairs(s, names) for s in mine))
+    cover = [s for s in COVER if s.kernel == kernel]
+    got = set().union(*(_pairs(s, names) for s in cover))
     assert got == want
     assert all(catalog.supported(s) for s in cover)
-    axes = {**catalog.AXES[kernel], "arch": ARCHS}
-    sizes = sorted((len(v) for v in axes.values()), reverse=True)
-    # The two largest axes' product is the least any pairwise set can have; IPOG is greedy
-    # and may need a few more (reshape_and_cache's 3 x 3 x 2^4 axes: 11 rows, not 9).
-    if len(sizes) >= 2:
-        assert sizes[0] * sizes[1] <= len(covering.pairwise(axes)) <= 1.25 * sizes[0] * sizes[1]
+    bound = max(len({(getattr(s, a), getattr(s, b)) for s in mine})
+                for i, a in enumerate(names) for b in names[i + 1:]) if len(names) > 1 else 0
+    if kernel == "paged_decode":
+        bound = max(bound, len({(s.arch, catalog.decode_path(s)) for s in mine}))
+    extras = {"paged_prefill": 72 * 2, "paged_decode": 4}.get(kernel, 0)
+    if kernel not in catalog.SMALL_KERNELS:
+        assert bound <= len(cover) <= 1.1 * bound + extras, (len(cover), bound)
 
 
 def test_covering_set_reaches_every_decode_code_path():
     """Tensor cores and V's layout depend on three or four axes at once: pairs alone
-    missed 10 of the 30 (dtype, tile, path) combinations, so one of each is added."""
-    cover = catalog.covering_specs(ARCHS)
+    missed 10 of the 30 (dtype, tile, path) combinations, so the choice covers every path
+    as well."""
     for arch in ARCHS:
-        want = {catalog._decode_path(s) for s in DECODE if s.arch == arch}
-        got = {catalog._decode_path(s) for s in cover if s.kernel == "paged_decode" and s.arch == arch}
+        want = {catalog.decode_path(s) for s in DECODE if s.arch == arch}
+        got = {catalog.decode_path(s) for s in COVER if s.kernel == "paged_decode" and s.arch == arch}
         assert got == want
 
 
 def test_covering_set_has_the_shared_memory_extremes():
-    cover = set(catalog.covering_specs(ARCHS))
+    cover = set(COVER)
     for arch in ARCHS:
         smem = {s: geometry.DecodeGeometry.of(s).smem_bytes for s in DECODE if s.arch == arch}
         assert max(smem, key=smem.get) in cover and min(smem, key=smem.get) in cover
 
 
 def test_covering_set_is_deterministic_and_small():
-    a, b = catalog.covering_specs(ARCHS), catalog.covering_specs(ARCHS)
-    assert a == b and len(a) == len(set(a))
-    assert len(a) < len(ALL) / 10
+    rows = [(s.dtype, s.head_size, s.block_size, s.arch) for s in DECODE]
+    assert covering.cover_pairs(rows) == covering.cover_pairs(rows[:])
+    assert len(COVER) == len(set(COVER)) and len(COVER) < len(ALL) / 100
+
+
+@pytest.mark.parametrize("kernel", sorted(catalog.AXES))
+def test_ptxas_set_covers_the_ptx_shapes_of_the_covering_set(kernel):
+    """What goes through ptxas: every pair of the axes but head and block size and of the
+    tile fields and geometry branches (catalog.ptx_shape) that the covering set has, in
+    a small subset of it (the rest is compiled to PTX)."""
+    names = [n for n in (*catalog.AXES[kernel], "arch") if n not in ("head_size", "block_size")]
+
+    def row(s):
+        return (*(getattr(s, n) for n in names), *catalog.ptx_shape(s))
+
+    def pairs(rows):
+        return {(i, r[i], j, r[j]) for r in rows for i in range(len(r)) for j in range(i, len(r))}
+
+    mine = [s for s in COVER if s.kernel == kernel]
+    sub = [s for s in catalog.ptxas_specs(ARCHS) if s.kernel == kernel]
+    assert set(sub) <= set(mine)
+    assert pairs(map(row, sub)) == pairs(map(row, mine))
+    assert len(catalog.ptxas_specs(ARCHS)) < len(COVER) / 8
 
 
 @pytest.mark.parametrize("sizes", [(3,), (2, 2), (3, 2, 2), (4, 3, 3, 2), (29, 9, 4, 3, 2),
                                    (5, 5, 5, 5, 5)])
-def test_pairwise_covers_every_pair(sizes):
+def test_cover_pairs_covers_every_pair_of_the_rows_given(sizes):
+    """Over a full product, and over one with holes (rows that do not exist): every pair
+    the rows have, in not many more rows than the two largest axes' product."""
     axes = {f"a{i}": [f"v{j}" for j in range(n)] for i, n in enumerate(sizes)}
-    rows = covering.pairwise(axes)
-    assert covering.covers_all_pairs(axes, rows)
-    assert all(set(r) == set(axes) for r in rows)
     full = list(itertools.product(*axes.values()))
-    assert len(rows) <= len(full)
+    rows = [full[i] for i in covering.cover_pairs(full)]
+    assert covering.covers_all_pairs(axes, [dict(zip(axes, r)) for r in rows])
+    top = sorted(sizes, reverse=True)
     if len(sizes) >= 2:
-        top = sorted(sizes, reverse=True)
-        assert len(rows) <= top[0] * top[1] * 1.5
+        assert top[0] * top[1] <= len(rows) <= top[0] * top[1] * 1.5
+    else:
+        assert len(rows) == top[0]
+    holes = [r for k, r in enumerate(full) if k % 3 and not (r[0] == "v0" and r[-1] == "v1")]
+    want = {(i, r[i], j, r[j]) for r in holes for i in range(len(r)) for j in range(i, len(r))}
+    got = {(i, r[i], j, r[j]) for k in covering.cover_pairs(holes)
+           for r in [holes[k]] for i in range(len(r)) for j in range(i, len(r))}
+    assert got == want
+    assert covering.cover_pairs(holes) == covering.cover_pairs(list(holes))
+
+
+def test_cover_pairs_covers_the_keys_too():
+    rows = [(a, b) for a in range(3) for b in range(3)]
+    keys = [k % 5 for k in range(len(rows))]
+    picked = covering.cover_pairs(rows, keys)
+    assert {keys[i] for i in picked} == set(keys)
+    assert {rows[i] for i in picked} == set(rows)  # 3 x 3: every row is needed
+    assert covering.cover_pairs([]) == []
 
 
 def test_covers_all_pairs_notices_a_missing_pair():
@@ -265,7 +313,7 @@ def test_the_covering_set_is_what_the_planner_runs():
     """Every specialization CI compiles is one the planner may run (its tile and stages on
     its target), and for each class of head size the multi-token shapes it picks are
     among them (pairs of warps above 256, the smallest at 512 on sm_80)."""
-    cov = catalog.covering_specs(ARCHS)
+    cov = COVER
     assert set(cov) <= set(ALL)
     shapes = {(s.arch, s.head_size, (s.warps, s.m_atoms, s.tile_tokens, s.stages))
               for s in cov if s.kernel == "paged_prefill"}

@@ -255,6 +255,21 @@ def test_the_fast_compile_check_still_runs_ptxas(sources):
             jit._compile("probe.cu", "sm_80", ["cupaged::probe<1>"], "probe", extra)
 
 
+def test_front_end_only_compiles_ptx_for_the_virtual_architecture(monkeypatch):
+    seen = []
+    monkeypatch.setattr(jit, "_compile", lambda *job: seen.append((job[1], len(job[2]))))
+    sm90a = jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16)
+    other = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_80")
+    jit.compile_check([SPEC, sm90a, other], front_end_only=[SPEC, sm90a])
+    assert sorted(seen) == [("compute_90", 1), ("compute_90a", 1), ("sm_80", 1)]
+
+
+def test_front_end_only_still_stops_at_a_static_assert():
+    spec = jit.KernelSpec("paged_decode", "f16", 64, 16, 3)  # GROUP_TILE 3
+    with pytest.raises(jit.CompileError, match="GROUP_TILE"):
+        jit.compile_check([spec], front_end_only=[spec])
+
+
 def test_compile_check_passes_the_fast_options(monkeypatch):
     seen = []
     monkeypatch.setattr(jit, "_compile", lambda *job: seen.append(job[4]))
@@ -264,13 +279,19 @@ def test_compile_check_passes_the_fast_options(monkeypatch):
 
 
 def test_compile_optimized_compiles_without_them(monkeypatch):
+    """--covering: ptxas on catalog.ptxas_specs, PTX for the rest; --optimized: cubins of
+    all, at full optimization."""
+    from cupaged.specs import catalog
+
     seen = []
-    monkeypatch.setattr(jit, "compile_check",
-                        lambda specs, fast=True: (seen.append(fast), (0, 0.0))[1])
-    for argv, fast in ((["--covering"], True), (["--covering", "--optimized"], False)):
+    monkeypatch.setattr(jit, "compile_check", lambda specs, fast=True, front_end_only=():
+                        (seen.append((fast, set(specs), set(front_end_only))), (0, 0.0))[1])
+    cover, cubins = set(catalog.covering_specs(["sm_90"])), set(catalog.ptxas_specs(["sm_90"]))
+    for argv, fast, ptx in ((["--covering"], True, cover - cubins),
+                            (["--covering", "--optimized"], False, set())):
         r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", *argv])
         assert r.exit_code == 0, r.output
-        assert seen.pop() is fast
+        assert seen.pop() == (fast, cover, ptx)
     r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", "--optimized"])
     assert r.exit_code != 0 and "--optimized goes with --all or --covering" in r.output
 
@@ -303,9 +324,11 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 
     n = len(catalog.covering_specs(["sm_80", "sm_90"]))
     full = len(catalog.all_specs(["sm_80", "sm_90"]))
+    cubins = len(catalog.ptxas_specs(["sm_80", "sm_90"]))
     result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--covering"])
     assert result.exit_code == 0, result.output
-    assert (f"compiled {n} specializations (a pairwise covering set of the {full} supported) "
+    assert (f"compiled {n} specializations (a pairwise covering set of the {full} supported, "
+            f"{cubins} through ptxas) "
             f"for sm_80, sm_90") in result.output
     compile_summary.append(result.output.strip())
 

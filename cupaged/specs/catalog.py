@@ -3,8 +3,9 @@
 ``all_specs`` is the full product of each kernel's axes (``cupaged-bench compile --all``:
 thousands of NVRTC compiles, the check to run after changing a kernel template or a
 geometry mirror). ``covering_specs`` is what the test suite compiles: per kernel, a
-pairwise covering array over its axes and the targets (every value of every axis, and
-every pair of values of any two axes, at least once), plus each target's largest and
+pairwise covering set of its supported specializations over its axes and the targets
+(every value of every axis, and every pair of values of any two axes that some
+specialization has, at least once), plus each target's largest and
 smallest shared-memory decode specializations, and every specialization of the cache
 kernels (small: all of them compile in about a second). Constraints that no compile of a
 subset can prove for all (shared memory, static_asserts) are checked for every
@@ -187,12 +188,7 @@ def kernel_archs(kernel: str, archs) -> tuple:
     return (own,) if own in archs or own.rstrip("a") in archs else ()
 
 
-def _pairs(spec: jit.KernelSpec, names) -> set:
-    vals = [(n, getattr(spec, n)) for n in names]
-    return {(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]}
-
-
-def _decode_path(spec) -> tuple:
+def decode_path(spec) -> tuple:
     """What selects the code a decode specialization compiles: its element types and scale
     mode, its tile
     and group tile, and the branches DecodeGeometry derives from several axes at once
@@ -203,29 +199,30 @@ def _decode_path(spec) -> tuple:
 
 
 def covering_specs(archs) -> list[jit.KernelSpec]:
-    """A pairwise covering set over each kernel's axes and ``archs``; plus, for each
-    target, one decode specialization of every code path (``_decode_path``) the pairs did
-    not reach and the ones with the most and the least shared memory; and every
-    specialization of the ``SMALL_KERNELS``."""
+    """A pairwise covering set of each kernel's supported specializations for ``archs``
+    (``covering.cover_pairs`` over its axes and the target), which for paged_decode also
+    reaches every code path (``decode_path``) of each target; plus each target's decode
+    specializations with the most and the least shared memory; paged_prefill in every
+    tile shape of each class of head size; and every specialization of the
+    ``SMALL_KERNELS``."""
+    return list(_covering_specs(tuple(archs)))
+
+
+@lru_cache(maxsize=4)
+def _covering_specs(archs: tuple) -> tuple:
     specs = []
     full = all_specs(archs)
     for kernel, axes in AXES.items():
         names = (*axes, "arch")
-        targets = kernel_archs(kernel, archs)
-        if not targets:
+        mine = [s for s in full if s.kernel == kernel]
+        if not mine:
             continue
-        rows = [_spec(kernel, **row) for row in covering.pairwise({**axes, "arch": targets})]
-        # each row in the form the planner runs it (its tile or stages on its target)
-        mine = [s for row in rows if row is not None for s in _with_tiles(row)[:1]]
-        # Pairs only an unsupported row held: one supported spec for each.
-        covered = set().union(*(_pairs(s, names) for s in mine)) if mine else set()
-        for s in full:
-            if s.kernel == kernel and not _pairs(s, names) <= covered:
-                covered |= _pairs(s, names)
-                mine.append(s)
-        specs += mine
+        # decode: every code path per target too (decode_path), in the same greedy choice
+        keys = [(s.arch, decode_path(s)) for s in mine] if kernel == "paged_decode" else None
+        picked = covering.cover_pairs([tuple(getattr(s, n) for n in names) for s in mine], keys)
+        specs += [mine[i] for i in picked]
         if kernel in SMALL_KERNELS:
-            specs += [s for s in full if s.kernel == kernel]
+            specs += mine
         if kernel == "paged_prefill":  # every tile shape, per dtype, layout and target, in
             # each class of head size (pairs of warps above 256, and at 512 the smallest)
             for arch, dtype, fmt, hs in product(archs, axes["dtype"], axes["kv_format"],
@@ -234,12 +231,49 @@ def covering_specs(archs) -> list[jit.KernelSpec]:
                                                     arch=arch))
     for arch in archs:
         decode = [s for s in full if s.kernel == "paged_decode" and s.arch == arch]
-        reached = {_decode_path(s) for s in specs if s.kernel == "paged_decode" and s.arch == arch}
-        for s in decode:
-            if _decode_path(s) not in reached:
-                reached.add(_decode_path(s))
-                specs.append(s)
         smem = [geometry.DecodeGeometry.of(s).smem_bytes for s in decode]
         specs.append(decode[smem.index(max(smem))])
         specs.append(decode[smem.index(min(smem))])
-    return list(dict.fromkeys(specs))
+    return tuple(dict.fromkeys(specs))
+
+
+def ptx_shape(spec: jit.KernelSpec) -> tuple:
+    """What else shapes a specialization's PTX for ptxas beyond its types, layout and
+    variant: the tile fields behind the immediate operands of its inline PTX (barrier
+    thread counts, cp.async group depths, wgmma widths, register splits) and the branches
+    its geometry takes (tensor cores, V's layout, swizzled rows)."""
+    if spec.kernel == "paged_decode":
+        g = geometry.DecodeGeometry.of(spec)
+        return spec.tile_tokens, spec.stages, g.mma, g.v_transposed, g.swizzle
+    if spec.kernel == "paged_prefill":
+        return spec.warps, spec.m_atoms, spec.tile_tokens, spec.stages
+    if spec.kernel == "paged_prefill_sm90":
+        return spec.head_size, spec.tile_tokens, spec.stages
+    if spec.kernel == "mla_attention":
+        return spec.rows, spec.tile_tokens, spec.stages
+    return ()
+
+
+def ptxas_specs(archs) -> list[jit.KernelSpec]:
+    """The members of ``covering_specs`` whose cubins the compile check builds (ptxas
+    checks their PTX against the target); the rest it compiles to PTX only. Per kernel, a
+    pairwise covering set over its axes but head and block size, together with the
+    fields of ``ptx_shape`` and the target: which inline PTX a specialization emits, and
+    with which immediates, follows from those, while head and block size change loop
+    counts and offsets (which the front end and the geometry mirrors check). Of equals,
+    the smallest head size, the cheapest to assemble."""
+    return list(_ptxas_specs(tuple(archs)))
+
+
+@lru_cache(maxsize=4)
+def _ptxas_specs(archs: tuple) -> tuple:
+    chosen = []
+    cover = covering_specs(archs)
+    for kernel, axes in AXES.items():
+        names = [n for n in (*axes, "arch") if n not in ("head_size", "block_size")]
+        mine = sorted((s for s in cover if s.kernel == kernel),
+                      key=lambda s: (s.head_size, s.block_size))
+        rows = [(*(getattr(s, n) for n in names), *ptx_shape(s)) for s in mine]
+        chosen += [mine[i] for i in covering.cover_pairs(rows)]
+    return tuple(chosen)
+

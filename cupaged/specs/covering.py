@@ -1,62 +1,79 @@
-"""Pairwise covering arrays: few rows in which every pair of values of any two axes occurs.
+"""Pairwise covering sets: few rows in which every pair of values of any two axes occurs.
 
-The compile check in CI uses one per kernel instead of the full product of its axes: every
-value of every axis and every pair of values is compiled at least once, and the row count
-grows with the product of the two largest axes rather than of all of them.
+The compile check in CI uses one per kernel instead of every specialization: each value
+of every axis and each pair of values is compiled at least once, and the row count grows
+with the product of the two largest axes rather than of all of them.
 
-The construction is IPOG (Lei et al., 2007): start from every pair of the two largest
-axes, then add one axis at a time, first choosing each existing row's new value to cover
-the most uncovered pairs, then adding rows for the pairs still missing. It is
-deterministic: the same axes always give the same rows.
+The rows are chosen among the supported ones (``cover_pairs``), so combinations that do
+not exist (an fp8 cache under float32 queries, say) never cost a row: greedily, the row
+that covers the most pairs still missing first. The two largest axes' pairs are a lower
+bound on any such set, and the greedy choice meets it on the catalog's kernels
+(tests/test_geometry.py). It is deterministic: the same rows always give the same choice.
 """
 
 from __future__ import annotations
 
-from itertools import product
+import heapq
 from typing import Mapping, Sequence
 
-_FREE = object()  # a cell no pair needs yet
+import numpy as np
 
 
-def pairwise(axes: Mapping[str, Sequence]) -> list[dict]:
-    """Rows (``{axis: value}``) covering every pair of values of any two axes."""
-    names = sorted(axes, key=lambda n: -len(axes[n]))  # largest first: fewest rows
-    values = [list(axes[n]) for n in names]
-    if any(not v for v in values):
+def _pair_ids(rows: Sequence[Sequence]) -> tuple[np.ndarray, int]:
+    """Each row's pairs of (axis, value) as integers, ``[len(rows), pairs per row]``, and
+    how many integers there are (a single axis: its values stand for the pairs)."""
+    n_axes = len(rows[0])
+    codes = np.empty((len(rows), n_axes), np.int64)
+    sizes = []
+    for a in range(n_axes):
+        ids: dict = {}
+        codes[:, a] = [ids.setdefault(r[a], len(ids)) for r in rows]
+        sizes.append(len(ids))
+    if n_axes == 1:
+        return codes, sizes[0]
+    cols, offset = [], 0
+    for a in range(n_axes):
+        for b in range(a + 1, n_axes):
+            cols.append(offset + codes[:, a] * sizes[b] + codes[:, b])
+            offset += sizes[a] * sizes[b]
+    return np.stack(cols, axis=1), offset
+
+
+def cover_pairs(rows: Sequence[Sequence], keys: Sequence | None = None) -> list[int]:
+    """Indices (ascending) of a few of ``rows``, tuples of axis values all of one length,
+    in which every pair of values of any two axes that some row has occurs, and with
+    ``keys`` (one hashable per row) every key too: the row with the most pairs and keys
+    still missing first (of equals, the earliest at the time)."""
+    if not rows:
         return []
-    if len(names) == 1:
-        return [{names[0]: v} for v in values[0]]
-    rows = [list(r) for r in product(values[0], values[1])]
-    for k in range(2, len(names)):
-        # Pairs (earlier axis j, its value index, this axis' value index) still uncovered.
-        missing = {(j, a, b) for j in range(k) for a in range(len(values[j]))
-                   for b in range(len(values[k]))}
-        index = [{v: i for i, v in enumerate(vs)} for vs in values]
-
-        def gain(row, b):
-            return sum((j, index[j][row[j]], b) in missing
-                       for j in range(k) if row[j] is not _FREE)
-
-        for row in rows:  # horizontal growth
-            best = max(range(len(values[k])), key=lambda b: (gain(row, b), -b))
-            row.append(values[k][best])
-            for j in range(k):
-                if row[j] is not _FREE:
-                    missing.discard((j, index[j][row[j]], best))
-        for j, a, b in sorted(missing):  # vertical growth
-            for row in rows:
-                if row[k] == values[k][b] and row[j] is _FREE:
-                    row[j] = values[j][a]
-                    break
-            else:
-                row = [_FREE] * (k + 1)
-                row[j], row[k] = values[j][a], values[k][b]
-                rows.append(row)
-    for i, row in enumerate(rows):  # cells no pair needed: any value, spread evenly
-        for j, v in enumerate(row):
-            if v is _FREE:
-                row[j] = values[j][i % len(values[j])]
-    return [dict(zip(names, r)) for r in rows]
+    pids, n_ids = _pair_ids(rows)
+    if keys is not None:  # each distinct key one more id to cover
+        ids: dict = {}
+        key_ids = [n_ids + ids.setdefault(k, len(ids)) for k in keys]
+        pids = np.concatenate([pids, np.asarray(key_ids, np.int64)[:, None]], axis=1)
+        n_ids += len(ids)
+    missing = np.zeros(n_ids, bool)
+    missing[pids.ravel()] = True
+    left = int(missing.sum())
+    # Gains only fall as rows are chosen. Level by level from the most a row can cover:
+    # recount every row that may still reach the level, then take in order those whose
+    # count, checked again just before, still does.
+    bound = np.full(len(rows), pids.shape[1])
+    chosen = []
+    for level in range(pids.shape[1], 0, -1):
+        if not left:
+            break
+        cand = np.flatnonzero(bound >= level)
+        gains = missing[pids[cand]].sum(axis=1)
+        bound[cand] = gains
+        for i in cand[gains == level].tolist():
+            gain = int(missing[pids[i]].sum())
+            if gain == level:
+                chosen.append(i)
+                missing[pids[i]] = False
+                left -= gain
+            bound[i] = gain if gain < level else 0
+    return sorted(chosen)
 
 
 def covers_all_pairs(axes: Mapping[str, Sequence], rows: Sequence[Mapping]) -> bool:
