@@ -176,9 +176,10 @@ def test_specialization_names_are_unique():
 COVER = catalog.covering_specs(ARCHS)
 
 
-def _pairs(spec, names) -> set:
-    vals = [(n, getattr(spec, n)) for n in names]
-    return {(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]}
+def _pairs(specs, names) -> dict:
+    """{(axis, axis): the pairs of values the specs have}, for every two axes."""
+    cols = {n: [getattr(s, n) for s in specs] for n in names}
+    return {(a, b): set(zip(cols[a], cols[b])) for i, a in enumerate(names) for b in names[i + 1:]}
 
 
 @pytest.mark.parametrize("kernel", sorted(catalog.AXES))
@@ -188,13 +189,12 @@ def test_covering_set_covers_every_pair_of_every_kernel(kernel):
     decode code paths (below) and the extras covering_specs adds."""
     names = (*catalog.AXES[kernel], "arch")
     mine = [s for s in ALL if s.kernel == kernel]
-    want = set().union(*(_pairs(s, names) for s in mine))
+    want = _pairs(mine, names)
     cover = [s for s in COVER if s.kernel == kernel]
-    got = set().union(*(_pairs(s, names) for s in cover))
-    assert got == want
+    assert _pairs(cover, names) == want
+    assert {getattr(s, n) for s in cover for n in names} == {getattr(s, n) for s in mine for n in names}
     assert all(catalog.supported(s) for s in cover)
-    bound = max(len({(getattr(s, a), getattr(s, b)) for s in mine})
-                for i, a in enumerate(names) for b in names[i + 1:]) if len(names) > 1 else 0
+    bound = max(map(len, want.values()), default=0)
     if kernel == "paged_decode":
         bound = max(bound, len({(s.arch, catalog.decode_path(s)) for s in mine}))
     extras = {"paged_prefill": 72 * 2, "paged_decode": 4}.get(kernel, 0)
