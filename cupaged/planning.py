@@ -397,6 +397,11 @@ def set_prefill_family(family: str | None) -> None:
 # the default's 32: verify's 4 tokens x 4 heads fill 16 rows, and the default's 128-row
 # tile would be mostly padding (docs/PERFORMANCE.md).
 FEW_ROWS = 64
+# On Hopper, paged_prefill_sm90 from this many packed query rows per (sequence, KV head):
+# at 64 (16 tokens x 4 heads) its 128-row tile is half padding and still beats the mma.sync
+# kernel's few-rows tile (H200, 64 x 16 tokens over 2,048: 166.4 against 191.2 us), at 32 it
+# does not (175.0 against 172.3; docs/PERFORMANCE.md).
+SM90_MIN_ROWS = 64
 
 
 def prefill_tile(p: Problem, rows_needed: int) -> tuple:
@@ -494,9 +499,9 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for token-major caches
     of the query's own type (or fp8 with per-tensor scales, head sizes up to 192) and
     vLLM's layout (16-bit, blocks of 8 tokens or more), head sizes that are multiples of
-    64 up to 256, when some (sequence, KV head) has more packed query rows than FEW_ROWS (its
-    128-row tiles would be mostly padding below that; the mma.sync kernel takes 64). A
-    ``set_prefill_tile`` override (paged_prefill's tiles) keeps the mma.sync kernel."""
+    64 up to 256, when some (sequence, KV head) has SM90_MIN_ROWS packed query rows or more
+    (its 128-row tiles would be mostly padding below that). A ``set_prefill_tile`` override
+    (paged_prefill's tiles) keeps the mma.sync kernel."""
     if _family_override == "mma" or _tile_override is not None:
         return False
     fp8 = p.cache.dtype != p.dtype
@@ -504,7 +509,7 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     return ((p.cache.kv_format == "tok" or vllm_ok) and p.head_size % 64 == 0
             and p.head_size <= 256
             and (not fp8 or (p.quant.mode == "" and p.head_size <= 192))
-            and (rows_needed > FEW_ROWS or _family_override == "sm90")
+            and (rows_needed >= SM90_MIN_ROWS or _family_override == "sm90")
             and device_info(p.device).arch == "sm_90")
 
 

@@ -197,19 +197,19 @@ def test_the_planner_takes_16_rows_per_warp_for_few_rows(device_arch):
     (dict(hs=96), False),                              # wgmma's N of P V: steps of 64
     (dict(hs=256), True),
 ])
-@pytest.mark.parametrize("max_q", [4, 16, 17, 300])
+@pytest.mark.parametrize("max_q", [4, 15, 16, 300])
 def test_the_planner_takes_the_wgmma_kernel_on_hopper_for_many_rows(device_arch, arch, case, sm90,
                                                                      max_q):
     """paged_prefill_sm90 on sm_90 for 16-bit token-major caches (and vLLM's layout in
-    blocks of 8 tokens or more), head sizes that are multiples of 64 and more than
-    FEW_ROWS packed rows (a group of 4: 16 tokens are 64 rows, 17 are 68); the mma.sync
+    blocks of 8 tokens or more), head sizes that are multiples of 64 and SM90_MIN_ROWS
+    packed rows or more (a group of 4: 15 tokens are 60 rows, 16 are 64); the mma.sync
     kernel elsewhere."""
     device_arch(arch)
     case = dict(case)
     layout = case.pop("layout", "NHD")
     p = vvalidate(**vargs(layout, **case))
     c = planning.choose_kernel(p, True, max_q)
-    want = sm90 and arch == "sm_90" and max_q * 4 > planning.FEW_ROWS
+    want = sm90 and arch == "sm_90" and max_q * 4 >= planning.SM90_MIN_ROWS
     assert c.sm90 == want
     if want:
         assert c.q_tiles == -(-max_q * 4 // 128)

@@ -554,7 +554,8 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
                   ["prompt-4096", "prompt-16384", "8x2048", "4x4096-mha", "chunk-512-of-8192",
                    "verify-64x4x2048"]))
 @click.option("--impl", "impls", multiple=True,
-              help="cupaged, cupaged-mma (the mma.sync kernel on Hopper too), "
+              help="cupaged, cupaged-mma (the mma.sync kernel on Hopper too), cupaged-sm90 "
+                   "(Hopper's wgmma kernel wherever it applies, few rows included), "
                    "flashinfer-fa2, flashinfer-fa3, torch-sdpa-flash, torch-sdpa-cudnn "
                    "(default: cupaged and every peer that imports).")
 @click.option("--batch", type=click.IntRange(1), default=None, help="A custom shape: sequences.")

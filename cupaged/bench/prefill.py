@@ -58,7 +58,7 @@ def variant_unsupported(impl: str, variants: "workloads.Variants",
                         kv_layout: str = "NHD") -> str | None:
     """Why a prefill implementation cannot run ``variants`` over a ``kv_layout`` cache (one
     line), or None. The peers here read NHD caches only."""
-    if impl in ("cupaged", "cupaged-mma"):
+    if impl in _CUPAGED:
         return None
     if kv_layout != "NHD":
         return f"{impl} reads NHD caches here, not {kv_layout}"
@@ -204,8 +204,9 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
 
 def _run_cupaged(case: PrefillCase, family: str | None = None):
     """cupaged.attention as the planner chooses; ``family="mma"``: with the mma.sync
-    multi-token kernel on Hopper too (planning.set_prefill_family, for the A/B of the
-    two families in one run; set when the runner is made, which empties the call memo)."""
+    multi-token kernel on Hopper too, ``"sm90"``: with paged_prefill_sm90 wherever it
+    applies, few rows included (planning.set_prefill_family, for the A/B of the two
+    families in one run; set when the runner is made, which empties the call memo)."""
     import cupaged
     from .. import planning
 
@@ -305,9 +306,11 @@ def _run_sdpa(case: PrefillCase, backend: str):
     return run_checked
 
 
+_CUPAGED = ("cupaged", "cupaged-mma", "cupaged-sm90")
 IMPLEMENTATIONS = {
     "cupaged": _run_cupaged,
     "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
+    "cupaged-sm90": lambda c: _run_cupaged(c, "sm90"),
     "flashinfer-fa2": lambda c: _run_flashinfer(c, "fa2"),
     "flashinfer-fa3": lambda c: _run_flashinfer(c, "fa3"),
     "torch-sdpa-flash": lambda c: _run_sdpa(c, "flash"),
@@ -344,7 +347,7 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                                 " ".join(f"{type(e).__name__}: {e}".split())[:120]))
                 continue
             finally:
-                if impl == "cupaged-mma":  # back to the planner's choice of kernel
+                if impl in _CUPAGED:  # back to the planner's choice of kernel
                     planning.set_prefill_family(None)
             tol = testing.TOLERANCE["f16" if case.dtype == "float16" else "bf16"]
             tflops = case.flops() / (t.median_us * 1e-6) / 1e12
