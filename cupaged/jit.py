@@ -770,7 +770,10 @@ _FAST_CHECK = ("--Ofast-compile=max",)
 @lru_cache(maxsize=None)
 def check_options() -> tuple[str, ...]:
     """The options compile_check adds when ``fast``: ``_FAST_CHECK`` where this NVRTC
-    accepts them (12.8 added them; a probe compile asks), else none."""
+    accepts them (12.8 added them; a probe compile asks), else none. The probe is also
+    the process's first NVRTC compile, which the thread pools of compile_check and
+    geometry.check_against_kernel run before theirs: NVRTC 13.0's first compiles, started
+    on several threads at once, can fail to open libnvrtc-builtins."""
     rtc = nvrtc()
     prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
     try:
@@ -794,7 +797,8 @@ def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
     sixth of the time, without ptxas's check of the PTX against the target (inline PTX
     an architecture lacks). Returns (count, seconds); raises CompileError naming the
     failing batch."""
-    extra = check_options() if fast else ()
+    fast_options = check_options()  # (also the process's first compile, before the pool's)
+    extra = fast_options if fast else ()
     front_end_only = frozenset(front_end_only)
     groups: dict = {}
     for s in dict.fromkeys(specs):

@@ -406,7 +406,10 @@ def check_against_kernel(specs, chunk: int = 100) -> None:
     Raises AssertionError with NVRTC's log naming the specializations that differ."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from .. import jit
+
     specs = list(specs)
+    jit.check_options()  # NVRTC's first compile on this thread: see jit.check_options
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
                    "mla_attention_sm90"):
