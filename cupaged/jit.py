@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Collection, Iterable
+from typing import Iterable
 
 from . import _dtypes
 
@@ -422,6 +422,29 @@ def nvrtc():
     return nvrtc
 
 
+_first_compile = threading.Lock()
+_compiled_once = False
+
+
+def ready_nvrtc():
+    """``nvrtc()`` after the process's first compile, made once on one thread: NVRTC
+    13.0's first compiles, started on several threads at once, can fail to open
+    libnvrtc-builtins (seen in the mirror check's thread pool), and every compile here
+    may run on a pool (compile_check, precompile, concurrent first calls)."""
+    global _compiled_once
+    rtc = nvrtc()
+    if not _compiled_once:
+        with _first_compile:
+            if not _compiled_once:
+                prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
+                try:
+                    rtc.compileProgram(prog, ["-arch=compute_80"])
+                finally:
+                    rtc.destroyProgram(prog)
+                _compiled_once = True
+    return rtc
+
+
 @lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
     return tuple(nvrtc().getVersion())
@@ -466,7 +489,7 @@ def _options(arch: str) -> tuple[str, ...]:
 def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
              extra: tuple[str, ...] = ()):
     """Compile one program; returns (binary, {name expression: lowered name})."""
-    rtc = nvrtc()
+    rtc = ready_nvrtc()
     prog = rtc.createProgram(source(entry), entry, [], [])
     try:
         for expr in name_expressions:
@@ -770,11 +793,8 @@ _FAST_CHECK = ("--Ofast-compile=max",)
 @lru_cache(maxsize=None)
 def check_options() -> tuple[str, ...]:
     """The options compile_check adds when ``fast``: ``_FAST_CHECK`` where this NVRTC
-    accepts them (12.8 added them; a probe compile asks), else none. The probe is also
-    the process's first NVRTC compile, which the thread pools of compile_check and
-    geometry.check_against_kernel run before theirs: NVRTC 13.0's first compiles, started
-    on several threads at once, can fail to open libnvrtc-builtins."""
-    rtc = nvrtc()
+    accepts them (12.8 added them; a probe compile asks), else none."""
+    rtc = ready_nvrtc()
     prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
     try:
         rtc.compileProgram(prog, [*_FAST_CHECK, "-arch=compute_80"])
@@ -785,25 +805,92 @@ def check_options() -> tuple[str, ...]:
         rtc.destroyProgram(prog)
 
 
+# PTX's functions (".entry" kernels and ".func"s), their inline assembly and their calls.
+_PTX_FUNC = re.compile(r"^(?:\.visible\s+|\.weak\s+)?(?:\.entry|\.func)\s+(?:\([^)]*\)\s*)?"
+                       r"([\w$]+)", re.M)
+_PTX_ASM = re.compile(r"// begin inline asm\n(.*?)// end inline asm", re.S)
+_PTX_CALL = re.compile(r"\bcall(?:\.uni)?\s+(?:\([^)]*\)\s*,\s*)?([\w$]+)")
+
+
+def _asm_form(instruction: str) -> str:
+    """An inline PTX instruction with its registers and addresses blanked and its
+    immediates kept: ``bar.sync %, 256``, ``cvt.rn.f16x2.e4m3x2 %, %``."""
+    text = re.sub(r"\[[^\]]*\]", "[]", instruction)
+    text = re.sub(r"%[\w.$]+", "%", text)
+    return " ".join(text.split())
+
+
+def asm_forms(ptx: str, entries: Iterable[str]) -> dict:
+    """``{entry: frozenset of the inline-PTX forms it runs}`` for kernels (lowered names)
+    of a PTX program: their own inline assembly and that of every function they call
+    (``--Ofast-compile`` leaves many uninlined)."""
+    heads = list(_PTX_FUNC.finditer(ptx))
+    own, calls = {}, {}
+    for i, m in enumerate(heads):
+        body = ptx[m.end():heads[i + 1].start() if i + 1 < len(heads) else len(ptx)]
+        own[m.group(1)] = {_asm_form(ins) for block in _PTX_ASM.findall(body)
+                           for ins in block.split(";") if ins.strip() not in ("", "{", "}")}
+        calls[m.group(1)] = set(_PTX_CALL.findall(body))
+    out = {}
+    for entry in entries:
+        seen, todo, forms = set(), [entry], set()
+        while todo:
+            f = todo.pop()
+            if f in seen or f not in own:
+                continue
+            seen.add(f)
+            forms |= own[f]
+            todo += calls[f]
+        out[entry] = frozenset(forms)
+    return out
+
+
+def ptx_forms(specs: Iterable[KernelSpec], workers: int | None = None,
+              batch: int = 48) -> tuple[dict, float]:
+    """Compile every spec to PTX for its target's virtual architecture (NVRTC's front end
+    and code generation, fast options, no ptxas: every C++ and template error) and read
+    the inline-PTX forms each kernel runs. Returns ({spec: frozenset of forms}, seconds);
+    raises CompileError naming the failing batch. What only ptxas checks (inline PTX a
+    target lacks, bad immediates) a cubin of some spec running each form on each target
+    then shows: see ``cupaged-bench compile --covering``."""
+    groups: dict = {}
+    for s in dict.fromkeys(specs):
+        groups.setdefault((s.source_file, "compute_" + s.arch.partition("_")[2]), []).append(s)
+    jobs = []
+    for (entry, arch), members in groups.items():
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            jobs.append((chunk, (entry, arch, [s.name_expression for s in chunk],
+                                 f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} "
+                                 f"specializations)", check_options())))
+
+    def run(job):
+        chunk, args = job
+        ptx, lowered = _compile(*args)
+        text = ptx.decode() if isinstance(ptx, bytes) else ptx
+        forms = asm_forms(text, [lowered[s.name_expression] for s in chunk])
+        return {s: forms[lowered[s.name_expression]] for s in chunk}
+
+    t0 = time.perf_counter()
+    out: dict = {}
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        for part in pool.map(run, jobs):
+            out.update(part)
+    return out, time.perf_counter() - t0
+
+
 def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
-                  batch: int = 48, fast: bool = True,
-                  front_end_only: Collection[KernelSpec] = ()) -> tuple[int, float]:
+                  batch: int = 48, fast: bool = True) -> tuple[int, float]:
     """Compile every spec with NVRTC, batching instantiations of one source and arch into
     one program, without touching the disk cache or a GPU. ``fast`` (where this NVRTC has
     it) compiles with ``--Ofast-compile=max``, which catches the same source and target
     errors as a build but not resource use (``_FAST_CHECK``); ``fast=False`` compiles
-    exactly as kernels are built. Specs in ``front_end_only`` are compiled to PTX for their
-    target's virtual architecture (``compute_XY``): every C++ and template error, at a
-    sixth of the time, without ptxas's check of the PTX against the target (inline PTX
-    an architecture lacks). Returns (count, seconds); raises CompileError naming the
-    failing batch."""
-    fast_options = check_options()  # (also the process's first compile, before the pool's)
-    extra = fast_options if fast else ()
-    front_end_only = frozenset(front_end_only)
+    exactly as kernels are built. Returns (count, seconds); raises CompileError naming
+    the failing batch."""
+    extra = check_options() if fast else ()
     groups: dict = {}
     for s in dict.fromkeys(specs):
-        arch = "compute_" + s.arch.partition("_")[2] if s in front_end_only else s.arch
-        groups.setdefault((s.source_file, arch), []).append(s)
+        groups.setdefault((s.source_file, s.arch), []).append(s)
     jobs = []
     for (entry, arch), members in groups.items():
         for i in range(0, len(members), batch):

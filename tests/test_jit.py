@@ -255,19 +255,62 @@ def test_the_fast_compile_check_still_runs_ptxas(sources):
             jit._compile("probe.cu", "sm_80", ["cupaged::probe<1>"], "probe", extra)
 
 
-def test_front_end_only_compiles_ptx_for_the_virtual_architecture(monkeypatch):
+def test_ptx_forms_compile_ptx_for_the_virtual_architecture(monkeypatch):
     seen = []
-    monkeypatch.setattr(jit, "_compile", lambda *job: seen.append((job[1], len(job[2]))))
+
+    def fake(entry, arch, exprs, label, extra):
+        seen.append((arch, len(exprs), extra))
+        return b"", {e: "k" for e in exprs}
+
+    monkeypatch.setattr(jit, "_compile", fake)
     sm90a = jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16)
     other = jit.KernelSpec("paged_decode", "f16", 64, 16, 4, arch="sm_80")
-    jit.compile_check([SPEC, sm90a, other], front_end_only=[SPEC, sm90a])
-    assert sorted(seen) == [("compute_90", 1), ("compute_90a", 1), ("sm_80", 1)]
+    forms, _ = jit.ptx_forms([SPEC, sm90a, other])
+    assert sorted(seen) == sorted([(a, 1, jit.check_options())
+                                   for a in ("compute_90", "compute_90a", "compute_80")])
+    assert forms == {s: frozenset() for s in (SPEC, sm90a, other)}
 
 
-def test_front_end_only_still_stops_at_a_static_assert():
+def test_ptx_forms_still_stop_at_a_static_assert():
     spec = jit.KernelSpec("paged_decode", "f16", 64, 16, 3)  # GROUP_TILE 3
     with pytest.raises(jit.CompileError, match="GROUP_TILE"):
-        jit.compile_check([spec], front_end_only=[spec])
+        jit.ptx_forms([spec])
+
+
+def test_asm_forms_follow_calls_and_blank_registers_and_addresses():
+    ptx = ("//\n.func  (.param .b32 func_retval0) helper(\n)\n{\n"
+           "\t// begin inline asm\n\tcvt.rn.f16x2.e4m3x2 %r1, %rs2;\n\t// end inline asm\n}\n"
+           ".visible .entry kern(\n)\n{\n\t// begin inline asm\n"
+           "\tbar.sync %r3, 256;\n\tcp.async.cg.shared.global [%r4+16], [%rd5], 16;\n"
+           "\t// end inline asm\n\tcall.uni (retval0), helper, (param0);\n\tret;\n}\n"
+           ".visible .entry other(\n)\n{\n\tret;\n}\n")
+    assert jit.asm_forms(ptx, ["kern", "other"]) == {
+        "kern": {"bar.sync %, 256", "cp.async.cg.shared.global [], [], 16",
+                 "cvt.rn.f16x2.e4m3x2 %, %"},
+        "other": frozenset()}
+
+
+def test_the_covering_check_assembles_every_inline_ptx_form_on_its_target(sources, monkeypatch):
+    """sm_89's fp8 conversion planted in a branch only some head sizes take (decode's
+    fp8 tensor-core path with an odd count of 16-dim chunks: 80, not 64) fails the check
+    on sm_80, though most of the set is compiled to PTX only: a cubin of some spec runs
+    each inline-PTX form on each target."""
+    from cupaged.specs import catalog
+
+    specs = [jit.KernelSpec("paged_decode", "f16", hs, 16, 4, cache_dtype="e4m3", arch=a)
+             for hs in (64, 80) for a in ("sm_80", "sm_90")]
+    monkeypatch.setattr(catalog, "covering_specs", lambda archs: specs)
+    argv = ["compile", "--arch", "sm_80", "--arch", "sm_90", "--covering"]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0 and "4 specializations" in r.output, r.output
+    path = sources / "paged_decode.cuh"
+    marker = "constexpr int kk = HS / 16 - 1;"
+    planted = (' { unsigned short t; asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" '
+               ': "=h"(t) : "f"(0.f), "f"(1.f)); }')
+    path.write_text(path.read_text().replace(marker, marker + planted, 1))
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 1 and "requires .target sm_89" in r.output, r.output
+    assert "hs80" in r.output and "sm_80" in r.output
 
 
 def test_compile_check_passes_the_fast_options(monkeypatch):
@@ -279,21 +322,27 @@ def test_compile_check_passes_the_fast_options(monkeypatch):
 
 
 def test_compile_optimized_compiles_without_them(monkeypatch):
-    """--covering: ptxas on catalog.ptxas_specs, PTX for the rest; --optimized: cubins of
-    all, at full optimization."""
+    """--covering: every spec to PTX, cubins of those ptx_forms' cover picks; --optimized:
+    cubins of all, at full optimization."""
     from cupaged.specs import catalog
 
     seen = []
-    monkeypatch.setattr(jit, "compile_check", lambda specs, fast=True, front_end_only=():
-                        (seen.append((fast, set(specs), set(front_end_only))), (0, 0.0))[1])
+    monkeypatch.setattr(jit, "compile_check", lambda specs, fast=True:
+                        (seen.append(("cubins", fast, list(specs))), (len(specs), 0.0))[1])
+    monkeypatch.setattr(jit, "ptx_forms", lambda specs: (
+        seen.append(("ptx", list(specs))) or {s: frozenset({"form"}) for s in specs}, 0.0))
     archs = ["--arch", "sm_80", "--arch", "sm_90"]  # (the catalogs the other tests build)
-    cover = set(catalog.covering_specs(["sm_80", "sm_90"]))
-    cubins = set(catalog.ptxas_specs(["sm_80", "sm_90"]))
-    for argv, fast, ptx in ((["--covering"], True, cover - cubins),
-                            (["--covering", "--optimized"], False, set())):
-        r = CliRunner().invoke(main, ["compile", *archs, *argv])
-        assert r.exit_code == 0, r.output
-        assert seen.pop() == (fast, cover, ptx)
+    cover = catalog.covering_specs(["sm_80", "sm_90"])
+    r = CliRunner().invoke(main, ["compile", *archs, "--covering"])
+    assert r.exit_code == 0, r.output
+    # one form on each target: the first spec of each target assembles it
+    firsts = [next(s for s in cover if s.arch == a) for a in ("sm_80", "sm_90", "sm_90a")]
+    assert seen == [("ptx", cover), ("cubins", True, sorted(firsts, key=cover.index))]
+    assert f"{len(cover)} specializations" in r.output and "3 through ptxas" in r.output
+    seen.clear()
+    r = CliRunner().invoke(main, ["compile", *archs, "--covering", "--optimized"])
+    assert r.exit_code == 0, r.output
+    assert seen == [("cubins", False, cover)]
     r = CliRunner().invoke(main, ["compile", "--arch", "sm_90", "--optimized"])
     assert r.exit_code != 0 and "--optimized goes with --all or --covering" in r.output
 
@@ -326,12 +375,11 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 
     n = len(catalog.covering_specs(["sm_80", "sm_90"]))
     full = len(catalog.all_specs(["sm_80", "sm_90"]))
-    cubins = len(catalog.ptxas_specs(["sm_80", "sm_90"]))
     result = CliRunner().invoke(main, ["compile", "--arch", "sm_80", "--arch", "sm_90", "--covering"])
     assert result.exit_code == 0, result.output
-    assert (f"compiled {n} specializations (a pairwise covering set of the {full} supported, "
-            f"{cubins} through ptxas) "
-            f"for sm_80, sm_90") in result.output
+    m = re.search(f"compiled {n} specializations \\(a pairwise covering set of the {full} "
+                  f"supported, (\\d+) through ptxas\\) for sm_80, sm_90", result.output)
+    assert m and 3 <= int(m.group(1)) < n, result.output  # sm_80, sm_90 and sm_90a at least
     compile_summary.append(result.output.strip())
 
 

@@ -177,8 +177,9 @@ def _smem_bytes(spec) -> int:
                    "geometry mirror: hours on two cores (--count says how many).")
 @click.option("--covering", is_flag=True,
               help="Compile the covering set the test suite compiles: every value and every "
-                   "pair of values of the kernels' axes, to PTX, and a subset of it through "
-                   "ptxas to cubins (about a minute on two cores).")
+                   "pair of values of the kernels' axes, to PTX, and through ptxas to cubins "
+                   "as many as it takes to assemble every inline-PTX form of the set on each "
+                   "target (about a minute on two cores).")
 @click.option("--optimized", is_flag=True,
               help="With --all or --covering: compile at the optimization kernels are built "
                    "with, not NVRTC's --Ofast-compile=max (which catches the same source and "
@@ -205,6 +206,7 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
     shapes."""
     from .. import planning
     from ..specs import catalog, geometry
+    from ..specs.covering import cover_sets
 
     if not archs:
         archs = (_default_arch(),)
@@ -219,19 +221,23 @@ def compile_(archs, all_, covering, optimized, count, dtypes, head_size, block_s
                        + ("" if all_ else f" in the covering set of the {len(full)} supported")
                        + f" for {', '.join(archs)}")
             return
-        # The covering set's fast check runs ptxas on catalog.ptxas_specs only, the
-        # front end on the rest; --optimized and --all build every cubin.
-        cubins = specs if all_ or optimized else catalog.ptxas_specs(archs)
         try:
-            n, secs = jit.compile_check(specs, fast=not optimized,
-                                        front_end_only=set(specs) - set(cubins))
+            if all_ or optimized:  # every cubin
+                n, secs = jit.compile_check(specs, fast=not optimized)
+                cubins = n
+            else:  # every spec to PTX; cubins of a few running every inline-PTX form
+                forms, secs = jit.ptx_forms(specs)
+                runs = [frozenset((s.arch, f) for f in forms[s]) for s in specs]
+                chosen = [specs[i] for i in cover_sets(runs)]
+                cubins, more = jit.compile_check(chosen)
+                n, secs = len(specs), secs + more
             if all_:  # the geometry mirror agrees with the kernel for every decode spec
                 geometry.check_against_kernel(s for s in specs if s.kernel == "paged_decode")
         except (jit.CompileError, AssertionError) as e:
             click.echo(str(e), err=True)
             sys.exit(1)
         what = "" if all_ else (f" (a pairwise covering set of the {len(full)} supported, "
-                                f"{len(cubins)} through ptxas)")
+                                f"{cubins} through ptxas)")
         how = ", ".join(("NVRTC " + ".".join(map(str, jit.nvrtc_version())),
                          *(() if optimized else jit.check_options())))
         click.echo(f"compiled {n} specializations{what} for {', '.join(archs)} in {secs:.1f} s "

@@ -76,6 +76,18 @@ def cover_pairs(rows: Sequence[Sequence], keys: Sequence | None = None) -> list[
     return sorted(chosen)
 
 
+def cover_sets(sets: Sequence[frozenset]) -> list[int]:
+    """Indices (ascending) of a few of ``sets`` whose union is the union of all: the set
+    with the most elements still missing first, the earliest of equals."""
+    left = set().union(*sets)
+    chosen = []
+    while left:
+        best = max(range(len(sets)), key=lambda i: (len(sets[i] & left), -i))
+        chosen.append(best)
+        left -= sets[best]
+    return sorted(chosen)
+
+
 def covers_all_pairs(axes: Mapping[str, Sequence], rows: Sequence[Mapping]) -> bool:
     """Does every pair of values of any two axes occur in some row?"""
     names = list(axes)

@@ -406,10 +406,7 @@ def check_against_kernel(specs, chunk: int = 100) -> None:
     Raises AssertionError with NVRTC's log naming the specializations that differ."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .. import jit
-
     specs = list(specs)
-    jit.check_options()  # NVRTC's first compile on this thread: see jit.check_options
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
                    "mla_attention_sm90"):
@@ -469,7 +466,7 @@ def _check_chunk(specs) -> None:
                      f"{cxx}::kVTransposed == {str(g.v_transposed).lower()} && "
                      f"{cxx}::kSwizzle == {str(g.swizzle).lower()} && "
                      f"{cxx}::kPieces == {g.pieces}, \"host mirror differs: {s.name}\");\n")
-    nvrtc = jit.nvrtc()
+    nvrtc = jit.ready_nvrtc()
     prog = nvrtc.createProgram(jit.source(specs[0].source_file) + "".join(lines), "mirror.cu",
                                [], [])
     try:
