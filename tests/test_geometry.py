@@ -272,6 +272,9 @@ def test_cover_pairs_covers_the_keys_too():
     assert {keys[i] for i in picked} == set(keys)
     assert {rows[i] for i in picked} == set(rows)  # 3 x 3: every row is needed
     assert covering.cover_pairs([]) == []
+    for bad in ([(1, 2), (1, 2, 3)], [(), ()]):
+        with pytest.raises(ValueError, match="rows must be tuples of one length"):
+            covering.cover_pairs(bad)
 
 
 def test_covers_all_pairs_notices_a_missing_pair():

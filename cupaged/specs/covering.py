@@ -46,6 +46,9 @@ def cover_pairs(rows: Sequence[Sequence], keys: Sequence | None = None) -> list[
     still missing first (of equals, the earliest at the time)."""
     if not rows:
         return []
+    if len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise ValueError(f"rows must be tuples of one length, at least 1; got lengths "
+                         f"{sorted({len(r) for r in rows})}")
     pids, n_ids = _pair_ids(rows)
     if keys is not None:  # each distinct key one more id to cover
         ids: dict = {}
