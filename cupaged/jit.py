@@ -426,6 +426,18 @@ _first_compile = threading.Lock()
 _compiled_once = False
 
 
+def _probe(rtc, options: list) -> bool:
+    """Does an empty kernel compile with these options?"""
+    prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
+    try:
+        rtc.compileProgram(prog, [*options, "-arch=compute_80"])
+        return True
+    except rtc.NVRTCError:
+        return False
+    finally:
+        rtc.destroyProgram(prog)
+
+
 def ready_nvrtc():
     """``nvrtc()`` after the process's first compile, made once on one thread: NVRTC
     13.0's first compiles, started on several threads at once, can fail to open
@@ -436,11 +448,7 @@ def ready_nvrtc():
     if not _compiled_once:
         with _first_compile:
             if not _compiled_once:
-                prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
-                try:
-                    rtc.compileProgram(prog, ["-arch=compute_80"])
-                finally:
-                    rtc.destroyProgram(prog)
+                _probe(rtc, [])
                 _compiled_once = True
     return rtc
 
@@ -794,15 +802,7 @@ _FAST_CHECK = ("--Ofast-compile=max",)
 def check_options() -> tuple[str, ...]:
     """The options compile_check adds when ``fast``: ``_FAST_CHECK`` where this NVRTC
     accepts them (12.8 added them; a probe compile asks), else none."""
-    rtc = ready_nvrtc()
-    prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
-    try:
-        rtc.compileProgram(prog, [*_FAST_CHECK, "-arch=compute_80"])
-        return _FAST_CHECK
-    except rtc.NVRTCError:
-        return ()
-    finally:
-        rtc.destroyProgram(prog)
+    return _FAST_CHECK if _probe(ready_nvrtc(), list(_FAST_CHECK)) else ()
 
 
 # PTX's functions (".entry" kernels and ".func"s), their inline assembly and their calls.
@@ -853,17 +853,6 @@ def ptx_forms(specs: Iterable[KernelSpec], workers: int | None = None,
     raises CompileError naming the failing batch. What only ptxas checks (inline PTX a
     target lacks, bad immediates) a cubin of some spec running each form on each target
     then shows: see ``cupaged-bench compile --covering``."""
-    groups: dict = {}
-    for s in dict.fromkeys(specs):
-        groups.setdefault((s.source_file, "compute_" + s.arch.partition("_")[2]), []).append(s)
-    jobs = []
-    for (entry, arch), members in groups.items():
-        for i in range(0, len(members), batch):
-            chunk = members[i:i + batch]
-            jobs.append((chunk, (entry, arch, [s.name_expression for s in chunk],
-                                 f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} "
-                                 f"specializations)", check_options())))
-
     def run(job):
         chunk, args = job
         ptx, lowered = _compile(*args)
@@ -871,12 +860,30 @@ def ptx_forms(specs: Iterable[KernelSpec], workers: int | None = None,
         forms = asm_forms(text, [lowered[s.name_expression] for s in chunk])
         return {s: forms[lowered[s.name_expression]] for s in chunk}
 
+    jobs = _batches(specs, batch, check_options(),
+                    lambda s: "compute_" + s.arch.partition("_")[2])
     t0 = time.perf_counter()
     out: dict = {}
     with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         for part in pool.map(run, jobs):
             out.update(part)
     return out, time.perf_counter() - t0
+
+
+def _batches(specs, batch: int, extra: tuple, arch_of) -> list:
+    """``(specs, _compile's arguments)`` per program: instantiations of one source and
+    target (``arch_of(spec)``), ``batch`` at most."""
+    groups: dict = {}
+    for s in dict.fromkeys(specs):
+        groups.setdefault((s.source_file, arch_of(s)), []).append(s)
+    jobs = []
+    for (entry, arch), members in groups.items():
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            jobs.append((chunk, (entry, arch, [s.name_expression for s in chunk],
+                                 f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} "
+                                 f"specializations)", extra)))
+    return jobs
 
 
 def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
@@ -887,19 +894,8 @@ def compile_check(specs: Iterable[KernelSpec], workers: int | None = None,
     errors as a build but not resource use (``_FAST_CHECK``); ``fast=False`` compiles
     exactly as kernels are built. Returns (count, seconds); raises CompileError naming
     the failing batch."""
-    extra = check_options() if fast else ()
-    groups: dict = {}
-    for s in dict.fromkeys(specs):
-        groups.setdefault((s.source_file, s.arch), []).append(s)
-    jobs = []
-    for (entry, arch), members in groups.items():
-        for i in range(0, len(members), batch):
-            chunk = members[i:i + batch]
-            jobs.append((entry, arch, [s.name_expression for s in chunk],
-                         f"{chunk[0].name} .. {chunk[-1].name} ({len(chunk)} specializations)",
-                         extra))
+    jobs = _batches(specs, batch, check_options() if fast else (), lambda s: s.arch)
     t0 = time.perf_counter()
-    workers = workers or os.cpu_count() or 1
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda j: _compile(*j), jobs))
-    return sum(len(j[2]) for j in jobs), time.perf_counter() - t0
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        list(pool.map(lambda j: _compile(*j[1]), jobs))
+    return sum(len(chunk) for chunk, _ in jobs), time.perf_counter() - t0

@@ -13,7 +13,6 @@ bound on any such set, and the greedy choice meets it on the catalog's kernels
 
 from __future__ import annotations
 
-import heapq
 from typing import Mapping, Sequence
 
 import numpy as np
