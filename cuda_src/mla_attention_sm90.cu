@@ -1,7 +1,7 @@
 // Entry file for absorbed MLA on Hopper's wgmma (mla_attention_sm90.cuh). cupaged's JIT
 // compiles it with NVRTC for sm_90a and instantiates the template by name expression, e.g.
-//   cupaged::mla_attention_sm90<cupaged::bfloat16_t, 512, 64, 64>
-// (query and cache type, kv_lora_rank, rope dims, block size)
+//   cupaged::mla_attention_sm90<cupaged::bfloat16_t, cupaged::fp8_e4m3_t, 512, 64, 64>
+// (query type, cache type: the query's or fp8, kv_lora_rank, rope dims, block size)
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -std=c++17 -Xptxas -v \
@@ -12,10 +12,13 @@
 #ifndef CUPAGED_T
 #define CUPAGED_T cupaged::bfloat16_t
 #endif
+#ifndef CUPAGED_C
+#define CUPAGED_C CUPAGED_T
+#endif
 #ifndef CUPAGED_BS
 #define CUPAGED_BS 64
 #endif
 void cupaged_instantiate_mla_sm90() {
-  (void)&cupaged::mla_attention_sm90<CUPAGED_T, 512, 64, CUPAGED_BS>;
+  (void)&cupaged::mla_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
 }
 #endif

@@ -3,9 +3,14 @@
 //
 // Two warpgroups, 64 rows x the 512 output dims split between them (O is 64 x 256 fp32 a
 // warpgroup: 128 registers a thread). Every thread copies K/V tiles of 64 tokens with
-// cp.async into a ring of two stages, each tile stored once in the 128-byte-swizzled layout
-// (nine 64-dim blocks of [64 tokens][128 bytes]) that is K's K-major B operand of S = Q K^T
-// and, over its first eight blocks, V's MN-major B operand of P V: no copy or transpose.
+// cp.async, each tile stored once in the 128-byte-swizzled layout (nine 64-dim blocks of
+// [64 tokens][128 bytes]) that is K's K-major B operand of S = Q K^T and, over its first
+// eight blocks, V's MN-major B operand of P V: no copy or transpose. A 16-bit cache lands
+// there directly, in a ring of two stages. An fp8 cache (C one byte, read as stored *
+// scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]), and
+// each thread widens the chunks it copied into one 16-bit stage before the tile's first
+// barrier: the next tile's bytes fly meanwhile, and a third 73,728-byte stage would not
+// fit beside Q.
 // A tile:
 //   warpgroup 0: S = Q K^T (64 x 64, 36 k-steps of m64n64k16, Q and K from shared memory),
 //     masks, the online softmax in registers, P (T) and each row's rescale factor to
@@ -16,6 +21,7 @@
 // version: FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "mla_common.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
@@ -26,32 +32,38 @@ namespace cupaged {
 
 constexpr int kMlaSm90Threads = 256;
 
-template <typename T, int RANK, int ROPE>
+// C: the cache's element type, T or fp8.
+template <typename T, typename C, int RANK, int ROPE>
 struct MlaSm90Geometry {
+  static constexpr bool kQuant = !is_same<T, C>::value;
   static constexpr int kRows = 64;
   static constexpr int kTileN = 64;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kQuant ? 1 : 2;  // 16-bit stages (fp8: the widened tile)
   static constexpr int kDims = RANK + ROPE;
   static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
-  static constexpr int kChunks = kDims / 8;   // 16-byte chunks of a row (72)
-  static constexpr int kRankChunks = RANK / 8;
+  static constexpr int kChunks = kDims / 8;   // 16-byte chunks of a 16-bit row (72)
+  static constexpr int kCChunks = kDims * static_cast<int>(sizeof(C)) / 16;  // of a cached row
   static constexpr int kTileBytes = kBlocks * 64 * 128;  // Q, or one K/V stage: 73,728
+  static constexpr int kRawTileBytes = kQuant ? kTileN * kDims : 0;  // fp8: a tile's bytes
   static constexpr int kOffQ = 0;
   static constexpr int kOffStages = kTileBytes;
-  static constexpr int kOffP = kOffStages + kStages * kTileBytes;  // [64 rows][64 keys] T
+  static constexpr int kOffRaw = kOffStages + kStages * kTileBytes;  // fp8: two raw stages
+  static constexpr int kOffP = kOffRaw + 2 * kRawTileBytes;        // [64 rows][64 keys] T
   static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
   static constexpr int kSmemBytes = kOffFlag + 16 + 1024;
   static constexpr int kCopyThreads = kMlaSm90Threads / kTileN;  // a token's copiers (4)
-  static constexpr int kCopySteps = kChunks / kCopyThreads;       // chunks each (18)
+  static constexpr int kCopySteps = kCChunks / kCopyThreads;      // chunks each (18; fp8 9)
 
   static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
+  static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
-  static_assert(kChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
 };
 
-template <typename T, int RANK, int ROPE, int BLOCK_SIZE>
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     mla_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
                        float* __restrict__ part_max, float* __restrict__ part_sum,
@@ -59,7 +71,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
                        const T* __restrict__ q_lat, const T* __restrict__ q_rope,
                        long long q_lat_token_stride, long long q_lat_head_stride,
                        long long q_rope_token_stride, long long q_rope_head_stride,
-                       const T* __restrict__ c_lat, const T* __restrict__ c_rope,
+                       const C* __restrict__ c_lat, const C* __restrict__ c_rope,
                        long long c_lat_block_stride, long long c_lat_token_stride,
                        long long c_rope_block_stride, long long c_rope_token_stride,
                        const int* __restrict__ block_tables, long long bt_stride,
@@ -68,7 +80,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
                        const int* __restrict__ seq_lens,
                        const int* __restrict__ query_start_loc, int num_heads, int causal,
                        float scale_log2, const __grid_constant__ VariantParams vp) {
-  using Geo = MlaSm90Geometry<T, RANK, ROPE>;
+  using Geo = MlaSm90Geometry<T, C, RANK, ROPE>;
   using namespace sm90;
   constexpr int ROWS = Geo::kRows;
   constexpr int TILE_N = Geo::kTileN;
@@ -84,6 +96,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   float* sum_s = max_s + ROWS;
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
   auto stage_s = [&](int s) { return base + Geo::kOffStages + s * Geo::kTileBytes; };
+  auto raw_s = [&](int s) { return base + Geo::kOffRaw + s * Geo::kRawTileBytes; };
 
   const int tid = threadIdx.x;
   // warpgroup: 0 computes S and the softmax (warp-uniform to the compiler: a value it
@@ -93,8 +106,13 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   const int lane = tid & 31;
   const int frag_row = 16 * warp + (lane >> 2);  // this thread's rows: frag_row, + 8
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
-  (void)k_scale_ptr;  // 16-bit caches only (the host passes no scale): fp8 stays on
-  (void)k_scale;      // mla_attention
+  // An fp8 cache's scale multiplies every score and every output (K and V are both kv_c);
+  // a 16-bit cache has none.
+  float cache_scale = 1.f;
+  if constexpr (Geo::kQuant) {
+    cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
+    scale_log2 *= cache_scale;
+  }
 
   const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
                                         num_heads, block_tables, bt_stride, max_blocks);
@@ -115,24 +133,48 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         [&](int r, int c) { return q_s + sw128_offset(r, c * 8, ROWS); });
 
     // A K/V tile: thread tid copies chunks copy_lane, + 4, ... of token copy_token, its
-    // block id read a tile ahead (-1: past the keys; -2: outside the cache).
+    // block id read a tile ahead (-1: past the keys; -2: outside the cache). A 16-bit cache
+    // lands in the swizzled stage `slot`; fp8 in raw stage `slot`, row-major, from which
+    // the same thread widens the same chunks (widen_tile).
     auto tile_id = [&](int tile) -> int {
       if (tile >= n_tiles) return -1;
       return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + copy_token, kv_end,
                                       num_blocks);
     };
-    auto load_tile = [&](int tile, int stage, int phys) {
+    auto load_tile = [&](int tile, int slot, int phys) {
       const bool copy = phys >= 0;
       if (phys == -2) *bad_s = 1;
-      const MlaToken<T, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
+      const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
                                         c_rope_block_stride, c_rope_token_stride, phys,
                                         (tile_lo + tile) * TILE_N + copy_token);
-      const unsigned dst = stage_s(stage);
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
         const int c = copy_lane + j * Geo::kCopyThreads;
-        cp_async16_or_zero(dst + sw128_offset(copy_token, c * 8, TILE_N),
-                           copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+        const unsigned dst = Geo::kQuant
+                                 ? raw_s(slot) + copy_token * Geo::kDims + c * 16
+                                 : stage_s(slot) + sw128_offset(copy_token, c * 8, TILE_N);
+        cp_async16_or_zero(dst, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+      }
+    };
+    // fp8: raw stage `slot`'s chunks of this thread (landed: its own copies) widened into
+    // the 16-bit stage, 16 values to two swizzled 16-byte chunks (exact; zeros stay zeros).
+    auto widen_tile = [&](int slot) {
+      if constexpr (Geo::kQuant) {
+        const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kDims;
+#pragma unroll
+        for (int j = 0; j < Geo::kCopySteps; ++j) {
+          const int c = copy_lane + j * Geo::kCopyThreads;
+          uint4 lo, hi;
+          widen16<T, C>(*reinterpret_cast<const uint4*>(row + c * 16), lo, hi);
+          const unsigned d0 = stage_s(0) + sw128_offset(copy_token, c * 16, TILE_N);
+          const unsigned d1 = stage_s(0) + sw128_offset(copy_token, c * 16 + 8, TILE_N);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d0), "r"(lo.x),
+                       "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d1), "r"(hi.x),
+                       "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+        }
+      } else {
+        (void)slot;
       }
     };
 
@@ -150,12 +192,16 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     int id_ahead = tile_id(1);
 
     for (int it = 0; it < n_tiles; ++it) {
-      const int stage = it % Geo::kStages;
-      if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) % Geo::kStages, id_ahead);
+      // The ring slot of tile it (16-bit: the stage its products read; fp8: the raw stage,
+      // the products reading the one widened stage).
+      const int slot = it & 1;
+      const int stage = Geo::kQuant ? 0 : slot;
+      if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
       cp_async_commit();
       id_ahead = tile_id(it + 2);
       cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
-      fence_async_smem();  // this thread's copies, for wgmma's reads
+      widen_tile(slot);    // fp8 (the previous tile's products are done: the last barrier)
+      fence_async_smem();  // this thread's copies and stores, for wgmma's reads
       __syncthreads();
 
       if (wg == 0) {
@@ -255,7 +301,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
       const int col = 256 * wg + 2 * (lane & 3);
       if (split_tiles > 0) {
         const long long prow = orow * gridDim.z + blockIdx.z;
-        const float inv = end_partial_row(max_s[r], sum_s[r], bad, 1.f, prow, part_max,
+        const float inv = end_partial_row(max_s[r], sum_s[r], bad, cache_scale, prow, part_max,
                                           part_sum, writer);
         float* dst = part_out + prow * RANK + col;
 #pragma unroll
@@ -265,7 +311,8 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         }
         continue;
       }
-      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, 1.f, neg_inf(), orow, writer);
+      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, neg_inf(), orow,
+                                      writer);
       T* dst = out + orow * RANK + col;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {

@@ -73,9 +73,9 @@ _KERNELS = {
     "paged_prefill_sm90": ("paged_prefill_sm90.cu", _PREFILL_SM90_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
-    # Hopper's: 64 rows over 64-token tiles in two stages, 16-bit caches
-    "mla_attention_sm90": ("mla_attention_sm90.cu", ("dtype", "head_size", "rope_dim",
-                                                     "block_size")),
+    # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
+    "mla_attention_sm90": ("mla_attention_sm90.cu", ("dtype", "cache_dtype", "head_size",
+                                                     "rope_dim", "block_size")),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),

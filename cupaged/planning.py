@@ -748,19 +748,19 @@ def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: in
 
 
 @jit.launcher_cache
-def mla_sm90_kernel(device_id: int, dtype: str, rank: int, rope: int,
+def mla_sm90_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
                     block_size: int) -> MlaKernel:
     """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles)."""
     spec = jit.KernelSpec("mla_attention_sm90", dtype, rank, block_size, rope_dim=rope,
-                          arch=device_info(device_id).arch)
+                          cache_dtype=cache_dtype, arch=device_info(device_id).arch)
     g = geometry.MlaSm90Geometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
     return MlaKernel(kernel, spec, g.smem_bytes,
                      resident_ctas(device_id, kernel, g.threads, g.smem_bytes))
 
 
-# Which MLA kernel serves Hopper: None (the rule: the wgmma kernel for 16-bit caches where a
-# sequence has 64 packed rows or more), "mma" (always mla_attention) or "sm90" (the wgmma
+# Which MLA kernel serves Hopper: None (the rule: the wgmma kernel where a sequence has 64
+# packed rows or more), "mma" (always mla_attention) or "sm90" (the wgmma
 # kernel wherever it applies), for tests and A/B measurements; set through set_mla_family.
 _mla_family: str | None = None
 
@@ -772,8 +772,8 @@ def set_mla_family(family: str | None) -> None:
     _mla_family = family
 
 
-def mla_sm90_applies(arch: str, cache_itemsize: int, rows_needed: int) -> bool:
-    return (_mla_family != "mma" and arch == "sm_90" and cache_itemsize == 2
+def mla_sm90_applies(arch: str, rows_needed: int) -> bool:
+    return (_mla_family != "mma" and arch == "sm_90"
             and (rows_needed >= 64 or _mla_family == "sm90") and _mla_tile_override is None)
 
 
@@ -833,8 +833,8 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
-    if mla_sm90_applies(arch, csize, rows_needed):
-        k = mla_sm90_kernel(device, dtype, rank, rope, block_size)
+    if mla_sm90_applies(arch, rows_needed):
+        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
         tile = mla_tile(arch, rows_needed, csize)

@@ -142,6 +142,25 @@ def test_cupaged_row_is_checked_then_timed(monkeypatch, q_len):
     assert c.arrays == {} and c.refs == []  # freed after the case
 
 
+@pytest.mark.parametrize("impl, family", [("cupaged", None), ("cupaged-mma", "mma"),
+                                          ("cupaged-sm90", "sm90")])
+def test_forcing_runners_run_their_family_and_give_the_planner_back(monkeypatch, impl,
+                                                                    family):
+    """cupaged-mma / cupaged-sm90 run mla_attention with that kernel family forced (the A/B
+    of the two in one run), and the planner's own choice returns after the row."""
+    from cupaged import planning
+
+    on_host(monkeypatch)
+    calls = []
+    fake_mla(monkeypatch, calls)
+    seen = []
+    monkeypatch.setattr(planning, "set_mla_family",
+                        lambda f, real=planning.set_mla_family: (seen.append(f), real(f)))
+    (r,) = bench_mla.measure([_case()], [impl], reps=3, copy_bw=1e12)
+    assert r.note == "" and calls
+    assert seen[0] == family and seen[-1] is None
+
+
 @pytest.mark.parametrize("override", [
     dict(scale=1 / math.sqrt(576)),  # one over the root of the key's length
     dict(causal=False),  # the first query token seeing the second's key

@@ -89,11 +89,12 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     shapes = {a: {(s.rows, s.tile_tokens, s.stages) for s in mla if s.arch == a} for a in ARCHS}
     assert (64, 32, 3) in shapes["sm_90"] and (64, 32, 3) not in shapes["sm_80"]
     geometry.check_against_kernel([s for s in mla if s.block_size == 16])
-    # Hopper's: sm_90a only, 16-bit caches, every block size
+    # Hopper's: sm_90a only, 16-bit and both fp8 caches, every block size
     sm90 = [s for s in ALL if s.kernel == "mla_attention_sm90"]
-    assert {s.arch for s in sm90} == {"sm_90a"} and len(sm90) == 2 * 9
+    assert {s.arch for s in sm90} == {"sm_90a"} and len(sm90) == 2 * 3 * 9
+    assert {s.cache_dtype for s in sm90} == {"f16", "bf16", "e4m3", "e5m2"}
     for s in sm90:
-        assert geometry.MlaSm90Geometry.of(s).fits(s.arch), s.name
+        assert geometry.MlaSm90Geometry.of(s).fits(s.arch), (s.name, geometry.MlaSm90Geometry.of(s).smem_bytes)
     geometry.check_against_kernel([s for s in sm90 if s.block_size == 64])
 
 
@@ -166,12 +167,14 @@ def test_specialization_names_are_unique():
     # combine 3 dtypes x 45 head sizes; mla_attention 2 dtypes x 9 block sizes x the
     # (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80, 17 on
     # sm_90), and over fp8 caches 2 dtypes x 2 formats x 9 block sizes x their shapes (13
-    # and 18: half the bytes a stage, beside a widened tile). Head sizes over 256 add
+    # and 18: half the bytes a stage, beside a widened tile); mla_attention_sm90 for sm_90a
+    # only: 2 dtypes x 3 cache types (the query's, 2 fp8 formats) x 9 block sizes. Head
+    # sizes over 256 add
     # 23,866 decode specializations (both targets) for each of 5 variants, and 9,088
     # prefill ones for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 135
                                                           + 44 + 2 + 12 + 3) + 228 * 5 + 114 * 2 \
-        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2
 
 
 # ---- the covering set ------------------------------------------------------------------------

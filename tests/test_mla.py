@@ -226,9 +226,10 @@ def to_fp8(cache, fmt, scale):
 @pytest.mark.parametrize("split", [0, 2], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("cache_form", ["combined", "pair"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_latent_cache(rng, mla_split, fmt, cache_form, split):
+def test_fp8_latent_cache(rng, family, mla_split, fmt, cache_form, split):
     """fp8 bytes read as stored * k_scale (a number, or a float32 device scalar), stale NaN
-    slots included, against the reference's dequantization of the same bytes."""
+    slots included, against the reference's dequantization of the same bytes; both
+    families (the wgmma one widens raw stages into its 16-bit stage)."""
     import cupy
 
     mla_split(split)

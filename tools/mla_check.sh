@@ -14,7 +14,7 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 if [ "${SAN:-1}" != 0 ]; then
   # (split-KV tiles a partition : the cache's dtype : kernel family) of each sanitized launch
-  for case in ${SAN_CASES:-0:auto:mma 2:auto:mma 2:fp8_e4m3:mma 0:auto:sm90 2:auto:sm90}; do
+  for case in ${SAN_CASES:-0:auto:mma 2:auto:mma 2:fp8_e4m3:mma 0:auto:sm90 2:auto:sm90 0:fp8_e4m3:sm90 2:fp8_e4m3:sm90}; do
   for tool in memcheck racecheck synccheck; do
     f="$OUT/sanitize-mla-${case//:/-}-$tool.txt"
     timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 99 \
@@ -50,8 +50,11 @@ if [ "${BENCH:-1}" != 0 ] && python3 -c "import cupaged.bench.mla" 2>/dev/null; 
   [ -f .flashinfer/setup.sh ] && FI=(--impl flashinfer-fa2 --impl flashinfer-fa3)
   python3 -m cupaged.bench mla --preset dsv3-16h-4k --preset dsv3-16h-32k --preset dsv3-128h-4k \
     --preset dsv3-128h-4k-q2 --impl cupaged "${FI[@]}" 2>&1 | grep -v INFO | tee "$OUT/mla-bench.txt"
+  # fp8: the planner's choice and, where it differs, the other family (16 heads: the
+  # mma.sync kernel's two CTAs an SM against the wgmma kernel's 64-row tiles)
   python3 -m cupaged.bench mla --preset dsv3-16h-4k --preset dsv3-16h-32k --preset dsv3-128h-4k \
-    --kv-cache-dtype fp8_e4m3 --impl cupaged 2>&1 | grep -v INFO | tee -a "$OUT/mla-bench.txt"
+    --preset dsv3-128h-4k-q2 --kv-cache-dtype fp8_e4m3 --impl cupaged --impl cupaged-mma \
+    --impl cupaged-sm90 2>&1 | grep -v INFO | tee -a "$OUT/mla-bench.txt"
 fi
 echo "mla suite exit status: $status"
 exit "$status"

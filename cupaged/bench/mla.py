@@ -223,11 +223,16 @@ def preset_case(name: str, block_size: int = 64, dtype: str = "bfloat16",
 # ---- runners: factory(case) -> run() returning the output as a CuPy array -------------------
 
 
-def _run_cupaged(case: MLACase):
+def _run_cupaged(case: MLACase, family: str | None = None):
     """cupaged.mla_attention over the combined cache; decode (one query token per
-    sequence) without query_start_loc, as a serving step passes it."""
+    sequence) without query_start_loc, as a serving step passes it. ``family="mma"``: the
+    mma.sync kernel on Hopper too, ``"sm90"``: the wgmma kernel wherever it applies, 16
+    rows included (planning.set_mla_family, for the A/B of the two families in one run;
+    set when the runner is made, reset by `measure`)."""
     import cupaged
+    from .. import planning
 
+    planning.set_mla_family(family)
     a = case.arrays
     out = cupy.full((case.total_q, case.heads, KV_LORA_RANK), np.nan, dtype=a["q"].dtype)
     starts = a["query_start_loc"] if case.q_len > 1 else None
@@ -292,8 +297,11 @@ def _run_flashinfer(case: MLACase, backend: str):
     return run
 
 
+_CUPAGED = ("cupaged", "cupaged-mma", "cupaged-sm90")
 IMPLEMENTATIONS = {
     "cupaged": _run_cupaged,
+    "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
+    "cupaged-sm90": lambda c: _run_cupaged(c, "sm90"),
     "flashinfer-fa2": lambda c: _run_flashinfer(c, "fa2"),
     "flashinfer-fa3": lambda c: _run_flashinfer(c, "fa3"),
 }
@@ -319,6 +327,8 @@ class Row:
 def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     """Rows for every (case, implementation), each checked before it is timed: a failed
     check gets the note WRONG and no time, a runner that cannot run a note saying why."""
+    from .. import planning
+
     rows = []
     for case in cases:
         case.build()
@@ -339,6 +349,9 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                             row.pct_copy = 100 * case.bytes_moved() / sec / copy_bw
                 except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
                     row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+                finally:
+                    if impl in _CUPAGED:  # back to the planner's choice of kernel
+                        planning.set_mla_family(None)
                 run = None  # the row's buffers (FlashInfer's workspace) go, failed or not
                 peers.free_memory()
                 rows.append(row)

@@ -65,8 +65,9 @@ AXES = {
                       "head_size": (512,), "rope_dim": (64,),
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
-    # Hopper only (jit.ARCH_ONLY): 16-bit latent caches
-    "mla_attention_sm90": {"dtype": ("f16", "bf16"), "head_size": (512,), "rope_dim": (64,),
+    # Hopper only (jit.ARCH_ONLY)
+    "mla_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
+                           "head_size": (512,), "rope_dim": (64,),
                            "block_size": _checks.BLOCK_SIZES},
 }
 

@@ -372,24 +372,29 @@ class MlaGeometry:
 
 @dataclass(frozen=True)
 class MlaSm90Geometry:
-    """``MlaSm90Geometry<T, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64 rows,
-    64-token tiles, two stages, the 128-byte-swizzled tiles 1024-byte aligned."""
+    """``MlaSm90Geometry<T, C, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64
+    rows, 64-token tiles, the 128-byte-swizzled tiles 1024-byte aligned; two 16-bit stages,
+    or for an fp8 cache (``cache_itemsize`` 1) one and two raw stages of its bytes."""
 
     rank: int
     rope: int
+    cache_itemsize: int = 2
 
     @classmethod
     def of(cls, spec) -> "MlaSm90Geometry":
-        return cls(spec.head_size, spec.rope_dim)
+        return cls(spec.head_size, spec.rope_dim,
+                   _dtypes.CACHE_BY_NAME[spec.cache_dtype].itemsize)
 
     threads = 256
     rows = 64
     tile_tokens = 64
 
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: Q, two stages, P, row state, flag, alignment
-        tile = (self.rank + self.rope) // 64 * 64 * 128
-        return 3 * tile + 64 * 128 + 3 * 64 * 4 + 16 + 1024
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, alignment
+        dims = self.rank + self.rope
+        tile = dims // 64 * 64 * 128
+        stages = 2 * tile if self.cache_itemsize == 2 else tile + 2 * 64 * dims
+        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
@@ -425,7 +430,8 @@ def _check_chunk(specs) -> None:
         t = _dtypes.BY_NAME[s.dtype].cxx
         if s.kernel == "mla_attention_sm90":
             g = MlaSm90Geometry.of(s)
-            cxx = f"cupaged::MlaSm90Geometry<{t}, {s.head_size}, {s.rope_dim}>"
+            c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
+            cxx = f"cupaged::MlaSm90Geometry<{t}, {c}, {s.head_size}, {s.rope_dim}>"
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes}, "
                          f"\"host mirror differs: {s.name}\");\n")
             continue
