@@ -700,8 +700,8 @@ def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int,
     hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
     tiles where two stages fit (else 16), and as many stages up to four as fit (three
     tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
-    fit even at 16 tokens (sm_86/89's 99 KiB), 32. An fp8 cache at 16 rows takes two
-    stages where that lets two CTAs share an SM (MlaGeometry.min_blocks)."""
+    fit even at 16 tokens (sm_86/89's 99 KiB), 32. 16 rows take two stages where that
+    lets two CTAs share an SM (MlaGeometry.min_blocks)."""
     if _mla_tile_override is not None:
         return _mla_tile_override
     return _mla_tile(arch, 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64,
@@ -717,11 +717,11 @@ def _mla_tile(arch: str, rows: int, cache_itemsize: int) -> tuple[int, int, int]
         rows //= 2
     tile = 32 if fits(rows, 32, 2) else 16
     stages = max(s for s in (2, 3, 4) if fits(rows, tile, s))
-    two = geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize).min_blocks(arch) == 2
-    if two and cache_itemsize == 1:
+    if geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize).min_blocks(arch) == 2:
         # Two CTAs an SM with two stages each overlap one's chain of phases (copy wait, S,
-        # softmax, P V) with the other's: an fp8 cache's 16-head decode ran 19% faster
-        # than one CTA with four stages (H100, docs/PERFORMANCE.md).
+        # softmax, P V) with the other's, where one CTA's chain is slower than its bytes:
+        # 16-head decode ran 1.19-1.32x faster than one CTA with four stages over bf16 on
+        # an H200 (level on an H100), 1.2x over fp8 on an H100 (docs/PERFORMANCE.md).
         stages = 2
     return rows, tile, stages
 

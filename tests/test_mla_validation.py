@@ -510,3 +510,23 @@ def test_decode_bounds_are_one_token_a_sequence(starts):
                                                             p.max_blocks * p.block_size)
     assert validation.mla_bounds(p, starts, 3, 20) == (3 if starts else 1, 20)
     assert validation.mla_bounds(p, starts, 10**6, 10**9)[1] == p.max_blocks * p.block_size
+
+
+@pytest.mark.parametrize("itemsize", [2, 1], ids=["16-bit", "fp8"])
+def test_sixteen_rows_take_two_stages_where_two_ctas_share_an_sm(itemsize):
+    """mla_attention's tile at 16 packed rows (16 heads decoding) is 32 tokens over two
+    stages wherever that shape fits two CTAs an SM, for 16-bit caches as for fp8: the two
+    CTAs' chains of phases overlap (docs/PERFORMANCE.md); more rows keep the deepest
+    ring that fits one CTA."""
+    from cupaged import planning
+    from cupaged.specs import geometry
+
+    for arch in ("sm_80", "sm_90"):
+        two = geometry.MlaGeometry(512, 64, 16, 32, 2, itemsize).min_blocks(arch) == 2
+        deepest = max(s for s in (2, 3, 4)
+                      if geometry.MlaGeometry(512, 64, 16, 32, s, itemsize).fits(arch))
+        assert planning.mla_tile(arch, 16, itemsize) == (16, 32, 2 if two else deepest)
+        assert deepest > 2  # without two CTAs an SM, a deeper ring
+    # Hopper's 227 KiB hold two at 16 rows (sm_80's 163 KiB do not), but one CTA of 64 rows
+    assert planning.mla_tile("sm_90", 16, itemsize) == (16, 32, 2)
+    assert planning.mla_tile("sm_90", 64, itemsize)[2] > 2
