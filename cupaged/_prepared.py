@@ -10,7 +10,7 @@ Its *side* arrays (ALiBi slopes, sinks, scale arrays) and its scalars rarely cha
 key holds them whole (an array's address included), since the prepared launches embed
 them. So a key names exactly one validation outcome: a call that would fail never
 matches one that passed (a failure is never remembered), and what depends on the
-addresses themselves (the query/output overlap) is checked on every call.
+addresses themselves (whether an output overlaps an input) is checked on every call.
 
 Only CuPy arrays and torch tensors are keyed; other DLPack producers, and
 ``CUPAGED_DEBUG=1`` (whose checks read device data), take the validating path each time.
@@ -51,18 +51,21 @@ _generation = 0
 
 class Prepared(NamedTuple):
     """What a repeated call still does itself: allocate what it returns, check that its
-    output does not overlap its query, and launch."""
+    outputs do not overlap its inputs, and launch."""
 
-    launch: object  # launch.Launch, or None: nothing to launch (an empty batch)
+    launch: object  # launch.Launch or launch.MlaLaunch; None: nothing to launch (empty batch)
     device: int
     kind: str  # _arrays.framework() of the query: whose arrays to allocate and return
-    shape: tuple  # the query's, and the output's
+    shape: tuple  # the output's (attention's: the query's too)
     dtype: object  # NumPy dtype of the query and the output
     q_span: tuple  # the query's bytes, [lo, hi) relative to its address; () when empty
     out_bytes: int
     in_place: bool  # out may be the query itself (the same strides)
     wants_lse: bool  # the call returns (out, lse)
     new_lse: tuple  # return_lse without lse=: the shape of a new float32 array; else ()
+    # mla_attention's: the pairs of arrays validation found disjoint (disjoint_spans), which
+    # any_overlap checks at each call's addresses.
+    disjoint: tuple = ()
 
 
 def _torch_tensor():
@@ -179,10 +182,31 @@ def overlaps(prep: Prepared, q: int, out: int) -> bool:
             and not (out == q and prep.in_place))
 
 
+def disjoint_spans(written, read) -> tuple:
+    """What :func:`any_overlap` checks: each written array against each read one and the
+    written ones against each other, as ``(i, lo, hi, j, lo, hi)``: indices into a call's
+    addresses and each array's bytes relative to its address. ``written``, ``read``:
+    ``(index, adapted array or None)``; absent and empty arrays are left out."""
+    w = [(i, *span(a)) for i, a in written if a is not None and span(a)]
+    r = [(j, *span(a)) for j, a in read if a is not None and span(a)]
+    return tuple([x + y for n, x in enumerate(w) for y in r + w[n + 1:]])
+
+
+def any_overlap(pairs, ptrs) -> bool:
+    """Would any pair of :func:`disjoint_spans` overlap at these addresses (``ptrs``)?"""
+    for i, lo1, hi1, j, lo2, hi2 in pairs:
+        a, b = ptrs[i], ptrs[j]
+        if a + lo1 < b + hi2 and b + lo2 < a + hi1:
+            return True
+    return False
+
+
 def run(prep: Prepared, ptrs, stream, out, lse):
     """Launch a prepared call with these addresses (``ptrs``: query, key and value caches,
-    block tables, lengths, query starts, out, lse; 0 for none). ``out``/``lse``: the
-    caller's arrays (or None), handed back. The caller has checked ``overlaps``."""
+    block tables, lengths, query starts, out, lse; 0 for none; mla_attention's query is
+    its (latent, rope) pair, its caches the latent and rope ones). ``out``/``lse``: the
+    caller's arrays (or None), handed back. The caller has checked ``overlaps`` (or
+    ``any_overlap``)."""
     q, k, v, bt, lens, starts, o, lse_ptr = ptrs
     with _arrays.on_device(prep.device):
         ctx = _arrays.context(prep.device, prep.kind, stream)

@@ -287,7 +287,8 @@ MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide
 
 class MlaLaunch(NamedTuple):
     """An mla_attention call's launches with every constant argument packed: ``run``
-    adds the addresses (a repeated call's only work)."""
+    adds the addresses (a repeated call's only work), taking them as :meth:`Launch.run`
+    does (``_prepared.run`` calls either)."""
 
     kernel: jit.Launcher
     grid: tuple
@@ -308,8 +309,12 @@ class MlaLaunch(NamedTuple):
     rank: int
     partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
 
-    def run(self, ctx: _arrays.Context, out: int, lse: int, q_lat: int, q_rope: int,
-            c_lat: int, c_rope: int, bt: int, lens: int, starts: int) -> None:
+    def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
+            lens: int, starts: int, lse: int = 0) -> None:
+        """Launch on ``ctx.stream``: ``q`` the query's (latent, rope) base addresses, and
+        ``c_lat``, ``c_rope`` the caches' (a single q's or combined cache's twice: the
+        offsets find its parts); ``starts``, ``lse``: 0 for none."""
+        q_lat, q_rope = q
         vp = _variants.PLAIN_BYTES if not lse else _variants.PLAIN.pack(lse)
         qo, co = self.q_offsets, self.c_offsets
         rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],

@@ -1,15 +1,15 @@
 """Absorbed multi-head latent attention (DeepSeek's MLA) over a paged latent cache:
 :func:`mla_attention`. A call goes down the same layers as :func:`cupaged.attention`:
 array adaptation, validation (:func:`.validation.validate_mla`), planning
-(:func:`.planning.plan_mla`: rows per CTA, tiles, split-KV), launch
-(:func:`.launch.build_mla`), through one kernel, ``mla_attention`` (mma.sync, sm_80+),
-and ``paged_decode_combine`` for a split."""
+(:func:`.planning.plan_mla`: the kernel, rows per CTA, tiles, split-KV), launch
+(:func:`.launch.build_mla`), and a repeated call skips to the launch (``_prepared``).
+Two kernels serve it: ``mla_attention`` (mma.sync, sm_80+) and, on Hopper,
+``mla_attention_sm90`` (wgmma) for 64 packed rows or more; ``paged_decode_combine``
+merges a split."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from . import _arrays, _checks, _kvquant, launch, planning, validation
+from . import _arrays, _checks, _kvquant, _prepared, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -89,7 +89,42 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
 
     Page sizes are powers of two from 1 to 256; any number of heads (16 to 128 is what
     DeepSeek's models shard to).
+
+    A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
+    ``k_scale``, workspace and keywords match an earlier successful call's skips
+    validation and planning; whether ``out`` and ``lse`` overlap the query, the caches or
+    each other is still checked at every call's addresses.
     """
+    pair = isinstance(q, (tuple, list))
+    k = ptrs = None
+    if not pair or len(q) == 2:
+        q_lat, q_pe = q if pair else (q, None)
+        k, ptrs = _prepared.key(
+            "mla", (q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc,
+                    out, lse),
+            (k_scale,), (scale, kv_lora_rank, causal, max_query_len, max_seq_len, return_lse,
+                         kv_cache_dtype, pair), launch.workspace_key(workspace))
+    prep = _prepared.lookup(k)
+    if prep is None or _prepared.any_overlap(prep.disjoint, ptrs):
+        prep, ptrs = _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc,
+                                           scale, kv_lora_rank, k_pe_cache, causal,
+                                           max_query_len, max_seq_len, out, return_lse, lse,
+                                           stream, kv_cache_dtype, k_scale, workspace)
+        _prepared.remember(k, prep)
+    # A single q's rope part, and a combined cache's, lie at the latent part's address (the
+    # launch's offsets find them).
+    ql, qr, cl, cr, bt, lens, starts, o, lse_ptr = ptrs
+    return _prepared.run(prep, ((ql, qr if pair else ql), cl, cl if k_pe_cache is None else cr,
+                                bt, lens, starts, o, lse_ptr), stream, out, lse)
+
+
+def _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                          kv_lora_rank, k_pe_cache, causal, max_query_len, max_seq_len, out,
+                          return_lse, lse, stream, kv_cache_dtype, k_scale, workspace) -> tuple:
+    """``(prepared call, addresses)`` of an mla_attention call: every check (CUPAGED_DEBUG's
+    device reads too), then the plan of its launches. The addresses: q's (q_nope's),
+    q_pe's (0 for a single q), the caches', the tables', lengths', query starts', out's
+    and lse's (0 for none)."""
     if scale is None:
         _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
               "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)
@@ -128,34 +163,24 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                   TypeError)
         parts = workspace.partials(p.device, p.rank)
     wants_lse = bool(return_lse) or lse is not None
-    qa_dtype = p.q_parts[0].dtype
     kind = _arrays.framework(first)
     with _arrays.on_device(p.device):
-        ctx = _arrays.context(p.device, kind, stream)
         if _checks.DEBUG:
+            ctx = _arrays.context(p.device, kind, stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
         plan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
                                  p.block_size, p.num_seqs, p.num_rows, p.num_heads, max_q,
                                  max_ctx, None if parts is None else parts.max_rows)
-        returned = out
-        if o is None:
-            o, returned = _arrays.empty(ctx, (p.num_rows, p.num_heads, p.rank), qa_dtype)
-        returned_lse = lse
-        if wants_lse and lse_a is None:
-            lse_a, returned_lse = _arrays.empty(ctx, (p.num_rows, p.num_heads),
-                                                np.dtype(np.float32))
-        if plan is not None:
-            ql, qr = p.q_parts
-            cl, cr = p.c_parts
-            launch.build_mla(p, plan, scale, causal, (scale_ptr, scale_value), parts).run(
-                ctx, o.data.ptr, 0 if lse_a is None else lse_a.data.ptr, ql.data.ptr,
-                qr.data.ptr, cl.data.ptr, cr.data.ptr, bt.data.ptr, sl.data.ptr,
-                0 if qsl is None else qsl.data.ptr)
-        if ctx.kind == "jax":  # after the launches (see _arrays.hand_over)
-            if out is None:
-                returned = _arrays.hand_over(ctx, returned)
-            if wants_lse and lse is None:
-                returned_lse = _arrays.hand_over(ctx, returned_lse)
-    return (returned, returned_lse) if wants_lse else returned
+        launches = None if plan is None else launch.build_mla(
+            p, plan, scale, causal, (scale_ptr, scale_value), parts)
+    q_lat, q_pe = qa if pair else (qa, None)
+    # The checks of validate_mla that read addresses, to repeat at each call's own.
+    disjoint = _prepared.disjoint_spans(((7, o), (8, lse_a)),
+                                        ((0, q_lat), (1, q_pe), (2, kc), (3, kpe)))
+    prep = _prepared.Prepared(launches, p.device, kind, (p.num_rows, p.num_heads, p.rank),
+                              q_lat.dtype, (), 0, False, wants_lse,
+                              (p.num_rows, p.num_heads) if wants_lse and lse_a is None else (),
+                              disjoint)
+    return prep, _prepared.addresses(q_lat, q_pe, kc, kpe, bt, sl, qsl, o, lse_a)

@@ -693,6 +693,7 @@ _mla_tile_override: tuple | None = None
 def set_mla_tile(tile: tuple | None) -> None:
     global _mla_tile_override
     _mla_tile_override = tile
+    _prepared.clear()  # remembered MLA calls were planned under the old choice
 
 
 def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int, int, int]:
@@ -770,6 +771,7 @@ def set_mla_family(family: str | None) -> None:
     if family not in (None, "mma", "sm90"):
         raise ValueError(f"family must be None, 'mma' or 'sm90', got {family!r}")
     _mla_family = family
+    _prepared.clear()  # remembered MLA calls were planned under the old choice
 
 
 def mla_sm90_applies(arch: str, rows_needed: int) -> bool:
@@ -785,6 +787,7 @@ _mla_split_override: int | None = None
 def set_mla_split(tiles: int | None) -> None:
     global _mla_split_override
     _mla_split_override = tiles
+    _prepared.clear()  # remembered MLA calls were planned under the old choice
 
 
 MLA_MAX_PARTITIONS = 32

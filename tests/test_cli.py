@@ -85,7 +85,7 @@ def test_decode_without_gpu_exits_nonzero():
     (["cascade", "--suffix", "0"], "Invalid value for '--suffix'"),
     (["mla", "--preset", "dsv3-671b"], "Invalid value for '--preset'"),
     (["mla", "--impl", "flashinfer-fa4"], "Invalid value for '--impl'"),
-    (["mla", "--impl", "flashinfer"], "'cupaged', 'flashinfer-fa2', 'flashinfer-fa3'"),
+    (["mla", "--impl", "flashinfer"], "'cupaged', 'cupaged-mma', 'cupaged-sm90', 'flashinfer-fa2', 'flashinfer-fa3'"),
     (["mla", "--dtype", "float32"], "Invalid value for '--dtype'"),
     (["mla", "--page-size", "0"], "Invalid value for '--page-size'"),
     (["mla", "--heads", "0"], "Invalid value for '--heads'"),

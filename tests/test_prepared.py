@@ -3,13 +3,18 @@ reads each call's own arrays, and never lets through what validation would refus
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _checks, _prepared, launch, reference, testing, validation
+from cupaged import _checks, _prepared, _variants, launch, reference, testing, validation
 
 from conftest import assert_close, make_problem
+from test_merge import fake_device  # noqa: F401  (a fixture)
+from test_mla_validation import fakes_adapt  # noqa: F401  (a fixture)
 from test_varlen import make_varlen
 
 TOL = testing.TOLERANCE["f16"]
@@ -58,7 +63,7 @@ def test_the_memo_is_bounded():
 @pytest.fixture
 def validations(monkeypatch):
     """Counts the calls that went through validation (the others were prepared)."""
-    count = {"decode": 0, "attention": 0}
+    count = {"decode": 0, "attention": 0, "mla": 0}
 
     def counting(name, function):
         real = getattr(validation, function)
@@ -71,6 +76,7 @@ def validations(monkeypatch):
 
     counting("decode", "validate_decode")
     counting("attention", "validate_varlen")
+    counting("mla", "validate_mla")
     _prepared.clear()
     yield count
     _prepared.clear()
@@ -453,3 +459,360 @@ def test_decode_steps_read_the_query_start_loc_they_are_given(rng, validations):
     assert_close(cupy.asnumpy(got), reference.attention(**{**host, "query_start_loc": other}),
                  TOL)
     assert validations["attention"] == 1
+
+
+# ---- mla_attention ------------------------------------------------------------------------------
+
+
+class MlaLaunched(NamedTuple):
+    """One launch of the mla_attention kernel as the fake_mla fixture records it: the
+    addresses it reads and writes, the query's and the caches' (latent, rope) parts
+    resolved."""
+
+    out: int
+    q: tuple
+    cache: tuple
+    block_tables: int
+    seq_lens: int
+    query_start_loc: int
+    k_scale: tuple  # (device pointer or 0, value)
+    vp: bytes  # VariantParams: lse's address packed in
+
+
+@pytest.fixture
+def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
+    """mla_attention on the CPU over test_mla_validation's Fake arrays (its fakes_adapt,
+    with test_merge's fake_device allocating Fakes): keyed as CuPy arrays are (metadata,
+    address modulo 16), planned as one single-pass CTA a sequence and launched into a
+    record. Returns ``(call, launched)``: fakes_adapt's ``call(a, **kw)``; ``launched``:
+    an MlaLaunched a launch."""
+    from cupaged import _arrays, _kvquant, planning
+
+    from test_validation import Fake
+
+    real_metas = _prepared.metas
+
+    def metas(arrays):  # a Fake as a CuPy array (_prepared.metas)
+        if not any(isinstance(x, Fake) for x in arrays):
+            return real_metas(arrays)
+        m, ptrs = [], []
+        for x in arrays:
+            p = 0 if x is None else x.data.ptr
+            m.append(None if x is None else (x.shape, x.strides, x.dtype, p & 15,
+                                             x.data.device_id))
+            ptrs.append(p)
+        return tuple(m), ptrs
+
+    monkeypatch.setattr(_prepared, "metas", metas)
+    monkeypatch.setattr(_kvquant, "as_device_array", _arrays.as_device_array)  # a device k_scale
+    launched = []
+
+    def kernel(grid, threads, smem, stream, *a):
+        # MlaLaunch.run's order: out, 3 partials, split_tiles, row_tiles, q's parts, their 4
+        # strides, the caches' parts, their 4 strides, the table, its 5 constants, lengths,
+        # starts, 3 scalars, VariantParams.
+        assert len(a) == 30 and a[1:5] == (0, 0, 0, 0)
+        launched.append(MlaLaunched(a[0], a[6:8], a[12:14], a[18], a[24], a[25], a[22:24],
+                                    a[29]))
+
+    def plan_mla(device, dtype, cache_dtype, rank, rope, block_size, num_seqs, num_rows,
+                 num_heads, max_q, max_ctx, workspace_rows=None):
+        if not (num_seqs and num_rows):
+            return None
+        return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0),
+                               grid=(num_seqs, 1, 1), split_tiles=0, row_tiles=1,
+                               combine=None, combine_grid=(), combine_tail=(), partitions=1)
+
+    monkeypatch.setattr(planning, "plan_mla", plan_mla)
+    return fakes_adapt, launched
+
+
+def _moved(a, shift):
+    """margs's arrays, each ``shift`` bytes past its BASES address (as Fakes)."""
+    from test_mla_validation import adapt, fake
+
+    f = adapt(a)
+    moved = {k: (fake(a[k], k, shift) if isinstance(a[k], np.ndarray) else v)
+             for k, v in f.items()}
+    if isinstance(a["q"], tuple):
+        moved["q"] = (fake(a["q"][0], "q", shift), fake(a["q"][1], "q_pe", shift))
+    return moved
+
+
+@pytest.mark.parametrize("q_form", ["combined", "pair"])
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+@pytest.mark.parametrize("given", ["out+lse", "new"])
+def test_repeated_mla_calls_are_prepared_with_their_own_addresses(fake_mla, validations,
+                                                                  q_form, cache_form, given):
+    """Every call's own arrays reach the launch (a single q's and a combined cache's rope
+    part RANK elements into it), its outputs allocated anew when not given; one validation."""
+    from test_mla_validation import BASES, margs
+
+    call, launched = fake_mla
+    a = margs(q_form, cache_form, out=given != "new", lse=given != "new")
+    for n, shift in enumerate((0, 1 << 16, 3 << 16, 0)):
+        got = call(_moved(a, shift), scale=0.1, return_lse=True)
+        out, lse = got
+        at = {k: v + shift for k, v in BASES.items()}
+        rope = 2 * 512  # bytes into a combined array's rows
+        assert launched[-1] == MlaLaunched(
+            out.data.ptr,
+            (at["q"], at["q_pe"] if q_form == "pair" else at["q"] + rope),
+            (at["kv_cache"], at["k_pe_cache"] if cache_form == "pair" else at["kv_cache"] + rope),
+            at["block_tables"], at["seq_lens"], at["query_start_loc"], (0, 1.0),
+            _variants.PLAIN.pack(lse.data.ptr)), f"call {n}"
+        if given == "new":
+            assert out.shape == (5, 16, 512) and lse.shape == (5, 16)
+        else:
+            assert (out.data.ptr, lse.data.ptr) == (at["out"], at["lse"])
+    assert len({x.out for x in launched}) == (4 if given == "new" else 3)
+    assert validations["mla"] == 1
+
+
+def test_mla_keys_the_query_form_and_k_scale(fake_mla, validations):
+    """A pair and a single q, a number (by type and value) and a device scalar (by
+    address) as k_scale: each its own prepared call. A CPU torch scalar, whose value the
+    call reads, is validated on every call, as everything is under CUPAGED_DEBUG."""
+    from test_mla_validation import BASES, fake, margs
+
+    call, launched = fake_mla
+    fp8 = dict(kv_cache=np.zeros((10, 16, 576), np.uint8))
+    single, pair = {**margs(), **fp8}, {**margs("pair"), **fp8}
+    dev_scale = fake(np.zeros(1, np.float32), "lse", 1 << 20)
+    other_scale = fake(np.zeros(1, np.float32), "lse", 2 << 20)
+    calls = [(single, 0.5), (pair, 0.5), (single, np.float32(0.5)), (single, 0.25),
+             (single, dev_scale), (single, other_scale)]
+    for a, k_scale in calls + calls:
+        call(a, scale=0.1, kv_cache_dtype="fp8", k_scale=k_scale)
+    assert validations["mla"] == len(calls)
+    assert [x.k_scale for x in launched] == 2 * [(0, 0.5), (0, 0.5), (0, 0.5), (0, 0.25),
+                                                 (dev_scale.data.ptr, 1.0),
+                                                 (other_scale.data.ptr, 1.0)]
+    assert [x.q[1] - x.q[0] for x in launched[:2]] == [1024, BASES["q_pe"] - BASES["q"]]
+    torch = pytest.importorskip("torch")
+    for _ in range(2):
+        call(single, scale=0.1, kv_cache_dtype="fp8", k_scale=torch.tensor(0.5))
+    assert validations["mla"] == len(calls) + 2
+
+
+def test_mla_under_debug_validates_every_call(fake_mla, validations, monkeypatch):
+    from test_mla_validation import margs
+
+    call, _ = fake_mla
+    checked = []
+    monkeypatch.setattr(validation, "check_tables_on_device", lambda *a: checked.append(a))
+    monkeypatch.setattr(validation, "check_queries_on_device", lambda *a: checked.append(a))
+    monkeypatch.setattr(_checks, "DEBUG", True)
+    for _ in range(3):
+        call(margs(), scale=0.1)
+    assert validations["mla"] == 3 and len(checked) == 6
+
+
+@pytest.mark.parametrize("written, read, q_form, cache_form", [
+    ("out", "kv_cache", "combined", "combined"),
+    ("out", "q", "combined", "combined"),
+    ("out", "q_pe", "pair", "pair"),
+    ("out", "k_pe_cache", "pair", "pair"),
+    ("lse", "kv_cache", "pair", "combined"),
+    ("lse", "q", "combined", "pair"),
+    ("lse", "out", "combined", "combined"),
+])
+def test_a_repeated_mla_call_with_overlapping_outputs_is_refused(fake_mla, validations,
+                                                                 written, read, q_form,
+                                                                 cache_form):
+    """Metadata alike, addresses overlapping: refused as validation refuses a first call,
+    with the same error; a later call whose arrays are apart again is prepared."""
+    from test_mla_validation import BASES, fake, margs
+
+    call, launched = fake_mla
+    a = margs(q_form, cache_form, out=True, lse=True)
+    call(a, scale=0.1)
+    assert validations["mla"] == 1
+    # The written array 16 bytes into the other's last row: the same 16-byte alignment.
+    shape = (a["out"] if written == "out" else a["lse"]).shape
+    host = np.zeros(shape, np.float16 if written == "out" else np.float32)
+    other = a["q"][read == "q_pe"] if read in ("q", "q_pe") and q_form == "pair" else a[read]
+    at = BASES[read] + other.nbytes - 16 - BASES[written]
+    bad = {**_moved(a, 0), written: fake(host, written, at)}
+    with pytest.raises(ValueError, match=f"overlap in memory") as repeated:
+        call(bad, scale=0.1)
+    assert validations["mla"] == 2  # the prepared call's check sent it to validation
+    _prepared.clear()
+    with pytest.raises(ValueError) as first:
+        call(bad, scale=0.1)
+    assert str(repeated.value) == str(first.value)
+    names = {written, read}
+    assert all(f" {n} " in f" {str(first.value)} " for n in names)
+    call(a, scale=0.1)
+    n = validations["mla"]
+    call(a, scale=0.1)
+    assert validations["mla"] == n and len(launched) == 3
+
+
+def test_disjoint_spans_and_any_overlap():
+    from test_validation import Fake
+
+    out = Fake(np.zeros((2, 4), np.float32), ptr=1 << 20)  # 32 bytes
+    q = Fake(np.zeros((4, 4), np.float16), ptr=2 << 20)  # 32 bytes
+    empty = Fake(np.zeros((0, 4), np.float16), ptr=3 << 20)
+    pairs = _prepared.disjoint_spans(((2, out), (3, None)), ((0, q), (1, empty)))
+    assert pairs == ((2, 0, 32, 0, 0, 32),)
+    assert not _prepared.any_overlap(pairs, [1000, 0, 1032, 0])  # out just past q
+    assert not _prepared.any_overlap(pairs, [1000, 0, 968, 0])  # out just before q
+    assert _prepared.any_overlap(pairs, [1000, 0, 1031, 0])
+    assert _prepared.any_overlap(pairs, [1000, 0, 969, 0])
+    assert not _prepared.any_overlap((), [0, 0, 0, 0])
+
+
+def test_an_empty_mla_batch_launches_nothing_repeatedly(fake_mla, validations):
+    from test_mla_validation import margs
+
+    call, launched = fake_mla
+    a = margs(rows=0, seqs=0)
+    for _ in range(2):
+        out, lse = call(a, scale=0.1, return_lse=True)
+        assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+    assert launched == [] and validations["mla"] == 1
+
+
+# On the GPU.
+
+
+def _mla_forms(host, q_form, cache_form):
+    """mla_attention's arguments for a test_mla host problem, the query and the cache as
+    one array each or as pairs (separate arrays)."""
+    import cupy
+
+    from test_mla import RANK
+
+    d = {k: cupy.asarray(v) for k, v in host.items()}
+    if q_form == "pair":
+        d["q"] = (cupy.ascontiguousarray(d["q"][..., :RANK]),
+                  cupy.ascontiguousarray(d["q"][..., RANK:]))
+    if cache_form == "pair":
+        c = d["kv_cache"]
+        d["kv_cache"] = cupy.ascontiguousarray(c[..., :RANK])
+        d["k_pe_cache"] = cupy.ascontiguousarray(c[..., RANK:])
+    return d
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_form", ["combined", "pair"])
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+@pytest.mark.parametrize("given_out", [True, False], ids=["out", "new-out"])
+def test_repeated_mla_reads_each_calls_arrays(rng, validations, q_form, cache_form, given_out):
+    import cupy
+
+    from test_mla import SCALE, make_mla, ref_of
+
+    hosts = [make_mla(rng, [1, 3, 0, 2], [40, 300, 7, 2], heads=16) for _ in range(3)]
+    devs = [_mla_forms(h, q_form, cache_form) for h in hosts]  # all alive: apart
+    for i, (h, d) in enumerate(zip(hosts + hosts[:1], devs + devs[:1])):
+        dq = d["q"][0] if q_form == "pair" else d["q"]
+        out = cupy.full((6, 16, 512), np.nan, dq.dtype) if given_out else None
+        got, lse = cupaged.mla_attention(**d, scale=SCALE, out=out, return_lse=True)
+        assert out is None or got is out
+        ref, ref_lse = ref_of(h, return_lse=True)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"call {i}")
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+    assert validations["mla"] == 1
+
+
+@pytest.mark.gpu
+def test_repeated_mla_overlap_is_checked_on_every_call(rng, validations):
+    """out inside kv_cache, with a passing call's metadata: refused as a first call is."""
+    import cupy
+
+    from test_mla import SCALE, device, make_mla, ref_of
+
+    host = make_mla(rng, [1, 1], [40, 70], heads=16)
+    d = device(host)
+    cupaged.mla_attention(**d, scale=SCALE, out=cupy.empty((2, 16, 512), d["q"].dtype))
+    inside = d["kv_cache"].reshape(-1)[8 * 1000:8 * 1000 + 2 * 16 * 512].reshape(2, 16, 512)
+    with pytest.raises(ValueError, match="kv_cache and out overlap in memory"):
+        cupaged.mla_attention(**d, scale=SCALE, out=inside)
+    assert validations["mla"] == 2
+    got = cupaged.mla_attention(**d, scale=SCALE, out=cupy.empty((2, 16, 512), d["q"].dtype))
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref_of(host), testing.TOLERANCE["bf16"])
+    assert validations["mla"] == 2
+
+
+@pytest.mark.gpu
+def test_repeated_mla_over_an_fp8_cache_with_a_device_scale(rng, validations):
+    """A float32 device scalar k_scale is embedded by address: repeated calls read each
+    call's query and the scalar's value at the time."""
+    import cupy
+
+    from cupaged import reference
+    from test_mla import SCALE, make_mla, to_fp8
+
+    scale = 0.0371
+    hosts = [make_mla(rng, [1, 2], [90, 300], heads=16) for _ in range(2)]
+    k_scale = cupy.asarray([scale], np.float32)
+    for i, value in enumerate((scale, scale, 2 * scale)):
+        h = hosts[i % 2]
+        q8 = to_fp8(h["kv_cache"], "fp8_e4m3", scale)
+        k_scale.fill(value)
+        d = {k: cupy.asarray(v) for k, v in {**h, "kv_cache": q8}.items()}
+        got = cupaged.mla_attention(**d, scale=SCALE, kv_cache_dtype="fp8_e4m3",
+                                    k_scale=k_scale)
+        ref = reference.mla_attention(h["q"], q8, h["block_tables"], h["seq_lens"],
+                                      h["query_start_loc"], scale=SCALE,
+                                      kv_cache_dtype="fp8_e4m3", k_scale=value)
+        assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"call {i}")
+    assert validations["mla"] == 1
+
+
+@pytest.mark.gpu
+def test_repeated_mla_with_workspace_out_and_lse_allocates_nothing(rng, validations):
+    """A split call with a workspace, out and lse given: a repeated call (other arrays)
+    allocates nothing, and reads its own arrays."""
+    import cupy
+
+    from cupaged import planning
+    from test_mla import SCALE, make_mla, ref_of
+
+    hosts = [make_mla(rng, [1, 3, 2], [700, 260, 1500], heads=16, block_size=64)
+             for _ in range(2)]
+    devs = [{k: cupy.asarray(v) for k, v in h.items()} for h in hosts]
+    outs = [cupy.full((6, 16, 512), np.nan, devs[0]["q"].dtype) for _ in hosts]
+    lses = [cupy.full((6, 16), np.nan, np.float32) for _ in hosts]
+    ws = cupaged.DecodeWorkspace(6, 16, 512)
+    allocs = []
+
+    class Allocations(cupy.cuda.memory_hook.MemoryHook):
+        name = "allocations"
+
+        def malloc_preprocess(self, **kw):
+            allocs.append(kw)
+
+    planning.set_mla_split(2)
+    try:
+        kw = dict(scale=SCALE, workspace=ws, max_query_len=3, max_seq_len=1500)
+        cupaged.mla_attention(**devs[0], out=outs[0], lse=lses[0], **kw)
+        with Allocations():
+            cupaged.mla_attention(**devs[1], out=outs[1], lse=lses[1], **kw)
+    finally:
+        planning.set_mla_split(None)
+    assert allocs == [] and validations["mla"] == 1
+    for h, o, lse in zip(hosts, outs, lses):
+        ref, ref_lse = ref_of(h, return_lse=True)
+        assert_close(cupy.asnumpy(o).astype(np.float64), ref, testing.TOLERANCE["bf16"])
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_repeated_mla_torch_calls(rng, validations):
+    torch = pytest.importorskip("torch")
+    from test_mla import SCALE, make_mla, ref_of
+
+    for i in range(3):
+        h = make_mla(rng, [1, 1, 1], [33, 2, 129], heads=16, dtype="f16")
+        d = {k: torch.from_numpy(v).cuda() for k, v in h.items() if k != "query_start_loc"}
+        got = cupaged.mla_attention(**d, scale=SCALE)
+        assert isinstance(got, torch.Tensor)
+        assert_close(got.cpu().numpy().astype(np.float64), ref_of(h, decode=True),
+                     testing.TOLERANCE["f16"], f"call {i}")
+    assert validations["mla"] == 1

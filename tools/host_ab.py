@@ -39,6 +39,7 @@ def cases(lib, a, torch):
     hk, hv, q4, out4, starts4 = (a[k] for k in ("nhd_k", "nhd_v", "q4", "out4", "starts4"))
     wq, wk, wv, wbt, wcl, wout = (a[k] for k in ("wq", "wk", "wv", "wbt", "wcl", "wout"))
     ws = lib.DecodeWorkspace(8, 32, 128)
+    mws = lib.DecodeWorkspace(8, 16, 512)
     c = {
         "python reference work (phase gauge)": _python_work,
         "paged_attention cupy single pass": lambda: lib.paged_attention(
@@ -54,6 +55,14 @@ def cases(lib, a, torch):
             wq, wk, wv, wbt, wcl, max_seq_len=256, out=wout),
         "attention NHD cupy verify 8 x 4": lambda: lib.attention(
             q4, hk, hv, bt, cl, starts4, max_query_len=4, max_seq_len=1024, out=out4),
+        # mla_attention over DeepSeek's combined latent cache (8 x 1024, blocks of 64): 128
+        # heads, and 16 heads with a workspace for their split.
+        "mla_attention cupy 128 heads": lambda: lib.mla_attention(
+            a["mq128"], a["mcache"], a["mbt"], cl, scale=0.072, max_seq_len=1024,
+            out=a["mout128"]),
+        "mla_attention cupy 16 heads + workspace": lambda: lib.mla_attention(
+            a["mq16"], a["mcache"], a["mbt"], cl, scale=0.072, max_seq_len=1024,
+            out=a["mout16"], workspace=mws),
     }
     if torch is not None:
         tq, tkc, tvc, tbt, tcl, tout, thk, thv = (torch.from_dlpack(x) for x in (
@@ -110,6 +119,11 @@ def main(argv):
     a["wk"], a["wv"] = nhd_copy(wide)
     a["wq"], a["wbt"], a["wcl"] = wide["query"], wide["block_tables"], wide["context_lens"]
     a["wout"] = cupy.empty_like(a["wq"])
+    a["mcache"] = cupy.ones((128, 64, 576), np.float16)
+    a["mbt"] = cupy.arange(128, dtype=np.int32).reshape(8, 16)
+    for h in (128, 16):
+        a[f"mq{h}"] = cupy.ones((8, h, 576), np.float16)
+        a[f"mout{h}"] = cupy.empty((8, h, 512), np.float16)
     old, new = cases(cupaged_old, a, torch), cases(cupaged, a, torch)
     print(f"{'case':46s} {'old min':>8s} {'old med':>8s} {'new min':>8s} {'new med':>8s} "
           f"{'new/old':>8s}  (us per call; {rounds} interleaved rounds of {calls} calls)")
