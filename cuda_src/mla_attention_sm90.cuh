@@ -160,6 +160,9 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     // the 16-bit stage, 16 values to two swizzled 16-byte chunks (exact; zeros stay zeros).
     auto widen_tile = [&](int slot) {
       if constexpr (Geo::kQuant) {
+        // The bytes are read by plain loads after cp.async.wait_group, whose asm has no
+        // memory clobber: keep the compiler from hoisting the loads above the wait.
+        asm volatile("" ::: "memory");
         const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kDims;
 #pragma unroll
         for (int j = 0; j < Geo::kCopySteps; ++j) {

@@ -161,6 +161,21 @@ def test_forcing_runners_run_their_family_and_give_the_planner_back(monkeypatch,
     assert seen[0] == family and seen[-1] is None
 
 
+def test_the_sm90_runner_refuses_other_gpus(monkeypatch):
+    """cupaged-sm90 on a GPU without wgmma is a row note, not the mma.sync kernel's time
+    under the wgmma kernel's name; the planner's choice returns after it."""
+    from cupaged import planning
+
+    on_host(monkeypatch)
+    fake_mla(monkeypatch, [])
+    monkeypatch.setattr(planning, "device_info",
+                        lambda i: planning.DeviceInfo(i, "sm_80", 108, 166912, 167936))
+    (r,) = bench_mla.measure([_case()], ["cupaged-sm90"], reps=3, copy_bw=1e12)
+    assert "needs an sm_90 GPU: this one is sm_80" in r.note and math.isnan(r.median_us)
+    (r,) = bench_mla.measure([_case()], ["cupaged-mma"], reps=3, copy_bw=1e12)
+    assert r.note == ""
+
+
 @pytest.mark.parametrize("override", [
     dict(scale=1 / math.sqrt(576)),  # one over the root of the key's length
     dict(causal=False),  # the first query token seeing the second's key

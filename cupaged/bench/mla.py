@@ -232,6 +232,8 @@ def _run_cupaged(case: MLACase, family: str | None = None):
     import cupaged
     from .. import planning
 
+    if family == "sm90":
+        peers.require_hopper("cupaged-sm90")
     planning.set_mla_family(family)
     a = case.arrays
     out = cupy.full((case.total_q, case.heads, KV_LORA_RANK), np.nan, dtype=a["q"].dtype)

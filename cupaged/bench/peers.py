@@ -111,3 +111,14 @@ def flashinfer_pages(block_tables, context_lens, block_size: int):
 
 def flashinfer_ok() -> bool:
     return import_flashinfer()[0] is not None
+
+
+def require_hopper(impl: str) -> None:
+    """A runner that forces a Hopper (wgmma) kernel refuses other GPUs, whose planner would
+    quietly run another kernel under its name."""
+    from .. import planning
+
+    arch = planning.device_info(cupy.cuda.Device().id).arch
+    if arch != "sm_90":
+        raise NotImplementedError(f"{impl} forces Hopper's wgmma kernel, which needs an sm_90 "
+                                  f"GPU: this one is {arch}")

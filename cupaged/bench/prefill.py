@@ -210,6 +210,8 @@ def _run_cupaged(case: PrefillCase, family: str | None = None):
     import cupaged
     from .. import planning
 
+    if family == "sm90":
+        peers.require_hopper("cupaged-sm90")
     planning.set_prefill_family(family)
     a = case.arrays
     out = cupy.full(a["query"].shape, np.nan, dtype=a["query"].dtype)
