@@ -41,8 +41,8 @@ struct MlaSm90Geometry {
   static constexpr int kStages = kQuant ? 1 : 2;  // 16-bit stages (fp8: the widened tile)
   static constexpr int kDims = RANK + ROPE;
   static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
-  static constexpr int kChunks = kDims / 8;   // 16-byte chunks of a 16-bit row (72)
-  static constexpr int kCChunks = kDims * static_cast<int>(sizeof(C)) / 16;  // of a cached row
+  // 16-byte chunks of a cached row (72; fp8 36)
+  static constexpr int kCChunks = kDims * static_cast<int>(sizeof(C)) / 16;
   static constexpr int kTileBytes = kBlocks * 64 * 128;  // Q, or one K/V stage: 73,728
   static constexpr int kRawTileBytes = kQuant ? kTileN * kDims : 0;  // fp8: a tile's bytes
   static constexpr int kOffQ = 0;

@@ -4,9 +4,12 @@ through prepared calls, CuPy and torch, and CUDA-graph replay for scale."""
 from __future__ import annotations
 
 
+import contextlib
+
 import cupy
 import numpy as np
 
+from .. import planning
 from . import peers, timing, workloads
 
 
@@ -17,6 +20,17 @@ def nhd_copy(arrays: dict) -> tuple:
     hs = vc.shape[2]
     return (cupy.ascontiguousarray(kc.transpose(0, 3, 1, 2, 4).reshape(nb, bs, kvh, hs)),
             cupy.ascontiguousarray(vc.transpose(0, 3, 1, 2)))
+
+
+@contextlib.contextmanager
+def _mla_split(tiles: int):
+    """mla_attention's split-KV fixed while a row is timed (its calls are planned, and
+    remembered, under it), the planner's choice after."""
+    planning.set_mla_split(tiles)
+    try:
+        yield
+    finally:
+        planning.set_mla_split(None)
 
 
 def host_overheads(calls: int = 200, layers: int = 32) -> dict:
@@ -79,7 +93,6 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         lambda: wplan.run(wq, wk, wv, out=wout), calls)
     # mla_attention over DeepSeek's combined latent cache (batch 8, context 1024, blocks of
     # 64): 128 heads in a single pass, and 16 heads split into a workspace.
-    from .. import planning
     from ..mla import mla_attention
 
     mla_cache = cupy.ones((8 * 16, 64, 576), np.float16)
@@ -88,17 +101,14 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     mla_out = {h: cupy.empty((8, h, 512), np.float16) for h in (128, 16)}
     mla_ws = decode.DecodeWorkspace(8, 16, 512)
     mla_scale = 1 / np.sqrt(192)
-    planning.set_mla_split(0)  # (read when a call is planned: the first of each row)
-    try:
+    with _mla_split(0):
         rows["mla_attention, 128 heads, decode (single pass)"] = timing.host_us(
             lambda: mla_attention(mla_q[128], mla_cache, mla_bt, cl, scale=mla_scale,
                                   max_seq_len=1024, out=mla_out[128]), calls)
-        planning.set_mla_split(4)
+    with _mla_split(4):
         rows["mla_attention, 16 heads, decode (split-KV, workspace)"] = timing.host_us(
             lambda: mla_attention(mla_q[16], mla_cache, mla_bt, cl, scale=mla_scale,
                                   max_seq_len=1024, out=mla_out[16], workspace=mla_ws), calls)
-    finally:
-        planning.set_mla_split(None)
     k = cupy.ones((8, 8, 128), np.float16)
     slots = cupy.arange(8, dtype=np.int64) * 16
     rows["reshape_and_cache, 8 tokens"] = timing.host_us(lambda: cache_ops.reshape_and_cache(
@@ -163,14 +173,11 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
             timing.host_us(lambda: twplan.run(twq, twk, twv, out=twout), calls)
         tmq, tmc, tmbt, tmout = (torch.from_dlpack(x) for x in (
             mla_q[16], mla_cache, mla_bt, mla_out[16]))
-        planning.set_mla_split(4)
-        try:
+        with _mla_split(4):
             rows["mla_attention, torch tensors, 16 heads, decode (split-KV, workspace)"] = \
                 timing.host_us(lambda: mla_attention(tmq, tmc, tmbt, tcl, scale=mla_scale,
                                                      max_seq_len=1024, out=tmout,
                                                      workspace=mla_ws), calls)
-        finally:
-            planning.set_mla_split(None)
         rows["reshape_and_cache, torch tensors, 8 tokens"] = timing.host_us(
             lambda: cache_ops.reshape_and_cache(tk, tk, tkc, tvc, t_slots), calls)
         side = torch.cuda.Stream()
