@@ -4,7 +4,8 @@
 #   rm -rf .ab/base && mkdir -p .ab/base && git archive <rev> cupaged cuda_src | tar -x -C .ab/base
 # PRESETS: cupaged-bench mla presets; IMPLS: also in this tree (flashinfer-fa3 where
 # .flashinfer is carried).
-#   BASE=".ab/base" [PRESETS="dsv3-128h-4k dsv3-128h-4k-q2"] [IMPLS=flashinfer-fa3] bash tools/mla_ab.sh
+# ARGS: more cupaged-bench mla arguments for both trees (e.g. --kv-cache-dtype fp8_e4m3).
+#   BASE=".ab/base" [PRESETS="dsv3-128h-4k dsv3-128h-4k-q2"] [IMPLS=flashinfer-fa3] [ARGS=...] bash tools/mla_ab.sh
 source "$(dirname "$0")/device_env.sh"
 presets=()
 for p in ${PRESETS:-dsv3-128h-4k dsv3-128h-4k-q2}; do presets+=(--preset "$p"); done
@@ -15,7 +16,7 @@ for round in 1 2; do  # twice, interleaved: a drifting clock shows as rounds tha
       for i in ${IMPLS:-}; do impls+=(--impl "$i"); done
     fi
     echo "-- round $round, $( [ "$tree" = . ] && echo current || echo "$tree" )"
-    (cd "$tree" && PYTHONPATH=$PWD python3 -m cupaged.bench mla "${presets[@]}" "${impls[@]}" 2>&1 \
-      | grep -vE "INFO|^copy bandwidth|^dsv3.*: |^shape")
+    (cd "$tree" && PYTHONPATH=$PWD python3 -m cupaged.bench mla "${presets[@]}" "${impls[@]}" ${ARGS:-} 2>&1 \
+      | grep -vE "INFO|^copy bandwidth|^shape")
   done
-done | tee "$OUT/mla-ab.txt"
+done | tee -a "$OUT/mla-ab.txt"
