@@ -241,6 +241,47 @@ def test_fp8_with_the_variants(rng, sm90, case):
     _check_lse(cupy.asnumpy(lse), ref_lse, case)
 
 
+@pytest.mark.parametrize("fmt, hs, case", [("fp8_e4m3", 128, ""), ("fp8_e5m2", 128, ""),
+                                           ("fp8_e4m3", 64, ""), ("fp8_e5m2", 192, ""),
+                                           ("fp8_e4m3", 128, "all"), ("fp8_e5m2", 64, "all")],
+                         ids=lambda x: str(x) if x != "" else "plain")
+def test_fp8_bfloat16_query_rows_keep_their_own_scale(rng, sm90, fmt, hs, case):
+    """Over an fp8 cache the products run in float16, a bfloat16 query converted with a
+    power-of-two scale a row: heads 2^20 apart in one query tile (alternate heads times
+    2^-10 and 2^10, packed side by side in each tile's rows) and one infinite element
+    (left out of its row's scale) leave every other row as exact as a query of one
+    magnitude; split-KV and a variant set too."""
+    from test_fp8 import fp8_problem
+    from test_variants import _device
+
+    import cupy
+
+    heads, kv_heads = 8, 2
+    q_lens, seq = [0, 1, 37, 200, 16, 130], [9, 1, 300, 2500, 16, 131]
+    host, scales = fp8_problem(rng, fmt, "tensor", q_lens, seq, dtype="bf16", heads=heads,
+                               kv_heads=kv_heads, head_size=hs)
+    q = host["query"].astype(np.float32)
+    q *= np.where(np.arange(heads) % 2 == 0, 2.0**-10, 2.0**10).astype(np.float32)[:, None]
+    inf_token, inf_head = 1 + 37 + 50, 5  # the fourth sequence's 51st token
+    q[inf_token, inf_head, hs // 3] = np.inf
+    host["query"] = q.astype(host["query"].dtype)
+    kw, alibi = _variant_kwargs(rng, case, heads) if case else ({}, False)
+    if alibi:
+        host["alibi_slopes"] = rng.uniform(0.0, 0.5, heads).astype(np.float32)
+    dev = _device(host)
+    dev_kw = dict(kw, sinks=cupy.asarray(kw["sinks"])) if kw.get("sinks") is not None else kw
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = reference.attention(**host, kv_cache_dtype=fmt, **scales, **kw)
+    ref[inf_token, inf_head] = 0.0
+    for split in (0, 192):
+        sm90(split)
+        got = cupaged.attention(**dev, kv_cache_dtype=fmt, max_query_len=max(q_lens),
+                                **scales, **dev_kw)
+        got = cupy.asnumpy(got).astype(np.float64)
+        got[inf_token, inf_head] = 0.0
+        assert_close(got, ref, testing.TOLERANCE["bf16"], f"{fmt} hs{hs} {case} split {split}")
+
+
 def test_fp8_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90):
     """A bad id in the second sequence: its rows NaN; the first's exact, although the
     producer widens whatever stale bytes stand where the bad block was not copied."""
