@@ -106,16 +106,23 @@ constexpr int kBarQueryHalf = 4;
 // become float16 subnormals (below 2^-38, zero), far under bfloat16's rounding of that
 // largest one. Infinities and NaN are left out of the maximum and stay what they are. The
 // caller fences and syncs the warpgroup before wgmma reads the tile.
-template <int HEAD_SIZE>
+template <typename T, int HEAD_SIZE>
 __device__ __forceinline__ void query_rows_to_half(unsigned tile, int cwarp, int lane,
                                                    float (&p)[2]) {
+  static_assert(is_same<T, bfloat16_t>::value,
+                "query_rows_to_half decodes bfloat16 bits (a float's high half)");
   constexpr int kPer = HEAD_SIZE / 8 / 4;  // 16-byte chunks a thread converts in a row
-  // Chunk k of row r: 16-byte chunk part + 4 k, i.e. chunk part + 4 (k % 2) of 64-column
+  // Chunk k of row r: 16-byte chunk part + 4 k', i.e. chunk part + 4 (k' % 2) of 64-column
   // block k / 2, as sw128_offset places it (the swizzle XORs the chunk with r % 8, so
-  // k % 2 flips address bit 6): one base address a thread, the rest immediate offsets.
+  // k' % 2 flips address bit 6): one base address a thread, the rest immediate offsets.
+  // k' = k ^ (r % 2): a 16-byte access is served 8 lanes at a time, and lanes 8i to 8i + 7
+  // hold an even row and the next, whose chunks part for k' = k (the same 64 bytes of a
+  // 128-byte row after swizzles by r % 8 and r % 8 ^ 1) would share banks; odd rows take
+  // the other 64 bytes first, so the 8 lanes cover the 32 banks once (both passes).
   const int r0 = cwarp * 16 + (lane >> 2);
   const unsigned row_base =
-      tile + sm90::sw128_offset(r0, (lane & 3) * 8, 64);  // row r0, chunk lane % 4
+      (tile + sm90::sw128_offset(r0, (lane & 3) * 8, 64))  // row r0, chunk lane % 4
+      ^ (static_cast<unsigned>(r0 & 1) << 6);
   auto chunk = [&](int h, int k) {
     return (row_base ^ ((k & 1) << 6)) + static_cast<unsigned>((k >> 1) * 64 * 128 + h * 8 * 128);
   };
@@ -215,12 +222,20 @@ __global__ void __launch_bounds__(384, 1)
                 "a fixed softmax offset needs P in bfloat16 (fp32's exponent range)");
   // M, the products' 16-bit type (K and V as widened, Q as the S wgmma reads it, P): T, or
   // float16 over an fp8 cache, to which e4m3 and e5m2 widen exactly in one instruction a
-  // pair where bfloat16 takes four (docs/PERFORMANCE.md). P in float16 is finer than in
-  // bfloat16 on [0, 1]; a fixed offset keeps bfloat16's range (weights up to 2^64).
+  // pair where bfloat16 takes four (docs/PERFORMANCE.md). P (weights in [0, 1] of the
+  // row's running maximum) in float16 is as fine as in bfloat16 or finer only on
+  // [2^-17, 1]: below 2^-14 float16's subnormals keep a fixed step of 2^-24, coarser than
+  // bfloat16's below 2^-17, and weights of 2^-25 or less round to zero. l_run sums the fp32
+  // weights while O gets the rounded ones, so a row whose mass sits in N keys each below
+  // 2^-25 of its maximum loses up to N x 2^-25 of it (negligible unless N is in the
+  // millions); float16 queries over fp8 always ran this way. A fixed offset keeps
+  // bfloat16's range (weights up to 2^64).
   constexpr bool kHalfProducts = Geo::kQuant && !Var::kFixedOffset;
   using M = typename conditional<kHalfProducts, half_t, T>::type;
   // a bfloat16 query over fp8: converted to float16 by its consumer (query_rows_to_half)
-  constexpr bool kQueryToHalf = kHalfProducts && !is_same<T, half_t>::value;
+  constexpr bool kQueryToHalf = kHalfProducts && is_same<T, bfloat16_t>::value;
+  static_assert(!kHalfProducts || kQueryToHalf || is_same<T, half_t>::value,
+                "float16 products over fp8 take a float16 or bfloat16 query");
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int CH = Geo::kChunks;
 
@@ -643,7 +658,7 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait(q_full_bar(wg), j & 1);
         if (n > 0) {
           float p[2];
-          query_rows_to_half<HEAD_SIZE>(q_wg, cwarp, lane, p);
+          query_rows_to_half<T, HEAD_SIZE>(q_wg, cwarp, lane, p);
           sc[0] = score_scale * p[0];
           sc[1] = score_scale * p[1];
           fence_async_smem();  // ordinary stores that wgmma reads next
