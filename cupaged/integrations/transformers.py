@@ -59,6 +59,9 @@ supported: the implementation calls cupaged's Python entry points, which dynamo 
 trace. With transformers' CUDA graphs, the padded query rows (past ``cu_seq_lens_q[-1]``)
 belong to no sequence and are left unwritten, which ``CUPAGED_DEBUG=1``'s check of
 ``query_start_loc`` reports.
+The name given to :func:`register` must not contain "flash" (in any case: ValueError):
+transformers treats such names as FlashAttention and hands them block tables and a
+different cache path.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ def register(name: str = "cupaged") -> str:
     model). transformers 5.16 to 5.18 (:data:`NAMED_VERSIONS`) only: later releases run
     continuous batching under ``paged|eager``, ``sdpa`` and flash names alone, served by
     :func:`override_paged_eager`. Raises ``RuntimeError`` for a release outside
-    :data:`NAMED_VERSIONS` and ``ValueError`` for a name containing "flash" or "|"."""
+    :data:`NAMED_VERSIONS` (checked first), and ``ValueError`` for a name containing
+    "flash" in any case or a "|"; nothing is registered then."""
     import transformers
     from transformers import AttentionInterface
 
