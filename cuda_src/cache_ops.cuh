@@ -310,36 +310,36 @@ __global__ void __launch_bounds__(kCacheThreads)
     ds_mla_token<T>(kv_c + tok * kv_c_stride, k_pe + tok * k_pe_stride, dst, vec_src != 0);
     return;
   } else {
-  const long long tok = blockIdx.x;
-  const long long slot = static_cast<long long>(slot_mapping[tok]);
-  if (slot < 0 || slot >= num_slots) return;
-  const long long block = slot / block_size;
-  const long long offset = slot % block_size;
-  const T* src_c = kv_c + tok * kv_c_stride;
-  const T* src_r = k_pe + tok * k_pe_stride;
-  C* dst_c = latent_cache + block * lc_block + offset * lc_token;
-  C* dst_r = rope_cache + block * rc_block + offset * rc_token;
-  const int chunks_c = kv_lora_rank / 8;
-  const int chunks = chunks_c + rope_dim / 8;
-  float s = 1.f;  // divided, not multiplied by its inverse: x / scale rounds as torch's does
-  if constexpr (!is_same<T, C>::value) s = scale != nullptr ? __ldg(scale) : scale_value;
-  for (int i = threadIdx.x; i < chunks; i += kCacheThreads) {
-    const bool latent = i < chunks_c;
-    const int d = (latent ? i : i - chunks_c) * 8;
-    const T* src = (latent ? src_c : src_r) + d;
-    C* dst = (latent ? dst_c : dst_r) + d;
-    if constexpr (sizeof(T) == sizeof(C)) {
-      static_assert(is_same<T, C>::value, "16-bit caches hold the source's type");
-      *reinterpret_cast<uint4*>(dst) = load_chunk(src, vec_src != 0);
-    } else {
-      float f[8];
-      chunk_floats<T>(load_chunk(src, vec_src != 0), f);
-      uint2 q;
-      q.x = quantize2(f[0] / s, f[1] / s, C{}) | (quantize2(f[2] / s, f[3] / s, C{}) << 16);
-      q.y = quantize2(f[4] / s, f[5] / s, C{}) | (quantize2(f[6] / s, f[7] / s, C{}) << 16);
-      *reinterpret_cast<uint2*>(dst) = q;
+    const long long tok = blockIdx.x;
+    const long long slot = static_cast<long long>(slot_mapping[tok]);
+    if (slot < 0 || slot >= num_slots) return;
+    const long long block = slot / block_size;
+    const long long offset = slot % block_size;
+    const T* src_c = kv_c + tok * kv_c_stride;
+    const T* src_r = k_pe + tok * k_pe_stride;
+    C* dst_c = latent_cache + block * lc_block + offset * lc_token;
+    C* dst_r = rope_cache + block * rc_block + offset * rc_token;
+    const int chunks_c = kv_lora_rank / 8;
+    const int chunks = chunks_c + rope_dim / 8;
+    float s = 1.f;  // divided, not multiplied by its inverse: x / scale rounds as torch's does
+    if constexpr (!is_same<T, C>::value) s = scale != nullptr ? __ldg(scale) : scale_value;
+    for (int i = threadIdx.x; i < chunks; i += kCacheThreads) {
+      const bool latent = i < chunks_c;
+      const int d = (latent ? i : i - chunks_c) * 8;
+      const T* src = (latent ? src_c : src_r) + d;
+      C* dst = (latent ? dst_c : dst_r) + d;
+      if constexpr (sizeof(T) == sizeof(C)) {
+        static_assert(is_same<T, C>::value, "16-bit caches hold the source's type");
+        *reinterpret_cast<uint4*>(dst) = load_chunk(src, vec_src != 0);
+      } else {
+        float f[8];
+        chunk_floats<T>(load_chunk(src, vec_src != 0), f);
+        uint2 q;
+        q.x = quantize2(f[0] / s, f[1] / s, C{}) | (quantize2(f[2] / s, f[3] / s, C{}) << 16);
+        q.y = quantize2(f[4] / s, f[5] / s, C{}) | (quantize2(f[6] / s, f[7] / s, C{}) << 16);
+        *reinterpret_cast<uint2*>(dst) = q;
+      }
     }
-  }
   }
 }
 
