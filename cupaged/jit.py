@@ -97,7 +97,7 @@ ARG_FORMATS = {
     "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
     "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
-    "paged_decode_combine": "PPPPPiiii48s",
+    "paged_decode_combine": "PPPPPPiiiii48s",
     # partials, split_tiles, row tiles; q latent / rope and their strides; cache latent / rope and
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
