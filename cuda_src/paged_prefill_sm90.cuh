@@ -791,6 +791,20 @@ __global__ void __launch_bounds__(384, 1)
           }
           tmax[0] *= sc[0];
           tmax[1] *= sc[1];
+          // The folded FFMA subtracts the rounded maximum from exact products, so it errs
+          // by up to half an ulp of the maximum: 2^-12 at 2^12 (log2 units), exp2 of
+          // thousands (inf) past 2^31. A warp with a row that large (logits absurd in
+          // practice, but finite) rounds its scores first, as the other paths do, so its
+          // largest score gives exp2(0) = 1 exactly. A warp-uniform branch, as `masked`.
+          if (__any_sync(~0u, fabsf(tmax[0]) >= 4096.f || fabsf(tmax[1]) >= 4096.f)) {
+            tmax[0] = tmax[1] = neg_inf();
+#pragma unroll
+            for (int i = 0; i < TILE_N / 2; ++i) {
+              s[i] *= sc[(i >> 1) & 1];
+              tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
+            }
+            mul[0] = mul[1] = 1.f;
+          }
         } else {
 #pragma unroll
           for (int n = 0; n < TILE_N / 8; ++n) {

@@ -98,6 +98,44 @@ def test_variants_and_split_kv(rng, sm90, case, split):
     _check_lse(lse, ref_lse, f"{case} split={split}")
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_huge_logits_keep_an_exact_softmax(rng, sm90, kv):
+    """Heads whose logits reach about 2^32 (a query 2^8 of unit size under a scale 2^24
+    times the usual) beside heads of unit logits (a query 2^-24 of unit size): the
+    softmax's folded FFMA against the rounded maximum would err by up to half an ulp of
+    the maximum there (inf and NaN); those warps round their scores first. Outputs and
+    lse against the reference, causal and not, single pass and split."""
+    import cupy
+    from test_fp8 import fp8_problem
+    from test_variants import _device
+
+    heads, kv_heads, hs = 6, 2, 128
+    q_lens, seq = [1, 37, 200, 130], [1, 300, 2500, 131]
+    if kv == "auto":
+        host = make_varlen(rng, q_lens, seq, dtype="bf16", heads=heads, kv_heads=kv_heads,
+                           head_size=hs)
+        scales = {}
+    else:
+        host, scales = fp8_problem(rng, kv, "tensor", q_lens, seq, dtype="bf16", heads=heads,
+                                   kv_heads=kv_heads, head_size=hs)
+    big = np.arange(heads) % (heads // kv_heads) == 0
+    factor = np.where(big, 2.0**8, 2.0**-24) * 2.0 ** rng.uniform(-3.0, 3.0, heads)
+    q = host["query"].astype(np.float32) * factor.astype(np.float32)[:, None]
+    host["query"] = q.astype(host["query"].dtype)
+    dev = _device(host)
+    kw = dict(kv_cache_dtype=kv, scale=2.0**24 / np.sqrt(hs), **scales)
+    for causal in (True, False):
+        ref, ref_lse = reference.attention(**host, causal=causal, return_lse=True, **kw)
+        for split in (0, 192):
+            what = f"{kv} causal={causal} split {split}"
+            sm90(split)
+            got, lse = cupaged.attention(**dev, causal=causal, max_query_len=max(q_lens),
+                                         return_lse=True, **kw)
+            assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                         what)
+            _check_lse(cupy.asnumpy(lse), ref_lse, what)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
 @pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
 def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout):
