@@ -129,9 +129,11 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, kv_layout, causal, scale, alibi_slopes,
                           max_query_len, max_seq_len, out, stream, workspace, kv_cache_dtype,
-                          k_scale, v_scale, va: validation.VariantArgs) -> tuple:
+                          k_scale, v_scale, va: validation.VariantArgs,
+                          plan: bool = True) -> tuple:
     """``(prepared call, addresses)`` of an attention call: every check (CUPAGED_DEBUG's
-    device reads too), then the plan of its launches."""
+    device reads too), then the plan of its launches. ``plan=False``: the checks on
+    metadata alone, which need no device (``(None, None)``; cupaged.jax while tracing)."""
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -147,15 +149,17 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     workspace = launch.workspace_partials(workspace, p)
     variants, lse = validation.variant_setup(va, p)
+    if not plan:
+        return None, None
     with _arrays.on_device(p.device):
         if _checks.DEBUG:
             ctx = _arrays.context(p.device, _arrays.framework(query), stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
-        plan = planning.plan_attention(p, qsl is not None, max_q, max_ctx, variants,
-                                       alibi is not None, workspace)
-        launches = launch.build(q, o, p, plan, scale, causal,
+        kplan = planning.plan_attention(p, qsl is not None, max_q, max_ctx, variants,
+                                        alibi is not None, workspace)
+        launches = launch.build(q, o, p, kplan, scale, causal,
                                 0 if alibi is None else alibi.data.ptr, variants, workspace)
     return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))

@@ -181,21 +181,30 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     w = _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
     if w.num_tokens == 0:
         return
-    cache, q = w.cache, w.quant
-    num_slots = cache.num_blocks * cache.block_size
-    it = w.source.itemsize
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
-        _debug_check_slots(sm, num_slots, ctx)
-        kern = _kernel(w.device, "reshape_and_cache", w.source.name, w.index, cache.kv_format,
-                       cache.dtype.name, q.mode)
-        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
-             k.data.ptr, k.strides[0] // it, k.strides[1] // it,
-             v.data.ptr, v.strides[0] // it, v.strides[1] // it,
-             kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
-             sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots,
-             int(w.vec_src), q.k_ptr, q.v_ptr, q.block_stride, q.head_stride, q.k_value,
-             q.v_value)
+        _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
+        _launch_write(_write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
+
+
+def _write_kernel(w: _Write):
+    """reshape_and_cache's launcher for a validated write (loaded on first use)."""
+    return _kernel(w.device, "reshape_and_cache", w.source.name, w.index, w.cache.kv_format,
+                   w.cache.dtype.name, w.quant.mode)
+
+
+def _launch_write(kern, w: _Write, stream: int, k, v, kc, vc, sm) -> None:
+    """Launch a validated write on ``stream`` (a handle) for adapted arrays with the
+    metadata ``w`` was validated with (their addresses are free)."""
+    cache, q = w.cache, w.quant
+    it = w.source.itemsize
+    kern((w.num_tokens, 1, 1), _THREADS, 0, stream,
+         k.data.ptr, k.strides[0] // it, k.strides[1] // it,
+         v.data.ptr, v.strides[0] // it, v.strides[1] // it,
+         kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
+         sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size,
+         cache.num_blocks * cache.block_size, int(w.vec_src), q.k_ptr, q.v_ptr,
+         q.block_stride, q.head_stride, q.k_value, q.v_value)
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
@@ -348,16 +357,31 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
     if w.num_tokens == 0:
         return
-    num_slots = w.num_blocks * w.block_size
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
-        _debug_check_slots(sm, num_slots, ctx)
-        kern = _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
-                       cache_dtype=w.cache.name)
-        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
-             a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *w.latent,
-             *w.rope_dst, sm.data.ptr, w.rank, w.rope, w.block_size, num_slots,
-             int(w.vec_src), sp, sv)
+        _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
+        _launch_mla_write(_mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
+
+
+def _mla_write_kernel(w: _MlaWrite):
+    """concat_and_cache_mla's launcher for a validated write (loaded on first use)."""
+    return _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
+                   cache_dtype=w.cache.name)
+
+
+def _launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_ptr: int,
+                      scale_value: float) -> None:
+    """Launch a validated MLA write on ``stream`` (a handle) for adapted arrays with the
+    metadata ``w`` was validated with (``pc``: None for a combined cache; the addresses
+    are free: the destinations' are taken from ``kc`` and ``pc``, not from ``w``)."""
+    it = w.cache.itemsize
+    latent = (kc.data.ptr, *w.latent[1:])
+    rope = ((kc.data.ptr + w.rank * it, *w.rope_dst[1:]) if pc is None
+            else (pc.data.ptr, *w.rope_dst[1:]))
+    kern((w.num_tokens, 1, 1), _THREADS, 0, stream,
+         a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *latent, *rope,
+         sm.data.ptr, w.rank, w.rope, w.block_size, w.num_blocks * w.block_size,
+         int(w.vec_src), scale_ptr, scale_value)
 
 
 def _block_bytes(a, name: str) -> int:
