@@ -30,9 +30,12 @@ Public API:
     KernelSpec              one specialization (its .name appears in caches and errors)
     reference               float64 NumPy reference implementation
 
-With torch imported before cupaged (or ``import cupaged.integrations.torch_ops``), the
+With torch imported before cupaged (or ``import cupaged.integrations.torch_ops``), twelve
 entry points are also PyTorch custom ops, ``torch.ops.cupaged.*``, for torch.compile and
-opcheck (:mod:`cupaged.integrations.torch_ops`).
+opcheck: attention, mla_attention, paged_attention_v1/v2, reshape_and_cache(_flash),
+concat_and_cache_mla, copy_blocks(_mla), swap_blocks and merge_state(s)
+(:mod:`cupaged.integrations.torch_ops`; paged_attention and the host-side objects have
+none).
 """
 
 import sys as _sys

@@ -5,9 +5,10 @@ A cache's type is the query's (``kv_cache_dtype="auto"``, or a float8 array dtyp
 which fp8 format it holds) or fp8 named explicitly (``"fp8"``/``"fp8_e4m3"``,
 ``"fp8_e5m2"``) over 1-byte storage of any kind (torch's float8 types, ml_dtypes',
 uint8, int8). An fp8 cache holds ``value / scale``; attention reads ``stored * scale``.
-Scales are per tensor (a number, or a float32 device scalar the kernel reads, as vLLM
-passes them) or per (token, KV head): float32 arrays ``[num_blocks, num_kv_heads,
-block_size]`` beside the cache.
+Scales are per tensor (a number, a one-element CPU torch tensor, or a float32 device
+scalar the kernel reads, as vLLM passes them: :func:`tensor_scale`, shared by every entry
+point) or per (token, KV head): float32 arrays ``[num_blocks, num_kv_heads, block_size]``
+beside the cache (not for MLA's latent cache).
 """
 
 from __future__ import annotations
@@ -73,26 +74,41 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
 
 
 def tensor_scale(x, name: str, per_token: bool = True):
-    """A per-tensor scale (a number, a CPU torch scalar or a float32 device scalar):
-    (device pointer or 0, host value, the device array or None). ``per_token``: the
-    caller also takes per-token arrays (the error for another shape names them)."""
+    """A per-tensor scale, in the forms every entry point takes (docs/API.md, "fp8 scale
+    forms"): a number (Python or NumPy, not bool), a one-element CPU torch tensor (its
+    value, read on the host) or a one-element float32 device array (its address: the
+    kernel reads it). Returns (device pointer or 0, host value, the device array or None).
+    A host value must be positive and finite in float32, which the kernels receive it as
+    (a number that rounds to 0 there is refused); a device scalar's value is the caller's.
+    ``per_token``: the caller also takes per-token arrays (the error for another shape
+    names them; without them it says that only per-tensor scales are taken)."""
+    one = "one float (per tensor)" + (
+        " or [num_blocks, num_kv_heads, block_size] (per token and head)" if per_token else "")
+    only = "" if per_token else ": MLA's latent cache takes a per-tensor scale only"
     if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
         v = float(x)
     elif hasattr(x, "is_cuda") and not x.is_cuda:  # a CPU torch tensor: its value
         if x.numel() != 1:
-            _fail(f"{name} must hold one value, got shape {tuple(x.shape)}")
+            _fail(f"{name} must be {one}, got a CPU tensor of shape {tuple(x.shape)}{only}")
         v = float(x.item())
     else:
-        a = as_device_array(x, name)
+        try:
+            a = as_device_array(x, name)
+        except TypeError:
+            if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__")
+                                                  or hasattr(x, "is_cuda")):
+                raise  # an array cupaged cannot read: its own reason
+            got = ("a NumPy array (host memory: pass its value as a number)"
+                   if isinstance(x, np.ndarray) else type(x).__name__)
+            _fail(f"{name} must be a number, a one-element CPU torch tensor or a float32 "
+                  f"device scalar, got {got}", TypeError)
         if a.dtype != np.float32:
             _fail(f"{name} must be float32 on the device, got {a.dtype}", TypeError)
         if int(np.prod(a.shape)) != 1:
-            _fail(f"{name} must be one float (per tensor)"
-                  + (" or [num_blocks, num_kv_heads, block_size] (per token and head)"
-                     if per_token else "") + f", got shape {a.shape}")
+            _fail(f"{name} must be {one}, got shape {a.shape}{only}")
         _checks.check_aligned(a.data.ptr, name, 4)
         return a.data.ptr, 1.0, a
-    if not (math.isfinite(v) and 0 < v <= _FLT_MAX):
+    if not (math.isfinite(v) and 0 < v <= _FLT_MAX) or np.float32(v) == 0:
         _fail(f"{name} must be a positive finite float32, got {v}")
     return 0, v, None
 

@@ -75,10 +75,12 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         stream: as for :func:`paged_attention`.
         workspace: a :class:`DecodeWorkspace` for the split-KV partials (decode, and
             multi-token steps with few query tiles over long contexts, such as a shared
-            prefix's queries); with ``out`` given, the call allocates nothing. Too small a
-            workspace means fewer, larger partitions, never a different result.
+            prefix's queries), made for at least ``total_q`` query rows: its partials are
+            per query row and head. With ``out`` given, the call allocates nothing. Too
+            small a workspace means fewer, larger partitions, never a different result.
         kv_cache_dtype, k_scale, v_scale: an fp8 cache and its scales, as for
-            :func:`paged_attention` (every layout, every kind of step).
+            :func:`paged_attention` (every layout, every kind of step; the same per-tensor
+            scale forms at every entry point).
         window: sliding window W >= 1: a query at position p also needs keys at
             positions > p - W (with causal: the W positions (p - W, p], its own
             included; Mistral's and Gemma's ``sliding_window``). Blocks before the window
@@ -99,10 +101,18 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 
     Returns:
         ``out``, a new torch tensor when ``query`` is one (else a CuPy array); with
-        ``return_lse`` or ``lse``: ``(out, lse)``. A query row that sees no key (its
-        sequence is empty) gets zeros. Never synchronizes; block ids outside the cache give
-        NaN rows, never an out-of-bounds read (``CUPAGED_DEBUG=1`` checks the tables and
-        ``query_start_loc`` with a sync).
+        ``return_lse`` or ``lse``: ``(out, lse)``. A query row that sees no key (the row
+        of a length-0 sequence, without ``query_start_loc``) gets zeros and lse -inf (with
+        ``sinks``, the sink). Never synchronizes.
+
+    A block id outside the cache is never read through (no out-of-bounds read): the rows
+    whose keys include that block come out NaN in every head, lse too. The decode kernel
+    (one token per sequence, and the row mode) makes exactly those rows NaN; the
+    multi-token kernel (several 16-bit tokens per sequence) computes tiles of up to 128
+    packed rows (tokens x the query heads of a KV head) and may make the other rows of
+    such a row's tile NaN too. Other sequences are never touched (docs/API.md, "Errors and
+    CUPAGED_DEBUG"). ``CUPAGED_DEBUG=1`` checks the tables and ``query_start_loc`` with a
+    sync, as :func:`check_block_tables` does.
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     side arrays and keywords match an earlier successful call's skips validation and

@@ -157,14 +157,21 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
             key and value); a negative slot marks a padding token that is skipped.
         kv_cache_dtype: ``"auto"`` (the caches hold key's dtype, or the fp8 format their
             float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
-            storage), as vLLM's. An fp8 cache stores ``value / scale`` rounded to nearest
-            even and saturated to the format's largest finite value (448 for e4m3, 57344
-            for e5m2; NaN stays NaN): torch's ``(x.float() / scale).clamp(-max,
-            max).to(float8)``, bit for bit. Sources must be float16 or bfloat16.
-        k_scale, v_scale: per tensor, a number or a float32 device scalar (default 1);
-            per token and head, float32 ``[num_blocks, num_kv_heads, block_size]`` arrays
-            into which each written (token, head) gets ``amax(|row|) / max`` (1 for a row
-            of zeros) before its row is divided by it. Ignored for 16-bit caches.
+            storage), as vLLM's. An fp8 cache stores ``value / scale``: each value widened
+            to float32, divided by the scale's float32 value (an IEEE division, not a
+            product with its reciprocal), rounded to nearest even and saturated to the
+            format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN).
+            Bit for bit torch's ``(x.float() / s).clamp(-max, max).to(float8)`` with
+            ``s`` a float32 CUDA tensor, whatever form the scale takes here (torch's
+            ``x.float() / number`` multiplies by the reciprocal on CUDA and can round one
+            step apart). Sources must be float16 or bfloat16.
+        k_scale, v_scale: per tensor, in the forms every entry point takes (docs/API.md,
+            "fp8 scale forms"): a positive finite number (rounded to float32), a
+            one-element CPU torch tensor or a one-element float32 device array (default
+            1); per token and head, float32 ``[num_blocks, num_kv_heads, block_size]``
+            arrays into which each written (token, head) gets ``amax(|row|) / max`` (1 for
+            a row of zeros) before its row is divided by it. Per-tensor scales are ignored
+            (unchecked) for 16-bit caches; per-token arrays are refused there.
         kv_layout: ``"vllm"`` (default), ``"NHD"`` or ``"HND"``.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when
             ``key_cache`` is a torch tensor).
@@ -291,14 +298,17 @@ def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
     if block_size == 0:
         _fail("kv_cache has blocks of 0 tokens")
     it = kc.dtype.itemsize
-    align = 16 if it == 2 else 8  # one store of eight values
+    # The kernel stores eight values at a time (8 bytes for fp8), but mla_attention reads
+    # a cache 16 bytes at a time: fp8 caches too are held to 16 bytes, so a cache written
+    # here is never refused by mla_attention for its pointer or strides.
     for name, a in (("kv_cache", kc), ("k_pe_cache", pc)):
         if a is None or _checks.is_empty(a):
             continue
-        _checks.check_aligned(a.data.ptr, name, align)
-        if any(st % align or st < 0 for st in a.strides[:2]):
+        _checks.check_aligned(a.data.ptr, name)
+        if any(st % 16 or st < 0 for st in a.strides[:2]):
             _fail(f"{name}'s block and token strides must be non-negative multiples of "
-                  f"{align} bytes, got {a.strides}")
+                  f"16 bytes (mla_attention reads the cache 16 bytes at a time), got "
+                  f"{a.strides}")
     num_tokens, index = _check_slots(sm, (("kv_c", kv_c), ("k_pe", k_pe)))
     device = kc.data.device_id
     _checks.check_same_device(device, "kv_cache", (("k_pe_cache", pc), ("kv_c", kv_c),
@@ -326,17 +336,23 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
         kv_cache: vLLM's combined ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
             (token t's ``[kv_c, k_pe]`` in one row), or with ``k_pe_cache`` the latent part
             ``[num_blocks, block_size, kv_lora_rank]`` (FlashInfer's ``ckv_cache``). Views
-            with any block and token strides that are multiples of 16 bytes (8 for fp8),
-            the last dimension contiguous; written in place.
+            with any block and token strides that are non-negative multiples of 16 bytes
+            from a 16-byte aligned pointer, fp8 caches included (what
+            :func:`cupaged.mla_attention` reads), the last dimension contiguous; written in
+            place. Any block size and widths are written; mla_attention reads
+            kv_lora_rank 512 with rope_dim 64 and power-of-two block sizes up to 256.
         slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
             block_size + offset``; a negative slot marks a padding token that is skipped,
             and a slot past the cache is skipped too (``CUPAGED_DEBUG=1`` raises for it).
         kv_cache_dtype: ``"auto"`` (the cache holds kv_c's dtype, or the fp8 format its
             float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
-            storage). An fp8 cache stores ``x / scale`` rounded to nearest even and
-            saturated, as :func:`reshape_and_cache` does.
-        scale: the fp8 cache's per-tensor scale, a number or a float32 device scalar
-            (default 1); ignored for 16-bit caches.
+            storage). An fp8 cache stores ``x / scale`` divided, rounded to nearest even
+            and saturated exactly as :func:`reshape_and_cache` does.
+        scale: the fp8 cache's one scale, per tensor, in the forms every entry point
+            takes (a positive finite number, a one-element CPU torch tensor or a
+            one-element float32 device array; default 1). MLA's latent cache has no
+            per-token scales: an array of more than one element raises ValueError.
+            Ignored (unchecked) for 16-bit caches.
         k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
             the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
             cache.
@@ -668,7 +684,9 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
 
     With pinned memory, asynchronous like the other kernels: synchronize the stream
     before the host reads a host-side destination. A pageable side's block ids are
-    checked on the host (ValueError for one outside its cache).
+    checked on the host (ValueError for one outside its cache). Two host arrays raise
+    ValueError (one side must be a device array), as do device arrays on two devices; an
+    object that is neither raises TypeError.
     """
     src_s, dst_s = _side(src, "src"), _side(dst, "dst")
     src_a, src_dev, src_ptr = src_s.array, src_s.device, src_s.gpu_ptr

@@ -113,19 +113,24 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
         stream: where the kernels run (a CuPy or torch stream, anything with
             ``__cuda_stream__``, or a handle); default torch's current stream of the
             arrays' device when ``query`` is a torch tensor, else CuPy's.
-        workspace: a :class:`DecodeWorkspace` for the split-KV partials; with ``out``
-            given, the call then allocates nothing (CUDA graph capture).
+        workspace: a :class:`DecodeWorkspace` for the split-KV partials, made for at
+            least ``num_seqs`` rows; with ``out`` given, the call then allocates nothing
+            (CUDA graph capture).
         kv_cache_dtype: ``"auto"``: the caches hold the query's dtype, or an fp8 format
             their dtype names (torch's ``float8_e4m3fn``/``float8_e5m2``, ml_dtypes');
             ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"``: fp8 in any 1-byte storage (uint8,
             int8 or the float8 types). fp8 needs float16/bfloat16 queries and head sizes
             that are multiples of 16.
         k_scale, v_scale: an fp8 cache's scales: it holds ``value / scale`` and is read
-            as ``stored * scale`` (fp32). Per tensor: a number, or a float32 device scalar
-            (read in the kernel: no sync, graph-safe; vLLM's ``layer._k_scale``); default
-            1. Per token and head: float32 ``[num_blocks, num_kv_heads, block_size]``
-            arrays (tokens contiguous), as :func:`reshape_and_cache` writes them. Ignored
-            for caches of the query's dtype.
+            as ``stored * scale`` (fp32). Per tensor, in the forms every entry point takes
+            (docs/API.md, "fp8 scale forms"): a positive finite number (a Python or NumPy
+            scalar, not a bool; rounded to float32), a one-element CPU torch tensor (its
+            value, read on the host), or a one-element float32 device array (read in the
+            kernel: no sync, graph-safe; vLLM's ``layer._k_scale``); default 1. Per token
+            and head: float32 ``[num_blocks, num_kv_heads, block_size]`` arrays (tokens
+            contiguous), as :func:`reshape_and_cache` writes them, both or neither.
+            Per-tensor scales are ignored (unchecked) for caches of the query's dtype;
+            per-token arrays are refused there.
         window, window_left, logits_soft_cap, sinks, return_lse, lse: attention variants,
             as for :func:`attention` (a window here: the last ``window`` tokens).
 
@@ -135,15 +140,17 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
     Returns:
         ``out``: ``[num_seqs, num_heads, head_size]``, the query's dtype; a new torch
         tensor when ``query`` is one, else a CuPy array. A sequence of length 0 gets
-        zeros. With ``return_lse`` (or ``lse=``): ``(out, lse)``, lse float32
-        ``[num_seqs, num_heads]``. head_size: any multiple of 8 from 32 to 256, or of 16
-        to 512 (where the GPU's shared memory holds the tiles, else a ValueError naming
-        the limit); block_size: a power of two from 1 to 256; ``num_heads`` a multiple of
-        ``num_kv_heads``.
+        zeros (and lse -inf; with ``sinks``, the sink). With ``return_lse`` (or ``lse=``):
+        ``(out, lse)``, lse float32 ``[num_seqs, num_heads]``. head_size: any multiple of
+        8 from 32 to 256, or of 16 to 512 (where the GPU's shared memory holds the tiles,
+        else a ValueError naming the limit); block_size: a power of two from 1 to 256;
+        ``num_heads`` a multiple of ``num_kv_heads``.
 
     Never synchronizes. Block ids are not range-checked on the host (that needs a sync):
-    a sequence whose table points outside the cache gets NaN, never an out-of-bounds
-    read; use :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
+    a sequence whose keys include a block id outside the cache gets NaN in every head
+    (lse too), never an out-of-bounds read, and no other sequence is touched; a table
+    entry it never reads (past its length, or wholly before its window) never matters.
+    Use :func:`check_block_tables` or ``CUPAGED_DEBUG=1`` to find it.
     """
     va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale,

@@ -1045,9 +1045,10 @@ class PagedMLACache(_PagedCache):
     (``torch.float8_*`` tensors with ``framework="torch"``, uint8 arrays with CuPy) and
     ``scales[l]`` a float32 ``[1]`` array per layer holding 1.0 until a calibrated scale
     is written into it in place (the kernels read it on the device); without fp8,
-    ``scales`` holds None. Blocks, prefix caching, copy-on-write, ``framework`` and
-    ``device`` are as for :class:`PagedKVCache` (``step`` copies latent blocks with
-    :func:`cupaged.copy_blocks_mla`).
+    ``scales`` holds None. MLA's latent cache takes one scale per tensor, never per
+    token (there is no ``kv_scales``). Blocks, prefix caching, copy-on-write,
+    ``framework`` and ``device`` are as for :class:`PagedKVCache` (``step`` copies latent
+    blocks with :func:`cupaged.copy_blocks_mla`).
 
     A step of one layer (``q``: ``[tokens, heads, 576]``, the absorbed query)::
 

@@ -163,25 +163,33 @@ def prepared_call(launch: Launch | None, p: Problem, q, o, va: VariantArgs,
 
 
 class DecodeWorkspace:
-    """Scratch memory for split-KV decode, allocated once. Passed as ``workspace=``, it
-    makes :func:`cupaged.paged_attention` and :func:`cupaged.attention` allocate nothing when
-    ``out=`` is given too: what CUDA graph capture needs, and a saving for any loop.
+    """Scratch memory for split-KV, allocated once. Passed as ``workspace=``, it makes
+    :func:`cupaged.paged_attention`, :func:`cupaged.attention` (and an ``AttentionPlan``)
+    and :func:`cupaged.mla_attention` allocate nothing when ``out=`` (and ``lse=`` where
+    the lse is asked for) is given too: what CUDA graph capture needs, and a saving for
+    any loop.
 
-    It holds ``rows`` partial results (float32, ``head_size + 2`` each) and ``rows // 2``
-    int32 counters with which the kernel merges its own partitions (zero between calls;
-    a call leaves them zero, so graph replays start clean). A call with
-    ``num_seqs`` sequences of ``num_heads`` heads splits each into at most
-    ``rows // (num_seqs * num_heads)`` partitions: fewer than ``partition="auto"`` would
-    pick means larger partitions, never a different result; an explicit partition size
-    that does not fit raises. The default ``rows`` covers what ``"auto"`` picks on this
-    device (it splits into at most about 8 waves of CTAs, each serving up to 8 heads) and
-    ``"always"`` at ``max_num_seqs``.
+    Its partials are per query row and head. It holds ``rows`` of them (float32,
+    ``head_size + 2`` each) and ``rows // 2`` int32 counters with which the decode kernel
+    merges its own partitions (zero between calls; a call leaves them zero, so graph
+    replays start clean). A call with ``R`` query rows (``num_seqs`` for
+    ``paged_attention``; ``total_q`` for ``attention`` and ``mla_attention``) of
+    ``num_heads`` heads splits each row and head into at most ``rows // (R * num_heads)``
+    partitions (more rows fit at a smaller head size than its own): fewer than the
+    planner (``partition="auto"``) would pick means larger partitions, never a different
+    result; an explicit partition size that does not fit raises. The default ``rows``,
+    ``max(2 * max_num_seqs * num_heads, 288 * SMs)``, covers what ``"auto"`` picks in
+    decode on this device (it splits into at most about 8 waves of CTAs, each serving up
+    to 8 heads) and ``"always"`` at ``max_num_seqs`` rows.
 
     Args:
-        max_num_seqs, num_heads, head_size: the largest batch, the query heads and the
-            head size the workspace will serve (512 for :func:`cupaged.mla_attention`,
-            whose partials are kv_lora_rank wide; ``max_num_seqs`` then counts query
-            rows, tokens of every sequence).
+        max_num_seqs: the most query rows a call will have: sequences for
+            ``paged_attention`` and decode steps (one row each), ``total_q`` (every
+            sequence's query tokens together) for multi-token ``attention`` steps and
+            for :func:`cupaged.mla_attention`.
+        num_heads, head_size: the call's query heads, and the head size the workspace
+            will serve (512 for :func:`cupaged.mla_attention`, whose partials are
+            kv_lora_rank wide).
         rows: capacity in partial rows, instead of the default.
         device: CUDA device id; default the current CuPy device.
 

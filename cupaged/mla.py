@@ -43,8 +43,10 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             of 16 bytes), so views of a larger allocation are read in place.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's
             last block are never read, and a block id outside the cache is never
-            dereferenced: the rows of its sequence that see it come out NaN (and others of
-            that sequence sharing their tile of 16-64 rows may too).
+            dereferenced: the rows of its sequence whose keys include it come out NaN,
+            lse too, and so may the others of that sequence that share a tile of 16 to 64
+            packed rows (query tokens x heads) with one; rows of earlier tiles and of other
+            sequences are exact.
         seq_lens: int32 ``[num_seqs]``: cached tokens of each sequence, this step's
             included.
         query_start_loc: int32 ``[num_seqs + 1]``: sequence s owns query rows
@@ -56,8 +58,11 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
         scale: the softmax scale, required: DeepSeek's is ``1 / sqrt(qk_nope_head_dim +
             qk_rope_head_dim)`` (times YaRN's mscale squared), not one over the root of the
             576-dim key.
-        kv_lora_rank: splits a combined cache (default 512); with ``k_pe_cache`` it must
-            match ``kv_cache``'s last dimension. Built for 512 with 64 rotary dims.
+        kv_lora_rank: splits a combined cache (default 512; the rest of its last
+            dimension is rope_dim); with ``k_pe_cache`` it must match ``kv_cache``'s last
+            dimension (ValueError), and rope_dim is ``k_pe_cache``'s. Built for 512 with 64
+            rotary dims only: any other pair raises ValueError naming both, before
+            anything is launched (an int is required: TypeError).
         k_pe_cache: ``[num_blocks, block_size, rope_dim]``, the rotary keys of a split
             cache.
         causal: each query token sees keys up to its own position (bottom-right aligned);
@@ -71,21 +76,31 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             :func:`cupaged.merge_state`.
         stream: as for :func:`cupaged.attention` (default: the caller's framework's
             current stream).
-        workspace: a :class:`cupaged.DecodeWorkspace` made with ``head_size=512`` for the
-            split-KV partials: with ``out`` (and ``lse`` when asked) given, the call then
-            allocates nothing (CUDA graph capture). Too small a workspace means fewer,
-            larger partitions, never a different result.
+        workspace: a :class:`cupaged.DecodeWorkspace` for the split-KV partials, made as
+            ``DecodeWorkspace(max_total_q, num_heads, 512)``: its first argument counts
+            query rows (the most query tokens of a call, all sequences together; the
+            batch size in decode), ``num_heads`` is this call's, and 512 the partials'
+            width (kv_lora_rank). Each (token, head) row splits into at most ``rows //
+            (total_q * num_heads)`` partitions. With ``out`` (and ``lse`` when asked)
+            given, the call then allocates nothing (CUDA graph capture). Too small a
+            workspace means fewer, larger partitions, never a different result.
         kv_cache_dtype, k_scale: an fp8 latent cache (``"fp8"``/``"fp8_e4m3"``,
             ``"fp8_e5m2"``, or ``"auto"`` with a float8 dtype; uint8/int8 arrays need the
-            name), read as ``stored * k_scale``: one scale per tensor (a number, a CPU torch
-            scalar or a float32 device scalar; default 1.0) for kv_c and k_pe alike, as
-            :func:`cupaged.concat_and_cache_mla` writes it. Each tile is widened to the
-            query's dtype in shared memory (exact) before the products.
+            name), read as ``stored * k_scale``: one scale per tensor for kv_c and k_pe
+            alike, as :func:`cupaged.concat_and_cache_mla` writes it, in the forms every
+            entry point takes (a positive finite number, a one-element CPU torch tensor or
+            a one-element float32 device array; default 1.0: docs/API.md, "fp8 scale
+            forms"). MLA's latent cache has no per-token scales: an array of more than one
+            element raises ValueError saying so. With a 16-bit cache a ``k_scale`` raises
+            ValueError. Each tile is widened to the query's dtype in shared memory (exact)
+            before the products.
 
     Returns:
         ``out`` (a torch tensor when ``q`` is one, else a CuPy array), or ``(out, lse)``.
-        Never synchronizes; nothing is allocated but ``out``/``lse`` when not given and,
-        for split-KV without ``workspace``, a scratch buffer in the stream's order.
+        A sequence of length 0, decoding without ``query_start_loc``, gets zeros and lse
+        -inf in every head. Never synchronizes; nothing is allocated but ``out``/``lse``
+        when not given and, for split-KV without ``workspace``, a scratch buffer in the
+        stream's order.
 
     Page sizes are powers of two from 1 to 256; any number of heads (16 to 128 is what
     DeepSeek's models shard to).

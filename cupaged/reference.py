@@ -16,6 +16,12 @@ with a ``[.., rope_dim]`` one beside it.
 fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays with
 "auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
+
+DeepSeek sparse attention (reference only, no kernel yet): :func:`sparse_mla_attention`
+over top-k indices into a paged cache, FlashMLA's sparse interface, and the caches' token
+formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
+with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
+reader (:func:`dequantize_sparse_kv`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import numpy as np
 __all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "concat_and_cache_mla",
            "dequantize_fp8", "fp8_max", "gather_kv", "merge_state", "merge_states",
            "mla_attention", "mla_cache_views", "paged_attention", "quantize_fp8",
-           "reshape_and_cache", "token_head_scales"]
+           "reshape_and_cache", "token_head_scales", "SPARSE_KV_FORMATS",
+           "concat_and_cache_sparse_mla", "dequantize_sparse_kv", "quantize_sparse_kv",
+           "sparse_mla_attention"]
 
 KV_LAYOUTS = ("NHD", "HND", "vllm")
 
@@ -450,3 +458,359 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
                      kv_layout="vllm", scale=scale, alibi_slopes=alibi_slopes,
                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
                      **variants)
+
+
+# ---- DeepSeek sparse attention (DSA): sparse MLA over top-k indices ---------------------------
+#
+# DeepSeek-V3.2 and V4 attend each query token to its top-k cached tokens only (k = 2048 for
+# V3.2), named by global slots of a paged cache; FlashMLA's sparse kernels and vLLM's caches
+# define the interface. Reference only: no kernel reads these caches yet.
+
+SPARSE_KV_FORMATS = {
+    # name: (bytes per token, dims per token (d_qk)); "auto" caches hold the values themselves
+    "fp8_ds_mla": (656, 576),
+    "v4_fp8": (528, 512),
+    "v4_fp4": (288, 512),
+}
+
+_FLT_MIN = np.float32(1.1754943508222875e-38)  # the smallest normal float32 (CUDA's FLT_MIN)
+_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
+
+
+def _e4m3_bytes(y):
+    """float32 ``y`` as e4m3 bytes (uint8), as CUDA's ``__nv_cvt_float_to_fp8(y,
+    __NV_SATFINITE, __NV_E4M3)`` stores them: rounded to nearest even, saturated to +-448,
+    NaN as 0x7F whatever its sign (CUDA's canonical NaN; ml_dtypes and torch keep the sign
+    bit, 0xFF)."""
+    import ml_dtypes
+
+    y = np.asarray(y, np.float32)
+    b = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return np.where(np.isnan(y), np.uint8(0x7F), b)
+
+
+def _e4m3_values(b):
+    """e4m3 bytes as float64 (0x7F and 0xFF are NaN)."""
+    import ml_dtypes
+
+    return np.asarray(b, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _ue8m0_values(b):
+    """ue8m0 bytes (a power of two's biased exponent) as float64: ``2 ** (byte - 127)``,
+    0xFF NaN (ml_dtypes' float8_e8m0fnu)."""
+    b = np.asarray(b, np.uint8)
+    return np.where(b == 0xFF, np.nan, np.ldexp(1.0, b.astype(np.int64) - 127))
+
+
+def _e2m1_values(nibbles):
+    """e2m1 codes (0-15) as float64: ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, bit 3 the sign."""
+    n = np.asarray(nibbles, np.uint8)
+    return np.where(n & 8, -1.0, 1.0) * _E2M1_VALUES[n & 7]
+
+
+def _group_amax(x, group: int):
+    """Per-group ``max |x|`` of float32 ``x [..., d]`` over groups of ``group`` values, as
+    CUDA's ``fmaxf`` reduces: NaN is skipped (a group of NaN only gives NaN)."""
+    a = np.abs(x.reshape(*x.shape[:-1], -1, group))
+    return np.fmax.reduce(a, axis=-1)
+
+
+def _bf16_bytes(x):
+    """``x`` rounded to bfloat16 (nearest even; exact for bfloat16 input), as bytes."""
+    import ml_dtypes
+
+    return np.ascontiguousarray(np.asarray(x).astype(ml_dtypes.bfloat16)).view(np.uint8)
+
+
+def quantize_sparse_kv(x, kv_format: str):
+    """Tokens ``x [..., d_qk]`` (any float dtype) as their cache bytes ``uint8 [...,
+    bytes_per_token]`` in ``kv_format`` (:data:`SPARSE_KV_FORMATS`); everything is computed
+    in float32 from ``x`` widened to float32.
+
+    - ``"fp8_ds_mla"`` (DeepSeek-V3.2, vLLM's name; 656 bytes): ``x`` is ``[kv_c (512),
+      k_pe (64)]``. Bytes 0-511: ``kv_c`` in e4m3, each group of 128 divided by its scale;
+      512-527: the 4 scales, float32, ``max(amax / 448, FLT_MIN)`` (amax of the group's
+      ``|kv_c|``, NaN skipped); 528-655: ``k_pe`` as bfloat16. Bit for bit vLLM's
+      ``concat_and_cache_mla(.., "fp8_ds_mla", ..)`` (its ``concat_and_cache_ds_mla_kernel``,
+      bf16 sources): no power-of-two rounding of the scale (FlashMLA's test quantizer rounds
+      it up to one; readers take any float32).
+    - ``"v4_fp8"`` (528 bytes): the 512 values in e4m3 (bytes 0-511), each group of 32
+      divided by its scale, then 16 ue8m0 scales (bytes 512-527): a power of two, rounded
+      UP from the group's ``amax / 448`` (so nothing saturates), at least 2^-126 (a normal
+      float32; an all-zero group gets 2^-126), stored as its biased exponent ``e + 127``.
+    - ``"v4_fp4"`` (288 bytes): the 512 values in e2m1 (bytes 0-255, value 2i in the low
+      nibble of byte i, 2i + 1 in the high one), each group of 16 divided by its scale, then
+      32 e4m3 scales (bytes 256-287): the smallest e4m3 value at least ``amax / 6`` (rounded
+      up, so nothing saturates but for a group above 448 * 6), at least 2^-9 (e4m3's
+      smallest; an all-zero group gets it).
+
+    e4m3 values round to nearest even and saturate to +-448 (CUDA's ``__NV_SATFINITE``),
+    e2m1 values round to nearest even and saturate to +-6. NaN: fp8 formats store it as
+    0x7F (the group's scale skips it; a group of NaN only gets FLT_MIN, resp. 2^-126);
+    ``"v4_fp4"`` has no NaN and raises ValueError for one. An infinite value makes its
+    group's fp8 scale infinite (vLLM's rule): the group reads back as NaN and zeros."""
+    if kv_format not in SPARSE_KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {tuple(SPARSE_KV_FORMATS)}, got {kv_format!r}")
+    nbytes, d = SPARSE_KV_FORMATS[kv_format]
+    x = np.asarray(x)
+    if x.shape[-1] != d:
+        raise ValueError(f"{kv_format} tokens have {d} values, got x of shape {x.shape}")
+    with np.errstate(invalid="ignore", over="ignore"):  # inf / inf is NaN, stored 0x7F
+        return _quantize_sparse_kv(x, kv_format, nbytes)
+
+
+def _quantize_sparse_kv(x, kv_format: str, nbytes: int):
+    lead = x.shape[:-1]
+    x32 = x.astype(np.float32)
+    out = np.zeros((*lead, nbytes), np.uint8)
+    if kv_format == "fp8_ds_mla":
+        kv_c = x32[..., :512]
+        s = np.fmax(_group_amax(kv_c, 128) / np.float32(448), _FLT_MIN).astype(np.float32)
+        y = kv_c.reshape(*lead, 4, 128) / s[..., None]  # float32 IEEE division, as vLLM's
+        out[..., :512] = _e4m3_bytes(y).reshape(*lead, 512)
+        out[..., 512:528] = np.ascontiguousarray(s.astype("<f4")).view(np.uint8)
+        out[..., 528:] = _bf16_bytes(x[..., 512:])
+    elif kv_format == "v4_fp8":
+        q = _group_amax(x32, 32) / np.float32(448)
+        mant, exp = np.frexp(np.where(np.isnan(q), 0, q).astype(np.float32))
+        e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(q)) exactly, from q's bits
+        e = np.clip(np.where(q > 0, e, -126), -126, 127).astype(np.int64)
+        s = np.ldexp(np.float32(1), e).astype(np.float32)  # q = inf: 2^127 (saturates)
+        y = x32.reshape(*lead, 16, 32) / s[..., None]
+        out[..., :512] = _e4m3_bytes(y).reshape(*lead, 512)
+        out[..., 512:] = (e + 127).astype(np.uint8)
+    else:  # v4_fp4
+        if np.isnan(x32).any():
+            raise ValueError("v4_fp4 has no NaN: x holds one")
+        q = (_group_amax(x32, 16) / np.float32(6)).astype(np.float32)
+        sb = _e4m3_bytes(q)
+        up = (_e4m3_values(sb) < q) & (sb < 0x7E)  # rounded down: the next e4m3 value up
+        sb = np.maximum(np.where(up, sb + 1, sb), 1).astype(np.uint8)  # >= 2^-9, byte 0x01
+        s = _e4m3_values(sb).astype(np.float32)
+        y = np.clip(x32.reshape(*lead, 32, 16) / s[..., None], -6, 6).reshape(*lead, 512)
+        codes = _e2m1_codes(y)
+        out[..., :256] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        out[..., 256:] = sb
+    return out
+
+
+def _e2m1_codes(y):
+    """float32 ``y`` (finite, within +-6) as e2m1 codes, rounded to nearest even."""
+    import ml_dtypes
+
+    return np.asarray(y, np.float32).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+
+
+def dequantize_sparse_kv(cache, kv_format: str = "auto"):
+    """The values of a sparse-attention cache's tokens, float64 ``[..., d_qk]``: a cache of
+    ``kv_format`` bytes ``[..., bytes_per_token]`` (uint8 or any 1-byte dtype; see
+    :func:`quantize_sparse_kv`), read as ``stored * scale`` exactly (``"fp8_ds_mla"``:
+    ``[kv_c (512), k_pe (64)]``, its scales taken as any float32), or an ``"auto"`` cache
+    of the values themselves (any float dtype)."""
+    c = np.asarray(cache)
+    if kv_format == "auto":
+        return c.astype(np.float64)
+    if kv_format not in SPARSE_KV_FORMATS:
+        raise ValueError(f"kv_format must be 'auto' or one of {tuple(SPARSE_KV_FORMATS)}, "
+                         f"got {kv_format!r}")
+    nbytes, d = SPARSE_KV_FORMATS[kv_format]
+    if c.dtype.itemsize != 1 or c.shape[-1] != nbytes:
+        raise ValueError(f"a {kv_format} cache is 1-byte [..., {nbytes}], got {c.dtype} "
+                         f"{c.shape}")
+    b = np.ascontiguousarray(c).view(np.uint8)
+    lead = b.shape[:-1]
+    if kv_format == "fp8_ds_mla":
+        s = np.ascontiguousarray(b[..., 512:528]).view("<f4").astype(np.float64)  # [..., 4]
+        kv_c = _e4m3_values(b[..., :512]).reshape(*lead, 4, 128) * s[..., None]
+        import ml_dtypes
+        k_pe = np.ascontiguousarray(b[..., 528:]).view(ml_dtypes.bfloat16).astype(np.float64)
+        return np.concatenate([kv_c.reshape(*lead, 512), k_pe], -1)
+    if kv_format == "v4_fp8":
+        s = _ue8m0_values(b[..., 512:])  # [..., 16]
+        v = _e4m3_values(b[..., :512]).reshape(*lead, 16, 32)
+        return (v * s[..., None]).reshape(*lead, 512)
+    s = _e4m3_values(b[..., 256:])  # v4_fp4: [..., 32]
+    v = np.stack([_e2m1_values(b[..., :256] & 0xF), _e2m1_values(b[..., :256] >> 4)], -1)
+    return (v.reshape(*lead, 32, 16) * s[..., None]).reshape(*lead, 512)
+
+
+def concat_and_cache_sparse_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_format="fp8_ds_mla"):
+    """What a sparse-attention cache write stores, into a host cache in place: token i's
+    :func:`quantize_sparse_kv` bytes at slot ``slot_mapping[i]`` (block ``slot //
+    block_size``, offset ``slot % block_size``) of ``kv_cache [num_blocks, block_size,
+    bytes_per_token]`` (or ``[num_blocks, block_size, 1, bytes_per_token]``, FlashMLA's),
+    uint8 or any 1-byte dtype; a negative slot (padding) is skipped. ``"fp8_ds_mla"``:
+    ``kv_c [num_tokens, 512]`` and ``k_pe [num_tokens, 64]``, vLLM's
+    ``concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, "fp8_ds_mla", scale)`` (which
+    ignores its ``scale``); the V4 formats: ``kv_c [num_tokens, 512]`` holds the whole vector
+    (its rotary dims inside) and ``k_pe`` is None."""
+    kv_c = np.asarray(kv_c)
+    # concatenation widens exactly (bfloat16 with bfloat16 stays bfloat16), so k_pe is
+    # rounded to bfloat16 from its own values
+    x = kv_c if k_pe is None else np.concatenate([kv_c, np.asarray(k_pe)], -1)
+    cache = np.asarray(kv_cache)
+    nbytes = SPARSE_KV_FORMATS[kv_format][0] if kv_format in SPARSE_KV_FORMATS else None
+    if nbytes is None or cache.dtype.itemsize != 1 or cache.shape[-1] != nbytes \
+            or cache.ndim not in (3, 4) or (cache.ndim == 4 and cache.shape[2] != 1):
+        raise ValueError(f"kv_cache must be 1-byte [num_blocks, block_size, (1,) {nbytes}] "
+                         f"for {kv_format!r}, got {cache.dtype} {cache.shape}")
+    rows = kv_cache.reshape(cache.shape[0], cache.shape[1], nbytes).view(np.uint8)
+    if not np.shares_memory(rows, kv_cache):
+        raise ValueError("kv_cache must be writable in place (a contiguous array)")
+    block_size = cache.shape[1]
+    new = quantize_sparse_kv(x, kv_format)
+    for i, slot in enumerate(np.asarray(slot_mapping).astype(np.int64)):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), block_size)
+        rows[b, o] = new[i]
+
+
+def _sparse_scope(cache, indices, topk_length, kv_format, decode, shape, name):
+    """One cache's part of a sparse call: its tokens' values ``[num_slots, d_qk]`` (slot =
+    flat index over the cache's leading dims), the rows' indices ``[rows, topk]`` (int64,
+    invalid ones 0) and their validity ``[rows, topk]``."""
+    c = np.asarray(cache)
+    if decode and not (c.ndim == 3 or (c.ndim == 4 and c.shape[2] == 1)):
+        raise ValueError(f"{name} must be [num_blocks, page_size, 1, width] (or without the "
+                         f"1), got {c.shape}")
+    if not decode and not (c.ndim == 2 or (c.ndim == 3 and c.shape[1] == 1)):
+        raise ValueError(f"{name} must be [s_kv, 1, width] (or [s_kv, width]), got {c.shape}")
+    tokens = dequantize_sparse_kv(c.reshape(-1, c.shape[-1]), kv_format)
+    n = tokens.shape[0]
+    rows = int(np.prod(shape))
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{name}'s indices must be integers, got {idx.dtype}")
+    if decode:
+        if idx.ndim != 3 or idx.shape[:2] != shape:
+            raise ValueError(f"{name}'s indices must be [batch, s_q, topk] = [{shape[0]}, "
+                             f"{shape[1]}, topk], got {idx.shape}")
+    else:
+        if idx.ndim == 3 and idx.shape[1] == 1:
+            idx = idx[:, 0]
+        if idx.ndim != 2 or idx.shape[0] != shape[0]:
+            raise ValueError(f"{name}'s indices must be [s_q, 1, topk] (or [s_q, topk]) with "
+                             f"s_q = {shape[0]}, got {np.asarray(indices).shape}")
+    idx = idx.reshape(rows, -1).astype(np.int64)
+    topk = idx.shape[1]
+    counted = np.ones_like(idx, dtype=bool)
+    if topk_length is not None:
+        tl = np.asarray(topk_length).astype(np.int64)
+        if tl.shape != shape[:1]:
+            raise ValueError(f"{name}'s topk_length must be [{shape[0]}] (one per "
+                             f"{'batch entry' if decode else 'query token'}), got {tl.shape}")
+        per_row = np.repeat(tl, rows // shape[0])
+        counted = np.arange(topk)[None, :] < per_row[:, None]
+    inside = (idx >= 0) & (idx < n)
+    if decode:  # FlashMLA's decode skips -1 only: any other index outside the cache is a bug
+        bad = counted & ~inside & (idx != -1)
+        if bad.any():
+            r, j = np.argwhere(bad)[0]
+            raise ValueError(f"{name}'s index {idx[r, j]} (row {r}, entry {j}) is neither -1 "
+                             f"nor a slot of the cache's {n}")
+    valid = counted & inside
+    return tokens, np.where(valid, idx, 0), valid
+
+
+def sparse_mla_attention(q, kv_cache, indices, *, scale: float, kv_format: str = "auto",
+                         topk_length=None, attn_sink=None, extra_kv_cache=None,
+                         extra_indices=None, extra_topk_length=None, d_v: int = 512,
+                         return_lse: bool = False):
+    """Float64 sparse multi-head latent attention (DeepSeek sparse attention, DeepSeek-V3.2
+    and V4): each query token attends to the cached tokens its indices name, FlashMLA's
+    ``flash_mla_with_kvcache(.., indices=..)`` (decode) and ``flash_mla_sparse_fwd``
+    (prefill) semantics.
+
+    Shapes (one KV head, shared by every query head, as in :func:`mla_attention`):
+
+    - decode: ``q [batch, s_q, num_heads, d_qk]``; ``kv_cache [num_blocks, page_size, 1,
+      width]`` (or ``[num_blocks, page_size, width]``, vLLM's); ``indices [batch, s_q,
+      topk]``, each a global slot ``block * page_size + offset`` (no block table);
+      ``topk_length [batch]``. Out ``[batch, s_q, num_heads, d_v]``, lse ``[batch, s_q,
+      num_heads]`` (FlashMLA returns lse as ``[batch, num_heads, s_q]``: this one's
+      ``transpose(0, 2, 1)``).
+    - prefill: ``q [s_q, num_heads, d_qk]`` (sequences concatenated); ``kv_cache [s_kv, 1,
+      width]``; ``indices [s_q, 1, topk]`` (or ``[s_q, topk]``) into the s_kv tokens;
+      ``topk_length [s_q]``. Out ``[s_q, num_heads, d_v]``, lse ``[s_q, num_heads]``.
+
+    The cache is ``kv_format`` (:data:`SPARSE_KV_FORMATS`, read by
+    :func:`dequantize_sparse_kv`: ``"fp8_ds_mla"`` for V3.2's 656-byte tokens, whose d_qk is
+    576; ``"v4_fp8"``/``"v4_fp4"``, d_qk 512) or ``"auto"``, the values themselves (width =
+    d_qk; FlashMLA's bf16 prefill ``kv``). A token's key is its whole vector, its value the
+    first ``d_v`` (512) of it: ``kv_c`` for V3.2, the whole vector (its rotary dims inside)
+    for V4.
+
+    Index semantics (FlashMLA's): entry j of a row counts when ``j < topk_length`` (of its
+    batch entry in decode, of the query token in prefill; every entry without
+    ``topk_length``) and its index is valid: in decode any slot of the cache, -1 marking
+    an invalid entry (any other index outside the cache, where FlashMLA's kernel would read
+    out of bounds, raises ValueError); in prefill any index in ``[0, s_kv)``, everything
+    else (-1, other negatives, s_kv and beyond) invalid. Entries that do not count are
+    never read, so whatever they hold (past ``topk_length`` anything) has no effect. A
+    repeated index counts each time it appears (its key's weight is doubled), as
+    FlashMLA's kernels and reference gather them. ``extra_kv_cache`` with
+    ``extra_indices`` (and ``extra_topk_length``) adds a second cache of the same format
+    and d_qk (V4's ``extra_k_cache``; its own page size) whose counted entries join the
+    same softmax.
+
+    The logit of a counted entry is ``scale * q . key`` (``scale`` required: DeepSeek's is
+    not ``1 / sqrt(d_qk)``); out is the softmax-weighted sum of the values and lse the
+    natural log of the softmax denominator (FlashMLA's is natural too: its kernels work in
+    base 2 and convert). ``attn_sink [num_heads]`` (float32 in FlashMLA) scales each head's
+    out by ``exp(lse) / (exp(lse) + exp(sink))`` and leaves lse as it is, FlashMLA's rule:
+    so lse here is the keys' alone, and ``np.logaddexp(lse, sink)`` is :func:`attend`'s lse
+    with ``sinks`` (whose out is the same). A sink of +inf gives zeros, -inf changes
+    nothing.
+
+    A row none of whose entries counts (all -1, ``topk_length`` 0) gives zeros and lse
+    ``-inf``, cupaged's convention for rows that see no key (FlashMLA returns lse +inf
+    there, out zeros). ``return_lse``: return ``(out, lse)``."""
+    q = np.asarray(q, dtype=np.float64)
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q must be [batch, s_q, num_heads, d_qk] (decode) or [s_q, "
+                         f"num_heads, d_qk] (prefill), got {q.shape}")
+    decode = q.ndim == 4
+    shape = q.shape[:-2]
+    num_heads, d_qk = q.shape[-2:]
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("extra_kv_cache and extra_indices come together")
+    if extra_topk_length is not None and extra_kv_cache is None:
+        raise ValueError("extra_topk_length needs extra_kv_cache")
+    scopes = [_sparse_scope(kv_cache, indices, topk_length, kv_format, decode, shape,
+                            "kv_cache")]
+    if extra_kv_cache is not None:
+        scopes.append(_sparse_scope(extra_kv_cache, extra_indices, extra_topk_length,
+                                    kv_format, decode, shape, "extra_kv_cache"))
+    for tokens, _, _ in scopes:
+        if tokens.shape[-1] != d_qk:
+            raise ValueError(f"q's d_qk ({d_qk}) must be the cache tokens' width "
+                             f"({tokens.shape[-1]})")
+    if not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v must be in [1, d_qk = {d_qk}], got {d_v}")
+    rows = int(np.prod(shape))
+    qr = q.reshape(rows, num_heads, d_qk)
+    out = np.zeros((rows, num_heads, d_v))
+    lse = np.full((rows, num_heads), -np.inf)
+    for r in range(rows):
+        keys = np.concatenate([t[i[r][v[r]]] for t, i, v in scopes], 0)  # counted entries
+        if keys.shape[0] == 0:
+            continue  # no key: zeros and -inf
+        logits = qr[r] @ keys.T * scale  # [heads, n]
+        m = logits.max(-1, keepdims=True)
+        w = np.exp(logits - m)
+        den = w.sum(-1, keepdims=True)
+        out[r] = (w / den) @ keys[:, :d_v]
+        lse[r] = (m + np.log(den))[:, 0]
+    if attn_sink is not None:
+        sink = np.asarray(attn_sink, dtype=np.float64)
+        if sink.shape != (num_heads,):
+            raise ValueError(f"attn_sink must be [num_heads] = [{num_heads}], got {sink.shape}")
+        seen = np.isfinite(lse)
+        with np.errstate(invalid="ignore"):
+            factor = np.exp(lse - np.logaddexp(lse, sink[None, :]))  # exp(lse) / (.. + exp(sink))
+        out *= np.where(seen, factor, 0.0)[..., None]
+    out = out.reshape(*shape, num_heads, d_v)
+    lse = lse.reshape(*shape, num_heads)
+    return (out, lse) if return_lse else out

@@ -1245,7 +1245,253 @@ def test_mla_write_refuses_a_scale_it_cannot_read(fake_device, monkeypatch):
                                                       Fake(a["slot_mapping"])]
     with pytest.raises(ValueError, match="scale is on device 1 but kv_cache is on device 0"):
         cupaged.concat_and_cache_mla(*args, "fp8", Fake(np.zeros((), np.float32), device=1))
-    with pytest.raises(ValueError, match=r"scale must be one float \(per tensor\), got shape"):
+    with pytest.raises(ValueError, match=r"scale must be one float \(per tensor\), got shape "
+                                         r"\(10, 1, 16\): MLA's latent cache takes a "
+                                         r"per-tensor scale only"):
         cupaged.concat_and_cache_mla(*args, "fp8", Fake(np.zeros((10, 1, 16), np.float32)))
     with pytest.raises(ValueError, match="scale must be a positive finite float32"):
         cupaged.concat_and_cache_mla(*args, "fp8", -1.0)
+
+
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+@pytest.mark.parametrize("what", ["token stride", "block stride", "pointer"])
+def test_mla_write_holds_fp8_caches_to_what_mla_attention_reads(cache_form, what):
+    """fp8 caches too need a 16-byte aligned pointer and block and token strides in
+    multiples of 16 bytes, as mla_attention reads them (the kernel's stores of eight
+    values would take 8): a cache that is written is never refused when read for them."""
+    rank_w = MLA_RANK + MLA_ROPE if cache_form == "combined" else MLA_RANK
+    name = "kv_cache" if cache_form == "combined" or what != "pointer" else "k_pe_cache"
+    a = margs(cache_form)
+    caches = {"kv_cache": np.zeros((10, 16, rank_w), np.uint8),
+              "k_pe_cache": None if cache_form == "combined" else np.zeros((10, 16, MLA_ROPE),
+                                                                          np.uint8)}
+    a.update(caches, kv_cache_dtype="fp8")
+    assert mvalidate(**a).cache.name == "e4m3"
+    if what == "token stride":  # rows of width + 8 bytes
+        root = np.zeros((10, 16, rank_w + 8), np.uint8)
+        a["kv_cache"] = fake_view(root[:, :, :rank_w], root)
+        match = (r"kv_cache's block and token strides must be non-negative multiples of 16 "
+                 rf"bytes \(mla_attention reads the cache 16 bytes at a time\), got "
+                 rf"\({16 * (rank_w + 8)}, {rank_w + 8}, 1\)")
+    elif what == "block stride":  # blocks of 16 rows and 8 bytes
+        root = np.zeros((10, 16 * rank_w + 8), np.uint8)
+        a["kv_cache"] = Fake(np.lib.stride_tricks.as_strided(
+            root, (10, 16, rank_w), (16 * rank_w + 8, rank_w, 1)))
+        match = "kv_cache's block and token strides must be non-negative multiples of 16 bytes"
+    else:
+        a[name] = Fake(caches[name] if caches[name] is not None else a[name],
+                       ptr=(1 << 24) + 8)
+        match = f"{name} must start on a 16-byte boundary"
+    with pytest.raises(ValueError, match=match):
+        mvalidate(**a)
+
+
+def test_swap_blocks_between_two_host_arrays_is_a_value_error():
+    """One side of a swap must be a device array: two host arrays (NumPy, torch CPU
+    tensors) raise ValueError, before anything is uploaded or launched."""
+    a, b = np.zeros((4, 16, 8), np.float16), np.zeros((4, 16, 8), np.float16)
+    with pytest.raises(ValueError, match="src and dst are both host arrays: one side must be "
+                                         "a device array"):
+        cupaged.swap_blocks(a, b, np.array([[0, 1]], np.int64))
+    with pytest.raises(ValueError, match="both host arrays"):
+        cupaged.swap_blocks(a, b, [[0, 1]])
+
+
+# ---- per-tensor scales: one parser, the same forms at every entry point ---------------------
+
+# Accepted: (form, (device pointer or 0, the host value the kernels receive)).
+SCALE_FORMS = [
+    (0.5, (0, 0.5)), (2, (0, 2.0)), (np.float32(0.0173), (0, float(np.float32(0.0173)))),
+    (np.float64(3.0), (0, 3.0)), (np.int64(4), (0, 4.0)),
+    (1e-45, (0, 1e-45)),  # float32's smallest subnormal rounds to itself, positive
+    (Fake(np.zeros((), np.float32), ptr=1 << 22), (1 << 22, 1.0)),
+    (Fake(np.zeros((1,), np.float32), ptr=(1 << 22) + 4), ((1 << 22) + 4, 1.0)),
+]
+# Refused, with the exception and the message.
+SCALE_REFUSALS = [
+    (True, TypeError, "must be a number, a one-element CPU torch tensor or a float32 device "
+                      "scalar, got bool"),
+    ("0.5", TypeError, "got str"),
+    (np.array(0.5, np.float32), TypeError, r"got a NumPy array \(host memory"),
+    (0.0, ValueError, "must be a positive finite float32, got 0.0"),
+    (-1.0, ValueError, "positive finite float32"),
+    (float("inf"), ValueError, "positive finite float32"),
+    (float("nan"), ValueError, "positive finite float32"),
+    (1e39, ValueError, "positive finite float32"),
+    (1e-50, ValueError, "positive finite float32"),  # 0 in float32
+    (Fake(np.zeros((), np.float16)), TypeError, "must be float32 on the device, got float16"),
+    (Fake(np.zeros((2,), np.float32)), ValueError, r"must be one float \(per tensor\)"),
+    (Fake(np.zeros((), np.float32), ptr=(1 << 22) + 2), ValueError,
+     "must start on a 4-byte boundary"),
+]
+
+
+@pytest.fixture
+def scale_fakes(monkeypatch):
+    """The scale parser takes Fake arrays as device arrays."""
+    from cupaged import _kvquant
+
+    real = _kvquant.as_device_array
+    monkeypatch.setattr(_kvquant, "as_device_array",
+                        lambda x, name: x if isinstance(x, Fake) else real(x, name))
+
+
+@pytest.mark.parametrize("form, want", SCALE_FORMS, ids=lambda v: repr(v)[:24])
+def test_per_tensor_scale_forms_are_accepted(scale_fakes, form, want):
+    from cupaged import _kvquant
+
+    for per_token in (True, False):
+        ptr, value, _ = _kvquant.tensor_scale(form, "k_scale", per_token)
+        assert (ptr, value) == want
+
+
+@pytest.mark.parametrize("form, exc, match", SCALE_REFUSALS, ids=lambda v: repr(v)[:24])
+def test_per_tensor_scale_forms_are_refused(scale_fakes, form, exc, match):
+    from cupaged import _kvquant
+
+    with pytest.raises(exc, match=match):
+        _kvquant.tensor_scale(form, "k_scale")
+
+
+def test_per_tensor_scales_as_cpu_torch_tensors():
+    """A one-element CPU torch tensor gives its value (any float dtype, any shape of one
+    element); more elements are refused, and so is a host tensor as a per-token array."""
+    torch = pytest.importorskip("torch")
+    from cupaged import _kvquant
+
+    for t in (torch.tensor(0.25), torch.tensor([0.25], dtype=torch.float64),
+              torch.tensor(0.25, dtype=torch.float16)):
+        assert _kvquant.tensor_scale(t, "k_scale") == (0, 0.25, None)
+    with pytest.raises(ValueError, match=r"k_scale must be one float \(per tensor\) or "
+                                         r"\[num_blocks, num_kv_heads, block_size\] .*CPU "
+                                         r"tensor of shape \(2,\)"):
+        _kvquant.tensor_scale(torch.ones(2), "k_scale")
+    with pytest.raises(ValueError, match=r"scale must be one float \(per tensor\), got a CPU "
+                                         r"tensor of shape \(2,\): MLA's latent cache takes a "
+                                         r"per-tensor scale only"):
+        _kvquant.tensor_scale(torch.ones(2), "scale", per_token=False)
+    with pytest.raises(ValueError, match="positive finite"):
+        _kvquant.tensor_scale(torch.tensor(-2.0), "k_scale")
+
+
+class _Parsed(Exception):
+    """What the spy below raises: the value each entry point handed the scale parser."""
+
+
+def _entry_point_checks(fake_device):
+    """Each entry point that takes a per-tensor fp8 scale, as a function of that scale
+    running its checks (on Fake arrays) up to the scale's: the attention validation of
+    attention/AttentionPlan and of paged_attention (v1/v2), reshape_and_cache's,
+    concat_and_cache_mla and mla_attention themselves."""
+    from cupaged import mla, validation
+
+    f16, u8 = np.float16, np.uint8
+    q = Fake(np.zeros((3, 4, 64), f16))
+    tables, lens = Fake(np.zeros((3, 4), np.int32)), Fake(np.zeros(3, np.int32))
+    nhd = Fake(np.zeros((10, 16, 2, 64), u8))
+    vk, vv = Fake(np.zeros((10, 2, 4, 16, 16), u8)), Fake(np.zeros((10, 2, 64, 16), u8))
+    kv = Fake(np.zeros((3, 2, 64), f16))
+    lat = Fake(np.zeros((10, 16, MLA_RANK + MLA_ROPE), u8), ptr=1 << 23)
+    mq = Fake(np.zeros((3, 16, MLA_RANK + MLA_ROPE), f16))
+    return {
+        "attention": lambda s: validation.validate_varlen(
+            q, nhd, nhd, tables, lens, None, None, None, "NHD", "fp8", s, s),
+        "paged_attention": lambda s: validation.validate_decode(
+            q, vk, vv, tables, lens, None, None, "fp8", s, s),
+        "reshape_and_cache": lambda s: cache_ops._validate_write(
+            kv, kv, nhd, nhd, Fake(np.zeros(3, np.int64)), "NHD", "fp8", s, s),
+        "concat_and_cache_mla": lambda s: cupaged.concat_and_cache_mla(
+            Fake(np.zeros((3, MLA_RANK), f16)), Fake(np.zeros((3, MLA_ROPE), f16)), lat,
+            Fake(np.zeros(0, np.int64)), "fp8", s),
+        "mla_attention": lambda s: mla.mla_attention(
+            mq, lat, tables, lens, scale=0.1, kv_cache_dtype="fp8", k_scale=s),
+    }
+
+
+ENTRY_POINTS = ("attention", "paged_attention", "reshape_and_cache", "concat_and_cache_mla",
+                "mla_attention")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_parses_its_scale_with_the_one_parser(fake_device, monkeypatch,
+                                                                 entry):
+    """attention (and AttentionPlan, which validates as it), paged_attention (v1/v2),
+    reshape_and_cache(_flash), concat_and_cache_mla and mla_attention hand a per-tensor
+    scale to the same parser (_kvquant.tensor_scale), so they take the same forms."""
+    from cupaged import _kvquant, mla
+
+    monkeypatch.setattr(mla, "as_device_array", lambda x, name: x)
+    monkeypatch.setattr(_arrays, "as_device_array", lambda x, name: x)
+    seen = []
+
+    def spy(x, name, per_token=True):
+        seen.append((x, name, per_token))
+        raise _Parsed
+
+    monkeypatch.setattr(_kvquant, "tensor_scale", spy)
+    marker = 0.375
+    with pytest.raises(_Parsed):
+        _entry_point_checks(fake_device)[entry](marker)
+    name = "scale" if entry == "concat_and_cache_mla" else "k_scale"
+    assert seen == [(marker, name, entry not in ("concat_and_cache_mla", "mla_attention"))]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("form, exc, match", [SCALE_REFUSALS[i] for i in (0, 2, 4, 8, 9, 10)],
+                         ids=lambda v: repr(v)[:24])
+def test_every_entry_point_refuses_the_same_scales(fake_device, scale_fakes, monkeypatch,
+                                                   entry, form, exc, match):
+    from cupaged import mla
+
+    monkeypatch.setattr(mla, "as_device_array", lambda x, name: x)
+    monkeypatch.setattr(_arrays, "as_device_array", lambda x, name: x)
+    with pytest.raises(exc, match=match):
+        _entry_point_checks(fake_device)[entry](form)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("src_dtype", ["float16", "bfloat16"])
+def test_every_per_tensor_scale_form_writes_torchs_true_division(rng, fmt, src_dtype):
+    """A per-tensor scale reaches the cache writes as one float32 value, whatever its form
+    (a Python number, a NumPy float32, a CPU torch scalar of float32 or float64, a float32
+    device scalar): reshape_and_cache and concat_and_cache_mla store the same bytes with
+    each, those of torch's ``(x.float() / s).clamp(-max, max).to(float8)`` with ``s`` a
+    float32 CUDA tensor (a true float32 division), bit for bit. The scale is not a power of
+    two, so dividing by it and multiplying by its reciprocal can round apart."""
+    torch = pytest.importorskip("torch")
+    dev = "cuda"
+    s = 0.0173
+    tdt = getattr(torch, src_dtype)
+    f8 = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
+    fmax = float(torch.finfo(f8).max)
+    forms = [s, np.float32(s), torch.tensor(s), torch.tensor(s, dtype=torch.float64),
+             torch.tensor(s, dtype=torch.float32, device=dev),
+             cupy.asarray(np.float32(s))]
+
+    def torch_quantized(x):
+        d = torch.tensor(s, dtype=torch.float32, device=dev)
+        return (x.float() / d).clamp(-fmax, fmax).to(f8).view(torch.uint8)
+
+    n, kvh, hs, bs = 40, 2, 64, 16
+    # Magnitudes from 1e-3 to 1e2 of the scale's range: subnormals, rounding, saturation.
+    mag = np.logspace(-3, 2, n)[:, None, None] * (fmax * s)
+    x = torch.from_numpy(rng.standard_normal((n, kvh, hs)) * mag).to(dev, tdt)
+    y = torch.from_numpy(rng.standard_normal((n, kvh, hs)) * (fmax * s)).to(dev, tdt)
+    slots = torch.arange(n, device=dev)
+    want_k, want_v = torch_quantized(x), torch_quantized(y)
+    for form in forms:
+        kc = torch.zeros(4, bs, kvh, hs, dtype=torch.uint8, device=dev)
+        vc = torch.zeros_like(kc)
+        cupaged.reshape_and_cache(x, y, kc, vc, slots, fmt, form, form, kv_layout="NHD")
+        assert torch.equal(kc.view(-1, kvh, hs)[:n], want_k), repr(form)
+        assert torch.equal(vc.view(-1, kvh, hs)[:n], want_v), repr(form)
+
+    kv_c, k_pe = x.reshape(n, kvh * hs)[:, :MLA_ROPE * 2], y.reshape(n, kvh * hs)[:, :MLA_ROPE]
+    kv_c = torch.cat([kv_c] * (MLA_RANK // (MLA_ROPE * 2)), 1).contiguous()
+    k_pe = k_pe.contiguous()
+    want = torch_quantized(torch.cat([kv_c, k_pe], 1))
+    for form in forms:
+        cache = torch.zeros(4, bs, MLA_RANK + MLA_ROPE, dtype=torch.uint8, device=dev)
+        cupaged.concat_and_cache_mla(kv_c, k_pe, cache, slots, fmt, form)
+        assert torch.equal(cache.view(-1, MLA_RANK + MLA_ROPE)[:n], want), repr(form)

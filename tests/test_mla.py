@@ -187,6 +187,27 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, family, mla_split, 
     assert np.isnan(got[2:]).all()
 
 
+@pytest.mark.parametrize("split", [0, 2])
+def test_an_empty_sequence_gives_zeros_and_minus_inf_lse(rng, family, mla_split, split):
+    """A length-0 sequence decoding (one row, no query_start_loc) sees no key: zeros and
+    lse -inf in every head, in a single pass and split; the other sequences exact."""
+    import cupy
+
+    mla_split(split)
+    host = make_mla(rng, [1, 1, 1], [300, 1, 700], heads=16, block_size=16)
+    host["seq_lens"][1] = 0
+    dev = device({k: v for k, v in host.items() if k != "query_start_loc"})
+    got, lse = (cupy.asnumpy(a) for a in cupaged.mla_attention(**dev, scale=SCALE,
+                                                              return_lse=True))
+    assert (got[1] == 0).all() and np.isneginf(lse[1]).all()
+    keep = [0, 2]
+    rest = {**host, "q": host["q"][keep], "block_tables": host["block_tables"][keep],
+            "seq_lens": host["seq_lens"][keep]}
+    ref, ref_lse = ref_of(rest, return_lse=True, decode=True)
+    assert_close(got[keep].astype(np.float64), ref, testing.TOLERANCE["bf16"], f"split={split}")
+    np.testing.assert_allclose(lse[keep], ref_lse, rtol=0, atol=2e-3)
+
+
 def test_long_context_and_undercounted_bounds(rng, family):
     """128k keys in one sequence beside short ones; bounds that undercount the longest
     query and context cost parallelism, never rows or keys."""

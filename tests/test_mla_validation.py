@@ -530,3 +530,65 @@ def test_sixteen_rows_take_two_stages_where_two_ctas_share_an_sm(itemsize):
     # Hopper's 227 KiB hold two at 16 rows (sm_80's 163 KiB do not), but one CTA of 64 rows
     assert planning.mla_tile("sm_90", 16, itemsize) == (16, 32, 2)
     assert planning.mla_tile("sm_90", 64, itemsize)[2] > 2
+
+
+# ---- what the latent cache write takes against what mla_attention reads ----------------------
+
+
+def _cache_variant(dtype, cache_form, change):
+    """mla_attention's caches (combined, or the pair) of ``dtype`` as Fakes, ``change``d:
+    rows padded by 8 or 16 bytes, or the pointers 8 or 16 bytes past a boundary."""
+    it = np.dtype(dtype).itemsize
+    widths = (RANK + ROPE,) if cache_form == "combined" else (RANK, ROPE)
+    out = []
+    for width, name in zip(widths, ("kv_cache", "k_pe_cache")):
+        pad = {"rows+8": 8, "rows+16": 16}.get(change, 0) // it
+        root = np.zeros((10, 16, width + pad), dtype)
+        shift = {"ptr+8": 8, "ptr+16": 16}.get(change, 0)
+        out.append(fake_view(root[..., :width], root, BASES[name] + shift))
+    return out if cache_form == "pair" else [out[0], None]
+
+
+@pytest.mark.parametrize("change", ["dense", "rows+8", "rows+16", "ptr+8", "ptr+16"])
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+@pytest.mark.parametrize("dtype", [F16, np.dtype(np.uint8)], ids=["f16", "fp8"])
+def test_the_latent_cache_write_takes_the_caches_mla_attention_reads(dtype, cache_form,
+                                                                     change):
+    """concat_and_cache_mla and mla_attention agree on a cache's pointer and strides
+    (16-byte multiples, fp8 included): neither takes a cache the other refuses."""
+    from cupaged import cache_ops
+
+    kc, pc = _cache_variant(dtype, cache_form, change)
+    kv = "fp8" if dtype.itemsize == 1 else "auto"
+
+    def accepted(check):
+        try:
+            check()
+        except ValueError:
+            return False
+        return True
+
+    a = margs(cache=cache_form)
+    a.update(kv_cache=kc, k_pe_cache=pc, kv_cache_dtype=kv)
+    reads = accepted(lambda: mvalidate(**a))
+    src = [Fake(np.zeros((3, w), F16), ptr=(i + 40) << 24) for i, w in enumerate((RANK, ROPE))]
+    writes = accepted(lambda: cache_ops._validate_mla_write(
+        *src, kc, pc, Fake(np.zeros(3, np.int64), ptr=42 << 24), kv))
+    assert reads == writes == (change in ("dense", "rows+16", "ptr+16"))
+
+
+def test_mla_attention_refuses_a_per_token_scale(fakes_adapt, monkeypatch):
+    """MLA's latent cache takes one scale per tensor: a per-token array (any other shape
+    of more than one element) is refused with a ValueError that says so, before any
+    device work; so is it by concat_and_cache_mla (tests/test_cache_ops.py)."""
+    from cupaged import _kvquant
+
+    monkeypatch.setattr(_kvquant, "as_device_array", lambda x, name: x)
+    a = mbad("pair", kv_cache=np.zeros((10, 16, 512), np.uint8),
+             k_pe_cache=np.zeros((10, 16, 64), np.uint8))
+    for shape in ((10, 1, 16), (2,)):
+        per_token = Fake(np.zeros(shape, np.float32), ptr=50 << 24)
+        with pytest.raises(ValueError, match=rf"k_scale must be one float \(per tensor\), got "
+                                             rf"shape \({shape[0]},.*\): MLA's latent cache "
+                                             rf"takes a per-tensor scale only"):
+            fakes_adapt(a, scale=0.1, kv_cache_dtype="fp8", k_scale=per_token)

@@ -61,6 +61,25 @@ def test_every_op_is_registered_and_listed():
     assert sorted(op._qualname.split("::")[1] for op in torch_ops.OPS) == sorted(WRITES)
 
 
+def test_the_docs_name_exactly_the_registered_ops():
+    """docs/API.md's op table names the ops OPS registers, no more, and the README's
+    custom-ops paragraph names each of them."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = (root / "docs" / "API.md").read_text().split("| op | writes |", 1)[1]
+    names, last = set(), ""
+    for line in table.split("\n\n", 1)[0].splitlines()[2:]:
+        for n in re.findall(r"`(\w+)`", line.split("|")[1]):
+            last = last.rsplit("_", 1)[0] + n if n.startswith("_") else n  # `_v2`
+            names.add(last)
+    assert names == set(WRITES)
+    readme = (root / "README.md").read_text()
+    ops = readme.split("**PyTorch custom ops.**", 1)[1].split("\n- ", 1)[0]
+    assert "twelve" in ops and all(f"`{n}`" in ops for n in WRITES)
+
+
 @pytest.mark.parametrize("name", sorted(WRITES))
 def test_schema_declares_exactly_the_written_arguments(name):
     schema = getattr(torch.ops.cupaged, name).default._schema

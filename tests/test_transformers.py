@@ -37,6 +37,9 @@ def test_register_names_and_refusals():
     assert AttentionInterface._global_mapping["paged|cupaged"] is cupaged_tf.paged_attention_forward
     with pytest.raises(ValueError, match="treats implementations named 'flash'"):
         cupaged_tf.register("my_flash")
+    with pytest.raises(ValueError, match="treats implementations named 'flash'"):
+        cupaged_tf.register("My_FLASH")  # in any case
+    assert "paged|My_FLASH" not in AttentionInterface._global_mapping
     with pytest.raises(ValueError, match="'paged\\|' is added"):
         cupaged_tf.register("paged|x")
 

@@ -364,6 +364,87 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, dtype):
     assert np.isnan(got[4:]).all()
 
 
+def test_a_bad_block_gives_nan_to_exactly_the_rows_that_see_it_in_row_mode(rng):
+    """The decode kernel's row mode (float32 queries here) runs one CTA per query row: the
+    rows whose keys include a bad block come out NaN in every head, their lse too, and the
+    sequence's earlier rows, whose causal keys stop before the block, are exact."""
+    import cupy
+    from test_variants import _check_lse
+
+    host = make_varlen(rng, [30, 3], [40, 20], dtype="f32", heads=4, kv_heads=2)
+    host["block_tables"][0, 2] = 10**6  # keys 32..47; row i of sequence 0 at position 10 + i
+    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+    got, lse = (cupy.asnumpy(a).astype(np.float64)
+                for a in cupaged.attention(**dev, max_query_len=30, return_lse=True))
+    assert np.isnan(got[22:30]).all() and np.isnan(lse[22:30]).all()
+    early = {**host, "seq_lens": np.array([32], np.int32), "block_tables": host["block_tables"][:1],
+             "query_start_loc": np.array([0, 22], np.int32), "query": host["query"][:22]}
+    ref, ref_lse = reference.attention(**early, return_lse=True)
+    assert_close(got[:22], ref, testing.TOLERANCE["f32"])
+    _check_lse(lse[:22], ref_lse, "rows before the bad block")
+    other = {**host, "seq_lens": host["seq_lens"][1:], "block_tables": host["block_tables"][1:],
+             "query_start_loc": np.array([0, 3], np.int32), "query": host["query"][30:]}
+    assert_close(got[30:], reference.attention(**other), testing.TOLERANCE["f32"])
+
+
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+@pytest.mark.parametrize("split", [0, 64], ids=lambda s: f"split{s}")
+def test_a_bad_block_spares_the_query_tiles_before_it(rng, prefill_split, family, split):
+    """The multi-token kernels give a bad block's NaN to whole tiles of packed rows (query
+    tokens x the query heads of one KV head, 16 to 128 rows): every row that sees the block
+    is NaN, and so may others of its tile; rows of earlier tiles are exact. With 2 heads a
+    KV head, a tile holds at most 64 tokens, so tokens 0..63 never share one with token 148,
+    the first to see the block."""
+    import cupy
+    from cupaged import planning
+
+    if family == "sm90" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    prefill_split(split)
+    planning.set_prefill_family(family)
+    try:
+        host = make_varlen(rng, [200], [260], dtype="f16", heads=4, kv_heads=2)
+        host["block_tables"][0, 13] = 10**6  # keys 208..223; token i at position 60 + i
+        dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
+        got = cupy.asnumpy(cupaged.attention(**dev, max_query_len=200)).astype(np.float64)
+    finally:
+        planning.set_prefill_family(None)
+    assert np.isnan(got[148:]).all()
+    early = {**host, "seq_lens": np.array([124], np.int32),
+             "query_start_loc": np.array([0, 64], np.int32), "query": host["query"][:64]}
+    assert_close(got[:64], reference.attention(**early), testing.TOLERANCE["f16"],
+                 f"{family} split={split}")
+
+
+@pytest.mark.parametrize("workspace", [False, True])
+def test_an_empty_sequence_gives_zeros_and_minus_inf_lse(rng, workspace):
+    """A length-0 sequence, one row without query_start_loc (the decode path, split-KV
+    over the long ones), sees no key: zeros and lse -inf in every head, through attention
+    and an AttentionPlan; a negative length counts as 0."""
+    import cupy
+    from test_variants import _check_lse
+
+    host = make_varlen(rng, [1, 1, 1, 1], [300, 5, 3000, 9], heads=4, kv_heads=2)
+    host["seq_lens"][[1, 3]] = [0, -4]
+    dev = {k: cupy.asarray(v) for k, v in host.items()
+           if v is not None and k != "query_start_loc"}
+    kw = dict(return_lse=True)
+    if workspace:
+        kw["workspace"] = cupaged.DecodeWorkspace(4, 4, 64)
+    plan = cupaged.AttentionPlan(**dev, **kw)
+    for out, lse in (cupaged.attention(**dev, **kw), plan.run(dev["query"], dev["key_cache"],
+                                                              dev["value_cache"])):
+        out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
+        assert (out[[1, 3]] == 0).all() and np.isneginf(lse[[1, 3]]).all()
+        for s in (0, 2):
+            one = {**host, "seq_lens": host["seq_lens"][s:s + 1],
+                   "block_tables": host["block_tables"][s:s + 1], "query_start_loc": None,
+                   "query": host["query"][s:s + 1]}
+            ref, ref_lse = reference.attention(**one, return_lse=True)
+            assert_close(out[s:s + 1].astype(np.float64), ref, testing.TOLERANCE["f16"])
+            _check_lse(lse[s:s + 1], ref_lse, f"sequence {s}")
+
+
 def test_empty_batches_and_sequences(rng):
     import cupy
 

@@ -1,4 +1,5 @@
-"""``torch.ops.cupaged.*``: cupaged's entry points as PyTorch custom operators.
+"""``torch.ops.cupaged.*``: twelve of cupaged's entry points as PyTorch custom operators
+(the table below; :data:`OPS` holds them).
 
 A model that calls these compiles with ``torch.compile(fullgraph=True)`` without a graph
 break, traces under fake tensors (each op has a fake implementation), passes
@@ -9,7 +10,9 @@ Every op writes into arrays the caller passes (``out``, the caches, ...), declar
 schema as mutated, and returns nothing: the convention of vLLM's ops, whose argument
 order the vLLM-named ones keep. Arguments are those of the Python function of the same
 name (see its docstring); where that function takes a number or an array for a scale,
-the op takes an optional float32 device tensor.
+the op takes a tensor (one element, on the device or the CPU: the scale forms of
+docs/API.md; per-token arrays only in the ``attention`` op), optional but in
+``paged_attention_v1``/``_v2``.
 
 =========================== ============================================================
 op                          Python function it runs
@@ -30,6 +33,13 @@ op                          Python function it runs
 Per-token fp8 scale arrays, which :func:`cupaged.reshape_and_cache` writes, are not taken
 by the cache-write ops (their schemas declare the caches alone as written): pass
 per-tensor scales, or call the Python function.
+
+The rest of the API has no op: :func:`cupaged.paged_attention` (its decode is the
+``attention`` op with ``kv_layout="vllm"`` and no ``query_start_loc``, or the
+``paged_attention_v1``/``_v2`` ops), the host-side objects (``AttentionPlan``,
+``DecodeWorkspace``, ``PagedKVCache``, ``PagedMLACache``, ``BlockManager``, ``Step``),
+whose tensors a compiled model passes to the ops, and ``check_block_tables`` (it
+synchronizes), ``empty_pinned``, ``precompile`` and ``reference``.
 
 Importing this module imports torch and registers the ops (once); ``import cupaged``
 does it when torch is already imported.

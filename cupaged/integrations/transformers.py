@@ -31,8 +31,8 @@ the decode kernel's row mode). transformers' own compiled continuous batching
 points, which dynamo does not trace. With transformers' CUDA graphs, the padded query rows
 (past ``cu_seq_lens_q[-1]``) belong to no sequence and are left unwritten, which
 ``CUPAGED_DEBUG=1``'s check of ``query_start_loc`` reports. The name must not contain
-"flash": transformers treats such names as FlashAttention and hands them block tables and
-a different cache path.
+"flash" (in any case; :func:`register` raises ValueError): transformers treats such names
+as FlashAttention and hands them block tables and a different cache path.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def register(name: str = "cupaged") -> str:
     """Register cupaged's paged attention with transformers' ``AttentionInterface`` as
     ``"paged|<name>"`` and return that string (the ``attn_implementation`` to give a
     model). Raises ``RuntimeError`` for a transformers release outside
-    :data:`SUPPORTED_VERSIONS` and ``ValueError`` for a name containing "flash"."""
+    :data:`SUPPORTED_VERSIONS` (checked first), and ``ValueError`` for a name containing
+    "flash" in any case or a "|"; nothing is registered then."""
     import transformers
     from transformers import AttentionInterface
 
