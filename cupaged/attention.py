@@ -162,7 +162,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     if not plan:
         return None, None
     with _arrays.on_device(p.device):
-        if _checks.DEBUG:
+        if _checks.debug():
             ctx = _arrays.context(p.device, _arrays.framework(query), stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
@@ -236,7 +236,7 @@ class AttentionPlan:
         :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
         m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse, *self._shared))
         if (m is None or m != self._metas or ptrs[5:] != self._shared_ptrs
-                or k_scale is not None or v_scale is not None or _checks.DEBUG
+                or k_scale is not None or v_scale is not None or _checks.debug()
                 or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
             kw = dict(self._keywords)
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):

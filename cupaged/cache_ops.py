@@ -62,7 +62,7 @@ def _check_slots(sm, sources) -> tuple[int, str]:
 def _debug_check_slots(sm, num_slots: int, ctx) -> None:
     """With CUPAGED_DEBUG=1, a slot past the cache raises (a device sync) instead of being
     skipped."""
-    if _checks.DEBUG:
+    if _checks.debug():
         s = _arrays.to_host(sm, ctx)
         bad = np.flatnonzero(s >= num_slots)
         if bad.size:
@@ -526,7 +526,7 @@ def _copy_within(tensors, mapping, index: str, nbytes: int, num_blocks: int, dev
         return
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.framework(framework_of), stream)
-        if _checks.DEBUG:
+        if _checks.debug():
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
                      num_blocks)
@@ -737,7 +737,7 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
             host_pairs = mapping if on_host else _arrays.to_host(mapping, ctx)
             _swap_staged(ctx, src_s, dst_s, host_pairs, nbytes)
             return
-        if _checks.DEBUG:
+        if _checks.debug():
             _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0], ctx)
         if on_host:  # uploaded in the launch stream's order
             with _arrays.cupy_on_launch_stream(ctx):

@@ -14,24 +14,33 @@ caches it is given (use the ones it returns).
 
 Everything host-side is decided while tracing, from shapes and the static arguments:
 every check (errors are raised at trace time), the plan, the kernels (compiled and
-loaded), the split-KV workspace (one per device and head width, allocated once and
-shared: XLA runs these calls in order on its stream, and a call leaves the workspace's
-counters zero). The callback only reads the buffers' addresses and launches. So with
-``command_buffer=True`` (``command_buffer_compatible``), where XLA runs the Python once
-while it records its command buffer (a CUDA graph) and replays the launches, nothing in it
-allocates, loads a module or freezes a device value: lengths and query starts are read on
-the device by the kernels, and the plan covers the declared bounds (``max_query_len``,
-``max_seq_len``: static Python ints).
+loaded), the split-KV workspace when the plan splits (one per device and head width,
+shared, grown when a later trace needs more: XLA runs these calls in order on its
+stream, and a call leaves the workspace's counters zero). The callback only reads the
+buffers' addresses and launches (after zeroing the outputs of a call with query starts,
+whose rows outside them no kernel writes). So with ``command_buffer=True``
+(``command_buffer_compatible``), where XLA runs the Python once while it records its
+command buffer (a CUDA graph) and replays the launches, nothing in it allocates, loads a
+module or freezes a device value: lengths and query starts are read on the device by the
+kernels, and the plan covers the declared bounds (``max_query_len``, ``max_seq_len``:
+static Python ints).
+
+Devices: a trace plans for JAX's default GPU, and with ``command_buffer=True`` for every
+local GPU. A callback on a GPU without a plan makes it on its first run, which a command
+buffer being recorded cannot take (it raises). For several GPUs, run the step under
+``jax.shard_map`` (each device's callback then sees its own shard); plain ``jax.jit``
+over sharded arrays would replicate the custom call (it has no sharding rule).
 
 Side arrays are static host values under jit (``alibi_slopes``, ``sinks``: NumPy arrays or
 sequences, uploaded once at trace time; ``k_scale``, ``v_scale``, ``scale``: numbers);
-fp8 per-token scale arrays are not supported here. No vmap (``vmap_method=None``: JAX
-refuses it) and no gradients. See docs/API.md, "JAX under jax.jit".
+fp8 per-token scale arrays are not supported here, nor float8 JAX arrays (an fp8 cache is
+uint8 storage with ``kv_cache_dtype="fp8_e4m3"`` or ``"fp8_e5m2"``). No vmap
+(``vmap_method=None``: JAX refuses it) and no gradients. See docs/API.md, "JAX under
+jax.jit".
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import threading
@@ -87,9 +96,35 @@ def _static_int(value, name: str, fn: str, hint: str):
               TypeError)
     if _is_tracer(value) or isinstance(value, jax.Array):
         _fail(f"{name} must be a static Python int, not a JAX array: {hint}", TypeError)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        _fail(f"{name} must be a non-negative int, got {value!r}", TypeError)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        _fail(f"{name} must be a static Python int ({hint}), got {type(value).__name__}",
+              TypeError)
+    if value < 0:
+        _fail(f"{name} must be >= 0, got {value}")
     return int(value)
+
+
+def _query_bound(value, has_starts: bool, fn: str, hint: str):
+    """``max_query_len``: required with ``query_start_loc``; without it None (or absent)
+    is the decode case, as for the eager call."""
+    if value is REQUIRED or value is None:
+        if has_starts:
+            _static_int(REQUIRED, "max_query_len", fn, hint)
+        return None
+    return _static_int(value, "max_query_len", fn, hint)
+
+
+def _hashable(fn: str, statics: dict) -> dict:
+    """The keywords jax.jit takes as static arguments must hash: name the one that does
+    not (jax.jit's own error would not)."""
+    for name, value in statics.items():
+        try:
+            hash(value)
+        except TypeError:
+            _fail(f"{fn}: {name}={value!r} is not hashable; cupaged.jax's keywords are static "
+                  f"arguments of jax.jit (use an int, a str, a tuple or None as the eager "
+                  f"call takes them)", TypeError)
+    return statics
 
 
 def _static_number(value, name: str):
@@ -118,6 +153,33 @@ def _host_vector(value, name: str):
     return tuple(float(x) for x in a.astype(np.float32))
 
 
+# The dtypes whose XLA buffers have a __cuda_array_interface__ (jaxlib's
+# TypeDescriptorForPrimitiveType), which the callbacks read their addresses from.
+_CAI_DTYPES = frozenset(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float16, np.float32, np.float64, jax.numpy.bfloat16))
+
+
+def _check_dtypes(fn: str, named) -> None:
+    """Refuse, at trace time, arrays the callback could not take: XLA's buffers of float8
+    (and other narrow) types have no ``__cuda_array_interface__``. ``named``: (name, array
+    or None) pairs."""
+    for name, a in named:
+        if a is None:
+            continue
+        dt = np.dtype(a.dtype)
+        if dt in _CAI_DTYPES:
+            continue
+        if "float8" in dt.name:
+            _fail(f"{fn}: {name} is {dt.name}, which cupaged.jax cannot take (XLA gives a "
+                  f"callback no device address for float8 buffers). Keep an fp8 cache as "
+                  f"uint8 storage (jax.lax.bitcast_convert_type(x, jnp.uint8)) and "
+                  f"pass "
+                  f"kv_cache_dtype=\"fp8_e4m3\" or \"fp8_e5m2\"", TypeError)
+        _fail(f"{fn}: {name} is {dt.name}, which cupaged.jax cannot take (XLA gives a "
+              f"callback no device address for it)", TypeError)
+
+
 def _check_workspace(workspace):
     if workspace is not None and not isinstance(workspace, launch.DecodeWorkspace):
         _fail(f"workspace must be a cupaged.DecodeWorkspace or None, got "
@@ -134,19 +196,25 @@ def _check_flag(value, name: str) -> bool:
 # ---- trace-time plans ------------------------------------------------------------------------
 
 
-def _trace_device():
-    """The CUDA ordinal a trace plans for: JAX's default GPU; None when JAX has none (the
-    trace then runs the checks alone, and nothing can execute the callbacks anyway)."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    if not gpus:
-        return None
-    d = jax.config.jax_default_device
-    d = d if isinstance(d, jax.Device) and d.platform == "gpu" else gpus[0]
+def _hardware_id(d) -> int:
     hw = getattr(d, "local_hardware_id", None)
     return d.id if hw is None else int(hw)
+
+
+def _trace_devices(every_gpu: bool) -> list:
+    """The CUDA ordinals a trace plans for: JAX's default GPU, or with ``every_gpu`` each
+    local one; [] when JAX has none (the trace then runs the checks alone, and nothing
+    can execute the callbacks anyway)."""
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return []
+    if not gpus:
+        return []
+    if every_gpu:
+        return sorted({_hardware_id(d) for d in gpus})
+    d = jax.config.jax_default_device
+    return [_hardware_id(d if isinstance(d, jax.Device) and d.platform == "gpu" else gpus[0])]
 
 
 def _fakes(avals, device: int) -> list:
@@ -156,39 +224,46 @@ def _fakes(avals, device: int) -> list:
             for i, a in enumerate(avals)]
 
 
-@contextlib.contextmanager
-def _metadata_only():
-    """The checks of CUPAGED_DEBUG read the device, which stand-in arrays cannot give:
-    off while a trace plans (they run on eager calls)."""
-    debug = _checks.DEBUG
-    _checks.DEBUG = False
-    try:
-        yield
-    finally:
-        _checks.DEBUG = debug
+def _capturing(stream: int) -> bool:
+    """Is ``stream`` being captured into a CUDA graph (XLA recording a command buffer)?"""
+    import cupy
+
+    query = getattr(cupy.cuda.runtime, "streamIsCapturing", None)
+    if query is None:  # pragma: no cover - CuPy without it: assume not
+        return False
+    return int(query(stream)) != int(getattr(cupy.cuda.runtime, "streamCaptureStatusNone", 0))
 
 
 class _Plans:
     """One traced call's plans by device: ``make(device, plan)`` checks the call (and
-    with ``plan`` builds what the callback launches). The trace makes the plan of its
-    device (or, without a GPU, runs the checks alone); a callback on another device makes
-    that device's plan on first use."""
+    with ``plan`` builds what the callback launches). The trace makes the plan of JAX's
+    default GPU, or with ``command_buffer`` of every local GPU (or, without a GPU, runs
+    the checks alone). A callback on a device without a plan makes it on first use
+    (compiling, allocating), which a command buffer being recorded cannot take: it raises
+    instead."""
 
-    def __init__(self, make):
+    def __init__(self, make, command_buffer: bool = False):
         self._make = make
         self._by_device: dict = {}
         self._lock = threading.Lock()
-        device = _trace_device()
-        with _metadata_only():
-            if device is None:
+        devices = _trace_devices(command_buffer)
+        with _checks.metadata_only():
+            if not devices:
                 make(0, False)
-            else:
+            for device in devices:
                 self._by_device[device] = make(device, True)
 
-    def get(self, device: int):
+    def get(self, device: int, stream: int):
         got = self._by_device.get(device)
         if got is None:
-            with self._lock, _metadata_only():
+            if _capturing(stream):
+                raise RuntimeError(
+                    f"cupaged.jax: this call was planned at trace time for GPUs "
+                    f"{sorted(self._by_device)}, and runs on GPU {device} while XLA records "
+                    f"a command buffer, where planning (compiling, allocating) is not "
+                    f"possible. Trace with command_buffer=True (which plans for every local "
+                    f"GPU), or make the GPU JAX's default device before tracing")
+            with self._lock, _checks.metadata_only():
                 got = self._by_device.get(device)
                 if got is None:
                     got = self._by_device[device] = self._make(device, True)
@@ -199,16 +274,44 @@ _WORKSPACES: dict = {}
 _WORKSPACE_LOCK = threading.Lock()
 
 
-def _shared_workspace(device: int, rows: int, num_heads: int, head_size: int):
-    """The device's shared split-KV workspace for partial rows ``head_size`` wide, grown
-    (a new one: plans made with the old keep it alive) when ``rows * num_heads`` needs
-    more than it has."""
+def _split_rows(prep) -> int:
+    """The split-KV partial rows a prepared call's launch needs (0: it does not split)."""
+    ln = prep.launch
+    if ln is None:
+        return 0
+    if isinstance(ln, launch.MlaLaunch):
+        return ln.scratch_rows if ln.split_tiles else 0
+    return ln.scratch_rows if ln.split else 0
+
+
+def _shared_workspace(device: int, rows: int, head_size: int):
+    """The device's shared split-KV workspace for ``rows`` partial rows ``head_size``
+    wide, grown (a new one: plans made with the old keep it alive) when it has fewer."""
     with _WORKSPACE_LOCK:
         ws = _WORKSPACES.get((device, head_size))
-        if ws is None or ws.rows < 2 * max(rows, 1) * num_heads:
-            ws = launch.DecodeWorkspace(max(rows, 1), num_heads, head_size, device=device)
+        if ws is None or ws.rows < rows:
+            ws = launch.DecodeWorkspace(1, 1, head_size, rows=rows, device=device)
             _WORKSPACES[(device, head_size)] = ws
         return ws
+
+
+def _planned(prepare, workspace, device: int, head_size: int):
+    """``(prepared call, workspace)``: ``prepare(workspace)`` with the caller's workspace,
+    else planned without one and, when the plan splits, again with the shared workspace
+    grown to what it needs (its partial rows): a call that never splits allocates
+    nothing. The callbacks cannot allocate the per-call scratch a plan without a
+    workspace would (a command buffer records no allocation)."""
+    if workspace is not None:
+        return prepare(workspace), workspace
+    prep = prepare(None)
+    rows = _split_rows(prep)
+    if not rows:
+        return prep, None
+    ws = _shared_workspace(device, rows, head_size)
+    prep = prepare(ws)
+    if _split_rows(prep) and getattr(prep.launch, "partials", None) is None:
+        raise AssertionError("cupaged.jax: a split plan without a workspace")  # pragma: no cover
+    return prep, ws
 
 
 # ---- callbacks -------------------------------------------------------------------------------
@@ -226,13 +329,29 @@ def _device_of(buf) -> int:
     return int(device)
 
 
-def _addresses(bufs) -> list:
+def _addresses(bufs, names) -> list:
+    """The buffers' addresses (``names``: theirs, in order, for the error)."""
     ptrs = [_address(b) for b in bufs]
-    for p in ptrs:
+    for p, name in zip(ptrs, names):
         if p & 15:
-            raise ValueError(f"XLA gave cupaged a buffer at {p:#x}, not 16-byte aligned as "
+            raise ValueError(f"XLA gave cupaged {name} at {p:#x}, not 16-byte aligned as "
                              f"the checks made at trace time assumed")
     return ptrs
+
+
+def _zero(device: int, stream: int, regions) -> None:
+    """Zero ``(address, nbytes)`` regions on ``stream`` (cudaMemsetAsync, which a command
+    buffer being recorded takes as a memset node)."""
+    import cupy
+
+    with _arrays.on_device(device):
+        for ptr, n in regions:
+            if ptr and n:
+                cupy.cuda.runtime.memsetAsync(ptr, 0, n, stream)
+
+
+def _nbytes(sds) -> int:
+    return int(np.prod(sds.shape, dtype=np.int64)) * np.dtype(sds.dtype).itemsize
 
 
 def _call(callback, result_shapes, args, aliases=None, command_buffer=False):
@@ -273,18 +392,21 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     ints, the bounds the plan covers. ``alibi_slopes`` and ``sinks`` are host values
     (NumPy arrays or sequences), ``scale``, ``k_scale``, ``v_scale`` numbers.
     ``workspace``: a :class:`cupaged.DecodeWorkspace` for the split-KV partials (default:
-    the device's shared one). ``command_buffer``: let XLA record the call into its
-    command buffers (``command_buffer_compatible``).
+    the device's shared one, allocated at trace time if the plan splits).
+    ``command_buffer``: let XLA record the call into its command buffers
+    (``command_buffer_compatible``).
 
     Returns ``out`` (the query's shape and dtype), or ``(out, lse)`` with ``return_lse``
-    (float32 ``[total_q, num_heads]``).
+    (float32 ``[total_q, num_heads]``). With ``query_start_loc``, rows outside
+    ``[query_start_loc[0], query_start_loc[-1])`` (padding: no sequence's) come back
+    zero, ``out`` and ``lse`` alike (a memset; rows of a sequence that see no key keep
+    the eager convention, lse -inf).
     """
     has_starts = query_start_loc is not None
     fn = "cupaged.jax.attention"
     statics = dict(
-        max_query_len=(_static_int(max_query_len, "max_query_len", fn,
-                                   "the most query tokens of one sequence; 1 for decode")
-                       if has_starts or max_query_len is not REQUIRED else None),
+        max_query_len=_query_bound(max_query_len, has_starts, fn,
+                                   "the most query tokens of one sequence; 1 for decode"),
         max_seq_len=_static_int(max_seq_len, "max_seq_len", fn,
                                 "the longest seq_lens entry; block_tables.shape[1] * "
                                 "block_size always holds"),
@@ -301,6 +423,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         v = statics[name]
         if v is not None and (_is_tracer(v) or isinstance(v, jax.Array)):
             _fail(f"{name} must be a static Python int", TypeError)
+    _hashable(fn, statics)
     return _attention_jit(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, **statics)
 
@@ -314,7 +437,10 @@ def _upload(values, device: int, plan: bool):
     import cupy
 
     with _arrays.on_device(device):
-        return cupy.asarray(np.asarray(values, dtype=np.float32))
+        a = cupy.asarray(np.asarray(values, dtype=np.float32))
+        # Copied on CuPy's stream, read on XLA's: landed before anything can launch.
+        cupy.cuda.get_current_stream().synchronize()
+        return a
 
 
 def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -322,12 +448,19 @@ def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, que
                       kv_cache_dtype, k_scale, v_scale, window, window_left, logits_soft_cap,
                       sinks, return_lse, workspace, command_buffer):
     has_starts = query_start_loc is not None
+    names = ["query", "key_cache", "value_cache", "block_tables", "seq_lens",
+             "query_start_loc"]
     inputs = [query, key_cache, value_cache, block_tables, seq_lens]
+    _check_dtypes("cupaged.jax.attention", zip(names, inputs + [query_start_loc]))
     if has_starts:
         inputs.append(query_start_loc)
     out_shapes = [_sds(query.shape, query.dtype)]
     if return_lse:
         out_shapes.append(_sds(query.shape[:2], _F32))
+    names = names[:len(inputs)] + ["out", "lse"][:len(out_shapes)]
+    # With query starts, the rows outside [starts[0], starts[-1]) are no sequence's and no
+    # kernel writes them: the callback zeroes the outputs first.
+    zero = [_nbytes(x) for x in out_shapes] if has_starts else []
 
     def make(device, plan):
         q, kc, vc, bt, sl, *rest = _fakes(inputs + out_shapes, device)
@@ -344,21 +477,22 @@ def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, que
         _attention._validate_and_prepare(*args, workspace, *tail, plan=False)
         if not plan:
             return None
-        ws = workspace or _shared_workspace(device, max(q.shape[0], bt.shape[0]),
-                                            q.shape[1], q.shape[2])
-        prep, _ = _attention._validate_and_prepare(*args, ws, *tail)
+        prep, ws = _planned(lambda ws: _attention._validate_and_prepare(*args, ws, *tail)[0],
+                            workspace, device, q.shape[2])
         return prep, (ws, alibi, sink)  # (what the launches embed, kept alive)
 
-    plans = _Plans(make)
+    plans = _Plans(make, command_buffer)
 
     def callback(ctx, outs, *bufs):
-        prep, _ = plans.get(_device_of(bufs[0]))
-        q, kc, vc, bt, sl, *rest = _addresses((*bufs, *outs))
+        stream = int(ctx.stream)
+        prep, _ = plans.get(_device_of(bufs[0]), stream)
+        q, kc, vc, bt, sl, *rest = _addresses((*bufs, *outs), names)
         qsl = rest.pop(0) if has_starts else 0
         o = rest.pop(0)
         lse = rest.pop(0) if return_lse else 0
-        _prepared.run(prep, (q, kc, vc, bt, sl, qsl, o, lse), int(ctx.stream), o,
-                      lse or None)
+        if zero:
+            _zero(prep.device, stream, zip((o, lse), zero))
+        _prepared.run(prep, (q, kc, vc, bt, sl, qsl, o, lse), stream, o, lse or None)
 
     res = _call(callback, out_shapes, inputs, command_buffer=command_buffer)
     return tuple(res) if return_lse else res[0]
@@ -383,10 +517,12 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
     keywords static. ``max_seq_len`` is required, and ``max_query_len`` with
     ``query_start_loc`` (static Python ints, as for :func:`attention`); ``scale`` and
     ``k_scale`` are numbers; ``workspace`` a :class:`cupaged.DecodeWorkspace` made with
-    ``head_size=512`` (default: the device's shared one).
+    ``head_size=512`` (default: the device's shared one, allocated at trace time if the
+    plan splits).
 
     Returns ``out`` ``[total_q, num_heads, kv_lora_rank]`` of the query's dtype, or
-    ``(out, lse)`` with ``return_lse``.
+    ``(out, lse)`` with ``return_lse``; rows outside the query starts' range come back
+    zero, as for :func:`attention`.
     """
     has_starts = query_start_loc is not None
     fn = "cupaged.jax.mla_attention"
@@ -397,9 +533,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
         kv_lora_rank = _static_int(kv_lora_rank, "kv_lora_rank", fn, "512 for DeepSeek")
     statics = dict(
         scale=_static_number(scale, "scale"),
-        max_query_len=(_static_int(max_query_len, "max_query_len", fn,
-                                   "the most query tokens of one sequence")
-                       if has_starts or max_query_len is not REQUIRED else None),
+        max_query_len=_query_bound(max_query_len, has_starts, fn,
+                                   "the most query tokens of one sequence"),
         max_seq_len=_static_int(max_seq_len, "max_seq_len", fn,
                                 "the longest seq_lens entry; block_tables.shape[1] * "
                                 "block_size always holds"),
@@ -407,6 +542,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
         return_lse=_check_flag(return_lse, "return_lse"), kv_cache_dtype=kv_cache_dtype,
         k_scale=_static_number(k_scale, "k_scale"), workspace=_check_workspace(workspace),
         command_buffer=_check_flag(command_buffer, "command_buffer"))
+    _hashable(fn, statics)
     pair = isinstance(q, (tuple, list))
     if pair and len(q) != 2:
         _fail(f"q as a sequence must be the pair (q_nope, q_pe), got {len(q)} arrays")
@@ -421,7 +557,11 @@ def _mla_traced(q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query
     pair, split_cache = q_pe is not None, k_pe_cache is not None
     has_starts = query_start_loc is not None
     inputs = [q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc]
+    names = ["q_nope" if pair else "q", "q_pe", "kv_cache", "k_pe_cache", "block_tables",
+             "seq_lens", "query_start_loc"]
+    _check_dtypes("cupaged.jax.mla_attention", zip(names, inputs))
     present = [x is not None for x in inputs]
+    names = [n for n, x in zip(names, inputs) if x is not None]
     inputs = [x for x in inputs if x is not None]
     if split_cache:
         rank = kv_cache.shape[-1]
@@ -430,6 +570,9 @@ def _mla_traced(q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query
     out_shapes = [_sds((*q_lat.shape[:2], rank), q_lat.dtype)]
     if return_lse:
         out_shapes.append(_sds(q_lat.shape[:2], _F32))
+    names += ["out", "lse"][:len(out_shapes)]
+    # Rows outside the query starts' range: zeroed by the callback (see _attention_traced).
+    zero = [_nbytes(x) for x in out_shapes] if has_starts else []
 
     def spread(items):
         """``items`` (the inputs present) in the order of all seven, None for absent."""
@@ -447,21 +590,22 @@ def _mla_traced(q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query
         _mla._validate_and_prepare(*args, workspace, plan=False)
         if not plan:
             return None
-        ws = workspace or _shared_workspace(device, ql.shape[0], ql.shape[1],
-                                            launch.MLA_PARTIAL_WIDTH)
-        prep, _ = _mla._validate_and_prepare(*args, ws)
-        return prep, ws
+        return _planned(lambda ws: _mla._validate_and_prepare(*args, ws)[0], workspace,
+                        device, launch.MLA_PARTIAL_WIDTH)
 
-    plans = _Plans(make)
+    plans = _Plans(make, command_buffer)
 
     def callback(ctx, outs, *bufs):
-        prep, _ = plans.get(_device_of(bufs[0]))
-        ptrs = _addresses((*bufs, *outs))
+        stream = int(ctx.stream)
+        prep, _ = plans.get(_device_of(bufs[0]), stream)
+        ptrs = _addresses((*bufs, *outs), names)
         ql, qr, kc, kpe, bt, sl, qsl = spread(ptrs[:len(inputs)])
         o = ptrs[len(inputs)]
         lse = ptrs[len(inputs) + 1] if return_lse else 0
+        if zero:
+            _zero(prep.device, stream, zip((o, lse), zero))
         _prepared.run(prep, ((ql, qr if pair else ql), kc, kc if kpe is None else kpe, bt,
-                             sl, qsl or 0, o, lse), int(ctx.stream), o, lse or None)
+                             sl, qsl or 0, o, lse), stream, o, lse or None)
 
     res = _call(callback, out_shapes, inputs, command_buffer=command_buffer)
     return tuple(res) if return_lse else res[0]
@@ -480,16 +624,23 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     (``jax.jit(step, donate_argnums=...)``) and the write is in place; without donation
     XLA copies each cache first. Called eagerly it donates them itself: use the returned
     caches (the ones passed are deleted). ``k_scale``, ``v_scale``: numbers (an fp8
-    cache's per-tensor scales)."""
-    return _write_jit(key, value, key_cache, value_cache, slot_mapping,
-                      kv_cache_dtype=kv_cache_dtype, k_scale=_static_number(k_scale, "k_scale"),
-                      v_scale=_static_number(v_scale, "v_scale"), kv_layout=kv_layout,
-                      command_buffer=_check_flag(command_buffer, "command_buffer"))
+    cache's per-tensor scales).
+
+    The write is a JAX value like any other: a step that does not use the returned
+    caches has them (and the write) removed by XLA as dead code."""
+    statics = _hashable("cupaged.jax.reshape_and_cache", dict(
+        kv_cache_dtype=kv_cache_dtype, k_scale=_static_number(k_scale, "k_scale"),
+        v_scale=_static_number(v_scale, "v_scale"), kv_layout=kv_layout,
+        command_buffer=_check_flag(command_buffer, "command_buffer")))
+    return _write_jit(key, value, key_cache, value_cache, slot_mapping, **statics)
 
 
 def _write_traced(key, value, key_cache, value_cache, slot_mapping, *, kv_cache_dtype, k_scale,
                   v_scale, kv_layout, command_buffer):
     inputs = [key, value, key_cache, value_cache, slot_mapping]
+    names = ["key", "value", "key_cache", "value_cache", "slot_mapping", "key_cache (out)",
+             "value_cache (out)"]
+    _check_dtypes("cupaged.jax.reshape_and_cache", zip(names, inputs))
     out_shapes = [_sds(key_cache.shape, key_cache.dtype),
                   _sds(value_cache.shape, value_cache.dtype)]
 
@@ -504,13 +655,13 @@ def _write_traced(key, value, key_cache, value_cache, slot_mapping, *, kv_cache_
                 kern = cache_ops._write_kernel(w)
         return w, kern, views
 
-    plans = _Plans(make)
+    plans = _Plans(make, command_buffer)
 
     def callback(ctx, outs, *bufs):
-        w, kern, views = plans.get(_device_of(bufs[0]))
+        w, kern, views = plans.get(_device_of(bufs[0]), int(ctx.stream))
         if kern is None:
             return
-        k, v, _, _, sm, kc, vc = _addresses((*bufs, *outs))
+        k, v, _, _, sm, kc, vc = _addresses((*bufs, *outs), names)
         with _arrays.on_device(w.device):
             cache_ops._launch_write(kern, w, int(ctx.stream), views[0].at(k), views[1].at(v),
                                     views[2].at(kc), views[3].at(vc), views[4].at(sm))
@@ -528,10 +679,12 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     """:func:`cupaged.concat_and_cache_mla` as a JAX operation: returns ``kv_cache`` with
     the tokens written, or ``(kv_cache, k_pe_cache)`` given a split cache, aliased to the
     caches given (donate them, as for :func:`reshape_and_cache`; called eagerly it donates
-    them itself). ``scale``: a number (an fp8 cache's per-tensor scale)."""
-    res = _mla_write_jit(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache,
-                         kv_cache_dtype=kv_cache_dtype, scale=_static_number(scale, "scale"),
-                         command_buffer=_check_flag(command_buffer, "command_buffer"))
+    them itself). ``scale``: a number (an fp8 cache's per-tensor scale). Unused returned
+    caches are dead code to XLA, the write with them (as for :func:`reshape_and_cache`)."""
+    statics = _hashable("cupaged.jax.concat_and_cache_mla", dict(
+        kv_cache_dtype=kv_cache_dtype, scale=_static_number(scale, "scale"),
+        command_buffer=_check_flag(command_buffer, "command_buffer")))
+    res = _mla_write_jit(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, **statics)
     return res if k_pe_cache is not None else res[0]
 
 
@@ -539,6 +692,9 @@ def _mla_write_traced(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, *, kv_cach
                       command_buffer):
     split = k_pe_cache is not None
     inputs = [kv_c, k_pe, kv_cache, slot_mapping] + ([k_pe_cache] if split else [])
+    names = ["kv_c", "k_pe", "kv_cache", "slot_mapping", "k_pe_cache"][:len(inputs)]
+    _check_dtypes("cupaged.jax.concat_and_cache_mla", zip(names, inputs))
+    names += ["kv_cache (out)", "k_pe_cache (out)"]
     out_shapes = [_sds(kv_cache.shape, kv_cache.dtype)]
     if split:
         out_shapes.append(_sds(k_pe_cache.shape, k_pe_cache.dtype))
@@ -559,13 +715,13 @@ def _mla_write_traced(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, *, kv_cach
                 kern = cache_ops._mla_write_kernel(w)
         return w, kern, views, (sp, sv)
 
-    plans = _Plans(make)
+    plans = _Plans(make, command_buffer)
 
     def callback(ctx, outs, *bufs):
-        w, kern, views, (sp, sv) = plans.get(_device_of(bufs[0]))
+        w, kern, views, (sp, sv) = plans.get(_device_of(bufs[0]), int(ctx.stream))
         if kern is None:
             return
-        ptrs = _addresses((*bufs, *outs))
+        ptrs = _addresses((*bufs, *outs), names)
         a, b, _, sm = ptrs[:4]
         kc = ptrs[len(inputs)]
         pc = views[4].at(ptrs[len(inputs) + 1]) if split else None
@@ -595,6 +751,8 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, command_buffer=False):
 
 def _merge_traced(out_a, lse_a, out_b, lse_b, *, command_buffer):
     inputs = [out_a, lse_a, out_b, lse_b]
+    names = ["out_a", "lse_a", "out_b", "lse_b", "out", "lse"]
+    _check_dtypes("cupaged.jax.merge_state", zip(names, inputs))
     out_shapes = [_sds(out_a.shape, out_a.dtype), _sds(out_a.shape[:2], _F32)]
 
     def make(device, plan):
@@ -608,13 +766,13 @@ def _merge_traced(out_a, lse_a, out_b, lse_b, *, command_buffer):
                 merge._kernel(device, m.dtype.name)  # loaded now, not in the callback
         return m, o, lo
 
-    plans = _Plans(make)
+    plans = _Plans(make, command_buffer)
 
     def callback(ctx, outs, *bufs):
-        m, o, lo = plans.get(_device_of(bufs[0]))
+        m, o, lo = plans.get(_device_of(bufs[0]), int(ctx.stream))
         if not m.shape[0] * m.shape[1]:
             return
-        pa, pla, pb, plb, po, plo = _addresses((*bufs, *outs))
+        pa, pla, pb, plb, po, plo = _addresses((*bufs, *outs), names)
         first, second = m.inputs
         m = m._replace(inputs=(first._replace(out=pa, lse=pla),
                                second._replace(out=pb, lse=plb)))

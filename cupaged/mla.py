@@ -184,7 +184,7 @@ def _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, 
     if not plan:
         return None, None
     with _arrays.on_device(p.device):
-        if _checks.DEBUG:
+        if _checks.debug():
             ctx = _arrays.context(p.device, kind, stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:

@@ -9,8 +9,8 @@ program with no host round trip. Random weights, nothing downloaded; needs JAX w
 CUDA plugin, CuPy and a GPU:
 
     python examples/jax_decode.py --batch 4 --prompt-len 40 --steps 16
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL" \\
-        python examples/jax_decode.py --command-buffer
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL \\
+    --xla_gpu_graph_min_graph_size=1" python examples/jax_decode.py --command-buffer
 
 The prompt's K and V are written by one cache write of all its tokens (no prefill
 attention: this is about the decode loop).
