@@ -327,6 +327,10 @@ def test_torch_side_stream_ordering(rng, how):
     p, new_q = _two_problems(rng)
     args = torch_args(p)
     fresh = to_torch(new_q)
+    # compiled and loaded first: a cold kernel cache's compile under a loaded machine can
+    # outlast the sleep, and the check below would blame cupaged for the time it took
+    cupaged.paged_attention(**args, partition="always")
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -510,7 +514,9 @@ def test_cupy_graph_decode_step(rng, partition):
         stream.synchronize()
 
     def assign(dst, v):
-        dst.set(np.ascontiguousarray(v).astype(dst.dtype))
+        # on the replay's stream: a non-blocking stream is not ordered after the null
+        # stream's copies, whose DMA can still be in flight when set() returns
+        dst.set(np.ascontiguousarray(v).astype(dst.dtype), stream=stream)
 
     _run_graph_case(state, arrays, capture, replay, partition, assign,
                     lambda o: cupy.asnumpy(o).astype(np.float64))
