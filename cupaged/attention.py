@@ -127,7 +127,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
          window_left, logits_soft_cap, return_lse), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
     if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
-        prep, ptrs = _validate_and_prepare(query, key_cache, value_cache, block_tables,
+        prep, ptrs = validate_and_prepare(query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, kv_layout, causal, scale,
                                            alibi_slopes, max_query_len, max_seq_len, out,
                                            stream, workspace, kv_cache_dtype, k_scale, v_scale,
@@ -136,7 +136,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     return _prepared.run(prep, ptrs, stream, out, lse)
 
 
-def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
+def validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, kv_layout, causal, scale, alibi_slopes,
                           max_query_len, max_seq_len, out, stream, workspace, kv_cache_dtype,
                           k_scale, v_scale, va: validation.VariantArgs,
@@ -218,7 +218,7 @@ class AttentionPlan:
                               logits_soft_cap=logits_soft_cap, sinks=sinks,
                               return_lse=return_lse)
         va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
-        self._prepared, _ = _validate_and_prepare(
+        self._prepared, _ = validate_and_prepare(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
             causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
             kv_cache_dtype, k_scale, v_scale, va)

@@ -91,7 +91,7 @@ def _rows_aligned(a) -> bool:
         st % 16 == 0 for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1)
 
 
-def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
+def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
                     v_scale=None) -> _Write:
     """Every check of reshape_and_cache, on array metadata only (no device sync)."""
     src = _checks.check_dtype(k, "key")
@@ -185,22 +185,22 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
+    w = validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
     if w.num_tokens == 0:
         return
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
         _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
-        _launch_write(_write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
+        launch_write(write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
 
 
-def _write_kernel(w: _Write):
+def write_kernel(w: _Write):
     """reshape_and_cache's launcher for a validated write (loaded on first use)."""
     return _kernel(w.device, "reshape_and_cache", w.source.name, w.index, w.cache.kv_format,
                    w.cache.dtype.name, w.quant.mode)
 
 
-def _launch_write(kern, w: _Write, stream: int, k, v, kc, vc, sm) -> None:
+def launch_write(kern, w: _Write, stream: int, k, v, kc, vc, sm) -> None:
     """Launch a validated write on ``stream`` (a handle) for adapted arrays with the
     metadata ``w`` was validated with (their addresses are free)."""
     cache, q = w.cache, w.quant
@@ -318,7 +318,7 @@ def _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm) -> _MlaWrite:
                      num_blocks, rows, rows, _source_rows_aligned(kv_c, k_pe))
 
 
-def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
+def validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
     """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE:
         return _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm)
@@ -435,7 +435,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     kc = as_device_array(kv_cache, "kv_cache")
     pc = None if k_pe_cache is None else as_device_array(k_pe_cache, "k_pe_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
+    w = validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
     ds = w.cache is _dtypes.DS_MLA
     fp8 = w.cache is not w.source and not ds
     # fp8_ds_mla computes its own scales: the argument is ignored, as vLLM's kernel does
@@ -447,16 +447,16 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
-        _launch_mla_write(_mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
+        launch_mla_write(mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
 
 
-def _mla_write_kernel(w: _MlaWrite):
+def mla_write_kernel(w: _MlaWrite):
     """concat_and_cache_mla's launcher for a validated write (loaded on first use)."""
     return _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
                    cache_dtype=w.cache.name)
 
 
-def _launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_ptr: int,
+def launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_ptr: int,
                       scale_value: float) -> None:
     """Launch a validated MLA write on ``stream`` (a handle) for adapted arrays with the
     metadata ``w`` was validated with (``pc``: None for a combined cache; the addresses

@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - JAX before 0.6.1
     raise ImportError(f"cupaged.jax needs jax.experimental.buffer_callback (JAX 0.6.1 or "
                       f"later); this is JAX {jax.__version__}") from e
 
-from . import _arrays, _checks, _prepared, cache_ops, launch, merge, validation
+from . import _arrays, _checks, _kvquant, _prepared, cache_ops, launch, merge, validation
 from . import mla as _mla
 
 # (the package's `attention` attribute is the function)
@@ -339,15 +339,37 @@ def _addresses(bufs, names) -> list:
     return ptrs
 
 
-def _zero(device: int, stream: int, regions) -> None:
-    """Zero ``(address, nbytes)`` regions on ``stream`` (cudaMemsetAsync, which a command
-    buffer being recorded takes as a memset node)."""
+_NEG_INF_BITS = 0xFF800000  # float32 -inf
+_libcuda = None
+
+
+def _memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
+    """cuMemsetD32Async (CuPy exposes the byte memset only): ``count`` 32-bit words."""
+    global _libcuda
+    if _libcuda is None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t,
+                                         ctypes.c_void_p]
+        _libcuda = lib
+    rc = _libcuda.cuMemsetD32Async(ptr, value, count, stream)
+    if rc:
+        raise RuntimeError(f"cuMemsetD32Async failed with CUDA error {rc}")
+
+
+def _clear_rows(device: int, stream: int, out: int, out_bytes: int, lse: int,
+                lse_bytes: int) -> None:
+    """Every row of ``out`` zero and of ``lse`` -inf on ``stream``: the padding rows,
+    which no kernel writes, keep these. Memsets, which a command
+    buffer being recorded takes as memset nodes."""
     import cupy
 
     with _arrays.on_device(device):
-        for ptr, n in regions:
-            if ptr and n:
-                cupy.cuda.runtime.memsetAsync(ptr, 0, n, stream)
+        if out and out_bytes:
+            cupy.cuda.runtime.memsetAsync(out, 0, out_bytes, stream)
+        if lse and lse_bytes:
+            _memset_d32(lse, _NEG_INF_BITS, lse_bytes // 4, stream)
 
 
 def _nbytes(sds) -> int:
@@ -398,9 +420,9 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 
     Returns ``out`` (the query's shape and dtype), or ``(out, lse)`` with ``return_lse``
     (float32 ``[total_q, num_heads]``). With ``query_start_loc``, rows outside
-    ``[query_start_loc[0], query_start_loc[-1])`` (padding: no sequence's) come back
-    zero, ``out`` and ``lse`` alike (a memset; rows of a sequence that see no key keep
-    the eager convention, lse -inf).
+    ``[query_start_loc[0], query_start_loc[-1])`` (padding to a static size: no
+    sequence's) come back with ``out`` zero and ``lse`` -inf (memsets before the launch;
+    no kernel writes those rows).
     """
     has_starts = query_start_loc is not None
     fn = "cupaged.jax.attention"
@@ -459,7 +481,7 @@ def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, que
         out_shapes.append(_sds(query.shape[:2], _F32))
     names = names[:len(inputs)] + ["out", "lse"][:len(out_shapes)]
     # With query starts, the rows outside [starts[0], starts[-1]) are no sequence's and no
-    # kernel writes them: the callback zeroes the outputs first.
+    # kernel writes them: the callback clears the outputs first (out 0, lse -inf).
     zero = [_nbytes(x) for x in out_shapes] if has_starts else []
 
     def make(device, plan):
@@ -474,10 +496,10 @@ def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, que
         args = (q, kc, vc, bt, sl, qsl, kv_layout, causal, scale, alibi, max_query_len,
                 max_seq_len, o, None)
         tail = (kv_cache_dtype, k_scale, v_scale, va)
-        _attention._validate_and_prepare(*args, workspace, *tail, plan=False)
+        _attention.validate_and_prepare(*args, workspace, *tail, plan=False)
         if not plan:
             return None
-        prep, ws = _planned(lambda ws: _attention._validate_and_prepare(*args, ws, *tail)[0],
+        prep, ws = _planned(lambda ws: _attention.validate_and_prepare(*args, ws, *tail)[0],
                             workspace, device, q.shape[2])
         return prep, (ws, alibi, sink)  # (what the launches embed, kept alive)
 
@@ -491,7 +513,7 @@ def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, que
         o = rest.pop(0)
         lse = rest.pop(0) if return_lse else 0
         if zero:
-            _zero(prep.device, stream, zip((o, lse), zero))
+            _clear_rows(prep.device, stream, o, zero[0], lse, zero[-1])
         _prepared.run(prep, (q, kc, vc, bt, sl, qsl, o, lse), stream, o, lse or None)
 
     res = _call(callback, out_shapes, inputs, command_buffer=command_buffer)
@@ -522,7 +544,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
 
     Returns ``out`` ``[total_q, num_heads, kv_lora_rank]`` of the query's dtype, or
     ``(out, lse)`` with ``return_lse``; rows outside the query starts' range come back
-    zero, as for :func:`attention`.
+    with ``out`` zero and ``lse`` -inf, as for :func:`attention`.
     """
     has_starts = query_start_loc is not None
     fn = "cupaged.jax.mla_attention"
@@ -587,10 +609,10 @@ def _mla_traced(q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query
         args = ((ql, qr) if pair else ql, kc, bt, sl, qsl, scale, kv_lora_rank, kpe, causal,
                 max_query_len, max_seq_len, o, return_lse, lse, None, kv_cache_dtype,
                 k_scale)
-        _mla._validate_and_prepare(*args, workspace, plan=False)
+        _mla.validate_and_prepare(*args, workspace, plan=False)
         if not plan:
             return None
-        return _planned(lambda ws: _mla._validate_and_prepare(*args, ws)[0], workspace,
+        return _planned(lambda ws: _mla.validate_and_prepare(*args, ws)[0], workspace,
                         device, launch.MLA_PARTIAL_WIDTH)
 
     plans = _Plans(make, command_buffer)
@@ -603,7 +625,7 @@ def _mla_traced(q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query
         o = ptrs[len(inputs)]
         lse = ptrs[len(inputs) + 1] if return_lse else 0
         if zero:
-            _zero(prep.device, stream, zip((o, lse), zero))
+            _clear_rows(prep.device, stream, o, zero[0], lse, zero[-1])
         _prepared.run(prep, ((ql, qr if pair else ql), kc, kc if kpe is None else kpe, bt,
                              sl, qsl or 0, o, lse), stream, o, lse or None)
 
@@ -646,13 +668,13 @@ def _write_traced(key, value, key_cache, value_cache, slot_mapping, *, kv_cache_
 
     def make(device, plan):
         views = _fakes(inputs, device)
-        w = cache_ops._validate_write(*views, kv_layout, kv_cache_dtype, k_scale, v_scale)
+        w = cache_ops.validate_write(*views, kv_layout, kv_cache_dtype, k_scale, v_scale)
         if not plan:
             return None
         kern = None
         if w.num_tokens:
             with _arrays.on_device(device):
-                kern = cache_ops._write_kernel(w)
+                kern = cache_ops.write_kernel(w)
         return w, kern, views
 
     plans = _Plans(make, command_buffer)
@@ -663,7 +685,7 @@ def _write_traced(key, value, key_cache, value_cache, slot_mapping, *, kv_cache_
             return
         k, v, _, _, sm, kc, vc = _addresses((*bufs, *outs), names)
         with _arrays.on_device(w.device):
-            cache_ops._launch_write(kern, w, int(ctx.stream), views[0].at(k), views[1].at(v),
+            cache_ops.launch_write(kern, w, int(ctx.stream), views[0].at(k), views[1].at(v),
                                     views[2].at(kc), views[3].at(vc), views[4].at(sm))
 
     return tuple(_call(callback, out_shapes, inputs, {2: 0, 3: 1}, command_buffer))
@@ -703,16 +725,16 @@ def _mla_write_traced(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, *, kv_cach
         views = _fakes(inputs, device)
         a, b, kc, sm = views[:4]
         pc = views[4] if split else None
-        w = cache_ops._validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
+        w = cache_ops.validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
         fp8 = w.cache is not w.source
-        sp, sv, _ = cache_ops._kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale,
+        sp, sv, _ = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale,
                                                     "scale", per_token=False)
         if not plan:
             return None
         kern = None
         if w.num_tokens:
             with _arrays.on_device(device):
-                kern = cache_ops._mla_write_kernel(w)
+                kern = cache_ops.mla_write_kernel(w)
         return w, kern, views, (sp, sv)
 
     plans = _Plans(make, command_buffer)
@@ -726,7 +748,7 @@ def _mla_write_traced(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, *, kv_cach
         kc = ptrs[len(inputs)]
         pc = views[4].at(ptrs[len(inputs) + 1]) if split else None
         with _arrays.on_device(w.device):
-            cache_ops._launch_mla_write(kern, w, int(ctx.stream), views[0].at(a),
+            cache_ops.launch_mla_write(kern, w, int(ctx.stream), views[0].at(a),
                                         views[1].at(b), views[2].at(kc), pc, views[3].at(sm),
                                         sp, sv)
 
@@ -757,13 +779,13 @@ def _merge_traced(out_a, lse_a, out_b, lse_b, *, command_buffer):
 
     def make(device, plan):
         oa, la, ob, lb, o, lo = _fakes(inputs + out_shapes, device)
-        m = merge._validate([("out_a", oa), ("out_b", ob)], [("lse_a", la), ("lse_b", lb)],
+        m = merge.validate_merge([("out_a", oa), ("out_b", ob)], [("lse_a", la), ("lse_b", lb)],
                             o, lo)
         if not plan:
             return None
         if m.shape[0] * m.shape[1]:
             with _arrays.on_device(device):
-                merge._kernel(device, m.dtype.name)  # loaded now, not in the callback
+                merge.merge_kernel(device, m.dtype.name)  # loaded now, not in the callback
         return m, o, lo
 
     plans = _Plans(make, command_buffer)
@@ -777,7 +799,7 @@ def _merge_traced(out_a, lse_a, out_b, lse_b, *, command_buffer):
         m = m._replace(inputs=(first._replace(out=pa, lse=pla),
                                second._replace(out=pb, lse=plb)))
         with _arrays.on_device(m.device):
-            merge._launch(_arrays.Context(m.device, int(ctx.stream), "cupy", True), m,
+            merge.launch_merge(_arrays.Context(m.device, int(ctx.stream), "cupy", True), m,
                           o.at(po), lo.at(plo))
 
     return tuple(_call(callback, out_shapes, inputs, command_buffer=command_buffer))

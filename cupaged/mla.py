@@ -121,7 +121,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                          kv_cache_dtype, pair), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
     if prep is None or _prepared.any_overlap(prep.disjoint, ptrs):
-        prep, ptrs = _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc,
+        prep, ptrs = validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc,
                                            scale, kv_lora_rank, k_pe_cache, causal,
                                            max_query_len, max_seq_len, out, return_lse, lse,
                                            stream, kv_cache_dtype, k_scale, workspace)
@@ -133,7 +133,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                                 bt, lens, starts, o, lse_ptr), stream, out, lse)
 
 
-def _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
                           kv_lora_rank, k_pe_cache, causal, max_query_len, max_seq_len, out,
                           return_lse, lse, stream, kv_cache_dtype, k_scale, workspace,
                           plan: bool = True) -> tuple:
