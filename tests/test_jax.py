@@ -824,10 +824,10 @@ COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHIL
 
 @pytest.mark.gpu
 def test_jitted_decode_loop_with_command_buffers(tmp_path):
-    """The loop with the callbacks in XLA's command buffers (CUDA graphs), in a process
-    whose XLA_FLAGS turn them on for custom calls and while loops, run four times: every
-    run's outputs equal the eager loop's, and after the first run (XLA's warm-up) the
-    attention callback runs at most once a run (recorded, then replayed)."""
+    """With XLA's command buffers (CUDA graphs) on for custom calls and while loops: the
+    jitted decode loop's outputs equal the eager loop's in two runs, its callbacks run
+    under stream capture (recorded into a command buffer), and one jitted step run four
+    times on the same buffers is recorded, then replayed without calling Python."""
     _jax_gpu()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " "
@@ -841,24 +841,58 @@ def test_jitted_decode_loop_with_command_buffers(tmp_path):
     want = _eager_loop(p, steps)
     for outs in got["outs"]:
         _same(outs, want)
-    calls = [int(c) for c in got["calls"]]
-    # XLA runs a command buffer's first execution op by op (a warm-up: a callback per step),
-    # records the next (the callback once, under stream capture) and replays after, recording
-    # again only for new buffer addresses: the runs after the first call it at most once.
-    assert calls[0] >= 1 and all(c <= 1 for c in calls[1:]), \
-        f"attention callbacks per run of {STEPS} steps: {calls}"
+    loop_calls, step_calls = list(got["loop_calls"]), list(got["step_calls"])
+    facts = (f"attention callbacks per run: loop of {STEPS} steps {loop_calls}, "
+             f"{int(got['loop_captured'])} under capture; one step {step_calls}, "
+             f"{int(got['step_captured'])} under capture")
+    # XLA runs a command buffer's first execution op by op (a warm-up), records the next
+    # (the callback runs under stream capture) and replays after, recording again only
+    # for new buffer addresses. A while loop whose body slices by the loop index is not
+    # converted whole; its custom calls get command buffers of their own, re-recorded as
+    # the loop's buffers change: the callback runs each step, some of them under capture.
+    assert got["loop_captured"] >= 1, facts
+    # One step, run four times on the same buffers: recorded, then replayed without Python.
+    assert got["step_captured"] >= 1 and sum(step_calls[2:]) <= 1, facts
+
+
+def _jit_step_runs(p, steps, runs, after_run):
+    """One decode step (cache write + attention), jitted with command buffers and no loop,
+    run ``runs`` times on the same inputs (no donation, results dropped before the next
+    run, so XLA's buffers keep their addresses)."""
+    ws = cupaged.DecodeWorkspace(4, H, HD)
+    max_seq = int(p["bt"].shape[1] * BS)
+
+    def step(kc, vc, bt, sl, q, k, v):
+        slot = bt[jnp.arange(sl.shape[0]), sl // BS] * BS + sl % BS
+        kc, vc = cj.reshape_and_cache(k, v, kc, vc, slot, kv_layout="NHD", command_buffer=True)
+        return cj.attention(q, kc, vc, bt, sl + 1, max_seq_len=max_seq, workspace=ws,
+                            command_buffer=True)
+
+    f = jax.jit(step)
+    args = (jnp.asarray(p["kc"]), jnp.asarray(p["vc"]), jnp.asarray(p["bt"]),
+            jnp.asarray(p["sl"]), jnp.asarray(steps[0, 0]), jnp.asarray(steps[0, 1][:, :HK]),
+            jnp.asarray(steps[0, 2][:, :HK]))
+    first = None
+    for _ in range(runs):
+        out = np.asarray(f(*args))
+        first = out if first is None else first
+        _same(out, first)
+        after_run()
 
 
 if __name__ == "__main__":  # the command-buffer run (test_jitted_decode_loop_with_command_buffers)
+    import cupy
     from cupaged import _prepared
 
-    # Count the attention callbacks: each runs _prepared.run once (looked up at call time).
-    calls = [0]
+    # Count the attention callbacks (each runs _prepared.run once, looked up at call time)
+    # and those that ran while XLA recorded a command buffer (stream capture).
+    calls, captured = [0], [0]
     _run = _prepared.run
 
-    def _counted(*args, **kwargs):
+    def _counted(prep, ptrs, stream, *args, **kwargs):
         calls[0] += 1
-        return _run(*args, **kwargs)
+        captured[0] += cupy.cuda.runtime.streamIsCapturing(stream) != 0
+        return _run(prep, ptrs, stream, *args, **kwargs)
 
     _prepared.run = _counted
     p, steps = _loop_inputs()
@@ -867,5 +901,11 @@ if __name__ == "__main__":  # the command-buffer run (test_jitted_decode_loop_wi
     def _count():
         per_run.append(calls[0] - sum(per_run))
 
-    outs = _jit_loop(p, steps, True, runs=4, after_run=_count)
-    np.savez(sys.argv[1], outs=np.stack(outs), calls=np.array(per_run))
+    outs = _jit_loop(p, steps, True, runs=2, after_run=_count)
+    loop_calls, loop_captured = list(per_run), captured[0]
+    per_run.clear()
+    calls[0] = 0
+    _jit_step_runs(p, steps, 4, _count)
+    np.savez(sys.argv[1], outs=np.stack(outs), loop_calls=np.array(loop_calls),
+             loop_captured=loop_captured, step_calls=np.array(per_run),
+             step_captured=captured[0] - loop_captured)
