@@ -62,7 +62,7 @@ def _check_slots(sm, sources) -> tuple[int, str]:
 def _debug_check_slots(sm, num_slots: int, ctx) -> None:
     """With CUPAGED_DEBUG=1, a slot past the cache raises (a device sync) instead of being
     skipped."""
-    if _checks.DEBUG:
+    if _checks.debug():
         s = _arrays.to_host(sm, ctx)
         bad = np.flatnonzero(s >= num_slots)
         if bad.size:
@@ -91,7 +91,7 @@ def _rows_aligned(a) -> bool:
         st % 16 == 0 for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1)
 
 
-def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
+def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
                     v_scale=None) -> _Write:
     """Every check of reshape_and_cache, on array metadata only (no device sync)."""
     src = _checks.check_dtype(k, "key")
@@ -185,24 +185,33 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
+    w = validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
     if w.num_tokens == 0:
         return
-    cache, q = w.cache, w.quant
-    num_slots = cache.num_blocks * cache.block_size
-    it = w.source.itemsize
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
-        _debug_check_slots(sm, num_slots, ctx)
-        kern = _kernel(w.device, "reshape_and_cache", w.source.name, w.index, cache.kv_format,
-                       cache.dtype.name, q.mode)
-        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
-             k.data.ptr, k.strides[0] // it, k.strides[1] // it,
-             v.data.ptr, v.strides[0] // it, v.strides[1] // it,
-             kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
-             sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots,
-             int(w.vec_src), q.k_ptr, q.v_ptr, q.block_stride, q.head_stride, q.k_value,
-             q.v_value)
+        _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
+        launch_write(write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
+
+
+def write_kernel(w: _Write):
+    """reshape_and_cache's launcher for a validated write (loaded on first use)."""
+    return _kernel(w.device, "reshape_and_cache", w.source.name, w.index, w.cache.kv_format,
+                   w.cache.dtype.name, w.quant.mode)
+
+
+def launch_write(kern, w: _Write, stream: int, k, v, kc, vc, sm) -> None:
+    """Launch a validated write on ``stream`` (a handle) for adapted arrays with the
+    metadata ``w`` was validated with (their addresses are free)."""
+    cache, q = w.cache, w.quant
+    it = w.source.itemsize
+    kern((w.num_tokens, 1, 1), _THREADS, 0, stream,
+         k.data.ptr, k.strides[0] // it, k.strides[1] // it,
+         v.data.ptr, v.strides[0] // it, v.strides[1] // it,
+         kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
+         sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size,
+         cache.num_blocks * cache.block_size, int(w.vec_src), q.k_ptr, q.v_ptr,
+         q.block_stride, q.head_stride, q.k_value, q.v_value)
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
@@ -309,7 +318,7 @@ def _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm) -> _MlaWrite:
                      num_blocks, rows, rows, _source_rows_aligned(kv_c, k_pe))
 
 
-def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
+def validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
     """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE:
         return _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm)
@@ -426,7 +435,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     kc = as_device_array(kv_cache, "kv_cache")
     pc = None if k_pe_cache is None else as_device_array(k_pe_cache, "k_pe_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
+    w = validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
     ds = w.cache is _dtypes.DS_MLA
     fp8 = w.cache is not w.source and not ds
     # fp8_ds_mla computes its own scales: the argument is ignored, as vLLM's kernel does
@@ -435,18 +444,34 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
     if w.num_tokens == 0:
         return
-    num_slots = w.num_blocks * w.block_size
-    # fp8_ds_mla: a warp per token; the others: a CTA per token
-    grid = -(-w.num_tokens // (_THREADS // 32)) if ds else w.num_tokens
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
-        _debug_check_slots(sm, num_slots, ctx)
-        kern = _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
-                       cache_dtype=w.cache.name)
-        kern((grid, 1, 1), _THREADS, 0, ctx.stream,
-             a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *w.latent,
-             *w.rope_dst, sm.data.ptr, w.num_tokens, w.rank, w.rope, w.block_size, num_slots,
-             int(w.vec_src), sp, sv)
+        _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
+        launch_mla_write(mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
+
+
+def mla_write_kernel(w: _MlaWrite):
+    """concat_and_cache_mla's launcher for a validated write (loaded on first use)."""
+    return _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
+                   cache_dtype=w.cache.name)
+
+
+def launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_ptr: int,
+                      scale_value: float) -> None:
+    """Launch a validated MLA write on ``stream`` (a handle) for adapted arrays with the
+    metadata ``w`` was validated with (``pc``: None for a combined cache; the addresses
+    are free: the destinations' are taken from ``kc`` and ``pc``, not from ``w``)."""
+    latent = (kc.data.ptr, *w.latent[1:])
+    # a combined cache's rope part: at the validated offset from the latent part's start
+    rope = ((kc.data.ptr + (w.rope_dst[0] - w.latent[0]), *w.rope_dst[1:]) if pc is None
+            else (pc.data.ptr, *w.rope_dst[1:]))
+    # fp8_ds_mla: a warp per token; the others: a CTA per token
+    ds = w.cache is _dtypes.DS_MLA
+    grid = -(-w.num_tokens // (_THREADS // 32)) if ds else w.num_tokens
+    kern((grid, 1, 1), _THREADS, 0, stream,
+         a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *latent, *rope,
+         sm.data.ptr, w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks * w.block_size,
+         int(w.vec_src), scale_ptr, scale_value)
 
 
 def _block_bytes(a, name: str) -> int:
@@ -575,7 +600,7 @@ def _copy_within(tensors, mapping, index: str, nbytes: int, num_blocks: int, dev
         return
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.framework(framework_of), stream)
-        if _checks.DEBUG:
+        if _checks.debug():
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
                      num_blocks)
@@ -786,7 +811,7 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
             host_pairs = mapping if on_host else _arrays.to_host(mapping, ctx)
             _swap_staged(ctx, src_s, dst_s, host_pairs, nbytes)
             return
-        if _checks.DEBUG:
+        if _checks.debug():
             _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0], ctx)
         if on_host:  # uploaded in the launch stream's order
             with _arrays.cupy_on_launch_stream(ctx):

@@ -139,7 +139,7 @@ def test_reshape_and_cache_matches_numpy(rng, layout, dtype, hs, bs, slot_dtype)
             d_key, d_value = src_view([cupy.asarray(r) for r in src_roots])
             d_kc, d_vc = view(d_roots)
             d_slots = cupy.asarray(slots)
-            w = cache_ops._validate_write(d_key, d_value, d_kc, d_vc, d_slots, layout)
+            w = cache_ops.validate_write(d_key, d_value, d_kc, d_vc, d_slots, layout)
             assert w.vec_src == (src_kind != "unaligned"), what  # both load paths run
             cupaged.reshape_and_cache(d_key, d_value, d_kc, d_vc, d_slots, **_layout_kw(layout))
             for got, exp in zip(d_roots, want):
@@ -748,7 +748,7 @@ def wargs(layout="NHD", dtype=np.float16, n=3, kvh=2, hs=64, bs=16, nb=10):
 def wvalidate(**a):
     layout = a.pop("kv_layout")
     f = {k: (v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
-    return cache_ops._validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
+    return cache_ops.validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
                                      f["slot_mapping"], layout)
 
 
@@ -911,19 +911,19 @@ def test_per_token_scales_may_not_overlap_what_the_write_reads(monkeypatch):
     value = Fake(np.zeros((3, 2, 64), np.float16), ptr=(1 << 26) + 4096)
     sm = Fake(np.zeros(3, np.int64), ptr=1 << 27)
     scale = lambda ptr: Fake(np.zeros((4, 2, 16), np.float32), ptr=ptr)  # noqa: E731
-    ok = cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+    ok = cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
                                    scale((1 << 28) + 4096))
     assert ok.quant.mode == "th"
     for name, ptr in (("key", 1 << 26), ("value", (1 << 26) + 4096 + 64), ("slot_mapping", 1 << 27)):
         with pytest.raises(ValueError, match=rf"(v_scale and {name}|{name} and v_scale) overlap"):
-            cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+            cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
                                       scale(ptr))
     with pytest.raises(ValueError, match="k_scale and v_scale overlap"):
-        cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+        cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
                                   scale((1 << 28) + 256))
     wide = Fake(np.zeros((4, 4, 16), np.float32)[:, :2], ptr=1 << 29)  # head stride 2x
     with pytest.raises(ValueError, match="k_scale and v_scale must have the same strides"):
-        cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28), wide)
+        cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28), wide)
     del a
 
 
@@ -1087,7 +1087,7 @@ def test_concat_and_cache_mla_writes_what_the_reference_writes(rng, form, dtype,
     dev = [cupy.asarray(r) for r in roots]
     kc, pc = view(dev)
     d_slots = cupy.asarray(slots)
-    w8 = cache_ops._validate_mla_write(d_kv_c, d_k_pe, kc, pc, d_slots, kv)
+    w8 = cache_ops.validate_mla_write(d_kv_c, d_k_pe, kc, pc, d_slots, kv)
     assert w8.vec_src == (source == "contiguous")  # both load paths are exercised
     cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, d_slots, kv, scale, k_pe_cache=pc)
     for got, w in zip(dev, want):
@@ -1118,7 +1118,7 @@ def margs(form="combined", dtype=np.float16, n=3, rank=512, rope=64, bs=16, nb=1
 def mvalidate(**a):
     kv = a.pop("kv_cache_dtype")
     f = {k: (None if v is None else v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
-    return cache_ops._validate_mla_write(f["kv_c"], f["k_pe"], f["kv_cache"], f["k_pe_cache"],
+    return cache_ops.validate_mla_write(f["kv_c"], f["k_pe"], f["kv_cache"], f["k_pe_cache"],
                                          f["slot_mapping"], kv)
 
 
@@ -1398,7 +1398,7 @@ def _entry_point_checks(fake_device):
             q, nhd, nhd, tables, lens, None, None, None, "NHD", "fp8", s, s),
         "paged_attention": lambda s: validation.validate_decode(
             q, vk, vv, tables, lens, None, None, "fp8", s, s),
-        "reshape_and_cache": lambda s: cache_ops._validate_write(
+        "reshape_and_cache": lambda s: cache_ops.validate_write(
             kv, kv, nhd, nhd, Fake(np.zeros(3, np.int64)), "NHD", "fp8", s, s),
         "concat_and_cache_mla": lambda s: cupaged.concat_and_cache_mla(
             Fake(np.zeros((3, MLA_RANK), f16)), Fake(np.zeros((3, MLA_ROPE), f16)), lat,
@@ -1638,7 +1638,7 @@ def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():
     a = wargs()
     f = {k: Fake(a[k]) for k in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
     with pytest.raises(ValueError, match=said):
-        cache_ops._validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
+        cache_ops.validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
                                   f["slot_mapping"], "NHD", "fp8_ds_mla")
     d = {k: (None if v is None else Fake(v)) for k, v in dargs().items()}
     with pytest.raises(ValueError, match=said):
@@ -1824,7 +1824,7 @@ def test_ds_mla_write_into_views(rng, form, source):
         d_kv_c, d_k_pe = dw[:, off:off + 512], dw[:, 2 * off + 512:2 * off + 576]
     root = cupy.asarray(root0)
     kc = view(root)
-    w = cache_ops._validate_mla_write(d_kv_c, d_k_pe, kc, None, cupy.asarray(slots),
+    w = cache_ops.validate_mla_write(d_kv_c, d_k_pe, kc, None, cupy.asarray(slots),
                                       "fp8_ds_mla")
     assert w.vec_src == (source != "unaligned")
     cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, cupy.asarray(slots), "fp8_ds_mla")

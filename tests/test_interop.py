@@ -205,7 +205,7 @@ def test_jax_takes_attention_and_merge_outputs_after_their_launches(rng, monkeyp
     from cupaged import launch, merge
 
     spin = Spin(SLEEP_US)
-    real_run, real_merge = launch.Launch.run, merge._launch
+    real_run, real_merge = launch.Launch.run, merge.launch_merge
 
     def late_run(self, *a, **k):
         spin()
@@ -216,7 +216,7 @@ def test_jax_takes_attention_and_merge_outputs_after_their_launches(rng, monkeyp
         return real_merge(*a, **k)
 
     monkeypatch.setattr(launch.Launch, "run", late_run)
-    monkeypatch.setattr(merge, "_launch", late_merge)
+    monkeypatch.setattr(merge, "launch_merge", late_merge)
     p = make_problem(rng, lens=(1, 17, 40, 33), heads=8, kv_heads=2, head_size=64)
     args = {k: jnp.asarray(v) for k, v in p.host_args().items() if v is not None}
     shape = (4, 8, 64)
