@@ -907,17 +907,24 @@ def test_jitted_decode_loop_with_command_buffers(tmp_path):
 
 
 def _jit_step_runs(p, steps, runs, after_run):
-    """One decode step (cache write + attention), jitted with command buffers and no loop,
-    run ``runs`` times on the same inputs (no donation, results dropped before the next
-    run, so XLA's buffers keep their addresses)."""
+    """One decode step (cache write + attention, and the same queries as a batch padded
+    by two rows through query starts), jitted with command buffers and no loop, run
+    ``runs`` times on the same inputs (no donation, results dropped before the next run, so
+    XLA's buffers keep their addresses): the same outputs each run, the padded rows out 0
+    and lse -inf (the memsets recorded and replayed with the launches)."""
     ws = cupaged.DecodeWorkspace(4, H, HD)
     max_seq = int(p["bt"].shape[1] * BS)
 
     def step(kc, vc, bt, sl, q, k, v):
         slot = bt[jnp.arange(sl.shape[0]), sl // BS] * BS + sl % BS
         kc, vc = cj.reshape_and_cache(k, v, kc, vc, slot, kv_layout="NHD", command_buffer=True)
-        return cj.attention(q, kc, vc, bt, sl + 1, max_seq_len=max_seq, workspace=ws,
-                            command_buffer=True)
+        out = cj.attention(q, kc, vc, bt, sl + 1, max_seq_len=max_seq, workspace=ws,
+                           command_buffer=True)
+        qp = jnp.concatenate([q, jnp.full((2, *q.shape[1:]), 3, q.dtype)])
+        starts = jnp.arange(sl.shape[0] + 1, dtype=jnp.int32)
+        padded = cj.attention(qp, kc, vc, bt, sl + 1, starts, max_query_len=1,
+                              max_seq_len=max_seq, return_lse=True, command_buffer=True)
+        return out, *padded
 
     f = jax.jit(step)
     args = (jnp.asarray(p["kc"]), jnp.asarray(p["vc"]), jnp.asarray(p["bt"]),
@@ -925,9 +932,14 @@ def _jit_step_runs(p, steps, runs, after_run):
             jnp.asarray(steps[0, 2][:, :HK]))
     first = None
     for _ in range(runs):
-        out = np.asarray(f(*args))
-        first = out if first is None else first
-        _same(out, first)
+        got = [np.asarray(x) for x in f(*args)]
+        first = got if first is None else first
+        for a, b in zip(got, first):
+            _same(a, b)
+        out, padded, lse = got
+        assert not padded[-2:].any() and np.isneginf(lse[-2:]).all()
+        np.testing.assert_allclose(padded[:-2].astype(np.float64), out.astype(np.float64),
+                                   rtol=0, atol=2e-3)
         after_run()
 
 
