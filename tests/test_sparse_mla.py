@@ -1,0 +1,203 @@
+"""cupaged.sparse_mla_attention (DeepSeek's sparse attention, FlashMLA's decode interface):
+its checks on array metadata alone (CPU), and on the GPU against the float64 reference
+(reference.sparse_mla_attention) over -1 entries, repeated indices, block boundaries,
+topk_length, topk not a multiple of a tile, split-KV, stale NaN in unselected slots, an
+index outside the cache (its token's rows NaN, no other), rows with no entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _arrays, _dtypes, planning, reference, sparse_mla, testing
+from conftest import assert_close
+from test_validation import Fake
+
+D = 576
+SCALE = 1 / np.sqrt(192)
+
+
+def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf16",
+                 flashmla_cache=True):
+    """Host arrays: q, a cache whose slots no index names hold NaN, indices with -1
+    entries, a repeated index and both ends of the cache, and topk_length."""
+    dt = np.float16 if dtype == "f16" else _dtypes.BF16.numpy
+    n = blocks * page
+    q = testing.random_normal((batch, s_q, heads, D), dt, rng)
+    cache = testing.random_normal((blocks, page, D), dt, rng)
+    idx = rng.integers(0, n, (batch, s_q, topk)).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.15] = -1
+    idx[0, 0, :4] = [0, n - 1, page - 1, page]
+    if topk > 5:
+        idx[0, 0, 5] = idx[0, 0, 4] = 7  # a repeated index
+    named = np.zeros(n, bool)
+    named[idx[idx >= 0]] = True
+    cache.reshape(n, D)[~named] = np.nan  # never read: no NaN may leak
+    tl = rng.integers(0, topk + 3, batch).astype(np.int32)
+    tl[0] = topk
+    if flashmla_cache:
+        cache = cache[:, :, None]
+    return dict(q=q, kv_cache=cache, indices=idx, topk_length=tl)
+
+
+def reference_of(h, with_length=True):
+    return reference.sparse_mla_attention(h["q"], h["kv_cache"], h["indices"], scale=SCALE,
+                                          topk_length=h["topk_length"] if with_length else None,
+                                          return_lse=True)
+
+
+def run(h, with_length=True, **kw):
+    import cupy
+
+    dev = {k: cupy.asarray(v) for k, v in h.items()}
+    out = cupy.full(h["q"].shape[:3] + (512,), np.nan, h["q"].dtype)
+    got, lse = cupaged.sparse_mla_attention(
+        dev["q"], dev["kv_cache"], dev["indices"], scale=SCALE,
+        topk_length=dev["topk_length"] if with_length else None, out=out, return_lse=True,
+        **kw)
+    assert got is out
+    return cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+
+
+def check_lse(got, want, what=""):
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)), what
+    f = np.isfinite(want)
+    assert np.abs(got[f] - want[f]).max(initial=0) <= 2e-3 * max(1, np.abs(want[f]).max(initial=0)), what
+
+
+# ---- CPU: the checks, on metadata -------------------------------------------------------------
+
+
+def fakes(**over):
+    base = dict(q=np.zeros((2, 3, 16, D), np.float16),
+                kv_cache=np.zeros((10, 64, 1, D), np.float16),
+                indices=np.zeros((2, 3, 32), np.int32), topk_length=None, out=None, lse=None)
+    base.update(over)
+    return {k: None if v is None else Fake(v, ptr=(i + 1) << 24)
+            for i, (k, v) in enumerate(base.items())}
+
+
+@pytest.fixture
+def adapt(monkeypatch):
+    real = _arrays.as_device_array
+    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
+    monkeypatch.setattr(sparse_mla, "as_device_array", one)
+    monkeypatch.setattr(_arrays, "as_device_array", one)
+
+    def check(**over):
+        f = fakes(**over)
+        return sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1,
+                                               f["topk_length"], f["out"], f["lse"], False,
+                                               None, None, plan=False)
+    return check
+
+
+def test_both_cache_forms_are_accepted(adapt):
+    assert adapt() == (None, None)
+    assert adapt(kv_cache=np.zeros((10, 64, D), np.float16)) == (None, None)
+    assert adapt(topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), np.float16),
+                 lse=np.zeros((2, 3, 16), np.float32)) == (None, None)
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(q=np.zeros((6, 16, D), np.float16)), NotImplementedError, "prefill one"),
+    (dict(q=np.zeros((2, 3, 16, 512), np.float16)), ValueError, "kv_lora_rank \\+ rope_dim"),
+    (dict(kv_cache=np.zeros((10, 64, 2, D), np.float16)), ValueError,
+     "kv_cache must be \\[num_blocks, page_size, 1, 576\\]"),
+    (dict(indices=np.zeros((2, 3, 32), np.int64)), TypeError, "indices must be int32"),
+    (dict(indices=np.zeros((2, 4, 32), np.int32)), ValueError,
+     "indices must be \\[batch, s_q, topk\\] = \\[2, 3, topk >= 1\\]"),
+    (dict(indices=np.zeros((2, 3, 32), np.int32)[:, :, ::2]), ValueError,
+     "indices' last dimension must be contiguous"),
+    (dict(topk_length=np.zeros(3, np.int32)), ValueError,
+     "topk_length must be a contiguous int32 \\[batch\\] = \\[2\\]"),
+    (dict(out=np.zeros((2, 3, 16, 576), np.float16)), ValueError,
+     "out must be of shape \\(2, 3, 16, 512\\)"),
+    (dict(q=np.zeros((2, 4, 16, D), np.float16)[:, :3]), ValueError,
+     "q .*cannot be seen as one array"),
+])
+def test_refusals_name_the_argument(adapt, over, exc, match):
+    with pytest.raises(exc, match=match):
+        adapt(**over)
+
+
+def test_scale_is_required():
+    with pytest.raises(TypeError, match="scale is required"):
+        cupaged.sparse_mla_attention(None, None, None, scale=None)
+
+
+# ---- GPU: against the float64 reference -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads, topk, page", [(16, 100, 64), (64, 37, 16), (128, 256, 64),
+                                               (16, 1, 32)])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_decode_matches_reference(rng, dtype, heads, topk, page, with_length):
+    h = host_problem(rng, 3, 2, heads, topk, page=page, dtype=dtype)
+    got, lse = run(h, with_length)
+    want, want_lse = reference_of(h, with_length)
+    assert_close(got, want, testing.TOLERANCE[dtype], f"{heads} heads topk {topk}")
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1, 3])
+def test_split_kv_and_workspace(rng, split):
+    h = host_problem(rng, 2, 1, 16, 300, flashmla_cache=False)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h)
+        ws = cupaged.DecodeWorkspace(2, 16, 512)
+        again, lse2 = run(h, workspace=ws)
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h)
+    for g, l_ in ((got, lse), (again, lse2)):
+        assert_close(g, want, testing.TOLERANCE["bf16"], f"split {split}")
+        check_lse(l_, want_lse)
+
+
+@pytest.mark.gpu
+def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
+    h = host_problem(rng, 2, 2, 16, 40)
+    n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
+    h["indices"][1, 0, 3] = n  # one past the cache
+    h["topk_length"][:] = 40
+    got, _ = run(h)
+    assert np.isnan(got[1, 0]).all()
+    keep = np.ones((2, 2), bool)
+    keep[1, 0] = False
+    ok = dict(h, indices=np.where(h["indices"] >= n, -1, h["indices"]))
+    want, _ = reference_of(ok)
+    assert_close(got[keep], want[keep], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
+    h = host_problem(rng, 3, 1, 16, 20)
+    h["indices"][1] = -1
+    h["topk_length"][:] = [20, 20, 0]
+    got, lse = run(h)
+    for b in (1, 2):
+        assert (got[b] == 0).all() and np.isneginf(lse[b]).all()
+    want, want_lse = reference_of(h)
+    assert_close(got[0], want[0], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    h = host_problem(rng, 2, 1, 16, 50)
+    t = {k: torch.from_numpy(v.view(np.int16) if v.dtype == _dtypes.BF16.numpy else v).cuda()
+         for k, v in h.items()}
+    for k in ("q", "kv_cache"):
+        t[k] = t[k].view(torch.bfloat16)
+    out = cupaged.sparse_mla_attention(t["q"], t["kv_cache"], t["indices"], scale=SCALE,
+                                       topk_length=t["topk_length"])
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 1, 16, 512)
+    want, _ = reference_of(h)
+    assert_close(out.float().cpu().numpy().astype(np.float64), want,
+                 testing.TOLERANCE["bf16"])
