@@ -67,8 +67,9 @@ AXES = {
                       "head_size": (512,), "rope_dim": (64,),
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
-    # DeepSeek's sparse attention over the same caches (mla_attention's body, its shapes).
-    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
+    # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
+    # (sparse_mla_attention takes no fp8 one yet).
+    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": ("",),
                              "head_size": (512,), "rope_dim": (64,),
                              "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                              "tile_tokens": (16, 32), "stages": (2, 3, 4)},
