@@ -28,7 +28,7 @@ def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf1
     cache = testing.random_normal((blocks, page, D), dt, rng)
     idx = rng.integers(0, n, (batch, s_q, topk)).astype(np.int32)
     idx[rng.random(idx.shape) < 0.15] = -1
-    idx[0, 0, :4] = [0, n - 1, page - 1, page]
+    idx[0, 0, :4] = [0, n - 1, page - 1, page][:min(topk, 4)]
     if topk > 5:
         idx[0, 0, 5] = idx[0, 0, 4] = 7  # a repeated index
     named = np.zeros(n, bool)
