@@ -84,6 +84,10 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if kc.ndim not in (3, 4):
         _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
               f"576], got shape {kc.shape}")
+    if kc.dtype != qa.dtype:
+        _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}): sparse_mla_attention "
+              f"reads 16-bit caches; fp8 ones (V3.2's fp8_ds_mla included) are not served "
+              f"yet", TypeError)
     idx = as_device_array(indices, "indices")
     _checks.check_int(idx, "indices")
     if idx.dtype != np.int32:
@@ -91,8 +95,11 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if idx.ndim != 3 or idx.shape[:2] != (batch, s_q) or idx.shape[2] < 1:
         _fail(f"indices must be [batch, s_q, topk] = [{batch}, {s_q}, topk >= 1], got shape "
               f"{idx.shape}")
-    if idx.strides[2] != 4 or min(idx.strides) < 0:
-        _fail(f"indices' last dimension must be contiguous (strides {idx.strides})")
+    tokens = batch * s_q
+    if tokens and (idx.strides[2] != 4 or min(idx.strides) < 0
+                   or idx.strides[0] % 4 or idx.strides[1] % 4):
+        _fail(f"indices' last dimension must be contiguous and its rows a whole number of "
+              f"entries apart (strides {idx.strides})")
     tl = optional_device_array(topk_length, "topk_length")
     if tl is not None:
         _checks.check_int(tl, "topk_length")
@@ -103,22 +110,28 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     lse_a = optional_output_array(lse, "lse")
     for name, a, shape in (("out", o, (batch, s_q, num_heads, 512)),
                            ("lse", lse_a, (batch, s_q, num_heads))):
-        if a is not None and a.shape != shape:
-            _fail(f"{name} must be of shape {shape}, got {a.shape}")
-    tokens = batch * s_q
-    # One query token a "sequence" of mla_attention's checks: its rows its heads, its
-    # block-table row its indices. topk_length's place is held by a stand-in of the shape
-    # the checks want (metadata only, never read).
-    seq_lens = _arrays.DeviceView((tokens,), np.int32, idx.data.ptr, idx.data.device_id)
+        if a is not None and (a.shape != shape or not (_checks.is_empty(a)
+                                                       or a.flags.c_contiguous)):
+            _fail(f"{name} must be a C-contiguous array of shape {shape}, got shape "
+                  f"{a.shape} with strides {a.strides}")
+    _checks.check_same_device(qa.data.device_id, "q", (
+        ("kv_cache", kc), ("indices", idx), ("topk_length", tl), ("out", o), ("lse", lse_a)))
+    # One query token a "sequence" of mla_attention's checks: its rows its heads. Its
+    # block-table row (the indices) is checked above and given to them as one entry a row
+    # (the checks' bound on a table's tokens is a paged one), topk_length's place by a
+    # stand-in of the shape they want: metadata only, never read.
     fold = "[batch, s_q, ...] with batch and s_q foldable into one dimension"
+    topk = idx.shape[2]
+    row_stride = _arrays.reshaped(idx, (2, 1), "indices", fold).strides[0]
+    rows = _arrays.StridedView(idx, (tokens, 1), (row_stride, 4))
+    seq_lens = _arrays.DeviceView((tokens,), np.int32, idx.data.ptr, idx.data.device_id)
     p = validation.validate_mla(
         _arrays.reshaped(qa, (2, 1, 1), "q", fold),
         _arrays.reshaped(kc, (1, 1, kc.ndim - 2), "kv_cache", "[num_blocks, page_size, 576]"),
-        None, _arrays.reshaped(idx, (2, 1), "indices", fold), seq_lens, None,
+        None, rows, seq_lens, None,
         None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", fold),
         None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto")
-    if tl is not None:
-        _checks.check_same_device(p.device, "q", (("topk_length", tl),))
+    p = p._replace(max_blocks=topk, bt_stride=row_stride // 4)
     # The kernel's bound on a slot: the cache's tokens; strict: an index outside it other
     # than -1 is a fault (FlashMLA's decode rule).
     num_slots = p.num_blocks * p.block_size
@@ -136,7 +149,8 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
                                   None if parts is None else parts.max_rows, sparse=True)
         launches = None if mplan is None else launch.build_mla(
             p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), 1))
-    disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)), ((0, qa), (1, kc)))
+    disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)),
+                                        ((0, qa), (1, kc), (2, idx), (3, tl)))
     prep = _prepared.Prepared(launches, p.device, _arrays.framework(q),
                               (batch, s_q, num_heads, p.rank), qa.dtype, (), 0, False,
                               wants_lse, (batch, s_q, num_heads) if wants_lse and lse_a is None

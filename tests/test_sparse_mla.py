@@ -31,11 +31,12 @@ def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf1
     idx[0, 0, :4] = [0, n - 1, page - 1, page][:min(topk, 4)]
     if topk > 5:
         idx[0, 0, 5] = idx[0, 0, 4] = 7  # a repeated index
-    named = np.zeros(n, bool)
-    named[idx[idx >= 0]] = True
-    cache.reshape(n, D)[~named] = np.nan  # never read: no NaN may leak
     tl = rng.integers(0, topk + 3, batch).astype(np.int32)
     tl[0] = topk
+    named = np.zeros(n, bool)  # the slots a counted entry names: the others hold NaN
+    counted = np.arange(topk)[None, None, :] < np.minimum(tl, topk)[:, None, None]
+    named[idx[(idx >= 0) & counted]] = True
+    cache.reshape(n, D)[~named] = np.nan  # never read: no NaN may leak
     if flashmla_cache:
         cache = cache[:, :, None]
     return dict(q=q, kv_cache=cache, indices=idx, topk_length=tl)
@@ -47,16 +48,25 @@ def reference_of(h, with_length=True):
                                           return_lse=True)
 
 
-def run(h, with_length=True, **kw):
+def run(h, with_length=True, pad=0, **kw):
+    """The call on device copies, out and lse poisoned with NaN; ``pad``: the cache as a
+    view of blocks ``pad`` token rows longer (its block stride not page * token stride)."""
     import cupy
 
-    dev = {k: cupy.asarray(v) for k, v in h.items()}
+    dev = {k: cupy.asarray(v) for k, v in h.items() if k != "kv_cache"}
+    kc = h["kv_cache"]
+    if pad:
+        big = cupy.full((kc.shape[0], kc.shape[1] + pad, *kc.shape[2:]), np.nan, kc.dtype)
+        big[:, :kc.shape[1]] = cupy.asarray(kc)
+        dev["kv_cache"] = big[:, :kc.shape[1]]
+    else:
+        dev["kv_cache"] = cupy.asarray(kc)
     out = cupy.full(h["q"].shape[:3] + (512,), np.nan, h["q"].dtype)
-    got, lse = cupaged.sparse_mla_attention(
+    lse = cupy.full(h["q"].shape[:3], np.nan, np.float32)
+    got, got_lse = cupaged.sparse_mla_attention(
         dev["q"], dev["kv_cache"], dev["indices"], scale=SCALE,
-        topk_length=dev["topk_length"] if with_length else None, out=out, return_lse=True,
-        **kw)
-    assert got is out
+        topk_length=dev["topk_length"] if with_length else None, out=out, lse=lse, **kw)
+    assert got is out and got_lse is lse
     return cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
 
 
@@ -113,13 +123,36 @@ def test_both_cache_forms_are_accepted(adapt):
     (dict(topk_length=np.zeros(3, np.int32)), ValueError,
      "topk_length must be a contiguous int32 \\[batch\\] = \\[2\\]"),
     (dict(out=np.zeros((2, 3, 16, 576), np.float16)), ValueError,
-     "out must be of shape \\(2, 3, 16, 512\\)"),
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\)"),
+    (dict(out=np.zeros((2, 3, 16, 1024), np.float16)[..., ::2]), ValueError,
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\), got shape "
+     "\\(2, 3, 16, 512\\) with strides"),
+    (dict(kv_cache=np.zeros((10, 64, 1, D), np.uint8)), TypeError,
+     "kv_cache dtype uint8 must be q's .*fp8_ds_mla included"),
     (dict(q=np.zeros((2, 4, 16, D), np.float16)[:, :3]), ValueError,
      "q .*cannot be seen as one array"),
 ])
 def test_refusals_name_the_argument(adapt, over, exc, match):
     with pytest.raises(exc, match=match):
         adapt(**over)
+
+
+def test_indices_are_named_in_their_own_errors(adapt):
+    """Faults of the indices are reported as the indices', not as a block table's."""
+    rows_130_bytes_apart = np.zeros((2, 3, 130), np.int8)[..., :128].view(np.int32)
+    with pytest.raises(ValueError, match="indices' last dimension must be contiguous and its "
+                                         "rows a whole number of entries apart"):
+        adapt(indices=rows_130_bytes_apart)
+    f = fakes()
+    f["indices"].data.device_id = 1
+    with pytest.raises(ValueError, match="indices is on device 1"):
+        sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1, None, None,
+                                        None, False, None, None, plan=False)
+
+
+def test_an_empty_batch_is_accepted(adapt):
+    assert adapt(q=np.zeros((0, 3, 16, D), np.float16),
+                 indices=np.zeros((0, 3, 32), np.int32)) == (None, None)
 
 
 def test_scale_is_required():
@@ -132,21 +165,28 @@ def test_scale_is_required():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("heads, topk, page", [(16, 100, 64), (64, 37, 16), (128, 256, 64),
-                                               (16, 1, 32)])
+@pytest.mark.parametrize("heads, topk, page, pad", [(16, 100, 64, 0), (64, 37, 16, 8),
+                                                    (128, 256, 64, 0), (16, 1, 32, 0),
+                                                    (20, 70, 64, 16), (40, 33, 1, 0)])
 @pytest.mark.parametrize("with_length", [True, False])
-def test_decode_matches_reference(rng, dtype, heads, topk, page, with_length):
+def test_decode_matches_reference(rng, dtype, heads, topk, page, pad, with_length):
+    """Head counts that leave a partial row tile (20, 40), a cache whose blocks are padded
+    (its block stride not page * token stride: block and offset computed apart), pages of
+    one token."""
     h = host_problem(rng, 3, 2, heads, topk, page=page, dtype=dtype)
-    got, lse = run(h, with_length)
+    if not with_length:  # every entry counts: the NaN the problem put in slots named
+        h = dict(h, topk_length=np.full(3, topk, np.int32))  # only past lengths would leak
+    got, lse = run(h, with_length, pad=pad)
     want, want_lse = reference_of(h, with_length)
     assert_close(got, want, testing.TOLERANCE[dtype], f"{heads} heads topk {topk}")
     check_lse(lse, want_lse)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [0, 1, 3])
+@pytest.mark.parametrize("split", [0, 1, 2, 3])
 def test_split_kv_and_workspace(rng, split):
-    h = host_problem(rng, 2, 1, 16, 300, flashmla_cache=False)
+    """Forced partitions (tiles each) over two row tiles of 64 heads (128 heads)."""
+    h = host_problem(rng, 2, 1, 128, 300, flashmla_cache=False)
     planning.set_mla_split(split)
     try:
         got, lse = run(h)
@@ -165,12 +205,14 @@ def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
     h = host_problem(rng, 2, 2, 16, 40)
     n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
     h["indices"][1, 0, 3] = n  # one past the cache
-    h["topk_length"][:] = 40
+    h["indices"][0, 1, 7] = -2  # negative but not -1
+    h["topk_length"][:] = [40, 30]
+    h["indices"][1, 1, 35] = n + 5  # past batch entry 1's topk_length: never read
     got, _ = run(h)
-    assert np.isnan(got[1, 0]).all()
+    assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
     keep = np.ones((2, 2), bool)
-    keep[1, 0] = False
-    ok = dict(h, indices=np.where(h["indices"] >= n, -1, h["indices"]))
+    keep[1, 0] = keep[0, 1] = False
+    ok = dict(h, indices=np.where((h["indices"] >= n) | (h["indices"] < -1), -1, h["indices"]))
     want, _ = reference_of(ok)
     assert_close(got[keep], want[keep], testing.TOLERANCE["bf16"])
 
