@@ -111,7 +111,8 @@ def test_both_cache_forms_are_accepted(adapt):
 
 
 @pytest.mark.parametrize("over, exc, match", [
-    (dict(q=np.zeros((6, 16, D), np.float16)), NotImplementedError, "prefill one"),
+    (dict(q=np.zeros((6, 16, D), np.float16)), ValueError,
+     "kv must be \\[s_kv, 1, 576\\] or \\[s_kv, 576\\] for the prefill interface"),
     (dict(q=np.zeros((2, 3, 16, 512), np.float16)), ValueError, "kv_lora_rank \\+ rope_dim"),
     (dict(kv_cache=np.zeros((10, 64, 2, D), np.float16)), ValueError,
      "kv_cache must be \\[num_blocks, page_size, 1, 576\\]"),
@@ -148,6 +149,29 @@ def test_indices_are_named_in_their_own_errors(adapt):
     with pytest.raises(ValueError, match="indices is on device 1"):
         sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1, None, None,
                                         None, False, None, None, plan=False)
+
+
+def test_the_prefill_interface_is_accepted_and_checked(adapt):
+    """q [s_q, heads, 576] over kv [s_kv, 1, 576] or [s_kv, 576], indices [s_q, 1, topk] or
+    [s_q, topk], topk_length [s_q]; s_kv of any size (odd ones in blocks of one token)."""
+    for s_kv in (100, 37, 256, 1024):
+        for kv in (np.zeros((s_kv, 1, D), np.float16), np.zeros((s_kv, D), np.float16)):
+            for ind in (np.zeros((6, 1, 32), np.int32), np.zeros((6, 32), np.int32)):
+                assert adapt(q=np.zeros((6, 16, D), np.float16), kv_cache=kv, indices=ind,
+                             topk_length=np.zeros(6, np.int32),
+                             out=np.zeros((6, 16, 512), np.float16),
+                             lse=np.zeros((6, 16), np.float32)) == (None, None)
+    q, kv = np.zeros((6, 16, D), np.float16), np.zeros((100, 1, D), np.float16)
+    with pytest.raises(ValueError, match="indices must be \\[s_q, 1, topk\\] or \\[s_q, topk\\] "
+                                         "with s_q = 6"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((5, 32), np.int32))
+    with pytest.raises(ValueError, match="out must be of shape \\(6, 16, 512\\) for the prefill"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((6, 32), np.int32),
+              out=np.zeros((6, 1, 16, 512), np.float16))
+    with pytest.raises(ValueError, match="topk_length must be a contiguous int32 \\[batch\\] "
+                                         "= \\[6\\]"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((6, 32), np.int32),
+              topk_length=np.zeros(2, np.int32))
 
 
 def test_an_empty_batch_is_accepted(adapt):
@@ -243,3 +267,40 @@ def test_torch_in_torch_out(rng):
     want, _ = reference_of(h)
     assert_close(out.float().cpu().numpy().astype(np.float64), want,
                  testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_kv", [300, 37, 512])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_prefill_matches_reference(rng, s_kv, with_length):
+    """FlashMLA's sparse prefill: indices into kv's tokens, anything outside [0, s_kv)
+    (-1, -5, s_kv and beyond) not counted; kv of a size no power of two divides (37: blocks
+    of one token); unnamed tokens NaN."""
+    import cupy
+
+    s_q, heads, topk = 9, 32, 80
+    dt = _dtypes.BF16.numpy
+    q = testing.random_normal((s_q, heads, D), dt, rng)
+    kv = testing.random_normal((s_kv, 1, D), dt, rng)
+    idx = rng.integers(0, s_kv, (s_q, 1, topk)).astype(np.int32)
+    bad = rng.random(idx.shape)
+    idx[bad < 0.1] = -1
+    idx[(bad >= 0.1) & (bad < 0.15)] = s_kv + 3
+    idx[(bad >= 0.15) & (bad < 0.2)] = -5
+    tl = rng.integers(0, topk + 2, s_q).astype(np.int32)
+    named = np.zeros(s_kv, bool)
+    counted = np.arange(topk)[None, :] < np.minimum(tl, topk)[:, None]
+    ok = (idx[:, 0] >= 0) & (idx[:, 0] < s_kv) & (counted if with_length else True)
+    named[idx[:, 0][ok]] = True
+    kv[~named] = np.nan
+    want, want_lse = reference.sparse_mla_attention(
+        q, kv, idx, scale=SCALE, topk_length=tl if with_length else None, return_lse=True)
+    d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, idx=idx, tl=tl).items()}
+    out = cupy.full((s_q, heads, 512), np.nan, dt)
+    lse = cupy.full((s_q, heads), np.nan, np.float32)
+    cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], scale=SCALE,
+                                 topk_length=d["tl"] if with_length else None, out=out, lse=lse)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"],
+                 f"s_kv {s_kv}")
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
