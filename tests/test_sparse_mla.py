@@ -19,9 +19,10 @@ SCALE = 1 / np.sqrt(192)
 
 
 def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf16",
-                 flashmla_cache=True):
-    """Host arrays: q, a cache whose slots no index names hold NaN, indices with -1
-    entries, a repeated index and both ends of the cache, and topk_length."""
+                 flashmla_cache=True, topk_length=None):
+    """Host arrays: q, a cache whose slots no counted index names hold NaN, indices with -1
+    entries, a repeated index and both ends of the cache, and topk_length (random unless
+    given; the NaN follows it, so change it only through this argument)."""
     dt = np.float16 if dtype == "f16" else _dtypes.BF16.numpy
     n = blocks * page
     q = testing.random_normal((batch, s_q, heads, D), dt, rng)
@@ -33,6 +34,8 @@ def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf1
         idx[0, 0, 5] = idx[0, 0, 4] = 7  # a repeated index
     tl = rng.integers(0, topk + 3, batch).astype(np.int32)
     tl[0] = topk
+    if topk_length is not None:
+        tl[:] = topk_length
     named = np.zeros(n, bool)  # the slots a counted entry names: the others hold NaN
     counted = np.arange(topk)[None, None, :] < np.minimum(tl, topk)[:, None, None]
     named[idx[(idx >= 0) & counted]] = True
@@ -197,9 +200,9 @@ def test_decode_matches_reference(rng, dtype, heads, topk, page, pad, with_lengt
     """Head counts that leave a partial row tile (20, 40), a cache whose blocks are padded
     (its block stride not page * token stride: block and offset computed apart), pages of
     one token."""
-    h = host_problem(rng, 3, 2, heads, topk, page=page, dtype=dtype)
-    if not with_length:  # every entry counts: the NaN the problem put in slots named
-        h = dict(h, topk_length=np.full(3, topk, np.int32))  # only past lengths would leak
+    # Without topk_length every entry counts: the NaN goes only where no entry points.
+    h = host_problem(rng, 3, 2, heads, topk, page=page, dtype=dtype,
+                     topk_length=None if with_length else topk)
     got, lse = run(h, with_length, pad=pad)
     want, want_lse = reference_of(h, with_length)
     assert_close(got, want, testing.TOLERANCE[dtype], f"{heads} heads topk {topk}")
@@ -226,11 +229,10 @@ def test_split_kv_and_workspace(rng, split):
 
 @pytest.mark.gpu
 def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
-    h = host_problem(rng, 2, 2, 16, 40)
+    h = host_problem(rng, 2, 2, 16, 40, topk_length=[40, 30])
     n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
     h["indices"][1, 0, 3] = n  # one past the cache
     h["indices"][0, 1, 7] = -2  # negative but not -1
-    h["topk_length"][:] = [40, 30]
     h["indices"][1, 1, 35] = n + 5  # past batch entry 1's topk_length: never read
     got, _ = run(h)
     assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
@@ -243,9 +245,8 @@ def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
 
 @pytest.mark.gpu
 def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
-    h = host_problem(rng, 3, 1, 16, 20)
+    h = host_problem(rng, 3, 1, 16, 20, topk_length=[20, 20, 0])
     h["indices"][1] = -1
-    h["topk_length"][:] = [20, 20, 0]
     got, lse = run(h)
     for b in (1, 2):
         assert (got[b] == 0).all() and np.isneginf(lse[b]).all()
