@@ -117,36 +117,31 @@ struct MlaGeometry {
   static_assert(STAGES >= 2, "STAGES");
 };
 
+// The kernel's body, for both entry points below: paged (SPARSE false) and sparse.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
-          int STAGES>
-__global__ void __launch_bounds__(
-    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
-    mla_attention(T* __restrict__ out,
-                  // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs
-                  // of split_tiles tiles, the last running to the end): float32
-                  // [total_q * num_heads, gridDim.z] partials for paged_decode_combine
-                  // instead of `out`. Rows of a partition with no key get max -inf, sum 0.
-                  float* __restrict__ part_out, float* __restrict__ part_max,
-                  float* __restrict__ part_sum, int split_tiles,
-                  // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles
-                  // run in one wave and read its keys from DRAM once (x = sequence, y = row
-                  // tile would run each row tile in a wave of its own over all sequences).
-                  int row_tiles,
-                  const T* __restrict__ q_lat, const T* __restrict__ q_rope,
-                  long long q_lat_token_stride, long long q_lat_head_stride,
-                  long long q_rope_token_stride, long long q_rope_head_stride,
-                  const C* __restrict__ c_lat, const C* __restrict__ c_rope,
-                  long long c_lat_block_stride, long long c_lat_token_stride,
-                  long long c_rope_block_stride, long long c_rope_token_stride,
-                  const int* __restrict__ block_tables, long long bt_stride, int max_blocks,
-                  int num_blocks,
-                  // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one
-                  // (1 for a cache of T). It scales keys and values alike.
-                  const float* __restrict__ k_scale_ptr, float k_scale,
-                  const int* __restrict__ seq_lens,
-                  const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
-                  int num_heads, int causal, float scale_log2,
-                  const __grid_constant__ VariantParams vp) {  // only vp.lse is read
+          int STAGES, bool SPARSE>
+__device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
+    // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs of
+    // split_tiles tiles, the last running to the end): float32 [total_q * num_heads,
+    // gridDim.z] partials for paged_decode_combine instead of `out`. Rows of a partition
+    // with no key get max -inf, sum 0.
+    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+    int split_tiles,
+    // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles run in one
+    // wave and read its keys from DRAM once (x = sequence, y = row tile would run each row
+    // tile in a wave of its own over all sequences).
+    int row_tiles,
+    const T* __restrict__ q_lat, const T* __restrict__ q_rope, long long q_lat_token_stride,
+    long long q_lat_head_stride, long long q_rope_token_stride, long long q_rope_head_stride,
+    const C* __restrict__ c_lat, const C* __restrict__ c_rope, long long c_lat_block_stride,
+    long long c_lat_token_stride, long long c_rope_block_stride, long long c_rope_token_stride,
+    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
+    // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one (1 for a cache
+    // of T). It scales keys and values alike.
+    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
+    int num_heads, int causal, float scale_log2, int lengths_per, int strict,
+    const VariantParams& vp) {  // only vp.lse is read
   using Geo = MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>;
   constexpr int ROW = Geo::kRow;
   constexpr int MA = Geo::kAtoms;
@@ -174,8 +169,9 @@ __global__ void __launch_bounds__(
   const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
   scale_log2 *= cache_scale;
   // (CUPAGED_DEBUG reports lengths past the table or negative, which mla_seq clamps.)
-  const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
-                                        num_heads, block_tables, bt_stride, max_blocks);
+  const MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens,
+                                                query_start_loc, num_heads, block_tables,
+                                                bt_stride, max_blocks, lengths_per);
 
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
@@ -188,7 +184,8 @@ __global__ void __launch_bounds__(
   // costs parallelism, never rows.
   for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < sq.packed; row0 += row_tiles * ROWS) {
     const int rows_here = min(ROWS, sq.packed - row0);
-    const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, causal, split_tiles);
+    const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, SPARSE ? 0 : causal,
+                                          split_tiles);
     const int kv_end = tl.kv_end, tile_lo = tl.tile_lo, n_tiles = tl.n_tiles;
 
     begin_row_tile(bad_s);
@@ -204,17 +201,23 @@ __global__ void __launch_bounds__(
     // the tile after next is read while this one is computed (tile_id), and its copies
     // wait for no table read. Slots past kv_end are zeros (P is 0 there, and 0 * a stale
     // NaN would be NaN); a bad block id is never dereferenced and raises the flag.
+    // (Sparse: the id is the key's slot, its block slot / BLOCK_SIZE and its offset in the
+    // block slot's, which MlaToken takes as the key; -1 also for an entry that does not
+    // count, whose zeros the softmax masks.)
     auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
       if (tile >= n_tiles) return -1;
-      return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + Geo::copy_token(tid),
-                                      kv_end, num_blocks);
+      const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
+      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
+      return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
-    auto load_tile = [&](int tile, int stage, int phys) {
-      const bool copy = phys >= 0;
-      if (phys == -2) *bad_s = 1;
+    auto load_tile = [&](int tile, int stage, int id) {
+      const bool copy = id >= 0;
+      if (id == -2) *bad_s = 1;
+      const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
       const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
                                         c_rope_block_stride, c_rope_token_stride, phys,
-                                        (tile_lo + tile) * TILE_N + Geo::copy_token(tid));
+                                        SPARSE ? (copy ? id : 0)
+                                               : (tile_lo + tile) * TILE_N + Geo::copy_token(tid));
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
                            Geo::copy_token(tid) * Geo::kCRow;
 #pragma unroll
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(
     };
 
     // Per-row constants of the softmax role: keys at positions < limit are seen.
-    const int limit = mla_key_limit(sq, row0 + sm_row, num_heads, causal);
+    const int limit = mla_key_limit(sq, row0 + sm_row, num_heads, SPARSE ? 0 : causal);
     float m_run = neg_inf(), l_run = 0.f;  // redundant over the row's RT threads; l partial
 
     float acc[MA][Geo::kDTiles][4];
@@ -329,7 +332,12 @@ __global__ void __launch_bounds__(
           float x = 0.f;
 #pragma unroll
           for (int k = 0; k < KS; ++k) x += s_s[(k * ROWS + sm_row) * Geo::kSRow + sm_col + j];
-          v[j] = t0 + sm_col + j < limit ? x * scale_log2 : neg_inf();
+          const int key = t0 + sm_col + j;
+          bool seen = key < limit;
+          if constexpr (SPARSE) {  // an entry that does not count reads as zeros: masked
+            seen = seen && mla_sparse_slot(sq, key, kv_end, num_blocks, strict) >= 0;
+          }
+          v[j] = seen ? x * scale_log2 : neg_inf();
           tile_max = fmaxf(tile_max, v[j]);
         }
 #pragma unroll
@@ -440,6 +448,84 @@ __global__ void __launch_bounds__(
       }
     }
   }
+}
+
+
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
+          int STAGES>
+__global__ void __launch_bounds__(
+    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
+    mla_attention(T* __restrict__ out,
+    // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs of
+    // split_tiles tiles, the last running to the end): float32 [total_q * num_heads,
+    // gridDim.z] partials for paged_decode_combine instead of `out`. Rows of a partition
+    // with no key get max -inf, sum 0.
+    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+    int split_tiles,
+    // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles run in one
+    // wave and read its keys from DRAM once (x = sequence, y = row tile would run each row
+    // tile in a wave of its own over all sequences).
+    int row_tiles,
+    const T* __restrict__ q_lat, const T* __restrict__ q_rope, long long q_lat_token_stride,
+    long long q_lat_head_stride, long long q_rope_token_stride, long long q_rope_head_stride,
+    const C* __restrict__ c_lat, const C* __restrict__ c_rope, long long c_lat_block_stride,
+    long long c_lat_token_stride, long long c_rope_block_stride, long long c_rope_token_stride,
+    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
+    // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one (1 for a cache
+    // of T). It scales keys and values alike.
+    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
+    int num_heads, int causal, float scale_log2,
+    const __grid_constant__ VariantParams vp) {
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, false>(out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope, q_lat_token_stride,
+      q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat, c_rope,
+      c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
+      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
+      query_start_loc, num_heads, causal, scale_log2, 1, 0, vp);
+}
+
+// DeepSeek's sparse attention (DSA) over the same cache: each query token attends to the
+// cached tokens its top-k indices name (FlashMLA's sparse interface). Parameters as
+// mla_attention's, read as: block_tables the indices, int32 [num_tokens, bt_stride], a
+// token's first max_blocks (topk) of them global slots (block * BLOCK_SIZE + offset) or -1;
+// num_blocks the slots (a slot counts when in [0, num_blocks)); seq_lens topk_length,
+// entry token / lengths_per (or null: all topk count); query_start_loc null and causal 0
+// (a token's rows are its heads; there is no order among its keys). strict: an index
+// outside [0, num_blocks) other than -1 is a fault that turns its token's rows NaN
+// (FlashMLA's decode), else it does not count (its prefill). A repeated index counts each
+// time.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
+          int STAGES>
+__global__ void __launch_bounds__(
+    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
+    mla_sparse_attention(T* __restrict__ out,
+    // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs of
+    // split_tiles tiles, the last running to the end): float32 [total_q * num_heads,
+    // gridDim.z] partials for paged_decode_combine instead of `out`. Rows of a partition
+    // with no key get max -inf, sum 0.
+    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+    int split_tiles,
+    // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles run in one
+    // wave and read its keys from DRAM once (x = sequence, y = row tile would run each row
+    // tile in a wave of its own over all sequences).
+    int row_tiles,
+    const T* __restrict__ q_lat, const T* __restrict__ q_rope, long long q_lat_token_stride,
+    long long q_lat_head_stride, long long q_rope_token_stride, long long q_rope_head_stride,
+    const C* __restrict__ c_lat, const C* __restrict__ c_rope, long long c_lat_block_stride,
+    long long c_lat_token_stride, long long c_rope_block_stride, long long c_rope_token_stride,
+    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
+    // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one (1 for a cache
+    // of T). It scales keys and values alike.
+    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
+    int num_heads, int causal, float scale_log2, int lengths_per, int strict,
+    const __grid_constant__ VariantParams vp) {
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true>(out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope, q_lat_token_stride,
+      q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat, c_rope,
+      c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
+      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
+      query_start_loc, num_heads, causal, scale_log2,
+      lengths_per, strict, vp);
 }
 
 }  // namespace cupaged

@@ -16,12 +16,26 @@ struct MlaSeq {
   const int* bt_row;
 };
 
-template <int BLOCK_SIZE>
+// Sparse MLA (mla_sparse_attention): a "sequence" is one query token (its rows: its
+// heads), its "block table" row the token's top-k indices (global slots of the cache,
+// `max_blocks` of them), and its length the count of them that count: seq_lens[seq /
+// lengths_per] (topk_length) clamped to [0, topk], or topk without it.
+template <int BLOCK_SIZE, bool SPARSE = false>
 __device__ __forceinline__ MlaSeq mla_seq(int seq, const int* seq_lens,
                                           const int* query_start_loc, int num_heads,
                                           const int* block_tables, long long bt_stride,
-                                          int max_blocks) {
+                                          int max_blocks, int lengths_per = 1) {
   MlaSeq s;
+  if constexpr (SPARSE) {
+    s.seq_len = seq_lens != nullptr
+                    ? max(0, min(__ldg(seq_lens + seq / lengths_per), max_blocks))
+                    : max_blocks;
+    s.q_begin = seq;
+    s.packed = num_heads;
+    s.q_shift = 0;
+    s.bt_row = block_tables + seq * bt_stride;
+    return s;
+  }
   s.seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
   s.q_begin = query_start_loc != nullptr ? query_start_loc[seq] : seq;
   const int q_len = query_start_loc != nullptr ? query_start_loc[seq + 1] - s.q_begin : 1;
@@ -70,6 +84,19 @@ __device__ __forceinline__ int mla_block_id(const MlaSeq& s, int key, int kv_end
   if (key >= kv_end) return -1;
   const int phys = __ldg(s.bt_row + key / BLOCK_SIZE);
   return static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys : -2;
+}
+
+// Sparse MLA: the slot that index entry `key` of a token names (its block is slot /
+// BLOCK_SIZE, its offset slot % BLOCK_SIZE); -1 for an entry that does not count (past the
+// token's length, -1, or without `strict` anything outside [0, num_slots): FlashMLA's
+// prefill rule); -2 for an index outside the cache under `strict` (FlashMLA's decode takes
+// -1 only): never dereferenced, its rows NaN.
+__device__ __forceinline__ int mla_sparse_slot(const MlaSeq& s, int key, int kv_end,
+                                               int num_slots, int strict) {
+  if (key >= kv_end) return -1;
+  const int slot = __ldg(s.bt_row + key);
+  if (static_cast<unsigned>(slot) < static_cast<unsigned>(num_slots)) return slot;
+  return strict && slot != -1 ? -2 : -1;
 }
 
 // Chunk c (8 values of T) of packed row p's query.

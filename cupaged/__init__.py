@@ -9,6 +9,7 @@ Public API:
     attention               varlen paged attention over any layout (every kind of step)
     AttentionPlan           attention checked and planned once, run for every layer
     mla_attention           DeepSeek's absorbed multi-head latent attention over a paged latent cache
+    sparse_mla_attention    DeepSeek's sparse attention (DSA) over top-k slot indices of the latent cache
     paged_attention         decode attention over vLLM's layout (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
@@ -63,6 +64,7 @@ from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .attention import AttentionPlan, attention
 from .mla import mla_attention
+from .sparse_mla import sparse_mla_attention
 from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, PagedMLACache,
                        Step)
 
@@ -92,6 +94,7 @@ __all__ = [
     "merge_state",
     "merge_states",
     "mla_attention",
+    "sparse_mla_attention",
     "reshape_and_cache",
     "reshape_and_cache_flash",
     "swap_blocks",

@@ -167,6 +167,55 @@ class DeviceView:
         return v
 
 
+class StridedView:
+    """An adapted array seen with other dimensions (``reshaped``): the same memory, its
+    metadata alone. ``owner`` is kept (a torch tensor's wrapper keeps the tensor)."""
+
+    __slots__ = ("shape", "strides", "ndim", "dtype", "data", "owner")
+
+    def __init__(self, owner, shape, strides):
+        self.owner = owner
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = tuple(int(s) for s in strides)
+        self.ndim = len(self.shape)
+        self.dtype = owner.dtype
+        self.data = owner.data
+
+    @property
+    def flags(self) -> _Flags:
+        step, dense = self.dtype.itemsize, True
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and st != step:
+                dense = False
+            step *= max(n, 1)
+        return _Flags(dense)
+
+
+def reshaped(a, groups, name: str, what: str):
+    """Adapted array ``a`` with each group of consecutive dimensions merged into one
+    (``groups``: their counts, in order; dimensions of size 1 may sit anywhere), as a
+    view: a ValueError naming ``name`` when the memory does not allow it (``what``: the
+    shape expected, for the message)."""
+    if sum(groups) != a.ndim:
+        raise ValueError(f"{name} must be {what}, got shape {a.shape}")
+    shape, strides, at = [], [], 0
+    for g in groups:
+        dims = list(zip(a.shape[at:at + g], a.strides[at:at + g]))
+        at += g
+        kept = [(n, st) for n, st in dims if n != 1]
+        for (_, outer), (n_in, inner) in zip(kept, kept[1:]):
+            if outer != inner * n_in:
+                raise ValueError(f"{name} ({what}) cannot be seen as one array of its merged "
+                                 f"dimensions without a copy: shape {a.shape}, strides "
+                                 f"{a.strides}")
+        size = 1
+        for n, _ in dims:
+            size *= n
+        shape.append(size)
+        strides.append(kept[-1][1] if kept else a.dtype.itemsize)
+    return StridedView(a, shape, strides)
+
+
 # ---- any array -------------------------------------------------------------------------------
 
 

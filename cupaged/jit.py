@@ -73,6 +73,7 @@ _KERNELS = {
     "paged_prefill_sm90": ("paged_prefill_sm90.cu", _PREFILL_SM90_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
+    "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
     "mla_attention_sm90": ("mla_attention_sm90.cu", ("dtype", "cache_dtype", "head_size",
                                                      "rope_dim", "block_size")),
@@ -102,6 +103,8 @@ ARG_FORMATS = {
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
     "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",
+    # mla_attention's, then lengths_per and strict
+    "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii48s",
     "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",  # mla_attention's
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
@@ -190,6 +193,8 @@ def default_mla_tile() -> tuple[int, int, int, int]:
 # The targets each kernel is built for when not every one: wgmma and setmaxnreg are
 # sm_90a's (Hopper's architecture-specific features; no other GPU runs them).
 ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a"}
+# The mma.sync MLA kernels (one body, mla_attention.cuh): paged and sparse (DSA).
+MLA_MMA_KERNELS = ("mla_attention", "mla_sparse_attention")
 
 
 @dataclass(frozen=True)
@@ -290,7 +295,7 @@ class KernelSpec:
             for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
-        elif self.kernel == "mla_attention":
+        elif self.kernel in MLA_MMA_KERNELS:
             for name, default in zip(("rope_dim", "rows", "tile_tokens", "stages"),
                                      default_mla_tile()):
                 if getattr(self, name) == 0:
@@ -340,7 +345,7 @@ class KernelSpec:
             tile = (self.warps, self.m_atoms, self.tile_tokens, self.stages)
             if tile != default_prefill_tile(self.head_size):
                 parts.append("w{}m{}n{}x{}".format(*tile))
-        elif self.kernel == "mla_attention":
+        elif self.kernel in MLA_MMA_KERNELS:
             parts.append(f"r{self.rows}t{self.tile_tokens}x{self.stages}")
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)

@@ -131,6 +131,17 @@ def scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
                     rows, base + nbytes if counters else 0, counters), keep
 
 
+def mla_workspace_partials(workspace, device: int, rank: int) -> Partials | None:
+    """An MLA call's ``workspace=`` argument: None, or a DecodeWorkspace's partials
+    ``rank`` wide on ``device`` (a TypeError for anything else)."""
+    if workspace is None:
+        return None
+    if not isinstance(workspace, DecodeWorkspace):
+        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
+              TypeError)
+    return workspace.partials(device, rank)
+
+
 def workspace_partials(workspace, p: Problem) -> Partials | None:
     """The split-KV scratch of a ``workspace=`` argument: a DecodeWorkspace's, sized for
     ``p``; partials the vLLM v2 entry point built from its own buffers; or None."""
@@ -311,7 +322,7 @@ class MlaLaunch(NamedTuple):
     c_offsets: tuple
     table: tuple  # block_tables' row stride, max_blocks, num_blocks, the fp8 scale (pointer,
     #               value)
-    tail: tuple  # num_heads, causal, scale * log2(e)
+    tail: tuple  # num_heads, causal, scale * log2(e) (sparse: then lengths_per, strict)
     combine: jit.Launcher | None
     combine_grid: tuple
     combine_tail: tuple
@@ -345,17 +356,18 @@ class MlaLaunch(NamedTuple):
 
 
 def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
-              partials: Partials | None = None) -> MlaLaunch:
+              partials: Partials | None = None, sparse: tuple = ()) -> MlaLaunch:
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
     planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
-    ``partials``: a workspace's, None for a scratch buffer per split call), every argument
-    but the arrays' addresses."""
+    ``partials``: a workspace's, None for a scratch buffer per split call; ``sparse``:
+    mla_sparse_attention's (lengths_per, strict)), every argument but the arrays'
+    addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
                      plan.row_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
                      tuple(o * csz for o in p.c_offsets),
                      (p.bt_stride, p.max_blocks, p.num_blocks, *k_scale),
-                     (p.num_heads, int(causal), scale * _checks.LOG2E), plan.combine,
+                     (p.num_heads, int(causal), scale * _checks.LOG2E, *sparse), plan.combine,
                      plan.combine_grid, plan.combine_tail,
                      p.num_rows * p.num_heads * plan.partitions, p.rank, partials)

@@ -736,10 +736,12 @@ class MlaKernel(NamedTuple):
 
 @jit.launcher_cache
 def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
-               block_size: int, tile: tuple) -> MlaKernel:
-    """mla_attention in ``tile`` (rows, tile_tokens, stages)."""
+               block_size: int, tile: tuple, sparse: bool = False) -> MlaKernel:
+    """mla_attention (or its sparse form, mla_sparse_attention) in ``tile`` (rows,
+    tile_tokens, stages)."""
     rows, tt, st = tile
-    spec = jit.KernelSpec("mla_attention", dtype, rank, block_size, rope_dim=rope, rows=rows,
+    name = "mla_sparse_attention" if sparse else "mla_attention"
+    spec = jit.KernelSpec(name, dtype, rank, block_size, rope_dim=rope, rows=rows,
                           tile_tokens=tt, stages=st, cache_dtype=cache_dtype,
                           arch=device_info(device_id).arch)
     g = geometry.MlaGeometry.of(spec)
@@ -826,22 +828,25 @@ class MlaPlan(NamedTuple):
 
 def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
              block_size: int, num_seqs: int, num_rows: int, num_heads: int, max_q: int,
-             max_ctx: int, workspace_rows: int | None = None) -> MlaPlan | None:
+             max_ctx: int, workspace_rows: int | None = None,
+             sparse: bool = False) -> MlaPlan | None:
     """The launches of an MLA call (None: nothing to launch), from host facts only:
     ``max_q`` and ``max_ctx`` bound the query tokens and keys of a sequence (an undercount
     costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
-    rows (None: a scratch buffer per call)."""
+    rows (None: a scratch buffer per call). ``sparse``: mla_sparse_attention, whose
+    "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
+    top-k entries (``max_ctx``: topk); the mma.sync kernel on every GPU."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
-    if mla_sm90_applies(arch, rows_needed):
+    if not sparse and mla_sm90_applies(arch, rows_needed):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
         tile = mla_tile(arch, rows_needed, csize)
-        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile)
+        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse)
         rows, tt = tile[0], tile[1]
     # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row
     # tiles past the bound's.

@@ -67,6 +67,12 @@ AXES = {
                       "head_size": (512,), "rope_dim": (64,),
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
+    # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
+    # (sparse_mla_attention takes no fp8 one yet).
+    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": ("",),
+                             "head_size": (512,), "rope_dim": (64,),
+                             "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
+                             "tile_tokens": (16, 32), "stages": (2, 3, 4)},
     # Hopper only (jit.ARCH_ONLY)
     "mla_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": (512,), "rope_dim": (64,),
@@ -85,7 +91,7 @@ def supported(spec: jit.KernelSpec) -> bool:
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
     192, and vLLM's layout in blocks of 8 tokens or more."""
-    if spec.kernel == "mla_attention":  # its (rows, tile, stages) where the target holds them
+    if spec.kernel in jit.MLA_MMA_KERNELS:  # its (rows, tile, stages) where the target holds them
         return geometry.MlaGeometry.of(spec).fits(spec.arch)
     fp8 = spec.cache_dtype in _dtypes.FP8
     if fp8 and (spec.dtype == "f32" or spec.head_size % 16):

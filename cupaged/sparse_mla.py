@@ -1,0 +1,201 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2's and V4's) over a paged latent cache:
+:func:`sparse_mla_attention`, FlashMLA's sparse decode interface. Each query token attends
+to the cached tokens its top-k indices name; the kernel is ``mla_sparse_attention``
+(``mla_attention``'s mma.sync body reading keys through the indices, sm_80+). The layers
+are MLA's: array adaptation, validation (:func:`.validation.validate_mla` over the
+arrays seen as one token a "sequence"), planning (:func:`.planning.plan_mla` with
+``sparse``), launch (:func:`.launch.build_mla`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays, _checks, _prepared, launch, planning, validation
+from ._arrays import as_device_array, optional_device_array, optional_output_array
+
+_fail = _checks.fail
+
+__all__ = ["sparse_mla_attention"]
+
+
+def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, out=None,
+                         lse=None, return_lse=False, stream=None, workspace=None):
+    """Sparse multi-head latent attention (DeepSeek's DSA): each query token attends to the
+    cached tokens its indices name, in FlashMLA's two interfaces.
+
+    Decode (``flash_mla_with_kvcache(.., indices=..)``):
+        q: ``[batch, s_q, num_heads, 576]`` float16 or bfloat16: each head's absorbed
+            query (``W_UK q_nope``, 512 values) then its ``q_pe`` (64); the last dimension
+            contiguous, batch and s_q foldable into one token dimension without a copy.
+        kv_cache: the latent cache ``[num_blocks, page_size, 1, 576]`` (FlashMLA's) or
+            ``[num_blocks, page_size, 576]`` (vLLM's), of q's dtype: a token's key is its
+            whole vector ``[kv_c, k_pe]``, its value ``kv_c``. Page sizes: powers of two
+            from 1 to 256 (FlashMLA's and vLLM's sparse caches use 64).
+        indices: int32 ``[batch, s_q, topk]``: each a global slot ``block * page_size +
+            offset`` (no block table), -1 an entry that does not count. Any other index
+            outside the cache is a fault: it is never read, and every head of its token
+            comes back NaN (FlashMLA's decode would read out of bounds).
+        topk_length: optional int32 ``[batch]`` on the device: only the first
+            ``topk_length[b]`` entries of batch entry b's rows count (clamped to
+            ``[0, topk]``); entries past it are never read.
+        out ``[batch, s_q, num_heads, 512]``, lse ``[batch, s_q, num_heads]``.
+
+    Prefill (``flash_mla_sparse_fwd``): ``q [s_q, num_heads, 576]`` (sequences
+    concatenated), ``kv_cache`` the tokens ``[s_kv, 1, 576]`` (or ``[s_kv, 576]``),
+    ``indices [s_q, 1, topk]`` (or ``[s_q, topk]``) into them, ``topk_length [s_q]``; an
+    index outside ``[0, s_kv)`` (-1 or any other) does not count. out ``[s_q, num_heads,
+    512]``, lse ``[s_q, num_heads]``.
+
+    Both:
+        scale: the softmax scale (required).
+        out: C-contiguous, q's dtype; lse: float32, C-contiguous (implies
+            ``return_lse``). return_lse: also return the lse, the natural log of each
+            row's softmax denominator (FlashMLA's, transposed: theirs puts heads first).
+        stream, workspace: as for :func:`cupaged.mla_attention` (a workspace made with
+            ``head_size=512`` for at least a row per query token).
+
+    A repeated index counts each time. A row none of whose entries counts gives zeros and
+    lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
+    the statement of the result. Not here yet: attention sinks, a second cache, fp8
+    caches (V3.2's ``fp8_ds_mla`` included), V4's 512-dim keys.
+    """
+    prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,
+                                      return_lse, stream, workspace)
+    # q's rotary part and the cache's lie at their latent parts' addresses (the launch's
+    # offsets find them)
+    ql, c, idx, tl, o, lse_ptr = ptrs
+    return _prepared.run(prep, ((ql, ql), c, c, idx, tl, 0, o, lse_ptr), stream, out, lse)
+
+
+def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, return_lse,
+                         stream, workspace, plan: bool = True) -> tuple:
+    """``(prepared call, addresses)``: every check, then the plan of its launches
+    (``plan=False``: the checks alone). The addresses: q's latent and rotary parts, the
+    cache's, the indices', topk_length's (0 for none), out's and lse's (0 for none)."""
+    if scale is None:
+        _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
+              "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)
+    qa = as_device_array(q, "q")
+    kc = as_device_array(kv_cache, "kv_cache")
+    idx = as_device_array(indices, "indices")
+    o = optional_output_array(out, "out")
+    lse_a = optional_output_array(lse, "lse")
+    prefill = qa.ndim == 3
+    out_shape, lse_shape = qa.shape[:-1] + (512,), qa.shape[:-1]
+    if prefill:  # seen as decode: each query token a batch entry of one token
+        qa, kc, idx, o, lse_a = _prefill_as_decode(qa, kc, idx, o, lse_a)
+    if qa.ndim != 4:
+        _fail(f"q must be [batch, s_q, num_heads, 576] (decode) or [s_q, num_heads, 576] "
+              f"(prefill), got shape {qa.shape}")
+    batch, s_q, num_heads = qa.shape[:3]
+    if kc.ndim == 4 and kc.shape[2] != 1:
+        _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
+              f"576], got shape {kc.shape}")
+    if kc.ndim not in (3, 4):
+        _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
+              f"576], got shape {kc.shape}")
+    if kc.dtype != qa.dtype:
+        _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}): sparse_mla_attention "
+              f"reads 16-bit caches; fp8 ones (V3.2's fp8_ds_mla included) are not served "
+              f"yet", TypeError)
+    _checks.check_int(idx, "indices")
+    if idx.dtype != np.int32:
+        _fail(f"indices must be int32, got {idx.dtype}", TypeError)
+    if idx.ndim != 3 or idx.shape[:2] != (batch, s_q) or idx.shape[2] < 1:
+        _fail(f"indices must be [batch, s_q, topk] = [{batch}, {s_q}, topk >= 1], got shape "
+              f"{idx.shape}")
+    tokens = batch * s_q
+    if tokens and (idx.strides[2] != 4 or min(idx.strides) < 0
+                   or idx.strides[0] % 4 or idx.strides[1] % 4):
+        _fail(f"indices' last dimension must be contiguous and its rows a whole number of "
+              f"entries apart (strides {idx.strides})")
+    tl = optional_device_array(topk_length, "topk_length")
+    if tl is not None:
+        _checks.check_int(tl, "topk_length")
+        if tl.dtype != np.int32 or tl.shape != (batch,) or (batch and tl.strides[0] != 4):
+            _fail(f"topk_length must be a contiguous int32 [batch] = [{batch}] array, got "
+                  f"{tl.dtype} of shape {tl.shape}")
+    for name, a, shape in (("out", o, (batch, s_q, num_heads, 512)),
+                           ("lse", lse_a, (batch, s_q, num_heads))):
+        if a is not None and (a.shape != shape or not (_checks.is_empty(a)
+                                                       or a.flags.c_contiguous)):
+            _fail(f"{name} must be a C-contiguous array of shape {shape}, got shape "
+                  f"{a.shape} with strides {a.strides}")
+    _checks.check_same_device(qa.data.device_id, "q", (
+        ("kv_cache", kc), ("indices", idx), ("topk_length", tl), ("out", o), ("lse", lse_a)))
+    # One query token a "sequence" of mla_attention's checks: its rows its heads. Its
+    # block-table row (the indices) is checked above and given to them as one entry a row
+    # (the checks' bound on a table's tokens is a paged one), topk_length's place by a
+    # stand-in of the shape they want: metadata only, never read.
+    fold = "[batch, s_q, ...] with batch and s_q foldable into one dimension"
+    topk = idx.shape[2]
+    row_stride = _arrays.reshaped(idx, (2, 1), "indices", fold).strides[0]
+    rows = _arrays.StridedView(idx, (tokens, 1), (row_stride, 4))
+    seq_lens = _arrays.DeviceView((tokens,), np.int32, idx.data.ptr, idx.data.device_id)
+    p = validation.validate_mla(
+        _arrays.reshaped(qa, (2, 1, 1), "q", fold),
+        _arrays.reshaped(kc, (1, 1, kc.ndim - 2), "kv_cache", "[num_blocks, page_size, 576]"),
+        None, rows, seq_lens, None,
+        None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", fold),
+        None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto")
+    p = p._replace(max_blocks=topk, bt_stride=row_stride // 4)
+    # The kernel's bound on a slot: the cache's tokens; strict: an index outside it other
+    # than -1 is a fault (FlashMLA's decode rule).
+    num_slots = p.num_blocks * p.block_size
+    if num_slots >= 2 ** 31:
+        _fail(f"the cache has {num_slots} token slots; at most 2^31 - 1 are supported")
+    p = p._replace(num_blocks=num_slots)
+    scale = validation.softmax_scale(scale, p.rank + p.rope)
+    parts = launch.mla_workspace_partials(workspace, p.device, p.rank)
+    wants_lse = bool(return_lse) or lse is not None
+    if not plan:
+        return None, None
+    with _arrays.on_device(p.device):
+        mplan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
+                                  p.block_size, tokens, tokens, num_heads, 1, p.max_blocks,
+                                  None if parts is None else parts.max_rows, sparse=True)
+        launches = None if mplan is None else launch.build_mla(
+            p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)))
+    disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)),
+                                        ((0, qa), (1, kc), (2, idx), (3, tl)))
+    prep = _prepared.Prepared(launches, p.device, _arrays.framework(q), out_shape, qa.dtype,
+                              (), 0, False, wants_lse,
+                              lse_shape if wants_lse and lse_a is None else (), disjoint)
+    ptrs = _prepared.addresses(qa, kc, idx, tl, o, lse_a)
+    if _prepared.any_overlap(disjoint, ptrs):
+        _fail("out and lse must not overlap q, kv_cache or each other")
+    return prep, ptrs
+
+
+def _prefill_as_decode(qa, kc, idx, o, lse_a):
+    """FlashMLA's sparse prefill arrays (q ``[s_q, heads, 576]``, kv ``[s_kv, 1, 576]`` or
+    ``[s_kv, 576]``, indices ``[s_q, 1, topk]`` or ``[s_q, topk]``, out ``[s_q, heads,
+    512]``, lse ``[s_q, heads]``), checked, as views of the decode form: each query token
+    a batch entry of one token, the tokens of kv as blocks of the largest power of two up
+    to 256 that divides s_kv (whole blocks, so the views cover kv's memory exactly)."""
+    if kc.ndim == 3 and kc.shape[1] == 1:
+        kc = _arrays.StridedView(kc, (kc.shape[0], kc.shape[2]), (kc.strides[0], kc.strides[2]))
+    if kc.ndim != 2:
+        _fail(f"kv must be [s_kv, 1, 576] or [s_kv, 576] for the prefill interface (q "
+              f"[s_q, num_heads, 576]), got shape {kc.shape}")
+    s_kv = kc.shape[0]
+    bs = min(s_kv & -s_kv, 256) if s_kv else 1
+    kv = _arrays.StridedView(kc, (s_kv // bs, bs, kc.shape[1]),
+                             (bs * kc.strides[0], kc.strides[0], kc.strides[1]))
+    s_q = qa.shape[0]
+    if idx.ndim == 2:
+        idx = _arrays.StridedView(idx, (idx.shape[0], 1, idx.shape[1]),
+                                  (idx.strides[0], idx.strides[0], idx.strides[1]))
+    if idx.ndim != 3 or idx.shape[:2] != (s_q, 1):
+        _fail(f"indices must be [s_q, 1, topk] or [s_q, topk] with s_q = {s_q} for the "
+              f"prefill interface, got shape {idx.shape}")
+
+    for name, a, shape in (("out", o, (s_q, *qa.shape[1:2], 512)), ("lse", lse_a, qa.shape[:2])):
+        if a is not None and a.shape != shape:
+            _fail(f"{name} must be of shape {shape} for the prefill interface, got {a.shape}")
+
+    def one_token(a):  # [s_q, ...] as [s_q, 1, ...]
+        return None if a is None else _arrays.StridedView(
+            a, (a.shape[0], 1, *a.shape[1:]), (a.strides[0], a.strides[0], *a.strides[1:]))
+    return one_token(qa), kv, idx, one_token(o), one_token(lse_a)
+

@@ -1,0 +1,307 @@
+"""cupaged.sparse_mla_attention (DeepSeek's sparse attention, FlashMLA's decode interface):
+its checks on array metadata alone (CPU), and on the GPU against the float64 reference
+(reference.sparse_mla_attention) over -1 entries, repeated indices, block boundaries,
+topk_length, topk not a multiple of a tile, split-KV, stale NaN in unselected slots, an
+index outside the cache (its token's rows NaN, no other), rows with no entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _arrays, _dtypes, planning, reference, sparse_mla, testing
+from conftest import assert_close
+from test_validation import Fake
+
+D = 576
+SCALE = 1 / np.sqrt(192)
+
+
+def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf16",
+                 flashmla_cache=True, topk_length=None):
+    """Host arrays: q, a cache whose slots no counted index names hold NaN, indices with -1
+    entries, a repeated index and both ends of the cache, and topk_length (random unless
+    given; the NaN follows it, so change it only through this argument)."""
+    dt = np.float16 if dtype == "f16" else _dtypes.BF16.numpy
+    n = blocks * page
+    q = testing.random_normal((batch, s_q, heads, D), dt, rng)
+    cache = testing.random_normal((blocks, page, D), dt, rng)
+    idx = rng.integers(0, n, (batch, s_q, topk)).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.15] = -1
+    idx[0, 0, :4] = [0, n - 1, page - 1, page][:min(topk, 4)]
+    if topk > 5:
+        idx[0, 0, 5] = idx[0, 0, 4] = 7  # a repeated index
+    tl = rng.integers(0, topk + 3, batch).astype(np.int32)
+    tl[0] = topk
+    if topk_length is not None:
+        tl[:] = topk_length
+    named = np.zeros(n, bool)  # the slots a counted entry names: the others hold NaN
+    counted = np.arange(topk)[None, None, :] < np.minimum(tl, topk)[:, None, None]
+    named[idx[(idx >= 0) & counted]] = True
+    cache.reshape(n, D)[~named] = np.nan  # never read: no NaN may leak
+    if flashmla_cache:
+        cache = cache[:, :, None]
+    return dict(q=q, kv_cache=cache, indices=idx, topk_length=tl)
+
+
+def reference_of(h, with_length=True):
+    return reference.sparse_mla_attention(h["q"], h["kv_cache"], h["indices"], scale=SCALE,
+                                          topk_length=h["topk_length"] if with_length else None,
+                                          return_lse=True)
+
+
+def run(h, with_length=True, pad=0, **kw):
+    """The call on device copies, out and lse poisoned with NaN; ``pad``: the cache as a
+    view of blocks ``pad`` token rows longer (its block stride not page * token stride)."""
+    import cupy
+
+    dev = {k: cupy.asarray(v) for k, v in h.items() if k != "kv_cache"}
+    kc = h["kv_cache"]
+    if pad:
+        big = cupy.full((kc.shape[0], kc.shape[1] + pad, *kc.shape[2:]), np.nan, kc.dtype)
+        big[:, :kc.shape[1]] = cupy.asarray(kc)
+        dev["kv_cache"] = big[:, :kc.shape[1]]
+    else:
+        dev["kv_cache"] = cupy.asarray(kc)
+    out = cupy.full(h["q"].shape[:3] + (512,), np.nan, h["q"].dtype)
+    lse = cupy.full(h["q"].shape[:3], np.nan, np.float32)
+    got, got_lse = cupaged.sparse_mla_attention(
+        dev["q"], dev["kv_cache"], dev["indices"], scale=SCALE,
+        topk_length=dev["topk_length"] if with_length else None, out=out, lse=lse, **kw)
+    assert got is out and got_lse is lse
+    return cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+
+
+def check_lse(got, want, what=""):
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)), what
+    f = np.isfinite(want)
+    assert np.abs(got[f] - want[f]).max(initial=0) <= 2e-3 * max(1, np.abs(want[f]).max(initial=0)), what
+
+
+# ---- CPU: the checks, on metadata -------------------------------------------------------------
+
+
+def fakes(**over):
+    base = dict(q=np.zeros((2, 3, 16, D), np.float16),
+                kv_cache=np.zeros((10, 64, 1, D), np.float16),
+                indices=np.zeros((2, 3, 32), np.int32), topk_length=None, out=None, lse=None)
+    base.update(over)
+    return {k: None if v is None else Fake(v, ptr=(i + 1) << 24)
+            for i, (k, v) in enumerate(base.items())}
+
+
+@pytest.fixture
+def adapt(monkeypatch):
+    real = _arrays.as_device_array
+    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
+    monkeypatch.setattr(sparse_mla, "as_device_array", one)
+    monkeypatch.setattr(_arrays, "as_device_array", one)
+
+    def check(**over):
+        f = fakes(**over)
+        return sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1,
+                                               f["topk_length"], f["out"], f["lse"], False,
+                                               None, None, plan=False)
+    return check
+
+
+def test_both_cache_forms_are_accepted(adapt):
+    assert adapt() == (None, None)
+    assert adapt(kv_cache=np.zeros((10, 64, D), np.float16)) == (None, None)
+    assert adapt(topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), np.float16),
+                 lse=np.zeros((2, 3, 16), np.float32)) == (None, None)
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(q=np.zeros((6, 16, D), np.float16)), ValueError,
+     "kv must be \\[s_kv, 1, 576\\] or \\[s_kv, 576\\] for the prefill interface"),
+    (dict(q=np.zeros((2, 3, 16, 512), np.float16)), ValueError, "kv_lora_rank \\+ rope_dim"),
+    (dict(kv_cache=np.zeros((10, 64, 2, D), np.float16)), ValueError,
+     "kv_cache must be \\[num_blocks, page_size, 1, 576\\]"),
+    (dict(indices=np.zeros((2, 3, 32), np.int64)), TypeError, "indices must be int32"),
+    (dict(indices=np.zeros((2, 4, 32), np.int32)), ValueError,
+     "indices must be \\[batch, s_q, topk\\] = \\[2, 3, topk >= 1\\]"),
+    (dict(indices=np.zeros((2, 3, 32), np.int32)[:, :, ::2]), ValueError,
+     "indices' last dimension must be contiguous"),
+    (dict(topk_length=np.zeros(3, np.int32)), ValueError,
+     "topk_length must be a contiguous int32 \\[batch\\] = \\[2\\]"),
+    (dict(out=np.zeros((2, 3, 16, 576), np.float16)), ValueError,
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\)"),
+    (dict(out=np.zeros((2, 3, 16, 1024), np.float16)[..., ::2]), ValueError,
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\), got shape "
+     "\\(2, 3, 16, 512\\) with strides"),
+    (dict(kv_cache=np.zeros((10, 64, 1, D), np.uint8)), TypeError,
+     "kv_cache dtype uint8 must be q's .*fp8_ds_mla included"),
+    (dict(q=np.zeros((2, 4, 16, D), np.float16)[:, :3]), ValueError,
+     "q .*cannot be seen as one array"),
+])
+def test_refusals_name_the_argument(adapt, over, exc, match):
+    with pytest.raises(exc, match=match):
+        adapt(**over)
+
+
+def test_indices_are_named_in_their_own_errors(adapt):
+    """Faults of the indices are reported as the indices', not as a block table's."""
+    rows_130_bytes_apart = np.zeros((2, 3, 130), np.int8)[..., :128].view(np.int32)
+    with pytest.raises(ValueError, match="indices' last dimension must be contiguous and its "
+                                         "rows a whole number of entries apart"):
+        adapt(indices=rows_130_bytes_apart)
+    f = fakes()
+    f["indices"].data.device_id = 1
+    with pytest.raises(ValueError, match="indices is on device 1"):
+        sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1, None, None,
+                                        None, False, None, None, plan=False)
+
+
+def test_the_prefill_interface_is_accepted_and_checked(adapt):
+    """q [s_q, heads, 576] over kv [s_kv, 1, 576] or [s_kv, 576], indices [s_q, 1, topk] or
+    [s_q, topk], topk_length [s_q]; s_kv of any size (odd ones in blocks of one token)."""
+    for s_kv in (100, 37, 256, 1024):
+        for kv in (np.zeros((s_kv, 1, D), np.float16), np.zeros((s_kv, D), np.float16)):
+            for ind in (np.zeros((6, 1, 32), np.int32), np.zeros((6, 32), np.int32)):
+                assert adapt(q=np.zeros((6, 16, D), np.float16), kv_cache=kv, indices=ind,
+                             topk_length=np.zeros(6, np.int32),
+                             out=np.zeros((6, 16, 512), np.float16),
+                             lse=np.zeros((6, 16), np.float32)) == (None, None)
+    q, kv = np.zeros((6, 16, D), np.float16), np.zeros((100, 1, D), np.float16)
+    with pytest.raises(ValueError, match="indices must be \\[s_q, 1, topk\\] or \\[s_q, topk\\] "
+                                         "with s_q = 6"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((5, 32), np.int32))
+    with pytest.raises(ValueError, match="out must be of shape \\(6, 16, 512\\) for the prefill"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((6, 32), np.int32),
+              out=np.zeros((6, 1, 16, 512), np.float16))
+    with pytest.raises(ValueError, match="topk_length must be a contiguous int32 \\[batch\\] "
+                                         "= \\[6\\]"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((6, 32), np.int32),
+              topk_length=np.zeros(2, np.int32))
+
+
+def test_an_empty_batch_is_accepted(adapt):
+    assert adapt(q=np.zeros((0, 3, 16, D), np.float16),
+                 indices=np.zeros((0, 3, 32), np.int32)) == (None, None)
+
+
+def test_scale_is_required():
+    with pytest.raises(TypeError, match="scale is required"):
+        cupaged.sparse_mla_attention(None, None, None, scale=None)
+
+
+# ---- GPU: against the float64 reference -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads, topk, page, pad", [(16, 100, 64, 0), (64, 37, 16, 8),
+                                                    (128, 256, 64, 0), (16, 1, 32, 0),
+                                                    (20, 70, 64, 16), (40, 33, 1, 0)])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_decode_matches_reference(rng, dtype, heads, topk, page, pad, with_length):
+    """Head counts that leave a partial row tile (20, 40), a cache whose blocks are padded
+    (its block stride not page * token stride: block and offset computed apart), pages of
+    one token."""
+    # Without topk_length every entry counts: the NaN goes only where no entry points.
+    h = host_problem(rng, 3, 2, heads, topk, page=page, dtype=dtype,
+                     topk_length=None if with_length else topk)
+    got, lse = run(h, with_length, pad=pad)
+    want, want_lse = reference_of(h, with_length)
+    assert_close(got, want, testing.TOLERANCE[dtype], f"{heads} heads topk {topk}")
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1, 2, 3])
+def test_split_kv_and_workspace(rng, split):
+    """Forced partitions (tiles each) over two row tiles of 64 heads (128 heads)."""
+    h = host_problem(rng, 2, 1, 128, 300, flashmla_cache=False)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h)
+        ws = cupaged.DecodeWorkspace(2, 16, 512)
+        again, lse2 = run(h, workspace=ws)
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h)
+    for g, l_ in ((got, lse), (again, lse2)):
+        assert_close(g, want, testing.TOLERANCE["bf16"], f"split {split}")
+        check_lse(l_, want_lse)
+
+
+@pytest.mark.gpu
+def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
+    h = host_problem(rng, 2, 2, 16, 40, topk_length=[40, 30])
+    n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
+    h["indices"][1, 0, 3] = n  # one past the cache
+    h["indices"][0, 1, 7] = -2  # negative but not -1
+    h["indices"][1, 1, 35] = n + 5  # past batch entry 1's topk_length: never read
+    got, _ = run(h)
+    assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
+    keep = np.ones((2, 2), bool)
+    keep[1, 0] = keep[0, 1] = False
+    ok = dict(h, indices=np.where((h["indices"] >= n) | (h["indices"] < -1), -1, h["indices"]))
+    want, _ = reference_of(ok)
+    assert_close(got[keep], want[keep], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
+    h = host_problem(rng, 3, 1, 16, 20, topk_length=[20, 20, 0])
+    h["indices"][1] = -1
+    got, lse = run(h)
+    for b in (1, 2):
+        assert (got[b] == 0).all() and np.isneginf(lse[b]).all()
+    want, want_lse = reference_of(h)
+    assert_close(got[0], want[0], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    h = host_problem(rng, 2, 1, 16, 50)
+    t = {k: torch.from_numpy(v.view(np.int16) if v.dtype == _dtypes.BF16.numpy else v).cuda()
+         for k, v in h.items()}
+    for k in ("q", "kv_cache"):
+        t[k] = t[k].view(torch.bfloat16)
+    out = cupaged.sparse_mla_attention(t["q"], t["kv_cache"], t["indices"], scale=SCALE,
+                                       topk_length=t["topk_length"])
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 1, 16, 512)
+    want, _ = reference_of(h)
+    assert_close(out.float().cpu().numpy().astype(np.float64), want,
+                 testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_kv", [300, 37, 512])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_prefill_matches_reference(rng, s_kv, with_length):
+    """FlashMLA's sparse prefill: indices into kv's tokens, anything outside [0, s_kv)
+    (-1, -5, s_kv and beyond) not counted; kv of a size no power of two divides (37: blocks
+    of one token); unnamed tokens NaN."""
+    import cupy
+
+    s_q, heads, topk = 9, 32, 80
+    dt = _dtypes.BF16.numpy
+    q = testing.random_normal((s_q, heads, D), dt, rng)
+    kv = testing.random_normal((s_kv, 1, D), dt, rng)
+    idx = rng.integers(0, s_kv, (s_q, 1, topk)).astype(np.int32)
+    bad = rng.random(idx.shape)
+    idx[bad < 0.1] = -1
+    idx[(bad >= 0.1) & (bad < 0.15)] = s_kv + 3
+    idx[(bad >= 0.15) & (bad < 0.2)] = -5
+    tl = rng.integers(0, topk + 2, s_q).astype(np.int32)
+    named = np.zeros(s_kv, bool)
+    counted = np.arange(topk)[None, :] < np.minimum(tl, topk)[:, None]
+    ok = (idx[:, 0] >= 0) & (idx[:, 0] < s_kv) & (counted if with_length else True)
+    named[idx[:, 0][ok]] = True
+    kv[~named] = np.nan
+    want, want_lse = reference.sparse_mla_attention(
+        q, kv, idx, scale=SCALE, topk_length=tl if with_length else None, return_lse=True)
+    d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, idx=idx, tl=tl).items()}
+    out = cupy.full((s_q, heads, 512), np.nan, dt)
+    lse = cupy.full((s_q, heads), np.nan, np.float32)
+    cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], scale=SCALE,
+                                 topk_length=d["tl"] if with_length else None, out=out, lse=lse)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"],
+                 f"s_kv {s_kv}")
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
