@@ -2,6 +2,7 @@
 // (copy-on-write inside a device cache, swapping between a device and a host cache).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 #include "fp8.cuh"
 #include "kv_layout.cuh"
 
@@ -191,21 +192,8 @@ __global__ void __launch_bounds__(kCacheThreads)
   }
 }
 
-// DeepSeek-V3.2's sparse-attention cache ("fp8_ds_mla", vLLM's name), as the cache type
-// of concat_and_cache_mla: each token is one 656-byte row, kv_c's 512 values in e4m3 (bytes
-// 0-511), the four float32 scales of its groups of 128 values (512-527; value = fp8 *
-// scale), then k_pe's 64 values as bfloat16 (528-655). cupaged.reference.quantize_sparse_kv
-// is the statement of the bytes.
-struct fp8_ds_mla_t {
-  unsigned char bits;
-};
-constexpr int kDsMlaRank = 512;   // kv_c's values
-constexpr int kDsMlaRope = 64;    // k_pe's
-constexpr int kDsMlaGroup = 128;  // values per scale
-constexpr int kDsMlaScales = kDsMlaRank;                       // byte offsets in a row
-constexpr int kDsMlaRopeBytes = kDsMlaScales + 4 * (kDsMlaRank / kDsMlaGroup);
-constexpr int kDsMlaBytes = kDsMlaRopeBytes + 2 * kDsMlaRope;  // 656: 41 16-byte chunks
-static_assert(kDsMlaRopeBytes % 16 == 0 && kDsMlaBytes == 656, "16-byte aligned parts");
+// DeepSeek-V3.2's sparse-attention cache rows (fp8_ds_mla_t, ds_mla.cuh) are a cache type
+// of concat_and_cache_mla.
 
 // Eight float16 values (16 bytes) -> eight bfloat16 (16 bytes), rounded to nearest even in
 // integer arithmetic on the exact float32 value (every float16 is in bfloat16's range), NaN

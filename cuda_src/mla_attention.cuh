@@ -32,6 +32,7 @@
 // its sequence that see the block, and others sharing their row tile).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 #include "fp8.cuh"
 #include "mla_common.cuh"
 #include "mma.cuh"
@@ -44,10 +45,12 @@ constexpr int kMlaWarps = 8;
 constexpr int kMlaThreads = kMlaWarps * 32;
 
 // Shared-memory layout of one specialization, mirrored on the host (specs/geometry.py).
-// C is the cache's element type: T, or fp8 (its tiles widened to T before the products).
+// C is the cache's element type: T, or fp8 (its tiles widened to T before the products), or
+// fp8_ds_mla_t (DeepSeek-V3.2's 656-byte rows, ds_mla.cuh: widened with their scales).
 template <typename T, typename C, int RANK, int ROPE, int ROWS, int TILE_N, int STAGES>
 struct MlaGeometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
+  static constexpr bool kDsMla = is_ds_mla<C>::value;
   static constexpr int kDims = RANK + ROPE;       // a key's length
   static constexpr int kRow = kDims + 8;          // shared rows of T padded by 16 bytes: eight
   //                                                 consecutive rows start in distinct bank
@@ -55,10 +58,9 @@ struct MlaGeometry {
   static constexpr int kChunks = kDims / 8;       // 16-byte chunks of a query row
   static constexpr int kRankChunks = RANK / 8;
   static constexpr int kCVec = 16 / static_cast<int>(sizeof(C));  // cache values a chunk
-  static constexpr int kCChunks = kDims / kCVec;  // 16-byte chunks of a cached row
-  static constexpr int kCRankChunks = RANK / kCVec;
-  static constexpr int kCRow = kDims * static_cast<int>(sizeof(C)) + 16;  // a stage row's
-  //                                                 bytes, padded as kRow
+  static constexpr int kCTokenBytes = kDsMla ? kDsMlaBytes : kDims * static_cast<int>(sizeof(C));
+  static constexpr int kCChunks = kCTokenBytes / 16;  // 16-byte chunks of a cached row
+  static constexpr int kCRow = kCTokenBytes + 16;  // a stage row's bytes, padded as kRow
   static constexpr int kAtoms = ROWS / 16;        // m16 tiles of O
   // S = Q K^T in blocks of up to 32 x 32 a warp (each k-step's Q and K fragments then
   // serve twice as many mma as 16 x 16 blocks would: Q K^T reads both operands from
@@ -109,6 +111,9 @@ struct MlaGeometry {
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
+  static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
+                            is_same<T, bfloat16_t>::value),
+                "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
   static_assert(RANK % (8 * kMlaWarps * 2) == 0 && ROPE % 16 == 0, "RANK, ROPE");
   static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "ROWS");
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64, "TILE_N");
@@ -262,7 +267,16 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
       id_ahead = tile_id(next + 1);
       const unsigned char* stage_s = smem + Geo::kOffStages + stage * Geo::kStageBytes;
       const T* ks = reinterpret_cast<const T*>(stage_s);
-      if constexpr (Geo::kQuant) {
+      if constexpr (Geo::kDsMla) {
+        // Widen the landed tile's rows with their scales (ds_mla_widen); zeros stay zeros.
+        // The previous tile's products are done with wide_s (the barrier).
+        for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
+          const int t = u / Geo::kCChunks;
+          ds_mla_widen(stage_s + t * Geo::kCRow, u % Geo::kCChunks, wide_s + t * ROW);
+        }
+        __syncthreads();  // the widened tile is complete
+        ks = wide_s;
+      } else if constexpr (Geo::kQuant) {
         // Widen the landed tile to T (exact: fp8 values are all representable); zeros
         // stay zeros. The previous tile's products are done with wide_s (the barrier).
         for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
@@ -437,7 +451,9 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
           }
           continue;
         }
-        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, neg_inf(), orow,
+        // (Sparse: attn_sink as vp.sinks; the paged kernel takes none.)
+        const float sink = SPARSE ? sink_log2(vp, p % num_heads) : neg_inf();
+        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, sink, orow,
                                         writer);
         T* o = out + orow * RANK + col;
 #pragma unroll

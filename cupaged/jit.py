@@ -85,27 +85,27 @@ _KERNELS = {
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
-SPARSE_MLA_KERNELS = ("concat_and_cache_mla",)
+SPARSE_MLA_KERNELS = ("concat_and_cache_mla", "mla_sparse_attention")
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
-# A struct passed by value is either its bytes ("48s": packed by the caller) or its fields
+# A struct passed by value is either its bytes ("56s": packed by the caller) or its fields
 # in braces (one kernel parameter packed in the same pack_into as the others: PagedKV's
 # fields change with every call's pointers, and a separate pack would cost a microsecond).
 PAGED_KV_FORMAT = "{PPqqqqqqPqiiPPqqff}"  # PagedKV (kv_layout.cuh), 128 bytes
 ARG_FORMATS = {
-    "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif48s",  # VariantParams (48 bytes)
-    "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
+    "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif56s",  # VariantParams (56 bytes)
+    "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif56s",
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
-    "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
-    "paged_decode_combine": "PPPPPPiiiii48s",
+    "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif56s",
+    "paged_decode_combine": "PPPPPPiiiii56s",
     # partials, split_tiles, row tiles; q latent / rope and their strides; cache latent / rope and
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
-    "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",
+    "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",
     # mla_attention's, then lengths_per and strict
-    "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii48s",
-    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",  # mla_attention's
+    "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",
+    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",  # mla_attention's
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,

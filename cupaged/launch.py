@@ -329,6 +329,8 @@ class MlaLaunch(NamedTuple):
     scratch_rows: int  # split-KV partial rows (total_q * num_heads * partitions)
     rank: int
     partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
+    variants: _variants.Variants = _variants.PLAIN  # sparse: attn_sink
+    vp: bytes = _variants.PLAIN_BYTES  # their VariantParams with no lse
 
     def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
             lens: int, starts: int, lse: int = 0) -> None:
@@ -336,7 +338,7 @@ class MlaLaunch(NamedTuple):
         ``c_lat``, ``c_rope`` the caches' (a single q's or combined cache's twice: the
         offsets find its parts); ``starts``, ``lse``: 0 for none."""
         q_lat, q_rope = q
-        vp = _variants.PLAIN_BYTES if not lse else _variants.PLAIN.pack(lse)
+        vp = self.vp if not lse else self.variants.pack(lse)
         qo, co = self.q_offsets, self.c_offsets
         rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],
                 *self.c_strides, bt, *self.table, lens, starts, *self.tail, vp)
@@ -356,12 +358,13 @@ class MlaLaunch(NamedTuple):
 
 
 def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
-              partials: Partials | None = None, sparse: tuple = ()) -> MlaLaunch:
+              partials: Partials | None = None, sparse: tuple = (),
+              variants: _variants.Variants = _variants.PLAIN) -> MlaLaunch:
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
     planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
     ``partials``: a workspace's, None for a scratch buffer per split call; ``sparse``:
-    mla_sparse_attention's (lengths_per, strict)), every argument but the arrays'
-    addresses."""
+    mla_sparse_attention's (lengths_per, strict); ``variants``: its attn_sink), every
+    argument but the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
                      plan.row_tiles,
@@ -370,4 +373,5 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
                      (p.bt_stride, p.max_blocks, p.num_blocks, *k_scale),
                      (p.num_heads, int(causal), scale * _checks.LOG2E, *sparse), plan.combine,
                      plan.combine_grid, plan.combine_tail,
-                     p.num_rows * p.num_heads * plan.partitions, p.rank, partials)
+                     p.num_rows * p.num_heads * plan.partitions, p.rank, partials, variants,
+                     _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack())

@@ -696,29 +696,33 @@ def set_mla_tile(tile: tuple | None) -> None:
     _prepared.clear()  # remembered MLA calls were planned under the old choice
 
 
-def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int, int, int]:
+def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2,
+             token_bytes: int = 0) -> tuple[int, int, int]:
     """(rows, tile_tokens, stages) of mla_attention: the fewest rows of 16, 32 and 64 that
     hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
     tiles where two stages fit (else 16), and as many stages up to four as fit (three
     tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
     fit even at 16 tokens (sm_86/89's 99 KiB), 32. 16 rows take two stages where that
-    lets two CTAs share an SM (MlaGeometry.min_blocks)."""
+    lets two CTAs share an SM (MlaGeometry.min_blocks). ``token_bytes``: as
+    MlaGeometry's (656 for fp8_ds_mla rows)."""
     if _mla_tile_override is not None:
         return _mla_tile_override
     return _mla_tile(arch, 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64,
-                     cache_itemsize)
+                     cache_itemsize, token_bytes)
 
 
 @lru_cache(maxsize=None)  # (per call: a handful of keys)
-def _mla_tile(arch: str, rows: int, cache_itemsize: int) -> tuple[int, int, int]:
+def _mla_tile(arch: str, rows: int, cache_itemsize: int,
+              token_bytes: int) -> tuple[int, int, int]:
     def fits(r, t, s):
-        return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize).fits(arch)
+        return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize, token_bytes).fits(arch)
 
     while rows > 16 and not fits(rows, 16, 2):
         rows //= 2
     tile = 32 if fits(rows, 32, 2) else 16
     stages = max(s for s in (2, 3, 4) if fits(rows, tile, s))
-    if geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize).min_blocks(arch) == 2:
+    if geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize,
+                            token_bytes).min_blocks(arch) == 2:
         # Two CTAs an SM with two stages each overlap one's chain of phases (copy wait, S,
         # softmax, P V) with the other's, where one CTA's chain is slower than its bytes:
         # 16-head decode ran 1.19-1.32x faster than one CTA with four stages over bf16 on
@@ -841,11 +845,12 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
+    token_bytes = _dtypes.DS_MLA_BYTES if cache_dtype == _dtypes.DS_MLA.name else 0
     if not sparse and mla_sm90_applies(arch, rows_needed):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
-        tile = mla_tile(arch, rows_needed, csize)
+        tile = mla_tile(arch, rows_needed, csize, token_bytes)
         k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse)
         rows, tt = tile[0], tile[1]
     # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row

@@ -470,8 +470,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
 #
 # DeepSeek-V3.2 and V4 attend each query token to its top-k cached tokens only (k = 2048 for
 # V3.2), named by global slots of a paged cache; FlashMLA's sparse kernels and vLLM's caches
-# define the interface. cupaged.sparse_mla_attention reads 16-bit caches; no kernel of
-# cupaged reads the fp8 formats yet.
+# define the interface. cupaged.sparse_mla_attention reads 16-bit caches and fp8_ds_mla;
+# no kernel of cupaged reads V4's formats yet.
 
 SPARSE_KV_FORMATS = {
     # name: (bytes per token, dims per token (d_qk)); "auto" caches hold the values themselves

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _checks, _prepared, launch, planning, validation
+from . import _arrays, _checks, _dtypes, _prepared, _variants, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -18,8 +18,9 @@ _fail = _checks.fail
 __all__ = ["sparse_mla_attention"]
 
 
-def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, out=None,
-                         lse=None, return_lse=False, stream=None, workspace=None):
+def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_sink=None,
+                         kv_cache_dtype="auto", out=None, lse=None, return_lse=False,
+                         stream=None, workspace=None):
     """Sparse multi-head latent attention (DeepSeek's DSA): each query token attends to the
     cached tokens its indices name, in FlashMLA's two interfaces.
 
@@ -29,8 +30,15 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, out=N
             contiguous, batch and s_q foldable into one token dimension without a copy.
         kv_cache: the latent cache ``[num_blocks, page_size, 1, 576]`` (FlashMLA's) or
             ``[num_blocks, page_size, 576]`` (vLLM's), of q's dtype: a token's key is its
-            whole vector ``[kv_c, k_pe]``, its value ``kv_c``. Page sizes: powers of two
-            from 1 to 256 (FlashMLA's and vLLM's sparse caches use 64).
+            whole vector ``[kv_c, k_pe]``, its value ``kv_c``. Or DeepSeek-V3.2's fp8
+            cache (vLLM's ``"fp8_ds_mla"``, FlashMLA's fp8 sparse cache): ``[num_blocks,
+            page_size, (1,) 656]`` of a 1-byte dtype (uint8, int8, float8_e4m3fn), each
+            token kv_c's 512 e4m3 values, their four float32 scales (one per 128 values,
+            value = fp8 * scale, any float32: vLLM's writer does not round them to powers
+            of two) and k_pe's 64 bfloat16 values, as ``cupaged.concat_and_cache_mla(..,
+            "fp8_ds_mla")`` writes them; q bfloat16. Each fp8 value times its scale is
+            rounded to bfloat16 before the products. Page sizes: powers of two from 1 to
+            256 (FlashMLA's and vLLM's sparse caches use 64).
         indices: int32 ``[batch, s_q, topk]``: each a global slot ``block * page_size +
             offset`` (no block table), -1 an entry that does not count. Any other index
             outside the cache is a fault: it is never read, and every head of its token
@@ -38,6 +46,14 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, out=N
         topk_length: optional int32 ``[batch]`` on the device: only the first
             ``topk_length[b]`` entries of batch entry b's rows count (clamped to
             ``[0, topk]``); entries past it are never read.
+        attn_sink: optional float32 ``[num_heads]`` on the device (FlashMLA's): each
+            head's out is scaled by ``exp(lse) / (exp(lse) + exp(attn_sink[h]))`` (a sink
+            that takes a share of the softmax and gives no value); the lse is the keys'
+            alone, as FlashMLA reports it (``np.logaddexp(lse, sink)`` is the whole
+            denominator's, :func:`cupaged.attention`'s ``sinks`` convention). A sink of
+            +inf gives zeros, -inf changes nothing.
+        kv_cache_dtype: ``"auto"`` (q's dtype, or ``"fp8_ds_mla"`` for a 1-byte cache of
+            656-byte rows) or ``"fp8_ds_mla"``.
         out ``[batch, s_q, num_heads, 512]``, lse ``[batch, s_q, num_heads]``.
 
     Prefill (``flash_mla_sparse_fwd``): ``q [s_q, num_heads, 576]`` (sequences
@@ -56,11 +72,12 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, out=N
 
     A repeated index counts each time. A row none of whose entries counts gives zeros and
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
-    the statement of the result. Not here yet: attention sinks, a second cache, fp8
-    caches (V3.2's ``fp8_ds_mla`` included), V4's 512-dim keys.
+    the statement of the result. Not here yet: a second cache (V4's ``extra_k_cache``),
+    V4's 512-dim keys and their fp8 / fp4 formats.
     """
     prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,
-                                      return_lse, stream, workspace)
+                                      return_lse, stream, workspace, attn_sink=attn_sink,
+                                      kv_cache_dtype=kv_cache_dtype)
     # q's rotary part and the cache's lie at their latent parts' addresses (the launch's
     # offsets find them)
     ql, c, idx, tl, o, lse_ptr = ptrs
@@ -68,7 +85,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, out=N
 
 
 def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, return_lse,
-                         stream, workspace, plan: bool = True) -> tuple:
+                         stream, workspace, plan: bool = True, attn_sink=None,
+                         kv_cache_dtype="auto") -> tuple:
     """``(prepared call, addresses)``: every check, then the plan of its launches
     (``plan=False``: the checks alone). The addresses: q's latent and rotary parts, the
     cache's, the indices', topk_length's (0 for none), out's and lse's (0 for none)."""
@@ -94,10 +112,7 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if kc.ndim not in (3, 4):
         _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
               f"576], got shape {kc.shape}")
-    if kc.dtype != qa.dtype:
-        _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}): sparse_mla_attention "
-              f"reads 16-bit caches; fp8 ones (V3.2's fp8_ds_mla included) are not served "
-              f"yet", TypeError)
+    ds_mla = _ds_mla(kv_cache_dtype, kc, qa)
     _checks.check_int(idx, "indices")
     if idx.dtype != np.int32:
         _fail(f"indices must be int32, got {idx.dtype}", TypeError)
@@ -137,7 +152,12 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
         _arrays.reshaped(kc, (1, 1, kc.ndim - 2), "kv_cache", "[num_blocks, page_size, 576]"),
         None, rows, seq_lens, None,
         None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", fold),
-        None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto")
+        None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto",
+        ds_mla=ds_mla)
+    sink = _variants.check_sinks(optional_device_array(attn_sink, "attn_sink"), num_heads,
+                                 p.device, "attn_sink", "q")
+    variants = (_variants.PLAIN if sink is None
+                else _variants.Variants("", sinks=sink, lse_keys=True))
     p = p._replace(max_blocks=topk, bt_stride=row_stride // 4)
     # The kernel's bound on a slot: the cache's tokens; strict: an index outside it other
     # than -1 is a fault (FlashMLA's decode rule).
@@ -155,7 +175,8 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
                                   p.block_size, tokens, tokens, num_heads, 1, p.max_blocks,
                                   None if parts is None else parts.max_rows, sparse=True)
         launches = None if mplan is None else launch.build_mla(
-            p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)))
+            p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)),
+            variants=variants)
     disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)),
                                         ((0, qa), (1, kc), (2, idx), (3, tl)))
     prep = _prepared.Prepared(launches, p.device, _arrays.framework(q), out_shape, qa.dtype,
@@ -165,6 +186,27 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if _prepared.any_overlap(disjoint, ptrs):
         _fail("out and lse must not overlap q, kv_cache or each other")
     return prep, ptrs
+
+
+def _ds_mla(kv_cache_dtype, kc, qa) -> bool:
+    """Whether the cache holds fp8_ds_mla rows (else it must be of q's dtype)."""
+    if not (kv_cache_dtype == "auto" or kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE):
+        _fail(f"kv_cache_dtype must be 'auto' or 'fp8_ds_mla' (DeepSeek-V3.2's fp8 sparse "
+              f"cache), got {kv_cache_dtype!r}")
+    one_byte = kc.dtype.itemsize == 1 and (kc.dtype.kind in "ui"
+                                           or _dtypes.fp8_of(kc.dtype) is _dtypes.E4M3)
+    if kv_cache_dtype == "auto" and one_byte and kc.shape[-1:] == (_dtypes.DS_MLA_BYTES,):
+        kv_cache_dtype = _dtypes.DS_MLA_KV_CACHE_DTYPE
+    if kv_cache_dtype != "auto":
+        if not one_byte:
+            _fail(f"kv_cache dtype {kc.dtype} cannot hold fp8_ds_mla rows: expected a 1-byte "
+                  f"dtype (uint8, int8 or float8_e4m3fn)", TypeError)
+        return True
+    if kc.dtype != qa.dtype:
+        _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}), or a 1-byte dtype of "
+              f"656-byte fp8_ds_mla rows (kv_cache_dtype 'fp8_ds_mla'); per-tensor fp8 "
+              f"caches are not read by sparse_mla_attention", TypeError)
+    return False
 
 
 def _prefill_as_decode(qa, kc, idx, o, lse_a):

@@ -15,6 +15,7 @@ from conftest import assert_close
 from test_validation import Fake
 
 D = 576
+DS = 656  # an fp8_ds_mla token's bytes
 SCALE = 1 / np.sqrt(192)
 
 
@@ -45,10 +46,32 @@ def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf1
     return dict(q=q, kv_cache=cache, indices=idx, topk_length=tl)
 
 
-def reference_of(h, with_length=True):
+def ds_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, flashmla_cache=True,
+               topk_length=None):
+    """host_problem over DeepSeek-V3.2's fp8_ds_mla cache (bfloat16 q): the tokens as the
+    bytes vLLM's writer lays down (reference.quantize_sparse_kv), each group of 128 latent
+    values 2^-6 to 1 in size (a scale of its own), and every byte of the slots no counted
+    entry names 0xFF (NaN in the values, the scales and k_pe alike). (Groups of 2^6 would
+    make the logits' spread ~50: then the bfloat16 rounding of the widened keys alone,
+    which FlashMLA's dequantization has too, moves outputs by 1e-2 against the exact
+    reference, rows by up to 0.17.)"""
+    h = host_problem(rng, batch, s_q, heads, topk, page=page, blocks=blocks,
+                     flashmla_cache=False, topk_length=topk_length)
+    named = ~np.isnan(h["kv_cache"].astype(np.float32)).any(-1).reshape(-1)
+    clean = testing.random_normal((blocks * page, D), np.float32, rng)
+    clean[:, :512] *= np.repeat(2.0 ** rng.integers(-6, 1, (blocks * page, 4)), 128, 1)
+    rows = reference.quantize_sparse_kv(clean, "fp8_ds_mla")
+    rows[~named] = 0xFF
+    rows = rows.reshape(blocks, page, DS)
+    return dict(h, kv_cache=rows[:, :, None] if flashmla_cache else rows)
+
+
+def reference_of(h, with_length=True, sink=None):
+    ds = h["kv_cache"].dtype == np.uint8
     return reference.sparse_mla_attention(h["q"], h["kv_cache"], h["indices"], scale=SCALE,
                                           topk_length=h["topk_length"] if with_length else None,
-                                          return_lse=True)
+                                          kv_format="fp8_ds_mla" if ds else "auto",
+                                          attn_sink=sink, return_lse=True)
 
 
 def run(h, with_length=True, pad=0, **kw):
@@ -58,8 +81,9 @@ def run(h, with_length=True, pad=0, **kw):
 
     dev = {k: cupy.asarray(v) for k, v in h.items() if k != "kv_cache"}
     kc = h["kv_cache"]
-    if pad:
-        big = cupy.full((kc.shape[0], kc.shape[1] + pad, *kc.shape[2:]), np.nan, kc.dtype)
+    if pad:  # the padding NaN (0xFF bytes in an fp8_ds_mla cache)
+        big = cupy.full((kc.shape[0], kc.shape[1] + pad, *kc.shape[2:]),
+                        0xFF if kc.dtype == np.uint8 else np.nan, kc.dtype)
         big[:, :kc.shape[1]] = cupy.asarray(kc)
         dev["kv_cache"] = big[:, :kc.shape[1]]
     else:
@@ -98,17 +122,38 @@ def adapt(monkeypatch):
     monkeypatch.setattr(sparse_mla, "as_device_array", one)
     monkeypatch.setattr(_arrays, "as_device_array", one)
 
-    def check(**over):
+    def check(attn_sink=None, kv_cache_dtype="auto", **over):
         f = fakes(**over)
+        sink = None if attn_sink is None else Fake(attn_sink, ptr=1 << 30)
         return sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1,
                                                f["topk_length"], f["out"], f["lse"], False,
-                                               None, None, plan=False)
+                                               None, None, plan=False, attn_sink=sink,
+                                               kv_cache_dtype=kv_cache_dtype)
     return check
 
 
 def test_both_cache_forms_are_accepted(adapt):
     assert adapt() == (None, None)
     assert adapt(kv_cache=np.zeros((10, 64, D), np.float16)) == (None, None)
+    assert adapt(attn_sink=np.zeros(16, np.float32)) == (None, None)
+
+
+def test_fp8_ds_mla_caches_are_accepted(adapt):
+    """Both cache forms, as uint8, int8 or float8_e4m3fn, named or found by their width; the
+    prefill interface's kv too."""
+    import ml_dtypes
+
+    bf16 = _dtypes.BF16.numpy
+    q = np.zeros((2, 3, 16, D), bf16)
+    for dt in (np.uint8, np.int8, ml_dtypes.float8_e4m3fn):
+        for shape in ((10, 64, 1, DS), (10, 64, DS)):
+            for named in ("auto", "fp8_ds_mla"):
+                assert adapt(q=q, kv_cache=np.zeros(shape, dt), kv_cache_dtype=named) == \
+                    (None, None)
+    assert adapt(q=np.zeros((6, 16, D), bf16), kv_cache=np.zeros((100, 1, DS), np.uint8),
+                 indices=np.zeros((6, 1, 32), np.int32)) == (None, None)
+    with pytest.raises(TypeError, match="kv_cache dtype float8_e5m2 must be q's"):
+        adapt(q=q, kv_cache=np.zeros((10, 64, DS), ml_dtypes.float8_e5m2))
     assert adapt(topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), np.float16),
                  lse=np.zeros((2, 3, 16), np.float32)) == (None, None)
 
@@ -132,7 +177,24 @@ def test_both_cache_forms_are_accepted(adapt):
      "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\), got shape "
      "\\(2, 3, 16, 512\\) with strides"),
     (dict(kv_cache=np.zeros((10, 64, 1, D), np.uint8)), TypeError,
-     "kv_cache dtype uint8 must be q's .*fp8_ds_mla included"),
+     "kv_cache dtype uint8 must be q's \\(float16\\), or a 1-byte dtype of 656-byte "
+     "fp8_ds_mla rows"),
+    (dict(kv_cache=np.zeros((10, 64, 1, DS), np.uint8)), TypeError,
+     "fp8_ds_mla caches take bfloat16 queries"),
+    (dict(kv_cache_dtype="fp8_ds_mla"), TypeError,
+     "kv_cache dtype float16 cannot hold fp8_ds_mla rows"),
+    (dict(kv_cache_dtype="fp8"), ValueError,
+     "kv_cache_dtype must be 'auto' or 'fp8_ds_mla'"),
+    (dict(q=np.zeros((2, 3, 16, D), _dtypes.BF16.numpy), kv_cache_dtype="fp8_ds_mla",
+          kv_cache=np.zeros((10, 64, 1, D), np.uint8)), ValueError,
+     "kv_cache's fp8_ds_mla rows must be 656 bytes a token"),
+    (dict(q=np.zeros((2, 3, 16, D), _dtypes.BF16.numpy),
+          kv_cache=np.zeros((10, 64, DS + 8), np.uint8)[..., :DS]), ValueError,
+     "kv_cache's strides must be multiples of 16 bytes"),
+    (dict(attn_sink=np.zeros(15, np.float32)), ValueError,
+     "attn_sink must be a contiguous float32 \\[num_heads = 16\\] array"),
+    (dict(attn_sink=np.zeros(16, np.float16)), ValueError,
+     "attn_sink must be a contiguous float32"),
     (dict(q=np.zeros((2, 4, 16, D), np.float16)[:, :3]), ValueError,
      "q .*cannot be seen as one array"),
 ])
@@ -304,4 +366,113 @@ def test_prefill_matches_reference(rng, s_kv, with_length):
     assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"],
                  f"s_kv {s_kv}")
     check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
+
+
+# ---- GPU: DeepSeek-V3.2's fp8_ds_mla cache, attention sinks ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, topk, page, pad", [(16, 100, 64, 0), (64, 37, 16, 8),
+                                                    (128, 256, 64, 0), (20, 70, 64, 16),
+                                                    (40, 33, 1, 0)])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_fp8_ds_mla_decode_matches_reference(rng, heads, topk, page, pad, with_length):
+    """The fp8_ds_mla rows widened with their own scales (groups 2^-6 to 2^6 in size): the
+    reference reads them exactly; unnamed slots are 0xFF bytes (NaN) and must not leak."""
+    h = ds_problem(rng, 3, 2, heads, topk, page=page,
+                   topk_length=None if with_length else topk)
+    got, lse = run(h, with_length, pad=pad)
+    want, want_lse = reference_of(h, with_length)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{heads} heads topk {topk}")
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 2])
+def test_fp8_ds_mla_split_and_prefill(rng, split):
+    """Forced partitions over 128 heads, and the prefill interface over fp8_ds_mla tokens."""
+    import cupy
+
+    h = ds_problem(rng, 2, 1, 128, 300, flashmla_cache=False)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h)
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"split {split}")
+    check_lse(lse, want_lse)
+    # prefill: q [s_q, heads, 576] over the cache's tokens as kv [s_kv, 1, 656]
+    kv = h["kv_cache"].reshape(-1, 1, DS)
+    q = h["q"][:, 0]
+    idx = h["indices"][:, 0, None]
+    idx = np.where(idx == -1, -7, idx)  # any index outside [0, s_kv) does not count
+    want, want_lse = reference.sparse_mla_attention(q, kv, idx, scale=SCALE,
+                                                    kv_format="fp8_ds_mla",
+                                                    topk_length=h["topk_length"],
+                                                    return_lse=True)
+    out, lse = cupaged.sparse_mla_attention(cupy.asarray(q), cupy.asarray(kv),
+                                            cupy.asarray(idx), scale=SCALE,
+                                            topk_length=cupy.asarray(h["topk_length"]),
+                                            return_lse=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
+
+@pytest.mark.gpu
+def test_fp8_ds_mla_written_by_concat_and_cache_mla(rng):
+    """The rows cupaged's writer lays down are what the sparse kernel reads: tokens written
+    at scattered slots of a cache of 0xFF bytes, then attended through their slots, equal
+    the reference over the reference writer's rows."""
+    import cupy
+
+    bf16 = _dtypes.BF16.numpy
+    blocks, page, n_tok, heads, topk = 6, 64, 200, 32, 150
+    kv_c = testing.random_normal((n_tok, 512), bf16, rng)
+    k_pe = testing.random_normal((n_tok, 64), bf16, rng)
+    slots = rng.permutation(blocks * page)[:n_tok].astype(np.int64)
+    cache = cupy.full((blocks, page, DS), 0xFF, np.uint8)
+    cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), cache,
+                                 cupy.asarray(slots), "fp8_ds_mla")
+    ref_cache = np.full((blocks * page, DS), 0xFF, np.uint8)
+    ref_cache[slots] = reference.quantize_sparse_kv(
+        np.concatenate([kv_c, k_pe], -1).astype(np.float32), "fp8_ds_mla")
+    assert (cupy.asnumpy(cache).reshape(-1, DS) == ref_cache).all()
+    q = testing.random_normal((2, 2, heads, D), bf16, rng)
+    idx = slots[rng.integers(0, n_tok, (2, 2, topk))].astype(np.int32)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    out = cupaged.sparse_mla_attention(cupy.asarray(q), cache, cupy.asarray(idx), scale=SCALE)
+    want = reference.sparse_mla_attention(q, ref_cache.reshape(blocks, page, DS), idx,
+                                          scale=SCALE, kv_format="fp8_ds_mla")
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ds", [False, True])
+@pytest.mark.parametrize("split", [0, 2])
+def test_attn_sink(rng, ds, split):
+    """FlashMLA's attn_sink: out scaled by exp(lse) / (exp(lse) + exp(sink)), the lse the
+    keys' alone; heads with a sink of +inf give zeros, -inf nothing changed; a row with no
+    counted entry stays zeros and -inf. Single pass and split (the combine applies it)."""
+    import cupy
+
+    make = ds_problem if ds else host_problem
+    h = make(rng, 3, 2, 64, 200, topk_length=[200, 150, 0])
+    h["indices"][1, 1] = -1
+    sink = (rng.standard_normal(64) * 3 + 2).astype(np.float32)
+    sink[0], sink[1] = np.inf, -np.inf
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h, attn_sink=cupy.asarray(sink))
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h, sink=sink)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"ds {ds} split {split}")
+    check_lse(lse, want_lse)
+    assert (got[..., 0, :] == 0).all() and (got[2] == 0).all() and (got[1, 1] == 0).all()
+    assert np.isneginf(lse[2]).all() and np.isneginf(lse[1, 1]).all()
+    plain, plain_lse = reference_of(h)
+    assert_close(got[..., 1, :], plain[..., 1, :], testing.TOLERANCE["bf16"], "sink -inf")
+    check_lse(lse, plain_lse)  # the keys' lse, sink or not
 

@@ -569,8 +569,8 @@ def test_variant_letters_and_params_layout():
     assert _variants.prefill_letters(_variants.PLAIN, "bf16", True) == "a"
     v = _variants.Variants("wc", 5, 2.0, sparse=(1, 2, 3, 4, 5))
     raw = v.pack()
-    assert len(raw) == 48
+    assert len(raw) == 56
     f = _variants._STRUCT.unpack(raw)
     assert f[2] == 5 and f[3] == pytest.approx(1.0) and f[4] == pytest.approx(2 * 1.4426950408889634)
-    assert f[5:] == (1, 2, 3, 4, 5)
+    assert f[5:] == (1, 2, 3, 4, 5, 0)
     assert _variants.PLAIN_BYTES == _variants.PLAIN.pack()

@@ -326,6 +326,22 @@ class Row:
         return self.median_us == self.median_us or self.note == "WRONG"
 
 
+def check_then_time(row: Row, case, run, reps: int, copy_bw: float | None) -> None:
+    """Fill ``row`` for ``run`` (a runner's timed call): its error against ``case``'s
+    reference, then, when within the case's tolerance, its times, TFLOP/s (case.flops())
+    and share of the copy bandwidth (case.bytes_moved()); else the note WRONG, untimed."""
+    row.error = case.check(run())
+    if not row.error <= case.tolerance():
+        row.note = "WRONG"
+        return
+    t = timing.time_us(run, reps=reps)
+    sec = t.median_us * 1e-6
+    row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
+    row.tflops = case.flops() / sec / 1e12
+    if copy_bw:
+        row.pct_copy = 100 * case.bytes_moved() / sec / copy_bw
+
+
 def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     """Rows for every (case, implementation), each checked before it is timed: a failed
     check gets the note WRONG and no time, a runner that cannot run a note saying why."""
@@ -339,16 +355,7 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                 row = Row(case.name, impl)
                 try:
                     run = IMPLEMENTATIONS[impl](case)
-                    row.error = case.check(run())
-                    if not row.error <= case.tolerance():
-                        row.note = "WRONG"
-                    else:
-                        t = timing.time_us(run, reps=reps)
-                        sec = t.median_us * 1e-6
-                        row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
-                        row.tflops = case.flops() / sec / 1e12
-                        if copy_bw:
-                            row.pct_copy = 100 * case.bytes_moved() / sec / copy_bw
+                    check_then_time(row, case, run, reps, copy_bw)
                 except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
                     row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
                 finally:

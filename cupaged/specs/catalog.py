@@ -68,8 +68,8 @@ AXES = {
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
     # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
-    # (sparse_mla_attention takes no fp8 one yet).
-    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": ("",),
+    # and DeepSeek-V3.2's fp8_ds_mla rows ("dsmla", bfloat16 queries).
+    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": ("", *_dtypes.SPARSE_MLA),
                              "head_size": (512,), "rope_dim": (64,),
                              "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                              "tile_tokens": (16, 32), "stages": (2, 3, 4)},
@@ -92,6 +92,8 @@ def supported(spec: jit.KernelSpec) -> bool:
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
     192, and vLLM's layout in blocks of 8 tokens or more."""
     if spec.kernel in jit.MLA_MMA_KERNELS:  # its (rows, tile, stages) where the target holds them
+        if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.dtype != "bf16":
+            return False  # fp8_ds_mla rows hold bfloat16 k_pe
         return geometry.MlaGeometry.of(spec).fits(spec.arch)
     fp8 = spec.cache_dtype in _dtypes.FP8
     if fp8 and (spec.dtype == "f32" or spec.head_size % 16):

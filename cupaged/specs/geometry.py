@@ -327,11 +327,14 @@ class MlaGeometry:
     tile_tokens: int
     stages: int
     cache_itemsize: int = 2  # sizeof(C): 2, or 1 for an fp8 cache (widened in a tile of its own)
+    token_bytes: int = 0  # a cached token's bytes: 0 (rank + rope) * cache_itemsize, or 656
+    #                       for DeepSeek-V3.2's fp8_ds_mla rows (spec cache_dtype "dsmla")
 
     @classmethod
     def of(cls, spec) -> "MlaGeometry":
         return cls(spec.head_size, spec.rope_dim, spec.rows, spec.tile_tokens, spec.stages,
-                   _cache_itemsize(spec))
+                   _cache_itemsize(spec),
+                   _dtypes.DS_MLA_BYTES if spec.cache_dtype == _dtypes.DS_MLA.name else 0)
 
     threads = MLA_THREADS
 
@@ -343,7 +346,7 @@ class MlaGeometry:
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, S partials, P, row state
         row = (self.rank + self.rope + 8) * 2
-        stage_row = (self.rank + self.rope) * self.cache_itemsize + 16
+        stage_row = (self.token_bytes or (self.rank + self.rope) * self.cache_itemsize) + 16
         wide = self.tile_tokens * row if self.cache_itemsize == 1 else 0
         return (self.rows * row + self.stages * self.tile_tokens * stage_row + wide
                 + self.k_split * self.rows * (self.tile_tokens + 4) * 4
@@ -414,7 +417,7 @@ def check_against_kernel(specs, chunk: int = 100) -> None:
     specs = list(specs)
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
-                   "mla_attention_sm90"):
+                   "mla_sparse_attention", "mla_attention_sm90"):
         for arch in sorted({s.arch for s in specs}):
             mine = [s for s in specs if s.kernel == kernel and s.arch == arch]
             parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
@@ -435,7 +438,7 @@ def _check_chunk(specs) -> None:
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes}, "
                          f"\"host mirror differs: {s.name}\");\n")
             continue
-        if s.kernel == "mla_attention":
+        if s.kernel in ("mla_attention", "mla_sparse_attention"):
             g = MlaGeometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
             cxx = (f"cupaged::MlaGeometry<{t}, {c}, {s.head_size}, {s.rope_dim}, {s.rows}, "
