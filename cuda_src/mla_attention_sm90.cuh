@@ -51,8 +51,10 @@ struct MlaSm90Geometry {
   static constexpr int kOffP = kOffRaw + 2 * kRawTileBytes;        // [64 rows][64 keys] T
   static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
+  // The sparse kernel's: whether each key of a ring slot's tile counts (a byte a key).
+  static constexpr int kOffValid = kOffFlag + 16;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
-  static constexpr int kSmemBytes = kOffFlag + 16 + 1024;
+  static constexpr int kSmemBytes = kOffValid + 2 * kTileN + 1024;
   static constexpr int kCopyThreads = kMlaSm90Threads / kTileN;  // a token's copiers (4)
   static constexpr int kCopySteps = kCChunks / kCopyThreads;      // chunks each (18; fp8 9)
 
@@ -63,23 +65,20 @@ struct MlaSm90Geometry {
   static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
 };
 
-template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
-__global__ void __launch_bounds__(kMlaSm90Threads, 1)
-    mla_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
-                       float* __restrict__ part_max, float* __restrict__ part_sum,
-                       int split_tiles, int row_tiles,
-                       const T* __restrict__ q_lat, const T* __restrict__ q_rope,
-                       long long q_lat_token_stride, long long q_lat_head_stride,
-                       long long q_rope_token_stride, long long q_rope_head_stride,
-                       const C* __restrict__ c_lat, const C* __restrict__ c_rope,
-                       long long c_lat_block_stride, long long c_lat_token_stride,
-                       long long c_rope_block_stride, long long c_rope_token_stride,
-                       const int* __restrict__ block_tables, long long bt_stride,
-                       int max_blocks, int num_blocks,
-                       const float* __restrict__ k_scale_ptr, float k_scale,
-                       const int* __restrict__ seq_lens,
-                       const int* __restrict__ query_start_loc, int num_heads, int causal,
-                       float scale_log2, const __grid_constant__ VariantParams vp) {
+// The kernel's body, for both entry points below: paged (SPARSE false) and sparse
+// (mla_attention.cuh's mla_sparse_attention, its parameters read the same way).
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARSE>
+__device__ __forceinline__ void mla_attention_sm90_body(
+    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
+    float* __restrict__ part_sum, int split_tiles, int row_tiles, const T* __restrict__ q_lat,
+    const T* __restrict__ q_rope, long long q_lat_token_stride, long long q_lat_head_stride,
+    long long q_rope_token_stride, long long q_rope_head_stride, const C* __restrict__ c_lat,
+    const C* __restrict__ c_rope, long long c_lat_block_stride, long long c_lat_token_stride,
+    long long c_rope_block_stride, long long c_rope_token_stride,
+    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
+    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc, int num_heads, int causal, float scale_log2,
+    int lengths_per, int strict, const VariantParams& vp) {
   using Geo = MlaSm90Geometry<T, C, RANK, ROPE>;
   using namespace sm90;
   constexpr int ROWS = Geo::kRows;
@@ -95,6 +94,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   float* max_s = alpha_s + ROWS;
   float* sum_s = max_s + ROWS;
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  unsigned char* valid_s = smem + Geo::kOffValid;  // sparse: [2 ring slots][64 keys]
   auto stage_s = [&](int s) { return base + Geo::kOffStages + s * Geo::kTileBytes; };
   auto raw_s = [&](int s) { return base + Geo::kOffRaw + s * Geo::kRawTileBytes; };
 
@@ -114,8 +114,10 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     scale_log2 *= cache_scale;
   }
 
-  const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
-                                        num_heads, block_tables, bt_stride, max_blocks);
+  const MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens,
+                                                query_start_loc, num_heads, block_tables,
+                                                bt_stride, max_blocks, lengths_per);
+  if constexpr (SPARSE) causal = 0;  // a token's rows are its heads; its keys have no order
   const int copy_token = tid / Geo::kCopyThreads;
   const int copy_lane = tid % Geo::kCopyThreads;
 
@@ -135,18 +137,25 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     // A K/V tile: thread tid copies chunks copy_lane, + 4, ... of token copy_token, its
     // block id read a tile ahead (-1: past the keys; -2: outside the cache). A 16-bit cache
     // lands in the swizzled stage `slot`; fp8 in raw stage `slot`, row-major, from which
-    // the same thread widens the same chunks (widen_tile).
+    // the same thread widens the same chunks (widen_tile). (Sparse: the id is the key's
+    // slot, as in mla_attention.cuh.)
     auto tile_id = [&](int tile) -> int {
       if (tile >= n_tiles) return -1;
-      return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + copy_token, kv_end,
-                                      num_blocks);
+      const int key = (tile_lo + tile) * TILE_N + copy_token;
+      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
+      return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
-    auto load_tile = [&](int tile, int slot, int phys) {
-      const bool copy = phys >= 0;
-      if (phys == -2) *bad_s = 1;
+    auto load_tile = [&](int tile, int slot, int id) {
+      const bool copy = id >= 0;
+      if (id == -2) *bad_s = 1;
+      // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
+      // these flags, read after the barrier that shows the tile landed.
+      if (SPARSE && copy_lane == 0) valid_s[slot * TILE_N + copy_token] = copy;
+      const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
       const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
                                         c_rope_block_stride, c_rope_token_stride, phys,
-                                        (tile_lo + tile) * TILE_N + copy_token);
+                                        SPARSE ? (copy ? id : 0)
+                                               : (tile_lo + tile) * TILE_N + copy_token);
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
         const int c = copy_lane + j * Geo::kCopyThreads;
@@ -223,11 +232,19 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         float tmax[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
+          // sparse: this thread's two keys' flags (an entry that does not count reads as
+          // zeros: masked)
+          unsigned pair = 0x0101u;
+          if constexpr (SPARSE) {
+            pair = *reinterpret_cast<const unsigned short*>(valid_s + slot * TILE_N + 8 * j +
+                                                            2 * (lane & 3));
+          }
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int h = i >> 1;
             const int key = t0 + 8 * j + 2 * (lane & 3) + (i & 1);
-            s[4 * j + i] = key < limit[h] ? s[4 * j + i] * scale_log2 : neg_inf();
+            const bool seen = key < limit[h] && ((pair >> (8 * (i & 1))) & 1u);
+            s[4 * j + i] = seen ? s[4 * j + i] * scale_log2 : neg_inf();
             tmax[h] = fmaxf(tmax[h], s[4 * j + i]);
           }
         }
@@ -314,7 +331,9 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         }
         continue;
       }
-      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, neg_inf(), orow,
+      // (Sparse: attn_sink as vp.sinks; the paged kernel takes none.)
+      const float sink = SPARSE ? sink_log2(vp, p % num_heads) : neg_inf();
+      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, sink, orow,
                                       writer);
       T* dst = out + orow * RANK + col;
 #pragma unroll
@@ -324,6 +343,60 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
       }
     }
   }
+}
+
+// Parameters as mla_attention's (mla_attention.cuh).
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
+__global__ void __launch_bounds__(kMlaSm90Threads, 1)
+    mla_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
+                       float* __restrict__ part_max, float* __restrict__ part_sum,
+                       int split_tiles, int row_tiles,
+                       const T* __restrict__ q_lat, const T* __restrict__ q_rope,
+                       long long q_lat_token_stride, long long q_lat_head_stride,
+                       long long q_rope_token_stride, long long q_rope_head_stride,
+                       const C* __restrict__ c_lat, const C* __restrict__ c_rope,
+                       long long c_lat_block_stride, long long c_lat_token_stride,
+                       long long c_rope_block_stride, long long c_rope_token_stride,
+                       const int* __restrict__ block_tables, long long bt_stride,
+                       int max_blocks, int num_blocks,
+                       const float* __restrict__ k_scale_ptr, float k_scale,
+                       const int* __restrict__ seq_lens,
+                       const int* __restrict__ query_start_loc, int num_heads, int causal,
+                       float scale_log2, const __grid_constant__ VariantParams vp) {
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(
+      out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope,
+      q_lat_token_stride, q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat,
+      c_rope, c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
+      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
+      query_start_loc, num_heads, causal, scale_log2, 1, 0, vp);
+}
+
+// DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's
+// (mla_attention.cuh), 16-bit caches.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
+__global__ void __launch_bounds__(kMlaSm90Threads, 1)
+    mla_sparse_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
+                              float* __restrict__ part_max, float* __restrict__ part_sum,
+                              int split_tiles, int row_tiles,
+                              const T* __restrict__ q_lat, const T* __restrict__ q_rope,
+                              long long q_lat_token_stride, long long q_lat_head_stride,
+                              long long q_rope_token_stride, long long q_rope_head_stride,
+                              const C* __restrict__ c_lat, const C* __restrict__ c_rope,
+                              long long c_lat_block_stride, long long c_lat_token_stride,
+                              long long c_rope_block_stride, long long c_rope_token_stride,
+                              const int* __restrict__ block_tables, long long bt_stride,
+                              int max_blocks, int num_blocks,
+                              const float* __restrict__ k_scale_ptr, float k_scale,
+                              const int* __restrict__ seq_lens,
+                              const int* __restrict__ query_start_loc, int num_heads,
+                              int causal, float scale_log2, int lengths_per, int strict,
+                              const __grid_constant__ VariantParams vp) {
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, true>(
+      out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope,
+      q_lat_token_stride, q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat,
+      c_rope, c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
+      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
+      query_start_loc, num_heads, causal, scale_log2, lengths_per, strict, vp);
 }
 
 }  // namespace cupaged

@@ -67,6 +67,7 @@ _PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_f
 # rotary part of the key; rows packed query rows per CTA.
 _MLA_PARAMS = ("dtype", "cache_dtype", "head_size", "rope_dim", "block_size", "rows",
                "tile_tokens", "stages")
+_MLA_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "rope_dim", "block_size")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
@@ -75,8 +76,9 @@ _KERNELS = {
     "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
     "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
-    "mla_attention_sm90": ("mla_attention_sm90.cu", ("dtype", "cache_dtype", "head_size",
-                                                     "rope_dim", "block_size")),
+    "mla_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
+    # its sparse form (DSA), over 16-bit caches
+    "mla_sparse_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
@@ -106,6 +108,7 @@ ARG_FORMATS = {
     # mla_attention's, then lengths_per and strict
     "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",
     "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",  # mla_attention's
+    "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",  # the sparse one's
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,
@@ -192,7 +195,10 @@ def default_mla_tile() -> tuple[int, int, int, int]:
 
 # The targets each kernel is built for when not every one: wgmma and setmaxnreg are
 # sm_90a's (Hopper's architecture-specific features; no other GPU runs them).
-ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a"}
+ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a",
+             "mla_sparse_attention_sm90": "sm_90a"}
+# The wgmma MLA kernels (one body, mla_attention_sm90.cuh): paged and sparse.
+MLA_SM90_KERNELS = ("mla_attention_sm90", "mla_sparse_attention_sm90")
 # The mma.sync MLA kernels (one body, mla_attention.cuh): paged and sparse (DSA).
 MLA_MMA_KERNELS = ("mla_attention", "mla_sparse_attention")
 
@@ -300,7 +306,7 @@ class KernelSpec:
                                      default_mla_tile()):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
-        elif self.kernel == "mla_attention_sm90" and self.rope_dim == 0:
+        elif self.kernel in MLA_SM90_KERNELS and self.rope_dim == 0:
             object.__setattr__(self, "rope_dim", default_mla_tile()[0])
         elif "tile_tokens" in params:
             if self.tile_tokens == 0:

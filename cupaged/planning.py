@@ -756,9 +756,11 @@ def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: in
 
 @jit.launcher_cache
 def mla_sm90_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
-                    block_size: int) -> MlaKernel:
-    """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles)."""
-    spec = jit.KernelSpec("mla_attention_sm90", dtype, rank, block_size, rope_dim=rope,
+                    block_size: int, sparse: bool = False) -> MlaKernel:
+    """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles), or its sparse
+    form mla_sparse_attention_sm90."""
+    name = "mla_sparse_attention_sm90" if sparse else "mla_attention_sm90"
+    spec = jit.KernelSpec(name, dtype, rank, block_size, rope_dim=rope,
                           cache_dtype=cache_dtype, arch=device_info(device_id).arch)
     g = geometry.MlaSm90Geometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
@@ -839,15 +841,17 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
     rows (None: a scratch buffer per call). ``sparse``: mla_sparse_attention, whose
     "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
-    top-k entries (``max_ctx``: topk); the mma.sync kernel on every GPU."""
+    top-k entries (``max_ctx``: topk); on Hopper over a 16-bit cache its wgmma form where a
+    token has 64 heads or more (the paged kernels' rule), the mma.sync kernel elsewhere
+    and over fp8_ds_mla."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
     token_bytes = _dtypes.DS_MLA_BYTES if cache_dtype == _dtypes.DS_MLA.name else 0
-    if not sparse and mla_sm90_applies(arch, rows_needed):
-        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size)
+    if mla_sm90_applies(arch, rows_needed) and not (sparse and csize == 1):
+        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
         tile = mla_tile(arch, rows_needed, csize, token_bytes)

@@ -476,3 +476,28 @@ def test_attn_sink(rng, ds, split):
     assert_close(got[..., 1, :], plain[..., 1, :], testing.TOLERANCE["bf16"], "sink -inf")
     check_lse(lse, plain_lse)  # the keys' lse, sink or not
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+@pytest.mark.parametrize("heads, split, sink", [(64, None, False), (128, 2, True),
+                                                (16, None, True), (100, 0, False)])
+def test_both_kernel_families(rng, family, heads, split, sink):
+    """The wgmma kernel (Hopper, 64 heads or more by the planner's rule; forced for 16, whose
+    rows it pads) and the mma.sync one, on the same problems: partial row tiles (100 heads),
+    split and not, sinks, NaN in every unnamed slot, topk not a multiple of
+    the 64-token tile."""
+    import cupy
+
+    h = host_problem(rng, 3, 2, heads, 150, page=16)
+    s = (rng.standard_normal(heads) * 2).astype(np.float32) if sink else None
+    planning.set_mla_family(family)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h, attn_sink=None if s is None else cupy.asarray(s))
+    finally:
+        planning.set_mla_family(None)
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h, sink=s)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{family} {heads} heads")
+    check_lse(lse, want_lse)

@@ -751,11 +751,15 @@ def _mla_table(cases, measure) -> None:
 
 def _sparse_mla_options(f):
     """The options of ``sparse-mla``; its choices come from cupaged.bench.sparse_mla."""
-    from .sparse_mla import KV_CACHE_DTYPES, PRESETS
+    from .sparse_mla import IMPLEMENTATIONS, KV_CACHE_DTYPES, PRESETS
 
     opts = [
         click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
                      help="Named shapes, DeepSeek-V3.2's (repeatable; default all)."),
+        click.option("--impl", "impls", multiple=True, type=click.Choice(list(IMPLEMENTATIONS)),
+                     help="cupaged (the planner's kernel), cupaged-mma (mma.sync) or "
+                          "cupaged-sm90 (wgmma wherever it applies): repeatable, default "
+                          "cupaged."),
         click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True,
                      type=click.Choice(KV_CACHE_DTYPES),
                      help="The latent cache: bfloat16 ('auto') and/or DeepSeek-V3.2's "
@@ -770,7 +774,7 @@ def _sparse_mla_options(f):
 
 @main.command("sparse-mla")
 @_sparse_mla_options
-def sparse_mla(presets, kv_cache_dtypes, topk, reps):
+def sparse_mla(presets, impls, kv_cache_dtypes, topk, reps):
     """DeepSeek's sparse attention (DSA): cupaged.sparse_mla_attention, each query token
     over its top-k cached tokens, in FlashMLA's decode and prefill interfaces, checked
     against the float64 reference before it is timed. % copy counts the selected tokens'
@@ -785,7 +789,8 @@ def sparse_mla(presets, kv_cache_dtypes, topk, reps):
                  for kvd in dict.fromkeys(kv_cache_dtypes or sm.KV_CACHE_DTYPES)]
     except ValueError as e:
         raise click.UsageError(str(e))
-    _mla_table(cases, lambda bw: sm.measure(cases, ["cupaged"], reps, bw))
+    impls = list(dict.fromkeys(impls or ["cupaged"]))
+    _mla_table(cases, lambda bw: sm.measure(cases, impls, reps, bw))
 
 
 # ---- cascade attention ------------------------------------------------------------------------------

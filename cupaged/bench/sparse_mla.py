@@ -23,9 +23,9 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import mla
+from . import mla, peers
 
-__all__ = ["KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
+__all__ = ["IMPLEMENTATIONS", "KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
 
 D_QK = mla.KV_LORA_RANK + mla.ROPE_DIM
 KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
@@ -175,9 +175,18 @@ def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048) -> Sp
     return SparseCase(name, kv_cache_dtype=kv_cache_dtype, topk=topk, **PRESETS[name])
 
 
-def _run_cupaged(case: SparseCase):
+def _run_cupaged(case: SparseCase, family: str | None = None):
+    """cupaged.sparse_mla_attention; ``family`` as mla._run_cupaged's ("mma": the mma.sync
+    kernel on Hopper too, "sm90": the wgmma kernel wherever it applies; reset by
+    `measure`)."""
     import cupaged
+    from .. import planning
 
+    if family == "sm90":
+        peers.require_hopper("cupaged-sm90")
+        if case.ds:
+            raise RuntimeError("fp8_ds_mla caches are read by the mma.sync kernel only")
+    planning.set_mla_family(family)
     a = case.arrays
     out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)
 
@@ -188,11 +197,17 @@ def _run_cupaged(case: SparseCase):
     return run
 
 
-IMPLEMENTATIONS = {"cupaged": _run_cupaged}
+IMPLEMENTATIONS = {
+    "cupaged": _run_cupaged,
+    "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
+    "cupaged-sm90": lambda c: _run_cupaged(c, "sm90"),
+}
 
 
 def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     """mla.Row rows for every (case, implementation), each checked before it is timed."""
+    from .. import planning
+
     rows = []
     for case in cases:
         case.build()
@@ -202,6 +217,8 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                 mla.check_then_time(row, case, IMPLEMENTATIONS[impl](case), reps, copy_bw)
             except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
                 row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+            finally:
+                planning.set_mla_family(None)  # back to the planner's choice of kernel
             rows.append(row)
         case.arrays.clear()
         case.refs = []

@@ -393,11 +393,12 @@ class MlaSm90Geometry:
     tile_tokens = 64
 
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, alignment
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, the
+        #                            sparse kernel's key flags, alignment
         dims = self.rank + self.rope
         tile = dims // 64 * 64 * 128
         stages = 2 * tile if self.cache_itemsize == 2 else tile + 2 * 64 * dims
-        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 1024
+        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
@@ -417,7 +418,7 @@ def check_against_kernel(specs, chunk: int = 100) -> None:
     specs = list(specs)
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
-                   "mla_sparse_attention", "mla_attention_sm90"):
+                   "mla_sparse_attention", "mla_attention_sm90", "mla_sparse_attention_sm90"):
         for arch in sorted({s.arch for s in specs}):
             mine = [s for s in specs if s.kernel == kernel and s.arch == arch]
             parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
@@ -431,7 +432,7 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
-        if s.kernel == "mla_attention_sm90":
+        if s.kernel in jit.MLA_SM90_KERNELS:
             g = MlaSm90Geometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
             cxx = f"cupaged::MlaSm90Geometry<{t}, {c}, {s.head_size}, {s.rope_dim}>"
