@@ -94,7 +94,9 @@ struct MlaGeometry {
   static constexpr int kOffP = kOffS + kKSplit * ROWS * kSRow * 4;
   static constexpr int kOffRowState = kOffP + ROWS * kPRow * 2;  // alpha, max, sum per row
   static constexpr int kOffFlag = kOffRowState + 3 * ROWS * 4;
-  static constexpr int kSmemBytes = kOffFlag + 16;
+  // The sparse kernel's: whether each key of a stage's tile counts (a byte a key).
+  static constexpr int kOffValid = kOffFlag + 16;
+  static constexpr int kSmemBytes = kOffValid + STAGES * TILE_N;
 
   // Two CTAs an SM where the target's shared memory holds two of this shape (one's copies
   // and barriers then overlap the other's products): 16 rows, whose registers then fit
@@ -163,6 +165,7 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
   float* max_s = alpha_s + ROWS;
   float* sum_s = max_s + ROWS;
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  unsigned char* valid_s = smem + Geo::kOffValid;  // sparse: [STAGES][TILE_N] key flags
   const unsigned q_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(q_s));
   const unsigned kv_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem + Geo::kOffStages));
 
@@ -218,6 +221,9 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
     auto load_tile = [&](int tile, int stage, int id) {
       const bool copy = id >= 0;
       if (id == -2) *bad_s = 1;
+      // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
+      // these flags, read after the barrier that shows the tile landed.
+      if (SPARSE && Geo::copy_lane(tid) == 0) valid_s[stage * TILE_N + Geo::copy_token(tid)] = copy;
       const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
       const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
                                         c_rope_block_stride, c_rope_token_stride, phys,
@@ -349,7 +355,7 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
           const int key = t0 + sm_col + j;
           bool seen = key < limit;
           if constexpr (SPARSE) {  // an entry that does not count reads as zeros: masked
-            seen = seen && mla_sparse_slot(sq, key, kv_end, num_blocks, strict) >= 0;
+            seen = seen && valid_s[stage * TILE_N + sm_col + j] != 0;
           }
           v[j] = seen ? x * scale_log2 : neg_inf();
           tile_max = fmaxf(tile_max, v[j]);

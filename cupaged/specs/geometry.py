@@ -350,7 +350,8 @@ class MlaGeometry:
         wide = self.tile_tokens * row if self.cache_itemsize == 1 else 0
         return (self.rows * row + self.stages * self.tile_tokens * stage_row + wide
                 + self.k_split * self.rows * (self.tile_tokens + 4) * 4
-                + self.rows * (self.tile_tokens + 8) * 2 + 3 * self.rows * 4 + 16)
+                + self.rows * (self.tile_tokens + 8) * 2 + 3 * self.rows * 4 + 16
+                + self.stages * self.tile_tokens)  # the sparse kernel's key flags
 
     def violations(self) -> list[str]:
         bad = []
