@@ -3,7 +3,7 @@
 // groups of 128 values (512-527; value = fp8 * scale), then k_pe's 64 values as bfloat16
 // (528-655). cupaged.reference.quantize_sparse_kv is the statement of the bytes; the
 // writer is cache_ops.cuh's concat_and_cache_mla, the reader mla_attention.cuh's sparse
-// kernel (through ds_mla_widen below).
+// kernels (through ds_mla_widen below).
 #pragma once
 #include "common.cuh"
 #include "fp8.cuh"
@@ -32,26 +32,29 @@ struct is_ds_mla<fp8_ds_mla_t> {
   static constexpr bool value = true;
 };
 
-// Chunk c (16 bytes) of a 656-byte row in shared memory (`row`), widened into the
-// key's bfloat16 values at `wide` ([576]): chunks 0-31 are sixteen e4m3 values each, times
-// their group's scale in float32 and rounded to bfloat16 (FlashMLA's dequantization);
-// chunk 32 holds the scales (nothing to write); chunks 33-40 are k_pe's bfloat16 values,
-// copied. A row of zeros (a slot not copied) widens to zeros.
-__device__ __forceinline__ void ds_mla_widen(const unsigned char* row, int c, bfloat16_t* wide) {
+// Chunk c (16 bytes) of a 656-byte row in shared memory (`row`) as the key's bfloat16
+// values: chunks 0-31 are sixteen e4m3 values each, times their group's scale in float32
+// and rounded to bfloat16 (FlashMLA's dequantization): two 8-value chunks v[0], v[1];
+// chunk 32 holds the scales: none; chunks 33-40 are k_pe's bfloat16 values: one chunk,
+// copied. Returns how many, and the key dim of v[0] in `dim`. A row of zeros (a slot not
+// copied) widens to zeros.
+__device__ __forceinline__ int ds_mla_widen(const unsigned char* row, int c, uint4 (&v)[2],
+                                            int& dim) {
   constexpr int kLatChunks = kDsMlaRank / 16;
   if (c < kLatChunks) {
     const float scale =
         *reinterpret_cast<const float*>(row + kDsMlaScales + 4 * (c * 16 / kDsMlaGroup));
-    uint4 lo, hi;
     widen16_scaled<bfloat16_t, fp8_e4m3_t>(*reinterpret_cast<const uint4*>(row + c * 16),
-                                           &scale, 0, lo, hi);
-    *reinterpret_cast<uint4*>(wide + c * 16) = lo;
-    *reinterpret_cast<uint4*>(wide + c * 16 + 8) = hi;
-  } else if (c >= kDsMlaRopeBytes / 16) {
-    const int k = c - kDsMlaRopeBytes / 16;
-    *reinterpret_cast<uint4*>(wide + kDsMlaRank + k * 8) =
-        *reinterpret_cast<const uint4*>(row + c * 16);
+                                           &scale, 0, v[0], v[1]);
+    dim = c * 16;
+    return 2;
   }
+  if (c >= kDsMlaRopeBytes / 16) {
+    v[0] = *reinterpret_cast<const uint4*>(row + c * 16);
+    dim = kDsMlaRank + (c - kDsMlaRopeBytes / 16) * 8;
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace cupaged

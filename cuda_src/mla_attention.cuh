@@ -278,7 +278,10 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
         // The previous tile's products are done with wide_s (the barrier).
         for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
           const int t = u / Geo::kCChunks;
-          ds_mla_widen(stage_s + t * Geo::kCRow, u % Geo::kCChunks, wide_s + t * ROW);
+          uint4 v[2];
+          int dim;
+          const int n = ds_mla_widen(stage_s + t * Geo::kCRow, u % Geo::kCChunks, v, dim);
+          for (int k = 0; k < n; ++k) *reinterpret_cast<uint4*>(wide_s + t * ROW + dim + 8 * k) = v[k];
         }
         __syncthreads();  // the widened tile is complete
         ks = wide_s;

@@ -22,5 +22,9 @@
 void cupaged_instantiate_mla_sm90() {
   (void)&cupaged::mla_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
   (void)&cupaged::mla_sparse_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
+#ifdef CUPAGED_DS_MLA
+  (void)&cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, cupaged::fp8_ds_mla_t, 512, 64,
+                                            CUPAGED_BS>;
+#endif
 }
 #endif

@@ -21,6 +21,7 @@
 // version: FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 #include "fp8.cuh"
 #include "mla_common.cuh"
 #include "mma.cuh"
@@ -32,23 +33,27 @@ namespace cupaged {
 
 constexpr int kMlaSm90Threads = 256;
 
-// C: the cache's element type, T or fp8.
+// C: the cache's element type, T or fp8, or fp8_ds_mla_t (the sparse kernel's: DeepSeek-V3.2's
+// 656-byte rows, ds_mla.cuh), which lands in one raw stage of its rows.
 template <typename T, typename C, int RANK, int ROPE>
 struct MlaSm90Geometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
+  static constexpr bool kDsMla = is_ds_mla<C>::value;
   static constexpr int kRows = 64;
   static constexpr int kTileN = 64;
   static constexpr int kStages = kQuant ? 1 : 2;  // 16-bit stages (fp8: the widened tile)
   static constexpr int kDims = RANK + ROPE;
   static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
   // 16-byte chunks of a cached row (72; fp8 36)
-  static constexpr int kCChunks = kDims * static_cast<int>(sizeof(C)) / 16;
+  static constexpr int kCChunks = kDsMla ? kDsMlaChunks : kDims * static_cast<int>(sizeof(C)) / 16;
+  static constexpr int kRawRow = kCChunks * 16;  // fp8: a raw token row's bytes
+  static constexpr int kRawStages = kDsMla ? 1 : 2;
   static constexpr int kTileBytes = kBlocks * 64 * 128;  // Q, or one K/V stage: 73,728
-  static constexpr int kRawTileBytes = kQuant ? kTileN * kDims : 0;  // fp8: a tile's bytes
+  static constexpr int kRawTileBytes = kQuant ? kTileN * kRawRow : 0;  // fp8: a tile's bytes
   static constexpr int kOffQ = 0;
   static constexpr int kOffStages = kTileBytes;
   static constexpr int kOffRaw = kOffStages + kStages * kTileBytes;  // fp8: two raw stages
-  static constexpr int kOffP = kOffRaw + 2 * kRawTileBytes;        // [64 rows][64 keys] T
+  static constexpr int kOffP = kOffRaw + kRawStages * kRawTileBytes;  // [64 rows][64 keys] T
   static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
   // The sparse kernel's: whether each key of a ring slot's tile counts (a byte a key).
@@ -56,12 +61,16 @@ struct MlaSm90Geometry {
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
   static constexpr int kSmemBytes = kOffValid + 2 * kTileN + 1024;
   static constexpr int kCopyThreads = kMlaSm90Threads / kTileN;  // a token's copiers (4)
-  static constexpr int kCopySteps = kCChunks / kCopyThreads;      // chunks each (18; fp8 9)
+  static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
+  //                                                   each (18; fp8 9; fp8_ds_mla 11)
 
   static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
-  static_assert(kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(kDsMla || kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
+                            is_same<T, bfloat16_t>::value),
+                "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
   static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
 };
 
@@ -156,23 +165,46 @@ __device__ __forceinline__ void mla_attention_sm90_body(
                                         c_rope_block_stride, c_rope_token_stride, phys,
                                         SPARSE ? (copy ? id : 0)
                                                : (tile_lo + tile) * TILE_N + copy_token);
+      const int raw = Geo::kRawStages == 1 ? 0 : slot;
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
         const int c = copy_lane + j * Geo::kCopyThreads;
+        if (Geo::kCChunks % Geo::kCopyThreads != 0 && c >= Geo::kCChunks) continue;
         const unsigned dst = Geo::kQuant
-                                 ? raw_s(slot) + copy_token * Geo::kDims + c * 16
+                                 ? raw_s(raw) + copy_token * Geo::kRawRow + c * 16
                                  : stage_s(slot) + sw128_offset(copy_token, c * 8, TILE_N);
         cp_async16_or_zero(dst, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+      }
+    };
+    // fp8_ds_mla: the raw stage's rows widened with their scales (ds_mla_widen) into the
+    // 16-bit stage, each thread the chunks it copied, after a barrier (a row's scales are
+    // another thread's copy).
+    auto widen_ds_tile = [&]() {
+      if constexpr (Geo::kDsMla) {
+        const unsigned char* row = smem + (raw_s(0) - base) + copy_token * Geo::kRawRow;
+#pragma unroll
+        for (int j = 0; j < Geo::kCopySteps; ++j) {
+          const int c = copy_lane + j * Geo::kCopyThreads;
+          if (c >= Geo::kCChunks) continue;
+          uint4 v[2];
+          int dim;
+          const int n = ds_mla_widen(row, c, v, dim);
+          for (int k = 0; k < n; ++k) {
+            const unsigned d = stage_s(0) + sw128_offset(copy_token, dim + 8 * k, TILE_N);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(v[k].x),
+                         "r"(v[k].y), "r"(v[k].z), "r"(v[k].w) : "memory");
+          }
+        }
       }
     };
     // fp8: raw stage `slot`'s chunks of this thread (landed: its own copies) widened into
     // the 16-bit stage, 16 values to two swizzled 16-byte chunks (exact; zeros stay zeros).
     auto widen_tile = [&](int slot) {
-      if constexpr (Geo::kQuant) {
+      if constexpr (Geo::kQuant && !Geo::kDsMla) {
         // The bytes are read by plain loads after cp.async.wait_group, whose asm has no
         // memory clobber: keep the compiler from hoisting the loads above the wait.
         asm volatile("" ::: "memory");
-        const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kDims;
+        const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kRawRow;
 #pragma unroll
         for (int j = 0; j < Geo::kCopySteps; ++j) {
           const int c = copy_lane + j * Geo::kCopyThreads;
@@ -208,13 +240,27 @@ __device__ __forceinline__ void mla_attention_sm90_body(
       // the products reading the one widened stage).
       const int slot = it & 1;
       const int stage = Geo::kQuant ? 0 : slot;
-      if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
-      cp_async_commit();
-      id_ahead = tile_id(it + 2);
-      cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
-      widen_tile(slot);    // fp8 (the previous tile's products are done: the last barrier)
-      fence_async_smem();  // this thread's copies and stores, for wgmma's reads
-      __syncthreads();
+      if constexpr (Geo::kDsMla) {
+        // One raw stage: tile it + 1 is copied once tile it is widened, and flies during
+        // tile it's products.
+        cp_async_wait<0>();  // tile it (and the query) landed
+        __syncthreads();     // ... every thread's copies of it (the previous tile's products
+        //                      are done with the 16-bit stage: the last barrier)
+        widen_ds_tile();
+        fence_async_smem();  // the widened tile, for wgmma's reads
+        __syncthreads();     // complete, and the raw stage free
+        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+        cp_async_commit();
+        id_ahead = tile_id(it + 2);
+      } else {
+        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+        cp_async_commit();
+        id_ahead = tile_id(it + 2);
+        cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
+        widen_tile(slot);    // fp8 (the previous tile's products are done: the last barrier)
+        fence_async_smem();  // this thread's copies and stores, for wgmma's reads
+        __syncthreads();
+      }
 
       if (wg == 0) {
         // ---- S = Q K^T and the online softmax -------------------------------------------
@@ -372,7 +418,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
 }
 
 // DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's
-// (mla_attention.cuh), 16-bit caches.
+// (mla_attention.cuh), 16-bit caches and fp8_ds_mla rows.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     mla_sparse_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,

@@ -77,7 +77,7 @@ _KERNELS = {
     "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
     "mla_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
-    # its sparse form (DSA), over 16-bit caches
+    # its sparse form (DSA), over 16-bit caches and fp8_ds_mla rows
     "mla_sparse_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
@@ -87,7 +87,7 @@ _KERNELS = {
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
-SPARSE_MLA_KERNELS = ("concat_and_cache_mla", "mla_sparse_attention")
+SPARSE_MLA_KERNELS = ("concat_and_cache_mla", "mla_sparse_attention", "mla_sparse_attention_sm90")
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.

@@ -841,16 +841,16 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
     rows (None: a scratch buffer per call). ``sparse``: mla_sparse_attention, whose
     "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
-    top-k entries (``max_ctx``: topk); on Hopper over a 16-bit cache its wgmma form where a
-    token has 64 heads or more (the paged kernels' rule), the mma.sync kernel elsewhere
-    and over fp8_ds_mla."""
+    top-k entries (``max_ctx``: topk); on Hopper its wgmma form where a token has 64 heads
+    or more (the paged kernels' rule), over 16-bit caches and fp8_ds_mla rows, the mma.sync
+    kernel elsewhere."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
     token_bytes = _dtypes.DS_MLA_BYTES if cache_dtype == _dtypes.DS_MLA.name else 0
-    if mla_sm90_applies(arch, rows_needed) and not (sparse and csize == 1):
+    if mla_sm90_applies(arch, rows_needed):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:

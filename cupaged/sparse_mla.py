@@ -2,8 +2,8 @@
 :func:`sparse_mla_attention`, FlashMLA's sparse decode interface. Each query token attends
 to the cached tokens its top-k indices name; the kernels are ``mla_sparse_attention``
 (``mla_attention``'s mma.sync body reading keys through the indices, sm_80+) and on Hopper
-``mla_sparse_attention_sm90`` (``mla_attention_sm90``'s wgmma body, 16-bit caches, 64
-heads or more). The layers
+``mla_sparse_attention_sm90`` (``mla_attention_sm90``'s wgmma body, 64 heads or more).
+The layers
 are MLA's: array adaptation, validation (:func:`.validation.validate_mla` over the
 arrays seen as one token a "sequence"), planning (:func:`.planning.plan_mla` with
 ``sparse``), launch (:func:`.launch.build_mla`)."""

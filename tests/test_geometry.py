@@ -173,14 +173,14 @@ def test_specialization_names_are_unique():
     # mla_sparse_attention as many as mla_attention over 16-bit caches, and over
     # fp8_ds_mla rows (bfloat16 only) 9 block sizes x the shapes that hold their 656-byte
     # stage rows beside a widened tile (13 on sm_80, 17 on sm_90); mla_sparse_attention_sm90
-    # for sm_90a only: 2 dtypes x 9 block sizes (16-bit caches). Head
+    # for sm_90a only: 2 dtypes x 9 block sizes over 16-bit caches, 9 over fp8_ds_mla. Head
     # sizes over 256 add
     # 23,866 decode specializations (both targets) for each of 5 variants, and 9,088
     # prefill ones for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 135
                                                           + 44 + 2 + 16 + 3) + 228 * 5 + 114 * 2 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2 \
-        + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 2 * 9
+        + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 2 * 9 + 9
 
 
 # ---- the covering set ------------------------------------------------------------------------

@@ -480,16 +480,18 @@ def test_attn_sink(rng, ds, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mma", "sm90"])
+@pytest.mark.parametrize("ds", [False, True])
 @pytest.mark.parametrize("heads, split, sink", [(64, None, False), (128, 2, True),
                                                 (16, None, True), (100, 0, False)])
-def test_both_kernel_families(rng, family, heads, split, sink):
+def test_both_kernel_families(rng, family, ds, heads, split, sink):
     """The wgmma kernel (Hopper, 64 heads or more by the planner's rule; forced for 16, whose
-    rows it pads) and the mma.sync one, on the same problems: partial row tiles (100 heads),
-    split and not, sinks, NaN in every unnamed slot, topk not a multiple of
+    rows it pads) and the mma.sync one, on the same problems over both caches (fp8_ds_mla:
+    one raw stage on wgmma, 41 chunks a row over 4 copying threads): partial row tiles
+    (100 heads), split and not, sinks, NaN in every unnamed slot, topk not a multiple of
     the 64-token tile."""
     import cupy
 
-    h = host_problem(rng, 3, 2, heads, 150, page=16)
+    h = (ds_problem if ds else host_problem)(rng, 3, 2, heads, 150, page=16)
     s = (rng.standard_normal(heads) * 2).astype(np.float32) if sink else None
     planning.set_mla_family(family)
     planning.set_mla_split(split)

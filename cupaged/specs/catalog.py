@@ -77,9 +77,8 @@ AXES = {
     "mla_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": (512,), "rope_dim": (64,),
                            "block_size": _checks.BLOCK_SIZES},
-    # Hopper only, its sparse form over 16-bit caches (fp8_ds_mla stays on mla_sparse_attention:
-    # two raw stages of its 656-byte rows do not fit beside Q and the widened tile)
-    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": ("",),
+    # Hopper only, its sparse form over 16-bit caches and fp8_ds_mla rows (bfloat16 queries)
+    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": ("", *_dtypes.SPARSE_MLA),
                                   "head_size": (512,), "rope_dim": (64,),
                                   "block_size": _checks.BLOCK_SIZES},
 }
@@ -96,9 +95,10 @@ def supported(spec: jit.KernelSpec) -> bool:
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
     192, and vLLM's layout in blocks of 8 tokens or more."""
+    if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.kernel != "concat_and_cache_mla" \
+            and spec.dtype != "bf16":
+        return False  # the readers of fp8_ds_mla rows (bfloat16 k_pe) take bfloat16 queries
     if spec.kernel in jit.MLA_MMA_KERNELS:  # its (rows, tile, stages) where the target holds them
-        if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.dtype != "bf16":
-            return False  # fp8_ds_mla rows hold bfloat16 k_pe
         return geometry.MlaGeometry.of(spec).fits(spec.arch)
     fp8 = spec.cache_dtype in _dtypes.FP8
     if fp8 and (spec.dtype == "f32" or spec.head_size % 16):

@@ -378,16 +378,19 @@ class MlaGeometry:
 class MlaSm90Geometry:
     """``MlaSm90Geometry<T, C, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64
     rows, 64-token tiles, the 128-byte-swizzled tiles 1024-byte aligned; two 16-bit stages,
-    or for an fp8 cache (``cache_itemsize`` 1) one and two raw stages of its bytes."""
+    or for an fp8 cache (``cache_itemsize`` 1) one and two raw stages of its bytes, or for
+    fp8_ds_mla rows (``ds_mla``) one and one raw stage of 656-byte rows."""
 
     rank: int
     rope: int
     cache_itemsize: int = 2
+    ds_mla: bool = False
 
     @classmethod
     def of(cls, spec) -> "MlaSm90Geometry":
         return cls(spec.head_size, spec.rope_dim,
-                   _dtypes.CACHE_BY_NAME[spec.cache_dtype].itemsize)
+                   _dtypes.CACHE_BY_NAME[spec.cache_dtype].itemsize,
+                   spec.cache_dtype == _dtypes.DS_MLA.name)
 
     threads = 256
     rows = 64
@@ -398,7 +401,8 @@ class MlaSm90Geometry:
         #                            sparse kernel's key flags, alignment
         dims = self.rank + self.rope
         tile = dims // 64 * 64 * 128
-        stages = 2 * tile if self.cache_itemsize == 2 else tile + 2 * 64 * dims
+        stages = (2 * tile if self.cache_itemsize == 2
+                  else tile + 64 * _dtypes.DS_MLA_BYTES if self.ds_mla else tile + 2 * 64 * dims)
         return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 1024
 
     def fits(self, arch: str) -> bool:
