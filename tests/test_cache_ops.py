@@ -1653,9 +1653,11 @@ def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():
         cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype="fp8_ds_mla")
     with pytest.raises(ValueError, match=said):
         cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype="fp8_ds_mla")
-    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention only"):
+    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention, "
+                       "mla_sparse_attention_sm90 only"):
         jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype="dsmla", index_dtype="i64")
-    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention only"):
+    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention, "
+                       "mla_sparse_attention_sm90 only"):
         jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype="dsmla")
 
 
