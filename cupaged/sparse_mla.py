@@ -76,10 +76,21 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
     the statement of the result. Not here yet: a second cache (V4's ``extra_k_cache``),
     V4's 512-dim keys and their fp8 / fp4 formats.
+
+    A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
+    ``attn_sink`` (by address), workspace and keywords match an earlier successful call's
+    skips validation and planning (a model's layers repeat one call); whether ``out`` and
+    ``lse`` overlap the other arrays is still checked at every call's addresses.
     """
-    prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,
-                                      return_lse, stream, workspace, attn_sink=attn_sink,
-                                      kv_cache_dtype=kv_cache_dtype)
+    k, ptrs = _prepared.key("sparse_mla", (q, kv_cache, indices, topk_length, out, lse),
+                            (attn_sink,), (scale, return_lse, kv_cache_dtype),
+                            launch.workspace_key(workspace))
+    prep = _prepared.lookup(k)
+    if prep is None or _prepared.any_overlap(prep.disjoint, ptrs):
+        prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,
+                                          return_lse, stream, workspace, attn_sink=attn_sink,
+                                          kv_cache_dtype=kv_cache_dtype)
+        _prepared.remember(k, prep)
     # q's rotary part and the cache's lie at their latent parts' addresses (the launch's
     # offsets find them)
     ql, c, idx, tl, o, lse_ptr = ptrs
@@ -90,8 +101,8 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
                          stream, workspace, plan: bool = True, attn_sink=None,
                          kv_cache_dtype="auto") -> tuple:
     """``(prepared call, addresses)``: every check, then the plan of its launches
-    (``plan=False``: the checks alone). The addresses: q's latent and rotary parts, the
-    cache's, the indices', topk_length's (0 for none), out's and lse's (0 for none)."""
+    (``plan=False``: the checks alone). The addresses: q's, the cache's, the indices',
+    topk_length's (0 for none), out's and lse's (0 for none)."""
     if scale is None:
         _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
               "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)

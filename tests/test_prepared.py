@@ -511,12 +511,13 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
         # MlaLaunch.run's order: out, 3 partials, split_tiles, row_tiles, q's parts, their 4
         # strides, the caches' parts, their 4 strides, the table, its 5 constants, lengths,
         # starts, 3 scalars, VariantParams.
-        assert len(a) == 30 and a[1:5] == (0, 0, 0, 0)
+        # (sparse_mla_attention's: lengths_per and strict before VariantParams)
+        assert len(a) in (30, 32) and a[1:5] == (0, 0, 0, 0)
         launched.append(MlaLaunched(a[0], a[6:8], a[12:14], a[18], a[24], a[25], a[22:24],
-                                    a[29]))
+                                    a[-1]))
 
     def plan_mla(device, dtype, cache_dtype, rank, rope, block_size, num_seqs, num_rows,
-                 num_heads, max_q, max_ctx, workspace_rows=None):
+                 num_heads, max_q, max_ctx, workspace_rows=None, sparse=False):
         if not (num_seqs and num_rows):
             return None
         return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0),
@@ -816,3 +817,73 @@ def test_repeated_mla_torch_calls(rng, validations):
         assert_close(got.cpu().numpy().astype(np.float64), ref_of(h, decode=True),
                      testing.TOLERANCE["f16"], f"call {i}")
     assert validations["mla"] == 1
+
+
+# ---- sparse_mla_attention --------------------------------------------------------------------------
+
+
+def _sparse_call(monkeypatch):
+    """sparse_mla_attention over Fake arrays (with fake_mla's keying, plan and launch
+    record): ``call(shift, **kw)`` with every array ``shift`` bytes past its own base."""
+    from cupaged import _arrays, sparse_mla
+
+    from test_validation import Fake
+
+    real = _arrays.as_device_array
+    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
+    monkeypatch.setattr(sparse_mla, "as_device_array", one)
+    monkeypatch.setattr(_arrays, "as_device_array", one)
+    shapes = dict(q=((2, 3, 16, 576), np.float16), kv_cache=((10, 64, 1, 576), np.float16),
+                  indices=((2, 3, 32), np.int32), topk_length=((2,), np.int32),
+                  out=((2, 3, 16, 512), np.float16), lse=((2, 3, 16), np.float32))
+    bases = {k: (i + 1) << 28 for i, k in enumerate(shapes)}
+
+    def call(shift=0, **kw):
+        f = {k: Fake(np.zeros(*shapes[k]), ptr=bases[k] + shift) for k in shapes}
+        f.update(kw.pop("arrays", {}))
+        return f, sparse_mla.sparse_mla_attention(f["q"], f["kv_cache"], f["indices"],
+                                                  topk_length=f["topk_length"], out=f["out"],
+                                                  lse=f["lse"], **kw)
+    return call
+
+
+def test_repeated_sparse_mla_calls_are_prepared_with_their_own_addresses(fake_mla, validations,
+                                                                         monkeypatch):
+    """Each call's own arrays reach the launch (q's and the cache's rotary parts 512
+    elements into their rows, the indices as the table, topk_length as the lengths, the
+    lse in VariantParams); one validation for calls of the same metadata."""
+    call = _sparse_call(monkeypatch)
+    _, launched = fake_mla
+    for n, shift in enumerate((0, 1 << 16, 3 << 16, 0)):
+        f, (out, lse) = call(shift, scale=0.1)
+        p = {k: v.data.ptr for k, v in f.items()}
+        assert launched[-1] == MlaLaunched(p["out"], (p["q"], p["q"] + 1024),
+                                           (p["kv_cache"], p["kv_cache"] + 1024), p["indices"],
+                                           p["topk_length"], 0, (0, 1.0),
+                                           _variants.PLAIN.pack(p["lse"])), f"call {n}"
+        assert (out.data.ptr, lse.data.ptr) == (p["out"], p["lse"])
+    assert validations["mla"] == 1
+
+
+def test_sparse_mla_keys_the_sink_and_the_scale_and_checks_overlap_each_call(
+        fake_mla, validations, monkeypatch):
+    """attn_sink by address (its pointer is packed into the launch), scale by type and value:
+    each its own prepared call; an out that overlaps q is refused after a hit too."""
+    from test_validation import Fake
+
+    call = _sparse_call(monkeypatch)
+    _, launched = fake_mla
+    sinks = [Fake(np.zeros(16, np.float32), ptr=(9 << 28) + i * (1 << 20)) for i in range(2)]
+    calls = [dict(scale=0.1), dict(scale=np.float32(0.1)), dict(scale=0.2),
+             dict(scale=0.1, attn_sink=sinks[0]), dict(scale=0.1, attn_sink=sinks[1])]
+    for kw in calls + calls:
+        call(**kw)
+    assert validations["mla"] == len(calls)
+    packed = [_variants.Variants("", sinks=s, lse_keys=True).pack(6 << 28) for s in sinks]  # lse: the 6th array
+    assert [x.vp for x in launched[3:5]] == packed and launched[8].vp == packed[0]
+    assert launched[0].vp == _variants.PLAIN.pack(6 << 28) == launched[2].vp
+    f, _ = call(scale=0.1)
+    on_q = Fake(np.zeros((2, 3, 16, 512), np.float16), ptr=f["q"].data.ptr)
+    with pytest.raises(ValueError, match="q and out overlap in memory"):  # a hit's key
+        call(scale=0.1, arrays=dict(out=on_q))
+
