@@ -72,6 +72,8 @@ struct MlaSm90Geometry {
                             is_same<T, bfloat16_t>::value),
                 "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
   static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
+  static_assert(kOffStages % 1024 == 0 && kOffP % 1024 == 0,
+                "wgmma's swizzled operands start at multiples of 1024 bytes");
 };
 
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse

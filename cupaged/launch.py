@@ -177,8 +177,9 @@ def prepared_call(launch: Launch | None, p: Problem, q, o, va: VariantArgs,
 
 class DecodeWorkspace:
     """Scratch memory for split-KV, allocated once. Passed as ``workspace=``, it makes
-    :func:`cupaged.paged_attention`, :func:`cupaged.attention` (and an ``AttentionPlan``)
-    and :func:`cupaged.mla_attention` allocate nothing when ``out=`` (and ``lse=`` where
+    :func:`cupaged.paged_attention`, :func:`cupaged.attention` (and an ``AttentionPlan``),
+    :func:`cupaged.mla_attention` and :func:`cupaged.sparse_mla_attention` allocate
+    nothing when ``out=`` (and ``lse=`` where
     the lse is asked for) is given too: what CUDA graph capture needs, and a saving for
     any loop.
 
@@ -199,10 +200,11 @@ class DecodeWorkspace:
         max_num_seqs: the most query rows a call will have: sequences for
             ``paged_attention`` and decode steps (one row each), ``total_q`` (every
             sequence's query tokens together) for multi-token ``attention`` steps and
-            for :func:`cupaged.mla_attention`.
+            for :func:`cupaged.mla_attention`, the query tokens (``batch * s_q``) for
+            :func:`cupaged.sparse_mla_attention`.
         num_heads, head_size: the call's query heads, and the head size the workspace
-            will serve (512 for :func:`cupaged.mla_attention`, whose partials are
-            kv_lora_rank wide).
+            will serve (512 for :func:`cupaged.mla_attention` and
+            :func:`cupaged.sparse_mla_attention`, whose partials are kv_lora_rank wide).
         rows: capacity in partial rows, instead of the default.
         device: CUDA device id; default the current CuPy device.
 

@@ -17,8 +17,8 @@ fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays 
 "auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
 
-DeepSeek sparse attention (``cupaged.sparse_mla_attention`` serves 16-bit caches; no
-kernel reads the fp8 formats yet): :func:`sparse_mla_attention` over top-k indices into a
+DeepSeek sparse attention (``cupaged.sparse_mla_attention`` serves 16-bit caches and
+``"fp8_ds_mla"``; no kernel reads V4's formats yet): :func:`sparse_mla_attention` over top-k indices into a
 paged cache, FlashMLA's sparse interface, and the caches' token
 formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
 with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
@@ -764,8 +764,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale: float, kv_format: str =
 
     The logit of a counted entry is ``scale * q . key`` (``scale`` required: DeepSeek's is
     not ``1 / sqrt(d_qk)``); out is the softmax-weighted sum of the values and lse the
-    natural log of the softmax denominator (FlashMLA's is natural too: its kernels work in
-    base 2 and convert). ``attn_sink [num_heads]`` (float32 in FlashMLA) scales each head's
+    natural log of the softmax denominator (FlashMLA's decode reports it natural too; its
+    prefill, ``flash_mla_sparse_fwd``, in base 2: this lse times log2(e)). ``attn_sink [num_heads]`` (float32 in FlashMLA) scales each head's
     out by ``exp(lse) / (exp(lse) + exp(sink))`` and leaves lse as it is, FlashMLA's rule:
     so lse here is the keys' alone, and ``np.logaddexp(lse, sink)`` is :func:`attend`'s lse
     with ``sinks`` (whose out is the same). A sink of +inf gives zeros, -inf changes

@@ -62,7 +62,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     concatenated), ``kv_cache`` the tokens ``[s_kv, 1, 576]`` (or ``[s_kv, 576]``),
     ``indices [s_q, 1, topk]`` (or ``[s_q, topk]``) into them, ``topk_length [s_q]``; an
     index outside ``[0, s_kv)`` (-1 or any other) does not count. out ``[s_q, num_heads,
-    512]``, lse ``[s_q, num_heads]``.
+    512]``, lse ``[s_q, num_heads]`` (natural log: FlashMLA's prefill returns it in base 2,
+    times log2(e)).
 
     Both:
         scale: the softmax scale (required).
@@ -82,7 +83,10 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     skips validation and planning (a model's layers repeat one call); whether ``out`` and
     ``lse`` overlap the other arrays is still checked at every call's addresses.
     """
-    k, ptrs = _prepared.key("sparse_mla", (q, kv_cache, indices, topk_length, out, lse),
+    # attn_sink: a main array too (its address among the ones overlap is checked at), and a
+    # side one (its address, packed into the launch, is part of the key)
+    k, ptrs = _prepared.key("sparse_mla",
+                            (q, kv_cache, indices, topk_length, out, lse, attn_sink),
                             (attn_sink,), (scale, return_lse, kv_cache_dtype),
                             launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
@@ -93,7 +97,7 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
         _prepared.remember(k, prep)
     # q's rotary part and the cache's lie at their latent parts' addresses (the launch's
     # offsets find them)
-    ql, c, idx, tl, o, lse_ptr = ptrs
+    ql, c, idx, tl, o, lse_ptr, _ = ptrs
     return _prepared.run(prep, ((ql, ql), c, c, idx, tl, 0, o, lse_ptr), stream, out, lse)
 
 
@@ -102,7 +106,7 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
                          kv_cache_dtype="auto") -> tuple:
     """``(prepared call, addresses)``: every check, then the plan of its launches
     (``plan=False``: the checks alone). The addresses: q's, the cache's, the indices',
-    topk_length's (0 for none), out's and lse's (0 for none)."""
+    topk_length's, out's, lse's and attn_sink's (0 for one not given)."""
     if scale is None:
         _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
               "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)
@@ -191,13 +195,14 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
             p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)),
             variants=variants)
     disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)),
-                                        ((0, qa), (1, kc), (2, idx), (3, tl)))
+                                        ((0, qa), (1, kc), (2, idx), (3, tl), (6, sink)))
     prep = _prepared.Prepared(launches, p.device, _arrays.framework(q), out_shape, qa.dtype,
                               (), 0, False, wants_lse,
                               lse_shape if wants_lse and lse_a is None else (), disjoint)
-    ptrs = _prepared.addresses(qa, kc, idx, tl, o, lse_a)
+    ptrs = _prepared.addresses(qa, kc, idx, tl, o, lse_a, sink)
     if _prepared.any_overlap(disjoint, ptrs):
-        _fail("out and lse must not overlap q, kv_cache or each other")
+        _fail("out and lse must not overlap q, kv_cache, indices, topk_length, attn_sink or "
+              "each other")
     return prep, ptrs
 
 

@@ -96,6 +96,21 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     for s in sm90:
         assert geometry.MlaSm90Geometry.of(s).fits(s.arch), (s.name, geometry.MlaSm90Geometry.of(s).smem_bytes)
     geometry.check_against_kernel([s for s in sm90 if s.block_size == 64])
+    # The sparse forms (DSA): the mma.sync kernel over 16-bit caches and fp8_ds_mla rows
+    # (bfloat16 only: 656-byte stage rows), the wgmma one on sm_90a over both.
+    sparse = [s for s in ALL if s.kernel == "mla_sparse_attention"]
+    ds = [s for s in sparse if s.cache_dtype == "dsmla"]
+    assert {s.dtype for s in ds} == {"bf16"} and len(ds) == 9 * (13 + 17)
+    for s in sparse:
+        g = geometry.MlaGeometry.of(s)
+        assert g.violations() == [] and g.fits(s.arch), (s.name, g.smem_bytes)
+        assert g.token_bytes == (656 if s in ds else 0), s.name
+    sparse90 = [s for s in ALL if s.kernel == "mla_sparse_attention_sm90"]
+    assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 3 * 9
+    assert {s.cache_dtype for s in sparse90} == {"f16", "bf16", "dsmla"}
+    for s in sparse90:
+        assert geometry.MlaSm90Geometry.of(s).fits(s.arch), s.name
+    geometry.check_against_kernel([s for s in sparse + sparse90 if s.block_size == 64])
 
 
 def test_the_sm90_kernel_is_built_for_sm90a_only():

@@ -378,7 +378,7 @@ def test_prefill_matches_reference(rng, s_kv, with_length):
                                                     (40, 33, 1, 0)])
 @pytest.mark.parametrize("with_length", [True, False])
 def test_fp8_ds_mla_decode_matches_reference(rng, heads, topk, page, pad, with_length):
-    """The fp8_ds_mla rows widened with their own scales (groups 2^-6 to 2^6 in size): the
+    """The fp8_ds_mla rows widened with their own scales (groups 2^-6 to 1 in size): the
     reference reads them exactly; unnamed slots are 0xFF bytes (NaN) and must not leak."""
     h = ds_problem(rng, 3, 2, heads, topk, page=page,
                    topk_length=None if with_length else topk)
@@ -503,3 +503,31 @@ def test_both_kernel_families(rng, family, ds, heads, split, sink):
     want, want_lse = reference_of(h, sink=s)
     assert_close(got, want, testing.TOLERANCE["bf16"], f"{family} {heads} heads")
     check_lse(lse, want_lse)
+
+
+def test_out_and_lse_must_not_overlap_what_the_kernel_reads(adapt, monkeypatch):
+    """Checked with the plan (nothing launched here): out or lse over the indices,
+    topk_length or attn_sink (which the epilogue reads while other CTAs write out)."""
+    import contextlib
+
+    from test_validation import Fake
+
+    monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(planning, "plan_mla", lambda *a, **k: None)
+    f = fakes(topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), np.float16),
+              lse=np.zeros((2, 3, 16), np.float32))
+    sink = Fake(np.zeros(16, np.float32), ptr=1 << 30)
+
+    def prepare(**over):
+        g = dict(f, **over)
+        return sparse_mla.validate_and_prepare(g["q"], g["kv_cache"], g["indices"], 0.1,
+                                               g["topk_length"], g["out"], g["lse"], False,
+                                               None, None, attn_sink=g.get("sink", sink))
+    prep, ptrs = prepare()
+    assert prep.launch is None and len(ptrs) == 7 and ptrs[6] == 1 << 30
+    for name, at in (("lse", 1 << 30), ("out", (1 << 30) - 64), ("lse", f["indices"].data.ptr),
+                     ("out", f["topk_length"].data.ptr)):
+        moved = Fake(np.zeros(f[name].shape, f[name].dtype), ptr=at)
+        with pytest.raises(ValueError, match="out and lse must not overlap q, kv_cache, "
+                                             "indices, topk_length, attn_sink or each other"):
+            prepare(**{name: moved})
