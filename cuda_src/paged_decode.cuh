@@ -1008,7 +1008,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (partition_tokens == 0) {
       const RowEnd e = finish_row(m, l, sink_log2(vp, head0 + g));
       mul = bad ? quiet_nan() : e.mul * out_scale;
-      if (vp.lse != nullptr) vp.lse[row0 + g] = bad ? quiet_nan() : e.lse;
+      if (vp.lse != nullptr) vp.lse[row0 + g] = bad ? quiet_nan() : row_lse(vp, e, m, l);
     } else {
       // A partition whose keys were all masked has l = 0: zeros, and no weight in the merge.
       mul = bad ? quiet_nan() : (l > 0.f ? out_scale / l : 0.f);

@@ -231,17 +231,16 @@ def _prefill_as_decode(qa, kc, idx, o, lse_a):
     """FlashMLA's sparse prefill arrays (q ``[s_q, heads, 576]``, kv ``[s_kv, 1, 576]`` or
     ``[s_kv, 576]``, indices ``[s_q, 1, topk]`` or ``[s_q, topk]``, out ``[s_q, heads,
     512]``, lse ``[s_q, heads]``), checked, as views of the decode form: each query token
-    a batch entry of one token, the tokens of kv as blocks of the largest power of two up
-    to 256 that divides s_kv (whole blocks, so the views cover kv's memory exactly)."""
+    a batch entry of one token, the tokens of kv as blocks of one token (a slot is a
+    token: one specialization for every s_kv, and the views cover kv's memory exactly)."""
     if kc.ndim == 3 and kc.shape[1] == 1:
         kc = _arrays.StridedView(kc, (kc.shape[0], kc.shape[2]), (kc.strides[0], kc.strides[2]))
     if kc.ndim != 2:
         _fail(f"kv must be [s_kv, 1, 576] or [s_kv, 576] for the prefill interface (q "
               f"[s_q, num_heads, 576]), got shape {kc.shape}")
     s_kv = kc.shape[0]
-    bs = min(s_kv & -s_kv, 256) if s_kv else 1
-    kv = _arrays.StridedView(kc, (s_kv // bs, bs, kc.shape[1]),
-                             (bs * kc.strides[0], kc.strides[0], kc.strides[1]))
+    kv = _arrays.StridedView(kc, (s_kv, 1, kc.shape[1]),
+                             (kc.strides[0], kc.strides[0], kc.strides[1]))
     s_q = qa.shape[0]
     if idx.ndim == 2:
         idx = _arrays.StridedView(idx, (idx.shape[0], 1, idx.shape[1]),

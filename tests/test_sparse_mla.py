@@ -296,8 +296,9 @@ def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
     h["indices"][1, 0, 3] = n  # one past the cache
     h["indices"][0, 1, 7] = -2  # negative but not -1
     h["indices"][1, 1, 35] = n + 5  # past batch entry 1's topk_length: never read
-    got, _ = run(h)
+    got, lse = run(h)
     assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
+    assert np.isnan(lse[1, 0]).all() and np.isnan(lse[0, 1]).all()
     keep = np.ones((2, 2), bool)
     keep[1, 0] = keep[0, 1] = False
     ok = dict(h, indices=np.where((h["indices"] >= n) | (h["indices"] < -1), -1, h["indices"]))
@@ -491,6 +492,8 @@ def test_both_kernel_families(rng, family, ds, heads, split, sink):
     the 64-token tile."""
     import cupy
 
+    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+        pytest.skip("the wgmma kernel runs on Hopper only")
     h = (ds_problem if ds else host_problem)(rng, 3, 2, heads, 150, page=16)
     s = (rng.standard_normal(heads) * 2).astype(np.float32) if sink else None
     planning.set_mla_family(family)
@@ -531,3 +534,44 @@ def test_out_and_lse_must_not_overlap_what_the_kernel_reads(adapt, monkeypatch):
         with pytest.raises(ValueError, match="out and lse must not overlap q, kv_cache, "
                                              "indices, topk_length, attn_sink or each other"):
             prepare(**{name: moved})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+def test_fp8_ds_mla_widening_is_exact_and_k_pe_in_place(rng, family):
+    """One counted entry a row: out is that token's kv_c exactly as the widening states it,
+    each e4m3 value times its group's scale in float32, rounded to bfloat16 (a wrong group,
+    a scale rounded first, another rounding all differ somewhere). Then q only in its 64
+    rotary dims over two entries: the logits are k_pe's alone, so the lse matches the
+    reference to float32 rounding (k_pe read from the wrong bytes or placed at the wrong
+    dims would not)."""
+    import cupy
+    import ml_dtypes
+
+    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+        pytest.skip("the wgmma kernel runs on Hopper only")
+    heads, n = 64, 12 * 64
+    h = ds_problem(rng, 2, 2, heads, 8, topk_length=[1, 2])
+    h["indices"][h["indices"] < 0] = 3  # every entry a valid slot
+    rows = h["kv_cache"].reshape(n, DS)
+    for b, s in np.ndindex(2, 2):  # the counted slots hold real rows (not 0xFF)
+        for j in range(2):
+            if rows[h["indices"][b, s, j], 0] == 0xFF and rows[h["indices"][b, s, j], 512] == 0xFF:
+                h["indices"][b, s, j] = h["indices"][0, 0, 0]
+    h["q"][1, :, :, :512] = 0  # batch entry 1: the rotary dims alone
+    planning.set_mla_family(family)
+    planning.set_mla_split(0)
+    try:
+        got, lse = run(h)
+    finally:
+        planning.set_mla_family(None)
+        planning.set_mla_split(None)
+    e4m3 = rows[:, :512].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = np.repeat(rows[:, 512:528].copy().view("<f4"), 128, 1)
+    widened = (e4m3 * scale).astype(_dtypes.BF16.numpy).astype(np.float64)  # float32 product
+    for s in range(2):
+        want = widened[h["indices"][0, s, 0]]
+        assert np.array_equal(got[0, s], np.broadcast_to(want, (heads, 512))), s
+    _, want_lse = reference_of(h)
+    assert np.allclose(lse[1], want_lse[1], rtol=1e-5, atol=1e-5)
+
