@@ -423,8 +423,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     block_size, 1, 656]`` (FlashMLA's), 16-byte aligned with block and token strides in
     multiples of 16 bytes. ``scale`` is ignored, as vLLM's kernel ignores it: the format
     computes its scales. ``cupaged.reference.concat_and_cache_sparse_mla`` is the statement
-    of the bytes (bit for bit vLLM's for bfloat16 sources). No cupaged kernel reads the
-    format yet; :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
+    of the bytes (bit for bit vLLM's for bfloat16 sources). :func:`cupaged.sparse_mla_attention`
+    reads the format; :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
         stream: as for :func:`reshape_and_cache`.
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
