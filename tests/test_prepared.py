@@ -506,18 +506,20 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
     monkeypatch.setattr(_prepared, "metas", metas)
     monkeypatch.setattr(_kvquant, "as_device_array", _arrays.as_device_array)  # a device k_scale
     launched = []
+    planned_sparse = [False]
 
     def kernel(grid, threads, smem, stream, *a):
         # MlaLaunch.run's order: out, 3 partials, split_tiles, row_tiles, q's parts, their 4
         # strides, the caches' parts, their 4 strides, the table, its 5 constants, lengths,
         # starts, 3 scalars, VariantParams.
         # (sparse_mla_attention's: lengths_per and strict before VariantParams)
-        assert len(a) in (30, 32) and a[1:5] == (0, 0, 0, 0)
+        assert len(a) == (32 if planned_sparse[0] else 30) and a[1:5] == (0, 0, 0, 0)
         launched.append(MlaLaunched(a[0], a[6:8], a[12:14], a[18], a[24], a[25], a[22:24],
                                     a[-1]))
 
     def plan_mla(device, dtype, cache_dtype, rank, rope, block_size, num_seqs, num_rows,
                  num_heads, max_q, max_ctx, workspace_rows=None, sparse=False):
+        planned_sparse[0] = sparse  # the launch of this plan takes the sparse arguments
         if not (num_seqs and num_rows):
             return None
         return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0),
