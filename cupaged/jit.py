@@ -84,6 +84,8 @@ _KERNELS = {
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
     # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
+    # DSA's lightning indexer: its keys into their fp8 cache
+    "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
@@ -114,6 +116,9 @@ ARG_FORMATS = {
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,
     # num_slots, vec, the fp8 scale (pointer, value)
     "concat_and_cache_mla": "PqPqPqqPqqPiiiiqiPf",
+    # k, its token stride; the cache, its block stride; slots, num_tokens, head_dim,
+    # quant_block_size, block size, num_slots, ue8m0
+    "indexer_k_quant_and_cache": "PqPqPiiiiqi",
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter

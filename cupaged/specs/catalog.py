@@ -61,6 +61,7 @@ AXES = {
                              "cache_dtype": (*CACHE_DTYPES, *_dtypes.SPARSE_MLA),
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
+    "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
     # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
     # page size and each (rows, tile, stages) shape the planner picks (MLA_TILES).
     "mla_attention": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
@@ -84,8 +85,9 @@ AXES = {
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
-# cache kernels: 44, 2, 16 and 3 per target, a few seconds in all).
-SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states")
+# cache kernels: 44, 2, 16, 3 and 4 per target, a few seconds in all).
+SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states",
+                 "indexer_k_quant_and_cache")
 
 
 def supported(spec: jit.KernelSpec) -> bool:
