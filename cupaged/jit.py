@@ -84,8 +84,10 @@ _KERNELS = {
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
     # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
-    # DSA's lightning indexer: its keys into their fp8 cache
+    # DSA's lightning indexer: its keys into their fp8 cache, and its logits over them
+    # (rows: the query heads a CTA holds)
     "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
+    "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size")),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
@@ -119,6 +121,10 @@ ARG_FORMATS = {
     # k, its token stride; the cache, its block stride; slots, num_tokens, head_dim,
     # quant_block_size, block size, num_slots, ue8m0
     "indexer_k_quant_and_cache": "PqPqPiiiiqi",
+    # out, its row stride, width; q, its row and head strides; weights, their row stride;
+    # the cache, its block stride, num_blocks; tables, their stride, max_blocks; lengths,
+    # next_n
+    "indexer_logits": "PqiPqqPqPqiPqiPi",
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
@@ -358,6 +364,8 @@ class KernelSpec:
                 parts.append("w{}m{}n{}x{}".format(*tile))
         elif self.kernel in MLA_MMA_KERNELS:
             parts.append(f"r{self.rows}t{self.tile_tokens}x{self.stages}")
+        elif self.kernel == "indexer_logits":
+            parts.append(f"h{self.rows}")
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)
             if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype):
