@@ -1,4 +1,4 @@
-// Entry file for DSA's lightning-indexer logits (indexer.cuh). cupaged's JIT compiles it
+// Entry file for DSA's lightning indexer: its logits and their top-k (indexer.cuh). cupaged's JIT compiles it
 // with NVRTC and instantiates the template by name expression, e.g.
 //   cupaged::indexer_logits<cupaged::bfloat16_t, 64, 64>  (query type, heads, block size)
 //
@@ -11,5 +11,6 @@
 void cupaged_instantiate_indexer() {
   (void)&cupaged::indexer_logits<cupaged::bfloat16_t, 64, 64>;
   (void)&cupaged::indexer_logits<cupaged::half_t, 32, 16>;
+  (void)&cupaged::indexer_topk<float>;
 }
 #endif

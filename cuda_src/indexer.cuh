@@ -204,4 +204,128 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
   cp_async_wait<0>();
 }
 
+// ---- the top-k of each row's logits -----------------------------------------------------------
+//
+// indexer_topk: out[row, :] = the columns of the row's topk largest finite logits, largest
+// first, ties by the lower column, -1 after the finite ones run out
+// (cupaged.reference.indexer_topk). One CTA of kTopkThreads per row:
+//   1. each logit as an order-preserving 32-bit key (finite ones from 1 up, -0 as +0;
+//      -inf, +inf and NaN 0: never picked), and the count of finite ones;
+//   2. the k-th largest key by radix select, 8 bits a pass from the top (a histogram of
+//      the keys that match the prefix so far, then a scan of its bins from the top);
+//   3. the keys above it, and of those equal to it the lowest columns (a scan in column
+//      order), into shared memory;
+//   4. a bitonic sort of (key, ~column) descending, then the columns out.
+constexpr int kTopkThreads = 512;
+constexpr int kTopkMax = 2048;  // the largest topk (DeepSeek-V3.2's)
+
+__device__ __forceinline__ unsigned topk_key(float x) {
+  if (!(fabsf(x) <= 3.402823466e38f)) return 0u;  // -inf, +inf, NaN
+  const unsigned b = x == 0.f ? 0u : __float_as_uint(x);
+  return ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) + 1u;  // finite ones: 1 and up
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTopkThreads)
+    indexer_topk(int* __restrict__ out, long long out_stride, const T* __restrict__ logits,
+                 long long stride, int width, int topk) {
+  static_assert(is_same<T, float>::value, "float32 logits");
+  __shared__ int hist[256];
+  __shared__ unsigned long long sel[kTopkMax];
+  __shared__ int counters[4];  // finite count, keys above the k-th, equals seen, rank left
+  __shared__ int bin_s;        // a radix pass's chosen bin
+  __shared__ int scan_s[kTopkThreads / 32];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const T* row = logits + static_cast<long long>(blockIdx.x) * stride;
+  int* out_row = out + static_cast<long long>(blockIdx.x) * out_stride;
+  if (tid < 4) counters[tid] = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int c = tid; c < width; c += kTopkThreads) mine += topk_key(row[c]) != 0u;
+  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(~0u, mine, o);
+  if (lane == 0) atomicAdd(&counters[0], mine);
+  __syncthreads();
+  const int k = min(topk, counters[0]);  // keys taken
+  // radix select: the k-th largest key (k >= 1)
+  unsigned prefix = 0u, mask = 0u;
+  int remaining = k;
+  for (int shift = 24; k > 0 && shift >= 0; shift -= 8) {
+    for (int b = tid; b < 256; b += kTopkThreads) hist[b] = 0;
+    __syncthreads();
+    for (int c = tid; c < width; c += kTopkThreads) {
+      const unsigned key = topk_key(row[c]);
+      if (key != 0u && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {  // the bin, from the top, that holds the remaining-th largest
+      int b = 255, above = 0;
+      while (above + hist[b] < remaining) above += hist[b--];
+      bin_s = b;
+      counters[3] = remaining - above;
+    }
+    __syncthreads();
+    prefix |= static_cast<unsigned>(bin_s) << shift;
+    mask |= 255u << shift;
+    remaining = counters[3];
+    __syncthreads();  // hist, bin_s and counters[3] are rewritten by the next pass
+  }
+  const unsigned kth = prefix;  // the k-th largest key; `remaining` of its equals are taken
+  // the keys above it (fewer than k), in any order
+  for (int c = tid; c < width; c += kTopkThreads) {
+    const unsigned key = topk_key(row[c]);
+    if (k > 0 && key > kth) {
+      const int at = atomicAdd(&counters[1], 1);
+      sel[at] = (static_cast<unsigned long long>(key) << 32) | (~static_cast<unsigned>(c));
+    }
+  }
+  __syncthreads();
+  const int above = counters[1];
+  // the first `remaining` columns whose key equals it: a scan in column order
+  for (int c0 = 0; k > 0 && c0 < width; c0 += kTopkThreads) {
+    const int c = c0 + tid;
+    const bool eq = c < width && topk_key(row[c]) == kth;
+    const unsigned ballot = __ballot_sync(~0u, eq);
+    if (lane == 0) scan_s[warp] = __popc(ballot);
+    __syncthreads();
+    int before = counters[2];
+    for (int w = 0; w < warp; ++w) before += scan_s[w];
+    before += __popc(ballot & ((1u << lane) - 1u));
+    if (eq && before < remaining) {
+      sel[above + before] = (static_cast<unsigned long long>(kth) << 32) | (~static_cast<unsigned>(c));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int total = 0;
+      for (int w = 0; w < kTopkThreads / 32; ++w) total += scan_s[w];
+      counters[2] += total;
+    }
+    __syncthreads();
+  }
+  // bitonic sort of the k entries, descending (padded with zeros: below every entry)
+  int n = 1;
+  while (n < k) n <<= 1;
+  for (int i = k + tid; i < n; i += kTopkThreads) sel[i] = 0ull;
+  __syncthreads();
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride2 = size >> 1; stride2 > 0; stride2 >>= 1) {
+      for (int i = tid; i < n; i += kTopkThreads) {
+        const int j = i ^ stride2;
+        if (j > i) {
+          const unsigned long long a = sel[i], b = sel[j];
+          const bool desc = (i & size) == 0;
+          if (desc ? a < b : a > b) {
+            sel[i] = b;
+            sel[j] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = tid; i < topk; i += kTopkThreads) {
+    out_row[i] = i < k ? static_cast<int>(~static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
+  }
+}
+
 }  // namespace cupaged

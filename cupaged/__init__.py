@@ -18,6 +18,7 @@ Public API:
     concat_and_cache_mla    write new tokens' MLA latent vectors (kv_c, k_pe) into their slots
     indexer_k_quant_and_cache  write DSA's lightning-indexer keys into their fp8 cache
     indexer_logits          the lightning indexer's logits over that cache (DeepGEMM's)
+    indexer_topk            each row's top-k columns of those logits
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
     copy_blocks_mla         the same for per-layer MLA latent caches
     swap_blocks             move blocks between a device cache and a host cache
@@ -53,7 +54,7 @@ from .decode import (
     paged_attention_v1,
     paged_attention_v2,
 )
-from .indexer import indexer_logits
+from .indexer import indexer_logits, indexer_topk
 from .cache_ops import (
     concat_and_cache_mla,
     copy_blocks,
@@ -97,6 +98,7 @@ __all__ = [
     "empty_pinned",
     "indexer_k_quant_and_cache",
     "indexer_logits",
+    "indexer_topk",
     "merge_state",
     "merge_states",
     "mla_attention",

@@ -1,6 +1,6 @@
 """DeepSeek-V3.2's lightning indexer (DSA) on the GPU: :func:`indexer_logits`, each query
 token's logits over its sequence's keys in the indexer's fp8 paged cache (DeepGEMM's
-``fp8_paged_mqa_logits``). The key cache is written by
+``fp8_paged_mqa_logits``), and :func:`indexer_topk`, each row's top-k columns. The key cache is written by
 :func:`cupaged.indexer_k_quant_and_cache`; ``cupaged.reference.indexer_logits`` is the
 statement of the result. Validation, planning (one CTA per query token and chunk of
 ``kIndexerChunk`` columns) and the launch, a kernel family small enough for one module."""
@@ -15,12 +15,14 @@ from .specs import geometry
 
 _fail = _checks.fail
 
-__all__ = ["indexer_logits"]
+__all__ = ["indexer_logits", "indexer_topk"]
 
 HEAD_DIM = 128  # kIndexerDim: the indexer's head_dim (DeepSeek-V3.2's)
 CACHE_WIDTH = HEAD_DIM + 4  # e4m3 values, then one float32 scale a token
 HEADS = (16, 32, 48, 64)
 CHUNK = 512  # kIndexerChunk: columns a CTA
+TOPK_MAX = 2048  # kTopkMax
+TOPK_THREADS = 512  # kTopkThreads
 
 
 @jit.launcher_cache
@@ -145,4 +147,63 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
                  w.data.ptr, w.strides[0] // 4 if rows > 1 else 0, kc.data.ptr,
                  kc.strides[0] if num_blocks > 1 else 0, num_blocks, bt.data.ptr,
                  bt.strides[0] // 4 if batch > 1 else 0, max_blocks, sl.data.ptr, next_n)
+        return _arrays.hand_over(ctx, owner) if out is None else out
+
+
+@jit.launcher_cache
+def _topk_kernel(device: int):
+    spec = jit.KernelSpec("indexer_topk", "f32", arch=planning.device_info(device).arch)
+    return jit.load(spec, device)
+
+
+def indexer_topk(logits, topk, *, out=None, stream=None):
+    """Each row's ``topk`` largest finite logits' columns: int32 ``[rows, topk]``, largest
+    first, ties by the lower column, -1 after a row's finite logits run out (-inf, +inf
+    and NaN are never picked). ``cupaged.reference.indexer_topk``'s result, bit for bit.
+
+    Args:
+        logits: float32 ``[rows, width]`` (:func:`indexer_logits`'s), the last dimension
+            contiguous, rows any whole number of entries apart.
+        topk: 1 to 2048 (DeepSeek-V3.2's is 2048).
+        out: int32 ``[rows, topk]``, C-contiguous (default: allocated).
+
+    The columns are positions in each row's sequence (its tokens 0..); cupaged's
+    ``sparse_mla_attention`` prefill takes them as they are, its decode as global slots
+    (``block * block_size + offset`` through the sequence's block table:
+    ``reference.indexer_slots``). One CTA a row: a radix select of the k-th largest (four
+    passes of 8 bits over the row), the keys above it and the lowest columns equal to it,
+    a bitonic sort. No host sync; capturable.
+    """
+    lg = as_device_array(logits, "logits")
+    o = optional_output_array(out, "out")
+    if lg.dtype != np.float32:
+        _fail(f"logits must be float32, got {lg.dtype}", TypeError)
+    if lg.ndim != 2:
+        _fail(f"logits must be 2-D [rows, width], got shape {lg.shape}")
+    rows, width = lg.shape
+    if not _checks.is_empty(lg) and ((width > 1 and lg.strides[1] != 4)
+                                     or lg.strides[0] < 0 or lg.strides[0] % 4):
+        _fail(f"logits' last dimension must be contiguous and its rows a whole number of "
+              f"entries apart (strides {lg.strides})")
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)):
+        _fail(f"topk must be an int, got {type(topk).__name__}", TypeError)
+    if not 1 <= topk <= TOPK_MAX:
+        _fail(f"topk must be from 1 to {TOPK_MAX}, got {topk}")
+    if width >= 2 ** 31:
+        _fail(f"logits has {width} columns; at most 2^31 - 1 are supported")
+    if o is not None and (o.dtype != np.int32 or o.shape != (rows, topk) or not (
+            _checks.is_empty(o) or o.flags.c_contiguous)):
+        _fail(f"out must be a C-contiguous int32 array of shape {(rows, int(topk))}, got "
+              f"{o.dtype} {o.shape} with strides {o.strides}")
+    device = lg.data.device_id
+    _checks.check_same_device(device, "logits", (("out", o),))
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, _arrays.framework(logits), stream)
+        owner = out
+        if o is None:
+            o, owner = _arrays.empty(ctx, (rows, int(topk)), np.int32)
+        if rows:
+            _topk_kernel(device)((rows, 1, 1), TOPK_THREADS, 0, ctx.stream, o.data.ptr,
+                                 int(topk), lg.data.ptr, lg.strides[0] // 4 if rows > 1 else 0,
+                                 width, int(topk))
         return _arrays.hand_over(ctx, owner) if out is None else out

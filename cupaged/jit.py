@@ -88,6 +88,7 @@ _KERNELS = {
     # (rows: the query heads a CTA holds)
     "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
     "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size")),
+    "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
@@ -125,6 +126,7 @@ ARG_FORMATS = {
     # the cache, its block stride, num_blocks; tables, their stride, max_blocks; lengths,
     # next_n
     "indexer_logits": "PqiPqqPqPqiPqiPi",
+    "indexer_topk": "PqPqii",  # out, its row stride; logits, their row stride; width, topk
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter

@@ -229,3 +229,100 @@ def test_the_host_mirror_is_the_kernels():
              for d in ("f16", "bf16") for h in indexer.HEADS for a in ("sm_80", "sm_90")]
     geometry.check_against_kernel(specs)
     assert all(geometry.indexer_smem_bytes(h) <= geometry.max_smem("sm_80") for h in indexer.HEADS)
+
+
+# ---- indexer_topk ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def topk_call(monkeypatch):
+    real = _arrays.as_device_array
+    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
+    monkeypatch.setattr(indexer, "as_device_array", one)
+    monkeypatch.setattr(_arrays, "as_device_array", one)
+
+    class Launched(Exception):
+        pass
+
+    def on_device(device):
+        raise Launched
+
+    monkeypatch.setattr(_arrays, "on_device", on_device)
+
+    def run(logits=None, topk=2048, out=None):
+        lg = Fake(np.zeros((4, 8192), np.float32) if logits is None else logits, ptr=1 << 24)
+        o = None if out is None else Fake(out, ptr=1 << 28)
+        try:
+            cupaged.indexer_topk(lg, topk, out=o)
+        except Launched:
+            return True
+        return False
+    return run
+
+
+def test_topk_forms_are_accepted(topk_call):
+    assert topk_call() and topk_call(topk=1, out=np.zeros((4, 1), np.int32))
+    assert topk_call(logits=np.zeros((4, 9000), np.float32)[:, :8192])  # rows apart
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(logits=np.zeros((4, 64), np.float16)), TypeError, "logits must be float32"),
+    (dict(logits=np.zeros((4, 2, 64), np.float32)), ValueError, r"logits must be 2-D"),
+    (dict(logits=np.zeros((4, 128), np.float32)[:, ::2]), ValueError,
+     "logits' last dimension must be contiguous"),
+    (dict(topk=0), ValueError, "topk must be from 1 to 2048"),
+    (dict(topk=2049), ValueError, "topk must be from 1 to 2048"),
+    (dict(topk=2.0), TypeError, "topk must be an int"),
+    (dict(out=np.zeros((4, 2048), np.int64)), ValueError,
+     r"out must be a C-contiguous int32 array of shape \(4, 2048\)"),
+])
+def test_topk_refusals_name_the_argument(topk_call, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        topk_call(**kw)
+
+
+def topk_rows(rng, rows, width):
+    """Logits with runs of ties, -0 and +0, -inf, +inf and NaN, a row of one repeated value,
+    a row with no finite value and one with fewer finite values than most top-ks."""
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    r = rng.random((rows, width))
+    x[r < 0.2] = np.round(x[r < 0.2] * 4) / 4  # ties
+    x[(r >= 0.2) & (r < 0.3)] = -np.inf
+    x[(r >= 0.3) & (r < 0.32)] = np.nan
+    x[(r >= 0.32) & (r < 0.33)] = np.inf
+    x[(r >= 0.33) & (r < 0.35)] = -0.0
+    x[(r >= 0.35) & (r < 0.37)] = 0.0
+    x[0] = 1.5
+    x[1] = -np.inf
+    x[2, 40:] = -np.inf
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width, topk", [(1, 1), (100, 64), (5000, 2048), (131072, 2048),
+                                         (3000, 1000), (70000, 37)])
+def test_topk_matches_the_reference(rng, width, topk):
+    import cupy
+
+    x = topk_rows(rng, 6, width)
+    out = cupy.full((6, topk), 12345, np.int32)
+    got = cupaged.indexer_topk(cupy.asarray(x), topk, out=out)
+    assert got is out
+    want = reference.indexer_topk(x, topk)
+    assert np.array_equal(cupy.asnumpy(out), want)
+
+
+@pytest.mark.gpu
+def test_topk_over_strided_rows_and_the_logits_kernel(rng):
+    """Rows a view of wider rows; then the chain logits -> top-k against the reference's
+    top-k of the GPU logits (the same input: the selection itself is exact)."""
+    import cupy
+
+    wide = topk_rows(rng, 5, 3000)
+    got = cupaged.indexer_topk(cupy.asarray(wide)[:, :2500], 300)
+    assert np.array_equal(cupy.asnumpy(got), reference.indexer_topk(wide[:, :2500], 300))
+    h = problem(rng, [900, 400, 1], 1, 64, 64)
+    logits = cupaged.indexer_logits(*(cupy.asarray(h[k]) for k in (
+        "q", "kv_cache", "weights", "block_tables", "seq_lens")), max_seq_len=1024)
+    top = cupaged.indexer_topk(logits, 512)
+    assert np.array_equal(cupy.asnumpy(top), reference.indexer_topk(cupy.asnumpy(logits), 512))
