@@ -24,21 +24,27 @@ def args(**over):
     return a
 
 
-@pytest.fixture
-def call(monkeypatch):
-    """indexer_logits over Fake arrays, stopped before any device work (its launch)."""
+class Launched(Exception):
+    """Raised where a call's device work would begin: every check has passed."""
+
+
+def _stop_at_the_device(monkeypatch):
+    """The entry points take Fake arrays, and stop (Launched) where device work begins."""
     real = _arrays.as_device_array
     one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
     monkeypatch.setattr(indexer, "as_device_array", one)
     monkeypatch.setattr(_arrays, "as_device_array", one)
 
-    class Launched(Exception):
-        pass
-
     def on_device(device):
         raise Launched
 
     monkeypatch.setattr(_arrays, "on_device", on_device)
+
+
+@pytest.fixture
+def call(monkeypatch):
+    """indexer_logits over Fake arrays, stopped before any device work (its launch)."""
+    _stop_at_the_device(monkeypatch)
 
     def run(max_seq_len=256, **over):
         a = {k: (v if v is None or isinstance(v, Fake) else Fake(v, ptr=(i + 1) << 24))
@@ -236,18 +242,8 @@ def test_the_host_mirror_is_the_kernels():
 
 @pytest.fixture
 def topk_call(monkeypatch):
-    real = _arrays.as_device_array
-    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
-    monkeypatch.setattr(indexer, "as_device_array", one)
-    monkeypatch.setattr(_arrays, "as_device_array", one)
-
-    class Launched(Exception):
-        pass
-
-    def on_device(device):
-        raise Launched
-
-    monkeypatch.setattr(_arrays, "on_device", on_device)
+    """indexer_topk over Fake arrays, stopped before any device work."""
+    _stop_at_the_device(monkeypatch)
 
     def run(logits=None, topk=2048, out=None):
         lg = Fake(np.zeros((4, 8192), np.float32) if logits is None else logits, ptr=1 << 24)
