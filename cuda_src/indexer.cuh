@@ -169,11 +169,13 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
       }
     }
     // each column's sum over this warp's heads: w * relu(s) over the lane's two rows, then
-    // over the eight lanes that share its columns
+    // over the eight lanes that share its columns (relu keeps a NaN, as the reference's
+    // and torch's do: fmaxf would drop it, and top-k could then pick its column)
+    auto relu = [](float x) { return x < 0.f ? 0.f : x; };
 #pragma unroll
     for (int n = 0; n < TILE / 8; ++n) {
-      float c0 = w0 * fmaxf(s[n][0], 0.f) + w1 * fmaxf(s[n][2], 0.f);
-      float c1 = w0 * fmaxf(s[n][1], 0.f) + w1 * fmaxf(s[n][3], 0.f);
+      float c0 = w0 * relu(s[n][0]) + w1 * relu(s[n][2]);
+      float c1 = w0 * relu(s[n][1]) + w1 * relu(s[n][3]);
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
         c0 += __shfl_xor_sync(~0u, c0, o);

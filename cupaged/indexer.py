@@ -81,6 +81,8 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
         _fail(f"q's num_heads must be one of {HEADS} (DeepSeek-V3.2's indexer has 64), got "
               f"{heads}")
     rows = batch * next_n
+    if next_n == 1:  # a row is a batch entry: the size-1 dimension's stride means nothing
+        qa = _arrays.StridedView(qa, qa.shape, (qa.strides[0], qa.strides[0], *qa.strides[2:]))
     if not _checks.is_empty(qa):
         st = qa.strides
         if st[3] != 2 or min(st) < 0 or any(n > 1 and s % 16 for n, s in zip(qa.shape[:3], st)):
@@ -93,9 +95,10 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
     if w.dtype != np.float32:
         _fail(f"weights must be float32, got {w.dtype}", TypeError)
     if w.ndim == 3 and w.shape == (batch, next_n, heads):
-        if rows and w.strides[0] != next_n * w.strides[1]:
+        if batch > 1 and next_n > 1 and w.strides[0] != next_n * w.strides[1]:
             _fail(f"weights' batch and next_n dimensions must fold into one (strides {w.strides})")
-        w = _arrays.StridedView(w, (rows, heads), (w.strides[1], w.strides[2]))
+        w = _arrays.StridedView(w, (rows, heads),
+                                (w.strides[1] if next_n > 1 else w.strides[0], w.strides[2]))
     if w.shape != (rows, heads) or (rows and heads > 1 and w.strides[1] != 4) \
             or (rows and (w.strides[0] < 0 or w.strides[0] % 4)):
         _fail(f"weights must be float32 [batch * next_n, num_heads] = [{rows}, {heads}] with "
@@ -127,6 +130,9 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
         _fail(f"max_seq_len must be a non-negative int (the logits' width), got {max_seq_len!r}",
               TypeError if not isinstance(max_seq_len, (int, np.integer)) else ValueError)
     width = int(max_seq_len)
+    if -(-width // CHUNK) > _checks.MAX_GRID_YZ:
+        _fail(f"max_seq_len {width} is past the {_checks.MAX_GRID_YZ * CHUNK} columns a call "
+              f"takes")
     if o is not None and (o.dtype != np.float32 or o.shape != (rows, width) or not (
             _checks.is_empty(o) or o.flags.c_contiguous)):
         _fail(f"out must be a C-contiguous float32 array of shape {(rows, width)}, got "
@@ -134,6 +140,9 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
     device = qa.data.device_id
     _checks.check_same_device(device, "q", (("kv_cache", kc), ("weights", w),
                                             ("block_tables", bt), ("seq_lens", sl), ("out", o)))
+    for name, a in (("q", qa), ("kv_cache", kc), ("weights", w), ("block_tables", bt),
+                    ("seq_lens", sl)):  # written while they are read
+        _checks.check_disjoint((("out", o), (name, a)))
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.framework(q), stream)
         owner = out
@@ -189,14 +198,16 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
         _fail(f"topk must be an int, got {type(topk).__name__}", TypeError)
     if not 1 <= topk <= TOPK_MAX:
         _fail(f"topk must be from 1 to {TOPK_MAX}, got {topk}")
-    if width >= 2 ** 31:
-        _fail(f"logits has {width} columns; at most 2^31 - 1 are supported")
+    if width > _checks.INT32_MAX - TOPK_THREADS:
+        _fail(f"logits has {width} columns; at most {_checks.INT32_MAX - TOPK_THREADS} are "
+              f"supported")
     if o is not None and (o.dtype != np.int32 or o.shape != (rows, topk) or not (
             _checks.is_empty(o) or o.flags.c_contiguous)):
         _fail(f"out must be a C-contiguous int32 array of shape {(rows, int(topk))}, got "
               f"{o.dtype} {o.shape} with strides {o.strides}")
     device = lg.data.device_id
     _checks.check_same_device(device, "logits", (("out", o),))
+    _checks.check_disjoint((("out", o), ("logits", lg)))  # other rows' CTAs still read
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.framework(logits), stream)
         owner = out

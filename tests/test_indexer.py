@@ -102,6 +102,43 @@ def test_max_seq_len_is_required_as_an_int(call):
         call(max_seq_len=-1)
 
 
+def test_out_must_not_overlap_what_is_read(call):
+    with pytest.raises(ValueError, match="out and weights overlap in memory"):
+        call(out=Fake(np.zeros((6, 256), np.float32), ptr=3 << 24))  # weights' address
+
+
+def test_the_width_is_bounded_by_the_grid(call):
+    with pytest.raises(ValueError, match="max_seq_len 40000000 is past the 33553920 columns"):
+        call(max_seq_len=40_000_000)
+
+
+def test_the_launch_gets_each_rows_stride(monkeypatch):
+    """A 4-D q or 3-D weights with next_n 1 (a slice of a wider next_n, say) are read a
+    batch entry a row: the size-1 dimension's stride is not the row stride."""
+    import contextlib
+
+    _stop_at_the_device(monkeypatch)
+    monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "context", lambda device, kind, stream=None:
+                        _arrays.Context(device, 7, kind, False))
+    launched = []
+    monkeypatch.setattr(indexer, "_kernel", lambda *k: lambda *a: launched.append(a))
+    q2 = np.zeros((3, 2, 64, 128), BF16)
+    w2 = np.zeros((3, 2, 64), np.float32)
+    f = dict(q=Fake(q2[:, :1], ptr=1 << 24), kv_cache=Fake(np.zeros((10, 64, 132), np.uint8)),
+             weights=Fake(w2[:, :1], ptr=2 << 24), block_tables=Fake(np.zeros((3, 4), np.int32)),
+             seq_lens=Fake(np.zeros(3, np.int32)),
+             out=Fake(np.zeros((3, 256), np.float32), ptr=3 << 24))
+    cupaged.indexer_logits(f["q"], f["kv_cache"], f["weights"], f["block_tables"],
+                           f["seq_lens"], max_seq_len=256, out=f["out"])
+    (a,) = launched
+    grid, threads, smem, stream, *args = a
+    assert grid == (3, 1, 1) and threads == 64 * 2 and stream == 7
+    assert args[4] == 2 * 64 * 128 and args[5] == 128  # q: a batch entry a row, heads
+    assert args[7] == 2 * 64  # weights: a batch entry a row
+    assert args[-1] == 1  # next_n
+
+
 def test_blocks_must_be_16_byte_aligned(call):
     with pytest.raises(ValueError, match="start at 16-byte boundaries"):
         call(kv_cache=Fake(np.zeros((10, 64, 132), np.uint8), ptr=(1 << 24) + 4))
@@ -156,6 +193,7 @@ def want(h, width):
 
 def check(got, ref):
     assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
     f = np.isfinite(ref)
     assert np.isfinite(got[f]).all()
     scale = np.abs(ref).max(-1, keepdims=True, initial=0, where=f)  # a row's largest logit
@@ -176,6 +214,20 @@ def test_logits_match_the_reference(rng, dtype, heads, next_n, block_size):
     h = problem(rng, lens, next_n, heads, block_size, dtype)
     width = 1200
     check(run(h, width), want(h, width))
+
+
+@pytest.mark.gpu
+def test_nan_keys_and_queries_give_nan_logits(rng):
+    """relu keeps a NaN (the reference's and torch's do): a NaN in a key makes its column
+    NaN, a NaN in a query head its whole row, as in the reference."""
+    h = problem(rng, [300, 300], 1, 64, 64)
+    blocks = h["kv_cache"].reshape(h["kv_cache"].shape[0], -1)
+    b0 = h["block_tables"][0, 0]
+    blocks[b0, 5 * 128 + 7] = 0x7F  # key 5 of sequence 0: one NaN value
+    h["q"][1, 0, 3, 10] = np.nan  # sequence 1's row: one head NaN
+    got, ref = run(h, 512), want(h, 512)
+    assert np.isnan(ref[0, 5]) and np.isnan(got[0, 5]) and np.isnan(got[1, :300]).all()
+    check(got, ref)
 
 
 @pytest.mark.gpu
@@ -254,6 +306,12 @@ def topk_call(monkeypatch):
             return True
         return False
     return run
+
+
+def test_topk_out_must_not_overlap_the_logits(topk_call):
+    lg = Fake(np.zeros((4, 8192), np.float32), ptr=1 << 24)
+    with pytest.raises(ValueError, match="out and logits overlap in memory"):
+        cupaged.indexer_topk(lg, 2048, out=Fake(np.zeros((4, 2048), np.int32), ptr=1 << 24))
 
 
 def test_topk_forms_are_accepted(topk_call):
