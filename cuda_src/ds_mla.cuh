@@ -2,8 +2,9 @@
 // 656-byte row, kv_c's 512 values in e4m3 (bytes 0-511), the four float32 scales of its
 // groups of 128 values (512-527; value = fp8 * scale), then k_pe's 64 values as bfloat16
 // (528-655). cupaged.reference.quantize_sparse_kv is the statement of the bytes; the
-// writer is cache_ops.cuh's concat_and_cache_mla, the reader mla_attention.cuh's sparse
-// kernels (through ds_mla_widen below).
+// writer is cache_ops.cuh's concat_and_cache_mla, the readers the sparse kernels
+// mla_sparse_attention (mla_attention.cuh) and mla_sparse_attention_sm90
+// (mla_attention_sm90.cuh), through ds_mla_widen below.
 #pragma once
 #include "common.cuh"
 #include "fp8.cuh"

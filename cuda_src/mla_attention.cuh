@@ -6,7 +6,8 @@
 //          pointers with their own token and head strides: one [.., RANK + ROPE] array
 //          is the pair at offsets 0 and RANK)
 //   cache  a latent part [num_blocks, BLOCK_SIZE, RANK] and a rotary part [.., ROPE] of C,
-//          T itself or fp8 read as stored * k_scale (vLLM's combined [.., RANK + ROPE]
+//          T itself or fp8 read as stored * k_scale, or (the sparse kernel's) fp8_ds_mla
+//          rows, ds_mla.cuh (vLLM's combined [.., RANK + ROPE]
 //          cache is the pair at offsets 0 and RANK;
 //          FlashInfer's kv_c / k_pe caches are two arrays), block and token strides free
 //   out    [total_q, num_heads, RANK] contiguous
@@ -148,7 +149,7 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
     const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
     int num_heads, int causal, float scale_log2, int lengths_per, int strict,
-    const VariantParams& vp) {  // only vp.lse is read
+    const VariantParams& vp) {  // vp.lse; the sparse kernel also vp.sinks, vp.lse_keys
   using Geo = MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>;
   constexpr int ROW = Geo::kRow;
   constexpr int MA = Geo::kAtoms;

@@ -7,7 +7,8 @@
 // [64 tokens][128 bytes]) that is K's K-major B operand of S = Q K^T and, over its first
 // eight blocks, V's MN-major B operand of P V: no copy or transpose. A 16-bit cache lands
 // there directly, in a ring of two stages. An fp8 cache (C one byte, read as stored *
-// scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]), and
+// scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]; the
+// sparse kernel's fp8_ds_mla rows in one raw stage, widened after a barrier), and
 // each thread widens the chunks it copied into one 16-bit stage before the tile's first
 // barrier: the next tile's bytes fly meanwhile, and a third 73,728-byte stage would not
 // fit beside Q.
@@ -17,8 +18,8 @@
 //     shared memory;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
 //     shared memory).
-// Three barriers a tile; the softmax is not overlapped with the products (a first
-// version: FlashInfer's Hopper MLA kernel has this shape).
+// Three barriers a tile (fp8_ds_mla: four); the softmax is not overlapped with the
+// products (a first version: FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
 #include "ds_mla.cuh"
@@ -44,7 +45,7 @@ struct MlaSm90Geometry {
   static constexpr int kStages = kQuant ? 1 : 2;  // 16-bit stages (fp8: the widened tile)
   static constexpr int kDims = RANK + ROPE;
   static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
-  // 16-byte chunks of a cached row (72; fp8 36)
+  // 16-byte chunks of a cached row (72; fp8 36; fp8_ds_mla 41)
   static constexpr int kCChunks = kDsMla ? kDsMlaChunks : kDims * static_cast<int>(sizeof(C)) / 16;
   static constexpr int kRawRow = kCChunks * 16;  // fp8: a raw token row's bytes
   static constexpr int kRawStages = kDsMla ? 1 : 2;
@@ -53,6 +54,7 @@ struct MlaSm90Geometry {
   static constexpr int kOffQ = 0;
   static constexpr int kOffStages = kTileBytes;
   static constexpr int kOffRaw = kOffStages + kStages * kTileBytes;  // fp8: two raw stages
+  //                                                               (fp8_ds_mla: one)
   static constexpr int kOffP = kOffRaw + kRawStages * kRawTileBytes;  // [64 rows][64 keys] T
   static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;

@@ -37,7 +37,8 @@ E5M2 = DType("e5m2", "cupaged::fp8_e5m2_t", 1, _E5M2)
 FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
 # DeepSeek-V3.2's sparse-attention cache (vLLM's kv_cache_dtype "fp8_ds_mla"): 656-byte
 # token rows of e4m3 values, their float32 scales and bfloat16 rotary dims
-# (cuda_src/ds_mla.cuh): written by concat_and_cache_mla, read by mla_sparse_attention.
+# (cuda_src/ds_mla.cuh): written by concat_and_cache_mla, read by mla_sparse_attention and
+# mla_sparse_attention_sm90.
 DS_MLA = DType("dsmla", "cupaged::fp8_ds_mla_t", 1, None)
 SPARSE_MLA = {DS_MLA.name: DS_MLA}
 DS_MLA_KV_CACHE_DTYPE = "fp8_ds_mla"
@@ -68,7 +69,7 @@ def refuse_ds_mla(name, where: str = "this entry point") -> None:
         raise ValueError(
             f"kv_cache_dtype='fp8_ds_mla' (DeepSeek-V3.2's sparse MLA cache) is written by "
             f"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
-            f"sparse_mla_attention only: {where} does not read it")
+            f"sparse_mla_attention only: {where} does not take it")
 
 
 def fp8_of(dtype) -> DType | None:

@@ -413,6 +413,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
         k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
             the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
             cache (and for ``"fp8_ds_mla"``).
+        stream: as for :func:`reshape_and_cache`.
 
     ``kv_cache_dtype="fp8_ds_mla"`` (vLLM's name) writes DeepSeek-V3.2's 656-byte token
     rows: kv_c ``[n, 512]`` in e4m3 (bytes 0-511), each group of 128 values divided by its
@@ -424,8 +425,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     multiples of 16 bytes. ``scale`` is ignored, as vLLM's kernel ignores it: the format
     computes its scales. ``cupaged.reference.concat_and_cache_sparse_mla`` is the statement
     of the bytes (bit for bit vLLM's for bfloat16 sources). :func:`cupaged.sparse_mla_attention`
-    reads the format; :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
-        stream: as for :func:`reshape_and_cache`.
+    reads the format (uint8, int8 or float8_e4m3fn storage, page sizes that are powers of
+    two up to 256); :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
     device. ``cupaged.reference.concat_and_cache_mla`` is the statement of what is stored.

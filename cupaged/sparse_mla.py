@@ -69,7 +69,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
         scale: the softmax scale (required).
         out: C-contiguous, q's dtype; lse: float32, C-contiguous (implies
             ``return_lse``). return_lse: also return the lse, the natural log of each
-            row's softmax denominator (FlashMLA's, transposed: theirs puts heads first).
+            row's softmax denominator (FlashMLA's decode: the same values, heads first;
+            its prefill: this layout, base 2).
         stream, workspace: as for :func:`cupaged.mla_attention` (a workspace made with
             ``head_size=512`` for at least a row per query token).
 

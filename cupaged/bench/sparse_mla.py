@@ -8,7 +8,8 @@ Decode: ``batch`` sequences of ``context`` cached tokens, each with its own bloc
 ``topk`` distinct slots among that sequence's tokens (uniformly at random, as a top-k over
 random scores would). The cache is 16-bit (q's dtype) or DeepSeek-V3.2's fp8_ds_mla rows
 written by cupaged.concat_and_cache_mla. Prefill: ``s_q`` query tokens over ``context``
-tokens of one sequence (``kv [s_kv, 1, 576]``), each selecting ``topk`` of them.
+tokens of one sequence (``kv [s_kv, 1, 576]``, or 656 bytes a token for fp8_ds_mla; s_kv
+the context rounded up to whole pages), each selecting ``topk`` of them.
 
 Roofline numbers: bytes are the tokens the indices select, counted per query token (576
 values, or 656 bytes a token for fp8_ds_mla), plus q and out; FLOPs are ``2 * (576 +
