@@ -128,27 +128,8 @@ struct MlaGeometry {
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
           int STAGES, bool SPARSE>
-__device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
-    // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs of
-    // split_tiles tiles, the last running to the end): float32 [total_q * num_heads,
-    // gridDim.z] partials for paged_decode_combine instead of `out`. Rows of a partition
-    // with no key get max -inf, sum 0.
-    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
-    int split_tiles,
-    // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles run in one
-    // wave and read its keys from DRAM once (x = sequence, y = row tile would run each row
-    // tile in a wave of its own over all sequences).
-    int row_tiles,
-    const T* __restrict__ q_lat, const T* __restrict__ q_rope, long long q_lat_token_stride,
-    long long q_lat_head_stride, long long q_rope_token_stride, long long q_rope_head_stride,
-    const C* __restrict__ c_lat, const C* __restrict__ c_rope, long long c_lat_block_stride,
-    long long c_lat_token_stride, long long c_rope_block_stride, long long c_rope_token_stride,
-    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
-    // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one (1 for a cache
-    // of T). It scales keys and values alike.
-    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
-    const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
-    int num_heads, int causal, float scale_log2, int lengths_per, int strict,
+__device__ __forceinline__ void mla_attention_body(
+    CUPAGED_MLA_PARAMS, int lengths_per, int strict,
     const VariantParams& vp) {  // vp.lse; the sparse kernel also vp.sinks, vp.lse_keys
   using Geo = MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>;
   constexpr int ROW = Geo::kRow;
@@ -476,38 +457,14 @@ __device__ __forceinline__ void mla_attention_body(T* __restrict__ out,
   }
 }
 
-
+// Parameters: CUPAGED_MLA_PARAMS (mla_common.cuh).
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
           int STAGES>
 __global__ void __launch_bounds__(
     kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
-    mla_attention(T* __restrict__ out,
-    // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs of
-    // split_tiles tiles, the last running to the end): float32 [total_q * num_heads,
-    // gridDim.z] partials for paged_decode_combine instead of `out`. Rows of a partition
-    // with no key get max -inf, sum 0.
-    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
-    int split_tiles,
-    // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles run in one
-    // wave and read its keys from DRAM once (x = sequence, y = row tile would run each row
-    // tile in a wave of its own over all sequences).
-    int row_tiles,
-    const T* __restrict__ q_lat, const T* __restrict__ q_rope, long long q_lat_token_stride,
-    long long q_lat_head_stride, long long q_rope_token_stride, long long q_rope_head_stride,
-    const C* __restrict__ c_lat, const C* __restrict__ c_rope, long long c_lat_block_stride,
-    long long c_lat_token_stride, long long c_rope_block_stride, long long c_rope_token_stride,
-    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
-    // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one (1 for a cache
-    // of T). It scales keys and values alike.
-    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
-    const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
-    int num_heads, int causal, float scale_log2,
-    const __grid_constant__ VariantParams vp) {
-  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, false>(out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope, q_lat_token_stride,
-      q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat, c_rope,
-      c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
-      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
-      query_start_loc, num_heads, causal, scale_log2, 1, 0, vp);
+    mla_attention(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, false>(
+      CUPAGED_MLA_ARGS, 1, 0, vp);
 }
 
 // DeepSeek's sparse attention (DSA) over the same cache: each query token attends to the
@@ -524,34 +481,10 @@ template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, 
           int STAGES>
 __global__ void __launch_bounds__(
     kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
-    mla_sparse_attention(T* __restrict__ out,
-    // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs of
-    // split_tiles tiles, the last running to the end): float32 [total_q * num_heads,
-    // gridDim.z] partials for paged_decode_combine instead of `out`. Rows of a partition
-    // with no key get max -inf, sum 0.
-    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
-    int split_tiles,
-    // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles run in one
-    // wave and read its keys from DRAM once (x = sequence, y = row tile would run each row
-    // tile in a wave of its own over all sequences).
-    int row_tiles,
-    const T* __restrict__ q_lat, const T* __restrict__ q_rope, long long q_lat_token_stride,
-    long long q_lat_head_stride, long long q_rope_token_stride, long long q_rope_head_stride,
-    const C* __restrict__ c_lat, const C* __restrict__ c_rope, long long c_lat_block_stride,
-    long long c_lat_token_stride, long long c_rope_block_stride, long long c_rope_token_stride,
-    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
-    // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one (1 for a cache
-    // of T). It scales keys and values alike.
-    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
-    const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
-    int num_heads, int causal, float scale_log2, int lengths_per, int strict,
-    const __grid_constant__ VariantParams vp) {
-  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true>(out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope, q_lat_token_stride,
-      q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat, c_rope,
-      c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
-      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
-      query_start_loc, num_heads, causal, scale_log2,
-      lengths_per, strict, vp);
+    mla_sparse_attention(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+                         const __grid_constant__ VariantParams vp) {
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true>(
+      CUPAGED_MLA_ARGS, lengths_per, strict, vp);
 }
 
 }  // namespace cupaged

@@ -81,17 +81,8 @@ struct MlaSm90Geometry {
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse
 // (mla_attention.cuh's mla_sparse_attention, its parameters read the same way).
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARSE>
-__device__ __forceinline__ void mla_attention_sm90_body(
-    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
-    float* __restrict__ part_sum, int split_tiles, int row_tiles, const T* __restrict__ q_lat,
-    const T* __restrict__ q_rope, long long q_lat_token_stride, long long q_lat_head_stride,
-    long long q_rope_token_stride, long long q_rope_head_stride, const C* __restrict__ c_lat,
-    const C* __restrict__ c_rope, long long c_lat_block_stride, long long c_lat_token_stride,
-    long long c_rope_block_stride, long long c_rope_token_stride,
-    const int* __restrict__ block_tables, long long bt_stride, int max_blocks, int num_blocks,
-    const float* __restrict__ k_scale_ptr, float k_scale, const int* __restrict__ seq_lens,
-    const int* __restrict__ query_start_loc, int num_heads, int causal, float scale_log2,
-    int lengths_per, int strict, const VariantParams& vp) {
+__device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int lengths_per,
+                                                        int strict, const VariantParams& vp) {
   using Geo = MlaSm90Geometry<T, C, RANK, ROPE>;
   using namespace sm90;
   constexpr int ROWS = Geo::kRows;
@@ -395,58 +386,21 @@ __device__ __forceinline__ void mla_attention_sm90_body(
   }
 }
 
-// Parameters as mla_attention's (mla_attention.cuh).
+// Parameters: CUPAGED_MLA_PARAMS (mla_common.cuh), as mla_attention's.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
-    mla_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
-                       float* __restrict__ part_max, float* __restrict__ part_sum,
-                       int split_tiles, int row_tiles,
-                       const T* __restrict__ q_lat, const T* __restrict__ q_rope,
-                       long long q_lat_token_stride, long long q_lat_head_stride,
-                       long long q_rope_token_stride, long long q_rope_head_stride,
-                       const C* __restrict__ c_lat, const C* __restrict__ c_rope,
-                       long long c_lat_block_stride, long long c_lat_token_stride,
-                       long long c_rope_block_stride, long long c_rope_token_stride,
-                       const int* __restrict__ block_tables, long long bt_stride,
-                       int max_blocks, int num_blocks,
-                       const float* __restrict__ k_scale_ptr, float k_scale,
-                       const int* __restrict__ seq_lens,
-                       const int* __restrict__ query_start_loc, int num_heads, int causal,
-                       float scale_log2, const __grid_constant__ VariantParams vp) {
-  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(
-      out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope,
-      q_lat_token_stride, q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat,
-      c_rope, c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
-      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
-      query_start_loc, num_heads, causal, scale_log2, 1, 0, vp);
+    mla_attention_sm90(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(CUPAGED_MLA_ARGS, 1, 0, vp);
 }
 
 // DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's
 // (mla_attention.cuh), 16-bit caches and fp8_ds_mla rows.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
-    mla_sparse_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
-                              float* __restrict__ part_max, float* __restrict__ part_sum,
-                              int split_tiles, int row_tiles,
-                              const T* __restrict__ q_lat, const T* __restrict__ q_rope,
-                              long long q_lat_token_stride, long long q_lat_head_stride,
-                              long long q_rope_token_stride, long long q_rope_head_stride,
-                              const C* __restrict__ c_lat, const C* __restrict__ c_rope,
-                              long long c_lat_block_stride, long long c_lat_token_stride,
-                              long long c_rope_block_stride, long long c_rope_token_stride,
-                              const int* __restrict__ block_tables, long long bt_stride,
-                              int max_blocks, int num_blocks,
-                              const float* __restrict__ k_scale_ptr, float k_scale,
-                              const int* __restrict__ seq_lens,
-                              const int* __restrict__ query_start_loc, int num_heads,
-                              int causal, float scale_log2, int lengths_per, int strict,
+    mla_sparse_attention_sm90(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
                               const __grid_constant__ VariantParams vp) {
-  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, true>(
-      out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope,
-      q_lat_token_stride, q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat,
-      c_rope, c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
-      block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr, k_scale, seq_lens,
-      query_start_loc, num_heads, causal, scale_log2, lengths_per, strict, vp);
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, true>(CUPAGED_MLA_ARGS, lengths_per,
+                                                             strict, vp);
 }
 
 }  // namespace cupaged

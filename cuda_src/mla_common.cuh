@@ -157,6 +157,42 @@ struct MlaToken {
   }
 };
 
+// The parameters every MLA kernel takes (mla_attention.cuh's and mla_attention_sm90.cuh's,
+// paged and sparse, and their bodies), in this order, with T the query's type and C the
+// cache's; MLA_ARGS passes them on. Read as:
+//   out              [total_q, num_heads, RANK], unless split
+//   part_*           split-KV (split_tiles > 0: grid z partitions a row tile's keys into
+//                    runs of split_tiles tiles, the last running to the end): float32
+//                    [total_q * num_heads, gridDim.z] partials for paged_decode_combine
+//                    instead of `out`; rows of a partition with no key get max -inf, sum 0
+//   row_tiles        grid x is (sequence, row tile), row tiles fastest: a sequence's row
+//                    tiles run in one wave and read its keys from DRAM once
+//   q_*, c_*         the query's and the cache's latent and rotary parts and strides
+//   block_tables ..  the tables, their row stride, max_blocks, num_blocks
+//   k_scale_ptr ..   an fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one
+//                    (1 for a cache of T); it scales keys and values alike
+//   seq_lens, query_start_loc ([num_seqs + 1], or null: one each), num_heads, causal,
+//   scale_log2
+// The sparse kernels take lengths_per and strict after them (mla_attention.cuh).
+#define CUPAGED_MLA_PARAMS                                                                   \
+  T *__restrict__ out, float *__restrict__ part_out, float *__restrict__ part_max,           \
+      float *__restrict__ part_sum, int split_tiles, int row_tiles,                          \
+      const T *__restrict__ q_lat, const T *__restrict__ q_rope, long long q_lat_token_stride, \
+      long long q_lat_head_stride, long long q_rope_token_stride,                            \
+      long long q_rope_head_stride, const C *__restrict__ c_lat, const C *__restrict__ c_rope, \
+      long long c_lat_block_stride, long long c_lat_token_stride,                            \
+      long long c_rope_block_stride, long long c_rope_token_stride,                          \
+      const int *__restrict__ block_tables, long long bt_stride, int max_blocks,             \
+      int num_blocks, const float *__restrict__ k_scale_ptr, float k_scale,                  \
+      const int *__restrict__ seq_lens, const int *__restrict__ query_start_loc,             \
+      int num_heads, int causal, float scale_log2
+#define CUPAGED_MLA_ARGS                                                                     \
+  out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope,                  \
+      q_lat_token_stride, q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat, \
+      c_rope, c_lat_block_stride, c_lat_token_stride, c_rope_block_stride,                   \
+      c_rope_token_stride, block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr,     \
+      k_scale, seq_lens, query_start_loc, num_heads, causal, scale_log2
+
 // A CTA's start of a row tile: the previous row tile is done with shared memory (its
 // bad-block flag read), and the flag is clear before any copy of this one can raise it.
 __device__ __forceinline__ void begin_row_tile(int* bad_s) {

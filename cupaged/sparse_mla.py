@@ -76,7 +76,7 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
 
     A repeated index counts each time. A row none of whose entries counts gives zeros and
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
-    the statement of the result. Not here yet: a second cache (V4's ``extra_k_cache``),
+    the statement of the result. Not served: a second cache (V4's ``extra_k_cache``),
     V4's 512-dim keys and their fp8 / fp4 formats.
     """
     prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,

@@ -223,18 +223,25 @@ def preset_case(name: str, block_size: int = 64, dtype: str = "bfloat16",
 # ---- runners: factory(case) -> run() returning the output as a CuPy array -------------------
 
 
-def _run_cupaged(case: MLACase, family: str | None = None):
-    """cupaged.mla_attention over the combined cache; decode (one query token per
-    sequence) without query_start_loc, as a serving step passes it. ``family="mma"``: the
-    mma.sync kernel on Hopper too, ``"sm90"``: the wgmma kernel wherever it applies, 16
-    rows included (planning.set_mla_family, for the A/B of the two families in one run;
-    set when the runner is made, reset by `measure`)."""
-    import cupaged
+def force_family(family: str | None) -> None:
+    """The MLA kernel family a cupaged runner measures (planning.set_mla_family, for the
+    A/B of the two families in one run; set when the runner is made, reset by the
+    measuring loop): None the planner's, ``"mma"`` the mma.sync kernel on Hopper too,
+    ``"sm90"`` the wgmma kernel wherever it applies, 16 rows included (Hopper only)."""
     from .. import planning
 
     if family == "sm90":
         peers.require_hopper("cupaged-sm90")
     planning.set_mla_family(family)
+
+
+def _run_cupaged(case: MLACase, family: str | None = None):
+    """cupaged.mla_attention over the combined cache; decode (one query token per
+    sequence) without query_start_loc, as a serving step passes it; ``family`` as
+    :func:`force_family`'s."""
+    import cupaged
+
+    force_family(family)
     a = case.arrays
     out = cupy.full((case.total_q, case.heads, KV_LORA_RANK), np.nan, dtype=a["q"].dtype)
     starts = a["query_start_loc"] if case.q_len > 1 else None

@@ -24,7 +24,7 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import mla, peers
+from . import mla
 
 __all__ = ["IMPLEMENTATIONS", "KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
 
@@ -177,15 +177,10 @@ def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048) -> Sp
 
 
 def _run_cupaged(case: SparseCase, family: str | None = None):
-    """cupaged.sparse_mla_attention; ``family`` as mla._run_cupaged's ("mma": the mma.sync
-    kernel on Hopper too, "sm90": the wgmma kernel wherever it applies; reset by
-    `measure`)."""
+    """cupaged.sparse_mla_attention; ``family`` as :func:`.mla.force_family`'s."""
     import cupaged
-    from .. import planning
 
-    if family == "sm90":
-        peers.require_hopper("cupaged-sm90")
-    planning.set_mla_family(family)
+    mla.force_family(family)
     a = case.arrays
     out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)
 
