@@ -16,6 +16,9 @@ Public API:
     reshape_and_cache       write new tokens' K and V into their cache slots
     reshape_and_cache_flash the same with vLLM's flash-cache name and convention
     concat_and_cache_mla    write new tokens' MLA latent vectors (kv_c, k_pe) into their slots
+    indexer_k_quant_and_cache  write DSA's lightning-indexer keys into their fp8 cache
+    indexer_logits          the lightning indexer's logits over that cache (DeepGEMM's)
+    indexer_topk            each row's top-k columns of those logits
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
     copy_blocks_mla         the same for per-layer MLA latent caches
     swap_blocks             move blocks between a device cache and a host cache
@@ -51,11 +54,13 @@ from .decode import (
     paged_attention_v1,
     paged_attention_v2,
 )
+from .indexer import indexer_logits, indexer_topk
 from .cache_ops import (
     concat_and_cache_mla,
     copy_blocks,
     copy_blocks_mla,
     empty_pinned,
+    indexer_k_quant_and_cache,
     reshape_and_cache,
     reshape_and_cache_flash,
     swap_blocks,
@@ -91,6 +96,9 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_mla",
     "empty_pinned",
+    "indexer_k_quant_and_cache",
+    "indexer_logits",
+    "indexer_topk",
     "merge_state",
     "merge_states",
     "mla_attention",

@@ -84,6 +84,11 @@ _KERNELS = {
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
     # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
+    # DSA's lightning indexer: its keys into their fp8 cache, and its logits over them
+    # (rows: the query heads a CTA holds)
+    "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
+    "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size")),
+    "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
@@ -114,6 +119,14 @@ ARG_FORMATS = {
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,
     # num_slots, vec, the fp8 scale (pointer, value)
     "concat_and_cache_mla": "PqPqPqqPqqPiiiiqiPf",
+    # k, its token stride; the cache, its block stride; slots, num_tokens, head_dim,
+    # quant_block_size, block size, num_slots, ue8m0
+    "indexer_k_quant_and_cache": "PqPqPiiiiqi",
+    # out, its row stride, width; q, its row and head strides; weights, their row stride;
+    # the cache, its block stride, num_blocks; tables, their stride, max_blocks; lengths,
+    # next_n
+    "indexer_logits": "PqiPqqPqPqiPqiPi",
+    "indexer_topk": "PqPqii",  # out, its row stride; logits, their row stride; width, topk
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
@@ -353,6 +366,8 @@ class KernelSpec:
                 parts.append("w{}m{}n{}x{}".format(*tile))
         elif self.kernel in MLA_MMA_KERNELS:
             parts.append(f"r{self.rows}t{self.tile_tokens}x{self.stages}")
+        elif self.kernel == "indexer_logits":
+            parts.append(f"h{self.rows}")
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)
             if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype):

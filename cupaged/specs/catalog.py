@@ -61,6 +61,11 @@ AXES = {
                              "cache_dtype": (*CACHE_DTYPES, *_dtypes.SPARSE_MLA),
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
+    "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
+    # its logits: 16 to 64 query heads a CTA, pages of 4 to 256 tokens
+    "indexer_logits": {"dtype": ("f16", "bf16"), "rows": (16, 32, 48, 64),
+                       "block_size": tuple(b for b in _checks.BLOCK_SIZES if b >= 4)},
+    "indexer_topk": {"dtype": ("f32",)},
     # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
     # page size and each (rows, tile, stages) shape the planner picks (MLA_TILES).
     "mla_attention": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
@@ -84,8 +89,10 @@ AXES = {
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
-# cache kernels: 44, 2, 16 and 3 per target, a few seconds in all).
-SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states")
+# cache kernels: 44, 2, 16, 3 and 4 per target, and the indexer's top-k, a few seconds in
+# all).
+SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states",
+                 "indexer_k_quant_and_cache", "indexer_topk")
 
 
 def supported(spec: jit.KernelSpec) -> bool:

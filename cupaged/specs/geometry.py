@@ -409,6 +409,13 @@ class MlaSm90Geometry:
         return self.smem_bytes <= max_smem(arch)
 
 
+def indexer_smem_bytes(heads: int) -> int:
+    """``IndexerGeometry<T, HEADS>::kSmemBytes`` of ``cuda_src/indexer.cuh``: Q and the
+    widened tile (rows of 136 16-bit values), two raw stages of 64 keys, their scales and
+    flags, the warps' column sums."""
+    return heads * 136 * 2 + 64 * 136 * 2 + 2 * 64 * 128 + 2 * 64 * 4 * 2 + heads // 16 * 64 * 4
+
+
 def check_against_kernel(specs, chunk: int = 100) -> None:
     """Have NVRTC compare the mirrors with ``DecodeGeometry``, ``PrefillGeometry``,
     ``Sm90PrefillGeometry``, ``MlaGeometry`` and ``MlaSm90Geometry`` in the kernel sources for
@@ -423,7 +430,8 @@ def check_against_kernel(specs, chunk: int = 100) -> None:
     specs = list(specs)
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
-                   "mla_sparse_attention", "mla_attention_sm90", "mla_sparse_attention_sm90"):
+                   "mla_sparse_attention", "mla_attention_sm90", "mla_sparse_attention_sm90",
+                   "indexer_logits"):
         for arch in sorted({s.arch for s in specs}):
             mine = [s for s in specs if s.kernel == kernel and s.arch == arch]
             parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
@@ -437,6 +445,10 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
+        if s.kernel == "indexer_logits":
+            lines.append(f"static_assert(cupaged::IndexerGeometry<{t}, {s.rows}>::kSmemBytes == "
+                         f"{indexer_smem_bytes(s.rows)}, \"host mirror differs: {s.name}\");\n")
+            continue
         if s.kernel in jit.MLA_SM90_KERNELS:
             g = MlaSm90Geometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
