@@ -165,14 +165,15 @@ def workspace_key(workspace):
 
 
 def prepared_call(launch: Launch | None, p: Problem, q, o, va: VariantArgs,
-                  lse, kind: str) -> _prepared.Prepared:
+                  lse, kind: str, disjoint: tuple) -> _prepared.Prepared:
     """A validated call as the memo keeps it (``q``, ``o``, ``lse``: the adapted query,
-    out and lse arrays, or None; ``kind``: the caller's framework)."""
+    out and lse arrays, or None; ``kind``: the caller's framework; ``disjoint``:
+    validation.outputs_apart's pairs)."""
     return _prepared.Prepared(
         launch, p.device, kind, q.shape, q.dtype, _prepared.span(q),
         q.shape[0] * q.shape[1] * q.shape[2] * p.dtype.itemsize,
         o is not None and o.strides == q.strides, va.wants_lse,
-        (p.num_rows, p.num_heads) if va.wants_lse and lse is None else ())
+        (p.num_rows, p.num_heads) if va.wants_lse and lse is None else (), disjoint)
 
 
 class DecodeWorkspace:

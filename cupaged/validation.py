@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, _dtypes, _kvquant, _variants
+from . import _arrays, _checks, _dtypes, _kvquant, _prepared, _variants
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -166,6 +166,26 @@ def variant_setup(va: VariantArgs, p: Problem):
         return _variants.PLAIN, lse
     return _variants.Variants(_variants.letters(window, cap, va.sparse), window, cap, sinks,
                               va.sparse), lse
+
+
+def outputs_apart(q, o, lse, read, variants, p: Problem) -> tuple:
+    """attention's and paged_attention's outputs against what the call reads: out and lse
+    overlap no cache, table, length, query start, ALiBi slope, sink or scale array, nor
+    each other, and lse not the query (out over the query is validate_*'s rule: in place
+    or apart, repeated by _prepared.overlaps). Checked here with errors naming both
+    arrays; returned as the memo's pairs (_prepared.disjoint_spans, in _prepared.run's
+    address order), for _prepared.clashes to repeat at each call's addresses. ``read``:
+    ``(index, name, adapted array or None)`` of the per-call arrays; the side arrays
+    (``variants``' sinks, ``p``'s scale arrays, ALiBi slopes among ``read`` with index
+    None) are keyed at their addresses."""
+    side = [(None, "sinks", variants.sinks)]
+    side += [(None, name, a) for name, a in zip(("k_scale", "v_scale"), p.quant.keep)]
+    everything = [(name, a) for _, name, a in (*read, *side)]
+    _checks.check_apart((("out", o), ("lse", lse)), everything)
+    _checks.check_apart((("lse", lse),), (("query", q),))
+    spans = [(i, a) for i, _, a in (*read, *side)]
+    return (_prepared.disjoint_spans(((6, o), (7, lse)), spans)
+            + _prepared.disjoint_spans(((7, lse),), ((0, q),)))
 
 
 def check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
