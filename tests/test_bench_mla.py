@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cupaged import reference, testing
+from cupaged import _dtypes, reference, testing
 from cupaged.bench import cli
 from cupaged.bench import mla as bench_mla
 from cupaged.bench import peers, prefill, timing
 
 from conftest import HAVE_GPU
 from test_bench import on_host
+
+BF16 = _dtypes.BF16.numpy
 
 main = cli.main
 
@@ -489,3 +491,76 @@ def test_sparse_benchmark_checks_what_it_times_on_the_gpu(kv_cache_dtype, prefil
     finally:
         bench.IMPLEMENTATIONS["cupaged"] = real
     assert row.note == "WRONG" and row.median_us != row.median_us
+
+
+# ---- cupaged-bench indexer ---------------------------------------------------------------------
+
+
+def _indexer_on_host(monkeypatch, wrong=None):
+    """indexer's case on the host: CuPy's calls answered by NumPy, the writer, logits and
+    top-k by the reference's (writing the outputs they are given; ``wrong``: "logits"
+    or "topk" spoils that step's output), the timer by a constant."""
+    import cupaged
+    from cupaged.bench import indexer as bench_indexer
+
+    on_host(monkeypatch)
+    monkeypatch.setattr(bench_indexer, "cupy", bench_mla.cupy)
+
+    def write(k, cache, slots, qbs):
+        reference.indexer_k_quant_and_cache(k, cache, slots, qbs)
+
+    def logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len, out):
+        # the dtypes cupaged.indexer_logits takes
+        assert (q.dtype, kv_cache.dtype, weights.dtype, block_tables.dtype, seq_lens.dtype,
+                out.dtype) == (BF16, np.uint8, np.float32, np.int32, np.int32, np.float32)
+        batch, next_n = q.shape[:2]
+        out[...] = reference.indexer_logits(
+            q.reshape(batch * next_n, *q.shape[2:]), kv_cache, weights, block_tables,
+            seq_lens, np.arange(batch + 1) * next_n, max_seq_len=max_seq_len)
+        if wrong == "logits":
+            out[-1, 3] += 1.0
+        return out
+
+    def topk(lg, k, *, out):
+        assert (lg.dtype, out.dtype) == (np.float32, np.int32)
+        out[...] = reference.indexer_topk(lg, k)
+        if wrong == "topk":
+            out[0, [0, 1]] = out[0, [1, 0]]
+        return out
+
+    monkeypatch.setattr(cupaged, "indexer_k_quant_and_cache", write)
+    monkeypatch.setattr(cupaged, "indexer_logits", logits)
+    monkeypatch.setattr(cupaged, "indexer_topk", topk)
+    return bench_indexer
+
+
+def test_indexer_presets_and_accounting():
+    from cupaged.bench import indexer as bench_indexer
+
+    got = [bench_indexer.preset_case(n) for n in bench_indexer.PRESETS]
+    assert [(c.batch, c.next_n, c.context, c.heads, c.topk) for c in got] == [
+        (128, 1, 32768, 64, 2048), (128, 2, 32768, 64, 2048), (16, 1, 131072, 64, 2048)]
+    c = bench_indexer.IndexerCase("x", batch=3, next_n=2, context=50, heads=16, topk=10)
+    logits, topk = bench_indexer._Logits(c), bench_indexer._Topk(c)
+    assert logits.flops() == 2.0 * 16 * 128 * (3 * (49 + 50))  # row t sees 50 - 2 + t + 1
+    assert logits.bytes_moved() == 3 * 50 * 132 + 6 * 16 * 128 * 2 + 6 * 16 * 4 + 6 * 50 * 4
+    assert topk.bytes_moved() == 6 * 50 * 4 + 6 * 10 * 4
+    with pytest.raises(ValueError, match="next_n \\(3\\) must be at most context"):
+        bench_indexer.IndexerCase("x", next_n=3, context=2)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_indexer_case_is_checked_then_timed(monkeypatch, next_n):
+    """Both steps are checked against the reference (their own host copies of a row's
+    blocks), then timed; a logit off by one, or two columns swapped, is WRONG, untimed."""
+    kw = dict(batch=3, next_n=next_n, context=70, heads=16, block_size=16, topk=20)
+    bench_indexer = _indexer_on_host(monkeypatch)
+    rows = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], ["logits", "topk"],
+                                 reps=3, copy_bw=1e12)
+    assert [(r.impl, r.note, r.median_us) for r in rows] == [("logits", "", 100.0),
+                                                             ("topk", "", 100.0)], rows
+    assert rows[0].error < 1e-6 and rows[1].error == 0.0  # float32 logits: rounding alone
+    for step in ("logits", "topk"):
+        bench_indexer = _indexer_on_host(monkeypatch, wrong=step)
+        (row,) = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], [step], reps=3)
+        assert row.note == "WRONG" and row.median_us != row.median_us, row

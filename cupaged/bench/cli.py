@@ -793,6 +793,41 @@ def sparse_mla(presets, impls, kv_cache_dtypes, topk, reps):
     _mla_table(cases, lambda bw: sm.measure(cases, impls, reps, bw))
 
 
+def _indexer_options(f):
+    """The options of ``indexer``; its choices come from cupaged.bench.indexer."""
+    from .indexer import IMPLEMENTATIONS, PRESETS
+
+    opts = [
+        click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
+                     help="Named shapes, DeepSeek-V3.2's indexer (repeatable; default all)."),
+        click.option("--step", "steps", multiple=True,
+                     type=click.Choice(list(IMPLEMENTATIONS)),
+                     help="indexer_logits and/or indexer_topk (repeatable; default both)."),
+        click.option("--topk", type=click.IntRange(1, 2048), default=2048, show_default=True),
+        click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@main.command()
+@_indexer_options
+def indexer(presets, steps, topk, reps):
+    """DeepSeek-V3.2's lightning indexer: cupaged.indexer_logits over its fp8 paged key
+    cache (64 heads of 128), then cupaged.indexer_topk over those logits, each checked
+    against the float64 reference (the first and last rows) before it is timed. % copy
+    counts each sequence's keys read once plus q, weights and the logits written (top-k:
+    the logits read and the columns written) against the copy bandwidth; TFLOP/s count
+    2 * 128 FLOPs per (row, head, visible key), against the bf16 matmul rate; both
+    measured in the same run. Exit status 1 when a check failed, 3 when a row did not run."""
+    from . import indexer as ix
+
+    cases = [ix.preset_case(name, topk) for name in dict.fromkeys(presets or ix.PRESETS)]
+    steps = list(dict.fromkeys(steps or ix.IMPLEMENTATIONS))
+    _mla_table(cases, lambda bw: ix.measure(cases, steps, reps, bw))
+
+
 # ---- cascade attention ------------------------------------------------------------------------------
 
 
