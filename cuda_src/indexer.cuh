@@ -212,19 +212,81 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
 // first, ties by the lower column, -1 after the finite ones run out
 // (cupaged.reference.indexer_topk). One CTA of kTopkThreads per row:
 //   1. each logit as an order-preserving 32-bit key (finite ones from 1 up, -0 as +0;
-//      -inf, +inf and NaN 0: never picked), and the count of finite ones;
-//   2. the k-th largest key by radix select, 8 bits a pass from the top (a histogram of
-//      the keys that match the prefix so far, then a scan of its bins from the top);
-//   3. the keys above it, and of those equal to it the lowest columns (a scan in column
-//      order), into shared memory;
+//      -inf, +inf and NaN 0: never picked);
+//   2. the k-th largest key by radix select, 8 bits a pass from the top: a histogram of
+//      the keys that match the prefix so far (its first pass, over every finite key,
+//      also counts them, so k = min(topk, that count)), then one warp's scan of its bins
+//      from the top (topk_find_bin);
+//   3. the keys above it, and of those equal to it the lowest columns, into shared
+//      memory. When the row holds exactly as many keys equal to it as are taken (no
+//      tie is cut: the common case), they join the keys above it in the same pass;
+//      otherwise the lowest columns come from a scan in column order;
 //   4. a bitonic sort of (key, ~column) descending, then the columns out.
+// A CTA a row leaves one CTA on an SM, so each pass over the row is bound by load latency:
+// a thread issues kTopkUnroll loads before it uses any.
 constexpr int kTopkThreads = 512;
 constexpr int kTopkMax = 2048;  // the largest topk (DeepSeek-V3.2's)
+constexpr int kTopkUnroll = 8;
+constexpr int kTopkStep = kTopkThreads * kTopkUnroll;  // columns a CTA-wide step
 
 __device__ __forceinline__ unsigned topk_key(float x) {
   if (!(fabsf(x) <= 3.402823466e38f)) return 0u;  // -inf, +inf, NaN
   const unsigned b = x == 0.f ? 0u : __float_as_uint(x);
   return ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) + 1u;  // finite ones: 1 and up
+}
+
+// The keys of columns c0 + j * kTopkThreads + tid, j < kTopkUnroll (0 past the width).
+__device__ __forceinline__ void topk_keys(unsigned (&key)[kTopkUnroll],
+                                          const float* __restrict__ row, int c0, int width,
+                                          int tid) {
+  float x[kTopkUnroll];
+#pragma unroll
+  for (int j = 0; j < kTopkUnroll; ++j) {
+    const int c = c0 + j * kTopkThreads + tid;
+    x[j] = c < width ? __ldg(row + c) : __int_as_float(0x7fc00000);  // NaN: key 0
+  }
+#pragma unroll
+  for (int j = 0; j < kTopkUnroll; ++j) key[j] = topk_key(x[j]);
+}
+
+// One warp: the bin, from the top, of a radix pass's histogram that holds the
+// counters[3]-th largest key, into bin_s, and counters[3] less the keys in the bins above
+// it. ``first``: the histogram counts every finite key, so k = counters[0] =
+// counters[3] = min(topk, their count) first. ``last``: counters[4] = the keys in that
+// bin (those equal to the k-th). Each lane sums 8 bins, a shuffle scan the lanes.
+__device__ __forceinline__ void topk_find_bin(const int* hist, int* counters, int& bin_s,
+                                              int topk, bool first, bool last, int lane) {
+  int want = counters[3];  // read by every lane before the shuffles, written after them
+  int v[8], mine = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = hist[255 - lane * 8 - i];  // lane 0 holds the top bins
+    mine += v[i];
+  }
+  int upto = mine;  // keys in this lane's bins and the lanes' above
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(~0u, upto, o);
+    if (lane >= o) upto += y;
+  }
+  if (first) want = min(topk, __shfl_sync(~0u, upto, 31));
+  const int above = upto - mine;
+  if (want > 0 && above < want && want <= upto) {  // exactly one lane
+    int before = above, i = 0, in_bin = v[0];
+#pragma unroll
+    for (int j = 0; j < 7; ++j) {  // (a fixed loop: v stays in registers)
+      if (i == j && before + v[j] < want) {
+        before += v[j];
+        i = j + 1;
+        in_bin = v[j + 1];
+      }
+    }
+    bin_s = 255 - lane * 8 - i;
+    counters[3] = want - before;
+    if (first) counters[0] = want;
+    if (last) counters[4] = in_bin;
+  }
+  if (first && want == 0 && lane == 0) counters[0] = counters[3] = 0;
 }
 
 template <typename T>
@@ -234,57 +296,62 @@ __global__ void __launch_bounds__(kTopkThreads)
   static_assert(is_same<T, float>::value, "float32 logits");
   __shared__ int hist[256];
   __shared__ unsigned long long sel[kTopkMax];
-  __shared__ int counters[4];  // finite count, keys above the k-th, equals seen, rank left
+  // keys taken (k), keys above the k-th, equals seen, equals left to take, equals in the row
+  __shared__ int counters[5];
   __shared__ int bin_s;        // a radix pass's chosen bin
   __shared__ int scan_s[kTopkThreads / 32];
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const T* row = logits + static_cast<long long>(blockIdx.x) * stride;
   int* out_row = out + static_cast<long long>(blockIdx.x) * out_stride;
-  if (tid < 4) counters[tid] = 0;
-  __syncthreads();
-  int mine = 0;
-  for (int c = tid; c < width; c += kTopkThreads) mine += topk_key(row[c]) != 0u;
-  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(~0u, mine, o);
-  if (lane == 0) atomicAdd(&counters[0], mine);
-  __syncthreads();
-  const int k = min(topk, counters[0]);  // keys taken
-  // radix select: the k-th largest key (k >= 1)
+  if (tid < 5) counters[tid] = 0;
+  // radix select: the k-th largest key
   unsigned prefix = 0u, mask = 0u;
-  int remaining = k;
-  for (int shift = 24; k > 0 && shift >= 0; shift -= 8) {
+  int k = 0, remaining = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = tid; b < 256; b += kTopkThreads) hist[b] = 0;
     __syncthreads();
-    for (int c = tid; c < width; c += kTopkThreads) {
-      const unsigned key = topk_key(row[c]);
-      if (key != 0u && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    for (int c0 = 0; c0 < width; c0 += kTopkStep) {
+      unsigned key[kTopkUnroll];
+      topk_keys(key, row, c0, width, tid);
+#pragma unroll
+      for (int j = 0; j < kTopkUnroll; ++j) {
+        if (key[j] != 0u && (key[j] & mask) == prefix) {
+          atomicAdd(&hist[(key[j] >> shift) & 255u], 1);
+        }
+      }
     }
     __syncthreads();
-    if (tid == 0) {  // the bin, from the top, that holds the remaining-th largest
-      int b = 255, above = 0;
-      while (above + hist[b] < remaining) above += hist[b--];
-      bin_s = b;
-      counters[3] = remaining - above;
-    }
+    if (warp == 0) topk_find_bin(hist, counters, bin_s, topk, shift == 24, shift == 0, lane);
     __syncthreads();
+    k = counters[0];
+    if (k == 0) break;  // no finite key: every column -1
     prefix |= static_cast<unsigned>(bin_s) << shift;
     mask |= 255u << shift;
     remaining = counters[3];
-    __syncthreads();  // hist, bin_s and counters[3] are rewritten by the next pass
+    __syncthreads();  // hist and bin_s are rewritten by the next pass
   }
   const unsigned kth = prefix;  // the k-th largest key; `remaining` of its equals are taken
-  // the keys above it (fewer than k), in any order
-  for (int c = tid; c < width; c += kTopkThreads) {
-    const unsigned key = topk_key(row[c]);
-    if (k > 0 && key > kth) {
-      const int at = atomicAdd(&counters[1], 1);
-      sel[at] = (static_cast<unsigned long long>(key) << 32) | (~static_cast<unsigned>(c));
+  // no tie cut: every equal is taken, with the keys above it
+  const bool all_equals = k > 0 && counters[4] == remaining;
+  const unsigned lowest = all_equals ? kth : kth + 1u;  // (kth + 1: kth < 2^32 - 1)
+  // the keys taken in any order (those above it, and its equals when all are taken)
+  for (int c0 = 0; k > 0 && c0 < width; c0 += kTopkStep) {
+    unsigned key[kTopkUnroll];
+    topk_keys(key, row, c0, width, tid);
+#pragma unroll
+    for (int j = 0; j < kTopkUnroll; ++j) {
+      if (key[j] >= lowest) {
+        const int at = atomicAdd(&counters[1], 1);
+        const unsigned c = static_cast<unsigned>(c0 + j * kTopkThreads + tid);
+        sel[at] = (static_cast<unsigned long long>(key[j]) << 32) | ~c;
+      }
     }
   }
   __syncthreads();
   const int above = counters[1];
-  // the first `remaining` columns whose key equals it: a scan in column order
-  for (int c0 = 0; k > 0 && c0 < width; c0 += kTopkThreads) {
+  // otherwise the first `remaining` columns whose key equals it: a scan in column order
+  for (int c0 = 0; k > 0 && !all_equals && c0 < width; c0 += kTopkThreads) {
     const int c = c0 + tid;
     const bool eq = c < width && topk_key(row[c]) == kth;
     const unsigned ballot = __ballot_sync(~0u, eq);

@@ -23,6 +23,7 @@ HEADS = (16, 32, 48, 64)
 CHUNK = 512  # kIndexerChunk: columns a CTA
 TOPK_MAX = 2048  # kTopkMax
 TOPK_THREADS = 512  # kTopkThreads
+TOPK_STEP = TOPK_THREADS * 8  # kTopkStep: columns a CTA-wide step (an int column index)
 
 
 @jit.launcher_cache
@@ -198,8 +199,8 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
         _fail(f"topk must be an int, got {type(topk).__name__}", TypeError)
     if not 1 <= topk <= TOPK_MAX:
         _fail(f"topk must be from 1 to {TOPK_MAX}, got {topk}")
-    if width > _checks.INT32_MAX - TOPK_THREADS:
-        _fail(f"logits has {width} columns; at most {_checks.INT32_MAX - TOPK_THREADS} are "
+    if width > _checks.INT32_MAX - TOPK_STEP:
+        _fail(f"logits has {width} columns; at most {_checks.INT32_MAX - TOPK_STEP} are "
               f"supported")
     if o is not None and (o.dtype != np.int32 or o.shape != (rows, topk) or not (
             _checks.is_empty(o) or o.flags.c_contiguous)):

@@ -367,6 +367,21 @@ def test_topk_matches_the_reference(rng, width, topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("width, topk", [(32768, 2048), (2048, 2048), (4097, 4)])
+def test_topk_of_distinct_logits(rng, width, topk):
+    """Distinct values (no tie at the k-th: its equals join the keys above it in one
+    pass) in rows of like magnitude (their top bits shared, so the first radix passes
+    count most keys into a few bins), and the same values negated."""
+    import cupy
+
+    x = (1.0 + rng.permutation(width)[None] / width + np.zeros((3, 1))).astype(np.float32)
+    x[1] = -x[1]
+    x[2] = rng.permutation(x[0])
+    got = cupaged.indexer_topk(cupy.asarray(x), topk)
+    assert np.array_equal(cupy.asnumpy(got), reference.indexer_topk(x, topk))
+
+
+@pytest.mark.gpu
 def test_topk_over_strided_rows_and_the_logits_kernel(rng):
     """Rows a view of wider rows; then the chain logits -> top-k against the reference's
     top-k of the GPU logits (the same input: the selection itself is exact)."""

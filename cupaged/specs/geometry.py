@@ -446,8 +446,15 @@ def _check_chunk(specs) -> None:
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
         if s.kernel == "indexer_logits":
+            from .. import indexer  # (which imports this module)
+
             lines.append(f"static_assert(cupaged::IndexerGeometry<{t}, {s.rows}>::kSmemBytes == "
                          f"{indexer_smem_bytes(s.rows)}, \"host mirror differs: {s.name}\");\n")
+            lines.append(f"static_assert(cupaged::kIndexerChunk == {indexer.CHUNK} && "
+                         f"cupaged::kTopkThreads == {indexer.TOPK_THREADS} && "
+                         f"cupaged::kTopkMax == {indexer.TOPK_MAX} && "
+                         f"cupaged::kTopkStep == {indexer.TOPK_STEP}, "
+                         f"\"indexer.py's constants differ from indexer.cuh's\");\n")
             continue
         if s.kernel in jit.MLA_SM90_KERNELS:
             g = MlaSm90Geometry.of(s)
