@@ -256,7 +256,7 @@ __device__ __forceinline__ void topk_keys(unsigned (&key)[kTopkUnroll],
 // bin (those equal to the k-th). Each lane sums 8 bins, a shuffle scan the lanes.
 __device__ __forceinline__ void topk_find_bin(const int* hist, int* counters, int& bin_s,
                                               int topk, bool first, bool last, int lane) {
-  int want = counters[3];  // read by every lane before the shuffles, written after them
+  int want = counters[3];  // read by every lane, then written by one (after __syncwarp)
   int v[8], mine = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -271,6 +271,7 @@ __device__ __forceinline__ void topk_find_bin(const int* hist, int* counters, in
   }
   if (first) want = min(topk, __shfl_sync(~0u, upto, 31));
   const int above = upto - mine;
+  __syncwarp();  // every lane's read of counters[3] before one lane writes it
   if (want > 0 && above < want && want <= upto) {  // exactly one lane
     int before = above, i = 0, in_bin = v[0];
 #pragma unroll

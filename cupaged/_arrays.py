@@ -284,13 +284,29 @@ def to_host(a, ctx: "Context | None" = None) -> np.ndarray:
 #     call returned), an event is recorded on that stream and they join `_DEFERRED`;
 #   - they are let go once the event has completed, as later imports find (queried,
 #     never waited for).
-# An import whose call failed before making a context is stamped by the thread's next one.
+# An import whose call failed before making a context is stamped by the thread's next one;
+# a thread that ends records the events of what it stamped (its calls have returned).
+# The producer ordered its writes before CuPy's current stream (the stream cupy.from_dlpack
+# hands to __dlpack__); a call launching on another stream (stream=, or torch's) makes that
+# stream wait for CuPy's first.
+
+
+class _Stamped(list):
+    """A thread's stamped imports, (stream, device, import); what is left when the thread
+    ends gets its events then."""
+
+    def __del__(self):
+        if self:
+            try:
+                _record(self)
+            except Exception:  # interpreter shutdown: CUDA is gone, nothing to order
+                pass
 
 
 class _Holds(threading.local):
     def __init__(self):
         self.pending = []  # this thread's imports not yet stamped by a context
-        self.stamped = []  # (stream, device, import): the thread's calls' launches follow
+        self.stamped = _Stamped()  # the thread's calls' launches follow
 
 
 _HOLDS = _Holds()
@@ -313,8 +329,14 @@ def foreign_import(x):
 
 def stamp_holds(ctx: "Context") -> None:
     """Give this thread's pending imports ``ctx``'s launch stream (they are the current
-    call's: a call adapts its arguments before it makes its context)."""
+    call's: a call adapts its arguments before it makes its context), and order that
+    stream after CuPy's current one, which the producers' writes precede."""
     holds = _HOLDS
+    current = cupy.cuda.get_current_stream()
+    if current.ptr != ctx.stream:
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(current)
+        _cupy_stream(ctx.stream).wait_event(event)
     holds.stamped += [(ctx.stream, ctx.device, a) for a in holds.pending]
     holds.pending.clear()
 
@@ -322,7 +344,10 @@ def stamp_holds(ctx: "Context") -> None:
 def record_launched() -> None:
     """After the launches of the calls that stamped this thread's imports: an event on
     each of their streams, past which the imports may go."""
-    stamped = _HOLDS.stamped
+    _record(_HOLDS.stamped)
+
+
+def _record(stamped) -> None:
     events = {}
     for stream, device, imported in stamped:
         event = events.get(stream)

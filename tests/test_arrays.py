@@ -254,6 +254,8 @@ def test_imports_are_held_from_adaptation_past_the_launches(monkeypatch):
     monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
     monkeypatch.setattr(_arrays.cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: ptr)
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
+                        lambda: types.SimpleNamespace(ptr=1234))  # the launch stream
     a, b = _arrays.foreign_import("a"), _arrays.foreign_import("b")
     assert _arrays._HOLDS.pending == [a, b] and not _arrays._DEFERRED
     _arrays.stamp_holds(_arrays.Context(0, 1234, "jax", True))
@@ -267,3 +269,64 @@ def test_imports_are_held_from_adaptation_past_the_launches(monkeypatch):
     assert _arrays.release_completed() == 2  # the event has not completed
     e1.done = True
     assert _arrays.release_completed() == 0
+
+
+class _FakeStream:
+    def __init__(self, ptr):
+        self.ptr, self.waited = ptr, []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
+    """JAX orders its writes before CuPy's current stream (cupy.from_dlpack's): a call that
+    launches on another stream (stream=, torch's) makes it wait for CuPy's; on CuPy's own,
+    nothing is added."""
+    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    current, launch = _FakeStream(1), _FakeStream(2)
+    events = []
+
+    def event(**kw):
+        e = _FakeEvent()
+        events.append(e)
+        return e
+
+    monkeypatch.setattr(_arrays.cupy.cuda, "Event", event)
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream", lambda: current)
+    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: {1: current, 2: launch}[ptr])
+    _arrays._HOLDS.pending.append("imported")
+    _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
+    assert events[0].recorded_on is current and launch.waited == events
+    _arrays._HOLDS.pending.append("imported")
+    _arrays.stamp_holds(_arrays.Context(0, 1, "jax", False))
+    assert len(events) == 1 and current.waited == []
+    _arrays._HOLDS.stamped.clear()
+
+
+def test_a_thread_that_ends_records_what_it_stamped(monkeypatch):
+    """Imports a thread stamped and never saw recorded (a call that returns no JAX array,
+    then the thread ends) get their events when the thread ends, not dropped with its
+    thread-local state."""
+    import threading
+
+    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+    monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
+    monkeypatch.setattr(_arrays.cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: ptr)
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
+                        lambda: types.SimpleNamespace(ptr=77))
+
+    def call():
+        _arrays._HOLDS.pending.append("imported")
+        _arrays.stamp_holds(_arrays.Context(0, 77, "cupy", False))
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+    del t
+    import gc
+
+    gc.collect()
+    assert [(e.recorded_on, x) for e, x in _arrays._DEFERRED] == [(77, "imported")]

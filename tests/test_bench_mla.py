@@ -564,3 +564,9 @@ def test_indexer_case_is_checked_then_timed(monkeypatch, next_n):
         bench_indexer = _indexer_on_host(monkeypatch, wrong=step)
         (row,) = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], [step], reps=3)
         assert row.note == "WRONG" and row.median_us != row.median_us, row
+    # top-k alone still checks the logits it selects from: wrong ones leave it untimed
+    bench_indexer = _indexer_on_host(monkeypatch, wrong="logits")
+    (row,) = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], ["topk"], reps=3)
+    assert "logits top-k selects from are wrong" in row.note and row.median_us != row.median_us
+    assert rows[1].tflops != rows[1].tflops  # a selection has no FLOP rate: '-'
+

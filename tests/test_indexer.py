@@ -206,11 +206,14 @@ def check(got, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, np.float16])
 @pytest.mark.parametrize("heads", [16, 64])
-@pytest.mark.parametrize("next_n, block_size", [(1, 64), (2, 16), (1, 4), (2, 256)])
+@pytest.mark.parametrize("next_n, block_size", [(1, 64), (2, 16), (1, 4), (2, 256), (3, 32),
+                                               (5, 64)])
 def test_logits_match_the_reference(rng, dtype, heads, next_n, block_size):
     """Contexts of 0 to 1,100 tokens (one row without keys, block boundaries), a width past
-    every context: -inf beyond each row's last key and in every unseen column."""
-    lens = [0, 1, 63, 64, 65, 513, 1100] if next_n == 1 else [2, 3, 63, 64, 65, 513, 1100]
+    every context: -inf beyond each row's last key and in every unseen column; next_n 1 to
+    5."""
+    lens = [0, 1, 63, 64, 65, 513, 1100] if next_n == 1 else \
+        [next_n, next_n + 1, 63, 64, 65, 513, 1100]
     h = problem(rng, lens, next_n, heads, block_size, dtype)
     width = 1200
     check(run(h, width), want(h, width))
@@ -249,6 +252,22 @@ def test_a_bad_block_id_gives_its_columns_nan_and_no_others(rng):
     keep[64:128] = False
     check(got[:, keep], ref[:, keep])
     assert not np.isnan(got[1]).any()
+
+
+@pytest.mark.gpu
+def test_a_bad_block_only_the_later_row_sees_is_nan_there_alone(rng):
+    """next_n 2, 65 keys in pages of 64: token 64 (block 1) is the second row's alone. With
+    that block id bad, the second row's column 64 is NaN and the first row's -inf (a key it
+    does not see)."""
+    h = problem(rng, [65, 130], 2, 16, 64)
+    ok = dict(h, block_tables=h["block_tables"].copy())  # the reference reads a real block
+    h["block_tables"][0, 1] = 10 ** 6
+    got = run(h, 128)
+    assert np.isneginf(got[0, 64:]).all() and np.isnan(got[1, 64]) and \
+        np.isneginf(got[1, 65:]).all()
+    ref = want(ok, 128)
+    check(got[:2, :64], ref[:2, :64])
+    check(got[2:], ref[2:])
 
 
 @pytest.mark.gpu

@@ -115,7 +115,7 @@ class SparseCase:
                 idx[b, s] = order[b, t // page] * page + t % page
         width = DS_BYTES if self.ds else D_QK
         cache = cupy.empty((nb, page, width), np.uint8 if self.ds else dt)
-        step = max(1, (1 << 22) // page)  # blocks a write: the 16-bit source stays small
+        step = max(1, (1 << 16) // page)  # blocks a write: 65,536 tokens of source at a time
         for lo in range(0, nb, step):
             n = min(step, nb - lo)
             src = testing.random_normal((n * page, D_QK), dt, rng, cupy)
