@@ -330,3 +330,13 @@ def test_a_thread_that_ends_records_what_it_stamped(monkeypatch):
 
     gc.collect()
     assert [(e.recorded_on, x) for e, x in _arrays._DEFERRED] == [(77, "imported")]
+
+
+def test_any_call_lets_go_of_held_imports_whose_events_completed(monkeypatch):
+    """A call's context (any call, foreign arrays or not) releases what has completed, so
+    the memory of a JAX call's inputs does not wait for the next JAX call."""
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    _arrays._DEFERRED.extend([(_FakeEvent(True), "a"), (_FakeEvent(False), "b")])
+    ctx = _arrays.context(0, "cupy", 99)
+    assert ctx.stream == 99 and [x for _, x in _arrays._DEFERRED] == ["b"]
