@@ -293,6 +293,45 @@ def test_jax_inputs_dropped_after_the_call_are_read_as_they_were(rng):
     del refill
 
 
+class _LateProducer:
+    """A DLPack producer that, asked for its array, orders its last write before the
+    consumer's stream as the protocol says: 100 ms of work on that stream, then the write
+    (``fresh`` over ``array``), so a reader not ordered after that stream sees the old
+    values."""
+
+    def __init__(self, array, fresh):
+        self.array, self.fresh = array, fresh
+
+    def __dlpack__(self, stream=None, **kw):
+        s = cupy.cuda.Stream.null if stream in (None, 1) else cupy.cuda.ExternalStream(stream)
+        with s:
+            Spin(SLEEP_US)()
+            self.array[...] = self.fresh
+        return self.array.__dlpack__(stream=stream, **kw)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_a_producers_write_precedes_a_call_on_another_stream(rng):
+    """A query from a producer that writes it on CuPy's current stream (the stream
+    cupy.from_dlpack names): a call on another stream (stream=) waits for that write,
+    and returns without synchronizing."""
+    p, new_q = _two_problems(rng)
+    args = p.device_args()
+    cupaged.paged_attention(**args)  # kernels loaded beforehand
+    cupy.cuda.get_current_stream().synchronize()
+    query = cupy.asarray(p.query)
+    side = cupy.cuda.Stream(non_blocking=True)
+    args["query"] = _LateProducer(query, cupy.asarray(new_q))
+    out = cupaged.paged_attention(**args, stream=side)
+    busy = not side.done
+    side.synchronize()
+    assert busy, "cupaged synchronized the stream"
+    p.query = new_q
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
 def test_cache_ops_with_torch_match_cupy(rng, dtype):
     torch = _torch()
