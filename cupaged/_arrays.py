@@ -327,13 +327,24 @@ def foreign_import(x):
     return imported
 
 
+def capturing(stream: int) -> bool:
+    """Is ``stream`` being captured into a CUDA graph?"""
+    rt = cupy.cuda.runtime
+    query = getattr(rt, "streamIsCapturing", None)
+    if query is None:  # pragma: no cover - CuPy without it: assume not
+        return False
+    return int(query(stream)) != int(getattr(rt, "streamCaptureStatusNone", 0))
+
+
 def stamp_holds(ctx: "Context") -> None:
     """Give this thread's pending imports ``ctx``'s launch stream (they are the current
     call's: a call adapts its arguments before it makes its context), and order that
-    stream after CuPy's current one, which the producers' writes precede."""
+    stream after CuPy's current one, which the producers' writes precede (not while the
+    launch stream is captured: a captured stream may not wait for work outside its
+    capture; a graph's replays are ordered by whoever launches them)."""
     holds = _HOLDS
     current = cupy.cuda.get_current_stream()
-    if current.ptr != ctx.stream:
+    if current.ptr != ctx.stream and not capturing(ctx.stream):
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(current)
         _cupy_stream(ctx.stream).wait_event(event)

@@ -295,9 +295,15 @@ def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
     monkeypatch.setattr(_arrays.cupy.cuda, "Event", event)
     monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream", lambda: current)
     monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: {1: current, 2: launch}[ptr])
+    captured = set()
+    monkeypatch.setattr(_arrays, "capturing", lambda ptr: ptr in captured)
     _arrays._HOLDS.pending.append("imported")
     _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
     assert events[0].recorded_on is current and launch.waited == events
+    captured.add(2)  # a captured stream may not wait for work outside its capture
+    _arrays._HOLDS.pending.append("imported")
+    _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
+    assert len(events) == 1 and len(launch.waited) == 1
     _arrays._HOLDS.pending.append("imported")
     _arrays.stamp_holds(_arrays.Context(0, 1, "jax", False))
     assert len(events) == 1 and current.waited == []
