@@ -340,12 +340,12 @@ def capturing(stream: int) -> bool:
 def stamp_holds(ctx: "Context") -> None:
     """Give this thread's pending imports ``ctx``'s launch stream (they are the current
     call's: a call adapts its arguments before it makes its context), and order that
-    stream after CuPy's current one, which the producers' writes precede (not while the
-    launch stream is captured: a captured stream may not wait for work outside its
-    capture; a graph's replays are ordered by whoever launches them)."""
+    stream after CuPy's current one, which the producers' writes precede (not while
+    either stream is captured: a stream may not wait across a capture's boundary; a
+    graph's replays are ordered by whoever launches them)."""
     holds = _HOLDS
     current = cupy.cuda.get_current_stream()
-    if current.ptr != ctx.stream and not capturing(ctx.stream):
+    if current.ptr != ctx.stream and not (capturing(ctx.stream) or capturing(current.ptr)):
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(current)
         _cupy_stream(ctx.stream).wait_event(event)
