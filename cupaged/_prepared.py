@@ -216,8 +216,7 @@ def clashes(prep: Prepared, ptrs) -> bool:
     """Would a call of attention's or paged_attention's at these addresses (``run``'s
     order) write where it may not: out over the query other than in place, or out or lse
     over anything else the call reads?"""
-    return overlaps(prep, ptrs[0], ptrs[6]) or (
-        bool(prep.disjoint) and any_overlap(prep.disjoint, ptrs))
+    return overlaps(prep, ptrs[0], ptrs[6]) or any_overlap(prep.disjoint, ptrs)
 
 
 def run(prep: Prepared, ptrs, stream, out, lse):
