@@ -14,8 +14,10 @@
 //            its float32 scales, one a token (quant_block_size 128)
 //   out      [rows, width] float32
 //
-// Work split: one CTA per (row, chunk of kChunk columns); HEADS / 16 warps, warp w the
-// heads 16 w .. 16 w + 15 of S = Q K^T over 64-token tiles (its Q fragments loaded once).
+// Work split: one CTA per (group of up to ROWS rows of one sequence, chunk of kChunk
+// columns); HEADS / 16 warps, warp w the heads 16 w .. 16 w + 15 of S = Q K^T over
+// 64-token tiles (its Q fragments, every row's, loaded once). The rows of a group share
+// each tile's copy and widening (a sequence's next_n query tokens read the same keys).
 // A tile's keys land by cp.async in a ring of two raw stages and are widened to T (exact:
 // e4m3 values are all representable) before the products; each column's sum over heads
 // is reduced in the warp, then over the warps in shared memory, and scaled by the key's
@@ -32,31 +34,32 @@ constexpr int kIndexerDim = 128;   // the indexer's head_dim (DeepSeek-V3.2's)
 constexpr int kIndexerTile = 64;   // keys a tile
 constexpr int kIndexerChunk = 512; // columns a CTA
 
-template <typename T, int HEADS>
+template <typename T, int HEADS, int ROWS>
 struct IndexerGeometry {
   static constexpr int kWarps = HEADS / 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRow = kIndexerDim + 8;  // T elements: rows padded by 16 bytes
-  static constexpr int kOffQ = 0;
-  static constexpr int kOffWide = kOffQ + HEADS * kRow * 2;
+  static constexpr int kOffQ = 0;  // ROWS query rows of HEADS heads
+  static constexpr int kOffWide = kOffQ + ROWS * HEADS * kRow * 2;
   static constexpr int kOffRaw = kOffWide + kIndexerTile * kRow * 2;  // two raw stages
   static constexpr int kOffScale = kOffRaw + 2 * kIndexerTile * kIndexerDim;
   static constexpr int kOffFlag = kOffScale + 2 * kIndexerTile * 4;   // per key: 0/1/2
   static constexpr int kOffRed = kOffFlag + 2 * kIndexerTile * 4;
-  static constexpr int kSmemBytes = kOffRed + kWarps * kIndexerTile * 4;
+  static constexpr int kSmemBytes = kOffRed + ROWS * kWarps * kIndexerTile * 4;
   static_assert(HEADS % 16 == 0 && HEADS >= 16 && HEADS <= 64, "HEADS: 16 to 64");
+  static_assert(ROWS == 1 || ROWS == 2, "ROWS: 1 or 2 query rows a CTA");
   static_assert(sizeof(T) == 2, "16-bit queries");
 };
 
-template <typename T, int HEADS, int BLOCK_SIZE>
-__global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
+template <typename T, int HEADS, int BLOCK_SIZE, int ROWS>
+__global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
     indexer_logits(float* __restrict__ out, long long out_stride, int width,
                    const T* __restrict__ q, long long q_row_stride, long long q_head_stride,
                    const float* __restrict__ weights, long long w_stride,
                    const unsigned char* __restrict__ cache, long long block_stride,
                    int num_blocks, const int* __restrict__ block_tables, long long bt_stride,
                    int max_blocks, const int* __restrict__ seq_lens, int next_n) {
-  using Geo = IndexerGeometry<T, HEADS>;
+  using Geo = IndexerGeometry<T, HEADS, ROWS>;
   constexpr int TILE = kIndexerTile;
   constexpr int D = kIndexerDim;
   constexpr int ROW = Geo::kRow;
@@ -75,26 +78,36 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
-  const int row = blockIdx.x;
-  const int seq = row / next_n;
+  // this CTA's rows: row0 .. row0 + nrows - 1, tokens t0 .. of sequence seq
+  const int groups = (next_n + ROWS - 1) / ROWS;
+  const int seq = blockIdx.x / groups;
+  const int t0 = (blockIdx.x % groups) * ROWS;
+  const int nrows = ROWS == 1 ? 1 : min(ROWS, next_n - t0);
+  const int row0 = seq * next_n + t0;
   const int seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
-  const int count = max(0, min(seq_len, seq_len - next_n + row % next_n + 1));  // keys seen
+  // the keys row r of the group sees (its last row sees the most)
+  auto reach = [&](int r) { return max(0, min(seq_len, seq_len - next_n + t0 + r + 1)); };
   const int col0 = blockIdx.y * kIndexerChunk;
   const int col_end = min(width, col0 + kIndexerChunk);
-  const int key_end = min(count, col_end);  // keys this CTA reads
-  float* out_row = out + row * out_stride;
-  // Columns no key of this row fills: -inf.
-  for (int c = max(col0, key_end) + tid; c < col_end; c += Geo::kThreads) out_row[c] = neg_inf();
+  const int key_end = min(reach(nrows - 1), col_end);  // keys this CTA reads
+  // Columns no key of the rows fills: -inf (those of a row's reach below key_end are
+  // written with the tiles).
+  for (int r = 0; r < nrows; ++r) {
+    float* out_row = out + (row0 + r) * out_stride;
+    for (int c = max(col0, key_end) + tid; c < col_end; c += Geo::kThreads) out_row[c] = neg_inf();
+  }
   if (key_end <= col0) return;
   const int n_tiles = (key_end - col0 + TILE - 1) / TILE;
   const int* bt_row = block_tables + seq * bt_stride;
 
-  // The query's rows (HEADS x 128) into shared memory, with the first tile's copies.
-  const T* q_row = q + row * q_row_stride;
-  for (int u = tid; u < HEADS * (D / 8); u += Geo::kThreads) {
-    const int h = u / (D / 8), c = u % (D / 8);
-    cp_async16_or_zero(static_cast<unsigned>(__cvta_generic_to_shared(q_s + h * ROW + c * 8)),
-                       q_row + h * q_head_stride + c * 8, true);
+  // The rows' queries (HEADS x 128 each) into shared memory, with the first tile's copies
+  // (a group's missing second row, zeros).
+  for (int u = tid; u < ROWS * HEADS * (D / 8); u += Geo::kThreads) {
+    const int r = u / (HEADS * (D / 8)), h = u / (D / 8) % HEADS, c = u % (D / 8);
+    const bool real = r < nrows;
+    cp_async16_or_zero(
+        static_cast<unsigned>(__cvta_generic_to_shared(q_s + (r * HEADS + h) * ROW + c * 8)),
+        q + (real ? (row0 + r) * q_row_stride + h * q_head_stride + c * 8 : 0), real);
   }
   // A tile: threads 2 k and 2 k + 1 copy key k's 128 bytes (four 16-byte chunks each); the
   // even one its scale and flag (0: past the row's keys, 1: copied, 2: a bad block id).
@@ -124,9 +137,14 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
 
   load_tile(0, 0);
   cp_async_commit();
-  const float w0 = weights[row * w_stride + 16 * warp + (lane >> 2)];
-  const float w1 = weights[row * w_stride + 16 * warp + (lane >> 2) + 8];
-  unsigned qa[D / 16][4];
+  float w0[ROWS], w1[ROWS];  // this lane's two heads' weights, each row's
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int wr = row0 + min(r, nrows - 1);
+    w0[r] = weights[wr * w_stride + 16 * warp + (lane >> 2)];
+    w1[r] = weights[wr * w_stride + 16 * warp + (lane >> 2) + 8];
+  }
+  unsigned qa[ROWS][D / 16][4];
   for (int it = 0; it < n_tiles; ++it) {
     const int stage = it & 1;
     cp_async_wait<0>();
@@ -137,9 +155,13 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
     cp_async_commit();
     if (it == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        ldmatrix_x4(qa[kk], q_s + (16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
-                                kk * 16 + (lane >> 4) * 8);
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          ldmatrix_x4(qa[r][kk], q_s + (r * HEADS + 16 * warp + (lane & 7) +
+                                        ((lane >> 3) & 1) * 8) * ROW +
+                                     kk * 16 + (lane >> 4) * 8);
+        }
       }
     }
     // widen the tile to T: 16 e4m3 values a chunk, zeros staying zeros
@@ -153,54 +175,60 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS>::kThreads)
     }
     __syncthreads();  // the widened tile is complete
 
-    // S for this warp's 16 heads x 64 keys
-    float s[TILE / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < TILE / 16; ++np) {
-        unsigned kb[4];
-        ldmatrix_x4(kb, wide_s + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + kk * 16 +
-                            ((lane >> 3) & 1) * 8);
-        const unsigned b0[2] = {kb[0], kb[1]};
-        const unsigned b1[2] = {kb[2], kb[3]};
-        mma_16816<T>(s[2 * np], qa[kk], b0);
-        mma_16816<T>(s[2 * np + 1], qa[kk], b1);
-      }
-    }
-    // each column's sum over this warp's heads: w * relu(s) over the lane's two rows, then
-    // over the eight lanes that share its columns (relu keeps a NaN, as the reference's
-    // and torch's do: fmaxf would drop it, and top-k could then pick its column)
     auto relu = [](float x) { return x < 0.f ? 0.f : x; };
 #pragma unroll
-    for (int n = 0; n < TILE / 8; ++n) {
-      float c0 = w0 * relu(s[n][0]) + w1 * relu(s[n][2]);
-      float c1 = w0 * relu(s[n][1]) + w1 * relu(s[n][3]);
+    for (int r = 0; r < ROWS; ++r) {
+      if (r >= nrows) break;  // (the same for the whole CTA)
+      // S for this warp's 16 heads x 64 keys of row r
+      float s[TILE / 8][4] = {};
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        c0 += __shfl_xor_sync(~0u, c0, o);
-        c1 += __shfl_xor_sync(~0u, c1, o);
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < TILE / 16; ++np) {
+          unsigned kb[4];
+          ldmatrix_x4(kb, wide_s + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + kk * 16 +
+                              ((lane >> 3) & 1) * 8);
+          const unsigned b0[2] = {kb[0], kb[1]};
+          const unsigned b1[2] = {kb[2], kb[3]};
+          mma_16816<T>(s[2 * np], qa[r][kk], b0);
+          mma_16816<T>(s[2 * np + 1], qa[r][kk], b1);
+        }
       }
-      if (lane < 4) {
-        red_s[warp * TILE + n * 8 + 2 * lane] = c0;
-        red_s[warp * TILE + n * 8 + 2 * lane + 1] = c1;
+      // each column's sum over this warp's heads: w * relu(s) over the lane's two rows,
+      // then over the eight lanes that share its columns (relu keeps a NaN, as the
+      // reference's and torch's do: fmaxf would drop it, and top-k could then pick its
+      // column)
+#pragma unroll
+      for (int n = 0; n < TILE / 8; ++n) {
+        float c0 = w0[r] * relu(s[n][0]) + w1[r] * relu(s[n][2]);
+        float c1 = w0[r] * relu(s[n][1]) + w1[r] * relu(s[n][3]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          c0 += __shfl_xor_sync(~0u, c0, o);
+          c1 += __shfl_xor_sync(~0u, c1, o);
+        }
+        if (lane < 4) {
+          red_s[(r * Geo::kWarps + warp) * TILE + n * 8 + 2 * lane] = c0;
+          red_s[(r * Geo::kWarps + warp) * TILE + n * 8 + 2 * lane + 1] = c1;
+        }
       }
     }
     __syncthreads();  // every warp's column sums
-    for (int k = tid; k < TILE; k += Geo::kThreads) {
+    for (int u = tid; u < nrows * TILE; u += Geo::kThreads) {
+      const int r = ROWS == 1 ? 0 : u / TILE, k = ROWS == 1 ? u : u % TILE;
       const int col = col0 + it * TILE + k;
       if (col >= col_end) continue;
-      const int flag = flag_s[stage * TILE + k];
-      float v = neg_inf();
+      const int flag = col < reach(r) ? flag_s[stage * TILE + k] : 0;
+      float v = neg_inf();  // a key past this row's reach, or past every row's
       if (flag == 1) {
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < Geo::kWarps; ++w) sum += red_s[w * TILE + k];
+        for (int w = 0; w < Geo::kWarps; ++w) sum += red_s[(r * Geo::kWarps + w) * TILE + k];
         v = sum * scale_s[stage * TILE + k];
       } else if (flag == 2) {
         v = __int_as_float(0x7fc00000);  // a bad block id: NaN
       }
-      out_row[col] = v;
+      out[(row0 + r) * out_stride + col] = v;
     }
   }
   cp_async_wait<0>();

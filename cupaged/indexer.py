@@ -2,8 +2,9 @@
 token's logits over its sequence's keys in the indexer's fp8 paged cache (DeepGEMM's
 ``fp8_paged_mqa_logits``), and :func:`indexer_topk`, each row's top-k columns. The key cache is written by
 :func:`cupaged.indexer_k_quant_and_cache`; ``cupaged.reference.indexer_logits`` is the
-statement of the result. Validation, planning (one CTA per query token and chunk of
-``kIndexerChunk`` columns) and the launch, a kernel family small enough for one module."""
+statement of the result. Validation, planning (one CTA per chunk of ``kIndexerChunk``
+columns and query token, or pair of a sequence's query tokens: :func:`rows_a_cta`) and
+the launch, a kernel family small enough for one module."""
 
 from __future__ import annotations
 
@@ -27,10 +28,16 @@ TOPK_STEP = TOPK_THREADS * 8  # kTopkStep: columns a CTA-wide step (an int colum
 
 
 @jit.launcher_cache
-def _kernel(device: int, dtype: str, heads: int, block_size: int):
+def _kernel(device: int, dtype: str, heads: int, block_size: int, group: int):
     spec = jit.KernelSpec("indexer_logits", dtype, rows=heads, block_size=block_size,
-                          arch=planning.device_info(device).arch)
-    return jit.load(spec, device, geometry.indexer_smem_bytes(heads))
+                          group_tile=group, arch=planning.device_info(device).arch)
+    return jit.load(spec, device, geometry.indexer_smem_bytes(heads, group))
+
+
+def rows_a_cta(next_n: int) -> int:
+    """Query rows of one sequence a CTA takes (the kernel's ROWS): two share each key tile's
+    copy and widening, where next_n is 2 or more; one otherwise."""
+    return 2 if next_n >= 2 else 1
 
 
 def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len, out=None,
@@ -141,9 +148,10 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
         if o is None:
             o, owner = _arrays.empty(ctx, (rows, width), np.float32)
         if rows and width:
-            kern = _kernel(device, dt.name, heads, block_size)
-            grid = (rows, -(-width // CHUNK), 1)
-            kern(grid, heads // 16 * 32, geometry.indexer_smem_bytes(heads), ctx.stream,
+            group = rows_a_cta(next_n)
+            kern = _kernel(device, dt.name, heads, block_size, group)
+            grid = (batch * -(-next_n // group), -(-width // CHUNK), 1)
+            kern(grid, heads // 16 * 32, geometry.indexer_smem_bytes(heads, group), ctx.stream,
                  o.data.ptr, width, width, qa.data.ptr, qa.strides[1] // 2, qa.strides[2] // 2,
                  w.data.ptr, w.strides[0] // 4 if rows > 1 else 0, kc.data.ptr,
                  kc.strides[0] if num_blocks > 1 else 0, num_blocks, bt.data.ptr,

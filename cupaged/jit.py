@@ -85,9 +85,10 @@ _KERNELS = {
     # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
     # DSA's lightning indexer: its keys into their fp8 cache, and its logits over them
-    # (rows: the query heads a CTA holds)
+    # (rows: the query heads a CTA holds; group_tile: the query rows, 1 or 2, of one
+    # sequence that share its key tiles)
     "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
-    "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size")),
+    "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size", "group_tile")),
     "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }

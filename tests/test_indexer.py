@@ -210,8 +210,8 @@ def check(got, ref):
                                                (5, 64)])
 def test_logits_match_the_reference(rng, dtype, heads, next_n, block_size):
     """Contexts of 0 to 1,100 tokens (one row without keys, block boundaries), a width past
-    every context: -inf beyond each row's last key and in every unseen column; next_n 1 to
-    5."""
+    every context: -inf beyond each row's last key and in every unseen column. next_n 2 and
+    more: a CTA takes a sequence's rows in pairs (3 and 5: a last row alone)."""
     lens = [0, 1, 63, 64, 65, 513, 1100] if next_n == 1 else \
         [next_n, next_n + 1, 63, 64, 65, 513, 1100]
     h = problem(rng, lens, next_n, heads, block_size, dtype)
@@ -258,7 +258,7 @@ def test_a_bad_block_id_gives_its_columns_nan_and_no_others(rng):
 def test_a_bad_block_only_the_later_row_sees_is_nan_there_alone(rng):
     """next_n 2, 65 keys in pages of 64: token 64 (block 1) is the second row's alone. With
     that block id bad, the second row's column 64 is NaN and the first row's -inf (a key it
-    does not see)."""
+    does not see, though its CTA reads the tile for its partner)."""
     h = problem(rng, [65, 130], 2, 16, 64)
     ok = dict(h, block_tables=h["block_tables"].copy())  # the reference reads a real block
     h["block_tables"][0, 1] = 10 ** 6
@@ -302,10 +302,17 @@ def test_the_host_mirror_is_the_kernels():
     from cupaged import jit
     from cupaged.specs import geometry
 
-    specs = [jit.KernelSpec("indexer_logits", d, rows=h, block_size=64, arch=a)
-             for d in ("f16", "bf16") for h in indexer.HEADS for a in ("sm_80", "sm_90")]
+    specs = [jit.KernelSpec("indexer_logits", d, rows=h, block_size=64, group_tile=g, arch=a)
+             for d in ("f16", "bf16") for h in indexer.HEADS for g in (1, 2)
+             for a in ("sm_80", "sm_90")]
     geometry.check_against_kernel(specs)
-    assert all(geometry.indexer_smem_bytes(h) <= geometry.max_smem("sm_80") for h in indexer.HEADS)
+    assert all(geometry.indexer_smem_bytes(h, g) <= geometry.max_smem("sm_80")
+               for h in indexer.HEADS for g in (1, 2))
+
+
+@pytest.mark.parametrize("next_n, rows", [(1, 1), (2, 2), (3, 2), (5, 2)])
+def test_a_cta_takes_a_sequences_rows_in_pairs(next_n, rows):
+    assert indexer.rows_a_cta(next_n) == rows
 
 
 # ---- indexer_topk ---------------------------------------------------------------------------------

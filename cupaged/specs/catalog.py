@@ -62,9 +62,11 @@ AXES = {
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
     "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
-    # its logits: 16 to 64 query heads a CTA, pages of 4 to 256 tokens
+    # its logits: 16 to 64 query heads a CTA, pages of 4 to 256 tokens, one query row a CTA
+    # or a sequence's two (next_n 2 and more)
     "indexer_logits": {"dtype": ("f16", "bf16"), "rows": (16, 32, 48, 64),
-                       "block_size": tuple(b for b in _checks.BLOCK_SIZES if b >= 4)},
+                       "block_size": tuple(b for b in _checks.BLOCK_SIZES if b >= 4),
+                       "group_tile": (1, 2)},
     "indexer_topk": {"dtype": ("f32",)},
     # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
     # page size and each (rows, tile, stages) shape the planner picks (MLA_TILES).

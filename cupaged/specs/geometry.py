@@ -409,11 +409,12 @@ class MlaSm90Geometry:
         return self.smem_bytes <= max_smem(arch)
 
 
-def indexer_smem_bytes(heads: int) -> int:
-    """``IndexerGeometry<T, HEADS>::kSmemBytes`` of ``cuda_src/indexer.cuh``: Q and the
-    widened tile (rows of 136 16-bit values), two raw stages of 64 keys, their scales and
-    flags, the warps' column sums."""
-    return heads * 136 * 2 + 64 * 136 * 2 + 2 * 64 * 128 + 2 * 64 * 4 * 2 + heads // 16 * 64 * 4
+def indexer_smem_bytes(heads: int, rows: int) -> int:
+    """``IndexerGeometry<T, HEADS, ROWS>::kSmemBytes`` of ``cuda_src/indexer.cuh``: the rows'
+    Q and the widened tile (rows of 136 16-bit values), two raw stages of 64 keys, their
+    scales and flags, each row's warps' column sums."""
+    return (rows * heads * 136 * 2 + 64 * 136 * 2 + 2 * 64 * 128 + 2 * 64 * 4 * 2
+            + rows * heads // 16 * 64 * 4)
 
 
 def check_against_kernel(specs, chunk: int = 100) -> None:
@@ -448,8 +449,10 @@ def _check_chunk(specs) -> None:
         if s.kernel == "indexer_logits":
             from .. import indexer  # (which imports this module)
 
-            lines.append(f"static_assert(cupaged::IndexerGeometry<{t}, {s.rows}>::kSmemBytes == "
-                         f"{indexer_smem_bytes(s.rows)}, \"host mirror differs: {s.name}\");\n")
+            lines.append(f"static_assert(cupaged::IndexerGeometry<{t}, {s.rows}, "
+                         f"{s.group_tile}>::kSmemBytes == "
+                         f"{indexer_smem_bytes(s.rows, s.group_tile)}, "
+                         f"\"host mirror differs: {s.name}\");\n")
             lines.append(f"static_assert(cupaged::kIndexerChunk == {indexer.CHUNK} && "
                          f"cupaged::kTopkThreads == {indexer.TOPK_THREADS} && "
                          f"cupaged::kTopkMax == {indexer.TOPK_MAX} && "
