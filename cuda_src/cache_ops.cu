@@ -14,5 +14,7 @@ void cupaged_instantiate_cache_ops() {
   (void)&cupaged::copy_blocks<long long>;
   (void)&cupaged::concat_and_cache_mla<bfloat16_t, bfloat16_t, long long>;
   (void)&cupaged::concat_and_cache_mla<half_t, cupaged::fp8_e4m3_t, int>;
+  (void)&cupaged::concat_and_cache_mla<bfloat16_t, cupaged::fp8_ds_mla_t, long long>;
+  (void)&cupaged::concat_and_cache_mla<half_t, cupaged::fp8_ds_mla_t, int>;
 }
 #endif

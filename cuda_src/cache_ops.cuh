@@ -191,6 +191,85 @@ __global__ void __launch_bounds__(kCacheThreads)
   }
 }
 
+// DeepSeek-V3.2's sparse-attention cache ("fp8_ds_mla", vLLM's name), as the cache type
+// of concat_and_cache_mla: each token is one 656-byte row, kv_c's 512 values in e4m3 (bytes
+// 0-511), the four float32 scales of its groups of 128 values (512-527; value = fp8 *
+// scale), then k_pe's 64 values as bfloat16 (528-655). cupaged.reference.quantize_sparse_kv
+// is the statement of the bytes.
+struct fp8_ds_mla_t {
+  unsigned char bits;
+};
+constexpr int kDsMlaRank = 512;   // kv_c's values
+constexpr int kDsMlaRope = 64;    // k_pe's
+constexpr int kDsMlaGroup = 128;  // values per scale
+constexpr int kDsMlaScales = kDsMlaRank;                       // byte offsets in a row
+constexpr int kDsMlaRopeBytes = kDsMlaScales + 4 * (kDsMlaRank / kDsMlaGroup);
+constexpr int kDsMlaBytes = kDsMlaRopeBytes + 2 * kDsMlaRope;  // 656: 41 16-byte chunks
+static_assert(kDsMlaRopeBytes % 16 == 0 && kDsMlaBytes == 656, "16-byte aligned parts");
+
+// Eight float16 values (16 bytes) -> eight bfloat16 (16 bytes), rounded to nearest even in
+// integer arithmetic on the exact float32 value (every float16 is in bfloat16's range), NaN
+// as 0x7FC0 with the float16's sign (read from its bits: a conversion may drop a NaN's
+// sign): what ml_dtypes' conversion (the reference) gives, on every target.
+__device__ __forceinline__ uint4 chunk_to_bf16(const uint4 c, half_t) {
+  float f[8];
+  chunk_floats<half_t>(c, f);
+  const unsigned w[4] = {c.x, c.y, c.z, c.w};
+  unsigned h[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const unsigned bits = (w[i / 2] >> (16 * (i % 2))) & 0xffffu;  // the float16's
+    const unsigned u = __float_as_uint(f[i]);
+    h[i] = (bits & 0x7fffu) > 0x7c00u ? (bits & 0x8000u) | 0x7fc0u
+                                      : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  }
+  return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                    h[6] | (h[7] << 16));
+}
+__device__ __forceinline__ uint4 chunk_to_bf16(const uint4 c, bfloat16_t) { return c; }
+
+// One token into an fp8_ds_mla row, by one warp. Lane l holds kv_c's values [16l, 16l + 16)
+// (two 16-byte loads), so a group of 128 values is 8 lanes and its amax three shuffles;
+// lanes 0-7 hold k_pe's 16-byte chunk l. Each group's scale is max(amax / 448, FLT_MIN) in
+// float32 (amax over |x|, NaN skipped by fmaxf: a group of NaN gets FLT_MIN), each value
+// x / scale (an IEEE division, as vLLM's kernel divides) in e4m3, rounded to nearest even
+// and saturated (quantize2: NaN stays NaN, 0x7F; an infinite value makes its group's scale
+// infinite, so the group holds 0 and the infinity's NaN). The row is written in 16-byte
+// stores (lanes' e4m3 bytes: 512 consecutive bytes), four 4-byte scale stores and k_pe's
+// eight 16-byte stores.
+template <typename T>
+__device__ __forceinline__ void ds_mla_token(const T* __restrict__ src_c, const T* __restrict__ src_r,
+                                             unsigned char* __restrict__ dst, bool vec) {
+  const int lane = threadIdx.x & 31;
+  const uint4 c0 = load_chunk(src_c + 16 * lane, vec);
+  const uint4 c1 = load_chunk(src_c + 16 * lane + 8, vec);
+  uint4 pe = make_uint4(0, 0, 0, 0);
+  if (lane < kDsMlaRope / 8) pe = load_chunk(src_r + 8 * lane, vec);
+  float f[2][8];
+  chunk_floats<T>(c0, f[0]);
+  chunk_floats<T>(c1, f[1]);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i / 8][i % 8]));
+  static_assert(kDsMlaGroup / 16 == 8, "a group is 8 lanes");
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float flt_min = __uint_as_float(0x00800000u);  // the smallest normal float32
+  const float scale = fmaxf(amax / 448.f, flt_min);
+  unsigned w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float* x = f[i / 2] + 4 * (i % 2);
+    w[i] = quantize2(x[0] / scale, x[1] / scale, fp8_e4m3_t{}) |
+           (quantize2(x[2] / scale, x[3] / scale, fp8_e4m3_t{}) << 16);
+  }
+  *reinterpret_cast<uint4*>(dst + 16 * lane) = make_uint4(w[0], w[1], w[2], w[3]);
+  if (lane % 8 == 0) *reinterpret_cast<float*>(dst + kDsMlaScales + lane / 2) = scale;
+  if (lane < kDsMlaRope / 8) {
+    *reinterpret_cast<uint4*>(dst + kDsMlaRopeBytes + 16 * lane) = chunk_to_bf16(pe, T{});
+  }
+}
+
 // MLA's latent cache write (vLLM's concat_and_cache_mla): token `tok`'s kv_c
 // [kv_lora_rank] and k_pe [rope_dim] (rows of stride kv_c_stride / k_pe_stride, dims
 // contiguous) into its slot: the latent part at latent_cache + block * lc_block + offset *
@@ -205,44 +284,61 @@ __global__ void __launch_bounds__(kCacheThreads)
 //
 // One CTA per token; 16-byte chunks of eight values, consecutive threads on consecutive
 // chunks. A negative slot (padding) or one at or past num_slots writes nothing.
+//
+// C fp8_ds_mla_t: the sparse cache's 656-byte rows (ds_mla_token), one warp per token
+// (kCacheThreads / 32 tokens per CTA, grid ceil(num_tokens / 4)); kv_lora_rank 512 and
+// rope_dim 64 (checked on the host), latent_cache the rows' bytes, strides in bytes and
+// multiples of 16, rope_cache and the scale unused (the format computes its own scales).
 template <typename T, typename C, typename SlotT>
 __global__ void __launch_bounds__(kCacheThreads)
     concat_and_cache_mla(const T* __restrict__ kv_c, long long kv_c_stride,
                          const T* __restrict__ k_pe, long long k_pe_stride,
                          C* __restrict__ latent_cache, long long lc_block, long long lc_token,
                          C* __restrict__ rope_cache, long long rc_block, long long rc_token,
-                         const SlotT* __restrict__ slot_mapping, int kv_lora_rank, int rope_dim,
-                         int block_size, long long num_slots, int vec_src,
-                         const float* __restrict__ scale, float scale_value) {
-  const long long tok = blockIdx.x;
-  const long long slot = static_cast<long long>(slot_mapping[tok]);
-  if (slot < 0 || slot >= num_slots) return;
-  const long long block = slot / block_size;
-  const long long offset = slot % block_size;
-  const T* src_c = kv_c + tok * kv_c_stride;
-  const T* src_r = k_pe + tok * k_pe_stride;
-  C* dst_c = latent_cache + block * lc_block + offset * lc_token;
-  C* dst_r = rope_cache + block * rc_block + offset * rc_token;
+                         const SlotT* __restrict__ slot_mapping, int num_tokens,
+                         int kv_lora_rank, int rope_dim, int block_size, long long num_slots,
+                         int vec_src, const float* __restrict__ scale, float scale_value) {
   static_assert(sizeof(T) == 2, "float16 or bfloat16 sources: eight values a chunk");
-  const int chunks_c = kv_lora_rank / 8;
-  const int chunks = chunks_c + rope_dim / 8;
-  float s = 1.f;  // divided, not multiplied by its inverse: x / scale rounds as torch's does
-  if constexpr (!is_same<T, C>::value) s = scale != nullptr ? __ldg(scale) : scale_value;
-  for (int i = threadIdx.x; i < chunks; i += kCacheThreads) {
-    const bool latent = i < chunks_c;
-    const int d = (latent ? i : i - chunks_c) * 8;
-    const T* src = (latent ? src_c : src_r) + d;
-    C* dst = (latent ? dst_c : dst_r) + d;
-    if constexpr (sizeof(T) == sizeof(C)) {
-      static_assert(is_same<T, C>::value, "16-bit caches hold the source's type");
-      *reinterpret_cast<uint4*>(dst) = load_chunk(src, vec_src != 0);
-    } else {
-      float f[8];
-      chunk_floats<T>(load_chunk(src, vec_src != 0), f);
-      uint2 q;
-      q.x = quantize2(f[0] / s, f[1] / s, C{}) | (quantize2(f[2] / s, f[3] / s, C{}) << 16);
-      q.y = quantize2(f[4] / s, f[5] / s, C{}) | (quantize2(f[6] / s, f[7] / s, C{}) << 16);
-      *reinterpret_cast<uint2*>(dst) = q;
+  if constexpr (is_same<C, fp8_ds_mla_t>::value) {
+    const long long tok =
+        static_cast<long long>(blockIdx.x) * (kCacheThreads / 32) + threadIdx.x / 32;
+    if (tok >= num_tokens) return;  // whole warps: the shuffles see every lane
+    const long long slot = static_cast<long long>(slot_mapping[tok]);
+    if (slot < 0 || slot >= num_slots) return;
+    unsigned char* dst = &latent_cache->bits + (slot / block_size) * lc_block +
+                         (slot % block_size) * lc_token;
+    ds_mla_token<T>(kv_c + tok * kv_c_stride, k_pe + tok * k_pe_stride, dst, vec_src != 0);
+    return;
+  } else {
+    const long long tok = blockIdx.x;
+    const long long slot = static_cast<long long>(slot_mapping[tok]);
+    if (slot < 0 || slot >= num_slots) return;
+    const long long block = slot / block_size;
+    const long long offset = slot % block_size;
+    const T* src_c = kv_c + tok * kv_c_stride;
+    const T* src_r = k_pe + tok * k_pe_stride;
+    C* dst_c = latent_cache + block * lc_block + offset * lc_token;
+    C* dst_r = rope_cache + block * rc_block + offset * rc_token;
+    const int chunks_c = kv_lora_rank / 8;
+    const int chunks = chunks_c + rope_dim / 8;
+    float s = 1.f;  // divided, not multiplied by its inverse: x / scale rounds as torch's does
+    if constexpr (!is_same<T, C>::value) s = scale != nullptr ? __ldg(scale) : scale_value;
+    for (int i = threadIdx.x; i < chunks; i += kCacheThreads) {
+      const bool latent = i < chunks_c;
+      const int d = (latent ? i : i - chunks_c) * 8;
+      const T* src = (latent ? src_c : src_r) + d;
+      C* dst = (latent ? dst_c : dst_r) + d;
+      if constexpr (sizeof(T) == sizeof(C)) {
+        static_assert(is_same<T, C>::value, "16-bit caches hold the source's type");
+        *reinterpret_cast<uint4*>(dst) = load_chunk(src, vec_src != 0);
+      } else {
+        float f[8];
+        chunk_floats<T>(load_chunk(src, vec_src != 0), f);
+        uint2 q;
+        q.x = quantize2(f[0] / s, f[1] / s, C{}) | (quantize2(f[2] / s, f[3] / s, C{}) << 16);
+        q.y = quantize2(f[4] / s, f[5] / s, C{}) | (quantize2(f[6] / s, f[7] / s, C{}) << 16);
+        *reinterpret_cast<uint2*>(dst) = q;
+      }
     }
   }
 }

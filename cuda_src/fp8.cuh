@@ -8,10 +8,10 @@
 // the values as they are widened (one rounding to T, as a 16-bit cache would hold them).
 //
 // Narrowing (the cache write) rounds to nearest even and saturates to the largest finite
-// value (NaN stays NaN): cvt.rn.satfinite on sm_89 and newer, the same in integer
-// arithmetic below that (or with CUPAGED_FP8_SOFTWARE defined: the environment variable
-// CUPAGED_FP8_SOFTWARE=1 adds it to the NVRTC options, and tests/test_fp8.py checks that
-// both paths give the same bits).
+// value (NaN becomes 0x7F, a NaN in both formats): cvt.rn.satfinite on sm_89 and newer, the
+// same in integer arithmetic below that (or with CUPAGED_FP8_SOFTWARE defined: the
+// environment variable CUPAGED_FP8_SOFTWARE=1 adds it to the NVRTC options, and
+// tests/test_fp8.py checks that both paths give the same bits).
 #pragma once
 #include "common.cuh"
 
@@ -155,15 +155,17 @@ __device__ __forceinline__ void widen16_scaled(const uint4 raw, const float* sca
 
 // ---- narrowing -----------------------------------------------------------------------------
 
-// Round to nearest even, saturating to +-kMax; NaN -> NaN. Integer arithmetic on the float's
-// bits (sm_80/86, and the reference for the hardware path in tests).
+// Round to nearest even, saturating to +-kMax; NaN of either sign -> 0x7F, the canonical NaN
+// cvt.rn.satfinite stores (the sign is dropped, as the instruction drops it). Integer
+// arithmetic on the float's bits (sm_80/86, and the reference for the hardware path in
+// tests).
 template <typename C>
 __device__ __forceinline__ unsigned quantize_fp8_software(float x) {
   using F = Fp8Format<C>;
   const unsigned u = __float_as_uint(x);
   const unsigned sign = (u >> 24) & 0x80u;
   const float a = fabsf(x);
-  if (a != a) return sign | F::kNaN;
+  if (a != a) return F::kNaN;
   if (a >= F::kMax) return sign | F::kMaxBits;
   // Below the smallest normal the step is 2^(kMinExp - kMantissa): round a / step. The
   // result (0 .. 2^kMantissa) is the code itself; 2^kMantissa is the smallest normal.

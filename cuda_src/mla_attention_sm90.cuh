@@ -209,16 +209,12 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
 
       if (wg == 0) {
         // ---- S = Q K^T and the online softmax -------------------------------------------
-        // (step 0's descriptors advanced by constants: rebuilt at each of the 36 k-steps,
-        // they made the issue loop seven instructions a wgmma longer)
-        const unsigned long long qd = kmajor_desc(q_s, 0, ROWS);
-        const unsigned long long kd = kmajor_desc(stage_s(stage), 0, TILE_N);
         fence_regs(s);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < Geo::kDims / 16; ++k) {
-          Wgmma<T, 64, 0>::ss(s, desc_advance(qd, kmajor_offset(16 * k, ROWS)),
-                              desc_advance(kd, kmajor_offset(16 * k, TILE_N)), k > 0);
+          Wgmma<T, 64, 0>::ss(s, kmajor_desc(q_s, 16 * k, ROWS),
+                              kmajor_desc(stage_s(stage), 16 * k, TILE_N), k > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();

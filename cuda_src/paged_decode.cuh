@@ -1060,21 +1060,31 @@ __global__ void __launch_bounds__(kDecodeThreads)
 }
 
 // Merge the partitions of split-KV decode that paged_decode does not merge itself (vLLM's
-// v2 entry point, whose partials live in the caller's buffers) and of paged_prefill: one
-// warp per (row, head), grid (num_seqs, num_heads), or (total_q, num_heads) for
-// paged_prefill's partials. Sinks and the lse output come in `vp`, and its window (with
-// the decode kernel's tile_tokens) says where the partitions start.
+// v2 entry point, whose partials live in the caller's buffers) and of the multi-token
+// kernels (paged_prefill, paged_prefill_sm90, mla_attention, mla_attention_sm90): one warp
+// per (row, head), grid (num_seqs, num_heads), or (total_q, num_heads) for the multi-token
+// kernels' partials. Sinks and the lse output come in `vp`, and its window (with the
+// decode kernel's tile_tokens) says where the partitions start.
+// `query_start_loc` (the multi-token kernels' query starts, or null): rows outside
+// [query_start_loc[0], query_start_loc[num_seqs]) are no sequence's, so no partial of
+// theirs was written; they are left as they are, as the kernels leave them without a
+// split (the JAX operations zero them first for padded batches).
 constexpr int kCombineThreads = 32;
 
 template <typename T, int HEAD_SIZE>
 __global__ void __launch_bounds__(kCombineThreads)
     paged_decode_combine(T* __restrict__ out, const float* __restrict__ part_out,
                          const float* __restrict__ part_max, const float* __restrict__ part_sum,
-                         const int* __restrict__ context_lens, int max_context,
-                         int partition_tokens, int num_partitions, int tile_tokens,
-                         const __grid_constant__ VariantParams vp) {
+                         const int* __restrict__ context_lens,
+                         const int* __restrict__ query_start_loc, int max_context,
+                         int num_seqs, int partition_tokens, int num_partitions,
+                         int tile_tokens, const __grid_constant__ VariantParams vp) {
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
+  if (query_start_loc != nullptr &&
+      (seq < __ldg(query_start_loc) || seq >= __ldg(query_start_loc + num_seqs))) {
+    return;
+  }
   const long long row = static_cast<long long>(seq) * gridDim.y + head;
   // The same clamp and window start as paged_decode, so both agree on which partitions
   // exist; paged_prefill's partials (context_lens null, a row per query token and head)

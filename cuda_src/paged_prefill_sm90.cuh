@@ -23,6 +23,11 @@
 //   P V together and runs tile j's softmax while the P V is on the tensor cores; the two
 //   consumers take turns issuing (named barriers), so one's softmax also overlaps the
 //   other's products.
+// Over an fp8 cache the products run in float16 whatever the query's type (M below): e4m3
+// and e5m2 widen to float16 exactly in one instruction a pair (bfloat16 takes four, and the
+// producer's widening bounds the kernel), and a bfloat16 query is converted to float16
+// once a query tile, in place, by its consumer with a power-of-two scale a row
+// (query_rows_to_half), which the softmax multiplies back into that row's scores.
 // The grid is persistent: each CTA takes one job of every gridDim.x (jobs below), and its
 // producer loads the next job's first tiles and query while the consumers finish the
 // last one's. Grid z splits
@@ -42,8 +47,8 @@ template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int
 struct Sm90PrefillGeometry {
   static constexpr int kThreads = 384;  // producer + two consumer warpgroups
   // An fp8 cache (per-tensor scales): the producer copies each tile's bytes into one of
-  // two raw stages and widens them to T into the ring (fp8.cuh), while the next tile's
-  // bytes are in flight.
+  // two raw stages and widens them to the products' type (float16, the kernel's M) into
+  // the ring (fp8.cuh), while the next tile's bytes are in flight.
   static constexpr bool kQuant = !is_same<T, C>::value;
   static constexpr int kRawStages = kQuant ? 2 : 0;
   static constexpr int kRawTileBytes = TILE_N * HEAD_SIZE;  // one K or V tile of fp8
@@ -86,6 +91,88 @@ __device__ __forceinline__ void consumer_turn_pass(int wg) {
 
 __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
+// Named barrier 4 + wg: consumer wg's 128 threads, once its Q tile is converted (ids 2 and
+// 3 are the consumers' turns, 0 __syncthreads').
+constexpr int kBarQueryHalf = 4;
+
+// A consumer's bfloat16 Q tile (64 rows of HEAD_SIZE at `tile`, 128-byte swizzled as
+// sw128_offset lays them out) rewritten in place as float16 Q_r / p_r, p_r the power of
+// two that puts row r's largest finite magnitude in [2^14, 2^15) (2^-126 for a row of
+// zeros). Each thread converts a quarter of its two C-fragment rows (16 cwarp + lane / 4
+// and + 8: a quad shares them) and ends with both rows' p (p[h]). A scale a row keeps rows
+// independent, as bfloat16's own exponents do: a row's values below 2^-28 of its largest
+// become float16 subnormals (below 2^-38, zero), far under bfloat16's rounding of that
+// largest one. Infinities and NaN are left out of the maximum and stay what they are. The
+// caller fences and syncs the warpgroup before wgmma reads the tile.
+template <typename T, int HEAD_SIZE>
+__device__ __forceinline__ void query_rows_to_half(unsigned tile, int cwarp, int lane,
+                                                   float (&p)[2]) {
+  static_assert(is_same<T, bfloat16_t>::value,
+                "query_rows_to_half decodes bfloat16 bits (a float's high half)");
+  constexpr int kPer = HEAD_SIZE / 8 / 4;  // 16-byte chunks a thread converts in a row
+  // Chunk k of row r: 16-byte chunk part + 4 k', i.e. chunk part + 4 (k' % 2) of 64-column
+  // block k / 2, as sw128_offset places it (the swizzle XORs the chunk with r % 8, so
+  // k' % 2 flips address bit 6): one base address a thread, the rest immediate offsets.
+  // k' = k ^ (r % 2): a 16-byte access is served 8 lanes at a time, and lanes 8i to 8i + 7
+  // hold an even row and the next, whose chunks part for k' = k (the same 64 bytes of a
+  // 128-byte row after swizzles by r % 8 and r % 8 ^ 1) would share banks; odd rows take
+  // the other 64 bytes first, so the 8 lanes cover the 32 banks once (both passes).
+  const int r0 = cwarp * 16 + (lane >> 2);
+  const unsigned row_base =
+      (tile + sm90::sw128_offset(r0, (lane & 3) * 8, 64))  // row r0, chunk lane % 4
+      ^ (static_cast<unsigned>(r0 & 1) << 6);
+  auto chunk = [&](int h, int k) {
+    return (row_base ^ ((k & 1) << 6)) + static_cast<unsigned>((k >> 1) * 64 * 128 + h * 8 * 128);
+  };
+  // Volatile loads, read twice (for the maximum, then to convert): a chunk's registers
+  // live only while it is worked on, beside the consumer's accumulators.
+  auto load = [](unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+  };
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const uint4 v = load(chunk(h, k));
+      const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // a bfloat16's magnitude, as a float (its bits in the high half)
+        const unsigned lo = (w[i] << 16) & 0x7fff0000u, hi = w[i] & 0x7fff0000u;
+        if (lo < 0x7f800000u) amax[h] = fmaxf(amax[h], __uint_as_float(lo));
+        if (hi < 0x7f800000u) amax[h] = fmaxf(amax[h], __uint_as_float(hi));
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    amax[h] = fmaxf(amax[h], __shfl_xor_sync(~0u, amax[h], 1));
+    amax[h] = fmaxf(amax[h], __shfl_xor_sync(~0u, amax[h], 2));
+    // p = 2^(e - 14), e the largest magnitude's exponent, clamped to the normal floats
+    const int e = static_cast<int>((__float_as_uint(amax[h]) >> 23) & 0xffu) - 127;
+    const int field = min(max(e - 14 + 127, 1), 254);
+    p[h] = __uint_as_float(static_cast<unsigned>(field) << 23);
+    const float inv = __uint_as_float(static_cast<unsigned>(254 - field) << 23);  // 1 / p, exact
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const uint4 v = load(chunk(h, k));
+      unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float lo = __uint_as_float(w[i] << 16) * inv;
+        const float hi = __uint_as_float(w[i] & 0xffff0000u) * inv;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(hi), "f"(lo));
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk(h, k)), "r"(w[0]),
+                   "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+    }
+  }
 }
 
 // Registers per thread of each role, set by setmaxnreg out of what the launch allocated
@@ -133,6 +220,22 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
   static_assert(!Var::kFixedOffset || is_same<T, bfloat16_t>::value,
                 "a fixed softmax offset needs P in bfloat16 (fp32's exponent range)");
+  // M, the products' 16-bit type (K and V as widened, Q as the S wgmma reads it, P): T, or
+  // float16 over an fp8 cache, to which e4m3 and e5m2 widen exactly in one instruction a
+  // pair where bfloat16 takes four (docs/PERFORMANCE.md). P (weights in [0, 1] of the
+  // row's running maximum) in float16 is as fine as in bfloat16 or finer only on
+  // [2^-17, 1]: below 2^-14 float16's subnormals keep a fixed step of 2^-24, coarser than
+  // bfloat16's below 2^-17, and weights of 2^-25 or less round to zero. l_run sums the fp32
+  // weights while O gets the rounded ones, so a row whose mass sits in N keys each below
+  // 2^-25 of its maximum loses up to N x 2^-25 of it (negligible unless N is in the
+  // millions); float16 queries over fp8 always ran this way. A fixed offset keeps
+  // bfloat16's range (weights up to 2^64).
+  constexpr bool kHalfProducts = Geo::kQuant && !Var::kFixedOffset;
+  using M = typename conditional<kHalfProducts, half_t, T>::type;
+  // a bfloat16 query over fp8: converted to float16 by its consumer (query_rows_to_half)
+  constexpr bool kQueryToHalf = kHalfProducts && is_same<T, bfloat16_t>::value;
+  static_assert(!kHalfProducts || kQueryToHalf || is_same<T, half_t>::value,
+                "float16 products over fp8 take a float16 or bfloat16 query");
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int CH = Geo::kChunks;
 
@@ -477,12 +580,12 @@ __global__ void __launch_bounds__(384, 1)
                 const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
                 if (phys[pass] >= 0) {
                   uint4 lo, hi;
-                  widen16<T, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
+                  widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
                   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
                                "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
                   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
                                "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
-                  widen16<T, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16), lo, hi);
+                  widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16), lo, hi);
                   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
                                "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
                   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
@@ -517,7 +620,8 @@ __global__ void __launch_bounds__(384, 1)
   const unsigned q_wg = q_s + wg * Geo::kWgRows * HEAD_SIZE * 2;
   const int frag_row = lane >> 2;
   const int frag_col = (lane & 3) * 2;
-  // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output.
+  // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output. (A query
+  // converted to float16 multiplies each row's scores by its row's p on top: sc below.)
   float score_scale = scale_log2;
   float out_scale = 1.f;
   if constexpr (Geo::kQuant) {
@@ -542,6 +646,25 @@ __global__ void __launch_bounds__(384, 1)
     for (int qt = jb.q_tiles - 1 - rank; qt >= 0; qt -= ranks, ++j) {
       const Span sp = span_of(jb, qt);
       const int row0 = qt * Geo::kRows + wg * Geo::kWgRows;  // this warpgroup's first row
+      // Both consumers compute every tile of the job (a tile past one's causal limits or
+      // before its window is masked whole), so their turns at the tensor cores pair up.
+      const int n = sp.n_tiles;
+      // The factor of each row's raw scores (h: C-fragment rows lane / 4 and + 8):
+      // score_scale, times the row's p where the query is converted to float16.
+      float sc[2] = {score_scale, score_scale};
+      if constexpr (kQueryToHalf) {
+        // Once a Q tile load (the producer rewrites the tile only after q_empty), before
+        // the job's other registers are live: to float16, each row's p into sc.
+        mbar_wait(q_full_bar(wg), j & 1);
+        if (n > 0) {
+          float p[2];
+          query_rows_to_half<T, HEAD_SIZE>(q_wg, cwarp, lane, p);
+          sc[0] = score_scale * p[0];
+          sc[1] = score_scale * p[1];
+          fence_async_smem();  // ordinary stores that wgmma reads next
+          named_bar_sync<128>(kBarQueryHalf + wg);
+        }
+      }
 
       // Per-row constants of this thread's two rows (h: C-fragment rows lane / 4 and + 8).
       int q_pos[2], limit[2], first[2];
@@ -563,9 +686,6 @@ __global__ void __launch_bounds__(384, 1)
       lim_lo = __reduce_min_sync(~0u, lim_lo);  // this warp's tiles below it need no mask
       if constexpr (Var::kWindow) first_hi = __reduce_max_sync(~0u, first_hi);
       const bool plain = Var::kAlibi || alibi_slopes == nullptr;
-      // Both consumers compute every tile of the job (a tile past one's causal limits or
-      // before its window is masked whole), so their turns at the tensor cores pair up.
-      const int n = sp.n_tiles;
 
       float m_run[2] = {neg_inf(), neg_inf()};
       float l_run[2] = {0.f, 0.f};
@@ -590,7 +710,7 @@ __global__ void __launch_bounds__(384, 1)
         const unsigned ks = k_s + ((g + it) % STAGES) * Geo::kTileBytes;
 #pragma unroll
         for (int kk = 0; kk < HEAD_SIZE / 16; ++kk) {
-          Wgmma<T, TILE_N, 0>::ss(s, kmajor_desc(q_wg, kk * 16, Geo::kWgRows),
+          Wgmma<M, TILE_N, 0>::ss(s, kmajor_desc(q_wg, kk * 16, Geo::kWgRows),
                                   kmajor_desc(ks, kk * 16, TILE_N), kk > 0);
         }
         wgmma_commit();
@@ -604,10 +724,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int c = 0; c < Geo::kOChunks; ++c) {
             if constexpr (kVllm) {  // V dim-major: K-major B, rows = dims
-              Wgmma<T, Geo::kOCols, 0>::rs(
+              Wgmma<M, Geo::kOCols, 0>::rs(
                   o[c], pa[kk], kmajor_desc(vs + c * Geo::kOCols * 128, kk * 16, HEAD_SIZE), 1);
             } else {
-              Wgmma<T, Geo::kOCols, 1>::rs(o[c], pa[kk],
+              Wgmma<M, Geo::kOCols, 1>::rs(o[c], pa[kk],
                                            mnmajor_desc(vs, kk * 16, c * Geo::kOCols, TILE_N), 1);
             }
           }
@@ -619,7 +739,7 @@ __global__ void __launch_bounds__(384, 1)
       auto softmax = [&](int t0, float (&alpha)[2]) {
         const bool masked = !plain || t0 + TILE_N > lim_lo || (Var::kWindow && t0 < first_hi);
         float tmax[2] = {neg_inf(), neg_inf()};
-        float mul = 1.f;  // of the scores in exp2's argument: 1 once they are logits
+        float mul[2] = {1.f, 1.f};  // of each row's scores in exp2's argument: 1 once logits
         if (masked) {
 #pragma unroll
           for (int n = 0; n < TILE_N / 8; ++n) {
@@ -629,9 +749,9 @@ __global__ void __launch_bounds__(384, 1)
               const int key = t0 + n * 8 + frag_col + (i & 1);
               float& x = s[4 * n + i];
               const float v = Var::kFixedOffset
-                                  ? Var::fixed_exponent(vp, x, score_scale)
+                                  ? Var::fixed_exponent(vp, x, sc[h])
                                   : fmaf(slope[h], static_cast<float>(key - q_pos[h]),
-                                         Var::logits(vp, x, score_scale));
+                                         Var::logits(vp, x, sc[h]));
               const bool seen = key < limit[h] && (!Var::kWindow || key >= first[h]);
               x = seen ? v : neg_inf();
               tmax[h] = fmaxf(tmax[h], x);
@@ -650,15 +770,17 @@ __global__ void __launch_bounds__(384, 1)
               const int h = i >> 1;
               float& x = s[4 * n + i];
               x = fmaf(slope[h], static_cast<float>(n * 8 + (i & 1)),
-                       Var::logits_plus(vp, x, score_scale, base_h[h]));
+                       Var::logits_plus(vp, x, sc[h], base_h[h]));
               tmax[h] = fmaxf(tmax[h], x);
             }
           }
         } else if constexpr (!Var::kSoftCap && !Var::kFixedOffset) {
           // Plain scores: the maximum of the raw products (the minimum for a negative
           // scale) times the scale, and the scale folded into exp2's argument below (one
-          // FFMA a score instead of a multiply and a subtraction).
-          mul = score_scale;
+          // FFMA a score instead of a multiply and a subtraction). A row's p is positive:
+          // sc[h] has score_scale's sign.
+          mul[0] = sc[0];
+          mul[1] = sc[1];
           if (score_scale >= 0.f) {
 #pragma unroll
             for (int i = 0; i < TILE_N / 2; ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
@@ -667,16 +789,30 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int i = 0; i < TILE_N / 2; ++i) tmax[(i >> 1) & 1] = fminf(tmax[(i >> 1) & 1], s[i]);
           }
-          tmax[0] *= score_scale;
-          tmax[1] *= score_scale;
+          tmax[0] *= sc[0];
+          tmax[1] *= sc[1];
+          // The folded FFMA subtracts the rounded maximum from exact products, so it errs
+          // by up to half an ulp of the maximum: 2^-12 at 2^12 (log2 units), exp2 of
+          // thousands (inf) past 2^31. A warp with a row that large (logits absurd in
+          // practice, but finite) rounds its scores first, as the other paths do, so its
+          // largest score gives exp2(0) = 1 exactly. A warp-uniform branch, as `masked`.
+          if (__any_sync(~0u, fabsf(tmax[0]) >= 4096.f || fabsf(tmax[1]) >= 4096.f)) {
+            tmax[0] = tmax[1] = neg_inf();
+#pragma unroll
+            for (int i = 0; i < TILE_N / 2; ++i) {
+              s[i] *= sc[(i >> 1) & 1];
+              tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
+            }
+            mul[0] = mul[1] = 1.f;
+          }
         } else {
 #pragma unroll
           for (int n = 0; n < TILE_N / 8; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               float& x = s[4 * n + i];
-              x = Var::kFixedOffset ? Var::fixed_exponent(vp, x, score_scale)
-                                    : Var::logits(vp, x, score_scale);
+              x = Var::kFixedOffset ? Var::fixed_exponent(vp, x, sc[i >> 1])
+                                    : Var::logits(vp, x, sc[i >> 1]);
               tmax[i >> 1] = fmaxf(tmax[i >> 1], x);
             }
           }
@@ -687,7 +823,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int n = 0; n < TILE_N / 8; ++n) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) s[4 * n + i] = fast_exp2(fmaf(s[4 * n + i], mul, -sub[i >> 1]));
+          for (int i = 0; i < 4; ++i) {
+            s[4 * n + i] = fast_exp2(fmaf(s[4 * n + i], mul[i >> 1], -sub[i >> 1]));
+          }
           l_run[0] += s[4 * n + 0] + s[4 * n + 1];
           l_run[1] += s[4 * n + 2] + s[4 * n + 3];
         }
@@ -706,18 +844,20 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       };
-      // P = the exponentiated S rounded to T, as register A fragments: k-step n / 2 takes
+      // P = the exponentiated S rounded to M, as register A fragments: k-step n / 2 takes
       // regs 0, 1 from n8 tile 2j (rows, rows + 8) and 2, 3 from tile 2j + 1.
       auto pack_p = [&]() {
 #pragma unroll
         for (int n = 0; n < TILE_N / 8; ++n) {
-          pa[n / 2][(n & 1) * 2 + 0] = pack2<T>(s[4 * n + 0], s[4 * n + 1]);
-          pa[n / 2][(n & 1) * 2 + 1] = pack2<T>(s[4 * n + 2], s[4 * n + 3]);
+          pa[n / 2][(n & 1) * 2 + 0] = pack2<M>(s[4 * n + 0], s[4 * n + 1]);
+          pa[n / 2][(n & 1) * 2 + 1] = pack2<M>(s[4 * n + 2], s[4 * n + 3]);
         }
       };
 
-      mbar_wait(q_full_bar(wg), j & 1);
-      fence_async_smem();
+      if constexpr (!kQueryToHalf) {
+        mbar_wait(q_full_bar(wg), j & 1);
+        fence_async_smem();
+      }
       // The fence_regs around each wgmma fence and wait tie the registers an asynchronous
       // wgmma owns (S and O as accumulators, P as the A operand) to those points, so no
       // other register work on them moves into its flight.

@@ -54,18 +54,6 @@ __device__ __forceinline__ unsigned long long kmajor_desc(unsigned tile, int k0,
                     1024);
 }
 
-// Byte offset of kmajor_desc's k16 step at k0 from its step 0.
-__device__ __forceinline__ constexpr unsigned kmajor_offset(int k0, int rows) {
-  return static_cast<unsigned>((k0 >> 6) * rows * 128 + (k0 & 63) * 2);
-}
-
-// The descriptor of the operand `bytes` (a multiple of 16) further on than d's: one add to
-// the start-address field, which cannot carry out (shared-window addresses are below
-// 256 KB), instead of rebuilding the descriptor at every k-step.
-__device__ __forceinline__ unsigned long long desc_advance(unsigned long long d, unsigned bytes) {
-  return d + (bytes >> 4);
-}
-
 // MN-major operand (B of P V: [K rows][N columns], N contiguous), the k16 step at row k0
 // (a multiple of 16), N columns from column n0 (a multiple of 64) of a tile with `rows`
 // rows per 64-column block: 8-row groups along K 1024 bytes apart (SBO), 64-column blocks

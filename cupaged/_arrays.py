@@ -137,12 +137,42 @@ class HostTorchArray:
         self.strides = tuple(s * tensor.element_size() for s in tensor.stride())
 
 
+class DeviceView:
+    """A dense (C-contiguous) device array known by its metadata and address alone: what
+    :mod:`cupaged.jax` hands the checks for XLA's buffers (a stand-in address while
+    tracing, the buffer's own at run time). Taken as it is by :func:`as_device_array`."""
+
+    __slots__ = ("shape", "strides", "ndim", "dtype", "data")
+
+    def __init__(self, shape, dtype, ptr: int, device: int):
+        self.shape = shape = tuple(int(n) for n in shape)
+        self.ndim = len(shape)
+        self.dtype = dt = np.dtype(dtype)
+        strides, step = [], dt.itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+        self.data = Data(int(ptr), int(device))
+
+    @property
+    def flags(self) -> _Flags:
+        return _Flags(True)
+
+    def at(self, ptr: int) -> "DeviceView":
+        """The same array at another address (of the same device)."""
+        v = object.__new__(DeviceView)
+        v.shape, v.strides, v.ndim, v.dtype = self.shape, self.strides, self.ndim, self.dtype
+        v.data = Data(ptr, self.data.device_id)
+        return v
+
+
 # ---- any array -------------------------------------------------------------------------------
 
 
 def as_device_array(x, name: str):
     """``x`` seen as a device array without copying, or a TypeError naming ``name``."""
-    if isinstance(x, cupy.ndarray):
+    if isinstance(x, (cupy.ndarray, DeviceView)):
         return x
     if is_torch(x):
         return TorchArray(x, name)

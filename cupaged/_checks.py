@@ -3,8 +3,10 @@ strides, pointer, device), never the data, so they cost no device sync."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -23,7 +25,28 @@ LOG2E = math.log2(math.e)
 FLT_MAX = 3.4028234663852886e38
 
 # CUPAGED_DEBUG=1 adds the checks that read device data (and so synchronize) to every call.
+# Read through debug(), which a thread checking stand-in arrays turns off for itself.
 DEBUG = os.environ.get("CUPAGED_DEBUG", "") not in ("", "0")
+_local = threading.local()
+
+
+def debug() -> bool:
+    """Do this call's checks read device data? CUPAGED_DEBUG, unless this thread is inside
+    :func:`metadata_only`."""
+    return DEBUG and not getattr(_local, "metadata_only", False)
+
+
+@contextlib.contextmanager
+def metadata_only():
+    """The checks on metadata alone, in this thread only: cupaged.jax validates and plans
+    over stand-in arrays at trace time, whose device data cannot be read. Other threads
+    (eager calls, other traces) keep CUPAGED_DEBUG as it is."""
+    before = getattr(_local, "metadata_only", False)
+    _local.metadata_only = True
+    try:
+        yield
+    finally:
+        _local.metadata_only = before
 
 
 def fail(msg: str, exc=ValueError):

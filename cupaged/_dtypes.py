@@ -35,7 +35,14 @@ BY_NAME = {d.name: d for d in (F32, F16, BF16)}
 E4M3 = DType("e4m3", "cupaged::fp8_e4m3_t", 1, _E4M3)
 E5M2 = DType("e5m2", "cupaged::fp8_e5m2_t", 1, _E5M2)
 FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
-CACHE_BY_NAME = {**BY_NAME, **FP8}
+# DeepSeek-V3.2's sparse-attention cache (vLLM's kv_cache_dtype "fp8_ds_mla"): 656-byte
+# token rows of e4m3 values, their float32 scales and bfloat16 rotary dims
+# (cuda_src/cache_ops.cuh). A cache type of concat_and_cache_mla only: nothing reads it yet.
+DS_MLA = DType("dsmla", "cupaged::fp8_ds_mla_t", 1, None)
+SPARSE_MLA = {DS_MLA.name: DS_MLA}
+DS_MLA_KV_CACHE_DTYPE = "fp8_ds_mla"
+DS_MLA_BYTES = 656  # per token: 512 e4m3, 4 float32 scales, 64 bfloat16
+CACHE_BY_NAME = {**BY_NAME, **FP8, **SPARSE_MLA}
 _FP8_BY_NUMPY = {d.numpy: d for d in FP8.values() if d.numpy is not None}
 # kv_cache_dtype spellings (vLLM's): "auto" is the query's own type.
 KV_CACHE_DTYPES = {"fp8": E4M3, "fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
@@ -46,11 +53,23 @@ def kv_cache_format(name) -> DType | None:
     the query's own type. ValueError for any other value."""
     if name is None or name == "auto":
         return None
+    refuse_ds_mla(name)
     fmt = KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
     if fmt is None:
         raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', "
                          f"got {name!r}")
     return fmt
+
+
+def refuse_ds_mla(name, where: str = "this entry point") -> None:
+    """ValueError when ``name`` is ``"fp8_ds_mla"``, at an entry point that does not take
+    it: only concat_and_cache_mla writes the format, and no kernel reads it yet."""
+    if isinstance(name, str) and name == DS_MLA_KV_CACHE_DTYPE:
+        raise ValueError(
+            f"kv_cache_dtype='fp8_ds_mla' (DeepSeek-V3.2's sparse MLA cache) is written by "
+            f"concat_and_cache_mla and copied by copy_blocks_mla / swap_blocks only: "
+            f"{where} does not read it (no sparse MLA attention kernel yet; "
+            f"cupaged.reference.sparse_mla_attention is its reference)")
 
 
 def fp8_of(dtype) -> DType | None:

@@ -78,7 +78,7 @@ def key(kind: str, main, side, scalars, extra=()):
     ``main``: arrays (or None) whose addresses change; ``side``: arrays, numbers or None
     kept whole; ``scalars``: hashable arguments, keyed with their types (True is not 1,
     16.0 is not 16, for validation); ``extra``: more hashable key parts."""
-    if _checks.DEBUG or extra is UNKEYED:
+    if _checks.debug() or extra is UNKEYED:
         return None, None
     types = tuple(map(type, scalars))
     if not _SCALAR_TYPES.issuperset(types):

@@ -127,7 +127,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
          window_left, logits_soft_cap, return_lse), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
     if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
-        prep, ptrs = _validate_and_prepare(query, key_cache, value_cache, block_tables,
+        prep, ptrs = validate_and_prepare(query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, kv_layout, causal, scale,
                                            alibi_slopes, max_query_len, max_seq_len, out,
                                            stream, workspace, kv_cache_dtype, k_scale, v_scale,
@@ -136,12 +136,14 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     return _prepared.run(prep, ptrs, stream, out, lse)
 
 
-def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
+def validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, kv_layout, causal, scale, alibi_slopes,
                           max_query_len, max_seq_len, out, stream, workspace, kv_cache_dtype,
-                          k_scale, v_scale, va: validation.VariantArgs) -> tuple:
+                          k_scale, v_scale, va: validation.VariantArgs,
+                          plan: bool = True) -> tuple:
     """``(prepared call, addresses)`` of an attention call: every check (CUPAGED_DEBUG's
-    device reads too), then the plan of its launches."""
+    device reads too), then the plan of its launches. ``plan=False``: the checks on
+    metadata alone, which need no device (``(None, None)``; cupaged.jax while tracing)."""
     q = as_device_array(query, "query")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
@@ -157,15 +159,17 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     workspace = launch.workspace_partials(workspace, p)
     variants, lse = validation.variant_setup(va, p)
+    if not plan:
+        return None, None
     with _arrays.on_device(p.device):
-        if _checks.DEBUG:
+        if _checks.debug():
             ctx = _arrays.context(p.device, _arrays.framework(query), stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
-        plan = planning.plan_attention(p, qsl is not None, max_q, max_ctx, variants,
-                                       alibi is not None, workspace)
-        launches = launch.build(q, o, p, plan, scale, causal,
+        kplan = planning.plan_attention(p, qsl is not None, max_q, max_ctx, variants,
+                                        alibi is not None, workspace)
+        launches = launch.build(q, o, p, kplan, scale, causal,
                                 0 if alibi is None else alibi.data.ptr, variants, workspace)
     return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
             _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))
@@ -214,7 +218,7 @@ class AttentionPlan:
                               logits_soft_cap=logits_soft_cap, sinks=sinks,
                               return_lse=return_lse)
         va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
-        self._prepared, _ = _validate_and_prepare(
+        self._prepared, _ = validate_and_prepare(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
             causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
             kv_cache_dtype, k_scale, v_scale, va)
@@ -232,7 +236,7 @@ class AttentionPlan:
         :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
         m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse, *self._shared))
         if (m is None or m != self._metas or ptrs[5:] != self._shared_ptrs
-                or k_scale is not None or v_scale is not None or _checks.DEBUG
+                or k_scale is not None or v_scale is not None or _checks.debug()
                 or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
             kw = dict(self._keywords)
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):

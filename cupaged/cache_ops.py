@@ -62,7 +62,7 @@ def _check_slots(sm, sources) -> tuple[int, str]:
 def _debug_check_slots(sm, num_slots: int, ctx) -> None:
     """With CUPAGED_DEBUG=1, a slot past the cache raises (a device sync) instead of being
     skipped."""
-    if _checks.DEBUG:
+    if _checks.debug():
         s = _arrays.to_host(sm, ctx)
         bad = np.flatnonzero(s >= num_slots)
         if bad.size:
@@ -91,7 +91,7 @@ def _rows_aligned(a) -> bool:
         st % 16 == 0 for n, st in zip(a.shape[:2], a.strides[:2]) if n > 1)
 
 
-def _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
+def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=None,
                     v_scale=None) -> _Write:
     """Every check of reshape_and_cache, on array metadata only (no device sync)."""
     src = _checks.check_dtype(k, "key")
@@ -185,24 +185,33 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
+    w = validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
     if w.num_tokens == 0:
         return
-    cache, q = w.cache, w.quant
-    num_slots = cache.num_blocks * cache.block_size
-    it = w.source.itemsize
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
-        _debug_check_slots(sm, num_slots, ctx)
-        kern = _kernel(w.device, "reshape_and_cache", w.source.name, w.index, cache.kv_format,
-                       cache.dtype.name, q.mode)
-        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
-             k.data.ptr, k.strides[0] // it, k.strides[1] // it,
-             v.data.ptr, v.strides[0] // it, v.strides[1] // it,
-             kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
-             sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size, num_slots,
-             int(w.vec_src), q.k_ptr, q.v_ptr, q.block_stride, q.head_stride, q.k_value,
-             q.v_value)
+        _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
+        launch_write(write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
+
+
+def write_kernel(w: _Write):
+    """reshape_and_cache's launcher for a validated write (loaded on first use)."""
+    return _kernel(w.device, "reshape_and_cache", w.source.name, w.index, w.cache.kv_format,
+                   w.cache.dtype.name, w.quant.mode)
+
+
+def launch_write(kern, w: _Write, stream: int, k, v, kc, vc, sm) -> None:
+    """Launch a validated write on ``stream`` (a handle) for adapted arrays with the
+    metadata ``w`` was validated with (their addresses are free)."""
+    cache, q = w.cache, w.quant
+    it = w.source.itemsize
+    kern((w.num_tokens, 1, 1), _THREADS, 0, stream,
+         k.data.ptr, k.strides[0] // it, k.strides[1] // it,
+         v.data.ptr, v.strides[0] // it, v.strides[1] // it,
+         kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
+         sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size,
+         cache.num_blocks * cache.block_size, int(w.vec_src), q.k_ptr, q.v_ptr,
+         q.block_stride, q.head_stride, q.k_value, q.v_value)
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
@@ -247,8 +256,9 @@ class _MlaWrite(NamedTuple):
     vec_src: bool
 
 
-def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
-    """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
+def _check_mla_sources(kv_c, k_pe) -> _dtypes.DType:
+    """kv_c's and k_pe's dtype (float16 or bfloat16, one for both) and form (2-D, the last
+    dimension contiguous, strides non-negative); returns their type."""
     src = _checks.check_dtype(kv_c, "kv_c")
     if src.itemsize != 2:
         _fail(f"kv_c must be float16 or bfloat16, got {src.numpy}", TypeError)
@@ -261,6 +271,63 @@ def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
                                         or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
+    return src
+
+
+def _source_rows_aligned(kv_c, k_pe) -> bool:
+    """Does every kv_c and k_pe row start on a 16-byte boundary (vector loads)?"""
+    return all(a.data.ptr % 16 == 0 and (a.shape[0] <= 1 or a.strides[0] % 16 == 0)
+               for a in (kv_c, k_pe))
+
+
+def _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm) -> _MlaWrite:
+    """concat_and_cache_mla's checks for ``kv_cache_dtype="fp8_ds_mla"``: kv_c [n, 512] and
+    k_pe [n, 64] (float16 or bfloat16), one cache of 1-byte rows ``[num_blocks,
+    block_size, (1,) 656]`` 16-byte aligned with strides in multiples of 16 bytes."""
+    src = _check_mla_sources(kv_c, k_pe)
+    nbytes = _dtypes.DS_MLA_BYTES
+    for name, a, n in (("kv_c", kv_c, 512), ("k_pe", k_pe, 64)):
+        if a.shape[1] != n:
+            _fail(f"fp8_ds_mla holds kv_lora_rank 512 and rope_dim 64: {name} must be "
+                  f"[num_tokens, {n}], got shape {a.shape}")
+    if pc is not None:
+        _fail("fp8_ds_mla keeps k_pe in each token's 656-byte row of kv_cache: pass "
+              "k_pe_cache=None")
+    if kc.dtype.itemsize != 1:
+        _fail(f"an fp8_ds_mla kv_cache is 1-byte storage (uint8, int8 or a float8 type) "
+              f"[num_blocks, block_size, {nbytes}], got {kc.dtype}", TypeError)
+    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != nbytes \
+            or (not _checks.is_empty(kc) and kc.strides[-1] != 1):
+        _fail(f"an fp8_ds_mla kv_cache must be [num_blocks, block_size, {nbytes}] (or "
+              f"[num_blocks, block_size, 1, {nbytes}], FlashMLA's) with its rows contiguous, "
+              f"got shape {kc.shape} with strides {kc.strides}")
+    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    if block_size == 0:
+        _fail("kv_cache has blocks of 0 tokens")
+    if not _checks.is_empty(kc):
+        _checks.check_aligned(kc.data.ptr, "kv_cache")
+        if any(n > 1 and (st % 16 or st < 0) for n, st in zip(kc.shape[:2], kc.strides[:2])):
+            _fail(f"kv_cache's block and token strides must be non-negative multiples of 16 "
+                  f"bytes (its rows are written 16 bytes at a time), got {kc.strides}")
+    num_tokens, index = _check_slots(sm, (("kv_c", kv_c), ("k_pe", k_pe)))
+    device = kc.data.device_id
+    _checks.check_same_device(device, "kv_cache", (("kv_c", kv_c), ("k_pe", k_pe),
+                                                   ("slot_mapping", sm)))
+    rows = (kc.data.ptr, kc.strides[0], kc.strides[1])  # bytes
+    return _MlaWrite(num_tokens, index, device, src, _dtypes.DS_MLA, 512, 64, block_size,
+                     num_blocks, rows, rows, _source_rows_aligned(kv_c, k_pe))
+
+
+def validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
+    """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE:
+        return _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm)
+    if kv_cache_dtype in ("auto", None) and kc.dtype.itemsize == 1 and kc.ndim in (3, 4) \
+            and kc.shape[-1] == _dtypes.DS_MLA_BYTES:
+        _fail(f"kv_cache is {kc.dtype} with {_dtypes.DS_MLA_BYTES}-byte rows: for "
+              f"DeepSeek-V3.2's sparse cache pass kv_cache_dtype='fp8_ds_mla' (for an fp8 "
+              f"latent cache, 'fp8_e4m3' or 'fp8_e5m2')", TypeError)
+    src = _check_mla_sources(kv_c, k_pe)
     rank, rope = kv_c.shape[1], k_pe.shape[1]
     for name, n in (("kv_c", rank), ("k_pe", rope)):
         if n == 0 or n % 8:
@@ -307,10 +374,8 @@ def _validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
     latent = (kc.data.ptr, kc.strides[0] // it, kc.strides[1] // it)
     rope_dst = ((kc.data.ptr + rank * it, *latent[1:]) if pc is None  # the same rows
                 else (pc.data.ptr, pc.strides[0] // it, pc.strides[1] // it))
-    vec = all(a.data.ptr % 16 == 0 and (a.shape[0] <= 1 or a.strides[0] % 16 == 0)
-              for a in (kv_c, k_pe))
     return _MlaWrite(num_tokens, index, device, src, dt, rank, rope, block_size, num_blocks,
-                     latent, rope_dst, vec)
+                     latent, rope_dst, _source_rows_aligned(kv_c, k_pe))
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
@@ -338,15 +403,28 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
         kv_cache_dtype: ``"auto"`` (the cache holds kv_c's dtype, or the fp8 format its
             float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
             storage). An fp8 cache stores ``x / scale`` divided, rounded to nearest even
-            and saturated exactly as :func:`reshape_and_cache` does.
+            and saturated exactly as :func:`reshape_and_cache` does. ``"fp8_ds_mla"``:
+            DeepSeek-V3.2's sparse-attention cache (below).
         scale: the fp8 cache's one scale, per tensor, in the forms every entry point
             takes (a positive finite number, a one-element CPU torch tensor or a
             one-element float32 device array; default 1). MLA's latent cache has no
             per-token scales: an array of more than one element raises ValueError.
-            Ignored (unchecked) for 16-bit caches.
+            Ignored (unchecked) for 16-bit caches and for ``"fp8_ds_mla"``.
         k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
             the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
-            cache.
+            cache (and for ``"fp8_ds_mla"``).
+
+    ``kv_cache_dtype="fp8_ds_mla"`` (vLLM's name) writes DeepSeek-V3.2's 656-byte token
+    rows: kv_c ``[n, 512]`` in e4m3 (bytes 0-511), each group of 128 values divided by its
+    own scale ``max(amax / 448, FLT_MIN)`` (amax of the group's ``|kv_c|``, NaN skipped),
+    the four scales as float32 (bytes 512-527), then k_pe ``[n, 64]`` as bfloat16 (bytes
+    528-655; a float16 k_pe is rounded to bfloat16). kv_cache is 1-byte storage (uint8,
+    int8 or a float8 type) ``[num_blocks, block_size, 656]`` or ``[num_blocks,
+    block_size, 1, 656]`` (FlashMLA's), 16-byte aligned with block and token strides in
+    multiples of 16 bytes. ``scale`` is ignored, as vLLM's kernel ignores it: the format
+    computes its scales. ``cupaged.reference.concat_and_cache_sparse_mla`` is the statement
+    of the bytes (bit for bit vLLM's for bfloat16 sources). No cupaged kernel reads the
+    format yet; :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
         stream: as for :func:`reshape_and_cache`.
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
@@ -357,23 +435,43 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     kc = as_device_array(kv_cache, "kv_cache")
     pc = None if k_pe_cache is None else as_device_array(k_pe_cache, "k_pe_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
-    w = _validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
-    fp8 = w.cache is not w.source
+    w = validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
+    ds = w.cache is _dtypes.DS_MLA
+    fp8 = w.cache is not w.source and not ds
+    # fp8_ds_mla computes its own scales: the argument is ignored, as vLLM's kernel does
     sp, sv, sa = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale, "scale",
                                        per_token=False)
     _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
     if w.num_tokens == 0:
         return
-    num_slots = w.num_blocks * w.block_size
     with _arrays.on_device(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
-        _debug_check_slots(sm, num_slots, ctx)
-        kern = _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
-                       cache_dtype=w.cache.name)
-        kern((w.num_tokens, 1, 1), _THREADS, 0, ctx.stream,
-             a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *w.latent,
-             *w.rope_dst, sm.data.ptr, w.rank, w.rope, w.block_size, num_slots,
-             int(w.vec_src), sp, sv)
+        _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
+        launch_mla_write(mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
+
+
+def mla_write_kernel(w: _MlaWrite):
+    """concat_and_cache_mla's launcher for a validated write (loaded on first use)."""
+    return _kernel(w.device, "concat_and_cache_mla", w.source.name, w.index,
+                   cache_dtype=w.cache.name)
+
+
+def launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_ptr: int,
+                      scale_value: float) -> None:
+    """Launch a validated MLA write on ``stream`` (a handle) for adapted arrays with the
+    metadata ``w`` was validated with (``pc``: None for a combined cache; the addresses
+    are free: the destinations' are taken from ``kc`` and ``pc``, not from ``w``)."""
+    latent = (kc.data.ptr, *w.latent[1:])
+    # a combined cache's rope part: at the validated offset from the latent part's start
+    rope = ((kc.data.ptr + (w.rope_dst[0] - w.latent[0]), *w.rope_dst[1:]) if pc is None
+            else (pc.data.ptr, *w.rope_dst[1:]))
+    # fp8_ds_mla: a warp per token; the others: a CTA per token
+    ds = w.cache is _dtypes.DS_MLA
+    grid = -(-w.num_tokens // (_THREADS // 32)) if ds else w.num_tokens
+    kern((grid, 1, 1), _THREADS, 0, stream,
+         a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *latent, *rope,
+         sm.data.ptr, w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks * w.block_size,
+         int(w.vec_src), scale_ptr, scale_value)
 
 
 def _block_bytes(a, name: str) -> int:
@@ -502,7 +600,7 @@ def _copy_within(tensors, mapping, index: str, nbytes: int, num_blocks: int, dev
         return
     with _arrays.on_device(device):
         ctx = _arrays.context(device, _arrays.framework(framework_of), stream)
-        if _checks.DEBUG:
+        if _checks.debug():
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
         _launch_copy(ctx, tensors, mapping, index, mapping.shape[0], nbytes, num_blocks,
                      num_blocks)
@@ -713,7 +811,7 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
             host_pairs = mapping if on_host else _arrays.to_host(mapping, ctx)
             _swap_staged(ctx, src_s, dst_s, host_pairs, nbytes)
             return
-        if _checks.DEBUG:
+        if _checks.debug():
             _check_mapping_range(mapping, src_a.shape[0], dst_a.shape[0], ctx)
         if on_host:  # uploaded in the launch stream's order
             with _arrays.cupy_on_launch_stream(ctx):

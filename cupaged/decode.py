@@ -69,7 +69,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
     max_ctx = validation.max_context(max_context_len, p)
     workspace = launch.workspace_partials(workspace, p)
     variants, lse = validation.variant_setup(va, p)
-    if _checks.DEBUG:
+    if _checks.debug():
         with _arrays.on_device(p.device):
             validation.check_tables_on_device(
                 bt, cl, p.num_blocks, p.block_size,

@@ -79,9 +79,12 @@ _KERNELS = {
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
+    # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
+# The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
+SPARSE_MLA_KERNELS = ("concat_and_cache_mla",)
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
@@ -94,7 +97,7 @@ ARG_FORMATS = {
     "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
     "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
-    "paged_decode_combine": "PPPPPiiii48s",
+    "paged_decode_combine": "PPPPPPiiiii48s",
     # partials, split_tiles, row tiles; q latent / rope and their strides; cache latent / rope and
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
@@ -102,7 +105,9 @@ ARG_FORMATS = {
     "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",  # mla_attention's
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
-    "concat_and_cache_mla": "PqPqPqqPqqPiiiqiPf",
+    # sources; latent and rope destinations; slots, num_tokens, widths, block size,
+    # num_slots, vec, the fp8 scale (pointer, value)
+    "concat_and_cache_mla": "PqPqPqqPqqPiiiiqiPf",
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
@@ -209,7 +214,8 @@ class KernelSpec:
     m_atoms: int = 0  # paged_prefill: 16-row mma tiles per warp
     rope_dim: int = 0  # mla_attention: the key's rotary dims after the latent head_size
     rows: int = 0  # mla_attention: packed query rows (tokens x heads) per CTA
-    cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same
+    cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same;
+    #                        "dsmla": DeepSeek-V3.2's sparse rows (concat_and_cache_mla)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
@@ -226,9 +232,14 @@ class KernelSpec:
         if "cache_dtype" in params:
             if self.cache_dtype in ("", self.dtype):
                 object.__setattr__(self, "cache_dtype", self.dtype)
+            elif self.cache_dtype in _dtypes.SPARSE_MLA:
+                if self.kernel not in SPARSE_MLA_KERNELS:
+                    raise ValueError(f"cache_dtype {self.cache_dtype!r} (the sparse MLA cache) "
+                                     f"is taken by {', '.join(SPARSE_MLA_KERNELS)} only: "
+                                     f"{self!r}")
             elif self.cache_dtype not in _dtypes.FP8:
                 raise ValueError(f"cache_dtype must be the dtype or one of {sorted(_dtypes.FP8)} "
-                                 f"in {self!r}")
+                                 f"(or 'dsmla' for concat_and_cache_mla) in {self!r}")
             if self.kv_scale not in KV_SCALES:
                 raise ValueError(f"kv_scale must be one of {sorted(KV_SCALES)} in {self!r}")
             if self.kv_scale and self.cache_dtype not in _dtypes.FP8:

@@ -1077,6 +1077,10 @@ class PagedMLACache(_PagedCache):
                              f"supported: mla_attention is built for 512 and 64 (DeepSeek's)")
         if num_layers <= 0:
             raise ValueError(f"need num_layers > 0, got {num_layers}")
+        from . import _dtypes
+
+        _dtypes.refuse_ds_mla(kv_cache_dtype, "PagedMLACache (a dense latent cache for "
+                                              "mla_attention)")
         fmt = _fp8_format(kv_cache_dtype, "tensor", dt)
         self._init_common(num_blocks, block_size, prefix_caching, framework, device)
         self.dtype = dt.numpy

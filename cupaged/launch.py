@@ -101,9 +101,11 @@ class Launch(NamedTuple):
                     *((parts.counters,) if merges_here else self.head), q, *self.q_strides,
                     k, v, *self.kv_strides, bt, *self.kv_tail, lens, starts, *self.tail, vp)
         if not merges_here:
-            # paged_prefill writes every partial row, so its combine takes all (no lengths).
+            # The multi-token kernels write every partial row of a sequence, so their
+            # combine takes all (no lengths) but the rows outside the query starts.
             self.combine(self.combine_grid, COMBINE_THREADS, 0, ctx.stream, out, po, pm, ps,
-                         0 if self.prefill else lens, *self.combine_tail, vp)
+                         *((0, starts) if self.prefill else (lens, 0)), *self.combine_tail,
+                         vp)
         del keep  # the scratch is freed in the stream's order, after the launches
 
 
@@ -338,7 +340,7 @@ class MlaLaunch(NamedTuple):
                     parts.part_out, parts.part_max, parts.part_sum, self.split_tiles,
                     self.row_tiles, *rest)
         self.combine(self.combine_grid, COMBINE_THREADS, 0, ctx.stream, out, parts.part_out,
-                     parts.part_max, parts.part_sum, 0, *self.combine_tail, vp)
+                     parts.part_max, parts.part_sum, 0, starts, *self.combine_tail, vp)
         del keep  # the scratch is freed in the stream's order, after the launches
 
 

@@ -41,7 +41,7 @@ _fail = _checks.fail
 
 
 @jit.launcher_cache
-def _kernel(device_id: int, dtype: str):
+def merge_kernel(device_id: int, dtype: str):
     spec = jit.KernelSpec("merge_states", dtype, arch=planning.device_info(device_id).arch)
     return jit.load(spec, device_id)
 
@@ -171,7 +171,7 @@ def _check_apart(outputs, inputs, first: dict) -> None:
                       f"the first partial ({first[oname]}), and overlap nothing else")
 
 
-def _validate(outs: list, lses: list, out=None, lse_out=None) -> _Merge:
+def validate_merge(outs: list, lses: list, out=None, lse_out=None) -> _Merge:
     """Every check, on array metadata only (no device sync). ``outs``, ``lses``: ``(name,
     adapted array)`` per partial; ``out``, ``lse_out``: adapted arrays or None."""
     if not outs:
@@ -218,7 +218,7 @@ def _pack(chunk) -> bytes:
     return _INPUTS.pack(*(v for field in zip(*chunk) for v in (*field, *pad)), len(chunk))
 
 
-def _launch(ctx: _arrays.Context, m: _Merge, o, lo) -> None:
+def launch_merge(ctx: _arrays.Context, m: _Merge, o, lo) -> None:
     """Merge into ``o``, ``lo`` (adapted): the first 8 partials in one launch, then the
     running result (read from ``o``, ``lo`` in place) with up to 7 more per launch. With
     ``ctx.device`` current."""
@@ -230,7 +230,7 @@ def _launch(ctx: _arrays.Context, m: _Merge, o, lo) -> None:
     grid = -(-((rows * heads) << shift) // _THREADS)
     running = _Input(o.data.ptr, lo.data.ptr, o.strides[0] // it, o.strides[1] // it,
                      lo.strides[0] // 4, lo.strides[1] // 4)
-    kern = _kernel(ctx.device, m.dtype.name)
+    kern = merge_kernel(ctx.device, m.dtype.name)
     tail = (o.data.ptr, running.out_row, running.out_head, lo.data.ptr, running.lse_row,
             running.lse_head, rows, heads, hs, shift, int(vec))
     inputs = m.inputs
@@ -243,7 +243,7 @@ def _launch(ctx: _arrays.Context, m: _Merge, o, lo) -> None:
 def _merge(outs: list, lses: list, out, lse_out, stream, kind: str):
     o = optional_output_array(out, "out")
     lo = optional_output_array(lse_out, "lse_out")
-    m = _validate(outs, lses, o, lo)
+    m = validate_merge(outs, lses, o, lo)
     with _arrays.on_device(m.device):
         ctx = _arrays.context(m.device, kind, stream)
         made_out, made_lse = o is None, lo is None
@@ -252,7 +252,7 @@ def _merge(outs: list, lses: list, out, lse_out, stream, kind: str):
         if made_lse:
             lo, lse_out = _arrays.empty(ctx, m.shape[:2], np.float32)
         if m.shape[0] * m.shape[1]:
-            _launch(ctx, m, o, lo)
+            launch_merge(ctx, m, o, lo)
         if made_out:
             out = _arrays.hand_over(ctx, out)
         if made_lse:

@@ -121,7 +121,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                          kv_cache_dtype, pair), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
     if prep is None or _prepared.any_overlap(prep.disjoint, ptrs):
-        prep, ptrs = _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc,
+        prep, ptrs = validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc,
                                            scale, kv_lora_rank, k_pe_cache, causal,
                                            max_query_len, max_seq_len, out, return_lse, lse,
                                            stream, kv_cache_dtype, k_scale, workspace)
@@ -133,11 +133,13 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                                 bt, lens, starts, o, lse_ptr), stream, out, lse)
 
 
-def _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
                           kv_lora_rank, k_pe_cache, causal, max_query_len, max_seq_len, out,
-                          return_lse, lse, stream, kv_cache_dtype, k_scale, workspace) -> tuple:
+                          return_lse, lse, stream, kv_cache_dtype, k_scale, workspace,
+                          plan: bool = True) -> tuple:
     """``(prepared call, addresses)`` of an mla_attention call: every check (CUPAGED_DEBUG's
-    device reads too), then the plan of its launches. The addresses: q's (q_nope's),
+    device reads too), then the plan of its launches (``plan=False``: the checks on
+    metadata alone, which need no device, giving ``(None, None)``). The addresses: q's (q_nope's),
     q_pe's (0 for a single q), the caches', the tables', lengths', query starts', out's
     and lse's (0 for none)."""
     if scale is None:
@@ -179,17 +181,19 @@ def _validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, 
         parts = workspace.partials(p.device, p.rank)
     wants_lse = bool(return_lse) or lse is not None
     kind = _arrays.framework(first)
+    if not plan:
+        return None, None
     with _arrays.on_device(p.device):
-        if _checks.DEBUG:
+        if _checks.debug():
             ctx = _arrays.context(p.device, kind, stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)
-        plan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
-                                 p.block_size, p.num_seqs, p.num_rows, p.num_heads, max_q,
-                                 max_ctx, None if parts is None else parts.max_rows)
-        launches = None if plan is None else launch.build_mla(
-            p, plan, scale, causal, (scale_ptr, scale_value), parts)
+        mplan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
+                                  p.block_size, p.num_seqs, p.num_rows, p.num_heads, max_q,
+                                  max_ctx, None if parts is None else parts.max_rows)
+        launches = None if mplan is None else launch.build_mla(
+            p, mplan, scale, causal, (scale_ptr, scale_value), parts)
     q_lat, q_pe = qa if pair else (qa, None)
     # The checks of validate_mla that read addresses, to repeat at each call's own.
     disjoint = _prepared.disjoint_spans(((7, o), (8, lse_a)),

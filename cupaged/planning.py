@@ -530,7 +530,7 @@ class KernelPlan(NamedTuple):
     partitions: int = 1
     combine: jit.Launcher | None = None  # merges the partials when the kernel does not
     combine_grid: tuple = ()
-    combine_tail: tuple = ()  # the combine's arguments after the lengths
+    combine_tail: tuple = ()  # the combine's arguments after the lengths and query starts
 
 
 class Choice(NamedTuple):
@@ -643,7 +643,7 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
     if not size or counted:
         return plan
     return plan._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
-                         combine_tail=(p.max_blocks * p.block_size, size, n_parts,
+                         combine_tail=(p.max_blocks * p.block_size, 0, size, n_parts,
                                        ks.tile_tokens))
 
 
@@ -679,7 +679,7 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     # (The combine is loaded here, not with the kernel: most multi-token calls never split.)
     return plan._replace(combine=combine_kernel(p.device, p.dtype.name, p.head_size),
                          combine_grid=(p.num_rows, p.num_heads, 1),
-                         combine_tail=(0, size, n_parts, k.tile_tokens))
+                         combine_tail=(0, p.num_seqs, size, n_parts, k.tile_tokens))
 
 
 # ---- absorbed MLA (mla_attention) ------------------------------------------------------------
@@ -858,4 +858,4 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
         return MlaPlan(k, (num_seqs * row_tiles, 1, 1), row_tiles, 0, 1)
     return MlaPlan(k, (num_seqs * row_tiles, 1, parts), row_tiles, split, parts,
                    combine_kernel(device, dtype, rank), (num_rows, num_heads, 1),
-                   (0, split * tt, parts, tt))
+                   (0, num_seqs, split * tt, parts, tt))

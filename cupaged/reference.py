@@ -17,7 +17,7 @@ fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays 
 "auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
 
-DeepSeek sparse attention (reference only, no kernel yet): :func:`sparse_mla_attention`
+DeepSeek sparse attention (a reference: no kernel of cupaged reads these caches): :func:`sparse_mla_attention`
 over top-k indices into a paged cache, FlashMLA's sparse interface, and the caches' token
 formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
 with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
@@ -464,7 +464,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
 #
 # DeepSeek-V3.2 and V4 attend each query token to its top-k cached tokens only (k = 2048 for
 # V3.2), named by global slots of a paged cache; FlashMLA's sparse kernels and vLLM's caches
-# define the interface. Reference only: no kernel reads these caches yet.
+# define the interface. A reference: no kernel of cupaged reads these caches.
 
 SPARSE_KV_FORMATS = {
     # name: (bytes per token, dims per token (d_qk)); "auto" caches hold the values themselves

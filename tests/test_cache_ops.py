@@ -139,7 +139,7 @@ def test_reshape_and_cache_matches_numpy(rng, layout, dtype, hs, bs, slot_dtype)
             d_key, d_value = src_view([cupy.asarray(r) for r in src_roots])
             d_kc, d_vc = view(d_roots)
             d_slots = cupy.asarray(slots)
-            w = cache_ops._validate_write(d_key, d_value, d_kc, d_vc, d_slots, layout)
+            w = cache_ops.validate_write(d_key, d_value, d_kc, d_vc, d_slots, layout)
             assert w.vec_src == (src_kind != "unaligned"), what  # both load paths run
             cupaged.reshape_and_cache(d_key, d_value, d_kc, d_vc, d_slots, **_layout_kw(layout))
             for got, exp in zip(d_roots, want):
@@ -748,7 +748,7 @@ def wargs(layout="NHD", dtype=np.float16, n=3, kvh=2, hs=64, bs=16, nb=10):
 def wvalidate(**a):
     layout = a.pop("kv_layout")
     f = {k: (v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
-    return cache_ops._validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
+    return cache_ops.validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
                                      f["slot_mapping"], layout)
 
 
@@ -911,19 +911,19 @@ def test_per_token_scales_may_not_overlap_what_the_write_reads(monkeypatch):
     value = Fake(np.zeros((3, 2, 64), np.float16), ptr=(1 << 26) + 4096)
     sm = Fake(np.zeros(3, np.int64), ptr=1 << 27)
     scale = lambda ptr: Fake(np.zeros((4, 2, 16), np.float32), ptr=ptr)  # noqa: E731
-    ok = cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+    ok = cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
                                    scale((1 << 28) + 4096))
     assert ok.quant.mode == "th"
     for name, ptr in (("key", 1 << 26), ("value", (1 << 26) + 4096 + 64), ("slot_mapping", 1 << 27)):
         with pytest.raises(ValueError, match=rf"(v_scale and {name}|{name} and v_scale) overlap"):
-            cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+            cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
                                       scale(ptr))
     with pytest.raises(ValueError, match="k_scale and v_scale overlap"):
-        cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+        cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
                                   scale((1 << 28) + 256))
     wide = Fake(np.zeros((4, 4, 16), np.float32)[:, :2], ptr=1 << 29)  # head stride 2x
     with pytest.raises(ValueError, match="k_scale and v_scale must have the same strides"):
-        cache_ops._validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28), wide)
+        cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28), wide)
     del a
 
 
@@ -1087,7 +1087,7 @@ def test_concat_and_cache_mla_writes_what_the_reference_writes(rng, form, dtype,
     dev = [cupy.asarray(r) for r in roots]
     kc, pc = view(dev)
     d_slots = cupy.asarray(slots)
-    w8 = cache_ops._validate_mla_write(d_kv_c, d_k_pe, kc, pc, d_slots, kv)
+    w8 = cache_ops.validate_mla_write(d_kv_c, d_k_pe, kc, pc, d_slots, kv)
     assert w8.vec_src == (source == "contiguous")  # both load paths are exercised
     cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, d_slots, kv, scale, k_pe_cache=pc)
     for got, w in zip(dev, want):
@@ -1118,7 +1118,7 @@ def margs(form="combined", dtype=np.float16, n=3, rank=512, rope=64, bs=16, nb=1
 def mvalidate(**a):
     kv = a.pop("kv_cache_dtype")
     f = {k: (None if v is None else v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
-    return cache_ops._validate_mla_write(f["kv_c"], f["k_pe"], f["kv_cache"], f["k_pe_cache"],
+    return cache_ops.validate_mla_write(f["kv_c"], f["k_pe"], f["kv_cache"], f["k_pe_cache"],
                                          f["slot_mapping"], kv)
 
 
@@ -1398,7 +1398,7 @@ def _entry_point_checks(fake_device):
             q, nhd, nhd, tables, lens, None, None, None, "NHD", "fp8", s, s),
         "paged_attention": lambda s: validation.validate_decode(
             q, vk, vv, tables, lens, None, None, "fp8", s, s),
-        "reshape_and_cache": lambda s: cache_ops._validate_write(
+        "reshape_and_cache": lambda s: cache_ops.validate_write(
             kv, kv, nhd, nhd, Fake(np.zeros(3, np.int64)), "NHD", "fp8", s, s),
         "concat_and_cache_mla": lambda s: cupaged.concat_and_cache_mla(
             Fake(np.zeros((3, MLA_RANK), f16)), Fake(np.zeros((3, MLA_ROPE), f16)), lat,
@@ -1495,3 +1495,455 @@ def test_every_per_tensor_scale_form_writes_torchs_true_division(rng, fmt, src_d
         cache = torch.zeros(4, bs, MLA_RANK + MLA_ROPE, dtype=torch.uint8, device=dev)
         cupaged.concat_and_cache_mla(kv_c, k_pe, cache, slots, fmt, form)
         assert torch.equal(cache.view(-1, MLA_RANK + MLA_ROPE)[:n], want), repr(form)
+
+
+# ---- fp8_ds_mla: DeepSeek-V3.2's sparse cache rows (concat_and_cache_mla) ---------------------
+
+DS_BYTES = 656
+BF16 = _dtypes.BF16.numpy
+
+
+def dsargs(n=3, bs=16, nb=10, dtype=BF16, cache=None):
+    return dict(kv_c=np.zeros((n, 512), dtype), k_pe=np.zeros((n, 64), dtype),
+                kv_cache=np.zeros((nb, bs, DS_BYTES), np.uint8) if cache is None else cache,
+                k_pe_cache=None, slot_mapping=np.zeros(n, np.int64),
+                kv_cache_dtype="fp8_ds_mla")
+
+
+def dsbad(**changes):
+    a = dsargs()
+    a.update(changes)
+    return a
+
+
+def test_ds_mla_write_is_described():
+    """One 656-byte row a token (strides in bytes), any 1-byte storage, FlashMLA's 4-D
+    form too; kv_lora_rank 512 and rope_dim 64."""
+    w = mvalidate(**dsargs())
+    assert w.cache is _dtypes.DS_MLA and w.source is _dtypes.BF16
+    assert (w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks) == (3, 512, 64, 16, 10)
+    assert w.latent == w.rope_dst == (1 << 20, 16 * DS_BYTES, DS_BYTES) and w.vec_src
+    for cache in (np.zeros((10, 64, 1, DS_BYTES), np.uint8), np.zeros((10, 64, DS_BYTES), np.int8),
+                  np.zeros((10, 64, DS_BYTES), _dtypes.E4M3.numpy)):
+        w = mvalidate(**dsargs(cache=cache))
+        assert w.latent[1:] == (64 * DS_BYTES, DS_BYTES) and w.block_size == 64
+    # a block-strided view (every other block) and a token-strided one (rows of 672 bytes)
+    root = np.zeros((20, 16, DS_BYTES), np.uint8)
+    assert mvalidate(**dsargs(cache=fake_view(root[::2], root))).latent[1:] == \
+        (2 * 16 * DS_BYTES, DS_BYTES)
+    wide = np.zeros((10, 16, 672), np.uint8)
+    assert mvalidate(**dsargs(cache=fake_view(wide[:, :, :DS_BYTES], wide))).latent[1:] == \
+        (16 * 672, 672)
+    assert mvalidate(**dsargs(dtype=np.float16)).source is _dtypes.F16
+    # sources: row-strided slices of wider rows (vector loads when 16-byte aligned)
+    src = np.zeros((3, 600), BF16)
+    assert mvalidate(**dsbad(kv_c=fake_view(src[:, 8:520], src))).vec_src
+    assert not mvalidate(**dsbad(kv_c=fake_view(src[:, 1:513], src))).vec_src
+
+
+@pytest.mark.parametrize("a, exc, match", [
+    (dsbad(kv_c=np.zeros((3, 576), BF16)), ValueError,
+     r"fp8_ds_mla holds kv_lora_rank 512 and rope_dim 64: kv_c must be \[num_tokens, 512\]"),
+    (dsbad(k_pe=np.zeros((3, 32), BF16)), ValueError, r"k_pe must be \[num_tokens, 64\]"),
+    (dsbad(kv_c=np.zeros((3, 512), np.float32), k_pe=np.zeros((3, 64), np.float32)), TypeError,
+     "kv_c must be float16 or bfloat16"),
+    (dsbad(k_pe=np.zeros((3, 64), np.float16)), TypeError, "k_pe dtype float16 does not match"),
+    (dsbad(kv_c=np.zeros((3, 1024), BF16)[:, ::2]), ValueError,
+     "kv_c's last dimension must be contiguous"),
+    (dsbad(k_pe_cache=np.zeros((10, 16, 64), BF16)), ValueError,
+     "fp8_ds_mla keeps k_pe in each token's 656-byte row of kv_cache: pass k_pe_cache=None"),
+    (dsbad(kv_cache=np.zeros((10, 16, 328), np.float16)), TypeError,
+     r"an fp8_ds_mla kv_cache is 1-byte storage \(uint8, int8 or a float8 type\)"),
+    (dsbad(kv_cache=np.zeros((10, 16, 576), np.uint8)), ValueError,
+     r"an fp8_ds_mla kv_cache must be \[num_blocks, block_size, 656\] \(or \[num_blocks, "
+     r"block_size, 1, 656\], FlashMLA's\)"),
+    (dsbad(kv_cache=np.zeros((10, 16, 2, DS_BYTES), np.uint8)), ValueError,
+     r"must be \[num_blocks, block_size, 656\]"),
+    (dsbad(kv_cache=np.zeros((10, DS_BYTES), np.uint8)), ValueError,
+     r"must be \[num_blocks, block_size, 656\]"),
+    (dsbad(kv_cache=np.zeros((10, 16, 2 * DS_BYTES), np.uint8)[:, :, ::2]), ValueError,
+     "with its rows contiguous"),
+    (dsbad(kv_cache=np.zeros((10, 0, DS_BYTES), np.uint8)), ValueError,
+     "kv_cache has blocks of 0 tokens"),
+    (dsbad(kv_cache=Fake(np.zeros((10, 16, DS_BYTES), np.uint8), ptr=(1 << 20) + 8)), ValueError,
+     "kv_cache must start on a 16-byte boundary"),
+    (dsbad(kv_cache=np.zeros((10, 16, DS_BYTES + 8), np.uint8)[:, :, :DS_BYTES]), ValueError,
+     r"kv_cache's block and token strides must be non-negative multiples of 16 bytes \(its "
+     r"rows are written 16 bytes at a time\), got \(10624, 664, 1\)"),
+    (dsbad(slot_mapping=np.zeros(3, np.float32)), TypeError, "slot_mapping must be int32 or int64"),
+    (dsbad(slot_mapping=np.zeros(4, np.int64)), ValueError,
+     "kv_c has 3 tokens but slot_mapping has 4"),
+    (dsbad(k_pe=Fake(np.zeros((3, 64), BF16), device=1)), ValueError,
+     "k_pe is on device 1 but kv_cache is on device 0"),
+    # a 656-byte cache under another name: the message names the format
+    (dsbad(kv_cache_dtype="auto"), TypeError,
+     "kv_cache is uint8 with 656-byte rows: for DeepSeek-V3.2's sparse cache pass "
+     "kv_cache_dtype='fp8_ds_mla'"),
+    (dsbad(kv_cache_dtype="fp8_e4m3"), ValueError,
+     r"kv_cache's last dimension must be kv_lora_rank \+ rope_dim = 512 \+ 64"),
+])
+def test_bad_ds_mla_writes_are_refused_by_name(a, exc, match):
+    with pytest.raises(exc, match=match):
+        mvalidate(**a)
+
+
+def test_ds_mla_write_launches_a_warp_per_token_and_ignores_scale(monkeypatch):
+    """Four tokens a CTA (ceil(num_tokens / 4) CTAs), the rows' bytes and strides, and no
+    scale read or checked (vLLM's kernel ignores the one it is passed: the format computes
+    its own)."""
+    monkeypatch.setattr(cache_ops, "as_device_array",
+                        lambda x, name: x if isinstance(x, Fake) else Fake(x))
+    monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "context",
+                        lambda device, kind, stream=None: _arrays.Context(device, 7, "cupy", False))
+    launches = []
+
+    def kernel(device, name, dtype, index, cache_dtype=""):
+        return lambda grid, block, smem, stream, *args: launches.append(
+            (name, dtype, index, cache_dtype, grid, block, stream, args))
+
+    monkeypatch.setattr(cache_ops, "_kernel", kernel)
+    a = dsargs(n=9)
+    args = [Fake(a[k]) for k in ("kv_c", "k_pe", "kv_cache", "slot_mapping")]
+    for scale in (None, 1.0, -1.0, Fake(np.zeros((10, 1, 16), np.float32), device=3)):
+        cupaged.concat_and_cache_mla(*args, "fp8_ds_mla", scale)
+    assert len(launches) == 4 and len(set(launches)) == 1
+    name, dtype, index, cache, grid, block, stream, p = launches[0]
+    assert (name, dtype, index, cache, grid, block, stream) == (
+        "concat_and_cache_mla", "bf16", "i64", "dsmla", (3, 1, 1), 128, 7)
+    # kv_c, stride, k_pe, stride, rows (ptr, block, token) twice, slots, num_tokens, 512,
+    # 64, block size, num_slots, vec, no scale
+    assert p[4:7] == (1 << 20, 16 * DS_BYTES, DS_BYTES) and p[4:7] == p[7:10]
+    assert p[11:] == (9, 512, 64, 16, 160, 1, 0, 1.0)
+    assert len(p) == len(jit_arg_tokens("concat_and_cache_mla"))
+    cupaged.concat_and_cache_mla(*[Fake(x) for x in (a["kv_c"][:0], a["k_pe"][:0])],
+                                 args[2], Fake(a["slot_mapping"][:0]), "fp8_ds_mla", None)
+    assert len(launches) == 4  # no tokens: no launch
+
+
+def jit_arg_tokens(kernel):
+    from cupaged import jit
+
+    return jit._ARG_TOKEN.findall(jit.ARG_FORMATS[kernel])
+
+
+def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():
+    """Only concat_and_cache_mla writes the format and no kernel reads it: every other
+    entry point that takes a kv_cache_dtype names it in its refusal."""
+    from cupaged import jit, validation
+    from test_validation import args as dargs
+
+    said = r"kv_cache_dtype='fp8_ds_mla' \(DeepSeek-V3.2's sparse MLA cache\) is written by " \
+           r"concat_and_cache_mla"
+    a = wargs()
+    f = {k: Fake(a[k]) for k in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
+    with pytest.raises(ValueError, match=said):
+        cache_ops.validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
+                                  f["slot_mapping"], "NHD", "fp8_ds_mla")
+    d = {k: (None if v is None else Fake(v)) for k, v in dargs().items()}
+    with pytest.raises(ValueError, match=said):
+        validation.validate_decode(*d.values(), kv_cache_dtype="fp8_ds_mla")
+    q = Fake(np.zeros((2, 16, 576), BF16))
+    cache = Fake(np.zeros((10, 16, DS_BYTES), np.uint8))
+    with pytest.raises(ValueError, match=said):
+        validation.validate_mla(q, cache, None, Fake(np.zeros((2, 4), np.int32)),
+                                Fake(np.zeros(2, np.int32)), None, None, None, None,
+                                "fp8_ds_mla")
+    with pytest.raises(ValueError, match=said + r".*PagedMLACache"):
+        cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match=said):
+        cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla only"):
+        jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype="dsmla", index_dtype="i64")
+    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla only"):
+        jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype="dsmla")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_ds_mla_writer_compiles_for_every_target(arch):
+    """The four specializations (float16 / bfloat16 sources, int32 / int64 slots) through
+    NVRTC and ptxas (no GPU): sm_80 the software e4m3 conversion, sm_89 and sm_90a the
+    instruction; the launch packs what they take."""
+    from cupaged import jit
+    from test_jit import _mangled_params
+
+    specs = [jit.KernelSpec("concat_and_cache_mla", d, cache_dtype="dsmla", index_dtype=i,
+                            arch=arch) for d in ("f16", "bf16") for i in ("i32", "i64")]
+    assert specs[3].name == f"concat_and_cache_mla_bf16_dsmla_i64_{arch.replace('_', '')}"
+    assert specs[3].name_expression == ("cupaged::concat_and_cache_mla<cupaged::bfloat16_t, "
+                                        "cupaged::fp8_ds_mla_t, long long>")
+    binary, lowered = jit._compile("cache_ops.cu", arch, [s.name_expression for s in specs],
+                                   f"ds_mla_{arch}")
+    assert binary
+    for s in specs:
+        assert _mangled_params(lowered[s.name_expression]) == jit.ARG_FORMATS[s.kernel]
+
+
+@pytest.mark.parametrize("shape", [(10, 64, DS_BYTES), (10, 64, 1, DS_BYTES)])
+def test_copy_blocks_mla_copies_ds_mla_blocks(fake_device, shape):
+    """An fp8_ds_mla cache's blocks are runs of block_size * 656 bytes (a multiple of 16):
+    copy_blocks_mla moves them whole, in either form."""
+    layers = [Fake(np.zeros(shape, np.uint8), ptr=(1 << 24) * (i + 1)) for i in range(2)]
+    cupaged.copy_blocks_mla(layers, Fake(np.zeros((4, 2), np.int64)))
+    (tensors, nbytes, src_blocks, dst_blocks), = fake_device
+    assert (nbytes, src_blocks, dst_blocks) == (64 * DS_BYTES, 10, 10)
+    assert tensors == [(c.data.ptr, c.data.ptr, 64 * DS_BYTES, 64 * DS_BYTES) for c in layers]
+
+
+# The GPU writer against the reference, byte for byte.
+
+
+def _ds_bf16(bits):
+    return np.asarray(bits, np.uint16).view(BF16)
+
+
+def ds_edge_rows(dtype, rng):
+    """kv_c [n, 512] and k_pe [n, 64] rows of the values the format's rules single out:
+    zeros, -0, subnormals, outliers far past 448 x the rest, NaN of both signs, infinities,
+    a group of NaN only, ties of e4m3's rounding, a value saturating after the division,
+    and random magnitudes."""
+    n = 16
+    kv_c = testing.random_normal((n, 512), np.float32, rng)
+    k_pe = testing.random_normal((n, 64), np.float32, rng)
+    kv_c[0] = 0
+    k_pe[0] = 0
+    kv_c[1] = -0.0
+    k_pe[1] = -0.0
+    tiny = np.float32(1e-39 if dtype == BF16 else 1e-7)  # subnormal in the source's type
+    kv_c[2] = tiny * rng.integers(-3, 4, 512)
+    k_pe[2] = tiny
+    kv_c[3, ::37] = 3e38 if dtype == BF16 else 6e4  # outliers: the rest underflows
+    kv_c[3, 1::37] = -1e-3
+    kv_c[4, [0, 130, 300, 511]] = np.nan
+    k_pe[4, [1, 2]] = np.nan
+    kv_c[5, 5] = np.inf
+    kv_c[5, 140] = -np.inf
+    kv_c[5, 260:270] = np.inf  # several infinities in one group
+    k_pe[5, :3] = [np.inf, -np.inf, np.nan]
+    kv_c[6, 128:256] = np.nan  # a group of NaN only: FLT_MIN, 0x7F bytes
+    kv_c[7] = np.float32(448) * rng.choice([1, 0.5, 0.75, 1.125, 1.0625, 2 ** -7, 2 ** -9], 512)
+    kv_c[8] = rng.standard_normal(512) * np.float32(10.0) ** rng.integers(-6, 6, 512)
+    kv_c[9] *= 1e4
+    kv_c[10] *= 1e-4
+    kv_c = kv_c.astype(dtype)
+    k_pe = k_pe.astype(dtype)
+    if dtype == BF16:  # NaN with the sign bit and a signalling payload
+        kv_c[4, 1:3] = _ds_bf16([0xFFC0, 0xFF81])
+        k_pe[4, 3:5] = _ds_bf16([0xFFC0, 0x7F81])
+    else:
+        kv_c[4, 1:3] = np.array([0xFE00, 0xFC01], np.uint16).view(np.float16)
+        k_pe[4, 3:5] = np.array([0xFE00, 0x7C01], np.uint16).view(np.float16)
+    return kv_c, k_pe
+
+
+def _ds_reference(kv_c, k_pe, cache, slots):
+    """What the write must leave in ``cache`` (a host copy), through the reference."""
+    want = cache.copy()
+    rows = want.reshape(want.shape[0], want.shape[1], DS_BYTES)
+    nslots = rows.shape[0] * rows.shape[1]
+    s = np.asarray(slots).astype(np.int64)
+    reference.concat_and_cache_sparse_mla(kv_c[:len(s)], k_pe[:len(s)], rows,
+                                          np.where(s < nslots, s, -1), "fp8_ds_mla")
+    return want
+
+
+@gpu
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=_ids)
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=_ids)
+@pytest.mark.parametrize("bs", [1, 16, 64])
+def test_ds_mla_write_matches_the_reference_byte_for_byte(rng, dtype, slot_dtype, bs):
+    """Random tokens and the edge rows, in a number of tokens that leaves the last CTA's
+    warps partly idle; padding and out-of-range slots write nothing, source rows past
+    num_tokens are not read, every byte no slot names keeps its value."""
+    nb = 64 // bs + 12  # at least 76 slots for 45 tokens
+    edge_c, edge_p = ds_edge_rows(dtype, rng)
+    n = 45
+    kv_c = np.concatenate([edge_c, testing.random_normal((n - 16, 512), dtype, rng)])
+    k_pe = np.concatenate([edge_p, testing.random_normal((n - 16, 64), dtype, rng)])
+    slots = rng.permutation(nb * bs)[:n].astype(slot_dtype)
+    slots[[20, 33]] = -1
+    slots[25] = -7
+    slots[30] = nb * bs  # past the cache: skipped
+    slots[31] = nb * bs + 1000
+    cache0 = rng.integers(0, 256, (nb, bs, DS_BYTES), dtype=np.uint8)
+    want = _ds_reference(kv_c, k_pe, cache0, slots)
+    pad = np.full((5, kv_c.shape[1]), np.nan, dtype)  # rows past num_tokens: not read
+    d_kv_c = cupy.asarray(np.concatenate([kv_c, pad]))
+    d_k_pe = cupy.asarray(np.concatenate([k_pe, pad[:, :64]]))
+    kc = cupy.asarray(cache0)
+    cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, cupy.asarray(slots), "fp8_ds_mla")
+    got = cupy.asnumpy(kc)
+    bad = np.argwhere(got != want)
+    assert not bad.size, (f"{len(bad)} bytes differ, first at {bad[0]}: got "
+                          f"{got[tuple(bad[0])]:#04x}, want {want[tuple(bad[0])]:#04x}")
+    # what the format says of three edge rows, independently of the reference (the 16 edge
+    # rows' slots are all inside the cache)
+    rows = got.reshape(-1, DS_BYTES)  # slot s is row s
+    row = lambda t: rows[int(slots[t])]  # noqa: E731
+    flt_min = np.float32(1.1754943508222875e-38)
+    assert not row(0)[:512].any() and (row(0)[512:528].view(np.float32) == flt_min).all()
+    assert (row(4)[[0, 1, 2, 130, 300, 511]] == 0x7F).all()  # NaN of either sign
+    assert (row(6)[128:256] == 0x7F).all() and row(6)[516:520].view(np.float32)[0] == flt_min
+
+
+@gpu
+@pytest.mark.parametrize("form", ["blocks", "flashmla", "strided", "int8"])
+@pytest.mark.parametrize("source", ["contiguous", "strided", "unaligned"])
+def test_ds_mla_write_into_views(rng, form, source):
+    """The cache as FlashMLA's [nb, bs, 1, 656], as every other block of a wider
+    allocation with rows of 672 bytes, or int8 storage; the sources as 16-byte aligned
+    row-strided slices (vector loads) or slices one element in (element loads)."""
+    nb, bs, n = 6, 16, 23
+    kv_c, k_pe = ds_edge_rows(BF16, rng)
+    kv_c = np.concatenate([kv_c, testing.random_normal((n - 16, 512), BF16, rng)])
+    k_pe = np.concatenate([k_pe, testing.random_normal((n - 16, 64), BF16, rng)])
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    slots[3] = -1
+    if form == "strided":
+        root0 = rng.integers(0, 256, (2 * nb, bs, 672), dtype=np.uint8)
+        view = lambda r: r[::2, :, :DS_BYTES]  # noqa: E731
+    else:
+        root0 = rng.integers(0, 256, (nb, bs, DS_BYTES), dtype=np.uint8)
+        view = {"blocks": lambda r: r, "flashmla": lambda r: r.reshape(nb, bs, 1, DS_BYTES),
+                "int8": lambda r: r.view(np.int8)}[form]
+    want_root = root0.copy()
+    want_rows = np.ascontiguousarray(view(want_root).view(np.uint8).reshape(-1, bs, DS_BYTES))
+    want_rows = _ds_reference(kv_c, k_pe, want_rows, slots)
+    if form == "strided":
+        want_root[::2, :, :DS_BYTES] = want_rows
+    else:
+        want_root = want_rows.reshape(root0.shape)
+    if source == "contiguous":
+        d_kv_c, d_k_pe = cupy.asarray(kv_c), cupy.asarray(k_pe)
+    else:
+        off = 8 if source == "strided" else 1  # 16 bytes in, or 2
+        wide = np.zeros((n, 512 + 64 + 3 * off), BF16)
+        wide[:, off:off + 512] = kv_c
+        wide[:, 2 * off + 512:2 * off + 576] = k_pe
+        dw = cupy.asarray(wide)
+        d_kv_c, d_k_pe = dw[:, off:off + 512], dw[:, 2 * off + 512:2 * off + 576]
+    root = cupy.asarray(root0)
+    kc = view(root)
+    w = cache_ops.validate_mla_write(d_kv_c, d_k_pe, kc, None, cupy.asarray(slots),
+                                      "fp8_ds_mla")
+    assert w.vec_src == (source != "unaligned")
+    cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, cupy.asarray(slots), "fp8_ds_mla")
+    np.testing.assert_array_equal(cupy.asnumpy(root), want_root)
+
+
+@gpu
+def test_ds_mla_write_with_torch_tensors_and_vllms_arguments(rng):
+    """vLLM's call: torch bfloat16 sources, a uint8 cache (and float8_e4m3fn storage), int64
+    slots and a scale tensor that the format ignores, on torch's current stream."""
+    torch = pytest.importorskip("torch")
+    nb, bs, n = 4, 64, 37
+    kv_c, k_pe = ds_edge_rows(BF16, rng)
+    kv_c = np.concatenate([kv_c, testing.random_normal((n - 16, 512), BF16, rng)])
+    k_pe = np.concatenate([k_pe, testing.random_normal((n - 16, 64), BF16, rng)])
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    want = _ds_reference(kv_c, k_pe, np.zeros((nb, bs, DS_BYTES), np.uint8), slots)
+    for storage in (torch.uint8, torch.float8_e4m3fn):
+        cache = torch.zeros((nb, bs, DS_BYTES), dtype=torch.uint8, device="cuda").view(storage)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            cupaged.concat_and_cache_mla(_torch_of(kv_c, torch), _torch_of(k_pe, torch), cache,
+                                         torch.from_numpy(slots).cuda(), "fp8_ds_mla",
+                                         torch.ones((), dtype=torch.float32, device="cuda"))
+        s.synchronize()
+        np.testing.assert_array_equal(cache.view(torch.uint8).cpu().numpy(), want)
+
+
+@gpu
+def test_ds_mla_write_in_a_cuda_graph(rng):
+    """A captured write replays with the sources' new values (no host sync in the call)."""
+    nb, bs, n = 4, 16, 10
+    kv_c = cupy.asarray(testing.random_normal((n, 512), BF16, rng))
+    k_pe = cupy.asarray(testing.random_normal((n, 64), BF16, rng))
+    kc = cupy.zeros((nb, bs, DS_BYTES), cupy.uint8)
+    slots = cupy.asarray(rng.permutation(nb * bs)[:n].astype(np.int32))
+    cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")  # loaded
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")
+        graph = stream.end_capture()
+    for _ in range(2):
+        c = testing.random_normal((n, 512), BF16, rng) * np.float32(rng.uniform(0.01, 100))
+        p = testing.random_normal((n, 64), BF16, rng)
+        kv_c[...] = cupy.asarray(c.astype(BF16))
+        k_pe[...] = cupy.asarray(p)
+        kc[...] = 0
+        cupy.cuda.Device().synchronize()  # those ran on another stream than the replay's
+        graph.launch(stream)
+        stream.synchronize()
+        want = _ds_reference(c.astype(BF16), p, np.zeros((nb, bs, DS_BYTES), np.uint8),
+                             cupy.asnumpy(slots))
+        np.testing.assert_array_equal(cupy.asnumpy(kc), want)
+
+
+@gpu
+def test_ds_mla_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch):
+    kc = cupy.asarray(rng.integers(0, 256, (2, 4, DS_BYTES), dtype=np.uint8))
+    before = cupy.asnumpy(kc)
+    kv_c = cupy.asarray(np.ones((3, 512), BF16))
+    k_pe = cupy.asarray(np.ones((3, 64), BF16))
+    slots = cupy.asarray([8, 2 ** 40, -5], np.int64)  # the cache has 8 slots
+    cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")
+    np.testing.assert_array_equal(cupy.asnumpy(kc), before)
+    monkeypatch.setattr(cupaged._checks, "DEBUG", True)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is past the cache \(8 slots\)"):
+        cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")
+
+
+@gpu
+def test_ds_mla_software_conversion_gives_the_same_bytes(rng, monkeypatch):
+    """CUPAGED_FP8_SOFTWARE=1 compiles the integer e4m3 conversion sm_80/86 run: the same
+    bytes as the instruction (NaN of either sign 0x7F, saturation, ties), on the edge rows."""
+    from cupaged import jit
+
+    kv_c, k_pe = ds_edge_rows(BF16, rng)
+    slots = np.arange(16, dtype=np.int64)
+    want = _ds_reference(kv_c, k_pe, np.zeros((1, 16, DS_BYTES), np.uint8), slots)
+    monkeypatch.setenv("CUPAGED_FP8_SOFTWARE", "1")
+    jit.clear_memory_caches()
+    try:
+        kc = cupy.zeros((1, 16, DS_BYTES), cupy.uint8)
+        cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), kc,
+                                     cupy.asarray(slots), "fp8_ds_mla")
+        np.testing.assert_array_equal(cupy.asnumpy(kc), want)
+    finally:
+        monkeypatch.delenv("CUPAGED_FP8_SOFTWARE")
+        jit.clear_memory_caches()
+
+
+@gpu
+@pytest.mark.parametrize("form", ["blocks", "flashmla"])
+def test_copy_blocks_mla_and_swap_blocks_on_ds_mla_caches(rng, form):
+    """Blocks written by the ds writer: copied within each layer by copy_blocks_mla, out to
+    pinned host memory and back by swap_blocks, byte for byte, the rest untouched."""
+    nb, bs = 8, 16
+    shape = (nb, bs, DS_BYTES) if form == "blocks" else (nb, bs, 1, DS_BYTES)
+    layers = []
+    for _ in range(2):
+        kc = cupy.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
+        n = 3 * bs
+        cupaged.concat_and_cache_mla(cupy.asarray(testing.random_normal((n, 512), BF16, rng)),
+                                     cupy.asarray(testing.random_normal((n, 64), BF16, rng)),
+                                     kc, cupy.arange(n, dtype=cupy.int64), "fp8_ds_mla")
+        layers.append(kc)
+    before = [cupy.asnumpy(c) for c in layers]
+    cupaged.copy_blocks_mla(layers, cupy.asarray([[0, 5], [2, 7]], np.int32))
+    for c, b in zip(layers, before):
+        want = b.copy()
+        want[5], want[7] = b[0], b[2]
+        np.testing.assert_array_equal(cupy.asnumpy(c), want)
+    pinned = cupaged.empty_pinned((3, *shape[1:]), np.uint8)
+    cupaged.swap_blocks(layers[0], pinned, np.array([[1, 0], [5, 2]], np.int64))
+    cupy.cuda.get_current_stream().synchronize()
+    host = cupy.asnumpy(layers[0])
+    np.testing.assert_array_equal(pinned[0], host[1])
+    np.testing.assert_array_equal(pinned[2], host[5])
+    cupaged.swap_blocks(pinned, layers[1], cupy.asarray(np.array([[0, 3], [2, 4]], np.int32)))
+    want = cupy.asnumpy(layers[1])
+    want[3], want[4] = host[1], host[5]
+    np.testing.assert_array_equal(cupy.asnumpy(layers[1]), want)

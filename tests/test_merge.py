@@ -88,7 +88,7 @@ def _named(xs, name):
 
 
 def validate(outs, lses, out=None, lse_out=None):
-    return merge._validate(_named(outs, "outs"), _named(lses, "lses"), out, lse_out)
+    return merge.validate_merge(_named(outs, "outs"), _named(lses, "lses"), out, lse_out)
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def fake_device(monkeypatch):
             launches.append((grid, dtype, merge._INPUTS.unpack(inputs), tail))
         return launch
 
-    monkeypatch.setattr(merge, "_kernel", kernel)
+    monkeypatch.setattr(merge, "merge_kernel", kernel)
     return launches
 
 

@@ -208,6 +208,33 @@ def test_an_empty_sequence_gives_zeros_and_minus_inf_lse(rng, family, mla_split,
     np.testing.assert_allclose(lse[keep], ref_lse, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("split", [0, 2])
+def test_rows_outside_the_query_starts_are_left_as_they_are(rng, family, mla_split, split):
+    """Rows before query_start_loc[0] and from query_start_loc[-1] on (a padded batch, as
+    cupaged.jax takes one) are written by neither kernel family nor the combine of their
+    split partials; the rows between equal the reference, out and lse."""
+    import cupy
+
+    mla_split(split)
+    host = make_mla(rng, [1, 5, 0, 3], [17, 300, 1, 64], heads=16, block_size=16)
+    lead, tail = 2, 3
+    q = host["q"]
+    pad = lambda n: testing.random_normal((n, *q.shape[1:]), q.dtype, rng)  # noqa: E731
+    padded = dict(host, q=np.concatenate([pad(lead), q, pad(tail)]),
+                  query_start_loc=host["query_start_loc"] + lead)
+    dev = device(padded)
+    out = cupy.full((len(padded["q"]), 16, RANK), 7.0, dev["q"].dtype)
+    lse = cupy.full((len(padded["q"]), 16), 7.0, np.float32)
+    cupaged.mla_attention(**dev, scale=SCALE, out=out, lse=lse, max_query_len=5)
+    got, got_lse = cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse)
+    rows = slice(lead, lead + len(q))
+    assert (got[:lead] == 7).all() and (got[rows.stop:] == 7).all()
+    assert (got_lse[:lead] == 7).all() and (got_lse[rows.stop:] == 7).all()
+    ref, ref_lse = ref_of(host, return_lse=True)
+    assert_close(got[rows], ref, testing.TOLERANCE["bf16"], f"split={split}")
+    np.testing.assert_allclose(got_lse[rows], ref_lse, rtol=0, atol=2e-3)
+
+
 def test_long_context_and_undercounted_bounds(rng, family):
     """128k keys in one sequence beside short ones; bounds that undercount the longest
     query and context cost parallelism, never rows or keys."""

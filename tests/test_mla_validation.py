@@ -572,7 +572,7 @@ def test_the_latent_cache_write_takes_the_caches_mla_attention_reads(dtype, cach
     a.update(kv_cache=kc, k_pe_cache=pc, kv_cache_dtype=kv)
     reads = accepted(lambda: mvalidate(**a))
     src = [Fake(np.zeros((3, w), F16), ptr=(i + 40) << 24) for i, w in enumerate((RANK, ROPE))]
-    writes = accepted(lambda: cache_ops._validate_mla_write(
+    writes = accepted(lambda: cache_ops.validate_mla_write(
         *src, kc, pc, Fake(np.zeros(3, np.int64), ptr=42 << 24), kv))
     assert reads == writes == (change in ("dense", "rows+16", "ptr+16"))
 

@@ -98,6 +98,44 @@ def test_variants_and_split_kv(rng, sm90, case, split):
     _check_lse(lse, ref_lse, f"{case} split={split}")
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_huge_logits_keep_an_exact_softmax(rng, sm90, kv):
+    """Heads whose logits reach about 2^32 (a query 2^8 of unit size under a scale 2^24
+    times the usual) beside heads of unit logits (a query 2^-24 of unit size): the
+    softmax's folded FFMA against the rounded maximum would err by up to half an ulp of
+    the maximum there (inf and NaN); those warps round their scores first. Outputs and
+    lse against the reference, causal and not, single pass and split."""
+    import cupy
+    from test_fp8 import fp8_problem
+    from test_variants import _device
+
+    heads, kv_heads, hs = 6, 2, 128
+    q_lens, seq = [1, 37, 200, 130], [1, 300, 2500, 131]
+    if kv == "auto":
+        host = make_varlen(rng, q_lens, seq, dtype="bf16", heads=heads, kv_heads=kv_heads,
+                           head_size=hs)
+        scales = {}
+    else:
+        host, scales = fp8_problem(rng, kv, "tensor", q_lens, seq, dtype="bf16", heads=heads,
+                                   kv_heads=kv_heads, head_size=hs)
+    big = np.arange(heads) % (heads // kv_heads) == 0
+    factor = np.where(big, 2.0**8, 2.0**-24) * 2.0 ** rng.uniform(-3.0, 3.0, heads)
+    q = host["query"].astype(np.float32) * factor.astype(np.float32)[:, None]
+    host["query"] = q.astype(host["query"].dtype)
+    dev = _device(host)
+    kw = dict(kv_cache_dtype=kv, scale=2.0**24 / np.sqrt(hs), **scales)
+    for causal in (True, False):
+        ref, ref_lse = reference.attention(**host, causal=causal, return_lse=True, **kw)
+        for split in (0, 192):
+            what = f"{kv} causal={causal} split {split}"
+            sm90(split)
+            got, lse = cupaged.attention(**dev, causal=causal, max_query_len=max(q_lens),
+                                         return_lse=True, **kw)
+            assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                         what)
+            _check_lse(cupy.asnumpy(lse), ref_lse, what)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
 @pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
 def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout):
@@ -239,6 +277,78 @@ def test_fp8_with_the_variants(rng, sm90, case):
                                        **scales, **kw)
     assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"], case)
     _check_lse(cupy.asnumpy(lse), ref_lse, case)
+
+
+@pytest.mark.parametrize("fmt, hs, case", [("fp8_e4m3", 128, ""), ("fp8_e5m2", 128, ""),
+                                           ("fp8_e4m3", 64, ""), ("fp8_e5m2", 192, ""),
+                                           ("fp8_e4m3", 128, "all"), ("fp8_e5m2", 64, "all")],
+                         ids=lambda x: str(x) if x != "" else "plain")
+def test_fp8_bfloat16_query_rows_keep_their_own_scale(rng, sm90, fmt, hs, case):
+    """Over an fp8 cache the products run in float16, a bfloat16 query converted with a
+    power-of-two scale a row. Most heads' queries are 2^-24 of unit size, the call's scale
+    2^24 times the usual one so that their logits are of unit size: converted without a
+    scale they flush to zero, and with one scale for a tile that also holds the heads at
+    2^8 of unit size (their softmax one-hot) they become float16 subnormals of a few bits.
+    Every head has its own factor 2^U(-3, 3) and the group is odd (6 heads over 2), so a
+    thread's two C-fragment rows (r and r + 8) take different scales. One infinite element
+    (left out of its row's scale) makes its row non-finite and leaves every other row as
+    exact as a query of one magnitude. Outputs and lse, causal and not, split-KV, and a
+    variant set."""
+    from test_fp8 import fp8_problem
+    from test_variants import TOL_LSE, _device
+
+    import cupy
+
+    heads, kv_heads = 6, 2
+    group = heads // kv_heads
+    q_lens, seq = [0, 1, 37, 200, 16, 130], [9, 1, 300, 2500, 16, 131]
+    host, scales = fp8_problem(rng, fmt, "tensor", q_lens, seq, dtype="bf16", heads=heads,
+                               kv_heads=kv_heads, head_size=hs)
+    big = np.arange(heads) % group == group - 1  # one head of each KV head's group
+    factor = np.where(big, 2.0**8, 2.0**-24) * 2.0 ** rng.uniform(-3.0, 3.0, heads)
+    q = host["query"].astype(np.float32) * factor.astype(np.float32)[:, None]
+    inf_token, inf_head = 1 + 37 + 50, 3  # the fourth sequence's 51st token, a small head
+    assert not big[inf_head]
+    q[inf_token, inf_head, hs // 3] = np.inf
+    host["query"] = q.astype(host["query"].dtype)
+    kw, alibi = _variant_kwargs(rng, case, heads) if case else ({}, False)
+    kw["scale"] = 2.0**24 / np.sqrt(hs)
+    if alibi:
+        host["alibi_slopes"] = rng.uniform(0.0, 0.5, heads).astype(np.float32)
+    dev = _device(host)
+    dev_kw = dict(kw, sinks=cupy.asarray(kw["sinks"])) if kw.get("sinks") is not None else kw
+    # A soft-cap turns the infinite row's +-inf logits into +-cap: that row may be finite.
+    capped = kw.get("logits_soft_cap") is not None
+    for causal in (True, False):
+        with np.errstate(invalid="ignore", over="ignore"):
+            ref, ref_lse = reference.attention(**host, kv_cache_dtype=fmt, causal=causal,
+                                               return_lse=True, **scales, **kw)
+        ref[inf_token, inf_head] = 0.0
+        ref_lse[inf_token, inf_head] = 0.0
+        for split in (0, 192):
+            what = f"{fmt} hs{hs} {case} causal={causal} split {split}"
+            sm90(split)
+            got, lse = cupaged.attention(**dev, kv_cache_dtype=fmt, causal=causal,
+                                         max_query_len=max(q_lens), return_lse=True,
+                                         **scales, **dev_kw)
+            got = cupy.asnumpy(got).astype(np.float64)
+            lse = cupy.asnumpy(lse).astype(np.float64)
+            if not capped:
+                assert not np.isfinite(got[inf_token, inf_head]).all(), what
+            got[inf_token, inf_head] = 0.0
+            lse[inf_token, inf_head] = 0.0
+            assert_close(got, ref, testing.TOLERANCE["bf16"], what)
+            # The big heads' logits reach about 2^32 of unit size, and so does their lse,
+            # which the kernel keeps in fp32 (and sums its scores in fp32): an absolute
+            # tolerance alone cannot hold them, so a relative 1e-4 of |lse| stands beside
+            # it. The small heads' lse (unit logits) keep about the absolute one: a
+            # per-tile or missing scale moves it by percents.
+            both_inf = np.isneginf(lse) & np.isneginf(ref_lse)
+            err = np.where(both_inf, 0.0, np.abs(lse - ref_lse) - 1e-4 * np.abs(ref_lse))
+            err = np.where(np.isnan(err), np.inf, err)
+            worst = np.unravel_index(int(np.argmax(err)), err.shape)
+            assert err[worst] <= TOL_LSE, (
+                f"{what}: lse row {worst} got {lse[worst]} want {ref_lse[worst]}")
 
 
 def test_fp8_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90):

@@ -416,6 +416,42 @@ def test_a_bad_block_spares_the_query_tiles_before_it(rng, prefill_split, family
                  f"{family} split={split}")
 
 
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+@pytest.mark.parametrize("split", [0, 64], ids=lambda s: f"split{s}")
+def test_rows_outside_the_query_starts_are_left_as_they_are(rng, prefill_split, family, split):
+    """Rows before query_start_loc[0] and from query_start_loc[-1] on (a batch padded to a
+    fixed size, as cupaged.jax takes one) are no sequence's: neither the multi-token kernels
+    nor the combine of their split partials write them (cupaged.jax zeroes them first and
+    relies on it); the rows between equal the reference, out and lse."""
+    import cupy
+    from cupaged import planning
+
+    if family == "sm90" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    prefill_split(split)
+    host = make_varlen(rng, [1, 5, 0, 3], [17, 300, 1, 64], dtype="f16", heads=4, kv_heads=2)
+    lead, tail = 2, 3
+    q = host["query"]
+    pad = lambda n: testing.random_normal((n, *q.shape[1:]), np.float16, rng)  # noqa: E731
+    padded = dict(host, query=np.concatenate([pad(lead), q, pad(tail)]),
+                  query_start_loc=host["query_start_loc"] + lead)
+    dev = {k: cupy.asarray(v) for k, v in padded.items() if v is not None}
+    out = cupy.full(padded["query"].shape, 7.0, np.float16)
+    lse = cupy.full(padded["query"].shape[:2], 7.0, np.float32)
+    planning.set_prefill_family(family)
+    try:
+        cupaged.attention(**dev, out=out, lse=lse, max_query_len=5)
+    finally:
+        planning.set_prefill_family(None)
+    got, got_lse = cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse)
+    rows = slice(lead, lead + len(q))
+    assert (got[:lead] == 7).all() and (got[rows.stop:] == 7).all()
+    assert (got_lse[:lead] == 7).all() and (got_lse[rows.stop:] == 7).all()
+    ref, ref_lse = reference.attention(**host, return_lse=True)
+    assert_close(got[rows], ref, testing.TOLERANCE["f16"], f"{family} split={split}")
+    np.testing.assert_allclose(got_lse[rows], ref_lse, rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("workspace", [False, True])
 def test_an_empty_sequence_gives_zeros_and_minus_inf_lse(rng, workspace):
     """A length-0 sequence, one row without query_start_loc (the decode path, split-KV

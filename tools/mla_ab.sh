@@ -7,6 +7,8 @@
 # ARGS: more cupaged-bench mla arguments for both trees (e.g. --kv-cache-dtype fp8_e4m3).
 #   BASE=".ab/base" [PRESETS="dsv3-128h-4k dsv3-128h-4k-q2"] [IMPLS=flashinfer-fa3] [ARGS=...] bash tools/mla_ab.sh
 source "$(dirname "$0")/device_env.sh"
+# PYTHONPATH holds FlashInfer's site where it was set up: kept, with each tree put first
+paths=$PYTHONPATH
 presets=()
 for p in ${PRESETS:-dsv3-128h-4k dsv3-128h-4k-q2}; do presets+=(--preset "$p"); done
 for round in 1 2; do  # twice, interleaved: a drifting clock shows as rounds that disagree
@@ -16,7 +18,7 @@ for round in 1 2; do  # twice, interleaved: a drifting clock shows as rounds tha
       for i in ${IMPLS:-}; do impls+=(--impl "$i"); done
     fi
     echo "-- round $round, $( [ "$tree" = . ] && echo current || echo "$tree" )"
-    (cd "$tree" && PYTHONPATH=$PWD python3 -m cupaged.bench mla "${presets[@]}" "${impls[@]}" ${ARGS:-} 2>&1 \
+    (cd "$tree" && PYTHONPATH="$PWD:$paths" python3 -m cupaged.bench mla "${presets[@]}" "${impls[@]}" ${ARGS:-} 2>&1 \
       | grep -vE "INFO|^copy bandwidth|^shape")
   done
 done | tee -a "$OUT/mla-ab.txt"

@@ -7,12 +7,13 @@
 # row runs there too, in the same run on the same card: an A/B of two versions of the code
 # (several: BASE=".ab/a .ab/b").   [BASE=.ab/base] bash tools/sm90_ab.sh
 source "$(dirname "$0")/device_env.sh"
+paths=$PYTHONPATH  # FlashInfer's site where it was set up; each tree goes first
 want() { [[ " ${SECTIONS:-plain hs64 fp8 vllm cap} " == *" $1 "* ]]; }
 B() {
   for tree in . ${BASE:-}; do
     echo "-- $( [ "$tree" = . ] && echo current || echo "$tree" ): $*"
     # from inside the tree: `python -m` puts the working directory first on sys.path
-    (cd "$tree" && PYTHONPATH=$PWD python3 -m cupaged.bench prefill "$@" 2>&1 \
+    (cd "$tree" && PYTHONPATH="$PWD:$paths" python3 -m cupaged.bench prefill "$@" 2>&1 \
       | grep -vE "INFO|^copy bandwidth|^shape")
   done
 }

@@ -1,7 +1,9 @@
 """Tensor parallel through transformers with cupaged's paged attention: a random-weight
 Llama (the tiny preset's shapes, more heads) saved once, loaded with tp_plan="auto" on
-every rank, continuous batching (generate_batch) with attn_implementation
-"paged|cupaged"; the greedy tokens must equal a single-GPU run of the same weights.
+every rank, continuous batching (generate_batch) on cupaged's implementation ("paged|cupaged"
+through register() on transformers 5.16 to 5.18, "paged|eager" through
+override_paged_eager() from 5.19); the greedy tokens must equal a single-GPU run of the
+same weights, and transformers' paged SDPA path's.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 tools/tp_generate.py [--out DIR]
 
@@ -30,8 +32,12 @@ def generate(model, implementation, new_tokens=16):
     model.set_attn_implementation(implementation)
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
-    cb = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=64,
-                                  use_cuda_graph=False)
+    import transformers
+
+    # 5.18 renamed block_size page_size (the old name warns)
+    old = transformers.__version__.startswith(("5.16.", "5.17."))
+    cb = ContinuousBatchingConfig(**{"block_size" if old else "page_size": 16}, num_blocks=64,
+                                  max_batch_tokens=64, use_cuda_graph=False)
     out = model.generate_batch(prompts(), generation_config=config,
                                continuous_batching_config=cb, warmup=False)
     errors = [r.error for r in out.values() if r.error]
@@ -43,13 +49,20 @@ def generate(model, implementation, new_tokens=16):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    ap.add_argument("--attn", default=None, help="default: paged|cupaged")
+    ap.add_argument("--attn", default=None,
+                    help="default: cupaged's (paged|cupaged, or paged|eager overridden)")
     args = ap.parse_args()
+    import transformers
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from cupaged.integrations import transformers as cupaged_tf
 
-    implementation = args.attn or cupaged_tf.register()
+    named = cupaged_tf._minor(transformers.__version__) in cupaged_tf.NAMED_VERSIONS
+    reference = "paged|sdpa" if named else "sdpa"  # transformers' paged SDPA path
+    if args.attn is not None:
+        implementation = args.attn
+    else:
+        implementation = cupaged_tf.register() if named else cupaged_tf.override_paged_eager()
     calls = [0]  # this rank's attention calls through cupaged
 
     def counted(*a, **kw):
@@ -84,7 +97,7 @@ def main():
     if rank == 0:
         single = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device)
         result["single_gpu_tokens"] = generate(single, implementation)
-        result["single_gpu_sdpa_tokens"] = generate(single, "paged|sdpa")
+        result["single_gpu_sdpa_tokens"] = generate(single, reference)
         result["equal"] = tokens == result["single_gpu_tokens"] == result["single_gpu_sdpa_tokens"]
         if args.attn is None:  # every rank attended through cupaged
             result["equal"] = result["equal"] and all(c > 0 for c in sharded_calls)

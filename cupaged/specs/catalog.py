@@ -55,8 +55,10 @@ AXES = {
                           "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                           "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
-    # MLA's latent cache write: 16-bit sources (kv_c and k_pe of a model's dtype)
-    "concat_and_cache_mla": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
+    # MLA's latent cache write: 16-bit sources (kv_c and k_pe of a model's dtype), into a
+    # cache of their type, fp8, or DeepSeek-V3.2's sparse rows ("dsmla", vLLM's fp8_ds_mla)
+    "concat_and_cache_mla": {"dtype": ("f16", "bf16"),
+                             "cache_dtype": (*CACHE_DTYPES, *_dtypes.SPARSE_MLA),
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
     # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
@@ -72,7 +74,7 @@ AXES = {
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
-# cache kernels: 44, 2, 12 and 3 per target, a few seconds in all).
+# cache kernels: 44, 2, 16 and 3 per target, a few seconds in all).
 SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states")
 
 
