@@ -44,15 +44,17 @@ __all__ = ["ContextParallel", "ContextParallelBuffers", "ContextParallelPlan"]
 # windows depend on a key's global position, which a rank's local sequence does not keep.
 _PASSED = frozenset({"kv_layout", "scale", "kv_cache_dtype", "k_scale", "v_scale",
                      "logits_soft_cap", "sinks"})
+# Keywords refused unless they hold cupaged.attention's default (which call sites that
+# forward every keyword pass): (default, why).
 _REFUSED = {
-    "alibi_slopes": "ALiBi adds slope * (key_pos - query_pos) with global positions",
-    "window": "a sliding window keeps keys by global position",
-    "window_left": "a sliding window keeps keys by global position",
-    "causal": "the helper's masking is causal (decoder attention); causal=False is not "
-              "supported",
-    "query_start_loc": "decode has one row per sequence; use prefill() for several",
-    "return_lse": "pass return_lse to the helper's method itself",
+    "alibi_slopes": (None, "ALiBi adds slope * (key_pos - query_pos) with global positions"),
+    "window": (None, "a sliding window keeps keys by global position"),
+    "window_left": (None, "a sliding window keeps keys by global position"),
+    "causal": (True, "the helper's masking is causal (decoder attention); causal=False is "
+                     "not supported"),
+    "query_start_loc": (None, "decode has one row per sequence; use prefill() for several"),
 }
+_UNSET = object()
 
 
 def _attend(*args, **kwargs):
@@ -81,6 +83,13 @@ def _torch():
     import torch
 
     return torch
+
+
+def _dist_ready() -> bool:
+    """Is there a default process group (whose size the helper's can be checked against)?"""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _host_ints(x, name: str) -> np.ndarray:
@@ -149,9 +158,15 @@ class ContextParallelBuffers:
         torch = _torch()
         if rows > self.rows:
             raise ValueError(f"these buffers hold {self.rows} rows, the step has {rows}")
+        h, d = self.num_heads, self.head_size
+        if rows == 0:  # (zero-byte views cannot be reinterpreted: empty tensors instead)
+            dev, w, f32 = self.send.device, self.world_size, torch.float32
+            return (self.send[:0], self.recv[:0], torch.empty(0, h, d, dtype=self.dtype, device=dev),
+                    torch.empty(0, h, dtype=f32, device=dev),
+                    torch.empty(w, 0, h, d, dtype=self.dtype, device=dev),
+                    torch.empty(w, 0, h, dtype=f32, device=dev), self.lse[:0])
         ob, lb, nb = self._sizes(rows)
         lo = _round16(ob)
-        h, d = self.num_heads, self.head_size
         send = self.send[:nb]
         recv = self.recv[:self.world_size * nb]
         part_out = send[:ob].view(self.dtype).view(rows, h, d)
@@ -311,12 +326,16 @@ class ContextParallel:
         return ContextParallelBuffers(self.world_size, rows, num_heads, head_size, dtype, device)
 
     def _keywords(self, kw: dict) -> dict:
-        for name in kw:
-            if name in _REFUSED:
-                raise ValueError(f"ContextParallel does not take {name}: {_REFUSED[name]}")
-            if name not in _PASSED:
-                raise TypeError(f"unexpected keyword argument {name!r}")
         kw = dict(kw)
+        for name in list(kw):
+            if name in _REFUSED:
+                default, why = _REFUSED[name]
+                value = kw.pop(name)
+                # (None and True are singletons; a window of -1 is "no window" too)
+                if not (value is default or (name == "window_left" and value == -1)):
+                    raise ValueError(f"ContextParallel does not take {name}={value!r}: {why}")
+            elif name not in _PASSED:
+                raise TypeError(f"unexpected keyword argument {name!r}")
         if kw.get("sinks") is not None and self.rank != 0:
             kw["sinks"] = None  # a sink joins one partial only: rank 0's
         return kw
@@ -334,6 +353,17 @@ class ContextParallel:
         """All-gather every rank's partial and merge them into ``out`` (and ``lse``)."""
         torch = _torch()
         send, recv, _, _, all_out, all_lse, merged_lse = views
+        if self.group is not None or _dist_ready():
+            import torch.distributed as dist
+
+            if dist.get_world_size(self.group) != self.world_size:
+                raise ValueError(f"this ContextParallel places tokens over {self.world_size} "
+                                 f"ranks, its group has {dist.get_world_size(self.group)}")
+        if query.shape[0] == 0:  # every rank has the same rows: all skip the collective
+            if out is None:
+                out = torch.empty_like(query, memory_format=torch.contiguous_format)
+            lse_out = merged_lse if lse is None else lse
+            return (out, lse_out) if (return_lse or lse is not None) else out
         _all_gather(recv, send, self.group)
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -415,6 +445,9 @@ class ContextParallel:
         else:  # a row with no local key still has its sink (rank 0 only)
             part_lse.copy_(torch.as_tensor(sinks, device=part_lse.device).view(1, -1)
                            .expand_as(part_lse))
+        # Checked on every rank, also one with no rows here: an error on some ranks only
+        # would leave the others waiting in the collective.
+        bs = _block_size(key_cache, kw.get("kv_layout", "NHD"))
         rows = len(p.perm)
         if rows:
             dev = query.device
@@ -422,7 +455,6 @@ class ContextParallel:
             q = query.index_select(0, perm)
             o = torch.empty_like(q)
             l = torch.empty(rows, query.shape[1], dtype=torch.float32, device=dev)
-            bs = _block_size(key_cache, kw.get("kv_layout", "NHD"))
             for causal, a, b, qsl, lens, seqs in (
                     (True, 0, p.num_causal_rows, p.causal_qsl, p.causal_seq_lens, p.causal_seqs),
                     (False, p.num_causal_rows, rows, p.full_qsl, p.full_seq_lens, p.full_seqs)):

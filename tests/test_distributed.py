@@ -152,11 +152,17 @@ def test_bad_steps_and_keywords_are_refused():
     with pytest.raises(ValueError, match="query_start_loc"):
         cp.plan([3, 4], [0, 1])
     with pytest.raises(ValueError, match="ALiBi"):
-        cp.decode(torch.zeros(1, HEADS, HS), None, None, None, None, alibi_slopes=None)
-    with pytest.raises(ValueError, match="window"):
+        cp.decode(torch.zeros(1, HEADS, HS), None, None, None, None,
+                  alibi_slopes=torch.ones(HEADS))
+    with pytest.raises(ValueError, match="window=4: a sliding window"):
         cp.prefill(torch.zeros(1, HEADS, HS), None, None, None, [1], [0, 1], window=4)
-    with pytest.raises(ValueError, match="causal"):
+    with pytest.raises(ValueError, match="causal=False"):
         cp.prefill(torch.zeros(1, HEADS, HS), None, None, None, [1], [0, 1], causal=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'return_lse_please'"):
+        cp.decode(torch.zeros(1, HEADS, HS), None, None, None, None, return_lse_please=True)
+    # cupaged.attention's defaults, as call sites that forward every keyword pass them
+    assert cp._keywords(dict(alibi_slopes=None, window=None, window_left=-1, causal=True,
+                             query_start_loc=None, scale=0.5)) == {"scale": 0.5}
     with pytest.raises(ValueError):
         cpd.ContextParallel(rank=2, world_size=2)
 
@@ -243,6 +249,21 @@ def _gloo_worker(rank, world, port, seed):
         assert got[0] is out and got[1] is lse
         np.testing.assert_allclose(out.numpy(), want, atol=2e-6)
         np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-5)
+        # an empty step: no rows on any rank, no collective, empty results
+        e = torch.zeros(0, HEADS, HS, dtype=torch.float64)
+        got = cp.decode(e, torch.from_numpy(kc), torch.from_numpy(vc),
+                        torch.from_numpy(np.ascontiguousarray(tables))[:0],
+                        torch.zeros(0, dtype=torch.int32), return_lse=True)
+        assert got[0].shape == (0, HEADS, HS) and got[1].shape == (0, HEADS)
+        got = cp.prefill(e, torch.from_numpy(kc), torch.from_numpy(vc),
+                         torch.from_numpy(np.ascontiguousarray(tables))[:0], [], [0], buffers=buf)
+        assert got.shape == (0, HEADS, HS)
+        # a helper placing tokens over another world size than its group's is refused
+        other = cpd.ContextParallel(rank=0, world_size=world + 1)
+        with pytest.raises(ValueError, match=f"over {world + 1} ranks, its group has {world}"):
+            other.decode(torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc),
+                         torch.from_numpy(np.ascontiguousarray(tables)),
+                         torch.from_numpy(local_lens.astype(np.int32)))
     finally:
         dist.destroy_process_group()
 

@@ -28,9 +28,11 @@ def main():
     import cupaged
     from cupaged.distributed import ContextParallel
 
+    # NVLink multicast can put a shared host's GPUs out of service: off unless asked for
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds a device
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev, dt = "cuda", torch.bfloat16
     heads, kv_heads, hs, bs = 64, 8, 128, 16
     cp = ContextParallel(interleave=args.interleave)
