@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - JAX before 0.6.1
     raise ImportError(f"cupaged.jax needs jax.experimental.buffer_callback (JAX 0.6.1 or "
                       f"later); this is JAX {jax.__version__}") from e
 
-from . import _arrays, _checks, _kvquant, _prepared, cache_ops, launch, merge, validation
+from . import _arrays, _checks, _dtypes, _kvquant, _prepared, cache_ops, launch, merge, validation
 from . import mla as _mla
 
 # (the package's `attention` attribute is the function)
@@ -150,7 +150,11 @@ def _host_vector(value, name: str):
                            or np.issubdtype(a.dtype, np.integer)):
         _fail(f"{name} must be a 1-D sequence of numbers, got {a.dtype} of shape {a.shape}",
               TypeError)
-    return tuple(float(x) for x in a.astype(np.float32))
+    a = a.astype(np.float32)
+    if np.isnan(a).any():
+        # (NaN would also miss jit's cache of the static arguments: a new trace each call)
+        _fail(f"{name} holds NaN at {int(np.flatnonzero(np.isnan(a))[0])}", ValueError)
+    return tuple(float(x) for x in a)
 
 
 # The dtypes whose XLA buffers have a __cuda_array_interface__ (jaxlib's
@@ -167,14 +171,16 @@ def _check_dtypes(fn: str, named) -> None:
     for name, a in named:
         if a is None:
             continue
-        dt = np.dtype(a.dtype)
+        try:
+            dt = np.dtype(a.dtype)
+        except TypeError:  # JAX's extended dtypes (PRNG keys) have no NumPy dtype
+            _fail(f"{fn}: {name} is {a.dtype}, which cupaged.jax cannot take", TypeError)
         if dt in _CAI_DTYPES:
             continue
         if "float8" in dt.name:
             _fail(f"{fn}: {name} is {dt.name}, which cupaged.jax cannot take (XLA gives a "
                   f"callback no device address for float8 buffers). Keep an fp8 cache as "
-                  f"uint8 storage (jax.lax.bitcast_convert_type(x, jnp.uint8)) and "
-                  f"pass "
+                  f"uint8 storage (jax.lax.bitcast_convert_type(x, jnp.uint8)) and pass "
                   f"kv_cache_dtype=\"fp8_e4m3\" or \"fp8_e5m2\"", TypeError)
         _fail(f"{fn}: {name} is {dt.name}, which cupaged.jax cannot take (XLA gives a "
               f"callback no device address for it)", TypeError)
@@ -242,11 +248,14 @@ class _Plans:
     (compiling, allocating), which a command buffer being recorded cannot take: it raises
     instead."""
 
-    def __init__(self, make, command_buffer: bool = False):
+    def __init__(self, make, command_buffer: bool = False, workspace=None):
         self._make = make
         self._by_device: dict = {}
         self._lock = threading.Lock()
-        devices = _trace_devices(command_buffer)
+        # A workspace lives on one GPU: the call is planned for that one alone and refused
+        # on any other (its partials could not be written there).
+        self._pinned = None if workspace is None else workspace.device
+        devices = _trace_devices(command_buffer) if self._pinned is None else [self._pinned]
         with _checks.metadata_only():
             if not devices:
                 make(0, False)
@@ -256,13 +265,18 @@ class _Plans:
     def get(self, device: int, stream: int):
         got = self._by_device.get(device)
         if got is None:
+            if self._pinned is not None:
+                raise ValueError(
+                    f"cupaged.jax: the workspace given is on GPU {self._pinned}, and XLA runs "
+                    f"this call on GPU {device}: pass a workspace made on the GPU the "
+                    f"computation runs on (or none: each GPU then has a shared one)")
             if _capturing(stream):
                 raise RuntimeError(
                     f"cupaged.jax: this call was planned at trace time for GPUs "
-                    f"{sorted(self._by_device)}, and runs on GPU {device} while XLA records "
-                    f"a command buffer, where planning (compiling, allocating) is not "
-                    f"possible. Trace with command_buffer=True (which plans for every local "
-                    f"GPU), or make the GPU JAX's default device before tracing")
+                    f"{sorted(self._by_device)} (with command_buffer=True, every GPU JAX "
+                    f"listed then), and runs on GPU {device} while XLA records a command "
+                    f"buffer, where planning (compiling, allocating) is not possible: trace "
+                    f"it again where JAX sees that GPU")
             with self._lock, _checks.metadata_only():
                 got = self._by_device.get(device)
                 if got is None:
@@ -503,7 +517,7 @@ def _attention_traced(query, key_cache, value_cache, block_tables, seq_lens, que
                             workspace, device, q.shape[2])
         return prep, (ws, alibi, sink)  # (what the launches embed, kept alive)
 
-    plans = _Plans(make, command_buffer)
+    plans = _Plans(make, command_buffer, workspace)
 
     def callback(ctx, outs, *bufs):
         stream = int(ctx.stream)
@@ -615,7 +629,7 @@ def _mla_traced(q_lat, q_pe, kv_cache, k_pe_cache, block_tables, seq_lens, query
         return _planned(lambda ws: _mla.validate_and_prepare(*args, ws)[0], workspace,
                         device, launch.MLA_PARTIAL_WIDTH)
 
-    plans = _Plans(make, command_buffer)
+    plans = _Plans(make, command_buffer, workspace)
 
     def callback(ctx, outs, *bufs):
         stream = int(ctx.stream)
@@ -726,7 +740,8 @@ def _mla_write_traced(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, *, kv_cach
         a, b, kc, sm = views[:4]
         pc = views[4] if split else None
         w = cache_ops.validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
-        fp8 = w.cache is not w.source
+        # fp8_ds_mla computes its own scales: the argument is ignored, as eagerly
+        fp8 = w.cache is not w.source and w.cache is not _dtypes.DS_MLA
         sp, sv, _ = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale,
                                                     "scale", per_token=False)
         if not plan:

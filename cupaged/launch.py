@@ -56,7 +56,7 @@ class Launch(NamedTuple):
     grid: tuple
     threads: int
     smem: int
-    prefill: bool  # paged_prefill: its combine takes every partial row (no lengths)
+    prefill: bool  # multi-token: its combine takes the query starts (no lengths)
     # Between the partials and the query: paged_prefill's split_tiles (paged_prefill_sm90's
     # split_tiles, num_seqs, ranks); paged_decode's counters, null unless it merges its own
     # split (then the call's: see run).
@@ -70,7 +70,7 @@ class Launch(NamedTuple):
     split: bool = False  # split-KV: partials, merged by paged_decode itself or by `combine`
     combine: jit.Launcher | None = None  # merges the partials when the kernel does not
     combine_grid: tuple = ()
-    combine_tail: tuple = ()  # after its lengths
+    combine_tail: tuple = ()  # after its lengths and query starts
     partials: Partials | None = None  # the workspace's; None: a scratch buffer per call
     scratch_rows: int = 0
     head_size: int = 0

@@ -21,7 +21,10 @@ DeepSeek sparse attention (a reference: no kernel of cupaged reads these caches)
 over top-k indices into a paged cache, FlashMLA's sparse interface, and the caches' token
 formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
 with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
-reader (:func:`dequantize_sparse_kv`).
+reader (:func:`dequantize_sparse_kv`); the lightning indexer that picks the indices: its fp8
+key cache (:func:`indexer_k_quant_and_cache`, :func:`dequantize_indexer_k`), its logits
+(:func:`indexer_logits`), the top-k (:func:`indexer_topk`) and the slots
+(:func:`indexer_slots`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ __all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "concat_and_
            "mla_attention", "mla_cache_views", "paged_attention", "quantize_fp8",
            "reshape_and_cache", "token_head_scales", "SPARSE_KV_FORMATS",
            "concat_and_cache_sparse_mla", "dequantize_sparse_kv", "quantize_sparse_kv",
-           "sparse_mla_attention"]
+           "sparse_mla_attention", "dequantize_indexer_k", "indexer_cache_width",
+           "indexer_k_quant_and_cache", "indexer_logits", "indexer_slots", "indexer_topk",
+           "quantize_indexer_k"]
 
 KV_LAYOUTS = ("NHD", "HND", "vllm")
 
@@ -814,3 +819,177 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale: float, kv_format: str =
     out = out.reshape(*shape, num_heads, d_v)
     lse = lse.reshape(*shape, num_heads)
     return (out, lse) if return_lse else out
+
+
+# ---- DSA's lightning indexer: its keys' fp8 cache, the logits, the top-k -------------------
+#
+# The indexer picks each query token's top-k cached tokens, the indices
+# sparse_mla_attention reads. Its keys (one head of head_dim values, 128 for DeepSeek-V3.2,
+# shared by the indexer's query heads) live in a paged cache of their own, vLLM's layout:
+# a block of block_size tokens holds their e4m3 values token-major (block_size * head_dim
+# bytes), then their float32 scales (head_dim / quant_block_size a token), so a token takes
+# head_dim + 4 * head_dim / quant_block_size bytes (132 for V3.2: one scale a token).
+
+
+def indexer_cache_width(head_dim: int = 128, quant_block_size: int = 128) -> int:
+    """Bytes a token takes in the indexer's key cache (the cache's last dimension)."""
+    if head_dim <= 0 or quant_block_size <= 0 or head_dim % quant_block_size:
+        raise ValueError(f"head_dim ({head_dim}) must be a positive multiple of "
+                         f"quant_block_size ({quant_block_size})")
+    return head_dim + 4 * (head_dim // quant_block_size)
+
+
+def quantize_indexer_k(k, quant_block_size: int = 128, ue8m0: bool = False):
+    """The indexer keys ``k [..., head_dim]`` (any float dtype) as stored: ``(values uint8
+    [..., head_dim] e4m3, scales float32 [..., head_dim / quant_block_size])``, computed in
+    float32 from ``k`` widened. A group's scale is ``max(amax, 1e-4) / 448`` (amax of its
+    ``|k|``, NaN skipped), rounded up to a power of two with ``ue8m0`` (``2 **
+    ceil(log2(scale))``); its values are ``k / scale`` rounded to nearest even and saturated
+    to +-448 (NaN stored as 0x7F): vLLM's ``indexer_k_quant_and_cache``."""
+    k = np.asarray(k)
+    d = k.shape[-1]
+    indexer_cache_width(d, quant_block_size)
+    lead = k.shape[:-1]
+    k32 = k.astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        amax = _group_amax(k32, quant_block_size)
+        s = (np.fmax(amax, np.float32(1e-4)) / np.float32(448)).astype(np.float32)
+        if ue8m0:
+            mant, exp = np.frexp(s)
+            e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(s)) exactly, from s's bits
+            s = np.where(np.isfinite(s), np.ldexp(np.float32(1), e), s).astype(np.float32)
+        y = k32.reshape(*lead, -1, quant_block_size) / s[..., None]
+    return _e4m3_bytes(y).reshape(*lead, d), s
+
+
+def _indexer_blocks(kv_cache, head_dim: int, quant_block_size: int):
+    """The cache as ``[num_blocks, block_size * width]`` bytes (a view where possible)."""
+    c = np.asarray(kv_cache)
+    width = indexer_cache_width(head_dim, quant_block_size)
+    if c.dtype.itemsize != 1 or c.shape[-1] != width or c.ndim not in (3, 4) \
+            or (c.ndim == 4 and c.shape[2] != 1):
+        raise ValueError(f"the indexer's kv_cache must be 1-byte [num_blocks, block_size, "
+                         f"(1,) {width}], got {c.dtype} {c.shape}")
+    return c.reshape(c.shape[0], -1).view(np.uint8), c.shape[1]
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int = 128,
+                              ue8m0: bool = False):
+    """What the indexer's cache write stores, into a host cache in place (vLLM's
+    ``indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)``):
+    token i of ``k [num_tokens, head_dim]`` at slot ``slot_mapping[i]`` (block ``slot //
+    block_size``, offset o ``slot % block_size``) of ``kv_cache [num_blocks, block_size,
+    width]`` (or ``[.., 1, width]``; 1-byte, C-contiguous), :func:`quantize_indexer_k`'s
+    values at bytes ``o * head_dim`` of the block and its scales (float32) at bytes
+    ``block_size * head_dim + 4 * o * (head_dim / quant_block_size)``. A negative slot
+    (padding) is skipped."""
+    k = np.asarray(k)
+    if k.ndim != 2:
+        raise ValueError(f"k must be [num_tokens, head_dim], got {k.shape}")
+    d = k.shape[1]
+    blocks, block_size = _indexer_blocks(kv_cache, d, quant_block_size)
+    if not np.shares_memory(blocks, kv_cache):
+        raise ValueError("kv_cache must be writable in place (a contiguous array)")
+    values, scales = quantize_indexer_k(k, quant_block_size, ue8m0)
+    g = d // quant_block_size
+    for i, slot in enumerate(np.asarray(slot_mapping).astype(np.int64)):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), block_size)
+        blocks[b, o * d:(o + 1) * d] = values[i]
+        at = block_size * d + 4 * o * g
+        blocks[b, at:at + 4 * g] = np.ascontiguousarray(scales[i].astype("<f4")).view(np.uint8)
+
+
+def dequantize_indexer_k(kv_cache, head_dim: int = 128, quant_block_size: int = 128):
+    """The indexer cache's keys in float64, ``[num_blocks, block_size, head_dim]``: each
+    e4m3 value times its group's float32 scale."""
+    blocks, block_size = _indexer_blocks(kv_cache, head_dim, quant_block_size)
+    n, d, g = blocks.shape[0], head_dim, head_dim // quant_block_size
+    values = _e4m3_values(blocks[:, :block_size * d]).reshape(n, block_size, g, -1)
+    scales = np.ascontiguousarray(blocks[:, block_size * d:block_size * (d + 4 * g)])
+    scales = scales.view("<f4").astype(np.float64).reshape(n, block_size, g)
+    return (values * scales[..., None]).reshape(n, block_size, d)
+
+
+def _rows_of(seq_lens, query_start_loc, total_q: int):
+    """Each query row's (sequence, position): the last q_len of its sequence's tokens, as
+    :func:`attention` places them (one row a sequence, at its last token, without starts)."""
+    lens = np.asarray(seq_lens).astype(np.int64)
+    starts = (np.arange(len(lens) + 1) if query_start_loc is None
+              else np.asarray(query_start_loc).astype(np.int64))
+    if starts.shape != (len(lens) + 1,) or starts[0] != 0 or starts[-1] != total_q \
+            or (np.diff(starts) < 0).any() or (np.diff(starts) > lens).any():
+        raise ValueError(f"query_start_loc must run from 0 to total_q = {total_q}, "
+                         f"non-decreasing, each q_len <= its seq_lens, got {starts}")
+    seq = np.repeat(np.arange(len(lens)), np.diff(starts))
+    pos = lens[seq] - (starts[seq + 1] - starts[seq]) + (np.arange(total_q) - starts[seq])
+    return seq, pos
+
+
+def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, query_start_loc=None, *,
+                   quant_block_size: int = 128, max_seq_len: int | None = None):
+    """Float64 logits of the lightning indexer over its paged fp8 key cache (DeepGEMM's
+    ``fp8_paged_mqa_logits``, vLLM's reference): row i, cached token j,
+    ``sum_h weights[i, h] * relu(q[i, h] . key_j)`` for the keys its row sees, -inf for
+    the others.
+
+    ``q [total_q, num_heads, head_dim]`` (any float dtype: an fp8 query is passed as its
+    values, its scale folded into ``weights`` as the model does); ``kv_cache`` the
+    indexer's cache (:func:`indexer_k_quant_and_cache`), read by
+    :func:`dequantize_indexer_k`; ``weights [total_q, num_heads]``; ``block_tables``,
+    ``seq_lens`` and ``query_start_loc`` as :func:`attention`'s (DeepGEMM's ``[batch,
+    next_n]`` query is ``query_start_loc = arange(batch + 1) * next_n``): a row at position
+    p sees its sequence's tokens 0..p. Returns ``[total_q, max_seq_len]`` (default:
+    ``block_tables.shape[1] * block_size``), column j the sequence's token j."""
+    q = np.asarray(q, dtype=np.float64)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [total_q, num_heads, head_dim], got {q.shape}")
+    total_q, num_heads, d = q.shape
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (total_q, num_heads):
+        raise ValueError(f"weights must be [total_q, num_heads] = [{total_q}, {num_heads}], "
+                         f"got {w.shape}")
+    keys = dequantize_indexer_k(kv_cache, d, quant_block_size)
+    block_size = keys.shape[1]
+    bt = np.asarray(block_tables).astype(np.int64)
+    width = bt.shape[1] * block_size if max_seq_len is None else int(max_seq_len)
+    seq, pos = _rows_of(seq_lens, query_start_loc, total_q)
+    logits = np.full((total_q, width), -np.inf)
+    for i in range(total_q):
+        n = min(int(pos[i]) + 1, width)
+        if n <= 0:
+            continue
+        t = np.arange(n)
+        k = keys[bt[seq[i], t // block_size], t % block_size]  # [n, d]
+        logits[i, :n] = (np.maximum(q[i] @ k.T, 0.0) * w[i][:, None]).sum(0)
+    return logits
+
+
+def indexer_topk(logits, topk: int):
+    """Each row's ``topk`` largest finite logits' columns (int32 ``[rows, topk]``), largest
+    first, ties by the lower column; -1 fills a row with fewer finite ones. -inf (a key
+    the row does not see) and NaN are never picked."""
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 2 or topk <= 0:
+        raise ValueError(f"logits must be [rows, columns] and topk positive, got {x.shape}, "
+                         f"{topk}")
+    out = np.full((x.shape[0], topk), -1, np.int32)
+    for i, row in enumerate(x):
+        cols = np.flatnonzero(np.isfinite(row))
+        cols = cols[np.lexsort((cols, -row[cols]))][:topk]  # by value down, then column
+        out[i, :len(cols)] = cols
+    return out
+
+
+def indexer_slots(positions, block_tables, block_size: int, seq_lens, query_start_loc=None):
+    """Top-k positions (:func:`indexer_topk`: each row's sequence-local token numbers) as
+    the global slots :func:`sparse_mla_attention` takes, ``block * block_size + offset``
+    through the block table of the row's sequence (rows placed as :func:`indexer_logits`
+    places them); -1 stays -1."""
+    p = np.asarray(positions).astype(np.int64)
+    bt = np.asarray(block_tables).astype(np.int64)
+    seq, _ = _rows_of(seq_lens, query_start_loc, p.shape[0])
+    safe = np.where(p >= 0, p, 0)
+    slots = bt[seq[:, None], safe // block_size] * block_size + safe % block_size
+    return np.where(p >= 0, slots, -1).astype(np.int32)

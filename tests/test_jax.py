@@ -231,6 +231,52 @@ def test_float8_arrays_are_refused_at_trace_time(f8):
                        S((5, H), F32))
 
 
+def test_a_workspace_pins_the_plan_to_its_gpu(monkeypatch):
+    """With a workspace given, a trace plans for the workspace's GPU alone, even with
+    command_buffer=True on a host of several GPUs, and a callback on another GPU is refused
+    naming the workspace (its partials could not be written there)."""
+    monkeypatch.setattr(cj, "_trace_devices", lambda every_gpu: [0, 1, 2])
+
+    class Workspace:
+        device = 2
+
+    made = []
+    plans = cj._Plans(lambda device, plan: made.append((device, plan)) or device, True,
+                      Workspace())
+    assert made == [(2, True)]
+    assert plans.get(2, 0) == 2
+    with pytest.raises(ValueError, match="the workspace given is on GPU 2, and XLA runs this "
+                                         "call on GPU 0"):
+        plans.get(0, 0)
+    made.clear()
+    cj._Plans(lambda device, plan: made.append((device, plan)), True)
+    assert made == [(0, True), (1, True), (2, True)]
+
+
+def test_side_values_and_scales_are_checked_as_eagerly():
+    """NaN in sinks or alibi_slopes is refused when traced (it would also miss jit's cache:
+    a new trace every call); fp8_ds_mla ignores the scale, as the eager writer does, where
+    an fp8 format refuses a zero one; an array of a dtype NumPy does not know (a PRNG key)
+    is refused naming its argument."""
+    q, kc, vc, bt, sl = _attention_shapes()
+    for name in ("sinks", "alibi_slopes"):
+        vals = np.zeros(H, np.float32)
+        vals[3] = np.nan
+        with pytest.raises(ValueError, match=f"{name} holds NaN at 3"):
+            jax.eval_shape(lambda *a: cj.attention(*a, max_seq_len=64, **{name: vals}),
+                           q, kc, vc, bt, sl)
+    args = (S((3, 512), BF16), S((3, 64), BF16), S((NB, BS, 656), jnp.uint8), S((3,), I32))
+    got = jax.eval_shape(lambda *a: cj.concat_and_cache_mla(*a, "fp8_ds_mla", 0.0), *args)
+    assert got == args[2]
+    with pytest.raises(ValueError, match="scale"):
+        jax.eval_shape(lambda *a: cj.concat_and_cache_mla(*a, "fp8_e4m3", 0.0),
+                       args[0], args[1], S((NB, BS, 576), jnp.uint8), args[3])
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    with pytest.raises(TypeError, match="cupaged.jax.merge_state: out_a is key<fry>"):
+        jax.eval_shape(cj.merge_state, S((5, H, HD), key.dtype), S((5, H), F32),
+                       S((5, H, HD), F16), S((5, H), F32))
+
+
 def test_bounds_are_required_static_ints():
     q, kc, vc, bt, sl = _attention_shapes()
     with pytest.raises(TypeError, match="needs max_seq_len: a static Python int"):
@@ -506,9 +552,15 @@ def test_jit_attention_default_workspace(rng):
     p = _nhd_problem(rng, (3000, 17))  # two decode rows over a long context: split-KV
     a = {k: jnp.asarray(v) for k, v in p.items()}
     kw = dict(max_seq_len=3000, return_lse=True)
-    got = _done(jax.jit(lambda q, kc, vc, bt, sl: cj.attention(q, kc, vc, bt, sl, **kw))(
-        a["q"], a["kc"], a["vc"], a["bt"], a["sl"]))
-    shared = [ws for (dev, width), ws in cj._WORKSPACES.items() if width == HD]
+    before = dict(cj._WORKSPACES)
+    cj._WORKSPACES.clear()  # this call's trace must make (or take) the shared one itself
+    try:
+        got = _done(jax.jit(lambda q, kc, vc, bt, sl: cj.attention(q, kc, vc, bt, sl, **kw))(
+            a["q"], a["kc"], a["vc"], a["bt"], a["sl"]))
+        shared = [ws for (dev, width), ws in cj._WORKSPACES.items() if width == HD]
+    finally:
+        for key, ws in before.items():
+            cj._WORKSPACES.setdefault(key, ws)
     assert shared, "expected this decode call to split (and so to take the shared workspace)"
     for ws in shared:
         assert int(cupy.count_nonzero(ws._counters)) == 0
@@ -855,17 +907,24 @@ def test_jitted_decode_loop_with_command_buffers(tmp_path):
 
 
 def _jit_step_runs(p, steps, runs, after_run):
-    """One decode step (cache write + attention), jitted with command buffers and no loop,
-    run ``runs`` times on the same inputs (no donation, results dropped before the next
-    run, so XLA's buffers keep their addresses)."""
+    """One decode step (cache write + attention, and the same queries as a batch padded
+    by two rows through query starts), jitted with command buffers and no loop, run
+    ``runs`` times on the same inputs (no donation, results dropped before the next run, so
+    XLA's buffers keep their addresses): the same outputs each run, the padded rows out 0
+    and lse -inf (the memsets recorded and replayed with the launches)."""
     ws = cupaged.DecodeWorkspace(4, H, HD)
     max_seq = int(p["bt"].shape[1] * BS)
 
     def step(kc, vc, bt, sl, q, k, v):
         slot = bt[jnp.arange(sl.shape[0]), sl // BS] * BS + sl % BS
         kc, vc = cj.reshape_and_cache(k, v, kc, vc, slot, kv_layout="NHD", command_buffer=True)
-        return cj.attention(q, kc, vc, bt, sl + 1, max_seq_len=max_seq, workspace=ws,
-                            command_buffer=True)
+        out = cj.attention(q, kc, vc, bt, sl + 1, max_seq_len=max_seq, workspace=ws,
+                           command_buffer=True)
+        qp = jnp.concatenate([q, jnp.full((2, *q.shape[1:]), 3, q.dtype)])
+        starts = jnp.arange(sl.shape[0] + 1, dtype=jnp.int32)
+        padded = cj.attention(qp, kc, vc, bt, sl + 1, starts, max_query_len=1,
+                              max_seq_len=max_seq, return_lse=True, command_buffer=True)
+        return out, *padded
 
     f = jax.jit(step)
     args = (jnp.asarray(p["kc"]), jnp.asarray(p["vc"]), jnp.asarray(p["bt"]),
@@ -873,9 +932,14 @@ def _jit_step_runs(p, steps, runs, after_run):
             jnp.asarray(steps[0, 2][:, :HK]))
     first = None
     for _ in range(runs):
-        out = np.asarray(f(*args))
-        first = out if first is None else first
-        _same(out, first)
+        got = [np.asarray(x) for x in f(*args)]
+        first = got if first is None else first
+        for a, b in zip(got, first):
+            _same(a, b)
+        out, padded, lse = got
+        assert not padded[-2:].any() and np.isneginf(lse[-2:]).all()
+        np.testing.assert_allclose(padded[:-2].astype(np.float64), out.astype(np.float64),
+                                   rtol=0, atol=2e-3)
         after_run()
 
 

@@ -3,7 +3,9 @@ cache formats, on the CPU: the attention against a brute-force loop over (row, h
 and against the dense references, FlashMLA's index rules case by case, the formats' writers
 and readers against each other with error bounds, the fp8_ds_mla writer bit for bit against
 a second implementation in torch, and the element conversions against torch, ml_dtypes
-and explicit tables."""
+and explicit tables; the lightning indexer's cache layout, logits and top-k against loops,
+and the indexer, the slots and the sparse attention chained against the dense MLA
+reference."""
 
 from __future__ import annotations
 
@@ -474,3 +476,179 @@ def test_ue8m0_values_are_ml_dtypes():
     every = np.arange(256, dtype=np.uint8)
     np.testing.assert_array_equal(R._ue8m0_values(every),
                                   every.view(ml_dtypes.float8_e8m0fnu).astype(np.float64))
+
+
+# ---- the lightning indexer ------------------------------------------------------------------
+
+
+def indexer_problem(rng, seq_lens, q_lens, *, heads=4, d=128, block_size=16, spare=2):
+    """Random indexer keys written through the writer into shuffled blocks, a query and
+    weights: the host arrays of one call."""
+    lens = np.asarray(seq_lens)
+    per_seq = -(-lens // block_size)
+    nb = int(per_seq.sum()) + spare
+    perm = rng.permutation(nb)
+    width = max(1, int(per_seq.max()))
+    tables = np.full((len(lens), width), nb - 1, np.int32)  # unused entries: a real block
+    used = 0
+    for s, n in enumerate(per_seq):
+        tables[s, :n] = perm[used:used + n]
+        used += n
+    cache = np.zeros((nb, block_size, R.indexer_cache_width(d)), np.uint8)
+    keys = {}
+    for s, n in enumerate(lens):
+        k = bf16(rng, n, d)
+        t = np.arange(n)
+        slots = tables[s, t // block_size] * block_size + t % block_size
+        R.indexer_k_quant_and_cache(k, cache, slots)
+        keys[s] = k
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = bf16(rng, int(starts[-1]), heads, d)
+    w = rng.standard_normal((int(starts[-1]), heads))
+    return dict(q=q, cache=cache, w=w, tables=tables, lens=lens.astype(np.int32), starts=starts,
+                keys=keys, block_size=block_size)
+
+
+def test_indexer_writer_places_values_then_scales(rng):
+    """Token o of a block: its e4m3 bytes at o * head_dim, its float32 scale after all the
+    block's values (block_size * head_dim + 4 * o); padding slots skipped, other slots
+    untouched; the [.., 1, width] form writes the same bytes."""
+    d, bs = 128, 8
+    k = bf16(rng, 6, d)
+    cache = rng.integers(0, 256, (4, bs, 132)).astype(np.uint8)
+    before = cache.copy()
+    slots = np.array([0, 9, -1, 31, 7, 16])
+    R.indexer_k_quant_and_cache(k, cache, slots)
+    values, scales = R.quantize_indexer_k(k)
+    flat = cache.reshape(4, -1)
+    written = np.zeros_like(flat, bool)
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), bs)
+        assert np.array_equal(flat[b, o * d:(o + 1) * d], values[i])
+        s = flat[b, bs * d + 4 * o:bs * d + 4 * o + 4].view("<f4")[0]
+        assert s == scales[i, 0]
+        written[b, o * d:(o + 1) * d] = True
+        written[b, bs * d + 4 * o:bs * d + 4 * o + 4] = True
+    assert np.array_equal(flat[~written], before.reshape(4, -1)[~written])
+    four = before.reshape(4, bs, 1, 132).copy()
+    R.indexer_k_quant_and_cache(k, four, slots)
+    assert np.array_equal(four.reshape(cache.shape), cache)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("group", [128, 64])
+def test_indexer_quantization_and_round_trip(rng, ue8m0, group):
+    """A group's scale is max(amax, 1e-4) / 448 (a power of two at least that with ue8m0);
+    its values are e4m3 of k / scale; read back, each value is within half an e4m3 step
+    (2^-4 of it, or 2^-10 of the scale for subnormals) of k, and an all-zero group keeps
+    the 1e-4 floor."""
+    d = 128
+    k = bf16(rng, 5, d, spread=3.0).astype(np.float32)
+    k[2, :group] = 0.0
+    values, scales = R.quantize_indexer_k(k, group, ue8m0)
+    amax = np.abs(k.reshape(5, -1, group)).max(-1)
+    want = (np.fmax(amax, np.float32(1e-4)) / np.float32(448)).astype(np.float32)
+    if ue8m0:
+        assert np.all(np.log2(scales) == np.round(np.log2(scales)))
+        assert np.all(scales >= want) and np.all(scales < 2 * want)
+    else:
+        assert np.array_equal(scales, want)
+    assert want[2, 0] == np.float32(1e-4) / np.float32(448)  # the all-zero group's floor
+    cache = np.zeros((1, 8, R.indexer_cache_width(d, group)), np.uint8)
+    R.indexer_k_quant_and_cache(k, cache, np.arange(5), group, ue8m0)
+    back = R.dequantize_indexer_k(cache, d, group)[0, :5]
+    s = np.repeat(scales, group, axis=1).astype(np.float64)
+    err = np.abs(back - k)
+    assert np.all(err <= np.maximum(np.abs(k) * 2.0**-4, s * 2.0**-10) * (1 + 1e-12))
+    x = k.reshape(5, -1, group) / scales[..., None]
+    assert np.array_equal(values.reshape(5, -1, group),
+                          x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def test_indexer_logits_match_a_loop(rng):
+    """Each cell against an explicit loop over heads with the written keys read back one by
+    one; a row sees its sequence's tokens up to its own position (the last q_len of the
+    sequence), the rest -inf; a sequence with no query rows and one of length 1 included."""
+    p = indexer_problem(rng, [40, 1, 23, 17], [3, 1, 0, 17])
+    got = R.indexer_logits(p["q"], p["cache"], p["w"], p["tables"], p["lens"], p["starts"])
+    keys = R.dequantize_indexer_k(p["cache"])
+    bs = p["block_size"]
+    assert got.shape == (p["q"].shape[0], p["tables"].shape[1] * bs)
+    row = 0
+    for s, (n, ql) in enumerate(zip(p["lens"], np.diff(p["starts"]))):
+        for i in range(ql):
+            pos = n - ql + i
+            for j in range(got.shape[1]):
+                if j > pos:
+                    assert got[row, j] == -np.inf
+                    continue
+                k = keys[p["tables"][s, j // bs], j % bs]
+                want = sum(p["w"][row, h] * max(0.0, float(np.dot(
+                    p["q"][row, h].astype(np.float64), k))) for h in range(p["q"].shape[1]))
+                assert abs(got[row, j] - want) <= 1e-12 * max(1.0, abs(want))
+            row += 1
+
+
+def test_indexer_logits_of_a_next_n_batch_are_deepgemms_layout(rng):
+    """DeepGEMM's [batch, next_n] query is query starts in steps of next_n: rows of one
+    request see 1, 2, .., next_n more tokens, the last its whole context; without starts,
+    one row a sequence at its last token."""
+    p = indexer_problem(rng, [30, 9], [2, 2])
+    got = R.indexer_logits(p["q"], p["cache"], p["w"], p["tables"], p["lens"], p["starts"])
+    seen = np.isfinite(got).sum(1)
+    assert list(seen) == [29, 30, 8, 9]
+    last = R.indexer_logits(p["q"][[1, 3]], p["cache"], p["w"][[1, 3]], p["tables"], p["lens"])
+    assert np.array_equal(last, got[[1, 3]])
+
+
+def test_indexer_topk_orders_by_value_then_column():
+    """The largest first, ties by the lower column, -inf and NaN never picked, -1 after the
+    finite ones run out."""
+    x = np.array([[1.0, 3.0, 3.0, -np.inf, np.nan, 2.0, -5.0],
+                  [-np.inf] * 7,
+                  [0.0, -np.inf, 7.0, -np.inf, -np.inf, -np.inf, -np.inf]])
+    assert R.indexer_topk(x, 4).tolist() == [[1, 2, 5, 0], [-1] * 4, [2, 0, -1, -1]]
+    assert R.indexer_topk(x, 1).tolist() == [[1], [-1], [2]]
+    with pytest.raises(ValueError, match="topk positive"):
+        R.indexer_topk(x, 0)
+
+
+def test_indexer_topk_over_the_whole_context_is_dense_mla(rng):
+    """The pieces chained: the indexer's top-k over a topk that covers every row's context,
+    turned into slots through the block tables, make sparse_mla_attention over an MLA
+    cache in the same blocks equal reference.mla_attention (causal) on every row; a topk
+    short of it leaves rows that see fewer keys than that exactly -1-padded."""
+    p = indexer_problem(rng, [37, 5, 20], [4, 5, 1], heads=2, block_size=8)
+    logits = R.indexer_logits(p["q"], p["cache"], p["w"], p["tables"], p["lens"], p["starts"])
+    top = R.indexer_topk(logits, 40)
+    slots = R.indexer_slots(top, p["tables"], p["block_size"], p["lens"], p["starts"])
+    assert np.array_equal(slots < 0, top < 0)
+    nb = p["cache"].shape[0]
+    mla = bf16(rng, nb, p["block_size"], 576)
+    q = bf16(rng, top.shape[0], 3, 576)
+    out, lse = R.sparse_mla_attention(q[:, None], mla, slots[:, None], scale=0.1,
+                                      return_lse=True)
+    want, want_lse = R.mla_attention(q, mla, p["tables"], p["lens"], p["starts"], scale=0.1,
+                                     return_lse=True)
+    check(out[:, 0], want)
+    check_lse(lse[:, 0], want_lse)
+    short = R.indexer_topk(logits, 6)
+    seen = np.isfinite(logits).sum(1)
+    assert np.array_equal((short >= 0).sum(1), np.minimum(seen, 6))
+
+
+def test_indexer_argument_checks(rng):
+    p = indexer_problem(rng, [10], [2])
+    with pytest.raises(ValueError, match="1-byte"):
+        R.dequantize_indexer_k(p["cache"][..., :131])
+    with pytest.raises(ValueError, match="multiple of quant_block_size"):
+        R.quantize_indexer_k(np.ones((2, 100), np.float32))
+    with pytest.raises(ValueError, match="weights must be"):
+        R.indexer_logits(p["q"], p["cache"], p["w"][:1], p["tables"], p["lens"], p["starts"])
+    with pytest.raises(ValueError, match="query_start_loc must run"):
+        R.indexer_logits(p["q"], p["cache"], p["w"], p["tables"], p["lens"],
+                         np.array([0, 3], np.int32))
+    with pytest.raises(ValueError, match="writable in place"):
+        R.indexer_k_quant_and_cache(bf16(rng, 1, 128), p["cache"][:, ::-1], np.array([0]))

@@ -111,6 +111,37 @@ def test_override_paged_eager_is_reversible():
     with pytest.raises(RuntimeError, match="something replaced it after override_paged_eager"):
         cupaged_tf.restore_paged_eager()
     assert mapping["paged|eager"] is other
+    # Decided by the mapping, not by the first call: cupaged's function is in place again,
+    # and the restore puts back transformers' own (kept from the first call).
+    assert cupaged_tf.override_paged_eager() == "paged|eager"
+    assert mapping["paged|eager"] is cupaged_tf.paged_attention_forward
+    assert cupaged_tf.restore_paged_eager() is True
+    assert mapping["paged|eager"] is original
+
+
+@needs_release
+def test_paged_eager_restores_on_exit_and_on_an_exception():
+    from transformers import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    original = mapping["paged|eager"]
+    with cupaged_tf.paged_eager() as name:
+        assert name == "paged|eager"
+        assert mapping[name] is cupaged_tf.paged_attention_forward
+    assert mapping["paged|eager"] is original
+    with pytest.raises(KeyError):
+        with cupaged_tf.paged_eager():
+            raise KeyError("a failed generate_batch")
+    assert mapping["paged|eager"] is original
+
+
+@pytest.mark.parametrize("version", ["5.16.0.dev0", "5.23.0rc1", "5.19.0a1", "not-a-version"])
+def test_pre_releases_and_dev_builds_are_refused(monkeypatch, version):
+    """A dev build or pre-release of a supported minor may carry the previous cycle's
+    cache layout: refused as an unknown release."""
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    with pytest.raises(RuntimeError, match=f"transformers {version} differs or is not known"):
+        cupaged_tf.override_paged_eager()
 
 
 def _fake_call(block_size=16, **extra):

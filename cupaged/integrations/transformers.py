@@ -22,8 +22,12 @@ load a FlashAttention kernel of that name):
       outputs = model.generate_batch(prompts, generation_config=config)
       cupaged_tf.restore_paged_eager()
 
-  (a model loaded with ``attn_implementation="eager"`` is switched to ``paged|eager`` by
-  continuous batching itself.) Under ``paged|eager`` transformers still builds its
+  (continuous batching switches a model loaded with ``attn_implementation="eager"`` to
+  ``paged|eager`` itself, unless FlashAttention or transformers' ``kernels`` fallback is
+  installed: then, with ``auto_switch_to_flash`` left True, it takes a FlashAttention
+  implementation and cupaged is not called. Set ``"paged|eager"`` explicitly, as above,
+  or pass ``auto_switch_to_flash=False``. :func:`paged_eager` is the same in a ``with``
+  block, restored also on an exception.) Under ``paged|eager`` transformers still builds its
   attention mask each step, which this implementation does not read.
 
 What each attention call does, per layer: the step's new keys and values go into
@@ -66,6 +70,7 @@ different cache path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -91,7 +96,15 @@ def _minor(version: str) -> str:
 
 
 def _check_version(version: str) -> None:
-    if _minor(version) not in SUPPORTED_VERSIONS:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        parsed = None
+    # a pre-release or dev build of a supported minor may carry the previous cycle's cache
+    if parsed is None or parsed.is_prerelease or parsed.is_devrelease \
+            or _minor(version) not in SUPPORTED_VERSIONS:
         raise RuntimeError(
             f"cupaged's transformers integration reads the continuous-batching cache and "
             f"attention keywords of transformers {SUPPORTED_VERSIONS[0]} to "
@@ -138,23 +151,42 @@ def override_paged_eager() -> str:
     """Put :func:`paged_attention_forward` in place of transformers' ``paged|eager``
     function, for every model of the process, and return ``"paged|eager"`` (the
     ``attn_implementation`` to give a model; continuous batching switches a model loaded
-    with ``"eager"`` to it too). Opt-in and global: every ``paged|eager`` run of continuous
-    batching attends with cupaged until :func:`restore_paged_eager`. A second call keeps
-    the first one's original. Any supported release (:data:`SUPPORTED_VERSIONS`); raises
+    with ``"eager"`` to it too, unless it switches to a FlashAttention implementation: see
+    the module's docs). Opt-in and global: every ``paged|eager`` run of continuous
+    batching attends with cupaged until :func:`restore_paged_eager`. A call while
+    cupaged's function is in place does nothing; one after something else replaced it
+    installs it again, keeping the first call's original for the restore. Any supported release (:data:`SUPPORTED_VERSIONS`); raises
     ``RuntimeError`` for another."""
     import transformers
     from transformers import AttentionInterface
 
     _check_version(transformers.__version__)
     with _OVERRIDE_LOCK:
-        if not _OVERRIDDEN:
-            mapping = AttentionInterface._global_mapping
-            if PAGED_EAGER not in mapping:
-                raise RuntimeError(f"transformers {transformers.__version__} has no "
-                                   f"'{PAGED_EAGER}' attention function to replace")
-            _OVERRIDDEN.append(mapping[PAGED_EAGER])
+        mapping = AttentionInterface._global_mapping
+        now = mapping.get(PAGED_EAGER)
+        if now is None:
+            raise RuntimeError(f"transformers {transformers.__version__} has no "
+                               f"'{PAGED_EAGER}' attention function to replace")
+        if now is not paged_attention_forward:
+            # Decided by what the mapping holds, not by an earlier call: if something
+            # replaced cupaged's function since, it is cupaged's again (the original kept
+            # from the first call, the replacement set aside as the one to restore).
+            _OVERRIDDEN[:] = [_OVERRIDDEN[0] if _OVERRIDDEN else now]
             AttentionInterface.register(PAGED_EAGER, paged_attention_forward)
     return PAGED_EAGER
+
+
+@contextlib.contextmanager
+def paged_eager():
+    """:func:`override_paged_eager` for a ``with`` block, restored when it exits, also on an
+    exception: ``with cupaged_tf.paged_eager() as name: model.set_attn_implementation(name);
+    ...``. (CUDA graphs continuous batching captured under one implementation replay it
+    whatever the mapping holds later: a manager kept across sessions keeps its graphs.)"""
+    name = override_paged_eager()
+    try:
+        yield name
+    finally:
+        restore_paged_eager()
 
 
 def restore_paged_eager() -> bool:
@@ -195,6 +227,18 @@ def block_tables(slots, cu_seq_lens_k, max_seq_len: int, block_size: int,
     return torch.div(slots[at], stride, rounding_mode="floor").to(torch.int32)
 
 
+def _compiler_disable(fn):
+    """``torch.compiler.disable``, as transformers' own paged attention functions carry it
+    (torch.compile breaks the graph there instead of tracing CuPy and ctypes code); the
+    function itself where torch is not installed (the module imports without it)."""
+    try:
+        import torch
+    except ImportError:
+        return fn
+    return torch.compiler.disable(fn)
+
+
+@_compiler_disable
 def paged_attention_forward(module, query, key, value, attention_mask=None, dropout=0.0,
                             scaling=None, **kwargs):
     """transformers' attention-implementation signature: ``query`` ``[1, num_heads,
@@ -213,7 +257,8 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
                          "(generate_batch or the ContinuousBatchingManager), which passes the "
                          "paged cache; for a plain forward use attn_implementation='sdpa'")
     if dropout:
-        raise ValueError(f"cupaged's paged attention has no attention dropout (got {dropout})")
+        raise ValueError(f"cupaged's paged attention has no attention dropout (got "
+                         f"dropout={dropout})")
     layer = module.layer_idx
     # Gemma 2's logit cap, gpt-oss's sinks: not mapped yet
     for name in ("softcap", "s_aux"):
@@ -228,13 +273,13 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
     write = kwargs["write_index"][view.group]
     read = kwargs["read_index"][view.group]
     cu_k = kwargs["cu_seq_lens_k"]
-    max_k = kwargs["max_length_k"] if "max_length_k" in kwargs else kwargs["max_seqlen_k"]
+    max_k = _either(kwargs, "max_length_k", "max_seqlen_k")
     if isinstance(cu_k, dict):
         cu_k = cu_k[view.layer_type]
     if isinstance(max_k, dict):
         max_k = max_k[view.layer_type]
     cu_q = kwargs["cu_seq_lens_q"]
-    max_q = kwargs["max_length_q"] if "max_length_q" in kwargs else kwargs["max_seqlen_q"]
+    max_q = _either(kwargs, "max_length_q", "max_seqlen_q")
 
     q = query[0].transpose(0, 1)  # [tokens, heads, head_size], a strided view
     tables, seq_lens, starts, slots = _step_arrays(view.group, layer, read, write, cu_k, cu_q,
@@ -244,6 +289,16 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
     out = attention(q, view.k, view.v, tables, seq_lens, starts, kv_layout="NHD", causal=True,
                     scale=scaling, max_query_len=max(int(max_q), 1), max_seq_len=int(max_k))
     return out.unsqueeze(0), None
+
+
+def _either(kwargs, new: str, old: str):
+    """The keyword a release passes under one of two names (5.19 renamed them)."""
+    if new in kwargs:
+        return kwargs[new]
+    if old in kwargs:
+        return kwargs[old]
+    raise TypeError(f"continuous batching passed neither {new}= nor {old}= to the attention "
+                    f"function (keywords given: {sorted(kwargs)})")
 
 
 class _LayerView:
@@ -300,7 +355,10 @@ def _pages_view(cache, layer: int) -> _LayerView:
     import transformers
 
     allocator = cache.layer_to_allocator[layer]
-    layer_type = next(t for t, a in cache.cache_allocators.items() if a is allocator)
+    layer_type = next((t for t, a in cache.cache_allocators.items() if a is allocator), None)
+    if layer_type is None:
+        raise RuntimeError(f"layer {layer}'s cache allocator is not among the cache's "
+                           f"cache_allocators: a layout this integration does not know")
     if layer_type != "full_attention" or getattr(allocator, "sliding_window", None):
         raise NotImplementedError(
             f"layer {layer} is a {layer_type} layer: transformers keeps it in a ring of slots "
