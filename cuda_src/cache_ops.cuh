@@ -2,6 +2,7 @@
 // (copy-on-write inside a device cache, swapping between a device and a host cache).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 #include "fp8.cuh"
 #include "kv_layout.cuh"
 
@@ -191,21 +192,8 @@ __global__ void __launch_bounds__(kCacheThreads)
   }
 }
 
-// DeepSeek-V3.2's sparse-attention cache ("fp8_ds_mla", vLLM's name), as the cache type
-// of concat_and_cache_mla: each token is one 656-byte row, kv_c's 512 values in e4m3 (bytes
-// 0-511), the four float32 scales of its groups of 128 values (512-527; value = fp8 *
-// scale), then k_pe's 64 values as bfloat16 (528-655). cupaged.reference.quantize_sparse_kv
-// is the statement of the bytes.
-struct fp8_ds_mla_t {
-  unsigned char bits;
-};
-constexpr int kDsMlaRank = 512;   // kv_c's values
-constexpr int kDsMlaRope = 64;    // k_pe's
-constexpr int kDsMlaGroup = 128;  // values per scale
-constexpr int kDsMlaScales = kDsMlaRank;                       // byte offsets in a row
-constexpr int kDsMlaRopeBytes = kDsMlaScales + 4 * (kDsMlaRank / kDsMlaGroup);
-constexpr int kDsMlaBytes = kDsMlaRopeBytes + 2 * kDsMlaRope;  // 656: 41 16-byte chunks
-static_assert(kDsMlaRopeBytes % 16 == 0 && kDsMlaBytes == 656, "16-byte aligned parts");
+// DeepSeek-V3.2's sparse-attention cache rows (fp8_ds_mla_t, ds_mla.cuh) are a cache type
+// of concat_and_cache_mla.
 
 // Eight float16 values (16 bytes) -> eight bfloat16 (16 bytes), rounded to nearest even in
 // integer arithmetic on the exact float32 value (every float16 is in bfloat16's range), NaN
@@ -377,6 +365,77 @@ __global__ void __launch_bounds__(kCacheThreads)
   const uint4* src = reinterpret_cast<const uint4*>(t.src + s * t.src_block_stride);
   uint4* dst = reinterpret_cast<uint4*>(t.dst + d * t.dst_block_stride);
   for (long long i = threadIdx.x; i < block_bytes / 16; i += kCacheThreads) dst[i] = src[i];
+}
+
+// The lightning indexer's key cache (DeepSeek-V3.2's DSA; vLLM's indexer_k_quant_and_cache):
+// a block of block_size tokens holds their e4m3 values token-major (block_size * head_dim
+// bytes), then their float32 scales (head_dim / quant_block_size a token). Token tok of k
+// [num_tokens, head_dim] goes to slot slot_mapping[tok] (block slot / block_size, offset
+// o): its values at byte o * head_dim of the block, each group of quant_block_size
+// divided by its scale max(amax, 1e-4) / 448 (amax of the group's |k|, NaN skipped; with
+// ue8m0 rounded up to a power of two), its scales at byte block_size * head_dim + 4 * o *
+// groups. A negative slot or one at or past num_slots writes nothing.
+//
+// One warp per token (kCacheThreads / 32 tokens a CTA): lane l holds the V = head_dim / 32
+// values [V l, V l + V), so a group is quant_block_size / V lanes (a power of two, checked
+// on the host) and its amax their shuffles. head_dim a multiple of 32 up to 512; k's rows
+// read element by element (any alignment), the block base and stride 4-byte aligned.
+template <typename T, typename SlotT>
+__global__ void __launch_bounds__(kCacheThreads)
+    indexer_k_quant_and_cache(const T* __restrict__ k, long long k_stride,
+                              unsigned char* __restrict__ cache, long long block_stride,
+                              const SlotT* __restrict__ slot_mapping, int num_tokens,
+                              int head_dim, int quant_block_size, int block_size,
+                              long long num_slots, int ue8m0) {
+  constexpr int kMaxV = 16;  // head_dim 512
+  const long long tok =
+      static_cast<long long>(blockIdx.x) * (kCacheThreads / 32) + threadIdx.x / 32;
+  if (tok >= num_tokens) return;  // whole warps: the shuffles see every lane
+  const long long slot = static_cast<long long>(slot_mapping[tok]);
+  if (slot < 0 || slot >= num_slots) return;  // the warp's lanes agree
+  const int lane = threadIdx.x & 31;
+  const int v = head_dim / 32;
+  const T* src = k + tok * k_stride + lane * v;
+  float f[kMaxV];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxV; ++i) {
+    f[i] = i < v ? to_float(src[i]) : 0.f;
+    amax = fmaxf(amax, fabsf(f[i]));  // fmaxf skips NaN
+  }
+  for (int o = quant_block_size / v / 2; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  }
+  float scale = fmaxf(amax, 1e-4f) / 448.f;
+  if (ue8m0) {  // 2^ceil(log2(scale)), from its bits (a finite normal number here, or inf)
+    const unsigned bits = __float_as_uint(scale);
+    if ((bits & 0x7fffffu) != 0u && (bits >> 23) < 0xffu) {
+      scale = __uint_as_float((bits & 0xff800000u) + 0x00800000u);
+    }
+  }
+  const long long block = slot / block_size;
+  const int offset = static_cast<int>(slot % block_size);
+  unsigned char* base = cache + block * block_stride;
+  unsigned char* dst = base + static_cast<long long>(offset) * head_dim + lane * v;
+  // divided, not multiplied by the inverse: as the reference's x / scale rounds
+#pragma unroll
+  for (int i = 0; i < kMaxV; i += 4) {
+    if (i < v) {
+      const unsigned w = quantize2(f[i] / scale, f[i + 1] / scale, fp8_e4m3_t{}) |
+                         (quantize2(f[i + 2] / scale, f[i + 3] / scale, fp8_e4m3_t{}) << 16);
+      if (v % 4 == 0) {
+        *reinterpret_cast<unsigned*>(dst + i) = w;
+      } else {  // v 1 or 2 (head_dim 32 or 64): the bytes this lane owns
+        for (int j = 0; j < v - i && j < 4; ++j) dst[i + j] = (w >> (8 * j)) & 0xffu;
+      }
+    }
+  }
+  if ((lane * v) % quant_block_size == 0) {
+    const int groups = head_dim / quant_block_size;
+    float* scales = reinterpret_cast<float*>(
+        base + static_cast<long long>(block_size) * head_dim + 4LL * offset * groups);
+    scales[lane * v / quant_block_size] = scale;
+  }
 }
 
 }  // namespace cupaged

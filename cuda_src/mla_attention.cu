@@ -1,4 +1,5 @@
-// Entry file for absorbed MLA over a paged latent cache (mla_attention.cuh). cupaged's JIT
+// Entry file for absorbed MLA over a paged latent cache (mla_attention.cuh), and its sparse
+// form (mla_sparse_attention: DeepSeek's DSA over top-k indices). cupaged's JIT
 // compiles it with NVRTC and instantiates the template by name expression, e.g.
 //   cupaged::mla_attention<cupaged::bfloat16_t, cupaged::bfloat16_t, 512, 64, 64, 16, 32, 3>
 // (query type, cache type, kv_lora_rank, rope dims, block size, rows per CTA, tile tokens,
@@ -31,5 +32,7 @@
 void cupaged_instantiate_mla() {
   (void)&cupaged::mla_attention<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS, CUPAGED_ROWS,
                                 CUPAGED_TILE, CUPAGED_STAGES>;
+  (void)&cupaged::mla_sparse_attention<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS, CUPAGED_ROWS,
+                                       CUPAGED_TILE, CUPAGED_STAGES>;
 }
 #endif

@@ -6,7 +6,8 @@
 //          pointers with their own token and head strides: one [.., RANK + ROPE] array
 //          is the pair at offsets 0 and RANK)
 //   cache  a latent part [num_blocks, BLOCK_SIZE, RANK] and a rotary part [.., ROPE] of C,
-//          T itself or fp8 read as stored * k_scale (vLLM's combined [.., RANK + ROPE]
+//          T itself or fp8 read as stored * k_scale, or (the sparse kernel's) fp8_ds_mla
+//          rows, ds_mla.cuh (vLLM's combined [.., RANK + ROPE]
 //          cache is the pair at offsets 0 and RANK;
 //          FlashInfer's kv_c / k_pe caches are two arrays), block and token strides free
 //   out    [total_q, num_heads, RANK] contiguous
@@ -32,6 +33,7 @@
 // its sequence that see the block, and others sharing their row tile).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 #include "fp8.cuh"
 #include "mla_common.cuh"
 #include "mma.cuh"
@@ -44,10 +46,12 @@ constexpr int kMlaWarps = 8;
 constexpr int kMlaThreads = kMlaWarps * 32;
 
 // Shared-memory layout of one specialization, mirrored on the host (specs/geometry.py).
-// C is the cache's element type: T, or fp8 (its tiles widened to T before the products).
+// C is the cache's element type: T, or fp8 (its tiles widened to T before the products), or
+// fp8_ds_mla_t (DeepSeek-V3.2's 656-byte rows, ds_mla.cuh: widened with their scales).
 template <typename T, typename C, int RANK, int ROPE, int ROWS, int TILE_N, int STAGES>
 struct MlaGeometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
+  static constexpr bool kDsMla = is_ds_mla<C>::value;
   static constexpr int kDims = RANK + ROPE;       // a key's length
   static constexpr int kRow = kDims + 8;          // shared rows of T padded by 16 bytes: eight
   //                                                 consecutive rows start in distinct bank
@@ -55,10 +59,9 @@ struct MlaGeometry {
   static constexpr int kChunks = kDims / 8;       // 16-byte chunks of a query row
   static constexpr int kRankChunks = RANK / 8;
   static constexpr int kCVec = 16 / static_cast<int>(sizeof(C));  // cache values a chunk
-  static constexpr int kCChunks = kDims / kCVec;  // 16-byte chunks of a cached row
-  static constexpr int kCRankChunks = RANK / kCVec;
-  static constexpr int kCRow = kDims * static_cast<int>(sizeof(C)) + 16;  // a stage row's
-  //                                                 bytes, padded as kRow
+  static constexpr int kCTokenBytes = kDsMla ? kDsMlaBytes : kDims * static_cast<int>(sizeof(C));
+  static constexpr int kCChunks = kCTokenBytes / 16;  // 16-byte chunks of a cached row
+  static constexpr int kCRow = kCTokenBytes + 16;  // a stage row's bytes, padded as kRow
   static constexpr int kAtoms = ROWS / 16;        // m16 tiles of O
   // S = Q K^T in blocks of up to 32 x 32 a warp (each k-step's Q and K fragments then
   // serve twice as many mma as 16 x 16 blocks would: Q K^T reads both operands from
@@ -92,7 +95,9 @@ struct MlaGeometry {
   static constexpr int kOffP = kOffS + kKSplit * ROWS * kSRow * 4;
   static constexpr int kOffRowState = kOffP + ROWS * kPRow * 2;  // alpha, max, sum per row
   static constexpr int kOffFlag = kOffRowState + 3 * ROWS * 4;
-  static constexpr int kSmemBytes = kOffFlag + 16;
+  // The sparse kernel's: whether each key of a stage's tile counts (a byte a key).
+  static constexpr int kOffValid = kOffFlag + 16;
+  static constexpr int kSmemBytes = kOffValid + STAGES * TILE_N;
 
   // Two CTAs an SM where the target's shared memory holds two of this shape (one's copies
   // and barriers then overlap the other's products): 16 rows, whose registers then fit
@@ -109,6 +114,9 @@ struct MlaGeometry {
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
+  static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
+                            is_same<T, bfloat16_t>::value),
+                "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
   static_assert(RANK % (8 * kMlaWarps * 2) == 0 && ROPE % 16 == 0, "RANK, ROPE");
   static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "ROWS");
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64, "TILE_N");
@@ -117,36 +125,12 @@ struct MlaGeometry {
   static_assert(STAGES >= 2, "STAGES");
 };
 
+// The kernel's body, for both entry points below: paged (SPARSE false) and sparse.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
-          int STAGES>
-__global__ void __launch_bounds__(
-    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
-    mla_attention(T* __restrict__ out,
-                  // Split-KV (split_tiles > 0: grid z partitions a row tile's keys into runs
-                  // of split_tiles tiles, the last running to the end): float32
-                  // [total_q * num_heads, gridDim.z] partials for paged_decode_combine
-                  // instead of `out`. Rows of a partition with no key get max -inf, sum 0.
-                  float* __restrict__ part_out, float* __restrict__ part_max,
-                  float* __restrict__ part_sum, int split_tiles,
-                  // Grid x is (sequence, row tile), row tiles fastest: a sequence's row tiles
-                  // run in one wave and read its keys from DRAM once (x = sequence, y = row
-                  // tile would run each row tile in a wave of its own over all sequences).
-                  int row_tiles,
-                  const T* __restrict__ q_lat, const T* __restrict__ q_rope,
-                  long long q_lat_token_stride, long long q_lat_head_stride,
-                  long long q_rope_token_stride, long long q_rope_head_stride,
-                  const C* __restrict__ c_lat, const C* __restrict__ c_rope,
-                  long long c_lat_block_stride, long long c_lat_token_stride,
-                  long long c_rope_block_stride, long long c_rope_token_stride,
-                  const int* __restrict__ block_tables, long long bt_stride, int max_blocks,
-                  int num_blocks,
-                  // An fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one
-                  // (1 for a cache of T). It scales keys and values alike.
-                  const float* __restrict__ k_scale_ptr, float k_scale,
-                  const int* __restrict__ seq_lens,
-                  const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: one each
-                  int num_heads, int causal, float scale_log2,
-                  const __grid_constant__ VariantParams vp) {  // only vp.lse is read
+          int STAGES, bool SPARSE>
+__device__ __forceinline__ void mla_attention_body(
+    CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+    const VariantParams& vp) {  // vp.lse; the sparse kernel also vp.sinks, vp.lse_keys
   using Geo = MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>;
   constexpr int ROW = Geo::kRow;
   constexpr int MA = Geo::kAtoms;
@@ -163,6 +147,7 @@ __global__ void __launch_bounds__(
   float* max_s = alpha_s + ROWS;
   float* sum_s = max_s + ROWS;
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  unsigned char* valid_s = smem + Geo::kOffValid;  // sparse: [STAGES][TILE_N] key flags
   const unsigned q_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(q_s));
   const unsigned kv_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem + Geo::kOffStages));
 
@@ -174,8 +159,9 @@ __global__ void __launch_bounds__(
   const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
   scale_log2 *= cache_scale;
   // (CUPAGED_DEBUG reports lengths past the table or negative, which mla_seq clamps.)
-  const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
-                                        num_heads, block_tables, bt_stride, max_blocks);
+  const MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens,
+                                                query_start_loc, num_heads, block_tables,
+                                                bt_stride, max_blocks, lengths_per);
 
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
@@ -188,7 +174,8 @@ __global__ void __launch_bounds__(
   // costs parallelism, never rows.
   for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < sq.packed; row0 += row_tiles * ROWS) {
     const int rows_here = min(ROWS, sq.packed - row0);
-    const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, causal, split_tiles);
+    const MlaTiles tl = mla_tiles<TILE_N>(sq, row0, rows_here, num_heads, SPARSE ? 0 : causal,
+                                          split_tiles);
     const int kv_end = tl.kv_end, tile_lo = tl.tile_lo, n_tiles = tl.n_tiles;
 
     begin_row_tile(bad_s);
@@ -204,17 +191,26 @@ __global__ void __launch_bounds__(
     // the tile after next is read while this one is computed (tile_id), and its copies
     // wait for no table read. Slots past kv_end are zeros (P is 0 there, and 0 * a stale
     // NaN would be NaN); a bad block id is never dereferenced and raises the flag.
+    // (Sparse: the id is the key's slot, its block slot / BLOCK_SIZE and its offset in the
+    // block slot's, which MlaToken takes as the key; -1 also for an entry that does not
+    // count, whose zeros the softmax masks.)
     auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
       if (tile >= n_tiles) return -1;
-      return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + Geo::copy_token(tid),
-                                      kv_end, num_blocks);
+      const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
+      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
+      return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
-    auto load_tile = [&](int tile, int stage, int phys) {
-      const bool copy = phys >= 0;
-      if (phys == -2) *bad_s = 1;
+    auto load_tile = [&](int tile, int stage, int id) {
+      const bool copy = id >= 0;
+      if (id == -2) *bad_s = 1;
+      // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
+      // these flags, read after the barrier that shows the tile landed.
+      if (SPARSE && Geo::copy_lane(tid) == 0) valid_s[stage * TILE_N + Geo::copy_token(tid)] = copy;
+      const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
       const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
                                         c_rope_block_stride, c_rope_token_stride, phys,
-                                        (tile_lo + tile) * TILE_N + Geo::copy_token(tid));
+                                        SPARSE ? (copy ? id : 0)
+                                               : (tile_lo + tile) * TILE_N + Geo::copy_token(tid));
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
                            Geo::copy_token(tid) * Geo::kCRow;
 #pragma unroll
@@ -227,7 +223,7 @@ __global__ void __launch_bounds__(
     };
 
     // Per-row constants of the softmax role: keys at positions < limit are seen.
-    const int limit = mla_key_limit(sq, row0 + sm_row, num_heads, causal);
+    const int limit = mla_key_limit(sq, row0 + sm_row, num_heads, SPARSE ? 0 : causal);
     float m_run = neg_inf(), l_run = 0.f;  // redundant over the row's RT threads; l partial
 
     float acc[MA][Geo::kDTiles][4];
@@ -259,7 +255,19 @@ __global__ void __launch_bounds__(
       id_ahead = tile_id(next + 1);
       const unsigned char* stage_s = smem + Geo::kOffStages + stage * Geo::kStageBytes;
       const T* ks = reinterpret_cast<const T*>(stage_s);
-      if constexpr (Geo::kQuant) {
+      if constexpr (Geo::kDsMla) {
+        // Widen the landed tile's rows with their scales (ds_mla_widen); zeros stay zeros.
+        // The previous tile's products are done with wide_s (the barrier).
+        for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
+          const int t = u / Geo::kCChunks;
+          uint4 v[2];
+          int dim;
+          const int n = ds_mla_widen(stage_s + t * Geo::kCRow, u % Geo::kCChunks, v, dim);
+          for (int k = 0; k < n; ++k) *reinterpret_cast<uint4*>(wide_s + t * ROW + dim + 8 * k) = v[k];
+        }
+        __syncthreads();  // the widened tile is complete
+        ks = wide_s;
+      } else if constexpr (Geo::kQuant) {
         // Widen the landed tile to T (exact: fp8 values are all representable); zeros
         // stay zeros. The previous tile's products are done with wide_s (the barrier).
         for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
@@ -329,7 +337,12 @@ __global__ void __launch_bounds__(
           float x = 0.f;
 #pragma unroll
           for (int k = 0; k < KS; ++k) x += s_s[(k * ROWS + sm_row) * Geo::kSRow + sm_col + j];
-          v[j] = t0 + sm_col + j < limit ? x * scale_log2 : neg_inf();
+          const int key = t0 + sm_col + j;
+          bool seen = key < limit;
+          if constexpr (SPARSE) {  // an entry that does not count reads as zeros: masked
+            seen = seen && valid_s[stage * TILE_N + sm_col + j] != 0;
+          }
+          v[j] = seen ? x * scale_log2 : neg_inf();
           tile_max = fmaxf(tile_max, v[j]);
         }
 #pragma unroll
@@ -429,7 +442,9 @@ __global__ void __launch_bounds__(
           }
           continue;
         }
-        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, neg_inf(), orow,
+        // (Sparse: attn_sink as vp.sinks; the paged kernel takes none.)
+        const float sink = SPARSE ? sink_log2(vp, p % num_heads) : neg_inf();
+        const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, sink, orow,
                                         writer);
         T* o = out + orow * RANK + col;
 #pragma unroll
@@ -440,6 +455,36 @@ __global__ void __launch_bounds__(
       }
     }
   }
+}
+
+// Parameters: CUPAGED_MLA_PARAMS (mla_common.cuh).
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
+          int STAGES>
+__global__ void __launch_bounds__(
+    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
+    mla_attention(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, false>(
+      CUPAGED_MLA_ARGS, 1, 0, vp);
+}
+
+// DeepSeek's sparse attention (DSA) over the same cache: each query token attends to the
+// cached tokens its top-k indices name (FlashMLA's sparse interface). Parameters as
+// mla_attention's, read as: block_tables the indices, int32 [num_tokens, bt_stride], a
+// token's first max_blocks (topk) of them global slots (block * BLOCK_SIZE + offset) or -1;
+// num_blocks the slots (a slot counts when in [0, num_blocks)); seq_lens topk_length,
+// entry token / lengths_per (or null: all topk count); query_start_loc null and causal 0
+// (a token's rows are its heads; there is no order among its keys). strict: an index
+// outside [0, num_blocks) other than -1 is a fault that turns its token's rows NaN
+// (FlashMLA's decode), else it does not count (its prefill). A repeated index counts each
+// time.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
+          int STAGES>
+__global__ void __launch_bounds__(
+    kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
+    mla_sparse_attention(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+                         const __grid_constant__ VariantParams vp) {
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true>(
+      CUPAGED_MLA_ARGS, lengths_per, strict, vp);
 }
 
 }  // namespace cupaged

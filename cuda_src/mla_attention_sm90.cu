@@ -1,4 +1,5 @@
-// Entry file for absorbed MLA on Hopper's wgmma (mla_attention_sm90.cuh). cupaged's JIT
+// Entry file for absorbed MLA on Hopper's wgmma (mla_attention_sm90.cuh), paged and sparse
+// (mla_sparse_attention_sm90: DeepSeek's DSA over top-k indices). cupaged's JIT
 // compiles it with NVRTC for sm_90a and instantiates the template by name expression, e.g.
 //   cupaged::mla_attention_sm90<cupaged::bfloat16_t, cupaged::fp8_e4m3_t, 512, 64, 64>
 // (query type, cache type: the query's or fp8, kv_lora_rank, rope dims, block size)
@@ -20,5 +21,10 @@
 #endif
 void cupaged_instantiate_mla_sm90() {
   (void)&cupaged::mla_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
+  (void)&cupaged::mla_sparse_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
+#ifdef CUPAGED_DS_MLA
+  (void)&cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, cupaged::fp8_ds_mla_t, 512, 64,
+                                            CUPAGED_BS>;
+#endif
 }
 #endif

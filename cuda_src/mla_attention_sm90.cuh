@@ -7,7 +7,8 @@
 // [64 tokens][128 bytes]) that is K's K-major B operand of S = Q K^T and, over its first
 // eight blocks, V's MN-major B operand of P V: no copy or transpose. A 16-bit cache lands
 // there directly, in a ring of two stages. An fp8 cache (C one byte, read as stored *
-// scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]), and
+// scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]; the
+// sparse kernel's fp8_ds_mla rows in one raw stage, widened after a barrier), and
 // each thread widens the chunks it copied into one 16-bit stage before the tile's first
 // barrier: the next tile's bytes fly meanwhile, and a third 73,728-byte stage would not
 // fit beside Q.
@@ -17,10 +18,11 @@
 //     shared memory;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
 //     shared memory).
-// Three barriers a tile; the softmax is not overlapped with the products (a first
-// version: FlashInfer's Hopper MLA kernel has this shape).
+// Three barriers a tile (fp8_ds_mla: four); the softmax is not overlapped with the
+// products (a first version: FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 #include "fp8.cuh"
 #include "mla_common.cuh"
 #include "mma.cuh"
@@ -32,54 +34,55 @@ namespace cupaged {
 
 constexpr int kMlaSm90Threads = 256;
 
-// C: the cache's element type, T or fp8.
+// C: the cache's element type, T or fp8, or fp8_ds_mla_t (the sparse kernel's: DeepSeek-V3.2's
+// 656-byte rows, ds_mla.cuh), which lands in one raw stage of its rows.
 template <typename T, typename C, int RANK, int ROPE>
 struct MlaSm90Geometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
+  static constexpr bool kDsMla = is_ds_mla<C>::value;
   static constexpr int kRows = 64;
   static constexpr int kTileN = 64;
   static constexpr int kStages = kQuant ? 1 : 2;  // 16-bit stages (fp8: the widened tile)
   static constexpr int kDims = RANK + ROPE;
   static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
-  // 16-byte chunks of a cached row (72; fp8 36)
-  static constexpr int kCChunks = kDims * static_cast<int>(sizeof(C)) / 16;
+  // 16-byte chunks of a cached row (72; fp8 36; fp8_ds_mla 41)
+  static constexpr int kCChunks = kDsMla ? kDsMlaChunks : kDims * static_cast<int>(sizeof(C)) / 16;
+  static constexpr int kRawRow = kCChunks * 16;  // fp8: a raw token row's bytes
+  static constexpr int kRawStages = kDsMla ? 1 : 2;
   static constexpr int kTileBytes = kBlocks * 64 * 128;  // Q, or one K/V stage: 73,728
-  static constexpr int kRawTileBytes = kQuant ? kTileN * kDims : 0;  // fp8: a tile's bytes
+  static constexpr int kRawTileBytes = kQuant ? kTileN * kRawRow : 0;  // fp8: a tile's bytes
   static constexpr int kOffQ = 0;
   static constexpr int kOffStages = kTileBytes;
   static constexpr int kOffRaw = kOffStages + kStages * kTileBytes;  // fp8: two raw stages
-  static constexpr int kOffP = kOffRaw + 2 * kRawTileBytes;        // [64 rows][64 keys] T
+  //                                                               (fp8_ds_mla: one)
+  static constexpr int kOffP = kOffRaw + kRawStages * kRawTileBytes;  // [64 rows][64 keys] T
   static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
+  // The sparse kernel's: whether each key of a ring slot's tile counts (a byte a key).
+  static constexpr int kOffValid = kOffFlag + 16;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
-  static constexpr int kSmemBytes = kOffFlag + 16 + 1024;
+  static constexpr int kSmemBytes = kOffValid + 2 * kTileN + 1024;
   static constexpr int kCopyThreads = kMlaSm90Threads / kTileN;  // a token's copiers (4)
-  static constexpr int kCopySteps = kCChunks / kCopyThreads;      // chunks each (18; fp8 9)
+  static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
+  //                                                   each (18; fp8 9; fp8_ds_mla 11)
 
   static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
-  static_assert(kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(kDsMla || kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
+                            is_same<T, bfloat16_t>::value),
+                "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
   static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
+  static_assert(kOffStages % 1024 == 0 && kOffP % 1024 == 0,
+                "wgmma's swizzled operands start at multiples of 1024 bytes");
 };
 
-template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
-__global__ void __launch_bounds__(kMlaSm90Threads, 1)
-    mla_attention_sm90(T* __restrict__ out, float* __restrict__ part_out,
-                       float* __restrict__ part_max, float* __restrict__ part_sum,
-                       int split_tiles, int row_tiles,
-                       const T* __restrict__ q_lat, const T* __restrict__ q_rope,
-                       long long q_lat_token_stride, long long q_lat_head_stride,
-                       long long q_rope_token_stride, long long q_rope_head_stride,
-                       const C* __restrict__ c_lat, const C* __restrict__ c_rope,
-                       long long c_lat_block_stride, long long c_lat_token_stride,
-                       long long c_rope_block_stride, long long c_rope_token_stride,
-                       const int* __restrict__ block_tables, long long bt_stride,
-                       int max_blocks, int num_blocks,
-                       const float* __restrict__ k_scale_ptr, float k_scale,
-                       const int* __restrict__ seq_lens,
-                       const int* __restrict__ query_start_loc, int num_heads, int causal,
-                       float scale_log2, const __grid_constant__ VariantParams vp) {
+// The kernel's body, for both entry points below: paged (SPARSE false) and sparse
+// (mla_attention.cuh's mla_sparse_attention, its parameters read the same way).
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARSE>
+__device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int lengths_per,
+                                                        int strict, const VariantParams& vp) {
   using Geo = MlaSm90Geometry<T, C, RANK, ROPE>;
   using namespace sm90;
   constexpr int ROWS = Geo::kRows;
@@ -95,6 +98,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
   float* max_s = alpha_s + ROWS;
   float* sum_s = max_s + ROWS;
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
+  unsigned char* valid_s = smem + Geo::kOffValid;  // sparse: [2 ring slots][64 keys]
   auto stage_s = [&](int s) { return base + Geo::kOffStages + s * Geo::kTileBytes; };
   auto raw_s = [&](int s) { return base + Geo::kOffRaw + s * Geo::kRawTileBytes; };
 
@@ -114,8 +118,10 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     scale_log2 *= cache_scale;
   }
 
-  const MlaSeq sq = mla_seq<BLOCK_SIZE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
-                                        num_heads, block_tables, bt_stride, max_blocks);
+  const MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens,
+                                                query_start_loc, num_heads, block_tables,
+                                                bt_stride, max_blocks, lengths_per);
+  if constexpr (SPARSE) causal = 0;  // a token's rows are its heads; its keys have no order
   const int copy_token = tid / Geo::kCopyThreads;
   const int copy_lane = tid % Geo::kCopyThreads;
 
@@ -135,35 +141,65 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     // A K/V tile: thread tid copies chunks copy_lane, + 4, ... of token copy_token, its
     // block id read a tile ahead (-1: past the keys; -2: outside the cache). A 16-bit cache
     // lands in the swizzled stage `slot`; fp8 in raw stage `slot`, row-major, from which
-    // the same thread widens the same chunks (widen_tile).
+    // the same thread widens the same chunks (widen_tile). (Sparse: the id is the key's
+    // slot, as in mla_attention.cuh.)
     auto tile_id = [&](int tile) -> int {
       if (tile >= n_tiles) return -1;
-      return mla_block_id<BLOCK_SIZE>(sq, (tile_lo + tile) * TILE_N + copy_token, kv_end,
-                                      num_blocks);
+      const int key = (tile_lo + tile) * TILE_N + copy_token;
+      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
+      return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
-    auto load_tile = [&](int tile, int slot, int phys) {
-      const bool copy = phys >= 0;
-      if (phys == -2) *bad_s = 1;
+    auto load_tile = [&](int tile, int slot, int id) {
+      const bool copy = id >= 0;
+      if (id == -2) *bad_s = 1;
+      // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
+      // these flags, read after the barrier that shows the tile landed.
+      if (SPARSE && copy_lane == 0) valid_s[slot * TILE_N + copy_token] = copy;
+      const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
       const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
                                         c_rope_block_stride, c_rope_token_stride, phys,
-                                        (tile_lo + tile) * TILE_N + copy_token);
+                                        SPARSE ? (copy ? id : 0)
+                                               : (tile_lo + tile) * TILE_N + copy_token);
+      const int raw = Geo::kRawStages == 1 ? 0 : slot;
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
         const int c = copy_lane + j * Geo::kCopyThreads;
+        if (Geo::kCChunks % Geo::kCopyThreads != 0 && c >= Geo::kCChunks) continue;
         const unsigned dst = Geo::kQuant
-                                 ? raw_s(slot) + copy_token * Geo::kDims + c * 16
+                                 ? raw_s(raw) + copy_token * Geo::kRawRow + c * 16
                                  : stage_s(slot) + sw128_offset(copy_token, c * 8, TILE_N);
         cp_async16_or_zero(dst, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+      }
+    };
+    // fp8_ds_mla: the raw stage's rows widened with their scales (ds_mla_widen) into the
+    // 16-bit stage, each thread the chunks it copied, after a barrier (a row's scales are
+    // another thread's copy).
+    auto widen_ds_tile = [&]() {
+      if constexpr (Geo::kDsMla) {
+        const unsigned char* row = smem + (raw_s(0) - base) + copy_token * Geo::kRawRow;
+#pragma unroll
+        for (int j = 0; j < Geo::kCopySteps; ++j) {
+          const int c = copy_lane + j * Geo::kCopyThreads;
+          if (c >= Geo::kCChunks) continue;
+          uint4 v[2];
+          int dim;
+          const int n = ds_mla_widen(row, c, v, dim);
+          for (int k = 0; k < n; ++k) {
+            const unsigned d = stage_s(0) + sw128_offset(copy_token, dim + 8 * k, TILE_N);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(v[k].x),
+                         "r"(v[k].y), "r"(v[k].z), "r"(v[k].w) : "memory");
+          }
+        }
       }
     };
     // fp8: raw stage `slot`'s chunks of this thread (landed: its own copies) widened into
     // the 16-bit stage, 16 values to two swizzled 16-byte chunks (exact; zeros stay zeros).
     auto widen_tile = [&](int slot) {
-      if constexpr (Geo::kQuant) {
+      if constexpr (Geo::kQuant && !Geo::kDsMla) {
         // The bytes are read by plain loads after cp.async.wait_group, whose asm has no
         // memory clobber: keep the compiler from hoisting the loads above the wait.
         asm volatile("" ::: "memory");
-        const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kDims;
+        const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kRawRow;
 #pragma unroll
         for (int j = 0; j < Geo::kCopySteps; ++j) {
           const int c = copy_lane + j * Geo::kCopyThreads;
@@ -199,13 +235,27 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
       // the products reading the one widened stage).
       const int slot = it & 1;
       const int stage = Geo::kQuant ? 0 : slot;
-      if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
-      cp_async_commit();
-      id_ahead = tile_id(it + 2);
-      cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
-      widen_tile(slot);    // fp8 (the previous tile's products are done: the last barrier)
-      fence_async_smem();  // this thread's copies and stores, for wgmma's reads
-      __syncthreads();
+      if constexpr (Geo::kDsMla) {
+        // One raw stage: tile it + 1 is copied once tile it is widened, and flies during
+        // tile it's products.
+        cp_async_wait<0>();  // tile it (and the query) landed
+        __syncthreads();     // ... every thread's copies of it (the previous tile's products
+        //                      are done with the 16-bit stage: the last barrier)
+        widen_ds_tile();
+        fence_async_smem();  // the widened tile, for wgmma's reads
+        __syncthreads();     // complete, and the raw stage free
+        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+        cp_async_commit();
+        id_ahead = tile_id(it + 2);
+      } else {
+        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+        cp_async_commit();
+        id_ahead = tile_id(it + 2);
+        cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
+        widen_tile(slot);    // fp8 (the previous tile's products are done: the last barrier)
+        fence_async_smem();  // this thread's copies and stores, for wgmma's reads
+        __syncthreads();
+      }
 
       if (wg == 0) {
         // ---- S = Q K^T and the online softmax -------------------------------------------
@@ -223,11 +273,19 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         float tmax[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
+          // sparse: this thread's two keys' flags (an entry that does not count reads as
+          // zeros: masked)
+          unsigned pair = 0x0101u;
+          if constexpr (SPARSE) {
+            pair = *reinterpret_cast<const unsigned short*>(valid_s + slot * TILE_N + 8 * j +
+                                                            2 * (lane & 3));
+          }
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int h = i >> 1;
             const int key = t0 + 8 * j + 2 * (lane & 3) + (i & 1);
-            s[4 * j + i] = key < limit[h] ? s[4 * j + i] * scale_log2 : neg_inf();
+            const bool seen = key < limit[h] && ((pair >> (8 * (i & 1))) & 1u);
+            s[4 * j + i] = seen ? s[4 * j + i] * scale_log2 : neg_inf();
             tmax[h] = fmaxf(tmax[h], s[4 * j + i]);
           }
         }
@@ -314,7 +372,9 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
         }
         continue;
       }
-      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, neg_inf(), orow,
+      // (Sparse: attn_sink as vp.sinks; the paged kernel takes none.)
+      const float sink = SPARSE ? sink_log2(vp, p % num_heads) : neg_inf();
+      const float inv = end_whole_row(vp, max_s[r], sum_s[r], bad, cache_scale, sink, orow,
                                       writer);
       T* dst = out + orow * RANK + col;
 #pragma unroll
@@ -324,6 +384,23 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
       }
     }
   }
+}
+
+// Parameters: CUPAGED_MLA_PARAMS (mla_common.cuh), as mla_attention's.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
+__global__ void __launch_bounds__(kMlaSm90Threads, 1)
+    mla_attention_sm90(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(CUPAGED_MLA_ARGS, 1, 0, vp);
+}
+
+// DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's
+// (mla_attention.cuh), 16-bit caches and fp8_ds_mla rows.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
+__global__ void __launch_bounds__(kMlaSm90Threads, 1)
+    mla_sparse_attention_sm90(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+                              const __grid_constant__ VariantParams vp) {
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, true>(CUPAGED_MLA_ARGS, lengths_per,
+                                                             strict, vp);
 }
 
 }  // namespace cupaged

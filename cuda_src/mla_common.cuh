@@ -4,6 +4,7 @@
 // the rotary part, each through its own pointer and strides).
 #pragma once
 #include "common.cuh"
+#include "ds_mla.cuh"
 
 namespace cupaged {
 
@@ -16,12 +17,26 @@ struct MlaSeq {
   const int* bt_row;
 };
 
-template <int BLOCK_SIZE>
+// Sparse MLA (mla_sparse_attention): a "sequence" is one query token (its rows: its
+// heads), its "block table" row the token's top-k indices (global slots of the cache,
+// `max_blocks` of them), and its length the count of them that count: seq_lens[seq /
+// lengths_per] (topk_length) clamped to [0, topk], or topk without it.
+template <int BLOCK_SIZE, bool SPARSE = false>
 __device__ __forceinline__ MlaSeq mla_seq(int seq, const int* seq_lens,
                                           const int* query_start_loc, int num_heads,
                                           const int* block_tables, long long bt_stride,
-                                          int max_blocks) {
+                                          int max_blocks, int lengths_per = 1) {
   MlaSeq s;
+  if constexpr (SPARSE) {
+    s.seq_len = seq_lens != nullptr
+                    ? max(0, min(__ldg(seq_lens + seq / lengths_per), max_blocks))
+                    : max_blocks;
+    s.q_begin = seq;
+    s.packed = num_heads;
+    s.q_shift = 0;
+    s.bt_row = block_tables + seq * bt_stride;
+    return s;
+  }
   s.seq_len = max(0, min(seq_lens[seq], max_blocks * BLOCK_SIZE));
   s.q_begin = query_start_loc != nullptr ? query_start_loc[seq] : seq;
   const int q_len = query_start_loc != nullptr ? query_start_loc[seq + 1] - s.q_begin : 1;
@@ -72,6 +87,19 @@ __device__ __forceinline__ int mla_block_id(const MlaSeq& s, int key, int kv_end
   return static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys : -2;
 }
 
+// Sparse MLA: the slot that index entry `key` of a token names (its block is slot /
+// BLOCK_SIZE, its offset slot % BLOCK_SIZE); -1 for an entry that does not count (past the
+// token's length, -1, or without `strict` anything outside [0, num_slots): FlashMLA's
+// prefill rule); -2 for an index outside the cache under `strict` (FlashMLA's decode takes
+// -1 only): never dereferenced, its rows NaN.
+__device__ __forceinline__ int mla_sparse_slot(const MlaSeq& s, int key, int kv_end,
+                                               int num_slots, int strict) {
+  if (key >= kv_end) return -1;
+  const int slot = __ldg(s.bt_row + key);
+  if (static_cast<unsigned>(slot) < static_cast<unsigned>(num_slots)) return slot;
+  return strict && slot != -1 ? -2 : -1;
+}
+
 // Chunk c (8 values of T) of packed row p's query.
 template <typename T, int RANK>
 __device__ __forceinline__ const T* mla_query_chunk(const T* q_lat, const T* q_rope,
@@ -119,13 +147,51 @@ struct MlaToken {
     rope = phys >= 0 ? c_rope + phys * rope_block + within * rope_token : c_lat;
   }
 
-  // Chunk c (16 bytes: 16 / sizeof(C) values) of the token's RANK + ROPE values.
+  // Chunk c (16 bytes: 16 / sizeof(C) values) of the token's RANK + ROPE values; of an
+  // fp8_ds_mla row, its bytes 16c.. (one row holds the whole token).
   template <int RANK>
   __device__ __forceinline__ const C* chunk(int c) const {
     constexpr int CV = 16 / static_cast<int>(sizeof(C));
+    if constexpr (is_ds_mla<C>::value) return lat + c * 16;
     return c < RANK / CV ? lat + c * CV : rope + (c - RANK / CV) * CV;
   }
 };
+
+// The parameters every MLA kernel takes (mla_attention.cuh's and mla_attention_sm90.cuh's,
+// paged and sparse, and their bodies), in this order, with T the query's type and C the
+// cache's; MLA_ARGS passes them on. Read as:
+//   out              [total_q, num_heads, RANK], unless split
+//   part_*           split-KV (split_tiles > 0: grid z partitions a row tile's keys into
+//                    runs of split_tiles tiles, the last running to the end): float32
+//                    [total_q * num_heads, gridDim.z] partials for paged_decode_combine
+//                    instead of `out`; rows of a partition with no key get max -inf, sum 0
+//   row_tiles        grid x is (sequence, row tile), row tiles fastest: a sequence's row
+//                    tiles run in one wave and read its keys from DRAM once
+//   q_*, c_*         the query's and the cache's latent and rotary parts and strides
+//   block_tables ..  the tables, their row stride, max_blocks, num_blocks
+//   k_scale_ptr ..   an fp8 cache's per-tensor scale: *k_scale_ptr, or k_scale without one
+//                    (1 for a cache of T); it scales keys and values alike
+//   seq_lens, query_start_loc ([num_seqs + 1], or null: one each), num_heads, causal,
+//   scale_log2
+// The sparse kernels take lengths_per and strict after them (mla_attention.cuh).
+#define CUPAGED_MLA_PARAMS                                                                   \
+  T *__restrict__ out, float *__restrict__ part_out, float *__restrict__ part_max,           \
+      float *__restrict__ part_sum, int split_tiles, int row_tiles,                          \
+      const T *__restrict__ q_lat, const T *__restrict__ q_rope, long long q_lat_token_stride, \
+      long long q_lat_head_stride, long long q_rope_token_stride,                            \
+      long long q_rope_head_stride, const C *__restrict__ c_lat, const C *__restrict__ c_rope, \
+      long long c_lat_block_stride, long long c_lat_token_stride,                            \
+      long long c_rope_block_stride, long long c_rope_token_stride,                          \
+      const int *__restrict__ block_tables, long long bt_stride, int max_blocks,             \
+      int num_blocks, const float *__restrict__ k_scale_ptr, float k_scale,                  \
+      const int *__restrict__ seq_lens, const int *__restrict__ query_start_loc,             \
+      int num_heads, int causal, float scale_log2
+#define CUPAGED_MLA_ARGS                                                                     \
+  out, part_out, part_max, part_sum, split_tiles, row_tiles, q_lat, q_rope,                  \
+      q_lat_token_stride, q_lat_head_stride, q_rope_token_stride, q_rope_head_stride, c_lat, \
+      c_rope, c_lat_block_stride, c_lat_token_stride, c_rope_block_stride,                   \
+      c_rope_token_stride, block_tables, bt_stride, max_blocks, num_blocks, k_scale_ptr,     \
+      k_scale, seq_lens, query_start_loc, num_heads, causal, scale_log2
 
 // A CTA's start of a row tile: the previous row tile is done with shared memory (its
 // bad-block flag read), and the flag is clear before any copy of this one can raise it.

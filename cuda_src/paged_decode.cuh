@@ -167,11 +167,12 @@ __device__ __forceinline__ int live_partitions(int span, int partition_tokens, i
 // with w_p = sum_p * 2^(max_p - max), a partition that saw no key weighing 0 and a NaN one
 // (a bad block) making the row NaN. Rows of `parts` partials: po [parts][HEAD_SIZE] (each
 // normalized by its own sum), pm and ps [parts] (log2 units). The loads bypass L1: other
-// CTAs of the same launch may have written them. `lse`: null, or where the row's goes.
+// CTAs of the same launch may have written them. `lse`: null, or where the row's goes
+// (row_lse's, for vp.lse_keys).
 template <typename T, int HEAD_SIZE>
 __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
                                  const float* po, const float* pm, const float* ps, int parts,
-                                 float sink) {
+                                 float sink, const VariantParams& vp) {
   constexpr int DPT = (HEAD_SIZE + 31) / 32;
   const int lane = threadIdx.x & 31;
   float m = neg_inf();
@@ -198,7 +199,7 @@ __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
   }
   l = warp_sum(l);
   const RowEnd e = finish_row(m, l, sink);
-  if (lane == 0 && lse != nullptr) *lse = e.lse;
+  if (lane == 0 && lse != nullptr) *lse = row_lse(vp, e, m, l);
 #pragma unroll
   for (int k = 0; k < DPT; ++k) {
     const int d = lane + 32 * k;
@@ -1007,7 +1008,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (partition_tokens == 0) {
       const RowEnd e = finish_row(m, l, sink_log2(vp, head0 + g));
       mul = bad ? quiet_nan() : e.mul * out_scale;
-      if (vp.lse != nullptr) vp.lse[row0 + g] = bad ? quiet_nan() : e.lse;
+      if (vp.lse != nullptr) vp.lse[row0 + g] = bad ? quiet_nan() : row_lse(vp, e, m, l);
     } else {
       // A partition whose keys were all masked has l = 0: zeros, and no weight in the merge.
       mul = bad ? quiet_nan() : (l > 0.f ? out_scale / l : 0.f);
@@ -1055,7 +1056,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const long long r = (row0 + g) * gridDim.z;
     merge_partitions<T, HS>(out + (row0 + g) * HS, vp.lse != nullptr ? vp.lse + row0 + g : nullptr,
                             part_out + r * HS, part_max + r, part_sum + r, parts,
-                            sink_log2(vp, head0 + g));
+                            sink_log2(vp, head0 + g), vp);
   }
 }
 
@@ -1098,7 +1099,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   merge_partitions<T, HEAD_SIZE>(out + row * HEAD_SIZE, vp.lse != nullptr ? vp.lse + row : nullptr,
                                  part_out + row * num_partitions * HEAD_SIZE,
                                  part_max + row * num_partitions, part_sum + row * num_partitions,
-                                 parts, sink_log2(vp, head));
+                                 parts, sink_log2(vp, head), vp);
 }
 
 }  // namespace cupaged

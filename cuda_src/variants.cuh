@@ -54,7 +54,7 @@ constexpr float kMaxFixedCap = 78.f;  // C; c <= 54.06 (Gemma 2's is 50). _varia
 constexpr float kFixedTop = 64.f;     // the weights' top exponent
 
 // The run-time values of the variants, passed by value to every attention kernel
-// (mirrored by cupaged/_variants.py; 48 bytes).
+// (mirrored by cupaged/_variants.py; 56 bytes).
 struct VariantParams {
   const float* sinks;  // [num_heads] or null
   float* lse;          // [rows, num_heads] or null (split-KV decode: written by the combine)
@@ -66,7 +66,10 @@ struct VariantParams {
   int sparse_block;    //   sparse block size in tokens
   int sparse_step;     //   head_sliding_step
   int sparse_tp_rank;  //   tp_rank: heads are numbered across the ranks
+  int lse_keys;        // with sinks: 1 the lse is the keys' alone (FlashMLA's attn_sink rule),
+                       // 0 it counts the sink (exp(lse) = the softmax's whole denominator)
 };
+static_assert(sizeof(VariantParams) == 56, "cupaged/_variants.py packs 56 bytes");
 
 template <int VARIANT>
 struct Variant {
@@ -182,7 +185,8 @@ struct Variant {
 // The end of a softmax row: running maximum m (log2 units) and sum l = sum 2^(s - m), plus
 // an optional sink (log2 units; -inf for none). `mul` turns the accumulated sum of p * v
 // into the output, `lse` is the natural log of the denominator. A row with no key and no
-// sink gives mul 0 (zeros, never 0/0) and lse -inf; a NaN sum stays NaN in both.
+// sink gives mul 0 (zeros, never 0/0) and lse -inf, a sink of +inf zeros and lse +inf; a
+// NaN sum stays NaN in both.
 struct RowEnd {
   float mul;
   float lse;
@@ -190,6 +194,7 @@ struct RowEnd {
 
 __device__ __forceinline__ RowEnd finish_row(float m, float l, float sink) {
   constexpr float kLn2 = 0.6931471805599453f;
+  if (sink == -neg_inf()) return l == l ? RowEnd{0.f, sink} : RowEnd{l, l};
   const float top = fmaxf(m, sink);
   if (top == neg_inf()) {  // no key, no sink: zeros; a NaN sum (a bad block) stays NaN
     return l == l ? RowEnd{0.f, neg_inf()} : RowEnd{l, l};
@@ -200,12 +205,18 @@ __device__ __forceinline__ RowEnd finish_row(float m, float l, float sink) {
   return {keys / den, (top + log2f(den)) * kLn2};  // a NaN sum stays NaN in both
 }
 
+// The lse a row reports: finish_row's, or with vp.lse_keys the keys' alone (the sink left
+// out, as FlashMLA reports it with attn_sink).
+__device__ __forceinline__ float row_lse(const VariantParams& vp, RowEnd e, float m, float l) {
+  return vp.lse_keys ? finish_row(m, l, neg_inf()).lse : e.lse;
+}
+
 // The end of one packed row of the multi-token kernels, once its sum `l` is reduced over
 // the quad: the factor of its accumulators, with its scalars written by the quad's
 // `writer`. NaN throughout for a bad block (`bad`). A split-KV partial (end_partial_row)
 // is normalized by its own sum and leaves its maximum and sum in part_max / part_sum at
 // `prow` (the combine adds the sink and writes the lse); a whole row (end_whole_row) gets
-// finish_row's factor and writes its lse at `orow` when asked.
+// finish_row's factor and writes its lse at `orow` when asked (row_lse: which one).
 __device__ __forceinline__ float end_partial_row(float m, float l, bool bad, float out_scale,
                                                  long long prow, float* part_max,
                                                  float* part_sum, bool writer) {
@@ -221,7 +232,7 @@ __device__ __forceinline__ float end_whole_row(const VariantParams& vp, float m,
                                                long long orow, bool writer) {
   const RowEnd e = finish_row(m, l, sink);
   const float inv = bad ? quiet_nan() : e.mul * out_scale;
-  if (vp.lse != nullptr && writer) vp.lse[orow] = bad ? quiet_nan() : e.lse;
+  if (vp.lse != nullptr && writer) vp.lse[orow] = bad ? quiet_nan() : row_lse(vp, e, m, l);
   return inv;
 }
 

@@ -9,12 +9,16 @@ Public API:
     attention               varlen paged attention over any layout (every kind of step)
     AttentionPlan           attention checked and planned once, run for every layer
     mla_attention           DeepSeek's absorbed multi-head latent attention over a paged latent cache
+    sparse_mla_attention    DeepSeek's sparse attention (DSA) over top-k slot indices of the latent cache
     paged_attention         decode attention over vLLM's layout (single pass or split-KV)
     paged_attention_v1/v2   the same with vLLM's argument order
     DecodeWorkspace         preallocated split-KV scratch (allocation-free calls, graphs)
     reshape_and_cache       write new tokens' K and V into their cache slots
     reshape_and_cache_flash the same with vLLM's flash-cache name and convention
     concat_and_cache_mla    write new tokens' MLA latent vectors (kv_c, k_pe) into their slots
+    indexer_k_quant_and_cache  write DSA's lightning-indexer keys into their fp8 cache
+    indexer_logits          the lightning indexer's logits over that cache (DeepGEMM's)
+    indexer_topk            each row's top-k columns of those logits
     copy_blocks             copy blocks within per-layer caches (copy-on-write)
     copy_blocks_mla         the same for per-layer MLA latent caches
     swap_blocks             move blocks between a device cache and a host cache
@@ -50,11 +54,13 @@ from .decode import (
     paged_attention_v1,
     paged_attention_v2,
 )
+from .indexer import indexer_logits, indexer_topk
 from .cache_ops import (
     concat_and_cache_mla,
     copy_blocks,
     copy_blocks_mla,
     empty_pinned,
+    indexer_k_quant_and_cache,
     reshape_and_cache,
     reshape_and_cache_flash,
     swap_blocks,
@@ -63,6 +69,7 @@ from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .attention import AttentionPlan, attention
 from .mla import mla_attention
+from .sparse_mla import sparse_mla_attention
 from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, PagedMLACache,
                        Step)
 
@@ -89,9 +96,13 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_mla",
     "empty_pinned",
+    "indexer_k_quant_and_cache",
+    "indexer_logits",
+    "indexer_topk",
     "merge_state",
     "merge_states",
     "mla_attention",
+    "sparse_mla_attention",
     "reshape_and_cache",
     "reshape_and_cache_flash",
     "swap_blocks",

@@ -14,8 +14,10 @@ in ``sys.modules``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
+import threading
 from typing import NamedTuple
 
 import cupy
@@ -167,6 +169,55 @@ class DeviceView:
         return v
 
 
+class StridedView:
+    """An adapted array seen with other dimensions (``reshaped``): the same memory, its
+    metadata alone. ``owner`` is kept (a torch tensor's wrapper keeps the tensor)."""
+
+    __slots__ = ("shape", "strides", "ndim", "dtype", "data", "owner")
+
+    def __init__(self, owner, shape, strides):
+        self.owner = owner
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = tuple(int(s) for s in strides)
+        self.ndim = len(self.shape)
+        self.dtype = owner.dtype
+        self.data = owner.data
+
+    @property
+    def flags(self) -> _Flags:
+        step, dense = self.dtype.itemsize, True
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and st != step:
+                dense = False
+            step *= max(n, 1)
+        return _Flags(dense)
+
+
+def reshaped(a, groups, name: str, what: str):
+    """Adapted array ``a`` with each group of consecutive dimensions merged into one
+    (``groups``: their counts, in order; dimensions of size 1 may sit anywhere), as a
+    view: a ValueError naming ``name`` when the memory does not allow it (``what``: the
+    shape expected, for the message)."""
+    if sum(groups) != a.ndim:
+        raise ValueError(f"{name} must be {what}, got shape {a.shape}")
+    shape, strides, at = [], [], 0
+    for g in groups:
+        dims = list(zip(a.shape[at:at + g], a.strides[at:at + g]))
+        at += g
+        kept = [(n, st) for n, st in dims if n != 1]
+        for (_, outer), (n_in, inner) in zip(kept, kept[1:]):
+            if outer != inner * n_in:
+                raise ValueError(f"{name} ({what}) cannot be seen as one array of its merged "
+                                 f"dimensions without a copy: shape {a.shape}, strides "
+                                 f"{a.strides}")
+        size = 1
+        for n, _ in dims:
+            size *= n
+        shape.append(size)
+        strides.append(kept[-1][1] if kept else a.dtype.itemsize)
+    return StridedView(a, shape, strides)
+
+
 # ---- any array -------------------------------------------------------------------------------
 
 
@@ -187,7 +238,7 @@ def as_device_array(x, name: str):
             where = _DLPACK_DEVICES.get(int(kind), f"DLPack device type {int(kind)}")
             raise TypeError(f"{name} lives in {where} memory (device {device}); cupaged needs "
                             f"CUDA device memory")
-        return cupy.from_dlpack(x)
+        return foreign_import(x)
     raise TypeError(f"{name} must be a CUDA array (cupy.ndarray, torch.Tensor or any "
                     f"__dlpack__ producer), got {type(x).__name__}")
 
@@ -217,6 +268,106 @@ def to_host(a, ctx: "Context | None" = None) -> np.ndarray:
         with t.cuda.stream(t.cuda.ExternalStream(ctx.stream, device=ctx.device)):
             return a.tensor.cpu().numpy()
     return a.get(stream=_cupy_stream(ctx.stream))
+
+
+# ---- imports from producers with their own allocator ---------------------------------------
+#
+# A DLPack import from JAX (or any producer other than CuPy and torch) lends memory from an
+# allocator that orders reuse by the producer's own streams only. Once the import is let
+# go, the producer may hand that memory to new work at once (a temporary `jnp.asarray(...)`
+# passed straight to a call is freed on return, and the next `jnp.asarray` of its size
+# lands in it) while the call's kernels, queued on the launch stream, have not read it.
+# So cupaged holds each import past the call:
+#   - a call's imports wait in `pending` while it adapts its arguments;
+#   - its context stamps them with the launch stream (`stamped`);
+#   - after its launches (hand_over, or the thread's next import, which comes after the
+#     call returned), an event is recorded on that stream and they join `_DEFERRED`;
+#   - they are let go once the event has completed, as later imports find (queried,
+#     never waited for).
+# An import whose call failed before making a context is stamped by the thread's next one;
+# a thread that ends records the events of what it stamped (its calls have returned).
+# The producer ordered its writes before CuPy's current stream (the stream cupy.from_dlpack
+# hands to __dlpack__); a call launching on another stream (stream=, or torch's) makes that
+# stream wait for CuPy's first.
+
+
+class _Stamped(list):
+    """A thread's stamped imports, (stream, device, import); what is left when the thread
+    ends gets its events then."""
+
+    def __del__(self):
+        if self:
+            try:
+                _record(self)
+            except Exception:  # interpreter shutdown: CUDA is gone, nothing to order
+                pass
+
+
+class _Holds(threading.local):
+    def __init__(self):
+        self.pending = []  # this thread's imports not yet stamped by a context
+        self.stamped = _Stamped()  # the thread's calls' launches follow
+
+
+_HOLDS = _Holds()
+_DEFERRED: collections.deque = collections.deque()  # (event, import) until the event completes
+_DEFERRED_LOCK = threading.Lock()
+
+
+def foreign_import(x):
+    """``x`` (a DLPack producer on a CUDA device) as a CuPy array, its import held until
+    the kernels of the call it is passed to have run (see above)."""
+    holds = _HOLDS
+    if holds.stamped:  # earlier calls of this thread have returned: their launches are queued
+        record_launched()
+    if _DEFERRED:
+        release_completed()
+    imported = cupy.from_dlpack(x)
+    holds.pending.append(imported)
+    return imported
+
+
+def stamp_holds(ctx: "Context") -> None:
+    """Give this thread's pending imports ``ctx``'s launch stream (they are the current
+    call's: a call adapts its arguments before it makes its context), and order that
+    stream after CuPy's current one, which the producers' writes precede."""
+    holds = _HOLDS
+    current = cupy.cuda.get_current_stream()
+    if current.ptr != ctx.stream:
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(current)
+        _cupy_stream(ctx.stream).wait_event(event)
+    holds.stamped += [(ctx.stream, ctx.device, a) for a in holds.pending]
+    holds.pending.clear()
+
+
+def record_launched() -> None:
+    """After the launches of the calls that stamped this thread's imports: an event on
+    each of their streams, past which the imports may go."""
+    _record(_HOLDS.stamped)
+
+
+def _record(stamped) -> None:
+    events = {}
+    for stream, device, imported in stamped:
+        event = events.get(stream)
+        if event is None:
+            with cupy.cuda.Device(device):
+                event = events[stream] = cupy.cuda.Event(block=False, disable_timing=True)
+                event.record(_cupy_stream(stream))
+        with _DEFERRED_LOCK:
+            _DEFERRED.append((event, imported))
+    stamped.clear()
+
+
+def release_completed() -> int:
+    """Let go of the held imports whose event has completed, oldest first, stopping at
+    the first that has not (one behind it is held a little longer, never too little).
+    Returns how many are still held."""
+    with _DEFERRED_LOCK:
+        while _DEFERRED and _DEFERRED[0][0].done:
+            _DEFERRED.popleft()
+        return len(_DEFERRED)
 
 
 # ---- devices, streams, allocation --------------------------------------------------------------
@@ -268,6 +419,14 @@ def context(device: int, kind: str, stream=None) -> Context:
     when the caller passed torch tensors (``kind`` "torch"), else CuPy's current stream
     (which is per device: call with ``device`` current). JAX has no stream to share:
     arrays handed back to it carry CuPy's through DLPack, which makes JAX wait for it."""
+    if _HOLDS.pending:
+        ctx = _context(device, kind, stream)
+        stamp_holds(ctx)
+        return ctx
+    return _context(device, kind, stream)
+
+
+def _context(device: int, kind: str, stream) -> Context:
     if stream is not None:
         return Context(device, stream_pointer(stream), kind, True)
     if kind == "torch":
@@ -332,6 +491,8 @@ def hand_over(ctx: Context, owner):
     it unwritten."""
     if ctx.kind != "jax":
         return owner
+    if _HOLDS.stamped:  # the call's inputs from JAX: its launches are queued
+        record_launched()
     with cupy_on_launch_stream(ctx):
         return sys.modules["jax"].dlpack.from_dlpack(owner)
 

@@ -378,6 +378,17 @@ def check_disjoint(arrays, may_alias=()) -> None:
                  + (f", or {n2} exactly {n1}" if aliasable else ""))
 
 
+def check_apart(written, read, may_alias=()) -> None:
+    """Each written ``(name, array or None)`` overlaps no read one and no other written one
+    (``may_alias`` as for :func:`check_disjoint`); read arrays may share memory."""
+    for i, w in enumerate(written):
+        if w[1] is None:
+            continue
+        for r in (*read, *written[i + 1:]):
+            if r[1] is not None:
+                check_disjoint((w, r), may_alias)
+
+
 def check_aligned(ptr: int, name: str, alignment: int = 16) -> None:
     """The kernels load and store this pointer ``alignment`` bytes at a time."""
     if ptr % alignment:

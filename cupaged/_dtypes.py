@@ -37,7 +37,8 @@ E5M2 = DType("e5m2", "cupaged::fp8_e5m2_t", 1, _E5M2)
 FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
 # DeepSeek-V3.2's sparse-attention cache (vLLM's kv_cache_dtype "fp8_ds_mla"): 656-byte
 # token rows of e4m3 values, their float32 scales and bfloat16 rotary dims
-# (cuda_src/cache_ops.cuh). A cache type of concat_and_cache_mla only: nothing reads it yet.
+# (cuda_src/ds_mla.cuh): written by concat_and_cache_mla, read by mla_sparse_attention and
+# mla_sparse_attention_sm90.
 DS_MLA = DType("dsmla", "cupaged::fp8_ds_mla_t", 1, None)
 SPARSE_MLA = {DS_MLA.name: DS_MLA}
 DS_MLA_KV_CACHE_DTYPE = "fp8_ds_mla"
@@ -63,13 +64,12 @@ def kv_cache_format(name) -> DType | None:
 
 def refuse_ds_mla(name, where: str = "this entry point") -> None:
     """ValueError when ``name`` is ``"fp8_ds_mla"``, at an entry point that does not take
-    it: only concat_and_cache_mla writes the format, and no kernel reads it yet."""
+    it: concat_and_cache_mla writes the format, sparse_mla_attention reads it."""
     if isinstance(name, str) and name == DS_MLA_KV_CACHE_DTYPE:
         raise ValueError(
             f"kv_cache_dtype='fp8_ds_mla' (DeepSeek-V3.2's sparse MLA cache) is written by "
-            f"concat_and_cache_mla and copied by copy_blocks_mla / swap_blocks only: "
-            f"{where} does not read it (no sparse MLA attention kernel yet; "
-            f"cupaged.reference.sparse_mla_attention is its reference)")
+            f"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
+            f"sparse_mla_attention only: {where} does not take it")
 
 
 def fp8_of(dtype) -> DType | None:

@@ -186,19 +186,36 @@ def disjoint_spans(written, read) -> tuple:
     """What :func:`any_overlap` checks: each written array against each read one and the
     written ones against each other, as ``(i, lo, hi, j, lo, hi)``: indices into a call's
     addresses and each array's bytes relative to its address. ``written``, ``read``:
-    ``(index, adapted array or None)``; absent and empty arrays are left out."""
+    ``(index, adapted array or None)``; absent and empty arrays are left out. A read
+    array whose index is None is a side array, keyed at its address: its bytes are
+    absolute."""
     w = [(i, *span(a)) for i, a in written if a is not None and span(a)]
-    r = [(j, *span(a)) for j, a in read if a is not None and span(a)]
+    r = [(j, *(_absolute(a) if j is None else span(a))) for j, a in read
+         if a is not None and span(a)]
     return tuple([x + y for n, x in enumerate(w) for y in r + w[n + 1:]])
+
+
+def _absolute(a) -> tuple:
+    lo, hi = span(a)
+    return a.data.ptr + lo, a.data.ptr + hi
 
 
 def any_overlap(pairs, ptrs) -> bool:
     """Would any pair of :func:`disjoint_spans` overlap at these addresses (``ptrs``)?"""
     for i, lo1, hi1, j, lo2, hi2 in pairs:
-        a, b = ptrs[i], ptrs[j]
+        a = ptrs[i]
+        b = 0 if j is None else ptrs[j]
         if a + lo1 < b + hi2 and b + lo2 < a + hi1:
             return True
     return False
+
+
+def clashes(prep: Prepared, ptrs) -> bool:
+    """Would a call of attention's or paged_attention's at these addresses (``run``'s
+    order) write where it may not: out over the query other than in place, or out or lse
+    over anything else the call reads?"""
+    return overlaps(prep, ptrs[0], ptrs[6]) or (
+        bool(prep.disjoint) and any_overlap(prep.disjoint, ptrs))
 
 
 def run(prep: Prepared, ptrs, stream, out, lse):

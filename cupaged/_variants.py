@@ -2,7 +2,7 @@
 blocksparse arguments, and their packing into ``VariantParams`` (cuda_src/variants.cuh).
 
 The compile-time part is a string of ``jit.VARIANT_BITS`` letters (part of the kernel's
-specialization); the run-time part is the 48-byte struct every attention kernel takes by
+specialization); the run-time part is the 56-byte struct every attention kernel takes by
 value. A call that uses none of them takes the ``PLAIN`` constant without building
 anything.
 """
@@ -22,9 +22,9 @@ _LOG2E = math.log2(math.e)
 _FLT_MAX = 3.4028234663852886e38
 
 # VariantParams: sinks, lse, window, cap_in, cap_out, sparse_local, sparse_vert,
-# sparse_block, sparse_step, sparse_tp_rank.
-_STRUCT = struct.Struct("@PPiffiiiii")
-assert _STRUCT.size == 48
+# sparse_block, sparse_step, sparse_tp_rank, lse_keys, then the C struct's tail padding.
+_STRUCT = struct.Struct("@PPiffiiiiii4x")
+assert _STRUCT.size == 56
 
 
 class Variants(NamedTuple):
@@ -33,6 +33,7 @@ class Variants(NamedTuple):
     soft_cap: float = 0.0  # c > 0, or 0 for none
     sinks: object = None  # the float32 [num_heads] device array, or None
     sparse: tuple = ()  # blocksparse: (local_blocks, vert_stride, block_size, step, tp_rank)
+    lse_keys: bool = False  # with sinks: the lse is the keys' alone (FlashMLA's attn_sink)
 
     def pack(self, lse: int = 0) -> bytes:
         """The VariantParams bytes of a call; ``lse``: the address of its float32
@@ -41,7 +42,7 @@ class Variants(NamedTuple):
         local, vert, block, step, rank = self.sparse or (0, 1, 1, 0, 0)
         return _STRUCT.pack(0 if self.sinks is None else self.sinks.data.ptr, lse, self.window,
                             2.0 / c if c else 0.0, c * _LOG2E if c else 0.0,
-                            local, vert, block, step, rank)
+                            local, vert, block, step, rank, int(self.lse_keys))
 
 
 PLAIN = Variants("")
@@ -87,15 +88,16 @@ def soft_cap(value) -> float:
     return c
 
 
-def check_sinks(sinks, num_heads: int, device: int):
-    """``sinks`` as a float32 [num_heads] device array (contiguous), or None."""
+def check_sinks(sinks, num_heads: int, device: int, name: str = "sinks", query: str = "query"):
+    """``sinks`` as a float32 [num_heads] device array (contiguous), or None (``name``,
+    ``query``: the arguments' names in errors)."""
     if sinks is None:
         return None
     if sinks.dtype != np.float32 or sinks.shape != (num_heads,) or \
             (num_heads and sinks.strides[0] != 4):
-        _fail(f"sinks must be a contiguous float32 [num_heads = {num_heads}] array, got "
+        _fail(f"{name} must be a contiguous float32 [num_heads = {num_heads}] array, got "
               f"{sinks.dtype} {sinks.shape}")
-    _checks.check_same_device(device, "query", (("sinks", sinks),))
+    _checks.check_same_device(device, query, ((name, sinks),))
     return sinks
 
 

@@ -126,7 +126,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         (kv_layout, causal, scale, max_query_len, max_seq_len, kv_cache_dtype, window,
          window_left, logits_soft_cap, return_lse), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
-    if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
+    if prep is None or _prepared.clashes(prep, ptrs):
         prep, ptrs = validate_and_prepare(query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, kv_layout, causal, scale,
                                            alibi_slopes, max_query_len, max_seq_len, out,
@@ -159,6 +159,10 @@ def validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
     max_ctx = _checks.host_bound(max_seq_len, "max_seq_len", p.max_blocks * p.block_size)
     workspace = launch.workspace_partials(workspace, p)
     variants, lse = validation.variant_setup(va, p)
+    disjoint = validation.outputs_apart(
+        q, o, lse, ((1, "key_cache", kc), (2, "value_cache", vc), (3, "block_tables", bt),
+                    (4, "seq_lens", sl), (5, "query_start_loc", qsl), (None, "alibi_slopes", alibi)),
+        variants, p)
     if not plan:
         return None, None
     with _arrays.on_device(p.device):
@@ -171,7 +175,8 @@ def validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
                                         alibi is not None, workspace)
         launches = launch.build(q, o, p, kplan, scale, causal,
                                 0 if alibi is None else alibi.data.ptr, variants, workspace)
-    return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
+    return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query),
+                                 disjoint),
             _prepared.addresses(q, kc, vc, bt, sl, qsl, o, lse))
 
 
@@ -235,18 +240,19 @@ class AttentionPlan:
         """Attention of this step for one layer's arrays (see the class). Returns as
         :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
         m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse, *self._shared))
-        if (m is None or m != self._metas or ptrs[5:] != self._shared_ptrs
+        if m is not None:  # in _prepared.run's order
+            q, kc, vc, o, l, bt, lens, starts = ptrs
+            ptrs = [q, kc, vc, bt, lens, starts, o, l]
+        if (m is None or m != self._metas or ptrs[3:6] != self._shared_ptrs
                 or k_scale is not None or v_scale is not None or _checks.debug()
-                or _prepared.overlaps(self._prepared, ptrs[0], ptrs[3])):
+                or _prepared.clashes(self._prepared, ptrs)):
             kw = dict(self._keywords)
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if given is not None:
                     kw[name] = given
             return attention(query, key_cache, value_cache, *self._shared, out=out, lse=lse,
                              stream=stream, **kw)
-        q, kc, vc, o, l, bt, lens, starts = ptrs
-        return _prepared.run(self._prepared, (q, kc, vc, bt, lens, starts, o, l), stream, out,
-                             lse)
+        return _prepared.run(self._prepared, ptrs, stream, out, lse)
 
     def __repr__(self) -> str:
         launches = self._prepared.launch

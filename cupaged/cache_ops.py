@@ -20,7 +20,7 @@ from . import _arrays, _checks, _dtypes, _kvquant, jit, planning
 from ._arrays import as_device_array
 
 __all__ = ["concat_and_cache_mla", "copy_blocks", "copy_blocks_mla", "empty_pinned",
-           "reshape_and_cache",
+           "indexer_k_quant_and_cache", "reshape_and_cache",
            "reshape_and_cache_flash", "swap_blocks"]
 
 _THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
@@ -413,6 +413,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
         k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
             the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
             cache (and for ``"fp8_ds_mla"``).
+        stream: as for :func:`reshape_and_cache`.
 
     ``kv_cache_dtype="fp8_ds_mla"`` (vLLM's name) writes DeepSeek-V3.2's 656-byte token
     rows: kv_c ``[n, 512]`` in e4m3 (bytes 0-511), each group of 128 values divided by its
@@ -423,9 +424,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     block_size, 1, 656]`` (FlashMLA's), 16-byte aligned with block and token strides in
     multiples of 16 bytes. ``scale`` is ignored, as vLLM's kernel ignores it: the format
     computes its scales. ``cupaged.reference.concat_and_cache_sparse_mla`` is the statement
-    of the bytes (bit for bit vLLM's for bfloat16 sources). No cupaged kernel reads the
-    format yet; :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
-        stream: as for :func:`reshape_and_cache`.
+    of the bytes (bit for bit vLLM's for bfloat16 sources). :func:`cupaged.sparse_mla_attention`
+    reads the format (uint8, int8 or float8_e4m3fn storage, page sizes that are powers of
+    two up to 256); :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
     device. ``cupaged.reference.concat_and_cache_mla`` is the statement of what is stored.
@@ -472,6 +473,130 @@ def launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_pt
          a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *latent, *rope,
          sm.data.ptr, w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks * w.block_size,
          int(w.vec_src), scale_ptr, scale_value)
+
+
+# ---- DSA's lightning indexer: its keys' fp8 cache ----------------------------------------------
+
+INDEXER_SCALE_FORMATS = (None, "", "ue8m0")  # vLLM's scale_fmt: a float32 scale, or ue8m0
+
+
+class _IndexerWrite(NamedTuple):
+    """A validated indexer_k_quant_and_cache call."""
+
+    num_tokens: int
+    index: str
+    device: int
+    source: _dtypes.DType
+    head_dim: int
+    quant_block_size: int
+    block_size: int
+    num_blocks: int
+    block_stride: int  # bytes
+    ue8m0: bool
+
+
+def validate_indexer_write(k, kc, sm, quant_block_size, scale_fmt) -> _IndexerWrite:
+    """Every check of indexer_k_quant_and_cache, on array metadata only (no device sync)."""
+    src = _checks.check_dtype(k, "k")
+    if src.itemsize != 2:
+        _fail(f"k must be float16 or bfloat16, got {src.numpy}", TypeError)
+    if k.ndim != 2:
+        _fail(f"k must be 2-D [num_tokens, head_dim], got shape {k.shape}")
+    if not _checks.is_empty(k) and min(k.strides) < 0:
+        _fail(f"k's strides must be non-negative, got {k.strides}")
+    if not _checks.is_empty(k) and k.shape[1] > 1 and k.strides[1] != 2:
+        _fail(f"k's last dimension must be contiguous (strides {k.strides})")
+    head_dim = k.shape[1]
+    if head_dim % 32 or not 32 <= head_dim <= 512:
+        _fail(f"k's head_dim must be a multiple of 32 from 32 to 512 (DeepSeek-V3.2's is "
+              f"128), got {head_dim}")
+    if isinstance(quant_block_size, bool) or not isinstance(quant_block_size, (int, np.integer)):
+        _fail(f"quant_block_size must be an int, got {type(quant_block_size).__name__}",
+              TypeError)
+    per_lane = head_dim // 32  # the kernel's values a lane: a group is a power-of-two of lanes
+    lanes = quant_block_size // per_lane if quant_block_size > 0 else 0
+    if quant_block_size <= 0 or head_dim % quant_block_size or quant_block_size % per_lane \
+            or lanes & (lanes - 1):
+        _fail(f"quant_block_size must divide head_dim ({head_dim}) and be a power-of-two "
+              f"multiple of head_dim / 32, got {quant_block_size}")
+    if scale_fmt not in INDEXER_SCALE_FORMATS:
+        _fail(f"scale_fmt must be None (a float32 scale) or 'ue8m0', got {scale_fmt!r}")
+    width = head_dim + 4 * (head_dim // quant_block_size)
+    if kc.dtype.itemsize != 1:
+        _fail(f"the indexer's kv_cache is 1-byte storage (uint8, int8 or a float8 type), "
+              f"got {kc.dtype}", TypeError)
+    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != width:
+        _fail(f"kv_cache must be [num_blocks, block_size, {width}] (or [num_blocks, "
+              f"block_size, 1, {width}]): head_dim {head_dim} e4m3 bytes and "
+              f"{width - head_dim} of float32 scales a token, got shape {kc.shape}")
+    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    if block_size == 0:
+        _fail("kv_cache has blocks of 0 tokens")
+    # A block's bytes are its tokens' values, then their scales: each block one run.
+    if not _checks.is_empty(kc):
+        inner = (kc.strides[-1], kc.strides[1]) if block_size > 1 else (kc.strides[-1], width)
+        if inner != (1, width) or min(kc.strides) < 0:
+            _fail(f"each block of kv_cache must be one contiguous run of block_size * {width} "
+                  f"bytes (token stride {width}, byte stride 1), got strides {kc.strides}")
+        if kc.data.ptr % 4 or (num_blocks > 1 and kc.strides[0] % 4):
+            _fail(f"kv_cache's blocks must start at 4-byte boundaries (their scales are "
+                  f"float32), got address {kc.data.ptr:#x} and block stride {kc.strides[0]}")
+        if num_blocks > 1 and kc.strides[0] < block_size * width:
+            _fail(f"kv_cache's blocks overlap: block stride {kc.strides[0]} < block_size * "
+                  f"{width}")
+    num_tokens, index = _check_slots(sm, (("k", k),))
+    device = kc.data.device_id
+    _checks.check_same_device(device, "kv_cache", (("k", k), ("slot_mapping", sm)))
+    return _IndexerWrite(num_tokens, index, device, src, head_dim, int(quant_block_size),
+                         block_size, num_blocks, kc.strides[0] if num_blocks > 1 else 0,
+                         scale_fmt == "ue8m0")
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, scale_fmt=None,
+                              *, stream=None) -> None:
+    """Write the lightning indexer's keys into their fp8 paged cache (DeepSeek-V3.2's DSA;
+    vLLM's ``indexer_k_quant_and_cache``, with its argument order).
+
+    Args:
+        k: ``[n, head_dim]`` float16 or bfloat16 (``n >= num_tokens``; rows past
+            ``num_tokens`` are not read), the last dimension contiguous, the token stride
+            free; head_dim a multiple of 32 up to 512 (DeepSeek-V3.2's is 128).
+        kv_cache: 1-byte storage (uint8 as vLLM allocates it, int8 or a float8 type)
+            ``[num_blocks, block_size, head_dim + 4 * head_dim / quant_block_size]`` (or
+            with a 1 before the last dimension), each block one contiguous run starting at
+            a 4-byte boundary, in vLLM's layout: a block holds its tokens' e4m3 values
+            token-major (``block_size * head_dim`` bytes), then their float32 scales
+            (``head_dim / quant_block_size`` a token). Written in place.
+        slot_mapping: int32 or int64 ``[num_tokens]`` on the device, ``slot = block *
+            block_size + offset``; a negative slot (padding) is skipped, and so is a slot
+            past the cache (``CUPAGED_DEBUG=1`` raises for it).
+        quant_block_size: values per scale (128 for DeepSeek-V3.2: one scale a token); it
+            divides head_dim and is a power-of-two multiple of ``head_dim / 32``.
+        scale_fmt: None (or ``""``): each group's scale is ``max(amax, 1e-4) / 448``
+            (amax of the group's ``|k|``, NaN skipped), in float32; ``"ue8m0"``: that
+            rounded up to a power of two.
+        stream: as for :func:`reshape_and_cache`.
+
+    Each value is ``k / scale`` (divided in float32) rounded to nearest even and saturated
+    to +-448, NaN stored as 0x7F. ``cupaged.reference.indexer_k_quant_and_cache`` is the
+    statement of the bytes. Arrays may be CuPy arrays, torch CUDA tensors or any
+    ``__dlpack__`` producer on one device. One warp a token; never synchronizes (but under
+    ``CUPAGED_DEBUG=1``), capturable in a CUDA graph.
+    """
+    a = as_device_array(k, "k")
+    kc = as_device_array(kv_cache, "kv_cache")
+    sm = as_device_array(slot_mapping, "slot_mapping")
+    w = validate_indexer_write(a, kc, sm, quant_block_size, scale_fmt)
+    if w.num_tokens == 0:
+        return
+    with _arrays.on_device(w.device):
+        ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
+        _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
+        kern = _kernel(w.device, "indexer_k_quant_and_cache", w.source.name, w.index)
+        kern((-(-w.num_tokens // (_THREADS // 32)), 1, 1), _THREADS, 0, ctx.stream,
+             a.data.ptr, a.strides[0] // 2 if a.shape[0] > 1 else 0, kc.data.ptr,
+             w.block_stride, sm.data.ptr, w.num_tokens, w.head_dim, w.quant_block_size,
+             w.block_size, w.num_blocks * w.block_size, int(w.ue8m0))
 
 
 def _block_bytes(a, name: str) -> int:

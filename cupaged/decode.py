@@ -43,7 +43,7 @@ def _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi
         (scale, max_context_len, partition, kv_cache_dtype, va.window, va.window_left,
          va.logits_soft_cap, va.return_lse, va.sparse), launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
-    if prep is None or _prepared.overlaps(prep, ptrs[0], ptrs[6]):
+    if prep is None or _prepared.clashes(prep, ptrs):
         prep, ptrs = _validate_and_prepare(query, key_cache, value_cache, block_tables,
                                            context_lens, scale, alibi_slopes, max_context_len,
                                            out, partition, stream, workspace, kv_cache_dtype,
@@ -69,6 +69,9 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
     max_ctx = validation.max_context(max_context_len, p)
     workspace = launch.workspace_partials(workspace, p)
     variants, lse = validation.variant_setup(va, p)
+    disjoint = validation.outputs_apart(
+        q, o, lse, ((1, "key_cache", kc), (2, "value_cache", vc), (3, "block_tables", bt),
+                    (4, "context_lens", cl), (None, "alibi_slopes", alibi)), variants, p)
     if _checks.debug():
         with _arrays.on_device(p.device):
             validation.check_tables_on_device(
@@ -78,7 +81,8 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
         plan = planning.plan_decode(p, max_ctx, partition, workspace, variants)
         launches = launch.build(q, o, p, plan, scale, True,
                                 0 if alibi is None else alibi.data.ptr, variants, workspace)
-    return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query)),
+    return (launch.prepared_call(launches, p, q, o, va, lse, _arrays.framework(query),
+                                 disjoint),
             _prepared.addresses(q, kc, vc, bt, cl, None, o, lse))
 
 

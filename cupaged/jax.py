@@ -114,6 +114,15 @@ def _query_bound(value, has_starts: bool, fn: str, hint: str):
     return _static_int(value, "max_query_len", fn, hint)
 
 
+def _bounds(max_query_len, max_seq_len, has_starts: bool, fn: str, query_hint: str) -> dict:
+    """The host bounds of an attention call, checked: ``max_query_len`` (see
+    :func:`_query_bound`) and ``max_seq_len``, required."""
+    return dict(max_query_len=_query_bound(max_query_len, has_starts, fn, query_hint),
+                max_seq_len=_static_int(max_seq_len, "max_seq_len", fn,
+                                        "the longest seq_lens entry; block_tables.shape[1] * "
+                                        "block_size always holds"))
+
+
 def _hashable(fn: str, statics: dict) -> dict:
     """The keywords jax.jit takes as static arguments must hash: name the one that does
     not (jax.jit's own error would not)."""
@@ -441,11 +450,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     has_starts = query_start_loc is not None
     fn = "cupaged.jax.attention"
     statics = dict(
-        max_query_len=_query_bound(max_query_len, has_starts, fn,
-                                   "the most query tokens of one sequence; 1 for decode"),
-        max_seq_len=_static_int(max_seq_len, "max_seq_len", fn,
-                                "the longest seq_lens entry; block_tables.shape[1] * "
-                                "block_size always holds"),
+        **_bounds(max_query_len, max_seq_len, has_starts, fn,
+                  "the most query tokens of one sequence; 1 for decode"),
         kv_layout=kv_layout, causal=_check_flag(causal, "causal"),
         scale=_static_number(scale, "scale"),
         alibi_slopes=_host_vector(alibi_slopes, "alibi_slopes"),
@@ -569,11 +575,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
         kv_lora_rank = _static_int(kv_lora_rank, "kv_lora_rank", fn, "512 for DeepSeek")
     statics = dict(
         scale=_static_number(scale, "scale"),
-        max_query_len=_query_bound(max_query_len, has_starts, fn,
-                                   "the most query tokens of one sequence"),
-        max_seq_len=_static_int(max_seq_len, "max_seq_len", fn,
-                                "the longest seq_lens entry; block_tables.shape[1] * "
-                                "block_size always holds"),
+        **_bounds(max_query_len, max_seq_len, has_starts, fn,
+                  "the most query tokens of one sequence"),
         kv_lora_rank=kv_lora_rank, causal=_check_flag(causal, "causal"),
         return_lse=_check_flag(return_lse, "return_lse"), kv_cache_dtype=kv_cache_dtype,
         k_scale=_static_number(k_scale, "k_scale"), workspace=_check_workspace(workspace),

@@ -67,47 +67,66 @@ _PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_f
 # rotary part of the key; rows packed query rows per CTA.
 _MLA_PARAMS = ("dtype", "cache_dtype", "head_size", "rope_dim", "block_size", "rows",
                "tile_tokens", "stages")
+_MLA_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "rope_dim", "block_size")
 _KERNELS = {
     "paged_decode": ("paged_decode.cu", _DECODE_PARAMS),
     "paged_prefill": ("paged_prefill.cu", _PREFILL_PARAMS),
     "paged_prefill_sm90": ("paged_prefill_sm90.cu", _PREFILL_SM90_PARAMS),
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
+    "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
-    "mla_attention_sm90": ("mla_attention_sm90.cu", ("dtype", "cache_dtype", "head_size",
-                                                     "rope_dim", "block_size")),
+    "mla_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
+    # its sparse form (DSA), over 16-bit caches and fp8_ds_mla rows
+    "mla_sparse_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
     # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
+    # DSA's lightning indexer: its keys into their fp8 cache, and its logits over them
+    # (rows: the query heads a CTA holds)
+    "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
+    "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size")),
+    "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
-SPARSE_MLA_KERNELS = ("concat_and_cache_mla",)
+SPARSE_MLA_KERNELS = ("concat_and_cache_mla", "mla_sparse_attention", "mla_sparse_attention_sm90")
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
-# A struct passed by value is either its bytes ("48s": packed by the caller) or its fields
+# A struct passed by value is either its bytes ("56s": packed by the caller) or its fields
 # in braces (one kernel parameter packed in the same pack_into as the others: PagedKV's
 # fields change with every call's pointers, and a separate pack would cost a microsecond).
 PAGED_KV_FORMAT = "{PPqqqqqqPqiiPPqqff}"  # PagedKV (kv_layout.cuh), 128 bytes
 ARG_FORMATS = {
-    "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif48s",  # VariantParams (48 bytes)
-    "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif48s",
+    "paged_decode": f"PPPPPPqq{PAGED_KV_FORMAT}PPPiiiiif56s",  # VariantParams (56 bytes)
+    "paged_prefill": f"PPPPiPqq{PAGED_KV_FORMAT}PPPiiif56s",
     # paged_prefill's, with its jobs (num_seqs, ranks) after split_tiles
-    "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif48s",
-    "paged_decode_combine": "PPPPPPiiiii48s",
+    "paged_prefill_sm90": f"PPPPiiiPqq{PAGED_KV_FORMAT}PPPiiif56s",
+    "paged_decode_combine": "PPPPPPiiiii56s",
     # partials, split_tiles, row tiles; q latent / rope and their strides; cache latent / rope and
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
-    "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",
-    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif48s",  # mla_attention's
+    "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",
+    # mla_attention's, then lengths_per and strict
+    "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",
+    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",  # mla_attention's
+    "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",  # the sparse one's
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,
     # num_slots, vec, the fp8 scale (pointer, value)
     "concat_and_cache_mla": "PqPqPqqPqqPiiiiqiPf",
+    # k, its token stride; the cache, its block stride; slots, num_tokens, head_dim,
+    # quant_block_size, block size, num_slots, ue8m0
+    "indexer_k_quant_and_cache": "PqPqPiiiiqi",
+    # out, its row stride, width; q, its row and head strides; weights, their row stride;
+    # the cache, its block stride, num_blocks; tables, their stride, max_blocks; lengths,
+    # next_n
+    "indexer_logits": "PqiPqqPqPqiPqiPi",
+    "indexer_topk": "PqPqii",  # out, its row stride; logits, their row stride; width, topk
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 _ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
@@ -189,7 +208,12 @@ def default_mla_tile() -> tuple[int, int, int, int]:
 
 # The targets each kernel is built for when not every one: wgmma and setmaxnreg are
 # sm_90a's (Hopper's architecture-specific features; no other GPU runs them).
-ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a"}
+ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a",
+             "mla_sparse_attention_sm90": "sm_90a"}
+# The wgmma MLA kernels (one body, mla_attention_sm90.cuh): paged and sparse.
+MLA_SM90_KERNELS = ("mla_attention_sm90", "mla_sparse_attention_sm90")
+# The mma.sync MLA kernels (one body, mla_attention.cuh): paged and sparse (DSA).
+MLA_MMA_KERNELS = ("mla_attention", "mla_sparse_attention")
 
 
 @dataclass(frozen=True)
@@ -290,12 +314,12 @@ class KernelSpec:
             for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
-        elif self.kernel == "mla_attention":
+        elif self.kernel in MLA_MMA_KERNELS:
             for name, default in zip(("rope_dim", "rows", "tile_tokens", "stages"),
                                      default_mla_tile()):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
-        elif self.kernel == "mla_attention_sm90" and self.rope_dim == 0:
+        elif self.kernel in MLA_SM90_KERNELS and self.rope_dim == 0:
             object.__setattr__(self, "rope_dim", default_mla_tile()[0])
         elif "tile_tokens" in params:
             if self.tile_tokens == 0:
@@ -340,8 +364,10 @@ class KernelSpec:
             tile = (self.warps, self.m_atoms, self.tile_tokens, self.stages)
             if tile != default_prefill_tile(self.head_size):
                 parts.append("w{}m{}n{}x{}".format(*tile))
-        elif self.kernel == "mla_attention":
+        elif self.kernel in MLA_MMA_KERNELS:
             parts.append(f"r{self.rows}t{self.tile_tokens}x{self.stages}")
+        elif self.kernel == "indexer_logits":
+            parts.append(f"h{self.rows}")
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)
             if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype):

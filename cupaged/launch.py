@@ -131,6 +131,17 @@ def scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
                     rows, base + nbytes if counters else 0, counters), keep
 
 
+def mla_workspace_partials(workspace, device: int, rank: int) -> Partials | None:
+    """An MLA call's ``workspace=`` argument: None, or a DecodeWorkspace's partials
+    ``rank`` wide on ``device`` (a TypeError for anything else)."""
+    if workspace is None:
+        return None
+    if not isinstance(workspace, DecodeWorkspace):
+        _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
+              TypeError)
+    return workspace.partials(device, rank)
+
+
 def workspace_partials(workspace, p: Problem) -> Partials | None:
     """The split-KV scratch of a ``workspace=`` argument: a DecodeWorkspace's, sized for
     ``p``; partials the vLLM v2 entry point built from its own buffers; or None."""
@@ -154,20 +165,22 @@ def workspace_key(workspace):
 
 
 def prepared_call(launch: Launch | None, p: Problem, q, o, va: VariantArgs,
-                  lse, kind: str) -> _prepared.Prepared:
+                  lse, kind: str, disjoint: tuple) -> _prepared.Prepared:
     """A validated call as the memo keeps it (``q``, ``o``, ``lse``: the adapted query,
-    out and lse arrays, or None; ``kind``: the caller's framework)."""
+    out and lse arrays, or None; ``kind``: the caller's framework; ``disjoint``:
+    validation.outputs_apart's pairs)."""
     return _prepared.Prepared(
         launch, p.device, kind, q.shape, q.dtype, _prepared.span(q),
         q.shape[0] * q.shape[1] * q.shape[2] * p.dtype.itemsize,
         o is not None and o.strides == q.strides, va.wants_lse,
-        (p.num_rows, p.num_heads) if va.wants_lse and lse is None else ())
+        (p.num_rows, p.num_heads) if va.wants_lse and lse is None else (), disjoint)
 
 
 class DecodeWorkspace:
     """Scratch memory for split-KV, allocated once. Passed as ``workspace=``, it makes
-    :func:`cupaged.paged_attention`, :func:`cupaged.attention` (and an ``AttentionPlan``)
-    and :func:`cupaged.mla_attention` allocate nothing when ``out=`` (and ``lse=`` where
+    :func:`cupaged.paged_attention`, :func:`cupaged.attention` (and an ``AttentionPlan``),
+    :func:`cupaged.mla_attention` and :func:`cupaged.sparse_mla_attention` allocate
+    nothing when ``out=`` (and ``lse=`` where
     the lse is asked for) is given too: what CUDA graph capture needs, and a saving for
     any loop.
 
@@ -188,10 +201,11 @@ class DecodeWorkspace:
         max_num_seqs: the most query rows a call will have: sequences for
             ``paged_attention`` and decode steps (one row each), ``total_q`` (every
             sequence's query tokens together) for multi-token ``attention`` steps and
-            for :func:`cupaged.mla_attention`.
+            for :func:`cupaged.mla_attention`, the query tokens (``batch * s_q``) for
+            :func:`cupaged.sparse_mla_attention`.
         num_heads, head_size: the call's query heads, and the head size the workspace
-            will serve (512 for :func:`cupaged.mla_attention`, whose partials are
-            kv_lora_rank wide).
+            will serve (512 for :func:`cupaged.mla_attention` and
+            :func:`cupaged.sparse_mla_attention`, whose partials are kv_lora_rank wide).
         rows: capacity in partial rows, instead of the default.
         device: CUDA device id; default the current CuPy device.
 
@@ -311,13 +325,15 @@ class MlaLaunch(NamedTuple):
     c_offsets: tuple
     table: tuple  # block_tables' row stride, max_blocks, num_blocks, the fp8 scale (pointer,
     #               value)
-    tail: tuple  # num_heads, causal, scale * log2(e)
+    tail: tuple  # num_heads, causal, scale * log2(e) (sparse: then lengths_per, strict)
     combine: jit.Launcher | None
     combine_grid: tuple
     combine_tail: tuple
     scratch_rows: int  # split-KV partial rows (total_q * num_heads * partitions)
     rank: int
     partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
+    variants: _variants.Variants = _variants.PLAIN  # sparse: attn_sink
+    vp: bytes = _variants.PLAIN_BYTES  # their VariantParams with no lse
 
     def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
             lens: int, starts: int, lse: int = 0) -> None:
@@ -325,7 +341,7 @@ class MlaLaunch(NamedTuple):
         ``c_lat``, ``c_rope`` the caches' (a single q's or combined cache's twice: the
         offsets find its parts); ``starts``, ``lse``: 0 for none."""
         q_lat, q_rope = q
-        vp = _variants.PLAIN_BYTES if not lse else _variants.PLAIN.pack(lse)
+        vp = self.vp if not lse else self.variants.pack(lse)
         qo, co = self.q_offsets, self.c_offsets
         rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],
                 *self.c_strides, bt, *self.table, lens, starts, *self.tail, vp)
@@ -345,17 +361,20 @@ class MlaLaunch(NamedTuple):
 
 
 def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
-              partials: Partials | None = None) -> MlaLaunch:
+              partials: Partials | None = None, sparse: tuple = (),
+              variants: _variants.Variants = _variants.PLAIN) -> MlaLaunch:
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
     planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
-    ``partials``: a workspace's, None for a scratch buffer per split call), every argument
-    but the arrays' addresses."""
+    ``partials``: a workspace's, None for a scratch buffer per split call; ``sparse``:
+    mla_sparse_attention's (lengths_per, strict); ``variants``: its attn_sink), every
+    argument but the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
                      plan.row_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
                      tuple(o * csz for o in p.c_offsets),
                      (p.bt_stride, p.max_blocks, p.num_blocks, *k_scale),
-                     (p.num_heads, int(causal), scale * _checks.LOG2E), plan.combine,
+                     (p.num_heads, int(causal), scale * _checks.LOG2E, *sparse), plan.combine,
                      plan.combine_grid, plan.combine_tail,
-                     p.num_rows * p.num_heads * plan.partitions, p.rank, partials)
+                     p.num_rows * p.num_heads * plan.partitions, p.rank, partials, variants,
+                     _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack())

@@ -173,12 +173,7 @@ def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, s
               f"{p.cache_dtype.name}")
     scale = validation.softmax_scale(scale, p.rank + p.rope)
     max_q, max_ctx = validation.mla_bounds(p, qsl is not None, max_query_len, max_seq_len)
-    parts = None
-    if workspace is not None:
-        if not isinstance(workspace, launch.DecodeWorkspace):
-            _fail(f"workspace must be a cupaged.DecodeWorkspace, got {type(workspace).__name__}",
-                  TypeError)
-        parts = workspace.partials(p.device, p.rank)
+    parts = launch.mla_workspace_partials(workspace, p.device, p.rank)
     wants_lse = bool(return_lse) or lse is not None
     kind = _arrays.framework(first)
     if not plan:

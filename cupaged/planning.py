@@ -696,29 +696,33 @@ def set_mla_tile(tile: tuple | None) -> None:
     _prepared.clear()  # remembered MLA calls were planned under the old choice
 
 
-def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2) -> tuple[int, int, int]:
+def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2,
+             token_bytes: int = 0) -> tuple[int, int, int]:
     """(rows, tile_tokens, stages) of mla_attention: the fewest rows of 16, 32 and 64 that
     hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
     tiles where two stages fit (else 16), and as many stages up to four as fit (three
     tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
     fit even at 16 tokens (sm_86/89's 99 KiB), 32. 16 rows take two stages where that
-    lets two CTAs share an SM (MlaGeometry.min_blocks)."""
+    lets two CTAs share an SM (MlaGeometry.min_blocks). ``token_bytes``: as
+    MlaGeometry's (656 for fp8_ds_mla rows)."""
     if _mla_tile_override is not None:
         return _mla_tile_override
     return _mla_tile(arch, 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64,
-                     cache_itemsize)
+                     cache_itemsize, token_bytes)
 
 
 @lru_cache(maxsize=None)  # (per call: a handful of keys)
-def _mla_tile(arch: str, rows: int, cache_itemsize: int) -> tuple[int, int, int]:
+def _mla_tile(arch: str, rows: int, cache_itemsize: int,
+              token_bytes: int) -> tuple[int, int, int]:
     def fits(r, t, s):
-        return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize).fits(arch)
+        return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize, token_bytes).fits(arch)
 
     while rows > 16 and not fits(rows, 16, 2):
         rows //= 2
     tile = 32 if fits(rows, 32, 2) else 16
     stages = max(s for s in (2, 3, 4) if fits(rows, tile, s))
-    if geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize).min_blocks(arch) == 2:
+    if geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize,
+                            token_bytes).min_blocks(arch) == 2:
         # Two CTAs an SM with two stages each overlap one's chain of phases (copy wait, S,
         # softmax, P V) with the other's, where one CTA's chain is slower than its bytes:
         # 16-head decode ran 1.19-1.32x faster than one CTA with four stages over bf16 on
@@ -736,10 +740,12 @@ class MlaKernel(NamedTuple):
 
 @jit.launcher_cache
 def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
-               block_size: int, tile: tuple) -> MlaKernel:
-    """mla_attention in ``tile`` (rows, tile_tokens, stages)."""
+               block_size: int, tile: tuple, sparse: bool = False) -> MlaKernel:
+    """mla_attention (or its sparse form, mla_sparse_attention) in ``tile`` (rows,
+    tile_tokens, stages)."""
     rows, tt, st = tile
-    spec = jit.KernelSpec("mla_attention", dtype, rank, block_size, rope_dim=rope, rows=rows,
+    name = "mla_sparse_attention" if sparse else "mla_attention"
+    spec = jit.KernelSpec(name, dtype, rank, block_size, rope_dim=rope, rows=rows,
                           tile_tokens=tt, stages=st, cache_dtype=cache_dtype,
                           arch=device_info(device_id).arch)
     g = geometry.MlaGeometry.of(spec)
@@ -750,9 +756,11 @@ def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: in
 
 @jit.launcher_cache
 def mla_sm90_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
-                    block_size: int) -> MlaKernel:
-    """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles)."""
-    spec = jit.KernelSpec("mla_attention_sm90", dtype, rank, block_size, rope_dim=rope,
+                    block_size: int, sparse: bool = False) -> MlaKernel:
+    """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles), or its sparse
+    form mla_sparse_attention_sm90."""
+    name = "mla_sparse_attention_sm90" if sparse else "mla_attention_sm90"
+    spec = jit.KernelSpec(name, dtype, rank, block_size, rope_dim=rope,
                           cache_dtype=cache_dtype, arch=device_info(device_id).arch)
     g = geometry.MlaSm90Geometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
@@ -826,22 +834,28 @@ class MlaPlan(NamedTuple):
 
 def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
              block_size: int, num_seqs: int, num_rows: int, num_heads: int, max_q: int,
-             max_ctx: int, workspace_rows: int | None = None) -> MlaPlan | None:
+             max_ctx: int, workspace_rows: int | None = None,
+             sparse: bool = False) -> MlaPlan | None:
     """The launches of an MLA call (None: nothing to launch), from host facts only:
     ``max_q`` and ``max_ctx`` bound the query tokens and keys of a sequence (an undercount
     costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
-    rows (None: a scratch buffer per call)."""
+    rows (None: a scratch buffer per call). ``sparse``: mla_sparse_attention, whose
+    "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
+    top-k entries (``max_ctx``: topk); on Hopper its wgmma form where a token has 64 heads
+    or more (the paged kernels' rule), over 16-bit caches and fp8_ds_mla rows, the mma.sync
+    kernel elsewhere."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
+    token_bytes = _dtypes.DS_MLA_BYTES if cache_dtype == _dtypes.DS_MLA.name else 0
     if mla_sm90_applies(arch, rows_needed):
-        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size)
+        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
-        tile = mla_tile(arch, rows_needed, csize)
-        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile)
+        tile = mla_tile(arch, rows_needed, csize, token_bytes)
+        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse)
         rows, tt = tile[0], tile[1]
     # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row
     # tiles past the bound's.

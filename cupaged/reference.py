@@ -17,8 +17,9 @@ fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays 
 "auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
 
-DeepSeek sparse attention (a reference: no kernel of cupaged reads these caches): :func:`sparse_mla_attention`
-over top-k indices into a paged cache, FlashMLA's sparse interface, and the caches' token
+DeepSeek sparse attention (``cupaged.sparse_mla_attention`` serves 16-bit caches and
+``"fp8_ds_mla"``; no kernel reads V4's formats): :func:`sparse_mla_attention` over top-k indices into a
+paged cache, FlashMLA's sparse interface, and the caches' token
 formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
 with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
 reader (:func:`dequantize_sparse_kv`); the lightning indexer that picks the indices: its fp8
@@ -469,7 +470,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
 #
 # DeepSeek-V3.2 and V4 attend each query token to its top-k cached tokens only (k = 2048 for
 # V3.2), named by global slots of a paged cache; FlashMLA's sparse kernels and vLLM's caches
-# define the interface. A reference: no kernel of cupaged reads these caches.
+# define the interface. cupaged.sparse_mla_attention reads 16-bit caches and fp8_ds_mla;
+# no kernel of cupaged reads V4's formats.
 
 SPARSE_KV_FORMATS = {
     # name: (bytes per token, dims per token (d_qk)); "auto" caches hold the values themselves
@@ -762,8 +764,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale: float, kv_format: str =
 
     The logit of a counted entry is ``scale * q . key`` (``scale`` required: DeepSeek's is
     not ``1 / sqrt(d_qk)``); out is the softmax-weighted sum of the values and lse the
-    natural log of the softmax denominator (FlashMLA's is natural too: its kernels work in
-    base 2 and convert). ``attn_sink [num_heads]`` (float32 in FlashMLA) scales each head's
+    natural log of the softmax denominator (FlashMLA's decode reports it natural too; its
+    prefill, ``flash_mla_sparse_fwd``, in base 2: this lse times log2(e)). ``attn_sink [num_heads]`` (float32 in FlashMLA) scales each head's
     out by ``exp(lse) / (exp(lse) + exp(sink))`` and leaves lse as it is, FlashMLA's rule:
     so lse here is the keys' alone, and ``np.logaddexp(lse, sink)`` is :func:`attend`'s lse
     with ``sinks`` (whose out is the same). A sink of +inf gives zeros, -inf changes

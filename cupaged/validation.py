@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, _dtypes, _kvquant, _variants
+from . import _arrays, _checks, _dtypes, _kvquant, _prepared, _variants
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -166,6 +166,26 @@ def variant_setup(va: VariantArgs, p: Problem):
         return _variants.PLAIN, lse
     return _variants.Variants(_variants.letters(window, cap, va.sparse), window, cap, sinks,
                               va.sparse), lse
+
+
+def outputs_apart(q, o, lse, read, variants, p: Problem) -> tuple:
+    """attention's and paged_attention's outputs against what the call reads: out and lse
+    overlap no cache, table, length, query start, ALiBi slope, sink or scale array, nor
+    each other, and lse not the query (out over the query is validate_*'s rule: in place
+    or apart, repeated by _prepared.overlaps). Checked here with errors naming both
+    arrays; returned as the memo's pairs (_prepared.disjoint_spans, in _prepared.run's
+    address order), for _prepared.clashes to repeat at each call's addresses. ``read``:
+    ``(index, name, adapted array or None)`` of the per-call arrays; the side arrays
+    (``variants``' sinks, ``p``'s scale arrays, ALiBi slopes among ``read`` with index
+    None) are keyed at their addresses."""
+    side = [(None, "sinks", variants.sinks)]
+    side += [(None, name, a) for name, a in zip(("k_scale", "v_scale"), p.quant.keep)]
+    everything = [(name, a) for _, name, a in (*read, *side)]
+    _checks.check_apart((("out", o), ("lse", lse)), everything)
+    _checks.check_apart((("lse", lse),), (("query", q),))
+    spans = [(i, a) for i, _, a in (*read, *side)]
+    return (_prepared.disjoint_spans(((6, o), (7, lse)), spans)
+            + _prepared.disjoint_spans(((7, lse),), ((0, q),)))
 
 
 def check_vllm_args(key_cache, num_kv_heads, block_size) -> None:
@@ -404,9 +424,11 @@ def _mla_part(a, name: str, lead: tuple, what: str):
 
 
 def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc, out,
-                 lse, kv_lora_rank, kv_cache_dtype) -> MlaProblem:
+                 lse, kv_lora_rank, kv_cache_dtype, ds_mla: bool = False) -> MlaProblem:
     """mla_attention's arguments (adapted arrays; ``q`` an array or a (latent, rope)
-    pair): metadata only, nothing read on the device."""
+    pair): metadata only, nothing read on the device. ``ds_mla``: the cache holds
+    DeepSeek-V3.2's 656-byte fp8_ds_mla rows (the sparse kernel's; checked by the caller
+    to be a 1-byte array), the query bfloat16."""
     pair = isinstance(q, tuple)
     q_lat, q_rope = q if pair else (q, q)
     q_name = "q_nope" if pair else "q"
@@ -422,8 +444,14 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
               TypeError)
     # The cache's element type: the query's, or fp8 (named by kv_cache_dtype or its dtype).
     names = ("kv_cache", "k_pe_cache" if k_pe_cache is not None else "kv_cache")
-    cdt = _kvquant.cache_dtype(kv_cache_dtype, kv_cache,
-                               kv_cache if k_pe_cache is None else k_pe_cache, dt, names)
+    if ds_mla:
+        cdt = _dtypes.DS_MLA
+        if dt is not _dtypes.BF16:
+            _fail(f"fp8_ds_mla caches take bfloat16 queries (their k_pe is bfloat16), got "
+                  f"{q_lat.dtype}", TypeError)
+    else:
+        cdt = _kvquant.cache_dtype(kv_cache_dtype, kv_cache,
+                                   kv_cache if k_pe_cache is None else k_pe_cache, dt, names)
     if cdt is dt:
         for name, c in (("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache)):
             if c is not None and c.dtype != q_lat.dtype:
@@ -436,7 +464,13 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
         _fail(f"kv_cache must be 3-D [num_blocks, block_size, kv_lora_rank + rope_dim] (or "
               f"[.., kv_lora_rank] with k_pe_cache), got shape {kv_cache.shape}")
     num_blocks, block_size, width = kv_cache.shape
-    if k_pe_cache is None:
+    if ds_mla:
+        if width != _dtypes.DS_MLA_BYTES:
+            _fail(f"kv_cache's fp8_ds_mla rows must be {_dtypes.DS_MLA_BYTES} bytes a token, "
+                  f"got shape {kv_cache.shape}")
+        rank, rope = 512, 64
+        c_rope = kv_cache
+    elif k_pe_cache is None:
         rank = 512 if kv_lora_rank is None else kv_lora_rank
         rope = width - rank
         c_rope = kv_cache
@@ -487,7 +521,10 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
         qs += qs
         _checks.check_aligned(q_lat.data.ptr + rank * dt.itemsize, "q's rotary part")
     cs = _mla_part(kv_cache, "kv_cache", (), "")
-    if k_pe_cache is None:
+    if ds_mla:  # one row holds the token: the kernel finds its parts
+        c_offsets = (0, 0)
+        cs += cs
+    elif k_pe_cache is None:
         c_offsets = (0, rank)
         cs += cs
     else:

@@ -24,6 +24,11 @@ def _gpu_available() -> bool:
 
 HAVE_GPU = _gpu_available()
 
+# JAX takes 75% of the GPU's memory when it first touches it unless told otherwise; the
+# suite runs in parallel processes on one GPU, and a worker that imports JAX would leave
+# the others out of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 if HAVE_GPU and os.environ.get("CUPAGED_TEST_NO_POOL"):
     # Under compute-sanitizer's memcheck (tools/sanitize.sh): each array its own
     # cudaMalloc, so an overrun past an array's end leaves its allocation and is reported,

@@ -3,6 +3,8 @@ dtypes (through a stand-in ``torch`` module, so CI needs no torch), stream handl
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import sys
 import types
 
@@ -219,3 +221,112 @@ def test_jax_arrays_are_refused_as_outputs(name):
     jax_like = type("ArrayImpl", (), {"__module__": "jaxlib._jax"})()
     with pytest.raises(TypeError, match=f"{name} is a JAX array, which is immutable"):
         _arrays.optional_output_array(jax_like, name)
+
+
+class _FakeEvent:
+    def __init__(self, done=False):
+        self.done, self.recorded_on = done, None
+
+    def record(self, stream):
+        self.recorded_on = stream
+
+
+def test_held_imports_are_released_oldest_first_once_their_events_complete(monkeypatch):
+    """The imports held past their calls (see _arrays' foreign_import) go when their
+    launch-stream events have completed, oldest first, stopping at the first pending one:
+    an import behind it waits longer, never less."""
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+    done, pending = _FakeEvent(True), _FakeEvent(False)
+    _arrays._DEFERRED.extend([(done, "a"), (done, "b"), (pending, "c"), (done, "d")])
+    assert _arrays.release_completed() == 2
+    assert [x for _, x in _arrays._DEFERRED] == ["c", "d"]
+    pending.done = True
+    assert _arrays.release_completed() == 0
+
+
+def test_imports_are_held_from_adaptation_past_the_launches(monkeypatch):
+    """A call's imports wait unstamped while it adapts, take its context's stream, and
+    after its launches join the held imports behind one event per stream; none is let go
+    before its event completes."""
+    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+    monkeypatch.setattr(_arrays.cupy, "from_dlpack", lambda x: ("imported", x))
+    monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
+    monkeypatch.setattr(_arrays.cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: ptr)
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
+                        lambda: types.SimpleNamespace(ptr=1234))  # the launch stream
+    a, b = _arrays.foreign_import("a"), _arrays.foreign_import("b")
+    assert _arrays._HOLDS.pending == [a, b] and not _arrays._DEFERRED
+    _arrays.stamp_holds(_arrays.Context(0, 1234, "jax", True))
+    assert _arrays._HOLDS.stamped == [(1234, 0, a), (1234, 0, b)]
+    assert not _arrays._HOLDS.pending and not _arrays._DEFERRED  # launches still to come
+    c = _arrays.foreign_import("c")  # the next call: the first one's launches are queued
+    assert not _arrays._HOLDS.stamped and _arrays._HOLDS.pending == [c]
+    (e1, x1), (e2, x2) = _arrays._DEFERRED
+    assert e1 is e2 and e1.recorded_on == 1234 and (x1, x2) == (a, b)
+    _arrays.foreign_import("d")
+    assert _arrays.release_completed() == 2  # the event has not completed
+    e1.done = True
+    assert _arrays.release_completed() == 0
+
+
+class _FakeStream:
+    def __init__(self, ptr):
+        self.ptr, self.waited = ptr, []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
+    """JAX orders its writes before CuPy's current stream (cupy.from_dlpack's): a call that
+    launches on another stream (stream=, torch's) makes it wait for CuPy's; on CuPy's own,
+    nothing is added."""
+    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    current, launch = _FakeStream(1), _FakeStream(2)
+    events = []
+
+    def event(**kw):
+        e = _FakeEvent()
+        events.append(e)
+        return e
+
+    monkeypatch.setattr(_arrays.cupy.cuda, "Event", event)
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream", lambda: current)
+    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: {1: current, 2: launch}[ptr])
+    _arrays._HOLDS.pending.append("imported")
+    _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
+    assert events[0].recorded_on is current and launch.waited == events
+    _arrays._HOLDS.pending.append("imported")
+    _arrays.stamp_holds(_arrays.Context(0, 1, "jax", False))
+    assert len(events) == 1 and current.waited == []
+    _arrays._HOLDS.stamped.clear()
+
+
+def test_a_thread_that_ends_records_what_it_stamped(monkeypatch):
+    """Imports a thread stamped and never saw recorded (a call that returns no JAX array,
+    then the thread ends) get their events when the thread ends, not dropped with its
+    thread-local state."""
+    import threading
+
+    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+    monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
+    monkeypatch.setattr(_arrays.cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: ptr)
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
+                        lambda: types.SimpleNamespace(ptr=77))
+
+    def call():
+        _arrays._HOLDS.pending.append("imported")
+        _arrays.stamp_holds(_arrays.Context(0, 77, "cupy", False))
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+    del t
+    import gc
+
+    gc.collect()
+    assert [(e.recorded_on, x) for e, x in _arrays._DEFERRED] == [(77, "imported")]

@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cupaged import reference, testing
+from cupaged import _dtypes, reference, testing
 from cupaged.bench import cli
 from cupaged.bench import mla as bench_mla
 from cupaged.bench import peers, prefill, timing
 
 from conftest import HAVE_GPU
 from test_bench import on_host
+
+BF16 = _dtypes.BF16.numpy
 
 main = cli.main
 
@@ -375,3 +377,196 @@ def test_fp8_cases_count_one_byte_a_cached_value_and_refuse_unknown_formats():
     assert "fp8_e4m3, k_scale" in fp8.describe()
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
         mla.MLACase("x", kv_cache_dtype="fp8")
+
+
+# ---- cupaged-bench sparse-mla ----------------------------------------------------------------------
+
+
+def _sparse_on_host(monkeypatch, calls, wrong=False):
+    """sparse-mla's case on the host: CuPy's calls answered by NumPy, the fp8_ds_mla writer
+    by the reference's, the kernel by the float64 reference writing the out it is given
+    (NaN with ``wrong``), the timer by a constant."""
+    import cupaged
+    from cupaged.bench import sparse_mla as bench_sparse
+
+    on_host(monkeypatch)
+    monkeypatch.setattr(bench_sparse, "cupy", bench_mla.cupy)
+
+    def write(kv_c, k_pe, cache, slots, kv_cache_dtype):
+        reference.concat_and_cache_sparse_mla(kv_c, k_pe, cache, slots, kv_cache_dtype)
+
+    def attend(q, kv, indices, *, scale, out, **kw):
+        calls.append(dict(q=q, kv=kv, indices=indices, scale=scale, **kw))
+        fmt = "fp8_ds_mla" if kv.dtype == np.uint8 else "auto"
+        out[...] = np.nan if wrong else reference.sparse_mla_attention(
+            q, kv, indices, scale=scale, kv_format=fmt)
+        return out
+
+    monkeypatch.setattr(cupaged, "concat_and_cache_mla", write)
+    monkeypatch.setattr(cupaged, "sparse_mla_attention", attend)
+    return bench_sparse
+
+
+def test_sparse_presets_and_accounting():
+    from cupaged.bench import sparse_mla as bench_sparse
+
+    got = {n: bench_sparse.preset_case(n) for n in bench_sparse.PRESETS}
+    assert [(c.heads, c.batch, c.s_q, c.topk, c.prefill) for c in got.values()] == [
+        (16, 128, 1, 2048, False), (64, 128, 1, 2048, False), (128, 128, 2, 2048, False),
+        (128, 1, 4096, 2048, True)]
+    c = bench_sparse.SparseCase("x", heads=4, batch=3, s_q=2, topk=10, context=50)
+    assert c.flops() == 2.0 * 6 * 4 * 10 * (576 + 512)
+    assert c.bytes_moved() == 6 * 10 * 1152 + 6 * 4 * 2 * (576 + 512)
+    ds = bench_sparse.SparseCase("x", heads=4, batch=3, s_q=2, topk=10, context=50,
+                                 kv_cache_dtype="fp8_ds_mla")
+    assert ds.bytes_moved() == 6 * 10 * 656 + 6 * 4 * 2 * (576 + 512)
+    for kw, msg in ((dict(topk=60), "topk \\(60\\) must be at most context"),
+                    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
+                    (dict(prefill=True), "a prefill case is one sequence")):
+        with pytest.raises(ValueError, match=msg):
+            bench_sparse.SparseCase("x", **{**dict(batch=3, topk=10, context=50), **kw})
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_sparse_case_is_checked_then_timed(monkeypatch, kv_cache_dtype, prefill):
+    """Each query token's indices are distinct tokens of its own sequence's blocks; the
+    row is checked against the reference, then timed; a NaN output is WRONG, not timed."""
+    calls = []
+    bench_sparse = _sparse_on_host(monkeypatch, calls)
+    kw = dict(heads=4, batch=1 if prefill else 3, s_q=7 if prefill else 2, topk=20,
+              context=70, block_size=16, kv_cache_dtype=kv_cache_dtype, prefill=prefill)
+    c = bench_sparse.SparseCase("x", **kw).build()
+    idx, page = c.host_indices, 16
+    slots = (-(-70 // page)) * page * idx.shape[0]
+    assert ((idx >= 0) & (idx < slots)).all()
+    for b in range(idx.shape[0]):
+        for s in range(idx.shape[1]):
+            assert len(set(idx[b, s].tolist())) == 20  # distinct
+    blocks_of = [{int(i) // page for i in idx[b].ravel()} for b in range(idx.shape[0])]
+    for i in range(len(blocks_of)):  # a sequence's tokens live in its own blocks
+        for j in range(i):
+            assert not blocks_of[i] & blocks_of[j]
+    width = 656 if kv_cache_dtype == "fp8_ds_mla" else 576
+    c.arrays.clear()
+    (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged"], reps=3,
+                                  copy_bw=1e12)
+    assert row.note == "" and row.error < 1e-2 and row.median_us == 100.0, row
+    assert calls[0]["kv"].shape[-1] == width and calls[0]["kv"].ndim == (3 if prefill else 4)
+    assert calls[0]["q"].shape == ((7, 4, 576) if prefill else (3, 2, 4, 576))
+    bench_sparse = _sparse_on_host(monkeypatch, [], wrong=True)
+    (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged"], reps=3)
+    assert row.note == "WRONG" and row.median_us != row.median_us
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_sparse_benchmark_checks_what_it_times_on_the_gpu(kv_cache_dtype, prefill):
+    """cupaged-bench sparse-mla's cases, small: built, checked against the reference and
+    timed; a row that gave NaN is reported WRONG, not timed."""
+    from cupaged.bench import sparse_mla as bench
+
+    case = bench.SparseCase("t", heads=16, batch=1 if prefill else 3, s_q=40 if prefill else 2,
+                            topk=100, context=300, kv_cache_dtype=kv_cache_dtype,
+                            prefill=prefill)
+    (row,) = bench.measure([case], ["cupaged"], reps=3)
+    assert row.note == "" and row.error <= case.tolerance() and row.median_us > 0, row
+    broken = bench.SparseCase("t", heads=16, batch=2, s_q=1, topk=50, context=100,
+                              kv_cache_dtype=kv_cache_dtype)
+    real = bench.IMPLEMENTATIONS["cupaged"]
+
+    def nan_out(c):
+        run = real(c)
+
+        def wrong():
+            out = run()
+            out.fill(np.nan)
+            return out
+        return wrong
+
+    bench.IMPLEMENTATIONS["cupaged"] = nan_out
+    try:
+        (row,) = bench.measure([broken], ["cupaged"], reps=3)
+    finally:
+        bench.IMPLEMENTATIONS["cupaged"] = real
+    assert row.note == "WRONG" and row.median_us != row.median_us
+
+
+# ---- cupaged-bench indexer ---------------------------------------------------------------------
+
+
+def _indexer_on_host(monkeypatch, wrong=None):
+    """indexer's case on the host: CuPy's calls answered by NumPy, the writer, logits and
+    top-k by the reference's (writing the outputs they are given; ``wrong``: "logits"
+    or "topk" spoils that step's output), the timer by a constant."""
+    import cupaged
+    from cupaged.bench import indexer as bench_indexer
+
+    on_host(monkeypatch)
+    monkeypatch.setattr(bench_indexer, "cupy", bench_mla.cupy)
+
+    def write(k, cache, slots, qbs):
+        reference.indexer_k_quant_and_cache(k, cache, slots, qbs)
+
+    def logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len, out):
+        # the dtypes cupaged.indexer_logits takes
+        assert (q.dtype, kv_cache.dtype, weights.dtype, block_tables.dtype, seq_lens.dtype,
+                out.dtype) == (BF16, np.uint8, np.float32, np.int32, np.int32, np.float32)
+        batch, next_n = q.shape[:2]
+        out[...] = reference.indexer_logits(
+            q.reshape(batch * next_n, *q.shape[2:]), kv_cache, weights, block_tables,
+            seq_lens, np.arange(batch + 1) * next_n, max_seq_len=max_seq_len)
+        if wrong == "logits":
+            out[-1, 3] += 1.0
+        return out
+
+    def topk(lg, k, *, out):
+        assert (lg.dtype, out.dtype) == (np.float32, np.int32)
+        out[...] = reference.indexer_topk(lg, k)
+        if wrong == "topk":
+            out[0, [0, 1]] = out[0, [1, 0]]
+        return out
+
+    monkeypatch.setattr(cupaged, "indexer_k_quant_and_cache", write)
+    monkeypatch.setattr(cupaged, "indexer_logits", logits)
+    monkeypatch.setattr(cupaged, "indexer_topk", topk)
+    return bench_indexer
+
+
+def test_indexer_presets_and_accounting():
+    from cupaged.bench import indexer as bench_indexer
+
+    got = [bench_indexer.preset_case(n) for n in bench_indexer.PRESETS]
+    assert [(c.batch, c.next_n, c.context, c.heads, c.topk) for c in got] == [
+        (128, 1, 32768, 64, 2048), (128, 2, 32768, 64, 2048), (16, 1, 131072, 64, 2048)]
+    c = bench_indexer.IndexerCase("x", batch=3, next_n=2, context=50, heads=16, topk=10)
+    logits, topk = bench_indexer._Logits(c), bench_indexer._Topk(c)
+    assert logits.flops() == 2.0 * 16 * 128 * (3 * (49 + 50))  # row t sees 50 - 2 + t + 1
+    assert logits.bytes_moved() == 3 * 50 * 132 + 6 * 16 * 128 * 2 + 6 * 16 * 4 + 6 * 50 * 4
+    assert topk.bytes_moved() == 6 * 50 * 4 + 6 * 10 * 4
+    with pytest.raises(ValueError, match="next_n \\(3\\) must be at most context"):
+        bench_indexer.IndexerCase("x", next_n=3, context=2)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_indexer_case_is_checked_then_timed(monkeypatch, next_n):
+    """Both steps are checked against the reference (their own host copies of a row's
+    blocks), then timed; a logit off by one, or two columns swapped, is WRONG, untimed."""
+    kw = dict(batch=3, next_n=next_n, context=70, heads=16, block_size=16, topk=20)
+    bench_indexer = _indexer_on_host(monkeypatch)
+    rows = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], ["logits", "topk"],
+                                 reps=3, copy_bw=1e12)
+    assert [(r.impl, r.note, r.median_us) for r in rows] == [("logits", "", 100.0),
+                                                             ("topk", "", 100.0)], rows
+    assert rows[0].error < 1e-6 and rows[1].error == 0.0  # float32 logits: rounding alone
+    for step in ("logits", "topk"):
+        bench_indexer = _indexer_on_host(monkeypatch, wrong=step)
+        (row,) = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], [step], reps=3)
+        assert row.note == "WRONG" and row.median_us != row.median_us, row
+    # top-k alone still checks the logits it selects from: wrong ones leave it untimed
+    bench_indexer = _indexer_on_host(monkeypatch, wrong="logits")
+    (row,) = bench_indexer.measure([bench_indexer.IndexerCase("x", **kw)], ["topk"], reps=3)
+    assert "logits top-k selects from are wrong" in row.note and row.median_us != row.median_us
+    assert rows[1].tflops != rows[1].tflops  # a selection has no FLOP rate: '-'
+

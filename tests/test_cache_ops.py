@@ -1628,8 +1628,8 @@ def jit_arg_tokens(kernel):
 
 
 def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():
-    """Only concat_and_cache_mla writes the format and no kernel reads it: every other
-    entry point that takes a kv_cache_dtype names it in its refusal."""
+    """concat_and_cache_mla writes the format and sparse_mla_attention reads it: every
+    other entry point that takes a kv_cache_dtype names it in its refusal."""
     from cupaged import jit, validation
     from test_validation import args as dargs
 
@@ -1653,9 +1653,11 @@ def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():
         cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype="fp8_ds_mla")
     with pytest.raises(ValueError, match=said):
         cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype="fp8_ds_mla")
-    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla only"):
+    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention, "
+                       "mla_sparse_attention_sm90 only"):
         jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype="dsmla", index_dtype="i64")
-    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla only"):
+    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention, "
+                       "mla_sparse_attention_sm90 only"):
         jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype="dsmla")
 
 
@@ -1947,3 +1949,122 @@ def test_copy_blocks_mla_and_swap_blocks_on_ds_mla_caches(rng, form):
     want = cupy.asnumpy(layers[1])
     want[3], want[4] = host[1], host[5]
     np.testing.assert_array_equal(cupy.asnumpy(layers[1]), want)
+
+
+# ---- indexer_k_quant_and_cache (DSA's lightning indexer) ---------------------------------------
+
+
+def ivalidate(k=None, cache=None, slots=None, quant_block_size=128, scale_fmt=None):
+    k = np.zeros((3, 128), BF16) if k is None else k
+    cache = np.zeros((10, 64, 132), np.uint8) if cache is None else cache
+    slots = np.zeros(3, np.int64) if slots is None else slots
+    f = [x if isinstance(x, Fake) else Fake(x) for x in (k, cache, slots)]
+    return cache_ops.validate_indexer_write(*f, quant_block_size, scale_fmt)
+
+
+def test_indexer_write_is_described():
+    """vLLM's [num_blocks, block_size, 132] uint8 cache (and the 4-D form, a block-strided
+    view, other groups), the kernel's arguments."""
+    w = ivalidate()
+    assert (w.num_tokens, w.head_dim, w.quant_block_size, w.block_size, w.num_blocks) == \
+        (3, 128, 128, 64, 10)
+    assert w.block_stride == 64 * 132 and w.index == "i64" and not w.ue8m0
+    assert ivalidate(cache=np.zeros((10, 64, 1, 132), np.int8), scale_fmt="ue8m0").ue8m0
+    w = ivalidate(cache=np.zeros((10, 16, 136), np.uint8), quant_block_size=64)
+    assert w.block_size == 16 and w.block_stride == 16 * 136
+    root = np.zeros((20, 64, 132), np.uint8)
+    assert ivalidate(cache=fake_view(root[::2], root)).block_stride == 2 * 64 * 132
+    assert ivalidate(k=np.zeros((5, 32), np.float16), cache=np.zeros((4, 8, 36), np.uint8),
+                     quant_block_size=32).head_dim == 32
+    # head_dim 96: three values a lane, one group of all 32 lanes
+    assert ivalidate(k=np.zeros((3, 96), BF16), cache=np.zeros((10, 64, 100), np.uint8),
+                     quant_block_size=96).quant_block_size == 96
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(k=np.zeros((3, 128), np.float32)), TypeError, "k must be float16 or bfloat16"),
+    (dict(k=np.zeros((3, 2, 64), BF16)), ValueError, r"k must be 2-D \[num_tokens, head_dim\]"),
+    (dict(k=np.zeros((3, 256), BF16)[:, ::2]), ValueError, "k's last dimension must be contiguous"),
+    (dict(k=np.zeros((3, 96), BF16), cache=np.zeros((10, 64, 108), np.uint8),
+          quant_block_size=32), ValueError, "a power-of-two multiple of head_dim / 32"),
+    (dict(k=np.zeros((3, 192), BF16), cache=np.zeros((10, 64, 204), np.uint8),
+          quant_block_size=64), ValueError, "a power-of-two multiple of head_dim / 32"),
+    (dict(k=np.zeros((3, 48), BF16)), ValueError, "head_dim must be a multiple of 32"),
+    (dict(quant_block_size=100), ValueError, "quant_block_size must divide head_dim"),
+    (dict(quant_block_size=0), ValueError, "quant_block_size must divide head_dim"),
+    (dict(quant_block_size=128.0), TypeError, "quant_block_size must be an int"),
+    (dict(scale_fmt="e8m0"), ValueError, "scale_fmt must be None .* or 'ue8m0'"),
+    (dict(cache=np.zeros((10, 64, 132), np.float16)), TypeError, "1-byte storage"),
+    (dict(cache=np.zeros((10, 64, 136), np.uint8)), ValueError,
+     r"kv_cache must be \[num_blocks, block_size, 132\]"),
+    (dict(cache=np.zeros((10, 64, 140), np.uint8)[:, :, :132]), ValueError,
+     "each block of kv_cache must be one contiguous run of block_size \\* 132 bytes"),
+    (dict(slots=np.zeros(4, np.int64)), ValueError, "k has 3 tokens but slot_mapping has 4"),
+    (dict(slots=np.zeros(3, np.float32)), TypeError, "slot_mapping"),
+])
+def test_bad_indexer_writes_are_refused_by_name(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        ivalidate(**kw)
+
+
+def test_indexer_cache_blocks_must_be_4_byte_aligned():
+    with pytest.raises(ValueError, match="start at 4-byte boundaries"):
+        ivalidate(cache=Fake(np.zeros((10, 64, 132), np.uint8), ptr=(1 << 20) + 2))
+
+
+@gpu
+@pytest.mark.parametrize("head_dim, quant_block_size", [(128, 128), (128, 32), (64, 64),
+                                                        (256, 64), (32, 32), (96, 96),
+                                                        (512, 128)])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+def test_indexer_write_matches_the_reference_byte_for_byte(rng, head_dim, quant_block_size,
+                                                          scale_fmt, dtype):
+    """Random keys of magnitudes 2^-20 to 2^10, rows of zeros, NaN, +-inf and values past
+    448 x scale's reach; padding and out-of-range slots write nothing, rows past num_tokens
+    are not read, every byte no slot names keeps its value."""
+    bs, nb, n = 64, 6, 70
+    width = head_dim + 4 * (head_dim // quant_block_size)
+    k = testing.random_normal((n, head_dim), np.float32, rng)
+    k *= 2.0 ** rng.integers(-20, 11, (n, 1))
+    k[0] = 0
+    k[1, 3] = np.nan
+    k[2, 5], k[2, 6] = np.inf, -np.inf
+    k[3, :] = np.nan
+    k[4, 0] = 1e4  # one outlier: the rest of its group quantizes to small values
+    k = k.astype(dtype)
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    slots[[10, 20]] = -1
+    slots[30] = nb * bs
+    cache0 = rng.integers(0, 256, (nb, bs, width), dtype=np.uint8)
+    want = cache0.copy()  # (the reference takes slots inside the cache: the others skipped)
+    reference.indexer_k_quant_and_cache(k, want, np.where(slots < nb * bs, slots, -1),
+                                        quant_block_size, ue8m0=scale_fmt == "ue8m0")
+    dk = cupy.asarray(np.concatenate([k, np.full((3, head_dim), np.nan, dtype)]))
+    kc = cupy.asarray(cache0)
+    cupaged.indexer_k_quant_and_cache(dk, kc, cupy.asarray(slots), quant_block_size,
+                                      scale_fmt)
+    got = cupy.asnumpy(kc)
+    bad = np.argwhere(got != want)
+    assert not bad.size, (f"{len(bad)} bytes differ, first at {bad[0]}: got "
+                          f"{got[tuple(bad[0])]:#04x}, want {want[tuple(bad[0])]:#04x}")
+    # independently of the reference: a zero row stores zeros and the floor scale
+    b, o = divmod(int(slots[0]), bs)
+    blk = got[b].reshape(-1)
+    assert not blk[o * head_dim:(o + 1) * head_dim].any()
+    s0 = blk[bs * head_dim + 4 * o * (head_dim // quant_block_size):][:4].view(np.float32)[0]
+    floor = np.float32(1e-4) / np.float32(448)
+    assert s0 == (floor if scale_fmt is None else np.float32(2.0 ** np.ceil(np.log2(floor))))
+
+
+@gpu
+def test_indexer_write_from_torch_with_vllms_arguments(rng):
+    torch = pytest.importorskip("torch")
+    k = torch.randn(9, 128, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(4, 64, 132, dtype=torch.uint8, device="cuda")
+    slots = torch.tensor([3, 70, -1, 200, 5, 6, 7, 8, 255], dtype=torch.int64, device="cuda")
+    cupaged.indexer_k_quant_and_cache(k, cache, slots, 128, "ue8m0")
+    want = np.zeros((4, 64, 132), np.uint8)
+    reference.indexer_k_quant_and_cache(k.float().cpu().numpy(), want, slots.cpu().numpy(),
+                                        128, ue8m0=True)
+    assert (cache.cpu().numpy() == want).all()

@@ -674,7 +674,8 @@ def test_overhead_reports_every_entry_point():
     assert r.exit_code == 0, r.output
     for name in ("single pass", "split-KV", "reshape_and_cache", "copy_blocks",
                  "PagedKVCache.step", "CuPy graph replay", "attention, NHD, decode",
-                 "AttentionPlan.run, NHD, decode", "AttentionPlan.run, NHD, verify"):
+                 "AttentionPlan.run, NHD, decode", "AttentionPlan.run, NHD, verify",
+                 "sparse_mla_attention, 128 heads"):
         assert name in r.output
     if importlib.util.find_spec("torch") is not None:
         assert "torch tensors, single pass" in r.output and "torch.cuda.graph replay" in r.output

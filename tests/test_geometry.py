@@ -96,6 +96,21 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     for s in sm90:
         assert geometry.MlaSm90Geometry.of(s).fits(s.arch), (s.name, geometry.MlaSm90Geometry.of(s).smem_bytes)
     geometry.check_against_kernel([s for s in sm90 if s.block_size == 64])
+    # The sparse forms (DSA): the mma.sync kernel over 16-bit caches and fp8_ds_mla rows
+    # (bfloat16 only: 656-byte stage rows), the wgmma one on sm_90a over both.
+    sparse = [s for s in ALL if s.kernel == "mla_sparse_attention"]
+    ds = [s for s in sparse if s.cache_dtype == "dsmla"]
+    assert {s.dtype for s in ds} == {"bf16"} and len(ds) == 9 * (13 + 17)
+    for s in sparse:
+        g = geometry.MlaGeometry.of(s)
+        assert g.violations() == [] and g.fits(s.arch), (s.name, g.smem_bytes)
+        assert g.token_bytes == (656 if s in ds else 0), s.name
+    sparse90 = [s for s in ALL if s.kernel == "mla_sparse_attention_sm90"]
+    assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 3 * 9
+    assert {s.cache_dtype for s in sparse90} == {"f16", "bf16", "dsmla"}
+    for s in sparse90:
+        assert geometry.MlaSm90Geometry.of(s).fits(s.arch), s.name
+    geometry.check_against_kernel([s for s in sparse + sparse90 if s.block_size == 64])
 
 
 def test_the_sm90_kernel_is_built_for_sm90a_only():
@@ -164,18 +179,25 @@ def test_specialization_names_are_unique():
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
     # for each of 5 variants, and its 114 of bfloat16 for each of 2; the cache kernels:
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 16 (2 dtypes x 4
-    # cache types x 2 index types), merge_states 3; the
+    # cache types x 2 index types), merge_states 3, indexer_k_quant_and_cache 4,
+    # indexer_logits 2 dtypes x 4 head counts x 7 block sizes, indexer_topk 1; the
     # combine 3 dtypes x 45 head sizes; mla_attention 2 dtypes x 9 block sizes x the
     # (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80, 17 on
     # sm_90), and over fp8 caches 2 dtypes x 2 formats x 9 block sizes x their shapes (13
     # and 18: half the bytes a stage, beside a widened tile); mla_attention_sm90 for sm_90a
-    # only: 2 dtypes x 3 cache types (the query's, 2 fp8 formats) x 9 block sizes. Head
+    # only: 2 dtypes x 3 cache types (the query's, 2 fp8 formats) x 9 block sizes;
+    # mla_sparse_attention as many as mla_attention over 16-bit caches, and over
+    # fp8_ds_mla rows (bfloat16 only) 9 block sizes x the shapes that hold their 656-byte
+    # stage rows beside a widened tile (13 on sm_80, 17 on sm_90); mla_sparse_attention_sm90
+    # for sm_90a only: 2 dtypes x 9 block sizes over 16-bit caches, 9 over fp8_ds_mla. Head
     # sizes over 256 add
     # 23,866 decode specializations (both targets) for each of 5 variants, and 9,088
     # prefill ones for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 135
-                                                          + 44 + 2 + 16 + 3) + 228 * 5 + 114 * 2 \
-        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2
+                                                          + 44 + 2 + 16 + 3 + 4 + 2 * 4 * 7
+                                                          + 1) + 228 * 5 + 114 * 2 \
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2 \
+        + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 2 * 9 + 9
 
 
 # ---- the covering set ------------------------------------------------------------------------

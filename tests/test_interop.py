@@ -124,9 +124,7 @@ def test_mixed_and_generic_dlpack_inputs(rng):
 
 
 def _jax():
-    # JAX would otherwise reserve most of the GPU's memory when it first runs.
-    import os
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # (conftest keeps JAX from reserving most of the GPU's memory.)
     jax = pytest.importorskip("jax")
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("JAX sees no GPU")
@@ -232,6 +230,67 @@ def test_jax_takes_attention_and_merge_outputs_after_their_launches(rng, monkeyp
     got, got_mlse = np.asarray(merged), np.asarray(mlse)
     assert_close(got.astype(np.float64), p.reference(), _tol(np.float16))
     np.testing.assert_allclose(got_mlse, got_lse + np.log(2.0), rtol=1e-5, atol=1e-5)
+
+
+def _jax_reuses_freed_buffers(jnp, shapes_dtypes, copies: int = 4):
+    """New JAX arrays of these shapes, NaN (or -1 for integers), ready: JAX hands them the
+    buffers of arrays it freed just before, as its allocator reuses them."""
+    made = []
+    for shape, dtype in shapes_dtypes:
+        fill = np.nan if np.issubdtype(dtype, np.floating) else -1
+        made += [jnp.full(shape, fill, dtype) for _ in range(copies)]
+    for a in made:
+        a.block_until_ready()
+    return made
+
+
+def test_jax_inputs_dropped_after_the_call_are_read_as_they_were(rng):
+    """JAX temporaries passed straight to a call are freed when it returns, while its
+    kernels wait behind 100 ms of queued work: JAX must not hand their memory to new
+    arrays (NaN here) before the kernels have read them. attention reads its inputs;
+    reshape_and_cache reads its keys, values and slots into a CuPy cache."""
+    jax = _jax()
+    jnp = jax.numpy
+    spin = Spin(SLEEP_US)
+    p = make_problem(rng, lens=(1, 17, 40, 33), heads=8, kv_heads=2, head_size=64)
+    host = {k: v for k, v in p.host_args().items() if v is not None}
+    names = ("query", "key_cache", "value_cache", "block_tables", "context_lens")
+
+    def call():
+        return cupaged.attention(*(jnp.asarray(host[n]) for n in names), kv_layout="vllm")
+
+    call()  # compiled and loaded first
+    cupy.cuda.get_current_stream().synchronize()
+    spin()  # the launch stream (CuPy's current, for JAX callers) is busy for 100 ms
+    out = call()
+    refill = _jax_reuses_freed_buffers(jnp, [(host[n].shape, host[n].dtype) for n in names])
+    assert_close(np.asarray(out).astype(np.float64), p.reference(), _tol(np.float16))
+    del refill
+
+    n, kvh, hs, bs = 6, 2, 64, 16
+    k = testing.random_normal((n, kvh, hs), np.float16, rng)
+    v = testing.random_normal((n, kvh, hs), np.float16, rng)
+    slots = rng.permutation(4 * bs)[:n].astype(np.int32)
+    kc = cupy.zeros((4, bs, kvh, hs), np.float16)
+    vc = cupy.zeros((4, bs, kvh, hs), np.float16)
+
+    def write():
+        cupaged.reshape_and_cache(jnp.asarray(k), jnp.asarray(v), kc, vc, jnp.asarray(slots),
+                                  kv_layout="NHD")
+
+    write()
+    kc[...] = 0
+    vc[...] = 0
+    cupy.cuda.get_current_stream().synchronize()
+    spin()
+    write()
+    refill = _jax_reuses_freed_buffers(jnp, [(k.shape, k.dtype), (slots.shape, slots.dtype)])
+    got_k, got_v = cupy.asnumpy(kc).reshape(-1, kvh, hs), cupy.asnumpy(vc).reshape(-1, kvh, hs)
+    np.testing.assert_array_equal(got_k[slots], k)
+    np.testing.assert_array_equal(got_v[slots], v)
+    untouched = np.setdiff1d(np.arange(4 * bs), slots)
+    assert not got_k[untouched].any() and not got_v[untouched].any()
+    del refill
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)

@@ -208,6 +208,48 @@ def test_overlap_is_checked_on_every_call(rng, validations, entry):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["paged_attention", "attention", "plan"])
+def test_outputs_over_inputs_are_refused_after_a_hit(rng, validations, entry):
+    """A call that passed, then the same call (metadata alike, so its prepared launches
+    match) with out over the value cache, or lse over the sinks (keyed at their
+    address): refused, where the kernels would have written into what they read; the
+    caches and sinks are left as they were."""
+    import cupy
+
+    pb = make_problem(rng, lens=(9, 30, 4), heads=4, kv_heads=2, head_size=64)
+    d = pb.device_args()
+    q, kc, vc, bt, cl = (d[n] for n in ("query", "key_cache", "value_cache", "block_tables",
+                                        "context_lens"))
+    shelf = cupy.asarray(rng.standard_normal(3 * 4), np.float32)
+    sinks = shelf[:4]
+    lse_over_sinks = shelf.reshape(3, 4)
+    if entry == "paged_attention":
+        def call(out, lse):
+            return cupaged.paged_attention(q, kc, vc, bt, cl, out=out, sinks=sinks, lse=lse)
+    elif entry == "attention":
+        def call(out, lse):
+            return cupaged.attention(q, kc, vc, bt, cl, kv_layout="vllm", out=out,
+                                     sinks=sinks, lse=lse)
+    else:
+        plan = cupaged.AttentionPlan(q, kc, vc, bt, cl, kv_layout="vllm", sinks=sinks,
+                                     out=cupy.empty_like(q), lse=cupy.empty((3, 4), np.float32))
+
+        def call(out, lse):
+            return plan.run(q, kc, vc, out=out, lse=lse)
+    call(cupy.empty_like(q), cupy.empty((3, 4), np.float32))
+    before = [cupy.asnumpy(a) for a in (vc, shelf)]
+    out_over_cache = vc.reshape(-1)[:q.size].reshape(q.shape)  # C-contiguous, as q
+    assert out_over_cache.data.ptr % 16 == 0
+    with pytest.raises(ValueError, match="out and value_cache overlap in memory"):
+        call(out_over_cache, cupy.empty((3, 4), np.float32))
+    with pytest.raises(ValueError, match="lse and sinks overlap in memory"):
+        call(cupy.empty_like(q), lse_over_sinks)
+    cupy.cuda.get_current_stream().synchronize()
+    for was, a in zip(before, (vc, shelf)):
+        np.testing.assert_array_equal(cupy.asnumpy(a), was)
+
+
+@pytest.mark.gpu
 def test_a_call_validation_refuses_is_refused_after_a_hit(rng, validations):
     """What differs from a prepared call only in a scalar's type or a pointer's alignment is
     validated afresh, and refused."""
@@ -506,17 +548,20 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
     monkeypatch.setattr(_prepared, "metas", metas)
     monkeypatch.setattr(_kvquant, "as_device_array", _arrays.as_device_array)  # a device k_scale
     launched = []
+    planned_sparse = [False]
 
     def kernel(grid, threads, smem, stream, *a):
         # MlaLaunch.run's order: out, 3 partials, split_tiles, row_tiles, q's parts, their 4
         # strides, the caches' parts, their 4 strides, the table, its 5 constants, lengths,
         # starts, 3 scalars, VariantParams.
-        assert len(a) == 30 and a[1:5] == (0, 0, 0, 0)
+        # (sparse_mla_attention's: lengths_per and strict before VariantParams)
+        assert len(a) == (32 if planned_sparse[0] else 30) and a[1:5] == (0, 0, 0, 0)
         launched.append(MlaLaunched(a[0], a[6:8], a[12:14], a[18], a[24], a[25], a[22:24],
-                                    a[29]))
+                                    a[-1]))
 
     def plan_mla(device, dtype, cache_dtype, rank, rope, block_size, num_seqs, num_rows,
-                 num_heads, max_q, max_ctx, workspace_rows=None):
+                 num_heads, max_q, max_ctx, workspace_rows=None, sparse=False):
+        planned_sparse[0] = sparse  # the launch of this plan takes the sparse arguments
         if not (num_seqs and num_rows):
             return None
         return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0),
@@ -662,6 +707,91 @@ def test_disjoint_spans_and_any_overlap():
     assert _prepared.any_overlap(pairs, [1000, 0, 1031, 0])
     assert _prepared.any_overlap(pairs, [1000, 0, 969, 0])
     assert not _prepared.any_overlap((), [0, 0, 0, 0])
+
+
+def _views(layout):
+    """DeviceViews at given addresses: {name: (shape, dtype, ptr)}."""
+    from cupaged import _arrays
+
+    return {n: _arrays.DeviceView(shape, dt, ptr, 0) for n, (shape, dt, ptr) in layout.items()}
+
+
+_MiB = 1 << 20
+# A decode call's arrays (4 sequences, 8 heads over 2, head 64, 10 blocks of 16, vLLM's
+# layout), each 1 MiB apart: out and lse may then be placed over any of them.
+_DECODE = dict(query=((4, 8, 64), np.float16, 1 * _MiB),
+               key_cache=((10, 2, 8, 16, 8), np.float16, 2 * _MiB),
+               value_cache=((10, 2, 64, 16), np.float16, 3 * _MiB),
+               block_tables=((4, 4), np.int32, 4 * _MiB),
+               context_lens=((4,), np.int32, 5 * _MiB),
+               alibi_slopes=((8,), np.float32, 6 * _MiB),
+               sinks=((8,), np.float32, 7 * _MiB))
+
+
+def _apart(out_at=None, lse_at=None):
+    """validation.outputs_apart for _DECODE's arrays with out and lse at these addresses
+    (None: not given)."""
+    v = _views(_DECODE)
+    p = validation.validate_decode(v["query"], v["key_cache"], v["value_cache"],
+                                   v["block_tables"], v["context_lens"], v["alibi_slopes"],
+                                   None)
+    variants = _variants.Variants("", sinks=v["sinks"])
+    o = None if out_at is None else _views({"o": ((4, 8, 64), np.float16, out_at)})["o"]
+    lse = None if lse_at is None else _views({"l": ((4, 8), np.float32, lse_at)})["l"]
+    read = ((1, "key_cache", v["key_cache"]), (2, "value_cache", v["value_cache"]),
+            (3, "block_tables", v["block_tables"]), (4, "context_lens", v["context_lens"]),
+            (None, "alibi_slopes", v["alibi_slopes"]))
+    return validation.outputs_apart(v["query"], o, lse, read, variants, p)
+
+
+@pytest.mark.parametrize("written", ["out", "lse"])
+@pytest.mark.parametrize("over", ["key_cache", "value_cache", "block_tables", "context_lens",
+                                  "alibi_slopes", "sinks"])
+def test_outputs_over_what_a_call_reads_are_refused_by_name(written, over):
+    """out or lse over any array the call reads (the last bytes of it): a ValueError naming
+    both, where the kernels would have written into their own inputs."""
+    shape, dt, ptr = _DECODE[over]
+    end = ptr + int(np.prod(shape)) * np.dtype(dt).itemsize
+    at = dict(out_at=10 * _MiB, lse_at=11 * _MiB)
+    at[f"{written}_at"] = end - 4  # its first bytes over the array's last four
+    with pytest.raises(ValueError, match=f"{written} and {over} overlap in memory"):
+        _apart(**at)
+    at[f"{written}_at"] = end  # just past it: apart
+    _apart(**at)
+
+
+def test_lse_over_the_query_or_out_is_refused():
+    with pytest.raises(ValueError, match="lse and query overlap in memory"):
+        _apart(out_at=10 * _MiB, lse_at=1 * _MiB)
+    with pytest.raises(ValueError, match="out and lse overlap in memory"):
+        _apart(out_at=10 * _MiB, lse_at=10 * _MiB + 64)
+
+
+def test_a_prepared_call_repeats_the_output_checks_at_each_calls_addresses():
+    """The pairs outputs_apart returns, checked by _prepared.clashes at another call's
+    addresses: out or lse moved over a cache, a table, a side array (keyed at its
+    address) or each other is caught; apart, or out exactly over the query, is not."""
+    pairs = _apart(out_at=10 * _MiB, lse_at=11 * _MiB)
+    prep = SimpleNamespace(q_span=(0, 4 * 8 * 64 * 2), out_bytes=4 * 8 * 64 * 2, in_place=True,
+                           disjoint=pairs)
+    base = [1 * _MiB, 2 * _MiB, 3 * _MiB, 4 * _MiB, 5 * _MiB, 0, 10 * _MiB, 11 * _MiB]
+
+    def at(**moved):
+        ptrs = list(base)
+        for i, ptr in moved.items():
+            ptrs[int(i[1:])] = ptr
+        return _prepared.clashes(prep, ptrs)
+
+    assert not at()
+    assert not at(i6=1 * _MiB)  # out is the query itself: written in place
+    assert at(i6=1 * _MiB + 128)  # out partly over the query
+    assert at(i6=3 * _MiB + 1000)  # out over the value cache
+    assert at(i7=4 * _MiB)  # lse over the block tables
+    assert at(i7=7 * _MiB - 16)  # lse over the sinks (at their keyed address)
+    assert at(i7=6 * _MiB + 16)  # lse over the ALiBi slopes
+    assert at(i7=1 * _MiB)  # lse over the query
+    assert at(i7=10 * _MiB + 64)  # lse over out
+    assert not at(i1=20 * _MiB, i2=30 * _MiB)  # the caches elsewhere, still apart
 
 
 def test_an_empty_mla_batch_launches_nothing_repeatedly(fake_mla, validations):
@@ -816,3 +946,73 @@ def test_repeated_mla_torch_calls(rng, validations):
         assert_close(got.cpu().numpy().astype(np.float64), ref_of(h, decode=True),
                      testing.TOLERANCE["f16"], f"call {i}")
     assert validations["mla"] == 1
+
+
+# ---- sparse_mla_attention --------------------------------------------------------------------------
+
+
+def _sparse_call(monkeypatch):
+    """sparse_mla_attention over Fake arrays (with fake_mla's keying, plan and launch
+    record): ``call(shift, **kw)`` with every array ``shift`` bytes past its own base."""
+    from cupaged import _arrays, sparse_mla
+
+    from test_validation import Fake
+
+    real = _arrays.as_device_array
+    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
+    monkeypatch.setattr(sparse_mla, "as_device_array", one)
+    monkeypatch.setattr(_arrays, "as_device_array", one)
+    shapes = dict(q=((2, 3, 16, 576), np.float16), kv_cache=((10, 64, 1, 576), np.float16),
+                  indices=((2, 3, 32), np.int32), topk_length=((2,), np.int32),
+                  out=((2, 3, 16, 512), np.float16), lse=((2, 3, 16), np.float32))
+    bases = {k: (i + 1) << 28 for i, k in enumerate(shapes)}
+
+    def call(shift=0, **kw):
+        f = {k: Fake(np.zeros(*shapes[k]), ptr=bases[k] + shift) for k in shapes}
+        f.update(kw.pop("arrays", {}))
+        return f, sparse_mla.sparse_mla_attention(f["q"], f["kv_cache"], f["indices"],
+                                                  topk_length=f["topk_length"], out=f["out"],
+                                                  lse=f["lse"], **kw)
+    return call
+
+
+def test_repeated_sparse_mla_calls_are_prepared_with_their_own_addresses(fake_mla, validations,
+                                                                         monkeypatch):
+    """Each call's own arrays reach the launch (q's and the cache's rotary parts 512
+    elements into their rows, the indices as the table, topk_length as the lengths, the
+    lse in VariantParams); one validation for calls of the same metadata."""
+    call = _sparse_call(monkeypatch)
+    _, launched = fake_mla
+    for n, shift in enumerate((0, 1 << 16, 3 << 16, 0)):
+        f, (out, lse) = call(shift, scale=0.1)
+        p = {k: v.data.ptr for k, v in f.items()}
+        assert launched[-1] == MlaLaunched(p["out"], (p["q"], p["q"] + 1024),
+                                           (p["kv_cache"], p["kv_cache"] + 1024), p["indices"],
+                                           p["topk_length"], 0, (0, 1.0),
+                                           _variants.PLAIN.pack(p["lse"])), f"call {n}"
+        assert (out.data.ptr, lse.data.ptr) == (p["out"], p["lse"])
+    assert validations["mla"] == 1
+
+
+def test_sparse_mla_keys_the_sink_and_the_scale_and_checks_overlap_each_call(
+        fake_mla, validations, monkeypatch):
+    """attn_sink by address (its pointer is packed into the launch), scale by type and value:
+    each its own prepared call; an out that overlaps q is refused after a hit too."""
+    from test_validation import Fake
+
+    call = _sparse_call(monkeypatch)
+    _, launched = fake_mla
+    sinks = [Fake(np.zeros(16, np.float32), ptr=(9 << 28) + i * (1 << 20)) for i in range(2)]
+    calls = [dict(scale=0.1), dict(scale=np.float32(0.1)), dict(scale=0.2),
+             dict(scale=0.1, attn_sink=sinks[0]), dict(scale=0.1, attn_sink=sinks[1])]
+    for kw in calls + calls:
+        call(**kw)
+    assert validations["mla"] == len(calls)
+    packed = [_variants.Variants("", sinks=s, lse_keys=True).pack(6 << 28) for s in sinks]  # lse: the 6th array
+    assert [x.vp for x in launched[3:5]] == packed and launched[8].vp == packed[0]
+    assert launched[0].vp == _variants.PLAIN.pack(6 << 28) == launched[2].vp
+    f, _ = call(scale=0.1)
+    on_q = Fake(np.zeros((2, 3, 16, 512), np.float16), ptr=f["q"].data.ptr)
+    with pytest.raises(ValueError, match="q and out overlap in memory"):  # a hit's key
+        call(scale=0.1, arrays=dict(out=on_q))
+

@@ -569,8 +569,34 @@ def test_variant_letters_and_params_layout():
     assert _variants.prefill_letters(_variants.PLAIN, "bf16", True) == "a"
     v = _variants.Variants("wc", 5, 2.0, sparse=(1, 2, 3, 4, 5))
     raw = v.pack()
-    assert len(raw) == 48
+    assert len(raw) == 56
     f = _variants._STRUCT.unpack(raw)
     assert f[2] == 5 and f[3] == pytest.approx(1.0) and f[4] == pytest.approx(2 * 1.4426950408889634)
-    assert f[5:] == (1, 2, 3, 4, 5)
+    assert f[5:] == (1, 2, 3, 4, 5, 0)
     assert _variants.PLAIN_BYTES == _variants.PLAIN.pack()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["never", "always"])
+def test_an_infinite_sink_gives_its_head_zeros(rng, split):
+    """A sink of +inf takes the whole softmax: its head's out is zeros and its lse +inf (as
+    the reference's), single pass and split, the other heads as with finite sinks."""
+    import cupy
+
+    heads = 4
+    host = _problem(rng, [1, 1], [40, 300], layout="vllm", dtype="f16", heads=heads,
+                    kv_heads=2, head_size=64)
+    sinks = rng.normal(0, 1, heads).astype(np.float32)
+    sinks[1] = np.inf
+    dev = _device({k: host[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                        "seq_lens")})
+    out, lse = cupaged.paged_attention(*dev.values(), partition=split,
+                                       sinks=cupy.asarray(sinks), return_lse=True)
+    out, lse = cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse)
+    ref, ref_lse = reference.paged_attention(host["query"], host["key_cache"], host["value_cache"],
+                                             host["block_tables"], host["seq_lens"], sinks=sinks,
+                                             return_lse=True)
+    assert (out[:, 1] == 0).all() and np.isposinf(lse[:, 1]).all() and np.isposinf(ref_lse[:, 1]).all()
+    keep = [0, 2, 3]
+    assert_close(out[:, keep], ref[:, keep], testing.TOLERANCE["f16"], split)
+    _check_lse(lse[:, keep], ref_lse[:, keep], split)

@@ -709,7 +709,7 @@ def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache
     (head, visible key), against the bf16 matmul rate; both measured in the same run. A
     FlashInfer row that cannot run (not installed, a shape it refuses) says why.
     Exit status 1 when a check failed, 3 when some row did not run."""
-    from . import mla, prefill, timing
+    from . import mla
 
     cases = []
     custom = {k: v for k, v in dict(heads=heads, batch=batch, context=context,
@@ -725,6 +725,15 @@ def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache
     except ValueError as e:
         raise click.UsageError(str(e))
     impls = list(dict.fromkeys(impls or ["cupaged"]))
+    _mla_table(cases, lambda bw: mla.measure(cases, impls, reps, bw))
+
+
+def _mla_table(cases, measure) -> None:
+    """Measure the ceilings, print each case and the rows ``measure(copy bandwidth)``
+    gives (mla.Row), and exit: 0 when everything ran and passed its check, 1 when a check
+    failed, 3 when some row did not run."""
+    from . import prefill, timing
+
     _require_gpu()
     bw = timing.copy_bandwidth()
     mm = prefill.matmul_tflops()
@@ -733,12 +742,90 @@ def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache
         click.echo(c.describe())
     click.echo(f"{'shape':20s} {'implementation':16s} {'median us':>10s} {'p10-p90 us':>17s} "
                f"{'TFLOP/s':>8s} {'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
-    rows = mla.measure(cases, impls, reps, bw)
+    rows = measure(bw)
     for r in rows:
         click.echo(_mla_row(r, mm))
-    # 0: everything ran and passed its check; 1: a check failed; 3: some rows did not run.
     sys.exit(1 if any(r.note == "WRONG" for r in rows) else
              0 if all(r.ran for r in rows) else 3)
+
+
+def _sparse_mla_options(f):
+    """The options of ``sparse-mla``; its choices come from cupaged.bench.sparse_mla."""
+    from .sparse_mla import IMPLEMENTATIONS, KV_CACHE_DTYPES, PRESETS
+
+    opts = [
+        click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
+                     help="Named shapes, DeepSeek-V3.2's (repeatable; default all)."),
+        click.option("--impl", "impls", multiple=True, type=click.Choice(list(IMPLEMENTATIONS)),
+                     help="cupaged (the planner's kernel), cupaged-mma (mma.sync) or "
+                          "cupaged-sm90 (wgmma wherever it applies): repeatable, default "
+                          "cupaged."),
+        click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True,
+                     type=click.Choice(KV_CACHE_DTYPES),
+                     help="The latent cache: bfloat16 ('auto') and/or DeepSeek-V3.2's "
+                          "fp8_ds_mla rows (repeatable; default both)."),
+        click.option("--topk", type=click.IntRange(1), default=2048, show_default=True),
+        click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@main.command("sparse-mla")
+@_sparse_mla_options
+def sparse_mla(presets, impls, kv_cache_dtypes, topk, reps):
+    """DeepSeek's sparse attention (DSA): cupaged.sparse_mla_attention, each query token
+    over its top-k cached tokens, in FlashMLA's decode and prefill interfaces, checked
+    against the float64 reference before it is timed. % copy counts the selected tokens'
+    bytes (per query token) plus q and out against the copy bandwidth; TFLOP/s count 2 *
+    (576 + 512) FLOPs per (head, selected token), against the bf16 matmul rate; both
+    measured in the same run. Exit status 1 when a check failed, 3 when a row did not run."""
+    from . import sparse_mla as sm
+
+    try:
+        cases = [sm.preset_case(name, kvd, topk)
+                 for name in dict.fromkeys(presets or sm.PRESETS)
+                 for kvd in dict.fromkeys(kv_cache_dtypes or sm.KV_CACHE_DTYPES)]
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    impls = list(dict.fromkeys(impls or ["cupaged"]))
+    _mla_table(cases, lambda bw: sm.measure(cases, impls, reps, bw))
+
+
+def _indexer_options(f):
+    """The options of ``indexer``; its choices come from cupaged.bench.indexer."""
+    from .indexer import IMPLEMENTATIONS, PRESETS
+
+    opts = [
+        click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
+                     help="Named shapes, DeepSeek-V3.2's indexer (repeatable; default all)."),
+        click.option("--step", "steps", multiple=True,
+                     type=click.Choice(list(IMPLEMENTATIONS)),
+                     help="indexer_logits and/or indexer_topk (repeatable; default both)."),
+        click.option("--topk", type=click.IntRange(1, 2048), default=2048, show_default=True),
+        click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@main.command()
+@_indexer_options
+def indexer(presets, steps, topk, reps):
+    """DeepSeek-V3.2's lightning indexer: cupaged.indexer_logits over its fp8 paged key
+    cache (64 heads of 128), then cupaged.indexer_topk over those logits, each checked
+    against the float64 reference (the first and last rows) before it is timed. % copy
+    counts each sequence's keys read once plus q, weights and the logits written (top-k:
+    the logits read and the columns written) against the copy bandwidth; TFLOP/s count
+    2 * 128 FLOPs per (row, head, visible key), against the bf16 matmul rate; both
+    measured in the same run. Exit status 1 when a check failed, 3 when a row did not run."""
+    from . import indexer as ix
+
+    cases = [ix.preset_case(name, topk) for name in dict.fromkeys(presets or ix.PRESETS)]
+    steps = list(dict.fromkeys(steps or ix.IMPLEMENTATIONS))
+    _mla_table(cases, lambda bw: ix.measure(cases, steps, reps, bw))
 
 
 # ---- cascade attention ------------------------------------------------------------------------------

@@ -223,18 +223,25 @@ def preset_case(name: str, block_size: int = 64, dtype: str = "bfloat16",
 # ---- runners: factory(case) -> run() returning the output as a CuPy array -------------------
 
 
-def _run_cupaged(case: MLACase, family: str | None = None):
-    """cupaged.mla_attention over the combined cache; decode (one query token per
-    sequence) without query_start_loc, as a serving step passes it. ``family="mma"``: the
-    mma.sync kernel on Hopper too, ``"sm90"``: the wgmma kernel wherever it applies, 16
-    rows included (planning.set_mla_family, for the A/B of the two families in one run;
-    set when the runner is made, reset by `measure`)."""
-    import cupaged
+def force_family(family: str | None) -> None:
+    """The MLA kernel family a cupaged runner measures (planning.set_mla_family, for the
+    A/B of the two families in one run; set when the runner is made, reset by the
+    measuring loop): None the planner's, ``"mma"`` the mma.sync kernel on Hopper too,
+    ``"sm90"`` the wgmma kernel wherever it applies, 16 rows included (Hopper only)."""
     from .. import planning
 
     if family == "sm90":
         peers.require_hopper("cupaged-sm90")
     planning.set_mla_family(family)
+
+
+def _run_cupaged(case: MLACase, family: str | None = None):
+    """cupaged.mla_attention over the combined cache; decode (one query token per
+    sequence) without query_start_loc, as a serving step passes it; ``family`` as
+    :func:`force_family`'s."""
+    import cupaged
+
+    force_family(family)
     a = case.arrays
     out = cupy.full((case.total_q, case.heads, KV_LORA_RANK), np.nan, dtype=a["q"].dtype)
     starts = a["query_start_loc"] if case.q_len > 1 else None
@@ -326,6 +333,22 @@ class Row:
         return self.median_us == self.median_us or self.note == "WRONG"
 
 
+def check_then_time(row: Row, case, run, reps: int, copy_bw: float | None) -> None:
+    """Fill ``row`` for ``run`` (a runner's timed call): its error against ``case``'s
+    reference, then, when within the case's tolerance, its times, TFLOP/s (case.flops())
+    and share of the copy bandwidth (case.bytes_moved()); else the note WRONG, untimed."""
+    row.error = case.check(run())
+    if not row.error <= case.tolerance():
+        row.note = "WRONG"
+        return
+    t = timing.time_us(run, reps=reps)
+    sec = t.median_us * 1e-6
+    row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
+    row.tflops = case.flops() / sec / 1e12
+    if copy_bw:
+        row.pct_copy = 100 * case.bytes_moved() / sec / copy_bw
+
+
 def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     """Rows for every (case, implementation), each checked before it is timed: a failed
     check gets the note WRONG and no time, a runner that cannot run a note saying why."""
@@ -339,16 +362,7 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                 row = Row(case.name, impl)
                 try:
                     run = IMPLEMENTATIONS[impl](case)
-                    row.error = case.check(run())
-                    if not row.error <= case.tolerance():
-                        row.note = "WRONG"
-                    else:
-                        t = timing.time_us(run, reps=reps)
-                        sec = t.median_us * 1e-6
-                        row.median_us, row.p10_us, row.p90_us = t.median_us, t.p10_us, t.p90_us
-                        row.tflops = case.flops() / sec / 1e12
-                        if copy_bw:
-                            row.pct_copy = 100 * case.bytes_moved() / sec / copy_bw
+                    check_then_time(row, case, run, reps, copy_bw)
                 except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
                     row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
                 finally:

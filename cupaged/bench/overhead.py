@@ -109,6 +109,15 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
         rows["mla_attention, 16 heads, decode (split-KV, workspace)"] = timing.host_us(
             lambda: mla_attention(mla_q[16], mla_cache, mla_bt, cl, scale=mla_scale,
                                   max_seq_len=1024, out=mla_out[16], workspace=mla_ws), calls)
+    # sparse_mla_attention (DeepSeek-V3.2's DSA decode) over the same cache: batch 8, two
+    # query tokens each, 128 heads, top-2048 slots.
+    from ..sparse_mla import sparse_mla_attention
+
+    sq = cupy.ones((8, 2, 128, 576), np.float16)
+    sidx = cupy.zeros((8, 2, 2048), np.int32)
+    sout = cupy.empty((8, 2, 128, 512), np.float16)
+    rows["sparse_mla_attention, 128 heads, decode 8 x 2 (top-2048)"] = timing.host_us(
+        lambda: sparse_mla_attention(sq, mla_cache, sidx, scale=mla_scale, out=sout), calls)
     k = cupy.ones((8, 8, 128), np.float16)
     slots = cupy.arange(8, dtype=np.int64) * 16
     rows["reshape_and_cache, 8 tokens"] = timing.host_us(lambda: cache_ops.reshape_and_cache(

@@ -61,21 +61,38 @@ AXES = {
                              "cache_dtype": (*CACHE_DTYPES, *_dtypes.SPARSE_MLA),
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
+    "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
+    # its logits: 16 to 64 query heads a CTA, pages of 4 to 256 tokens
+    "indexer_logits": {"dtype": ("f16", "bf16"), "rows": (16, 32, 48, 64),
+                       "block_size": tuple(b for b in _checks.BLOCK_SIZES if b >= 4)},
+    "indexer_topk": {"dtype": ("f32",)},
     # Absorbed MLA over DeepSeek's latent cache (kv_lora_rank 512, 64 rotary dims): every
     # page size and each (rows, tile, stages) shape the planner picks (MLA_TILES).
     "mla_attention": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                       "head_size": (512,), "rope_dim": (64,),
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
+    # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
+    # and DeepSeek-V3.2's fp8_ds_mla rows ("dsmla", bfloat16 queries).
+    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": ("", *_dtypes.SPARSE_MLA),
+                             "head_size": (512,), "rope_dim": (64,),
+                             "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
+                             "tile_tokens": (16, 32), "stages": (2, 3, 4)},
     # Hopper only (jit.ARCH_ONLY)
     "mla_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": (512,), "rope_dim": (64,),
                            "block_size": _checks.BLOCK_SIZES},
+    # Hopper only, its sparse form over 16-bit caches and fp8_ds_mla rows (bfloat16 queries)
+    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": ("", *_dtypes.SPARSE_MLA),
+                                  "head_size": (512,), "rope_dim": (64,),
+                                  "block_size": _checks.BLOCK_SIZES},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
-# cache kernels: 44, 2, 16 and 3 per target, a few seconds in all).
-SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states")
+# cache kernels: 44, 2, 16, 3 and 4 per target, and the indexer's top-k, a few seconds in
+# all).
+SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states",
+                 "indexer_k_quant_and_cache", "indexer_topk")
 
 
 def supported(spec: jit.KernelSpec) -> bool:
@@ -85,7 +102,10 @@ def supported(spec: jit.KernelSpec) -> bool:
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
     192, and vLLM's layout in blocks of 8 tokens or more."""
-    if spec.kernel == "mla_attention":  # its (rows, tile, stages) where the target holds them
+    if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.kernel != "concat_and_cache_mla" \
+            and spec.dtype != "bf16":
+        return False  # the readers of fp8_ds_mla rows (bfloat16 k_pe) take bfloat16 queries
+    if spec.kernel in jit.MLA_MMA_KERNELS:  # its (rows, tile, stages) where the target holds them
         return geometry.MlaGeometry.of(spec).fits(spec.arch)
     fp8 = spec.cache_dtype in _dtypes.FP8
     if fp8 and (spec.dtype == "f32" or spec.head_size % 16):

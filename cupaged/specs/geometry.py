@@ -327,11 +327,14 @@ class MlaGeometry:
     tile_tokens: int
     stages: int
     cache_itemsize: int = 2  # sizeof(C): 2, or 1 for an fp8 cache (widened in a tile of its own)
+    token_bytes: int = 0  # a cached token's bytes: 0 (rank + rope) * cache_itemsize, or 656
+    #                       for DeepSeek-V3.2's fp8_ds_mla rows (spec cache_dtype "dsmla")
 
     @classmethod
     def of(cls, spec) -> "MlaGeometry":
         return cls(spec.head_size, spec.rope_dim, spec.rows, spec.tile_tokens, spec.stages,
-                   _cache_itemsize(spec))
+                   _cache_itemsize(spec),
+                   _dtypes.DS_MLA_BYTES if spec.cache_dtype == _dtypes.DS_MLA.name else 0)
 
     threads = MLA_THREADS
 
@@ -343,11 +346,12 @@ class MlaGeometry:
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, S partials, P, row state
         row = (self.rank + self.rope + 8) * 2
-        stage_row = (self.rank + self.rope) * self.cache_itemsize + 16
+        stage_row = (self.token_bytes or (self.rank + self.rope) * self.cache_itemsize) + 16
         wide = self.tile_tokens * row if self.cache_itemsize == 1 else 0
         return (self.rows * row + self.stages * self.tile_tokens * stage_row + wide
                 + self.k_split * self.rows * (self.tile_tokens + 4) * 4
-                + self.rows * (self.tile_tokens + 8) * 2 + 3 * self.rows * 4 + 16)
+                + self.rows * (self.tile_tokens + 8) * 2 + 3 * self.rows * 4 + 16
+                + self.stages * self.tile_tokens)  # the sparse kernel's key flags
 
     def violations(self) -> list[str]:
         bad = []
@@ -374,30 +378,42 @@ class MlaGeometry:
 class MlaSm90Geometry:
     """``MlaSm90Geometry<T, C, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64
     rows, 64-token tiles, the 128-byte-swizzled tiles 1024-byte aligned; two 16-bit stages,
-    or for an fp8 cache (``cache_itemsize`` 1) one and two raw stages of its bytes."""
+    or for an fp8 cache (``cache_itemsize`` 1) one and two raw stages of its bytes, or for
+    fp8_ds_mla rows (``ds_mla``) one and one raw stage of 656-byte rows."""
 
     rank: int
     rope: int
     cache_itemsize: int = 2
+    ds_mla: bool = False
 
     @classmethod
     def of(cls, spec) -> "MlaSm90Geometry":
         return cls(spec.head_size, spec.rope_dim,
-                   _dtypes.CACHE_BY_NAME[spec.cache_dtype].itemsize)
+                   _dtypes.CACHE_BY_NAME[spec.cache_dtype].itemsize,
+                   spec.cache_dtype == _dtypes.DS_MLA.name)
 
     threads = 256
     rows = 64
     tile_tokens = 64
 
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, alignment
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, the
+        #                            sparse kernel's key flags, alignment
         dims = self.rank + self.rope
         tile = dims // 64 * 64 * 128
-        stages = 2 * tile if self.cache_itemsize == 2 else tile + 2 * 64 * dims
-        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 1024
+        stages = (2 * tile if self.cache_itemsize == 2
+                  else tile + 64 * _dtypes.DS_MLA_BYTES if self.ds_mla else tile + 2 * 64 * dims)
+        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
+
+
+def indexer_smem_bytes(heads: int) -> int:
+    """``IndexerGeometry<T, HEADS>::kSmemBytes`` of ``cuda_src/indexer.cuh``: Q and the
+    widened tile (rows of 136 16-bit values), two raw stages of 64 keys, their scales and
+    flags, the warps' column sums."""
+    return heads * 136 * 2 + 64 * 136 * 2 + 2 * 64 * 128 + 2 * 64 * 4 * 2 + heads // 16 * 64 * 4
 
 
 def check_against_kernel(specs, chunk: int = 100) -> None:
@@ -414,7 +430,8 @@ def check_against_kernel(specs, chunk: int = 100) -> None:
     specs = list(specs)
     parts = []
     for kernel in ("paged_decode", "paged_prefill", "paged_prefill_sm90", "mla_attention",
-                   "mla_attention_sm90"):
+                   "mla_sparse_attention", "mla_attention_sm90", "mla_sparse_attention_sm90",
+                   "indexer_logits"):
         for arch in sorted({s.arch for s in specs}):
             mine = [s for s in specs if s.kernel == kernel and s.arch == arch]
             parts += [mine[i:i + chunk] for i in range(0, len(mine), chunk)]
@@ -428,14 +445,25 @@ def _check_chunk(specs) -> None:
     lines = []
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
-        if s.kernel == "mla_attention_sm90":
+        if s.kernel == "indexer_logits":
+            from .. import indexer  # (which imports this module)
+
+            lines.append(f"static_assert(cupaged::IndexerGeometry<{t}, {s.rows}>::kSmemBytes == "
+                         f"{indexer_smem_bytes(s.rows)}, \"host mirror differs: {s.name}\");\n")
+            lines.append(f"static_assert(cupaged::kIndexerChunk == {indexer.CHUNK} && "
+                         f"cupaged::kTopkThreads == {indexer.TOPK_THREADS} && "
+                         f"cupaged::kTopkMax == {indexer.TOPK_MAX} && "
+                         f"cupaged::kTopkStep == {indexer.TOPK_STEP}, "
+                         f"\"indexer.py's constants differ from indexer.cuh's\");\n")
+            continue
+        if s.kernel in jit.MLA_SM90_KERNELS:
             g = MlaSm90Geometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
             cxx = f"cupaged::MlaSm90Geometry<{t}, {c}, {s.head_size}, {s.rope_dim}>"
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes}, "
                          f"\"host mirror differs: {s.name}\");\n")
             continue
-        if s.kernel == "mla_attention":
+        if s.kernel in ("mla_attention", "mla_sparse_attention"):
             g = MlaGeometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
             cxx = (f"cupaged::MlaGeometry<{t}, {c}, {s.head_size}, {s.rope_dim}, {s.rows}, "

@@ -1,0 +1,219 @@
+"""``cupaged-bench sparse-mla``: DeepSeek's sparse attention (DSA) over a paged latent
+cache, cupaged.sparse_mla_attention in FlashMLA's decode and prefill interfaces, each
+case checked against the float64 reference (cupaged.reference.sparse_mla_attention) on
+a few query tokens before it is timed.
+
+Decode: ``batch`` sequences of ``context`` cached tokens, each with its own blocks of
+``block_size`` scattered over the cache; each of a sequence's ``s_q`` query tokens selects
+``topk`` distinct slots among that sequence's tokens (uniformly at random, as a top-k over
+random scores would). The cache is 16-bit (q's dtype) or DeepSeek-V3.2's fp8_ds_mla rows
+written by cupaged.concat_and_cache_mla. Prefill: ``s_q`` query tokens over ``context``
+tokens of one sequence (``kv [s_kv, 1, 576]``, or 656 bytes a token for fp8_ds_mla; s_kv
+the context rounded up to whole pages), each selecting ``topk`` of them.
+
+Roofline numbers: bytes are the tokens the indices select, counted per query token (576
+values, or 656 bytes a token for fp8_ds_mla), plus q and out; FLOPs are ``2 * (576 +
+512)`` per (query head, selected token)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import cupy
+import numpy as np
+
+from .. import _dtypes, reference, testing
+from . import mla
+
+__all__ = ["IMPLEMENTATIONS", "KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
+
+D_QK = mla.KV_LORA_RANK + mla.ROPE_DIM
+KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+DS_BYTES = _dtypes.DS_MLA_BYTES
+
+# DeepSeek-V3.2 (top-k 2048), pages of 64: FlashMLA's sparse decode and prefill shapes.
+PRESETS = {
+    "dsa-16h": dict(heads=16, batch=128, s_q=1, context=32768),
+    "dsa-64h": dict(heads=64, batch=128, s_q=1, context=32768),
+    "dsa-128h-q2": dict(heads=128, batch=128, s_q=2, context=32768),
+    "dsa-prefill-128h": dict(heads=128, batch=1, s_q=4096, context=32768, prefill=True),
+}
+
+
+@dataclass
+class SparseCase:
+    name: str
+    heads: int = 128
+    batch: int = 128
+    s_q: int = 1
+    topk: int = 2048
+    context: int = 8192
+    block_size: int = 64
+    kv_cache_dtype: str = "auto"
+    prefill: bool = False
+    scale: float = mla.DSV3_SCALE
+    arrays: dict = field(default_factory=dict, repr=False)
+    host_indices: np.ndarray | None = field(default=None, repr=False)
+    refs: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        for what in ("heads", "batch", "s_q", "topk", "context", "block_size"):
+            if getattr(self, what) < 1:
+                raise ValueError(f"{what} must be at least 1, got {getattr(self, what)}")
+        if self.topk > self.context:
+            raise ValueError(f"topk ({self.topk}) must be at most context ({self.context}): "
+                             f"distinct tokens")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        if self.prefill and self.batch != 1:
+            raise ValueError("a prefill case is one sequence (batch 1)")
+
+    @property
+    def ds(self) -> bool:
+        return self.kv_cache_dtype == "fp8_ds_mla"
+
+    @property
+    def rows(self) -> int:  # query tokens
+        return self.batch * self.s_q
+
+    def token_bytes(self) -> int:
+        return DS_BYTES if self.ds else 2 * D_QK
+
+    def bytes_moved(self) -> int:
+        """The selected tokens (per query token) plus q read and out written."""
+        return (self.rows * self.topk * self.token_bytes()
+                + self.rows * self.heads * 2 * (D_QK + mla.KV_LORA_RANK))
+
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.heads * self.topk * (D_QK + mla.KV_LORA_RANK)
+
+    def describe(self) -> str:
+        what = (f"prefill, {self.s_q} query tokens over {self.context}" if self.prefill else
+                f"decode, batch {self.batch} x {self.s_q} query token"
+                f"{'s' if self.s_q > 1 else ''}, contexts of {self.context}, pages of "
+                f"{self.block_size}")
+        return (f"{self.name}: {self.heads} heads, top-{self.topk}, {what}, bfloat16 q, "
+                f"{'fp8_ds_mla' if self.ds else 'bfloat16'} cache: "
+                f"{self.rows * self.topk * self.token_bytes() / 2**20:.1f} MiB selected")
+
+    def build(self, seed: int = 0) -> "SparseCase":
+        import cupaged
+
+        rng = np.random.default_rng(seed)
+        dt = _dtypes.BF16.numpy
+        page = self.block_size
+        per_seq = -(-self.context // page)
+        nb = self.batch * per_seq
+        order = rng.permutation(nb).reshape(self.batch, per_seq)  # each sequence's blocks
+        # slots: a sequence's token t lives at block order[b, t // page], offset t % page
+        idx = np.empty((self.batch, self.s_q, self.topk), np.int32)
+        for b in range(self.batch):
+            for s in range(self.s_q):
+                t = rng.choice(self.context, self.topk, replace=False)
+                idx[b, s] = order[b, t // page] * page + t % page
+        width = DS_BYTES if self.ds else D_QK
+        cache = cupy.empty((nb, page, width), np.uint8 if self.ds else dt)
+        step = max(1, (1 << 16) // page)  # blocks a write: 65,536 tokens of source at a time
+        for lo in range(0, nb, step):
+            n = min(step, nb - lo)
+            src = testing.random_normal((n * page, D_QK), dt, rng, cupy)
+            if self.ds:
+                cupaged.concat_and_cache_mla(src[:, :mla.KV_LORA_RANK], src[:, mla.KV_LORA_RANK:],
+                                             cache, cupy.arange(lo * page, (lo + n) * page),
+                                             "fp8_ds_mla")
+            else:
+                cache[lo:lo + n] = src.reshape(n, page, D_QK)
+        q = testing.random_normal((self.batch, self.s_q, self.heads, D_QK), dt, rng, cupy)
+        self.host_indices = idx
+        self.refs = []
+        if self.prefill:  # q [s_q, heads, 576] over kv [s_kv, 1, width] (the blocks in a row:
+            # an index is a token's place there), indices [s_q, 1, topk]
+            self.arrays = dict(q=q[0], kv=cache.reshape(-1, 1, width),
+                               indices=cupy.asarray(idx[0][:, None]))
+        else:
+            self.arrays = dict(q=q, kv=cache[:, :, None], indices=cupy.asarray(idx))
+        return self
+
+    def check_tokens(self) -> list:
+        """(batch entry, query token) pairs checked: the first, a middle and the last."""
+        n = self.rows
+        return [divmod(r, self.s_q) for r in sorted({0, n // 2, n - 1})]
+
+    def _references(self) -> list:
+        """(b, s, float64 out [heads, 512]) of check_tokens, each over a cache of its own
+        selected tokens (copied to the host, page size 1)."""
+        if not self.refs:
+            kv = self.arrays["kv"].reshape(-1, self.arrays["kv"].shape[-1])
+            q = self.arrays["q"].reshape(self.batch, self.s_q, self.heads, D_QK)
+            for b, s in self.check_tokens():
+                sel = self.host_indices[b, s]
+                uniq, local = np.unique(sel, return_inverse=True)
+                tokens = cupy.asnumpy(kv[cupy.asarray(uniq)])[:, None]
+                out = reference.sparse_mla_attention(
+                    cupy.asnumpy(q[b, s])[None, None], tokens,
+                    local.astype(np.int32)[None, None], scale=self.scale,
+                    kv_format="fp8_ds_mla" if self.ds else "auto")
+                self.refs.append((b, s, out[0, 0]))
+        return self.refs
+
+    def check(self, out) -> float:
+        """Max relative error over each head of the checked query tokens (NaN: inf)."""
+        out = out.reshape(self.batch, self.s_q, self.heads, mla.KV_LORA_RANK)
+        worst = 0.0
+        for b, s, ref in self._references():
+            got = cupy.asnumpy(out[b, s]).astype(np.float64)
+            err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+            worst = max(worst, float(np.nan_to_num(err, nan=np.inf).max()))
+        return worst
+
+    def tolerance(self) -> float:
+        return testing.ROW_FACTOR * testing.TOLERANCE["bf16"]
+
+
+def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048) -> SparseCase:
+    return SparseCase(name, kv_cache_dtype=kv_cache_dtype, topk=topk, **PRESETS[name])
+
+
+def _run_cupaged(case: SparseCase, family: str | None = None):
+    """cupaged.sparse_mla_attention; ``family`` as :func:`.mla.force_family`'s."""
+    import cupaged
+
+    mla.force_family(family)
+    a = case.arrays
+    out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)
+
+    def run():
+        cupaged.sparse_mla_attention(a["q"], a["kv"], a["indices"], scale=case.scale, out=out)
+        return out
+
+    return run
+
+
+IMPLEMENTATIONS = {
+    "cupaged": _run_cupaged,
+    "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
+    "cupaged-sm90": lambda c: _run_cupaged(c, "sm90"),
+}
+
+
+def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
+    """mla.Row rows for every (case, implementation), each checked before it is timed."""
+    from .. import planning
+
+    rows = []
+    for case in cases:
+        case.build()
+        for impl in impls:
+            row = mla.Row(case.name + ("/ds" if case.ds else ""), impl)
+            try:
+                mla.check_then_time(row, case, IMPLEMENTATIONS[impl](case), reps, copy_bw)
+            except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
+                row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+            finally:
+                planning.set_mla_family(None)  # back to the planner's choice of kernel
+            rows.append(row)
+        case.arrays.clear()
+        case.refs = []
+    return rows

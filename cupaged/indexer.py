@@ -1,0 +1,221 @@
+"""DeepSeek-V3.2's lightning indexer (DSA) on the GPU: :func:`indexer_logits`, each query
+token's logits over its sequence's keys in the indexer's fp8 paged cache (DeepGEMM's
+``fp8_paged_mqa_logits``), and :func:`indexer_topk`, each row's top-k columns. The key cache is written by
+:func:`cupaged.indexer_k_quant_and_cache`; ``cupaged.reference.indexer_logits`` is the
+statement of the result. Validation, planning (one CTA per query token and chunk of
+``kIndexerChunk`` columns) and the launch, a kernel family small enough for one module."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays, _checks, _dtypes, jit, planning
+from ._arrays import as_device_array, optional_output_array
+from .specs import geometry
+
+_fail = _checks.fail
+
+__all__ = ["indexer_logits", "indexer_topk"]
+
+HEAD_DIM = 128  # kIndexerDim: the indexer's head_dim (DeepSeek-V3.2's)
+CACHE_WIDTH = HEAD_DIM + 4  # e4m3 values, then one float32 scale a token
+HEADS = (16, 32, 48, 64)
+CHUNK = 512  # kIndexerChunk: columns a CTA
+TOPK_MAX = 2048  # kTopkMax
+TOPK_THREADS = 512  # kTopkThreads
+TOPK_STEP = TOPK_THREADS * 8  # kTopkStep: columns a CTA-wide step (an int column index)
+
+
+@jit.launcher_cache
+def _kernel(device: int, dtype: str, heads: int, block_size: int):
+    spec = jit.KernelSpec("indexer_logits", dtype, rows=heads, block_size=block_size,
+                          arch=planning.device_info(device).arch)
+    return jit.load(spec, device, geometry.indexer_smem_bytes(heads))
+
+
+def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len, out=None,
+                   stream=None):
+    """The lightning indexer's logits over its paged fp8 key cache: for query row i (token
+    ``t`` of sequence ``b``: ``i = b * next_n + t``) and each column j < ``max_seq_len``,
+    ``sum_h weights[i, h] * relu(q[i, h] . key_j)`` where the row sees token j of its
+    sequence (``j <= seq_lens[b] - next_n + t``), -inf where it does not.
+
+    Args:
+        q: ``[batch, next_n, num_heads, 128]`` (DeepGEMM's) or ``[batch, num_heads,
+            128]`` (next_n 1), float16 or bfloat16; num_heads 16, 32, 48 or 64. An fp8
+            query is passed as its values (widened), its scale folded into ``weights``.
+            The last dimension contiguous, 16-byte aligned rows.
+        kv_cache: the indexer's cache as :func:`cupaged.indexer_k_quant_and_cache` writes
+            it with ``quant_block_size=128``: 1-byte ``[num_blocks, block_size, 132]`` (or
+            ``[.., 1, 132]``), each block one contiguous run at a 16-byte boundary, pages
+            of a power of two from 4 to 256 tokens.
+        weights: float32 ``[batch * next_n, num_heads]`` (or ``[batch, next_n,
+            num_heads]``), the last dimension contiguous.
+        block_tables: int32 ``[batch, max_blocks]``; seq_lens: int32 ``[batch]`` (each
+            sequence's cached tokens, its query tokens the last next_n of them).
+        max_seq_len: the logits' width (DeepGEMM's ``max_model_len``), a host int.
+        out: float32 ``[batch * next_n, max_seq_len]``, C-contiguous (default: allocated).
+        stream: as for the other entry points.
+
+    Returns ``out``. A block id outside the cache is never read: its columns come back
+    NaN (``reference.indexer_topk`` never picks NaN or -inf). Keys are e4m3 values times
+    their scale, the products on tensor cores in q's dtype with float32 sums (the
+    reference sums in float64). Never synchronizes; capturable in a CUDA graph.
+    """
+    qa = as_device_array(q, "q")
+    kc = as_device_array(kv_cache, "kv_cache")
+    w = as_device_array(weights, "weights")
+    bt = as_device_array(block_tables, "block_tables")
+    sl = as_device_array(seq_lens, "seq_lens")
+    o = optional_output_array(out, "out")
+    dt = _dtypes.lookup(qa.dtype)
+    if dt is None or dt.itemsize != 2:
+        _fail(f"q must be float16 or bfloat16, got {qa.dtype}", TypeError)
+    if qa.ndim == 3:
+        qa = _arrays.StridedView(qa, (qa.shape[0], 1, *qa.shape[1:]),
+                                 (qa.strides[0], qa.strides[0], *qa.strides[1:]))
+    if qa.ndim != 4 or qa.shape[3] != HEAD_DIM:
+        _fail(f"q must be [batch, next_n, num_heads, {HEAD_DIM}] or [batch, num_heads, "
+              f"{HEAD_DIM}], got shape {qa.shape}")
+    batch, next_n, heads = qa.shape[:3]
+    if heads not in HEADS:
+        _fail(f"q's num_heads must be one of {HEADS} (DeepSeek-V3.2's indexer has 64), got "
+              f"{heads}")
+    rows = batch * next_n
+    if next_n == 1:  # a row is a batch entry: the size-1 dimension's stride means nothing
+        qa = _arrays.StridedView(qa, qa.shape, (qa.strides[0], qa.strides[0], *qa.strides[2:]))
+    if not _checks.is_empty(qa):
+        st = qa.strides
+        if st[3] != 2 or min(st) < 0 or any(n > 1 and s % 16 for n, s in zip(qa.shape[:3], st)):
+            _fail(f"q's last dimension must be contiguous and its other strides non-negative "
+                  f"multiples of 16 bytes, got {st}")
+        if batch > 1 and next_n > 1 and st[0] != next_n * st[1]:
+            _fail(f"q's batch and next_n dimensions must fold into one row dimension "
+                  f"(strides {st})")
+        _checks.check_aligned(qa.data.ptr, "q")
+    if w.dtype != np.float32:
+        _fail(f"weights must be float32, got {w.dtype}", TypeError)
+    if w.ndim == 3 and w.shape == (batch, next_n, heads):
+        if batch > 1 and next_n > 1 and w.strides[0] != next_n * w.strides[1]:
+            _fail(f"weights' batch and next_n dimensions must fold into one (strides {w.strides})")
+        w = _arrays.StridedView(w, (rows, heads),
+                                (w.strides[1] if next_n > 1 else w.strides[0], w.strides[2]))
+    if w.shape != (rows, heads) or (rows and heads > 1 and w.strides[1] != 4) \
+            or (rows and (w.strides[0] < 0 or w.strides[0] % 4)):
+        _fail(f"weights must be float32 [batch * next_n, num_heads] = [{rows}, {heads}] with "
+              f"its last dimension contiguous, got shape {w.shape}")
+    if kc.dtype.itemsize != 1:
+        _fail(f"kv_cache is the indexer's 1-byte cache (uint8, int8 or a float8 type), got "
+              f"{kc.dtype}", TypeError)
+    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != CACHE_WIDTH:
+        _fail(f"kv_cache must be [num_blocks, block_size, {CACHE_WIDTH}] (or [num_blocks, "
+              f"block_size, 1, {CACHE_WIDTH}]: head_dim 128, quant_block_size 128), got shape "
+              f"{kc.shape}")
+    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    if block_size not in _checks.BLOCK_SIZES or block_size < 4:
+        _fail(f"kv_cache's block_size must be a power of two from 4 to 256, got {block_size}")
+    if num_blocks >= 2 ** 31:
+        _fail(f"kv_cache has {num_blocks} blocks; at most 2^31 - 1 are supported")
+    if not _checks.is_empty(kc):
+        if kc.strides[-1] != 1 or kc.strides[1] != CACHE_WIDTH or min(kc.strides) < 0:
+            _fail(f"each block of kv_cache must be one contiguous run of block_size * "
+                  f"{CACHE_WIDTH} bytes, got strides {kc.strides}")
+        if kc.data.ptr % 16 or (num_blocks > 1 and (kc.strides[0] % 16
+                                                    or kc.strides[0] < block_size * CACHE_WIDTH)):
+            _fail(f"kv_cache's blocks must start at 16-byte boundaries and not overlap (its "
+                  f"keys are read 16 bytes at a time), got address {kc.data.ptr:#x} and "
+                  f"block stride {kc.strides[0]}")
+    max_blocks = _checks.check_tables(bt, sl, "seq_lens", batch, block_size, _checks.INT32_MAX)
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) \
+            or max_seq_len < 0:
+        _fail(f"max_seq_len must be a non-negative int (the logits' width), got {max_seq_len!r}",
+              TypeError if not isinstance(max_seq_len, (int, np.integer)) else ValueError)
+    width = int(max_seq_len)
+    if -(-width // CHUNK) > _checks.MAX_GRID_YZ:
+        _fail(f"max_seq_len {width} is past the {_checks.MAX_GRID_YZ * CHUNK} columns a call "
+              f"takes")
+    if o is not None and (o.dtype != np.float32 or o.shape != (rows, width) or not (
+            _checks.is_empty(o) or o.flags.c_contiguous)):
+        _fail(f"out must be a C-contiguous float32 array of shape {(rows, width)}, got "
+              f"{o.dtype} {o.shape} with strides {o.strides}")
+    device = qa.data.device_id
+    _checks.check_same_device(device, "q", (("kv_cache", kc), ("weights", w),
+                                            ("block_tables", bt), ("seq_lens", sl), ("out", o)))
+    for name, a in (("q", qa), ("kv_cache", kc), ("weights", w), ("block_tables", bt),
+                    ("seq_lens", sl)):  # written while they are read
+        _checks.check_disjoint((("out", o), (name, a)))
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, _arrays.framework(q), stream)
+        owner = out
+        if o is None:
+            o, owner = _arrays.empty(ctx, (rows, width), np.float32)
+        if rows and width:
+            kern = _kernel(device, dt.name, heads, block_size)
+            grid = (rows, -(-width // CHUNK), 1)
+            kern(grid, heads // 16 * 32, geometry.indexer_smem_bytes(heads), ctx.stream,
+                 o.data.ptr, width, width, qa.data.ptr, qa.strides[1] // 2, qa.strides[2] // 2,
+                 w.data.ptr, w.strides[0] // 4 if rows > 1 else 0, kc.data.ptr,
+                 kc.strides[0] if num_blocks > 1 else 0, num_blocks, bt.data.ptr,
+                 bt.strides[0] // 4 if batch > 1 else 0, max_blocks, sl.data.ptr, next_n)
+        return _arrays.hand_over(ctx, owner) if out is None else out
+
+
+@jit.launcher_cache
+def _topk_kernel(device: int):
+    spec = jit.KernelSpec("indexer_topk", "f32", arch=planning.device_info(device).arch)
+    return jit.load(spec, device)
+
+
+def indexer_topk(logits, topk, *, out=None, stream=None):
+    """Each row's ``topk`` largest finite logits' columns: int32 ``[rows, topk]``, largest
+    first, ties by the lower column, -1 after a row's finite logits run out (-inf, +inf
+    and NaN are never picked). ``cupaged.reference.indexer_topk``'s result, bit for bit.
+
+    Args:
+        logits: float32 ``[rows, width]`` (:func:`indexer_logits`'s), the last dimension
+            contiguous, rows any whole number of entries apart.
+        topk: 1 to 2048 (DeepSeek-V3.2's is 2048).
+        out: int32 ``[rows, topk]``, C-contiguous (default: allocated).
+
+    The columns are positions in each row's sequence (its tokens 0..); cupaged's
+    ``sparse_mla_attention`` prefill takes them as they are, its decode as global slots
+    (``block * block_size + offset`` through the sequence's block table:
+    ``reference.indexer_slots``). One CTA a row: a radix select of the k-th largest (four
+    passes of 8 bits over the row), the keys above it and the lowest columns equal to it,
+    a bitonic sort. No host sync; capturable.
+    """
+    lg = as_device_array(logits, "logits")
+    o = optional_output_array(out, "out")
+    if lg.dtype != np.float32:
+        _fail(f"logits must be float32, got {lg.dtype}", TypeError)
+    if lg.ndim != 2:
+        _fail(f"logits must be 2-D [rows, width], got shape {lg.shape}")
+    rows, width = lg.shape
+    if not _checks.is_empty(lg) and ((width > 1 and lg.strides[1] != 4)
+                                     or lg.strides[0] < 0 or lg.strides[0] % 4):
+        _fail(f"logits' last dimension must be contiguous and its rows a whole number of "
+              f"entries apart (strides {lg.strides})")
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)):
+        _fail(f"topk must be an int, got {type(topk).__name__}", TypeError)
+    if not 1 <= topk <= TOPK_MAX:
+        _fail(f"topk must be from 1 to {TOPK_MAX}, got {topk}")
+    if width > _checks.INT32_MAX - TOPK_STEP:
+        _fail(f"logits has {width} columns; at most {_checks.INT32_MAX - TOPK_STEP} are "
+              f"supported")
+    if o is not None and (o.dtype != np.int32 or o.shape != (rows, topk) or not (
+            _checks.is_empty(o) or o.flags.c_contiguous)):
+        _fail(f"out must be a C-contiguous int32 array of shape {(rows, int(topk))}, got "
+              f"{o.dtype} {o.shape} with strides {o.strides}")
+    device = lg.data.device_id
+    _checks.check_same_device(device, "logits", (("out", o),))
+    _checks.check_disjoint((("out", o), ("logits", lg)))  # other rows' CTAs still read
+    with _arrays.on_device(device):
+        ctx = _arrays.context(device, _arrays.framework(logits), stream)
+        owner = out
+        if o is None:
+            o, owner = _arrays.empty(ctx, (rows, int(topk)), np.int32)
+        if rows:
+            _topk_kernel(device)((rows, 1, 1), TOPK_THREADS, 0, ctx.stream, o.data.ptr,
+                                 int(topk), lg.data.ptr, lg.strides[0] // 4 if rows > 1 else 0,
+                                 width, int(topk))
+        return _arrays.hand_over(ctx, owner) if out is None else out

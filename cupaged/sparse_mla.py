@@ -1,0 +1,261 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2's and V4's) over a paged latent cache:
+:func:`sparse_mla_attention`, FlashMLA's sparse decode interface. Each query token attends
+to the cached tokens its top-k indices name; the kernels are ``mla_sparse_attention``
+(``mla_attention``'s mma.sync body reading keys through the indices, sm_80+) and on Hopper
+``mla_sparse_attention_sm90`` (``mla_attention_sm90``'s wgmma body, 64 heads or more).
+The layers
+are MLA's: array adaptation, validation (:func:`.validation.validate_mla` over the
+arrays seen as one token a "sequence"), planning (:func:`.planning.plan_mla` with
+``sparse``), launch (:func:`.launch.build_mla`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays, _checks, _dtypes, _prepared, _variants, launch, planning, validation
+from ._arrays import as_device_array, optional_device_array, optional_output_array
+
+_fail = _checks.fail
+
+__all__ = ["sparse_mla_attention"]
+
+
+def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_sink=None,
+                         kv_cache_dtype="auto", out=None, lse=None, return_lse=False,
+                         stream=None, workspace=None):
+    """Sparse multi-head latent attention (DeepSeek's DSA): each query token attends to the
+    cached tokens its indices name, in FlashMLA's two interfaces.
+
+    Decode (``flash_mla_with_kvcache(.., indices=..)``):
+        q: ``[batch, s_q, num_heads, 576]`` float16 or bfloat16: each head's absorbed
+            query (``W_UK q_nope``, 512 values) then its ``q_pe`` (64); the last dimension
+            contiguous, batch and s_q foldable into one token dimension without a copy.
+        kv_cache: the latent cache ``[num_blocks, page_size, 1, 576]`` (FlashMLA's) or
+            ``[num_blocks, page_size, 576]`` (vLLM's), of q's dtype: a token's key is its
+            whole vector ``[kv_c, k_pe]``, its value ``kv_c``. Or DeepSeek-V3.2's fp8
+            cache (vLLM's ``"fp8_ds_mla"``, FlashMLA's fp8 sparse cache): ``[num_blocks,
+            page_size, (1,) 656]`` of a 1-byte dtype (uint8, int8, float8_e4m3fn), each
+            token kv_c's 512 e4m3 values, their four float32 scales (one per 128 values,
+            value = fp8 * scale, any float32: vLLM's writer does not round them to powers
+            of two) and k_pe's 64 bfloat16 values, as ``cupaged.concat_and_cache_mla(..,
+            "fp8_ds_mla")`` writes them; q bfloat16. Each fp8 value times its scale is
+            rounded to bfloat16 before the products. Page sizes: powers of two from 1 to
+            256 (FlashMLA's and vLLM's sparse caches use 64).
+        indices: int32 ``[batch, s_q, topk]``: each a global slot ``block * page_size +
+            offset`` (no block table), -1 an entry that does not count. Any other index
+            outside the cache is a fault: it is never read, and every head of its token
+            comes back NaN (FlashMLA's decode would read out of bounds).
+        topk_length: optional int32 ``[batch]`` on the device: only the first
+            ``topk_length[b]`` entries of batch entry b's rows count (clamped to
+            ``[0, topk]``); entries past it are never read.
+        attn_sink: optional float32 ``[num_heads]`` on the device (FlashMLA's): each
+            head's out is scaled by ``exp(lse) / (exp(lse) + exp(attn_sink[h]))`` (a sink
+            that takes a share of the softmax and gives no value); the lse is the keys'
+            alone, as FlashMLA reports it (``np.logaddexp(lse, sink)`` is the whole
+            denominator's, :func:`cupaged.attention`'s ``sinks`` convention). A sink of
+            +inf gives zeros, -inf changes nothing.
+        kv_cache_dtype: ``"auto"`` (q's dtype, or ``"fp8_ds_mla"`` for a 1-byte cache of
+            656-byte rows) or ``"fp8_ds_mla"``.
+        out ``[batch, s_q, num_heads, 512]``, lse ``[batch, s_q, num_heads]``.
+
+    Prefill (``flash_mla_sparse_fwd``): ``q [s_q, num_heads, 576]`` (sequences
+    concatenated), ``kv_cache`` the tokens ``[s_kv, 1, 576]`` (or ``[s_kv, 576]``),
+    ``indices [s_q, 1, topk]`` (or ``[s_q, topk]``) into them, ``topk_length [s_q]``; an
+    index outside ``[0, s_kv)`` (-1 or any other) does not count. out ``[s_q, num_heads,
+    512]``, lse ``[s_q, num_heads]`` (natural log: FlashMLA's prefill returns it in base 2,
+    times log2(e)).
+
+    Both:
+        scale: the softmax scale (required).
+        out: C-contiguous, q's dtype; lse: float32, C-contiguous (implies
+            ``return_lse``). return_lse: also return the lse, the natural log of each
+            row's softmax denominator (FlashMLA's decode: the same values, heads first;
+            its prefill: this layout, base 2).
+        stream, workspace: as for :func:`cupaged.mla_attention` (a workspace made with
+            ``head_size=512`` for at least a row per query token).
+
+    A repeated index counts each time. A row none of whose entries counts gives zeros and
+    lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
+    the statement of the result. Not served: a second cache (V4's ``extra_k_cache``),
+    V4's 512-dim keys and their fp8 / fp4 formats.
+
+    A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
+    ``attn_sink`` (by address), workspace and keywords match an earlier successful call's
+    skips validation and planning (a model's layers repeat one call); whether ``out`` and
+    ``lse`` overlap the other arrays is still checked at every call's addresses.
+    """
+    # attn_sink: a main array too (its address among the ones overlap is checked at), and a
+    # side one (its address, packed into the launch, is part of the key)
+    k, ptrs = _prepared.key("sparse_mla",
+                            (q, kv_cache, indices, topk_length, out, lse, attn_sink),
+                            (attn_sink,), (scale, return_lse, kv_cache_dtype),
+                            launch.workspace_key(workspace))
+    prep = _prepared.lookup(k)
+    if prep is None or _prepared.any_overlap(prep.disjoint, ptrs):
+        prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,
+                                          return_lse, stream, workspace, attn_sink=attn_sink,
+                                          kv_cache_dtype=kv_cache_dtype)
+        _prepared.remember(k, prep)
+    # q's rotary part and the cache's lie at their latent parts' addresses (the launch's
+    # offsets find them)
+    ql, c, idx, tl, o, lse_ptr, _ = ptrs
+    return _prepared.run(prep, ((ql, ql), c, c, idx, tl, 0, o, lse_ptr), stream, out, lse)
+
+
+def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, return_lse,
+                         stream, workspace, plan: bool = True, attn_sink=None,
+                         kv_cache_dtype="auto") -> tuple:
+    """``(prepared call, addresses)``: every check, then the plan of its launches
+    (``plan=False``: the checks alone). The addresses: q's, the cache's, the indices',
+    topk_length's, out's, lse's and attn_sink's (0 for one not given)."""
+    if scale is None:
+        _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
+              "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)
+    qa = as_device_array(q, "q")
+    kc = as_device_array(kv_cache, "kv_cache")
+    idx = as_device_array(indices, "indices")
+    o = optional_output_array(out, "out")
+    lse_a = optional_output_array(lse, "lse")
+    prefill = qa.ndim == 3
+    out_shape, lse_shape = qa.shape[:-1] + (512,), qa.shape[:-1]
+    if prefill:  # seen as decode: each query token a batch entry of one token
+        qa, kc, idx, o, lse_a = _prefill_as_decode(qa, kc, idx, o, lse_a)
+    if qa.ndim != 4:
+        _fail(f"q must be [batch, s_q, num_heads, 576] (decode) or [s_q, num_heads, 576] "
+              f"(prefill), got shape {qa.shape}")
+    batch, s_q, num_heads = qa.shape[:3]
+    if kc.ndim == 4 and kc.shape[2] != 1:
+        _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
+              f"576], got shape {kc.shape}")
+    if kc.ndim not in (3, 4):
+        _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
+              f"576], got shape {kc.shape}")
+    ds_mla = _ds_mla(kv_cache_dtype, kc, qa)
+    _checks.check_int(idx, "indices")
+    if idx.dtype != np.int32:
+        _fail(f"indices must be int32, got {idx.dtype}", TypeError)
+    if idx.ndim != 3 or idx.shape[:2] != (batch, s_q) or idx.shape[2] < 1:
+        _fail(f"indices must be [batch, s_q, topk] = [{batch}, {s_q}, topk >= 1], got shape "
+              f"{idx.shape}")
+    tokens = batch * s_q
+    if tokens and (idx.strides[2] != 4 or min(idx.strides) < 0
+                   or idx.strides[0] % 4 or idx.strides[1] % 4):
+        _fail(f"indices' last dimension must be contiguous and its rows a whole number of "
+              f"entries apart (strides {idx.strides})")
+    tl = optional_device_array(topk_length, "topk_length")
+    if tl is not None:
+        _checks.check_int(tl, "topk_length")
+        if tl.dtype != np.int32 or tl.shape != (batch,) or (batch and tl.strides[0] != 4):
+            _fail(f"topk_length must be a contiguous int32 [batch] = [{batch}] array, got "
+                  f"{tl.dtype} of shape {tl.shape}")
+    for name, a, shape in (("out", o, (batch, s_q, num_heads, 512)),
+                           ("lse", lse_a, (batch, s_q, num_heads))):
+        if a is not None and (a.shape != shape or not (_checks.is_empty(a)
+                                                       or a.flags.c_contiguous)):
+            _fail(f"{name} must be a C-contiguous array of shape {shape}, got shape "
+                  f"{a.shape} with strides {a.strides}")
+    _checks.check_same_device(qa.data.device_id, "q", (
+        ("kv_cache", kc), ("indices", idx), ("topk_length", tl), ("out", o), ("lse", lse_a)))
+    # One query token a "sequence" of mla_attention's checks: its rows its heads. Its
+    # block-table row (the indices) is checked above and given to them as one entry a row
+    # (the checks' bound on a table's tokens is a paged one), topk_length's place by a
+    # stand-in of the shape they want: metadata only, never read.
+    fold = "[batch, s_q, ...] with batch and s_q foldable into one dimension"
+    topk = idx.shape[2]
+    row_stride = _arrays.reshaped(idx, (2, 1), "indices", fold).strides[0]
+    rows = _arrays.StridedView(idx, (tokens, 1), (row_stride, 4))
+    seq_lens = _arrays.DeviceView((tokens,), np.int32, idx.data.ptr, idx.data.device_id)
+    p = validation.validate_mla(
+        _arrays.reshaped(qa, (2, 1, 1), "q", fold),
+        _arrays.reshaped(kc, (1, 1, kc.ndim - 2), "kv_cache", "[num_blocks, page_size, 576]"),
+        None, rows, seq_lens, None,
+        None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", fold),
+        None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto",
+        ds_mla=ds_mla)
+    sink = _variants.check_sinks(optional_device_array(attn_sink, "attn_sink"), num_heads,
+                                 p.device, "attn_sink", "q")
+    variants = (_variants.PLAIN if sink is None
+                else _variants.Variants("", sinks=sink, lse_keys=True))
+    p = p._replace(max_blocks=topk, bt_stride=row_stride // 4)
+    # The kernel's bound on a slot: the cache's tokens; strict: an index outside it other
+    # than -1 is a fault (FlashMLA's decode rule).
+    num_slots = p.num_blocks * p.block_size
+    if num_slots >= 2 ** 31:
+        _fail(f"the cache has {num_slots} token slots; at most 2^31 - 1 are supported")
+    p = p._replace(num_blocks=num_slots)
+    scale = validation.softmax_scale(scale, p.rank + p.rope)
+    parts = launch.mla_workspace_partials(workspace, p.device, p.rank)
+    wants_lse = bool(return_lse) or lse is not None
+    if not plan:
+        return None, None
+    with _arrays.on_device(p.device):
+        mplan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
+                                  p.block_size, tokens, tokens, num_heads, 1, p.max_blocks,
+                                  None if parts is None else parts.max_rows, sparse=True)
+        launches = None if mplan is None else launch.build_mla(
+            p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)),
+            variants=variants)
+    disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)),
+                                        ((0, qa), (1, kc), (2, idx), (3, tl), (6, sink)))
+    prep = _prepared.Prepared(launches, p.device, _arrays.framework(q), out_shape, qa.dtype,
+                              (), 0, False, wants_lse,
+                              lse_shape if wants_lse and lse_a is None else (), disjoint)
+    ptrs = _prepared.addresses(qa, kc, idx, tl, o, lse_a, sink)
+    if _prepared.any_overlap(disjoint, ptrs):
+        _fail("out and lse must not overlap q, kv_cache, indices, topk_length, attn_sink or "
+              "each other")
+    return prep, ptrs
+
+
+def _ds_mla(kv_cache_dtype, kc, qa) -> bool:
+    """Whether the cache holds fp8_ds_mla rows (else it must be of q's dtype)."""
+    if not (kv_cache_dtype == "auto" or kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE):
+        _fail(f"kv_cache_dtype must be 'auto' or 'fp8_ds_mla' (DeepSeek-V3.2's fp8 sparse "
+              f"cache), got {kv_cache_dtype!r}")
+    one_byte = kc.dtype.itemsize == 1 and (kc.dtype.kind in "ui"
+                                           or _dtypes.fp8_of(kc.dtype) is _dtypes.E4M3)
+    if kv_cache_dtype == "auto" and one_byte and kc.shape[-1:] == (_dtypes.DS_MLA_BYTES,):
+        kv_cache_dtype = _dtypes.DS_MLA_KV_CACHE_DTYPE
+    if kv_cache_dtype != "auto":
+        if not one_byte:
+            _fail(f"kv_cache dtype {kc.dtype} cannot hold fp8_ds_mla rows: expected a 1-byte "
+                  f"dtype (uint8, int8 or float8_e4m3fn)", TypeError)
+        return True
+    if kc.dtype != qa.dtype:
+        _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}), or a 1-byte dtype of "
+              f"656-byte fp8_ds_mla rows (kv_cache_dtype 'fp8_ds_mla'); per-tensor fp8 "
+              f"caches are not read by sparse_mla_attention", TypeError)
+    return False
+
+
+def _prefill_as_decode(qa, kc, idx, o, lse_a):
+    """FlashMLA's sparse prefill arrays (q ``[s_q, heads, 576]``, kv ``[s_kv, 1, 576]`` or
+    ``[s_kv, 576]``, indices ``[s_q, 1, topk]`` or ``[s_q, topk]``, out ``[s_q, heads,
+    512]``, lse ``[s_q, heads]``), checked, as views of the decode form: each query token
+    a batch entry of one token, the tokens of kv as blocks of one token (a slot is a
+    token: one specialization for every s_kv, and the views cover kv's memory exactly)."""
+    if kc.ndim == 3 and kc.shape[1] == 1:
+        kc = _arrays.StridedView(kc, (kc.shape[0], kc.shape[2]), (kc.strides[0], kc.strides[2]))
+    if kc.ndim != 2:
+        _fail(f"kv must be [s_kv, 1, 576] or [s_kv, 576] for the prefill interface (q "
+              f"[s_q, num_heads, 576]), got shape {kc.shape}")
+    s_kv = kc.shape[0]
+    kv = _arrays.StridedView(kc, (s_kv, 1, kc.shape[1]),
+                             (kc.strides[0], kc.strides[0], kc.strides[1]))
+    s_q = qa.shape[0]
+    if idx.ndim == 2:
+        idx = _arrays.StridedView(idx, (idx.shape[0], 1, idx.shape[1]),
+                                  (idx.strides[0], idx.strides[0], idx.strides[1]))
+    if idx.ndim != 3 or idx.shape[:2] != (s_q, 1):
+        _fail(f"indices must be [s_q, 1, topk] or [s_q, topk] with s_q = {s_q} for the "
+              f"prefill interface, got shape {idx.shape}")
+
+    for name, a, shape in (("out", o, (s_q, *qa.shape[1:2], 512)), ("lse", lse_a, qa.shape[:2])):
+        if a is not None and a.shape != shape:
+            _fail(f"{name} must be of shape {shape} for the prefill interface, got {a.shape}")
+
+    def one_token(a):  # [s_q, ...] as [s_q, 1, ...]
+        return None if a is None else _arrays.StridedView(
+            a, (a.shape[0], 1, *a.shape[1:]), (a.strides[0], a.strides[0], *a.strides[1:]))
+    return one_token(qa), kv, idx, one_token(o), one_token(lse_a)
+

@@ -1,0 +1,577 @@
+"""cupaged.sparse_mla_attention (DeepSeek's sparse attention, FlashMLA's decode interface):
+its checks on array metadata alone (CPU), and on the GPU against the float64 reference
+(reference.sparse_mla_attention) over -1 entries, repeated indices, block boundaries,
+topk_length, topk not a multiple of a tile, split-KV, stale NaN in unselected slots, an
+index outside the cache (its token's rows NaN, no other), rows with no entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _arrays, _dtypes, planning, reference, sparse_mla, testing
+from conftest import assert_close
+from test_validation import Fake
+
+D = 576
+DS = 656  # an fp8_ds_mla token's bytes
+SCALE = 1 / np.sqrt(192)
+
+
+def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf16",
+                 flashmla_cache=True, topk_length=None):
+    """Host arrays: q, a cache whose slots no counted index names hold NaN, indices with -1
+    entries, a repeated index and both ends of the cache, and topk_length (random unless
+    given; the NaN follows it, so change it only through this argument)."""
+    dt = np.float16 if dtype == "f16" else _dtypes.BF16.numpy
+    n = blocks * page
+    q = testing.random_normal((batch, s_q, heads, D), dt, rng)
+    cache = testing.random_normal((blocks, page, D), dt, rng)
+    idx = rng.integers(0, n, (batch, s_q, topk)).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.15] = -1
+    idx[0, 0, :4] = [0, n - 1, page - 1, page][:min(topk, 4)]
+    if topk > 5:
+        idx[0, 0, 5] = idx[0, 0, 4] = 7  # a repeated index
+    tl = rng.integers(0, topk + 3, batch).astype(np.int32)
+    tl[0] = topk
+    if topk_length is not None:
+        tl[:] = topk_length
+    named = np.zeros(n, bool)  # the slots a counted entry names: the others hold NaN
+    counted = np.arange(topk)[None, None, :] < np.minimum(tl, topk)[:, None, None]
+    named[idx[(idx >= 0) & counted]] = True
+    cache.reshape(n, D)[~named] = np.nan  # never read: no NaN may leak
+    if flashmla_cache:
+        cache = cache[:, :, None]
+    return dict(q=q, kv_cache=cache, indices=idx, topk_length=tl)
+
+
+def ds_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, flashmla_cache=True,
+               topk_length=None):
+    """host_problem over DeepSeek-V3.2's fp8_ds_mla cache (bfloat16 q): the tokens as the
+    bytes vLLM's writer lays down (reference.quantize_sparse_kv), each group of 128 latent
+    values 2^-6 to 1 in size (a scale of its own), and every byte of the slots no counted
+    entry names 0xFF (NaN in the values, the scales and k_pe alike). (Groups of 2^6 would
+    make the logits' spread ~50: then the bfloat16 rounding of the widened keys alone,
+    which FlashMLA's dequantization has too, moves outputs by 1e-2 against the exact
+    reference, rows by up to 0.17.)"""
+    h = host_problem(rng, batch, s_q, heads, topk, page=page, blocks=blocks,
+                     flashmla_cache=False, topk_length=topk_length)
+    named = ~np.isnan(h["kv_cache"].astype(np.float32)).any(-1).reshape(-1)
+    clean = testing.random_normal((blocks * page, D), np.float32, rng)
+    clean[:, :512] *= np.repeat(2.0 ** rng.integers(-6, 1, (blocks * page, 4)), 128, 1)
+    rows = reference.quantize_sparse_kv(clean, "fp8_ds_mla")
+    rows[~named] = 0xFF
+    rows = rows.reshape(blocks, page, DS)
+    return dict(h, kv_cache=rows[:, :, None] if flashmla_cache else rows)
+
+
+def reference_of(h, with_length=True, sink=None):
+    ds = h["kv_cache"].dtype == np.uint8
+    return reference.sparse_mla_attention(h["q"], h["kv_cache"], h["indices"], scale=SCALE,
+                                          topk_length=h["topk_length"] if with_length else None,
+                                          kv_format="fp8_ds_mla" if ds else "auto",
+                                          attn_sink=sink, return_lse=True)
+
+
+def run(h, with_length=True, pad=0, **kw):
+    """The call on device copies, out and lse poisoned with NaN; ``pad``: the cache as a
+    view of blocks ``pad`` token rows longer (its block stride not page * token stride)."""
+    import cupy
+
+    dev = {k: cupy.asarray(v) for k, v in h.items() if k != "kv_cache"}
+    kc = h["kv_cache"]
+    if pad:  # the padding NaN (0xFF bytes in an fp8_ds_mla cache)
+        big = cupy.full((kc.shape[0], kc.shape[1] + pad, *kc.shape[2:]),
+                        0xFF if kc.dtype == np.uint8 else np.nan, kc.dtype)
+        big[:, :kc.shape[1]] = cupy.asarray(kc)
+        dev["kv_cache"] = big[:, :kc.shape[1]]
+    else:
+        dev["kv_cache"] = cupy.asarray(kc)
+    out = cupy.full(h["q"].shape[:3] + (512,), np.nan, h["q"].dtype)
+    lse = cupy.full(h["q"].shape[:3], np.nan, np.float32)
+    got, got_lse = cupaged.sparse_mla_attention(
+        dev["q"], dev["kv_cache"], dev["indices"], scale=SCALE,
+        topk_length=dev["topk_length"] if with_length else None, out=out, lse=lse, **kw)
+    assert got is out and got_lse is lse
+    return cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+
+
+def check_lse(got, want, what=""):
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)), what
+    f = np.isfinite(want)
+    assert np.abs(got[f] - want[f]).max(initial=0) <= 2e-3 * max(1, np.abs(want[f]).max(initial=0)), what
+
+
+# ---- CPU: the checks, on metadata -------------------------------------------------------------
+
+
+def fakes(**over):
+    base = dict(q=np.zeros((2, 3, 16, D), np.float16),
+                kv_cache=np.zeros((10, 64, 1, D), np.float16),
+                indices=np.zeros((2, 3, 32), np.int32), topk_length=None, out=None, lse=None)
+    base.update(over)
+    return {k: None if v is None else Fake(v, ptr=(i + 1) << 24)
+            for i, (k, v) in enumerate(base.items())}
+
+
+@pytest.fixture
+def adapt(monkeypatch):
+    real = _arrays.as_device_array
+    one = lambda x, name: x if isinstance(x, Fake) else real(x, name)  # noqa: E731
+    monkeypatch.setattr(sparse_mla, "as_device_array", one)
+    monkeypatch.setattr(_arrays, "as_device_array", one)
+
+    def check(attn_sink=None, kv_cache_dtype="auto", **over):
+        f = fakes(**over)
+        sink = None if attn_sink is None else Fake(attn_sink, ptr=1 << 30)
+        return sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1,
+                                               f["topk_length"], f["out"], f["lse"], False,
+                                               None, None, plan=False, attn_sink=sink,
+                                               kv_cache_dtype=kv_cache_dtype)
+    return check
+
+
+def test_both_cache_forms_are_accepted(adapt):
+    assert adapt() == (None, None)
+    assert adapt(kv_cache=np.zeros((10, 64, D), np.float16)) == (None, None)
+    assert adapt(attn_sink=np.zeros(16, np.float32)) == (None, None)
+
+
+def test_fp8_ds_mla_caches_are_accepted(adapt):
+    """Both cache forms, as uint8, int8 or float8_e4m3fn, named or found by their width; the
+    prefill interface's kv too."""
+    import ml_dtypes
+
+    bf16 = _dtypes.BF16.numpy
+    q = np.zeros((2, 3, 16, D), bf16)
+    for dt in (np.uint8, np.int8, ml_dtypes.float8_e4m3fn):
+        for shape in ((10, 64, 1, DS), (10, 64, DS)):
+            for named in ("auto", "fp8_ds_mla"):
+                assert adapt(q=q, kv_cache=np.zeros(shape, dt), kv_cache_dtype=named) == \
+                    (None, None)
+    assert adapt(q=np.zeros((6, 16, D), bf16), kv_cache=np.zeros((100, 1, DS), np.uint8),
+                 indices=np.zeros((6, 1, 32), np.int32)) == (None, None)
+    with pytest.raises(TypeError, match="kv_cache dtype float8_e5m2 must be q's"):
+        adapt(q=q, kv_cache=np.zeros((10, 64, DS), ml_dtypes.float8_e5m2))
+    assert adapt(topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), np.float16),
+                 lse=np.zeros((2, 3, 16), np.float32)) == (None, None)
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(q=np.zeros((6, 16, D), np.float16)), ValueError,
+     "kv must be \\[s_kv, 1, 576\\] or \\[s_kv, 576\\] for the prefill interface"),
+    (dict(q=np.zeros((2, 3, 16, 512), np.float16)), ValueError, "kv_lora_rank \\+ rope_dim"),
+    (dict(kv_cache=np.zeros((10, 64, 2, D), np.float16)), ValueError,
+     "kv_cache must be \\[num_blocks, page_size, 1, 576\\]"),
+    (dict(indices=np.zeros((2, 3, 32), np.int64)), TypeError, "indices must be int32"),
+    (dict(indices=np.zeros((2, 4, 32), np.int32)), ValueError,
+     "indices must be \\[batch, s_q, topk\\] = \\[2, 3, topk >= 1\\]"),
+    (dict(indices=np.zeros((2, 3, 32), np.int32)[:, :, ::2]), ValueError,
+     "indices' last dimension must be contiguous"),
+    (dict(topk_length=np.zeros(3, np.int32)), ValueError,
+     "topk_length must be a contiguous int32 \\[batch\\] = \\[2\\]"),
+    (dict(out=np.zeros((2, 3, 16, 576), np.float16)), ValueError,
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\)"),
+    (dict(out=np.zeros((2, 3, 16, 1024), np.float16)[..., ::2]), ValueError,
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\), got shape "
+     "\\(2, 3, 16, 512\\) with strides"),
+    (dict(kv_cache=np.zeros((10, 64, 1, D), np.uint8)), TypeError,
+     "kv_cache dtype uint8 must be q's \\(float16\\), or a 1-byte dtype of 656-byte "
+     "fp8_ds_mla rows"),
+    (dict(kv_cache=np.zeros((10, 64, 1, DS), np.uint8)), TypeError,
+     "fp8_ds_mla caches take bfloat16 queries"),
+    (dict(kv_cache_dtype="fp8_ds_mla"), TypeError,
+     "kv_cache dtype float16 cannot hold fp8_ds_mla rows"),
+    (dict(kv_cache_dtype="fp8"), ValueError,
+     "kv_cache_dtype must be 'auto' or 'fp8_ds_mla'"),
+    (dict(q=np.zeros((2, 3, 16, D), _dtypes.BF16.numpy), kv_cache_dtype="fp8_ds_mla",
+          kv_cache=np.zeros((10, 64, 1, D), np.uint8)), ValueError,
+     "kv_cache's fp8_ds_mla rows must be 656 bytes a token"),
+    (dict(q=np.zeros((2, 3, 16, D), _dtypes.BF16.numpy),
+          kv_cache=np.zeros((10, 64, DS + 8), np.uint8)[..., :DS]), ValueError,
+     "kv_cache's strides must be multiples of 16 bytes"),
+    (dict(attn_sink=np.zeros(15, np.float32)), ValueError,
+     "attn_sink must be a contiguous float32 \\[num_heads = 16\\] array"),
+    (dict(attn_sink=np.zeros(16, np.float16)), ValueError,
+     "attn_sink must be a contiguous float32"),
+    (dict(q=np.zeros((2, 4, 16, D), np.float16)[:, :3]), ValueError,
+     "q .*cannot be seen as one array"),
+])
+def test_refusals_name_the_argument(adapt, over, exc, match):
+    with pytest.raises(exc, match=match):
+        adapt(**over)
+
+
+def test_indices_are_named_in_their_own_errors(adapt):
+    """Faults of the indices are reported as the indices', not as a block table's."""
+    rows_130_bytes_apart = np.zeros((2, 3, 130), np.int8)[..., :128].view(np.int32)
+    with pytest.raises(ValueError, match="indices' last dimension must be contiguous and its "
+                                         "rows a whole number of entries apart"):
+        adapt(indices=rows_130_bytes_apart)
+    f = fakes()
+    f["indices"].data.device_id = 1
+    with pytest.raises(ValueError, match="indices is on device 1"):
+        sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1, None, None,
+                                        None, False, None, None, plan=False)
+
+
+def test_the_prefill_interface_is_accepted_and_checked(adapt):
+    """q [s_q, heads, 576] over kv [s_kv, 1, 576] or [s_kv, 576], indices [s_q, 1, topk] or
+    [s_q, topk], topk_length [s_q]; s_kv of any size (odd ones in blocks of one token)."""
+    for s_kv in (100, 37, 256, 1024):
+        for kv in (np.zeros((s_kv, 1, D), np.float16), np.zeros((s_kv, D), np.float16)):
+            for ind in (np.zeros((6, 1, 32), np.int32), np.zeros((6, 32), np.int32)):
+                assert adapt(q=np.zeros((6, 16, D), np.float16), kv_cache=kv, indices=ind,
+                             topk_length=np.zeros(6, np.int32),
+                             out=np.zeros((6, 16, 512), np.float16),
+                             lse=np.zeros((6, 16), np.float32)) == (None, None)
+    q, kv = np.zeros((6, 16, D), np.float16), np.zeros((100, 1, D), np.float16)
+    with pytest.raises(ValueError, match="indices must be \\[s_q, 1, topk\\] or \\[s_q, topk\\] "
+                                         "with s_q = 6"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((5, 32), np.int32))
+    with pytest.raises(ValueError, match="out must be of shape \\(6, 16, 512\\) for the prefill"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((6, 32), np.int32),
+              out=np.zeros((6, 1, 16, 512), np.float16))
+    with pytest.raises(ValueError, match="topk_length must be a contiguous int32 \\[batch\\] "
+                                         "= \\[6\\]"):
+        adapt(q=q, kv_cache=kv, indices=np.zeros((6, 32), np.int32),
+              topk_length=np.zeros(2, np.int32))
+
+
+def test_an_empty_batch_is_accepted(adapt):
+    assert adapt(q=np.zeros((0, 3, 16, D), np.float16),
+                 indices=np.zeros((0, 3, 32), np.int32)) == (None, None)
+
+
+def test_scale_is_required():
+    with pytest.raises(TypeError, match="scale is required"):
+        cupaged.sparse_mla_attention(None, None, None, scale=None)
+
+
+# ---- GPU: against the float64 reference -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads, topk, page, pad", [(16, 100, 64, 0), (64, 37, 16, 8),
+                                                    (128, 256, 64, 0), (16, 1, 32, 0),
+                                                    (20, 70, 64, 16), (40, 33, 1, 0)])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_decode_matches_reference(rng, dtype, heads, topk, page, pad, with_length):
+    """Head counts that leave a partial row tile (20, 40), a cache whose blocks are padded
+    (its block stride not page * token stride: block and offset computed apart), pages of
+    one token."""
+    # Without topk_length every entry counts: the NaN goes only where no entry points.
+    h = host_problem(rng, 3, 2, heads, topk, page=page, dtype=dtype,
+                     topk_length=None if with_length else topk)
+    got, lse = run(h, with_length, pad=pad)
+    want, want_lse = reference_of(h, with_length)
+    assert_close(got, want, testing.TOLERANCE[dtype], f"{heads} heads topk {topk}")
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1, 2, 3])
+def test_split_kv_and_workspace(rng, split):
+    """Forced partitions (tiles each) over two row tiles of 64 heads (128 heads)."""
+    h = host_problem(rng, 2, 1, 128, 300, flashmla_cache=False)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h)
+        ws = cupaged.DecodeWorkspace(2, 16, 512)
+        again, lse2 = run(h, workspace=ws)
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h)
+    for g, l_ in ((got, lse), (again, lse2)):
+        assert_close(g, want, testing.TOLERANCE["bf16"], f"split {split}")
+        check_lse(l_, want_lse)
+
+
+@pytest.mark.gpu
+def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
+    h = host_problem(rng, 2, 2, 16, 40, topk_length=[40, 30])
+    n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
+    h["indices"][1, 0, 3] = n  # one past the cache
+    h["indices"][0, 1, 7] = -2  # negative but not -1
+    h["indices"][1, 1, 35] = n + 5  # past batch entry 1's topk_length: never read
+    got, lse = run(h)
+    assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
+    assert np.isnan(lse[1, 0]).all() and np.isnan(lse[0, 1]).all()
+    keep = np.ones((2, 2), bool)
+    keep[1, 0] = keep[0, 1] = False
+    ok = dict(h, indices=np.where((h["indices"] >= n) | (h["indices"] < -1), -1, h["indices"]))
+    want, _ = reference_of(ok)
+    assert_close(got[keep], want[keep], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
+    h = host_problem(rng, 3, 1, 16, 20, topk_length=[20, 20, 0])
+    h["indices"][1] = -1
+    got, lse = run(h)
+    for b in (1, 2):
+        assert (got[b] == 0).all() and np.isneginf(lse[b]).all()
+    want, want_lse = reference_of(h)
+    assert_close(got[0], want[0], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    h = host_problem(rng, 2, 1, 16, 50)
+    t = {k: torch.from_numpy(v.view(np.int16) if v.dtype == _dtypes.BF16.numpy else v).cuda()
+         for k, v in h.items()}
+    for k in ("q", "kv_cache"):
+        t[k] = t[k].view(torch.bfloat16)
+    out = cupaged.sparse_mla_attention(t["q"], t["kv_cache"], t["indices"], scale=SCALE,
+                                       topk_length=t["topk_length"])
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 1, 16, 512)
+    want, _ = reference_of(h)
+    assert_close(out.float().cpu().numpy().astype(np.float64), want,
+                 testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_kv", [300, 37, 512])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_prefill_matches_reference(rng, s_kv, with_length):
+    """FlashMLA's sparse prefill: indices into kv's tokens, anything outside [0, s_kv)
+    (-1, -5, s_kv and beyond) not counted; kv of a size no power of two divides (37: blocks
+    of one token); unnamed tokens NaN."""
+    import cupy
+
+    s_q, heads, topk = 9, 32, 80
+    dt = _dtypes.BF16.numpy
+    q = testing.random_normal((s_q, heads, D), dt, rng)
+    kv = testing.random_normal((s_kv, 1, D), dt, rng)
+    idx = rng.integers(0, s_kv, (s_q, 1, topk)).astype(np.int32)
+    bad = rng.random(idx.shape)
+    idx[bad < 0.1] = -1
+    idx[(bad >= 0.1) & (bad < 0.15)] = s_kv + 3
+    idx[(bad >= 0.15) & (bad < 0.2)] = -5
+    tl = rng.integers(0, topk + 2, s_q).astype(np.int32)
+    named = np.zeros(s_kv, bool)
+    counted = np.arange(topk)[None, :] < np.minimum(tl, topk)[:, None]
+    ok = (idx[:, 0] >= 0) & (idx[:, 0] < s_kv) & (counted if with_length else True)
+    named[idx[:, 0][ok]] = True
+    kv[~named] = np.nan
+    want, want_lse = reference.sparse_mla_attention(
+        q, kv, idx, scale=SCALE, topk_length=tl if with_length else None, return_lse=True)
+    d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, idx=idx, tl=tl).items()}
+    out = cupy.full((s_q, heads, 512), np.nan, dt)
+    lse = cupy.full((s_q, heads), np.nan, np.float32)
+    cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], scale=SCALE,
+                                 topk_length=d["tl"] if with_length else None, out=out, lse=lse)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"],
+                 f"s_kv {s_kv}")
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
+
+
+# ---- GPU: DeepSeek-V3.2's fp8_ds_mla cache, attention sinks ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, topk, page, pad", [(16, 100, 64, 0), (64, 37, 16, 8),
+                                                    (128, 256, 64, 0), (20, 70, 64, 16),
+                                                    (40, 33, 1, 0)])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_fp8_ds_mla_decode_matches_reference(rng, heads, topk, page, pad, with_length):
+    """The fp8_ds_mla rows widened with their own scales (groups 2^-6 to 1 in size): the
+    reference reads them exactly; unnamed slots are 0xFF bytes (NaN) and must not leak."""
+    h = ds_problem(rng, 3, 2, heads, topk, page=page,
+                   topk_length=None if with_length else topk)
+    got, lse = run(h, with_length, pad=pad)
+    want, want_lse = reference_of(h, with_length)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{heads} heads topk {topk}")
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 2])
+def test_fp8_ds_mla_split_and_prefill(rng, split):
+    """Forced partitions over 128 heads, and the prefill interface over fp8_ds_mla tokens."""
+    import cupy
+
+    h = ds_problem(rng, 2, 1, 128, 300, flashmla_cache=False)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h)
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"split {split}")
+    check_lse(lse, want_lse)
+    # prefill: q [s_q, heads, 576] over the cache's tokens as kv [s_kv, 1, 656]
+    kv = h["kv_cache"].reshape(-1, 1, DS)
+    q = h["q"][:, 0]
+    idx = h["indices"][:, 0, None]
+    idx = np.where(idx == -1, -7, idx)  # any index outside [0, s_kv) does not count
+    want, want_lse = reference.sparse_mla_attention(q, kv, idx, scale=SCALE,
+                                                    kv_format="fp8_ds_mla",
+                                                    topk_length=h["topk_length"],
+                                                    return_lse=True)
+    out, lse = cupaged.sparse_mla_attention(cupy.asarray(q), cupy.asarray(kv),
+                                            cupy.asarray(idx), scale=SCALE,
+                                            topk_length=cupy.asarray(h["topk_length"]),
+                                            return_lse=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
+
+@pytest.mark.gpu
+def test_fp8_ds_mla_written_by_concat_and_cache_mla(rng):
+    """The rows cupaged's writer lays down are what the sparse kernel reads: tokens written
+    at scattered slots of a cache of 0xFF bytes, then attended through their slots, equal
+    the reference over the reference writer's rows."""
+    import cupy
+
+    bf16 = _dtypes.BF16.numpy
+    blocks, page, n_tok, heads, topk = 6, 64, 200, 32, 150
+    kv_c = testing.random_normal((n_tok, 512), bf16, rng)
+    k_pe = testing.random_normal((n_tok, 64), bf16, rng)
+    slots = rng.permutation(blocks * page)[:n_tok].astype(np.int64)
+    cache = cupy.full((blocks, page, DS), 0xFF, np.uint8)
+    cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), cache,
+                                 cupy.asarray(slots), "fp8_ds_mla")
+    ref_cache = np.full((blocks * page, DS), 0xFF, np.uint8)
+    ref_cache[slots] = reference.quantize_sparse_kv(
+        np.concatenate([kv_c, k_pe], -1).astype(np.float32), "fp8_ds_mla")
+    assert (cupy.asnumpy(cache).reshape(-1, DS) == ref_cache).all()
+    q = testing.random_normal((2, 2, heads, D), bf16, rng)
+    idx = slots[rng.integers(0, n_tok, (2, 2, topk))].astype(np.int32)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    out = cupaged.sparse_mla_attention(cupy.asarray(q), cache, cupy.asarray(idx), scale=SCALE)
+    want = reference.sparse_mla_attention(q, ref_cache.reshape(blocks, page, DS), idx,
+                                          scale=SCALE, kv_format="fp8_ds_mla")
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ds", [False, True])
+@pytest.mark.parametrize("split", [0, 2])
+def test_attn_sink(rng, ds, split):
+    """FlashMLA's attn_sink: out scaled by exp(lse) / (exp(lse) + exp(sink)), the lse the
+    keys' alone; heads with a sink of +inf give zeros, -inf nothing changed; a row with no
+    counted entry stays zeros and -inf. Single pass and split (the combine applies it)."""
+    import cupy
+
+    make = ds_problem if ds else host_problem
+    h = make(rng, 3, 2, 64, 200, topk_length=[200, 150, 0])
+    h["indices"][1, 1] = -1
+    sink = (rng.standard_normal(64) * 3 + 2).astype(np.float32)
+    sink[0], sink[1] = np.inf, -np.inf
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h, attn_sink=cupy.asarray(sink))
+    finally:
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h, sink=sink)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"ds {ds} split {split}")
+    check_lse(lse, want_lse)
+    assert (got[..., 0, :] == 0).all() and (got[2] == 0).all() and (got[1, 1] == 0).all()
+    assert np.isneginf(lse[2]).all() and np.isneginf(lse[1, 1]).all()
+    plain, plain_lse = reference_of(h)
+    assert_close(got[..., 1, :], plain[..., 1, :], testing.TOLERANCE["bf16"], "sink -inf")
+    check_lse(lse, plain_lse)  # the keys' lse, sink or not
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+@pytest.mark.parametrize("ds", [False, True])
+@pytest.mark.parametrize("heads, split, sink", [(64, None, False), (128, 2, True),
+                                                (16, None, True), (100, 0, False)])
+def test_both_kernel_families(rng, family, ds, heads, split, sink):
+    """The wgmma kernel (Hopper, 64 heads or more by the planner's rule; forced for 16, whose
+    rows it pads) and the mma.sync one, on the same problems over both caches (fp8_ds_mla:
+    one raw stage on wgmma, 41 chunks a row over 4 copying threads): partial row tiles
+    (100 heads), split and not, sinks, NaN in every unnamed slot, topk not a multiple of
+    the 64-token tile."""
+    import cupy
+
+    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+        pytest.skip("the wgmma kernel runs on Hopper only")
+    h = (ds_problem if ds else host_problem)(rng, 3, 2, heads, 150, page=16)
+    s = (rng.standard_normal(heads) * 2).astype(np.float32) if sink else None
+    planning.set_mla_family(family)
+    planning.set_mla_split(split)
+    try:
+        got, lse = run(h, attn_sink=None if s is None else cupy.asarray(s))
+    finally:
+        planning.set_mla_family(None)
+        planning.set_mla_split(None)
+    want, want_lse = reference_of(h, sink=s)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{family} {heads} heads")
+    check_lse(lse, want_lse)
+
+
+def test_out_and_lse_must_not_overlap_what_the_kernel_reads(adapt, monkeypatch):
+    """Checked with the plan (nothing launched here): out or lse over the indices,
+    topk_length or attn_sink (which the epilogue reads while other CTAs write out)."""
+    import contextlib
+
+    from test_validation import Fake
+
+    monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(planning, "plan_mla", lambda *a, **k: None)
+    f = fakes(topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), np.float16),
+              lse=np.zeros((2, 3, 16), np.float32))
+    sink = Fake(np.zeros(16, np.float32), ptr=1 << 30)
+
+    def prepare(**over):
+        g = dict(f, **over)
+        return sparse_mla.validate_and_prepare(g["q"], g["kv_cache"], g["indices"], 0.1,
+                                               g["topk_length"], g["out"], g["lse"], False,
+                                               None, None, attn_sink=g.get("sink", sink))
+    prep, ptrs = prepare()
+    assert prep.launch is None and len(ptrs) == 7 and ptrs[6] == 1 << 30
+    for name, at in (("lse", 1 << 30), ("out", (1 << 30) - 64), ("lse", f["indices"].data.ptr),
+                     ("out", f["topk_length"].data.ptr)):
+        moved = Fake(np.zeros(f[name].shape, f[name].dtype), ptr=at)
+        with pytest.raises(ValueError, match="out and lse must not overlap q, kv_cache, "
+                                             "indices, topk_length, attn_sink or each other"):
+            prepare(**{name: moved})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+def test_fp8_ds_mla_widening_is_exact_and_k_pe_in_place(rng, family):
+    """One counted entry a row: out is that token's kv_c exactly as the widening states it,
+    each e4m3 value times its group's scale in float32, rounded to bfloat16 (a wrong group,
+    a scale rounded first, another rounding all differ somewhere). Then q only in its 64
+    rotary dims over two entries: the logits are k_pe's alone, so the lse matches the
+    reference to float32 rounding (k_pe read from the wrong bytes or placed at the wrong
+    dims would not)."""
+    import cupy
+    import ml_dtypes
+
+    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+        pytest.skip("the wgmma kernel runs on Hopper only")
+    heads, n = 64, 12 * 64
+    h = ds_problem(rng, 2, 2, heads, 8, topk_length=[1, 2])
+    h["indices"][h["indices"] < 0] = 3  # every entry a valid slot
+    rows = h["kv_cache"].reshape(n, DS)
+    for b, s in np.ndindex(2, 2):  # the counted slots hold real rows (not 0xFF)
+        for j in range(2):
+            if rows[h["indices"][b, s, j], 0] == 0xFF and rows[h["indices"][b, s, j], 512] == 0xFF:
+                h["indices"][b, s, j] = h["indices"][0, 0, 0]
+    h["q"][1, :, :, :512] = 0  # batch entry 1: the rotary dims alone
+    planning.set_mla_family(family)
+    planning.set_mla_split(0)
+    try:
+        got, lse = run(h)
+    finally:
+        planning.set_mla_family(None)
+        planning.set_mla_split(None)
+    e4m3 = rows[:, :512].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = np.repeat(rows[:, 512:528].copy().view("<f4"), 128, 1)
+    widened = (e4m3 * scale).astype(_dtypes.BF16.numpy).astype(np.float64)  # float32 product
+    for s in range(2):
+        want = widened[h["indices"][0, s, 0]]
+        assert np.array_equal(got[0, s], np.broadcast_to(want, (heads, 512))), s
+    _, want_lse = reference_of(h)
+    assert np.allclose(lse[1], want_lse[1], rtol=1e-5, atol=1e-5)
+
