@@ -283,7 +283,8 @@ def to_host(a, ctx: "Context | None" = None) -> np.ndarray:
 #   - after its launches (hand_over, or the thread's next import, which comes after the
 #     call returned), an event is recorded on that stream and they join `_DEFERRED`;
 #   - they are let go once the event has completed, as later imports find (queried,
-#     never waited for).
+#     never waited for; not at every call's context: querying an event is not allowed
+#     while a stream capture is under way, and CuPy-only calls may be captured).
 # An import whose call failed before making a context is stamped by the thread's next one;
 # a thread that ends records the events of what it stamped (its calls have returned).
 # The producer ordered its writes before CuPy's current stream (the stream cupy.from_dlpack
@@ -327,13 +328,24 @@ def foreign_import(x):
     return imported
 
 
+def capturing(stream: int) -> bool:
+    """Is ``stream`` being captured into a CUDA graph?"""
+    rt = cupy.cuda.runtime
+    query = getattr(rt, "streamIsCapturing", None)
+    if query is None:  # pragma: no cover - CuPy without it: assume not
+        return False
+    return int(query(stream)) != int(getattr(rt, "streamCaptureStatusNone", 0))
+
+
 def stamp_holds(ctx: "Context") -> None:
     """Give this thread's pending imports ``ctx``'s launch stream (they are the current
     call's: a call adapts its arguments before it makes its context), and order that
-    stream after CuPy's current one, which the producers' writes precede."""
+    stream after CuPy's current one, which the producers' writes precede (not while
+    either stream is captured: a stream may not wait across a capture's boundary; a
+    graph's replays are ordered by whoever launches them)."""
     holds = _HOLDS
     current = cupy.cuda.get_current_stream()
-    if current.ptr != ctx.stream:
+    if current.ptr != ctx.stream and not (capturing(ctx.stream) or capturing(current.ptr)):
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(current)
         _cupy_stream(ctx.stream).wait_event(event)
@@ -365,8 +377,11 @@ def release_completed() -> int:
     the first that has not (one behind it is held a little longer, never too little).
     Returns how many are still held."""
     with _DEFERRED_LOCK:
-        while _DEFERRED and _DEFERRED[0][0].done:
-            _DEFERRED.popleft()
+        try:
+            while _DEFERRED and _DEFERRED[0][0].done:
+                _DEFERRED.popleft()
+        except cupy.cuda.runtime.CUDARuntimeError:  # not now (a capture under way): later
+            pass
         return len(_DEFERRED)
 
 

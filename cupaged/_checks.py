@@ -389,6 +389,28 @@ def check_apart(written, read, may_alias=()) -> None:
                 check_disjoint((w, r), may_alias)
 
 
+def check_row_cache(kc, width: int, owner: str = "") -> tuple[int, int]:
+    """A paged cache of ``width``-byte token rows: 1-byte storage ``[num_blocks, block_size,
+    width]``, or ``[num_blocks, block_size, 1, width]`` (FlashMLA's). Returns ``(num_blocks,
+    block_size)``; errors name kv_cache, ``owner`` before it (e.g. "an fp8_ds_mla ")."""
+    if kc.dtype.itemsize != 1:
+        fail(f"{owner}kv_cache is 1-byte storage (uint8, int8 or a float8 type) "
+             f"[num_blocks, block_size, {width}], got {kc.dtype}", TypeError)
+    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != width:
+        fail(f"{owner}kv_cache must be [num_blocks, block_size, {width}] (or [num_blocks, "
+             f"block_size, 1, {width}], FlashMLA's), got shape {kc.shape}")
+    return kc.shape[0], kc.shape[1]
+
+
+def check_new_out(o, dtype, shape: tuple, name: str = "out") -> None:
+    """A caller's output array for a result of ``dtype`` and ``shape``, C-contiguous (None
+    passes: the call allocates one)."""
+    if o is not None and (o.dtype != dtype or o.shape != shape or not (
+            is_empty(o) or o.flags.c_contiguous)):
+        fail(f"{name} must be a C-contiguous {np.dtype(dtype).name} array of shape {shape}, "
+             f"got {o.dtype} {o.shape} with strides {o.strides}")
+
+
 def check_aligned(ptr: int, name: str, alignment: int = 16) -> None:
     """The kernels load and store this pointer ``alignment`` bytes at a time."""
     if ptr % alignment:

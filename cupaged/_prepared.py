@@ -186,13 +186,15 @@ def disjoint_spans(written, read) -> tuple:
     """What :func:`any_overlap` checks: each written array against each read one and the
     written ones against each other, as ``(i, lo, hi, j, lo, hi)``: indices into a call's
     addresses and each array's bytes relative to its address. ``written``, ``read``:
-    ``(index, adapted array or None)``; absent and empty arrays are left out. A read
-    array whose index is None is a side array, keyed at its address: its bytes are
-    absolute."""
-    w = [(i, *span(a)) for i, a in written if a is not None and span(a)]
+    ``(index, adapted array or None)``; absent and empty arrays are left out. An array
+    whose index is None is keyed at its address (a side array, a caller's scratch): its
+    bytes are absolute, and a pair of two such is left out (validation checked it once)."""
+    w = [(i, *(_absolute(a) if i is None else span(a))) for i, a in written
+         if a is not None and span(a)]
     r = [(j, *(_absolute(a) if j is None else span(a))) for j, a in read
          if a is not None and span(a)]
-    return tuple([x + y for n, x in enumerate(w) for y in r + w[n + 1:]])
+    return tuple([x + y for n, x in enumerate(w) for y in r + w[n + 1:]
+                  if x[0] is not None or y[0] is not None])
 
 
 def _absolute(a) -> tuple:
@@ -203,7 +205,7 @@ def _absolute(a) -> tuple:
 def any_overlap(pairs, ptrs) -> bool:
     """Would any pair of :func:`disjoint_spans` overlap at these addresses (``ptrs``)?"""
     for i, lo1, hi1, j, lo2, hi2 in pairs:
-        a = ptrs[i]
+        a = 0 if i is None else ptrs[i]
         b = 0 if j is None else ptrs[j]
         if a + lo1 < b + hi2 and b + lo2 < a + hi1:
             return True
@@ -214,8 +216,7 @@ def clashes(prep: Prepared, ptrs) -> bool:
     """Would a call of attention's or paged_attention's at these addresses (``run``'s
     order) write where it may not: out over the query other than in place, or out or lse
     over anything else the call reads?"""
-    return overlaps(prep, ptrs[0], ptrs[6]) or (
-        bool(prep.disjoint) and any_overlap(prep.disjoint, ptrs))
+    return overlaps(prep, ptrs[0], ptrs[6]) or any_overlap(prep.disjoint, ptrs)
 
 
 def run(prep: Prepared, ptrs, stream, out, lse):

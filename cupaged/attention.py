@@ -230,19 +230,16 @@ class AttentionPlan:
         # What run() compares: the per-layer arrays' metadata and the bound tables'
         # metadata and addresses (a torch tensor re-pointed or resized in place, by set_
         # or resize_, must not be read where it was). None: not keyable, every run is a
-        # plain call.
-        self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse,
-                                             *self._shared))
-        self._shared_ptrs = None if ptrs is None else ptrs[5:]
+        # plain call. The order is _prepared.run's (query, caches, shared arrays, out, lse).
+        self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared,
+                                             out, lse))
+        self._shared_ptrs = None if ptrs is None else ptrs[3:6]
 
     def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
             k_scale=None, v_scale=None):
         """Attention of this step for one layer's arrays (see the class). Returns as
         :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
-        m, ptrs = _prepared.metas((query, key_cache, value_cache, out, lse, *self._shared))
-        if m is not None:  # in _prepared.run's order
-            q, kc, vc, o, l, bt, lens, starts = ptrs
-            ptrs = [q, kc, vc, bt, lens, starts, o, l]
+        m, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared, out, lse))
         if (m is None or m != self._metas or ptrs[3:6] != self._shared_ptrs
                 or k_scale is not None or v_scale is not None or _checks.debug()
                 or _prepared.clashes(self._prepared, ptrs)):

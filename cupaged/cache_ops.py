@@ -293,15 +293,10 @@ def _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm) -> _MlaWrite:
     if pc is not None:
         _fail("fp8_ds_mla keeps k_pe in each token's 656-byte row of kv_cache: pass "
               "k_pe_cache=None")
-    if kc.dtype.itemsize != 1:
-        _fail(f"an fp8_ds_mla kv_cache is 1-byte storage (uint8, int8 or a float8 type) "
-              f"[num_blocks, block_size, {nbytes}], got {kc.dtype}", TypeError)
-    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != nbytes \
-            or (not _checks.is_empty(kc) and kc.strides[-1] != 1):
-        _fail(f"an fp8_ds_mla kv_cache must be [num_blocks, block_size, {nbytes}] (or "
-              f"[num_blocks, block_size, 1, {nbytes}], FlashMLA's) with its rows contiguous, "
-              f"got shape {kc.shape} with strides {kc.strides}")
-    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    num_blocks, block_size = _checks.check_row_cache(kc, nbytes, "an fp8_ds_mla ")
+    if not _checks.is_empty(kc) and kc.strides[-1] != 1:
+        _fail(f"an fp8_ds_mla kv_cache must have its rows contiguous, got strides "
+              f"{kc.strides}")
     if block_size == 0:
         _fail("kv_cache has blocks of 0 tokens")
     if not _checks.is_empty(kc):
@@ -522,14 +517,8 @@ def validate_indexer_write(k, kc, sm, quant_block_size, scale_fmt) -> _IndexerWr
     if scale_fmt not in INDEXER_SCALE_FORMATS:
         _fail(f"scale_fmt must be None (a float32 scale) or 'ue8m0', got {scale_fmt!r}")
     width = head_dim + 4 * (head_dim // quant_block_size)
-    if kc.dtype.itemsize != 1:
-        _fail(f"the indexer's kv_cache is 1-byte storage (uint8, int8 or a float8 type), "
-              f"got {kc.dtype}", TypeError)
-    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != width:
-        _fail(f"kv_cache must be [num_blocks, block_size, {width}] (or [num_blocks, "
-              f"block_size, 1, {width}]): head_dim {head_dim} e4m3 bytes and "
-              f"{width - head_dim} of float32 scales a token, got shape {kc.shape}")
-    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    # a token's row: head_dim e4m3 bytes, then its float32 scales
+    num_blocks, block_size = _checks.check_row_cache(kc, width, "the indexer's ")
     if block_size == 0:
         _fail("kv_cache has blocks of 0 tokens")
     # A block's bytes are its tokens' values, then their scales: each block one run.

@@ -10,6 +10,8 @@ prepared launches (``_prepared``).
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _arrays, _checks, _prepared, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 from .launch import DecodeWorkspace
@@ -67,11 +69,14 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
     p = validation.validate_decode(q, kc, vc, bt, cl, alibi, o, kv_cache_dtype, k_scale, v_scale)
     scale = validation.softmax_scale(scale, p.head_size)
     max_ctx = validation.max_context(max_context_len, p)
+    # paged_attention_v2's buffers come as Partials (a DecodeWorkspace's memory is its own)
+    scratch = () if not isinstance(workspace, launch.Partials) else _v2_scratch(workspace, p)
     workspace = launch.workspace_partials(workspace, p)
     variants, lse = validation.variant_setup(va, p)
     disjoint = validation.outputs_apart(
         q, o, lse, ((1, "key_cache", kc), (2, "value_cache", vc), (3, "block_tables", bt),
-                    (4, "context_lens", cl), (None, "alibi_slopes", alibi)), variants, p)
+                    (4, "context_lens", cl), (None, "alibi_slopes", alibi)), variants, p,
+        scratch)
     if _checks.debug():
         with _arrays.on_device(p.device):
             validation.check_tables_on_device(
@@ -185,6 +190,15 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
     return _run(query, key_cache, value_cache, block_tables, context_lens, scale, alibi_slopes,
                 max_context_len, out, "never", stream, None, kv_cache_dtype, k_scale, v_scale,
                 va)
+
+
+def _v2_scratch(parts: "launch.Partials", p) -> tuple:
+    """paged_attention_v2's buffers as the float32 runs its kernels write in them."""
+    n = parts.max_rows
+    return tuple((name, _arrays.DeviceView((size,), np.float32, ptr, p.device))
+                 for name, ptr, size in (("tmp_out", parts.part_out, n * p.head_size),
+                                         ("max_logits", parts.part_max, n),
+                                         ("exp_sums", parts.part_sum, n)))
 
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,

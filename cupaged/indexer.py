@@ -104,14 +104,8 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
             or (rows and (w.strides[0] < 0 or w.strides[0] % 4)):
         _fail(f"weights must be float32 [batch * next_n, num_heads] = [{rows}, {heads}] with "
               f"its last dimension contiguous, got shape {w.shape}")
-    if kc.dtype.itemsize != 1:
-        _fail(f"kv_cache is the indexer's 1-byte cache (uint8, int8 or a float8 type), got "
-              f"{kc.dtype}", TypeError)
-    if not (kc.ndim == 3 or (kc.ndim == 4 and kc.shape[2] == 1)) or kc.shape[-1] != CACHE_WIDTH:
-        _fail(f"kv_cache must be [num_blocks, block_size, {CACHE_WIDTH}] (or [num_blocks, "
-              f"block_size, 1, {CACHE_WIDTH}]: head_dim 128, quant_block_size 128), got shape "
-              f"{kc.shape}")
-    num_blocks, block_size = kc.shape[0], kc.shape[1]
+    # head_dim 128, quant_block_size 128: 128 e4m3 bytes and one float32 scale a token
+    num_blocks, block_size = _checks.check_row_cache(kc, CACHE_WIDTH, "the indexer's ")
     if block_size not in _checks.BLOCK_SIZES or block_size < 4:
         _fail(f"kv_cache's block_size must be a power of two from 4 to 256, got {block_size}")
     if num_blocks >= 2 ** 31:
@@ -134,10 +128,7 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
     if -(-width // CHUNK) > _checks.MAX_GRID_YZ:
         _fail(f"max_seq_len {width} is past the {_checks.MAX_GRID_YZ * CHUNK} columns a call "
               f"takes")
-    if o is not None and (o.dtype != np.float32 or o.shape != (rows, width) or not (
-            _checks.is_empty(o) or o.flags.c_contiguous)):
-        _fail(f"out must be a C-contiguous float32 array of shape {(rows, width)}, got "
-              f"{o.dtype} {o.shape} with strides {o.strides}")
+    _checks.check_new_out(o, np.float32, (rows, width))
     device = qa.data.device_id
     _checks.check_same_device(device, "q", (("kv_cache", kc), ("weights", w),
                                             ("block_tables", bt), ("seq_lens", sl), ("out", o)))
@@ -202,10 +193,7 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
     if width > _checks.INT32_MAX - TOPK_STEP:
         _fail(f"logits has {width} columns; at most {_checks.INT32_MAX - TOPK_STEP} are "
               f"supported")
-    if o is not None and (o.dtype != np.int32 or o.shape != (rows, topk) or not (
-            _checks.is_empty(o) or o.flags.c_contiguous)):
-        _fail(f"out must be a C-contiguous int32 array of shape {(rows, int(topk))}, got "
-              f"{o.dtype} {o.shape} with strides {o.strides}")
+    _checks.check_new_out(o, np.int32, (rows, int(topk)))
     device = lg.data.device_id
     _checks.check_same_device(device, "logits", (("out", o),))
     _checks.check_disjoint((("out", o), ("logits", lg)))  # other rows' CTAs still read

@@ -239,14 +239,7 @@ def _fakes(avals, device: int) -> list:
             for i, a in enumerate(avals)]
 
 
-def _capturing(stream: int) -> bool:
-    """Is ``stream`` being captured into a CUDA graph (XLA recording a command buffer)?"""
-    import cupy
-
-    query = getattr(cupy.cuda.runtime, "streamIsCapturing", None)
-    if query is None:  # pragma: no cover - CuPy without it: assume not
-        return False
-    return int(query(stream)) != int(getattr(cupy.cuda.runtime, "streamCaptureStatusNone", 0))
+_capturing = _arrays.capturing  # (XLA recording a command buffer; tests replace it)
 
 
 class _Plans:

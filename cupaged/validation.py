@@ -168,7 +168,7 @@ def variant_setup(va: VariantArgs, p: Problem):
                               va.sparse), lse
 
 
-def outputs_apart(q, o, lse, read, variants, p: Problem) -> tuple:
+def outputs_apart(q, o, lse, read, variants, p: Problem, scratch=()) -> tuple:
     """attention's and paged_attention's outputs against what the call reads: out and lse
     overlap no cache, table, length, query start, ALiBi slope, sink or scale array, nor
     each other, and lse not the query (out over the query is validate_*'s rule: in place
@@ -177,14 +177,18 @@ def outputs_apart(q, o, lse, read, variants, p: Problem) -> tuple:
     address order), for _prepared.clashes to repeat at each call's addresses. ``read``:
     ``(index, name, adapted array or None)`` of the per-call arrays; the side arrays
     (``variants``' sinks, ``p``'s scale arrays, ALiBi slopes among ``read`` with index
-    None) are keyed at their addresses."""
+    None) are keyed at their addresses. ``scratch``: ``(name, array)`` the kernels write
+    at addresses the call is keyed by (paged_attention_v2's buffers), held apart from
+    everything the call reads as out and lse are (the query and out are
+    check_v2_scratch's)."""
     side = [(None, "sinks", variants.sinks)]
     side += [(None, name, a) for name, a in zip(("k_scale", "v_scale"), p.quant.keep)]
     everything = [(name, a) for _, name, a in (*read, *side)]
-    _checks.check_apart((("out", o), ("lse", lse)), everything)
+    _checks.check_apart((("out", o), ("lse", lse), *scratch), everything)
     _checks.check_apart((("lse", lse),), (("query", q),))
     spans = [(i, a) for i, _, a in (*read, *side)]
-    return (_prepared.disjoint_spans(((6, o), (7, lse)), spans)
+    return (_prepared.disjoint_spans(((6, o), (7, lse), *((None, a) for _, a in scratch)),
+                                     spans)
             + _prepared.disjoint_spans(((7, lse),), ((0, q),)))
 
 

@@ -295,9 +295,17 @@ def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
     monkeypatch.setattr(_arrays.cupy.cuda, "Event", event)
     monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream", lambda: current)
     monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: {1: current, 2: launch}[ptr])
+    captured = set()
+    monkeypatch.setattr(_arrays, "capturing", lambda ptr: ptr in captured)
     _arrays._HOLDS.pending.append("imported")
     _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
     assert events[0].recorded_on is current and launch.waited == events
+    for stream in (2, 1):  # no wait across a capture's boundary, either way
+        captured.add(stream)
+        _arrays._HOLDS.pending.append("imported")
+        _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
+        assert len(events) == 1 and len(launch.waited) == 1
+        captured.clear()
     _arrays._HOLDS.pending.append("imported")
     _arrays.stamp_holds(_arrays.Context(0, 1, "jax", False))
     assert len(events) == 1 and current.waited == []
@@ -330,3 +338,17 @@ def test_a_thread_that_ends_records_what_it_stamped(monkeypatch):
 
     gc.collect()
     assert [(e.recorded_on, x) for e, x in _arrays._DEFERRED] == [(77, "imported")]
+
+
+class _RefusingEvent:
+    @property
+    def done(self):
+        raise _arrays.cupy.cuda.runtime.CUDARuntimeError(900)  # not permitted while capturing
+
+
+def test_an_event_that_cannot_be_queried_keeps_its_import_held(monkeypatch):
+    """Querying an event fails while a stream capture is under way: the imports stay held
+    (later imports look again), and the call goes on."""
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+    _arrays._DEFERRED.extend([(_RefusingEvent(), "a"), (_FakeEvent(True), "b")])
+    assert _arrays.release_completed() == 2

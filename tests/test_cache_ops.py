@@ -1562,7 +1562,7 @@ def test_ds_mla_write_is_described():
     (dsbad(kv_cache=np.zeros((10, DS_BYTES), np.uint8)), ValueError,
      r"must be \[num_blocks, block_size, 656\]"),
     (dsbad(kv_cache=np.zeros((10, 16, 2 * DS_BYTES), np.uint8)[:, :, ::2]), ValueError,
-     "with its rows contiguous"),
+     "must have its rows contiguous"),
     (dsbad(kv_cache=np.zeros((10, 0, DS_BYTES), np.uint8)), ValueError,
      "kv_cache has blocks of 0 tokens"),
     (dsbad(kv_cache=Fake(np.zeros((10, 16, DS_BYTES), np.uint8), ptr=(1 << 20) + 8)), ValueError,

@@ -78,7 +78,7 @@ def test_deepgemms_forms_are_accepted(call):
     (dict(weights=np.zeros((6, 64), np.float16)), TypeError, "weights must be float32"),
     (dict(weights=np.zeros((6, 32), np.float32)), ValueError,
      r"weights must be float32 \[batch \* next_n, num_heads\] = \[6, 64\]"),
-    (dict(kv_cache=np.zeros((10, 64, 132), np.float16)), TypeError, "1-byte cache"),
+    (dict(kv_cache=np.zeros((10, 64, 132), np.float16)), TypeError, "1-byte storage"),
     (dict(kv_cache=np.zeros((10, 64, 136), np.uint8)), ValueError,
      r"kv_cache must be \[num_blocks, block_size, 132\]"),
     (dict(kv_cache=np.zeros((10, 2, 132), np.uint8)), ValueError,

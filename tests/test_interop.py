@@ -244,6 +244,42 @@ def _jax_reuses_freed_buffers(jnp, shapes_dtypes, copies: int = 4):
     return made
 
 
+class _JaxWrite:
+    """reshape_and_cache of JAX temporaries (6 tokens' keys, values and slots) into CuPy
+    caches of 4 blocks of 16, compiled and loaded on construction, the caches then
+    zeroed; ``check`` asserts the written slots hold the keys and values and no other
+    slot was touched."""
+
+    def __init__(self, jnp, rng, n=6, kvh=2, hs=64, bs=16):
+        self.jnp, self.shape = jnp, (n, kvh, hs)
+        self.k = testing.random_normal((n, kvh, hs), np.float16, rng)
+        self.v = testing.random_normal((n, kvh, hs), np.float16, rng)
+        self.slots = rng.permutation(4 * bs)[:n].astype(np.int32)
+        self.kc = cupy.zeros((4, bs, kvh, hs), np.float16)
+        self.vc = cupy.zeros((4, bs, kvh, hs), np.float16)
+        self()
+        self.kc[...] = 0
+        self.vc[...] = 0
+        cupy.cuda.get_current_stream().synchronize()
+
+    def __call__(self):
+        jnp = self.jnp
+        cupaged.reshape_and_cache(jnp.asarray(self.k), jnp.asarray(self.v), self.kc, self.vc,
+                                  jnp.asarray(self.slots), kv_layout="NHD")
+
+    def freed(self):
+        return [(self.k.shape, self.k.dtype), (self.slots.shape, self.slots.dtype)]
+
+    def check(self):
+        _, kvh, hs = self.shape
+        got_k = cupy.asnumpy(self.kc).reshape(-1, kvh, hs)
+        got_v = cupy.asnumpy(self.vc).reshape(-1, kvh, hs)
+        np.testing.assert_array_equal(got_k[self.slots], self.k)
+        np.testing.assert_array_equal(got_v[self.slots], self.v)
+        untouched = np.setdiff1d(np.arange(len(got_k)), self.slots)
+        assert not got_k[untouched].any() and not got_v[untouched].any()
+
+
 def test_jax_inputs_dropped_after_the_call_are_read_as_they_were(rng):
     """JAX temporaries passed straight to a call are freed when it returns, while its
     kernels wait behind 100 ms of queued work: JAX must not hand their memory to new
@@ -267,30 +303,67 @@ def test_jax_inputs_dropped_after_the_call_are_read_as_they_were(rng):
     assert_close(np.asarray(out).astype(np.float64), p.reference(), _tol(np.float16))
     del refill
 
-    n, kvh, hs, bs = 6, 2, 64, 16
-    k = testing.random_normal((n, kvh, hs), np.float16, rng)
-    v = testing.random_normal((n, kvh, hs), np.float16, rng)
-    slots = rng.permutation(4 * bs)[:n].astype(np.int32)
-    kc = cupy.zeros((4, bs, kvh, hs), np.float16)
-    vc = cupy.zeros((4, bs, kvh, hs), np.float16)
-
-    def write():
-        cupaged.reshape_and_cache(jnp.asarray(k), jnp.asarray(v), kc, vc, jnp.asarray(slots),
-                                  kv_layout="NHD")
-
-    write()
-    kc[...] = 0
-    vc[...] = 0
-    cupy.cuda.get_current_stream().synchronize()
+    write = _JaxWrite(jnp, rng)
     spin()
     write()
-    refill = _jax_reuses_freed_buffers(jnp, [(k.shape, k.dtype), (slots.shape, slots.dtype)])
-    got_k, got_v = cupy.asnumpy(kc).reshape(-1, kvh, hs), cupy.asnumpy(vc).reshape(-1, kvh, hs)
-    np.testing.assert_array_equal(got_k[slots], k)
-    np.testing.assert_array_equal(got_v[slots], v)
-    untouched = np.setdiff1d(np.arange(4 * bs), slots)
-    assert not got_k[untouched].any() and not got_v[untouched].any()
+    refill = _jax_reuses_freed_buffers(jnp, write.freed())
+    write.check()
     del refill
+
+
+def test_jax_inputs_of_a_thread_that_ends_are_held_past_it(rng):
+    """A worker thread writes JAX temporaries into a CuPy cache behind 100 ms of queued
+    work and ends before the write runs; JAX's freed buffers are then filled with -1 and
+    NaN. The write must still read the keys, values and slots it was given."""
+    jax = _jax()
+    jnp = jax.numpy
+    write = _JaxWrite(jnp, rng)
+    Spin(SLEEP_US)()  # on the null stream, which the thread's calls use too
+    worker = threading.Thread(target=write)
+    worker.start()
+    worker.join()
+    refill = _jax_reuses_freed_buffers(jnp, write.freed())
+    write.check()
+    del refill
+
+
+class _LateProducer:
+    """A DLPack producer that, asked for its array, orders its last write before the
+    consumer's stream as the protocol says: 100 ms of work on that stream, then the write
+    (``fresh`` over ``array``), so a reader not ordered after that stream sees the old
+    values."""
+
+    def __init__(self, array, fresh):
+        self.array, self.fresh = array, fresh
+
+    def __dlpack__(self, stream=None, **kw):
+        s = cupy.cuda.Stream.null if stream in (None, 1) else cupy.cuda.ExternalStream(stream)
+        with s:
+            Spin(SLEEP_US)()
+            self.array[...] = self.fresh
+        return self.array.__dlpack__(stream=stream, **kw)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_a_producers_write_precedes_a_call_on_another_stream(rng):
+    """A query from a producer that writes it on CuPy's current stream (the stream
+    cupy.from_dlpack names): a call on another stream (stream=) waits for that write,
+    and returns without synchronizing."""
+    p, new_q = _two_problems(rng)
+    args = p.device_args()
+    cupaged.paged_attention(**args)  # kernels loaded beforehand
+    cupy.cuda.get_current_stream().synchronize()
+    query = cupy.asarray(p.query)
+    side = cupy.cuda.Stream(non_blocking=True)
+    args["query"] = _LateProducer(query, cupy.asarray(new_q))
+    out = cupaged.paged_attention(**args, stream=side)
+    busy = not side.done
+    side.synchronize()
+    assert busy, "cupaged synchronized the stream"
+    p.query = new_q
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)

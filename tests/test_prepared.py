@@ -250,6 +250,38 @@ def test_outputs_over_inputs_are_refused_after_a_hit(rng, validations, entry):
 
 
 @pytest.mark.gpu
+def test_v2_scratch_over_a_cache_is_refused_after_a_hit(rng, validations):
+    """paged_attention_v2 with its scratch apart from the caches, then the same call (the
+    same scratch, a value cache of the same metadata: a remembered call) with the value
+    cache over tmp_out: refused, where the partials would overwrite values still to be
+    read."""
+    import cupy
+
+    pb = make_problem(rng, lens=(900, 30, 4), heads=4, kv_heads=2, head_size=64)
+    d = pb.device_args()
+    q, kc, vc, bt, cl = (d[n] for n in ("query", "key_cache", "value_cache", "block_tables",
+                                        "context_lens"))
+    parts = 8
+    es = cupy.empty((3, 4, parts), np.float32)
+    ml = cupy.empty_like(es)
+    n_tmp = 3 * 4 * parts * 64
+    shelf = cupy.empty(max(8 + vc.size, 2 * n_tmp), np.float16)
+    tmp = shelf[:2 * n_tmp].view(np.float32).reshape(3, 4, parts, 64)
+
+    def call(value_cache):
+        cupaged.paged_attention_v2(cupy.empty_like(q), es, ml, tmp, q, kc, value_cache, 2,
+                                   0.125, bt, cl, 16, 900)
+
+    call(vc)
+    n = validations["decode"]
+    vc2 = shelf[8:8 + vc.size].reshape(vc.shape)  # 16 bytes into tmp_out, aligned as vc
+    vc2[...] = vc
+    with pytest.raises(ValueError, match="tmp_out and value_cache overlap in memory"):
+        call(vc2)
+    assert validations["decode"] == n + 1  # validated again (and refused), not launched
+
+
+@pytest.mark.gpu
 def test_a_call_validation_refuses_is_refused_after_a_hit(rng, validations):
     """What differs from a prepared call only in a scalar's type or a pointer's alignment is
     validated afresh, and refused."""
@@ -765,6 +797,34 @@ def test_lse_over_the_query_or_out_is_refused():
         _apart(out_at=10 * _MiB, lse_at=1 * _MiB)
     with pytest.raises(ValueError, match="out and lse overlap in memory"):
         _apart(out_at=10 * _MiB, lse_at=10 * _MiB + 64)
+
+
+def test_v2_scratch_over_what_the_call_reads_is_refused_then_and_after():
+    """paged_attention_v2's buffers, keyed at their addresses: over a cache refused at
+    validation, and the pairs that repeat the check at each call cover the per-call arrays
+    (a pair of two keyed arrays is validation's alone)."""
+    from cupaged import _arrays
+
+    v = _views(_DECODE)
+    p = validation.validate_decode(v["query"], v["key_cache"], v["value_cache"],
+                                   v["block_tables"], v["context_lens"], None, None)
+    read = ((1, "key_cache", v["key_cache"]), (2, "value_cache", v["value_cache"]),
+            (3, "block_tables", v["block_tables"]), (4, "context_lens", v["context_lens"]),
+            (None, "alibi_slopes", v["alibi_slopes"]))
+    sums = _arrays.DeviceView((64,), np.float32, 3 * _MiB + 8, 0)  # inside the value cache
+    with pytest.raises(ValueError, match="exp_sums and value_cache overlap in memory"):
+        validation.outputs_apart(v["query"], None, None, read, _variants.PLAIN, p,
+                                 (("exp_sums", sums),))
+    with pytest.raises(ValueError, match="exp_sums and alibi_slopes overlap in memory"):
+        validation.outputs_apart(v["query"], None, None, read, _variants.PLAIN, p,
+                                 (("exp_sums", sums.at(6 * _MiB)),))
+    pairs = validation.outputs_apart(v["query"], None, None, read, _variants.PLAIN, p,
+                                     (("exp_sums", sums.at(12 * _MiB)),))
+    assert pairs and all(i is None and j in (1, 2, 3, 4) for i, _, _, j, _, _ in pairs)
+    prep = SimpleNamespace(q_span=(), out_bytes=0, in_place=False, disjoint=pairs)
+    base = [1 * _MiB, 2 * _MiB, 3 * _MiB, 4 * _MiB, 5 * _MiB, 0, 0, 0]
+    assert not _prepared.clashes(prep, base)
+    assert _prepared.clashes(prep, [1 * _MiB, 12 * _MiB + 64, *base[2:]])  # a cache moved over it
 
 
 def test_a_prepared_call_repeats_the_output_checks_at_each_calls_addresses():

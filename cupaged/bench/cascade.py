@@ -25,7 +25,7 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import timing
+from . import timing, workloads
 
 __all__ = ["CascadeCase", "CascadeRow", "cascade_tables", "measure", "write_csv", "write_json"]
 
@@ -76,9 +76,7 @@ class CascadeCase:
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got "
                              f"{self.kv_layout!r}")
-        for name in ("seqs", "prefix", "suffix", "heads", "kv_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        workloads.require_positive(self, "seqs", "prefix", "suffix", "heads", "kv_heads")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
                              f"({self.kv_heads})")

@@ -21,7 +21,7 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import mla
+from . import mla, workloads
 
 __all__ = ["IMPLEMENTATIONS", "PRESETS", "IndexerCase", "measure"]
 
@@ -48,9 +48,8 @@ class IndexerCase:
     arrays: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for what in ("batch", "next_n", "context", "heads", "block_size", "topk"):
-            if getattr(self, what) < 1:
-                raise ValueError(f"{what} must be at least 1, got {getattr(self, what)}")
+        workloads.require_positive(self, "batch", "next_n", "context", "heads", "block_size",
+                                   "topk")
         if self.next_n > self.context:
             raise ValueError(f"next_n ({self.next_n}) must be at most context ({self.context})")
 

@@ -26,7 +26,7 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import peers, prefill, timing
+from . import peers, prefill, timing, workloads
 
 __all__ = ["DSV3_SCALE", "IMPLEMENTATIONS", "KV_LORA_RANK", "MLACase", "PRESETS", "ROPE_DIM",
            "Row", "measure"]
@@ -76,9 +76,7 @@ class MLACase:
     refs: list = field(default_factory=list, repr=False)  # (seq, float64 out), once per case
 
     def __post_init__(self):
-        for what in ("heads", "batch", "context", "q_len", "block_size"):
-            if getattr(self, what) < 1:
-                raise ValueError(f"{what} must be at least 1, got {getattr(self, what)}")
+        workloads.require_positive(self, "heads", "batch", "context", "q_len", "block_size")
         if self.q_len > self.context:
             raise ValueError(f"context ({self.context}) counts the query tokens: at least "
                              f"q_len ({self.q_len})")

@@ -24,7 +24,7 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import mla
+from . import mla, workloads
 
 __all__ = ["IMPLEMENTATIONS", "KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
 
@@ -58,9 +58,8 @@ class SparseCase:
     refs: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
-        for what in ("heads", "batch", "s_q", "topk", "context", "block_size"):
-            if getattr(self, what) < 1:
-                raise ValueError(f"{what} must be at least 1, got {getattr(self, what)}")
+        workloads.require_positive(self, "heads", "batch", "s_q", "topk", "context",
+                                   "block_size")
         if self.topk > self.context:
             raise ValueError(f"topk ({self.topk}) must be at most context ({self.context}): "
                              f"distinct tokens")

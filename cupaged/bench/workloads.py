@@ -53,6 +53,14 @@ def random_fp8(shape, kv_cache_dtype: str, rng: np.random.Generator, xp=np):
 SINK_SEED = 1234  # the --sinks values: np.random.default_rng(SINK_SEED), one per head
 
 
+def require_positive(case, *names: str) -> None:
+    """A case's sizes ``names`` each at least 1, else a ValueError naming the first that is
+    not."""
+    for name in names:
+        if getattr(case, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(case, name)}")
+
+
 def sink_values(num_heads: int) -> np.ndarray:
     """The benchmarks' attention sinks: float32 ``[num_heads]`` standard normal values
     (natural-log units, as the logits), the same for every run (seed SINK_SEED)."""
