@@ -6,7 +6,8 @@ with the per-rank attention and the merge done by the float64 reference (the hel
 ``_attend`` and ``_merge`` hooks), against the single-process reference over the whole
 context. GPU (marked ``gpu``): the ranks are threads sharing one GPU, with the real
 kernels and an all-gather between the threads. Across GPUs with NCCL:
-``NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 tools/cp_check.py``."""
+``NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m cupaged.bench context-parallel``
+(its workload and reference are tested here)."""
 
 from __future__ import annotations
 
@@ -356,3 +357,81 @@ def test_context_parallel_kernels_match_one_gpu(world, dtype, rng, monkeypatch):
             assert err < 2e-2, (i, err)
             np.testing.assert_allclose(lse.cpu().numpy(), whole[1].cpu().numpy(), atol=2e-2,
                                        err_msg=f"case {i}")
+
+
+# ---- cupaged-bench context-parallel: its workload and its streamed reference -------------
+
+
+def test_bench_case_rows_and_tokens():
+    from cupaged.bench.context_parallel import ContextParallelCase
+
+    case = ContextParallelCase(context=40, others=(7, 3, 1), chunk=5)
+    assert case.seq_lens.tolist() == [40, 7, 3, 1]
+    assert case.prefill_q_lens.tolist() == [5, 1, 3, 1]
+    seq, pos = case.tokens(38, 51)
+    assert seq.tolist() == [0, 0] + [1] * 7 + [2] * 3 + [3] and pos[:4].tolist() == [38, 39, 0, 1]
+    seq, pos = case.rows(case.prefill_q_lens)
+    assert seq.tolist() == [0] * 5 + [1, 2, 2, 2, 3]
+    assert pos.tolist() == [35, 36, 37, 38, 39, 6, 0, 1, 2, 0]
+    for kw, msg in ((dict(chunk=50), r"chunk \(50\) must be at most context \(40\)"),
+                    (dict(heads=12), r"heads \(12\) must be a multiple of kv_heads"),
+                    (dict(others=(4, 0)), "others must be positive"),
+                    (dict(dtype="float32"), "dtype must be float16 or bfloat16"),
+                    (dict(interleave=0), "interleave")):
+        with pytest.raises(ValueError, match=msg):
+            ContextParallelCase(**{"context": 40, "chunk": 5, **kw})
+
+
+def test_streamed_reference_is_the_float64_attention(monkeypatch):
+    """The dense reference the bench checks against, on the host: chunks of 48 tokens
+    (sequences straddle them), score tiles of a few keys, rows at position 0, rows of
+    several sequences in one call, against reference.attend on the same drawn K/V."""
+    from cupaged.bench import context_parallel as cpb
+
+    monkeypatch.setattr(cpb, "CHUNK_BYTES", 48 * 2 * 8 * 4)  # 48 tokens of 2 heads of 8
+    case = cpb.ContextParallelCase(context=130, others=(3, 70, 1), chunk=9, heads=4,
+                                   kv_heads=2, head_size=8, block_size=16, seed=5)
+    assert case.chunk_tokens == 48
+    ks, vs = zip(*(cpb.draw_kv(case, c, "cpu") for c in range(-(-case.total_tokens // 48))))
+    k_all, v_all = torch.cat(ks).double().numpy(), torch.cat(vs).double().numpy()
+    monkeypatch.setattr(cpb, "MIN_TILE", 5)  # score tiles of 5 keys and more
+    seq, pos = case.rows(case.prefill_q_lens)
+    seq = np.concatenate([seq, [1, 2]])
+    pos = np.concatenate([pos, [0, 69]])
+    q = torch.randn(len(seq), 4, 8, generator=torch.Generator().manual_seed(3))
+    out, lse = cpb.streamed_reference(case, q, seq, pos)
+    off = np.concatenate([[0], np.cumsum(case.seq_lens)])
+    for i, (s, p) in enumerate(zip(seq, pos)):
+        k = k_all[off[s]:off[s] + p + 1]
+        v = v_all[off[s]:off[s] + p + 1]
+        want, want_lse = reference.attend(q[i].double().numpy(), k, v, 1 / math.sqrt(8),
+                                          return_lse=True)
+        np.testing.assert_allclose(out[i].numpy(), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse[i].numpy(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_bench_errors_name_the_worst_row():
+    from cupaged.bench.context_parallel import errors
+
+    want = torch.ones(3, 2, 4)
+    got = want.clone()
+    got[1, 0, 0] = 1.8
+    e_all, e_row = errors(got, want)
+    assert e_row == pytest.approx(0.8 / math.sqrt(8)) and e_all < e_row
+
+
+@pytest.mark.gpu
+def test_bench_context_parallel_on_one_gpu(tmp_path):
+    """`cupaged-bench context-parallel` outside torchrun: a world of one, every check
+    (the helper's steps, the graph replay and one GPU's calls against the streamed
+    reference) passing, then the timed rows."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "cupaged.bench", "context-parallel",
+                        "--context", "5000", "--chunk", "64", "--reps", "3", "--heads", "8",
+                        "--kv-heads", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    checks = [l for l in r.stdout.splitlines() if l.startswith("check ")]
+    assert len(checks) == 5 and not any("FAILED" in l for l in checks), r.stdout
+    assert "decode step, CUDA graph replay" in r.stdout and "helper beyond" in r.stdout
