@@ -286,9 +286,11 @@ class _ThreadGather:
     def __init__(self, world):
         self.world, self.sends = world, [None] * world
         self.barrier = threading.Barrier(world)
+        self.local = threading.local()  # each thread's rank
 
     def __call__(self, recv, send, group):
-        rank = group
+        assert group is None
+        rank = self.local.rank
         torch.cuda.current_stream().synchronize()
         self.sends[rank] = send
         self.barrier.wait()
@@ -341,7 +343,8 @@ def test_context_parallel_kernels_match_one_gpu(world, dtype, rng, monkeypatch):
         results = [None] * world
 
         def rank_fn(r):
-            cp = cpd.ContextParallel(r, rank=r, world_size=world, interleave=interleave)
+            gather.local.rank = r
+            cp = cpd.ContextParallel(None, rank=r, world_size=world, interleave=interleave)
             rkc, rvc, rtables, rlens = _rank_cache(cp, ks, vs, lens, q_lens, qsl, bs, decode)
             args = (qd, dev(rkc), dev(rvc), ints(rtables))
             if decode:
@@ -382,10 +385,13 @@ def test_bench_case_rows_and_tokens():
             ContextParallelCase(**{"context": 40, "chunk": 5, **kw})
 
 
-def test_streamed_reference_is_the_float64_attention(monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_reference_is_the_float64_attention(monkeypatch, dtype):
     """The dense reference the bench checks against, on the host: chunks of 48 tokens
     (sequences straddle them), score tiles of a few keys, rows at position 0, rows of
-    several sequences in one call, against reference.attend on the same drawn K/V."""
+    several sequences in one call, against reference.attend on the same drawn K/V rounded
+    to the query's dtype (as the caches hold them)."""
+    tdt = getattr(torch, dtype)
     from cupaged.bench import context_parallel as cpb
 
     monkeypatch.setattr(cpb, "CHUNK_BYTES", 48 * 2 * 8 * 4)  # 48 tokens of 2 heads of 8
@@ -393,12 +399,13 @@ def test_streamed_reference_is_the_float64_attention(monkeypatch):
                                    kv_heads=2, head_size=8, block_size=16, seed=5)
     assert case.chunk_tokens == 48
     ks, vs = zip(*(cpb.draw_kv(case, c, "cpu") for c in range(-(-case.total_tokens // 48))))
-    k_all, v_all = torch.cat(ks).double().numpy(), torch.cat(vs).double().numpy()
+    k_all = torch.cat(ks).to(tdt).double().numpy()
+    v_all = torch.cat(vs).to(tdt).double().numpy()
     monkeypatch.setattr(cpb, "MIN_TILE", 5)  # score tiles of 5 keys and more
     seq, pos = case.rows(case.prefill_q_lens)
     seq = np.concatenate([seq, [1, 2]])
     pos = np.concatenate([pos, [0, 69]])
-    q = torch.randn(len(seq), 4, 8, generator=torch.Generator().manual_seed(3))
+    q = torch.randn(len(seq), 4, 8, generator=torch.Generator().manual_seed(3)).to(tdt)
     out, lse = cpb.streamed_reference(case, q, seq, pos)
     off = np.concatenate([[0], np.cumsum(case.seq_lens)])
     for i, (s, p) in enumerate(zip(seq, pos)):

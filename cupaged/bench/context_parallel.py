@@ -177,7 +177,8 @@ def cache_for(case: ContextParallelCase, cp, device):
 def streamed_reference(case: ContextParallelCase, query, row_seq, row_pos):
     """Causal attention of ``query`` ``[rows, heads, head_size]`` (row i a query of
     sequence ``row_seq[i]`` at position ``row_pos[i]``, seeing that sequence's keys at
-    positions up to it) over the case's K/V drawn again chunk by chunk: float32 scores
+    positions up to it) over the case's K/V drawn again chunk by chunk and rounded to
+    the query's dtype, as the caches hold them: float32 scores
     and products (TF32 off) merged by an online softmax whose sums are float64.
     Returns ``(out float64 [rows, heads, head_size], lse float64 [rows, heads])``,
     natural log, the scale 1/sqrt(head_size) applied."""
@@ -202,7 +203,8 @@ def streamed_reference(case: ContextParallelCase, query, row_seq, row_pos):
             wanted = [s for s in np.unique(seq).tolist() if s in by_seq]
             if not wanted:
                 continue
-            kf, vf = draw_kv(case, c, dev)
+            # the values the cache holds: rounded to the case's dtype
+            kf, vf = (x.to(query.dtype).float() for x in draw_kv(case, c, dev))
             for s in wanted:
                 keys = np.flatnonzero(seq == s)
                 lo, hi = int(keys[0]), int(keys[-1]) + 1
