@@ -243,8 +243,11 @@ def errors(got, want) -> tuple[float, float]:
 
 
 # A result row's error bounds: the kernels round P and the output to 16 bits (relative
-# 2^-9 and 2^-8), their sums are float32; |lse - lse_ref| relative to max(1, |lse_ref|).
-OUT_TOL, LSE_TOL = 2e-2, 1e-3
+# 2^-9 and 2^-8), their sums are float32. |lse - lse_ref| relative to max(1, |lse_ref|):
+# the decode kernel's softmax sum adds the rounded P that its P V uses (the output is
+# normalized by exactly its weights), so a row over few keys has an lse off by up to about
+# 2^-9 (the test suite's bound, tests/test_variants.py's TOL_LSE).
+OUT_TOL, LSE_TOL = 2e-2, 2e-3
 
 
 @dataclass(frozen=True)
