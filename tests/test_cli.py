@@ -10,7 +10,7 @@ from cupaged.bench.cli import main
 from conftest import HAVE_GPU
 
 COMMANDS = ["info", "compile", "decode", "compare", "prefill", "mla", "cascade", "e2e",
-            "overhead", "cache-ops"]
+            "overhead", "cache-ops", "context-parallel"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -83,6 +83,10 @@ def test_decode_without_gpu_exits_nonzero():
     (["cascade", "--dtype", "int8"], "unknown dtype"),
     (["cascade", "--kv-layout", "nhd"], "Invalid value for '--kv-layout'"),
     (["cascade", "--suffix", "0"], "Invalid value for '--suffix'"),
+    (["context-parallel", "--context", "100", "--chunk", "200"],
+     "chunk (200) must be at most context (100)"),
+    (["context-parallel", "--heads", "12"], "heads (12) must be a multiple of kv_heads (8)"),
+    (["context-parallel", "--others", "5,0"], "others must be positive lengths"),
     (["mla", "--preset", "dsv3-671b"], "Invalid value for '--preset'"),
     (["mla", "--impl", "flashinfer-fa4"], "Invalid value for '--impl'"),
     (["mla", "--impl", "flashinfer"], "'cupaged', 'cupaged-mma', 'cupaged-sm90', 'flashinfer-fa2', 'flashinfer-fa3'"),

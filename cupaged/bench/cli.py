@@ -828,6 +828,105 @@ def indexer(presets, steps, topk, reps):
     _mla_table(cases, lambda bw: ix.measure(cases, steps, reps, bw))
 
 
+# ---- context parallel ------------------------------------------------------------------------------
+
+
+@main.command("context-parallel")
+@click.option("--context", type=click.IntRange(1), default=100_000, show_default=True,
+              help="Tokens of the long sequence.")
+@click.option("--others", callback=_int_list, default="3000,5,1", show_default=True,
+              help="The other sequences' lengths (positive).")
+@click.option("--chunk", type=click.IntRange(1), default=None,
+              help="The long sequence's query rows in the chunked-prefill step (default 512, "
+                   "or the context if shorter).")
+@click.option("--heads", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--head-size", type=int, default=128, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--interleave", type=click.IntRange(1), default=16, show_default=True,
+              help="Tokens per placement unit (ContextParallel's interleave).")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="bfloat16",
+              show_default=True)
+@click.option("--one-gpu/--no-one-gpu", default=None,
+              help="Also check and time one GPU's call over a cache of the whole context "
+                   "(default: where it fits beside each rank's part).")
+@click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
+@click.option("--seed", type=int, default=0)
+def context_parallel(context, others, chunk, heads, kv_heads, head_size, block_size,
+                     interleave, dtype, one_gpu, reps, seed):
+    """One long context over the GPUs of a torchrun job, through
+    cupaged.distributed.ContextParallel (NCCL): run it as
+    `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node N -m cupaged.bench context-parallel`
+    (without torchrun: one GPU, a world of one). Each rank fills its paged cache with the
+    tokens it owns; a decode step, a chunked-prefill step and a graph-replayed decode step
+    are checked against a dense float32 reference that draws the K/V again chunk by chunk
+    (so a context that fits only across the GPUs is checked too), and, where the whole
+    context fits one GPU, one GPU's cupaged.attention likewise. Then each step is timed
+    (CUDA events, L2 flushed; the slowest rank's median beside rank 0's), with this GPU's
+    attention alone: the step's time beyond it is the helper's (all-gather and merge). %
+    copy: the cache bytes one GPU reads against the copy bandwidth. Exit status 1 when a
+    check failed."""
+    from . import context_parallel as cpb
+    from . import peers, timing
+
+    try:
+        chunk = min(512, context) if chunk is None else chunk
+        case = cpb.ContextParallelCase(context, tuple(others or ()), chunk, heads, kv_heads,
+                                       head_size, block_size, interleave, dtype, seed)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    _require_gpu()
+    torch = peers.import_torch()
+    if torch is None:
+        click.echo("context-parallel needs torch (torch.distributed)", err=True)
+        sys.exit(2)
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # a world of one on this process's GPU
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    # NVLink multicast can take a shared host's GPUs out of service: off unless asked for
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL binds one
+    import cupy
+
+    cupy.cuda.Device(torch.cuda.current_device()).use()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    echo = click.echo if rank == 0 else (lambda *a, **k: None)
+    try:
+        bw = timing.copy_bandwidth()
+        echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (rank 0, same run); {world} GPUs: "
+             f"{torch.cuda.get_device_name()}")
+        echo(case.describe())
+        checks, rows = cpb.measure(case, reps, one_gpu, echo)
+        if rows:
+            echo(f"{'step':54s} {'GPUs':>4s} {'median us':>10s} {'slowest rank':>13s} "
+                 f"{'GiB a GPU':>9s} {'% copy':>7s}")
+        for r in rows:
+            pct = (f"{100 * r.bytes_read / (r.slowest_us * 1e-6) / bw:6.1f}%"
+                   if r.what.startswith("decode") else f"{'-':>7s}")
+            echo(f"{r.what:54s} {r.gpus:4d} {r.median_us:10.1f} {r.slowest_us:13.1f} "
+                 f"{r.bytes_read / 2**30:9.2f} {pct}")
+        by = {r.what: r for r in rows}
+        alone = by.get("decode: this GPU's attention alone (part of the step)")
+        for what in ("decode step: attention + all-gather + merge",
+                     "decode step, CUDA graph replay"):
+            if alone and what in by:
+                echo(f"helper beyond the attention, {what.split(':')[0]}"
+                     f"{' (graph)' if 'graph' in what else ''}: "
+                     f"{by[what].slowest_us - alone.slowest_us:.1f} us (slowest ranks)")
+        failed = not all(c[-1] for c in checks)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
 # ---- cascade attention ------------------------------------------------------------------------------
 
 
