@@ -37,7 +37,7 @@ namespace cupaged {
 
 constexpr int kIndexerDim = 128;   // the indexer's head_dim (DeepSeek-V3.2's)
 constexpr int kIndexerTile = 64;   // keys a tile
-constexpr int kIndexerChunk = 512; // columns a CTA
+constexpr int kIndexerChunk = 1024; // columns a CTA
 
 template <typename T, int HEADS, int ROWS>
 struct IndexerGeometry {
