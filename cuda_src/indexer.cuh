@@ -15,12 +15,17 @@
 //   out      [rows, width] float32
 //
 // Work split: one CTA per (group of up to ROWS rows of one sequence, chunk of kChunk
-// columns); HEADS / 16 warps, warp w the heads 16 w .. 16 w + 15 of S = Q K^T over
-// 64-token tiles (its Q fragments, every row's, loaded once). The rows of a group share
-// each tile's copy and widening (a sequence's next_n query tokens read the same keys).
-// A tile's keys land by cp.async in a ring of two raw stages and are widened to T (exact:
-// e4m3 values are all representable) before the products; each column's sum over heads
-// is reduced in the warp, then over the warps in shared memory, and scaled by the key's
+// columns); HEADS / 16 warps, warp w the heads 16 w .. 16 w + 15 of S^T = K Q^T over
+// 64-token tiles, keys as the mma's M (16 a fragment) and heads as its N (its Q
+// fragments, every row's, loaded once). The rows of a group share each tile's copy,
+// widening and key fragments (a sequence's next_n query tokens read the same keys).
+// The products run in float16 whatever T is: a tile's keys land by cp.async in a ring of
+// two raw stages and are widened to float16 (one conversion a pair; exact: e4m3 values
+// are all representable), and a bfloat16 query is scaled by a power of two into
+// float16's range (exact but for values below 2^-31 of the warp's largest, far below
+// the fp32 sums' rounding), its inverse joining the weights. A thread's accumulators
+// hold two keys and two heads of each 8, so a column's sum over the warp's heads is two
+// shuffles; over the warps it goes through shared memory, then is scaled by the key's
 // scale (positive, so relu commutes with it). A block id outside the cache is never
 // dereferenced: its columns come back NaN.
 #pragma once
@@ -32,7 +37,7 @@ namespace cupaged {
 
 constexpr int kIndexerDim = 128;   // the indexer's head_dim (DeepSeek-V3.2's)
 constexpr int kIndexerTile = 64;   // keys a tile
-constexpr int kIndexerChunk = 512; // columns a CTA
+constexpr int kIndexerChunk = 1024; // columns a CTA
 
 template <typename T, int HEADS, int ROWS>
 struct IndexerGeometry {
@@ -100,8 +105,8 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
   const int n_tiles = (key_end - col0 + TILE - 1) / TILE;
   const int* bt_row = block_tables + seq * bt_stride;
 
-  // The rows' queries (HEADS x 128 each) into shared memory, with the first tile's copies
-  // (a group's missing second row, zeros).
+  // The rows' queries (HEADS x 128 each) into shared memory (a group's missing second
+  // row, zeros), a copy group ahead of the first tile's.
   for (int u = tid; u < ROWS * HEADS * (D / 8); u += Geo::kThreads) {
     const int r = u / (HEADS * (D / 8)), h = u / (D / 8) % HEADS, c = u % (D / 8);
     const bool real = r < nrows;
@@ -135,81 +140,135 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
     }
   };
 
+  cp_async_commit();
   load_tile(0, 0);
   cp_async_commit();
-  float w0[ROWS], w1[ROWS];  // this lane's two heads' weights, each row's
+  // This lane's weights, each row's: heads 16 w + 8 nt + 2 (lane % 4) + j of the N tiles
+  // nt (times the inverse of the row's query scale, below).
+  float wt[ROWS][2][2];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int wr = row0 + min(r, nrows - 1);
-    w0[r] = weights[wr * w_stride + 16 * warp + (lane >> 2)];
-    w1[r] = weights[wr * w_stride + 16 * warp + (lane >> 2) + 8];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        wt[r][nt][j] = weights[wr * w_stride + 16 * warp + 8 * nt + 2 * (lane & 3) + j];
+      }
+    }
   }
-  unsigned qa[ROWS][D / 16][4];
+  // Q^T as the B operand, float16: qb[r][kk] holds both N tiles' registers of k-step kk.
+  unsigned qb[ROWS][D / 16][4];
+  cp_async_wait<1>();
+  __syncthreads();  // the query landed (the first tile may still be in flight)
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      ldmatrix_x4(qb[r][kk], q_s + (r * HEADS + 16 * warp + (lane & 7) + (lane >> 4) * 8) *
+                                      ROW + kk * 16 + ((lane >> 3) & 1) * 8);
+    }
+    if constexpr (!is_same<T, half_t>::value) {
+      // 2^s takes the warp's largest finite magnitude into [2^14, 2^15); none (all
+      // zeros, or no finite value) keeps s = 0
+      float amax = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float lo, hi;
+          unpack2(qb[r][kk][i], lo, hi, T{});
+          lo = fabsf(lo);
+          hi = fabsf(hi);
+          if (lo < __int_as_float(0x7f800000)) amax = fmaxf(amax, lo);
+          if (hi < __int_as_float(0x7f800000)) amax = fmaxf(amax, hi);
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+      const int biased = static_cast<int>(__float_as_uint(amax) >> 23);
+      const int sh = amax > 0.f ? min(141 - biased, 100) : 0;  // in [-113, 100]
+      const float mul = __int_as_float((127 + sh) << 23);  // 2^sh and 2^-sh: normal
+      const float inv = __int_as_float((127 - sh) << 23);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float lo, hi;
+          unpack2(qb[r][kk][i], lo, hi, T{});
+          qb[r][kk][i] = pack2<half_t>(lo * mul, hi * mul);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wt[r][nt][j] *= inv;
+      }
+    }
+  }
   for (int it = 0; it < n_tiles; ++it) {
     const int stage = it & 1;
     cp_async_wait<0>();
-    __syncthreads();  // tile it (and the query) landed; every read of tile it - 1 is done
+    __syncthreads();  // tile it landed; every read of tile it - 1 is done
     // the next tile flies during this one's work (its stage's flags and scales were last
     // read before the barrier above)
     if (it + 1 < n_tiles) load_tile(it + 1, stage ^ 1);
     cp_async_commit();
-    if (it == 0) {
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          ldmatrix_x4(qa[r][kk], q_s + (r * HEADS + 16 * warp + (lane & 7) +
-                                        ((lane >> 3) & 1) * 8) * ROW +
-                                     kk * 16 + (lane >> 4) * 8);
-        }
-      }
-    }
-    // widen the tile to T: 16 e4m3 values a chunk, zeros staying zeros
+    // widen the tile to float16: 8 e4m3 values a thread a step (8 threads write 128
+    // contiguous bytes: no bank conflict), zeros staying zeros
     const unsigned char* raw = smem + Geo::kOffRaw + stage * TILE * D;
-    for (int u = tid; u < TILE * (D / 16); u += Geo::kThreads) {
-      const int k = u / (D / 16), c = u % (D / 16);
-      uint4 lo, hi;
-      widen16<T, fp8_e4m3_t>(*reinterpret_cast<const uint4*>(raw + k * D + c * 16), lo, hi);
-      *reinterpret_cast<uint4*>(wide_s + k * ROW + c * 16) = lo;
-      *reinterpret_cast<uint4*>(wide_s + k * ROW + c * 16 + 8) = hi;
+    for (int u = tid; u < TILE * (D / 8); u += Geo::kThreads) {
+      const int k = u / (D / 8), c = u % (D / 8);
+      const uint2 v = *reinterpret_cast<const uint2*>(raw + k * D + c * 8);
+      uint4 w;
+      w.x = fp8x2_to<half_t, fp8_e4m3_t>(v.x & 0xffffu);
+      w.y = fp8x2_to<half_t, fp8_e4m3_t>(v.x >> 16);
+      w.z = fp8x2_to<half_t, fp8_e4m3_t>(v.y & 0xffffu);
+      w.w = fp8x2_to<half_t, fp8_e4m3_t>(v.y >> 16);
+      *reinterpret_cast<uint4*>(wide_s + k * ROW + c * 8) = w;
     }
     __syncthreads();  // the widened tile is complete
 
+    // relu keeps a NaN, as the reference's and torch's do: fmaxf would drop it, and top-k
+    // could then pick its column
     auto relu = [](float x) { return x < 0.f ? 0.f : x; };
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (r >= nrows) break;  // (the same for the whole CTA)
-      // S for this warp's 16 heads x 64 keys of row r
-      float s[TILE / 8][4] = {};
+#pragma unroll 1
+    for (int mt = 0; mt < TILE / 16; ++mt) {
+      // S^T for 16 keys x this warp's 16 heads, each row's
+      float s[ROWS][2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned ka[4];
+        ldmatrix_x4(ka, wide_s + (mt * 16 + (lane & 15)) * ROW + kk * 16 + (lane >> 4) * 8);
 #pragma unroll
-        for (int np = 0; np < TILE / 16; ++np) {
-          unsigned kb[4];
-          ldmatrix_x4(kb, wide_s + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + kk * 16 +
-                              ((lane >> 3) & 1) * 8);
-          const unsigned b0[2] = {kb[0], kb[1]};
-          const unsigned b1[2] = {kb[2], kb[3]};
-          mma_16816<T>(s[2 * np], qa[r][kk], b0);
-          mma_16816<T>(s[2 * np + 1], qa[r][kk], b1);
+        for (int r = 0; r < ROWS; ++r) {
+          if (r >= nrows) break;  // (the same for the whole CTA)
+          const unsigned b0[2] = {qb[r][kk][0], qb[r][kk][1]};
+          const unsigned b1[2] = {qb[r][kk][2], qb[r][kk][3]};
+          mma_16816<half_t>(s[r][0], ka, b0);
+          mma_16816<half_t>(s[r][1], ka, b1);
         }
       }
-      // each column's sum over this warp's heads: w * relu(s) over the lane's two rows,
-      // then over the eight lanes that share its columns (relu keeps a NaN, as the
-      // reference's and torch's do: fmaxf would drop it, and top-k could then pick its
-      // column)
+      // keys mt * 16 + lane / 4 (accumulators 0, 1) and that + 8 (2, 3): w * relu(s) over
+      // the lane's heads, then over the four lanes that share its keys
 #pragma unroll
-      for (int n = 0; n < TILE / 8; ++n) {
-        float c0 = w0[r] * relu(s[n][0]) + w1[r] * relu(s[n][2]);
-        float c1 = w0[r] * relu(s[n][1]) + w1[r] * relu(s[n][3]);
+      for (int r = 0; r < ROWS; ++r) {
+        if (r >= nrows) break;
+        float ca = 0.f, cb = 0.f;
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          c0 += __shfl_xor_sync(~0u, c0, o);
-          c1 += __shfl_xor_sync(~0u, c1, o);
+        for (int nt = 0; nt < 2; ++nt) {
+          ca += wt[r][nt][0] * relu(s[r][nt][0]) + wt[r][nt][1] * relu(s[r][nt][1]);
+          cb += wt[r][nt][0] * relu(s[r][nt][2]) + wt[r][nt][1] * relu(s[r][nt][3]);
         }
-        if (lane < 4) {
-          red_s[(r * Geo::kWarps + warp) * TILE + n * 8 + 2 * lane] = c0;
-          red_s[(r * Geo::kWarps + warp) * TILE + n * 8 + 2 * lane + 1] = c1;
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+          ca += __shfl_xor_sync(~0u, ca, o);
+          cb += __shfl_xor_sync(~0u, cb, o);
+        }
+        if ((lane & 3) == 0) {
+          float* red = red_s + (r * Geo::kWarps + warp) * TILE + mt * 16 + (lane >> 2);
+          red[0] = ca;
+          red[8] = cb;
         }
       }
     }

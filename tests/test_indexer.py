@@ -108,8 +108,11 @@ def test_out_must_not_overlap_what_is_read(call):
 
 
 def test_the_width_is_bounded_by_the_grid(call):
-    with pytest.raises(ValueError, match="max_seq_len 40000000 is past the 33553920 columns"):
-        call(max_seq_len=40_000_000)
+    from cupaged import _checks, indexer
+
+    limit = _checks.MAX_GRID_YZ * indexer.CHUNK
+    with pytest.raises(ValueError, match=f"max_seq_len {limit + 1} is past the {limit} columns"):
+        call(max_seq_len=limit + 1)
 
 
 def test_the_launch_gets_each_rows_stride(monkeypatch):
@@ -209,14 +212,33 @@ def check(got, ref):
 @pytest.mark.parametrize("next_n, block_size", [(1, 64), (2, 16), (1, 4), (2, 256), (3, 32),
                                                (5, 64)])
 def test_logits_match_the_reference(rng, dtype, heads, next_n, block_size):
-    """Contexts of 0 to 1,100 tokens (one row without keys, block boundaries), a width past
-    every context: -inf beyond each row's last key and in every unseen column. next_n 2 and
-    more: a CTA takes a sequence's rows in pairs (3 and 5: a last row alone)."""
-    lens = [0, 1, 63, 64, 65, 513, 1100] if next_n == 1 else \
-        [next_n, next_n + 1, 63, 64, 65, 513, 1100]
+    """Contexts of 0 to 2,100 tokens (one row without keys, block boundaries, three CTAs'
+    chunks of columns), a width past every context: -inf beyond each row's last key and
+    in every unseen column. next_n 2 and more: a CTA takes a sequence's rows in pairs (3
+    and 5: a last row alone)."""
+    lens = [0, 1, 63, 64, 65, 513, 1100, 2100] if next_n == 1 else \
+        [next_n, next_n + 1, 63, 64, 65, 513, 1100, 2100]
     h = problem(rng, lens, next_n, heads, block_size, dtype)
-    width = 1200
+    width = 2200
     check(run(h, width), want(h, width))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+def test_queries_of_any_finite_magnitude(rng, dtype):
+    """The products run in float16: a bfloat16 query is scaled by a power of two per row
+    and warp of heads into float16's range, the inverse folded into the weights. Rows of
+    query magnitudes 2^100, 2^-100 and 1 (bfloat16; float16 takes 2^10, 2^-10 and 1), and
+    one row whose heads span 2^-12 to 2^12, each against the reference to the row's
+    largest logit."""
+    h = problem(rng, [300, 300, 300, 300], 1, 64, 64, dtype)
+    big = 10 if dtype == np.float16 else 100
+    q = h["q"].astype(np.float32)
+    q[0] *= 2.0 ** big
+    q[1] *= 2.0 ** -big
+    q[3] *= 2.0 ** np.linspace(-12, 12, 64, dtype=np.float32)[:, None]
+    h["q"] = q.astype(dtype)
+    check(run(h, 512), want(h, 512))
 
 
 @pytest.mark.gpu
