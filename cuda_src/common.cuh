@@ -244,6 +244,14 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+// s such that 2^s takes amax, a largest finite magnitude, into [2^14, 2^15): a 16-bit
+// query's place in float16's range for float16 products (0 for amax 0; at most 100, so
+// amax's below 2^-59 are scaled by 2^100 only; at least -113).
+__device__ __forceinline__ int float16_range_shift(float amax) {
+  const int biased = static_cast<int>(__float_as_uint(amax) >> 23);  // amax >= 0, finite
+  return amax > 0.f ? min(141 - biased, 100) : 0;
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }

@@ -170,24 +170,21 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
     }
     if constexpr (!is_same<T, half_t>::value) {
       // 2^s takes the warp's largest finite magnitude into [2^14, 2^15); none (all
-      // zeros, or no finite value) keeps s = 0
-      float amax = 0.f;
+      // zeros, or no finite value) keeps s = 0. Magnitudes compared as bfloat16 bit
+      // patterns, both halves at once (Inf and NaN, 0x7f80 and up, dropped).
+      unsigned mag = 0u;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float lo, hi;
-          unpack2(qb[r][kk][i], lo, hi, T{});
-          lo = fabsf(lo);
-          hi = fabsf(hi);
-          if (lo < __int_as_float(0x7f800000)) amax = fmaxf(amax, lo);
-          if (hi < __int_as_float(0x7f800000)) amax = fmaxf(amax, hi);
+          const unsigned m = qb[r][kk][i] & 0x7fff7fffu;
+          mag = __vmaxu2(mag, m & __vcmpltu2(m, 0x7f807f80u));
         }
       }
+      float amax = __uint_as_float(max(mag & 0xffffu, mag >> 16) << 16);
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-      const int biased = static_cast<int>(__float_as_uint(amax) >> 23);
-      const int sh = amax > 0.f ? min(141 - biased, 100) : 0;  // in [-113, 100]
+      const int sh = float16_range_shift(amax);  // in [-113, 100]
       const float mul = __int_as_float((127 + sh) << 23);  // 2^sh and 2^-sh: normal
       const float inv = __int_as_float((127 - sh) << 23);
 #pragma unroll

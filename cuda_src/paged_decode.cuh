@@ -509,8 +509,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
       // amax = 1.m * 2^(E - 127): 2^(141 - E) takes it into [2^14, 2^15). All zeros (or
       // no finite value) keep s = 0.
-      const int biased = static_cast<int>(__float_as_uint(amax) >> 23);  // amax >= 0, finite
-      const int sh = amax > 0.f ? min(141 - biased, 100) : 0;
+      const int sh = float16_range_shift(amax);
       q_mul = ldexpf(1.f, sh);
       score_scale = ldexpf(score_scale, -sh);
     }
