@@ -417,6 +417,63 @@ def test_streamed_reference_is_the_float64_attention(monkeypatch, dtype):
         np.testing.assert_allclose(lse[i].numpy(), want_lse, rtol=1e-6, atol=1e-6)
 
 
+def test_bench_sampled_positions():
+    from cupaged.bench import context_parallel as cpb
+
+    case = cpb.ContextParallelCase(context=100_000, others=(150, 5), chunk=8, interleave=16)
+    rng = np.random.default_rng(0)
+    long = cpb.sampled_positions(case, 0, rng)
+    assert (long[:64] == np.arange(64)).all() and (long[-64:] == np.arange(99_936, 100_000)).all()
+    assert 128 < len(long) <= 128 + cpb.SAMPLED and (np.diff(long) > 0).all()
+    assert (cpb.sampled_positions(case, 1, rng) == np.arange(150)).all()
+    assert (cpb.sampled_positions(case, 2, rng) == np.arange(5)).all()
+    with pytest.raises(ValueError, match=r"chunk \(20000\) must be at most context \(100000\) "
+                                         r"and 16384"):
+        cpb.ContextParallelCase(context=100_000, chunk=20_000)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_bench_placement_check_reads_what_was_drawn(monkeypatch, rank):
+    """A rank's cache written from the drawn K/V (host stand-in for cache_for): no token
+    differs; the same cache with two of a sequence's blocks swapped in its table, or one
+    slot overwritten, differs where it should."""
+    from cupaged.bench import context_parallel as cpb
+
+    monkeypatch.setattr(cpb, "CHUNK_BYTES", 64 * 2 * 8 * 4)  # 64 tokens a chunk
+    case = cpb.ContextParallelCase(context=700, others=(90, 3), chunk=8, heads=4, kv_heads=2,
+                                   head_size=8, block_size=4, interleave=8)
+    cp = cpd.ContextParallel(rank=rank, world_size=2, interleave=8)
+    chunks = -(-case.total_tokens // case.chunk_tokens)
+    k_all = torch.cat([cpb.draw_kv(case, c, "cpu")[0] for c in range(chunks)]).bfloat16()
+    v_all = torch.cat([cpb.draw_kv(case, c, "cpu")[1] for c in range(chunks)]).bfloat16()
+    local = cp.local_lens(case.seq_lens)
+    nb = -(-local // 4)
+    perm = np.random.default_rng(1).permutation(int(nb.sum()) + 1)
+    tables = np.zeros((3, int(nb.max())), np.int32)
+    at = 0
+    for s_, n in enumerate(nb):
+        tables[s_, :n] = perm[at:at + n]
+        at += n
+    kc = torch.full((int(nb.sum()) + 1, 4, 2, 8), math.nan, dtype=torch.bfloat16)
+    vc = kc.clone()
+    seq, pos = case.tokens(0, case.total_tokens)
+    mine = np.flatnonzero(cp.owner(pos) == rank)
+    k = cp.local_index(pos[mine])
+    blk = torch.as_tensor(tables[seq[mine], k // 4].astype(np.int64))
+    off = torch.as_tensor(k % 4)
+    kc[blk, off] = k_all[mine]
+    vc[blk, off] = v_all[mine]
+    cache = lambda t: (kc, vc, torch.from_numpy(t), None)  # noqa: E731
+    read, differ = cpb.placement_mismatches(case, cp, cache(tables))
+    assert read > 100 and differ == 0
+    swapped = tables.copy()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]
+    assert cpb.placement_mismatches(case, cp, cache(swapped))[1] == 8  # two blocks of 4
+    if rank == 0:  # (the third sequence's 3 tokens are all rank 0's)
+        vc[tables[2, 0], 0, 1, 3] += 1.0  # one value of its first token
+        assert cpb.placement_mismatches(case, cp, cache(tables))[1] == 1
+
+
 def test_bench_errors_name_the_worst_row():
     from cupaged.bench.context_parallel import errors
 
@@ -440,5 +497,6 @@ def test_bench_context_parallel_on_one_gpu(tmp_path):
                         "--kv-heads", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     checks = [l for l in r.stdout.splitlines() if l.startswith("check ")]
-    assert len(checks) == 5 and not any("FAILED" in l for l in checks), r.stdout
+    assert len(checks) == 10 and not any("FAILED" in l for l in checks), r.stdout
+    assert "placement: " in checks[0] and "0 differ" in checks[0]
     assert "decode step, CUDA graph replay" in r.stdout and "helper beyond" in r.stdout

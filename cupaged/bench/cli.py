@@ -834,15 +834,16 @@ def indexer(presets, steps, topk, reps):
 @main.command("context-parallel")
 @click.option("--context", type=click.IntRange(1), default=100_000, show_default=True,
               help="Tokens of the long sequence.")
-@click.option("--others", callback=_int_list, default="3000,5,1", show_default=True,
-              help="The other sequences' lengths (positive).")
-@click.option("--chunk", type=click.IntRange(1), default=None,
+@click.option("--others", callback=_int_list, default="3000,300,5,1", show_default=True,
+              help="The other sequences' lengths, comma-separated, each at least 1 (the "
+                   "third is the prefill step's first chunk).")
+@click.option("--chunk", type=click.IntRange(1, 16384), default=None,
               help="The long sequence's query rows in the chunked-prefill step (default 512, "
                    "or the context if shorter).")
 @click.option("--heads", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--head-size", type=int, default=128, show_default=True)
-@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--head-size", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--block-size", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--interleave", type=click.IntRange(1), default=16, show_default=True,
               help="Tokens per placement unit (ContextParallel's interleave).")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="bfloat16",
@@ -851,21 +852,24 @@ def indexer(presets, steps, topk, reps):
               help="Also check and time one GPU's call over a cache of the whole context "
                    "(default: where it fits beside each rank's part).")
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
-@click.option("--seed", type=int, default=0)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 def context_parallel(context, others, chunk, heads, kv_heads, head_size, block_size,
                      interleave, dtype, one_gpu, reps, seed):
     """One long context over the GPUs of a torchrun job, through
     cupaged.distributed.ContextParallel (NCCL): run it as
     `NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node N -m cupaged.bench context-parallel`
     (without torchrun: one GPU, a world of one). Each rank fills its paged cache with the
-    tokens it owns; a decode step, a chunked-prefill step and a graph-replayed decode step
-    are checked against a dense float32 reference that draws the K/V again chunk by chunk
-    (so a context that fits only across the GPUs is checked too), and, where the whole
-    context fits one GPU, one GPU's cupaged.attention likewise. Then each step is timed
-    (CUDA events, L2 flushed; the slowest rank's median beside rank 0's), with this GPU's
-    attention alone: the step's time beyond it is the helper's (all-gather and merge). %
-    copy: the cache bytes one GPU reads against the copy bandwidth. Exit status 1 when a
-    check failed."""
+    tokens it owns and reads sampled ones back bit for bit; a decode step, a
+    chunked-prefill step and a graph-replayed decode step are checked against a dense
+    reference (float32 over tiles of keys, float64 across them) that draws the K/V again
+    chunk by chunk (so a context that fits only across the GPUs is checked too), and,
+    where the whole context fits one GPU beside a rank's part, one GPU's
+    cupaged.attention likewise. Then each step is timed (CUDA events, L2 flushed; the
+    slowest rank's median beside rank 0's), with this GPU's attention alone: the step's
+    time beyond it is the helper's (all-gather and merge); the timed calls' results are
+    checked after. % copy: the cache bytes one GPU reads against the copy bandwidth. The
+    prefill step includes the helper's host work and uploads of its plan. Exit status 1
+    when a check failed, 3 when the caches do not fit the GPUs' memory."""
     from . import context_parallel as cpb
     from . import peers, timing
 
@@ -904,7 +908,11 @@ def context_parallel(context, others, chunk, heads, kv_heads, head_size, block_s
         echo(f"copy bandwidth {bw / 1e9:.0f} GB/s (rank 0, same run); {world} GPUs: "
              f"{torch.cuda.get_device_name()}")
         echo(case.describe())
-        checks, rows = cpb.measure(case, reps, one_gpu, echo)
+        try:
+            checks, rows = cpb.measure(case, reps, one_gpu, echo)
+        except cpb.DoesNotFit as e:
+            echo(f"SKIPPED: {e}")
+            sys.exit(3)
         if rows:
             echo(f"{'step':54s} {'GPUs':>4s} {'median us':>10s} {'slowest rank':>13s} "
                  f"{'GiB a GPU':>9s} {'% copy':>7s}")

@@ -2,23 +2,27 @@
 through :class:`cupaged.distributed.ContextParallel`, checked, then timed per step.
 
 A case is a batch of sequences: a long one of ``context`` tokens and a few short ones
-(``others``; by default one longer than a placement unit, one shorter than the world's
-units, one of a single token). Their keys and values are standard normal values drawn
+(``others``; by default 3000 tokens, 300 (the prefill step's first chunk, over many
+placement units), 5 (shorter than the world's units) and 1). Their keys and values are standard normal values drawn
 chunk by chunk from generators seeded by the chunk's index, so any GPU can draw any
 token's K/V again without storing them: each rank fills its own paged cache with the
 tokens it owns (its blocks scattered at random, unwritten slots NaN), and the reference
 draws them all again.
 
-The reference (:func:`streamed_reference`) is dense float32 attention over those drawn
-chunks, merged by an online softmax kept in float64: independent of cupaged's kernels
-and of the helper's split, and it never holds the whole context, so it checks a context
-whose cache fits only across the GPUs. Where the whole context does fit one GPU too, one
+The reference (:func:`streamed_reference`) is dense float32 attention over score tiles of
+those drawn chunks, merged across tiles by an online softmax kept in float64:
+independent of cupaged's kernels and of the helper's split, and it never holds the whole
+context, so it checks a context whose cache fits only across the GPUs. Before it, each
+rank reads back sampled tokens of its cache (every sequence's first and last placement
+units, some in between) through its tables and compares them bit for bit with the drawn
+values: a misplaced block moves a long row's output by less than the bound. Where the whole context does fit one GPU too, one
 GPU's :func:`cupaged.attention` over a cache of all of it is checked against the same
 reference and timed beside the helper.
 
 Steps: a decode step (one row a sequence), a chunked-prefill step (the long sequence's
 last ``chunk`` tokens, one row of the second, all of the third: a first chunk, one row of
-the fourth), and the decode step captured in a CUDA graph and replayed with a new query.
+each other), and the decode step captured in a CUDA graph and replayed with a new query.
+The calls timed are checked again after their timing.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ __all__ = ["ContextParallelCase", "cache_for", "draw_kv", "streamed_reference"]
 # float32 bytes of K (or V) drawn at once; the reference's score tiles stay within it too.
 CHUNK_BYTES = 256 << 20
 MIN_TILE = 256  # keys a score tile of the reference has at least
+MAX_CHUNK = 16384  # prefill rows of the long sequence (the reference's sums are rows x heads x dims)
+SAMPLED = 64  # tokens a sequence's placement check reads between its first and last units
 
 
 @dataclass
@@ -42,7 +48,7 @@ class ContextParallelCase:
     """The workload (see the module). ValueError for shapes the calls cannot take."""
 
     context: int = 100_000
-    others: tuple = (3000, 5, 1)
+    others: tuple = (3000, 300, 5, 1)
     chunk: int = 512
     heads: int = 64
     kv_heads: int = 8
@@ -62,8 +68,9 @@ class ContextParallelCase:
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
                              f"({self.kv_heads})")
-        if self.chunk > self.context:
-            raise ValueError(f"chunk ({self.chunk}) must be at most context ({self.context})")
+        if self.chunk > min(self.context, MAX_CHUNK):
+            raise ValueError(f"chunk ({self.chunk}) must be at most context ({self.context}) "
+                             f"and {MAX_CHUNK}")
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"dtype must be float16 or bfloat16, got {self.dtype!r}")
         self._offsets = np.concatenate([[0], np.cumsum(self.seq_lens)])
@@ -97,6 +104,11 @@ class ContextParallelCase:
         n = max(1, CHUNK_BYTES // (self.kv_heads * self.head_size * 4))
         return max(self.block_size, n // self.block_size * self.block_size)
 
+    def rank_bytes(self, cp) -> int:
+        """Bytes of the paged cache :func:`cache_for` makes for ``cp``'s rank."""
+        blocks = int((-(-cp.local_lens(self.seq_lens) // self.block_size)).sum()) + 1
+        return blocks * self.block_size * self.token_bytes
+
     def describe(self) -> str:
         return (f"context parallel: sequences of {self.seq_lens.tolist()} tokens, "
                 f"{self.heads}/{self.kv_heads} heads of {self.head_size}, {self.dtype}, "
@@ -110,6 +122,10 @@ class ContextParallelCase:
         idx = np.arange(start, stop, dtype=np.int64)
         seq = np.searchsorted(self._offsets, idx, side="right") - 1
         return seq, idx - self._offsets[seq]
+
+    def tokens_before(self, s: int) -> int:
+        """Where sequence ``s``'s tokens start, counted over the sequences end to end."""
+        return int(self._offsets[s])
 
     def rows(self, q_lens) -> tuple[np.ndarray, np.ndarray]:
         """``(sequence, position)`` of a step's query rows: each sequence's last
@@ -178,8 +194,8 @@ def streamed_reference(case: ContextParallelCase, query, row_seq, row_pos):
     """Causal attention of ``query`` ``[rows, heads, head_size]`` (row i a query of
     sequence ``row_seq[i]`` at position ``row_pos[i]``, seeing that sequence's keys at
     positions up to it) over the case's K/V drawn again chunk by chunk and rounded to
-    the query's dtype, as the caches hold them: float32 scores
-    and products (TF32 off) merged by an online softmax whose sums are float64.
+    the query's dtype, as the caches hold them: float32 scores and P V over tiles of
+    keys (TF32 off), merged across tiles by an online softmax whose sums are float64.
     Returns ``(out float64 [rows, heads, head_size], lse float64 [rows, heads])``,
     natural log, the scale 1/sqrt(head_size) applied."""
     import torch
@@ -233,6 +249,55 @@ def streamed_reference(case: ContextParallelCase, query, row_seq, row_pos):
     return out, lse
 
 
+def sampled_positions(case: ContextParallelCase, s: int, rng) -> np.ndarray:
+    """Positions of sequence ``s`` that the placement check reads: its first and last four
+    placement units (all of a short sequence) and ``SAMPLED`` in between."""
+    n, u = int(case.seq_lens[s]), 4 * case.interleave
+    if n <= 2 * u + SAMPLED:
+        return np.arange(n)
+    mid = rng.integers(u, n - u, SAMPLED)
+    return np.unique(np.concatenate([np.arange(u), mid, np.arange(n - u, n)]))
+
+
+def placement_mismatches(case: ContextParallelCase, cp, cache) -> tuple[int, int]:
+    """``(tokens read, tokens whose K or V differ)``: sampled tokens that ``cp``'s rank
+    owns, read from its ``cache`` (:func:`cache_for`) through its host tables and
+    ``cp.local_index``, against the values :func:`draw_kv` draws for them, bit for bit."""
+    import torch
+
+    kc, vc, tables, _ = cache
+    host = tables.cpu().numpy()
+    rng = np.random.default_rng(case.seed + 5)
+    tokens, blocks, offsets = [], [], []
+    for s in range(len(case.seq_lens)):
+        pos = sampled_positions(case, s, rng)
+        pos = pos[cp.owner(pos) == cp.rank]
+        k = cp.local_index(pos)
+        tokens.append(case.tokens_before(s) + pos)
+        blocks.append(host[s, k // case.block_size])
+        offsets.append(k % case.block_size)
+    tokens = np.concatenate(tokens)
+    if not len(tokens):
+        return 0, 0
+    dev = kc.device
+    got_k = kc[torch.as_tensor(np.concatenate(blocks), device=dev),
+               torch.as_tensor(np.concatenate(offsets), device=dev)]
+    got_v = vc[torch.as_tensor(np.concatenate(blocks), device=dev),
+               torch.as_tensor(np.concatenate(offsets), device=dev)]
+    want_k, want_v = torch.empty_like(got_k), torch.empty_like(got_v)
+    chunk = tokens // case.chunk_tokens
+    for c in np.unique(chunk).tolist():
+        at = np.flatnonzero(chunk == c)
+        kf, vf = draw_kv(case, c, dev)
+        idx = torch.as_tensor(tokens[at] - c * case.chunk_tokens, device=dev)
+        rows = torch.as_tensor(at, device=dev)
+        want_k[rows] = kf[idx].to(kc.dtype)
+        want_v[rows] = vf[idx].to(vc.dtype)
+    bits = lambda a: a.reshape(len(tokens), -1).view(torch.int16)  # noqa: E731
+    differ = ((bits(got_k) != bits(want_k)) | (bits(got_v) != bits(want_v))).any(1)
+    return len(tokens), int(differ.sum())
+
+
 def errors(got, want) -> tuple[float, float]:
     """``(relative error of the whole, largest relative error of a row)``: norms over
     everything, and over each row's heads and dims."""
@@ -262,20 +327,28 @@ class Row:
     bytes_read: int
 
 
-def _fits_one_gpu(case, world: int, torch) -> bool:
-    """Does a cache of the whole context fit beside this rank's part, with room for the
-    reference's chunks and the steps' buffers?"""
-    free, _ = torch.cuda.mem_get_info()
-    need = case.total_tokens * case.token_bytes * (1 + 1 / world) + 3 * (4 * CHUNK_BYTES)
-    return need + (2 << 30) < free
+class DoesNotFit(Exception):
+    """The case's caches do not fit the GPUs' free memory (raised on every rank alike)."""
+
+
+def _vote(ok: bool, world: int) -> bool:
+    """Every rank's ``ok``, all of them true."""
+    import torch.distributed as dist
+
+    votes = [None] * world
+    dist.all_gather_object(votes, bool(ok))
+    return all(votes)
 
 
 def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
     """Check, then time, the case on every rank of the default process group (NCCL).
     ``one_gpu``: also check and time one GPU's call over a cache of the whole context
-    (None: where it fits on every rank). ``echo(line)`` reports (rank 0 prints). Returns
-    ``(checks, rows)``: checks ``[(name, whole error, worst row error, ok)]`` with every
-    rank's worst, rows :class:`Row`."""
+    (None: where it fits on every rank beside its part). ``echo(line)`` reports (rank 0
+    prints). Returns ``(checks, rows)``: checks ``[(name, whole error, worst row error,
+    lse error, ok)]`` with every rank's worst, rows :class:`Row`. Raises
+    :class:`DoesNotFit` (on every rank) when a rank's part, or the whole context asked
+    for with ``one_gpu=True``, would not fit its GPU; ValueError when the ranks' GPUs
+    differ (the values a GPU draws depend on its number of SMs)."""
     import torch
     import torch.distributed as dist
 
@@ -286,15 +359,46 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    kinds = [None] * world
+    dist.all_gather_object(kinds, (props.name, props.multi_processor_count))
+    if len(set(kinds)) > 1:
+        raise ValueError(f"the ranks' GPUs differ ({sorted(set(kinds))}): each draws the "
+                         f"K/V with a launch sized by its SMs, so the ranks need one kind")
     tdt = getattr(torch, case.dtype)
     cp = ContextParallel(interleave=case.interleave)
-    if one_gpu is None:
-        votes = [None] * world
-        dist.all_gather_object(votes, _fits_one_gpu(case, world, torch))
-        one_gpu = all(votes)
-    kc, vc, tables, local_lens = cache_for(case, cp, dev)
-    whole = cache_for(case, ContextParallel(rank=0, world_size=1, interleave=case.interleave),
-                      dev) if one_gpu else None
+    free, _ = torch.cuda.mem_get_info()
+    room = free - 3 * 4 * CHUNK_BYTES - (2 << 30)  # the reference's chunks, the steps
+    part = case.rank_bytes(cp)
+    if not _vote(part < room, world):
+        raise DoesNotFit(f"a rank's part of the context ({part / 2**30:.1f} GiB of K/V on "
+                         f"rank {rank}) does not fit its GPU ({free / 2**30:.1f} GiB free): "
+                         f"use a shorter --context or more GPUs (--nproc-per-node)")
+    whole_bytes = case.rank_bytes(ContextParallel(rank=0, world_size=1,
+                                                  interleave=case.interleave))
+    fits = _vote(world == 1 or part + whole_bytes < room, world)
+    if one_gpu and not fits:
+        raise DoesNotFit(f"the whole context ({whole_bytes / 2**30:.1f} GiB of K/V) does not "
+                         f"fit beside a rank's part: leave out --one-gpu")
+    one_gpu = fits if one_gpu is None else one_gpu
+    if not one_gpu:
+        echo("one GPU's rows left out: " + ("--no-one-gpu" if fits else
+             f"the whole context ({whole_bytes / 2**30:.1f} GiB) does not fit beside a "
+             f"rank's part"))
+    cache = cache_for(case, cp, dev)
+    kc, vc, tables, local_lens = cache
+    whole = None
+    if one_gpu:  # (a world of one: its cache is the whole context's)
+        whole = cache if world == 1 else cache_for(
+            case, ContextParallel(rank=0, world_size=1, interleave=case.interleave), dev)
+
+    checks = []
+    read, differ = placement_mismatches(case, cp, cache)
+    every = [None] * world
+    dist.all_gather_object(every, (read, differ))
+    checks.append((f"placement: {sum(r for r, _ in every)} sampled tokens over the ranks, "
+                   f"K and V bit for bit", float(sum(d for _, d in every)), 0.0, 0.0,
+                   not any(d for _, d in every)))
 
     g = torch.Generator(device=dev).manual_seed(case.seed + 99)
     n_seqs, heads, d = len(case.seq_lens), case.heads, case.head_size
@@ -312,17 +416,20 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
     p0, p1 = n_seqs, n_seqs + len(pre_seq)
     refs = {"decode": (ref_out[:p0], ref_lse[:p0]), "prefill": (ref_out[p0:p1], ref_lse[p0:p1]),
             "decode2": (ref_out[p1:], ref_lse[p1:])}
-    checks = []
 
-    def check(name, got, want_key, ranks_agree=None):
+    def check(name, got, want_key, ranks_agree=False):
+        """``got``: (out, lse or None), against the reference's rows ``want_key``."""
         out, lse = got
         want_out, want_lse = refs[want_key]
         e_all, e_row = errors(out, want_out)
-        lse_err = float(((lse.double() - want_lse).abs()
-                         / want_lse.abs().clamp_min(1.0)).max())
+        lse_err = 0.0 if lse is None else float(
+            ((lse.double() - want_lse).abs() / want_lse.abs().clamp_min(1.0)).max())
         ok = e_row < OUT_TOL and lse_err < LSE_TOL
-        if ranks_agree is not None:  # every rank's merged result is rank 0's, bit for bit
-            mine = torch.cat([out.reshape(-1).view(torch.uint8), lse.reshape(-1).view(torch.uint8)])
+        if ranks_agree:  # every rank's merged result is rank 0's, bit for bit
+            parts = [out.reshape(-1).view(torch.uint8)]
+            if lse is not None:
+                parts.append(lse.reshape(-1).view(torch.uint8))
+            mine = torch.cat(parts)
             first = mine.clone()
             dist.broadcast(first, 0)
             ok = ok and torch.equal(first, mine)
@@ -331,18 +438,27 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
         worst = tuple(max(e[i] for e in every) for i in range(3))
         checks.append((name,) + worst + (all(e[3] for e in every),))
 
+    def report(since):
+        for name, e_all, e_row, lse_err, ok in checks[since:]:
+            if name.startswith("placement"):
+                echo(f"check {name}: {int(e_all)} differ" + ("" if ok else "  FAILED"))
+                continue
+            echo(f"check {name}: error {e_all:.1e} (worst row {e_row:.1e}, lse {lse_err:.1e})"
+                 + ("" if ok else "  FAILED"))
+
+    gpus = f"{world} GPU{'s' if world > 1 else ''}"
     lens_host, qsl_host = case.seq_lens, np.concatenate([[0], np.cumsum(q_lens)])
     max_local = int(cp.local_lens(lens_host).max())
-    check(f"{world} GPUs: decode", cp.decode(q_dec, kc, vc, tables, local_lens, return_lse=True,
-                                               max_seq_len=max_local), "decode", True)
-    check(f"{world} GPUs: chunked prefill",
+    check(f"{gpus}: decode", cp.decode(q_dec, kc, vc, tables, local_lens, return_lse=True,
+                                       max_seq_len=max_local), "decode", True)
+    check(f"{gpus}: chunked prefill",
           cp.prefill(q_pre, kc, vc, tables, lens_host, qsl_host, return_lse=True), "prefill", True)
     qsl_dev = torch.as_tensor(qsl_host.astype(np.int32), device=dev)
     if whole is not None:
         wkc, wvc, wtables, wlens = whole
-        check("1 GPU: decode", cupaged.attention(q_dec, wkc, wvc, wtables, wlens,
-                                                 return_lse=True), "decode")
-        check("1 GPU: chunked prefill", cupaged.attention(
+        check("1 GPU, whole context: decode", cupaged.attention(
+            q_dec, wkc, wvc, wtables, wlens, return_lse=True), "decode")
+        check("1 GPU, whole context: chunked prefill", cupaged.attention(
             q_pre, wkc, wvc, wtables, wlens, qsl_dev, return_lse=True), "prefill")
 
     # the decode step in a CUDA graph, replayed with a new query
@@ -365,10 +481,8 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
         step()
     q.copy_(q_dec2)
     graph.replay()
-    check(f"{world} GPUs: decode, graph replay", (out, buf.views(n_seqs)[6]), "decode2", True)
-    for name, e_all, e_row, lse_err, ok in checks:
-        echo(f"check {name}: error {e_all:.1e} (worst row {e_row:.1e}, lse {lse_err:.1e})"
-             + ("" if ok else "  FAILED"))
+    check(f"{gpus}: decode, graph replay", (out, buf.views(n_seqs)[6]), "decode2", True)
+    report(0)
     if not all(c[-1] for c in checks):
         return checks, []
 
@@ -376,9 +490,10 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
     rows = []
     tb = case.token_bytes
     part = buf.views(n_seqs)
-    ws_pre = cupaged.DecodeWorkspace(int(q_lens.sum()), heads, d)
+    rows_pre = int(q_lens.sum())
+    ws_pre = cupaged.DecodeWorkspace(rows_pre, heads, d)
     plan = cp.plan(lens_host, qsl_host)
-    pre_buf = cp.buffers(int(q_lens.sum()), heads, d, tdt, dev)
+    pre_buf = cp.buffers(rows_pre, heads, d, tdt, dev)
     pre_out = torch.empty_like(q_pre)
     local_bytes = int(cp.local_lens(lens_host).sum()) * tb
     timed = [
@@ -401,9 +516,19 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
                                        workspace=ws_pre)),
         ]
     with peers.torch_on_cupy_stream():
-        for what, gpus, nbytes, fn in timed:
+        for what, n_gpus, nbytes, fn in timed:
             t = timing.time_us(fn, reps=reps)
             every = [None] * world
             dist.all_gather_object(every, t.median_us)
-            rows.append(Row(what, gpus, t.median_us, max(every), nbytes))
+            rows.append(Row(what, n_gpus, t.median_us, max(every), nbytes))
+    torch.cuda.synchronize()
+    # the timed calls' results, as they were called
+    since = len(checks)
+    check(f"{gpus}: decode step, timed", (out, buf.views(n_seqs)[6]), "decode2", True)
+    check(f"{gpus}: chunked prefill step, timed", (pre_out, pre_buf.views(rows_pre)[6]),
+          "prefill", True)
+    if whole is not None:
+        check("1 GPU, whole context: decode, timed", (one_out, None), "decode2")
+        check("1 GPU, whole context: chunked prefill, timed", (one_pre, None), "prefill")
+    report(since)
     return checks, rows
