@@ -480,8 +480,8 @@ def test_bench_errors_name_the_worst_row():
     want = torch.ones(3, 2, 4)
     got = want.clone()
     got[1, 0, 0] = 1.8
-    e_all, e_row = errors(got, want)
-    assert e_row == pytest.approx(0.8 / math.sqrt(8)) and e_all < e_row
+    e_all, e_row, worst = errors(got, want)
+    assert e_row == pytest.approx(0.8 / math.sqrt(8)) and e_all < e_row and worst == 1
 
 
 @pytest.mark.gpu

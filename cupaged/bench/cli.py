@@ -929,7 +929,7 @@ def context_parallel(context, others, chunk, heads, kv_heads, head_size, block_s
                 echo(f"helper beyond the attention, {what.split(':')[0]}"
                      f"{' (graph)' if 'graph' in what else ''}: "
                      f"{by[what].slowest_us - alone.slowest_us:.1f} us (slowest ranks)")
-        failed = not all(c[-1] for c in checks)
+        failed = not all(c[4] for c in checks)
     finally:
         dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -298,13 +298,14 @@ def placement_mismatches(case: ContextParallelCase, cp, cache) -> tuple[int, int
     return len(tokens), int(differ.sum())
 
 
-def errors(got, want) -> tuple[float, float]:
-    """``(relative error of the whole, largest relative error of a row)``: norms over
-    everything, and over each row's heads and dims."""
+def errors(got, want) -> tuple[float, float, int]:
+    """``(relative error of the whole, largest relative error of a row, that row)``: norms
+    over everything, and over each row's heads and dims."""
     g, w = got.double().reshape(got.shape[0], -1), want.double().reshape(want.shape[0], -1)
-    diff = (g - w).norm(dim=1)
-    den = w.norm(dim=1).clamp_min(1e-12)
-    return float((g - w).norm() / w.norm().clamp_min(1e-12)), float((diff / den).max())
+    per_row = (g - w).norm(dim=1) / w.norm(dim=1).clamp_min(1e-12)
+    worst = int(per_row.argmax()) if len(per_row) else 0
+    return (float((g - w).norm() / w.norm().clamp_min(1e-12)),
+            float(per_row.max()) if len(per_row) else 0.0, worst)
 
 
 # A result row's error bounds: the kernels round P and the output to 16 bits (relative
@@ -398,7 +399,7 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
     dist.all_gather_object(every, (read, differ))
     checks.append((f"placement: {sum(r for r, _ in every)} sampled tokens over the ranks, "
                    f"K and V bit for bit", float(sum(d for _, d in every)), 0.0, 0.0,
-                   not any(d for _, d in every)))
+                   not any(d for _, d in every), None))
 
     g = torch.Generator(device=dev).manual_seed(case.seed + 99)
     n_seqs, heads, d = len(case.seq_lens), case.heads, case.head_size
@@ -416,12 +417,16 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
     p0, p1 = n_seqs, n_seqs + len(pre_seq)
     refs = {"decode": (ref_out[:p0], ref_lse[:p0]), "prefill": (ref_out[p0:p1], ref_lse[p0:p1]),
             "decode2": (ref_out[p1:], ref_lse[p1:])}
+    places = {"decode": (dec_seq, dec_pos), "prefill": (pre_seq, pre_pos),
+              "decode2": (dec_seq, dec_pos)}
 
     def check(name, got, want_key, ranks_agree=False):
         """``got``: (out, lse or None), against the reference's rows ``want_key``."""
         out, lse = got
         want_out, want_lse = refs[want_key]
-        e_all, e_row = errors(out, want_out)
+        e_all, e_row, worst = errors(out, want_out)
+        seqs, poss = places[want_key]
+        where = (int(seqs[worst]), int(poss[worst]))
         lse_err = 0.0 if lse is None else float(
             ((lse.double() - want_lse).abs() / want_lse.abs().clamp_min(1.0)).max())
         ok = e_row < OUT_TOL and lse_err < LSE_TOL
@@ -434,17 +439,18 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
             dist.broadcast(first, 0)
             ok = ok and torch.equal(first, mine)
         every = [None] * world
-        dist.all_gather_object(every, (e_all, e_row, lse_err, ok))
+        dist.all_gather_object(every, (e_all, e_row, lse_err, ok, where))
         worst = tuple(max(e[i] for e in every) for i in range(3))
-        checks.append((name,) + worst + (all(e[3] for e in every),))
+        at = max(every, key=lambda e: e[1])[4]
+        checks.append((name,) + worst + (all(e[3] for e in every), at))
 
     def report(since):
-        for name, e_all, e_row, lse_err, ok in checks[since:]:
+        for name, e_all, e_row, lse_err, ok, at in checks[since:]:
             if name.startswith("placement"):
                 echo(f"check {name}: {int(e_all)} differ" + ("" if ok else "  FAILED"))
                 continue
-            echo(f"check {name}: error {e_all:.1e} (worst row {e_row:.1e}, lse {lse_err:.1e})"
-                 + ("" if ok else "  FAILED"))
+            echo(f"check {name}: error {e_all:.1e} (worst row {e_row:.1e}: sequence {at[0]} "
+                 f"at {at[1]}; lse {lse_err:.1e})" + ("" if ok else "  FAILED"))
 
     gpus = f"{world} GPU{'s' if world > 1 else ''}"
     lens_host, qsl_host = case.seq_lens, np.concatenate([[0], np.cumsum(q_lens)])
@@ -483,7 +489,7 @@ def measure(case: ContextParallelCase, reps: int, one_gpu, echo):
     graph.replay()
     check(f"{gpus}: decode, graph replay", (out, buf.views(n_seqs)[6]), "decode2", True)
     report(0)
-    if not all(c[-1] for c in checks):
+    if not all(c[4] for c in checks):
         return checks, []
 
     # times: this rank's attention alone, the helper's steps, one GPU's calls
