@@ -170,18 +170,20 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
     }
     if constexpr (!is_same<T, half_t>::value) {
       // 2^s takes the warp's largest finite magnitude into [2^14, 2^15); none (all
-      // zeros, or no finite value) keeps s = 0. Magnitudes compared as bfloat16 bit
-      // patterns, both halves at once (Inf and NaN, 0x7f80 and up, dropped).
-      unsigned mag = 0u;
+      // zeros, or no finite value) keeps s = 0
+      float amax = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const unsigned m = qb[r][kk][i] & 0x7fff7fffu;
-          mag = __vmaxu2(mag, m & __vcmpltu2(m, 0x7f807f80u));
+          float lo, hi;
+          unpack2(qb[r][kk][i], lo, hi, T{});
+          lo = fabsf(lo);
+          hi = fabsf(hi);
+          if (lo < __int_as_float(0x7f800000)) amax = fmaxf(amax, lo);
+          if (hi < __int_as_float(0x7f800000)) amax = fmaxf(amax, hi);
         }
       }
-      float amax = __uint_as_float(max(mag & 0xffffu, mag >> 16) << 16);
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
       const int sh = float16_range_shift(amax);  // in [-113, 100]
