@@ -23,7 +23,8 @@
 // two raw stages and are widened to float16 (one conversion a pair; exact: e4m3 values
 // are all representable), and a bfloat16 query is scaled by a power of two into
 // float16's range (exact but for values below 2^-31 of the warp's largest, far below
-// the fp32 sums' rounding), its inverse joining the weights. A thread's accumulators
+// the fp32 sums' rounding, when that largest is 2^-86 or more: float16_range_shift
+// scales by 2^100 at most), its inverse joining the weights. A thread's accumulators
 // hold two keys and two heads of each 8, so a column's sum over the warp's heads is two
 // shuffles; over the warps it goes through shared memory, then is scaled by the key's
 // scale (positive, so relu commutes with it). A block id outside the cache is never

@@ -66,8 +66,9 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
 
     Returns ``out``. A block id outside the cache is never read: its columns come back
     NaN (``reference.indexer_topk`` never picks NaN or -inf). Keys are e4m3 values times
-    their scale, the products on tensor cores in q's dtype with float32 sums (the
-    reference sums in float64). Never synchronizes; capturable in a CUDA graph.
+    their scale, the products on tensor cores in float16 with float32 sums (a bfloat16
+    q scaled by a power of two into float16's range: docs/API.md; the reference sums in
+    float64). Never synchronizes; capturable in a CUDA graph.
     """
     qa = as_device_array(q, "q")
     kc = as_device_array(kv_cache, "kv_cache")

@@ -186,22 +186,6 @@ def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
-# The most keys one CTA sums in one pass when the planner picks the split ("auto"): a
-# pass's fp32 sums grow less accurate with its length (H200, one GPU's chunked prefill
-# over a 16-million-token sequence, worst row against the float64 reference: 2.0e-2 in
-# one pass, 4.8e-3 in partitions of 4M keys, 2.9e-3 of 1M, 2.0e-3, the floor the 16-bit
-# roundings set, of 256K), so longer contexts are split into partitions of at most this
-# many, whatever the grid (cupaged-bench context-parallel; docs/PERFORMANCE.md).
-MAX_PASS_TOKENS = 1 << 18
-
-
-def cap_pass(size: int, max_ctx: int, quantum: int) -> int:
-    """A planner-chosen partition size (0: one pass) held to MAX_PASS_TOKENS keys."""
-    if max_ctx <= MAX_PASS_TOKENS or (size and size <= MAX_PASS_TOKENS):
-        return size
-    return max(quantum, MAX_PASS_TOKENS // quantum * quantum)
-
-
 def partition_count(max_ctx: int, size: int) -> int:
     """Split-KV partitions of ``size`` tokens over ``max_ctx``: 1 for a single pass (0)."""
     return -(-max_ctx // size) if size else 1
@@ -219,12 +203,8 @@ def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
                   f"below 2^31, got {partition}")
         size = int(partition)
     elif partition in ("auto", "always"):
-        quantum = max(ks.tile_tokens, p.block_size)
-        size, occ = split_and_residency(ctas, max_ctx, ks, quantum, partition == "always")
-        capped = cap_pass(size, max_ctx, quantum)
-        if capped != size:  # more partitions: a larger grid, perhaps another residency
-            return (check_partition_count(capped, max_ctx),
-                    residency(ctas * partition_count(max_ctx, capped), ks).smem)
+        size, occ = split_and_residency(ctas, max_ctx, ks, max(ks.tile_tokens, p.block_size),
+                                        partition == "always")
         return check_partition_count(size, max_ctx), occ.smem
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
@@ -603,7 +583,6 @@ def prefill_split(k: PrefillKernel, p: Problem, plan: Choice, max_q: int, max_ct
     else:
         ctas = p.num_seqs * p.num_kv_heads * plan.q_tiles
         size = split_tokens(ctas, span, k.slots, tn, tn, False) if span > tn else 0
-        size = cap_pass(size, span, tn)
     if size and workspace is not None:
         size = fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
     n_parts = min(partition_count(span, size), _checks.MAX_GRID_YZ)

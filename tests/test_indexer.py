@@ -208,7 +208,7 @@ def check(got, ref):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, np.float16])
-@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("heads", [16, 48, 64])
 @pytest.mark.parametrize("next_n, block_size", [(1, 64), (2, 16), (1, 4), (2, 256), (3, 32),
                                                (5, 64)])
 def test_logits_match_the_reference(rng, dtype, heads, next_n, block_size):
@@ -228,17 +228,22 @@ def test_logits_match_the_reference(rng, dtype, heads, next_n, block_size):
 def test_queries_of_any_finite_magnitude(rng, dtype):
     """The products run in float16: a bfloat16 query is scaled by a power of two per row
     and warp of heads into float16's range, the inverse folded into the weights. Rows of
-    query magnitudes 2^100, 2^-100 and 1 (bfloat16; float16 takes 2^10, 2^-10 and 1), and
-    one row whose heads span 2^-12 to 2^12, each against the reference to the row's
-    largest logit."""
-    h = problem(rng, [300, 300, 300, 300], 1, 64, 64, dtype)
-    big = 10 if dtype == np.float16 else 100
-    q = h["q"].astype(np.float32)
-    q[0] *= 2.0 ** big
-    q[1] *= 2.0 ** -big
-    q[3] *= 2.0 ** np.linspace(-12, 12, 64, dtype=np.float32)[:, None]
-    h["q"] = q.astype(dtype)
-    check(run(h, 512), want(h, 512))
+    query magnitudes 2^80, 2^-80 and 1 (bfloat16, within the range the scale keeps
+    exact; float16 takes 2^10, 2^-10 and 1), one row whose heads span 2^-12 to 2^12, and
+    with next_n 2 a pair of rows 2^160 apart in one CTA, each against the reference to
+    the row's largest logit."""
+    big = 10 if dtype == np.float16 else 80
+    for next_n in (1, 2):  # 2: a CTA's pair of rows, each with its own scale
+        h = problem(rng, [300, 300, 300, 300], next_n, 64, 64, dtype)
+        q = h["q"].astype(np.float32)  # [batch, next_n, heads, 128]
+        q[0] *= 2.0 ** big
+        q[1] *= 2.0 ** -big
+        q[3] *= 2.0 ** np.linspace(-12, 12, 64, dtype=np.float32)[:, None]
+        if next_n == 2:
+            q[2, 0] *= 2.0 ** big
+            q[2, 1] *= 2.0 ** -big
+        h["q"] = q.astype(dtype)
+        check(run(h, 512), want(h, 512))
 
 
 @pytest.mark.gpu

@@ -194,23 +194,6 @@ def test_auto_may_choose_a_single_pass():
     assert planning.partition_tokens("always", p, 2048, 4096, KS)[0] > 0
 
 
-@pytest.mark.parametrize("ctx", [planning.MAX_PASS_TOKENS + 1, 3 << 20, 16_000_000])
-@pytest.mark.parametrize("ctas", [8, 4096])
-def test_auto_passes_are_held_to_the_pass_limit(ctx, ctas):
-    """Longer contexts than MAX_PASS_TOKENS are split into passes of at most that many keys
-    whatever the grid (4096 CTAs: the model alone runs one pass), for decode and for the
-    multi-token kernel's split; an explicit partition and "never" are kept."""
-    p = _problem(width=-(-ctx // 16))
-    for partition in ("auto", "always"):
-        size = planning.partition_tokens(partition, p, ctx, ctas, KS)[0]
-        assert 0 < size <= planning.MAX_PASS_TOKENS and size % 64 == 0
-    assert planning.partition_tokens("never", p, ctx, ctas, KS)[0] == 0
-    assert planning.partition_tokens(1 << 20, p, ctx, ctas, KS)[0] == 1 << 20
-    assert planning.cap_pass(0, planning.MAX_PASS_TOKENS, 64) == 0  # short enough: one pass
-    assert planning.cap_pass(4096, ctx, 64) == 4096
-    assert planning.cap_pass(0, ctx, 96) == planning.MAX_PASS_TOKENS // 96 * 96
-
-
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
     (512, 2048, 3),      # 1.3 waves single pass: three partitions fill 4 waves almost fully
     (8, 131072, 49),     # batch 1, 8 KV heads: one wave of 392 CTAs
