@@ -244,6 +244,13 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+// The larger of m and |x| when x is finite; m when x is Inf or NaN (the largest finite
+// magnitude of a query, which an Inf in one head must not set for the others).
+__device__ __forceinline__ float finite_amax(float m, float x) {
+  x = fabsf(x);
+  return x < __int_as_float(0x7f800000) ? fmaxf(m, x) : m;
+}
+
 // s such that 2^s takes amax, a largest finite magnitude, into [2^14, 2^15): a 16-bit
 // query's place in float16's range for float16 products (0 for amax 0; at most 100, so
 // amax's below 2^-59 are scaled by 2^100 only; at least -113).

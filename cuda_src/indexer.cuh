@@ -57,6 +57,20 @@ struct IndexerGeometry {
   static_assert(sizeof(T) == 2, "16-bit queries");
 };
 
+// f(register, its two values) for each register of a row's query fragments (pairs of T).
+template <typename T, int K, typename F>
+__device__ __forceinline__ void each_pair(unsigned (&frag)[K][4], F&& f) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float lo, hi;
+      unpack2(frag[kk][i], lo, hi, T{});
+      f(frag[kk][i], lo, hi);
+    }
+  }
+}
+
 template <typename T, int HEADS, int BLOCK_SIZE, int ROWS>
 __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
     indexer_logits(float* __restrict__ out, long long out_stride, int width,
@@ -173,32 +187,17 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
       // 2^s takes the warp's largest finite magnitude into [2^14, 2^15); none (all
       // zeros, or no finite value) keeps s = 0
       float amax = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float lo, hi;
-          unpack2(qb[r][kk][i], lo, hi, T{});
-          lo = fabsf(lo);
-          hi = fabsf(hi);
-          if (lo < __int_as_float(0x7f800000)) amax = fmaxf(amax, lo);
-          if (hi < __int_as_float(0x7f800000)) amax = fmaxf(amax, hi);
-        }
-      }
+      each_pair<T>(qb[r], [&](unsigned, float lo, float hi) {
+        amax = finite_amax(finite_amax(amax, lo), hi);
+      });
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
       const int sh = float16_range_shift(amax);  // in [-113, 100]
       const float mul = __int_as_float((127 + sh) << 23);  // 2^sh and 2^-sh: normal
       const float inv = __int_as_float((127 - sh) << 23);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float lo, hi;
-          unpack2(qb[r][kk][i], lo, hi, T{});
-          qb[r][kk][i] = pack2<half_t>(lo * mul, hi * mul);
-        }
-      }
+      each_pair<T>(qb[r], [&](unsigned& w, float lo, float hi) {
+        w = pack2<half_t>(lo * mul, hi * mul);
+      });
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll

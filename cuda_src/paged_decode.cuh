@@ -497,11 +497,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int d = dim_of(kk, r);
-          if (h < heads_here) {  // finite values only: an Inf in one head scales no other
-            const float a = fabsf(to_float(qh[d]));
-            const float b = fabsf(to_float(qh[d + 1]));
-            if (a < __int_as_float(0x7f800000)) amax = fmaxf(amax, a);
-            if (b < __int_as_float(0x7f800000)) amax = fmaxf(amax, b);
+          if (h < heads_here) {
+            amax = finite_amax(finite_amax(amax, to_float(qh[d])), to_float(qh[d + 1]));
           }
         }
       }

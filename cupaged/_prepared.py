@@ -189,17 +189,12 @@ def disjoint_spans(written, read) -> tuple:
     ``(index, adapted array or None)``; absent and empty arrays are left out. An array
     whose index is None is keyed at its address (a side array, a caller's scratch): its
     bytes are absolute, and a pair of two such is left out (validation checked it once)."""
-    w = [(i, *(_absolute(a) if i is None else span(a))) for i, a in written
+    w = [(i, *(_checks.extent(a) if i is None else span(a))) for i, a in written
          if a is not None and span(a)]
-    r = [(j, *(_absolute(a) if j is None else span(a))) for j, a in read
+    r = [(j, *(_checks.extent(a) if j is None else span(a))) for j, a in read
          if a is not None and span(a)]
     return tuple([x + y for n, x in enumerate(w) for y in r + w[n + 1:]
                   if x[0] is not None or y[0] is not None])
-
-
-def _absolute(a) -> tuple:
-    lo, hi = span(a)
-    return a.data.ptr + lo, a.data.ptr + hi
 
 
 def any_overlap(pairs, ptrs) -> bool:

@@ -923,11 +923,10 @@ def context_parallel(context, others, chunk, heads, kv_heads, head_size, block_s
                  f"{r.bytes_read / 2**30:9.2f} {pct}")
         by = {r.what: r for r in rows}
         alone = by.get("decode: this GPU's attention alone (part of the step)")
-        for what in ("decode step: attention + all-gather + merge",
-                     "decode step, CUDA graph replay"):
+        for label, what in (("eager", "decode step: attention + all-gather + merge"),
+                            ("CUDA graph", "decode step, CUDA graph replay")):
             if alone and what in by:
-                echo(f"helper beyond the attention, {what.split(':')[0]}"
-                     f"{' (graph)' if 'graph' in what else ''}: "
+                echo(f"helper beyond the attention, decode step ({label}): "
                      f"{by[what].slowest_us - alone.slowest_us:.1f} us (slowest ranks)")
         failed = not all(c[4] for c in checks)
     finally:
