@@ -279,35 +279,26 @@ def to_host(a, ctx: "Context | None" = None) -> np.ndarray:
 # lands in it) while the call's kernels, queued on the launch stream, have not read it.
 # So cupaged holds each import past the call:
 #   - a call's imports wait in `pending` while it adapts its arguments;
-#   - its context stamps them with the launch stream (`stamped`);
-#   - after its launches (hand_over, or the thread's next import, which comes after the
-#     call returned), an event is recorded on that stream and they join `_DEFERRED`;
+#   - the context it makes inside `launching` stamps them with the launch stream
+#     (`stamped`);
+#   - after its launches (hand_over, or at the latest when `launching` exits, returned or
+#     raised), an event is recorded on that stream and they join `_DEFERRED`;
 #   - they are let go once the event has completed, as later imports find (queried,
 #     never waited for; not at every call's context: querying an event is not allowed
 #     while a stream capture is under way, and CuPy-only calls may be captured).
-# An import whose call failed before making a context is stamped by the thread's next one;
-# a thread that ends records the events of what it stamped (its calls have returned).
+# The event is recorded before the call returns: once it has, the caller may destroy the
+# stream (a `stream=` of its own, or the one current in a `with` block), and recording on
+# a destroyed stream is undefined (it crashed the process). An import whose call failed
+# before making a context launched nothing; the thread's next context stamps it.
 # The producer ordered its writes before CuPy's current stream (the stream cupy.from_dlpack
 # hands to __dlpack__); a call launching on another stream (stream=, or torch's) makes that
 # stream wait for CuPy's first.
 
 
-class _Stamped(list):
-    """A thread's stamped imports, (stream, device, import); what is left when the thread
-    ends gets its events then."""
-
-    def __del__(self):
-        if self:
-            try:
-                _record(self)
-            except Exception:  # interpreter shutdown: CUDA is gone, nothing to order
-                pass
-
-
 class _Holds(threading.local):
     def __init__(self):
         self.pending = []  # this thread's imports not yet stamped by a context
-        self.stamped = _Stamped()  # the thread's calls' launches follow
+        self.stamped = []  # (stream, device, import): the current call's, until launched
 
 
 _HOLDS = _Holds()
@@ -318,13 +309,10 @@ _DEFERRED_LOCK = threading.Lock()
 def foreign_import(x):
     """``x`` (a DLPack producer on a CUDA device) as a CuPy array, its import held until
     the kernels of the call it is passed to have run (see above)."""
-    holds = _HOLDS
-    if holds.stamped:  # earlier calls of this thread have returned: their launches are queued
-        record_launched()
     if _DEFERRED:
         release_completed()
     imported = cupy.from_dlpack(x)
-    holds.pending.append(imported)
+    _HOLDS.pending.append(imported)
     return imported
 
 
@@ -337,29 +325,32 @@ def capturing(stream: int) -> bool:
     return int(query(stream)) != int(getattr(rt, "streamCaptureStatusNone", 0))
 
 
-def stamp_holds(ctx: "Context") -> None:
-    """Give this thread's pending imports ``ctx``'s launch stream (they are the current
-    call's: a call adapts its arguments before it makes its context), and order that
-    stream after CuPy's current one, which the producers' writes precede (not while
-    either stream is captured: a stream may not wait across a capture's boundary; a
-    graph's replays are ordered by whoever launches them)."""
-    holds = _HOLDS
+def order_after_producers(ctx: "Context") -> None:
+    """Order ``ctx``'s launch stream after CuPy's current one, which the producers' writes
+    of this thread's pending imports precede (not while either stream is captured: a
+    stream may not wait across a capture's boundary; a graph's replays are ordered by
+    whoever launches them)."""
     current = cupy.cuda.get_current_stream()
     if current.ptr != ctx.stream and not (capturing(ctx.stream) or capturing(current.ptr)):
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(current)
         _cupy_stream(ctx.stream).wait_event(event)
+
+
+def stamp_holds(ctx: "Context") -> None:
+    """Give this thread's pending imports ``ctx``'s launch stream (they are the current
+    call's: a call adapts its arguments before it makes its context), ordered after the
+    producers' writes (order_after_producers)."""
+    holds = _HOLDS
+    order_after_producers(ctx)
     holds.stamped += [(ctx.stream, ctx.device, a) for a in holds.pending]
     holds.pending.clear()
 
 
 def record_launched() -> None:
-    """After the launches of the calls that stamped this thread's imports: an event on
+    """After the launches of the call that stamped this thread's imports: an event on
     each of their streams, past which the imports may go."""
-    _record(_HOLDS.stamped)
-
-
-def _record(stamped) -> None:
+    stamped = _HOLDS.stamped
     events = {}
     for stream, device, imported in stamped:
         event = events.get(stream)
@@ -392,6 +383,40 @@ def on_device(device: int):
     """A context making ``device`` current; free when it already is (a switch costs
     microseconds, and this runs on every call)."""
     return _NO_SWITCH if runtime.getDevice() == device else cupy.cuda.Device(device)
+
+
+class _Launching:
+    """``launching``'s scope: on_device's switch (None: none), and the events at the end."""
+
+    __slots__ = ("switch",)
+
+    def __init__(self, switch):
+        self.switch = switch
+
+    def __enter__(self):
+        if self.switch is not None:
+            self.switch.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            if _HOLDS.stamped:
+                record_launched()
+        finally:
+            if self.switch is not None:
+                self.switch.__exit__(*exc)
+
+
+_LAUNCHING_HERE = _Launching(None)
+
+
+def launching(device: int):
+    """The scope of a call's context and launches: ``device`` current (as on_device), and
+    on the way out, returned or raised, the events that hold the call's imports recorded
+    on its launch stream, which the caller may destroy once the call has returned.
+    ``context`` is made inside it; a context for reads before the launches (CUPAGED_DEBUG's
+    checks) comes from ``check_context``."""
+    switch = on_device(device)
+    return _LAUNCHING_HERE if switch is _NO_SWITCH else _Launching(switch)
 
 
 def stream_pointer(stream, name: str = "stream") -> int:
@@ -433,12 +458,25 @@ def context(device: int, kind: str, stream=None) -> Context:
     """The stream: ``stream`` when given, else torch's current stream for the device
     when the caller passed torch tensors (``kind`` "torch"), else CuPy's current stream
     (which is per device: call with ``device`` current). JAX has no stream to share:
-    arrays handed back to it carry CuPy's through DLPack, which makes JAX wait for it."""
+    arrays handed back to it carry CuPy's through DLPack, which makes JAX wait for it.
+    Made inside the call's ``launching`` scope, which records its imports' events after
+    the launches."""
     if _HOLDS.pending:
         ctx = _context(device, kind, stream)
         stamp_holds(ctx)
         return ctx
     return _context(device, kind, stream)
+
+
+def check_context(device: int, kind: str, stream=None) -> Context:
+    """``context``'s stream for reads that come before a call's launches (CUPAGED_DEBUG's
+    checks, which synchronize): ordered after the producers' writes, the imports left to
+    the launches' own context, whose ``launching`` scope records their events after the
+    launches."""
+    ctx = _context(device, kind, stream)
+    if _HOLDS.pending:
+        order_after_producers(ctx)
+    return ctx
 
 
 def _context(device: int, kind: str, stream) -> Context:

@@ -221,7 +221,7 @@ def run(prep: Prepared, ptrs, stream, out, lse):
     caller's arrays (or None), handed back. The caller has checked ``overlaps`` (or
     ``any_overlap``)."""
     q, k, v, bt, lens, starts, o, lse_ptr = ptrs
-    with _arrays.on_device(prep.device):
+    with _arrays.launching(prep.device):
         ctx = _arrays.context(prep.device, prep.kind, stream)
         returned = out
         if out is None:

@@ -167,7 +167,7 @@ def validate_and_prepare(query, key_cache, value_cache, block_tables, seq_lens,
         return None, None
     with _arrays.on_device(p.device):
         if _checks.debug():
-            ctx = _arrays.context(p.device, _arrays.framework(query), stream)
+            ctx = _arrays.check_context(p.device, _arrays.framework(query), stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)

@@ -188,7 +188,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     w = validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
     if w.num_tokens == 0:
         return
-    with _arrays.on_device(w.device):
+    with _arrays.launching(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
         _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
         launch_write(write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
@@ -440,7 +440,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
     if w.num_tokens == 0:
         return
-    with _arrays.on_device(w.device):
+    with _arrays.launching(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
         launch_mla_write(mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
@@ -578,7 +578,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
     w = validate_indexer_write(a, kc, sm, quant_block_size, scale_fmt)
     if w.num_tokens == 0:
         return
-    with _arrays.on_device(w.device):
+    with _arrays.launching(w.device):
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
         kern = _kernel(w.device, "indexer_k_quant_and_cache", w.source.name, w.index)
@@ -712,7 +712,7 @@ def _copy_within(tensors, mapping, index: str, nbytes: int, num_blocks: int, dev
     _checks.check_same_device(device, ref, (("block_mapping", mapping),))
     if mapping.shape[0] == 0:
         return
-    with _arrays.on_device(device):
+    with _arrays.launching(device):
         ctx = _arrays.context(device, _arrays.framework(framework_of), stream)
         if _checks.debug():
             _check_mapping_range(mapping, num_blocks, num_blocks, ctx)
@@ -919,7 +919,7 @@ def swap_blocks(src, dst, block_mapping, *, stream=None) -> None:
     if mapping.shape[0] == 0:
         return
     kind = _arrays.framework(src if src_dev is not None else dst)
-    with _arrays.on_device(device):
+    with _arrays.launching(device):
         ctx = _arrays.context(device, kind, stream)
         if pageable:
             host_pairs = mapping if on_host else _arrays.to_host(mapping, ctx)

@@ -81,7 +81,7 @@ def _validate_and_prepare(query, key_cache, value_cache, block_tables, context_l
         with _arrays.on_device(p.device):
             validation.check_tables_on_device(
                 bt, cl, p.num_blocks, p.block_size,
-                _arrays.context(p.device, _arrays.framework(query), stream))
+                _arrays.check_context(p.device, _arrays.framework(query), stream))
     with _arrays.on_device(p.device):
         plan = planning.plan_decode(p, max_ctx, partition, workspace, variants)
         launches = launch.build(q, o, p, plan, scale, True,
@@ -241,6 +241,6 @@ def check_block_tables(block_tables, context_lens, num_blocks: int, block_size: 
     bt = as_device_array(block_tables, "block_tables")
     cl = as_device_array(context_lens, "context_lens")
     device = bt.data.device_id
-    with _arrays.on_device(device):
+    with _arrays.launching(device):
         ctx = _arrays.context(device, _arrays.framework(block_tables), stream)
         validation.check_tables_on_device(bt, cl, num_blocks, block_size, ctx)

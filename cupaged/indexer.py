@@ -142,7 +142,7 @@ def indexer_logits(q, kv_cache, weights, block_tables, seq_lens, *, max_seq_len,
                                             ("block_tables", bt), ("seq_lens", sl), ("out", o)))
     _checks.check_apart((("out", o),), (("q", qa), ("kv_cache", kc), ("weights", w),
                                         ("block_tables", bt), ("seq_lens", sl)))
-    with _arrays.on_device(device):
+    with _arrays.launching(device):
         ctx = _arrays.context(device, _arrays.framework(q), stream)
         owner = out
         if o is None:
@@ -205,7 +205,7 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
     device = lg.data.device_id
     _checks.check_same_device(device, "logits", (("out", o),))
     _checks.check_disjoint((("out", o), ("logits", lg)))  # other rows' CTAs still read
-    with _arrays.on_device(device):
+    with _arrays.launching(device):
         ctx = _arrays.context(device, _arrays.framework(logits), stream)
         owner = out
         if o is None:

@@ -883,7 +883,7 @@ class _PagedCache:
             bounds.append((at, at + len(p)))
             at += len(p)
         if n:
-            with _arrays.on_device(self.device):
+            with _arrays.launching(self.device):
                 ctx = _arrays.context(self.device, self.framework)
                 dst = _arrays.as_device_array(dev, "buffer").data.ptr
                 runtime.memcpyAsync(dst, host.ctypes.data, n * 4, runtime.memcpyHostToDevice,

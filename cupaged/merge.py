@@ -244,7 +244,7 @@ def _merge(outs: list, lses: list, out, lse_out, stream, kind: str):
     o = optional_output_array(out, "out")
     lo = optional_output_array(lse_out, "lse_out")
     m = validate_merge(outs, lses, o, lo)
-    with _arrays.on_device(m.device):
+    with _arrays.launching(m.device):
         ctx = _arrays.context(m.device, kind, stream)
         made_out, made_lse = o is None, lo is None
         if made_out:

@@ -180,7 +180,7 @@ def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, s
         return None, None
     with _arrays.on_device(p.device):
         if _checks.debug():
-            ctx = _arrays.context(p.device, kind, stream)
+            ctx = _arrays.check_context(p.device, kind, stream)
             validation.check_tables_on_device(bt, sl, p.num_blocks, p.block_size, ctx)
             if qsl is not None:
                 validation.check_queries_on_device(qsl, sl, p.num_rows, ctx)

@@ -244,31 +244,96 @@ def test_held_imports_are_released_oldest_first_once_their_events_complete(monke
     assert _arrays.release_completed() == 0
 
 
-def test_imports_are_held_from_adaptation_past_the_launches(monkeypatch):
-    """A call's imports wait unstamped while it adapts, take its context's stream, and
-    after its launches join the held imports behind one event per stream; none is let go
-    before its event completes."""
+def _fake_launch_world(monkeypatch, current=1234):
+    """_arrays' imports and events without a GPU: imports are tagged tuples, events fakes,
+    streams their handles, CuPy's current stream ``current``, device 0 current."""
     monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
     monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
     monkeypatch.setattr(_arrays.cupy, "from_dlpack", lambda x: ("imported", x))
     monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
     monkeypatch.setattr(_arrays.cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: ptr)
+    monkeypatch.setattr(_arrays.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(_arrays, "capturing", lambda ptr: False)
     monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
-                        lambda: types.SimpleNamespace(ptr=1234))  # the launch stream
+                        lambda: types.SimpleNamespace(ptr=current))
+
+
+def test_imports_are_held_from_adaptation_past_the_launches(monkeypatch):
+    """A call's imports wait unstamped while it adapts, take its context's stream, and
+    when its launching scope exits (before the call returns: the caller may then destroy
+    the stream) join the held imports behind one event per stream; none is let go before
+    its event completes."""
+    _fake_launch_world(monkeypatch)
     a, b = _arrays.foreign_import("a"), _arrays.foreign_import("b")
     assert _arrays._HOLDS.pending == [a, b] and not _arrays._DEFERRED
-    _arrays.stamp_holds(_arrays.Context(0, 1234, "jax", True))
-    assert _arrays._HOLDS.stamped == [(1234, 0, a), (1234, 0, b)]
-    assert not _arrays._HOLDS.pending and not _arrays._DEFERRED  # launches still to come
-    c = _arrays.foreign_import("c")  # the next call: the first one's launches are queued
-    assert not _arrays._HOLDS.stamped and _arrays._HOLDS.pending == [c]
+    with _arrays.launching(0):
+        _arrays.stamp_holds(_arrays.Context(0, 1234, "jax", True))
+        assert _arrays._HOLDS.stamped == [(1234, 0, a), (1234, 0, b)]
+        assert not _arrays._HOLDS.pending and not _arrays._DEFERRED  # launches to come
+    assert not _arrays._HOLDS.stamped  # recorded on the way out
     (e1, x1), (e2, x2) = _arrays._DEFERRED
     assert e1 is e2 and e1.recorded_on == 1234 and (x1, x2) == (a, b)
-    _arrays.foreign_import("d")
+    c = _arrays.foreign_import("c")  # the next call's
+    assert _arrays._HOLDS.pending == [c] and len(_arrays._DEFERRED) == 2
     assert _arrays.release_completed() == 2  # the event has not completed
     e1.done = True
     assert _arrays.release_completed() == 0
+
+
+def test_a_call_that_raises_still_records_its_imports_events(monkeypatch):
+    """A call that raises after making its context (and perhaps after some launches)
+    records the events on the way out like one that returns, so nothing is left to
+    record on a stream the caller may have destroyed since."""
+    _fake_launch_world(monkeypatch)
+    x = _arrays.foreign_import("x")
+    with pytest.raises(ValueError, match="after the context"):
+        with _arrays.launching(0):
+            ctx = _arrays.context(0, "jax", 1234)
+            raise ValueError("after the context")
+    assert ctx.stream == 1234 and not _arrays._HOLDS.stamped
+    assert [(e.recorded_on, i) for e, i in _arrays._DEFERRED] == [(1234, x)]
+
+
+def test_a_checks_context_leaves_the_imports_to_the_launches(monkeypatch):
+    """CUPAGED_DEBUG's checks read before the launches, on a stream ordered after the
+    producers' writes; the imports stay pending for the launches' context, so their
+    event is recorded after the launches and not after the checks."""
+    _fake_launch_world(monkeypatch, current=1)
+    launch = _FakeStream(2)
+    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: {1: 1, 2: launch}[ptr])
+    x = _arrays.foreign_import("x")
+    with _arrays.launching(0):
+        check = _arrays.check_context(0, "jax", 2)
+    assert check.stream == 2 and len(launch.waited) == 1  # ordered after CuPy's stream
+    assert _arrays._HOLDS.pending == [x] and not _arrays._DEFERRED
+    with _arrays.launching(0):
+        _arrays.context(0, "jax", 2)
+    assert [(e.recorded_on, i) for e, i in _arrays._DEFERRED] == [(launch, x)]
+
+
+def test_launching_switches_to_the_device_and_back(monkeypatch):
+    """launching makes the call's device current like on_device, and switches back."""
+    _fake_launch_world(monkeypatch)
+    entered = []
+
+    class Switch:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            entered.append(("in", self.d))
+
+        def __exit__(self, *exc):
+            entered.append(("out", self.d))
+
+    monkeypatch.setattr(_arrays.cupy.cuda, "Device", Switch)
+    with _arrays.launching(0):
+        pass
+    assert entered == []
+    with _arrays.launching(3):
+        assert entered == [("in", 3)]
+    assert entered == [("in", 3), ("out", 3)]
 
 
 class _FakeStream:
@@ -310,34 +375,6 @@ def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
     _arrays.stamp_holds(_arrays.Context(0, 1, "jax", False))
     assert len(events) == 1 and current.waited == []
     _arrays._HOLDS.stamped.clear()
-
-
-def test_a_thread_that_ends_records_what_it_stamped(monkeypatch):
-    """Imports a thread stamped and never saw recorded (a call that returns no JAX array,
-    then the thread ends) get their events when the thread ends, not dropped with its
-    thread-local state."""
-    import threading
-
-    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
-    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
-    monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
-    monkeypatch.setattr(_arrays.cupy.cuda, "Device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: ptr)
-    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
-                        lambda: types.SimpleNamespace(ptr=77))
-
-    def call():
-        _arrays._HOLDS.pending.append("imported")
-        _arrays.stamp_holds(_arrays.Context(0, 77, "cupy", False))
-
-    t = threading.Thread(target=call)
-    t.start()
-    t.join()
-    del t
-    import gc
-
-    gc.collect()
-    assert [(e.recorded_on, x) for e, x in _arrays._DEFERRED] == [(77, "imported")]
 
 
 class _RefusingEvent:

@@ -366,6 +366,58 @@ def test_a_producers_write_precedes_a_call_on_another_stream(rng):
     assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
 
 
+class _Foreign:
+    """A CUDA array from a producer cupaged knows nothing of (neither CuPy nor torch): it
+    comes in through DLPack and is held past the call, as a JAX array is."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kw):
+        return self.array.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+@pytest.mark.gpu
+def test_a_callers_stream_may_go_as_soon_as_the_call_returns(rng):
+    """Calls given imported arrays and a stream of their own (stream=) that return a CuPy
+    array or nothing: the events that hold the imports are recorded on that stream before
+    each call returns, since the caller may destroy the stream then. An event recorded
+    later, at the thread's next import, hit a destroyed stream and crashed the process."""
+    from cupaged import _arrays
+
+    p, _ = _two_problems(rng)
+    args = p.device_args()
+    n, kvh, hs = 5, 2, 64
+    kc, vc = (cupy.zeros((4, 16, kvh, hs), np.float16) for _ in range(2))
+    key, val = (cupy.asarray(testing.random_normal((n, kvh, hs), np.float16, rng))
+                for _ in range(2))
+    slots = cupy.asarray(rng.permutation(64)[:n].astype(np.int32))
+    o = [cupy.asarray(testing.random_normal((4, 8, 64), np.float16, rng)) for _ in range(2)]
+    lse = [cupy.asarray(rng.standard_normal((4, 8)).astype(np.float32)) for _ in range(2)]
+    calls = {
+        "paged_attention": lambda s: cupaged.paged_attention(
+            **dict(args, query=_Foreign(args["query"])), stream=s),
+        "reshape_and_cache": lambda s: cupaged.reshape_and_cache(
+            _Foreign(key), _Foreign(val), kc, vc, _Foreign(slots), kv_layout="NHD", stream=s),
+        "merge_state": lambda s: cupaged.merge_state(
+            _Foreign(o[0]), _Foreign(lse[0]), _Foreign(o[1]), _Foreign(lse[1]), stream=s),
+    }
+    want = cupy.asnumpy(cupaged.paged_attention(**args))
+    for name, call in calls.items():
+        side = cupy.cuda.Stream(non_blocking=True)
+        call(side)
+        assert not _arrays._HOLDS.stamped, name  # recorded, nothing left for later
+        side.synchronize()
+        del side
+    out = cupaged.paged_attention(**dict(args, query=_Foreign(args["query"])))
+    np.testing.assert_array_equal(cupy.asnumpy(out), want)
+    np.testing.assert_array_equal(cupy.asnumpy(kc).reshape(-1, kvh, hs)[cupy.asnumpy(slots)],
+                                  cupy.asnumpy(key))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
 def test_cache_ops_with_torch_match_cupy(rng, dtype):
     torch = _torch()

@@ -101,8 +101,9 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(merge, "optional_output_array",
                         lambda x, name: None if x is None else adapt(x, name))
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(_arrays, "context", lambda device, kind, stream=None:
-                        _arrays.Context(device, 7, kind, stream is not None))
+    for name in ("context", "check_context"):  # CUPAGED_DEBUG's checks take the latter
+        monkeypatch.setattr(_arrays, name, lambda device, kind, stream=None:
+                            _arrays.Context(device, 7, kind, stream is not None))
     next_ptr = [1 << 32]
 
     def empty(ctx, shape, dtype):
