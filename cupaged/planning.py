@@ -203,8 +203,13 @@ def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
                   f"below 2^31, got {partition}")
         size = int(partition)
     elif partition in ("auto", "always"):
-        size, occ = split_and_residency(ctas, max_ctx, ks, max(ks.tile_tokens, p.block_size),
-                                        partition == "always")
+        quantum = max(ks.tile_tokens, p.block_size)
+        size, occ = split_and_residency(ctas, max_ctx, ks, quantum, partition == "always")
+        skewed = skew_split(size, p.num_rows, ctas, max_ctx, occ.slots, ks.tile_tokens,
+                            quantum, ks.sms, ks.saturate)
+        if skewed != size:  # more partitions: a larger grid, perhaps another residency
+            return (check_partition_count(skewed, max_ctx),
+                    residency(ctas * partition_count(max_ctx, skewed), ks).smem)
         return check_partition_count(size, max_ctx), occ.smem
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
@@ -311,14 +316,54 @@ def split_cost(ctas: int, max_ctx: int, slots: int, tile: int, quantum: int,
         n = -(-max_ctx // size)
         if at_least_two and n < 2 and max_parts >= 2:
             continue
-        work = round_up(size, tile) + tile
-        cost = grid_cost(ctas * n, work, per_sm, slots, sms, saturate)
-        if n > 1:
-            cost = 1.03 * (cost + 2 * tile * per_sm)
+        cost = split_cost_of(ctas, max_ctx, size, slots, tile, sms, saturate)
         if cost < best[0]:
             best = (cost, n, size)
     cost, n, size = best
     return cost, (size if (n > 1 or at_least_two) else 0)
+
+
+def split_cost_of(ctas: int, max_ctx: int, size: int, slots: int, tile: int, sms: int = 0,
+                  saturate: float = 0.0) -> float:
+    """split_cost's price of one partition size (0: a single pass)."""
+    per_sm = max(1, slots // sms) if sms else 1
+    n = partition_count(max_ctx, size)
+    work = round_up(size or max_ctx, tile) + tile
+    cost = grid_cost(ctas * n, work, per_sm, slots, sms, saturate)
+    return 1.03 * (cost + 2 * tile * per_sm) if n > 1 else cost
+
+
+# How much more a batch may be priced (split_cost, every row at the longest context) for a
+# split that also serves one long row among short ones: the model alone gave such a
+# batch the few partitions its whole grid needed, and the long row ran on a few CTAs
+# (one H200, a 100,000-token row among three short ones, 64/8 heads: 25.7% of copy).
+SKEW_SLACK = 1.05
+# Contexts from which that applies: below it a long row's few CTAs cost a few µs at most.
+SKEW_MIN_CTX = 16384
+
+
+@lru_cache(maxsize=4096)
+def skew_split(size: int, rows: int, ctas: int, max_ctx: int, slots: int, tile: int,
+               quantum: int, sms: int, saturate: float) -> int:
+    """The partition size for ``rows`` rows of ``ctas // rows`` CTAs each over up to
+    ``max_ctx`` (SKEW_MIN_CTX or more) keys. Where one row's
+    CTAs at ``size`` are fewer than keep the SMs' bandwidth busy (``saturate`` a SM; a
+    wave's slots without an SM count), the most partitions up to the count that keeps
+    them busy whose price for the batch is at most SKEW_SLACK times ``size``'s; else
+    ``size``."""
+    per_row = ctas // rows if rows else ctas
+    need = -(-int(saturate * sms) // per_row) if sms else -(-slots // per_row)
+    n0 = partition_count(max_ctx, size)
+    need = min(need, -(-max_ctx // quantum), _checks.MAX_GRID_YZ)
+    if rows < 2 or n0 >= need or max_ctx < SKEW_MIN_CTX:
+        return size
+    limit = SKEW_SLACK * split_cost_of(ctas, max_ctx, size, slots, tile, sms, saturate)
+    for n in range(need, n0, -1):
+        s = round_up(-(-max_ctx // n), quantum)
+        if partition_count(max_ctx, s) > n0 and \
+                split_cost_of(ctas, max_ctx, s, slots, tile, sms, saturate) <= limit:
+            return s
+    return size
 
 
 def v2_partition(capacity: int, table_tokens: int, max_context_len, block_size: int):

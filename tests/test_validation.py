@@ -291,6 +291,28 @@ def test_kernels_offer_the_lower_residencies_the_driver_grants(monkeypatch, per_
         planning.set_tuning()
 
 
+def test_a_long_row_among_short_ones_gets_the_sms():
+    """One long row's CTAs, at the model's split for a batch of such rows, leave most SMs
+    idle when the batch's other rows are short: from SKEW_MIN_CTX on, the split takes more
+    partitions, within SKEW_SLACK of the model's price for the batch. (Fails without
+    planning.skew_split.)"""
+    ctx, rows, per_row = 100_000, 4, 8
+    p = _problem(seqs=rows, heads=64, kv_heads=8, hs=128, width=-(-ctx // 16))
+    size, occ = planning.split_and_residency(rows * per_row, ctx, KS, 64, False)
+    assert per_row * planning.partition_count(ctx, size) < KS.sms  # the model's: 64 CTAs
+    got = planning.partition_tokens("auto", p, ctx, rows * per_row, KS)[0]
+    assert per_row * planning.partition_count(ctx, got) >= KS.sms
+    price = lambda s: planning.split_cost_of(rows * per_row, ctx, s, occ.slots, 64, 132, 2.0)  # noqa: E731
+    assert price(got) <= planning.SKEW_SLACK * price(size)
+    # one row, or a context below SKEW_MIN_CTX: the model's split
+    one = _problem(seqs=1, heads=64, kv_heads=8, hs=128, width=-(-ctx // 16))
+    assert planning.partition_tokens("auto", one, ctx, per_row, KS)[0] == \
+        planning.split_and_residency(per_row, ctx, KS, 64, False)[0]
+    short = planning.SKEW_MIN_CTX - 64
+    assert planning.partition_tokens("auto", p, short, rows * per_row, KS)[0] == \
+        planning.split_and_residency(rows * per_row, short, KS, 64, False)[0]
+
+
 def test_a_workspace_fit_chooses_the_residency_again(monkeypatch):
     # 32/8 heads, batch 20, ctx 2048: three partitions (480 CTAs, over one wave at 3 per
     # SM) at 2 per SM; a workspace with room for two leaves 320 CTAs, which 3 per SM hold
