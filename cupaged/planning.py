@@ -192,9 +192,10 @@ def partition_count(max_ctx: int, size: int) -> int:
 
 
 def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
-                     ks: "DecodeKernels") -> tuple[int, int]:
+                     ks: "DecodeKernels", room: int | None = None) -> tuple[int, int]:
     """``(tokens per split-KV partition, 0 for a single pass; dynamic shared memory per
-    CTA)``: the split, and the residency it runs at (``ks.smem`` or one of ``ks.fewer``)."""
+    CTA)``: the split, and the residency it runs at (``ks.smem`` or one of ``ks.fewer``).
+    ``room``: the partitions a workspace holds per row and head (None: no bound)."""
     if partition == "never" or max_ctx == 0:
         size = 0
     elif isinstance(partition, (int, np.integer)) and not isinstance(partition, bool):
@@ -205,8 +206,7 @@ def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
     elif partition in ("auto", "always"):
         quantum = max(ks.tile_tokens, p.block_size)
         size, occ = split_and_residency(ctas, max_ctx, ks, quantum, partition == "always")
-        skewed = skew_split(size, p.num_rows, ctas, max_ctx, occ.slots, ks.tile_tokens,
-                            quantum, ks.sms, ks.saturate)
+        skewed = skew_split(size, p.num_rows, ctas, max_ctx, ks, quantum, room)
         if skewed != size:  # more partitions: a larger grid, perhaps another residency
             return (check_partition_count(skewed, max_ctx),
                     residency(ctas * partition_count(max_ctx, skewed), ks).smem)
@@ -337,31 +337,42 @@ def split_cost_of(ctas: int, max_ctx: int, size: int, slots: int, tile: int, sms
 # split that also serves one long row among short ones: the model alone gave such a
 # batch the few partitions its whole grid needed, and the long row ran on a few CTAs
 # (one H200, a 100,000-token row among three short ones, 64/8 heads: 25.7% of copy).
-SKEW_SLACK = 1.05
+# Small, as every batch of rows all that long pays it when the rule fires.
+SKEW_SLACK = 1.02
 # Contexts from which that applies: below it a long row's few CTAs cost a few µs at most.
 SKEW_MIN_CTX = 16384
 
 
-@lru_cache(maxsize=4096)
-def skew_split(size: int, rows: int, ctas: int, max_ctx: int, slots: int, tile: int,
-               quantum: int, sms: int, saturate: float) -> int:
+def skew_split(size: int, rows: int, ctas: int, max_ctx: int, ks: "DecodeKernels",
+               quantum: int, room: int | None = None) -> int:
     """The partition size for ``rows`` rows of ``ctas // rows`` CTAs each over up to
-    ``max_ctx`` (SKEW_MIN_CTX or more) keys. Where one row's
-    CTAs at ``size`` are fewer than keep the SMs' bandwidth busy (``saturate`` a SM; a
-    wave's slots without an SM count), the most partitions up to the count that keeps
-    them busy whose price for the batch is at most SKEW_SLACK times ``size``'s; else
-    ``size``."""
-    per_row = ctas // rows if rows else ctas
-    need = -(-int(saturate * sms) // per_row) if sms else -(-slots // per_row)
-    n0 = partition_count(max_ctx, size)
-    need = min(need, -(-max_ctx // quantum), _checks.MAX_GRID_YZ)
-    if rows < 2 or n0 >= need or max_ctx < SKEW_MIN_CTX:
+    ``max_ctx`` (SKEW_MIN_CTX or more) keys. Where one row's CTAs at ``size`` are fewer
+    than keep the SMs' bandwidth busy (``ks.saturate`` a SM; a wave's slots without an
+    SM count), the most partitions, among the counts that fill whole waves or put whole
+    CTAs on each SM, up to that many (and ``room``, a workspace's partitions), whose
+    price for the batch at the residency it would run at is at most SKEW_SLACK times
+    ``size``'s; else ``size``."""
+    if rows < 2 or ctas < rows or max_ctx < SKEW_MIN_CTX:
         return size
-    limit = SKEW_SLACK * split_cost_of(ctas, max_ctx, size, slots, tile, sms, saturate)
-    for n in range(need, n0, -1):
+    per_row = ctas // rows
+    nat = natural_residency(ks)
+    need = -(-int(ks.saturate * ks.sms) // per_row) if ks.sms else -(-nat.slots // per_row)
+    need = min(need, -(-max_ctx // quantum), _checks.MAX_GRID_YZ, room or _checks.MAX_GRID_YZ)
+    n0 = partition_count(max_ctx, size)
+    if n0 >= need:
+        return size
+
+    def price(s):
+        occ = residency(ctas * partition_count(max_ctx, s), ks)
+        return split_cost_of(ctas, max_ctx, s, occ.slots, ks.tile_tokens, ks.sms, ks.saturate)
+
+    limit = SKEW_SLACK * price(size)
+    counts = {need} | {w * nat.slots // ctas for w in range(1, 9)}
+    if ks.sms:
+        counts |= {j * ks.sms // ctas for j in range(1, nat.per_sm + 1)}
+    for n in sorted((c for c in counts if n0 < c <= need), reverse=True):
         s = round_up(-(-max_ctx // n), quantum)
-        if partition_count(max_ctx, s) > n0 and \
-                split_cost_of(ctas, max_ctx, s, slots, tile, sms, saturate) <= limit:
+        if partition_count(max_ctx, s) > n0 and price(s) <= limit:
             return s
     return size
 
@@ -668,7 +679,8 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
-    size, smem = partition_tokens(partition, p, max_ctx, ctas, ks)
+    room = None if workspace is None else workspace.max_rows // (p.num_rows * p.num_heads)
+    size, smem = partition_tokens(partition, p, max_ctx, ctas, ks, room)
     # Partials without counters (vLLM's v2 buffers) are merged by the combine kernel,
     # which takes a row per sequence: row mode then runs a single pass.
     counted = workspace is None or workspace.max_counters >= ctas

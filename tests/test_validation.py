@@ -302,8 +302,14 @@ def test_a_long_row_among_short_ones_gets_the_sms():
     assert per_row * planning.partition_count(ctx, size) < KS.sms  # the model's: 64 CTAs
     got = planning.partition_tokens("auto", p, ctx, rows * per_row, KS)[0]
     assert per_row * planning.partition_count(ctx, got) >= KS.sms
-    price = lambda s: planning.split_cost_of(rows * per_row, ctx, s, occ.slots, 64, 132, 2.0)  # noqa: E731
+    def price(s):  # at the residency the split runs at
+        slots = planning.residency(rows * per_row * planning.partition_count(ctx, s), KS).slots
+        return planning.split_cost_of(rows * per_row, ctx, s, slots, 64, 132, 2.0)
+
     assert price(got) <= planning.SKEW_SLACK * price(size)
+    # a workspace's room bounds the count
+    roomy = planning.partition_tokens("auto", p, ctx, rows * per_row, KS, room=12)[0]
+    assert planning.partition_count(ctx, size) < planning.partition_count(ctx, roomy) <= 12
     # one row, or a context below SKEW_MIN_CTX: the model's split
     one = _problem(seqs=1, heads=64, kv_heads=8, hs=128, width=-(-ctx // 16))
     assert planning.partition_tokens("auto", one, ctx, per_row, KS)[0] == \
