@@ -186,6 +186,46 @@ def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+# The most keys one CTA sums in one pass where the planner picks the split ("auto"): a
+# pass's float32 sums lose accuracy with its length (H200, one GPU's chunked prefill over
+# a 16-million-token sequence, worst row against the float64 reference: 2.0e-2 in one
+# pass, 4.8e-3 in partitions of 4M keys, 2.9e-3 of 1M, 2.0e-3, the floor the 16-bit
+# roundings set, of 256K; docs/PERFORMANCE.md), so longer contexts get more partitions
+# than the grid model alone asks for, within CAP_SCRATCH_BYTES of partials.
+MAX_PASS_TOKENS = 1 << 18
+# float32 partials a call may take for the partitions the pass cap adds (without a
+# workspace they are scratch allocated by the call; a workspace's room bounds them too).
+CAP_SCRATCH_BYTES = 1 << 30
+
+
+def slot_count(n: int, slots: int, most: int) -> int:
+    """The least partition count from ``n`` up to ``most`` that divides ``slots`` or is a
+    multiple of it (a persistent grid gives each partition ``slots // count`` CTAs, so
+    another count leaves resident slots idle); ``n`` when there is none."""
+    fits = [d for d in range(n, min(slots, most) + 1) if slots % d == 0]
+    whole = -(-n // slots) * slots
+    if whole <= most:
+        fits.append(whole)
+    return min(fits) if fits else n
+
+
+def cap_pass(size: int, max_ctx: int, quantum: int, partial_rows: int, head_size: int,
+             slots: int = 0) -> int:
+    """A planner-chosen partition size (0: one pass) over ``max_ctx`` keys, made smaller
+    so that a pass holds at most MAX_PASS_TOKENS keys, as far as ``partial_rows`` float32
+    partials of ``head_size + 2`` a partition fit CAP_SCRATCH_BYTES; ``slots``: a
+    persistent grid's resident CTAs, which the count is chosen to fill (slot_count)."""
+    if max_ctx <= MAX_PASS_TOKENS or (size and size <= MAX_PASS_TOKENS):
+        return size
+    most = max(1, CAP_SCRATCH_BYTES // (partial_rows * (head_size + 2) * 4))
+    n = min(-(-max_ctx // MAX_PASS_TOKENS), most)
+    if slots:
+        n = slot_count(n, slots, most)
+    if n <= partition_count(max_ctx, size):
+        return size
+    return round_up(-(-max_ctx // n), quantum)
+
+
 def partition_count(max_ctx: int, size: int) -> int:
     """Split-KV partitions of ``size`` tokens over ``max_ctx``: 1 for a single pass (0)."""
     return -(-max_ctx // size) if size else 1
@@ -206,10 +246,11 @@ def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
     elif partition in ("auto", "always"):
         quantum = max(ks.tile_tokens, p.block_size)
         size, occ = split_and_residency(ctas, max_ctx, ks, quantum, partition == "always")
-        skewed = skew_split(size, p.num_rows, ctas, max_ctx, ks, quantum, room)
-        if skewed != size:  # more partitions: a larger grid, perhaps another residency
-            return (check_partition_count(skewed, max_ctx),
-                    residency(ctas * partition_count(max_ctx, skewed), ks).smem)
+        chosen = cap_pass(skew_split(size, p.num_rows, ctas, max_ctx, ks, quantum, room),
+                          max_ctx, quantum, p.num_rows * p.num_heads, p.head_size)
+        if chosen != size:  # more partitions: a larger grid, perhaps another residency
+            return (check_partition_count(chosen, max_ctx),
+                    residency(ctas * partition_count(max_ctx, chosen), ks).smem)
         return check_partition_count(size, max_ctx), occ.smem
     else:
         _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
@@ -639,6 +680,8 @@ def prefill_split(k: PrefillKernel, p: Problem, plan: Choice, max_q: int, max_ct
     else:
         ctas = p.num_seqs * p.num_kv_heads * plan.q_tiles
         size = split_tokens(ctas, span, k.slots, tn, tn, False) if span > tn else 0
+        size = cap_pass(size, span, tn, p.num_rows * p.num_heads, p.head_size,
+                        k.slots if plan.sm90 else 0)
     if size and workspace is not None:
         size = fit_partitions(size, "auto", p, span, workspace.max_rows, tn)
     n_parts = min(partition_count(span, size), _checks.MAX_GRID_YZ)

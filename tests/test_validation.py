@@ -194,6 +194,57 @@ def test_auto_may_choose_a_single_pass():
     assert planning.partition_tokens("always", p, 2048, 4096, KS)[0] > 0
 
 
+@pytest.mark.parametrize("ctx", [planning.MAX_PASS_TOKENS + 1, 3 << 20, 16_000_000])
+@pytest.mark.parametrize("ctas", [8, 4096])
+def test_decode_passes_are_held_to_the_pass_limit(ctx, ctas):
+    """A context longer than MAX_PASS_TOKENS gets passes of at most that many keys
+    whatever the grid (4096 CTAs: the model alone runs one pass); "never" and an explicit
+    partition are kept. (Fails without planning.cap_pass.)"""
+    p = _problem(width=-(-ctx // 16))
+    for partition in ("auto", "always"):
+        size = planning.partition_tokens(partition, p, ctx, ctas, KS)[0]
+        assert 0 < size <= planning.MAX_PASS_TOKENS and size % 64 == 0
+    assert planning.partition_tokens("never", p, ctx, ctas, KS)[0] == 0
+    assert planning.partition_tokens(1 << 20, p, ctx, ctas, KS)[0] == 1 << 20
+
+
+def test_the_pass_cap_stays_within_its_scratch_and_fills_persistent_slots():
+    cap, mb = planning.MAX_PASS_TOKENS, planning.CAP_SCRATCH_BYTES
+    ctx = 16_000_000  # 62 passes of at most 2^18
+    assert planning.cap_pass(0, cap, 64, 8, 128) == 0  # short enough: one pass kept
+    assert planning.cap_pass(4096, ctx, 64, 8, 128) == 4096  # already short passes
+    assert planning.partition_count(ctx, planning.cap_pass(0, ctx, 64, 8, 128)) == 62
+    # partials of 8192 x 64 rows of 130 floats: 272 MB a partition, 3 fit the budget
+    rows = 8192 * 64
+    assert mb // (rows * 130 * 4) == 3
+    assert planning.partition_count(ctx, planning.cap_pass(0, ctx, 64, rows, 128)) == 3
+    # more than the budget holds already: the model's split is kept
+    assert planning.cap_pass(ctx // 4, ctx, 64, rows, 128) == ctx // 4
+    # a persistent grid of 132 slots: 62 -> 66 (each partition 2 CTAs); 153 -> 264
+    assert planning.partition_count(ctx, planning.cap_pass(0, ctx, 64, 8, 128, 132)) == 66
+    assert planning.slot_count(153, 132, 10**6) == 264
+    assert planning.slot_count(45, 132, 10**6) == 66
+    assert planning.slot_count(62, 132, 64) == 62  # neither fits the budget: as asked
+    assert planning.slot_count(40, 132, 50) == 44
+
+
+def test_prefill_passes_are_held_to_the_pass_limit():
+    """The multi-token split: one long sequence's chunk beside rows that fill the grid
+    (the model alone runs one pass) gets passes of at most MAX_PASS_TOKENS, counted to
+    fill paged_prefill_sm90's slots; a workspace too small for them takes fewer."""
+    ctx = 16_000_000
+    p = _problem(width=-(-ctx // 16))
+    k = planning.PrefillKernel(None, 0, 256, 64, 132)
+    for sm90, want in ((False, 62), (True, 66)):
+        choice = planning.Choice("prefill", 64, (), sm90)
+        size, n = planning.prefill_split(k, p, choice, 128, ctx, _variants.PLAIN, None)
+        assert n == want and size <= planning.MAX_PASS_TOKENS
+    ws = SimpleNamespace(max_rows=p.num_rows * p.num_heads * 4)
+    size, n = planning.prefill_split(k, p, planning.Choice("prefill", 64, (), True), 128, ctx,
+                                     _variants.PLAIN, ws)
+    assert n == 4
+
+
 @pytest.mark.parametrize("ctas, ctx, want_parts", [
     (512, 2048, 3),      # 1.3 waves single pass: three partitions fill 4 waves almost fully
     (8, 131072, 49),     # batch 1, 8 KV heads: one wave of 392 CTAs
