@@ -299,21 +299,31 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
 // (cupaged.reference.indexer_topk). One CTA of kTopkThreads per row:
 //   1. each logit as an order-preserving 32-bit key (finite ones from 1 up, -0 as +0;
 //      -inf, +inf and NaN 0: never picked);
-//   2. the k-th largest key by radix select, 8 bits a pass from the top: a histogram of
-//      the keys that match the prefix so far (its first pass, over every finite key,
-//      also counts them, so k = min(topk, that count)), then one warp's scan of its bins
-//      from the top (topk_find_bin);
-//   3. the keys above it, and of those equal to it the lowest columns, into shared
+//   2. the k-th largest key by radix select from the top. The first digit is 12 bits
+//      (sign, exponent and 3 mantissa bits: a float's top byte is mostly its exponent,
+//      which logits of one magnitude share), counted over every finite key in one pass
+//      over the row, which also counts them, so k = min(topk, that count). A second pass
+//      takes the keys above the k-th's bin and, when that bin holds at most
+//      kTopkCandidates keys, keeps them in shared memory, counting their next digit; the
+//      other digits (8, 8 and 4 bits) are then counted there. A bin larger than that is
+//      counted in passes over the row instead (many keys of one first digit);
+//   3. the keys above the k-th, and of those equal to it the lowest columns, into shared
 //      memory. When the row holds exactly as many keys equal to it as are taken (no
 //      tie is cut: the common case), they join the keys above it in the same pass;
-//      otherwise the lowest columns come from a scan in column order;
+//      otherwise the lowest columns come from a scan of the row in column order;
 //   4. a bitonic sort of (key, ~column) descending, then the columns out.
 // A CTA a row leaves one CTA on an SM, so each pass over the row is bound by load latency:
-// a thread issues kTopkUnroll loads before it uses any.
+// a thread issues kTopkUnroll loads before it uses any, and the passes over the row are
+// two where the k-th's first-digit bin fits in shared memory, five otherwise.
 constexpr int kTopkThreads = 512;
 constexpr int kTopkMax = 2048;  // the largest topk (DeepSeek-V3.2's)
 constexpr int kTopkUnroll = 8;
 constexpr int kTopkStep = kTopkThreads * kTopkUnroll;  // columns a CTA-wide step
+constexpr int kTopkTopBits = 12;                       // the first radix digit
+constexpr int kTopkTopBins = 1 << kTopkTopBits;
+// The first digit's histogram's room, reused for the keys of the k-th's bin as (key, ~column)
+constexpr int kTopkCandidates = kTopkTopBins * sizeof(int) / sizeof(unsigned long long);
+static_assert(kTopkTopBins % kTopkThreads == 0, "a CTA's threads split the first digit's bins");
 
 __device__ __forceinline__ unsigned topk_key(float x) {
   if (!(fabsf(x) <= 3.402823466e38f)) return 0u;  // -inf, +inf, NaN
@@ -335,14 +345,33 @@ __device__ __forceinline__ void topk_keys(unsigned (&key)[kTopkUnroll],
   for (int j = 0; j < kTopkUnroll; ++j) key[j] = topk_key(x[j]);
 }
 
-// One warp: the bin, from the top, of a radix pass's histogram that holds the
-// counters[3]-th largest key, into bin_s, and counters[3] less the keys in the bins above
-// it. ``first``: the histogram counts every finite key, so k = counters[0] =
-// counters[3] = min(topk, their count) first. ``last``: counters[4] = the keys in that
-// bin (those equal to the k-th). Each lane sums 8 bins, a shuffle scan the lanes.
+// Of PER bins v (v[0] the top one) holding keys `above`+1 .. `above`+sum from the top, the
+// one that holds the want-th largest (above < want <= above + sum): its index in v, the
+// keys in the bins above it (before) and in it (in_bin).
+template <int PER>
+__device__ __forceinline__ int topk_bin_of(const int (&v)[PER], int above, int want,
+                                           int& before, int& in_bin) {
+  int i = 0;
+  before = above;
+  in_bin = v[0];
+#pragma unroll
+  for (int j = 0; j < PER - 1; ++j) {  // (a fixed loop: v stays in registers)
+    if (i == j && before + v[j] < want) {
+      before += v[j];
+      i = j + 1;
+      in_bin = v[j + 1];
+    }
+  }
+  return i;
+}
+
+// One warp: the bin, from the top, of a 256-bin histogram that holds the counters[3]-th
+// largest key among those it counts, into bin_s, and counters[3] less the keys in the bins
+// above it; ``last``: counters[4] = the keys in that bin (those equal to the k-th). Each
+// lane sums 8 bins, a shuffle scan the lanes.
 __device__ __forceinline__ void topk_find_bin(const int* hist, int* counters, int& bin_s,
-                                              int topk, bool first, bool last, int lane) {
-  int want = counters[3];  // read by every lane, then written by one (after __syncwarp)
+                                              bool last, int lane) {
+  const int want = counters[3];  // read by every lane, then written by one (after __syncwarp)
   int v[8], mine = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -355,25 +384,57 @@ __device__ __forceinline__ void topk_find_bin(const int* hist, int* counters, in
     const int y = __shfl_up_sync(~0u, upto, o);
     if (lane >= o) upto += y;
   }
-  if (first) want = min(topk, __shfl_sync(~0u, upto, 31));
   const int above = upto - mine;
   __syncwarp();  // every lane's read of counters[3] before one lane writes it
   if (want > 0 && above < want && want <= upto) {  // exactly one lane
-    int before = above, i = 0, in_bin = v[0];
-#pragma unroll
-    for (int j = 0; j < 7; ++j) {  // (a fixed loop: v stays in registers)
-      if (i == j && before + v[j] < want) {
-        before += v[j];
-        i = j + 1;
-        in_bin = v[j + 1];
-      }
-    }
+    int before, in_bin;
+    const int i = topk_bin_of(v, above, want, before, in_bin);
     bin_s = 255 - lane * 8 - i;
     counters[3] = want - before;
-    if (first) counters[0] = want;
     if (last) counters[4] = in_bin;
   }
-  if (first && want == 0 && lane == 0) counters[0] = counters[3] = 0;
+}
+
+// The whole CTA: the first digit's bin (of kTopkTopBins) that holds the k-th largest key,
+// k = counters[0] = min(topk, the finite keys counted), into bin_s; counters[3] = k less
+// the keys in the bins above it, counters[4] = the keys in it. Each thread sums PER bins,
+// a scan over the CTA (scan_s: a warp's total). Ends with a barrier.
+__device__ __forceinline__ void topk_find_top_bin(const int* hist, int* counters, int& bin_s,
+                                                  int* scan_s, int topk, int tid) {
+  constexpr int PER = kTopkTopBins / kTopkThreads;
+  const int lane = tid & 31, warp = tid >> 5;
+  int v[PER], mine = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    v[i] = hist[kTopkTopBins - 1 - tid * PER - i];  // thread 0 holds the top bins
+    mine += v[i];
+  }
+  int upto = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(~0u, upto, o);
+    if (lane >= o) upto += y;
+  }
+  if (lane == 31) scan_s[warp] = upto;
+  __syncthreads();
+  int total = 0;
+#pragma unroll
+  for (int w = 0; w < kTopkThreads / 32; ++w) {
+    const int t = scan_s[w];
+    if (w < warp) upto += t;
+    total += t;
+  }
+  const int want = min(topk, total);
+  const int above = upto - mine;
+  if (want > 0 && above < want && want <= upto) {  // exactly one thread
+    int before, in_bin;
+    const int i = topk_bin_of(v, above, want, before, in_bin);
+    bin_s = kTopkTopBins - 1 - tid * PER - i;
+    counters[3] = want - before;
+    counters[4] = in_bin;
+  }
+  if (tid == 0) counters[0] = want;
+  __syncthreads();
 }
 
 template <typename T>
@@ -381,57 +442,119 @@ __global__ void __launch_bounds__(kTopkThreads)
     indexer_topk(int* __restrict__ out, long long out_stride, const T* __restrict__ logits,
                  long long stride, int width, int topk) {
   static_assert(is_same<T, float>::value, "float32 logits");
-  __shared__ int hist[256];
+  // the first digit's histogram, then the keys of the k-th's bin (cand)
+  __shared__ __align__(16) int hist[kTopkTopBins];
+  __shared__ int hist2[256];  // the other digits' histograms
   __shared__ unsigned long long sel[kTopkMax];
-  // keys taken (k), keys above the k-th, equals seen, equals left to take, equals in the row
-  __shared__ int counters[5];
+  // keys taken (k), keys above the k-th, equals seen, equals left to take, equals in the
+  // row, keys of the k-th's first-digit bin kept
+  __shared__ int counters[6];
   __shared__ int bin_s;        // a radix pass's chosen bin
   __shared__ int scan_s[kTopkThreads / 32];
+  unsigned long long* cand = reinterpret_cast<unsigned long long*>(hist);
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const T* row = logits + static_cast<long long>(blockIdx.x) * stride;
   int* out_row = out + static_cast<long long>(blockIdx.x) * out_stride;
-  if (tid < 5) counters[tid] = 0;
-  // radix select: the k-th largest key
-  unsigned prefix = 0u, mask = 0u;
-  int k = 0, remaining = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = tid; b < 256; b += kTopkThreads) hist[b] = 0;
-    __syncthreads();
+  if (tid < 6) counters[tid] = 0;
+  if (tid == 0) bin_s = 0;
+  for (int b = tid; b < kTopkTopBins; b += kTopkThreads) hist[b] = 0;
+  for (int b = tid; b < 256; b += kTopkThreads) hist2[b] = 0;
+  __syncthreads();
+  // pass 1 over the row: the first digit of every finite key
+  constexpr int kTopShift = 32 - kTopkTopBits;
+  for (int c0 = 0; c0 < width; c0 += kTopkStep) {
+    unsigned key[kTopkUnroll];
+    topk_keys(key, row, c0, width, tid);
+#pragma unroll
+    for (int j = 0; j < kTopkUnroll; ++j) {
+      if (key[j] != 0u) atomicAdd(&hist[key[j] >> kTopShift], 1);
+    }
+  }
+  __syncthreads();
+  topk_find_top_bin(hist, counters, bin_s, scan_s, topk, tid);
+  const int k = counters[0];
+  const unsigned top = static_cast<unsigned>(bin_s);
+  unsigned prefix = top << kTopShift, mask = ~0u << kTopShift;
+  int remaining = counters[3];
+  // the k-th's bin in shared memory (topk_find_top_bin's last barrier: hist read)
+  const bool staged = k > 0 && counters[4] <= kTopkCandidates;
+  if (staged) {
+    // pass 2 over the row: the keys above the bin taken, the bin's kept, their next digit
     for (int c0 = 0; c0 < width; c0 += kTopkStep) {
       unsigned key[kTopkUnroll];
       topk_keys(key, row, c0, width, tid);
 #pragma unroll
       for (int j = 0; j < kTopkUnroll; ++j) {
-        if (key[j] != 0u && (key[j] & mask) == prefix) {
-          atomicAdd(&hist[(key[j] >> shift) & 255u], 1);
+        const unsigned d = key[j] >> kTopShift;
+        if (key[j] == 0u || d < top) continue;
+        const unsigned c = static_cast<unsigned>(c0 + j * kTopkThreads + tid);
+        const unsigned long long e = (static_cast<unsigned long long>(key[j]) << 32) | ~c;
+        if (d > top) {
+          sel[atomicAdd(&counters[1], 1)] = e;
+        } else {
+          cand[atomicAdd(&counters[5], 1)] = e;
+          atomicAdd(&hist2[(key[j] >> 12) & 255u], 1);
         }
       }
     }
     __syncthreads();
-    if (warp == 0) topk_find_bin(hist, counters, bin_s, topk, shift == 24, shift == 0, lane);
+  }
+  const int ncand = counters[5];
+  // the other digits, 8 bits at 12 and 4 and 4 bits at 0: over the kept keys, or the row
+#pragma unroll 1
+  for (int pass = 0; k > 0 && pass < 3; ++pass) {
+    const int shift = pass == 0 ? 12 : pass == 1 ? 4 : 0;
+    const unsigned bins = pass == 2 ? 15u : 255u;
+    if (!(staged && pass == 0)) {  // (the second pass over the row counted the first)
+      if (staged) {
+        for (int i = tid; i < ncand; i += kTopkThreads) {
+          const unsigned key = static_cast<unsigned>(cand[i] >> 32);
+          if ((key & mask) == prefix) atomicAdd(&hist2[(key >> shift) & bins], 1);
+        }
+      } else {
+        for (int c0 = 0; c0 < width; c0 += kTopkStep) {
+          unsigned key[kTopkUnroll];
+          topk_keys(key, row, c0, width, tid);
+#pragma unroll
+          for (int j = 0; j < kTopkUnroll; ++j) {
+            if (key[j] != 0u && (key[j] & mask) == prefix) {
+              atomicAdd(&hist2[(key[j] >> shift) & bins], 1);
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    if (warp == 0) topk_find_bin(hist2, counters, bin_s, pass == 2, lane);
     __syncthreads();
-    k = counters[0];
-    if (k == 0) break;  // no finite key: every column -1
     prefix |= static_cast<unsigned>(bin_s) << shift;
-    mask |= 255u << shift;
+    mask |= bins << shift;
     remaining = counters[3];
-    __syncthreads();  // hist and bin_s are rewritten by the next pass
+    for (int b = tid; b < 256; b += kTopkThreads) hist2[b] = 0;
+    __syncthreads();  // hist2 cleared and bin_s read before the next pass
   }
   const unsigned kth = prefix;  // the k-th largest key; `remaining` of its equals are taken
   // no tie cut: every equal is taken, with the keys above it
   const bool all_equals = k > 0 && counters[4] == remaining;
   const unsigned lowest = all_equals ? kth : kth + 1u;  // (kth + 1: kth < 2^32 - 1)
   // the keys taken in any order (those above it, and its equals when all are taken)
-  for (int c0 = 0; k > 0 && c0 < width; c0 += kTopkStep) {
-    unsigned key[kTopkUnroll];
-    topk_keys(key, row, c0, width, tid);
+  if (staged) {
+    for (int i = tid; i < ncand; i += kTopkThreads) {
+      const unsigned long long e = cand[i];
+      if (static_cast<unsigned>(e >> 32) >= lowest) sel[atomicAdd(&counters[1], 1)] = e;
+    }
+  } else {
+    for (int c0 = 0; k > 0 && c0 < width; c0 += kTopkStep) {
+      unsigned key[kTopkUnroll];
+      topk_keys(key, row, c0, width, tid);
 #pragma unroll
-    for (int j = 0; j < kTopkUnroll; ++j) {
-      if (key[j] >= lowest) {
-        const int at = atomicAdd(&counters[1], 1);
-        const unsigned c = static_cast<unsigned>(c0 + j * kTopkThreads + tid);
-        sel[at] = (static_cast<unsigned long long>(key[j]) << 32) | ~c;
+      for (int j = 0; j < kTopkUnroll; ++j) {
+        if (key[j] >= lowest) {
+          const int at = atomicAdd(&counters[1], 1);
+          const unsigned c = static_cast<unsigned>(c0 + j * kTopkThreads + tid);
+          sel[at] = (static_cast<unsigned long long>(key[j]) << 32) | ~c;
+        }
       }
     }
   }

@@ -435,6 +435,36 @@ def test_topk_of_distinct_logits(rng, width, topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_bin", [2047, 2048, 2049])
+@pytest.mark.parametrize("tie", [False, True], ids=["distinct", "tie-cut"])
+def test_topk_around_the_kept_bins_size(rng, in_bin, tie):
+    """The k-th's first-digit bin (12 bits: sign, exponent, 3 mantissa bits) kept in
+    shared memory when it holds at most 2048 keys, counted in passes over the row when it
+    holds more: bins of 2047, 2048 and 2049 keys in [1, 1.125) under 1000 keys above them
+    and beside smaller ones; with six equals at the k-th, of which three are taken (the
+    lowest columns), or none."""
+    import cupy
+
+    width, topk = 6000, 2048
+    above = 4 + 4 * rng.permutation(1000) / 1000
+    in_k = 1 + rng.permutation(in_bin) / (in_bin * 8)
+    if tie:
+        order = np.sort(in_k)[::-1]
+        kth = order[topk - 1000 - 1]
+        in_k[np.isin(in_k, order[topk - 1000 - 3:topk - 1000 + 3])] = kth
+    below = 0.25 + rng.random(width - 1000 - in_bin) / 4
+    x = np.concatenate([above, in_k, below]).astype(np.float32)
+    x = np.stack([x[rng.permutation(width)] for _ in range(3)])
+    got = cupaged.indexer_topk(cupy.asarray(x), topk)
+    want = reference.indexer_topk(x, topk)
+    if tie:
+        kth32 = np.float32(kth)
+        assert ((x[0] == kth32).sum() == 6 and
+                (x[0][want[0]] == kth32).sum() == 3)  # the tie is cut
+    assert np.array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.gpu
 def test_topk_over_strided_rows_and_the_logits_kernel(rng):
     """Rows a view of wider rows; then the chain logits -> top-k against the reference's
     top-k of the GPU logits (the same input: the selection itself is exact)."""
