@@ -299,9 +299,9 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
 // (cupaged.reference.indexer_topk). One CTA of kTopkThreads per row:
 //   1. each logit as an order-preserving 32-bit key (finite ones from 1 up, -0 as +0;
 //      -inf, +inf and NaN 0: never picked);
-//   2. the k-th largest key by radix select from the top. The first digit is 12 bits
-//      (sign, exponent and 3 mantissa bits: a float's top byte is mostly its exponent,
-//      which logits of one magnitude share), counted over every finite key in one pass
+//   2. the k-th largest key by radix select from the top. The first digit is the key's
+//      top 12 bits (about the sign, the exponent and 3 mantissa bits: a float's top byte
+//      is mostly its exponent, which logits of one magnitude share), counted over every finite key in one pass
 //      over the row, which also counts them, so k = min(topk, that count). A second pass
 //      takes the keys above the k-th's bin and, when that bin holds at most
 //      kTopkCandidates keys, keeps them in shared memory, counting their next digit; the
@@ -442,8 +442,12 @@ __global__ void __launch_bounds__(kTopkThreads)
     indexer_topk(int* __restrict__ out, long long out_stride, const T* __restrict__ logits,
                  long long stride, int width, int topk) {
   static_assert(is_same<T, float>::value, "float32 logits");
-  // the first digit's histogram, then the keys of the k-th's bin (cand)
-  __shared__ __align__(16) int hist[kTopkTopBins];
+  // the first digit's histogram, then (once it is read) the keys of the k-th's bin
+  __shared__ union {
+    int hist[kTopkTopBins];
+    unsigned long long cand[kTopkCandidates];
+  } first;
+  int* hist = first.hist;
   __shared__ int hist2[256];  // the other digits' histograms
   __shared__ unsigned long long sel[kTopkMax];
   // keys taken (k), keys above the k-th, equals seen, equals left to take, equals in the
@@ -451,7 +455,7 @@ __global__ void __launch_bounds__(kTopkThreads)
   __shared__ int counters[6];
   __shared__ int bin_s;        // a radix pass's chosen bin
   __shared__ int scan_s[kTopkThreads / 32];
-  unsigned long long* cand = reinterpret_cast<unsigned long long*>(hist);
+  unsigned long long* cand = first.cand;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const T* row = logits + static_cast<long long>(blockIdx.x) * stride;

@@ -179,9 +179,11 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
     The columns are positions in each row's sequence (its tokens 0..); cupaged's
     ``sparse_mla_attention`` prefill takes them as they are, its decode as global slots
     (``block * block_size + offset`` through the sequence's block table:
-    ``reference.indexer_slots``). One CTA a row: a radix select of the k-th largest (four
-    passes of 8 bits over the row), the keys above it and the lowest columns equal to it,
-    a bitonic sort. No host sync; capturable.
+    ``reference.indexer_slots``). One CTA a row: a radix select of the k-th largest (a
+    12-bit first digit, then 8, 8 and 4 bits; two passes over the row when the k-th's
+    first-digit bin holds at most 2048 keys, which the later digits then count in shared
+    memory, five otherwise), the keys above it and the lowest columns equal to it, a
+    bitonic sort. No host sync; capturable.
     """
     lg = as_device_array(logits, "logits")
     o = optional_output_array(out, "out")
