@@ -301,8 +301,9 @@ __global__ void __launch_bounds__(IndexerGeometry<T, HEADS, ROWS>::kThreads)
 //      -inf, +inf and NaN 0: never picked);
 //   2. the k-th largest key by radix select from the top. The first digit is the key's
 //      top 12 bits (about the sign, the exponent and 3 mantissa bits: a float's top byte
-//      is mostly its exponent, which logits of one magnitude share), counted over every finite key in one pass
-//      over the row, which also counts them, so k = min(topk, that count). A second pass
+//      is mostly its exponent, which logits of one magnitude share), counted over every
+//      finite key in one pass over the row, which also counts them, so k = min(topk,
+//      that count). A second pass
 //      takes the keys above the k-th's bin and, when that bin holds at most
 //      kTopkCandidates keys, keeps them in shared memory, counting their next digit; the
 //      other digits (8, 8 and 4 bits) are then counted there. A bin larger than that is
@@ -321,8 +322,11 @@ constexpr int kTopkUnroll = 8;
 constexpr int kTopkStep = kTopkThreads * kTopkUnroll;  // columns a CTA-wide step
 constexpr int kTopkTopBits = 12;                       // the first radix digit
 constexpr int kTopkTopBins = 1 << kTopkTopBits;
-// The first digit's histogram's room, reused for the keys of the k-th's bin as (key, ~column)
-constexpr int kTopkCandidates = kTopkTopBins * sizeof(int) / sizeof(unsigned long long);
+// Keys of the k-th's first-digit bin kept in shared memory, (key, ~column), in the room
+// the first digit's histogram used: as many as keep the CTA's static shared memory under
+// 48 KB (a long row's bin can exceed 2048: every row of a launch must fit, or the launch
+// takes the slowest row's five passes)
+constexpr int kTopkCandidates = 3840;
 static_assert(kTopkTopBins % kTopkThreads == 0, "a CTA's threads split the first digit's bins");
 
 __device__ __forceinline__ unsigned topk_key(float x) {
@@ -448,6 +452,8 @@ __global__ void __launch_bounds__(kTopkThreads)
     unsigned long long cand[kTopkCandidates];
   } first;
   int* hist = first.hist;
+  static_assert(sizeof(first) + 256 * sizeof(int) + kTopkMax * sizeof(unsigned long long) +
+                    1024 <= 48 * 1024, "static shared memory");
   __shared__ int hist2[256];  // the other digits' histograms
   __shared__ unsigned long long sel[kTopkMax];
   // keys taken (k), keys above the k-th, equals seen, equals left to take, equals in the

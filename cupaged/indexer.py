@@ -181,7 +181,7 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
     (``block * block_size + offset`` through the sequence's block table:
     ``reference.indexer_slots``). One CTA a row: a radix select of the k-th largest (a
     12-bit first digit, then 8, 8 and 4 bits; two passes over the row when the k-th's
-    first-digit bin holds at most 2048 keys, which the later digits then count in shared
+    first-digit bin holds at most 3840 keys, which the later digits then count in shared
     memory, five otherwise), the keys above it and the lowest columns equal to it, a
     bitonic sort. No host sync; capturable.
     """

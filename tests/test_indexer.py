@@ -435,17 +435,17 @@ def test_topk_of_distinct_logits(rng, width, topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_bin", [2047, 2048, 2049])
+@pytest.mark.parametrize("in_bin", [2049, 3840, 3841])
 @pytest.mark.parametrize("tie", [False, True], ids=["distinct", "tie-cut"])
 def test_topk_around_the_kept_bins_size(rng, in_bin, tie):
-    """The k-th's first-digit bin (12 bits: sign, exponent, 3 mantissa bits) kept in
-    shared memory when it holds at most 2048 keys, counted in passes over the row when it
-    holds more: bins of 2047, 2048 and 2049 keys in [1, 1.125) under 1000 keys above them
-    and beside smaller ones; with six equals at the k-th, of which three are taken (the
-    lowest columns), or none."""
+    """The k-th's first-digit bin (the key's top 12 bits) kept in shared memory when it
+    holds at most 3840 keys, counted in passes over the row when it holds more: bins of
+    2049, 3840 and 3841 keys in [1, 1.125) under 1000 keys above them and beside smaller
+    ones; with six equals at the k-th, of which three are taken (the lowest columns), or
+    none."""
     import cupy
 
-    width, topk = 6000, 2048
+    width, topk = 8000, 2048
     above = 4 + 4 * rng.permutation(1000) / 1000
     in_k = 1 + rng.permutation(in_bin) / (in_bin * 8)
     if tie:
