@@ -349,18 +349,26 @@ def stamp_holds(ctx: "Context") -> None:
 
 def record_launched() -> None:
     """After the launches of the call that stamped this thread's imports: an event on
-    each of their streams, past which the imports may go."""
-    stamped = _HOLDS.stamped
+    each of their streams, past which the imports may go. A stream being captured into a
+    CUDA graph gets none and its imports go now: nothing ran on them (the graph's replays
+    read the inputs, which the caller keeps alive for them), and an event recorded in a
+    capture cannot be queried afterwards, so it would hold everything queued behind it.
+    The list is taken first: an event that fails to record raises once, from this call."""
+    stamped, _HOLDS.stamped = _HOLDS.stamped, []
     events = {}
     for stream, device, imported in stamped:
         event = events.get(stream)
         if event is None:
-            with cupy.cuda.Device(device):
-                event = events[stream] = cupy.cuda.Event(block=False, disable_timing=True)
-                event.record(_cupy_stream(stream))
-        with _DEFERRED_LOCK:
-            _DEFERRED.append((event, imported))
-    stamped.clear()
+            if capturing(stream):
+                event = events[stream] = False
+            else:
+                with cupy.cuda.Device(device):
+                    event = events[stream] = cupy.cuda.Event(block=False,
+                                                             disable_timing=True)
+                    event.record(_cupy_stream(stream))
+        if event is not False:
+            with _DEFERRED_LOCK:
+                _DEFERRED.append((event, imported))
 
 
 def release_completed() -> int:
@@ -400,7 +408,11 @@ class _Launching:
     def __exit__(self, *exc):
         try:
             if _HOLDS.stamped:
-                record_launched()
+                try:
+                    record_launched()
+                except Exception:
+                    if exc[0] is None:  # else the call's own error is the one to see
+                        raise
         finally:
             if self.switch is not None:
                 self.switch.__exit__(*exc)

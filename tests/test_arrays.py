@@ -312,6 +312,45 @@ def test_a_checks_context_leaves_the_imports_to_the_launches(monkeypatch):
     assert [(e.recorded_on, i) for e, i in _arrays._DEFERRED] == [(launch, x)]
 
 
+def test_a_captured_call_holds_nothing(monkeypatch):
+    """A call captured into a CUDA graph launches nothing now (its replays read the inputs,
+    which the caller keeps alive as for any graph): no event is recorded on the capturing
+    stream, whose event could never be queried afterwards and would hold every import
+    queued behind it for good."""
+    _fake_launch_world(monkeypatch)
+    monkeypatch.setattr(_arrays, "capturing", lambda ptr: ptr == 1234)
+    _arrays.foreign_import("x")
+    with _arrays.launching(0):
+        _arrays.context(0, "jax", 1234)
+    assert not _arrays._HOLDS.stamped and not _arrays._DEFERRED
+
+
+class _BrokenEvent(_FakeEvent):
+    def record(self, stream):
+        raise RuntimeError("cudaErrorInvalidResourceHandle")
+
+
+def test_an_event_that_cannot_be_recorded_leaves_nothing_behind(monkeypatch):
+    """An event that fails to record (a stream of another device, a bad handle) raises
+    from the call that launched, once: the thread's later calls do not try that stream
+    again, and a call that failed on its own keeps its own error."""
+    _fake_launch_world(monkeypatch)
+    monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _BrokenEvent())
+    _arrays.foreign_import("x")
+    with pytest.raises(RuntimeError, match="InvalidResourceHandle"):
+        with _arrays.launching(0):
+            _arrays.context(0, "jax", 1234)
+    assert not _arrays._HOLDS.stamped
+    with _arrays.launching(0):  # a later call: nothing left to record
+        _arrays.context(0, "jax", 1234)
+    _arrays.foreign_import("y")
+    with pytest.raises(ValueError, match="the call's own"):
+        with _arrays.launching(0):
+            _arrays.context(0, "jax", 1234)
+            raise ValueError("the call's own")
+    assert not _arrays._HOLDS.stamped
+
+
 def test_launching_switches_to_the_device_and_back(monkeypatch):
     """launching makes the call's device current like on_device, and switches back."""
     _fake_launch_world(monkeypatch)
