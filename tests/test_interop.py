@@ -418,6 +418,81 @@ def test_a_callers_stream_may_go_as_soon_as_the_call_returns(rng):
                                   cupy.asnumpy(key))
 
 
+@pytest.mark.parametrize("how", ["jax-out", "torch-current", "debug"])
+def test_held_imports_are_recorded_before_each_kind_of_call_returns(rng, monkeypatch, how):
+    """Imported inputs on a stream the caller then destroys, three more ways: JAX arrays
+    in and out with stream= (the outputs handed over after the launches); torch's current
+    stream inside a ``with torch.cuda.stream(s)`` block (no stream=); CUPAGED_DEBUG, whose
+    checks read the tables before the launches. Nothing is left to record after the call,
+    the results are right, and the stream may go."""
+    from cupaged import _arrays, _checks
+
+    p, _ = _two_problems(rng)
+    want = p.reference()
+    if how == "jax-out":
+        jnp = _jax().numpy
+        args = {k: jnp.asarray(v) for k, v in p.host_args().items() if v is not None}
+        side = cupy.cuda.Stream(non_blocking=True)
+        out = cupaged.paged_attention(**args, stream=side)
+        assert not _arrays._HOLDS.stamped
+        got = np.asarray(out)  # JAX waits for the launch stream it was handed over on
+        side.synchronize()
+        del side
+    elif how == "torch-current":
+        torch = _torch()
+        args = torch_args(p)  # a torch query: the call runs on torch's current stream
+        args["block_tables"] = _Foreign(cupy.asarray(p.block_tables))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = cupaged.paged_attention(**args)
+        assert not _arrays._HOLDS.stamped
+        side.synchronize()
+        del side
+        got = to_numpy(out)
+    else:
+        monkeypatch.setattr(_checks, "DEBUG", True)
+        args = {k: _Foreign(v) for k, v in p.device_args().items() if v is not None}
+        side = cupy.cuda.Stream(non_blocking=True)
+        out = cupaged.paged_attention(**args, stream=side)
+        assert not _arrays._HOLDS.stamped and not _arrays._HOLDS.pending
+        side.synchronize()
+        del side
+        got = cupy.asnumpy(out)
+    assert_close(got.astype(np.float64), want, _tol(np.float16))
+    again = cupaged.paged_attention(**p.device_args())  # the thread's next call
+    assert_close(cupy.asnumpy(again).astype(np.float64), want, _tol(np.float16))
+
+
+def test_a_captured_call_with_imported_inputs_holds_nothing_past_it(rng):
+    """A call with imported inputs captured into a CUDA graph: no event is recorded in the
+    capture (one could never be queried, and every import held behind it would stay held
+    for good); the graph replays right, and after the capture held imports still go."""
+    from cupaged import _arrays
+
+    p, _ = _two_problems(rng)
+    args = p.device_args()
+    out = cupy.empty_like(args["query"])
+    cupaged.paged_attention(**args, out=out, partition="never")  # loaded beforehand
+    cupy.cuda.get_current_stream().synchronize()
+    _arrays.release_completed()
+    held_before = len(_arrays._DEFERRED)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cupaged.paged_attention(**dict(args, query=_Foreign(args["query"])), out=out,
+                                partition="never", stream=stream)
+        graph = stream.end_capture()
+    assert not _arrays._HOLDS.stamped and len(_arrays._DEFERRED) == held_before
+    out[...] = cupy.nan
+    graph.launch(stream)
+    stream.synchronize()
+    assert_close(cupy.asnumpy(out).astype(np.float64), p.reference(), _tol(np.float16))
+    cupaged.paged_attention(**dict(args, query=_Foreign(args["query"])))  # held, eagerly
+    cupy.cuda.Device().synchronize()
+    assert _arrays.release_completed() == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: _dtypes.lookup(d).name)
 def test_cache_ops_with_torch_match_cupy(rng, dtype):
     torch = _torch()
