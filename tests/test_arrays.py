@@ -428,3 +428,42 @@ def test_an_event_that_cannot_be_queried_keeps_its_import_held(monkeypatch):
     monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
     _arrays._DEFERRED.extend([(_RefusingEvent(), "a"), (_FakeEvent(True), "b")])
     assert _arrays.release_completed() == 2
+
+
+def _calls_of(tree, attr):
+    """(call node, its enclosing with-items' callee names) for each ``_arrays.<attr>(...)``
+    call in a module's syntax tree."""
+    import ast
+
+    found = []
+
+    def visit(node, withs):
+        if isinstance(node, ast.With):
+            withs = withs + [ast.unparse(item.context_expr.func)
+                             for item in node.items if isinstance(item.context_expr, ast.Call)]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == attr and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "_arrays"):
+            found.append((node, withs))
+        for child in ast.iter_child_nodes(node):
+            visit(child, withs)
+
+    visit(tree, [])
+    return found
+
+
+def test_every_launch_context_is_made_inside_a_launching_scope():
+    """A call's context stamps its imports with the launch stream, and only the exit of
+    ``_arrays.launching`` records their events before the call returns (a caller may
+    destroy the stream then): every ``_arrays.context(...)`` in the package sits in a
+    ``with _arrays.launching(...)`` block, so no module records late or not at all."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(cupaged.__file__).parent
+    sites = 0
+    for path in sorted(root.rglob("*.py")):
+        for node, withs in _calls_of(ast.parse(path.read_text()), "context"):
+            sites += 1
+            assert "_arrays.launching" in withs, f"{path.relative_to(root)}:{node.lineno}"
+    assert sites >= 10  # the entry points' sites were found
