@@ -355,20 +355,21 @@ def record_launched() -> None:
     capture cannot be queried afterwards, so it would hold everything queued behind it.
     The list is taken first: an event that fails to record raises once, from this call."""
     stamped, _HOLDS.stamped = _HOLDS.stamped, []
-    events = {}
+    events = {}  # stream: its event, None while it is captured
     for stream, device, imported in stamped:
-        event = events.get(stream)
-        if event is None:
-            if capturing(stream):
-                event = events[stream] = False
-            else:
-                with cupy.cuda.Device(device):
-                    event = events[stream] = cupy.cuda.Event(block=False,
-                                                             disable_timing=True)
-                    event.record(_cupy_stream(stream))
-        if event is not False:
+        if stream not in events:
+            events[stream] = None if capturing(stream) else _event_on(stream, device)
+        if events[stream] is not None:
             with _DEFERRED_LOCK:
-                _DEFERRED.append((event, imported))
+                _DEFERRED.append((events[stream], imported))
+
+
+def _event_on(stream: int, device: int):
+    """An event recorded on ``stream`` (a handle) of ``device``, now."""
+    with cupy.cuda.Device(device):
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(_cupy_stream(stream))
+    return event
 
 
 def release_completed() -> int:
@@ -408,11 +409,10 @@ class _Launching:
     def __exit__(self, *exc):
         try:
             if _HOLDS.stamped:
-                try:
-                    record_launched()
-                except Exception:
-                    if exc[0] is None:  # else the call's own error is the one to see
-                        raise
+                record_launched()
+        except Exception:
+            if exc[0] is None:  # else the call's own error is the one to see
+                raise
         finally:
             if self.switch is not None:
                 self.switch.__exit__(*exc)

@@ -375,8 +375,8 @@ def split_cost_of(ctas: int, max_ctx: int, size: int, slots: int, tile: int, sms
 
 
 # How much more a batch may be priced (split_cost, every row at the longest context) for a
-# split that also serves one long row among short ones: the model alone gave such a
-# batch the few partitions its whole grid needed, and the long row ran on a few CTAs
+# split that also serves one long row among short ones: the model alone gives such a
+# batch the few partitions its whole grid needs, and the long row runs on a few CTAs
 # (one H200, a 100,000-token row among three short ones, 64/8 heads: 25.7% of copy).
 # Small, as every batch of rows all that long pays it when the rule fires.
 SKEW_SLACK = 1.02
