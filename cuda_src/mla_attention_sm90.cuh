@@ -2,10 +2,11 @@
 // problem, arguments and conventions (its header), for 64 packed rows a CTA.
 //
 // Two warpgroups, 64 rows x the 512 output dims split between them (O is 64 x 256 fp32 a
-// warpgroup: 128 registers a thread). Every thread copies K/V tiles of 64 tokens with
-// cp.async, each tile stored once in the 128-byte-swizzled layout (nine 64-dim blocks of
-// [64 tokens][128 bytes]) that is K's K-major B operand of S = Q K^T and, over its first
-// eight blocks, V's MN-major B operand of P V: no copy or transpose. A 16-bit cache lands
+// warpgroup: 128 registers a thread). K/V tiles of 64 tokens are copied with cp.async (by
+// warpgroup 1 alone or by every thread: mla_sm90_producer), each stored once in the
+// 128-byte-swizzled layout (nine 64-dim blocks of [64 tokens][128 bytes]) that is K's
+// K-major B operand of S = Q K^T and, over its first eight blocks, V's MN-major B operand
+// of P V: no copy or transpose. A 16-bit cache lands
 // there directly, in a ring of two stages. An fp8 cache (C one byte, read as stored *
 // scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]; the
 // sparse kernel's fp8_ds_mla rows in one raw stage, widened after a barrier), and
@@ -15,11 +16,12 @@
 // A tile:
 //   warpgroup 0: S = Q K^T (64 x 64, 36 k-steps of m64n64k16, Q and K from shared memory),
 //     masks, the online softmax in registers, P (T) and each row's rescale factor to
-//     shared memory;
+//     shared memory; meanwhile warpgroup 1, where it is the producer, issues the next
+//     tile's copies;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
 //     shared memory).
-// Three barriers a tile (fp8_ds_mla: four); the softmax is not overlapped with the
-// products (a first version: FlashInfer's Hopper MLA kernel has this shape).
+// Two barriers a tile with the producer, three without (fp8_ds_mla: four); the softmax is
+// not overlapped with the products (FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
 #include "ds_mla.cuh"
@@ -35,8 +37,9 @@ namespace cupaged {
 constexpr int kMlaSm90Threads = 256;
 
 // C: the cache's element type, T or fp8, or fp8_ds_mla_t (the sparse kernel's: DeepSeek-V3.2's
-// 656-byte rows, ds_mla.cuh), which lands in one raw stage of its rows.
-template <typename T, typename C, int RANK, int ROPE>
+// 656-byte rows, ds_mla.cuh), which lands in one raw stage of its rows. PRODUCER: warpgroup
+// 1 alone copies the tiles (mla_sm90_producer).
+template <typename T, typename C, int RANK, int ROPE, bool PRODUCER = false>
 struct MlaSm90Geometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
   static constexpr bool kDsMla = is_ds_mla<C>::value;
@@ -62,14 +65,17 @@ struct MlaSm90Geometry {
   static constexpr int kOffValid = kOffFlag + 16;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
   static constexpr int kSmemBytes = kOffValid + 2 * kTileN + 1024;
-  static constexpr int kCopyThreads = kMlaSm90Threads / kTileN;  // a token's copiers (4)
+  static constexpr bool kProducer = PRODUCER;
+  static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
+  static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
   static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
-  //                                                   each (18; fp8 9; fp8_ds_mla 11)
+  //                                      each (18; producer 36; fp8 9; fp8_ds_mla 11)
 
   static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
   static_assert(kDsMla || kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(!kProducer || !kQuant, "fp8 tiles are widened by the threads that copied them");
   static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
                             is_same<T, bfloat16_t>::value),
                 "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
@@ -78,12 +84,25 @@ struct MlaSm90Geometry {
                 "wgmma's swizzled operands start at multiples of 1024 bytes");
 };
 
+// Who copies the K/V tiles. A 16-bit paged cache with pages of 16 tokens or more: warpgroup
+// 1 alone, while warpgroup 0 computes S and the softmax, so the copies' issue and address
+// arithmetic leave the critical path; one tile flies at a time, issued once the previous
+// one landed. Tiles gathered row by row (pages under 16 tokens, the sparse kernel's
+// selected keys) take longer to land than a tile's products: every thread copies, the
+// next tile issued before waiting for the current one (two in flight). fp8: every thread,
+// each widening the chunks it copied. (docs/PERFORMANCE.md, MLA kernel step 10.)
+template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
+__host__ __device__ constexpr bool mla_sm90_producer() {
+  return is_same<T, C>::value && !SPARSE && BLOCK_SIZE >= 16;
+}
+
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse
 // (mla_attention.cuh's mla_sparse_attention, its parameters read the same way).
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARSE>
 __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int lengths_per,
                                                         int strict, const VariantParams& vp) {
-  using Geo = MlaSm90Geometry<T, C, RANK, ROPE>;
+  using Geo =
+      MlaSm90Geometry<T, C, RANK, ROPE, mla_sm90_producer<C, T, BLOCK_SIZE, SPARSE>()>;
   using namespace sm90;
   constexpr int ROWS = Geo::kRows;
   constexpr int TILE_N = Geo::kTileN;
@@ -122,8 +141,11 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
                                                 query_start_loc, num_heads, block_tables,
                                                 bt_stride, max_blocks, lengths_per);
   if constexpr (SPARSE) causal = 0;  // a token's rows are its heads; its keys have no order
-  const int copy_token = tid / Geo::kCopyThreads;
-  const int copy_lane = tid % Geo::kCopyThreads;
+  // A copier's token and first chunk (the producer's threads counted from warpgroup 1's)
+  const int copy_tid = Geo::kProducer ? tid - kMlaSm90Threads / 2 : tid;
+  const bool copier = !Geo::kProducer || wg == 1;
+  const int copy_token = copy_tid / Geo::kCopyThreads;
+  const int copy_lane = copy_tid % Geo::kCopyThreads;
 
   for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < sq.packed; row0 += row_tiles * ROWS) {
     const int rows_here = min(ROWS, sq.packed - row0);
@@ -226,9 +248,9 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float s[32] = {};  // S of a tile (warpgroup 0): its first k-step overwrites it
 
-    if (n_tiles > 0) load_tile(0, 0, tile_id(0));
+    if (n_tiles > 0 && copier) load_tile(0, 0, tile_id(0));
     cp_async_commit();  // with the query
-    int id_ahead = tile_id(1);
+    int id_ahead = copier ? tile_id(1) : -1;
 
     for (int it = 0; it < n_tiles; ++it) {
       // The ring slot of tile it (16-bit: the stage its products read; fp8: the raw stage,
@@ -247,6 +269,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
         cp_async_commit();
         id_ahead = tile_id(it + 2);
+      } else if constexpr (Geo::kProducer) {
+        // Tile it was issued during tile it - 1's softmax (the first with the query).
+        cp_async_wait<0>();  // this thread's copies of tile it (and the query) landed
+        fence_async_smem();  // ... for wgmma's reads
+        __syncthreads();     // every thread's; and tile it - 1's products are done (each
+        //                      warpgroup waited for its wgmma before arriving), so its
+        //                      stage, P and the factors are free
       } else {
         if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
         cp_async_commit();
@@ -309,6 +338,12 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           alpha_s[frag_row + 8] = alpha[1];
         }
         fence_async_smem();  // P, for wgmma's reads
+      } else if constexpr (Geo::kProducer) {
+        // The producer: tile it + 1 into the other stage (tile it - 1's, free since the
+        // barrier above), flying during this tile's softmax and P V.
+        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+        cp_async_commit();
+        id_ahead = tile_id(it + 2);
       }
       __syncthreads();  // P and the factors are complete
 
@@ -334,7 +369,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         wgmma_wait<0>();
         fence_regs(o);
       }
-      __syncthreads();  // stage `stage` and P are free for the next tile
+      // Stage `stage` and P free for the next tile (the producer's next barrier says so)
+      if constexpr (!Geo::kProducer) __syncthreads();
     }
     cp_async_wait<0>();
 
