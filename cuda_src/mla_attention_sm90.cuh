@@ -63,8 +63,10 @@ struct MlaSm90Geometry {
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
   // The sparse kernel's: whether each key of a ring slot's tile counts (a byte a key).
   static constexpr int kOffValid = kOffFlag + 16;
+  // The producer's two mbarriers, one a 16-bit stage: the stage's tile landed.
+  static constexpr int kOffBars = kOffValid + 2 * kTileN;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
-  static constexpr int kSmemBytes = kOffValid + 2 * kTileN + 1024;
+  static constexpr int kSmemBytes = kOffBars + 16 + 1024;
   static constexpr bool kProducer = PRODUCER;
   static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
   static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
@@ -80,21 +82,28 @@ struct MlaSm90Geometry {
                             is_same<T, bfloat16_t>::value),
                 "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
   static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
+  static_assert(kOffBars % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kOffStages % 1024 == 0 && kOffP % 1024 == 0,
                 "wgmma's swizzled operands start at multiples of 1024 bytes");
 };
 
-// Who copies the K/V tiles. A 16-bit paged cache with pages of 16 tokens or more: warpgroup
-// 1 alone, while warpgroup 0 computes S and the softmax, so the copies' issue and address
-// arithmetic leave the critical path; one tile flies at a time, issued once the previous
-// one landed. Tiles gathered row by row (pages under 16 tokens, the sparse kernel's
-// selected keys) take longer to land than a tile's products: every thread copies, the
-// next tile issued before waiting for the current one (two in flight). fp8: every thread,
-// each widening the chunks it copied. (docs/PERFORMANCE.md, MLA kernel step 10.)
+// Who copies the K/V tiles. A 16-bit cache: warpgroup 1 alone, off warpgroup 0's chain of
+// S and softmax, two tiles in flight: tile i + 2 is issued as soon as both warpgroups' P V
+// of tile i is done, and each stage's mbarrier (cp.async.mbarrier.arrive) says when its
+// tile landed, so neither warpgroup waits on the other's copies. fp8: every thread, each
+// widening the chunks it copied. (docs/PERFORMANCE.md, MLA kernel steps 10 and 11.)
 template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
 __host__ __device__ constexpr bool mla_sm90_producer() {
-  return is_same<T, C>::value && !SPARSE && BLOCK_SIZE >= 16;
+  return is_same<T, C>::value;
 }
+
+// The producer's named barriers (0 is __syncthreads'), each over both warpgroups:
+//   kMlaBarP      P and the factors of a tile written (both sync)
+//   kMlaBarEmpty  warpgroup 0's P V of a tile done: its stage may take tile i + 2
+//                 (warpgroup 0 arrives, warpgroup 1 syncs)
+//   kMlaBarPFree  warpgroup 1's P V of a tile done: P and the factors may be rewritten
+//                 (warpgroup 1 arrives, warpgroup 0 syncs)
+constexpr int kMlaBarP = 1, kMlaBarEmpty = 2, kMlaBarPFree = 3;
 
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse
 // (mla_attention.cuh's mla_sparse_attention, its parameters read the same way).
@@ -119,6 +128,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   int* bad_s = reinterpret_cast<int*>(smem + Geo::kOffFlag);
   unsigned char* valid_s = smem + Geo::kOffValid;  // sparse: [2 ring slots][64 keys]
   auto stage_s = [&](int s) { return base + Geo::kOffStages + s * Geo::kTileBytes; };
+  auto full_bar = [&](int s) { return base + Geo::kOffBars + 8 * s; };
   auto raw_s = [&](int s) { return base + Geo::kOffRaw + s * Geo::kRawTileBytes; };
 
   const int tid = threadIdx.x;
@@ -146,6 +156,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   const bool copier = !Geo::kProducer || wg == 1;
   const int copy_token = copy_tid / Geo::kCopyThreads;
   const int copy_lane = copy_tid % Geo::kCopyThreads;
+  if (Geo::kProducer && tid == 0) {  // published by begin_row_tile's barrier
+    mbar_init(full_bar(0), Geo::kCopiers);
+    mbar_init(full_bar(1), Geo::kCopiers);
+  }
+  // The producer's tiles before this row tile's: tile it's ring slot is (done + it) & 1,
+  // the (done + it) / 2-th use of its stage's mbarrier.
+  int done = 0;
 
   for (int row0 = (blockIdx.x % row_tiles) * ROWS; row0 < sq.packed; row0 += row_tiles * ROWS) {
     const int rows_here = min(ROWS, sq.packed - row0);
@@ -248,14 +265,32 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float s[32] = {};  // S of a tile (warpgroup 0): its first k-step overwrites it
 
-    if (n_tiles > 0 && copier) load_tile(0, 0, tile_id(0));
-    cp_async_commit();  // with the query
-    int id_ahead = copier ? tile_id(1) : -1;
+    if constexpr (Geo::kProducer) {
+      cp_async_commit();  // the query, every thread's
+      if (copier) {  // tiles 0 and 1, each completing its stage's mbarrier when landed
+#pragma unroll 1
+        for (int t = 0; t < 2 && t < n_tiles; ++t) {
+          const int sl = (done + t) & 1;
+          load_tile(t, sl, tile_id(t));
+          cp_async_mbar_arrive(full_bar(sl));
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // the query landed; the tiles may fly
+      } else {
+        cp_async_wait<0>();
+      }
+      fence_async_smem();  // the query, for wgmma's reads
+      __syncthreads();
+    } else {
+      if (n_tiles > 0) load_tile(0, 0, tile_id(0));
+      cp_async_commit();  // with the query
+    }
+    int id_ahead = copier ? tile_id(Geo::kProducer ? 2 : 1) : -1;
 
     for (int it = 0; it < n_tiles; ++it) {
       // The ring slot of tile it (16-bit: the stage its products read; fp8: the raw stage,
       // the products reading the one widened stage).
-      const int slot = it & 1;
+      const int slot = Geo::kProducer ? (done + it) & 1 : it & 1;
       const int stage = Geo::kQuant ? 0 : slot;
       if constexpr (Geo::kDsMla) {
         // One raw stage: tile it + 1 is copied once tile it is widened, and flies during
@@ -270,12 +305,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         cp_async_commit();
         id_ahead = tile_id(it + 2);
       } else if constexpr (Geo::kProducer) {
-        // Tile it was issued during tile it - 1's softmax (the first with the query).
-        cp_async_wait<0>();  // this thread's copies of tile it (and the query) landed
+        mbar_wait(full_bar(slot), ((done + it) >> 1) & 1);  // every copier's tile it landed
         fence_async_smem();  // ... for wgmma's reads
-        __syncthreads();     // every thread's; and tile it - 1's products are done (each
-        //                      warpgroup waited for its wgmma before arriving), so its
-        //                      stage, P and the factors are free
       } else {
         if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
         cp_async_commit();
@@ -320,6 +351,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         }
         float sub[2], alpha[2];
         advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
+        // The producer: warpgroup 1's P V of tile it - 1 is done with P and the factors
+        if (Geo::kProducer && it > 0) named_bar_sync<kMlaSm90Threads>(kMlaBarPFree);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -338,14 +371,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           alpha_s[frag_row + 8] = alpha[1];
         }
         fence_async_smem();  // P, for wgmma's reads
-      } else if constexpr (Geo::kProducer) {
-        // The producer: tile it + 1 into the other stage (tile it - 1's, free since the
-        // barrier above), flying during this tile's softmax and P V.
-        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
-        cp_async_commit();
-        id_ahead = tile_id(it + 2);
       }
-      __syncthreads();  // P and the factors are complete
+      // P and the factors are complete
+      if constexpr (Geo::kProducer) {
+        named_bar_sync<kMlaSm90Threads>(kMlaBarP);
+      } else {
+        __syncthreads();
+      }
 
       // ---- O_half = O_half * alpha + P V_half ------------------------------------------------
       {
@@ -369,10 +401,26 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         wgmma_wait<0>();
         fence_regs(o);
       }
-      // Stage `stage` and P free for the next tile (the producer's next barrier says so)
-      if constexpr (!Geo::kProducer) __syncthreads();
+      if constexpr (Geo::kProducer) {
+        if (wg == 0) {
+          if (it + 2 < n_tiles) named_bar_arrive<kMlaSm90Threads>(kMlaBarEmpty);
+        } else {
+          if (it + 1 < n_tiles) named_bar_arrive<kMlaSm90Threads>(kMlaBarPFree);
+          if (it + 2 < n_tiles) {
+            // Tile it + 2 into this tile's stage, once warpgroup 0's P V is done with it
+            named_bar_sync<kMlaSm90Threads>(kMlaBarEmpty);
+            load_tile(it + 2, slot, id_ahead);
+            cp_async_mbar_arrive(full_bar(slot));
+            cp_async_commit();
+            id_ahead = tile_id(it + 3);
+          }
+        }
+      } else {
+        __syncthreads();  // stage `stage` and P are free for the next tile
+      }
     }
     cp_async_wait<0>();
+    done += n_tiles;
 
     // ---- each row's maximum and sum (warpgroup 0 holds them), normalize, store ---------------
     if (wg == 0) {

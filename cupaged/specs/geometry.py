@@ -398,12 +398,13 @@ class MlaSm90Geometry:
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, the
-        #                            sparse kernel's key flags, alignment
+        #                            sparse kernel's key flags, the producer's two
+        #                            mbarriers, alignment
         dims = self.rank + self.rope
         tile = dims // 64 * 64 * 128
         stages = (2 * tile if self.cache_itemsize == 2
                   else tile + 64 * _dtypes.DS_MLA_BYTES if self.ds_mla else tile + 2 * 64 * dims)
-        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 1024
+        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 16 + 1024
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
