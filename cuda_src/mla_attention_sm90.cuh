@@ -16,12 +16,14 @@
 // A tile:
 //   warpgroup 0: S = Q K^T (64 x 64, 36 k-steps of m64n64k16, Q and K from shared memory),
 //     masks, the online softmax in registers, P (T) and each row's rescale factor to
-//     shared memory; meanwhile warpgroup 1, where it is the producer, issues the next
-//     tile's copies;
+//     shared memory;
+//   warpgroup 1, where it is the producer (16-bit caches), issues tile i + 2 into this
+//     tile's stage once both warpgroups' P V of it is done; each stage's mbarrier counts
+//     the copies landed, and three named barriers hand P over and free P and the stage;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
 //     shared memory).
-// Two barriers a tile with the producer, three without (fp8_ds_mla: four); the softmax is
-// not overlapped with the products (FlashInfer's Hopper MLA kernel has this shape).
+// fp8: three CTA barriers a tile (fp8_ds_mla: four). The softmax is not overlapped with
+// the products (FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
 #include "ds_mla.cuh"
@@ -91,7 +93,7 @@ struct MlaSm90Geometry {
 // S and softmax, two tiles in flight: tile i + 2 is issued as soon as both warpgroups' P V
 // of tile i is done, and each stage's mbarrier (cp.async.mbarrier.arrive) says when its
 // tile landed, so neither warpgroup waits on the other's copies. fp8: every thread, each
-// widening the chunks it copied. (docs/PERFORMANCE.md, MLA kernel steps 10 and 11.)
+// widening the chunks it copied. (docs/PERFORMANCE.md, MLA kernel step 10.)
 template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
 __host__ __device__ constexpr bool mla_sm90_producer() {
   return is_same<T, C>::value;
@@ -156,9 +158,17 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   const bool copier = !Geo::kProducer || wg == 1;
   const int copy_token = copy_tid / Geo::kCopyThreads;
   const int copy_lane = copy_tid % Geo::kCopyThreads;
+  // A stage's mbarrier: each copier's cp.async arrival, and in the sparse kernel also its
+  // release arrival after the tile's key flags (plain stores, which the cp.async arrival
+  // does not order).
+  constexpr unsigned kArrivals = Geo::kCopiers * (SPARSE ? 2 : 1);
+  auto tile_issued = [&](int sl) {
+    cp_async_mbar_arrive(full_bar(sl));
+    if constexpr (SPARSE) mbar_arrive(full_bar(sl));
+  };
   if (Geo::kProducer && tid == 0) {  // published by begin_row_tile's barrier
-    mbar_init(full_bar(0), Geo::kCopiers);
-    mbar_init(full_bar(1), Geo::kCopiers);
+    mbar_init(full_bar(0), kArrivals);
+    mbar_init(full_bar(1), kArrivals);
   }
   // The producer's tiles before this row tile's: tile it's ring slot is (done + it) & 1,
   // the (done + it) / 2-th use of its stage's mbarrier.
@@ -272,7 +282,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         for (int t = 0; t < 2 && t < n_tiles; ++t) {
           const int sl = (done + t) & 1;
           load_tile(t, sl, tile_id(t));
-          cp_async_mbar_arrive(full_bar(sl));
+          tile_issued(sl);
         }
         cp_async_commit();
         cp_async_wait<1>();  // the query landed; the tiles may fly
@@ -410,7 +420,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
             // Tile it + 2 into this tile's stage, once warpgroup 0's P V is done with it
             named_bar_sync<kMlaSm90Threads>(kMlaBarEmpty);
             load_tile(it + 2, slot, id_ahead);
-            cp_async_mbar_arrive(full_bar(slot));
+            tile_issued(slot);
             cp_async_commit();
             id_ahead = tile_id(it + 3);
           }
