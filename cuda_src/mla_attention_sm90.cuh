@@ -341,22 +341,32 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         fence_regs(s);
         const int t0 = (tile_lo + it) * TILE_N;
         float tmax[2] = {neg_inf(), neg_inf()};
+        // A tile whose every key both rows of this thread see (paged: every tile but a
+        // row's last) needs no masks: only the scale.
+        if (!SPARSE && t0 + TILE_N <= min(limit[0], limit[1])) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          // sparse: this thread's two keys' flags (an entry that does not count reads as
-          // zeros: masked)
-          unsigned pair = 0x0101u;
-          if constexpr (SPARSE) {
-            pair = *reinterpret_cast<const unsigned short*>(valid_s + slot * TILE_N + 8 * j +
-                                                            2 * (lane & 3));
+          for (int i = 0; i < 32; ++i) {
+            s[i] *= scale_log2;
+            tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
           }
+        } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int h = i >> 1;
-            const int key = t0 + 8 * j + 2 * (lane & 3) + (i & 1);
-            const bool seen = key < limit[h] && ((pair >> (8 * (i & 1))) & 1u);
-            s[4 * j + i] = seen ? s[4 * j + i] * scale_log2 : neg_inf();
-            tmax[h] = fmaxf(tmax[h], s[4 * j + i]);
+          for (int j = 0; j < 8; ++j) {
+            // sparse: this thread's two keys' flags (an entry that does not count reads as
+            // zeros: masked)
+            unsigned pair = 0x0101u;
+            if constexpr (SPARSE) {
+              pair = *reinterpret_cast<const unsigned short*>(valid_s + slot * TILE_N + 8 * j +
+                                                              2 * (lane & 3));
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int h = i >> 1;
+              const int key = t0 + 8 * j + 2 * (lane & 3) + (i & 1);
+              const bool seen = key < limit[h] && ((pair >> (8 * (i & 1))) & 1u);
+              s[4 * j + i] = seen ? s[4 * j + i] * scale_log2 : neg_inf();
+              tmax[h] = fmaxf(tmax[h], s[4 * j + i]);
+            }
           }
         }
         float sub[2], alpha[2];
