@@ -249,6 +249,22 @@ def test_long_context_and_undercounted_bounds(rng, family):
                      f"{bounds}")
 
 
+@pytest.mark.parametrize("split", [None, 1, 2], ids=lambda s: f"split{s}")
+def test_tile_counts_around_the_stage_ring(rng, family, mla_split, split):
+    """Sequences of 0 to 5 tiles of 64 keys, a key past each tile boundary and on it (the
+    two-stage ring's first uses, odd and even counts carried from one row tile of a CTA to
+    the next), whole and in partitions of 1 and 2 tiles (some with none)."""
+    import cupy
+
+    mla_split(split)
+    lens = [1, 64, 65, 128, 129, 192, 193, 0, 320]
+    host = make_mla(rng, [1] * len(lens), lens, heads=128, block_size=64)
+    dev = device(host)
+    got = cupaged.mla_attention(**dev, scale=SCALE, out=poisoned_out(dev, cupy))
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref_of(host),
+                 testing.TOLERANCE["bf16"], f"split={split}")
+
+
 def test_empty_batch_and_empty_sequences(rng):
     import cupy
 

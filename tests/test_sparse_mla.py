@@ -307,6 +307,34 @@ def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mma", "sm90"])
+def test_flags_and_bad_indices_in_later_tiles(rng, family):
+    """Entries of -1 and an index outside the cache in the third and later 64-key tiles,
+    whose key flags and copies reuse the ring's stages: the bad index's token alone is
+    NaN, a stale flag would count a zero row or drop a key."""
+    import cupy
+
+    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+        pytest.skip("the wgmma kernel runs on Hopper only")
+    h = host_problem(rng, 3, 2, 128, 333, topk_length=[333, 300, 131])
+    n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
+    h["indices"][:, :, 130:200:3] = -1
+    h["indices"][1, 1, 257] = n  # tile 4 of token (1, 1)
+    planning.set_mla_family(family)
+    try:
+        got, lse = run(h)
+    finally:
+        planning.set_mla_family(None)
+    assert np.isnan(got[1, 1]).all() and np.isnan(lse[1, 1]).all()
+    keep = np.ones((3, 2), bool)
+    keep[1, 1] = False
+    ok = dict(h, indices=np.where(h["indices"] >= n, -1, h["indices"]))
+    want, want_lse = reference_of(ok)
+    assert_close(got[keep], want[keep], testing.TOLERANCE["bf16"], family)
+    check_lse(lse[keep], want_lse[keep])
+
+
+@pytest.mark.gpu
 def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
     h = host_problem(rng, 3, 1, 16, 20, topk_length=[20, 20, 0])
     h["indices"][1] = -1
