@@ -13,6 +13,7 @@ import numpy as np
 from . import _arrays, _checks, _dtypes, jit, planning
 from ._arrays import as_device_array, optional_output_array
 from .specs import geometry
+from .specs.geometry import INDEXER_CHUNK as CHUNK, TOPK_MAX, TOPK_STEP, TOPK_THREADS
 
 _fail = _checks.fail
 
@@ -21,10 +22,6 @@ __all__ = ["indexer_logits", "indexer_topk"]
 HEAD_DIM = 128  # kIndexerDim: the indexer's head_dim (DeepSeek-V3.2's)
 CACHE_WIDTH = HEAD_DIM + 4  # e4m3 values, then one float32 scale a token
 HEADS = (16, 32, 48, 64)
-CHUNK = 1024  # kIndexerChunk: columns a CTA
-TOPK_MAX = 2048  # kTopkMax
-TOPK_THREADS = 512  # kTopkThreads
-TOPK_STEP = TOPK_THREADS * 8  # kTopkStep: columns a CTA-wide step (an int column index)
 
 
 @jit.launcher_cache

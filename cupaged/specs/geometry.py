@@ -410,6 +410,14 @@ class MlaSm90Geometry:
         return self.smem_bytes <= max_smem(arch)
 
 
+# cuda_src/indexer.cuh's constants (indexer.py takes them from here; check_against_kernel
+# compares them with the kernel's).
+INDEXER_CHUNK = 1024  # kIndexerChunk: columns a CTA
+TOPK_MAX = 2048  # kTopkMax
+TOPK_THREADS = 512  # kTopkThreads
+TOPK_STEP = TOPK_THREADS * 8  # kTopkStep: columns a CTA-wide step (an int column index)
+
+
 def indexer_smem_bytes(heads: int, rows: int) -> int:
     """``IndexerGeometry<T, HEADS, ROWS>::kSmemBytes`` of ``cuda_src/indexer.cuh``: the rows'
     Q and the widened tile (rows of 136 16-bit values), two raw stages of 64 keys, their
@@ -448,17 +456,15 @@ def _check_chunk(specs) -> None:
     for s in specs:
         t = _dtypes.BY_NAME[s.dtype].cxx
         if s.kernel == "indexer_logits":
-            from .. import indexer  # (which imports this module)
-
             lines.append(f"static_assert(cupaged::IndexerGeometry<{t}, {s.rows}, "
                          f"{s.group_tile}>::kSmemBytes == "
                          f"{indexer_smem_bytes(s.rows, s.group_tile)}, "
                          f"\"host mirror differs: {s.name}\");\n")
-            lines.append(f"static_assert(cupaged::kIndexerChunk == {indexer.CHUNK} && "
-                         f"cupaged::kTopkThreads == {indexer.TOPK_THREADS} && "
-                         f"cupaged::kTopkMax == {indexer.TOPK_MAX} && "
-                         f"cupaged::kTopkStep == {indexer.TOPK_STEP}, "
-                         f"\"indexer.py's constants differ from indexer.cuh's\");\n")
+            lines.append(f"static_assert(cupaged::kIndexerChunk == {INDEXER_CHUNK} && "
+                         f"cupaged::kTopkThreads == {TOPK_THREADS} && "
+                         f"cupaged::kTopkMax == {TOPK_MAX} && "
+                         f"cupaged::kTopkStep == {TOPK_STEP}, "
+                         f"\"geometry.py's indexer constants differ from indexer.cuh's\");\n")
             continue
         if s.kernel in jit.MLA_SM90_KERNELS:
             g = MlaSm90Geometry.of(s)
