@@ -73,13 +73,18 @@ struct MlaSm90Geometry {
   static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
   static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
   static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
-  //                                      each (18; producer 36; fp8 9; fp8_ds_mla 11)
+  //                       each (18; producer 36; fp8 9, producer 18; fp8_ds_mla 11)
+  // fp8: every thread widens a share of each raw tile, four threads a token
+  static constexpr int kWidenThreads = kMlaSm90Threads / kTileN;
+  static constexpr int kWidenSteps = kCChunks / kWidenThreads;  // chunks each (fp8 9)
 
   static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
   static_assert(kDsMla || kCChunks % kCopyThreads == 0, "copy mapping");
-  static_assert(!kProducer || !kQuant, "fp8 tiles are widened by the threads that copied them");
+  static_assert(!kProducer || !kDsMla,
+                "fp8_ds_mla rows are widened by the threads that copied them");
+  static_assert(!kQuant || kDsMla || kCChunks % kWidenThreads == 0, "widening mapping");
   static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
                             is_same<T, bfloat16_t>::value),
                 "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
@@ -89,14 +94,17 @@ struct MlaSm90Geometry {
                 "wgmma's swizzled operands start at multiples of 1024 bytes");
 };
 
-// Who copies the K/V tiles. A 16-bit cache: warpgroup 1 alone, off warpgroup 0's chain of
-// S and softmax, two tiles in flight: tile i + 2 is issued as soon as both warpgroups' P V
-// of tile i is done, and each stage's mbarrier (cp.async.mbarrier.arrive) says when its
-// tile landed, so neither warpgroup waits on the other's copies. fp8: every thread, each
-// widening the chunks it copied. (docs/PERFORMANCE.md, MLA kernel step 10.)
+// Who copies the K/V tiles. A 16-bit or fp8 cache: warpgroup 1 alone, off warpgroup 0's
+// chain of S and softmax, two tiles in flight, each stage's (fp8: raw stage's) mbarrier
+// (cp.async.mbarrier.arrive) saying when its tile landed. 16-bit: tile i + 2 is issued as
+// soon as both warpgroups' P V of tile i is done. fp8: every thread widens its share of
+// tile i into the one 16-bit stage after that mbarrier, and tile i + 2's bytes are issued
+// into the raw stage once the widening is done (paged only: the sparse kernel's key flags
+// of tile i would be overwritten during its softmax). fp8_ds_mla rows: every thread
+// copies, widening after a barrier. (docs/PERFORMANCE.md, MLA kernel step 10.)
 template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
 __host__ __device__ constexpr bool mla_sm90_producer() {
-  return is_same<T, C>::value;
+  return is_same<T, C>::value || (!is_ds_mla<C>::value && !SPARSE);
 }
 
 // The producer's named barriers (0 is __syncthreads'), each over both warpgroups:
@@ -241,21 +249,25 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         }
       }
     };
-    // fp8: raw stage `slot`'s chunks of this thread (landed: its own copies) widened into
-    // the 16-bit stage, 16 values to two swizzled 16-byte chunks (exact; zeros stay zeros).
+    // fp8: this thread's share of raw stage `slot` (chunks widen_lane, + 4, ... of token
+    // widen_token; landed: its stage's mbarrier, or without the producer the thread's own
+    // copies) widened into the 16-bit stage, 16 values to two swizzled 16-byte chunks
+    // (exact; zeros stay zeros).
     auto widen_tile = [&](int slot) {
       if constexpr (Geo::kQuant && !Geo::kDsMla) {
-        // The bytes are read by plain loads after cp.async.wait_group, whose asm has no
-        // memory clobber: keep the compiler from hoisting the loads above the wait.
+        // The bytes are read by plain loads after the wait, whose asm may have no memory
+        // clobber: keep the compiler from hoisting the loads above it.
         asm volatile("" ::: "memory");
-        const unsigned char* row = smem + (raw_s(slot) - base) + copy_token * Geo::kRawRow;
+        const int widen_token = tid / Geo::kWidenThreads;
+        const int widen_lane = tid % Geo::kWidenThreads;
+        const unsigned char* row = smem + (raw_s(slot) - base) + widen_token * Geo::kRawRow;
 #pragma unroll
-        for (int j = 0; j < Geo::kCopySteps; ++j) {
-          const int c = copy_lane + j * Geo::kCopyThreads;
+        for (int j = 0; j < Geo::kWidenSteps; ++j) {
+          const int c = widen_lane + j * Geo::kWidenThreads;
           uint4 lo, hi;
           widen16<T, C>(*reinterpret_cast<const uint4*>(row + c * 16), lo, hi);
-          const unsigned d0 = stage_s(0) + sw128_offset(copy_token, c * 16, TILE_N);
-          const unsigned d1 = stage_s(0) + sw128_offset(copy_token, c * 16 + 8, TILE_N);
+          const unsigned d0 = stage_s(0) + sw128_offset(widen_token, c * 16, TILE_N);
+          const unsigned d1 = stage_s(0) + sw128_offset(widen_token, c * 16 + 8, TILE_N);
           asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d0), "r"(lo.x),
                        "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
           asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d1), "r"(hi.x),
@@ -316,7 +328,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         id_ahead = tile_id(it + 2);
       } else if constexpr (Geo::kProducer) {
         mbar_wait(full_bar(slot), ((done + it) >> 1) & 1);  // every copier's tile it landed
-        fence_async_smem();  // ... for wgmma's reads
+        if constexpr (Geo::kQuant) {
+          widen_tile(slot);    // (tile it - 1's products are done: the last barrier)
+          fence_async_smem();  // the widened tile, for wgmma's reads
+          __syncthreads();     // complete, and raw stage `slot` free
+        } else {
+          fence_async_smem();  // ... for wgmma's reads
+        }
       } else {
         if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
         cp_async_commit();
@@ -371,8 +389,11 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         }
         float sub[2], alpha[2];
         advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
-        // The producer: warpgroup 1's P V of tile it - 1 is done with P and the factors
-        if (Geo::kProducer && it > 0) named_bar_sync<kMlaSm90Threads>(kMlaBarPFree);
+        // The 16-bit producer: warpgroup 1's P V of tile it - 1 is done with P and the
+        // factors (fp8: the last barrier said so)
+        if (Geo::kProducer && !Geo::kQuant && it > 0) {
+          named_bar_sync<kMlaSm90Threads>(kMlaBarPFree);
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -391,9 +412,17 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           alpha_s[frag_row + 8] = alpha[1];
         }
         fence_async_smem();  // P, for wgmma's reads
+      } else if constexpr (Geo::kProducer && Geo::kQuant) {
+        // fp8: tile it + 2's bytes into the raw stage widened above
+        if (it + 2 < n_tiles) {
+          load_tile(it + 2, slot, id_ahead);
+          tile_issued(slot);
+          cp_async_commit();
+          id_ahead = tile_id(it + 3);
+        }
       }
       // P and the factors are complete
-      if constexpr (Geo::kProducer) {
+      if constexpr (Geo::kProducer && !Geo::kQuant) {
         named_bar_sync<kMlaSm90Threads>(kMlaBarP);
       } else {
         __syncthreads();
@@ -421,7 +450,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         wgmma_wait<0>();
         fence_regs(o);
       }
-      if constexpr (Geo::kProducer) {
+      if constexpr (Geo::kProducer && !Geo::kQuant) {
         if (wg == 0) {
           if (it + 2 < n_tiles) named_bar_arrive<kMlaSm90Threads>(kMlaBarEmpty);
         } else {
