@@ -9,17 +9,18 @@
 // of P V: no copy or transpose. A 16-bit cache lands
 // there directly, in a ring of two stages. An fp8 cache (C one byte, read as stored *
 // scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]; the
-// sparse kernel's fp8_ds_mla rows in one raw stage, widened after a barrier), and
-// each thread widens the chunks it copied into one 16-bit stage before the tile's first
-// barrier: the next tile's bytes fly meanwhile, and a third 73,728-byte stage would not
+// sparse kernel's fp8_ds_mla rows in one raw stage, widened after a barrier), and every
+// thread widens its share of a landed tile into one 16-bit stage before the tile's first
+// barrier: the next tiles' bytes fly meanwhile, and a third 73,728-byte stage would not
 // fit beside Q.
 // A tile:
 //   warpgroup 0: S = Q K^T (64 x 64, 36 k-steps of m64n64k16, Q and K from shared memory),
 //     masks, the online softmax in registers, P (T) and each row's rescale factor to
 //     shared memory;
-//   warpgroup 1, where it is the producer (16-bit caches), issues tile i + 2 into this
-//     tile's stage once both warpgroups' P V of it is done; each stage's mbarrier counts
-//     the copies landed, and three named barriers hand P over and free P and the stage;
+//   warpgroup 1, where it is the producer (mla_sm90_producer), issues tile i + 2: over a
+//     16-bit cache into this tile's stage once both warpgroups' P V of it is done (three
+//     named barriers hand P over and free P and the stage), over fp8 into the raw stage
+//     this tile was widened from; each (raw) stage's mbarrier counts the copies landed;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
 //     shared memory).
 // fp8: three CTA barriers a tile (fp8_ds_mla: four). The softmax is not overlapped with
@@ -65,7 +66,8 @@ struct MlaSm90Geometry {
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
   // The sparse kernel's: whether each key of a ring slot's tile counts (a byte a key).
   static constexpr int kOffValid = kOffFlag + 16;
-  // The producer's two mbarriers, one a 16-bit stage: the stage's tile landed.
+  // The producer's two mbarriers, one a ring slot (16-bit stage, or fp8 raw stage): the
+  // slot's tile landed.
   static constexpr int kOffBars = kOffValid + 2 * kTileN;
   // Tiles need 1024-byte alignment (the swizzle's phase): the base is rounded up.
   static constexpr int kSmemBytes = kOffBars + 16 + 1024;
@@ -85,6 +87,10 @@ struct MlaSm90Geometry {
   static_assert(!kProducer || !kDsMla,
                 "fp8_ds_mla rows are widened by the threads that copied them");
   static_assert(!kQuant || kDsMla || kCChunks % kWidenThreads == 0, "widening mapping");
+  // Without the producer an fp8 thread widens only chunks it copied itself (no barrier
+  // between its cp.async.wait_group and the widening).
+  static_assert(kProducer || !kQuant || kDsMla || kWidenThreads == kCopyThreads,
+                "widening mapping without the producer");
   static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
                             is_same<T, bfloat16_t>::value),
                 "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
@@ -195,11 +201,11 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         q_rope_head_stride, sq, row0, rows_here, num_heads,
         [&](int r, int c) { return q_s + sw128_offset(r, c * 8, ROWS); });
 
-    // A K/V tile: thread tid copies chunks copy_lane, + 4, ... of token copy_token, its
-    // block id read a tile ahead (-1: past the keys; -2: outside the cache). A 16-bit cache
-    // lands in the swizzled stage `slot`; fp8 in raw stage `slot`, row-major, from which
-    // the same thread widens the same chunks (widen_tile). (Sparse: the id is the key's
-    // slot, as in mla_attention.cuh.)
+    // A K/V tile: a copier copies chunks copy_lane, + kCopyThreads, ... of token
+    // copy_token, its block id read a tile ahead (-1: past the keys; -2: outside the
+    // cache). A 16-bit cache lands in the swizzled stage `slot`; fp8 in raw stage `slot`,
+    // row-major, widened by widen_tile. (Sparse: the id is the key's slot, as in
+    // mla_attention.cuh.)
     auto tile_id = [&](int tile) -> int {
       if (tile >= n_tiles) return -1;
       const int key = (tile_lo + tile) * TILE_N + copy_token;
