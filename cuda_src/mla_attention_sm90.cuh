@@ -100,17 +100,19 @@ struct MlaSm90Geometry {
                 "wgmma's swizzled operands start at multiples of 1024 bytes");
 };
 
-// Who copies the K/V tiles. A 16-bit or fp8 cache: warpgroup 1 alone, off warpgroup 0's
-// chain of S and softmax, two tiles in flight, each stage's (fp8: raw stage's) mbarrier
-// (cp.async.mbarrier.arrive) saying when its tile landed. 16-bit: tile i + 2 is issued as
-// soon as both warpgroups' P V of tile i is done. fp8: every thread widens its share of
-// tile i into the one 16-bit stage after that mbarrier, and tile i + 2's bytes are issued
-// into the raw stage once the widening is done (paged only: the sparse kernel's key flags
-// of tile i would be overwritten during its softmax). fp8_ds_mla rows: every thread
-// copies, widening after a barrier. (docs/PERFORMANCE.md, MLA kernel step 10.)
+// Who copies the K/V tiles. A paged 16-bit or fp8 cache with pages of 16 tokens or more:
+// warpgroup 1 alone, off warpgroup 0's chain of S and softmax, two tiles in flight, each
+// stage's (fp8: raw stage's) mbarrier (cp.async.mbarrier.arrive) saying when its tile
+// landed. 16-bit: tile i + 2 is issued as soon as both warpgroups' P V of tile i is done.
+// fp8: every thread widens its share of tile i into the one 16-bit stage after that
+// mbarrier, and tile i + 2's bytes are issued into the raw stage once the widening is done.
+// Gathered rows (the sparse kernel, pages under 16 tokens) and fp8_ds_mla rows: every
+// thread copies, tile i + 1 flying during tile i (on an H200 one warpgroup issuing a row
+// address a token ran these at 0.70-0.75x the speed). docs/PERFORMANCE.md, MLA kernel
+// steps 10 and 11.
 template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
 __host__ __device__ constexpr bool mla_sm90_producer() {
-  return is_same<T, C>::value || (!is_ds_mla<C>::value && !SPARSE);
+  return !is_ds_mla<C>::value && !SPARSE && BLOCK_SIZE >= 16;
 }
 
 // The producer's named barriers (0 is __syncthreads'), each over both warpgroups:
@@ -172,14 +174,11 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   const bool copier = !Geo::kProducer || wg == 1;
   const int copy_token = copy_tid / Geo::kCopyThreads;
   const int copy_lane = copy_tid % Geo::kCopyThreads;
-  // A stage's mbarrier: each copier's cp.async arrival, and in the sparse kernel also its
-  // release arrival after the tile's key flags (plain stores, which the cp.async arrival
-  // does not order).
-  constexpr unsigned kArrivals = Geo::kCopiers * (SPARSE ? 2 : 1);
-  auto tile_issued = [&](int sl) {
-    cp_async_mbar_arrive(full_bar(sl));
-    if constexpr (SPARSE) mbar_arrive(full_bar(sl));
-  };
+  // A stage's mbarrier counts each copier's cp.async arrival. (Only paged tiles: the sparse
+  // kernel's key flags are plain stores, which that arrival does not order.)
+  static_assert(!Geo::kProducer || !SPARSE, "the producer copies paged tiles");
+  constexpr unsigned kArrivals = Geo::kCopiers;
+  auto tile_issued = [&](int sl) { cp_async_mbar_arrive(full_bar(sl)); };
   if (Geo::kProducer && tid == 0) {  // published by begin_row_tile's barrier
     mbar_init(full_bar(0), kArrivals);
     mbar_init(full_bar(1), kArrivals);
