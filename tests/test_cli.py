@@ -97,6 +97,13 @@ def test_decode_without_gpu_exits_nonzero():
     (["mla", "--context", "2", "--q-len", "3"],
      "context (2) counts the query tokens: at least q_len (3)"),
     (["mla", "--reps", "2"], "Invalid value for '--reps'"),
+    (["compare", "--row", "32/8/64"], "expected HEADS/KV_HEADS/BATCH/CONTEXT"),
+    (["decode", "--row", "32/8/x/2048"], "expected HEADS/KV_HEADS/BATCH/CONTEXT"),
+    (["compare", "--row", "32/8/64/uniform:9:3"], "expected HEADS/KV_HEADS/BATCH/CONTEXT"),
+    (["compare", "--row", "32/8/0/2048"], "must be positive"),
+    (["decode", "--row", "32/12/64/2048"], "query heads must be a multiple of KV heads"),
+    (["compare", "--row", "32/8/64/2048", "--preset", "llama-3-8b"],
+     "--row gives whole shapes: not with --preset or --context-dist"),
 ])
 def test_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, argv)
@@ -181,6 +188,20 @@ def test_presets_and_lists_expand_to_workloads():
     assert lens.shape == (128,) and lens.min() >= 128 and lens.max() <= 4096 and len(set(lens)) > 50
     assert mixed[0].context_label == "U128-4096"
     assert {w.kv_cache_dtype for w in ws + mixed} == {"auto"}
+
+
+def test_rows_give_whole_shapes_in_one_run(monkeypatch):
+    """--row: each its own heads, KV heads, batch and context (or uniform lengths), in the
+    order given, with the shared head size, block size and dtype; nothing else crossed in."""
+    seen = []
+    _fake_sweep(monkeypatch, seen)
+    r = CliRunner().invoke(main, ["decode", "--row", "32/8/64/2048", "--row", "8/1/64/4096",
+                                  "--row", "32/8/128/uniform:128:4096", "--batch", "1,2",
+                                  "--head-size", "64", "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert [(w.heads, w.kv_heads, w.batch, w.context) for w in seen] == [
+        (32, 8, 64, 2048), (8, 1, 64, 4096), (32, 8, 128, (128, 4096))]
+    assert {(w.head_size, w.block_size, w.dtype) for w in seen} == {(64, 16, "bfloat16")}
 
 
 @pytest.mark.parametrize("given, canonical", [("auto", "auto"), ("fp8", "fp8_e4m3"),

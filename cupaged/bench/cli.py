@@ -315,6 +315,11 @@ def _workload_options(f):
                      help="Context lengths, comma-separated."),
         click.option("--context-dist", default=None,
                      help="Mixed lengths instead of --context: uniform:LO:HI."),
+        click.option("--row", "rows", multiple=True, callback=_rows, metavar="H/KVH/B/CTX",
+                     help="One shape, repeatable, instead of the product of the presets, "
+                          "--batch and --context: query heads / KV heads / batch / "
+                          "context (tokens, or uniform:LO:HI), head size --head-size; "
+                          "e.g. --row 32/8/64/2048 --row 8/1/64/4096, all in one run."),
         click.option("--heads", type=click.IntRange(1), default=32, show_default=True),
         click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True),
         click.option("--head-size", type=int, default=128, show_default=True),
@@ -342,9 +347,34 @@ def _workload_options(f):
     return f
 
 
+def _rows(ctx, param, value):
+    """--row values as (heads, kv_heads, batch, context) with context tokens or (lo, hi)."""
+    from .workloads import parse_context_dist
+
+    rows = []
+    for v in value:
+        parts = v.split("/")
+        try:
+            if len(parts) != 4:
+                raise ValueError
+            h, kvh, b = (int(x) for x in parts[:3])
+            c = parse_context_dist(parts[3]) if ":" in parts[3] else int(parts[3])
+        except ValueError:
+            raise click.BadParameter(f"expected HEADS/KV_HEADS/BATCH/CONTEXT (CONTEXT tokens or "
+                                     f"uniform:LO:HI), e.g. 32/8/64/2048, got {v!r}") from None
+        if min(h, kvh, b) < 1 or (isinstance(c, int) and c < 1):
+            raise click.BadParameter(f"heads, kv heads, batch and context must be positive, "
+                                     f"got {v!r}")
+        if h % kvh:
+            raise click.BadParameter(f"query heads must be a multiple of KV heads, got {v!r}")
+        rows.append((h, kvh, b, c))
+    return tuple(rows)
+
+
 def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
-               dtype, kv_cache_dtype="auto", variants=None):
-    """Expand the options into workloads; usage errors for impossible combinations."""
+               dtype, kv_cache_dtype="auto", variants=None, rows=()):
+    """Expand the options into workloads (``rows``: --row's shapes instead of the product
+    of the presets, batches and contexts); usage errors for impossible combinations."""
     from .workloads import PRESETS, Workload, parse_context_dist
 
     try:
@@ -352,6 +382,12 @@ def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--dtype")
     kv = _kv_cache_dtype(kv_cache_dtype, dt)
+    extra = {} if variants is None else dict(variants=variants)
+    if rows:
+        if presets or context_dist is not None:
+            raise click.UsageError("--row gives whole shapes: not with --preset or --context-dist")
+        return [Workload(b, c, h, kvh, head_size, block_size, dt.numpy.name, "", kv, **extra)
+                for h, kvh, b, c in rows]
     if context_dist is not None:
         try:
             contexts = [parse_context_dist(context_dist)]
@@ -363,7 +399,6 @@ def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size
     for _, h, kvh, _ in shapes:
         if h % kvh:
             raise click.BadParameter("--heads must be a multiple of --kv-heads", param_hint="--heads")
-    extra = {} if variants is None else dict(variants=variants)
     return [Workload(b, c, h, kvh, hs, block_size, dt.numpy.name, p, kv, **extra)
             for (p, h, kvh, hs), b, c in itertools.product(shapes, batch, contexts)]
 
@@ -471,16 +506,16 @@ def _tile(ctx, param, value):
 @click.option("--ctas-per-sm", type=click.IntRange(1, 32), default=None,
               help="Tuning: at most this many decode CTAs resident per SM (the launch "
                    "reserves shared memory to enforce it); the split model plans with it.")
-def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size, dtype,
-           kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed, json_path,
-           csv_path, plot_path, tile, ctas_per_sm):
+def decode(presets, batch, context, context_dist, rows, heads, kv_heads, head_size, block_size,
+           dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
+           json_path, csv_path, plot_path, tile, ctas_per_sm):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference (with the same variants) before it is timed."""
     from .. import planning
 
     variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
-                    block_size, dtype, kv_cache_dtype, variants)
+                    block_size, dtype, kv_cache_dtype, variants, rows)
     planning.set_tuning(tile, ctas_per_sm)
     kv = ws[0].kv_cache_dtype if ws else "auto"
     _sweep(ws, ["cupaged"], _partition(partition), reps, seed, json_path, csv_path, plot_path,
@@ -492,7 +527,7 @@ def decode(presets, batch, context, context_dist, heads, kv_heads, head_size, bl
 @_workload_options
 @click.option("--impl", "impls", multiple=True,
               help="Implementations to run (default: every one available here).")
-def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, block_size,
+def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_size, block_size,
             dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
             json_path, csv_path, plot_path, impls):
     """The same workloads through every implementation available here, on the same data:
@@ -508,7 +543,7 @@ def compare(presets, batch, context, context_dist, heads, kv_heads, head_size, b
 
     variants = _variants(window, soft_cap, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
-                    block_size, dtype, kv_cache_dtype, variants)
+                    block_size, dtype, kv_cache_dtype, variants, rows)
     kv = workloads.kv_cache_dtype_name(kv_cache_dtype)
     known = list(decode.IMPLEMENTATIONS)
     for i in impls:
