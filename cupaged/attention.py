@@ -77,7 +77,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             multi-token steps with few query tiles over long contexts, such as a shared
             prefix's queries), made for at least ``total_q`` query rows: its partials are
             per query row and head. With ``out`` given, the call allocates nothing. Too
-            small a workspace means fewer, larger partitions, never a different result.
+            small a workspace means fewer, larger partitions: the same attention, summed
+            in longer passes (past 262,144 keys, with more rounding).
         kv_cache_dtype, k_scale, v_scale: an fp8 cache and its scales, as for
             :func:`paged_attention` (every layout, every kind of step; the same per-tensor
             scale forms at every entry point).

@@ -191,8 +191,9 @@ class DecodeWorkspace:
     ``paged_attention``; ``total_q`` for ``attention`` and ``mla_attention``) of
     ``num_heads`` heads splits each row and head into at most ``rows // (R * num_heads)``
     partitions (more rows fit at a smaller head size than its own): fewer than the
-    planner (``partition="auto"``) would pick means larger partitions, never a different
-    result; an explicit partition size that does not fit raises. The default ``rows``,
+    planner (``partition="auto"``) would pick means larger partitions: the same attention,
+    summed in longer passes (past planning.MAX_PASS_TOKENS keys, with more rounding); an
+    explicit partition size that does not fit raises. The default ``rows``,
     ``max(2 * max_num_seqs * num_heads, 288 * SMs)``, covers what ``"auto"`` picks in
     decode on this device (it splits into at most about 8 waves of CTAs, each serving up
     to 8 heads) and ``"always"`` at ``max_num_seqs`` rows.

@@ -83,7 +83,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
             width (kv_lora_rank). Each (token, head) row splits into at most ``rows //
             (total_q * num_heads)`` partitions. With ``out`` (and ``lse`` when asked)
             given, the call then allocates nothing (CUDA graph capture). Too small a
-            workspace means fewer, larger partitions, never a different result.
+            workspace means fewer, larger partitions: the same attention, summed in
+            longer passes (past 262,144 keys, with more rounding).
         kv_cache_dtype, k_scale: an fp8 latent cache (``"fp8"``/``"fp8_e4m3"``,
             ``"fp8_e5m2"``, or ``"auto"`` with a float8 dtype; uint8/int8 arrays need the
             name), read as ``stored * k_scale``: one scale per tensor for kv_c and k_pe
