@@ -81,14 +81,14 @@ struct DecodeGeometry {
   static constexpr int kDimsPerThread = (HEAD_SIZE + 31) / 32;
   static constexpr int kTokensPerWarpPV = TILE_TOKENS / kWarps;
 
-  // Tensor cores (mma.m16n8k16, fp32 sums) do Q K^T and P V for 16-bit queries when a CTA
-  // serves 4 or 8 query heads: there the FMA path's arithmetic, not memory, sets the pace.
-  // Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
+  // Tensor cores (mma.m16n8k16, fp32 sums) do Q K^T and P V for 16-bit queries, whatever
+  // the query heads a CTA serves (1 to 8; columns past them are padding): fewer
+  // instructions a tile than the FMA path, and the swizzled token rows below. Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
   // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
   // An fp8 tile (kConvert) is widened to float16 in registers as its fragments load, and
   // the products run in float16 whatever T is (MmaT; a bfloat16 query is scaled by a power
   // of two into float16's range), but for P V under per-token V scales (PvT).
-  static constexpr bool kMma = sizeof(T) == 2 && GROUP_TILE >= 4 && HEAD_SIZE % 16 == 0 &&
+  static constexpr bool kMma = sizeof(T) == 2 && HEAD_SIZE % 16 == 0 &&
                                (kVTransposed || kTokenMajor);
   static constexpr bool kConvert = kMma && kQuant;
   // Token-major caches are copied token-major: shared K and V are [TILE_TOKENS][kTokRow],

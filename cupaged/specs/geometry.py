@@ -110,7 +110,7 @@ class DecodeGeometry:
 
     @property
     def mma(self) -> bool:  # kMma: tensor cores for Q K^T and P V
-        return (self.itemsize == 2 and self.group_tile >= 4 and self.head_size % 16 == 0
+        return (self.itemsize == 2 and self.head_size % 16 == 0
                 and (self.v_transposed or self.token_major))
 
     @property
