@@ -28,7 +28,9 @@
 //   3. updates the running max / sum (online softmax: nothing grows with the context);
 //   4. accumulates P @ V in fp32 registers.
 // Steps 2 and 4 run on tensor cores (mma.m16n8k16 with fp32 sums, P rounded to T as its
-// operand) for 16-bit caches when a CTA serves 4 to 8 query heads; otherwise on FMAs.
+// operand) for 16-bit queries, whatever the query heads a CTA serves (1 to 8), on
+// token-major caches and on vLLM's with blocks of 8 tokens or more (DecodeGeometry::kMma);
+// otherwise on FMAs.
 // Single pass (partition_tokens == 0) writes the normalized output. Split-KV writes each
 // partition's normalized output with its max and sum; paged_decode_combine merges them.
 #pragma once
@@ -83,8 +85,9 @@ struct DecodeGeometry {
 
   // Tensor cores (mma.m16n8k16, fp32 sums) do Q K^T and P V for 16-bit queries, whatever
   // the query heads a CTA serves (1 to 8; columns past them are padding): fewer
-  // instructions a tile than the FMA path, and the swizzled token rows below. Scores are S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T
-  // (16 dims x 8 heads), so the cache tiles are the A operands straight from shared memory.
+  // instructions a tile than the FMA path, and the swizzled token rows below. Scores are
+  // S^T = K Q^T (16 tokens x 8 heads per mma), the output O^T = V^T P^T (16 dims x 8
+  // heads), so the cache tiles are the A operands straight from shared memory.
   // An fp8 tile (kConvert) is widened to float16 in registers as its fragments load, and
   // the products run in float16 whatever T is (MmaT; a bfloat16 query is scaled by a power
   // of two into float16's range), but for P V under per-token V scales (PvT).

@@ -378,11 +378,11 @@ def test_v2_rejects_a_small_workspace(rng):
 
 # ---- stale cache slots -------------------------------------------------------------------------
 
-# (dtype, group, block size): the FMA path with transposed V (f32; f16 with one or two heads
-# per CTA), the FMA path with V in the cache's layout (blocks smaller than 16 bytes of V),
-# and the tensor-core path (16-bit, 4 to 8 heads per CTA).
-FAMILIES = [("f32", 1, 16), ("f16", 2, 16), ("f16", 4, 4), ("f16", 4, 16), ("bf16", 8, 32),
-            ("f16", 8, 1)]
+# (dtype, group, block size): the FMA path with transposed V (f32), the FMA path with V in
+# the cache's layout (blocks smaller than 16 bytes of V), and the tensor-core path (16-bit,
+# 1 to 8 heads per CTA, the columns past them padding).
+FAMILIES = [("f32", 1, 16), ("bf16", 1, 16), ("f16", 2, 16), ("f16", 3, 16), ("f16", 4, 4),
+            ("f16", 4, 16), ("bf16", 8, 32), ("f16", 8, 1)]
 
 
 @pytest.mark.parametrize("stale", [float("nan"), float("inf"), float("-inf")], ids=str)
