@@ -174,14 +174,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   const bool copier = !Geo::kProducer || wg == 1;
   const int copy_token = copy_tid / Geo::kCopyThreads;
   const int copy_lane = copy_tid % Geo::kCopyThreads;
-  // A stage's mbarrier counts each copier's cp.async arrival. (Only paged tiles: the sparse
-  // kernel's key flags are plain stores, which that arrival does not order.)
+  // A stage's mbarrier counts each copier's cp.async arrival (cp_async_mbar_arrive after
+  // its copies of the tile). Only paged tiles: the sparse kernel's key flags are plain
+  // stores, which that arrival does not order.
   static_assert(!Geo::kProducer || !SPARSE, "the producer copies paged tiles");
-  constexpr unsigned kArrivals = Geo::kCopiers;
-  auto tile_issued = [&](int sl) { cp_async_mbar_arrive(full_bar(sl)); };
   if (Geo::kProducer && tid == 0) {  // published by begin_row_tile's barrier
-    mbar_init(full_bar(0), kArrivals);
-    mbar_init(full_bar(1), kArrivals);
+    mbar_init(full_bar(0), Geo::kCopiers);
+    mbar_init(full_bar(1), Geo::kCopiers);
   }
   // The producer's tiles before this row tile's: tile it's ring slot is (done + it) & 1,
   // the (done + it) / 2-th use of its stage's mbarrier.
@@ -299,7 +298,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         for (int t = 0; t < 2 && t < n_tiles; ++t) {
           const int sl = (done + t) & 1;
           load_tile(t, sl, tile_id(t));
-          tile_issued(sl);
+          cp_async_mbar_arrive(full_bar(sl));
         }
         cp_async_commit();
         cp_async_wait<1>();  // the query landed; the tiles may fly
@@ -421,7 +420,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         // fp8: tile it + 2's bytes into the raw stage widened above
         if (it + 2 < n_tiles) {
           load_tile(it + 2, slot, id_ahead);
-          tile_issued(slot);
+          cp_async_mbar_arrive(full_bar(slot));
           cp_async_commit();
           id_ahead = tile_id(it + 3);
         }
@@ -464,7 +463,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
             // Tile it + 2 into this tile's stage, once warpgroup 0's P V is done with it
             named_bar_sync<kMlaSm90Threads>(kMlaBarEmpty);
             load_tile(it + 2, slot, id_ahead);
-            tile_issued(slot);
+            cp_async_mbar_arrive(full_bar(slot));
             cp_async_commit();
             id_ahead = tile_id(it + 3);
           }
