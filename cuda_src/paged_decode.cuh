@@ -739,10 +739,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
       __syncthreads();
 
       // ---- O^T += V^T P^T, dim tiles of 16 spread over the warps ---------------------------
+      // The tile's product goes into fresh sums, then joins the running ones by FFMA: the
+      // tensor cores' float32 additions truncate, so accumulating a whole pass in them
+      // drifts low with its length (V rows of 1 over 131,072 keys gave 0.99951); one tile's
+      // 4 steps per product and round-to-nearest between tiles keep the sums unbiased.
+      float tile_acc[Geo::kDimTilesPerWarp][4];
 #pragma unroll
       for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc_mma[j][i] *= alpha_own[i & 1];
+        for (int i = 0; i < 4; ++i) tile_acc[j][i] = 0.f;
       }
       // B rows are heads; lanes of heads the tile lacks read row 0 (their columns are dropped).
       const PT* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
@@ -796,7 +801,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
             a[2] = scale_f16x2<PT>(a[2], s2, s3);
             a[3] = scale_f16x2<PT>(a[3], s2, s3);
           }
-          mma_16816<PT>(acc_mma[j], a, b);
+          mma_16816<PT>(tile_acc[j], a, b);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc_mma[j][i] = fmaf(acc_mma[j][i], alpha_own[i & 1], tile_acc[j][i]);
         }
       }
     } else {

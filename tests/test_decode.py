@@ -178,6 +178,26 @@ def test_auto_partition(rng, batch, ctx):
     assert_close(got, p.reference(), tol(p))
 
 
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_constant_values_stay_constant_over_a_long_single_pass(rng, dt, group):
+    """Every V row 0.75: each output is 0.75 exactly, in one pass over 131,072 keys (the P V
+    sums and the softmax's sum add the same rounded P; summed over the whole pass in the
+    tensor cores' float32 additions, which truncate, they drifted a float16 step low)."""
+    dtype = DTYPES[dt]
+    seqs, ctx, kv_heads, hs, bs, nb = 2, 131_072, 2, 128, 16, 256
+    heads = kv_heads * group
+    tables = (np.arange(seqs * ctx // bs) % nb).reshape(seqs, -1).astype(np.int32)
+    out = cupaged.paged_attention(
+        query=cupy.asarray(testing.random_normal((seqs, heads, hs), dtype, rng)),
+        key_cache=cupy.asarray(testing.random_normal((nb, kv_heads, hs // 8, bs, 8), dtype, rng)),
+        value_cache=cupy.asarray(np.full((nb, kv_heads, hs, bs), 0.75, dtype)),
+        block_tables=cupy.asarray(tables), context_lens=cupy.full((seqs,), ctx, cupy.int32),
+        partition="never")
+    got = cupy.asnumpy(out).astype(np.float64)
+    assert (got == 0.75).all(), np.unique(got)
+
+
 def test_undercounted_max_context_len_still_covers_every_token(rng):
     p = make_problem(rng, lens=[5000, 300], heads=8, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()
