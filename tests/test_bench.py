@@ -1,6 +1,6 @@
 """cupaged.bench without a GPU: FlashInfer's inputs built from a case (page lists, the
 "HND" layout), FlashInfer's optional presence, and the plan_us field. The timed rows
-themselves run on the device (tools/compare_sweep.sh, the compare GPU test)."""
+themselves run on the device (tools/device.sh rows sweep, the compare GPU test)."""
 
 import os
 import subprocess

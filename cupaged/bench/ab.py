@@ -384,7 +384,7 @@ def _tuning_row(row, settings, tunings, names, fi, bw, lever, layout, dtype, hs,
     arr = case.arrays
     k, v = bench_decode.cache_in_layout(arr["key_cache"], arr["value_cache"], layout)
     max_len = int(case.context_lens.max(initial=0))
-    bad, calls = [], {}
+    bad, calls, unfit = [], {}, {}
     for s, tuning in zip(settings, tunings):
         out = cupy.full(arr["query"].shape, np.nan, arr["query"].dtype)
 
@@ -393,24 +393,31 @@ def _tuning_row(row, settings, tunings, names, fi, bw, lever, layout, dtype, hs,
                                      arr["context_lens"], kv_layout=layout,
                                      max_seq_len=max_len, out=out, **case.kv_args)
         lever.set(*tuning)
-        call()
+        try:
+            call()
+        except (ValueError, NotImplementedError) as e:  # e.g. a tile that does not fit
+            unfit[s] = " ".join(str(e).split())[:160]
+            continue
         if not case.check(out) <= case.tolerance():
             bad.append(s)
         calls[s] = (call, tuning)
     if fi is not None:
         calls["fi-tc"] = (fi[0](case, "auto"), (None, None, "auto"))
-    times = {n: [] for n in names}
+    times = {n: [] for n in calls}
     for _ in range(rounds):
-        for n in names:
+        for n in calls:
             fn, tuning = calls[n]
             lever.set(*tuning)
             times[n].append(timing.time_us(fn, reps=reps).median_us)
     lever.set(None, None, "auto")
-    med = {n: statistics.median(times[n]) for n in names}
+    med = {n: statistics.median(times[n]) for n in calls}
     cells = [f"{med[n]:8.1f} ({case.bytes_moved / (med[n] * 1e-6) / bw * 100:5.1f}%)"
-             for n in names]
-    ratio = (med[settings[0]] / min(med[n] for n in settings[1:])
-             if len(settings) > 1 else 1.0)
+             if n in med else "n/a" for n in names]
+    others = [med[n] for n in settings[1:] if n in med]
+    ratio = (float("nan") if settings[0] not in med else
+             med[settings[0]] / min(others) if others else 1.0)
     echo(f"{label} " + " ".join(f"{c:>17s}" for c in cells) + f" {ratio:10.3f}"
          + (f"  CHECK FAILED: {bad}" if bad else ""))
-    return ratio, not bad
+    for s, why in unfit.items():
+        echo(f"    {s}: {why}")
+    return (0.0 if ratio != ratio else ratio), not bad

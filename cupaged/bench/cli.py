@@ -1378,6 +1378,14 @@ def _csv_choice(value: str, allowed, hint: str) -> list:
     return items
 
 
+def _shapes(ctx, param, value):
+    """--shapes A,B,...: the same as --row A --row B."""
+    return _rows(ctx, param, [v for v in (value or "").split(",") if v])
+
+
+_SHAPES_HELP = "Shapes as --row's, comma-separated (added to --row's)."
+
+
 @ab.command("decode")
 @click.option("--tree", required=True, type=click.Path(exists=True, file_okay=False),
               help=_TREE_HELP)
@@ -1385,6 +1393,8 @@ def _csv_choice(value: str, allowed, hint: str) -> list:
               help="A shape (repeatable), as decode's --row; default the eight decode rows "
                    "(32/8/64/2048, 32/32/64/2048, 32/8/8/32768, 32/8/1/1024, "
                    "32/8/128/uniform:128:4096, 32/8/256/512, 8/1/64/4096, 32/8/1/131072).")
+@click.option("--shapes", callback=_shapes, default=None, metavar="H/KVH/B/CTX,...",
+              help=_SHAPES_HELP)
 @click.option("--layouts", default="vllm,NHD,HND", show_default=True,
               help="Cache layouts, comma-separated: vllm (paged_attention), NHD, HND "
                    "(attention).")
@@ -1395,7 +1405,7 @@ def _csv_choice(value: str, allowed, hint: str) -> list:
                    "backends do), every layout.")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--reps", type=click.IntRange(3), default=10, show_default=True)
-def ab_decode(tree, rows, layouts, dtype, starts, rounds, reps):
+def ab_decode(tree, rows, shapes, layouts, dtype, starts, rounds, reps):
     """Decode kernel time, the library in --tree against this one, on the same data in one
     process: each (row, layout) is checked against the float64 reference for both, then
     timed in rounds alternating old and new (L2 flushed, a GPU busy-wait before each run,
@@ -1406,8 +1416,8 @@ def ab_decode(tree, rows, layouts, dtype, starts, rounds, reps):
     lay = _csv_choice(layouts, ("vllm", "NHD", "HND"), "--layouts")
     _require_gpu()
     other = _load_tree(tree)
-    ok = ab_mod.decode_ab(other, list(rows) or ab_mod.DECODE_ROWS, lay, dtype, rounds, reps,
-                          starts, echo=click.echo)
+    ok = ab_mod.decode_ab(other, list(rows + shapes) or ab_mod.DECODE_ROWS, lay, dtype, rounds,
+                          reps, starts, echo=click.echo)
     sys.exit(0 if ok else 1)
 
 
@@ -1457,6 +1467,8 @@ def _pairs(value: str) -> list:
               help="A shape (repeatable), as decode's --row; default 32/8/64/2048, "
                    "32/32/64/2048, 32/8/8/32768, 32/8/256/512, 32/8/128/uniform:128:4096, "
                    "8/1/64/4096.")
+@click.option("--shapes", callback=_shapes, default=None, metavar="H/KVH/B/CTX,...",
+              help=_SHAPES_HELP)
 @click.option("--heads", default=None, metavar="H/KVH,...",
               help="Instead of --row: the product of these head pairs, --batch and --context.")
 @click.option("--batch", callback=_int_list, default=None, help="With --heads.")
@@ -1474,8 +1486,8 @@ def _pairs(value: str) -> list:
               help="FlashInfer's tensor-core decode as a column, where it imports.")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--reps", type=click.IntRange(3), default=10, show_default=True)
-def ab_tuning(settings, rows, heads, batch, context, layout, dtype, head_size, kv_cache_dtype,
-              max_gib, peer, rounds, reps):
+def ab_tuning(settings, rows, shapes, heads, batch, context, layout, dtype, head_size,
+              kv_cache_dtype, max_gib, peer, rounds, reps):
     """Decode under planner overrides side by side on the same data in one process: each
     setting runs cupaged.attention over the row's cache in --layout, checked against the
     float64 reference before it is timed; rounds alternate the settings (L2 flushed,
@@ -1492,6 +1504,7 @@ def ab_tuning(settings, rows, heads, batch, context, layout, dtype, head_size, k
             raise click.BadParameter(str(e), param_hint="--settings")
     if not listed:
         raise click.BadParameter("no setting given", param_hint="--settings")
+    rows = rows + shapes
     if heads is not None:
         if rows:
             raise click.UsageError("--heads (with --batch and --context) or --row, not both")

@@ -285,7 +285,11 @@ def pieces(echo=print) -> None:
     if prep is None:
         raise RuntimeError("the single-pass call was not memoized: the pieces below follow "
                            "an older _prepared.key")
-    ctx = _arrays.context(0, "cupy", None)
+    def context_in_scope(kind):  # as every call makes its context: in a launching scope
+        with _arrays.launching(0):
+            return _arrays.context(0, kind, None)
+
+    ctx = context_in_scope("cupy")
     la = prep.launch
     args = (out.data.ptr, 0, 0, 0, q.data.ptr, *la.q_strides, kc.data.ptr, vc.data.ptr,
             *la.kv_strides, bt.data.ptr, *la.kv_tail, cl.data.ptr, 0, *la.tail, la.vp)
@@ -298,8 +302,8 @@ def pieces(echo=print) -> None:
         "validation.validate_decode": lambda: validation.validate_decode(q, kc, vc, bt, cl,
                                                                          None, out),
         "on_device": lambda: _arrays.on_device(0),
-        "context (cupy)": lambda: _arrays.context(0, "cupy", None),
-        "context (torch)": lambda: _arrays.context(0, "torch", None),
+        "launching + context (cupy)": lambda: context_in_scope("cupy"),
+        "launching + context (torch)": lambda: context_in_scope("torch"),
         "runtime.getDevice": lambda: cupy.cuda.runtime.getDevice(),
         "cupy get_current_stream": lambda: cupy.cuda.get_current_stream().ptr,
         "TorchArray": lambda: _arrays.TorchArray(tq, "q"),
