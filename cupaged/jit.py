@@ -747,6 +747,14 @@ class Launcher:
             self._local.params_addr = ctypes.addressof(params)
         return self._local.buf, self._local.params_addr
 
+    def pack(self, *args) -> int:
+        """Pack ``args`` into this thread's parameter buffer as a launch does; the address
+        of the parameter pointers cuLaunchKernel takes (``cupaged-bench overhead --pieces``
+        times the two steps apart)."""
+        buf, params = self._buffers()
+        struct.pack_into(self._fmt, buf, 0, *args)
+        return params
+
     def __call__(self, grid, block, smem: int, stream: int, *args) -> None:
         buf, params = self._buffers()
         struct.pack_into(self._fmt, buf, 0, *args)

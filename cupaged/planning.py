@@ -453,7 +453,8 @@ class PrefillKernel(NamedTuple):
 
 
 # (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
-# default, for tuning experiments (tools/prefill_tiles.py); set through set_prefill_tile.
+# default, for tuning experiments (cupaged-bench prefill --tile W,M,N,S); set through
+# set_prefill_tile.
 _tile_override: tuple | None = None
 
 
@@ -565,7 +566,7 @@ def _load_prefill(spec: jit.KernelSpec, g, device_id: int) -> PrefillKernel:
 
 
 # (tile_tokens, stages) of paged_prefill_sm90 instead of the default, for tuning
-# experiments (tools/prefill_tiles.py with FAMILY=sm90); set through set_sm90_tile.
+# experiments (cupaged-bench prefill --tile N,S); set through set_sm90_tile.
 _sm90_tile_override: tuple | None = None
 
 

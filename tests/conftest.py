@@ -30,7 +30,7 @@ HAVE_GPU = _gpu_available()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 if HAVE_GPU and os.environ.get("CUPAGED_TEST_NO_POOL"):
-    # Under compute-sanitizer's memcheck (tools/sanitize.sh): each array its own
+    # Under compute-sanitizer's memcheck (tools/device.sh sanitize): each array its own
     # cudaMalloc, so an overrun past an array's end leaves its allocation and is reported,
     # not hidden inside a pool chunk. (torch: PYTORCH_NO_CUDA_MEMORY_CACHING=1.)
     import cupy

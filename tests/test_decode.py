@@ -411,7 +411,7 @@ def test_stale_slots_never_reach_the_output(rng, dt, group, bs, stale):
     """Every cache slot no sequence uses holds NaN or Inf: the tail of each partly filled
     last block, spare blocks, and the blocks the table's unused entries point at. Lengths
     end inside blocks and tiles, on both paths. (Without the V masking in paged_decode.cuh,
-    0 * NaN puts NaN in the output: `MUTANTS=stale-slots bash tools/regression_check.sh`
+    0 * NaN puts NaN in the output: `bash tools/device.sh mutants stale-slots`
     shows these tests fail then.)"""
     lens = [1, 5, bs + 3, 63, 65, 129, 700]
     p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=2 * group, kv_heads=2, head_size=64,
