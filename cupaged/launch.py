@@ -74,6 +74,7 @@ class Launch(NamedTuple):
     partials: Partials | None = None  # the workspace's; None: a scratch buffer per call
     scratch_rows: int = 0
     head_size: int = 0
+    counters: int = 0  # merge counters paged_decode counts in when it merges its split
     # Reads query_start_loc: paged_prefill, and paged_decode's row mode. paged_decode's
     # one-token-per-sequence mode gets null (a caller's starts are then not its business).
     takes_starts: bool = True
@@ -95,7 +96,7 @@ class Launch(NamedTuple):
         parts, keep = self.partials, None
         if parts is None:
             parts, keep = scratch_partials(ctx, self.scratch_rows, self.head_size,
-                                           self.grid[0] * self.grid[1] if merges_here else 0)
+                                           self.counters if merges_here else 0)
         po, pm, ps = parts.part_out, parts.part_max, parts.part_sum
         self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, po, pm, ps,
                     *((parts.counters,) if merges_here else self.head), q, *self.q_strides,
@@ -303,8 +304,10 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
                   plan.head, p.q_strides, kv_strides, kv_tail, tail, variants, vp,
                   split=split, combine=plan.combine, combine_grid=plan.combine_grid,
                   combine_tail=plan.combine_tail, partials=workspace if split else None,
-                  scratch_rows=p.num_rows * p.num_heads * plan.partitions if split else 0,
-                  head_size=p.head_size if split else 0, takes_starts=plan.kind != "decode")
+                  scratch_rows=(plan.partial_rows or p.num_rows * p.num_heads * plan.partitions)
+                  if split else 0, head_size=p.head_size if split else 0,
+                  counters=plan.counters or plan.grid[0] * plan.grid[1],
+                  takes_starts=plan.kind != "decode")
 
 
 MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide

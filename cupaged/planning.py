@@ -624,8 +624,13 @@ class KernelPlan(NamedTuple):
     head: tuple  # the kernel's arguments after its partials: paged_prefill's split_tiles
     #              (paged_prefill_sm90's split_tiles, num_seqs and ranks), or paged_decode's
     #              counters (filled in per call when it merges its split)
-    split_tokens: int = 0  # tokens per split-KV partition; 0: a single pass
+    split_tokens: int = 0  # tokens per split-KV partition; 0: a single pass; -1: the flat
+    #                        split (paged_decode's header), grid (CTAs, 1, 1)
     partitions: int = 1
+    # The flat split's partial rows (two slots a CTA, a head tile each) and merge counters
+    # (one a unit); 0 for the grid split's (rows x heads x partitions, and grid x * y).
+    partial_rows: int = 0
+    counters: int = 0
     combine: jit.Launcher | None = None  # merges the partials when the kernel does not
     combine_grid: tuple = ()
     combine_tail: tuple = ()  # the combine's arguments after the lengths and query starts
@@ -723,6 +728,11 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
+    if partition == "flat" and not rows:
+        plan = plan_flat(p, ks, grid_y, gt, workspace)
+        if plan is not None:
+            return plan
+        partition = "auto"
     room = None if workspace is None else workspace.max_rows // (p.num_rows * p.num_heads)
     size, smem = partition_tokens(partition, p, max_ctx, ctas, ks, room)
     # Partials without counters (vLLM's v2 buffers) are merged by the combine kernel,
@@ -746,6 +756,25 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
     return plan._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
                          combine_tail=(p.max_blocks * p.block_size, 0, size, n_parts,
                                        ks.tile_tokens))
+
+
+def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int,
+              workspace) -> KernelPlan | None:
+    """paged_decode's flat split (its header): one wave of CTAs at the natural residency,
+    each taking an equal run of all the units' key tiles. None where it cannot run: a
+    workspace without room for its partials and counters, or runs whose flat tile
+    arithmetic could pass 2^63 (never for a block table that fits in memory)."""
+    occ = natural_residency(ks)
+    ctas = max(1, occ.slots)
+    units = p.num_seqs * grid_y
+    rows = 2 * ctas * gt
+    if workspace is not None and (workspace.max_rows < rows or workspace.max_counters < units):
+        return None
+    most_tiles = units * (p.max_blocks * p.block_size // ks.tile_tokens + 2)
+    if most_tiles * ctas >= 2**62:
+        return None
+    return KernelPlan("decode", ks.decode, (ctas, 1, 1), geometry.DECODE_THREADS, occ.smem,
+                      (0,), -1, 1, partial_rows=rows, counters=units)
 
 
 def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,

@@ -153,7 +153,7 @@ def test_variants_match_reference(rng, prefill_split, case, layout, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("partition", ["never", "always", 16, 64])
+@pytest.mark.parametrize("partition", ["never", "always", 16, 64, "flat"])
 @pytest.mark.parametrize("window", [1, 16, 64, 65, 200, 5000])
 def test_window_edges_on_split_kv_decode(rng, window, partition):
     """W = 1, W = block size, W straddling tile and partition boundaries, W beyond the
