@@ -253,7 +253,7 @@ def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
                     residency(ctas * partition_count(max_ctx, chosen), ks).smem)
         return check_partition_count(size, max_ctx), occ.smem
     else:
-        _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
+        _fail(f"partition must be 'auto', 'never', 'always', 'flat' or an int, got {partition!r}")
     size = check_partition_count(size, max_ctx)
     return size, residency(ctas * partition_count(max_ctx, size), ks).smem
 
@@ -728,7 +728,7 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
-    if partition == "flat" and not rows:
+    if not rows and (partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks)):
         plan = plan_flat(p, ks, grid_y, gt, workspace)
         if plan is not None:
             return plan
@@ -756,6 +756,19 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
     return plan._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
                          combine_tail=(p.max_blocks * p.block_size, 0, size, n_parts,
                                        ks.tile_tokens))
+
+
+def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels") -> bool:
+    """Does "auto" take the flat split? Where there are at least as many (sequence, head
+    tile) units as CTAs resident at once, each of two tiles or more: the grid's waves of
+    whole units then leave a last wave the flat split does not have (H200, 32/32 batch
+    64: 508 against 546 µs), while fewer units would be cut into many short pieces, each
+    merged (docs/PERFORMANCE.md, the flat split). Not where a CTA's run would pass
+    MAX_PASS_TOKENS (a pass's float32 sums lose accuracy with its length)."""
+    if not ks.slots or units < ks.slots or max_ctx <= ks.tile_tokens:
+        return False
+    run_tiles = -(-units * -(-max_ctx // ks.tile_tokens) // ks.slots)
+    return run_tiles * ks.tile_tokens <= MAX_PASS_TOKENS
 
 
 def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int,
