@@ -211,7 +211,7 @@ __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
   }
 }
 
-// ---- the flat split (partition_tokens < 0) ------------------------------------------------
+// ---- the flat split (variant kVarFlat, partition_tokens -1) -----------------------------
 // The (sequence, head tile) units' key tiles laid end to end, sequence by sequence and,
 // within one, head tile by head tile; the grid's G CTAs take equal runs of them (the first
 // T % G one tile more). A CTA walks its run unit by unit: a unit it holds whole is written
@@ -259,8 +259,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  const float* __restrict__ alibi_slopes,   // [num_heads] or null
                  int num_heads, int group_size, int num_seqs, int causal,
                  int partition_tokens,  // 0: single pass; > 0: tokens per partition
-                                        // (gridDim.z); < 0: the flat split (above), decode
-                                        // only (query_start_loc null), grid (G, 1, 1)
+                                        // (gridDim.z); -1 with kVarFlat: the flat split
+                                        // (above), decode only (query_start_loc null),
+                                        // grid (G, 1, 1)
                  float scale_log2, const __grid_constant__ VariantParams vp) {
   using Geo = DecodeGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, GROUP_TILE,
                              TILE_TOKENS, STAGES>;
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int tiles_per_kv = (group_size + GT - 1) / GT;
-  const bool flat = partition_tokens < 0;
+  constexpr bool flat = Var::kFlat;  // the flat split (partition_tokens < 0)
   const int n_y = flat ? num_heads / group_size * tiles_per_kv : static_cast<int>(gridDim.y);
 
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   FlatRuns runs{0, 0};
   long long w_t = 0, w_end = 0, w_seq0 = 0;
   int w_seq = 0, w_tiles = 0;
-  if (flat) {
+  if constexpr (flat) {
     // Every sequence's tiles, summed (each thread over its sequences, then the block).
     long long* sum_s = reinterpret_cast<long long*>(smem);  // [kWarps]; the stages are free
     int* found_s = reinterpret_cast<int*>(smem + 8 * Geo::kWarps);  // [seq, its start, tiles]
@@ -361,13 +362,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 
   // One unit (a sequence's row, a head tile, a range of its keys) per pass: the grid's
-  // (x, y, z) in the grid modes; the flat split's run, unit by unit.
-  for (int pass = 0;; ++pass) {
+  // (x, y, z) in the grid modes (one pass); the flat split's run, unit by unit.
+  for (int pass = 0; flat || pass == 0; ++pass) {
   int qrow, y_tile, f_lo = 0, f_hi = 0;  // (flat) the unit's tiles [f_lo, f_hi) done here
   long long f_unit = 0;                  // (flat) the unit's first flat tile
   int f_tiles = 0;                       // (flat) the unit's tiles
-  if (!flat) {
-    if (pass > 0) break;
+  if constexpr (!flat) {
     qrow = blockIdx.x;
     y_tile = blockIdx.y;
   } else {
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // Flat: the pieces of this unit, the CTAs c0.. holding them, and c0's slot for it.
   long long f_c0 = 0;
   int f_k0 = 0;
-  if (flat) {
+  if constexpr (flat) {
     begin = base + f_lo * TT;
     end = f_hi == f_tiles ? ctx : base + f_hi * TT;
     f_c0 = runs.owner(f_unit);

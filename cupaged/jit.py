@@ -140,7 +140,7 @@ KV_FORMATS = {"tok": 0, "vllm": 1}
 KV_SCALES = {"": 0, "th": 1}
 # VariantBits in cuda_src/variants.cuh: the compile-time variants, spelled in a spec as
 # letters in this order ("" plain attention, "wc" window and soft-cap, ...).
-VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16}
+VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16, "r": 32}
 
 
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
@@ -244,7 +244,8 @@ class KernelSpec:
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
-    #                    offset (paged_prefill, bf16, with "c" and without "a")
+    #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
+    #                    flat split's runs (paged_decode: the planner's choice)
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -285,7 +286,7 @@ class KernelSpec:
         if self.variant:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
-            allowed = "wcaf" if self.kernel.startswith("paged_prefill") else "wcb"
+            allowed = "wcaf" if self.kernel.startswith("paged_prefill") else "wcbr"
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "

@@ -729,7 +729,11 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
     if not rows and (partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks)):
-        plan = plan_flat(p, ks, grid_y, gt, workspace)
+        # (the flat split is its own specialization: variant letter "r")
+        flat = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
+                              p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
+                              variants.letters + "r")
+        plan = plan_flat(p, flat, grid_y, gt, workspace)
         if plan is not None:
             return plan
         partition = "auto"
@@ -773,8 +777,9 @@ def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels") -> bool:
 
 def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int,
               workspace) -> KernelPlan | None:
-    """paged_decode's flat split (its header): one wave of CTAs at the natural residency,
-    each taking an equal run of all the units' key tiles. None where it cannot run: a
+    """paged_decode's flat split (its header; ``ks``: the specialization with variant
+    "r"): one wave of CTAs at the natural residency, each taking an equal run of all the
+    units' key tiles. None where it cannot run: a
     workspace without room for its partials and counters, or runs whose flat tile
     arithmetic could pass 2^63 (never for a block table that fits in memory)."""
     occ = natural_residency(ks)

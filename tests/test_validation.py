@@ -167,7 +167,7 @@ def test_max_context_len_checks():
 
 @pytest.mark.parametrize("partition, match", [
     (0, "positive multiple of block_size"), (24, r"positive multiple of block_size \(16\)"),
-    ("sometimes", "partition must be 'auto', 'never', 'always' or an int"),
+    ("sometimes", "partition must be 'auto', 'never', 'always', 'flat' or an int"),
     (True, "partition must be"),
 ])
 def test_partition_checks(partition, match):
