@@ -72,6 +72,18 @@ def prefill_split():
 
 
 @pytest.fixture
+def flat_split(monkeypatch):
+    """Have "auto" take decode's flat split wherever it can run (decode without
+    query_start_loc), whatever the units and the context, for the rest of the test."""
+    from cupaged import _prepared, planning
+
+    monkeypatch.setattr(planning, "flat_pays", lambda *a: True)
+    _prepared.clear()  # calls remembered with the grid split's plan
+    yield
+    _prepared.clear()
+
+
+@pytest.fixture
 def device_arch(monkeypatch):
     """Have the planner see a device of the given target (``"sm_80"``, ``"sm_90"``) with an
     H100's multiprocessors and shared memory (or ``max_smem`` bytes a block), so its rules
