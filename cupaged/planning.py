@@ -733,9 +733,10 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         flat = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
                               p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
                               variants.letters + "r")
-        plan = plan_flat(p, flat, grid_y, gt, workspace)
-        if plan is not None:
-            return plan
+        if partition == "flat" or flat_keeps_residency(flat, ks):
+            plan = plan_flat(p, flat, grid_y, gt, workspace)
+            if plan is not None:
+                return plan
         partition = "auto"
     room = None if workspace is None else workspace.max_rows // (p.num_rows * p.num_heads)
     size, smem = partition_tokens(partition, p, max_ctx, ctas, ks, room)
@@ -773,6 +774,14 @@ def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels") -> bool:
         return False
     run_tiles = -(-units * -(-max_ctx // ks.tile_tokens) // ks.slots)
     return run_tiles * ks.tile_tokens <= MAX_PASS_TOKENS
+
+
+def flat_keeps_residency(flat: "DecodeKernels", ks: "DecodeKernels") -> bool:
+    """Does the flat specialization hold as many CTAs at once as the grid one? Where its
+    registers (about 128 a thread) allow fewer CTAs an SM than the grid kernel's shared
+    memory does (fp8 caches: 4 against 6), "auto" keeps the grid split: the flat split
+    was not measured at a lower residency."""
+    return flat.slots >= ks.slots
 
 
 def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int,

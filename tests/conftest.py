@@ -78,6 +78,7 @@ def flat_split(monkeypatch):
     from cupaged import _prepared, planning
 
     monkeypatch.setattr(planning, "flat_pays", lambda *a: True)
+    monkeypatch.setattr(planning, "flat_keeps_residency", lambda *a: True)
     _prepared.clear()  # calls remembered with the grid split's plan
     yield
     _prepared.clear()

@@ -640,3 +640,9 @@ def test_auto_takes_the_flat_split_from_as_many_units_as_resident_ctas(monkeypat
     few = validate(**args(seqs=8, heads=32, kv_heads=8, hs=128, bs=16, width=128))
     assert planning.plan_decode(few, 2048, "auto", None).split_tokens >= 0
     assert planning.plan_decode(few, 2048, "flat", None).grid == (396, 1, 1)
+    # A flat specialization that holds fewer CTAs at once: "auto" keeps the grid split.
+    lower = SimpleNamespace(**{**vars(ks), "slots": 264})
+    monkeypatch.setattr(planning, "decode_kernels",
+                        lambda *a, **k: lower if a[-1].endswith("r") else ks)
+    assert planning.plan_decode(p, 2048, "auto", None).split_tokens >= 0
+    assert planning.plan_decode(p, 2048, "flat", None).grid == (264, 1, 1)
