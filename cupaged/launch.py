@@ -132,6 +132,17 @@ def scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
                     rows, base + nbytes if counters else 0, counters), keep
 
 
+def workspace_rows(ln: Launch) -> int:
+    """The ``rows`` of a DecodeWorkspace that holds a launch's split-KV partials and, where
+    paged_decode merges them itself, its merge counters (a workspace has ``rows // 2``: a
+    grid split's partial rows are at least twice its counters, while the flat split counts
+    in one a unit, more than its rows' half where the units outnumber its CTAs' head
+    tiles); 0 for a launch that does not split."""
+    if not ln.split:
+        return 0
+    return max(ln.scratch_rows, 2 * ln.counters if ln.combine is None else 0)
+
+
 def mla_workspace_partials(workspace, device: int, rank: int) -> Partials | None:
     """An MLA call's ``workspace=`` argument: None, or a DecodeWorkspace's partials
     ``rank`` wide on ``device`` (a TypeError for anything else)."""
@@ -228,8 +239,9 @@ class DecodeWorkspace:
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows <= 0:
             _fail(f"rows must be a positive int, got {rows!r}")
         self.rows, self.head_size = int(rows), head_size
-        # A split has at least two partitions per head, so rows // 2 counters cover every
-        # (sequence, head tile) of a split that fits.
+        # A grid split has at least two partitions per head, so rows // 2 counters cover
+        # every (sequence, head tile) of one that fits; the flat split needs one a unit
+        # whatever its rows (plan_flat checks both, workspace_rows asks for both).
         self._num_counters = self.rows // 2
         # One allocation, partial rows then counters: every address a prepared call embeds
         # follows from its base, which is what the memo keys a workspace by

@@ -737,6 +737,7 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
             plan = plan_flat(p, flat, grid_y, gt, workspace)
             if plan is not None:
                 return plan
+    if partition == "flat":  # where it cannot run: row mode, a workspace without the room
         partition = "auto"
     room = None if workspace is None else workspace.max_rows // (p.num_rows * p.num_heads)
     size, smem = partition_tokens(partition, p, max_ctx, ctas, ks, room)
