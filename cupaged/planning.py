@@ -728,7 +728,8 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
-    if not rows and (partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks)):
+    if not rows and (partition == "flat" or
+                     partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_seqs)):
         # (the flat split is its own specialization: variant letter "r")
         flat = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
                               p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
@@ -764,14 +765,23 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
                                        ks.tile_tokens))
 
 
-def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels") -> bool:
+# The most sequences "auto" gives the flat split: each of its CTAs first reads every
+# sequence's length and scans them, 128 a round (the kernel's prologue), a cost measured
+# small up to 256 sequences (two rounds) and not measured beyond.
+FLAT_MAX_SEQS = 512
+
+
+def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels", num_seqs: int = 1) -> bool:
     """Does "auto" take the flat split? Where there are at least as many (sequence, head
     tile) units as CTAs resident at once, each of two tiles or more: the grid's waves of
     whole units then leave a last wave the flat split does not have (H200, 32/32 batch
     64: 508 against 546 µs), while fewer units would be cut into many short pieces, each
     merged (docs/PERFORMANCE.md, the flat split). Not where a CTA's run would pass
-    MAX_PASS_TOKENS (a pass's float32 sums lose accuracy with its length)."""
+    MAX_PASS_TOKENS (a pass's float32 sums lose accuracy with its length), nor past
+    FLAT_MAX_SEQS sequences."""
     if not ks.slots or units < ks.slots or max_ctx <= ks.tile_tokens:
+        return False
+    if num_seqs > FLAT_MAX_SEQS:
         return False
     run_tiles = -(-units * -(-max_ctx // ks.tile_tokens) // ks.slots)
     return run_tiles * ks.tile_tokens <= MAX_PASS_TOKENS

@@ -623,6 +623,8 @@ def test_auto_takes_the_flat_split_from_as_many_units_as_resident_ctas(monkeypat
     assert not planning.flat_pays(4096, 64, KS)  # one tile a unit: nothing to even out
     assert planning.flat_pays(4096, 65, KS)
     assert not planning.flat_pays(396, planning.MAX_PASS_TOKENS + 64, KS)  # a run too long
+    assert planning.flat_pays(2048, 2048, KS, planning.FLAT_MAX_SEQS)
+    assert not planning.flat_pays(2048 * 16, 2048, KS, planning.FLAT_MAX_SEQS + 1)
     ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
     monkeypatch.setattr(planning, "decode_kernels", lambda *a, **k: ks)
     p = validate(**args(seqs=64, heads=32, kv_heads=32, hs=128, bs=16, width=128))
