@@ -777,6 +777,7 @@ def test_cascade_measures_and_checks(layout):
     ("2@auto@128x2", ((128, 2), 2, "auto")),
     ("-@auto@64x3", ((64, 3), None, "auto")),
     ("-@always", (None, None, "always")),
+    ("-@flat", (None, None, "flat")),
     ("3@512", (None, 3, 512)),
     ("1@@64x4", ((64, 4), 1, "auto")),
 ])

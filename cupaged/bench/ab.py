@@ -299,8 +299,8 @@ def parse_setting(setting: str) -> tuple:
     partition = partition or "auto"
     if partition.isdigit():
         partition = int(partition)
-    elif partition not in ("auto", "never", "always"):
-        raise ValueError(f"setting {setting!r}: partition auto, never, always or tokens")
+    elif partition not in ("auto", "never", "always", "flat"):
+        raise ValueError(f"setting {setting!r}: partition auto, never, always, flat or tokens")
     return tile_t, n, partition
 
 

@@ -332,7 +332,8 @@ def _workload_options(f):
         _sinks_option,
         _alibi_option,
         click.option("--partition", default="auto", show_default=True,
-                     help="auto, never, always, or tokens per partition."),
+                     help="auto, never, always, flat (decode's flat split), or tokens per "
+                          "partition."),
         click.option("--reps", type=click.IntRange(3), default=30, show_default=True),
         click.option("--seed", type=int, default=0),
         click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -404,12 +405,12 @@ def _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size
 
 
 def _partition(value):
-    if value in ("auto", "never", "always"):
+    if value in ("auto", "never", "always", "flat"):
         return value
     try:
         return int(value)
     except ValueError:
-        raise click.BadParameter(f"expected auto, never, always or an int, got {value!r}",
+        raise click.BadParameter(f"expected auto, never, always, flat or an int, got {value!r}",
                                  param_hint="--partition")
 
 
@@ -1459,7 +1460,7 @@ def _pairs(value: str) -> list:
 @ab.command("tuning")
 @click.option("--settings", default="-,2@never,2@auto", show_default=True,
               help="Comma-separated settings, each ctas[@partition[@TOKENSxSTAGES]]: CTAs "
-                   "per SM, split-KV partition (auto, never, always or tokens) and decode "
+                   "per SM, split-KV partition (auto, never, always, flat or tokens) and decode "
                    "tile, '-' a default (e.g. -,2@never,-@auto@64x3). The last column is the "
                    "first setting's time over the best of the others. (A value that starts "
                    "with '-': --settings=-,...)")
