@@ -166,10 +166,34 @@ def remember(k, prepared: Prepared) -> None:
 
 
 def clear() -> None:
-    global _generation
+    global _generation, fast_attention
     _generation += 1
     _MEMO.clear()
     _LAST.clear()
+    _FAST.clear()
+    fast_attention = None
+
+
+# attention's remembered calls as _fastrun's straight-line runs (None: none could be
+# made), by key; `fast_attention` is the last one used, which attention() tries first.
+_FAST: dict = {}
+fast_attention = None
+
+
+def use_fast(k, make) -> None:
+    """Make the fast run of key ``k`` (``make()``, once per key) the one attention()
+    tries first."""
+    global fast_attention
+    try:
+        fast = _FAST[k]
+    except KeyError:
+        if len(_FAST) >= _MAX_ENTRIES:
+            _FAST.clear()
+        fast = _FAST[k] = make()
+    except TypeError:  # unhashable
+        return
+    if fast is not None:
+        fast_attention = fast
 
 
 def overlaps(prep: Prepared, q: int, out: int) -> bool:

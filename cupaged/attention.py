@@ -14,7 +14,7 @@ float32, and vLLM's layout with blocks under 8 tokens.
 
 from __future__ import annotations
 
-from . import _arrays, _checks, _prepared, launch, planning, validation
+from . import _arrays, _checks, _fastrun, _prepared, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -119,6 +119,14 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     side arrays and keywords match an earlier successful call's skips validation and
     planning; :class:`AttentionPlan` does the same for a whole step's layers.
     """
+    fast = _prepared.fast_attention
+    if fast is not None:  # the last remembered call's straight-line run (_fastrun)
+        r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                 kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out,
+                 stream, workspace, kv_cache_dtype, k_scale, v_scale, window, window_left,
+                 logits_soft_cap, sinks, return_lse, lse)
+        if r is not _fastrun.MISS:
+            return r
     va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     k, ptrs = _prepared.key(
         "attention", (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -134,6 +142,13 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
                                            stream, workspace, kv_cache_dtype, k_scale, v_scale,
                                            va)
         _prepared.remember(k, prep)
+    elif stream is None:  # a hit: repeats of this call take its fast run from now on
+        _prepared.use_fast(k, lambda: _fastrun.call_runner(prep, k[5], dict(
+            kv_layout=kv_layout, causal=causal, scale=scale, alibi_slopes=alibi_slopes,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, workspace=workspace,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, window=window,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            return_lse=return_lse)))
     return _prepared.run(prep, ptrs, stream, out, lse)
 
 
@@ -224,17 +239,42 @@ class AttentionPlan:
                               logits_soft_cap=logits_soft_cap, sinks=sinks,
                               return_lse=return_lse)
         va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
-        self._prepared, _ = validate_and_prepare(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
-            causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
-            kv_cache_dtype, k_scale, v_scale, va)
+        # As attention() does: a call the memo knows (the last step's plan, say) is not
+        # validated again (its key names one validation outcome; the overlaps depend on
+        # the addresses and are checked here).
+        k, ptrs = _prepared.key(
+            "attention", (query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc, out, lse),
+            (alibi_slopes, sinks, k_scale, v_scale),
+            (kv_layout, causal, scale, max_query_len, max_seq_len, kv_cache_dtype, window,
+             window_left, logits_soft_cap, return_lse), launch.workspace_key(workspace))
+        prep = _prepared.lookup(k)
+        if prep is None or _prepared.clashes(prep, ptrs):
+            prep, _ = validate_and_prepare(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None,
+                workspace, kv_cache_dtype, k_scale, v_scale, va)
+            _prepared.remember(k, prep)
+        self._prepared = prep
         # What run() compares: the per-layer arrays' metadata and the bound tables'
         # metadata and addresses (a torch tensor re-pointed or resized in place, by set_
         # or resize_, must not be read where it was). None: not keyable, every run is a
         # plain call. The order is _prepared.run's (query, caches, shared arrays, out, lse).
-        self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared,
-                                             out, lse))
+        if k is not None:
+            self._metas = k[5]
+        else:
+            self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared,
+                                                 out, lse))
         self._shared_ptrs = None if ptrs is None else ptrs[3:6]
+        # The same run as one straight-line function with this plan's constants bound
+        # (cupy arrays, out given, one launch): _fastrun. It shadows the method; any call
+        # it does not take goes to _run_generic.
+        # (Its fallback is bound to a copy of the plan without it: no reference cycle.)
+        generic = object.__new__(AttentionPlan)
+        generic.__dict__.update(self.__dict__)
+        fast = _fastrun.plan_runner(self, generic._run_generic)
+        if fast is not None:
+            self.run = fast
 
     def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
             k_scale=None, v_scale=None):
@@ -251,6 +291,8 @@ class AttentionPlan:
             return attention(query, key_cache, value_cache, *self._shared, out=out, lse=lse,
                              stream=stream, **kw)
         return _prepared.run(self._prepared, ptrs, stream, out, lse)
+
+    _run_generic = run
 
     def __repr__(self) -> str:
         launches = self._prepared.launch
