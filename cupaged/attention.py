@@ -267,12 +267,13 @@ class AttentionPlan:
                                                  out, lse))
         self._shared_ptrs = None if ptrs is None else ptrs[3:6]
         # The same run as one straight-line function with this plan's constants bound
-        # (cupy arrays, out given, one launch): _fastrun. It shadows the method; any call
-        # it does not take goes to _run_generic.
-        # (Its fallback is bound to a copy of the plan without it: no reference cycle.)
+        # (CuPy arrays, out given, one launch): the fast run (_fastrun). It shadows the
+        # method; every call it declines goes to the method, bound to a copy of the plan
+        # without the fast run (no reference cycle).
         generic = object.__new__(AttentionPlan)
         generic.__dict__.update(self.__dict__)
-        fast = _fastrun.plan_runner(self, generic._run_generic)
+        fast = _fastrun.plan_runner(prep, self._metas, self._shared, generic.run,
+                                    AttentionPlan.run.__doc__)
         if fast is not None:
             self.run = fast
 
@@ -291,8 +292,6 @@ class AttentionPlan:
             return attention(query, key_cache, value_cache, *self._shared, out=out, lse=lse,
                              stream=stream, **kw)
         return _prepared.run(self._prepared, ptrs, stream, out, lse)
-
-    _run_generic = run
 
     def __repr__(self) -> str:
         launches = self._prepared.launch

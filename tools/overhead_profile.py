@@ -130,7 +130,7 @@ def main():
     from cupy_backends.cuda.api import driver
 
     buf, params = ks.decode._buffers()
-    fmt = ks.decode._fmt
+    fmt = ks.decode.fmt
     pieces["  of which struct.pack_into"] = lambda: struct.pack_into(fmt, buf, 0, *args)
     pieces["  of which cuLaunchKernel"] = lambda: driver.launchKernel(
         ks.decode.ptr, 8, 8, 1, 128, 1, 1, ks.smem, stream, params, 0)
