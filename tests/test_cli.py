@@ -707,6 +707,19 @@ def test_overhead_reports_every_entry_point():
         assert "AttentionPlan.run, torch tensors" in r.output
 
 
+def test_overhead_with_the_driver_stubbed_needs_no_gpu():
+    from cupaged import jit
+
+    driver = jit.driver
+    r = CliRunner().invoke(main, ["overhead", "--stub-driver", "--calls", "10"])
+    assert r.exit_code == 0, r.output
+    for name in ("python gauge", "AttentionPlan.run, decode 64 x 256 (single pass)",
+                 "attention, decode 8 x 2048 (split-KV, scratch)",
+                 "AttentionPlan.run, prefill 16 x 32 tokens, stream= (generic path)"):
+        assert name in r.output
+    assert jit.driver is driver  # the stand-ins are gone
+
+
 @pytest.mark.gpu
 def test_cache_ops_small():
     r = CliRunner().invoke(main, ["cache-ops", "--tokens", "256", "--layers", "2", "--pairs", "8",

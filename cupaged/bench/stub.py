@@ -1,8 +1,8 @@
 """cupaged's host path on a machine without a GPU: CuPy arrays at made-up device addresses,
-and the few calls that need a device (the current device and stream, device properties,
-allocation, kernel loading, ``cuLaunchKernel``, ``cudaMemsetAsync``) replaced by stand-ins
-that record what the library asked of them. What runs is cupaged's own Python and CuPy's
-attribute reads: the host time a change to the call path can move
+and what needs a device (the current device and its stream, streams, device properties,
+allocation, kernel loading, ``cuLaunchKernel``, ``cudaMemsetAsync``) replaced by
+stand-ins that record what the library asked of them. What runs is cupaged's own Python
+and CuPy's attribute reads: the host time a change to the call path can move
 (``cupaged-bench overhead --stub-driver``), and the launches the tests compare.
 """
 
@@ -36,7 +36,8 @@ class Stub:
         self.next_address = 0x7F00_0000_0000
         self.launches = [] if record else None
         self._kernels = {}  # function address: its Launcher
-        self._streams = {}
+        self._streams = {}  # device: its current stream
+        self.Stream = self._stream_class()
 
     def fake(self, shape, dtype, ptr=None, strides=None, device=None):
         """A CuPy array of ``shape`` and ``dtype`` at ``ptr`` (default: a fresh address),
@@ -57,12 +58,39 @@ class Stub:
                                                          None, self.device), 0)
 
     def _stream(self, device_id=-1):
+        """cupy.cuda.get_current_stream's stand-in."""
         d = self.device if device_id == -1 else device_id
         s = self._streams.get(d)
         if s is None:
-            s = self._streams[d] = types.SimpleNamespace(ptr=STREAM + 0x100 * d,
-                                                          synchronize=lambda: None)
+            s = self._streams[d] = self.Stream(STREAM + 0x100 * d)
         return s
+
+    def _stream_class(self):
+        stub = self
+
+        class Stream:
+            """cupy.cuda.Stream for a handle (``from_external``, ``ExternalStream``): the
+            current stream of the current device while inside ``with``."""
+
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            @classmethod
+            def from_external(cls, handle):
+                return cls(handle.__cuda_stream__()[1])
+
+            def synchronize(self):
+                pass
+
+            def __enter__(self):
+                self._before = stub._stream()
+                stub._streams[stub.device] = self
+                return self
+
+            def __exit__(self, *exc):
+                stub._streams[stub.device] = self._before
+
+        return Stream
 
     def _load(self, spec, device_id, dynamic_smem=0):
         fn = types.SimpleNamespace(ptr=0xF000 + 0x10 * len(self._kernels))
@@ -111,6 +139,8 @@ def stubbed_driver(record: bool = False):
         (runtime, "memsetAsync", stub._memset),
         (cupy.cuda, "get_current_stream", stub._stream),
         (cupy.cuda, "Device", stub._device_class()),
+        (cupy.cuda, "Stream", stub.Stream),
+        (cupy.cuda, "ExternalStream", stub.Stream),
         (planning, "device_info", lambda device_id: DEVICE._replace(id=device_id)),
         (planning, "resident_ctas", lambda device_id, kernel, threads, smem:
             DEVICE.sm_count * max(1, min(16, DEVICE.sm_smem // (smem + 1024)))),
