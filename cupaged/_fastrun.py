@@ -302,6 +302,8 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
     bound = bound or {}
     if metas is None or prep.kind != "cupy" or prep.new_lse or prep.launch is None:
         return None
+    if 6 not in per_call:
+        return None  # no out: the call allocates one (the generic path's _arrays.empty)
     for i in (*per_call, *bound):
         if metas[i] is None or len(metas[i]) != 5:  # (torch: six)
             return None

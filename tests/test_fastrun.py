@@ -215,3 +215,24 @@ def test_outputs_over_inputs_are_refused_as_the_generic_path_refuses(stub, form,
                 assert outcome(stub, lambda: e.fast(b, bkw)) == want, (name, at - lo)
                 seen.add(want[0])
     assert seen == {"ValueError", "launched"}
+
+
+# ---- what the fast run must not take ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_call_without_out_allocates_it(stub, generic_runs, entry):
+    """No out given: the call allocates it, and writes there (never at address 0)."""
+    a, kw = make_form(stub, "decode")
+    a["out"] = None
+    if entry == "plan":
+        plan = plan_of(a, kw)
+        assert "run" not in vars(plan)
+        calls = (lambda: plan_call(plan, a, kw),
+                 lambda: plan_call(plan, a, kw, run=cupaged.AttentionPlan.run))
+    else:
+        calls = (lambda: attention_call(a, kw), lambda: generic_attention_call(a, kw))
+    for _ in range(3):
+        got, want = outcome(stub, calls[0]), outcome(stub, calls[1])
+        assert got == want and got[0] == "launched"
+        assert int.from_bytes(got[2][0][-1][:8], "little") == 0x7E00_0000_0000  # its out
