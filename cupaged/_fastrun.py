@@ -201,12 +201,12 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
             if how == "none":
                 skip.append(f"{name} is not None")
             elif how == "is":
-                skip.append(f"{name} is not v_{name}")
+                skip.append(f"{name} is not want_{name}")
             elif how == "ref":  # the very workspace (the run does not keep it alive)
-                skip.append(f"{name} is None or {name} is not v_{name}()")
+                skip.append(f"{name} is None or {name} is not want_{name}()")
             else:  # the same object, or one of the same type and equal (validation's key)
-                skip.append(f"({name} is not v_{name} and (type({name}) is not T_{name} "
-                            f"or {name} != v_{name}))")
+                skip.append(f"({name} is not want_{name} and (type({name}) is not "
+                            f"type_{name} or {name} != want_{name}))")
     skip += ["_checks.DEBUG", "_arrays.HOLDS.pending", "_arrays.HOLDS.stamped"]
     decline_if_any(skip, "A stream, scales or arrays of the call's own, other keywords; "
                    "CUPAGED_DEBUG (its checks read the device); a DLPack import of this "
@@ -257,8 +257,11 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
     used = set(re.findall(r"[A-Za-z_]\w*", "\n".join(body)))
     consts = sorted(used & set(_CONSTANTS + tuple(
         f"{c}{i}" for c in ("s", "t", "d", "a", "b", "bp", "lo", "hi") for i in range(12))
-        + tuple(f"{p}_{name}" for name, _ in gate for p in ("v", "T"))))
+        + tuple(f"{p}_{name}" for name, _ in gate for p in ("want", "type"))))
     signature = (_PLAN_SIGNATURE if kind == "plan" else ", ".join(ATTENTION_SIGNATURE))
+    # A constant named as a parameter would be shadowed by it: compared with the wrong
+    # value.
+    assert not set(consts) & set(re.findall(r"\w+", signature)), consts
     src = ["def make(c):"]
     src += [f"    {name} = c[{name!r}]" for name in consts]
     src.append(f"    def run({signature}):")
@@ -341,7 +344,7 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
         c["scratch_ctx"] = _arrays.Context(prep.device, 0, "cupy", False)
         c["scratch_bytes"], c["counters_bytes"] = nbytes, counters * 4
     for name, how, value in gate:
-        c[f"v_{name}"], c[f"T_{name}"] = value, type(value)
+        c[f"want_{name}"], c[f"type_{name}"] = value, type(value)
     form = (kind, tuple(per_call), tuple(bound), tuple(pairs), bool(prep.q_span),
             prep.in_place, prep.wants_lse, tuple(sorted(slots.items())),
             tuple([(name, how) for name, how, _ in gate]))

@@ -236,3 +236,20 @@ def test_a_call_without_out_allocates_it(stub, generic_runs, entry):
         got, want = outcome(stub, calls[0]), outcome(stub, calls[1])
         assert got == want and got[0] == "launched"
         assert int.from_bytes(got[2][0][-1][:8], "little") == 0x7E00_0000_0000  # its out
+
+
+def test_attention_keywords_are_compared_with_the_remembered_ones(stub):
+    """A keyword is the remembered object, or one of its type and equal; never another
+    argument's (the scale against v_scale, say)."""
+    a, kw = make_form(stub, "decode", kv_cache_dtype="fp8_e4m3")
+    kw.update(kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25, scale=0.1)
+    e = Entry("attention", a, kw)
+    x = 0.25
+    calls = [dict(scale=x, v_scale=x), dict(scale=0.2), dict(max_seq_len=256.0),
+             dict(max_seq_len=512), dict(causal=1), dict(kv_layout="HND"),
+             dict(window_left=-1), dict(k_scale=0.25), dict(kv_cache_dtype="fp8_e5m2")]
+    for more in calls:
+        b = dict(kw, **more)
+        want = outcome(stub, lambda: e.generic(a, b))
+        assert outcome(stub, lambda: e.fast(a, b)) == want, more
+    assert outcome(stub, lambda: e.fast(a, dict(kw, scale=0.1)))[0] == "launched"
