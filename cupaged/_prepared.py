@@ -19,6 +19,7 @@ Only CuPy arrays and torch tensors are keyed; other DLPack producers, and
 from __future__ import annotations
 
 import sys
+import threading
 from typing import NamedTuple
 
 import cupy
@@ -167,33 +168,42 @@ def remember(k, prepared: Prepared) -> None:
 
 def clear() -> None:
     global _generation, fast_attention
-    _generation += 1
-    _MEMO.clear()
-    _LAST.clear()
-    _FAST.clear()
-    fast_attention = None
+    with _FAST_LOCK:
+        _generation += 1
+        _MEMO.clear()
+        _LAST.clear()
+        _FAST.clear()
+        fast_attention = None
 
 
-# attention's remembered calls as _fastrun's straight-line runs (None: none could be
-# made), by key; `fast_attention` is the last one used, which attention() tries first.
+# The fast runs (_fastrun) of attention's remembered calls, by the identity of their
+# prepared call (hashing the key again would cost what the run saves), each kept with it:
+# (prepared, run or None when the call has none). `fast_attention` is the one last
+# used, which attention() tries first.
 _FAST: dict = {}
+_FAST_LOCK = threading.Lock()
 fast_attention = None
 
 
-def use_fast(k, make) -> None:
-    """Make the fast run of key ``k`` (``make()``, once per key) the one attention()
-    tries first."""
+def use_fast(k, prepared: Prepared, make) -> None:
+    """Make the fast run of the remembered call of key ``k``, prepared as ``prepared``
+    (``make()``, once per prepared call), the one attention() tries first; not when the
+    memo was cleared since ``k`` was made (by another thread, after this call's lookup):
+    its prepared call may be outdated (a test override of tiles or splits)."""
     global fast_attention
-    try:
-        fast = _FAST[k]
-    except KeyError:
-        if len(_FAST) >= _MAX_ENTRIES:
-            _FAST.clear()
-        fast = _FAST[k] = make()
-    except TypeError:  # unhashable
-        return
-    if fast is not None:
-        fast_attention = fast
+    got = _FAST.get(id(prepared))
+    if got is None:
+        got = (prepared, make())
+        with _FAST_LOCK:
+            if k[1] != _generation:
+                return
+            if len(_FAST) >= _MAX_ENTRIES:
+                _FAST.clear()
+            _FAST[id(prepared)] = got
+    if got[1] is not None:
+        with _FAST_LOCK:
+            if k[1] == _generation:
+                fast_attention = got[1]
 
 
 def overlaps(prep: Prepared, q: int, out: int) -> bool:

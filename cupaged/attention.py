@@ -143,7 +143,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
                                            va)
         _prepared.remember(k, prep)
     elif stream is None:  # a hit: repeats of this call take its fast run from now on
-        _prepared.use_fast(k, lambda: _fastrun.call_runner(prep, k[5], dict(
+        _prepared.use_fast(k, prep, lambda: _fastrun.call_runner(prep, k[5], dict(
             kv_layout=kv_layout, causal=causal, scale=scale, alibi_slopes=alibi_slopes,
             max_query_len=max_query_len, max_seq_len=max_seq_len, workspace=workspace,
             kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, window=window,

@@ -253,3 +253,25 @@ def test_attention_keywords_are_compared_with_the_remembered_ones(stub):
         want = outcome(stub, lambda: e.generic(a, b))
         assert outcome(stub, lambda: e.fast(a, b)) == want, more
     assert outcome(stub, lambda: e.fast(a, dict(kw, scale=0.1)))[0] == "launched"
+
+
+def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):
+    """_prepared.clear (planning's overrides, jit.clear_memory_caches) leaves no fast run,
+    also one made by a call that had looked its key up before the clear."""
+    a, kw = make_form(stub, "decode")
+    warm_attention(a, kw)
+    planning.set_tuning(ctas_per_sm=2)
+    try:
+        assert _prepared.fast_attention is None
+    finally:
+        planning.set_tuning()
+    real = _fastrun.call_runner
+
+    def cleared_meanwhile(*args):  # another thread's clear, after this call's lookup
+        _prepared.clear()
+        return real(*args)
+
+    monkeypatch.setattr(_fastrun, "call_runner", cleared_meanwhile)
+    attention_call(a, kw)
+    attention_call(a, kw)
+    assert _prepared.fast_attention is None
