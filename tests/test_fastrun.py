@@ -148,7 +148,7 @@ class Entry:
     generic path alone, for arrays ``b`` and keywords ``kw`` (lse= included)."""
 
     def __init__(self, entry, a, kw):
-        self.entry, self.a, self.kw = entry, a, kw
+        self.entry = entry
         if entry == "plan":
             self.plan = plan_of(a, kw)
             assert "run" in vars(self.plan), "no fast run"
@@ -275,3 +275,131 @@ def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):
     attention_call(a, kw)
     attention_call(a, kw)
     assert _prepared.fast_attention is None
+
+
+def _declined_calls(stub, a, kw):
+    """(what, arrays, keywords) of calls the fast run must leave to the generic path, made
+    from the form ``a``, ``kw``: whatever the generic path then does (a launch, or an
+    error) the entry point must do."""
+    f = stub.fake
+    q, kc = a["query"], a["key_cache"]
+    shifted = cupy.ndarray(q.shape, q.dtype, memptr=q.data + 8)
+    strided = cupy.ndarray(kc.shape, kc.dtype, memptr=kc.data,
+                           strides=(kc.strides[0] * 2,) + kc.strides[1:])
+
+    class Sub(cupy.ndarray):
+        pass
+
+    torch = pytest.importorskip("torch")
+    yield "stream=", a, dict(kw), dict(stream=0x77)
+    yield "misaligned query", dict(a, query=shifted), kw, {}
+    yield "cache of other strides", dict(a, key_cache=strided), kw, {}
+    yield "query of another dtype", dict(a, query=f(q.shape, np.float32)), kw, {}
+    yield "arrays on another device", {n: None if x is None else f(x.shape, x.dtype, device=1)
+                                       for n, x in a.items()}, kw, {}
+    yield "k_scale of its own", a, kw, dict(k_scale=1.0)
+    yield "lse not in the form", a, kw, dict(lse=f((q.shape[0], 32), np.float32))
+    yield "a CuPy subclass", dict(a, query=q.view(Sub)), kw, {}
+    yield "a NumPy array", dict(a, query=np.zeros(q.shape, q.dtype)), kw, {}
+    yield "a torch tensor (CPU)", dict(a, query=torch.zeros(q.shape, dtype=torch.float16)), kw, {}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_calls_it_does_not_stand_for_go_to_the_generic_path(stub, generic_runs, entry):
+    a, kw = make_form(stub, "decode")
+    e = Entry(entry, a, kw)
+    for what, b, bkw, more in _declined_calls(stub, a, kw):
+        want = outcome(stub, lambda: e.generic(b, bkw, **more))
+        before = generic_runs[0]
+        got = outcome(stub, lambda: e.fast(b, bkw, **more))
+        assert got == want, what
+        if got[0] == "launched":
+            assert generic_runs[0] == before + 1, what
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_the_device_stream_and_state_are_read_on_each_call(stub, generic_runs, monkeypatch,
+                                                           entry):
+    a, kw = make_form(stub, "decode")
+    e = Entry(entry, a, kw)
+    b, bkw = per_layer(stub, a, kw)
+
+    def same(declines=True, setup=lambda: None):
+        setup()
+        want = outcome(stub, lambda: e.generic(b, bkw))
+        before = generic_runs[0]
+        setup()
+        got = outcome(stub, lambda: e.fast(b, bkw))
+        assert got == want and got[0] == "launched"
+        assert generic_runs[0] == before + declines
+        return got
+
+    with stub.Stream(0x999):  # another current stream: taken, and launched on
+        assert same(declines=False)[2][0][4] == 0x999
+    stub.device = 1  # another device current: the generic path switches to the arrays'
+    got = same()
+    stub.device = 0
+    assert got[2][0][5] == 0  # launched with device 0 current
+    monkeypatch.setattr(_checks, "DEBUG", True)  # its checks read the device
+    want = outcome(stub, lambda: e.generic(b, bkw))
+    assert outcome(stub, lambda: e.fast(b, bkw)) == want
+    monkeypatch.setattr(_checks, "DEBUG", False)
+    # A DLPack import of this thread's, which the launch stream must order and hold
+    same(setup=lambda: _arrays.HOLDS.pending.append(stub.fake((4,), np.float32)))
+    assert not _arrays.HOLDS.pending and not _arrays.HOLDS.stamped
+    same(declines=False)
+
+
+def test_a_plan_rereads_its_tables(stub, generic_runs):
+    a, kw = make_form(stub, "decode")
+    e = Entry("plan", a, kw)
+    bt = a["block_tables"]
+    shape = bt.shape
+    bt.shape = shape[::-1]  # reshaped in place: the plan must not read it as it was
+    try:
+        want = outcome(stub, lambda: e.generic(a, kw))
+        assert outcome(stub, lambda: e.fast(a, kw)) == want
+        assert want[0] == "ValueError"
+    finally:
+        bt.shape = shape
+    assert outcome(stub, lambda: e.fast(a, kw))[0] == "launched"
+
+
+def test_a_replaced_workspace_goes_to_the_generic_path_and_is_not_kept(stub, generic_runs):
+    a, kw = make_form(stub, "decode-workspace")
+    e = Entry("attention", a, kw)
+    ref = weakref.ref(kw["workspace"])
+    kw["workspace"] = cupaged.DecodeWorkspace(8, 32, 128, rows=8 * 32 * 64, device=0)
+    assert ref() is None  # the fast run does not keep the remembered workspace alive
+    want = outcome(stub, lambda: e.generic(a, kw))
+    assert outcome(stub, lambda: e.fast(a, kw)) == want and want[0] == "launched"
+
+
+def test_a_plan_and_its_fast_run_hold_no_cycle(stub):
+    a, kw = make_form(stub, "decode")
+    plan = plan_of(a, kw)
+    assert "run" in vars(plan)
+    ref = weakref.ref(plan)
+    del plan
+    assert ref() is None  # freed at once, not by the cycle collector
+
+
+def test_each_thread_launches_from_its_own_buffer(stub):
+    a, kw = make_form(stub, "decode")
+    e = Entry("plan", a, kw)
+    layers = [per_layer(stub, a, kw) for _ in range(4)]
+    want = {outcome(stub, lambda: e.generic(b, bkw))[2][0] for b, bkw in layers}
+    del stub.launches[:]
+    done = []
+
+    def work(b, bkw):
+        for _ in range(200):
+            e.fast(b, bkw)
+        done.append(1)
+
+    threads = [threading.Thread(target=work, args=layer) for layer in layers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(done) == 4 and len(stub.launches) == 800 and set(stub.launches) == want

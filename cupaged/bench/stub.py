@@ -1,6 +1,6 @@
 """cupaged's host path on a machine without a GPU: CuPy arrays at made-up device addresses,
-and what needs a device (the current device and its stream, streams, device properties,
-allocation, kernel loading, ``cuLaunchKernel``, ``cudaMemsetAsync``) replaced by
+and what needs a device (the current device and its stream, streams, events, device
+properties, allocation, kernel loading, ``cuLaunchKernel``, ``cudaMemsetAsync``) replaced by
 stand-ins that record what the library asked of them. What runs is cupaged's own Python
 and CuPy's attribute reads: the host time a change to the call path can move
 (``cupaged-bench overhead --stub-driver``), and the launches the tests compare.
@@ -17,7 +17,7 @@ import numpy as np
 from cupy.cuda import memory
 from cupy_backends.cuda.api import runtime
 
-from .. import _prepared, jit, planning
+from .. import _arrays, _prepared, jit, planning
 
 # An H200's: sm_90, 132 SMs, 227 KiB of shared memory a block, 228 a multiprocessor.
 DEVICE = planning.DeviceInfo(0, "sm_90", 132, 232448, 233472)
@@ -109,6 +109,24 @@ class Stub:
         if self.launches is not None:
             self.launches.append(("memset", ptr, value, nbytes, stream))
 
+    @staticmethod
+    def _event_class():
+        class Event:
+            """cupy.cuda.Event: recorded, and complete at once."""
+
+            done = True
+
+            def __init__(self, block=False, disable_timing=False, interprocess=False):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+        return Event
+
     def _device_class(self):
         stub = self
 
@@ -141,6 +159,8 @@ def stubbed_driver(record: bool = False):
         (cupy.cuda, "Device", stub._device_class()),
         (cupy.cuda, "Stream", stub.Stream),
         (cupy.cuda, "ExternalStream", stub.Stream),
+        (cupy.cuda, "Event", stub._event_class()),
+        (runtime, "streamIsCapturing", lambda stream: runtime.streamCaptureStatusNone),
         (planning, "device_info", lambda device_id: DEVICE._replace(id=device_id)),
         (planning, "resident_ctas", lambda device_id, kernel, threads, smem:
             DEVICE.sm_count * max(1, min(16, DEVICE.sm_smem // (smem + 1024)))),
@@ -157,6 +177,7 @@ def stubbed_driver(record: bool = False):
         cupy.cuda.set_allocator(stub._alloc)
         yield stub
     finally:
+        _arrays.release_completed()  # (imports held past stand-in events: complete)
         cupy.cuda.set_allocator(allocator)
         for obj, name, value in saved:
             setattr(obj, name, value)
