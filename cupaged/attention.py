@@ -119,8 +119,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     side arrays and keywords match an earlier successful call's skips validation and
     planning; :class:`AttentionPlan` does the same for a whole step's layers.
     """
-    fast = _prepared.fast_attention
-    if fast is not None:  # the last remembered call's straight-line run (_fastrun)
+    for fast in _prepared.fast_attention:  # remembered calls' fast runs (_fastrun)
         r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out,
                  stream, workspace, kv_cache_dtype, k_scale, v_scale, window, window_left,

@@ -111,7 +111,7 @@ def attention_call(a, kw, **more):
 def generic_attention_call(a, kw, **more):
     """attention() with no fast run taken or made: the generic path alone."""
     fast, use = _prepared.fast_attention, _prepared.use_fast
-    _prepared.fast_attention, _prepared.use_fast = None, lambda *x: None
+    _prepared.fast_attention, _prepared.use_fast = (), lambda *x: None
     try:
         return attention_call(a, kw, **more)
     finally:
@@ -122,7 +122,7 @@ def warm_attention(a, kw):
     """Repeat the call until its fast run is the one attention() tries first."""
     for _ in range(2):
         attention_call(a, kw)
-    assert _prepared.fast_attention is not None, "no fast run"
+    assert _prepared.fast_attention, "no fast run"
 
 
 def outcome(stub, fn, at=0x7E00_0000_0000):
@@ -262,7 +262,7 @@ def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):
     warm_attention(a, kw)
     planning.set_tuning(ctas_per_sm=2)
     try:
-        assert _prepared.fast_attention is None
+        assert _prepared.fast_attention == ()
     finally:
         planning.set_tuning()
     real = _fastrun.call_runner
@@ -274,7 +274,7 @@ def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):
     monkeypatch.setattr(_fastrun, "call_runner", cleared_meanwhile)
     attention_call(a, kw)
     attention_call(a, kw)
-    assert _prepared.fast_attention is None
+    assert _prepared.fast_attention == ()
 
 
 def _declined_calls(stub, a, kw):
@@ -403,3 +403,20 @@ def test_each_thread_launches_from_its_own_buffer(stub):
     for t in threads:
         t.join()
     assert len(done) == 4 and len(stub.launches) == 800 and set(stub.launches) == want
+
+
+def test_alternating_forms_each_take_their_fast_run(stub, generic_runs):
+    """Layers of two forms in turn (sliding-window and global layers, say): attention()
+    keeps the last few forms' fast runs, so each call takes its own."""
+    a, kw = make_form(stub, "decode")
+    other = dict(kw, window=128)
+    for _ in range(2):
+        attention_call(a, kw)
+        attention_call(a, other)
+    before = generic_runs[0]
+    for _ in range(3):
+        b, _ = per_layer(stub, a, kw)
+        for k in (kw, other):
+            want = outcome(stub, lambda: generic_attention_call(b, k))
+            assert outcome(stub, lambda: attention_call(b, k)) == want
+    assert generic_runs[0] == before + 6  # the generic calls compared with, alone
