@@ -19,12 +19,14 @@ byte (tests/test_fastrun.py compares the two with the driver stubbed). Per call 
     DLPack import of this thread waiting to be ordered and held;
 then writes the call's addresses into a parameter buffer packed once per thread and
 calls ``cuLaunchKernel``. Any other call goes to the generic path, unchanged: a plan's
-``run`` method, or for ``attention`` the memo (``MISS``).
+``run`` method, or for ``attention`` the memo (``MISS``; attention tries the fast runs
+of its last few remembered calls, ``_prepared.fast_attention``).
 
 A run exists only for a call of one launch whose arguments are its arrays' addresses and
 constants (Launch.run's, recorded with stand-in addresses): ``out`` given, no new lse,
-CuPy arrays, no second (combine) launch; a split-KV scratch of the call's own is
-allocated and its counters zeroed per call as Launch.run does.
+CuPy arrays, no second (combine) launch, and for ``attention`` no side arrays (ALiBi
+slopes, sinks, scale arrays); a split-KV scratch of the call's own is allocated and its
+counters zeroed per call as Launch.run does.
 
 The code is generated per *form* of call (which arrays are per call, which are bound,
 which pairs are checked, where the addresses go) and compiled once; a plan or a

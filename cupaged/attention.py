@@ -117,7 +117,11 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     side arrays and keywords match an earlier successful call's skips validation and
-    planning; :class:`AttentionPlan` does the same for a whole step's layers.
+    planning; :class:`AttentionPlan` does the same for a whole step's layers. Repeats of
+    one of the last few such calls with CuPy arrays and ``out`` given (no ``stream``, no
+    side arrays) take its fast run: the same checks in one function compiled for its form
+    of call, launched from a parameter buffer packed once (docs/DESIGN.md, "The fast
+    run").
     """
     for fast in _prepared.fast_attention:  # remembered calls' fast runs (_fastrun)
         r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -213,7 +217,14 @@ class AttentionPlan:
     A plan reads nothing on the device and allocates nothing; :meth:`run` allocates only
     ``out`` (and ``lse`` with ``return_lse``) when not given, so with both given it can
     be captured in a CUDA graph. The bound arrays must stay alive and unmoved while the
-    plan is used (the plan keeps references to them).
+    plan is used (the plan keeps references to them; each run re-reads their metadata
+    and addresses).
+
+    With CuPy arrays and ``out`` given (and one launch per call), ``plan.run`` is the
+    plan's fast run: the same checks in one function compiled for its form of call,
+    launched from a parameter buffer packed once per thread; it leaves every other call
+    (``stream=``, scales of its own, torch tensors, other metadata) to the method
+    (docs/DESIGN.md, "The fast run").
 
     Example, one decode step of an n-layer model::
 
@@ -279,7 +290,9 @@ class AttentionPlan:
     def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
             k_scale=None, v_scale=None):
         """Attention of this step for one layer's arrays (see the class). Returns as
-        :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
+        :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``.
+        (A plan with a fast run shadows this method with it; a call the fast run does not
+        stand for comes here.)"""
         m, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared, out, lse))
         if (m is None or m != self._metas or ptrs[3:6] != self._shared_ptrs
                 or k_scale is not None or v_scale is not None or _checks.debug()
