@@ -6,6 +6,7 @@ call it does not stand for."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 
@@ -420,3 +421,18 @@ def test_alternating_forms_each_take_their_fast_run(stub, generic_runs):
             want = outcome(stub, lambda: generic_attention_call(b, k))
             assert outcome(stub, lambda: attention_call(b, k)) == want
     assert generic_runs[0] == before + 6  # the generic calls compared with, alone
+
+
+def test_a_plan_keeps_its_bound_arrays(stub):
+    """The caller may drop its tables: the plan holds them, and reads them where they are."""
+    a, kw = make_form(stub, "rows")
+    e = Entry("plan", a, kw)
+    refs = [weakref.ref(a[n]) for n in ("block_tables", "seq_lens", "query_start_loc")]
+    b, bkw = per_layer(stub, a, kw)
+    for n in ("block_tables", "seq_lens", "query_start_loc"):
+        a[n] = b[n] = None
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    want = outcome(stub, lambda: e.generic(b, bkw))
+    assert outcome(stub, lambda: e.fast(b, bkw)) == want and want[0] == "launched"
+
