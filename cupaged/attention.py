@@ -278,14 +278,15 @@ class AttentionPlan:
         self._shared_ptrs = None if ptrs is None else ptrs[3:6]
         # The same run as one straight-line function with this plan's constants bound
         # (CuPy arrays, out given, one launch): the fast run (_fastrun). It shadows the
-        # method; every call it declines goes to the method, bound to a copy of the plan
-        # without the fast run (no reference cycle).
-        generic = object.__new__(AttentionPlan)
-        generic.__dict__.update(self.__dict__)
-        fast = _fastrun.plan_runner(prep, self._metas, self._shared, generic.run,
-                                    AttentionPlan.run.__doc__)
-        if fast is not None:
-            self.run = fast
+        # method (not a subclass's own run); every call it declines goes to the method,
+        # bound to a copy of the plan without the fast run (no reference cycle).
+        if type(self).run is AttentionPlan.run:
+            generic = object.__new__(AttentionPlan)
+            generic.__dict__.update(self.__dict__)
+            fast = _fastrun.plan_runner(prep, self._metas, self._shared, generic.run,
+                                        AttentionPlan.run.__doc__)
+            if fast is not None:
+                self.run = fast
 
     def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
             k_scale=None, v_scale=None):

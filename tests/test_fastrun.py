@@ -436,3 +436,16 @@ def test_a_plan_keeps_its_bound_arrays(stub):
     want = outcome(stub, lambda: e.generic(b, bkw))
     assert outcome(stub, lambda: e.fast(b, bkw)) == want and want[0] == "launched"
 
+
+def test_a_subclass_that_overrides_run_keeps_its_run(stub):
+    a, kw = make_form(stub, "decode")
+    seen = []
+
+    class Logged(cupaged.AttentionPlan):
+        def run(self, *args, **kwargs):
+            seen.append(1)
+            return super().run(*args, **kwargs)
+
+    plan = Logged(*[a[n] for n in NAMES], out=a["out"], **kw)
+    plan_call(plan, a, kw)
+    assert seen == [1]
