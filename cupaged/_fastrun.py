@@ -85,12 +85,33 @@ def _record(la: launch.Launch, present, marks, scratch: bool):
     return rec.calls
 
 
+class _Templates(dict):
+    """(id(launch), present): (the launch, kept, and its template)."""
+
+    def cache_clear(self) -> None:  # emptied by jit.clear_memory_caches: they hold kernels
+        self.clear()
+
+
+_TEMPLATES = jit.register_launcher_cache(_Templates())
+
+
 def template(la, present) -> tuple | None:
     """``(kernel, grid, threads, smem, packed bytes, {address index: word slots})`` of a
     Launch whose every call is one launch of ``la.kernel`` where only the addresses of
     ``present`` (indices, and 8-11 for a per-call scratch) change: the packed bytes hold
     the rest, and each index's address goes in its slots (the buffer as 8-byte words).
-    None for any other launch."""
+    None for any other launch. Kept per launch object: the plans of one call made step
+    after step share the memo's."""
+    got = _TEMPLATES.get((id(la), present))
+    if got is None:
+        got = (la, _template(la, present))
+        if len(_TEMPLATES) >= 256:
+            _TEMPLATES.clear()
+        _TEMPLATES[id(la), present] = got
+    return got[1]
+
+
+def _template(la, present):
     if not isinstance(la, launch.Launch):
         return None
     scratch = la.split and la.partials is None
@@ -312,7 +333,7 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
     for i in (*per_call, *bound):
         if metas[i] is None or len(metas[i]) != 5:  # (torch: six)
             return None
-    got = template(prep.launch, (*per_call, *bound))
+    got = template(prep.launch, (*per_call, *bound))  # (tuple: a key)
     if got is None:
         return None
     kernel, grid, threads, smem, packed, slots = got
