@@ -238,10 +238,11 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
                    "CuPy arrays only (a torch tensor has its own stream and metadata)")
     for n, i in enumerate(per_call):
         decline_unless(_meta_check(_NAMES[i], i, False),
-                       "the metadata validation passed" if n == 0 else None)
+                       "Each array as validation passed it: shape, strides, dtype, device, "
+                       "address modulo 16" if n == 0 else None)
     for n, i in enumerate(bound):
         decline_unless(_meta_check(f"b{i}", i, True),
-                       "the plan's tables, re-read: still where they were, as they were"
+                       "The plan's tables, re-read: as they were, where they were"
                        if n == 0 else None)
     ptr = {i: f"p{i}" for i in (*per_call, *bound)}
     # Overlaps, as _prepared.clashes: a + lo1 < b + hi2 and b + lo2 < a + hi1 is
@@ -265,6 +266,7 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
         body.append("p8, keep = _arrays.scratch(scratch_ctx, scratch_bytes)")
         body.append("_memset(p8 + at_counters, 0, counters_bytes, st)")
         body.append("p9, p10, p11 = p8 + at_max, p8 + at_sum, p8 + at_counters")
+    body.append("# This call's addresses into this thread's parameter buffer (packed once)")
     body.append("try:")
     body.append("    words, params = local.b")
     body.append("except AttributeError:  # this thread's first call")
@@ -285,7 +287,8 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
     # A constant named as a parameter would be shadowed by it: compared with the wrong
     # value.
     assert not set(consts) & set(re.findall(r"\w+", signature)), consts
-    src = ["def make(c):"]
+    src = [f"# The fast run of one form of {kind} call (cupaged/_fastrun.py, source()).",
+           "def make(c):"]
     src += [f"    {name} = c[{name!r}]" for name in consts]
     src.append(f"    def run({signature}):")
     src += [f"        {line}" for line in body]

@@ -449,3 +449,15 @@ def test_a_subclass_that_overrides_run_keeps_its_run(stub):
     plan = Logged(*[a[n] for n in NAMES], out=a["out"], **kw)
     plan_call(plan, a, kw)
     assert seen == [1]
+
+
+def test_attention_passes_its_arguments_in_the_fast_runs_order():
+    """attention() hands its fast runs every argument by position, in its own order."""
+    import inspect
+
+    params = tuple(inspect.signature(cupaged.attention).parameters)
+    assert params == _fastrun.ATTENTION_SIGNATURE
+    src = inspect.getsource(cupaged.attention)
+    call = src[src.index("r = fast(") + len("r = fast("):]
+    call = call[:call.index(")")]
+    assert tuple(x.strip() for x in call.split(",")) == params
