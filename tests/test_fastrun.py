@@ -54,26 +54,41 @@ FORMS = {
     "rows": (64, 1, 128, True, dict(max_query_len=1, max_seq_len=2048)),
     "prefill": (64, 32, 16, True, dict(max_query_len=32, max_seq_len=256)),
     "prefill-lse": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, lse=True)),
+    "decode-fp8-hnd": (64, 1, 16, False, dict(max_seq_len=256, kv_layout="HND",
+                                              kv_cache_dtype="fp8_e4m3", k_scale=0.5,
+                                              v_scale=0.25)),
+    "decode-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=256, logits_soft_cap=30.0,
+                                                    dtype="bfloat16")),
+    # side arrays: a plan's run takes them (bound), attention's has no fast run for them
+    "decode-sinks-lse": (64, 1, 16, False, dict(max_seq_len=256, sinks=True, lse=True)),
+    "prefill-alibi": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, alibi=True)),
 }
+SIDE_ARRAYS = ("decode-sinks-lse", "prefill-alibi")
 
 
-def make_form(stub, name, kv_cache_dtype="auto"):
+def make_form(stub, name):
     """``(arrays, keywords)`` of a form: arrays by name (the six inputs and out), a fresh
     address for each."""
     seqs, tokens, width, starts, kw = FORMS[name]
-    f = stub.fake
-    cache = np.float16 if kv_cache_dtype == "auto" else np.uint8
-    a = dict(query=f((seqs * tokens, 32, 128), np.float16),
-             key_cache=f((seqs * width + 8, 16, 8, 128), cache),
-             value_cache=f((seqs * width + 8, 16, 8, 128), cache),
-             block_tables=f((seqs, width), np.int32), seq_lens=f((seqs,), np.int32),
-             query_start_loc=f((seqs + 1,), np.int32) if starts else None)
-    a["out"] = f(a["query"].shape, np.float16)
     kw = dict(kw)
+    f = stub.fake
+    dtype = np.dtype(kw.pop("dtype", "float16"))  # (bfloat16: ml_dtypes', which cupaged loads)
+    cache = dtype if kw.get("kv_cache_dtype", "auto") == "auto" else np.dtype(np.uint8)
+    shape = ((seqs * width + 8, 8, 16, 128) if kw.get("kv_layout") == "HND"
+             else (seqs * width + 8, 16, 8, 128))
+    a = dict(query=f((seqs * tokens, 32, 128), dtype), key_cache=f(shape, cache),
+             value_cache=f(shape, cache), block_tables=f((seqs, width), np.int32),
+             seq_lens=f((seqs,), np.int32),
+             query_start_loc=f((seqs + 1,), np.int32) if starts else None)
+    a["out"] = f(a["query"].shape, dtype)
     if kw.get("workspace"):
         kw["workspace"] = cupaged.DecodeWorkspace(seqs, 32, 128, rows=seqs * 32 * 64, device=0)
     if kw.get("lse"):
         kw["lse"] = f((seqs * tokens, 32), np.float32)
+    if kw.pop("sinks", False):
+        kw["sinks"] = f((32,), np.float32)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = f((32,), np.float32)
     return a, kw
 
 
@@ -148,13 +163,15 @@ class Entry:
     plan made, or attention's fast run for the form taken first), ``generic(b, kw)`` the
     generic path alone, for arrays ``b`` and keywords ``kw`` (lse= included)."""
 
-    def __init__(self, entry, a, kw):
+    def __init__(self, entry, a, kw, fast=True):
         self.entry = entry
         if entry == "plan":
             self.plan = plan_of(a, kw)
-            assert "run" in vars(self.plan), "no fast run"
+            assert ("run" in vars(self.plan)) == fast, "a fast run" if not fast else "none"
         else:
-            warm_attention(a, kw)
+            for _ in range(2):
+                attention_call(a, kw)
+            assert bool(_prepared.fast_attention) == fast
             self.run = _prepared.fast_attention
 
     def fast(self, b, kw, **more):
@@ -176,15 +193,16 @@ class Entry:
 @pytest.mark.parametrize("form", FORMS)
 def test_fast_run_launches_what_the_generic_path_launches(stub, generic_runs, form, entry):
     a, kw = make_form(stub, form)
-    e = Entry(entry, a, kw)
+    fast = not (entry == "attention" and form in SIDE_ARRAYS)
+    e = Entry(entry, a, kw, fast)
     for _ in range(2):
         for out in ("apart", "in place"):
             b, bkw = per_layer(stub, a, kw, out)
             before = generic_runs[0]
             got = outcome(stub, lambda: e.fast(b, bkw))
-            assert generic_runs[0] == before, "the fast run declined"
+            assert generic_runs[0] == before + (not fast), "the fast run declined"
             want = outcome(stub, lambda: e.generic(b, bkw))
-            assert generic_runs[0] == before + 1
+            assert generic_runs[0] == before + 1 + (not fast)
             assert got == want
             assert got[0] == "launched" and got[1][0] == id(b["out"])
             kernels = [x for x in got[2] if x[0] != "memset"]
@@ -242,12 +260,12 @@ def test_a_call_without_out_allocates_it(stub, generic_runs, entry):
 def test_attention_keywords_are_compared_with_the_remembered_ones(stub):
     """A keyword is the remembered object, or one of its type and equal; never another
     argument's (the scale against v_scale, say)."""
-    a, kw = make_form(stub, "decode", kv_cache_dtype="fp8_e4m3")
-    kw.update(kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25, scale=0.1)
+    a, kw = make_form(stub, "decode-fp8-hnd")
+    kw.update(scale=0.1)
     e = Entry("attention", a, kw)
     x = 0.25
     calls = [dict(scale=x, v_scale=x), dict(scale=0.2), dict(max_seq_len=256.0),
-             dict(max_seq_len=512), dict(causal=1), dict(kv_layout="HND"),
+             dict(max_seq_len=512), dict(causal=1), dict(kv_layout="NHD"),
              dict(window_left=-1), dict(k_scale=0.25), dict(kv_cache_dtype="fp8_e5m2")]
     for more in calls:
         b = dict(kw, **more)
