@@ -479,3 +479,22 @@ def test_attention_passes_its_arguments_in_the_fast_runs_order():
     call = src[src.index("r = fast(") + len("r = fast("):]
     call = call[:call.index(")")]
     assert tuple(x.strip() for x in call.split(",")) == params
+
+
+def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monkeypatch):
+    """A plan whose call the memo knows skips validation, but not the overlap checks at
+    its own examples' addresses."""
+    from cupaged import validation
+
+    a, kw = make_form(stub, "decode")
+    attention_call(a, kw)
+    validations = []
+    real = validation.validate_varlen
+    monkeypatch.setattr(validation, "validate_varlen",
+                        lambda *x, **k: validations.append(1) or real(*x, **k))
+    plan_of(a, kw)
+    assert not validations
+    over = stub.fake(a["out"].shape, a["out"].dtype, a["value_cache"].data.ptr)
+    with pytest.raises(ValueError, match="overlap"):
+        plan_of(dict(a, out=over), kw)
+    assert validations
