@@ -123,7 +123,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     of call, launched from a parameter buffer packed once (docs/DESIGN.md, "The fast
     run").
     """
-    for fast in _prepared.fast_attention:  # remembered calls' fast runs (_fastrun)
+    # The fast runs of the last remembered calls (_fastrun), which take no stream=.
+    for fast in () if stream is not None else _prepared.fast_attention:
         r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out,
                  stream, workspace, kv_cache_dtype, k_scale, v_scale, window, window_left,
