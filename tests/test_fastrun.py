@@ -498,3 +498,70 @@ def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monke
     with pytest.raises(ValueError, match="overlap"):
         plan_of(dict(a, out=over), kw)
     assert validations
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("form", ["decode", "decode-long-workspace", "decode-long-scratch",
+                                  "decode-window-lse", "prefill"])
+def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, form, entry):
+    """The fast run on the device: every layer's output (and lse) against the reference,
+    with no call through the generic path once the run is made."""
+    from conftest import assert_close
+    from test_prepared import _device, _layers
+
+    from cupaged import reference, testing
+
+    decode = form.startswith("decode")
+    seq = [3000, 1, 2500, 700] if "long" in form else [40, 1, 300, 64]
+    q_lens = [1, 1, 1, 1] if decode else [5, 1, 33, 1]
+    layers = _layers(rng, 3, q_lens, seq, heads=8, kv_heads=2)
+    devs = [_device(h) for h in layers]
+    kw, ref_kw = {}, {}
+    if decode:
+        for h, d in zip(layers, devs):
+            h["query_start_loc"] = d["query_start_loc"] = None
+    if form == "decode-long-workspace":
+        kw["workspace"] = cupaged.DecodeWorkspace(4, 8, 64)
+    if form == "decode-window-lse":
+        kw["window"] = ref_kw["window"] = 32
+    for d in devs:
+        d["out"] = cupy.full(d["query"].shape, np.nan, np.float16)
+        d["lse"] = (cupy.full(d["query"].shape[:2], np.nan, np.float32)
+                    if "lse" in form else None)
+    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+             "query_start_loc")
+    d0 = devs[0]
+    if entry == "plan":
+        plan = cupaged.AttentionPlan(*[d0[n] for n in names], out=d0["out"], lse=d0["lse"],
+                                     **kw)
+        if decode:
+            assert "run" in vars(plan)
+        made = "run" in vars(plan)
+        call = lambda d: plan.run(d["query"], d["key_cache"], d["value_cache"],  # noqa: E731
+                                  out=d["out"], lse=d["lse"])
+    else:
+        _prepared.clear()
+        made = False  # (attention's: made by its second call, taken from its third)
+        call = lambda d: cupaged.attention(*[d[n] for n in names], out=d["out"],  # noqa: E731
+                                           lse=d["lse"], **kw)
+    for rnd in range(2):
+        for i, (h, d) in enumerate(zip(layers, devs)):
+            before = generic_runs[0]
+            call(d)
+            if made:
+                assert generic_runs[0] == before, (rnd, i)
+            made = made or bool(_prepared.fast_attention)
+            host = {k: v for k, v in h.items() if k != "alibi_slopes"}
+            ref = reference.attention(**host, return_lse=True, **ref_kw)
+            assert_close(cupy.asnumpy(d["out"]), ref[0], testing.TOLERANCE["f16"],
+                         f"layer {i}")
+            if d["lse"] is not None:
+                np.testing.assert_allclose(cupy.asnumpy(d["lse"]), ref[1], rtol=1e-4,
+                                           atol=1e-4)
+            d["out"].fill(np.nan)
+    if decode:
+        assert entry == "plan" or _prepared.fast_attention
