@@ -9,7 +9,7 @@
 //        -DCUPAGED_T=cupaged::half_t -DCUPAGED_C=cupaged::fp8_e4m3_t -DCUPAGED_HS=128 \
 //        -DCUPAGED_BS=16 -DCUPAGED_FORMAT=1 -DCUPAGED_SCALE=0 -DCUPAGED_GT=4 -DCUPAGED_TILE=64 \
 //        -DCUPAGED_STAGES=2 -DCUPAGED_VARIANT=0 cuda_src/paged_decode.cu -o decode.cubin
-// (tools/ptxas_report.py runs exactly this for any specialization.)
+// (tools/kernel_report.py spec reports the same specialization as NVRTC builds it.)
 #include "paged_decode.cuh"
 
 #ifdef CUPAGED_INSTANTIATE

@@ -168,18 +168,18 @@ __device__ __forceinline__ int live_partitions(int span, int partition_tokens, i
 
 // Merge one head's split-KV partials with one warp: out = sum_p w_p o_p / (sum_p w_p + sink)
 // with w_p = sum_p * 2^(max_p - max), a partition that saw no key weighing 0 and a NaN one
-// (a bad block) making the row NaN. Rows of `parts` partials: po [parts][HEAD_SIZE] (each
-// normalized by its own sum), pm and ps [parts] (log2 units). The loads bypass L1: other
-// CTAs of the same launch may have written them. `lse`: null, or where the row's goes
+// (a bad block) making the row NaN. Partial p is row row_of(p) of po [][HEAD_SIZE] (each
+// normalized by its own sum), pm and ps [] (log2 units). The loads bypass L1: other CTAs
+// of the same launch may have written them. `lse`: null, or where the row's goes
 // (row_lse's, for vp.lse_keys).
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, typename RowOf>
 __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
                                  const float* po, const float* pm, const float* ps, int parts,
-                                 float sink, const VariantParams& vp) {
+                                 RowOf row_of, float sink, const VariantParams& vp) {
   constexpr int DPT = (HEAD_SIZE + 31) / 32;
   const int lane = threadIdx.x & 31;
   float m = neg_inf();
-  for (int p = lane; p < parts; p += 32) m = fmaxf(m, __ldcg(pm + p));
+  for (int p = lane; p < parts; p += 32) m = fmaxf(m, __ldcg(pm + row_of(p)));
   m = warp_max(m);
   float acc[DPT];
 #pragma unroll
@@ -187,12 +187,13 @@ __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
   float l = 0.f;
   for (int p0 = 0; p0 < parts; p0 += 32) {
     const int p = p0 + lane;
-    const float w = p < parts ? merge_weight(__ldcg(pm + p), __ldcg(ps + p), m) : 0.f;
+    const long long r = p < parts ? row_of(p) : 0;
+    const float w = p < parts ? merge_weight(__ldcg(pm + r), __ldcg(ps + r), m) : 0.f;
     l += w;
     const int n = min(32, parts - p0);
     for (int j = 0; j < n; ++j) {
       const float wj = __shfl_sync(~0u, w, j);
-      const float* row = po + static_cast<long long>(p0 + j) * HEAD_SIZE;
+      const float* row = po + row_of(p0 + j) * HEAD_SIZE;
 #pragma unroll
       for (int k = 0; k < DPT; ++k) {
         const int d = lane + 32 * k;
@@ -210,6 +211,38 @@ __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
   }
 }
 
+// ---- the flat split (variant kVarFlat, partition_tokens -1) -----------------------------
+// The (sequence, head tile) units' key tiles laid end to end, sequence by sequence and,
+// within one, head tile by head tile; the grid's G CTAs take equal runs of them (the first
+// T % G one tile more). A CTA walks its run unit by unit: a unit it holds whole is written
+// as a single pass; a unit cut by a run's end goes out as partials, merged by whichever CTA
+// holding a piece of it finishes last. No CTA runs in step with another, so the grid has
+// no last wave of whole units: the work ends within a tile of the same time everywhere.
+// Each CTA has two partial slots: 2c for the piece its run starts with, 2c + 1 for the one
+// it ends with (rows [slot][GROUP_TILE] of the partials).
+struct FlatRuns {
+  long long q, r;  // T = q G + r: runs of q + 1 tiles, then of q
+
+  __device__ __forceinline__ long long start(long long c) const { return c * q + min(c, r); }
+  // The CTA whose run holds flat tile t.
+  __device__ __forceinline__ long long owner(long long t) const {
+    const long long big = r * (q + 1);
+    return t < big ? t / (q + 1) : r + (t - big) / q;
+  }
+};
+
+// Key tiles of sequence `seq` in the flat split: those from its window's first tile (a
+// tile before it, as the kernel's loop) to its last key, at least one (a row without keys
+// is still written, as zeros).
+template <int BLOCK_SIZE, int TT, typename Var>
+__device__ __forceinline__ int flat_tiles(const PagedKV& kv, const int* context_lens, int seq,
+                                          const VariantParams& vp) {
+  const int ctx = max(0, min(context_lens[seq], kv.max_blocks * BLOCK_SIZE));
+  const int lo = min(Var::first_key(vp, ctx - 1), ctx);
+  const int base = Var::kWindow ? lo / TT * TT : 0;
+  return max(1, (ctx - base) / TT + ((ctx - base) % TT != 0 ? 1 : 0));
+}
+
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
           int GROUP_TILE, int TILE_TOKENS, int STAGES, int VARIANT>
 __global__ void __launch_bounds__(kDecodeThreads)
@@ -217,7 +250,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  float* __restrict__ part_out,    // split: [num_seqs, num_heads, P, HEAD_SIZE]
                  float* __restrict__ part_max,    // split: [num_seqs, num_heads, P], log2 units
                  float* __restrict__ part_sum,    // split: [num_seqs, num_heads, P]
-                 int* __restrict__ counters,      // split, merged here: [num_seqs, gridDim.y],
+                 int* __restrict__ counters,      // split, merged here: [num_seqs, head tiles],
                                                   // zeros (left zero again); else null
                  const T* __restrict__ query, long long q_seq_stride, long long q_head_stride,
                  const __grid_constant__ PagedKV kv,
@@ -225,7 +258,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  const int* __restrict__ query_start_loc,  // row mode: [num_seqs + 1]; else null
                  const float* __restrict__ alibi_slopes,   // [num_heads] or null
                  int num_heads, int group_size, int num_seqs, int causal,
-                 int partition_tokens,  // 0: single pass; else tokens per partition (gridDim.z)
+                 int partition_tokens,  // 0: single pass; > 0: tokens per partition
+                                        // (gridDim.z); -1 with kVarFlat: the flat split
+                                        // (above), decode only (query_start_loc null),
+                                        // grid (G, 1, 1)
                  float scale_log2, const __grid_constant__ VariantParams vp) {
   using Geo = DecodeGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, GROUP_TILE,
                              TILE_TOKENS, STAGES>;
@@ -256,14 +292,105 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int qrow = blockIdx.x;  // the query / output row
   const int tiles_per_kv = (group_size + GT - 1) / GT;
-  const int kv_head = blockIdx.y / tiles_per_kv;
-  const int g0 = (blockIdx.y % tiles_per_kv) * GT;
-  const int head0 = kv_head * group_size + g0;  // first query head of this CTA
-  const int heads_here = min(GT, group_size - g0);
+  constexpr bool flat = Var::kFlat;  // the flat split (partition_tokens < 0)
+  const int n_y = flat ? num_heads / group_size * tiles_per_kv : static_cast<int>(gridDim.y);
 
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
+
+  // The flat split: this CTA's run [w_t, w_end) of the flat tiles, and where it starts: the
+  // sequence w_seq, whose units start at flat tile w_seq0 and have w_tiles tiles each.
+  FlatRuns runs{0, 0};
+  long long w_t = 0, w_end = 0, w_seq0 = 0;
+  int w_seq = 0, w_tiles = 0;
+  if constexpr (flat) {
+    // Every sequence's tiles, summed (each thread over its sequences, then the block).
+    long long* sum_s = reinterpret_cast<long long*>(smem);  // [kWarps]; the stages are free
+    int* found_s = reinterpret_cast<int*>(smem + 8 * Geo::kWarps);  // [seq, its start, tiles]
+    long long mine = 0;
+    for (int q = tid; q < num_seqs; q += NT) mine += flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, q, vp);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(~0u, mine, o);
+    if (lane == 0) sum_s[warp] = mine;
+    __syncthreads();
+    long long total = 0;
+#pragma unroll
+    for (int w = 0; w < Geo::kWarps; ++w) total += sum_s[w];
+    total *= n_y;
+    runs = FlatRuns{total / gridDim.x, total % gridDim.x};
+    w_t = runs.start(blockIdx.x);
+    w_end = runs.start(blockIdx.x + 1ll);
+    if (w_t >= w_end) return;  // fewer tiles than CTAs
+    // The sequence holding flat tile w_t: the last whose units start at or before it, by a
+    // block-wide running sum of the tiles, NT sequences at a time.
+    const long long target = w_t / n_y;  // in tiles of one head tile's units
+    long long carry = 0;
+    for (int q0 = 0;; q0 += NT) {
+      const int q = q0 + tid;
+      const int v = q < num_seqs ? flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, q, vp) : 0;
+      long long incl = v;  // inclusive prefix within the warp
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long n = __shfl_up_sync(~0u, incl, o);
+        if (lane >= o) incl += n;
+      }
+      __syncthreads();  // the last round's sums are read
+      if (lane == 31) sum_s[warp] = incl;
+      __syncthreads();
+      long long before = carry, chunk = 0;
+#pragma unroll
+      for (int w = 0; w < Geo::kWarps; ++w) {
+        before += w < warp ? sum_s[w] : 0;
+        chunk += sum_s[w];
+      }
+      const long long excl = before + incl - v;
+      if (q < num_seqs && excl <= target && target < excl + v) {
+        found_s[0] = q;
+        found_s[1] = static_cast<int>(excl >> 32);
+        found_s[2] = static_cast<int>(excl & 0xffffffffll);
+        found_s[3] = v;
+      }
+      carry += chunk;
+      if (carry > target || q0 + NT >= num_seqs) break;  // (the same in every thread)
+    }
+    __syncthreads();
+    w_seq = found_s[0];
+    w_seq0 = ((static_cast<long long>(found_s[1]) << 32) |
+              static_cast<unsigned>(found_s[2])) * n_y;
+    w_tiles = found_s[3];
+    __syncthreads();  // read before the stages are written
+  }
+
+  // One unit (a sequence's row, a head tile, a range of its keys) per pass: the grid's
+  // (x, y, z) in the grid modes (one pass); the flat split's run, unit by unit.
+  for (int pass = 0; flat || pass == 0; ++pass) {
+  int qrow, y_tile, f_lo = 0, f_hi = 0;  // (flat) the unit's tiles [f_lo, f_hi) done here
+  long long f_unit = 0;                  // (flat) the unit's first flat tile
+  int f_tiles = 0;                       // (flat) the unit's tiles
+  if constexpr (!flat) {
+    qrow = blockIdx.x;
+    y_tile = blockIdx.y;
+  } else {
+    if (w_t >= w_end) break;
+    if (pass > 0) __syncthreads();  // the last unit is done with shared memory
+    const long long in_seq = w_t - w_seq0;
+    qrow = w_seq;
+    y_tile = static_cast<int>(in_seq / w_tiles);
+    f_lo = static_cast<int>(in_seq % w_tiles);
+    f_hi = static_cast<int>(min(static_cast<long long>(w_tiles), f_lo + (w_end - w_t)));
+    f_unit = w_seq0 + static_cast<long long>(y_tile) * w_tiles;
+    f_tiles = w_tiles;
+    w_t += f_hi - f_lo;
+    if (f_hi == w_tiles && y_tile == n_y - 1 && w_t < w_end) {  // on to the next sequence
+      w_seq0 += static_cast<long long>(n_y) * w_tiles;
+      ++w_seq;
+      w_tiles = flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, w_seq, vp);
+    }
+  }
+  const int kv_head = y_tile / tiles_per_kv;
+  const int g0 = (y_tile % tiles_per_kv) * GT;
+  const int head0 = kv_head * group_size + g0;  // first query head of this CTA
+  const int heads_here = min(GT, group_size - g0);
 
   // Lengths past the block table's width are clamped so the table row is never overrun
   // (cupaged.check_block_tables reports them); negative lengths count as empty.
@@ -310,14 +437,23 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // Split-KV: the partitions the merge counts. At least one: a row with no key at all is
   // merged (to zeros) from partition 0 alone.
   int parts = 1;
-  if (partition_tokens > 0) {
+  // Flat: the pieces of this unit, the CTAs c0.. holding them, and c0's slot for it.
+  long long f_c0 = 0;
+  int f_k0 = 0;
+  if constexpr (flat) {
+    begin = base + f_lo * TT;
+    end = f_hi == f_tiles ? ctx : base + f_hi * TT;
+    f_c0 = runs.owner(f_unit);
+    f_k0 = runs.start(f_c0) == f_unit ? 0 : 1;
+    parts = static_cast<int>(runs.owner(f_unit + f_tiles - 1) - f_c0) + 1;
+  } else if (partition_tokens > 0) {
     // The last partition runs to the end, so a host bound that undercounts the lengths
     // costs parallelism, never tokens.
     parts = max(1, live_partitions(ctx - base, partition_tokens, gridDim.z));
     const long long b = base + static_cast<long long>(blockIdx.z) * partition_tokens;
     // Past this sequence's keys: nothing to do, the merge skips it (but partition 0 of a
     // row without keys, when the merge is here).
-    if (b >= end && (counters == nullptr || blockIdx.z > 0)) return;
+    if (b >= end && (counters == nullptr || blockIdx.z > 0)) continue;
     begin = static_cast<int>(min(b, static_cast<long long>(end)));
     end = blockIdx.z + 1 == gridDim.z ? ctx : min(ctx, begin + partition_tokens);
   }
@@ -739,10 +875,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
       __syncthreads();
 
       // ---- O^T += V^T P^T, dim tiles of 16 spread over the warps ---------------------------
+      // The tile's product goes into fresh sums, then joins the running ones by FFMA: the
+      // tensor cores' float32 additions truncate, so accumulating a whole pass in them
+      // drifts low with its length (V rows of 1 over 131,072 keys gave 0.99951); one tile's
+      // 4 steps per product and round-to-nearest between tiles keep the sums unbiased.
+      float tile_acc[Geo::kDimTilesPerWarp][4];
 #pragma unroll
       for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc_mma[j][i] *= alpha_own[i & 1];
+        for (int i = 0; i < 4; ++i) tile_acc[j][i] = 0.f;
       }
       // B rows are heads; lanes of heads the tile lacks read row 0 (their columns are dropped).
       const PT* b_row = pt + ((lane & 7) < GT ? (lane & 7) : 0) * Geo::kPRow + (mi & 1) * 8;
@@ -796,7 +937,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
             a[2] = scale_f16x2<PT>(a[2], s2, s3);
             a[3] = scale_f16x2<PT>(a[3], s2, s3);
           }
-          mma_16816<PT>(acc_mma[j], a, b);
+          mma_16816<PT>(tile_acc[j], a, b);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < Geo::kDimTilesPerWarp; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc_mma[j][i] = fmaf(acc_mma[j][i], alpha_own[i & 1], tile_acc[j][i]);
         }
       }
     } else {
@@ -988,6 +1136,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const bool bad = *bad_block_s != 0;
   // Output rows follow the query's; split-KV partials (decode only) the sequences'.
   const long long row0 = static_cast<long long>(qrow) * num_heads + head0;
+  // A single pass writes the output; a piece of a split unit its partials, at rows
+  // part_row(g): the grid split's [row][partition], the flat split's [slot][head].
+  const bool whole = flat ? parts == 1 : partition_tokens == 0;
+  const long long f_slot = 2ll * blockIdx.x + (f_c0 == blockIdx.x ? f_k0 : 0);
+  auto part_row = [&](int g) {
+    return flat ? f_slot * GT + g : (row0 + g) * gridDim.z + blockIdx.z;
+  };
   // Each head's end, once: its factor from the summed P V to the output (the sink in the
   // denominator, zeros for a head that saw no key), and the lse or the partial's max/sum.
   float mul = 0.f;
@@ -1004,14 +1159,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
       for (int gg = 1; gg < GT; ++gg) m = gg == g ? m_run[gg] : m;
     }
-    if (partition_tokens == 0) {
+    if (whole) {
       const RowEnd e = finish_row(m, l, sink_log2(vp, head0 + g));
       mul = bad ? quiet_nan() : e.mul * out_scale;
       if (vp.lse != nullptr) vp.lse[row0 + g] = bad ? quiet_nan() : row_lse(vp, e, m, l);
     } else {
       // A partition whose keys were all masked has l = 0: zeros, and no weight in the merge.
       mul = bad ? quiet_nan() : (l > 0.f ? out_scale / l : 0.f);
-      const long long row = (row0 + g) * gridDim.z + blockIdx.z;
+      const long long row = part_row(g);
       part_max[row] = bad ? quiet_nan() : m;
       part_sum[row] = l;
     }
@@ -1026,13 +1181,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
     float a = 0.f;
 #pragma unroll
     for (int w = 0; w < Geo::kAccSlots; ++w) a += acc_s[(w * GT + g) * HS + d];
-    if (partition_tokens == 0) {
+    if (whole) {
       out[(row0 + g) * HS + d] = from_float<T>(a * warp_s[g]);
     } else {
-      part_out[((row0 + g) * gridDim.z + blockIdx.z) * HS + d] = a * warp_s[g];
+      part_out[part_row(g) * HS + d] = a * warp_s[g];
     }
   }
-  if (partition_tokens == 0 || counters == nullptr) return;
+  if (whole || counters == nullptr) continue;
 
   // ---- split-KV merged here: the row's last partition to finish merges them all -------
   // Each CTA publishes its partials, then counts itself in; the one that brings the count
@@ -1043,20 +1198,26 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int* counter = counters + static_cast<long long>(qrow) * gridDim.y + blockIdx.y;
+    int* counter = counters + static_cast<long long>(qrow) * n_y + y_tile;
     const bool last = atomicAdd(counter, 1) == parts - 1;
     if (last) *counter = 0;
     *last_s = last;
   }
   __syncthreads();
-  if (*last_s == 0) return;
+  if (*last_s == 0) continue;
   __threadfence();
   for (int g = warp; g < heads_here; g += Geo::kWarps) {
-    const long long r = (row0 + g) * gridDim.z;
+    // The grid split's partitions are consecutive rows; the flat split's pieces are c0's
+    // slot, then the start slots of the CTAs after it.
+    auto row_of = [&](int p) {
+      if (!flat) return (row0 + g) * gridDim.z + p;
+      return (p == 0 ? 2 * f_c0 + f_k0 : 2 * (f_c0 + p)) * GT + g;
+    };
     merge_partitions<T, HS>(out + (row0 + g) * HS, vp.lse != nullptr ? vp.lse + row0 + g : nullptr,
-                            part_out + r * HS, part_max + r, part_sum + r, parts,
+                            part_out, part_max, part_sum, parts, row_of,
                             sink_log2(vp, head0 + g), vp);
   }
+  }  // the units
 }
 
 // Merge the partitions of split-KV decode that paged_decode does not merge itself (vLLM's
@@ -1098,7 +1259,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   merge_partitions<T, HEAD_SIZE>(out + row * HEAD_SIZE, vp.lse != nullptr ? vp.lse + row : nullptr,
                                  part_out + row * num_partitions * HEAD_SIZE,
                                  part_max + row * num_partitions, part_sum + row * num_partitions,
-                                 parts, sink_log2(vp, head), vp);
+                                 parts, [](int p) { return static_cast<long long>(p); },
+                                 sink_log2(vp, head), vp);
 }
 
 }  // namespace cupaged

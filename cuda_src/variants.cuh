@@ -31,6 +31,8 @@ enum VariantBits : int {
                         // add the bias as a ramp; paged_decode tests the pointer at run time)
   kVarFixedOffset = 16,  // with kVarSoftCap, bfloat16, no ALiBi (paged_prefill only): the
                          // softmax against a fixed offset instead of a running maximum
+  kVarFlat = 32,  // paged_decode only: the flat split (paged_decode.cuh), decided by the
+                  // planner, not by the call
 };
 
 // kVarFixedOffset: soft-capped logits lie in [-C, C] (log2 units, C = c log2(e)), so the
@@ -75,10 +77,11 @@ template <int VARIANT>
 struct Variant {
   static constexpr bool kWindow = (VARIANT & kVarWindow) != 0;
   static constexpr bool kSoftCap = (VARIANT & kVarSoftCap) != 0;
+  static constexpr bool kFlat = (VARIANT & kVarFlat) != 0;
   static constexpr bool kBlockSparse = (VARIANT & kVarBlockSparse) != 0;
   static constexpr bool kAlibi = (VARIANT & kVarAlibi) != 0;
   static constexpr bool kFixedOffset = (VARIANT & kVarFixedOffset) != 0;
-  static_assert(VARIANT >= 0 && VARIANT < 32, "VARIANT");
+  static_assert(VARIANT >= 0 && VARIANT < 64, "VARIANT");
   static_assert(!kFixedOffset || (kSoftCap && !kAlibi),
                 "a fixed offset needs logits bounded by the cap: soft-cap, no ALiBi");
 

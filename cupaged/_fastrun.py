@@ -26,7 +26,8 @@ A run exists only for a call of one launch whose arguments are its arrays' addre
 constants (Launch.run's, recorded with stand-in addresses): ``out`` given, no new lse,
 CuPy arrays, no second (combine) launch, and for ``attention`` no side arrays (ALiBi
 slopes, sinks, scale arrays); a split-KV scratch of the call's own is allocated and its
-counters zeroed per call as Launch.run does.
+counters zeroed per call as Launch.run does (its rows and counters the Launch's: the grid
+split's, or the flat split's two slots a CTA and one counter a (sequence, head tile)).
 
 The code is generated per *form* of call (which arrays are per call, which are bound,
 which pairs are checked, where the addresses go) and compiled once; a plan or a
@@ -76,7 +77,7 @@ def _record(la: launch.Launch, present, marks, scratch: bool):
     parts = la.partials
     if scratch:
         parts = launch.Partials(marks[8], marks[9], marks[10], la.scratch_rows, marks[11],
-                                la.grid[0] * la.grid[1])
+                                la.counters)
     # (NamedTuple's _replace, its public copy-with-changes)
     stand_in = la._replace(kernel=rec, combine=None if la.combine is None else rec,
                            partials=parts)
@@ -124,7 +125,8 @@ def _template(la, present):
     if same != [grid, threads, smem, stream] or stream != _STREAM:
         return None
     kernel = la.kernel
-    packed_a, packed_b = bytearray(kernel.pack(*args_a)), bytearray(kernel.pack(*args_b))
+    packed_a = bytearray(kernel.packed(kernel.pack(*args_a)))
+    packed_b = bytearray(kernel.packed(kernel.pack(*args_b)))
     words_a = memoryview(packed_a).cast("Q")
     words_b = memoryview(packed_b).cast("Q")
     slots: dict = {}
@@ -363,8 +365,8 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
         if i in per_call or j in per_call:  # (two fixed addresses: checked once)
             c[f"lo{len(pairs)}"], c[f"hi{len(pairs)}"] = lo1 - hi2, hi1 - lo2
             pairs.append((i, j))
-    if 8 in slots:  # launch.scratch_partials' allocation
-        counters = la.grid[0] * la.grid[1]
+    if 8 in slots:  # launch.scratch_partials' allocation, as Launch.run asks for it
+        counters = la.counters
         nbytes, c["at_max"], c["at_sum"], c["at_counters"] = launch.scratch_layout(
             la.scratch_rows, la.head_size, counters)
         c["scratch_ctx"] = _arrays.Context(prep.device, 0, "cupy", False)

@@ -118,7 +118,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
             An undercount costs parallelism, never correctness.
         out: optional ``[num_seqs, num_heads, head_size]`` C-contiguous output.
         partition: ``"auto"`` (split-KV when it fills the GPU better), ``"never"``,
-            ``"always"``, or a partition size in tokens (a multiple of block_size).
+            ``"always"``, ``"flat"`` (equal runs of all the sequences' key tiles, one per
+            resident CTA; docs/DESIGN.md), or a partition size in tokens (a multiple of
+            block_size).
         stream: where the kernels run (a CuPy or torch stream, anything with
             ``__cuda_stream__``, or a handle); default torch's current stream of the
             arrays' device when ``query`` is a torch tensor, else CuPy's.

@@ -291,13 +291,14 @@ _WORKSPACE_LOCK = threading.Lock()
 
 
 def _split_rows(prep) -> int:
-    """The split-KV partial rows a prepared call's launch needs (0: it does not split)."""
+    """The workspace rows a prepared call's launch needs (0: it does not split): its
+    split-KV partial rows, and room for its merge counters (launch.workspace_rows)."""
     ln = prep.launch
     if ln is None:
         return 0
     if isinstance(ln, launch.MlaLaunch):
         return ln.scratch_rows if ln.split_tiles else 0
-    return ln.scratch_rows if ln.split else 0
+    return launch.workspace_rows(ln)
 
 
 def _shared_workspace(device: int, rows: int, head_size: int):

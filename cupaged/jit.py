@@ -140,7 +140,7 @@ KV_FORMATS = {"tok": 0, "vllm": 1}
 KV_SCALES = {"": 0, "th": 1}
 # VariantBits in cuda_src/variants.cuh: the compile-time variants, spelled in a spec as
 # letters in this order ("" plain attention, "wc" window and soft-cap, ...).
-VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16}
+VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16, "r": 32}
 
 
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
@@ -244,7 +244,8 @@ class KernelSpec:
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
-    #                    offset (paged_prefill, bf16, with "c" and without "a")
+    #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
+    #                    flat split's runs (paged_decode: the planner's choice)
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -285,7 +286,7 @@ class KernelSpec:
         if self.variant:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
-            allowed = "wcaf" if self.kernel.startswith("paged_prefill") else "wcb"
+            allowed = "wcaf" if self.kernel.startswith("paged_prefill") else "wcbr"
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "
@@ -713,9 +714,9 @@ class Launcher:
     ``launcher(grid, block, smem, stream_ptr, *args)``: pointers as ints (``a.data.ptr``),
     a braced struct's fields one by one. The buffer is per thread, so concurrent launches
     from several threads are safe. ``fmt`` is the buffer's flat struct format (native
-    alignment) and ``size`` its bytes; :meth:`fields`, :meth:`pack` and
-    :meth:`new_buffer` serve a caller that packs a buffer once and launches from it
-    many times (``_fastrun``).
+    alignment) and ``size`` its bytes; :meth:`pack`, :meth:`packed` and
+    :meth:`new_buffer` serve a caller that packs a buffer once and launches from it many
+    times (``_fastrun``), or that times the packing apart from the launch.
     """
 
     def __init__(self, function, fmt: str, name: str):
@@ -739,25 +740,7 @@ class Launcher:
             self._offsets.append(struct.calcsize("@" + prefix + first)
                                  - struct.calcsize("@" + first))
             prefix += tok.strip("{}")
-        self._fields = None
         self._local = threading.local()
-
-    def fields(self) -> tuple:
-        """Each field of the parameter buffer in order, a braced struct's one by one (as
-        ``__call__`` takes the arguments), as ``(struct token, byte offset)``."""
-        if self._fields is None:
-            tokens = ARG_TOKEN.findall(self.fmt[1:])
-            self._fields = tuple(
-                (t, struct.calcsize("@" + "".join(tokens[:n + 1])) - struct.calcsize("@" + t))
-                for n, t in enumerate(tokens))
-        return self._fields
-
-    def pack(self, *args) -> bytes:
-        """The parameter buffer's bytes (``size`` of them) for these arguments, as a launch
-        packs them."""
-        buf = bytearray(self.size)
-        struct.pack_into(self.fmt, buf, 0, *args)
-        return bytes(buf)
 
     def new_buffer(self, data: bytes = b"") -> tuple:
         """A parameter buffer holding ``data`` (zeros past it) and the array of pointers to
@@ -774,6 +757,21 @@ class Launcher:
             self._local.buf, self._local.params = buf, params
             self._local.params_addr = ctypes.addressof(params)
         return self._local.buf, self._local.params_addr
+
+    def pack(self, *args) -> int:
+        """Pack ``args`` into this thread's parameter buffer as a launch does; the address
+        of the parameter pointers cuLaunchKernel takes (``cupaged-bench overhead --pieces``
+        times the two steps apart). The packed bytes, as the driver reads them, are the
+        ``size`` bytes at the first pointer (:meth:`packed`)."""
+        buf, params = self._buffers()
+        struct.pack_into(self.fmt, buf, 0, *args)
+        return params
+
+    def packed(self, params: int) -> bytes:
+        """The ``size`` bytes of the parameter buffer whose pointer array is at ``params``
+        (:meth:`pack`'s return), read as ``cuLaunchKernel`` reads them: from the first
+        parameter's address, the buffer's start."""
+        return ctypes.string_at(ctypes.c_void_p.from_address(params).value, self.size)
 
     def __call__(self, grid, block, smem: int, stream: int, *args) -> None:
         buf, params = self._buffers()

@@ -74,6 +74,7 @@ class Launch(NamedTuple):
     partials: Partials | None = None  # the workspace's; None: a scratch buffer per call
     scratch_rows: int = 0
     head_size: int = 0
+    counters: int = 0  # merge counters paged_decode counts in when it merges its split
     # Reads query_start_loc: paged_prefill, and paged_decode's row mode. paged_decode's
     # one-token-per-sequence mode gets null (a caller's starts are then not its business).
     takes_starts: bool = True
@@ -95,7 +96,7 @@ class Launch(NamedTuple):
         parts, keep = self.partials, None
         if parts is None:
             parts, keep = scratch_partials(ctx, self.scratch_rows, self.head_size,
-                                           self.grid[0] * self.grid[1] if merges_here else 0)
+                                           self.counters if merges_here else 0)
         po, pm, ps = parts.part_out, parts.part_max, parts.part_sum
         self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, po, pm, ps,
                     *((parts.counters,) if merges_here else self.head), q, *self.q_strides,
@@ -137,6 +138,17 @@ def scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
         cupy.cuda.runtime.memsetAsync(base + at_counters, 0, counters * 4, ctx.stream)
     return Partials(base, base + at_max, base + at_sum, rows,
                     base + at_counters if counters else 0, counters), keep
+
+
+def workspace_rows(ln: Launch) -> int:
+    """The ``rows`` of a DecodeWorkspace that holds a launch's split-KV partials and, where
+    paged_decode merges them itself, its merge counters (a workspace has ``rows // 2``: a
+    grid split's partial rows are at least twice its counters, while the flat split counts
+    in one a unit, more than its rows' half where the units outnumber its CTAs' head
+    tiles); 0 for a launch that does not split."""
+    if not ln.split:
+        return 0
+    return max(ln.scratch_rows, 2 * ln.counters if ln.combine is None else 0)
 
 
 def mla_workspace_partials(workspace, device: int, rank: int) -> Partials | None:
@@ -235,8 +247,9 @@ class DecodeWorkspace:
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows <= 0:
             _fail(f"rows must be a positive int, got {rows!r}")
         self.rows, self.head_size = int(rows), head_size
-        # A split has at least two partitions per head, so rows // 2 counters cover every
-        # (sequence, head tile) of a split that fits.
+        # A grid split has at least two partitions per head, so rows // 2 counters cover
+        # every (sequence, head tile) of one that fits; the flat split needs one a unit
+        # whatever its rows (plan_flat checks both, workspace_rows asks for both).
         self._num_counters = self.rows // 2
         # One allocation, partial rows then counters: every address a prepared call embeds
         # follows from its base, which is what the memo keys a workspace by
@@ -314,8 +327,10 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
                   plan.head, p.q_strides, kv_strides, kv_tail, tail, variants, vp,
                   split=split, combine=plan.combine, combine_grid=plan.combine_grid,
                   combine_tail=plan.combine_tail, partials=workspace if split else None,
-                  scratch_rows=p.num_rows * p.num_heads * plan.partitions if split else 0,
-                  head_size=p.head_size if split else 0, takes_starts=plan.kind != "decode")
+                  scratch_rows=(plan.partial_rows or p.num_rows * p.num_heads * plan.partitions)
+                  if split else 0, head_size=p.head_size if split else 0,
+                  counters=plan.counters or plan.grid[0] * plan.grid[1],
+                  takes_starts=plan.kind != "decode")
 
 
 MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide

@@ -253,7 +253,7 @@ def partition_tokens(partition, p: Problem, max_ctx: int, ctas: int,
                     residency(ctas * partition_count(max_ctx, chosen), ks).smem)
         return check_partition_count(size, max_ctx), occ.smem
     else:
-        _fail(f"partition must be 'auto', 'never', 'always' or an int, got {partition!r}")
+        _fail(f"partition must be 'auto', 'never', 'always', 'flat' or an int, got {partition!r}")
     size = check_partition_count(size, max_ctx)
     return size, residency(ctas * partition_count(max_ctx, size), ks).smem
 
@@ -453,7 +453,8 @@ class PrefillKernel(NamedTuple):
 
 
 # (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
-# default, for tuning experiments (tools/prefill_tiles.py); set through set_prefill_tile.
+# default, for tuning experiments (cupaged-bench prefill --tile W,M,N,S); set through
+# set_prefill_tile.
 _tile_override: tuple | None = None
 
 
@@ -565,7 +566,7 @@ def _load_prefill(spec: jit.KernelSpec, g, device_id: int) -> PrefillKernel:
 
 
 # (tile_tokens, stages) of paged_prefill_sm90 instead of the default, for tuning
-# experiments (tools/prefill_tiles.py with FAMILY=sm90); set through set_sm90_tile.
+# experiments (cupaged-bench prefill --tile N,S); set through set_sm90_tile.
 _sm90_tile_override: tuple | None = None
 
 
@@ -623,8 +624,13 @@ class KernelPlan(NamedTuple):
     head: tuple  # the kernel's arguments after its partials: paged_prefill's split_tiles
     #              (paged_prefill_sm90's split_tiles, num_seqs and ranks), or paged_decode's
     #              counters (filled in per call when it merges its split)
-    split_tokens: int = 0  # tokens per split-KV partition; 0: a single pass
+    split_tokens: int = 0  # tokens per split-KV partition; 0: a single pass; -1: the flat
+    #                        split (paged_decode's header), grid (CTAs, 1, 1)
     partitions: int = 1
+    # The flat split's partial rows (two slots a CTA, a head tile each) and merge counters
+    # (one a unit); 0 for the grid split's (rows x heads x partitions, and grid x * y).
+    partial_rows: int = 0
+    counters: int = 0
     combine: jit.Launcher | None = None  # merges the partials when the kernel does not
     combine_grid: tuple = ()
     combine_tail: tuple = ()  # the combine's arguments after the lengths and query starts
@@ -722,6 +728,18 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
+    if not rows and (partition == "flat" or
+                     partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_seqs)):
+        # (the flat split is its own specialization: variant letter "r")
+        flat = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
+                              p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
+                              variants.letters + "r")
+        if partition == "flat" or flat_keeps_residency(flat, ks):
+            plan = plan_flat(p, flat, grid_y, gt, workspace)
+            if plan is not None:
+                return plan
+    if partition == "flat":  # where it cannot run: row mode, a workspace without the room
+        partition = "auto"
     room = None if workspace is None else workspace.max_rows // (p.num_rows * p.num_heads)
     size, smem = partition_tokens(partition, p, max_ctx, ctas, ks, room)
     # Partials without counters (vLLM's v2 buffers) are merged by the combine kernel,
@@ -745,6 +763,56 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
     return plan._replace(combine=ks.combine, combine_grid=(p.num_seqs, p.num_heads, 1),
                          combine_tail=(p.max_blocks * p.block_size, 0, size, n_parts,
                                        ks.tile_tokens))
+
+
+# The most sequences "auto" gives the flat split: each of its CTAs first reads every
+# sequence's length and scans them, 128 a round (the kernel's prologue), a cost measured
+# small up to 256 sequences (two rounds) and not measured beyond.
+FLAT_MAX_SEQS = 512
+
+
+def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels", num_seqs: int = 1) -> bool:
+    """Does "auto" take the flat split? Where there are at least as many (sequence, head
+    tile) units as CTAs resident at once, each of two tiles or more: the grid's waves of
+    whole units then leave a last wave the flat split does not have (H200, 32/32 batch
+    64: 508 against 546 µs), while fewer units would be cut into many short pieces, each
+    merged (docs/PERFORMANCE.md, the flat split). Not where a CTA's run would pass
+    MAX_PASS_TOKENS (a pass's float32 sums lose accuracy with its length), nor past
+    FLAT_MAX_SEQS sequences."""
+    if not ks.slots or units < ks.slots or max_ctx <= ks.tile_tokens:
+        return False
+    if num_seqs > FLAT_MAX_SEQS:
+        return False
+    run_tiles = -(-units * -(-max_ctx // ks.tile_tokens) // ks.slots)
+    return run_tiles * ks.tile_tokens <= MAX_PASS_TOKENS
+
+
+def flat_keeps_residency(flat: "DecodeKernels", ks: "DecodeKernels") -> bool:
+    """Does the flat specialization hold as many CTAs at once as the grid one? Where its
+    registers (about 128 a thread) allow fewer CTAs an SM than the grid kernel's shared
+    memory does (fp8 caches: 4 against 6), "auto" keeps the grid split: the flat split
+    was not measured at a lower residency."""
+    return flat.slots >= ks.slots
+
+
+def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int,
+              workspace) -> KernelPlan | None:
+    """paged_decode's flat split (its header; ``ks``: the specialization with variant
+    "r"): one wave of CTAs at the natural residency, each taking an equal run of all the
+    units' key tiles. None where it cannot run: a
+    workspace without room for its partials and counters, or runs whose flat tile
+    arithmetic could pass 2^63 (never for a block table that fits in memory)."""
+    occ = natural_residency(ks)
+    ctas = max(1, occ.slots)
+    units = p.num_seqs * grid_y
+    rows = 2 * ctas * gt
+    if workspace is not None and (workspace.max_rows < rows or workspace.max_counters < units):
+        return None
+    most_tiles = units * (p.max_blocks * p.block_size // ks.tile_tokens + 2)
+    if most_tiles * ctas >= 2**62:
+        return None
+    return KernelPlan("decode", ks.decode, (ctas, 1, 1), geometry.DECODE_THREADS, occ.smem,
+                      (0,), -1, 1, partial_rows=rows, counters=units)
 
 
 def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,

@@ -30,7 +30,7 @@ HAVE_GPU = _gpu_available()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 if HAVE_GPU and os.environ.get("CUPAGED_TEST_NO_POOL"):
-    # Under compute-sanitizer's memcheck (tools/sanitize.sh): each array its own
+    # Under compute-sanitizer's memcheck (tools/device.sh sanitize): each array its own
     # cudaMalloc, so an overrun past an array's end leaves its allocation and is reported,
     # not hidden inside a pool chunk. (torch: PYTORCH_NO_CUDA_MEMORY_CACHING=1.)
     import cupy
@@ -69,6 +69,19 @@ def prefill_split():
 
     yield planning.set_prefill_split
     planning.set_prefill_split(None)
+
+
+@pytest.fixture
+def flat_split(monkeypatch):
+    """Have "auto" take decode's flat split wherever it can run (decode without
+    query_start_loc), whatever the units and the context, for the rest of the test."""
+    from cupaged import _prepared, planning
+
+    monkeypatch.setattr(planning, "flat_pays", lambda *a: True)
+    monkeypatch.setattr(planning, "flat_keeps_residency", lambda *a: True)
+    _prepared.clear()  # calls remembered with the grid split's plan
+    yield
+    _prepared.clear()
 
 
 @pytest.fixture

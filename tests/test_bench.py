@@ -1,6 +1,6 @@
 """cupaged.bench without a GPU: FlashInfer's inputs built from a case (page lists, the
 "HND" layout), FlashInfer's optional presence, and the plan_us field. The timed rows
-themselves run on the device (tools/compare_sweep.sh, the compare GPU test)."""
+themselves run on the device (tools/device.sh rows sweep, the compare GPU test)."""
 
 import os
 import subprocess
@@ -766,3 +766,89 @@ def test_cascade_measures_and_checks(layout):
     rows, checks = bench_cascade.measure(case, reps=3, copy_bw=1e12)
     assert checks["ok"], checks
     assert all(r.status == "ok" and r.median_us > 0 for r in rows)
+
+
+# ---- cupaged-bench ab: the parts without a GPU --------------------------------------------------
+
+
+@pytest.mark.parametrize("setting, parsed", [
+    ("-", (None, None, "auto")),
+    ("2@never", (None, 2, "never")),
+    ("2@auto@128x2", ((128, 2), 2, "auto")),
+    ("-@auto@64x3", ((64, 3), None, "auto")),
+    ("-@always", (None, None, "always")),
+    ("3@512", (None, 3, 512)),
+    ("1@@64x4", ((64, 4), 1, "auto")),
+])
+def test_tuning_settings_parse(setting, parsed):
+    from cupaged.bench import ab
+
+    assert ab.parse_setting(setting) == parsed
+
+
+def test_partition_lever_plans_with_its_partition_and_restores(monkeypatch):
+    """attention() always plans decode with "auto": the lever hands planning.plan_decode
+    its own partition while active, and puts the real one back."""
+    from cupaged import planning
+    from cupaged.bench import ab
+
+    seen = []
+    monkeypatch.setattr(planning, "plan_decode", lambda p, m, part, *a, **k: seen.append(part))
+    monkeypatch.setattr(planning, "set_tuning", lambda *a: seen.append(("tuning", a)))
+    real = planning.plan_decode
+    with ab._Partition() as lever:
+        lever.set((64, 3), 2, "never")
+        planning.plan_decode(None, 1024, "auto", None)
+        lever.set(None, None, 256)
+        planning.plan_decode(None, 1024, "auto", None)
+    assert planning.plan_decode is real
+    assert seen == [("tuning", ((64, 3), 2)), "never", ("tuning", (None, None)), 256,
+                    ("tuning", ())]
+
+
+def test_load_tree_imports_another_copy_of_the_library(tmp_path):
+    """The other tree runs its own code (its modules import each other relatively) and
+    compiles from its own cuda_src."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from cupaged.bench import ab
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "cupaged", tmp_path / "cupaged",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "cuda_src", tmp_path / "cuda_src")
+    (tmp_path / "cupaged" / "marker.py").write_text("WHO = 'other'\n")
+    alias = "cupaged_ab_test_tree"
+    try:
+        other = ab.load_tree(str(tmp_path), alias)
+        assert other.__name__ == alias and other is not sys.modules["cupaged"]
+        assert other.jit.__name__ == f"{alias}.jit"
+        assert other.jit.source_dir() == tmp_path / "cuda_src"
+        assert importlib_marker(alias) == "other"
+        assert callable(other.attention) and callable(other.paged_attention)
+        assert ab.load_tree(str(tmp_path), alias) is other
+    finally:
+        for name in [m for m in sys.modules if m == alias or m.startswith(alias + ".")]:
+            del sys.modules[name]
+
+
+def importlib_marker(alias):
+    import importlib
+
+    return importlib.import_module(f"{alias}.marker").WHO
+
+
+def test_load_tree_refuses_a_folder_without_the_library(tmp_path):
+    from cupaged.bench import ab
+
+    with pytest.raises(FileNotFoundError, match="holds no cupaged/__init__.py and cuda_src/"):
+        ab.load_tree(str(tmp_path))
+
+
+@pytest.mark.parametrize("value, wanted", [("", False), ("0", False), ("1", True),
+                                           ("yes", True), ("on", True)])
+def test_nvtx_ranges_follow_the_environment(monkeypatch, value, wanted):
+    monkeypatch.setenv("CUPAGED_BENCH_NVTX", value)
+    assert timing.nvtx_wanted() is wanted

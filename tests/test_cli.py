@@ -10,12 +10,19 @@ from cupaged.bench.cli import main
 from conftest import HAVE_GPU
 
 COMMANDS = ["info", "compile", "decode", "compare", "prefill", "mla", "cascade", "e2e",
-            "overhead", "cache-ops", "context-parallel"]
+            "overhead", "cache-ops", "context-parallel", "fp8-error", "ab"]
+AB_COMMANDS = ["decode", "host", "tuning"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_every_subcommand_has_help(cmd):
     r = CliRunner().invoke(main, [cmd, "--help"])
+    assert r.exit_code == 0 and "Usage:" in r.output
+
+
+@pytest.mark.parametrize("cmd", AB_COMMANDS)
+def test_every_ab_command_has_help(cmd):
+    r = CliRunner().invoke(main, ["ab", cmd, "--help"])
     assert r.exit_code == 0 and "Usage:" in r.output
 
 
@@ -104,6 +111,31 @@ def test_decode_without_gpu_exits_nonzero():
     (["decode", "--row", "32/12/64/2048"], "query heads must be a multiple of KV heads"),
     (["compare", "--row", "32/8/64/2048", "--preset", "llama-3-8b"],
      "--row gives whole shapes: not with --preset or --context-dist"),
+    (["compare", "--tile", "48x2"], "tokens must be 32, 64, 128 or 256"),
+    (["compare", "--ctas-per-sm", "0"], "Invalid value for '--ctas-per-sm'"),
+    (["prefill", "--tile", "4,2,64"], "expected 4 or 2 positive integers"),
+    (["prefill", "--tile", "128,x"], "expected 4 or 2 positive integers"),
+    (["mla", "--tile", "16,32"], "expected 3 positive integers"),
+    (["mla", "--split", "some"], "expected auto or tiles per partition"),
+    (["e2e", "--profile-steps", "20", "5", "--systems", "hf"],
+     "--profile-steps profiles one system"),
+    (["e2e", "--profile-steps", "20", "0", "--systems", "concat"],
+     "Invalid value for '--profile-steps'"),
+    (["fp8-error", "--heads", "12"], "--heads must be a multiple of --kv-heads"),
+    (["ab", "tuning", "--settings=-,2@sometimes"], "partition auto, never, always or tokens"),
+    (["ab", "tuning", "--settings=x@never"], "CTAs an integer or '-'"),
+    (["ab", "tuning", "--settings=-@auto@64"], "the tile is TOKENSxSTAGES"),
+    (["ab", "tuning", "--settings=40"], "CTAs per SM between 1 and 32"),
+    (["ab", "tuning", "--settings=1@auto@64x3@x"], "expected ctas[@partition[@TOKENSxSTAGES]]"),
+    (["ab", "tuning", "--heads", "32/8"], "--heads needs --batch and --context"),
+    (["ab", "tuning", "--heads", "32/12", "--batch", "1", "--context", "9"],
+     "expected HEADS/KV_HEADS pairs"),
+    (["ab", "tuning", "--batch", "8"], "--batch and --context go with --heads"),
+    (["ab", "tuning", "--heads", "32/8", "--batch", "1", "--context", "9", "--row",
+      "32/8/1/9"], "--heads (with --batch and --context) or --row, not both"),
+    (["ab", "decode", "--tree", "/nonexistent/tree"], "does not exist"),
+    (["ab", "decode", "--tree", ".", "--layouts", "vllm,XYZ"], "expected comma-separated values"),
+    (["ab", "host"], "Missing option '--tree'"),
 ])
 def test_bad_options_are_usage_errors(argv, msg):
     r = CliRunner().invoke(main, argv)
@@ -276,6 +308,22 @@ def test_plot_writer_makes_a_png(tmp_path):
     report.write_plot(tmp_path / "p.png", _synthetic_results(), "synthetic")
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_summary_has_one_line_per_workload_and_the_notes():
+    from cupaged.bench import report
+
+    lines = report.summary_lines(_synthetic_results())
+    head, body = lines[0], lines[1:]
+    assert "cupaged us" in head and "fi-decode" in head and "sdpa-dense" in head
+    assert "plan us:" in head  # FlashInfer planned
+    rows = [l for l in body if l.startswith("llama-3-8b")]
+    assert len(rows) == 3  # 512, 2048, 8192
+    last = rows[-1].split()
+    # cupaged's 819.2 us, then cupy-gather 3.00, FlashInfer 0.85, SDPA skipped, plan 612.5
+    assert last[3] == "819.2" and last[6:9] == ["3.00", "0.85", "SKIP"] and last[-1] == "612"
+    assert rows[0].split()[7] == "-"  # no FlashInfer row at 512
+    assert any("1 x torch-sdpa-dense skipped: out of GPU memory" in l for l in body)
 
 
 def test_table_shows_ratios_and_skips(capsys):
@@ -713,11 +761,20 @@ def test_overhead_with_the_driver_stubbed_needs_no_gpu():
     driver = jit.driver
     r = CliRunner().invoke(main, ["overhead", "--stub-driver", "--calls", "10"])
     assert r.exit_code == 0, r.output
-    for name in ("python gauge", "AttentionPlan.run, decode 64 x 256 (single pass)",
+    for name in ("python gauge", "AttentionPlan.run, decode 64 x 64 (single pass)",
+                 "attention, decode 64 x 256 (flat split, scratch)",
                  "attention, decode 8 x 2048 (split-KV, scratch)",
                  "AttentionPlan.run, prefill 16 x 32 tokens, stream= (generic path)"):
         assert name in r.output
     assert jit.driver is driver  # the stand-ins are gone
+
+
+@pytest.mark.parametrize("other", [["--stub-driver"], ["--calls", "50"]])
+def test_overhead_refuses_what_pieces_does_not_take(other):
+    """--pieces launches on a GPU, which --stub-driver stands in for, and times its own
+    runs: refused before anything is timed (no GPU needed to say so)."""
+    r = CliRunner().invoke(main, ["overhead", "--pieces", *other])
+    assert r.exit_code == 2 and other[0] in r.output, r.output
 
 
 @pytest.mark.gpu

@@ -92,9 +92,11 @@ def test_decode_matches_reference(rng, dt, hs, bs, group, kv_heads, alibi):
     ref = p.reference()
     single = run(p, "never")
     split = run(p, "always")
-    assert not np.isnan(single).any() and not np.isnan(split).any()
+    flat = run(p, "flat")
+    assert not np.isnan(single).any() and not np.isnan(split).any() and not np.isnan(flat).any()
     assert_close(single, ref, tol(p))
     assert_close(split, ref, tol(p))
+    assert_close(flat, ref, tol(p))
     assert_close(split, single, tol(p))  # the two paths agree with each other too
     assert not single[lens.index(0)].any()  # an empty context gives zeros
 
@@ -104,7 +106,7 @@ def test_context_of_more_than_100k_tokens(rng, dt):
     p = make_problem(rng, dtype=DTYPES[dt], lens=[131072 + 77, 3], heads=32, kv_heads=8,
                      head_size=128, block_size=16)
     ref = p.reference()
-    for partition in ("never", "auto", 4096):
+    for partition in ("never", "auto", 4096, "flat"):
         assert_close(run(p, partition), ref, tol(p), partition)
 
 
@@ -178,6 +180,26 @@ def test_auto_partition(rng, batch, ctx):
     assert_close(got, p.reference(), tol(p))
 
 
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_constant_values_stay_constant_over_a_long_single_pass(rng, dt, group):
+    """Every V row 0.75: each output is 0.75 exactly, in one pass over 131,072 keys (the P V
+    sums and the softmax's sum add the same rounded P; summed over the whole pass in the
+    tensor cores' float32 additions, which truncate, they drifted a float16 step low)."""
+    dtype = DTYPES[dt]
+    seqs, ctx, kv_heads, hs, bs, nb = 2, 131_072, 2, 128, 16, 256
+    heads = kv_heads * group
+    tables = (np.arange(seqs * ctx // bs) % nb).reshape(seqs, -1).astype(np.int32)
+    out = cupaged.paged_attention(
+        query=cupy.asarray(testing.random_normal((seqs, heads, hs), dtype, rng)),
+        key_cache=cupy.asarray(testing.random_normal((nb, kv_heads, hs // 8, bs, 8), dtype, rng)),
+        value_cache=cupy.asarray(np.full((nb, kv_heads, hs, bs), 0.75, dtype)),
+        block_tables=cupy.asarray(tables), context_lens=cupy.full((seqs,), ctx, cupy.int32),
+        partition="never")
+    got = cupy.asnumpy(out).astype(np.float64)
+    assert (got == 0.75).all(), np.unique(got)
+
+
 def test_undercounted_max_context_len_still_covers_every_token(rng):
     p = make_problem(rng, lens=[5000, 300], heads=8, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()
@@ -230,7 +252,7 @@ def test_no_sequences(rng):
 
 def test_all_empty_contexts_give_zeros(rng):
     p = make_problem(rng, lens=[0, 0, 0])
-    for partition in ("never", "always", 16):
+    for partition in ("never", "always", 16, "flat"):
         out = run(p, partition, max_context_len=64)
         assert (out == 0).all()
 
@@ -245,12 +267,44 @@ def test_split_kv_merged_by_the_last_partition(rng, group):
                      heads=2 * group, kv_heads=2, head_size=64)
     ref = p.reference()
     ws = cupaged.DecodeWorkspace(7, 2 * group, 64)
-    for partition in (16, 64, 256, 2048, "always"):
+    for partition in (16, 64, 256, 2048, "always", "flat"):
         for workspace in (ws, None):
             got = run(p, partition, workspace=workspace)
             assert_close(got, ref, tol(p))
             assert (got[0] == 0).all()  # no key: partition 0 alone writes the zeros
         assert int(cupy.count_nonzero(ws._counters)) == 0
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("seqs", [1, 7, 300], ids=lambda n: f"seqs{n}")
+def test_flat_split_matches_reference(rng, dt, group, seqs):
+    """The flat split (paged_decode's header): the grid's CTAs take equal runs of every
+    unit's tiles, so a unit is cut anywhere, across CTAs and within one, and merged by its
+    last piece. One sequence, a few, and more than two of the kernel's 128-sequence scan
+    rounds; lengths 0, 1, block and tile edges and long ones; in a scratch and in a
+    workspace (whose counters it leaves zero), twice (the counters start clean again)."""
+    lens = [int(n) for n in rng.integers(0, 3000, seqs)]
+    edges = [0, 1, 15, 16, 17, 63, 64, 65, 9000]
+    lens[: len(edges)] = edges[:seqs] if seqs > 1 else [5000]
+    p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=2 * group, kv_heads=2,
+                     head_size=64, block_size=16, share=True)
+    ref = p.reference()
+    ws = cupaged.DecodeWorkspace(seqs, 2 * group, 64, rows=4096 * 16)
+    for workspace in (None, ws, ws):
+        got = run(p, "flat", workspace=workspace)
+        assert_close(got, ref, tol(p))
+        for s, n in enumerate(lens):
+            if n == 0:
+                assert (got[s] == 0).all()
+    assert int(cupy.count_nonzero(ws._counters)) == 0
+
+
+def test_flat_split_with_short_units_leaves_ctas_idle(rng):
+    """Fewer tiles than CTAs: a unit of one tile each, most CTAs without a run."""
+    p = make_problem(rng, dtype=np.float16, lens=[1, 5, 0, 64], heads=4, kv_heads=4,
+                     head_size=128, block_size=16)
+    assert_close(run(p, "flat"), p.reference(), tol(p))
 
 
 def test_ctas_per_sm_knob_pads_shared_memory_and_keeps_results(rng):
@@ -303,7 +357,7 @@ def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
     with pytest.raises(ValueError, match=r"sequence 1: block_tables\[1, 2\] = .* is outside"):
         cupaged.check_block_tables(cupy.asarray(p.block_tables), cupy.asarray(p.context_lens),
                                    p.key_cache.shape[0], 16)
-    for partition in ("never", "always"):
+    for partition in ("never", "always", "flat"):
         got = run(p, partition)
         assert np.isnan(got[1]).all()
         assert_close(got[[0, 2]], ref[[0, 2]], tol(p))
@@ -318,7 +372,7 @@ def test_lengths_past_the_table_are_clamped_and_reported(rng):
                                    p.key_cache.shape[0], 16)
     # The kernel stops at the table's width; here that reaches the row's unused (garbage)
     # entry, so the sequence comes out NaN instead of reading outside the cache.
-    for partition in ("never", "always"):
+    for partition in ("never", "always", "flat"):
         got = run(p, partition)
         assert_close(got[0], ref[0], tol(p))
         assert np.isnan(got[1]).all()
@@ -391,7 +445,7 @@ def test_stale_slots_never_reach_the_output(rng, dt, group, bs, stale):
     """Every cache slot no sequence uses holds NaN or Inf: the tail of each partly filled
     last block, spare blocks, and the blocks the table's unused entries point at. Lengths
     end inside blocks and tiles, on both paths. (Without the V masking in paged_decode.cuh,
-    0 * NaN puts NaN in the output: `MUTANTS=stale-slots bash tools/regression_check.sh`
+    0 * NaN puts NaN in the output: `bash tools/device.sh mutants stale-slots`
     shows these tests fail then.)"""
     lens = [1, 5, bs + 3, 63, 65, 129, 700]
     p = make_problem(rng, dtype=DTYPES[dt], lens=lens, heads=2 * group, kv_heads=2, head_size=64,
@@ -403,7 +457,7 @@ def test_stale_slots_never_reach_the_output(rng, dt, group, bs, stale):
     for s, n in enumerate(need):  # unused table entries name real (poisoned) blocks
         p.block_tables[s, n:] = rng.choice(spare, p.block_tables.shape[1] - n)
     ref = p.reference()
-    for partition in ("never", "always", 64):
+    for partition in ("never", "always", 64, "flat"):
         assert_close(run(p, partition), ref, tol(p), partition)
 
 

@@ -47,23 +47,38 @@ def generic_runs(monkeypatch):
 
 FORMS = {
     # name: (sequences, query tokens each, table width, query starts, keywords)
-    "decode": (64, 1, 16, False, dict(max_seq_len=256)),
+    # (decode's single pass: keys within one tile, so "auto" takes no split)
+    "decode": (64, 1, 16, False, dict(max_seq_len=64)),
     "decode-workspace": (8, 1, 128, False, dict(max_seq_len=2048, workspace=True)),
     "decode-scratch": (8, 1, 128, False, dict(max_seq_len=2048)),
-    "decode-lse": (64, 1, 16, False, dict(max_seq_len=256, window=128, lse=True)),
+    "decode-lse": (64, 1, 16, False, dict(max_seq_len=64, window=128, lse=True)),
     "rows": (64, 1, 128, True, dict(max_query_len=1, max_seq_len=2048)),
     "prefill": (64, 32, 16, True, dict(max_query_len=32, max_seq_len=256)),
     "prefill-lse": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, lse=True)),
     "decode-fp8-hnd": (64, 1, 16, False, dict(max_seq_len=256, kv_layout="HND",
                                               kv_cache_dtype="fp8_e4m3", k_scale=0.5,
                                               v_scale=0.25)),
-    "decode-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=256, logits_soft_cap=30.0,
+    "decode-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=64, logits_soft_cap=30.0,
                                                     dtype="bfloat16")),
+    # The flat split ("auto" with 64 x 8 (sequence, head tile) units, at least the stub's
+    # H200's resident CTAs): grid (CTAs, 1, 1), partials and one counter a unit in a
+    # scratch of the call's own (zeroed per call) or in the workspace's
+    "decode-flat": (64, 1, 16, False, dict(max_seq_len=256)),
+    "decode-flat-workspace": (64, 1, 16, False, dict(max_seq_len=256, workspace=True)),
+    "decode-flat-lse": (64, 1, 16, False, dict(max_seq_len=256, window=128, lse=True)),
+    "decode-flat-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=256,
+                                                         logits_soft_cap=30.0,
+                                                         dtype="bfloat16")),
     # side arrays: a plan's run takes them (bound), attention's has no fast run for them
-    "decode-sinks-lse": (64, 1, 16, False, dict(max_seq_len=256, sinks=True, lse=True)),
+    "decode-sinks-lse": (64, 1, 16, False, dict(max_seq_len=64, sinks=True, lse=True)),
+    "decode-flat-sinks-lse": (64, 1, 16, False, dict(max_seq_len=256, sinks=True, lse=True)),
     "prefill-alibi": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, alibi=True)),
 }
-SIDE_ARRAYS = ("decode-sinks-lse", "prefill-alibi")
+SIDE_ARRAYS = ("decode-sinks-lse", "decode-flat-sinks-lse", "prefill-alibi")
+# Forms whose split-KV partials are a scratch of each call's own: one memset of its merge
+# counters before the launch
+SCRATCH = ("decode-scratch", "decode-flat", "decode-flat-lse", "decode-flat-soft-cap-bf16",
+           "decode-flat-sinks-lse")
 
 
 def make_form(stub, name):
@@ -207,7 +222,12 @@ def test_fast_run_launches_what_the_generic_path_launches(stub, generic_runs, fo
             assert got[0] == "launched" and got[1][0] == id(b["out"])
             kernels = [x for x in got[2] if x[0] != "memset"]
             assert len(kernels) == 1 and kernels[0][4] == stub._stream(0).ptr
-            assert len(got[2]) == (2 if form == "decode-scratch" else 1)
+            assert len(got[2]) == (2 if form in SCRATCH else 1)
+            if "flat" in form:  # the planner's choice, which the form must stay
+                name, grid = kernels[0][:2]
+                assert name.split("_")[-3].endswith("r") and grid[1:] == (1, 1), name
+                if form in SCRATCH:  # a counter a unit: 64 sequences x 8 head tiles
+                    assert got[2][0][:4] == ("memset", got[2][0][1], 0, 4 * 64 * 8)
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -506,16 +526,26 @@ def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("form", ["decode", "decode-long-workspace", "decode-long-scratch",
-                                  "decode-window-lse", "prefill"])
-def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, form, entry):
+                                  "decode-window-lse", "decode-flat-long-workspace",
+                                  "decode-flat-long-scratch", "prefill"])
+def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatch, request,
+                                                   form, entry):
     """The fast run on the device: every layer's output (and lse) against the reference,
-    with no call through the generic path once the run is made."""
+    with no call through the generic path once the run is made. The flat forms take the
+    flat split whatever the device (the flat_split fixture; attention has no partition=):
+    a few units over one wave of CTAs, most idle, runs cut across units."""
     from conftest import assert_close
     from test_prepared import _device, _layers
 
     from cupaged import reference, testing
 
     decode = form.startswith("decode")
+    flat = []
+    if "flat" in form:
+        request.getfixturevalue("flat_split")
+        real_plan_flat = planning.plan_flat
+        monkeypatch.setattr(planning, "plan_flat",
+                            lambda *a: flat.append(real_plan_flat(*a)) or flat[-1])
     seq = [3000, 1, 2500, 700] if "long" in form else [40, 1, 300, 64]
     q_lens = [1, 1, 1, 1] if decode else [5, 1, 33, 1]
     layers = _layers(rng, 3, q_lens, seq, heads=8, kv_heads=2)
@@ -524,7 +554,7 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, form, entr
     if decode:
         for h, d in zip(layers, devs):
             h["query_start_loc"] = d["query_start_loc"] = None
-    if form == "decode-long-workspace":
+    if form.endswith("long-workspace"):
         kw["workspace"] = cupaged.DecodeWorkspace(4, 8, 64)
     if form == "decode-window-lse":
         kw["window"] = ref_kw["window"] = 32
@@ -565,3 +595,5 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, form, entr
             d["out"].fill(np.nan)
     if decode:
         assert entry == "plan" or _prepared.fast_attention
+    if "flat" in form:  # planned flat, once (then remembered)
+        assert len(flat) == 1 and flat[0] is not None and flat[0].split_tokens == -1

@@ -117,9 +117,13 @@ def test_attention_over_fp8_matches_reference(rng, fmt, mode, layout, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("hs, group", [(128, 8), (256, 4)], ids=lambda c: str(c))
-def test_decode_over_fp8_token_major_swizzled_rows(rng, hs, group, layout):
+@pytest.mark.parametrize("split", ["auto", "flat"])
+def test_decode_over_fp8_token_major_swizzled_rows(rng, request, hs, group, layout, split):
     """The tensor-core decode path over fp8 token-major caches whose rows (8 and 16
-    chunks of 16 one-byte elements) are stored swizzled in shared memory."""
+    chunks of 16 one-byte elements) are stored swizzled in shared memory, in the grid
+    split and the flat one."""
+    if split == "flat":
+        request.getfixturevalue("flat_split")
     fmt = FORMATS[int(rng.integers(2))]
     mode = MODES[int(rng.integers(3))]
     seq = [0, 1, 15, 16, 17, 63, 64, 65, 200, 1000]

@@ -173,7 +173,7 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 
 def test_specialization_names_are_unique():
-    # paged_decode: 14904 per target for each of 5 variants; paged_prefill: 3724 for each of
+    # paged_decode: 14904 per target for each of 7 variants; paged_prefill: 3724 for each of
     # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
     # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
@@ -191,12 +191,12 @@ def test_specialization_names_are_unique():
     # stage rows beside a widened tile (13 on sm_80, 17 on sm_90); mla_sparse_attention_sm90
     # for sm_90a only: 2 dtypes x 9 block sizes over 16-bit caches, 9 over fp8_ds_mla. Head
     # sizes over 256 add
-    # 23,866 decode specializations (both targets) for each of 5 variants, and 9,088
+    # 23,866 decode specializations (both targets) for each of 7 variants, and 9,088
     # prefill ones for each of 5 and their 4,544 of bfloat16 for each of 2.
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 5 + 3724 * 5 + 1862 * 2 + 135
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 3724 * 5 + 1862 * 2 + 135
                                                           + 44 + 2 + 16 + 3 + 4 + 2 * 4 * 7 * 2
                                                           + 1) + 228 * 5 + 114 * 2 \
-        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 5 + 9088 * 5 + 4544 * 2 \
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
         + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 2 * 9 + 9
 
 

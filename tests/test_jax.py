@@ -376,8 +376,9 @@ def test_debug_override_is_per_thread(monkeypatch):
     assert not _checks.debug()
 
 
-def _prep(split=False, rows=0, mla=False, partials=None):
-    """A stand-in prepared call whose launch splits over ``rows`` partial rows or not."""
+def _prep(split=False, rows=0, mla=False, partials=None, counters=0):
+    """A stand-in prepared call whose launch splits over ``rows`` partial rows (merged by
+    paged_decode with ``counters``) or not."""
     from cupaged import launch
 
     if mla:
@@ -385,7 +386,7 @@ def _prep(split=False, rows=0, mla=False, partials=None):
                               partials)
     else:
         ln = types.SimpleNamespace(split=split, scratch_rows=rows if split else 0,
-                                   partials=partials)
+                                   partials=partials, counters=counters, combine=None)
     return types.SimpleNamespace(launch=ln)
 
 
@@ -413,6 +414,11 @@ def test_shared_workspace_only_when_the_plan_splits(monkeypatch):
     calls.clear()
     prep, ws = cj._planned(prepare(lambda ws: _prep(True, 9000, True, ws)), None, 0, 512)
     assert ws == "ws" and asked[-1] == (0, 9000, 512)
+    # The flat split's counters (one a unit) outnumber its rows' half: the workspace,
+    # which holds rows // 2, is asked for twice the counters.
+    prep, ws = cj._planned(prepare(lambda ws: _prep(True, 792, partials=ws, counters=2048)),
+                           None, 0, 128)
+    assert ws == "ws" and asked[-1] == (0, 4096, 128)
     mine = object()
     calls.clear()
     prep, ws = cj._planned(prepare(lambda ws: _prep(True, 64, partials=ws)), mine, 0, 128)

@@ -233,8 +233,9 @@ def sm90_tile(sm90):
 @pytest.mark.parametrize("case", [("bf16", 128, ""), ("f16", 64, ""), ("f16", 64, "fp8_e4m3")],
                          ids=lambda c: "_".join(str(x) for x in c if x))
 def test_every_tile_shape(rng, sm90_tile, case, tile):
-    """The tiles tools/prefill_tiles.py times (FAMILY=sm90) beside the defaults, each the
-    same attention; fp8 with 128-token tiles too."""
+    """The tiles `cupaged-bench prefill --tile N,S` times (tools/device.sh rows
+    prefill-tiles:sm90) beside the defaults, each the same attention; fp8 with 128-token
+    tiles too."""
     from test_fp8 import fp8_problem, run as run_fp8
 
     dtype, hs, fmt = case

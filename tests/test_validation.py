@@ -167,7 +167,7 @@ def test_max_context_len_checks():
 
 @pytest.mark.parametrize("partition, match", [
     (0, "positive multiple of block_size"), (24, r"positive multiple of block_size \(16\)"),
-    ("sometimes", "partition must be 'auto', 'never', 'always' or an int"),
+    ("sometimes", "partition must be 'auto', 'never', 'always', 'flat' or an int"),
     (True, "partition must be"),
 ])
 def test_partition_checks(partition, match):
@@ -610,3 +610,41 @@ def test_the_documented_context_limit_is_where_validation_stops(bs):
     assert vvalidate(**{**v, "block_tables": _table(widest)}).max_blocks == widest
     with pytest.raises(ValueError, match=f"at most {DOCUMENTED_MAX_TOKENS} are supported"):
         vvalidate(**{**v, "block_tables": _table(widest + 1)})
+
+
+def test_auto_takes_the_flat_split_from_as_many_units_as_resident_ctas(monkeypatch):
+    """planning.flat_pays: at least as many (sequence, head tile) units as resident CTAs,
+    each of two tiles or more, and runs within MAX_PASS_TOKENS; plan_flat: one wave of
+    CTAs at the natural residency, two partial slots a CTA per head tile, a counter a unit,
+    and the grid split where a workspace lacks the room."""
+    assert planning.flat_pays(2048, 2048, KS)  # 32/32 heads, batch 64
+    assert planning.flat_pays(396, 2048, KS)
+    assert not planning.flat_pays(395, 2048, KS)
+    assert not planning.flat_pays(4096, 64, KS)  # one tile a unit: nothing to even out
+    assert planning.flat_pays(4096, 65, KS)
+    assert not planning.flat_pays(396, planning.MAX_PASS_TOKENS + 64, KS)  # a run too long
+    assert planning.flat_pays(2048, 2048, KS, planning.FLAT_MAX_SEQS)
+    assert not planning.flat_pays(2048 * 16, 2048, KS, planning.FLAT_MAX_SEQS + 1)
+    ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
+    monkeypatch.setattr(planning, "decode_kernels", lambda *a, **k: ks)
+    p = validate(**args(seqs=64, heads=32, kv_heads=32, hs=128, bs=16, width=128))
+    plan = planning.plan_decode(p, 2048, "auto", None)
+    assert plan.grid == (396, 1, 1) and plan.split_tokens == -1 and plan.smem == KS.smem
+    assert (plan.partial_rows, plan.counters) == (2 * 396, 64 * 32)
+    built = launch.build(None, None, p, plan, 0.1, True, 0, _variants.PLAIN, None)
+    assert built.split and built.scratch_rows == 2 * 396 and built.counters == 64 * 32
+    assert planning.plan_decode(p, 2048, "auto", None, rows=True).split_tokens >= 0
+    assert planning.plan_decode(p, 2048, "never", None).split_tokens == 0
+    small = launch.Partials(1, 2, 3, max_rows=2 * 396 - 1, counters=4, max_counters=10**6)
+    assert planning.plan_decode(p, 2048, "flat", small).split_tokens >= 0
+    roomy = launch.Partials(1, 2, 3, max_rows=2 * 396, counters=4, max_counters=64 * 32)
+    assert planning.plan_decode(p, 2048, "flat", roomy).split_tokens == -1
+    few = validate(**args(seqs=8, heads=32, kv_heads=8, hs=128, bs=16, width=128))
+    assert planning.plan_decode(few, 2048, "auto", None).split_tokens >= 0
+    assert planning.plan_decode(few, 2048, "flat", None).grid == (396, 1, 1)
+    # A flat specialization that holds fewer CTAs at once: "auto" keeps the grid split.
+    lower = SimpleNamespace(**{**vars(ks), "slots": 264})
+    monkeypatch.setattr(planning, "decode_kernels",
+                        lambda *a, **k: lower if a[-1].endswith("r") else ks)
+    assert planning.plan_decode(p, 2048, "auto", None).split_tokens >= 0
+    assert planning.plan_decode(p, 2048, "flat", None).grid == (264, 1, 1)

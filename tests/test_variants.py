@@ -122,12 +122,15 @@ def _problem(rng, q_lens, seq_lens, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(VARIANT_CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["decode", "mixed", "mixed_split", "rows"])
-def test_variants_match_reference(rng, prefill_split, case, layout, kind):
-    """Each variant alone and all together, on decode (split-KV and not), a mixed varlen
-    batch (the multi-token kernel, single pass and split into 64-token partitions) and
-    float32 (the decode kernel's row mode)."""
+@pytest.mark.parametrize("kind", ["decode", "decode_flat", "mixed", "mixed_split", "rows"])
+def test_variants_match_reference(rng, prefill_split, request, case, layout, kind):
+    """Each variant alone and all together, on decode (split-KV and not, and the flat
+    split), a mixed varlen batch (the multi-token kernel, single pass and split into
+    64-token partitions) and float32 (the decode kernel's row mode)."""
     prefill_split(64 if kind == "mixed_split" else 0)
+    if kind == "decode_flat":
+        request.getfixturevalue("flat_split")
+        kind = "decode"
     heads, kvh, hs, bs = 8, 2, 64, 16
     dtype = "f32" if kind == "rows" else ("bf16" if case == "all" else "f16")
     if kind == "decode":
@@ -153,7 +156,7 @@ def test_variants_match_reference(rng, prefill_split, case, layout, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("partition", ["never", "always", 16, 64])
+@pytest.mark.parametrize("partition", ["never", "always", 16, 64, "flat"])
 @pytest.mark.parametrize("window", [1, 16, 64, 65, 200, 5000])
 def test_window_edges_on_split_kv_decode(rng, window, partition):
     """W = 1, W = block size, W straddling tile and partition boundaries, W beyond the
@@ -399,8 +402,11 @@ def test_the_fixed_offset_bound_matches_the_kernels():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_variants_over_fp8_caches(rng, fmt, layout, kind):
+@pytest.mark.parametrize("kind", ["decode", "decode_flat", "mixed"])
+def test_variants_over_fp8_caches(rng, request, fmt, layout, kind):
+    if kind == "decode_flat":
+        request.getfixturevalue("flat_split")
+        kind = "decode"
     heads, kvh = 16, 4
     q_lens = [1] * 5 if kind == "decode" else [1, 9, 0, 33]
     seq = [5, 70, 1, 900, 260] if kind == "decode" else [40, 300, 2, 600]
@@ -417,7 +423,7 @@ def test_variants_over_fp8_caches(rng, fmt, layout, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", ["never", "always"])
+@pytest.mark.parametrize("split", ["never", "always", "flat"])
 def test_sinks_with_empty_contexts_give_zeros_and_the_sink_as_lse(rng, split):
     import cupy
 

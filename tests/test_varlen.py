@@ -85,7 +85,7 @@ def test_mixed_batch_matches_reference(rng, case, layout, causal):
 
 
 # Tile shapes (warps, m_atoms, tile_tokens, stages) beyond the planner's: the tuning sweep
-# (tools/prefill_tiles.py) times these, so each must compute the same attention.
+# (cupaged-bench prefill --tile) times these, so each must compute the same attention.
 TILES = [(4, 1, 32, 2), (8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 3),
          (4, 2, 32, 2), (2, 1, 128, 2), (4, 1, 16, 3)]
 

@@ -1,5 +1,7 @@
-"""Mutants for tools/regression_check.sh: copies of the library with one check or fix
-taken out, each with the tests that must fail on it (and pass on the real source).
+"""Mutants for `bash tools/device.sh mutants [NAME...]`: copies of the library with one
+check or fix taken out, each with the tests that must fail on it (and pass on the real
+source): evidence that those tests guard the check. tests/test_tools.py applies each to a
+copy on the CPU, so a mutant whose pattern no longer matches the source fails there.
 
     python3 tools/mutants.py list
     python3 tools/mutants.py apply NAME TREE     # edit the copy of the repository at TREE
@@ -41,7 +43,9 @@ def apply(name: str, tree: str) -> None:
 
 if __name__ == "__main__":
     cmd = sys.argv[1:2]
-    if cmd == ["list"]:
+    if cmd in (["-h"], ["--help"]):
+        print(__doc__)
+    elif cmd == ["list"]:
         print("\n".join(MUTANTS))
     elif cmd == ["apply"]:
         apply(sys.argv[2], sys.argv[3])

@@ -6,6 +6,7 @@ override_paged_eager() from 5.19); the greedy tokens must equal a single-GPU run
 same weights, and transformers' paged SDPA path's.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 tools/tp_generate.py [--out DIR]
+    (on the device: bash tools/device.sh tp)
 
 Each rank's attention runs through cupaged on its own heads (transformers shards the
 heads and the paged cache). Rank 0 prints the comparison; the exit status is 1 on a

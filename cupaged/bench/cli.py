@@ -413,7 +413,8 @@ def _partition(value):
                                  param_hint="--partition")
 
 
-def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_path, title):
+def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_path, title,
+           summary=False):
     """Run, print the table, write the files; exit 1 if any check failed."""
     from . import decode, report, timing
 
@@ -430,7 +431,11 @@ def _sweep(workloads, impls, partition, reps, seed, json_path, csv_path, plot_pa
                            item_show_func=lambda w: w and f"batch {w.batch} ctx {w.context_label}") as bar:
         for w in bar:
             results += decode.measure(w, impls, partition, reps, seed, bw)
-    _print_table(results, compare=len(impls) > 1)
+    if summary:
+        for line in report.summary_lines(results):
+            click.echo(line)
+    else:
+        _print_table(results, compare=len(impls) > 1)
     env = report.environment()
     if json_path:
         report.write_json(json_path, results, env, bw / 1e9)
@@ -486,6 +491,22 @@ def _print_table(results, compare: bool):
         click.echo(line)
 
 
+def _int_tuples(values, lengths, hint: str) -> tuple:
+    """'4,2,64,2' values -> tuples of ints, each of one of ``lengths``."""
+    out = []
+    for v in values:
+        try:
+            t = tuple(int(x) for x in v.split(","))
+            if len(t) not in lengths or min(t) < 1:
+                raise ValueError
+        except ValueError:
+            raise click.BadParameter(f"expected {' or '.join(map(str, lengths))} positive "
+                                     f"integers, comma-separated, got {v!r}",
+                                     param_hint=hint) from None
+        out.append(t)
+    return tuple(out)
+
+
 def _tile(ctx, param, value):
     if value is None:
         return None
@@ -498,14 +519,21 @@ def _tile(ctx, param, value):
     return tt, st
 
 
+def _tuning_options(f):
+    """--tile and --ctas-per-sm (decode and compare: cupaged's rows)."""
+    f = click.option("--ctas-per-sm", type=click.IntRange(1, 32), default=None,
+                     help="Tuning: at most this many decode CTAs resident per SM (the launch "
+                          "reserves shared memory to enforce it); the split model plans "
+                          "with it.")(f)
+    return click.option("--tile", default=None, callback=_tile, metavar="TOKENSxSTAGES",
+                        help="Tuning: force the decode kernels' tile (tokens) and pipeline "
+                             "depth, e.g. 32x3, instead of the default for the dtype and "
+                             "head size.")(f)
+
+
 @main.command()
 @_workload_options
-@click.option("--tile", default=None, callback=_tile, metavar="TOKENSxSTAGES",
-              help="Tuning: force the decode kernels' tile (tokens) and pipeline depth, "
-                   "e.g. 32x3, instead of the default for the dtype and head size.")
-@click.option("--ctas-per-sm", type=click.IntRange(1, 32), default=None,
-              help="Tuning: at most this many decode CTAs resident per SM (the launch "
-                   "reserves shared memory to enforce it); the split model plans with it.")
+@_tuning_options
 def decode(presets, batch, context, context_dist, rows, heads, kv_heads, head_size, block_size,
            dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
            json_path, csv_path, plot_path, tile, ctas_per_sm):
@@ -527,9 +555,15 @@ def decode(presets, batch, context, context_dist, rows, heads, kv_heads, head_si
 @_workload_options
 @click.option("--impl", "impls", multiple=True,
               help="Implementations to run (default: every one available here).")
+@_tuning_options
+@click.option("--summary", is_flag=True,
+              help="Instead of the full table (which --json and --csv keep), one line per "
+                   "workload: cupaged's time and % copy, each other implementation's time "
+                   "over cupaged's, FlashInfer's plan() host times; then the notes of the "
+                   "rows that did not run or failed their check.")
 def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_size, block_size,
             dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
-            json_path, csv_path, plot_path, impls):
+            json_path, csv_path, plot_path, impls, tile, ctas_per_sm, summary):
     """The same workloads through every implementation available here, on the same data:
     cupaged, a CuPy gather-then-attend baseline, (when torch is importable) torch SDPA
     over gathered pages and over dense contiguous KV, and (when FlashInfer is importable)
@@ -583,7 +617,11 @@ def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_s
         title += f" ({kv} cache)"
     if not variants.plain:
         title += f" ({variants.label()})"
-    _sweep(ws, chosen, _partition(partition), reps, seed, json_path, csv_path, plot_path, title)
+    from .. import planning
+
+    planning.set_tuning(tile, ctas_per_sm)
+    _sweep(ws, chosen, _partition(partition), reps, seed, json_path, csv_path, plot_path, title,
+           summary)
 
 
 # ---- multi-token steps ----------------------------------------------------------------------------
@@ -621,8 +659,15 @@ def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_s
 @_sinks_option
 @_alibi_option
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
+@click.option("--tile", "tiles", multiple=True, callback=lambda c, p, v: _int_tuples(
+                  v, (4, 2), "--tile"), metavar="W,M,N,S|N,S",
+              help="Tuning, repeatable (each tile's rows in turn, labelled): the multi-token "
+                   "kernel's tile instead of the planner's, warps,m_atoms,tile_tokens,stages "
+                   "of paged_prefill (the mma.sync kernel, e.g. 4,2,64,2) or "
+                   "tile_tokens,stages of Hopper's paged_prefill_sm90 (e.g. 128,3).")
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, sinks, alibi, reps):
+            dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, sinks, alibi, reps,
+            tiles):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
@@ -676,11 +721,22 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
     _echo_variants(variants)
     click.echo(f"{'shape':20s} {'implementation':18s} {'median us':>10s} {'TFLOP/s':>8s} "
                f"{'% mm':>6s} {'% copy':>7s} {'error':>8s}  note")
+    from .. import planning
+
     wrong = 0
-    for r in prefill.measure(cases, impls, reps, bw):
-        click.echo(f"{r.case:20s} {r.impl:18s} {r.median_us:10.1f} {r.tflops:8.1f} "
-                   f"{100 * r.tflops / mm:5.1f}% {r.pct_copy:6.1f}% {r.error:8.1e}  {r.note}")
-        wrong += r.note == "WRONG"
+    for tile in tiles or (None,):
+        label = "" if tile is None else (" w{}m{}n{}x{}" if len(tile) == 4 else " n{}x{}").format(*tile)
+        if tile is not None:
+            (planning.set_prefill_tile if len(tile) == 4 else planning.set_sm90_tile)(tile)
+        try:
+            rows = prefill.measure(cases, impls, reps, bw)
+        finally:
+            planning.set_prefill_tile(None)
+            planning.set_sm90_tile(None)
+        for r in rows:
+            click.echo(f"{r.case:20s} {r.impl + label:18s} {r.median_us:10.1f} {r.tflops:8.1f} "
+                       f"{100 * r.tflops / mm:5.1f}% {r.pct_copy:6.1f}% {r.error:8.1e}  {r.note}")
+            wrong += r.note == "WRONG"
     sys.exit(1 if wrong else 0)
 
 
@@ -716,10 +772,71 @@ def _mla_options(f):
                      help="The latent cache: the query's dtype, or fp8 (per-tensor scale "
                           "1/64, written by concat_and_cache_mla; cupaged rows only)."),
         click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
+        click.option("--tile", "tiles", multiple=True, metavar="R,T,S|all",
+                     help="Tuning, repeatable: mla_attention's mma.sync kernel in this tile "
+                          "(rows, tile_tokens, stages, e.g. 16,32,4) instead of the "
+                          "planner's choice; 'all': every 16- or 32-token tile of 2 to 4 "
+                          "stages this GPU's shared memory holds, in the fewest rows of 16, "
+                          "32, 64 that hold a case's packed rows. Each row is labelled with "
+                          "its tile and how many CTAs an SM holds (/SM)."),
+        click.option("--split", "splits", multiple=True, metavar="auto|TILES",
+                     help="Tuning, repeatable: mla_attention's split-KV, tiles per partition "
+                          "(0: a single pass) instead of the planner's (auto)."),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def _mla_tuned(cases, impls, reps, bw, tiles, splits):
+    """mla.measure under every (tile, split) override asked for, each row's impl labelled
+    with them; tiles that do not fit the GPU are skipped with a line saying so."""
+    import cupy
+
+    from .. import planning
+    from ..specs import geometry
+    from . import mla
+
+    dev = planning.device_info(cupy.cuda.Device().id)
+    rows = []
+    for case in cases:
+        if "all" in tiles:
+            need = case.heads * case.q_len
+            r = min(64, max(16, 1 << (need - 1).bit_length()))
+            shapes = [(r, t, st) for t in (16, 32) for st in (2, 3, 4)]
+        else:
+            shapes = [tuple(int(x) for x in t.split(",")) for t in tiles] or [None]
+        for tile in shapes:
+            per_sm = ""
+            if tile is not None:
+                g = geometry.MlaGeometry(512, 64, *tile, case.cache_itemsize)
+                if not g.fits(dev.arch):
+                    click.echo(f"{case.name}: tile {tile} does not fit {dev.arch}'s shared "
+                               f"memory, skipped")
+                    continue
+                try:  # CTAs an SM holds (shared memory and registers: the occupancy API)
+                    cache = ("bf16" if case.dtype == "bfloat16" else "f16") if not case.fp8 \
+                        else case.kv_cache_dtype.split("_")[1]
+                    k = planning.mla_kernel(cupy.cuda.Device().id,
+                                            "bf16" if case.dtype == "bfloat16" else "f16",
+                                            cache, 512, 64, case.block_size, tile)
+                    per_sm = f" {k.slots // dev.sm_count}/SM"
+                except Exception:  # noqa: BLE001 - the row itself says why it cannot run
+                    per_sm = ""
+            for split in splits or ("auto",):
+                planning.set_mla_tile(tile)
+                planning.set_mla_split(None if split == "auto" else int(split))
+                try:
+                    got = mla.measure([case], impls, reps, bw)
+                finally:
+                    planning.set_mla_tile(None)
+                    planning.set_mla_split(None)
+                label = ("" if tile is None else " r{}t{}x{}".format(*tile) + per_sm) + \
+                    ("" if split == "auto" and not splits else f" split={split}")
+                for r in got:
+                    r.impl += label
+                rows += got
+    return rows
 
 
 def _mla_row(r, mm: float) -> str:
@@ -733,7 +850,8 @@ def _mla_row(r, mm: float) -> str:
 
 @main.command()
 @_mla_options
-def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache_dtype, reps):
+def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache_dtype, reps,
+        tiles, splits):
     """Absorbed multi-head latent attention (DeepSeek's MLA) decode over a paged latent
     cache: cupaged.mla_attention beside FlashInfer's BatchMLAPagedAttentionWrapper (fa2,
     fa3), on the same bytes (FlashInfer's ckv and kpe caches are views of the combined
@@ -760,7 +878,17 @@ def mla(presets, impls, heads, batch, context, q_len, page_size, dtype, kv_cache
     except ValueError as e:
         raise click.UsageError(str(e))
     impls = list(dict.fromkeys(impls or ["cupaged"]))
-    _mla_table(cases, lambda bw: mla.measure(cases, impls, reps, bw))
+    for t in tiles:
+        if t != "all":
+            _int_tuples([t], (3,), "--tile")
+    for sp in splits:
+        if sp != "auto" and not sp.isdigit():
+            raise click.BadParameter(f"expected auto or tiles per partition, got {sp!r}",
+                                     param_hint="--split")
+    if tiles or splits:
+        _mla_table(cases, lambda bw: _mla_tuned(cases, impls, reps, bw, tiles, splits))
+    else:
+        _mla_table(cases, lambda bw: mla.measure(cases, impls, reps, bw))
 
 
 def _mla_table(cases, measure) -> None:
@@ -1103,10 +1231,17 @@ def cascade(seqs, prefix, suffix, heads, kv_heads, head_size, block_size, dtype,
               help="Write one row per system as CSV (environment as # comment lines).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Bar charts of tokens/s, TTFT and TPOT per system (needs matplotlib).")
+@click.option("--profile-steps", type=(click.IntRange(0), click.IntRange(1)), default=None,
+              metavar="SKIP STEPS",
+              help="Instead of the comparison: where one system's steps go. One --systems of "
+                   "concat, cupaged-eager or cupaged serves the requests (all at once) after "
+                   "its warm-up; each step's wall time is printed (synchronized), and "
+                   "torch.profiler's top operators by CUDA and CPU time over STEPS steps "
+                   "from step SKIP.")
 def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, prefix_caching,
         kv_cache_dtype, request_rate, systems, max_batched_tokens, max_running, seed,
         memory_fraction, block_size, kv_layout, hf_batch, breakdown, json_path, csv_path,
-        plot_path):
+        plot_path, profile_steps):
     """Serve one workload of random requests end to end through several systems, with
     the same model weights and the same requests for each: cupaged (the engine's
     continuous batching over a PagedKVCache, decode steps in CUDA graphs), cupaged-eager
@@ -1142,6 +1277,14 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
         why = e2e.unsupported(s, workload)
         if why:
             raise click.BadParameter(why, param_hint="--systems")
+    if profile_steps is not None:
+        if len(set(systems)) != 1 or systems[0] not in e2e.PROFILED_SYSTEMS:
+            raise click.BadParameter(f"--profile-steps profiles one system: one --systems of "
+                                     f"{', '.join(e2e.PROFILED_SYSTEMS)}",
+                                     param_hint="--systems")
+        _require_gpu()
+        e2e.profile_steps(workload, systems[0], *profile_steps, echo=click.echo)
+        return
     _require_gpu()
     for s in systems:
         why = e2e.unavailable(s)
@@ -1173,6 +1316,211 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
     sys.exit(1 if "failed" in statuses else 3 if "skipped" in statuses else 0)
 
 
+# ---- fp8 accuracy --------------------------------------------------------------------------------
+
+
+@main.command("fp8-error")
+@click.option("--heads", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--head-size", type=int, default=128, show_default=True)
+@click.option("--seqs", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--tokens", type=click.IntRange(1), default=1000, show_default=True,
+              help="Cached tokens per sequence.")
+def fp8_error(heads, kv_heads, head_size, seqs, tokens):
+    """The accuracy an fp8 KV cache costs: decode over e4m3 and e5m2 caches written from
+    a float16 one by reshape_and_cache (per-tensor scales from the values' maximum, and
+    per-token scales), against the float64 reference on the float16 cache; the float16
+    cache's own error beside them. Relative Frobenius error of the output."""
+    from . import fp8_error as fe
+
+    if heads % kv_heads:
+        raise click.BadParameter("--heads must be a multiple of --kv-heads", param_hint="--heads")
+    _require_gpu()
+    click.echo(f"decode, {heads}/{kv_heads} heads, head size {head_size}, {seqs} x {tokens} "
+               f"tokens, float16 queries; relative error against the float64 reference on "
+               f"the float16 cache")
+    click.echo(f"{'cache':28s} {'scales':8s} {'rel err':>9s}")
+    for r in fe.rows(heads, kv_heads, head_size, seqs, tokens):
+        click.echo(f"{r['format']:28s} {r['scales']:8s} {r['rel_err']:9.2e}")
+
+
+# ---- A/B in one process ------------------------------------------------------------------------
+
+
+@main.group()
+def ab():
+    """A/B measurements in one process, the two sides' runs interleaved in rounds so both
+    see the same clocks and CPU phases: another library tree against this one (decode
+    kernel time, host time per call), or decode under planner overrides. (Two trees
+    through whole bench commands, one process each, in turn: tools/device.sh ab.)"""
+
+
+_TREE_HELP = ("The other library: a folder holding a checkout's cupaged/ and cuda_src/ (e.g. "
+              "`git archive BASE cupaged cuda_src | tar -x -C .ab/base`), imported beside "
+              "this one; its columns are 'old'.")
+
+
+def _load_tree(tree):
+    from . import ab as ab_mod
+
+    try:
+        return ab_mod.load_tree(tree)
+    except FileNotFoundError as e:
+        raise click.BadParameter(str(e), param_hint="--tree")
+
+
+def _csv_choice(value: str, allowed, hint: str) -> list:
+    items = [v for v in value.split(",") if v]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise click.BadParameter(f"expected comma-separated values of {', '.join(allowed)}, "
+                                 f"got {value!r}", param_hint=hint)
+    return items
+
+
+def _shapes(ctx, param, value):
+    """--shapes A,B,...: the same as --row A --row B."""
+    return _rows(ctx, param, [v for v in (value or "").split(",") if v])
+
+
+_SHAPES_HELP = "Shapes as --row's, comma-separated (added to --row's)."
+
+
+@ab.command("decode")
+@click.option("--tree", required=True, type=click.Path(exists=True, file_okay=False),
+              help=_TREE_HELP)
+@click.option("--row", "rows", multiple=True, callback=_rows, metavar="H/KVH/B/CTX",
+              help="A shape (repeatable), as decode's --row; default the eight decode rows "
+                   "(32/8/64/2048, 32/32/64/2048, 32/8/8/32768, 32/8/1/1024, "
+                   "32/8/128/uniform:128:4096, 32/8/256/512, 8/1/64/4096, 32/8/1/131072).")
+@click.option("--shapes", callback=_shapes, default=None, metavar="H/KVH/B/CTX,...",
+              help=_SHAPES_HELP)
+@click.option("--layouts", default="vllm,NHD,HND", show_default=True,
+              help="Cache layouts, comma-separated: vllm (paged_attention), NHD, HND "
+                   "(attention).")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16",
+              show_default=True)
+@click.option("--starts", is_flag=True,
+              help="Call attention with query_start_loc and max_query_len=1 (as vLLM's "
+                   "backends do), every layout.")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--reps", type=click.IntRange(3), default=10, show_default=True)
+def ab_decode(tree, rows, shapes, layouts, dtype, starts, rounds, reps):
+    """Decode kernel time, the library in --tree against this one, on the same data in one
+    process: each (row, layout) is checked against the float64 reference for both, then
+    timed in rounds alternating old and new (L2 flushed, a GPU busy-wait before each run,
+    device time); new/old of the medians is the figure. Exit status 1 when a check
+    failed."""
+    from . import ab as ab_mod
+
+    lay = _csv_choice(layouts, ("vllm", "NHD", "HND"), "--layouts")
+    _require_gpu()
+    other = _load_tree(tree)
+    ok = ab_mod.decode_ab(other, list(rows + shapes) or ab_mod.DECODE_ROWS, lay, dtype, rounds,
+                          reps, starts, echo=click.echo)
+    sys.exit(0 if ok else 1)
+
+
+@ab.command("host")
+@click.option("--tree", required=True, type=click.Path(exists=True, file_okay=False),
+              help=_TREE_HELP)
+@click.option("--rounds", type=click.IntRange(1), default=15, show_default=True)
+@click.option("--calls", type=click.IntRange(1), default=100, show_default=True,
+              help="Calls per round and side.")
+def ab_host(tree, rounds, calls):
+    """Host time per call of the entry points (kernels cached, out given; CuPy, and torch
+    where it imports), the library in --tree against this one, in one process: rounds of
+    CALLS calls alternate old and new (and which goes first); the median of the per-round
+    ratios new/old is the figure. The first row, plain Python work, gauges the CPU's
+    phase. Pin the process to one core (taskset -c N; tools/device.sh bench does with
+    CORE=N)."""
+    from . import ab as ab_mod
+
+    _require_gpu()
+    other = _load_tree(tree)  # before torch: the trees register no torch ops then
+    torch = None
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+    ab_mod.host_ab(other, rounds, calls, torch, echo=click.echo)
+
+
+def _pairs(value: str) -> list:
+    try:
+        out = [tuple(int(x) for x in p.split("/")) for p in value.split(",") if p]
+        if not out or any(len(p) != 2 or min(p) < 1 or p[0] % p[1] for p in out):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"expected HEADS/KV_HEADS pairs, comma-separated (heads a "
+                                 f"multiple of KV heads), got {value!r}",
+                                 param_hint="--heads") from None
+    return out
+
+
+@ab.command("tuning")
+@click.option("--settings", default="-,2@never,2@auto", show_default=True,
+              help="Comma-separated settings, each ctas[@partition[@TOKENSxSTAGES]]: CTAs "
+                   "per SM, split-KV partition (auto, never, always or tokens) and decode "
+                   "tile, '-' a default (e.g. -,2@never,-@auto@64x3). The last column is the "
+                   "first setting's time over the best of the others. (A value that starts "
+                   "with '-': --settings=-,...)")
+@click.option("--row", "rows", multiple=True, callback=_rows, metavar="H/KVH/B/CTX",
+              help="A shape (repeatable), as decode's --row; default 32/8/64/2048, "
+                   "32/32/64/2048, 32/8/8/32768, 32/8/256/512, 32/8/128/uniform:128:4096, "
+                   "8/1/64/4096.")
+@click.option("--shapes", callback=_shapes, default=None, metavar="H/KVH/B/CTX,...",
+              help=_SHAPES_HELP)
+@click.option("--heads", default=None, metavar="H/KVH,...",
+              help="Instead of --row: the product of these head pairs, --batch and --context.")
+@click.option("--batch", callback=_int_list, default=None, help="With --heads.")
+@click.option("--context", callback=_int_list, default=None, help="With --heads.")
+@click.option("--layout", type=click.Choice(["NHD", "HND", "vllm"]), default="HND",
+              show_default=True, help="The cache's layout (attention() on every one).")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16",
+              show_default=True)
+@click.option("--head-size", type=int, default=128, show_default=True)
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2"]),
+              default="auto", show_default=True)
+@click.option("--max-gib", type=float, default=20.0, show_default=True,
+              help="Skip caches larger than this (the layout's copy doubles it).")
+@click.option("--flashinfer/--no-flashinfer", "peer", default=True, show_default=True,
+              help="FlashInfer's tensor-core decode as a column, where it imports.")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--reps", type=click.IntRange(3), default=10, show_default=True)
+def ab_tuning(settings, rows, shapes, heads, batch, context, layout, dtype, head_size,
+              kv_cache_dtype, max_gib, peer, rounds, reps):
+    """Decode under planner overrides side by side on the same data in one process: each
+    setting runs cupaged.attention over the row's cache in --layout, checked against the
+    float64 reference before it is timed; rounds alternate the settings (L2 flushed,
+    device time). With the default first ('-'), the last column is auto against every
+    fixed choice (e.g. --settings=-,-@never,-@always: the split model's rule against
+    never and always splitting). Exit status 1 when a check failed."""
+    from . import ab as ab_mod
+
+    listed = [s for s in settings.split(",") if s]
+    for s in listed:
+        try:
+            ab_mod.parse_setting(s)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--settings")
+    if not listed:
+        raise click.BadParameter("no setting given", param_hint="--settings")
+    rows = rows + shapes
+    if heads is not None:
+        if rows:
+            raise click.UsageError("--heads (with --batch and --context) or --row, not both")
+        if not (batch and context):
+            raise click.UsageError("--heads needs --batch and --context")
+        shapes = [(h, kvh, b, c) for h, kvh in _pairs(heads) for b in batch for c in context]
+    else:
+        if batch or context:
+            raise click.UsageError("--batch and --context go with --heads")
+        shapes = list(rows) or ab_mod.TUNING_ROWS
+    _require_gpu()
+    ok = ab_mod.tuning_ab(shapes, listed, layout, dtype, head_size, kv_cache_dtype, rounds,
+                          reps, max_gib, peer, echo=click.echo)
+    sys.exit(0 if ok else 1)
+
+
 # ---- overhead -------------------------------------------------------------------------------------
 
 
@@ -1180,6 +1528,11 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
 @click.option("--calls", type=click.IntRange(10), default=None,
               help="Calls per timed run (nine runs, the median reported)  [default: 200; "
                    "10000 with --stub-driver]")
+@click.option("--pieces", is_flag=True,
+              help="Instead: where the host time of an eager decode call goes, piece by "
+                   "piece (adaptation, validation, the prepared call's lookup and launch, "
+                   "parameter packing, cuLaunchKernel, and the primitives a faster path "
+                   "would use), then a cProfile of each call (needs torch and a GPU).")
 @click.option("--stub-driver", is_flag=True,
               help="Time AttentionPlan.run and attention's repeated call on the CPU alone, "
                    "no GPU needed: CuPy arrays at made-up device addresses, and the current "
@@ -1189,18 +1542,28 @@ def e2e(preset, dtype, num_requests, prompt_len, output_len, shared_prefix, pref
                    "run) and with stream= (the generic path). The figures are cupaged's own "
                    "Python per call, the launch's cost excluded: for comparing versions of "
                    "the call path on one machine, beside the pure-Python gauge row, not with "
-                   "the GPU rows.")
-def overhead(calls, stub_driver):
+                   "the GPU rows. Not with --pieces, whose pieces launch on a GPU.")
+def overhead(calls, pieces, stub_driver):
     """Host time per call of the Python entry points with their kernels cached (what a
     serving loop pays per layer), and per replay of a captured CUDA graph; or, with
     --stub-driver, the CPU-only host time of the attention call path."""
     from . import overhead
 
+    if pieces and stub_driver:
+        raise click.UsageError(
+            "--pieces times real launches, CuPy's and torch's device calls on a GPU, which "
+            "--stub-driver replaces; run one or the other")
+    if pieces and calls is not None:
+        raise click.UsageError("--pieces times its own runs (7 x 200 calls); --calls does "
+                               "not apply")
     if stub_driver:
         rows = overhead.stubbed_overheads(calls or 10000)
         click.echo("CPU only, device calls stubbed (nothing launched)")
     else:
         _require_gpu()
+        if pieces:
+            overhead.pieces(echo=click.echo)
+            return
         rows = overhead.host_overheads(calls or 200)
     width = max(52, *map(len, rows))
     click.echo(f"{'entry point':{width}s} {'host us/call':>12s}")

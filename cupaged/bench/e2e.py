@@ -1030,3 +1030,65 @@ def run(workload: Workload, systems, echo=print, done=None, **harness_options) -
         if done is not None:
             done(results)
     return results
+
+
+# ---- where the steps go -------------------------------------------------------------------------
+
+
+PROFILED_SYSTEMS = ("concat", "cupaged-eager", "cupaged")
+
+
+def profile_steps(workload: Workload, system: str, skip: int, steps: int, echo=print) -> None:
+    """Serve the workload's requests (all at once) through one system (concat, or the
+    engine eager or with CUDA graphs) after its warm-up, printing each step's wall time
+    (synchronized; the first 40, then every 20th) and, for steps ``skip`` to
+    ``skip + steps``, torch.profiler's top operators by CUDA and by CPU time."""
+    import time as _time
+
+    import torch
+
+    from ..serving.engine import PagedAttention
+
+    h = Harness(workload)
+    if system == "concat":
+        engine = ConcatEngine(h.model, budget_tokens=h.budget_tokens,
+                              max_batched_tokens=workload.max_batched_tokens,
+                              max_running=workload.max_running)
+
+        def running():
+            return len(engine.running)
+    else:
+        engine = h._engine(h.make_cache(), PagedAttention, cuda_graphs=system == "cupaged")
+
+        def running():
+            return len(engine.scheduler.running)
+    serve(engine, warmup_requests(workload.block_size), np.zeros(4))
+    requests, _ = h.requests()
+    for r in requests:
+        engine.submit(r)
+    times, step = [], 0
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA])
+    while engine.has_unfinished():
+        if step == skip:
+            prof.start()
+        torch.cuda.synchronize()
+        t0 = _time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((_time.perf_counter() - t0) * 1e3)
+        if step == skip + steps - 1:
+            prof.stop()
+        if step < 40 or step % 20 == 0:
+            echo(f"step {step:4d}: {times[-1]:9.2f} ms, {running()} running")
+        step += 1
+    echo(f"{step} steps, total {sum(times) / 1e3:.2f} s, median {np.median(times):.2f} ms")
+    if step <= skip:
+        echo(f"only {step} steps: none profiled (from step {skip})")
+        return
+    if step < skip + steps:
+        echo(f"only {step} steps: steps {skip} to {step - 1} profiled")
+        prof.stop()
+    ka = prof.key_averages()
+    echo(ka.table(sort_by="self_cuda_time_total", row_limit=20))
+    echo(ka.table(sort_by="self_cpu_time_total", row_limit=25))

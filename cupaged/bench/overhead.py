@@ -231,7 +231,8 @@ def stubbed_overheads(calls: int = 10000) -> dict:
                     f(q.shape, q.dtype), kw)
 
         forms = {
-            "decode 64 x 256 (single pass)": case(64, 1, 16, max_seq_len=256),
+            "decode 64 x 64 (single pass)": case(64, 1, 4, max_seq_len=64),
+            "decode 64 x 256 (flat split, scratch)": case(64, 1, 16, max_seq_len=256),
             "decode 8 x 2048 (split-KV, workspace)": case(
                 8, 1, 128, max_seq_len=2048,
                 workspace=decode.DecodeWorkspace(8, 32, 128, rows=8 * 32 * 64, device=0)),
@@ -252,3 +253,141 @@ def stubbed_overheads(calls: int = 10000) -> dict:
                 lambda: attention(*arrays, out=out, stream=current, **kw), calls)
     return rows
 
+
+def _kw20(a=None, b=None, c=None, d=None, e=None, f=None, g=None, h=None, i=None, j=None,
+          k=None, l=None, m=None, n=None, o=None, p=None, q=None, r=None, s=None,  # noqa: E741
+          t=None):
+    return a
+
+
+def _cprofile(name: str, fn, echo, n: int = 3000) -> None:
+    """cProfile over ``n`` calls of ``fn``: the 28 lines of most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    cupy.cuda.runtime.deviceSynchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+    echo(f"==== cProfile: {name} ({n} calls)")
+    echo("\n".join(s.getvalue().splitlines()[6:34]))
+
+
+def pieces(echo=print) -> None:
+    """Where the host time of an eager decode call goes (batch 8 x 1024 tokens, 32/8
+    heads, fp16; kernels cached, out given): host µs per call of paged_attention and
+    attention with CuPy and torch inputs, of each piece of the CuPy single-pass call
+    (argument adaptation, validation, the prepared-call lookup and launch, the launch's
+    parameter packing and cuLaunchKernel) and of the Python and framework primitives a
+    faster path would need; then a cProfile of each whole call. Needs torch. The pieces
+    reach into the library's internals: they follow its code, not its API."""
+    import torch
+    from cupy_backends.cuda.api import driver
+
+    from .. import _arrays, _prepared, validation
+    from ..attention import AttentionPlan, attention
+    from ..decode import DecodeWorkspace, paged_attention
+
+    def per_call_us(fn):  # median of 7 runs of 200 calls (the launch queue never fills)
+        return timing.host_us(fn, 200, 7)
+
+    case = workloads.DecodeCase(8, np.full(8, 1024, np.int32), 32, 8, 128, 16,
+                                np.dtype(np.float16)).build()
+    a = case.arrays
+    q, kc, vc, bt, cl = (a[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                         "context_lens"))
+    out = cupy.empty(q.shape, q.dtype)
+    tq, tkc, tvc, tbt, tcl = (torch.from_dlpack(x) for x in (q, kc, vc, bt, cl))
+    tout = torch.empty_like(tq)
+    hk, hv = nhd_copy(a)
+    calls = {
+        "paged_attention cupy single": lambda: paged_attention(
+            q, kc, vc, bt, cl, out=out, partition="never", max_context_len=1024),
+        "paged_attention cupy split": lambda: paged_attention(
+            q, kc, vc, bt, cl, out=out, partition="always", max_context_len=1024),
+        "paged_attention torch single": lambda: paged_attention(
+            tq, tkc, tvc, tbt, tcl, out=tout, partition="never", max_context_len=1024),
+        "attention NHD cupy decode": lambda: attention(
+            q, hk, hv, bt, cl, kv_layout="NHD", max_seq_len=1024, out=out),
+    }
+    for name, fn in calls.items():
+        echo(f"{name:40s} {per_call_us(fn):7.1f} us/call")
+
+    p = validation.validate_decode(q, kc, vc, bt, cl, None, out)
+    memo = {}
+    key = (p.device, p.dtype.name, p.head_size, p.block_size, planning.group_tile(4),
+           p.cache.kv_format, p.cache.dtype.name, p.quant.mode, "")
+    ks = planning.decode_kernels(*key)
+    main_arrays = (q, kc, vc, bt, cl, None, out, None)
+    t_main = (tq, tkc, tvc, tbt, tcl, None, tout, None)
+    scalars = (None, 1024, "never", "auto", None, None, None, False, ())
+    mk, ptrs = _prepared.key("decode", main_arrays, (None,) * 4, scalars, None)
+    calls["paged_attention cupy single"]()
+    prep = _prepared.lookup(mk)
+    if prep is None:
+        raise RuntimeError("the single-pass call was not memoized: the pieces below follow "
+                           "an older _prepared.key")
+    def context_in_scope(kind):  # as every call makes its context: in a launching scope
+        with _arrays.launching(0):
+            return _arrays.context(0, kind, None)
+
+    ctx = context_in_scope("cupy")
+    la = prep.launch
+    args = (out.data.ptr, 0, 0, 0, q.data.ptr, *la.q_strides, kc.data.ptr, vc.data.ptr,
+            *la.kv_strides, bt.data.ptr, *la.kv_tail, cl.data.ptr, 0, *la.tail, la.vp)
+    params = ks.decode.pack(*args)
+    plan = AttentionPlan(q, hk, hv, bt, cl, max_seq_len=1024, out=out,
+                         workspace=DecodeWorkspace(8, 32, 128))
+    pieces = {
+        "as_device_array x6": lambda: [_arrays.as_device_array(x, "x")
+                                       for x in (q, kc, vc, bt, cl, out)],
+        "validation.validate_decode": lambda: validation.validate_decode(q, kc, vc, bt, cl,
+                                                                         None, out),
+        "on_device": lambda: _arrays.on_device(0),
+        "launching + context (cupy)": lambda: context_in_scope("cupy"),
+        "launching + context (torch)": lambda: context_in_scope("torch"),
+        "runtime.getDevice": lambda: cupy.cuda.runtime.getDevice(),
+        "cupy get_current_stream": lambda: cupy.cuda.get_current_stream().ptr,
+        "TorchArray": lambda: _arrays.TorchArray(tq, "q"),
+        "torch data_ptr": lambda: tq.data_ptr(),
+        # The primitives a metadata-keyed fast path would need.
+        "cupy (shape, strides, dtype, ptr)": lambda: (q.shape, q.strides, q.dtype, q.data.ptr),
+        "torch (shape, stride(), dtype, data_ptr)": lambda: (tq.shape, tq.stride(), tq.dtype,
+                                                              tq.data_ptr()),
+        "torch get_device": lambda: tq.get_device(),
+        "torch is_cuda + requires_grad": lambda: (tq.is_cuda, tq.requires_grad),
+        "dict get, 8-tuple key": lambda: memo.get((1, 2, 3, 4, 5, 6, 7, key)),
+        "cupy.empty(8 x 32 x 128)": lambda: cupy.empty((8, 32, 128), np.float16),
+        "torch.empty(8 x 32 x 128)": lambda: torch.empty((8, 32, 128), dtype=torch.float16,
+                                                         device="cuda"),
+        "python call, 20 kwargs": lambda: _kw20(a=1, b=2, c=3, d=4, e=5, f=6, g=7, h=8, i=9,
+                                               j=10, k=11, l=12, m=13, n=14, o=15, p=16,
+                                               q=17, r=18, s=19, t=20),
+        "planning.decode_kernels lookup": lambda: planning.decode_kernels(*key),
+        # The prepared (memoized) path's pieces.
+        "_prepared.key (cupy decode)": lambda: _prepared.key(
+            "decode", main_arrays, (None,) * 4, scalars, None),
+        "_prepared.key (torch decode)": lambda: _prepared.key(
+            "decode", t_main, (None,) * 4, scalars, None),
+        "_prepared.lookup": lambda: _prepared.lookup(mk),
+        "_prepared.run (context + launch)": lambda: _prepared.run(prep, ptrs, None, out, None),
+        "launch.Launch.run (launch)": lambda: prep.launch.run(ctx, ptrs[6], *ptrs[:6]),
+        "_prepared.metas (4 cupy arrays)": lambda: _prepared.metas((q, kc, vc, out)),
+        "_prepared.metas (4 torch tensors)": lambda: _prepared.metas((tq, tkc, tvc, tout)),
+        "AttentionPlan.run cupy NHD decode + workspace": lambda: plan.run(q, hk, hv, out=out),
+        "launch only (Launcher)": lambda: ks.decode((8, 8, 1), 128, ks.smem, ctx.stream,
+                                                    *args),
+        "  of which struct.pack_into": lambda: ks.decode.pack(*args),
+        "  of which cuLaunchKernel": lambda: driver.launchKernel(
+            ks.decode.ptr, 8, 8, 1, 128, 1, 1, ks.smem, ctx.stream, params, 0),
+    }
+    for name, fn in pieces.items():
+        echo(f"  {name:44s} {per_call_us(fn):7.2f} us")
+    for name, fn in calls.items():
+        _cprofile(name, fn, echo)

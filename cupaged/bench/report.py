@@ -112,3 +112,49 @@ def write_plot(path, results, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def summary_lines(results) -> list:
+    """compare --summary: one line per workload (shape, batch, context): cupaged's time and
+    % copy, then each other implementation's time over cupaged's ("FAIL" / "SKIP" for a
+    row that failed its check or did not run, "-" for one not asked), then FlashInfer's
+    plan() host times; then the notes of the rows that did not run or failed, once per
+    (implementation, status, note) with a count."""
+    def short(i):
+        return i.replace("flashinfer-", "fi-").replace("torch-sdpa-", "sdpa-")
+
+    def cell(r, key, fmt):
+        if r is None:
+            return "-"
+        return format(getattr(r, key), fmt) if r.status == "ok" else r.status[:4].upper()
+
+    impls = list(dict.fromkeys(r.impl for r in results))
+    peers = [i for i in impls if i != "cupaged"]
+    planned = [i for i in impls
+               if any(r.plan_us == r.plan_us for r in results if r.impl == i)]
+    lines = [f"{'shape':16s} {'batch':>5s} {'context':>10s} {'cupaged us':>10s} {'%copy':>6s} |"
+             + "".join(f" {short(i):>12s}" for i in peers)
+             + (" | plan us:" + "".join(f" {short(i):>12s}" for i in planned) if planned else "")]
+    work: dict = {}
+    for r in results:
+        shape = r.preset or f"{r.heads}/{r.kv_heads}/{r.head_size}"
+        work.setdefault((shape, r.batch, r.context), {})[r.impl] = r
+    for (shape, b, c), by in work.items():
+        cp = by.get("cupaged")
+        line = (f"{shape:16s} {b:5d} {c:>10s} {cell(cp, 'median_us', '.1f'):>10s} "
+                f"{cell(cp, 'pct_copy', '.1f'):>6s} |"
+                + "".join(f" {cell(by.get(i), 'ratio_to_cupaged', '.2f'):>12s}" for i in peers))
+        if planned:
+            line += " |         " + "".join(f" {cell(by.get(i), 'plan_us', '.0f'):>12s}"
+                                            for i in planned)
+        lines.append(line)
+    if peers:
+        lines.append("peer columns: time / cupaged's time (above 1: cupaged is faster)")
+    notes: dict = {}
+    for r in results:
+        if r.status != "ok":
+            key = (r.impl, r.status, r.note[:150])
+            notes[key] = notes.get(key, 0) + 1
+    for (impl, status, note), n in list(notes.items())[:15]:
+        lines.append(f"{n:3d} x {impl} {status}: {note}")
+    return lines

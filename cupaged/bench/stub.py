@@ -9,7 +9,6 @@ and CuPy's attribute reads: the host time a change to the call path can move
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import types
 
 import cupy
@@ -101,9 +100,8 @@ class Stub:
     def _launch(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         if self.launches is not None:
             kernel = self._kernels[f]
-            first = ctypes.c_void_p.from_address(params).value
             self.launches.append((kernel.name, (gx, gy, gz), (bx, by, bz), smem, stream,
-                                  self.device, ctypes.string_at(first, kernel.size)))
+                                  self.device, kernel.packed(params)))
 
     def _memset(self, ptr, value, nbytes, stream):
         if self.launches is not None:

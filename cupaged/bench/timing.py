@@ -1,9 +1,12 @@
 """Timing on the device: CUDA-event times with the L2 flushed and a busy-wait ahead of each
-run, the device's copy bandwidth, host time per call, and an NVTX-ranged call for the
-profiler scripts."""
+run, the device's copy bandwidth, host time per call, and an NVTX-ranged call for Nsight
+Compute (``CUPAGED_BENCH_NVTX=1``: every timed call of a cupaged-bench row runs once more
+inside the range "timed", which ``ncu --nvtx --nvtx-include timed/`` profiles alone;
+``tools/device.sh profile`` runs a bench command so)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -46,16 +49,26 @@ class Spin:
         self.kernel((1,), (1,), (self.ns,))
 
 
+def nvtx_wanted() -> bool:
+    """Whether timed calls also run once in the NVTX range "timed" (CUPAGED_BENCH_NVTX)."""
+    return os.environ.get("CUPAGED_BENCH_NVTX", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def time_us(fn, *, warmup: int = 3, reps: int = 30, flush_l2: bool = True,
-            cover_host_us: float = 300.0) -> Timing:
+            cover_host_us: float = 300.0, profiled: bool = True) -> Timing:
     """Time ``fn()`` (device work on the current stream) with CUDA events, one pair per
     run, the L2 flushed before each run outside the timed region. A GPU busy-wait of
     ``cover_host_us`` precedes each run (0: none), so host-side launch time stays
-    outside the measurement as long as one call's host side takes less than that."""
+    outside the measurement as long as one call's host side takes less than that.
+    ``profiled`` (the measured call, not a ceiling such as the copy bandwidth): under
+    CUPAGED_BENCH_NVTX=1 one more call, after the warm-up and before the timed runs,
+    inside the NVTX range "timed"."""
     flush = _L2Flusher() if flush_l2 else (lambda: None)
     spin = Spin(cover_host_us) if cover_host_us > 0 else (lambda: None)
     for _ in range(warmup):
         fn()
+    if profiled and nvtx_wanted():
+        call_in_nvtx_range(fn, warmup=0)
     starts = [cupy.cuda.Event() for _ in range(reps)]
     ends = [cupy.cuda.Event() for _ in range(reps)]
     for s, e in zip(starts, ends):
@@ -76,14 +89,14 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     a = cupy.ones(nbytes // 4, dtype=np.float32)
     b = cupy.empty_like(a)
     t = time_us(lambda: b.__setitem__(Ellipsis, a), warmup=3, reps=reps, flush_l2=False,
-                cover_host_us=0)
+                cover_host_us=0, profiled=False)
     return 2 * nbytes / (t.median_us * 1e-6)
 
 
 def call_in_nvtx_range(fn, warmup: int = 3, name: str = "timed"):
     """Call ``fn`` ``warmup`` times, then once more inside the NVTX range ``name``, with
-    the device idle on both sides: the one call the Nsight Compute scripts in tools/
-    profile (``ncu --nvtx --nvtx-include timed/``)."""
+    the device idle on both sides: the one call Nsight Compute profiles under
+    ``ncu --nvtx --nvtx-include timed/``."""
     for _ in range(warmup):
         fn()
     cupy.cuda.runtime.deviceSynchronize()

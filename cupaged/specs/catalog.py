@@ -29,7 +29,7 @@ KV_SCALES = tuple(jit.KV_SCALES)
 # Compile-time variants (cuda_src/variants.cuh): each alone and all together, so every
 # pair with another axis' values meets each feature ("f" comes with "c"; KernelSpec refuses
 # it for f16, so those rows of the product are dropped).
-DECODE_VARIANTS = ("", "w", "c", "b", "wcb")
+DECODE_VARIANTS = ("", "w", "c", "b", "r", "wcb", "wcbr")
 PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "cf", "wcf")
 # paged_prefill_sm90's head sizes: wgmma's N of P V in steps of 64.
 SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES if h % 64 == 0 and h <= 256)
