@@ -301,7 +301,7 @@ class _Holds(threading.local):
         self.stamped = []  # (stream, device, import): the current call's, until launched
 
 
-_HOLDS = _Holds()
+HOLDS = _Holds()  # (a call that finds both lists empty has no import to hold: _fastrun)
 _DEFERRED: collections.deque = collections.deque()  # (event, import) until the event completes
 _DEFERRED_LOCK = threading.Lock()
 
@@ -312,7 +312,7 @@ def foreign_import(x):
     if _DEFERRED:
         release_completed()
     imported = cupy.from_dlpack(x)
-    _HOLDS.pending.append(imported)
+    HOLDS.pending.append(imported)
     return imported
 
 
@@ -341,7 +341,7 @@ def stamp_holds(ctx: "Context") -> None:
     """Give this thread's pending imports ``ctx``'s launch stream (they are the current
     call's: a call adapts its arguments before it makes its context), ordered after the
     producers' writes (order_after_producers)."""
-    holds = _HOLDS
+    holds = HOLDS
     order_after_producers(ctx)
     holds.stamped += [(ctx.stream, ctx.device, a) for a in holds.pending]
     holds.pending.clear()
@@ -354,7 +354,7 @@ def record_launched() -> None:
     read the inputs, which the caller keeps alive for them), and an event recorded in a
     capture cannot be queried afterwards, so it would hold everything queued behind it.
     The list is taken first: an event that fails to record raises once, from this call."""
-    stamped, _HOLDS.stamped = _HOLDS.stamped, []
+    stamped, HOLDS.stamped = HOLDS.stamped, []
     events = {}  # stream: its event, None while it is captured
     for stream, device, imported in stamped:
         if stream not in events:
@@ -408,7 +408,7 @@ class _Launching:
 
     def __exit__(self, *exc):
         try:
-            if _HOLDS.stamped:
+            if HOLDS.stamped:
                 record_launched()
         except Exception:
             if exc[0] is None:  # else the call's own error is the one to see
@@ -473,7 +473,7 @@ def context(device: int, kind: str, stream=None) -> Context:
     arrays handed back to it carry CuPy's through DLPack, which makes JAX wait for it.
     Made inside the call's ``launching`` scope, which records its imports' events after
     the launches."""
-    if _HOLDS.pending:
+    if HOLDS.pending:
         ctx = _context(device, kind, stream)
         stamp_holds(ctx)
         return ctx
@@ -486,7 +486,7 @@ def check_context(device: int, kind: str, stream=None) -> Context:
     the launches' own context, whose ``launching`` scope records their events after the
     launches."""
     ctx = _context(device, kind, stream)
-    if _HOLDS.pending:
+    if HOLDS.pending:
         order_after_producers(ctx)
     return ctx
 
@@ -556,7 +556,7 @@ def hand_over(ctx: Context, owner):
     it unwritten."""
     if ctx.kind != "jax":
         return owner
-    if _HOLDS.stamped:  # the call's inputs from JAX: its launches are queued
+    if HOLDS.stamped:  # the call's inputs from JAX: its launches are queued
         record_launched()
     with cupy_on_launch_stream(ctx):
         return sys.modules["jax"].dlpack.from_dlpack(owner)

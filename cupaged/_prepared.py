@@ -19,6 +19,7 @@ Only CuPy arrays and torch tensors are keyed; other DLPack producers, and
 from __future__ import annotations
 
 import sys
+import threading
 from typing import NamedTuple
 
 import cupy
@@ -166,10 +167,47 @@ def remember(k, prepared: Prepared) -> None:
 
 
 def clear() -> None:
-    global _generation
-    _generation += 1
-    _MEMO.clear()
-    _LAST.clear()
+    global _generation, fast_attention
+    with _FAST_LOCK:
+        _generation += 1
+        _MEMO.clear()
+        _LAST.clear()
+        _FAST.clear()
+        fast_attention = ()
+
+
+# The fast runs (_fastrun) of attention's remembered calls, by the identity of their
+# prepared call (hashing the key again would cost what the run saves), each kept with it:
+# (prepared, run or None when the call has none). `fast_attention`: the runs attention()
+# tries first, most recently used first; a few, so that layers of a few forms in turn
+# (sliding-window and global layers) each find theirs.
+_FAST: dict = {}
+_FAST_LOCK = threading.Lock()
+_FAST_TRIED = 4
+fast_attention: tuple = ()
+
+
+def use_fast(k, prepared: Prepared, make) -> None:
+    """Put the fast run of the remembered call of key ``k``, prepared as ``prepared``
+    (``make()``, once per prepared call), first among those attention() tries; not when
+    the memo was cleared since ``k`` was made (by another thread, after this call's
+    lookup): its prepared call may be outdated (a test override of tiles or splits)."""
+    global fast_attention
+    got = _FAST.get(id(prepared))
+    if got is None:
+        got = (prepared, make())
+        with _FAST_LOCK:
+            if k[1] != _generation:
+                return
+            if len(_FAST) >= _MAX_ENTRIES:
+                _FAST.clear()
+            _FAST[id(prepared)] = got
+    run = got[1]
+    if run is not None:
+        with _FAST_LOCK:
+            if k[1] == _generation:
+                fast_attention = (run, *[r for r in fast_attention
+                                         if r is not run][:_FAST_TRIED - 1])
 
 
 def overlaps(prep: Prepared, q: int, out: int) -> bool:

@@ -14,7 +14,7 @@ float32, and vLLM's layout with blocks under 8 tokens.
 
 from __future__ import annotations
 
-from . import _arrays, _checks, _prepared, launch, planning, validation
+from . import _arrays, _checks, _fastrun, _prepared, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -117,8 +117,20 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     side arrays and keywords match an earlier successful call's skips validation and
-    planning; :class:`AttentionPlan` does the same for a whole step's layers.
+    planning; :class:`AttentionPlan` does the same for a whole step's layers. Repeats of
+    one of the last few such calls with CuPy arrays and ``out`` given (no ``stream``, no
+    side arrays) take its fast run: the same checks in one function compiled for its form
+    of call, launched from a parameter buffer packed once (docs/DESIGN.md, "The fast
+    run").
     """
+    # The fast runs of the last remembered calls (_fastrun), which take no stream=.
+    for fast in () if stream is not None else _prepared.fast_attention:
+        r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                 kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out,
+                 stream, workspace, kv_cache_dtype, k_scale, v_scale, window, window_left,
+                 logits_soft_cap, sinks, return_lse, lse)
+        if r is not _fastrun.MISS:
+            return r
     va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
     k, ptrs = _prepared.key(
         "attention", (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -134,6 +146,13 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
                                            stream, workspace, kv_cache_dtype, k_scale, v_scale,
                                            va)
         _prepared.remember(k, prep)
+    elif stream is None:  # a hit: repeats of this call take its fast run from now on
+        _prepared.use_fast(k, prep, lambda: _fastrun.call_runner(prep, k[5], dict(
+            kv_layout=kv_layout, causal=causal, scale=scale, alibi_slopes=alibi_slopes,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, workspace=workspace,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, window=window,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            return_lse=return_lse)))
     return _prepared.run(prep, ptrs, stream, out, lse)
 
 
@@ -199,7 +218,14 @@ class AttentionPlan:
     A plan reads nothing on the device and allocates nothing; :meth:`run` allocates only
     ``out`` (and ``lse`` with ``return_lse``) when not given, so with both given it can
     be captured in a CUDA graph. The bound arrays must stay alive and unmoved while the
-    plan is used (the plan keeps references to them).
+    plan is used (the plan keeps references to them; each run re-reads their metadata
+    and addresses).
+
+    With CuPy arrays and ``out`` given (and one launch per call), ``plan.run`` is the
+    plan's fast run: the same checks in one function compiled for its form of call,
+    launched from a parameter buffer packed once per thread; it leaves every other call
+    (``stream=``, scales of its own, torch tensors, other metadata) to the method
+    (docs/DESIGN.md, "The fast run").
 
     Example, one decode step of an n-layer model::
 
@@ -224,22 +250,51 @@ class AttentionPlan:
                               logits_soft_cap=logits_soft_cap, sinks=sinks,
                               return_lse=return_lse)
         va = validation.variant_args(window, window_left, logits_soft_cap, sinks, return_lse, lse)
-        self._prepared, _ = validate_and_prepare(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, kv_layout,
-            causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None, workspace,
-            kv_cache_dtype, k_scale, v_scale, va)
+        # As attention() does: a call the memo knows (the last step's plan, say) is not
+        # validated again (its key names one validation outcome; the overlaps depend on
+        # the addresses and are checked here).
+        k, ptrs = _prepared.key(
+            "attention", (query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc, out, lse),
+            (alibi_slopes, sinks, k_scale, v_scale),
+            (kv_layout, causal, scale, max_query_len, max_seq_len, kv_cache_dtype, window,
+             window_left, logits_soft_cap, return_lse), launch.workspace_key(workspace))
+        prep = _prepared.lookup(k)
+        if prep is None or _prepared.clashes(prep, ptrs):
+            prep, _ = validate_and_prepare(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out, None,
+                workspace, kv_cache_dtype, k_scale, v_scale, va)
+            _prepared.remember(k, prep)
+        self._prepared = prep
         # What run() compares: the per-layer arrays' metadata and the bound tables'
         # metadata and addresses (a torch tensor re-pointed or resized in place, by set_
         # or resize_, must not be read where it was). None: not keyable, every run is a
         # plain call. The order is _prepared.run's (query, caches, shared arrays, out, lse).
-        self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared,
-                                             out, lse))
+        if k is not None:
+            self._metas = k[5]
+        else:
+            self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared,
+                                                 out, lse))
         self._shared_ptrs = None if ptrs is None else ptrs[3:6]
+        # The same run as one straight-line function with this plan's constants bound
+        # (CuPy arrays, out given, one launch): the fast run (_fastrun). It shadows the
+        # method (not a subclass's own run); every call it declines goes to the method,
+        # bound to a copy of the plan without the fast run (no reference cycle).
+        if type(self).run is AttentionPlan.run:
+            generic = object.__new__(AttentionPlan)
+            generic.__dict__.update(self.__dict__)
+            fast = _fastrun.plan_runner(prep, self._metas, self._shared, generic.run,
+                                        AttentionPlan.run.__doc__)
+            if fast is not None:
+                self.run = fast
 
     def run(self, query, key_cache, value_cache, *, out=None, lse=None, stream=None,
             k_scale=None, v_scale=None):
         """Attention of this step for one layer's arrays (see the class). Returns as
-        :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``."""
+        :func:`attention` does: ``out``, or ``(out, lse)`` with ``return_lse``/``lse``.
+        (A plan with a fast run shadows this method with it; a call the fast run does not
+        stand for comes here.)"""
         m, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared, out, lse))
         if (m is None or m != self._metas or ptrs[3:6] != self._shared_ptrs
                 or k_scale is not None or v_scale is not None or _checks.debug()

@@ -31,10 +31,10 @@ from typing import Iterable
 
 from . import _dtypes
 
-try:  # CuPy's driver binding; loading it needs no GPU
-    from cupy_backends.cuda.api import driver as _driver
+try:  # CuPy's driver binding (cuLaunchKernel, kernel attributes); loading it needs no GPU
+    from cupy_backends.cuda.api import driver
 except ImportError:  # pragma: no cover
-    _driver = None
+    driver = None
 
 __all__ = [
     "CompileError",
@@ -130,7 +130,7 @@ ARG_FORMATS = {
     "indexer_topk": "PqPqii",  # out, its row stride; logits, their row stride; width, topk
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
-_ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
+ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter
 _INDEX_CXX = {"i32": "int", "i64": "long long"}
 # KVFormat in cuda_src/kv_layout.cuh: "tok" for token-major caches (NHD, HND, fused views),
 # "vllm" for vLLM's legacy x-split key and dimension-major value.
@@ -713,7 +713,10 @@ class Launcher:
 
     ``launcher(grid, block, smem, stream_ptr, *args)``: pointers as ints (``a.data.ptr``),
     a braced struct's fields one by one. The buffer is per thread, so concurrent launches
-    from several threads are safe.
+    from several threads are safe. ``fmt`` is the buffer's flat struct format (native
+    alignment) and ``size`` its bytes; :meth:`pack`, :meth:`packed` and
+    :meth:`new_buffer` serve a caller that packs a buffer once and launches from it many
+    times (``_fastrun``), or that times the packing apart from the launch.
     """
 
     def __init__(self, function, fmt: str, name: str):
@@ -722,28 +725,35 @@ class Launcher:
         self.smem_limit = 48 * 1024  # dynamic shared memory a launch may ask for (jit.load)
         self.name = name
         flat = fmt.replace("{", "").replace("}", "")
-        self._fmt = "@" + flat
-        # Slack past the end: the driver reads a struct's full (padded) size.
-        self._size = struct.calcsize(self._fmt) + 16
+        self.fmt = "@" + flat
+        # Slack past the end: the driver reads a struct's full (padded) size. A whole
+        # number of 8-byte words, so the buffer can be seen as one.
+        self.size = (struct.calcsize(self.fmt) + 16 + 7) // 8 * 8
         # Where each parameter starts: the native-aligned size up to and including it, less
         # its own size (a braced struct: up to its first field, less that field). Byte
         # structs come first or after 8-byte fields, so their alignment of 8 in the
         # kernel's ABI holds; a braced struct starts with an 8-byte field.
         self._offsets, prefix = [], ""
-        for m in _ARG_TOKEN.finditer(fmt):
+        for m in ARG_TOKEN.finditer(fmt):
             tok = m.group(0)
-            first = _ARG_TOKEN.match(tok[1:-1]).group(0) if tok[0] == "{" else tok
+            first = ARG_TOKEN.match(tok[1:-1]).group(0) if tok[0] == "{" else tok
             self._offsets.append(struct.calcsize("@" + prefix + first)
                                  - struct.calcsize("@" + first))
             prefix += tok.strip("{}")
         self._local = threading.local()
 
+    def new_buffer(self, data: bytes = b"") -> tuple:
+        """A parameter buffer holding ``data`` (zeros past it) and the array of pointers to
+        its parameters that ``cuLaunchKernel`` takes: ``(buffer, pointers)``, both to be
+        kept alive while launching from them."""
+        buf = ctypes.create_string_buffer(data, self.size)
+        base = ctypes.addressof(buf)
+        return buf, (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
+
     def _buffers(self):
         buf = getattr(self._local, "buf", None)
         if buf is None:
-            buf = ctypes.create_string_buffer(self._size)
-            base = ctypes.addressof(buf)
-            params = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
+            buf, params = self.new_buffer()
             self._local.buf, self._local.params = buf, params
             self._local.params_addr = ctypes.addressof(params)
         return self._local.buf, self._local.params_addr
@@ -751,16 +761,23 @@ class Launcher:
     def pack(self, *args) -> int:
         """Pack ``args`` into this thread's parameter buffer as a launch does; the address
         of the parameter pointers cuLaunchKernel takes (``cupaged-bench overhead --pieces``
-        times the two steps apart)."""
+        times the two steps apart). The packed bytes, as the driver reads them, are the
+        ``size`` bytes at the first pointer (:meth:`packed`)."""
         buf, params = self._buffers()
-        struct.pack_into(self._fmt, buf, 0, *args)
+        struct.pack_into(self.fmt, buf, 0, *args)
         return params
+
+    def packed(self, params: int) -> bytes:
+        """The ``size`` bytes of the parameter buffer whose pointer array is at ``params``
+        (:meth:`pack`'s return), read as ``cuLaunchKernel`` reads them: from the first
+        parameter's address, the buffer's start."""
+        return ctypes.string_at(ctypes.c_void_p.from_address(params).value, self.size)
 
     def __call__(self, grid, block, smem: int, stream: int, *args) -> None:
         buf, params = self._buffers()
-        struct.pack_into(self._fmt, buf, 0, *args)
-        _driver.launchKernel(self.ptr, grid[0], grid[1], grid[2], block, 1, 1, smem, stream,
-                             params, 0)
+        struct.pack_into(self.fmt, buf, 0, *args)
+        driver.launchKernel(self.ptr, grid[0], grid[1], grid[2], block, 1, 1, smem, stream,
+                            params, 0)
 
 
 # Registers a kernel's launch must allocate per thread: paged_prefill_sm90's warpgroups
@@ -792,15 +809,15 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
             kernel = Launcher(module.get_function(lowered), ARG_FORMATS[spec.kernel], spec.name)
             need = LAUNCH_REGS.get(spec.kernel, 0)
             if need:
-                regs = _driver.funcGetAttribute(_driver.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel.ptr)
+                regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel.ptr)
                 if regs < need:
                     raise RuntimeError(
                         f"{spec.name}: compiled to {regs} registers a thread, but its "
                         f"warpgroups divide {need} (setmaxnreg would hang); not launched")
             _loaded[key] = kernel
         if dynamic_smem > kernel.smem_limit:
-            _driver.funcSetAttribute(
-                kernel.ptr, _driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem)
+            driver.funcSetAttribute(
+                kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem)
             kernel.smem_limit = dynamic_smem
     return kernel
 

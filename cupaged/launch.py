@@ -119,17 +119,25 @@ def kv_args(p: Problem) -> tuple:
                                           q.v_value)
 
 
+def scratch_layout(rows: int, head_size: int, counters: int = 0) -> tuple:
+    """scratch_partials' one allocation: ``(bytes, part_max, part_sum, counters)``, the
+    last three as offsets from its base (part_out is at the base)."""
+    nbytes = rows * (head_size + 2) * 4
+    return (nbytes + counters * 4, rows * head_size * 4, rows * (head_size + 1) * 4,
+            nbytes)
+
+
 def scratch_partials(ctx: _arrays.Context, rows: int, head_size: int,
                      counters: int = 0) -> tuple:
     """``(partials, owner)``: a scratch buffer for ``rows`` partial rows and ``counters``
     zeroed merge counters (one allocation carved by address: slicing costs microseconds),
     and its owner to keep alive until the launches are enqueued."""
-    nbytes = rows * (head_size + 2) * 4
-    base, keep = _arrays.scratch(ctx, nbytes + counters * 4)
+    nbytes, at_max, at_sum, at_counters = scratch_layout(rows, head_size, counters)
+    base, keep = _arrays.scratch(ctx, nbytes)
     if counters:
-        cupy.cuda.runtime.memsetAsync(base + nbytes, 0, counters * 4, ctx.stream)
-    return Partials(base, base + rows * head_size * 4, base + rows * (head_size + 1) * 4,
-                    rows, base + nbytes if counters else 0, counters), keep
+        cupy.cuda.runtime.memsetAsync(base + at_counters, 0, counters * 4, ctx.stream)
+    return Partials(base, base + at_max, base + at_sum, rows,
+                    base + at_counters if counters else 0, counters), keep
 
 
 def workspace_rows(ln: Launch) -> int:
@@ -252,9 +260,12 @@ class DecodeWorkspace:
         with _arrays.on_device(self.device):
             self._buf = cupy.empty(self._counters_offset + self._num_counters * 4,
                                    dtype=np.uint8)
-            self._buf[self._counters_offset:].fill(0)
-            # Zeroed before any launch can read them, whichever stream it is on.
-            cupy.cuda.get_current_stream().synchronize()
+            # Zeroed before any launch can read them, whichever stream it is on (a memset:
+            # no kernel to compile).
+            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.memsetAsync(self._buf.data.ptr + self._counters_offset, 0,
+                                          self._num_counters * 4, stream.ptr)
+            stream.synchronize()
         self._by_head_size = {}
         self._base = self._buf.data.ptr
         self._counters = self._buf[self._counters_offset:].view(np.int32)  # (a view, for tests)

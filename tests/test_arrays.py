@@ -247,7 +247,7 @@ def test_held_imports_are_released_oldest_first_once_their_events_complete(monke
 def _fake_launch_world(monkeypatch, current=1234):
     """_arrays' imports and events without a GPU: imports are tagged tuples, events fakes,
     streams their handles, CuPy's current stream ``current``, device 0 current."""
-    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    monkeypatch.setattr(_arrays, "HOLDS", _arrays._Holds())
     monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
     monkeypatch.setattr(_arrays.cupy, "from_dlpack", lambda x: ("imported", x))
     monkeypatch.setattr(_arrays.cupy.cuda, "Event", lambda **kw: _FakeEvent())
@@ -266,16 +266,16 @@ def test_imports_are_held_from_adaptation_past_the_launches(monkeypatch):
     its event completes."""
     _fake_launch_world(monkeypatch)
     a, b = _arrays.foreign_import("a"), _arrays.foreign_import("b")
-    assert _arrays._HOLDS.pending == [a, b] and not _arrays._DEFERRED
+    assert _arrays.HOLDS.pending == [a, b] and not _arrays._DEFERRED
     with _arrays.launching(0):
         _arrays.stamp_holds(_arrays.Context(0, 1234, "jax", True))
-        assert _arrays._HOLDS.stamped == [(1234, 0, a), (1234, 0, b)]
-        assert not _arrays._HOLDS.pending and not _arrays._DEFERRED  # launches to come
-    assert not _arrays._HOLDS.stamped  # recorded on the way out
+        assert _arrays.HOLDS.stamped == [(1234, 0, a), (1234, 0, b)]
+        assert not _arrays.HOLDS.pending and not _arrays._DEFERRED  # launches to come
+    assert not _arrays.HOLDS.stamped  # recorded on the way out
     (e1, x1), (e2, x2) = _arrays._DEFERRED
     assert e1 is e2 and e1.recorded_on == 1234 and (x1, x2) == (a, b)
     c = _arrays.foreign_import("c")  # the next call's
-    assert _arrays._HOLDS.pending == [c] and len(_arrays._DEFERRED) == 2
+    assert _arrays.HOLDS.pending == [c] and len(_arrays._DEFERRED) == 2
     assert _arrays.release_completed() == 2  # the event has not completed
     e1.done = True
     assert _arrays.release_completed() == 0
@@ -291,7 +291,7 @@ def test_a_call_that_raises_still_records_its_imports_events(monkeypatch):
         with _arrays.launching(0):
             ctx = _arrays.context(0, "jax", 1234)
             raise ValueError("after the context")
-    assert ctx.stream == 1234 and not _arrays._HOLDS.stamped
+    assert ctx.stream == 1234 and not _arrays.HOLDS.stamped
     assert [(e.recorded_on, i) for e, i in _arrays._DEFERRED] == [(1234, x)]
 
 
@@ -306,7 +306,7 @@ def test_a_checks_context_leaves_the_imports_to_the_launches(monkeypatch):
     with _arrays.launching(0):
         check = _arrays.check_context(0, "jax", 2)
     assert check.stream == 2 and len(launch.waited) == 1  # ordered after CuPy's stream
-    assert _arrays._HOLDS.pending == [x] and not _arrays._DEFERRED
+    assert _arrays.HOLDS.pending == [x] and not _arrays._DEFERRED
     with _arrays.launching(0):
         _arrays.context(0, "jax", 2)
     assert [(e.recorded_on, i) for e, i in _arrays._DEFERRED] == [(launch, x)]
@@ -322,7 +322,7 @@ def test_a_captured_call_holds_nothing(monkeypatch):
     _arrays.foreign_import("x")
     with _arrays.launching(0):
         _arrays.context(0, "jax", 1234)
-    assert not _arrays._HOLDS.stamped and not _arrays._DEFERRED
+    assert not _arrays.HOLDS.stamped and not _arrays._DEFERRED
 
 
 class _BrokenEvent(_FakeEvent):
@@ -340,7 +340,7 @@ def test_an_event_that_cannot_be_recorded_leaves_nothing_behind(monkeypatch):
     with pytest.raises(RuntimeError, match="InvalidResourceHandle"):
         with _arrays.launching(0):
             _arrays.context(0, "jax", 1234)
-    assert not _arrays._HOLDS.stamped
+    assert not _arrays.HOLDS.stamped
     with _arrays.launching(0):  # a later call: nothing left to record
         _arrays.context(0, "jax", 1234)
     _arrays.foreign_import("y")
@@ -348,7 +348,7 @@ def test_an_event_that_cannot_be_recorded_leaves_nothing_behind(monkeypatch):
         with _arrays.launching(0):
             _arrays.context(0, "jax", 1234)
             raise ValueError("the call's own")
-    assert not _arrays._HOLDS.stamped
+    assert not _arrays.HOLDS.stamped
 
 
 def test_launching_switches_to_the_device_and_back(monkeypatch):
@@ -387,7 +387,7 @@ def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
     """JAX orders its writes before CuPy's current stream (cupy.from_dlpack's): a call that
     launches on another stream (stream=, torch's) makes it wait for CuPy's; on CuPy's own,
     nothing is added."""
-    monkeypatch.setattr(_arrays, "_HOLDS", _arrays._Holds())
+    monkeypatch.setattr(_arrays, "HOLDS", _arrays._Holds())
     current, launch = _FakeStream(1), _FakeStream(2)
     events = []
 
@@ -401,19 +401,19 @@ def test_a_launch_stream_other_than_cupys_waits_for_it(monkeypatch):
     monkeypatch.setattr(_arrays, "_cupy_stream", lambda ptr: {1: current, 2: launch}[ptr])
     captured = set()
     monkeypatch.setattr(_arrays, "capturing", lambda ptr: ptr in captured)
-    _arrays._HOLDS.pending.append("imported")
+    _arrays.HOLDS.pending.append("imported")
     _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
     assert events[0].recorded_on is current and launch.waited == events
     for stream in (2, 1):  # no wait across a capture's boundary, either way
         captured.add(stream)
-        _arrays._HOLDS.pending.append("imported")
+        _arrays.HOLDS.pending.append("imported")
         _arrays.stamp_holds(_arrays.Context(0, 2, "torch", True))
         assert len(events) == 1 and len(launch.waited) == 1
         captured.clear()
-    _arrays._HOLDS.pending.append("imported")
+    _arrays.HOLDS.pending.append("imported")
     _arrays.stamp_holds(_arrays.Context(0, 1, "jax", False))
     assert len(events) == 1 and current.waited == []
-    _arrays._HOLDS.stamped.clear()
+    _arrays.HOLDS.stamped.clear()
 
 
 class _RefusingEvent:

@@ -1624,7 +1624,7 @@ def test_ds_mla_write_launches_a_warp_per_token_and_ignores_scale(monkeypatch):
 def jit_arg_tokens(kernel):
     from cupaged import jit
 
-    return jit._ARG_TOKEN.findall(jit.ARG_FORMATS[kernel])
+    return jit.ARG_TOKEN.findall(jit.ARG_FORMATS[kernel])
 
 
 def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():

@@ -755,6 +755,28 @@ def test_overhead_reports_every_entry_point():
         assert "AttentionPlan.run, torch tensors" in r.output
 
 
+def test_overhead_with_the_driver_stubbed_needs_no_gpu():
+    from cupaged import jit
+
+    driver = jit.driver
+    r = CliRunner().invoke(main, ["overhead", "--stub-driver", "--calls", "10"])
+    assert r.exit_code == 0, r.output
+    for name in ("python gauge", "AttentionPlan.run, decode 64 x 64 (single pass)",
+                 "attention, decode 64 x 256 (flat split, scratch)",
+                 "attention, decode 8 x 2048 (split-KV, scratch)",
+                 "AttentionPlan.run, prefill 16 x 32 tokens, stream= (generic path)"):
+        assert name in r.output
+    assert jit.driver is driver  # the stand-ins are gone
+
+
+@pytest.mark.parametrize("other", [["--stub-driver"], ["--calls", "50"]])
+def test_overhead_refuses_what_pieces_does_not_take(other):
+    """--pieces launches on a GPU, which --stub-driver stands in for, and times its own
+    runs: refused before anything is timed (no GPU needed to say so)."""
+    r = CliRunner().invoke(main, ["overhead", "--pieces", *other])
+    assert r.exit_code == 2 and other[0] in r.output, r.output
+
+
 @pytest.mark.gpu
 def test_cache_ops_small():
     r = CliRunner().invoke(main, ["cache-ops", "--tokens", "256", "--layers", "2", "--pairs", "8",

@@ -411,7 +411,7 @@ def test_a_callers_stream_may_go_as_soon_as_the_call_returns(rng):
     for name, call in calls.items():
         side = cupy.cuda.Stream(non_blocking=True)
         call(side)
-        assert not _arrays._HOLDS.stamped, name  # recorded, nothing left for later
+        assert not _arrays.HOLDS.stamped, name  # recorded, nothing left for later
         side.synchronize()
         del side
     out = cupaged.paged_attention(**dict(args, query=_Foreign(args["query"])))
@@ -436,7 +436,7 @@ def test_held_imports_are_recorded_before_each_kind_of_call_returns(rng, monkeyp
         args = {k: jnp.asarray(v) for k, v in p.host_args().items() if v is not None}
         side = cupy.cuda.Stream(non_blocking=True)
         out = cupaged.paged_attention(**args, stream=side)
-        assert not _arrays._HOLDS.stamped
+        assert not _arrays.HOLDS.stamped
         got = np.asarray(out)  # JAX waits for the launch stream it was handed over on
         side.synchronize()
         del side
@@ -448,7 +448,7 @@ def test_held_imports_are_recorded_before_each_kind_of_call_returns(rng, monkeyp
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             out = cupaged.paged_attention(**args)
-        assert not _arrays._HOLDS.stamped
+        assert not _arrays.HOLDS.stamped
         side.synchronize()
         del side
         got = to_numpy(out)
@@ -457,7 +457,7 @@ def test_held_imports_are_recorded_before_each_kind_of_call_returns(rng, monkeyp
         args = {k: _Foreign(v) for k, v in p.device_args().items() if v is not None}
         side = cupy.cuda.Stream(non_blocking=True)
         out = cupaged.paged_attention(**args, stream=side)
-        assert not _arrays._HOLDS.stamped and not _arrays._HOLDS.pending
+        assert not _arrays.HOLDS.stamped and not _arrays.HOLDS.pending
         side.synchronize()
         del side
         got = cupy.asnumpy(out)
@@ -485,7 +485,7 @@ def test_a_captured_call_with_imported_inputs_holds_nothing_past_it(rng):
         cupaged.paged_attention(**dict(args, query=_Foreign(args["query"])), out=out,
                                 partition="never", stream=stream)
         graph = stream.end_capture()
-    assert not _arrays._HOLDS.stamped and len(_arrays._DEFERRED) == held_before
+    assert not _arrays.HOLDS.stamped and len(_arrays._DEFERRED) == held_before
     out[...] = cupy.nan
     graph.launch(stream)
     stream.synchronize()

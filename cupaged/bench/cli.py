@@ -1526,24 +1526,50 @@ def ab_tuning(settings, rows, shapes, heads, batch, context, layout, dtype, head
 
 
 @main.command()
-@click.option("--calls", type=click.IntRange(10), default=200, show_default=True)
+@click.option("--calls", type=click.IntRange(10), default=None,
+              help="Calls per timed run (nine runs, the median reported)  [default: 200; "
+                   "10000 with --stub-driver]")
 @click.option("--pieces", is_flag=True,
               help="Instead: where the host time of an eager decode call goes, piece by "
                    "piece (adaptation, validation, the prepared call's lookup and launch, "
                    "parameter packing, cuLaunchKernel, and the primitives a faster path "
-                   "would use), then a cProfile of each call (needs torch).")
-def overhead(calls, pieces):
+                   "would use), then a cProfile of each call (needs torch and a GPU).")
+@click.option("--stub-driver", is_flag=True,
+              help="Time AttentionPlan.run and attention's repeated call on the CPU alone, "
+                   "no GPU needed: CuPy arrays at made-up device addresses, and the current "
+                   "device and stream, allocation, kernel loading, cuLaunchKernel and "
+                   "cudaMemsetAsync replaced by stand-ins that launch nothing "
+                   "(cupaged.bench.stub). Each form is timed as a caller runs it (the fast "
+                   "run) and with stream= (the generic path). The figures are cupaged's own "
+                   "Python per call, the launch's cost excluded: for comparing versions of "
+                   "the call path on one machine, beside the pure-Python gauge row, not with "
+                   "the GPU rows. Not with --pieces, whose pieces launch on a GPU.")
+def overhead(calls, pieces, stub_driver):
     """Host time per call of the Python entry points with their kernels cached (what a
-    serving loop pays per layer), and per replay of a captured CUDA graph."""
+    serving loop pays per layer), and per replay of a captured CUDA graph; or, with
+    --stub-driver, the CPU-only host time of the attention call path."""
     from . import overhead
 
-    _require_gpu()
-    if pieces:
-        overhead.pieces(echo=click.echo)
-        return
-    click.echo(f"{'entry point':52s} {'host us/call':>12s}")
-    for name, us in overhead.host_overheads(calls).items():
-        click.echo(f"{name:52s} {us:12.1f}")
+    if pieces and stub_driver:
+        raise click.UsageError(
+            "--pieces times real launches, CuPy's and torch's device calls on a GPU, which "
+            "--stub-driver replaces; run one or the other")
+    if pieces and calls is not None:
+        raise click.UsageError("--pieces times its own runs (7 x 200 calls); --calls does "
+                               "not apply")
+    if stub_driver:
+        rows = overhead.stubbed_overheads(calls or 10000)
+        click.echo("CPU only, device calls stubbed (nothing launched)")
+    else:
+        _require_gpu()
+        if pieces:
+            overhead.pieces(echo=click.echo)
+            return
+        rows = overhead.host_overheads(calls or 200)
+    width = max(52, *map(len, rows))
+    click.echo(f"{'entry point':{width}s} {'host us/call':>12s}")
+    for name, us in rows.items():
+        click.echo(f"{name:{width}s} {us:12.2f}" if stub_driver else f"{name:{width}s} {us:12.1f}")
 
 
 # ---- cache operations ---------------------------------------------------------------------------

@@ -206,6 +206,54 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
     return rows
 
 
+def stubbed_overheads(calls: int = 10000) -> dict:
+    """Host time per call of AttentionPlan.run and of attention's repeated call on the CPU
+    alone, the device's calls stubbed (:mod:`.stub`: nothing launches, so the launch's own
+    cost is not in them), llama-3-8b's shape (32 query heads, 8 KV heads, head size 128,
+    float16, NHD blocks of 16). Each form is timed as a caller runs it (the fast run) and
+    with ``stream=`` CuPy's current stream, which the fast run leaves to the generic path;
+    a pure-Python loop gauges the CPU's speed."""
+    from .. import decode
+    from ..attention import AttentionPlan, attention
+    from .stub import stubbed_driver
+
+    rows = {}
+    with stubbed_driver() as stub:
+        gauge = lambda: sum(i * i for i in range(50))  # noqa: E731
+        rows["python gauge: sum of 50 squares"] = timing.host_us(gauge, calls)
+        f = stub.fake
+
+        def case(seqs, tokens, width, **kw):
+            q = f((seqs * tokens, 32, 128), np.float16)
+            kc, vc = (f((seqs * width + 8, 16, 8, 128), np.float16) for _ in "kv")
+            starts = f((seqs + 1,), np.int32) if tokens > 1 else None
+            return ((q, kc, vc, f((seqs, width), np.int32), f((seqs,), np.int32), starts),
+                    f(q.shape, q.dtype), kw)
+
+        forms = {
+            "decode 64 x 64 (single pass)": case(64, 1, 4, max_seq_len=64),
+            "decode 64 x 256 (flat split, scratch)": case(64, 1, 16, max_seq_len=256),
+            "decode 8 x 2048 (split-KV, workspace)": case(
+                8, 1, 128, max_seq_len=2048,
+                workspace=decode.DecodeWorkspace(8, 32, 128, rows=8 * 32 * 64, device=0)),
+            "decode 8 x 2048 (split-KV, scratch)": case(8, 1, 128, max_seq_len=2048),
+            "prefill 16 x 32 tokens": case(16, 32, 16, max_query_len=32, max_seq_len=256),
+        }
+        current = cupy.cuda.get_current_stream().ptr  # (a handle)
+        for name, (arrays, out, kw) in forms.items():
+            q, kc, vc = arrays[:3]
+            plan = AttentionPlan(*arrays, out=out, **kw)
+            rows[f"AttentionPlan.run, {name}"] = timing.host_us(
+                lambda: plan.run(q, kc, vc, out=out), calls)
+            rows[f"AttentionPlan.run, {name}, stream= (generic path)"] = timing.host_us(
+                lambda: plan.run(q, kc, vc, out=out, stream=current), calls)
+            rows[f"attention, {name}"] = timing.host_us(
+                lambda: attention(*arrays, out=out, **kw), calls)
+            rows[f"attention, {name}, stream= (generic path)"] = timing.host_us(
+                lambda: attention(*arrays, out=out, stream=current, **kw), calls)
+    return rows
+
+
 def _kw20(a=None, b=None, c=None, d=None, e=None, f=None, g=None, h=None, i=None, j=None,
           k=None, l=None, m=None, n=None, o=None, p=None, q=None, r=None, s=None,  # noqa: E741
           t=None):
