@@ -211,9 +211,51 @@ __device__ void merge_partitions(T* __restrict__ out, float* __restrict__ lse,
   }
 }
 
-// ---- the flat split (variant kVarFlat, partition_tokens -1) -----------------------------
-// The (sequence, head tile) units' key tiles laid end to end, sequence by sequence and,
-// within one, head tile by head tile; the grid's G CTAs take equal runs of them (the first
+// What query row `qrow` sees: its sequence, the keys [0, ctx) and its own position q_pos
+// (ALiBi distances are key - q_pos). Lengths past the block table's width (max_len) are
+// clamped so the table row is never overrun; negative lengths count as empty.
+struct RowSpan {
+  int seq, ctx, q_pos;
+};
+
+__device__ __forceinline__ RowSpan row_span(const int* __restrict__ context_lens,
+                                            const int* __restrict__ query_start_loc,
+                                            int num_seqs, int causal, int max_len, int qrow) {
+  if (query_start_loc == nullptr) {  // decode: row s is sequence s's token, at its end
+    const int ctx = max(0, min(context_lens[qrow], max_len));
+    return RowSpan{qrow, ctx, ctx - 1};
+  }
+  // The sequence holding this row: the last s with query_start_loc[s] <= row. A decode
+  // batch (one token per sequence) has row r in sequence r, which is tried first, its
+  // length loaded alongside: one round trip, as without query_start_loc, instead of a
+  // binary search. Any sequence whose range holds the row is the one the search finds
+  // (the starts are non-decreasing).
+  int seq = qrow;
+  const bool guess = qrow < num_seqs;
+  int qb = guess ? query_start_loc[qrow] : 0;
+  int qe = guess ? query_start_loc[qrow + 1] : 0;
+  int seq_len = guess ? context_lens[qrow] : 0;
+  if (!(guess && qb <= qrow && qrow < qe)) {
+    int lo = 0, hi = num_seqs;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (query_start_loc[mid] <= qrow) lo = mid; else hi = mid;
+    }
+    seq = lo;
+    qb = query_start_loc[seq];
+    qe = query_start_loc[seq + 1];
+    seq_len = context_lens[seq];
+  }
+  const int len = max(0, min(seq_len, max_len));
+  const int q_pos = len - (qe - qb) + (qrow - qb);
+  int ctx = causal ? max(0, min(len, q_pos + 1)) : len;
+  if (qrow < qb || qrow >= qe) ctx = 0;  // a row no sequence claims gets zeros
+  return RowSpan{seq, ctx, q_pos};
+}
+
+// ---- the flat split (variant kVarFlat, partition_tokens = -rows) ------------------------
+// The (query row, head tile) units' key tiles laid end to end, row by row (decode's rows
+// are its sequences) and, within one, head tile by head tile; the grid's G CTAs take equal runs of them (the first
 // T % G one tile more). A CTA walks its run unit by unit: a unit it holds whole is written
 // as a single pass; a unit cut by a run's end goes out as partials, merged by whichever CTA
 // holding a piece of it finishes last. No CTA runs in step with another, so the grid has
@@ -231,16 +273,18 @@ struct FlatRuns {
   }
 };
 
-// Key tiles of sequence `seq` in the flat split: those from its window's first tile (a
+// Key tiles of query row `qrow` in the flat split: those from its window's first tile (a
 // tile before it, as the kernel's loop) to its last key, at least one (a row without keys
 // is still written, as zeros).
 template <int BLOCK_SIZE, int TT, typename Var>
-__device__ __forceinline__ int flat_tiles(const PagedKV& kv, const int* context_lens, int seq,
-                                          const VariantParams& vp) {
-  const int ctx = max(0, min(context_lens[seq], kv.max_blocks * BLOCK_SIZE));
-  const int lo = min(Var::first_key(vp, ctx - 1), ctx);
+__device__ __forceinline__ int flat_tiles(const PagedKV& kv, const int* context_lens,
+                                          const int* query_start_loc, int num_seqs, int causal,
+                                          int qrow, const VariantParams& vp) {
+  const RowSpan r = row_span(context_lens, query_start_loc, num_seqs, causal,
+                             kv.max_blocks * BLOCK_SIZE, qrow);
+  const int lo = min(Var::first_key(vp, r.q_pos), r.ctx);
   const int base = Var::kWindow ? lo / TT * TT : 0;
-  return max(1, (ctx - base) / TT + ((ctx - base) % TT != 0 ? 1 : 0));
+  return max(1, (r.ctx - base) / TT + ((r.ctx - base) % TT != 0 ? 1 : 0));
 }
 
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
@@ -259,9 +303,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
                  const float* __restrict__ alibi_slopes,   // [num_heads] or null
                  int num_heads, int group_size, int num_seqs, int causal,
                  int partition_tokens,  // 0: single pass; > 0: tokens per partition
-                                        // (gridDim.z); -1 with kVarFlat: the flat split
-                                        // (above), decode only (query_start_loc null),
-                                        // grid (G, 1, 1)
+                                        // (gridDim.z); with kVarFlat, minus the query rows:
+                                        // the flat split (above) over the rows (decode's,
+                                        // or row mode's), grid (G, 1, 1)
                  float scale_log2, const __grid_constant__ VariantParams vp) {
   using Geo = DecodeGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, GROUP_TILE,
                              TILE_TOKENS, STAGES>;
@@ -293,22 +337,27 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int tiles_per_kv = (group_size + GT - 1) / GT;
-  constexpr bool flat = Var::kFlat;  // the flat split (partition_tokens < 0)
+  constexpr bool flat = Var::kFlat;  // the flat split (partition_tokens = -rows)
   const int n_y = flat ? num_heads / group_size * tiles_per_kv : static_cast<int>(gridDim.y);
+  const int n_rows = flat ? -partition_tokens : 0;  // (flat) the query rows
+  auto row_tiles = [&](int qrow) {
+    return flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, query_start_loc, num_seqs, causal,
+                                           qrow, vp);
+  };
 
   if (tid == 0 && dynamic_smem_bytes() < static_cast<unsigned>(Geo::kSmemBytes)) __trap();
 
   // The flat split: this CTA's run [w_t, w_end) of the flat tiles, and where it starts: the
-  // sequence w_seq, whose units start at flat tile w_seq0 and have w_tiles tiles each.
+  // query row w_row, whose units start at flat tile w_row0 and have w_tiles tiles each.
   FlatRuns runs{0, 0};
-  long long w_t = 0, w_end = 0, w_seq0 = 0;
-  int w_seq = 0, w_tiles = 0;
+  long long w_t = 0, w_end = 0, w_row0 = 0;
+  int w_row = 0, w_tiles = 0;
   if constexpr (flat) {
-    // Every sequence's tiles, summed (each thread over its sequences, then the block).
+    // Every row's tiles, summed (each thread over its rows, then the block).
     long long* sum_s = reinterpret_cast<long long*>(smem);  // [kWarps]; the stages are free
-    int* found_s = reinterpret_cast<int*>(smem + 8 * Geo::kWarps);  // [seq, its start, tiles]
+    int* found_s = reinterpret_cast<int*>(smem + 8 * Geo::kWarps);  // [row, its start, tiles]
     long long mine = 0;
-    for (int q = tid; q < num_seqs; q += NT) mine += flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, q, vp);
+    for (int q = tid; q < n_rows; q += NT) mine += row_tiles(q);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(~0u, mine, o);
     if (lane == 0) sum_s[warp] = mine;
@@ -321,13 +370,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
     w_t = runs.start(blockIdx.x);
     w_end = runs.start(blockIdx.x + 1ll);
     if (w_t >= w_end) return;  // fewer tiles than CTAs
-    // The sequence holding flat tile w_t: the last whose units start at or before it, by a
-    // block-wide running sum of the tiles, NT sequences at a time.
+    // The row holding flat tile w_t: the last whose units start at or before it, by a
+    // block-wide running sum of the tiles, NT rows at a time.
     const long long target = w_t / n_y;  // in tiles of one head tile's units
     long long carry = 0;
     for (int q0 = 0;; q0 += NT) {
       const int q = q0 + tid;
-      const int v = q < num_seqs ? flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, q, vp) : 0;
+      const int v = q < n_rows ? row_tiles(q) : 0;
       long long incl = v;  // inclusive prefix within the warp
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -344,18 +393,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
         chunk += sum_s[w];
       }
       const long long excl = before + incl - v;
-      if (q < num_seqs && excl <= target && target < excl + v) {
+      if (q < n_rows && excl <= target && target < excl + v) {
         found_s[0] = q;
         found_s[1] = static_cast<int>(excl >> 32);
         found_s[2] = static_cast<int>(excl & 0xffffffffll);
         found_s[3] = v;
       }
       carry += chunk;
-      if (carry > target || q0 + NT >= num_seqs) break;  // (the same in every thread)
+      if (carry > target || q0 + NT >= n_rows) break;  // (the same in every thread)
     }
     __syncthreads();
-    w_seq = found_s[0];
-    w_seq0 = ((static_cast<long long>(found_s[1]) << 32) |
+    w_row = found_s[0];
+    w_row0 = ((static_cast<long long>(found_s[1]) << 32) |
               static_cast<unsigned>(found_s[2])) * n_y;
     w_tiles = found_s[3];
     __syncthreads();  // read before the stages are written
@@ -373,18 +422,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
   } else {
     if (w_t >= w_end) break;
     if (pass > 0) __syncthreads();  // the last unit is done with shared memory
-    const long long in_seq = w_t - w_seq0;
-    qrow = w_seq;
-    y_tile = static_cast<int>(in_seq / w_tiles);
-    f_lo = static_cast<int>(in_seq % w_tiles);
+    const long long in_row = w_t - w_row0;
+    qrow = w_row;
+    y_tile = static_cast<int>(in_row / w_tiles);
+    f_lo = static_cast<int>(in_row % w_tiles);
     f_hi = static_cast<int>(min(static_cast<long long>(w_tiles), f_lo + (w_end - w_t)));
-    f_unit = w_seq0 + static_cast<long long>(y_tile) * w_tiles;
+    f_unit = w_row0 + static_cast<long long>(y_tile) * w_tiles;
     f_tiles = w_tiles;
     w_t += f_hi - f_lo;
-    if (f_hi == w_tiles && y_tile == n_y - 1 && w_t < w_end) {  // on to the next sequence
-      w_seq0 += static_cast<long long>(n_y) * w_tiles;
-      ++w_seq;
-      w_tiles = flat_tiles<BLOCK_SIZE, TT, Var>(kv, context_lens, w_seq, vp);
+    if (f_hi == w_tiles && y_tile == n_y - 1 && w_t < w_end) {  // on to the next row
+      w_row0 += static_cast<long long>(n_y) * w_tiles;
+      ++w_row;
+      w_tiles = row_tiles(w_row);
     }
   }
   const int kv_head = y_tile / tiles_per_kv;
@@ -392,41 +441,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int head0 = kv_head * group_size + g0;  // first query head of this CTA
   const int heads_here = min(GT, group_size - g0);
 
-  // Lengths past the block table's width are clamped so the table row is never overrun
-  // (cupaged.check_block_tables reports them); negative lengths count as empty.
+  // Lengths past the block table's width are clamped (row_span) so the table row is never
+  // overrun (cupaged.check_block_tables reports them); negative lengths count as empty.
   const int max_len = kv.max_blocks * BLOCK_SIZE;
-  int seq = qrow;
-  int ctx;    // keys this row sees: [0, ctx)
-  int q_pos;  // the row's own position (ALiBi distances are key - q_pos)
-  if (query_start_loc == nullptr) {
-    ctx = max(0, min(context_lens[seq], max_len));
-    q_pos = ctx - 1;
-  } else {
-    // The sequence holding this row: the last s with query_start_loc[s] <= row. A decode
-    // batch (one token per sequence) has row r in sequence r, which is tried first, its
-    // length loaded alongside: one round trip, as without query_start_loc, instead of a
-    // binary search. Any sequence whose range holds the row is the one the search finds
-    // (the starts are non-decreasing).
-    const bool guess = qrow < num_seqs;
-    int qb = guess ? query_start_loc[qrow] : 0;
-    int qe = guess ? query_start_loc[qrow + 1] : 0;
-    int seq_len = guess ? context_lens[qrow] : 0;
-    if (!(guess && qb <= qrow && qrow < qe)) {
-      int lo = 0, hi = num_seqs;
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (query_start_loc[mid] <= qrow) lo = mid; else hi = mid;
-      }
-      seq = lo;
-      qb = query_start_loc[seq];
-      qe = query_start_loc[seq + 1];
-      seq_len = context_lens[seq];
-    }
-    const int len = max(0, min(seq_len, max_len));
-    q_pos = len - (qe - qb) + (qrow - qb);
-    ctx = causal ? max(0, min(len, q_pos + 1)) : len;
-    if (qrow < qb || qrow >= qe) ctx = 0;  // a row no sequence claims gets zeros
-  }
+  const RowSpan span = row_span(context_lens, query_start_loc, num_seqs, causal, max_len, qrow);
+  const int seq = span.seq;
+  const int ctx = span.ctx;      // keys this row sees: [0, ctx)
+  const int q_pos = span.q_pos;  // the row's own position
   // Keys [lo, ctx) are seen. A window's keys start at lo, its tiles at lo rounded down to a
   // tile (copies and block ids are tile-aligned; the slots before lo are masked), and
   // split-KV partitions cover the window only (the combine counts them alike).

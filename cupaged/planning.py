@@ -728,17 +728,16 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
-    if not rows and (partition == "flat" or
-                     partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_seqs)):
+    if partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_rows):
         # (the flat split is its own specialization: variant letter "r")
         flat = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
                               p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
                               variants.letters + "r")
         if partition == "flat" or flat_keeps_residency(flat, ks):
-            plan = plan_flat(p, flat, grid_y, gt, workspace)
+            plan = plan_flat(p, flat, grid_y, gt, workspace, rows)
             if plan is not None:
                 return plan
-    if partition == "flat":  # where it cannot run: row mode, a workspace without the room
+    if partition == "flat":  # where it cannot run: a workspace without the room
         partition = "auto"
     room = None if workspace is None else workspace.max_rows // (p.num_rows * p.num_heads)
     size, smem = partition_tokens(partition, p, max_ctx, ctas, ks, room)
@@ -765,23 +764,23 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
                                        ks.tile_tokens))
 
 
-# The most sequences "auto" gives the flat split: each of its CTAs first reads every
-# sequence's length and scans them, 128 a round (the kernel's prologue), a cost measured
-# small up to 256 sequences (two rounds) and not measured beyond.
-FLAT_MAX_SEQS = 512
+# The most query rows "auto" gives the flat split: each of its CTAs first reads every
+# row's length and scans them, 128 a round (the kernel's prologue), a cost measured small
+# up to 256 rows (two rounds) and not measured beyond.
+FLAT_MAX_ROWS = 512
 
 
-def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels", num_seqs: int = 1) -> bool:
+def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels", num_rows: int = 1) -> bool:
     """Does "auto" take the flat split? Where there are at least as many (sequence, head
     tile) units as CTAs resident at once, each of two tiles or more: the grid's waves of
     whole units then leave a last wave the flat split does not have (H200, 32/32 batch
     64: 508 against 546 µs), while fewer units would be cut into many short pieces, each
     merged (docs/PERFORMANCE.md, the flat split). Not where a CTA's run would pass
     MAX_PASS_TOKENS (a pass's float32 sums lose accuracy with its length), nor past
-    FLAT_MAX_SEQS sequences."""
+    FLAT_MAX_ROWS query rows."""
     if not ks.slots or units < ks.slots or max_ctx <= ks.tile_tokens:
         return False
-    if num_seqs > FLAT_MAX_SEQS:
+    if num_rows > FLAT_MAX_ROWS:
         return False
     run_tiles = -(-units * -(-max_ctx // ks.tile_tokens) // ks.slots)
     return run_tiles * ks.tile_tokens <= MAX_PASS_TOKENS
@@ -795,24 +794,27 @@ def flat_keeps_residency(flat: "DecodeKernels", ks: "DecodeKernels") -> bool:
     return flat.slots >= ks.slots
 
 
-def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int,
-              workspace) -> KernelPlan | None:
+def plan_flat(p: Problem, ks: "DecodeKernels", grid_y: int, gt: int, workspace,
+              rows: bool = False) -> KernelPlan | None:
     """paged_decode's flat split (its header; ``ks``: the specialization with variant
-    "r"): one wave of CTAs at the natural residency, each taking an equal run of all the
-    units' key tiles. None where it cannot run: a
+    "r") over the query rows (decode's sequences, or ``rows``: the row mode's rows, each
+    finding its sequence in ``query_start_loc``): one wave of CTAs at the natural
+    residency, each taking an equal run of all the (row, head tile) units' key tiles; the
+    kernel's partition_tokens is minus the row count. None where it cannot run: a
     workspace without room for its partials and counters, or runs whose flat tile
     arithmetic could pass 2^63 (never for a block table that fits in memory)."""
     occ = natural_residency(ks)
     ctas = max(1, occ.slots)
-    units = p.num_seqs * grid_y
-    rows = 2 * ctas * gt
-    if workspace is not None and (workspace.max_rows < rows or workspace.max_counters < units):
+    units = p.num_rows * grid_y
+    slots = 2 * ctas * gt  # partial rows: two slots a CTA, a head tile each
+    if workspace is not None and (workspace.max_rows < slots or workspace.max_counters < units):
         return None
     most_tiles = units * (p.max_blocks * p.block_size // ks.tile_tokens + 2)
     if most_tiles * ctas >= 2**62:
         return None
-    return KernelPlan("decode", ks.decode, (ctas, 1, 1), geometry.DECODE_THREADS, occ.smem,
-                      (0,), -1, 1, partial_rows=rows, counters=units)
+    return KernelPlan("rows" if rows else "decode", ks.decode, (ctas, 1, 1),
+                      geometry.DECODE_THREADS, occ.smem, (0,), -p.num_rows, 1,
+                      partial_rows=slots, counters=units)
 
 
 def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,

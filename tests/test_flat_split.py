@@ -324,7 +324,7 @@ def test_plan_flat_sizes_hold_the_launch(monkeypatch):
     built = launch.build(None, None, p, plan, 0.1, True, 0, _variants.PLAIN, None)
     gt = planning.group_tile(4)
     n_y = 8 * -(-4 // gt)
-    assert plan.grid[1:] == (1, 1) and plan.split_tokens == -1 and not built.takes_starts
+    assert plan.grid[1:] == (1, 1) and plan.split_tokens == -64 and not built.takes_starts
     lengths = [(37 * s) % 2049 for s in range(64)]
     check_flat_launch(lengths, p.max_blocks * p.block_size, ks.tile_tokens, 0, n_y,
                       plan.grid[0], gt, built.scratch_rows, built.counters)
@@ -347,7 +347,7 @@ def test_a_workspace_of_the_rows_a_flat_launch_asks_for_keeps_it(monkeypatch):
         p = validate(**args(seqs=seqs, heads=heads, kv_heads=kv_heads, hs=128, bs=16,
                             width=128))
         plan = planning.plan_decode(p, 2048, "auto", None)
-        assert plan.split_tokens == -1
+        assert plan.split_tokens == -seqs
         built = launch.build(None, None, p, plan, 0.1, True, 0, _variants.PLAIN, None)
         rows = launch.workspace_rows(built)
         assert rows >= built.scratch_rows and rows // 2 >= plan.counters
@@ -363,11 +363,14 @@ def test_a_workspace_of_the_rows_a_flat_launch_asks_for_keeps_it(monkeypatch):
                                               _variants.PLAIN, None)) == 0
 
 
-def test_flat_in_row_mode_takes_the_grid_split(monkeypatch):
-    """partition="flat" where the flat split cannot run (row mode reads query_start_loc)
-    plans as "auto" does, as it does where a workspace lacks the room."""
+def test_flat_in_row_mode_runs_over_the_rows(monkeypatch):
+    """Row mode (each row finds its sequence in query_start_loc) takes the flat split as
+    decode does: its units are (row, head tile), the kernel's partition_tokens minus the
+    row count, and the launch reads query_start_loc."""
     _fake_kernels(monkeypatch)
     p = validate(**args(seqs=64, heads=32, kv_heads=32, hs=128, bs=16, width=128))
     rows = planning.plan_decode(p, 2048, "flat", None, rows=True)
     assert rows == planning.plan_decode(p, 2048, "auto", None, rows=True)
-    assert rows.kind == "rows" and rows.split_tokens >= 0
+    assert (rows.kind, rows.grid, rows.split_tokens, rows.counters) == \
+        ("rows", (396, 1, 1), -64, 64 * 32)
+    assert launch.build(None, None, p, rows, 0.1, True, 0, _variants.PLAIN, None).takes_starts

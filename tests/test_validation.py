@@ -623,22 +623,25 @@ def test_auto_takes_the_flat_split_from_as_many_units_as_resident_ctas(monkeypat
     assert not planning.flat_pays(4096, 64, KS)  # one tile a unit: nothing to even out
     assert planning.flat_pays(4096, 65, KS)
     assert not planning.flat_pays(396, planning.MAX_PASS_TOKENS + 64, KS)  # a run too long
-    assert planning.flat_pays(2048, 2048, KS, planning.FLAT_MAX_SEQS)
-    assert not planning.flat_pays(2048 * 16, 2048, KS, planning.FLAT_MAX_SEQS + 1)
+    assert planning.flat_pays(2048, 2048, KS, planning.FLAT_MAX_ROWS)
+    assert not planning.flat_pays(2048 * 16, 2048, KS, planning.FLAT_MAX_ROWS + 1)
     ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
     monkeypatch.setattr(planning, "decode_kernels", lambda *a, **k: ks)
     p = validate(**args(seqs=64, heads=32, kv_heads=32, hs=128, bs=16, width=128))
     plan = planning.plan_decode(p, 2048, "auto", None)
-    assert plan.grid == (396, 1, 1) and plan.split_tokens == -1 and plan.smem == KS.smem
+    assert plan.grid == (396, 1, 1) and plan.split_tokens == -64 and plan.smem == KS.smem
     assert (plan.partial_rows, plan.counters) == (2 * 396, 64 * 32)
     built = launch.build(None, None, p, plan, 0.1, True, 0, _variants.PLAIN, None)
     assert built.split and built.scratch_rows == 2 * 396 and built.counters == 64 * 32
-    assert planning.plan_decode(p, 2048, "auto", None, rows=True).split_tokens >= 0
+    # Row mode too: its rows, each finding its sequence in query_start_loc.
+    in_rows = planning.plan_decode(p, 2048, "auto", None, rows=True)
+    assert (in_rows.kind, in_rows.grid, in_rows.split_tokens) == ("rows", (396, 1, 1), -64)
+    assert launch.build(None, None, p, in_rows, 0.1, True, 0, _variants.PLAIN, None).takes_starts
     assert planning.plan_decode(p, 2048, "never", None).split_tokens == 0
     small = launch.Partials(1, 2, 3, max_rows=2 * 396 - 1, counters=4, max_counters=10**6)
     assert planning.plan_decode(p, 2048, "flat", small).split_tokens >= 0
     roomy = launch.Partials(1, 2, 3, max_rows=2 * 396, counters=4, max_counters=64 * 32)
-    assert planning.plan_decode(p, 2048, "flat", roomy).split_tokens == -1
+    assert planning.plan_decode(p, 2048, "flat", roomy).split_tokens == -64
     few = validate(**args(seqs=8, heads=32, kv_heads=8, hs=128, bs=16, width=128))
     assert planning.plan_decode(few, 2048, "auto", None).split_tokens >= 0
     assert planning.plan_decode(few, 2048, "flat", None).grid == (396, 1, 1)

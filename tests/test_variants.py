@@ -122,15 +122,17 @@ def _problem(rng, q_lens, seq_lens, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(VARIANT_CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["decode", "decode_flat", "mixed", "mixed_split", "rows"])
+@pytest.mark.parametrize("kind", ["decode", "decode_flat", "mixed", "mixed_split", "rows",
+                                  "rows_flat"])
 def test_variants_match_reference(rng, prefill_split, request, case, layout, kind):
     """Each variant alone and all together, on decode (split-KV and not, and the flat
     split), a mixed varlen batch (the multi-token kernel, single pass and split into
-    64-token partitions) and float32 (the decode kernel's row mode)."""
+    64-token partitions) and float32 (the decode kernel's row mode, its grid split and its
+    flat split over rows that find their sequences in query_start_loc)."""
     prefill_split(64 if kind == "mixed_split" else 0)
-    if kind == "decode_flat":
+    if kind.endswith("_flat"):
         request.getfixturevalue("flat_split")
-        kind = "decode"
+        kind = kind[: -len("_flat")]
     heads, kvh, hs, bs = 8, 2, 64, 16
     dtype = "f32" if kind == "rows" else ("bf16" if case == "all" else "f16")
     if kind == "decode":

@@ -257,18 +257,24 @@ def test_host_bounds_that_undercount_cost_nothing_but_parallelism(rng, max_query
     ([1, 0, 2, 1, 1, 1], [1, 70, 33, 2048, 1, 4]),
 ])
 @pytest.mark.parametrize("workspace", [False, True])
-def test_max_query_len_of_one_never_hides_a_longer_query(rng, layout, q_lens, seq, workspace):
+@pytest.mark.parametrize("split", ["auto", "flat"])
+def test_max_query_len_of_one_never_hides_a_longer_query(rng, request, layout, q_lens, seq,
+                                                         workspace, split):
     """total_q == num_seqs with max_query_len=1 is most likely a decode step, but the bound
     may undercount: the rows must still be the sequences query_start_loc says they are,
-    single pass or split."""
+    single pass, split, or the flat split over the rows."""
     import cupy
+
+    if split == "flat":
+        request.getfixturevalue("flat_split")
 
     assert sum(q_lens) == len(seq) and max(q_lens) > 1
     host = make_varlen(rng, q_lens, seq, layout=layout, heads=8, kv_heads=2, head_size=128)
     ws = cupaged.DecodeWorkspace(len(seq), 8, 128) if workspace else None
     got, ref = run(host, kv_layout=layout, max_query_len=1, workspace=ws)
     assert_close(got, ref, testing.TOLERANCE["f16"], f"{q_lens}")
-    if max(seq) >= 3000:  # the case is what it claims: split-KV over query_start_loc
+    # The case is what it claims: split-KV over query_start_loc.
+    if max(seq) >= 3000 and split == "auto":
         dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
         plan = cupaged.AttentionPlan(**dev, kv_layout=layout, max_query_len=1, workspace=ws)
         assert plan._prepared.launch.split and plan._prepared.launch.takes_starts
@@ -276,9 +282,14 @@ def test_max_query_len_of_one_never_hides_a_longer_query(rng, layout, q_lens, se
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["f16", "f32"])
-def test_decode_through_attention_equals_paged_attention(rng, layout, dtype):
-    """One token per sequence, with and without query_start_loc, single pass and split."""
+@pytest.mark.parametrize("split", ["auto", "flat"])
+def test_decode_through_attention_equals_paged_attention(rng, request, layout, dtype, split):
+    """One token per sequence, with and without query_start_loc, single pass and split
+    (and the flat split, over sequences and over rows)."""
     import cupy
+
+    if split == "flat":
+        request.getfixturevalue("flat_split")
 
     seq = [1, 17, 1000, 4096, 2, 33]
     host = make_varlen(rng, [1] * len(seq), seq, layout=layout, dtype=dtype, heads=8,
