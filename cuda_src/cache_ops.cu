@@ -16,6 +16,10 @@ void cupaged_instantiate_cache_ops() {
   (void)&cupaged::concat_and_cache_mla<half_t, cupaged::fp8_e4m3_t, int>;
   (void)&cupaged::concat_and_cache_mla<bfloat16_t, cupaged::fp8_ds_mla_t, long long>;
   (void)&cupaged::concat_and_cache_mla<half_t, cupaged::fp8_ds_mla_t, int>;
+  (void)&cupaged::concat_and_cache_mla<bfloat16_t, cupaged::v4_fp8_t, long long>;
+  (void)&cupaged::concat_and_cache_mla<half_t, cupaged::v4_fp8_t, int>;
+  (void)&cupaged::concat_and_cache_mla<bfloat16_t, cupaged::v4_fp4_t, int>;
+  (void)&cupaged::concat_and_cache_mla<half_t, cupaged::v4_fp4_t, long long>;
   (void)&cupaged::indexer_k_quant_and_cache<bfloat16_t, long long>;
   (void)&cupaged::indexer_k_quant_and_cache<half_t, int>;
 }

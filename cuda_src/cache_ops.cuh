@@ -192,8 +192,9 @@ __global__ void __launch_bounds__(kCacheThreads)
   }
 }
 
-// DeepSeek-V3.2's sparse-attention cache rows (fp8_ds_mla_t, ds_mla.cuh) are a cache type
-// of concat_and_cache_mla.
+// DeepSeek's sparse-attention cache rows (fp8_ds_mla_t, v4_fp8_t, v4_fp4_t: ds_mla.cuh) are
+// cache types of concat_and_cache_mla, written one warp per token: lane l holds the token's
+// values [16l, 16l + 16), so a group of 16 g values is g lanes and its amax their shuffles.
 
 // Eight float16 values (16 bytes) -> eight bfloat16 (16 bytes), rounded to nearest even in
 // integer arithmetic on the exact float32 value (every float16 is in bfloat16's range), NaN
@@ -216,34 +217,37 @@ __device__ __forceinline__ uint4 chunk_to_bf16(const uint4 c, half_t) {
 }
 __device__ __forceinline__ uint4 chunk_to_bf16(const uint4 c, bfloat16_t) { return c; }
 
-// One token into an fp8_ds_mla row, by one warp. Lane l holds kv_c's values [16l, 16l + 16)
-// (two 16-byte loads), so a group of 128 values is 8 lanes and its amax three shuffles;
-// lanes 0-7 hold k_pe's 16-byte chunk l. Each group's scale is max(amax / 448, FLT_MIN) in
-// float32 (amax over |x|, NaN skipped by fmaxf: a group of NaN gets FLT_MIN), each value
-// x / scale (an IEEE division, as vLLM's kernel divides) in e4m3, rounded to nearest even
-// and saturated (quantize2: NaN stays NaN, 0x7F; an infinite value makes its group's scale
-// infinite, so the group holds 0 and the infinity's NaN). The row is written in 16-byte
-// stores (lanes' e4m3 bytes: 512 consecutive bytes), four 4-byte scale stores and k_pe's
-// eight 16-byte stores.
+// Lane `lane`'s 16 values [16 lane, 16 lane + 16) of a token whose values are src_c's
+// `rank` then src_r's, as floats; rank is a multiple of 8, so no 8-value chunk straddles the
+// two (16-byte loads where `vec`, see load_chunk).
 template <typename T>
-__device__ __forceinline__ void ds_mla_token(const T* __restrict__ src_c, const T* __restrict__ src_r,
-                                             unsigned char* __restrict__ dst, bool vec) {
-  const int lane = threadIdx.x & 31;
-  const uint4 c0 = load_chunk(src_c + 16 * lane, vec);
-  const uint4 c1 = load_chunk(src_c + 16 * lane + 8, vec);
-  uint4 pe = make_uint4(0, 0, 0, 0);
-  if (lane < kDsMlaRope / 8) pe = load_chunk(src_r + 8 * lane, vec);
-  float f[2][8];
-  chunk_floats<T>(c0, f[0]);
-  chunk_floats<T>(c1, f[1]);
+__device__ __forceinline__ void lane_values16(const T* __restrict__ src_c,
+                                              const T* __restrict__ src_r, int rank, int lane,
+                                              bool vec, float (&f)[2][8]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int d = 16 * lane + 8 * h;
+    chunk_floats<T>(load_chunk(d < rank ? src_c + d : src_r + (d - rank), vec), f[h]);
+  }
+}
+
+// The amax (max |x|) of a group of LANES lanes' 16 values each: fmaxf skips NaN, so a group
+// of NaN only (or of zeros) gives 0. Every lane of the warp takes part in the shuffles.
+template <int LANES>
+__device__ __forceinline__ float group_amax(const float (&f)[2][8]) {
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i / 8][i % 8]));
-  static_assert(kDsMlaGroup / 16 == 8, "a group is 8 lanes");
 #pragma unroll
-  for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float flt_min = __uint_as_float(0x00800000u);  // the smallest normal float32
-  const float scale = fmaxf(amax / 448.f, flt_min);
+  for (int o = LANES / 2; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  }
+  return amax;
+}
+
+// A lane's 16 values divided by `scale` (an IEEE division) in e4m3, rounded to nearest even
+// and saturated (quantize2: an infinity becomes +-448, NaN 0x7F), as 16 consecutive bytes.
+__device__ __forceinline__ uint4 e4m3_bytes16(const float (&f)[2][8], float scale) {
   unsigned w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -251,11 +255,92 @@ __device__ __forceinline__ void ds_mla_token(const T* __restrict__ src_c, const 
     w[i] = quantize2(x[0] / scale, x[1] / scale, fp8_e4m3_t{}) |
            (quantize2(x[2] / scale, x[3] / scale, fp8_e4m3_t{}) << 16);
   }
-  *reinterpret_cast<uint4*>(dst + 16 * lane) = make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One token into an fp8_ds_mla row, lane `lane` holding kv_c's values f (its 16, loaded by
+// the caller), a group of 128 values 8 lanes and its amax three shuffles; lanes 0-7 load
+// k_pe's 16-byte chunk l. Each group's scale is max(amax / 448, FLT_MIN) in float32 (a
+// group of NaN gets FLT_MIN), each value x / scale (an IEEE division, as vLLM's kernel
+// divides) in e4m3 (e4m3_bytes16; an infinite value makes its group's scale infinite, so
+// the group holds 0 and the infinity's NaN). The row is written in 16-byte stores (lanes'
+// e4m3 bytes: 512 consecutive bytes), four 4-byte scale stores and k_pe's eight 16-byte
+// stores.
+template <typename T>
+__device__ __forceinline__ void ds_mla_token(const float (&f)[2][8], int lane,
+                                             const T* __restrict__ src_r,
+                                             unsigned char* __restrict__ dst, bool vec) {
+  uint4 pe = make_uint4(0, 0, 0, 0);
+  if (lane < kDsMlaRope / 8) pe = load_chunk(src_r + 8 * lane, vec);
+  const float amax = group_amax<kDsMlaGroup / 16>(f);
+  const float flt_min = __uint_as_float(0x00800000u);  // the smallest normal float32
+  const float scale = fmaxf(amax / 448.f, flt_min);
+  *reinterpret_cast<uint4*>(dst + 16 * lane) = e4m3_bytes16(f, scale);
   if (lane % 8 == 0) *reinterpret_cast<float*>(dst + kDsMlaScales + lane / 2) = scale;
   if (lane < kDsMlaRope / 8) {
     *reinterpret_cast<uint4*>(dst + kDsMlaRopeBytes + 16 * lane) = chunk_to_bf16(pe, T{});
   }
+}
+
+// ceil(log2(q)) of a v4_fp8 group's q = amax / 448 (q >= 0, never NaN), clamped to [-126,
+// 127], from q's bits as the reference takes it through frexp: 0 and any q up to 2^-126
+// (subnormals included) give -126; an infinite q (a group holding an infinity) gives 0,
+// frexp's exponent of an infinity as the reference takes it.
+__device__ __forceinline__ int ue8m0_exponent(float q) {
+  const unsigned bits = __float_as_uint(q);
+  const int biased = static_cast<int>(bits >> 23);
+  if (biased == 0xff) return 0;
+  if (biased == 0) return -126;
+  return min(biased - 127 + ((bits & 0x7fffffu) != 0u ? 1 : 0), 127);
+}
+
+// One token into a v4_fp8 row, lane `lane` holding its 16 values f: a group of 32 values
+// is 2 lanes (one shuffle). Its scale is 2^e, e = ue8m0_exponent(amax / 448) (the power of
+// two rounded up, so nothing saturates; 2^-126 for a group of zeros or NaN only; 2^0 for a
+// group holding an infinity, whose values are then stored as they are, saturated: the
+// infinity as +-448), each value x / 2^e in e4m3 (NaN 0x7F). Each lane stores its 16 e4m3
+// bytes, each even lane its group's scale byte e + 127.
+__device__ __forceinline__ void v4_fp8_token(const float (&f)[2][8], int lane,
+                                             unsigned char* __restrict__ dst) {
+  const int e = ue8m0_exponent(group_amax<kV4Fp8Group / 16>(f) / 448.f);
+  const float scale = __uint_as_float(static_cast<unsigned>(e + 127) << 23);
+  *reinterpret_cast<uint4*>(dst + 16 * lane) = e4m3_bytes16(f, scale);
+  if (lane % 2 == 0) dst[kV4Values + lane / 2] = static_cast<unsigned char>(e + 127);
+}
+
+// float y as an e2m1 code (bit 3 the sign, bits 0-2 the index of |value| in {0, 0.5, 1,
+// 1.5, 2, 3, 4, 6}): |y| rounded to nearest even (ties to the even index: 0.25 -> 0, 0.75
+// -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4) and saturated to 6, the sign kept
+// (a negative value that rounds to 0 is -0, code 8, as the reference's conversion gives).
+// The format has no NaN: NaN becomes code 0, +0.
+__device__ __forceinline__ unsigned e2m1_code(float y) {
+  const float a = fabsf(y);
+  const unsigned m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                     (a >= 3.5f) + (a > 5.f);
+  return a == a ? ((__float_as_uint(y) >> 28) & 8u) | m : 0u;
+}
+
+// One token into a v4_fp4 row, lane `lane` holding its 16 values f: a group of 16 values
+// is one lane. Its scale is the smallest e4m3 value at least amax / 6 (amax / 6 in e4m3
+// rounded to nearest even, one step up where that fell below it, but for 448, the
+// largest; at least 2^-9, byte 0x01), each value x / scale (an IEEE division) in e2m1
+// (e2m1_code: saturated to +-6; a group holding an infinity gets scale 448 and the
+// infinity +-6). NaN, which the format cannot hold, is skipped by the amax and stored as
+// 0: the row is the reference's for the token with its NaN replaced by 0 (the reference
+// refuses NaN). Each lane stores its 8 bytes of codes and its scale byte.
+__device__ __forceinline__ void v4_fp4_token(const float (&f)[2][8], int lane,
+                                             unsigned char* __restrict__ dst) {
+  static_assert(kV4Fp4Group == 16, "a group is one lane");
+  const float q = group_amax<1>(f) / 6.f;
+  unsigned sb = quantize2(q, 0.f, fp8_e4m3_t{}) & 0xffu;  // q >= 0: a byte up to 0x7E
+  if (to_float(fp8_e4m3_t{static_cast<unsigned char>(sb)}) < q && sb < 0x7eu) ++sb;
+  sb = max(sb, 1u);
+  const float scale = to_float(fp8_e4m3_t{static_cast<unsigned char>(sb)});
+  unsigned w[2] = {0u, 0u};  // value 16 lane + i at byte 8 lane + i / 2, the odd ones high
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i / 8] |= e2m1_code(f[i / 8][i % 8] / scale) << (4 * (i % 8));
+  *reinterpret_cast<uint2*>(dst + 8 * lane) = make_uint2(w[0], w[1]);
+  dst[kV4Values / 2 + lane] = static_cast<unsigned char>(sb);
 }
 
 // MLA's latent cache write (vLLM's concat_and_cache_mla): token `tok`'s kv_c
@@ -273,10 +358,13 @@ __device__ __forceinline__ void ds_mla_token(const T* __restrict__ src_c, const 
 // One CTA per token; 16-byte chunks of eight values, consecutive threads on consecutive
 // chunks. A negative slot (padding) or one at or past num_slots writes nothing.
 //
-// C fp8_ds_mla_t: the sparse cache's 656-byte rows (ds_mla_token), one warp per token
-// (kCacheThreads / 32 tokens per CTA, grid ceil(num_tokens / 4)); kv_lora_rank 512 and
-// rope_dim 64 (checked on the host), latent_cache the rows' bytes, strides in bytes and
-// multiples of 16, rope_cache and the scale unused (the format computes its own scales).
+// C a sparse cache's token rows (is_sparse_row: fp8_ds_mla_t's 656 bytes, ds_mla_token;
+// v4_fp8_t's 528, v4_fp8_token; v4_fp4_t's 288, v4_fp4_token): one warp per token
+// (kCacheThreads / 32 tokens per CTA, grid ceil(num_tokens / 4)); latent_cache the rows'
+// bytes, strides in bytes and multiples of 16, rope_cache and the scale unused (the
+// formats compute their own scales). fp8_ds_mla: kv_lora_rank 512 and rope_dim 64; V4's:
+// the token's 512 values are kv_c's kv_lora_rank then k_pe's rope_dim (checked on the
+// host: both multiples of 8).
 template <typename T, typename C, typename SlotT>
 __global__ void __launch_bounds__(kCacheThreads)
     concat_and_cache_mla(const T* __restrict__ kv_c, long long kv_c_stride,
@@ -287,7 +375,7 @@ __global__ void __launch_bounds__(kCacheThreads)
                          int kv_lora_rank, int rope_dim, int block_size, long long num_slots,
                          int vec_src, const float* __restrict__ scale, float scale_value) {
   static_assert(sizeof(T) == 2, "float16 or bfloat16 sources: eight values a chunk");
-  if constexpr (is_same<C, fp8_ds_mla_t>::value) {
+  if constexpr (is_sparse_row<C>::value) {
     const long long tok =
         static_cast<long long>(blockIdx.x) * (kCacheThreads / 32) + threadIdx.x / 32;
     if (tok >= num_tokens) return;  // whole warps: the shuffles see every lane
@@ -295,7 +383,19 @@ __global__ void __launch_bounds__(kCacheThreads)
     if (slot < 0 || slot >= num_slots) return;
     unsigned char* dst = &latent_cache->bits + (slot / block_size) * lc_block +
                          (slot % block_size) * lc_token;
-    ds_mla_token<T>(kv_c + tok * kv_c_stride, k_pe + tok * k_pe_stride, dst, vec_src != 0);
+    const T* src_c = kv_c + tok * kv_c_stride;
+    const T* src_r = k_pe + tok * k_pe_stride;
+    constexpr bool ds = is_same<C, fp8_ds_mla_t>::value;
+    const int lane = threadIdx.x & 31;
+    float f[2][8];  // fp8_ds_mla: kv_c's 512 values (k_pe is a bfloat16 part of its own)
+    lane_values16<T>(src_c, src_r, ds ? kDsMlaRank : kv_lora_rank, lane, vec_src != 0, f);
+    if constexpr (ds) {
+      ds_mla_token<T>(f, lane, src_r, dst, vec_src != 0);
+    } else if constexpr (is_same<C, v4_fp8_t>::value) {
+      v4_fp8_token(f, lane, dst);
+    } else {
+      v4_fp4_token(f, lane, dst);
+    }
     return;
   } else {
     const long long tok = blockIdx.x;

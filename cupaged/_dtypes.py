@@ -35,14 +35,37 @@ BY_NAME = {d.name: d for d in (F32, F16, BF16)}
 E4M3 = DType("e4m3", "cupaged::fp8_e4m3_t", 1, _E4M3)
 E5M2 = DType("e5m2", "cupaged::fp8_e5m2_t", 1, _E5M2)
 FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
-# DeepSeek-V3.2's sparse-attention cache (vLLM's kv_cache_dtype "fp8_ds_mla"): 656-byte
-# token rows of e4m3 values, their float32 scales and bfloat16 rotary dims
-# (cuda_src/ds_mla.cuh): written by concat_and_cache_mla, read by mla_sparse_attention and
-# mla_sparse_attention_sm90.
+# DeepSeek's sparse-attention caches (cuda_src/ds_mla.cuh), one row of bytes a token,
+# written by concat_and_cache_mla: V3.2's (vLLM's kv_cache_dtype "fp8_ds_mla"): 656-byte
+# rows of e4m3 values, their float32 scales and bfloat16 rotary dims, read by
+# mla_sparse_attention and mla_sparse_attention_sm90; V4's "v4_fp8" (528 bytes: e4m3 values
+# and ue8m0 scales) and "v4_fp4" (288 bytes: e2m1 values and e4m3 scales), which no kernel
+# reads (cupaged.reference.dequantize_sparse_kv does).
 DS_MLA = DType("dsmla", "cupaged::fp8_ds_mla_t", 1, None)
-SPARSE_MLA = {DS_MLA.name: DS_MLA}
+V4_FP8 = DType("v4fp8", "cupaged::v4_fp8_t", 1, None)
+V4_FP4 = DType("v4fp4", "cupaged::v4_fp4_t", 1, None)
+SPARSE_MLA = {d.name: d for d in (DS_MLA, V4_FP8, V4_FP4)}
 DS_MLA_KV_CACHE_DTYPE = "fp8_ds_mla"
 DS_MLA_BYTES = 656  # per token: 512 e4m3, 4 float32 scales, 64 bfloat16
+
+
+@dataclass(frozen=True)
+class SparseFormat:
+    """A sparse cache's kv_cache_dtype: its cache type, bytes a token, and words for errors."""
+
+    dtype: DType
+    nbytes: int
+    values: int  # values a token (kv_c's then k_pe's)
+    what: str  # "DeepSeek-V3.2's sparse MLA cache"
+    readers: str  # the kernels that read it: "" for none
+
+
+SPARSE_KV_CACHE_DTYPES = {
+    DS_MLA_KV_CACHE_DTYPE: SparseFormat(DS_MLA, DS_MLA_BYTES, 576,
+                                        "DeepSeek-V3.2's sparse MLA cache", "sparse_mla_attention"),
+    "v4_fp8": SparseFormat(V4_FP8, 528, 512, "DeepSeek-V4's fp8 sparse MLA cache", ""),
+    "v4_fp4": SparseFormat(V4_FP4, 288, 512, "DeepSeek-V4's fp4 sparse MLA cache", ""),
+}
 CACHE_BY_NAME = {**BY_NAME, **FP8, **SPARSE_MLA}
 _FP8_BY_NUMPY = {d.numpy: d for d in FP8.values() if d.numpy is not None}
 # kv_cache_dtype spellings (vLLM's): "auto" is the query's own type.
@@ -54,7 +77,7 @@ def kv_cache_format(name) -> DType | None:
     the query's own type. ValueError for any other value."""
     if name is None or name == "auto":
         return None
-    refuse_ds_mla(name)
+    refuse_sparse_mla(name)
     fmt = KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
     if fmt is None:
         raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', "
@@ -62,14 +85,20 @@ def kv_cache_format(name) -> DType | None:
     return fmt
 
 
-def refuse_ds_mla(name, where: str = "this entry point") -> None:
-    """ValueError when ``name`` is ``"fp8_ds_mla"``, at an entry point that does not take
-    it: concat_and_cache_mla writes the format, sparse_mla_attention reads it."""
-    if isinstance(name, str) and name == DS_MLA_KV_CACHE_DTYPE:
-        raise ValueError(
-            f"kv_cache_dtype='fp8_ds_mla' (DeepSeek-V3.2's sparse MLA cache) is written by "
-            f"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
-            f"sparse_mla_attention only: {where} does not take it")
+def refuse_sparse_mla(name, where: str = "this entry point") -> None:
+    """ValueError when ``name`` is a sparse cache's kv_cache_dtype (``"fp8_ds_mla"``,
+    ``"v4_fp8"``, ``"v4_fp4"``), at an entry point that does not take it:
+    concat_and_cache_mla writes them, sparse_mla_attention reads ``"fp8_ds_mla"``."""
+    fmt = SPARSE_KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        return
+    if fmt.readers:
+        uses = (f"is written by concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks "
+                f"and read by {fmt.readers} only")
+    else:
+        uses = ("is written by concat_and_cache_mla and copied by copy_blocks_mla / "
+                "swap_blocks only (no kernel reads it)")
+    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) {uses}: {where} does not take it")
 
 
 def fp8_of(dtype) -> DType | None:

@@ -54,8 +54,8 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
                 _fail(f"{names[0]} is {key_cache.dtype}: name its fp8 format with "
                       f"kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'", TypeError)
             return query_dt  # the existing checks compare the arrays with the query
-    elif isinstance(kv_cache_dtype, str) and kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE:
-        _dtypes.refuse_ds_mla(kv_cache_dtype)  # concat_and_cache_mla takes it before here
+    elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _dtypes.SPARSE_KV_CACHE_DTYPES:
+        _dtypes.refuse_sparse_mla(kv_cache_dtype)  # concat_and_cache_mla takes them before here
     elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _dtypes.KV_CACHE_DTYPES:
         fmt = _dtypes.KV_CACHE_DTYPES[kv_cache_dtype]
     else:

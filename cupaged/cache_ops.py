@@ -280,23 +280,33 @@ def _source_rows_aligned(kv_c, k_pe) -> bool:
                for a in (kv_c, k_pe))
 
 
-def _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm) -> _MlaWrite:
-    """concat_and_cache_mla's checks for ``kv_cache_dtype="fp8_ds_mla"``: kv_c [n, 512] and
-    k_pe [n, 64] (float16 or bfloat16), one cache of 1-byte rows ``[num_blocks,
-    block_size, (1,) 656]`` 16-byte aligned with strides in multiples of 16 bytes."""
+def _validate_sparse_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype: str) -> _MlaWrite:
+    """concat_and_cache_mla's checks for a sparse cache's rows (``kv_cache_dtype``
+    ``"fp8_ds_mla"``, ``"v4_fp8"`` or ``"v4_fp4"``): kv_c and k_pe float16 or bfloat16
+    (fp8_ds_mla: [n, 512] and [n, 64]; V4's: [n, r] and [n, 512 - r], r and 512 - r
+    positive multiples of 8), one cache of 1-byte rows ``[num_blocks, block_size, (1,)
+    bytes]`` 16-byte aligned with strides in multiples of 16 bytes."""
+    fmt = _dtypes.SPARSE_KV_CACHE_DTYPES[kv_cache_dtype]
     src = _check_mla_sources(kv_c, k_pe)
-    nbytes = _dtypes.DS_MLA_BYTES
-    for name, a, n in (("kv_c", kv_c, 512), ("k_pe", k_pe, 64)):
-        if a.shape[1] != n:
-            _fail(f"fp8_ds_mla holds kv_lora_rank 512 and rope_dim 64: {name} must be "
-                  f"[num_tokens, {n}], got shape {a.shape}")
+    nbytes = fmt.nbytes
+    rank, rope = kv_c.shape[1], k_pe.shape[1]
+    if fmt.dtype is _dtypes.DS_MLA:
+        for name, a, n in (("kv_c", kv_c, 512), ("k_pe", k_pe, 64)):
+            if a.shape[1] != n:
+                _fail(f"fp8_ds_mla holds kv_lora_rank 512 and rope_dim 64: {name} must be "
+                      f"[num_tokens, {n}], got shape {a.shape}")
+    elif rank + rope != fmt.values or not rank or not rope or rank % 8:
+        _fail(f"{kv_cache_dtype} holds {fmt.values} values a token, kv_c's then k_pe's: kv_c "
+              f"must be [num_tokens, r] and k_pe [num_tokens, {fmt.values} - r], r and "
+              f"{fmt.values} - r positive multiples of 8 (DeepSeek-V4's {fmt.values - 64} "
+              f"latent and 64 rotary values), got shapes {kv_c.shape} and {k_pe.shape}")
     if pc is not None:
-        _fail("fp8_ds_mla keeps k_pe in each token's 656-byte row of kv_cache: pass "
-              "k_pe_cache=None")
-    num_blocks, block_size = _checks.check_row_cache(kc, nbytes, "an fp8_ds_mla ")
+        _fail(f"{kv_cache_dtype} keeps k_pe in each token's {nbytes}-byte row of kv_cache: "
+              f"pass k_pe_cache=None")
+    owner = f"{'an' if kv_cache_dtype[0] == 'f' else 'a'} {kv_cache_dtype} "
+    num_blocks, block_size = _checks.check_row_cache(kc, nbytes, owner)
     if not _checks.is_empty(kc) and kc.strides[-1] != 1:
-        _fail(f"an fp8_ds_mla kv_cache must have its rows contiguous, got strides "
-              f"{kc.strides}")
+        _fail(f"{owner}kv_cache must have its rows contiguous, got strides {kc.strides}")
     if block_size == 0:
         _fail("kv_cache has blocks of 0 tokens")
     if not _checks.is_empty(kc):
@@ -309,19 +319,23 @@ def _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm) -> _MlaWrite:
     _checks.check_same_device(device, "kv_cache", (("kv_c", kv_c), ("k_pe", k_pe),
                                                    ("slot_mapping", sm)))
     rows = (kc.data.ptr, kc.strides[0], kc.strides[1])  # bytes
-    return _MlaWrite(num_tokens, index, device, src, _dtypes.DS_MLA, 512, 64, block_size,
+    return _MlaWrite(num_tokens, index, device, src, fmt.dtype, rank, rope, block_size,
                      num_blocks, rows, rows, _source_rows_aligned(kv_c, k_pe))
 
 
 def validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
     """Every check of concat_and_cache_mla, on array metadata only (no device sync)."""
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE:
-        return _validate_ds_mla_write(kv_c, k_pe, kc, pc, sm)
-    if kv_cache_dtype in ("auto", None) and kc.dtype.itemsize == 1 and kc.ndim in (3, 4) \
-            and kc.shape[-1] == _dtypes.DS_MLA_BYTES:
-        _fail(f"kv_cache is {kc.dtype} with {_dtypes.DS_MLA_BYTES}-byte rows: for "
-              f"DeepSeek-V3.2's sparse cache pass kv_cache_dtype='fp8_ds_mla' (for an fp8 "
-              f"latent cache, 'fp8_e4m3' or 'fp8_e5m2')", TypeError)
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _dtypes.SPARSE_KV_CACHE_DTYPES:
+        return _validate_sparse_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype)
+    if kv_cache_dtype in ("auto", None) and kc.dtype.itemsize == 1 and kc.ndim in (3, 4):
+        for name, fmt in _dtypes.SPARSE_KV_CACHE_DTYPES.items():
+            # a float8 cache as wide as V4's rows may be a dense fp8 latent cache, which
+            # "auto" takes; fp8_ds_mla's width is always refused
+            if kc.shape[-1] == fmt.nbytes and (fmt.dtype is _dtypes.DS_MLA
+                                               or _dtypes.fp8_of(kc.dtype) is None):
+                _fail(f"kv_cache is {kc.dtype} with {fmt.nbytes}-byte rows: for {fmt.what} "
+                      f"pass kv_cache_dtype={name!r} (for an fp8 latent cache, 'fp8_e4m3' or "
+                      f"'fp8_e5m2')", TypeError)
     src = _check_mla_sources(kv_c, k_pe)
     rank, rope = kv_c.shape[1], k_pe.shape[1]
     for name, n in (("kv_c", rank), ("k_pe", rope)):
@@ -399,15 +413,16 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
             float8 dtype names), ``"fp8"``/``"fp8_e4m3"`` or ``"fp8_e5m2"`` (any 1-byte
             storage). An fp8 cache stores ``x / scale`` divided, rounded to nearest even
             and saturated exactly as :func:`reshape_and_cache` does. ``"fp8_ds_mla"``:
-            DeepSeek-V3.2's sparse-attention cache (below).
+            DeepSeek-V3.2's sparse-attention cache; ``"v4_fp8"``, ``"v4_fp4"``:
+            DeepSeek-V4's (below).
         scale: the fp8 cache's one scale, per tensor, in the forms every entry point
             takes (a positive finite number, a one-element CPU torch tensor or a
             one-element float32 device array; default 1). MLA's latent cache has no
             per-token scales: an array of more than one element raises ValueError.
-            Ignored (unchecked) for 16-bit caches and for ``"fp8_ds_mla"``.
+            Ignored (unchecked) for 16-bit caches and for the sparse formats.
         k_pe_cache: ``[num_blocks, block_size, rope_dim]`` (FlashInfer's ``kpe_cache``),
             the rotary part's own cache, of kv_cache's dtype; None for vLLM's combined
-            cache (and for ``"fp8_ds_mla"``).
+            cache (and for the sparse formats).
         stream: as for :func:`reshape_and_cache`.
 
     ``kv_cache_dtype="fp8_ds_mla"`` (vLLM's name) writes DeepSeek-V3.2's 656-byte token
@@ -423,6 +438,26 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     reads the format (uint8, int8 or float8_e4m3fn storage, page sizes that are powers of
     two up to 256); :func:`copy_blocks_mla` and :func:`swap_blocks` copy its blocks.
 
+    ``kv_cache_dtype="v4_fp8"`` and ``"v4_fp4"`` write DeepSeek-V4's token rows of 512
+    values (d_qk 512, the 64 rotary dims inside): kv_c's values then k_pe's, so ``kv_c
+    [n, r]`` and ``k_pe [n, 512 - r]`` with r and 512 - r positive multiples of 8 (the
+    model's split, 448 and 64; a caller holding the whole ``x [n, 512]`` passes the views
+    ``x[:, :448], x[:, 448:]``), one dtype, float16 or bfloat16. ``"v4_fp8"``: 528 bytes,
+    the values in e4m3 (bytes 0-511), each group of 32 divided by its scale, a power of two
+    rounded up from ``amax / 448`` (at least 2^-126), stored as its biased exponent (16
+    ue8m0 bytes, 512-527); NaN is stored as ``0x7F``, and a group holding an infinity gets
+    the scale 2^0 (its values stored as they are, saturated: the infinity as ±448).
+    ``"v4_fp4"``: 288 bytes, the values in e2m1 (bytes 0-255, value 2i in the low nibble of
+    byte i), each group of 16 divided by its scale, the smallest e4m3 value at least ``amax
+    / 6`` (at least 2^-9; 32 e4m3 bytes, 256-287), rounded to nearest even and saturated to
+    ±6 (an infinity makes its group's scale 448 and is stored as ±6). e2m1 has no NaN: a
+    NaN value is skipped by its group's amax and stored as 0 (code 0), the bytes the
+    reference gives for the token with 0 in its place (the reference refuses NaN). kv_cache
+    is 1-byte storage ``[num_blocks, block_size, (1,) 528]`` (resp. 288), as for
+    ``"fp8_ds_mla"``; ``scale`` is ignored. ``cupaged.reference.concat_and_cache_sparse_mla``
+    states the bytes; no kernel reads these formats (the reference does);
+    :func:`copy_blocks_mla` and :func:`swap_blocks` copy their blocks.
+
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
     device. ``cupaged.reference.concat_and_cache_mla`` is the statement of what is stored.
     """
@@ -432,11 +467,10 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     pc = None if k_pe_cache is None else as_device_array(k_pe_cache, "k_pe_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
     w = validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
-    ds = w.cache is _dtypes.DS_MLA
-    fp8 = w.cache is not w.source and not ds
-    # fp8_ds_mla computes its own scales: the argument is ignored, as vLLM's kernel does
-    sp, sv, sa = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale, "scale",
-                                       per_token=False)
+    # the sparse formats compute their own scales: the argument is ignored, as vLLM's
+    # kernel ignores it for fp8_ds_mla
+    sp, sv, sa = _kvquant.tensor_scale(scale if takes_scale(w) and scale is not None else 1.0,
+                                       "scale", per_token=False)
     _checks.check_same_device(w.device, "kv_cache", (("scale", sa),))
     if w.num_tokens == 0:
         return
@@ -444,6 +478,12 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
         ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
         launch_mla_write(mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
+
+
+def takes_scale(w: _MlaWrite) -> bool:
+    """Does the write use its ``scale`` (an fp8 latent cache; not 16-bit caches nor the
+    sparse formats, which compute their own scales)?"""
+    return w.cache is not w.source and w.cache.name not in _dtypes.SPARSE_MLA
 
 
 def mla_write_kernel(w: _MlaWrite):
@@ -461,9 +501,9 @@ def launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_pt
     # a combined cache's rope part: at the validated offset from the latent part's start
     rope = ((kc.data.ptr + (w.rope_dst[0] - w.latent[0]), *w.rope_dst[1:]) if pc is None
             else (pc.data.ptr, *w.rope_dst[1:]))
-    # fp8_ds_mla: a warp per token; the others: a CTA per token
-    ds = w.cache is _dtypes.DS_MLA
-    grid = -(-w.num_tokens // (_THREADS // 32)) if ds else w.num_tokens
+    # the sparse formats' rows: a warp per token; the others: a CTA per token
+    sparse = w.cache.name in _dtypes.SPARSE_MLA
+    grid = -(-w.num_tokens // (_THREADS // 32)) if sparse else w.num_tokens
     kern((grid, 1, 1), _THREADS, 0, stream,
          a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *latent, *rope,
          sm.data.ptr, w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks * w.block_size,

@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - JAX before 0.6.1
     raise ImportError(f"cupaged.jax needs jax.experimental.buffer_callback (JAX 0.6.1 or "
                       f"later); this is JAX {jax.__version__}") from e
 
-from . import _arrays, _checks, _dtypes, _kvquant, _prepared, cache_ops, launch, merge, validation
+from . import _arrays, _checks, _kvquant, _prepared, cache_ops, launch, merge, validation
 from . import mla as _mla
 
 # (the package's `attention` attribute is the function)
@@ -737,10 +737,10 @@ def _mla_write_traced(kv_c, k_pe, kv_cache, slot_mapping, k_pe_cache, *, kv_cach
         a, b, kc, sm = views[:4]
         pc = views[4] if split else None
         w = cache_ops.validate_mla_write(a, b, kc, pc, sm, kv_cache_dtype)
-        # fp8_ds_mla computes its own scales: the argument is ignored, as eagerly
-        fp8 = w.cache is not w.source and w.cache is not _dtypes.DS_MLA
-        sp, sv, _ = _kvquant.tensor_scale(1.0 if scale is None or not fp8 else scale,
-                                                    "scale", per_token=False)
+        # the sparse formats compute their own scales: the argument is ignored, as eagerly
+        sp, sv, _ = _kvquant.tensor_scale(
+            scale if cache_ops.takes_scale(w) and scale is not None else 1.0, "scale",
+            per_token=False)
         if not plan:
             return None
         kern = None

@@ -82,7 +82,8 @@ _KERNELS = {
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
-    # cache_dtype: the source's, an fp8 format, or "dsmla" (DeepSeek-V3.2's sparse cache rows)
+    # cache_dtype: the source's, an fp8 format, or a sparse cache's rows ("dsmla":
+    # DeepSeek-V3.2's; "v4fp8", "v4fp4": V4's)
     "concat_and_cache_mla": ("cache_ops.cu", ("dtype", "cache_dtype", "index_dtype")),
     # DSA's lightning indexer: its keys into their fp8 cache, and its logits over them
     # (rows: the query heads a CTA holds; group_tile: the query rows, 1 or 2, of one
@@ -92,8 +93,11 @@ _KERNELS = {
     "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
-# The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype.
-SPARSE_MLA_KERNELS = ("concat_and_cache_mla", "mla_sparse_attention", "mla_sparse_attention_sm90")
+# The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype,
+# and which: the writer all, the readers DeepSeek-V3.2's rows.
+SPARSE_MLA_KERNELS = {"concat_and_cache_mla": tuple(_dtypes.SPARSE_MLA),
+                      "mla_sparse_attention": (_dtypes.DS_MLA.name,),
+                      "mla_sparse_attention_sm90": (_dtypes.DS_MLA.name,)}
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
@@ -240,7 +244,8 @@ class KernelSpec:
     rope_dim: int = 0  # mla_attention: the key's rotary dims after the latent head_size
     rows: int = 0  # mla_attention: packed query rows (tokens x heads) per CTA
     cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same;
-    #                        "dsmla": DeepSeek-V3.2's sparse rows (concat_and_cache_mla)
+    #                        "dsmla": DeepSeek-V3.2's sparse rows (concat_and_cache_mla and
+    #                        the sparse readers), "v4fp8" / "v4fp4" V4's (concat_and_cache_mla)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
@@ -259,13 +264,14 @@ class KernelSpec:
             if self.cache_dtype in ("", self.dtype):
                 object.__setattr__(self, "cache_dtype", self.dtype)
             elif self.cache_dtype in _dtypes.SPARSE_MLA:
-                if self.kernel not in SPARSE_MLA_KERNELS:
-                    raise ValueError(f"cache_dtype {self.cache_dtype!r} (the sparse MLA cache) "
-                                     f"is taken by {', '.join(SPARSE_MLA_KERNELS)} only: "
-                                     f"{self!r}")
+                takers = [k for k, names in SPARSE_MLA_KERNELS.items() if self.cache_dtype in names]
+                if self.kernel not in takers:
+                    raise ValueError(f"cache_dtype {self.cache_dtype!r} (a sparse MLA cache) "
+                                     f"is taken by {', '.join(takers)} only: {self!r}")
             elif self.cache_dtype not in _dtypes.FP8:
                 raise ValueError(f"cache_dtype must be the dtype or one of {sorted(_dtypes.FP8)} "
-                                 f"(or 'dsmla' for concat_and_cache_mla) in {self!r}")
+                                 f"(or a sparse MLA cache, {sorted(_dtypes.SPARSE_MLA)}, for "
+                                 f"concat_and_cache_mla) in {self!r}")
             if self.kv_scale not in KV_SCALES:
                 raise ValueError(f"kv_scale must be one of {sorted(KV_SCALES)} in {self!r}")
             if self.kv_scale and self.cache_dtype not in _dtypes.FP8:

@@ -1079,8 +1079,8 @@ class PagedMLACache(_PagedCache):
             raise ValueError(f"need num_layers > 0, got {num_layers}")
         from . import _dtypes
 
-        _dtypes.refuse_ds_mla(kv_cache_dtype, "PagedMLACache (a dense latent cache for "
-                                              "mla_attention)")
+        _dtypes.refuse_sparse_mla(kv_cache_dtype, "PagedMLACache (a dense latent cache for "
+                                                  "mla_attention)")
         fmt = _fp8_format(kv_cache_dtype, "tensor", dt)
         self._init_common(num_blocks, block_size, prefix_caching, framework, device)
         self.dtype = dt.numpy

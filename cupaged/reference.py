@@ -18,7 +18,8 @@ fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays 
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
 
 DeepSeek sparse attention (``cupaged.sparse_mla_attention`` serves 16-bit caches and
-``"fp8_ds_mla"``; no kernel reads V4's formats): :func:`sparse_mla_attention` over top-k indices into a
+``"fp8_ds_mla"``; ``cupaged.concat_and_cache_mla`` writes all three formats, and no kernel
+reads V4's): :func:`sparse_mla_attention` over top-k indices into a
 paged cache, FlashMLA's sparse interface, and the caches' token
 formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
 with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
@@ -471,7 +472,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
 # DeepSeek-V3.2 and V4 attend each query token to its top-k cached tokens only (k = 2048 for
 # V3.2), named by global slots of a paged cache; FlashMLA's sparse kernels and vLLM's caches
 # define the interface. cupaged.sparse_mla_attention reads 16-bit caches and fp8_ds_mla;
-# no kernel of cupaged reads V4's formats.
+# cupaged.concat_and_cache_mla writes the three formats; no kernel of cupaged reads V4's.
 
 SPARSE_KV_FORMATS = {
     # name: (bytes per token, dims per token (d_qk)); "auto" caches hold the values themselves
@@ -555,8 +556,13 @@ def quantize_sparse_kv(x, kv_format: str):
     e4m3 values round to nearest even and saturate to +-448 (CUDA's ``__NV_SATFINITE``),
     e2m1 values round to nearest even and saturate to +-6. NaN: fp8 formats store it as
     0x7F (the group's scale skips it; a group of NaN only gets FLT_MIN, resp. 2^-126);
-    ``"v4_fp4"`` has no NaN and raises ValueError for one. An infinite value makes its
-    group's fp8 scale infinite (vLLM's rule): the group reads back as NaN and zeros."""
+    ``"v4_fp4"`` has no NaN and raises ValueError for one (``cupaged.concat_and_cache_mla``,
+    which cannot raise, stores what this gives for the token with 0 in the NaN's place).
+    An infinite value: ``"fp8_ds_mla"`` makes its group's scale infinite (vLLM's rule), so
+    the group reads back as NaN and zeros; ``"v4_fp8"`` gives its group the scale 2^0
+    (byte 127), so the group's values are stored as they are, saturated (the infinity as
+    +-448); ``"v4_fp4"`` gives its group the largest scale, 448 (byte 0x7E), and stores
+    the infinity as +-6."""
     if kv_format not in SPARSE_KV_FORMATS:
         raise ValueError(f"kv_format must be one of {tuple(SPARSE_KV_FORMATS)}, got {kv_format!r}")
     nbytes, d = SPARSE_KV_FORMATS[kv_format]
@@ -582,8 +588,11 @@ def _quantize_sparse_kv(x, kv_format: str, nbytes: int):
         q = _group_amax(x32, 32) / np.float32(448)
         mant, exp = np.frexp(np.where(np.isnan(q), 0, q).astype(np.float32))
         e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(q)) exactly, from q's bits
+        # q = inf (a group holding an infinity): e = 0, the exponent glibc's frexp gives an
+        # infinity, named here since C leaves it unspecified; the scale is 2^0
+        e = np.where(np.isinf(q), 0, e)
         e = np.clip(np.where(q > 0, e, -126), -126, 127).astype(np.int64)
-        s = np.ldexp(np.float32(1), e).astype(np.float32)  # q = inf: 2^127 (saturates)
+        s = np.ldexp(np.float32(1), e).astype(np.float32)
         y = x32.reshape(*lead, 16, 32) / s[..., None]
         out[..., :512] = _e4m3_bytes(y).reshape(*lead, 512)
         out[..., 512:] = (e + 127).astype(np.uint8)
@@ -651,7 +660,9 @@ def concat_and_cache_sparse_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_format="f
     ``kv_c [num_tokens, 512]`` and ``k_pe [num_tokens, 64]``, vLLM's
     ``concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, "fp8_ds_mla", scale)`` (which
     ignores its ``scale``); the V4 formats: ``kv_c [num_tokens, 512]`` holds the whole vector
-    (its rotary dims inside) and ``k_pe`` is None."""
+    (its rotary dims inside) and ``k_pe`` is None, or the vector is ``kv_c``'s values then
+    ``k_pe``'s (``[num_tokens, r]`` and ``[num_tokens, 512 - r]``, as
+    ``cupaged.concat_and_cache_mla`` takes it)."""
     kv_c = np.asarray(kv_c)
     # concatenation widens exactly (bfloat16 with bfloat16 stays bfloat16), so k_pe is
     # rounded to bfloat16 from its own values

@@ -55,7 +55,9 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
             denominator's, :func:`cupaged.attention`'s ``sinks`` convention). A sink of
             +inf gives zeros, -inf changes nothing.
         kv_cache_dtype: ``"auto"`` (q's dtype, or ``"fp8_ds_mla"`` for a 1-byte cache of
-            656-byte rows) or ``"fp8_ds_mla"``.
+            656-byte rows) or ``"fp8_ds_mla"``. DeepSeek-V4's ``"v4_fp8"`` and
+            ``"v4_fp4"`` raise ValueError (concat_and_cache_mla writes them; no kernel
+            reads them).
         out ``[batch, s_q, num_heads, 512]``, lse ``[batch, s_q, num_heads]``.
 
     Prefill (``flash_mla_sparse_fwd``): ``q [s_q, num_heads, 576]`` (sequences
@@ -209,6 +211,8 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
 
 def _ds_mla(kv_cache_dtype, kc, qa) -> bool:
     """Whether the cache holds fp8_ds_mla rows (else it must be of q's dtype)."""
+    if kv_cache_dtype != _dtypes.DS_MLA_KV_CACHE_DTYPE:
+        _dtypes.refuse_sparse_mla(kv_cache_dtype, "sparse_mla_attention")  # V4's formats
     if not (kv_cache_dtype == "auto" or kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE):
         _fail(f"kv_cache_dtype must be 'auto' or 'fp8_ds_mla' (DeepSeek-V3.2's fp8 sparse "
               f"cache), got {kv_cache_dtype!r}")

@@ -1516,6 +1516,27 @@ def dsbad(**changes):
     return a
 
 
+# DeepSeek-V4's rows: "v4_fp8" (528 bytes) and "v4_fp4" (288), 512 values a token split
+# as kv_c's then k_pe's (the model's 448 and 64 here, unless a test says otherwise)
+V4_FORMATS = ("v4_fp8", "v4_fp4")
+SPARSE_FORMATS = ("fp8_ds_mla", *V4_FORMATS)
+SPARSE_BYTES = {"fp8_ds_mla": DS_BYTES, "v4_fp8": 528, "v4_fp4": 288}
+SPARSE_NAMES = {"fp8_ds_mla": "dsmla", "v4_fp8": "v4fp8", "v4_fp4": "v4fp4"}  # spec names
+
+
+def v4args(fmt, n=3, bs=16, nb=10, dtype=BF16, rank=448, cache=None):
+    return dict(kv_c=np.zeros((n, rank), dtype), k_pe=np.zeros((n, 512 - rank), dtype),
+                kv_cache=(np.zeros((nb, bs, SPARSE_BYTES[fmt]), np.uint8) if cache is None
+                          else cache),
+                k_pe_cache=None, slot_mapping=np.zeros(n, np.int64), kv_cache_dtype=fmt)
+
+
+def sparse_args(fmt, n=3):
+    """A valid write's arguments in ``fmt`` (bfloat16 sources, a uint8 cache of 10 blocks
+    of 16 tokens)."""
+    return dsargs(n=n) if fmt == "fp8_ds_mla" else v4args(fmt, n=n)
+
+
 def test_ds_mla_write_is_described():
     """One 656-byte row a token (strides in bytes), any 1-byte storage, FlashMLA's 4-D
     form too; kv_lora_rank 512 and rope_dim 64."""
@@ -1577,7 +1598,7 @@ def test_ds_mla_write_is_described():
      "k_pe is on device 1 but kv_cache is on device 0"),
     # a 656-byte cache under another name: the message names the format
     (dsbad(kv_cache_dtype="auto"), TypeError,
-     "kv_cache is uint8 with 656-byte rows: for DeepSeek-V3.2's sparse cache pass "
+     "kv_cache is uint8 with 656-byte rows: for DeepSeek-V3.2's sparse MLA cache pass "
      "kv_cache_dtype='fp8_ds_mla'"),
     (dsbad(kv_cache_dtype="fp8_e4m3"), ValueError,
      r"kv_cache's last dimension must be kv_lora_rank \+ rope_dim = 512 \+ 64"),
@@ -1587,10 +1608,142 @@ def test_bad_ds_mla_writes_are_refused_by_name(a, exc, match):
         mvalidate(**a)
 
 
-def test_ds_mla_write_launches_a_warp_per_token_and_ignores_scale(monkeypatch):
-    """Four tokens a CTA (ceil(num_tokens / 4) CTAs), the rows' bytes and strides, and no
-    scale read or checked (vLLM's kernel ignores the one it is passed: the format computes
-    its own)."""
+def v4bad(fmt, **changes):
+    a = v4args(fmt)
+    a.update(changes)
+    return a
+
+
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+def test_v4_write_is_described(fmt):
+    """One row a token (528 or 288 bytes; strides in bytes), any 1-byte storage, FlashMLA's
+    4-D form too; the token's 512 values split anywhere on a multiple of 8 between kv_c and
+    k_pe, which may be column slices of one wider row."""
+    nbytes = SPARSE_BYTES[fmt]
+    w = mvalidate(**v4args(fmt))
+    assert w.cache is _dtypes.SPARSE_KV_CACHE_DTYPES[fmt].dtype and w.source is _dtypes.BF16
+    assert w.cache.name == SPARSE_NAMES[fmt] and w.cache.name in _dtypes.SPARSE_MLA
+    assert (w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks) == (3, 448, 64, 16, 10)
+    assert w.latent == w.rope_dst == (1 << 20, 16 * nbytes, nbytes) and w.vec_src
+    for rank in (8, 256, 504):
+        w = mvalidate(**v4args(fmt, rank=rank))
+        assert (w.rank, w.rope) == (rank, 512 - rank)
+    for cache in (np.zeros((10, 64, 1, nbytes), np.uint8), np.zeros((10, 64, nbytes), np.int8),
+                  np.zeros((10, 64, nbytes), _dtypes.E4M3.numpy)):
+        w = mvalidate(**v4args(fmt, cache=cache))
+        assert w.latent[1:] == (64 * nbytes, nbytes) and w.block_size == 64
+    # a block-strided view (every other block) and a token-strided one (16 bytes more a row)
+    root = np.zeros((20, 16, nbytes), np.uint8)
+    assert mvalidate(**v4args(fmt, cache=fake_view(root[::2], root))).latent[1:] == \
+        (2 * 16 * nbytes, nbytes)
+    wide = np.zeros((10, 16, nbytes + 16), np.uint8)
+    assert mvalidate(**v4args(fmt, cache=fake_view(wide[:, :, :nbytes], wide))).latent[1:] == \
+        (16 * (nbytes + 16), nbytes + 16)
+    assert mvalidate(**v4args(fmt, dtype=np.float16)).source is _dtypes.F16
+    # sources: kv_c and k_pe as column slices of one row (a fused projection's output, or
+    # a whole [n, 512] vector cut at 448), vector loads when 16-byte aligned
+    src = np.zeros((3, 600), BF16)
+    w = mvalidate(**v4bad(fmt, kv_c=fake_view(src[:, 8:456], src),
+                          k_pe=fake_view(src[:, 456:520], src)))
+    assert (w.rank, w.rope) == (448, 64) and w.vec_src
+    assert not mvalidate(**v4bad(fmt, kv_c=fake_view(src[:, 1:449], src),
+                                 k_pe=fake_view(src[:, 449:513], src))).vec_src
+    # a float8 cache as wide as the rows under "auto" is a dense fp8 latent cache
+    dense = mvalidate(**v4bad(fmt, kv_c=np.zeros((3, nbytes - 64), BF16),
+                              kv_cache=np.zeros((10, 16, nbytes), _dtypes.E4M3.numpy),
+                              kv_cache_dtype="auto"))
+    assert dense.cache is _dtypes.E4M3 and (dense.rank, dense.rope) == (nbytes - 64, 64)
+
+
+def _v4_bad_cases(fmt):
+    nbytes = SPARSE_BYTES[fmt]
+    split = (rf"{fmt} holds 512 values a token, kv_c's then k_pe's: kv_c must be \[num_tokens, "
+             rf"r\] and k_pe \[num_tokens, 512 - r\], r and 512 - r positive multiples of 8 "
+             rf"\(DeepSeek-V4's 448 latent and 64 rotary values\), got shapes ")
+    what = {"v4_fp8": "DeepSeek-V4's fp8 sparse MLA cache",
+            "v4_fp4": "DeepSeek-V4's fp4 sparse MLA cache"}[fmt]
+    other = SPARSE_BYTES["v4_fp4" if fmt == "v4_fp8" else "v4_fp8"]
+    return [
+        (v4bad(fmt, kv_c=np.zeros((3, 512), BF16)), ValueError,
+         split + r"\(3, 512\) and \(3, 64\)"),
+        (v4bad(fmt, kv_c=np.zeros((3, 452), BF16), k_pe=np.zeros((3, 60), BF16)), ValueError,
+         split + r"\(3, 452\) and \(3, 60\)"),
+        (v4bad(fmt, kv_c=np.zeros((3, 512), BF16), k_pe=np.zeros((3, 0), BF16)), ValueError,
+         split + r"\(3, 512\) and \(3, 0\)"),
+        (v4bad(fmt, kv_c=np.zeros((3, 0), BF16), k_pe=np.zeros((3, 512), BF16)), ValueError,
+         split + r"\(3, 0\) and \(3, 512\)"),
+        (v4bad(fmt, kv_c=np.zeros((3, 448), np.float32), k_pe=np.zeros((3, 64), np.float32)),
+         TypeError, "kv_c must be float16 or bfloat16"),
+        (v4bad(fmt, k_pe=np.zeros((3, 64), np.float16)), TypeError,
+         "k_pe dtype float16 does not match"),
+        (v4bad(fmt, kv_c=np.zeros((3, 896), BF16)[:, ::2]), ValueError,
+         "kv_c's last dimension must be contiguous"),
+        (v4bad(fmt, k_pe=np.zeros((3, 1, 64), BF16)), ValueError,
+         r"k_pe must be 2-D \[num_tokens, dims\]"),
+        (v4bad(fmt, k_pe_cache=np.zeros((10, 16, 64), BF16)), ValueError,
+         rf"{fmt} keeps k_pe in each token's {nbytes}-byte row of kv_cache: pass k_pe_cache=None"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, nbytes // 2), np.float16)), TypeError,
+         rf"a {fmt} kv_cache is 1-byte storage \(uint8, int8 or a float8 type\) \[num_blocks, "
+         rf"block_size, {nbytes}\], got float16"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, DS_BYTES), np.uint8)), ValueError,
+         rf"a {fmt} kv_cache must be \[num_blocks, block_size, {nbytes}\] \(or \[num_blocks, "
+         rf"block_size, 1, {nbytes}\], FlashMLA's\), got shape \(10, 16, 656\)"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, other), np.uint8)), ValueError,
+         rf"a {fmt} kv_cache must be \[num_blocks, block_size, {nbytes}\]"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, 2, nbytes), np.uint8)), ValueError,
+         rf"must be \[num_blocks, block_size, {nbytes}\]"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, 2 * nbytes), np.uint8)[:, :, ::2]), ValueError,
+         rf"a {fmt} kv_cache must have its rows contiguous"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 0, nbytes), np.uint8)), ValueError,
+         "kv_cache has blocks of 0 tokens"),
+        (v4bad(fmt, kv_cache=Fake(np.zeros((10, 16, nbytes), np.uint8), ptr=(1 << 20) + 8)),
+         ValueError, "kv_cache must start on a 16-byte boundary"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, nbytes + 8), np.uint8)[:, :, :nbytes]), ValueError,
+         rf"kv_cache's block and token strides must be non-negative multiples of 16 bytes \(its "
+         rf"rows are written 16 bytes at a time\), got \({16 * (nbytes + 8)}, {nbytes + 8}, 1\)"),
+        (v4bad(fmt, slot_mapping=np.zeros(3, np.float32)), TypeError,
+         "slot_mapping must be int32 or int64"),
+        (v4bad(fmt, slot_mapping=np.zeros(4, np.int64)), ValueError,
+         "kv_c has 3 tokens but slot_mapping has 4"),
+        (v4bad(fmt, k_pe=Fake(np.zeros((3, 64), BF16), device=1)), ValueError,
+         "k_pe is on device 1 but kv_cache is on device 0"),
+        # a uint8 or int8 cache of the format's rows under "auto": the message names it
+        (v4bad(fmt, kv_cache_dtype="auto"), TypeError,
+         rf"kv_cache is uint8 with {nbytes}-byte rows: for {what} pass kv_cache_dtype='{fmt}' "
+         rf"\(for an fp8 latent cache, 'fp8_e4m3' or 'fp8_e5m2'\)"),
+        (v4bad(fmt, kv_cache=np.zeros((10, 16, 1, nbytes), np.int8), kv_cache_dtype=None),
+         TypeError, rf"kv_cache is int8 with {nbytes}-byte rows: for {what} pass "
+                    rf"kv_cache_dtype='{fmt}'"),
+        (v4bad(fmt, kv_cache_dtype="fp8_e4m3"), ValueError,
+         rf"kv_cache's last dimension must be kv_lora_rank \+ rope_dim = 448 \+ 64"),
+    ]
+
+
+@pytest.mark.parametrize("fmt, a, exc, match", [(fmt, *case) for fmt in V4_FORMATS
+                                                for case in _v4_bad_cases(fmt)])
+def test_bad_v4_writes_are_refused_by_name(fmt, a, exc, match):
+    with pytest.raises(exc, match=match):
+        mvalidate(**a)
+
+
+def test_sparse_formats_are_the_references():
+    """The host's bytes a token per kv_cache_dtype are reference.SPARSE_KV_FORMATS' (the
+    statement of the bytes), and each names a cache type that concat_and_cache_mla takes."""
+    from cupaged import jit
+
+    assert set(_dtypes.SPARSE_KV_CACHE_DTYPES) == set(reference.SPARSE_KV_FORMATS)
+    for name, fmt in _dtypes.SPARSE_KV_CACHE_DTYPES.items():
+        assert (fmt.nbytes, fmt.values) == reference.SPARSE_KV_FORMATS[name]
+        assert fmt.nbytes == SPARSE_BYTES[name] and fmt.dtype.name == SPARSE_NAMES[name]
+    assert set(jit.SPARSE_MLA_KERNELS["concat_and_cache_mla"]) == set(_dtypes.SPARSE_MLA)
+
+
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_sparse_write_launches_a_warp_per_token_and_ignores_scale(monkeypatch, fmt):
+    """Four tokens a CTA (ceil(num_tokens / 4) CTAs), the rows' bytes and strides, the
+    split of the token's values (fp8_ds_mla's 512 and 64; V4's kv_c and k_pe widths), and
+    no scale read or checked (vLLM's kernel ignores the one it is passed: the formats
+    compute their own)."""
     monkeypatch.setattr(cache_ops, "as_device_array",
                         lambda x, name: x if isinstance(x, Fake) else Fake(x))
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
@@ -1603,21 +1756,22 @@ def test_ds_mla_write_launches_a_warp_per_token_and_ignores_scale(monkeypatch):
             (name, dtype, index, cache_dtype, grid, block, stream, args))
 
     monkeypatch.setattr(cache_ops, "_kernel", kernel)
-    a = dsargs(n=9)
+    nbytes = SPARSE_BYTES[fmt]
+    a = sparse_args(fmt, n=9)
     args = [Fake(a[k]) for k in ("kv_c", "k_pe", "kv_cache", "slot_mapping")]
     for scale in (None, 1.0, -1.0, Fake(np.zeros((10, 1, 16), np.float32), device=3)):
-        cupaged.concat_and_cache_mla(*args, "fp8_ds_mla", scale)
+        cupaged.concat_and_cache_mla(*args, fmt, scale)
     assert len(launches) == 4 and len(set(launches)) == 1
     name, dtype, index, cache, grid, block, stream, p = launches[0]
     assert (name, dtype, index, cache, grid, block, stream) == (
-        "concat_and_cache_mla", "bf16", "i64", "dsmla", (3, 1, 1), 128, 7)
-    # kv_c, stride, k_pe, stride, rows (ptr, block, token) twice, slots, num_tokens, 512,
-    # 64, block size, num_slots, vec, no scale
-    assert p[4:7] == (1 << 20, 16 * DS_BYTES, DS_BYTES) and p[4:7] == p[7:10]
-    assert p[11:] == (9, 512, 64, 16, 160, 1, 0, 1.0)
+        "concat_and_cache_mla", "bf16", "i64", SPARSE_NAMES[fmt], (3, 1, 1), 128, 7)
+    # kv_c, stride, k_pe, stride, rows (ptr, block, token) twice, slots, num_tokens, the
+    # widths, block size, num_slots, vec, no scale
+    assert p[4:7] == (1 << 20, 16 * nbytes, nbytes) and p[4:7] == p[7:10]
+    assert p[11:] == (9, a["kv_c"].shape[1], a["k_pe"].shape[1], 16, 160, 1, 0, 1.0)
     assert len(p) == len(jit_arg_tokens("concat_and_cache_mla"))
     cupaged.concat_and_cache_mla(*[Fake(x) for x in (a["kv_c"][:0], a["k_pe"][:0])],
-                                 args[2], Fake(a["slot_mapping"][:0]), "fp8_ds_mla", None)
+                                 args[2], Fake(a["slot_mapping"][:0]), fmt, None)
     assert len(launches) == 4  # no tokens: no launch
 
 
@@ -1627,69 +1781,96 @@ def jit_arg_tokens(kernel):
     return jit.ARG_TOKEN.findall(jit.ARG_FORMATS[kernel])
 
 
-def test_entry_points_that_do_not_read_fp8_ds_mla_refuse_it_by_name():
-    """concat_and_cache_mla writes the format and sparse_mla_attention reads it: every
-    other entry point that takes a kv_cache_dtype names it in its refusal."""
-    from cupaged import jit, validation
+REFUSALS = {
+    "fp8_ds_mla": r"kv_cache_dtype='fp8_ds_mla' \(DeepSeek-V3.2's sparse MLA cache\) is written by "
+                  r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
+                  r"sparse_mla_attention only",
+    "v4_fp8": r"kv_cache_dtype='v4_fp8' \(DeepSeek-V4's fp8 sparse MLA cache\) is written by "
+              r"concat_and_cache_mla and copied by copy_blocks_mla / swap_blocks only \(no "
+              r"kernel reads it\)",
+    "v4_fp4": r"kv_cache_dtype='v4_fp4' \(DeepSeek-V4's fp4 sparse MLA cache\) is written by "
+              r"concat_and_cache_mla and copied by copy_blocks_mla / swap_blocks only \(no "
+              r"kernel reads it\)",
+}
+
+
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
+    """concat_and_cache_mla writes the formats and sparse_mla_attention reads fp8_ds_mla:
+    every other entry point that takes a kv_cache_dtype names the format in its refusal
+    (sparse_mla_attention too for V4's), and kernel specs take the cache types where a
+    kernel has them."""
+    from cupaged import jit, sparse_mla, validation
     from test_validation import args as dargs
 
-    said = r"kv_cache_dtype='fp8_ds_mla' \(DeepSeek-V3.2's sparse MLA cache\) is written by " \
-           r"concat_and_cache_mla"
+    said = REFUSALS[fmt]
     a = wargs()
     f = {k: Fake(a[k]) for k in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
     with pytest.raises(ValueError, match=said):
         cache_ops.validate_write(f["key"], f["value"], f["key_cache"], f["value_cache"],
-                                  f["slot_mapping"], "NHD", "fp8_ds_mla")
+                                  f["slot_mapping"], "NHD", fmt)
     d = {k: (None if v is None else Fake(v)) for k, v in dargs().items()}
     with pytest.raises(ValueError, match=said):
-        validation.validate_decode(*d.values(), kv_cache_dtype="fp8_ds_mla")
+        validation.validate_decode(*d.values(), kv_cache_dtype=fmt)
     q = Fake(np.zeros((2, 16, 576), BF16))
-    cache = Fake(np.zeros((10, 16, DS_BYTES), np.uint8))
+    cache = Fake(np.zeros((10, 16, SPARSE_BYTES[fmt]), np.uint8))
     with pytest.raises(ValueError, match=said):
         validation.validate_mla(q, cache, None, Fake(np.zeros((2, 4), np.int32)),
-                                Fake(np.zeros(2, np.int32)), None, None, None, None,
-                                "fp8_ds_mla")
+                                Fake(np.zeros(2, np.int32)), None, None, None, None, fmt)
     with pytest.raises(ValueError, match=said + r".*PagedMLACache"):
-        cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype="fp8_ds_mla")
+        cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype=fmt)
     with pytest.raises(ValueError, match=said):
-        cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype="fp8_ds_mla")
-    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention, "
-                       "mla_sparse_attention_sm90 only"):
-        jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype="dsmla", index_dtype="i64")
-    with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, mla_sparse_attention, "
-                       "mla_sparse_attention_sm90 only"):
-        jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype="dsmla")
+        cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype=fmt)
+    if fmt != "fp8_ds_mla":
+        with pytest.raises(ValueError, match=said + ": sparse_mla_attention does not take it"):
+            sparse_mla._ds_mla(fmt, cache, q)
+    takers = ("concat_and_cache_mla, mla_sparse_attention, mla_sparse_attention_sm90"
+              if fmt == "fp8_ds_mla" else "concat_and_cache_mla")
+    name = SPARSE_NAMES[fmt]
+    with pytest.raises(ValueError, match=f"is taken by {takers} only"):
+        jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype=name, index_dtype="i64")
+    with pytest.raises(ValueError, match=f"is taken by {takers} only"):
+        jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype=name)
+    if fmt != "fp8_ds_mla":
+        with pytest.raises(ValueError, match="is taken by concat_and_cache_mla only"):
+            jit.KernelSpec("mla_sparse_attention", "bf16", 512, 16, cache_dtype=name)
 
 
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
-def test_ds_mla_writer_compiles_for_every_target(arch):
-    """The four specializations (float16 / bfloat16 sources, int32 / int64 slots) through
-    NVRTC and ptxas (no GPU): sm_80 the software e4m3 conversion, sm_89 and sm_90a the
-    instruction; the launch packs what they take."""
+def test_sparse_writers_compile_for_every_target(arch, fmt):
+    """Each format's four specializations (float16 / bfloat16 sources, int32 / int64
+    slots) through NVRTC and ptxas (no GPU): sm_80 the software e4m3 conversion, sm_89 and
+    sm_90a the instruction; the launch packs what they take."""
     from cupaged import jit
     from test_jit import _mangled_params
 
-    specs = [jit.KernelSpec("concat_and_cache_mla", d, cache_dtype="dsmla", index_dtype=i,
+    name = SPARSE_NAMES[fmt]
+    specs = [jit.KernelSpec("concat_and_cache_mla", d, cache_dtype=name, index_dtype=i,
                             arch=arch) for d in ("f16", "bf16") for i in ("i32", "i64")]
-    assert specs[3].name == f"concat_and_cache_mla_bf16_dsmla_i64_{arch.replace('_', '')}"
+    assert specs[3].name == f"concat_and_cache_mla_bf16_{name}_i64_{arch.replace('_', '')}"
+    cxx = {"fp8_ds_mla": "fp8_ds_mla_t", "v4_fp8": "v4_fp8_t", "v4_fp4": "v4_fp4_t"}[fmt]
     assert specs[3].name_expression == ("cupaged::concat_and_cache_mla<cupaged::bfloat16_t, "
-                                        "cupaged::fp8_ds_mla_t, long long>")
+                                        f"cupaged::{cxx}, long long>")
     binary, lowered = jit._compile("cache_ops.cu", arch, [s.name_expression for s in specs],
-                                   f"ds_mla_{arch}")
+                                   f"{name}_{arch}")
     assert binary
     for s in specs:
         assert _mangled_params(lowered[s.name_expression]) == jit.ARG_FORMATS[s.kernel]
 
 
-@pytest.mark.parametrize("shape", [(10, 64, DS_BYTES), (10, 64, 1, DS_BYTES)])
-def test_copy_blocks_mla_copies_ds_mla_blocks(fake_device, shape):
-    """An fp8_ds_mla cache's blocks are runs of block_size * 656 bytes (a multiple of 16):
-    copy_blocks_mla moves them whole, in either form."""
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+@pytest.mark.parametrize("flashmla", [False, True], ids=["blocks", "flashmla"])
+def test_copy_blocks_mla_copies_sparse_blocks(fake_device, fmt, flashmla):
+    """A sparse cache's blocks are runs of block_size * row bytes (656, 528, 288: multiples
+    of 16): copy_blocks_mla moves them whole, in either form."""
+    nbytes = SPARSE_BYTES[fmt]
+    shape = (10, 64, 1, nbytes) if flashmla else (10, 64, nbytes)
     layers = [Fake(np.zeros(shape, np.uint8), ptr=(1 << 24) * (i + 1)) for i in range(2)]
     cupaged.copy_blocks_mla(layers, Fake(np.zeros((4, 2), np.int64)))
-    (tensors, nbytes, src_blocks, dst_blocks), = fake_device
-    assert (nbytes, src_blocks, dst_blocks) == (64 * DS_BYTES, 10, 10)
-    assert tensors == [(c.data.ptr, c.data.ptr, 64 * DS_BYTES, 64 * DS_BYTES) for c in layers]
+    (tensors, block_bytes, src_blocks, dst_blocks), = fake_device
+    assert (block_bytes, src_blocks, dst_blocks) == (64 * nbytes, 10, 10)
+    assert tensors == [(c.data.ptr, c.data.ptr, 64 * nbytes, 64 * nbytes) for c in layers]
 
 
 # The GPU writer against the reference, byte for byte.
@@ -1738,15 +1919,108 @@ def ds_edge_rows(dtype, rng):
     return kv_c, k_pe
 
 
-def _ds_reference(kv_c, k_pe, cache, slots):
-    """What the write must leave in ``cache`` (a host copy), through the reference."""
+def _sparse_reference(kv_c, k_pe, cache, slots, fmt="fp8_ds_mla"):
+    """What the write must leave in ``cache`` (a host copy), through the reference
+    (``k_pe`` None: V4's tokens whole in ``kv_c``)."""
+    nbytes = SPARSE_BYTES[fmt]
     want = cache.copy()
-    rows = want.reshape(want.shape[0], want.shape[1], DS_BYTES)
+    rows = want.reshape(want.shape[0], want.shape[1], nbytes)
     nslots = rows.shape[0] * rows.shape[1]
     s = np.asarray(slots).astype(np.int64)
-    reference.concat_and_cache_sparse_mla(kv_c[:len(s)], k_pe[:len(s)], rows,
-                                          np.where(s < nslots, s, -1), "fp8_ds_mla")
+    reference.concat_and_cache_sparse_mla(kv_c[:len(s)], None if k_pe is None else k_pe[:len(s)],
+                                          rows, np.where(s < nslots, s, -1), fmt)
     return want
+
+
+def sparse_slots(num_slots, n, slot_dtype, rng):
+    """n distinct slots of a cache of ``num_slots`` for the byte-for-byte tests (n > 33):
+    the first 16 (the edge rows') inside the cache, then padding (-1, -7) and slots past
+    the cache, which the writer skips."""
+    slots = rng.permutation(num_slots)[:n].astype(slot_dtype)
+    slots[[20, 33]] = -1
+    slots[25] = -7
+    slots[30] = num_slots  # past the cache: skipped
+    slots[31] = num_slots + 1000
+    return slots
+
+
+def sparse_cache_views(form, nb, bs, nbytes, rng, write):
+    """``(root, view, want)``: a poisoned allocation of ``nb`` blocks of ``bs`` rows of
+    ``nbytes``, the cache that ``view(root)`` takes of it in ``form`` ("blocks" itself,
+    "flashmla" ``[nb, bs, 1, nbytes]``, "strided" every other block of an allocation with
+    rows 16 bytes longer, "int8" storage), and the allocation as it must be after
+    ``write`` (the reference, on a contiguous copy of the rows) fills the cache."""
+    if form == "strided":
+        root = rng.integers(0, 256, (2 * nb, bs, nbytes + 16), dtype=np.uint8)
+        view = lambda r: r[::2, :, :nbytes]  # noqa: E731
+    else:
+        root = rng.integers(0, 256, (nb, bs, nbytes), dtype=np.uint8)
+        view = {"blocks": lambda r: r, "flashmla": lambda r: r.reshape(nb, bs, 1, nbytes),
+                "int8": lambda r: r.view(np.int8)}[form]
+    want = root.copy()
+    rows = write(np.ascontiguousarray(view(want).view(np.uint8).reshape(-1, bs, nbytes)))
+    if form == "strided":
+        want[::2, :, :nbytes] = rows
+    else:
+        want = rows.reshape(root.shape)
+    return root, view, want
+
+
+def v4_edge_rows(fmt, dtype, rng, nan=None):
+    """kv_c [16, 448] and k_pe [16, 64]: 512-value tokens of the values V4's rules single
+    out: zeros, -0, subnormals, outliers far past the rest, infinities (one, several in a
+    group, of both signs), all-zero groups, a value saturating after the division, ties
+    of e4m3's and e2m1's rounding (groups whose scale is exact), groups above 448 x 6 (the
+    fp4 scale's ceiling), values spread over twelve decades, random magnitudes 1e-6 to 1e4.
+    NaN (``nan``, default: for v4_fp8 only; the reference refuses it in v4_fp4): of both
+    signs, a group of NaN only, NaN beside an infinity."""
+    nan = fmt == "v4_fp8" if nan is None else nan
+    n = 16
+    x = testing.random_normal((n, 512), np.float32, rng)
+    x[0] = 0
+    x[1] = -0.0
+    tiny = np.float32(1e-39 if dtype == BF16 else 1e-7)  # subnormal in the source's type
+    x[2] = tiny * rng.integers(-3, 4, 512)
+    x[3, ::37] = 3e38 if dtype == BF16 else 6e4  # outliers: the rest underflows
+    x[3, 1::37] = -1e-3
+    x[4, 5] = np.inf
+    x[4, 140] = -np.inf
+    x[4, 260:270] = np.inf  # several infinities in one group
+    x[4, 300:310] = -np.inf
+    x[5, :32] = x[5, 160:192] = x[5, 480:] = 0  # all-zero groups (of 32 and of 16)
+    x[6] = np.float32(448) * rng.choice([1, 0.5, 0.75, 1.125, 1.0625, 2 ** -7, 2 ** -9], 512)
+    # e2m1's ties and steps, in groups of 16 led by 6 * 2^k: amax / 6 is 2^k, an exact scale
+    k = rng.integers(-8, 9, 32).repeat(16)
+    ties = [0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6]
+    x[7] = rng.choice(ties, 512) * rng.choice([-1, 1], 512) * np.exp2(k)
+    x[7, ::16] = 6 * np.exp2(k[::16])
+    x[8] = rng.standard_normal(512) * np.float32(10.0) ** rng.integers(-6, 6, 512)
+    x[9] = rng.standard_normal(512) * np.float32(3000 if dtype != BF16 else 1e30)  # > 448 * 6
+    for r, mag in zip(range(10, 16), (1e-6, 1e-4, 1e-2, 1, 1e2, 1e4)):
+        x[r] *= np.float32(mag)
+    if nan:
+        x[11, [0, 33, 300, 511]] = np.nan
+        x[12, 64:96] = np.nan  # a group of NaN only: the smallest scale, 0x7F bytes
+        x[13, 200] = np.nan
+        x[13, 201] = np.inf  # NaN beside an infinity
+    with np.errstate(over="ignore"):  # float16: the widest spread saturates to inf
+        x = x.astype(dtype)
+    if nan:  # NaN with the sign bit and a signalling payload
+        x[11, 1:3] = (_ds_bf16([0xFFC0, 0xFF81]) if dtype == BF16
+                      else np.array([0xFE00, 0xFC01], np.uint16).view(np.float16))
+    return x[:, :448], x[:, 448:]
+
+
+def sparse_edge_rows(fmt, dtype, rng):
+    """The format's edge rows, kv_c and k_pe."""
+    return ds_edge_rows(dtype, rng) if fmt == "fp8_ds_mla" else v4_edge_rows(fmt, dtype, rng)
+
+
+def sparse_tokens(fmt, n, dtype, rng):
+    """n tokens in ``fmt``: its 16 edge rows then random normal ones, kv_c and k_pe."""
+    kv_c, k_pe = sparse_edge_rows(fmt, dtype, rng)
+    return (np.concatenate([kv_c, testing.random_normal((n - 16, kv_c.shape[1]), dtype, rng)]),
+            np.concatenate([k_pe, testing.random_normal((n - 16, k_pe.shape[1]), dtype, rng)]))
 
 
 @gpu
@@ -1758,17 +2032,11 @@ def test_ds_mla_write_matches_the_reference_byte_for_byte(rng, dtype, slot_dtype
     warps partly idle; padding and out-of-range slots write nothing, source rows past
     num_tokens are not read, every byte no slot names keeps its value."""
     nb = 64 // bs + 12  # at least 76 slots for 45 tokens
-    edge_c, edge_p = ds_edge_rows(dtype, rng)
     n = 45
-    kv_c = np.concatenate([edge_c, testing.random_normal((n - 16, 512), dtype, rng)])
-    k_pe = np.concatenate([edge_p, testing.random_normal((n - 16, 64), dtype, rng)])
-    slots = rng.permutation(nb * bs)[:n].astype(slot_dtype)
-    slots[[20, 33]] = -1
-    slots[25] = -7
-    slots[30] = nb * bs  # past the cache: skipped
-    slots[31] = nb * bs + 1000
+    kv_c, k_pe = sparse_tokens("fp8_ds_mla", n, dtype, rng)
+    slots = sparse_slots(nb * bs, n, slot_dtype, rng)
     cache0 = rng.integers(0, 256, (nb, bs, DS_BYTES), dtype=np.uint8)
-    want = _ds_reference(kv_c, k_pe, cache0, slots)
+    want = _sparse_reference(kv_c, k_pe, cache0, slots)
     pad = np.full((5, kv_c.shape[1]), np.nan, dtype)  # rows past num_tokens: not read
     d_kv_c = cupy.asarray(np.concatenate([kv_c, pad]))
     d_k_pe = cupy.asarray(np.concatenate([k_pe, pad[:, :64]]))
@@ -1796,25 +2064,11 @@ def test_ds_mla_write_into_views(rng, form, source):
     allocation with rows of 672 bytes, or int8 storage; the sources as 16-byte aligned
     row-strided slices (vector loads) or slices one element in (element loads)."""
     nb, bs, n = 6, 16, 23
-    kv_c, k_pe = ds_edge_rows(BF16, rng)
-    kv_c = np.concatenate([kv_c, testing.random_normal((n - 16, 512), BF16, rng)])
-    k_pe = np.concatenate([k_pe, testing.random_normal((n - 16, 64), BF16, rng)])
+    kv_c, k_pe = sparse_tokens("fp8_ds_mla", n, BF16, rng)
     slots = rng.permutation(nb * bs)[:n].astype(np.int64)
     slots[3] = -1
-    if form == "strided":
-        root0 = rng.integers(0, 256, (2 * nb, bs, 672), dtype=np.uint8)
-        view = lambda r: r[::2, :, :DS_BYTES]  # noqa: E731
-    else:
-        root0 = rng.integers(0, 256, (nb, bs, DS_BYTES), dtype=np.uint8)
-        view = {"blocks": lambda r: r, "flashmla": lambda r: r.reshape(nb, bs, 1, DS_BYTES),
-                "int8": lambda r: r.view(np.int8)}[form]
-    want_root = root0.copy()
-    want_rows = np.ascontiguousarray(view(want_root).view(np.uint8).reshape(-1, bs, DS_BYTES))
-    want_rows = _ds_reference(kv_c, k_pe, want_rows, slots)
-    if form == "strided":
-        want_root[::2, :, :DS_BYTES] = want_rows
-    else:
-        want_root = want_rows.reshape(root0.shape)
+    root0, view, want_root = sparse_cache_views(
+        form, nb, bs, DS_BYTES, rng, lambda rows: _sparse_reference(kv_c, k_pe, rows, slots))
     if source == "contiguous":
         d_kv_c, d_k_pe = cupy.asarray(kv_c), cupy.asarray(k_pe)
     else:
@@ -1833,85 +2087,223 @@ def test_ds_mla_write_into_views(rng, form, source):
     np.testing.assert_array_equal(cupy.asnumpy(root), want_root)
 
 
+# DeepSeek-V4's rows on the GPU against the reference, byte for byte.
+
+
+def _v4_groups(row, fmt):
+    """A v4 row's values' bytes (fp8) or nibble codes (fp4) [512] and its scale bytes."""
+    if fmt == "v4_fp8":
+        return row[:512], row[512:]
+    return np.stack([row[:256] & 0xF, row[:256] >> 4], -1).reshape(512), row[256:]
+
+
 @gpu
-def test_ds_mla_write_with_torch_tensors_and_vllms_arguments(rng):
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=_ids)
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=_ids)
+@pytest.mark.parametrize("bs", [1, 16, 64])
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+def test_v4_write_matches_the_reference_byte_for_byte(rng, fmt, dtype, slot_dtype, bs):
+    """The edge rows (v4_edge_rows: NaN in v4_fp8 only) and random tokens at magnitudes
+    1e-6 to 1e4, in a number of tokens that leaves the last CTA's warps partly idle;
+    padding and out-of-range slots write nothing, source rows past num_tokens are not
+    read, every byte no slot names keeps its poison."""
+    nb = 64 // bs + 12  # at least 76 slots for 45 tokens
+    nbytes = SPARSE_BYTES[fmt]
+    n = 45
+    kv_c, k_pe = sparse_tokens(fmt, n, dtype, rng)
+    mags = np.float32(10.0) ** rng.integers(-6, 5, (n - 16, 1))
+    kv_c[16:] = (kv_c[16:].astype(np.float32) * mags).astype(dtype)
+    k_pe[16:] = (k_pe[16:].astype(np.float32) * mags).astype(dtype)
+    slots = sparse_slots(nb * bs, n, slot_dtype, rng)
+    cache0 = rng.integers(0, 256, (nb, bs, nbytes), dtype=np.uint8)
+    want = _sparse_reference(kv_c, k_pe, cache0, slots, fmt)
+    pad = np.full((5, 512), np.nan, dtype)  # rows past num_tokens: not read
+    d_kv_c = cupy.asarray(np.concatenate([kv_c, pad[:, :448]]))
+    d_k_pe = cupy.asarray(np.concatenate([k_pe, pad[:, 448:]]))
+    kc = cupy.asarray(cache0)
+    cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, cupy.asarray(slots), fmt)
+    got = cupy.asnumpy(kc)
+    bad = np.argwhere(got != want)
+    assert not bad.size, (f"{len(bad)} bytes differ, first at {bad[0]}: got "
+                          f"{got[tuple(bad[0])]:#04x}, want {want[tuple(bad[0])]:#04x}")
+    # what the format says of edge rows, independently of the reference (the 16 edge rows'
+    # slots are all inside the cache)
+    rows = got.reshape(-1, nbytes)  # slot s is row s
+    row = lambda t: _v4_groups(rows[int(slots[t])], fmt)  # noqa: E731
+    smallest = 1 if fmt == "v4_fp8" else 0x01  # 2^-126 (ue8m0 byte 1), 2^-9 (e4m3 byte 1)
+    values, scales = row(0)  # zeros
+    assert not values.any() and (scales == smallest).all()
+    values, scales = row(1)  # -0: the sign bit alone
+    assert (values == (0x80 if fmt == "v4_fp8" else 0x8)).all()
+    values, scales = row(4)  # infinities
+    group = 32 if fmt == "v4_fp8" else 16
+    inf_scale, inf_max = (127, 0x7E) if fmt == "v4_fp8" else (0x7E, 0x7)
+    for at, sign in ((5, 0), (140, 1), (265, 0), (305, 1)):
+        assert scales[at // group] == inf_scale
+        assert values[at] == inf_max | (sign << (7 if fmt == "v4_fp8" else 3))
+    if fmt == "v4_fp8":  # NaN of either sign 0x7F; a group of NaN only gets 2^-126
+        values, scales = row(11)
+        assert (values[[0, 1, 2, 33, 300, 511]] == 0x7F).all()
+        values, scales = row(12)
+        assert (values[64:96] == 0x7F).all() and scales[2] == 1
+        values, scales = row(13)
+        assert values[200] == 0x7F and values[201] == 0x7E and scales[200 // 32] == 127
+
+
+@gpu
+@pytest.mark.parametrize("source", ["contiguous", "strided", "unaligned", "whole", "halves"])
+@pytest.mark.parametrize("form", ["blocks", "flashmla", "strided", "int8"])
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+def test_v4_write_into_views(rng, fmt, form, source):
+    """The cache as FlashMLA's [nb, bs, 1, bytes], as every other block of a wider
+    allocation with rows 16 bytes longer, or int8 storage; the sources as their own arrays
+    (448 and 64), as 16-byte aligned column slices of one wider row (vector loads), as
+    slices one element in (element loads), as one [n, 512] array cut at 448, or cut at 256
+    (kv_c and k_pe of 256 each)."""
+    nb, bs, n = 6, 16, 23
+    nbytes = SPARSE_BYTES[fmt]
+    kv_c, k_pe = sparse_tokens(fmt, n, BF16, rng)
+    x = np.concatenate([kv_c, k_pe], -1)  # [n, 512]
+    rank = 256 if source == "halves" else 448
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    slots[3] = -1
+    root0, view, want_root = sparse_cache_views(  # the reference takes the whole vector
+        form, nb, bs, nbytes, rng, lambda rows: _sparse_reference(x, None, rows, slots, fmt))
+    if source in ("contiguous", "halves"):
+        d_kv_c, d_k_pe = cupy.asarray(x[:, :rank]), cupy.asarray(x[:, rank:])
+    elif source == "whole":
+        dx = cupy.asarray(x)
+        d_kv_c, d_k_pe = dx[:, :rank], dx[:, rank:]
+    else:
+        off = 8 if source == "strided" else 1  # 16 bytes in, or 2
+        wide = np.zeros((n, 512 + 3 * off), BF16)
+        wide[:, off:off + 448] = x[:, :448]
+        wide[:, 2 * off + 448:2 * off + 512] = x[:, 448:]
+        dw = cupy.asarray(wide)
+        d_kv_c, d_k_pe = dw[:, off:off + 448], dw[:, 2 * off + 448:2 * off + 512]
+    root = cupy.asarray(root0)
+    kc = view(root)
+    w = cache_ops.validate_mla_write(d_kv_c, d_k_pe, kc, None, cupy.asarray(slots), fmt)
+    assert w.vec_src == (source != "unaligned") and (w.rank, w.rope) == (rank, 512 - rank)
+    cupaged.concat_and_cache_mla(d_kv_c, d_k_pe, kc, cupy.asarray(slots), fmt)
+    np.testing.assert_array_equal(cupy.asnumpy(root), want_root)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=_ids)
+def test_v4_fp4_stores_nan_as_zero(rng, dtype):
+    """e2m1 has no NaN and the writer cannot raise (the reference does): a NaN value, of
+    either sign, is skipped by its group's amax and stored as code 0, so the row is the
+    reference's for the token with 0 in the NaN's place; a group of NaN only is a group of
+    zeros (scale 2^-9), and NaN beside an infinity leaves the infinity's scale (448)."""
+    kv_c, k_pe = v4_edge_rows("v4_fp4", dtype, rng, nan=True)
+    x = np.concatenate([kv_c, k_pe], -1)
+    nan = np.isnan(x.astype(np.float32))
+    assert nan[11].sum() == 6 and nan[12, 64:96].all()
+    zeroed = np.where(nan, np.zeros((), dtype), x)
+    slots = np.arange(16, dtype=np.int64)
+    want = _sparse_reference(zeroed, None, np.zeros((1, 16, 288), np.uint8), slots, "v4_fp4")
+    kc = cupy.zeros((1, 16, 288), cupy.uint8)
+    cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), kc,
+                                 cupy.asarray(slots), "v4_fp4")
+    got = cupy.asnumpy(kc)
+    np.testing.assert_array_equal(got, want)
+    rows = got.reshape(16, 288)
+    for t in (11, 12, 13):
+        codes, scales = _v4_groups(rows[t], "v4_fp4")
+        assert not codes[nan[t]].any()
+    assert (_v4_groups(rows[12], "v4_fp4")[1][4:6] == 0x01).all()  # the NaN-only groups
+    assert _v4_groups(rows[13], "v4_fp4")[1][201 // 16] == 0x7E  # beside the infinity
+
+
+@gpu
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_sparse_write_with_torch_tensors_and_vllms_arguments(rng, fmt):
     """vLLM's call: torch bfloat16 sources, a uint8 cache (and float8_e4m3fn storage), int64
-    slots and a scale tensor that the format ignores, on torch's current stream."""
+    slots and a scale tensor that the formats ignore, on torch's current stream."""
     torch = pytest.importorskip("torch")
     nb, bs, n = 4, 64, 37
-    kv_c, k_pe = ds_edge_rows(BF16, rng)
-    kv_c = np.concatenate([kv_c, testing.random_normal((n - 16, 512), BF16, rng)])
-    k_pe = np.concatenate([k_pe, testing.random_normal((n - 16, 64), BF16, rng)])
+    nbytes = SPARSE_BYTES[fmt]
+    kv_c, k_pe = sparse_tokens(fmt, n, BF16, rng)
     slots = rng.permutation(nb * bs)[:n].astype(np.int64)
-    want = _ds_reference(kv_c, k_pe, np.zeros((nb, bs, DS_BYTES), np.uint8), slots)
+    want = _sparse_reference(kv_c, k_pe, np.zeros((nb, bs, nbytes), np.uint8), slots, fmt)
     for storage in (torch.uint8, torch.float8_e4m3fn):
-        cache = torch.zeros((nb, bs, DS_BYTES), dtype=torch.uint8, device="cuda").view(storage)
+        cache = torch.zeros((nb, bs, nbytes), dtype=torch.uint8, device="cuda").view(storage)
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
             cupaged.concat_and_cache_mla(_torch_of(kv_c, torch), _torch_of(k_pe, torch), cache,
-                                         torch.from_numpy(slots).cuda(), "fp8_ds_mla",
+                                         torch.from_numpy(slots).cuda(), fmt,
                                          torch.ones((), dtype=torch.float32, device="cuda"))
         s.synchronize()
         np.testing.assert_array_equal(cache.view(torch.uint8).cpu().numpy(), want)
 
 
 @gpu
-def test_ds_mla_write_in_a_cuda_graph(rng):
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_sparse_write_in_a_cuda_graph(rng, fmt):
     """A captured write replays with the sources' new values (no host sync in the call)."""
     nb, bs, n = 4, 16, 10
-    kv_c = cupy.asarray(testing.random_normal((n, 512), BF16, rng))
-    k_pe = cupy.asarray(testing.random_normal((n, 64), BF16, rng))
-    kc = cupy.zeros((nb, bs, DS_BYTES), cupy.uint8)
+    nbytes = SPARSE_BYTES[fmt]
+    a = sparse_args(fmt)
+    rank, rope = a["kv_c"].shape[1], a["k_pe"].shape[1]
+    kv_c = cupy.asarray(testing.random_normal((n, rank), BF16, rng))
+    k_pe = cupy.asarray(testing.random_normal((n, rope), BF16, rng))
+    kc = cupy.zeros((nb, bs, nbytes), cupy.uint8)
     slots = cupy.asarray(rng.permutation(nb * bs)[:n].astype(np.int32))
-    cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")  # loaded
+    cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, fmt)  # loaded
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")
+        cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, fmt)
         graph = stream.end_capture()
     for _ in range(2):
-        c = testing.random_normal((n, 512), BF16, rng) * np.float32(rng.uniform(0.01, 100))
-        p = testing.random_normal((n, 64), BF16, rng)
+        c = testing.random_normal((n, rank), BF16, rng) * np.float32(rng.uniform(0.01, 100))
+        p = testing.random_normal((n, rope), BF16, rng)
         kv_c[...] = cupy.asarray(c.astype(BF16))
         k_pe[...] = cupy.asarray(p)
         kc[...] = 0
         cupy.cuda.Device().synchronize()  # those ran on another stream than the replay's
         graph.launch(stream)
         stream.synchronize()
-        want = _ds_reference(c.astype(BF16), p, np.zeros((nb, bs, DS_BYTES), np.uint8),
-                             cupy.asnumpy(slots))
+        want = _sparse_reference(c.astype(BF16), p, np.zeros((nb, bs, nbytes), np.uint8),
+                                 cupy.asnumpy(slots), fmt)
         np.testing.assert_array_equal(cupy.asnumpy(kc), want)
 
 
 @gpu
-def test_ds_mla_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch):
-    kc = cupy.asarray(rng.integers(0, 256, (2, 4, DS_BYTES), dtype=np.uint8))
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_sparse_out_of_range_slots_are_skipped_or_reported(rng, monkeypatch, fmt):
+    a = sparse_args(fmt)
+    kc = cupy.asarray(rng.integers(0, 256, (2, 4, SPARSE_BYTES[fmt]), dtype=np.uint8))
     before = cupy.asnumpy(kc)
-    kv_c = cupy.asarray(np.ones((3, 512), BF16))
-    k_pe = cupy.asarray(np.ones((3, 64), BF16))
+    kv_c = cupy.asarray(np.ones((3, a["kv_c"].shape[1]), BF16))
+    k_pe = cupy.asarray(np.ones((3, a["k_pe"].shape[1]), BF16))
     slots = cupy.asarray([8, 2 ** 40, -5], np.int64)  # the cache has 8 slots
-    cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")
+    cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, fmt)
     np.testing.assert_array_equal(cupy.asnumpy(kc), before)
     monkeypatch.setattr(cupaged._checks, "DEBUG", True)
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is past the cache \(8 slots\)"):
-        cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, "fp8_ds_mla")
+        cupaged.concat_and_cache_mla(kv_c, k_pe, kc, slots, fmt)
 
 
 @gpu
-def test_ds_mla_software_conversion_gives_the_same_bytes(rng, monkeypatch):
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_sparse_software_conversion_gives_the_same_bytes(rng, monkeypatch, fmt):
     """CUPAGED_FP8_SOFTWARE=1 compiles the integer e4m3 conversion sm_80/86 run: the same
-    bytes as the instruction (NaN of either sign 0x7F, saturation, ties), on the edge rows."""
+    bytes as the instruction (NaN of either sign 0x7F, saturation, ties; v4_fp4's e4m3
+    scales), on the edge rows."""
     from cupaged import jit
 
-    kv_c, k_pe = ds_edge_rows(BF16, rng)
+    nbytes = SPARSE_BYTES[fmt]
+    kv_c, k_pe = sparse_edge_rows(fmt, BF16, rng)
     slots = np.arange(16, dtype=np.int64)
-    want = _ds_reference(kv_c, k_pe, np.zeros((1, 16, DS_BYTES), np.uint8), slots)
+    want = _sparse_reference(kv_c, k_pe, np.zeros((1, 16, nbytes), np.uint8), slots, fmt)
     monkeypatch.setenv("CUPAGED_FP8_SOFTWARE", "1")
     jit.clear_memory_caches()
     try:
-        kc = cupy.zeros((1, 16, DS_BYTES), cupy.uint8)
+        kc = cupy.zeros((1, 16, nbytes), cupy.uint8)
         cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), kc,
-                                     cupy.asarray(slots), "fp8_ds_mla")
+                                     cupy.asarray(slots), fmt)
         np.testing.assert_array_equal(cupy.asnumpy(kc), want)
     finally:
         monkeypatch.delenv("CUPAGED_FP8_SOFTWARE")
@@ -1919,19 +2311,23 @@ def test_ds_mla_software_conversion_gives_the_same_bytes(rng, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
 @pytest.mark.parametrize("form", ["blocks", "flashmla"])
-def test_copy_blocks_mla_and_swap_blocks_on_ds_mla_caches(rng, form):
-    """Blocks written by the ds writer: copied within each layer by copy_blocks_mla, out to
-    pinned host memory and back by swap_blocks, byte for byte, the rest untouched."""
+def test_copy_blocks_mla_and_swap_blocks_on_sparse_caches(rng, form, fmt):
+    """Blocks written by the sparse writer: copied within each layer by copy_blocks_mla,
+    out to pinned host memory and back by swap_blocks, byte for byte, the rest untouched."""
     nb, bs = 8, 16
-    shape = (nb, bs, DS_BYTES) if form == "blocks" else (nb, bs, 1, DS_BYTES)
+    nbytes = SPARSE_BYTES[fmt]
+    shape = (nb, bs, nbytes) if form == "blocks" else (nb, bs, 1, nbytes)
+    a = sparse_args(fmt)
+    rank, rope = a["kv_c"].shape[1], a["k_pe"].shape[1]
     layers = []
     for _ in range(2):
         kc = cupy.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
         n = 3 * bs
-        cupaged.concat_and_cache_mla(cupy.asarray(testing.random_normal((n, 512), BF16, rng)),
-                                     cupy.asarray(testing.random_normal((n, 64), BF16, rng)),
-                                     kc, cupy.arange(n, dtype=cupy.int64), "fp8_ds_mla")
+        cupaged.concat_and_cache_mla(cupy.asarray(testing.random_normal((n, rank), BF16, rng)),
+                                     cupy.asarray(testing.random_normal((n, rope), BF16, rng)),
+                                     kc, cupy.arange(n, dtype=cupy.int64), fmt)
         layers.append(kc)
     before = [cupy.asnumpy(c) for c in layers]
     cupaged.copy_blocks_mla(layers, cupy.asarray([[0, 5], [2, 7]], np.int32))

@@ -178,8 +178,9 @@ def test_specialization_names_are_unique():
     # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
     # for each of 5 variants, and its 114 of bfloat16 for each of 2; the cache kernels:
-    # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 16 (2 dtypes x 4
-    # cache types x 2 index types), merge_states 3, indexer_k_quant_and_cache 4,
+    # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 24 (2 dtypes x 6
+    # cache types: the source's, 2 fp8 formats, fp8_ds_mla, v4_fp8, v4_fp4; x 2 index
+    # types), merge_states 3, indexer_k_quant_and_cache 4,
     # indexer_logits 2 dtypes x 4 head counts x 7 block sizes x 2 row counts, indexer_topk 1; the
     # combine 3 dtypes x 45 head sizes; mla_attention 2 dtypes x 9 block sizes x the
     # (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80, 17 on
@@ -194,7 +195,7 @@ def test_specialization_names_are_unique():
     # 23,866 decode specializations (both targets) for each of 7 variants, and 9,088
     # prefill ones for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 3724 * 5 + 1862 * 2 + 135
-                                                          + 44 + 2 + 16 + 3 + 4 + 2 * 4 * 7 * 2
+                                                          + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
                                                           + 1) + 228 * 5 + 114 * 2 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
         + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 2 * 9 + 9

@@ -255,7 +255,7 @@ def test_a_workspace_pins_the_plan_to_its_gpu(monkeypatch):
 
 def test_side_values_and_scales_are_checked_as_eagerly():
     """NaN in sinks or alibi_slopes is refused when traced (it would also miss jit's cache:
-    a new trace every call); fp8_ds_mla ignores the scale, as the eager writer does, where
+    a new trace every call); the sparse formats ignore the scale, as the eager writer does, where
     an fp8 format refuses a zero one; an array of a dtype NumPy does not know (a PRNG key)
     is refused naming its argument."""
     q, kc, vc, bt, sl = _attention_shapes()
@@ -265,6 +265,10 @@ def test_side_values_and_scales_are_checked_as_eagerly():
         with pytest.raises(ValueError, match=f"{name} holds NaN at 3"):
             jax.eval_shape(lambda *a: cj.attention(*a, max_seq_len=64, **{name: vals}),
                            q, kc, vc, bt, sl)
+    for fmt, rank, nbytes in (("v4_fp8", 448, 528), ("v4_fp4", 448, 288)):  # V4's too
+        v4 = (S((3, rank), BF16), S((3, 512 - rank), BF16), S((NB, BS, nbytes), jnp.uint8),
+              S((3,), I32))
+        assert jax.eval_shape(lambda *a: cj.concat_and_cache_mla(*a, fmt, 0.0), *v4) == v4[2]
     args = (S((3, 512), BF16), S((3, 64), BF16), S((NB, BS, 656), jnp.uint8), S((3,), I32))
     got = jax.eval_shape(lambda *a: cj.concat_and_cache_mla(*a, "fp8_ds_mla", 0.0), *args)
     assert got == args[2]

@@ -434,6 +434,8 @@ def _mangled_params(lowered: str) -> str:
     jit.KernelSpec("copy_blocks", index_dtype="i32"),
     jit.KernelSpec("concat_and_cache_mla", "bf16", cache_dtype="e4m3", index_dtype="i64"),
     jit.KernelSpec("concat_and_cache_mla", "f16", cache_dtype="dsmla", index_dtype="i32"),
+    jit.KernelSpec("concat_and_cache_mla", "bf16", cache_dtype="v4fp8", index_dtype="i64"),
+    jit.KernelSpec("concat_and_cache_mla", "f16", cache_dtype="v4fp4", index_dtype="i32"),
     jit.KernelSpec("mla_attention", "bf16", 512, 64, cache_dtype="e4m3"),
     jit.KernelSpec("mla_attention_sm90", "f16", 512, 16),
 ], ids=lambda s: s.kernel)

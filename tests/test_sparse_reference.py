@@ -369,6 +369,40 @@ def test_v4_fp4_round_trip(rng):
         R.quantize_sparse_kv(np.full((1, 512), np.nan, np.float32), "v4_fp4")
 
 
+def test_v4_infinities_follow_the_stated_rules():
+    """A group holding an infinity: v4_fp8 gives it the scale 2^0 (byte 127: frexp's
+    exponent of an infinity, named in the code) and stores its values as they are,
+    saturated (the infinity as +-448); v4_fp4 gives it the largest e4m3 scale, 448 (byte
+    0x7E), and the infinity +-6 (test_cache_ops holds the GPU writer to the same bytes)."""
+    x = np.full((1, 512), 0.5, np.float32)
+    x[0, 3], x[0, 5], x[0, 40] = np.inf, 1000, -np.inf
+    c = R.quantize_sparse_kv(x, "v4_fp8")[0]
+    assert list(c[512:515]) == [127, 127, 118]  # 2^0, 2^0, 2^-9 (0.5 / 448 rounded up)
+    assert (c[3], c[5], c[40], c[0], c[64]) == (0x7E, 0x7E, 0xFE, 0x30, 0x78)  # 0.5, 256
+    np.testing.assert_array_equal(R.dequantize_sparse_kv(c, "v4_fp8")[[3, 5, 40, 0]],
+                                  [448, 448, -448, 0.5])
+    c = R.quantize_sparse_kv(x, "v4_fp4")[0]
+    codes = np.stack([c[:256] & 0xF, c[:256] >> 4], -1).reshape(512)
+    assert list(c[256:259]) == [0x7E, 0x1B, 0x7E]  # 448, 0.5 / 6 rounded up (11/128), 448
+    assert R._e4m3_values(c[257]) == 11 / 128
+    assert (codes[3], codes[5], codes[40], codes[0]) == (0x7, 0x4, 0xF, 0x0)  # 6, 2, -6, 0
+
+
+def test_v4_writer_takes_the_vector_whole_or_split(rng):
+    """V4's tokens: kv_c holding the whole vector with k_pe None, or its values then
+    k_pe's (cupaged.concat_and_cache_mla's form), give the same rows."""
+    x = bf16(rng, 6, 512, spread=3)
+    for fmt in ("v4_fp8", "v4_fp4"):
+        whole = np.zeros((2, 4, R.SPARSE_KV_FORMATS[fmt][0]), np.uint8)
+        split = whole.copy()
+        slots = np.array([5, -1, 0, 7, 2, 3])
+        R.concat_and_cache_sparse_mla(x, None, whole, slots, fmt)
+        R.concat_and_cache_sparse_mla(x[:, :448], x[:, 448:], split, slots, fmt)
+        np.testing.assert_array_equal(whole, split)
+        assert not whole[0, 1].any()  # slot 1: no token
+        np.testing.assert_array_equal(whole[1, 3], R.quantize_sparse_kv(x[3], fmt))
+
+
 # ---- the fp8_ds_mla writer, bit for bit against torch ---------------------------------------
 
 

@@ -56,9 +56,11 @@ AXES = {
                           "index_dtype": ("i32", "i64")},
     "copy_blocks": {"index_dtype": ("i32", "i64")},
     # MLA's latent cache write: 16-bit sources (kv_c and k_pe of a model's dtype), into a
-    # cache of their type, fp8, or DeepSeek-V3.2's sparse rows ("dsmla", vLLM's fp8_ds_mla)
+    # cache of their type, fp8, or DeepSeek's sparse rows ("dsmla": V3.2's, vLLM's
+    # fp8_ds_mla; "v4fp8", "v4fp4": V4's)
     "concat_and_cache_mla": {"dtype": ("f16", "bf16"),
-                             "cache_dtype": (*CACHE_DTYPES, *_dtypes.SPARSE_MLA),
+                             "cache_dtype": (*CACHE_DTYPES,
+                                             *jit.SPARSE_MLA_KERNELS["concat_and_cache_mla"]),
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
     "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
@@ -76,7 +78,8 @@ AXES = {
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
     # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
     # and DeepSeek-V3.2's fp8_ds_mla rows ("dsmla", bfloat16 queries).
-    "mla_sparse_attention": {"dtype": ("f16", "bf16"), "cache_dtype": ("", *_dtypes.SPARSE_MLA),
+    "mla_sparse_attention": {"dtype": ("f16", "bf16"),
+                             "cache_dtype": ("", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention"]),
                              "head_size": (512,), "rope_dim": (64,),
                              "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                              "tile_tokens": (16, 32), "stages": (2, 3, 4)},
@@ -85,13 +88,14 @@ AXES = {
                            "head_size": (512,), "rope_dim": (64,),
                            "block_size": _checks.BLOCK_SIZES},
     # Hopper only, its sparse form over 16-bit caches and fp8_ds_mla rows (bfloat16 queries)
-    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": ("", *_dtypes.SPARSE_MLA),
+    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": (
+                                      "", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]),
                                   "head_size": (512,), "rope_dim": (64,),
                                   "block_size": _checks.BLOCK_SIZES},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
-# cache kernels: 44, 2, 16, 3 and 4 per target, and the indexer's top-k, a few seconds in
+# cache kernels: 44, 2, 24, 3 and 4 per target, and the indexer's top-k, a few seconds in
 # all).
 SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states",
                  "indexer_k_quant_and_cache", "indexer_topk")
