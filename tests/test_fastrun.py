@@ -52,7 +52,7 @@ FORMS = {
     "decode-workspace": (8, 1, 128, False, dict(max_seq_len=2048, workspace=True)),
     "decode-scratch": (8, 1, 128, False, dict(max_seq_len=2048)),
     "decode-lse": (64, 1, 16, False, dict(max_seq_len=64, window=128, lse=True)),
-    "rows": (64, 1, 128, True, dict(max_query_len=1, max_seq_len=2048)),
+    "rows-scratch": (8, 1, 128, True, dict(max_query_len=1, max_seq_len=2048)),
     "prefill": (64, 32, 16, True, dict(max_query_len=32, max_seq_len=256)),
     "prefill-lse": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, lse=True)),
     "decode-fp8-hnd": (64, 1, 16, False, dict(max_seq_len=256, kv_layout="HND",
@@ -65,6 +65,7 @@ FORMS = {
     # scratch of the call's own (zeroed per call) or in the workspace's
     "decode-flat": (64, 1, 16, False, dict(max_seq_len=256)),
     "decode-flat-workspace": (64, 1, 16, False, dict(max_seq_len=256, workspace=True)),
+    "rows-flat": (64, 1, 128, True, dict(max_query_len=1, max_seq_len=2048)),
     "decode-flat-lse": (64, 1, 16, False, dict(max_seq_len=256, window=128, lse=True)),
     "decode-flat-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=256,
                                                          logits_soft_cap=30.0,
@@ -77,7 +78,7 @@ FORMS = {
 SIDE_ARRAYS = ("decode-sinks-lse", "decode-flat-sinks-lse", "prefill-alibi")
 # Forms whose split-KV partials are a scratch of each call's own: one memset of its merge
 # counters before the launch
-SCRATCH = ("decode-scratch", "decode-flat", "decode-flat-lse", "decode-flat-soft-cap-bf16",
+SCRATCH = ("decode-scratch", "rows-scratch", "decode-flat", "rows-flat", "decode-flat-lse", "decode-flat-soft-cap-bf16",
            "decode-flat-sinks-lse")
 
 
@@ -463,7 +464,7 @@ def test_alternating_forms_each_take_their_fast_run(stub, generic_runs):
 
 def test_a_plan_keeps_its_bound_arrays(stub):
     """The caller may drop its tables: the plan holds them, and reads them where they are."""
-    a, kw = make_form(stub, "rows")
+    a, kw = make_form(stub, "rows-flat")
     e = Entry("plan", a, kw)
     refs = [weakref.ref(a[n]) for n in ("block_tables", "seq_lens", "query_start_loc")]
     b, bkw = per_layer(stub, a, kw)
