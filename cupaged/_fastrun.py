@@ -20,7 +20,7 @@ byte (tests/test_fastrun.py compares the two with the driver stubbed). Per call 
 then writes the call's addresses into a parameter buffer packed once per thread and
 calls ``cuLaunchKernel``. Any other call goes to the generic path, unchanged: a plan's
 ``run`` method, or for ``attention`` the memo (``MISS``; attention tries the fast runs
-of its last few remembered calls, ``_prepared.fast_attention``).
+of its last few remembered calls of the query's shape, ``_prepared.fast_attention``).
 
 A run exists only for a call of one launch whose arguments are its arrays' addresses and
 constants (Launch.run's, recorded with stand-in addresses): ``out`` given, no new lse,
@@ -52,6 +52,7 @@ from . import _arrays, _checks, jit, launch
 _NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
           "query_start_loc", "out", "lse")
 MISS = object()  # returned by a remembered attention call's fast run that declined
+NDARRAY = cupy.ndarray  # the one array type a run takes
 
 # Stand-in addresses for recording Launch.run's arguments: two sets whose spacings differ,
 # so an address the launch passed through unchanged is told from one it moved.
@@ -304,7 +305,7 @@ _CONSTANTS = ("_get_device", "_current_stream", "_memset", "_launch", "dev", "ql
               "slow", "local", "kernel", "packed", "fptr", "gx", "gy", "gz", "threads",
               "smem", "scratch_ctx", "scratch_bytes", "at_max", "at_sum", "at_counters",
               "counters_bytes")
-_GLOBALS = {"_nd": cupy.ndarray, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,
+_GLOBALS = {"_nd": NDARRAY, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,
             "_thread_buffer": _thread_buffer}
 _factories: dict = {}
 

@@ -173,18 +173,21 @@ def clear() -> None:
         _MEMO.clear()
         _LAST.clear()
         _FAST.clear()
-        fast_attention = ()
+        fast_attention = {}
 
 
 # The fast runs (_fastrun) of attention's remembered calls, by the identity of their
 # prepared call (hashing the key again would cost what the run saves), each kept with it:
 # (prepared, run or None when the call has none). `fast_attention`: the runs attention()
-# tries first, most recently used first; a few, so that layers of a few forms in turn
-# (sliding-window and global layers) each find theirs.
+# tries first, by the query's shape (a CuPy array's: the runs take nothing else), most
+# recently used first; a few a shape, so that layers of a few forms in turn
+# (sliding-window and global layers) each find theirs. Keyed so that a call no run can
+# take (a torch tensor, a verify step beside decode layers) tries none: each declined run
+# costs a Python call of 24 arguments.
 _FAST: dict = {}
 _FAST_LOCK = threading.Lock()
 _FAST_TRIED = 4
-fast_attention: tuple = ()
+fast_attention: dict = {}
 
 
 def use_fast(k, prepared: Prepared, make) -> None:
@@ -204,10 +207,13 @@ def use_fast(k, prepared: Prepared, make) -> None:
             _FAST[id(prepared)] = got
     run = got[1]
     if run is not None:
+        shape = k[5][0][0]  # the query's (metas' first array, its shape first)
         with _FAST_LOCK:
             if k[1] == _generation:
-                fast_attention = (run, *[r for r in fast_attention
-                                         if r is not run][:_FAST_TRIED - 1])
+                tried = fast_attention.get(shape, ())
+                if not tried or tried[0] is not run:
+                    fast_attention[shape] = (run, *[r for r in tried
+                                                    if r is not run][:_FAST_TRIED - 1])
 
 
 def overlaps(prep: Prepared, q: int, out: int) -> bool:

@@ -123,8 +123,10 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     of call, launched from a parameter buffer packed once (docs/DESIGN.md, "The fast
     run").
     """
-    # The fast runs of the last remembered calls (_fastrun), which take no stream=.
-    for fast in () if stream is not None else _prepared.fast_attention:
+    # The fast runs of the last remembered calls of this query's shape (_fastrun), which
+    # take CuPy arrays and no stream=.
+    for fast in (_prepared.fast_attention.get(query.shape, ())
+                 if stream is None and type(query) is _fastrun.NDARRAY else ()):
         r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out,
                  stream, workspace, kv_cache_dtype, k_scale, v_scale, window, window_left,

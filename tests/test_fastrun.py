@@ -143,7 +143,7 @@ def attention_call(a, kw, **more):
 def generic_attention_call(a, kw, **more):
     """attention() with no fast run taken or made: the generic path alone."""
     fast, use = _prepared.fast_attention, _prepared.use_fast
-    _prepared.fast_attention, _prepared.use_fast = (), lambda *x: None
+    _prepared.fast_attention, _prepared.use_fast = {}, lambda *x: None
     try:
         return attention_call(a, kw, **more)
     finally:
@@ -187,13 +187,13 @@ class Entry:
         else:
             for _ in range(2):
                 attention_call(a, kw)
-            assert bool(_prepared.fast_attention) == fast
-            self.run = _prepared.fast_attention
+            assert bool(_prepared.fast_attention.get(a["query"].shape)) == fast
+            self.run = dict(_prepared.fast_attention)
 
     def fast(self, b, kw, **more):
         if self.entry == "plan":
             return plan_call(self.plan, b, kw, **more)
-        _prepared.fast_attention = self.run  # (another call may have put its own first)
+        _prepared.fast_attention = dict(self.run)  # (another call may have put its own first)
         return attention_call(b, kw, **more)
 
     def generic(self, b, kw, **more):
@@ -302,7 +302,7 @@ def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):
     warm_attention(a, kw)
     planning.set_tuning(ctas_per_sm=2)
     try:
-        assert _prepared.fast_attention == ()
+        assert _prepared.fast_attention == {}
     finally:
         planning.set_tuning()
     real = _fastrun.call_runner
@@ -314,7 +314,7 @@ def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):
     monkeypatch.setattr(_fastrun, "call_runner", cleared_meanwhile)
     attention_call(a, kw)
     attention_call(a, kw)
-    assert _prepared.fast_attention == ()
+    assert _prepared.fast_attention == {}
 
 
 def _declined_calls(stub, a, kw):
@@ -462,6 +462,25 @@ def test_alternating_forms_each_take_their_fast_run(stub, generic_runs):
     assert generic_runs[0] == before + 6  # the generic calls compared with, alone
 
 
+def test_a_call_of_another_shape_tries_no_fast_run(stub, generic_runs):
+    """attention() tries only the runs of its query's shape: a verify step beside decode
+    layers, or a call whose query is not a CuPy array, tries none of them (each declined
+    run is a Python call's cost), and still launches as the generic path does."""
+    a, kw = make_form(stub, "decode")
+    warm_attention(a, kw)
+    tried = []
+    for shape, runs in list(_prepared.fast_attention.items()):
+        _prepared.fast_attention[shape] = tuple(
+            (lambda r: lambda *x: tried.append(r) or r(*x))(r) for r in runs)
+    p, pkw = make_form(stub, "prefill")
+    for _ in range(3):
+        want = outcome(stub, lambda: generic_attention_call(p, pkw))
+        assert outcome(stub, lambda: attention_call(p, pkw)) == want
+    assert tried == []
+    attention_call(a, kw)  # the decode layer's own call still tries its run
+    assert len(tried) == 1
+
+
 def test_a_plan_keeps_its_bound_arrays(stub):
     """The caller may drop its tables: the plan holds them, and reads them where they are."""
     a, kw = make_form(stub, "rows-flat")
@@ -596,5 +615,5 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
             d["out"].fill(np.nan)
     if decode:
         assert entry == "plan" or _prepared.fast_attention
-    if "flat" in form:  # planned flat, once (then remembered)
-        assert len(flat) == 1 and flat[0] is not None and flat[0].split_tokens == -1
+    if "flat" in form:  # planned flat, once (then remembered); minus the row count
+        assert len(flat) == 1 and flat[0] is not None and flat[0].split_tokens == -len(seq)
