@@ -461,9 +461,19 @@ class Context(NamedTuple):
 
 
 def _torch_current_stream(device: int) -> int:
+    return torch_stream_getter()(device)
+
+
+def torch_stream_getter():
+    """``f(device) -> handle`` of torch's current stream on a device (torch imported)."""
     t = _torch()
     raw = getattr(t._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x faster
-    return raw(device) if raw is not None else t.cuda.current_stream(device).cuda_stream
+    return raw if raw is not None else lambda device: t.cuda.current_stream(device).cuda_stream
+
+
+def torch_tensor_type():
+    """torch.Tensor (torch imported: a call passed a tensor)."""
+    return _torch().Tensor
 
 
 def context(device: int, kind: str, stream=None) -> Context:

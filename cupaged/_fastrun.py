@@ -5,8 +5,9 @@ generic path (``_prepared.run`` after the key or the plan's comparison) kept.
 A fast run stands only for calls the generic path would launch the same way, byte for
 byte (tests/test_fastrun.py compares the two with the driver stubbed). Per call it:
 
-  - takes nothing but CuPy arrays, no ``stream=`` (CuPy's current stream), no scales of
-    the call's own, and for ``attention`` the remembered call's keywords (the same
+  - takes nothing but the arrays of its kind, CuPy arrays or torch tensors (exactly
+    torch.Tensor: CUDA, requires_grad as validation saw it), no ``stream=`` (CuPy's or
+    torch's current stream, as the generic path), no scales of the call's own, and for ``attention`` the remembered call's keywords (the same
     objects, or of the same type and equal);
   - checks each per-call array's shape, strides, dtype, device and address modulo 16
     against the ones validation passed, one by one against constants;
@@ -24,7 +25,7 @@ of its last few remembered calls of the query's shape, ``_prepared.fast_attentio
 
 A run exists only for a call of one launch whose arguments are its arrays' addresses and
 constants (Launch.run's, recorded with stand-in addresses): ``out`` given, no new lse,
-CuPy arrays, no second (combine) launch, and for ``attention`` no side arrays (ALiBi
+CuPy arrays or torch tensors, no second (combine) launch, and for ``attention`` no side arrays (ALiBi
 slopes, sinks, scale arrays); a split-KV scratch of the call's own is allocated and its
 counters zeroed per call as Launch.run does (its rows and counters the Launch's: the grid
 split's, or the flat split's two slots a CTA and one counter a (sequence, head tile)).
@@ -52,7 +53,9 @@ from . import _arrays, _checks, jit, launch
 _NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
           "query_start_loc", "out", "lse")
 MISS = object()  # returned by a remembered attention call's fast run that declined
-NDARRAY = cupy.ndarray  # the one array type a run takes
+# The array types runs take: CuPy's, and torch.Tensor once a torch run has been built
+# (attention() tries runs only for a query of one of these types).
+TYPES = {cupy.ndarray}
 
 # Stand-in addresses for recording Launch.run's arguments: two sets whose spacings differ,
 # so an address the launch passed through unchanged is told from one it moved.
@@ -179,24 +182,34 @@ _KEYWORDS = ("kv_layout", "causal", "scale", "alibi_slopes", "max_query_len", "m
              "logits_soft_cap", "sinks", "return_lse")
 
 
-def _meta_check(var: str, i: int, bound: bool) -> str:
+def _meta_check(var: str, i: int, bound: bool, torch: bool) -> str:
     """The condition that array ``var`` (index ``i``) has the metadata validation passed:
     shape, strides, dtype, device, and the address modulo 16 (a bound table: the address
-    itself). Binds ``p{i}``, the address, for what follows."""
+    itself); a torch tensor's strides in elements, on a CUDA device, and its
+    requires_grad as it was (_prepared.metas' fields). Binds ``p{i}``, the address, for
+    what follows."""
+    if torch:
+        addr = f"(p{i} := {var}.data_ptr())"
+        where = f"{addr} == bp{i}" if bound else f"{addr} & 15 == a{i}"
+        return (f"{var}.shape == s{i} and {var}.stride() == t{i} and {var}.dtype is d{i} "
+                f"and {var}.is_cuda and {var}.get_device() == dev "
+                f"and {var}.requires_grad is r{i} and {where}")
     where = f"(p{i} := _d.ptr) == bp{i}" if bound else f"(p{i} := _d.ptr) & 15 == a{i}"
     return (f"{var}.shape == s{i} and {var}.strides == t{i} and {var}.dtype is d{i} "
             f"and (_d := {var}.data).device_id == dev and {where}")
 
 
 def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
-           wants_lse: bool, slots, gate) -> str:
+           wants_lse: bool, slots, gate, torch: bool = False) -> str:
     """The source of ``make(c)``, which returns the fast run of one form of call with the
     constants of ``c`` (a dict) bound. ``kind``: "plan" (AttentionPlan.run's signature;
     a declined call goes to ``slow``) or "attention" (ATTENTION_SIGNATURE; returns MISS);
     ``per_call``, ``bound``: address indices; ``pairs``: the (i, j) pairs checked for
     overlap (None: a side array's absolute span); ``q_out``: out against the query;
     ``slots``: the address indices the launch takes, scratch's 8-11 included; ``gate``:
-    attention's keywords as (name, how the remembered value is compared)."""
+    attention's keywords as (name, how the remembered value is compared); ``torch``:
+    the arrays are torch tensors (exactly torch.Tensor), launched on torch's current
+    stream, else CuPy arrays on CuPy's."""
     miss = _PLAN_FALLBACK if kind == "plan" else "MISS"
     slots = dict(slots)
     body = []
@@ -237,14 +250,19 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
     decline_if_any(skip, "A stream, scales or arrays of the call's own, other keywords; "
                    "CUPAGED_DEBUG (its checks read the device); a DLPack import of this "
                    "thread's that the launch stream must order and hold (_arrays.context)")
-    decline_unless(" and ".join(f"type({_NAMES[i]}) is _nd" for i in per_call),
-                   "CuPy arrays only (a torch tensor has its own stream and metadata)")
+    if torch:
+        decline_unless(" and ".join(f"type({_NAMES[i]}) is _tensor" for i in per_call),
+                       "torch tensors only, as the run was made for (a subclass may "
+                       "override what is read)")
+    else:
+        decline_unless(" and ".join(f"type({_NAMES[i]}) is _nd" for i in per_call),
+                       "CuPy arrays only (a torch tensor has its own stream and metadata)")
     for n, i in enumerate(per_call):
-        decline_unless(_meta_check(_NAMES[i], i, False),
+        decline_unless(_meta_check(_NAMES[i], i, False, torch),
                        "Each array as validation passed it: shape, strides, dtype, device, "
                        "address modulo 16" if n == 0 else None)
     for n, i in enumerate(bound):
-        decline_unless(_meta_check(f"b{i}", i, True),
+        decline_unless(_meta_check(f"b{i}", i, True, torch),
                        "The plan's tables, re-read: as they were, where they were"
                        if n == 0 else None)
     ptr = {i: f"p{i}" for i in (*per_call, *bound)}
@@ -262,7 +280,10 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
                        "out (and lse) over the query or anything else the call reads")
     body.append("# On the arrays' device, current (the generic path would switch to it)")
     decline_unless("_get_device() == dev")
-    body.append("st = _current_stream(dev).ptr  # CuPy's, as the generic path's")
+    if torch:
+        body.append("st = _torch_stream(dev)  # torch's current stream, as the generic path's")
+    else:
+        body.append("st = _current_stream(dev).ptr  # CuPy's, as the generic path's")
     if 8 in slots:
         body.append("# A split-KV scratch of this call's own, freed in the stream's order "
                     "after the launch; its counters zeroed (launch.scratch_partials)")
@@ -284,7 +305,7 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
 
     used = set(re.findall(r"[A-Za-z_]\w*", "\n".join(body)))
     consts = sorted(used & set(_CONSTANTS + tuple(
-        f"{c}{i}" for c in ("s", "t", "d", "a", "b", "bp", "lo", "hi") for i in range(12))
+        f"{c}{i}" for c in ("s", "t", "d", "a", "r", "b", "bp", "lo", "hi") for i in range(12))
         + tuple(f"{p}_{name}" for name, _ in gate for p in ("want", "type"))))
     signature = (_PLAN_SIGNATURE if kind == "plan" else ", ".join(ATTENTION_SIGNATURE))
     # A constant named as a parameter would be shadowed by it: compared with the wrong
@@ -299,13 +320,13 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
     return "\n".join(src) + "\n"
 
 
-# The constants a run may use besides the per-array ones (s, t, d, a, b, bp + index) and
+# The constants a run may use besides the per-array ones (s, t, d, a, r, b, bp + index) and
 # the pairs' bounds (lo, hi + number).
-_CONSTANTS = ("_get_device", "_current_stream", "_memset", "_launch", "dev", "qlo", "qhi",
-              "slow", "local", "kernel", "packed", "fptr", "gx", "gy", "gz", "threads",
+_CONSTANTS = ("_get_device", "_current_stream", "_torch_stream", "_tensor", "_memset",
+              "_launch", "dev", "qlo", "qhi", "slow", "local", "kernel", "packed", "fptr", "gx", "gy", "gz", "threads",
               "smem", "scratch_ctx", "scratch_bytes", "at_max", "at_sum", "at_counters",
               "counters_bytes")
-_GLOBALS = {"_nd": NDARRAY, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,
+_GLOBALS = {"_nd": cupy.ndarray, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,
             "_thread_buffer": _thread_buffer}
 _factories: dict = {}
 
@@ -332,12 +353,13 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
     ``{index: array}`` fixed (a plan's tables); or None when its calls cannot have one.
     ``slow``: a plan's generic run; ``gate``: attention's keywords as (name, how, value)."""
     bound = bound or {}
-    if metas is None or prep.kind != "cupy" or prep.new_lse or prep.launch is None:
+    if metas is None or prep.kind not in ("cupy", "torch") or prep.new_lse or prep.launch is None:
         return None
+    torch = prep.kind == "torch"
     if 6 not in per_call:
         return None  # no out: the call allocates one (the generic path's _arrays.empty)
-    for i in (*per_call, *bound):
-        if metas[i] is None or len(metas[i]) != 5:  # (torch: six)
+    for i in (*per_call, *bound):  # (_prepared.metas: five fields, torch's six)
+        if metas[i] is None or len(metas[i]) != (6 if torch else 5):
             return None
     got = template(prep.launch, (*per_call, *bound))  # (tuple: a key)
     if got is None:
@@ -352,12 +374,14 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
     c["gx"], c["gy"], c["gz"] = grid
     for i in (*per_call, *bound):
         c[f"s{i}"], c[f"t{i}"], c[f"d{i}"], c[f"a{i}"] = metas[i][:4]
+        if torch:
+            c[f"r{i}"] = metas[i][5]
     words = memoryview(bytearray(packed)).cast("Q")
     for i, a in bound.items():
         c[f"b{i}"] = a
-        c[f"bp{i}"] = a.data.ptr
+        c[f"bp{i}"] = ptr = a.data_ptr() if torch else a.data.ptr
         for w in slots.get(i, ()):
-            words[w] = a.data.ptr
+            words[w] = ptr
     c["packed"] = words.cast("B").tobytes()
     if prep.q_span:
         c["qlo"], c["qhi"] = prep.q_span[0] - prep.out_bytes, prep.q_span[1]
@@ -370,16 +394,20 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
         counters = la.counters
         nbytes, c["at_max"], c["at_sum"], c["at_counters"] = launch.scratch_layout(
             la.scratch_rows, la.head_size, counters)
-        c["scratch_ctx"] = _arrays.Context(prep.device, 0, "cupy", False)
+        c["scratch_ctx"] = _arrays.Context(prep.device, 0, prep.kind, False)
         c["scratch_bytes"], c["counters_bytes"] = nbytes, counters * 4
     for name, how, value in gate:
         c[f"want_{name}"], c[f"type_{name}"] = value, type(value)
     form = (kind, tuple(per_call), tuple(bound), tuple(pairs), bool(prep.q_span),
             prep.in_place, prep.wants_lse, tuple(sorted(slots.items())),
-            tuple([(name, how) for name, how, _ in gate]))
+            tuple([(name, how) for name, how, _ in gate]), torch)
     # The runtime's and the driver's entry points, looked up once per run.
     c["_get_device"], c["_current_stream"] = runtime.getDevice, cupy.cuda.get_current_stream
     c["_memset"], c["_launch"] = runtime.memsetAsync, jit.driver.launchKernel
+    if torch:
+        c["_tensor"], c["_torch_stream"] = (_arrays.torch_tensor_type(),
+                                            _arrays.torch_stream_getter())
+        TYPES.add(c["_tensor"])
     return _factory(form)(c)
 
 

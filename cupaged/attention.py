@@ -118,15 +118,15 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     side arrays and keywords match an earlier successful call's skips validation and
     planning; :class:`AttentionPlan` does the same for a whole step's layers. Repeats of
-    one of the last few such calls with CuPy arrays and ``out`` given (no ``stream``, no
-    side arrays) take its fast run: the same checks in one function compiled for its form
+    one of the last few such calls with CuPy arrays or torch tensors and ``out`` given
+    (no ``stream``, no side arrays) take its fast run: the same checks in one function compiled for its form
     of call, launched from a parameter buffer packed once (docs/DESIGN.md, "The fast
     run").
     """
     # The fast runs of the last remembered calls of this query's shape (_fastrun), which
-    # take CuPy arrays and no stream=.
+    # take CuPy arrays or torch tensors and no stream=.
     for fast in (_prepared.fast_attention.get(query.shape, ())
-                 if stream is None and type(query) is _fastrun.NDARRAY else ()):
+                 if stream is None and type(query) in _fastrun.TYPES else ()):
         r = fast(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  kv_layout, causal, scale, alibi_slopes, max_query_len, max_seq_len, out,
                  stream, workspace, kv_cache_dtype, k_scale, v_scale, window, window_left,
@@ -223,10 +223,11 @@ class AttentionPlan:
     plan is used (the plan keeps references to them; each run re-reads their metadata
     and addresses).
 
-    With CuPy arrays and ``out`` given (and one launch per call), ``plan.run`` is the
-    plan's fast run: the same checks in one function compiled for its form of call,
-    launched from a parameter buffer packed once per thread; it leaves every other call
-    (``stream=``, scales of its own, torch tensors, other metadata) to the method
+    With CuPy arrays or torch tensors and ``out`` given (and one launch per call),
+    ``plan.run`` is the plan's fast run: the same checks in one function compiled for its
+    form of call, launched from a parameter buffer packed once per thread; it leaves every
+    other call (``stream=``, scales of its own, the other framework's arrays, other
+    metadata) to the method
     (docs/DESIGN.md, "The fast run").
 
     Example, one decode step of an n-layer model::

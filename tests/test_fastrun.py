@@ -548,12 +548,14 @@ def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monke
 @pytest.mark.parametrize("form", ["decode", "decode-long-workspace", "decode-long-scratch",
                                   "decode-window-lse", "decode-flat-long-workspace",
                                   "decode-flat-long-scratch", "prefill"])
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatch, request,
-                                                   form, entry):
+                                                   form, entry, framework):
     """The fast run on the device: every layer's output (and lse) against the reference,
-    with no call through the generic path once the run is made. The flat forms take the
-    flat split whatever the device (the flat_split fixture; attention has no partition=):
-    a few units over one wave of CTAs, most idle, runs cut across units."""
+    with no call through the generic path once the run is made, over CuPy arrays and
+    torch tensors (torch's current stream). The flat forms take the flat split whatever
+    the device (the flat_split fixture; attention has no partition=): a few units over one
+    wave of CTAs, most idle, runs cut across units."""
     from conftest import assert_close
     from test_prepared import _device, _layers
 
@@ -582,6 +584,16 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
         d["out"] = cupy.full(d["query"].shape, np.nan, np.float16)
         d["lse"] = (cupy.full(d["query"].shape[:2], np.nan, np.float32)
                     if "lse" in form else None)
+    to_host = cupy.asnumpy
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        to_host = lambda x: x.cpu().numpy()  # noqa: E731
+        # (Shared tables stay shared: one tensor per CuPy array.)
+        made_tensors = {}
+        for d in devs:
+            for n, v in d.items():
+                if v is not None:
+                    d[n] = made_tensors.setdefault(id(v), torch.as_tensor(v, device="cuda"))
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
              "query_start_loc")
     d0 = devs[0]
@@ -607,13 +619,89 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
             made = made or bool(_prepared.fast_attention)
             host = {k: v for k, v in h.items() if k != "alibi_slopes"}
             ref = reference.attention(**host, return_lse=True, **ref_kw)
-            assert_close(cupy.asnumpy(d["out"]), ref[0], testing.TOLERANCE["f16"],
+            assert_close(to_host(d["out"]), ref[0], testing.TOLERANCE["f16"],
                          f"layer {i}")
             if d["lse"] is not None:
-                np.testing.assert_allclose(cupy.asnumpy(d["lse"]), ref[1], rtol=1e-4,
+                np.testing.assert_allclose(to_host(d["lse"]), ref[1], rtol=1e-4,
                                            atol=1e-4)
-            d["out"].fill(np.nan)
+            d["out"][...] = float("nan")
     if decode:
         assert entry == "plan" or _prepared.fast_attention
     if "flat" in form:  # planned flat, once (then remembered); minus the row count
         assert len(flat) == 1 and flat[0] is not None and flat[0].split_tokens == -len(seq)
+
+
+def test_a_torch_forms_source_reads_what_torch_metas_read():
+    """A torch run's checks are _prepared.metas' six fields for a tensor (the strides in
+    elements by stride(), the device by get_device(), requires_grad) and its address by
+    data_ptr(); it launches on torch's stream. The generated source compiles with every
+    name it uses bound (make() of a form names each constant it reads)."""
+    src = _fastrun.source("plan", [0, 1, 2, 6], [3, 4], [], True, False, False,
+                          {0: (0,), 1: (1,), 2: (2,), 3: (3,), 4: (4,), 6: (5,)}, (),
+                          torch=True)
+    for piece in ("query.stride() == t0", "query.get_device() == dev", "query.is_cuda",
+                  "query.requires_grad is r0", "(p0 := query.data_ptr()) & 15 == a0",
+                  "(p3 := b3.data_ptr()) == bp3", "type(query) is _tensor",
+                  "st = _torch_stream(dev)"):
+        assert piece in src, piece
+    assert ".data.ptr" not in src and "_current_stream" not in src
+    ns = {}
+    exec(compile(src, "<torch form>", "exec"), ns)
+    made = [n.strip().split(" = ")[0] for n in src.splitlines() if " = c[" in n]
+    assert {"r0", "r3", "_tensor", "_torch_stream", "bp3"} <= set(made)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_torch_calls_the_run_was_not_made_for_go_to_the_generic_path(rng, generic_runs, entry):
+    """Over torch tensors: a strided view of the query, a tensor that requires grad, a
+    CuPy query and stream= each go to the generic path, with its result (or its error);
+    the run's own repeat after them launches from the fast run again."""
+    torch = pytest.importorskip("torch")
+    from conftest import assert_close
+    from test_prepared import _device, _layers
+
+    from cupaged import reference, testing
+
+    (h,) = _layers(rng, 1, [1, 1, 1], [40, 1, 300], heads=8, kv_heads=2)
+    h["query_start_loc"] = None
+    d = {n: (None if v is None else torch.as_tensor(v, device="cuda"))
+         for n, v in _device(h).items()}
+    out = torch.full_like(d["query"], float("nan"))
+    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+             "query_start_loc")
+    want = reference.attention(**{k: v for k, v in h.items() if k != "alibi_slopes"})
+    if entry == "plan":
+        plan = cupaged.AttentionPlan(*[d[n] for n in names], out=out)
+        assert "run" in vars(plan)
+        call = lambda q, o, **k: plan.run(q, d["key_cache"], d["value_cache"], out=o, **k)  # noqa: E731
+    else:
+        _prepared.clear()
+        call = lambda q, o, **k: cupaged.attention(q, *[d[n] for n in names[1:]], out=o, **k)  # noqa: E731
+        for _ in range(2):
+            call(d["query"], out)
+    wide = torch.full((*d["query"].shape[:2], 2 * d["query"].shape[2]), float("nan"),
+                      dtype=d["query"].dtype, device="cuda")
+    head_size = d["query"].shape[2]
+    wide[..., :head_size] = d["query"]  # (a view whose heads are 2 x head_size apart)
+    grad = d["query"].clone().requires_grad_(True)
+    others = [("strided query", lambda o: call(wide[..., :head_size], o)),
+              ("requires_grad query", lambda o: call(grad, o)),
+              ("cupy query", lambda o: call(cupy.asarray(d["query"]), o)),
+              ("stream=", lambda o: call(d["query"], o, stream=torch.cuda.current_stream()))]
+    for what, fn in others:
+        before = generic_runs[0]
+        out.fill_(float("nan"))
+        try:
+            fn(out)
+        except (TypeError, ValueError) as e:  # what the generic path says of it
+            assert generic_runs[0] == before, what  # refused before any launch
+            assert "query" in str(e), (what, e)
+        else:
+            assert generic_runs[0] == before + 1, what
+            assert_close(out.cpu().numpy(), want, testing.TOLERANCE["f16"], what)
+        before = generic_runs[0]
+        out.fill_(float("nan"))
+        call(d["query"], out)
+        assert generic_runs[0] == before, f"the fast run after {what}"
+        assert_close(out.cpu().numpy(), want, testing.TOLERANCE["f16"], f"after {what}")
