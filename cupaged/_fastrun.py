@@ -11,8 +11,10 @@ byte (tests/test_fastrun.py compares the two with the driver stubbed). Per call 
     objects, or of the same type and equal);
   - checks each per-call array's shape, strides, dtype, device and address modulo 16
     against the ones validation passed, one by one against constants;
-  - for a plan, re-reads its bound tables' shape, strides, dtype, device and address (a
-    table re-pointed or reshaped in place must not be read where it was);
+  - for a plan, re-reads its bound tables' shape (a CuPy array's address, dtype and
+    device are fixed, its strides change only with its shape) or, for torch tensors,
+    everything (set_ and resize_ re-point and reshape one in place): a table changed in
+    place must not be read where it was;
   - checks ``out`` against the query (in place or apart) and ``out`` and ``lse`` against
     every array the call reads, at this call's addresses (``_prepared.clashes``; a pair
     of two fixed addresses was checked when the plan was made);
@@ -261,10 +263,20 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
         decline_unless(_meta_check(_NAMES[i], i, False, torch),
                        "Each array as validation passed it: shape, strides, dtype, device, "
                        "address modulo 16" if n == 0 else None)
-    for n, i in enumerate(bound):
-        decline_unless(_meta_check(f"b{i}", i, True, torch),
-                       "The plan's tables, re-read: as they were, where they were"
-                       if n == 0 else None)
+    if torch:
+        for n, i in enumerate(bound):
+            decline_unless(_meta_check(f"b{i}", i, True, True),
+                           "The plan's tables, re-read (set_ and resize_ re-point and "
+                           "reshape a tensor in place): as they were, where they were"
+                           if n == 0 else None)
+    elif bound:
+        # A CuPy array's address, dtype and device cannot change, and its strides change
+        # only with its shape (the shape setter: equal shapes then give equal strides but
+        # on dims of size 1, which no index but 0 reaches), so its shape is what to re-read.
+        decline_unless(" and ".join(f"b{i}.shape == s{i}" for i in bound),
+                       "The plan's tables, re-read: reshaped in place, they are not read "
+                       "as they were")
+        body.extend(f"p{i} = bp{i}" for i in bound)
     ptr = {i: f"p{i}" for i in (*per_call, *bound)}
     # Overlaps, as _prepared.clashes: a + lo1 < b + hi2 and b + lo2 < a + hi1 is
     # lo1 - hi2 < b - a < hi1 - lo2 (each pair's two bounds precomputed).
