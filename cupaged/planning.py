@@ -728,7 +728,12 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
         _fail(f"num_kv_heads * head tiles = {grid_y} exceeds the grid limit "
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
-    if partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_rows):
+    # Keys and values read, for a scratch's worth (FLAT_SCRATCH_MIN_BYTES); a workspace
+    # needs none.
+    kv_bytes = (None if workspace is not None else
+                2 * p.num_rows * p.num_kv_heads * max_ctx * p.head_size * p.cache.dtype.itemsize)
+    if partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_rows,
+                                                                 kv_bytes):
         # (the flat split is its own specialization: variant letter "r")
         flat = decode_kernels(p.device, p.dtype.name, p.head_size, p.block_size, gt,
                               p.cache.kv_format, p.cache.dtype.name, p.quant.mode,
@@ -768,19 +773,29 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
 # row's length and scans them, 128 a round (the kernel's prologue), a cost measured small
 # up to 256 rows (two rounds) and not measured beyond.
 FLAT_MAX_ROWS = 512
+# The least bytes of keys and values a call reads for "auto" to give it the flat split
+# with a scratch of the call's own (no workspace): the scratch's allocation and memset
+# cost about 8 us of host time a call (H200 machine, `cupaged-bench ab host`: 18.8 against
+# 10.9 us with a workspace) where a single pass needs none, and the flat split's gain is
+# a few percent of the kernel's time; 128 MiB take about 32 us at 4.2 TB/s.
+FLAT_SCRATCH_MIN_BYTES = 128 << 20
 
 
-def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels", num_rows: int = 1) -> bool:
+def flat_pays(units: int, max_ctx: int, ks: "DecodeKernels", num_rows: int = 1,
+              kv_bytes: int | None = None) -> bool:
     """Does "auto" take the flat split? Where there are at least as many (sequence, head
     tile) units as CTAs resident at once, each of two tiles or more: the grid's waves of
     whole units then leave a last wave the flat split does not have (H200, 32/32 batch
     64: 508 against 546 µs), while fewer units would be cut into many short pieces, each
     merged (docs/PERFORMANCE.md, the flat split). Not where a CTA's run would pass
     MAX_PASS_TOKENS (a pass's float32 sums lose accuracy with its length), nor past
-    FLAT_MAX_ROWS query rows."""
+    FLAT_MAX_ROWS query rows, nor, with a scratch of the call's own (``kv_bytes``, the
+    bytes the call reads; None with a workspace), under FLAT_SCRATCH_MIN_BYTES."""
     if not ks.slots or units < ks.slots or max_ctx <= ks.tile_tokens:
         return False
     if num_rows > FLAT_MAX_ROWS:
+        return False
+    if kv_bytes is not None and kv_bytes < FLAT_SCRATCH_MIN_BYTES:
         return False
     run_tiles = -(-units * -(-max_ctx // ks.tile_tokens) // ks.slots)
     return run_tiles * ks.tile_tokens <= MAX_PASS_TOKENS

@@ -61,18 +61,19 @@ FORMS = {
     "decode-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=64, logits_soft_cap=30.0,
                                                     dtype="bfloat16")),
     # The flat split ("auto" with 64 x 8 (sequence, head tile) units, at least the stub's
-    # H200's resident CTAs): grid (CTAs, 1, 1), partials and one counter a unit in a
-    # scratch of the call's own (zeroed per call) or in the workspace's
-    "decode-flat": (64, 1, 16, False, dict(max_seq_len=256)),
-    "decode-flat-workspace": (64, 1, 16, False, dict(max_seq_len=256, workspace=True)),
+    # H200's resident CTAs, over 1024 keys: planning.FLAT_SCRATCH_MIN_BYTES or more): grid
+    # (CTAs, 1, 1), partials and one counter a unit in a scratch of the call's own (zeroed
+    # per call) or in the workspace's
+    "decode-flat": (64, 1, 64, False, dict(max_seq_len=1024)),
+    "decode-flat-workspace": (64, 1, 64, False, dict(max_seq_len=1024, workspace=True)),
     "rows-flat": (64, 1, 128, True, dict(max_query_len=1, max_seq_len=2048)),
-    "decode-flat-lse": (64, 1, 16, False, dict(max_seq_len=256, window=128, lse=True)),
-    "decode-flat-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=256,
+    "decode-flat-lse": (64, 1, 64, False, dict(max_seq_len=1024, window=512, lse=True)),
+    "decode-flat-soft-cap-bf16": (64, 1, 64, False, dict(max_seq_len=1024,
                                                          logits_soft_cap=30.0,
                                                          dtype="bfloat16")),
     # side arrays: a plan's run takes them (bound), attention's has no fast run for them
     "decode-sinks-lse": (64, 1, 16, False, dict(max_seq_len=64, sinks=True, lse=True)),
-    "decode-flat-sinks-lse": (64, 1, 16, False, dict(max_seq_len=256, sinks=True, lse=True)),
+    "decode-flat-sinks-lse": (64, 1, 64, False, dict(max_seq_len=1024, sinks=True, lse=True)),
     "prefill-alibi": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, alibi=True)),
 }
 SIDE_ARRAYS = ("decode-sinks-lse", "decode-flat-sinks-lse", "prefill-alibi")

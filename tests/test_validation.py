@@ -651,3 +651,24 @@ def test_auto_takes_the_flat_split_from_as_many_units_as_resident_ctas(monkeypat
                         lambda *a, **k: lower if a[-1].endswith("r") else ks)
     assert planning.plan_decode(p, 2048, "auto", None).split_tokens >= 0
     assert planning.plan_decode(p, 2048, "flat", None).grid == (264, 1, 1)
+
+
+def test_auto_takes_the_flat_split_without_a_workspace_only_over_enough_bytes(monkeypatch):
+    """Without a workspace the flat split's partials are a scratch of each call's own
+    (an allocation and a memset: about 8 us of host time a call on the H200's host, where
+    a single pass needs none), so "auto" takes it there only where the keys read take the
+    GPU long enough to hide that (planning.FLAT_SCRATCH_MIN_BYTES); with a workspace it
+    needs no such size, and "flat" forces it anyway."""
+    ks = SimpleNamespace(**vars(KS), decode=None, combine=None, name="fake")
+    monkeypatch.setattr(planning, "decode_kernels", lambda *a, **k: ks)
+    roomy = launch.Partials(1, 2, 3, max_rows=10**6, counters=4, max_counters=10**6)
+    # 64 sequences, 32/8 heads, fp16: 8 KV heads x 128 dims x 2 (K, V) x 2 bytes a token
+    p = validate(**args(seqs=64, heads=32, kv_heads=8, hs=128, bs=16, width=256))
+    per_ctx = 64 * 8 * 128 * 2 * 2
+    small = planning.FLAT_SCRATCH_MIN_BYTES // per_ctx - 64  # over a few tiles, too few bytes
+    assert small > 2 * KS.tile_tokens
+    assert planning.plan_decode(p, small, "auto", None).split_tokens >= 0
+    assert planning.plan_decode(p, small, "auto", roomy).split_tokens == -64
+    assert planning.plan_decode(p, small, "flat", None).split_tokens == -64
+    big = -(-planning.FLAT_SCRATCH_MIN_BYTES // per_ctx)
+    assert planning.plan_decode(p, big, "auto", None).split_tokens == -64
