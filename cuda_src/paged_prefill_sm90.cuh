@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(384, 1)
           //   (kRawTokens tokens, fewer at the keys' ends), issued warp-uniformly by one
           //   elected lane; raw_full counts their bytes, and every producer thread arrives
           //   on raw_free once it has read the stage, before a copy refills it. A 64-token
-          //   tile of 16-token pages costs each warp about 90 instructions of issue
+          //   tile of 16-token pages costs each warp about 95 instructions of issue
           //   against about 190 of cp.async.
           //   per thread (strided token rows, NHD, and pages under 8 tokens): each thread
           //   copies the chunks it widens with cp.async (16 bytes an instruction), waited
