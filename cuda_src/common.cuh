@@ -40,6 +40,12 @@ struct conditional<false, X, Y> {
   using type = Y;
 };
 
+// A bool as a type, to pick a generic lambda's body at compile time (std::bool_constant).
+template <bool B>
+struct BoolConstant {
+  static constexpr bool value = B;
+};
+
 // ---- scalar conversions -------------------------------------------------------------
 
 __device__ __forceinline__ float to_float(float v) { return v; }

@@ -13,6 +13,12 @@
 //   consumer's query rows into its Q tile; a stage's `full` mbarrier completes when its
 //   copies have landed (fp8: when they are widened), its `empty` one when both consumers
 //   are done with it; each consumer's Q tile has a `q_full` and a `q_empty` of its own.
+//   Over fp8 the producer first brings each tile's raw bytes into one of two raw stages
+//   (while it widens the previous tile into the ring): with bulk copies, one a page's
+//   tokens of K or of V, where they lie next to each other (HND, pages of 8 tokens or
+//   more), counted on the raw stage's `raw_full` mbarrier, and a raw stage is refilled
+//   once every producer thread arrived on its `raw_free`; else each thread copies its
+//   chunks with cp.async.
 //   The producer gives up registers (setmaxnreg) so the consumers can hold S, P and O at
 //   once.
 //   warpgroups 1 and 2, the consumers, own 64 rows each: S = Q K^T (wgmma, Q and K from
@@ -63,10 +69,21 @@ struct Sm90PrefillGeometry {
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffRaw = kOffV + STAGES * kTileBytes;  // [kRawStages][K, V]
-  // mbarriers: full[STAGES], empty[STAGES], q_full[2], q_empty[2]; then bad-block flags,
-  // one per producer warp and stage.
+  // A raw stage's rows are dense, token t of the tile at t * HEAD_SIZE: a page's tokens
+  // of one KV head that lie next to each other in the cache (HND) arrive by one bulk copy
+  // (sm90.cuh), whose sizes and addresses are multiples of 16 bytes.
+  static constexpr int kRawTokens = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a page's run
+  static constexpr int kRawRuns = TILE_N / kRawTokens;  // runs (page segments) of a tile
+  // Bulk copies where a page holds 8 tokens or more: below that a tile's 16 or more
+  // segments cost the issuing warps more instructions than per-thread cp.async does
+  // (docs/PERFORMANCE.md: SASS of the issue at 1 to 64 tokens a page).
+  static constexpr bool kBulk = kQuant && kRawTokens >= 8;
+  // mbarriers: full[STAGES], empty[STAGES], q_full[2], q_empty[2], and over fp8
+  // raw_full[kRawStages] (a raw stage's bulk copies landed) and raw_free[kRawStages] (its
+  // bytes widened); then bad-block flags, one per producer warp and stage.
+  static constexpr int kBars = 2 * STAGES + 4 + 2 * kRawStages;
   static constexpr int kOffBar = kOffRaw + kRawStages * 2 * kRawTileBytes;
-  static constexpr int kOffFlags = kOffBar + 8 * (2 * STAGES + 4);
+  static constexpr int kOffFlags = kOffBar + 8 * kBars;
   // Tiles need 1024-byte alignment (the swizzle's phase): the kernel rounds the dynamic
   // shared memory's base up, so it asks for 1024 bytes more.
   static constexpr int kSmemBytes = kOffFlags + 16 * STAGES + 1024;
@@ -77,6 +94,8 @@ struct Sm90PrefillGeometry {
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
   static_assert(TILE_N == 64 || TILE_N == 128, "TILE_N: wgmma's N of S");
   static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
+  static_assert(!kQuant || (HEAD_SIZE % 16 == 0 && kOffRaw % 16 == 0),
+                "bulk copies: 16-byte multiples of sizes and shared addresses");
 };
 
 // Ping-pong between the consumers (FlashAttention-3's warp scheduling): each waits for
@@ -251,6 +270,11 @@ __global__ void __launch_bounds__(384, 1)
   auto empty_bar = [&](int s) { return base + Geo::kOffBar + 8u * (STAGES + s); };
   auto q_full_bar = [&](int wg) { return base + Geo::kOffBar + 8u * (2 * STAGES + wg); };
   auto q_empty_bar = [&](int wg) { return base + Geo::kOffBar + 8u * (2 * STAGES + 2 + wg); };
+  // fp8: raw stage r's bulk copies landed / its bytes were widened (bulk mode below)
+  auto raw_full_bar = [&](unsigned r) { return base + Geo::kOffBar + 8u * (2 * STAGES + 4 + r); };
+  auto raw_free_bar = [&](unsigned r) {
+    return base + Geo::kOffBar + 8u * (2 * STAGES + 4 + Geo::kRawStages + r);
+  };
   // [STAGES][4]: producer warp w's flag of the tile in the stage.
   volatile int* bad_s = reinterpret_cast<volatile int*>(smem + Geo::kOffFlags);
 
@@ -280,6 +304,14 @@ __global__ void __launch_bounds__(384, 1)
     for (int wg = 0; wg < 2; ++wg) {
       mbar_init(q_full_bar(wg), 2 * 128);
       mbar_init(q_empty_bar(wg), 128);
+    }
+    if constexpr (Geo::kQuant) {
+#pragma unroll
+      for (int r = 0; r < Geo::kRawStages; ++r) {
+        mbar_init(raw_full_bar(r), Geo::kRawRuns);  // each run's issuing thread
+        mbar_init(raw_free_bar(r), 128);            // each producer thread
+      }
+      fence_mbarrier_init();  // the bulk copies' complete_tx comes from the async proxy
     }
   }
   __syncthreads();
@@ -519,13 +551,32 @@ __global__ void __launch_bounds__(384, 1)
             publish(stage, bad, stored);
           }
         } else {
-          // fp8: raw rows of HEAD_SIZE bytes; thread tid copies (and later widens) their
-          // 16-byte chunks c0, c0 + 8, ... of rows tid / 8 + 16 k.
+          // fp8: each tile's raw bytes (rows of HEAD_SIZE, dense) land in raw stage g % 2
+          // while the previous tile's are widened; thread tid widens the 16-byte chunks c0,
+          // c0 + 8, ... of rows tid / 8 + 16 k into the ring. (vLLM's layout never comes
+          // here: the kernel takes it over 16-bit caches only, static_assert above.)
+          //
+          // The bytes arrive one of two ways, chosen per launch (warp-uniform):
+          //   bulk (Geo::kBulk: pages of 8 tokens or more, and a page's tokens of the KV
+          //   head next to each other in the cache, token stride HEAD_SIZE bytes, as HND
+          //   has): one bulk copy of K and one of V per page segment of the tile
+          //   (kRawTokens tokens, fewer at the keys' ends), issued warp-uniformly by one
+          //   elected lane; raw_full counts their bytes, and every producer thread arrives
+          //   on raw_free once it has read the stage, before a copy refills it. A 64-token
+          //   tile of 16-token pages costs each warp about 95 instructions of issue
+          //   against about 190 of cp.async.
+          //   per thread (strided token rows, NHD, and pages under 8 tokens): each thread
+          //   copies the chunks it widens with cp.async (16 bytes an instruction), waited
+          //   for by commit group. Bulk copies of single token rows would cost more: in
+          //   uniform registers each costs about six instructions of address arithmetic,
+          //   so a tile's 128 of them take each warp about 170 more instructions than
+          //   the cp.async of its chunks (docs/PERFORMANCE.md).
           constexpr int kRawChunks = HEAD_SIZE / 16;
           constexpr int kRawPer = (kRawChunks + 7) / 8;
-          auto copy_raw = [&](int it, const int (&phys)[kPasses]) {
+          auto raw_stage = [&](unsigned gi) { return raw_s + (gi & 1) * 2 * Geo::kRawTileBytes; };
+          auto copy_raw = [&](int it, unsigned gi, const int (&phys)[kPasses]) {
             const int t0 = (sp.tile_base + it) * TILE_N;
-            const unsigned rk = raw_s + (it & 1) * 2 * Geo::kRawTileBytes;
+            const unsigned rk = raw_stage(gi);
             const unsigned rv = rk + Geo::kRawTileBytes;
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
@@ -545,63 +596,173 @@ __global__ void __launch_bounds__(384, 1)
             }
             cp_async_commit();
           };
-          int phys[kPasses], phys_next[kPasses];
-          bool bad = false, bad_next = false;
-          if (sp.n_tiles > 0) {
-            tile_ids(0, phys, bad);
-            copy_raw(0, phys);
-          }
-          for (int it = 0; it < sp.n_tiles; ++it, ++g) {
-            if (it == 1) load_q();
-            const bool more = it + 1 < sp.n_tiles;
-            if (more) {  // the next tile's bytes fly while this one is widened
-              bad_next = false;
-              tile_ids(it + 1, phys_next, bad_next);
-              copy_raw(it + 1, phys_next);
-              cp_async_wait<1>();
-            } else {
-              cp_async_wait<0>();
-            }
-            const int stage = g % STAGES;
-            mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
-            const unsigned ks = k_s + stage * Geo::kTileBytes;
-            const unsigned vs = v_s + stage * Geo::kTileBytes;
-            const unsigned char* rk = smem + Geo::kOffRaw + (it & 1) * 2 * Geo::kRawTileBytes;
-            const unsigned char* rv = rk + Geo::kRawTileBytes;
+          // Bulk: warp w issues the tile's page segments w, w + 4, ... (kRawRuns in all),
+          // warp-uniformly, each by one elected lane; lane i holds segment w + 4 i's
+          // block id, loaded a tile ahead (its latency then overlaps a widening).
+          constexpr int kWarpRuns = (Geo::kRawRuns + 3) / 4;
+          const bool issuing = warp < Geo::kRawRuns;
+          // Tile `it`'s keys in segment r: [lo, hi), empty past the keys or before the
+          // window (never read, as tile_ids leaves them).
+          auto run_span = [&](int it, int r, int& lo, int& hi) {
+            const int first = (sp.tile_base + it) * TILE_N + r * Geo::kRawTokens;
+            lo = Var::kWindow ? max(first, sp.kv_lo) : first;
+            hi = min(first + Geo::kRawTokens, sp.kv_end);
+          };
+          // This lane's segment's block id for tile `it` (-1: none, its entry not read).
+          auto run_ids = [&](int it) {
+            const int r = warp + 4 * lane;
+            int lo = 0, hi = 0;
+            if (lane < kWarpRuns) run_span(it, r, lo, hi);
+            return lo < hi ? __ldg(bt_row + static_cast<unsigned>(lo) / BLOCK_SIZE) : -1;
+          };
+          // Tile `it` into raw stage gi % 2 (an issuing warp, converged): each segment's K
+          // and V bytes, or none (an empty segment, or a block id outside the cache, which
+          // sets `bad`: nothing of it is read, the stale bytes where it would have landed
+          // are widened like the rest, and the flag makes every row of the query tiles
+          // that read it NaN).
+          auto issue_bulk = [&](int it, unsigned gi, int ids, bool& bad) {
+            const int t0 = (sp.tile_base + it) * TILE_N;
+            // Every producer thread has read this stage's last tile (gi - 2) and arrived:
+            // the wait orders those ordinary loads before this warp, the proxy fence
+            // before the copies' writes, which the async proxy makes. (A fresh barrier
+            // passes: parity 1.)
+            mbar_wait(raw_free_bar(gi & 1), ((gi >> 1) & 1) ^ 1);
+            fence_async_smem();
+            const unsigned bar = raw_full_bar(gi & 1);
 #pragma unroll
-            for (int pass = 0; pass < kPasses; ++pass) {
-              const unsigned t = pass * kRowsPerPass + trow;
-#pragma unroll
-              for (int i = 0; i < kRawPer; ++i) {
-                const int c = c0 + 8 * i;
-                if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
-                // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
-                const unsigned dk = sw128_offset(t, c * 16, TILE_N);
-                const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
-                if (phys[pass] >= 0) {
-                  uint4 lo, hi;
-                  widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
-                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
-                               "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
-                               "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
-                  widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16), lo, hi);
-                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
-                               "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
-                               "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+            for (int i = 0; i < kWarpRuns; ++i) {
+              const int r = warp + 4 * i;
+              const int id = __shfl_sync(~0u, ids, i);
+              int lo, hi;
+              run_span(it, r, lo, hi);
+              unsigned bytes = 0;
+              if (lo < hi) {
+                if (static_cast<unsigned>(id) < static_cast<unsigned>(kv.num_blocks)) {
+                  bytes = static_cast<unsigned>(hi - lo) * HEAD_SIZE;
                 } else {
-                  st_shared_zero16(vs + dk);  // as above: V of keys not copied reads 0
-                  st_shared_zero16(vs + dk2);
+                  bad = true;
+                }
+              }
+              if (elect_one()) {
+                mbar_arrive_expect_tx(bar, 2 * bytes);  // the segment's arrival
+                if (bytes != 0) {
+                  // Addresses and sizes are multiples of 16 bytes: the cache's pointer
+                  // and its block and head strides are (the host checks fp8 caches so:
+                  // _checks.check_kv_layout), the token stride is HEAD_SIZE here, a
+                  // multiple of 64, and so are the raw stage's rows.
+                  const unsigned within = static_cast<unsigned>(lo) % BLOCK_SIZE;
+                  const unsigned long long pb = static_cast<unsigned long long>(id);
+                  const unsigned dst = raw_stage(gi) + static_cast<unsigned>(lo - t0) * HEAD_SIZE;
+                  bulk_copy_g2s(dst, hd.k + pb * hd.k_block + within * HEAD_SIZE, bytes, bar);
+                  bulk_copy_g2s(dst + Geo::kRawTileBytes,
+                                hd.v + pb * hd.v_block + within * HEAD_SIZE, bytes, bar);
                 }
               }
             }
-            publish(stage, bad, true);
-            if (more) {
+          };
+          // Bulk: which of this thread's rows of tile `it` hold keys (0) or not (-1), as
+          // phys of tile_ids reads for the widening below.
+          auto tile_rows = [&](int it, int (&phys)[kPasses]) {
+            const int t0 = (sp.tile_base + it) * TILE_N;
 #pragma unroll
-              for (int pass = 0; pass < kPasses; ++pass) phys[pass] = phys_next[pass];
-              bad = bad_next;
+            for (int pass = 0; pass < kPasses; ++pass) {
+              const int token = t0 + pass * kRowsPerPass + trow;
+              phys[pass] = token < sp.kv_end && !(Var::kWindow && token < sp.kv_lo) ? 0 : -1;
             }
+          };
+          // The span's tiles, one body per way (a compile-time flag), chosen per launch:
+          // the token strides are the call's, so every span of a launch takes the same
+          // way and the raw barriers' phases (tile g: raw stage g % 2, its use g / 2) run
+          // on across spans and jobs.
+          auto span_tiles = [&](const bool bulk) {
+            int phys[kPasses], phys_next[kPasses];
+            bool bad = false, bad_next = false;
+            int ids_next = -1;
+            if (sp.n_tiles > 0) {
+              if (bulk) {
+                if (issuing) {
+                  issue_bulk(0, g, run_ids(0), bad);
+                  if (sp.n_tiles > 1) ids_next = run_ids(1);
+                }
+              } else {
+                tile_ids(0, phys, bad);
+                copy_raw(0, g, phys);
+              }
+            }
+            for (int it = 0; it < sp.n_tiles; ++it, ++g) {
+              if (it == 1) load_q();
+              const bool more = it + 1 < sp.n_tiles;
+              // the next tile's bytes fly while this one is widened
+              if (bulk) {
+                bad_next = false;
+                if (more && issuing) {
+                  issue_bulk(it + 1, g + 1, ids_next, bad_next);
+                  if (it + 2 < sp.n_tiles) ids_next = run_ids(it + 2);
+                }
+                tile_rows(it, phys);
+                mbar_wait(raw_full_bar(g & 1), (g >> 1) & 1);
+              } else if (more) {
+                bad_next = false;
+                tile_ids(it + 1, phys_next, bad_next);
+                copy_raw(it + 1, g + 1, phys_next);
+                cp_async_wait<1>();
+              } else {
+                cp_async_wait<0>();
+              }
+              const int stage = g % STAGES;
+              mbar_wait(empty_bar(stage), ((g / STAGES) & 1) ^ 1);
+              const unsigned ks = k_s + stage * Geo::kTileBytes;
+              const unsigned vs = v_s + stage * Geo::kTileBytes;
+              const unsigned char* rk = smem + Geo::kOffRaw + (g & 1) * 2 * Geo::kRawTileBytes;
+              const unsigned char* rv = rk + Geo::kRawTileBytes;
+#pragma unroll
+              for (int pass = 0; pass < kPasses; ++pass) {
+                const unsigned t = pass * kRowsPerPass + trow;
+#pragma unroll
+                for (int i = 0; i < kRawPer; ++i) {
+                  const int c = c0 + 8 * i;
+                  if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                  // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
+                  const unsigned dk = sw128_offset(t, c * 16, TILE_N);
+                  const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
+                  if (phys[pass] >= 0) {
+                    uint4 lo, hi;
+                    widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
+                                 "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
+                                 "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+                    widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16), lo, hi);
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
+                                 "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
+                                 "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+                  } else {
+                    // P is 0 on these keys and 0 * a stale NaN is NaN: V reads 0 there (K
+                    // need not: their scores are masked). Their raw bytes are never read.
+                    st_shared_zero16(vs + dk);
+                    st_shared_zero16(vs + dk2);
+                  }
+                }
+              }
+              // Bulk: this thread's reads of the raw stage are done (the loads' values are
+              // stored above); a copy may refill the stage once all 128 have arrived.
+              if (bulk) mbar_arrive(raw_free_bar(g & 1));
+              publish(stage, bad, true);
+              if (more) {
+                if (!bulk) {
+#pragma unroll
+                  for (int pass = 0; pass < kPasses; ++pass) phys[pass] = phys_next[pass];
+                }
+                bad = bad_next;
+              }
+            }
+          };
+          if (Geo::kBulk && hd.k_token == static_cast<unsigned>(HEAD_SIZE) &&
+              hd.v_token == static_cast<unsigned>(HEAD_SIZE)) {
+            span_tiles(true);
+          } else {
+            span_tiles(false);
           }
         }
         if (sp.n_tiles <= 1) load_q();

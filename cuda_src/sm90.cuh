@@ -316,6 +316,73 @@ __device__ __forceinline__ void mbar_wait(unsigned addr, unsigned phase) {
       : "memory");
 }
 
+// ---- bulk copies: global -> shared through the async proxy, counted on an mbarrier ------
+//
+// A bulk copy (cp.async.bulk, sm_90) moves a contiguous run of bytes by the copy engine,
+// one instruction for the whole run, and reports completion as transactions (bytes) on an
+// mbarrier. A phase of such a barrier completes when its expected arrivals have arrived
+// and its transaction count is back at zero: each thread that issues copies first raises
+// the count by their bytes (mbar_arrive_expect_tx, its arrival included), then issues
+// them, so the count cannot reach zero before every copy of the phase was announced.
+// Waiting on the phase (mbar_wait) then makes the copied bytes visible to ordinary loads.
+// The other direction, re-filling shared memory that ordinary loads read before, needs
+// those loads ordered before the copy: a barrier from the readers to the issuing thread
+// (an mbarrier arrival and wait, or a named barrier), then fence_async_smem() by the
+// issuing thread, as for any generic-proxy access before an async-proxy one.
+
+// Publishes the mbarrier inits before them to the async proxy (the bulk copies'
+// complete_tx): after the inits, before the barrier that publishes them to the CTA.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// This thread's arrival on `addr` (shared-window address), after raising the current
+// phase's expected transaction count by `bytes` (0: a plain arrival).
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned addr, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(addr),
+               "r"(bytes)
+               : "memory");
+}
+
+// One probe of mbar_wait's: has the phase of parity `phase` completed?
+__device__ __forceinline__ bool mbar_try_wait(unsigned addr, unsigned phase) {
+  unsigned done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(addr), "r"(phase)
+      : "memory");
+  return done != 0;
+}
+
+// `bytes` from global `src` to shared `dst` (shared-window address), completed as
+// `bytes` transactions on the mbarrier at `bar` (of this CTA). `src`, `dst` and `bytes`
+// must be multiples of 16. One issuing thread per copy: the instruction takes its
+// operands in uniform registers, so a warp whose lanes issue copies of their own runs
+// them one lane at a time (ptxas loops over the active lanes).
+__device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes,
+                                              unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// True in one lane of the (converged, whole) warp. Work under it whose operands are the
+// same in every lane (warp-uniform) runs once, in uniform registers: a bulk copy issued so
+// takes one instruction, where lanes of different operands take a loop over the lanes.
+__device__ __forceinline__ bool elect_one() {
+  unsigned elected;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "elect.sync _|p, 0xffffffff;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(elected));
+  return elected != 0;
+}
+
 // Registers per thread of the calling warpgroup (a multiple of 8, 24 to 256): producers
 // give theirs up (dec) so the consumers can take more (inc). Takes effect only in a kernel
 // with a register cap at entry (__launch_bounds__(threads, 1)).

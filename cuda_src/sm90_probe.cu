@@ -1,7 +1,8 @@
-// Probes of sm90.cuh's operand layouts on the GPU (tests/test_sm90.py): one warpgroup
-// stores A [64 x 16] and B in the 128-byte-swizzled shared layouts, issues one wgmma and
-// writes D [64 x N] from its accumulator fragments, which the test compares with NumPy.
-// Not part of the library's kernels.
+// Probes of sm90.cuh on the GPU (tests/test_sm90.py): one warpgroup stores A [64 x 16]
+// and B in the 128-byte-swizzled shared layouts, issues one wgmma and writes D [64 x N]
+// from its accumulator fragments, which the test compares with NumPy; and bulk copies
+// counted on an mbarrier over two of its phases (probe_bulk_copy). Not part of the
+// library's kernels.
 #include "sm90.cuh"
 
 namespace cupaged {
@@ -70,8 +71,52 @@ __device__ void probe(const T* a, const T* b, float* d_out, unsigned lbo, unsign
   }
 }
 
+// Bulk copies as paged_prefill_sm90's fp8 producer issues them: over two phases of one
+// mbarrier (parities 0 and 1), `runs` runs of `bytes` bytes each from src + offsets[phase
+// * runs + r] into shared memory, run r by one elected lane of warp r % 4 (warp-uniform
+// code), which announces its bytes first; then every thread copies the shared buffer to
+// out[phase] and, before the next phase refills it, the block syncs and fences the
+// proxies. flags[phase]: whether mbar_try_wait saw phase `phase` complete (1) and the
+// next one not yet (0) right after the wait.
+__device__ void probe_bulk(const unsigned char* src, const int* offsets, int runs, int bytes,
+                           unsigned char* out, int* flags) {
+  __shared__ __align__(128) unsigned char buf[8192];
+  __shared__ __align__(8) unsigned long long bar;
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(buf));
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    mbar_init(b, runs);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int warp = __shfl_sync(~0u, tid >> 5, 0);
+  for (int phase = 0; phase < 2; ++phase) {
+    for (int r = warp; r < runs; r += 4) {
+      if (elect_one()) {
+        mbar_arrive_expect_tx(b, bytes);
+        bulk_copy_g2s(s + r * bytes, src + offsets[phase * runs + r], bytes, b);
+      }
+    }
+    mbar_wait(b, phase);
+    if (tid == 0) {
+      flags[2 * phase] = mbar_try_wait(b, phase);
+      flags[2 * phase + 1] = mbar_try_wait(b, phase ^ 1);
+    }
+    for (int i = tid; i < runs * bytes; i += blockDim.x) out[phase * runs * bytes + i] = buf[i];
+    __syncthreads();
+    fence_async_smem();
+  }
+}
+
 }  // namespace sm90
 }  // namespace cupaged
+
+extern "C" __global__ void __launch_bounds__(128)
+    probe_bulk_copy(const unsigned char* src, const int* offsets, int runs, int bytes,
+                    unsigned char* out, int* flags) {
+  cupaged::sm90::probe_bulk(src, offsets, runs, bytes, out, flags);
+}
 
 #define CUPAGED_PROBE(NAME, T, N, MN, AR)                                                  \
   extern "C" __global__ void __launch_bounds__(128) NAME(const T* a, const T* b, float* d, \

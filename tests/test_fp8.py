@@ -29,11 +29,12 @@ def _used_slots(bt, lens, num_blocks, block_size):
 
 
 def fp8_problem(rng, fmt, mode, q_lens, seq_lens, *, layout="NHD", dtype="f16", heads=8,
-                kv_heads=2, head_size=128, block_size=16):
+                kv_heads=2, head_size=128, block_size=16, stale=NAN_BYTE):
     """Host arrays: an fp8 cache (uint8) in ``layout`` quantized from random values whose
-    magnitude varies per token, stale slots holding NaN bytes (and NaN scales), the query,
-    the scales as ``mode`` passes them (device scalars as host floats here: ``run``
-    uploads them)."""
+    magnitude varies per token, stale slots holding the byte ``stale`` in K and it with
+    the sign bit in V (NaN by default; 0x7C, e5m2's infinity, gives +inf K and -inf V)
+    (and NaN scales), the query, the scales as ``mode`` passes them (device scalars as host
+    floats here: ``run`` uploads them)."""
     seq_lens = np.asarray(seq_lens, np.int32)
     bt, nb = testing.random_block_tables(seq_lens, block_size, rng, spare_blocks=2, share=True)
     shape = (nb, block_size, kv_heads, head_size)  # NHD
@@ -53,8 +54,8 @@ def fp8_problem(rng, fmt, mode, q_lens, seq_lens, *, layout="NHD", dtype="f16", 
     kq = reference.quantize_fp8(k, fmt, ks).view(np.uint8)
     vq = reference.quantize_fp8(v, fmt, vs).view(np.uint8)
     used = _used_slots(bt, seq_lens, nb, block_size)
-    kq[~used] = NAN_BYTE
-    vq[~used] = NAN_BYTE | 0x80
+    kq[~used] = stale
+    vq[~used] = stale | 0x80
     if mode == "token":
         k_scale.transpose(0, 2, 1)[~used] = np.nan
         v_scale.transpose(0, 2, 1)[~used] = np.nan

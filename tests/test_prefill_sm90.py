@@ -12,6 +12,7 @@ import cupaged
 from cupaged import planning, reference, testing
 
 from conftest import assert_close
+from test_fp8 import fp8_problem
 from test_variants import VARIANT_CASES, _check_lse, _poison_before_windows, _problem, _run, \
     _variant_kwargs
 from test_varlen import make_varlen, run
@@ -203,12 +204,13 @@ def test_odd_strides_and_long_context(rng, sm90):
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype, hs, heads, kv_heads", [("f16", 64, 8, 2), ("bf16", 128, 8, 8),
-                                                        ("bf16", 192, 6, 2), ("f16", 128, 16, 2)])
+                                                        ("bf16", 192, 6, 2), ("f16", 128, 16, 2),
+                                                        ("bf16", 128, 8, 1)])
 @pytest.mark.parametrize("mode", ["device", "host"])
 def test_fp8_caches_with_per_tensor_scales(rng, sm90, fmt, dtype, hs, heads, kv_heads, mode):
     """The producer widens fp8 tiles (NaN bytes in unused slots, some values saturated)
     while the next tile's bytes fly; scales as device scalars or host floats; split-KV
-    too."""
+    too. NHD over one KV head has its page's tokens next to each other: bulk copies."""
     from test_fp8 import fp8_problem, run as run_fp8
 
     q_lens, seq = [0, 1, 37, 200, 16, 130], [9, 1, 300, 2500, 16, 131]
@@ -222,6 +224,137 @@ def test_fp8_caches_with_per_tensor_scales(rng, sm90, fmt, dtype, hs, heads, kv_
             assert_close(got, ref, testing.TOLERANCE[dtype], f"split {split} causal={causal}")
 
 
+# The ways the producer brings an fp8 tile's bytes in, by the cache's view (the kernel
+# picks per launch from the token strides): bulk copies of a page's contiguous tokens
+# ("HND": dense; "HND-fused": the halves of one [blocks, 2, kv_heads, block, head]
+# allocation, block strides twice the dense ones) where pages hold 8 tokens or more, and
+# per-thread cp.async of strided token rows ("NHD"; "HND-padded": rows 32 bytes apart past
+# the head size) and of smaller pages.
+FP8_VIEWS = ("NHD", "HND", "HND-fused", "HND-padded")
+
+
+def fp8_device_caches(host, view):
+    """Device key and value caches holding ``host``'s NHD fp8 caches in ``view``, and the
+    kv_layout to pass with them. Stale bytes (NaN) fill the padding too."""
+    import cupy
+
+    from test_fp8 import NAN_BYTE
+
+    kq, vq = host["key_cache"], host["value_cache"]
+    if view == "NHD":
+        return cupy.asarray(kq), cupy.asarray(vq), "NHD"
+    k, v = testing.convert_layout(kq, vq, "NHD", "HND")
+    if view == "HND":
+        return cupy.asarray(k), cupy.asarray(v), "HND"
+    if view == "HND-fused":
+        fused = cupy.asarray(np.stack([k, v], axis=1))
+        return fused[:, 0], fused[:, 1], "HND"
+    assert view == "HND-padded", view
+    hs = k.shape[-1]
+    padded = np.full((2, *k.shape[:-1], hs + 32), NAN_BYTE, np.uint8)
+    padded[0, ..., :hs], padded[1, ..., :hs] = k, v
+    dev = cupy.asarray(padded)
+    return dev[0, ..., :hs], dev[1, ..., :hs], "HND"
+
+
+def run_fp8_view(host, scales, fmt, view, **kw):
+    """cupaged.attention over ``host``'s fp8 caches in ``view`` (host scales), into an
+    output poisoned with NaN, and the reference."""
+    import cupy
+
+    kc, vc, layout = fp8_device_caches(host, view)
+    dev = {k: cupy.asarray(v) for k, v in host.items()
+           if v is not None and k not in ("key_cache", "value_cache")}
+    out = cupy.full(host["query"].shape, np.nan, dtype=host["query"].dtype)
+    got = cupaged.attention(key_cache=kc, value_cache=vc, out=out, kv_layout=layout,
+                            kv_cache_dtype=fmt, **scales, **dev, **kw)
+    ref = reference.attention(**host, kv_cache_dtype=fmt, **scales,
+                              **{k: v for k, v in kw.items() if k in ("causal", "window")})
+    return cupy.asnumpy(got).astype(np.float64), ref
+
+
+def fp8_lengths(bs):
+    """Sequences of 0 and 1 tokens, a page less one, a page, a page and one, tiles that end
+    mid-page or mid-tile, and a long one; query lengths up to two query tiles."""
+    seq = [0, 1, max(bs - 1, 1), bs, bs + 1, 2 * bs + 37, 63, 65, 3000 + 7]
+    q = [0, 1, 9, 64, 65, 130, 63, 1, 200]
+    return [min(a, b) for a, b in zip(q, seq)], seq
+
+
+@pytest.mark.parametrize("view", FP8_VIEWS)
+@pytest.mark.parametrize("bs", [1, 8, 16, 64, 256], ids=lambda b: f"bs{b}")
+@pytest.mark.parametrize("fmt, dtype, hs", [("fp8_e4m3", "bf16", 128), ("fp8_e5m2", "f16", 64),
+                                            ("fp8_e4m3", "f16", 192)],
+                         ids=lambda x: str(x))
+def test_fp8_tiles_by_bulk_copies_and_by_cp_async(rng, sm90, fmt, dtype, hs, bs, view):
+    """Every way an fp8 tile arrives (FP8_VIEWS) over pages of 1 to 256 tokens (tiles
+    inside a page, pages inside a tile), sequences of 0, 1, a page +-1, tile ends mid-page
+    and a few thousand tokens, stale NaN in every unused slot (and the padding), causal and
+    not, single pass and split-KV, outputs poisoned before the launch."""
+    q_lens, seq = fp8_lengths(bs)
+    host, scales = fp8_problem(rng, fmt, "host", q_lens, seq, dtype=dtype, heads=8,
+                               kv_heads=2, head_size=hs, block_size=bs)
+    for split in (0, 192):
+        sm90(split)
+        for causal in (True, False):
+            got, ref = run_fp8_view(host, scales, fmt, view, causal=causal,
+                                    max_query_len=max(q_lens))
+            assert_close(got, ref, testing.TOLERANCE[dtype],
+                         f"{view} bs{bs} split {split} causal={causal}")
+
+
+@pytest.mark.parametrize("view", ["NHD", "HND", "HND-padded"])
+@pytest.mark.parametrize("stale", ["nan", "inf"])
+def test_fp8_stale_slots_never_reach_the_output(rng, sm90, stale, view):
+    """e5m2 caches whose every unused slot holds NaN, or +inf in K and -inf in V (0 * inf
+    is NaN as 0 * NaN is), under a window that starts mid-page and without one: tokens
+    past the keys and before the window are never read and their V rows read 0."""
+    from test_fp8 import NAN_BYTE
+
+    q_lens, seq = [200, 3, 130, 1], [200 + 9, 77, 130, 40]
+    host, scales = fp8_problem(rng, "fp8_e5m2", "host", q_lens, seq, dtype="f16", heads=8,
+                               kv_heads=2, head_size=128, block_size=32,
+                               stale=NAN_BYTE if stale == "nan" else 0x7C)
+    for window in (None, 45):
+        for split in (0, 64):
+            sm90(split)
+            for causal in (True, False):
+                kw = dict(causal=causal, max_query_len=max(q_lens))
+                if window is not None:
+                    kw["window"] = window
+                got, ref = run_fp8_view(host, scales, "fp8_e5m2", view, **kw)
+                assert_close(got, ref, testing.TOLERANCE["f16"],
+                             f"{stale} {view} window {window} split {split} causal={causal}")
+
+
+@pytest.fixture
+def few_ctas(sm90, monkeypatch):
+    """paged_prefill_sm90 launched on two CTAs (one a split-KV partition when split), so
+    each walks many jobs in turn: its producer's barrier phases run on across them."""
+    real = planning.prefill_sm90_kernel
+    monkeypatch.setattr(planning, "prefill_sm90_kernel",
+                        lambda *a, **k: real(*a, **k)._replace(slots=2))
+    yield sm90
+
+
+@pytest.mark.parametrize("view", FP8_VIEWS)
+@pytest.mark.parametrize("bs", [8, 16, 128], ids=lambda b: f"bs{b}")
+def test_fp8_persistent_ctas_walk_many_jobs(rng, few_ctas, view, bs):
+    """Twelve sequences x 2 KV heads of odd tile counts on two CTAs: the raw stages'
+    barriers alternate over spans of odd and even tile counts, jobs and query tiles."""
+    q_lens = [1, 7, 64, 129, 33, 0, 250, 2, 65, 16, 100, 3]
+    seq = [1, 70, 64 + 64, 129 + 5, 33 + 300, 19, 250 + 777, 2 + 63, 65 + 1, 16, 100, 3 + 1000]
+    host, scales = fp8_problem(rng, "fp8_e4m3", "host", q_lens, seq, dtype="bf16", heads=8,
+                               kv_heads=2, head_size=128, block_size=bs)
+    for split in (0, 128):
+        few_ctas(split)
+        for causal in (True, False):
+            got, ref = run_fp8_view(host, scales, "fp8_e4m3", view, causal=causal,
+                                    max_query_len=max(q_lens))
+            assert_close(got, ref, testing.TOLERANCE["bf16"],
+                         f"{view} bs{bs} split {split} causal={causal}")
+
+
 @pytest.fixture
 def sm90_tile(sm90):
     yield planning.set_sm90_tile
@@ -230,23 +363,26 @@ def sm90_tile(sm90):
 
 @pytest.mark.parametrize("tile", [(64, 2), (64, 3), (64, 4), (128, 2), (128, 3)],
                          ids=lambda t: "n{}x{}".format(*t))
-@pytest.mark.parametrize("case", [("bf16", 128, ""), ("f16", 64, ""), ("f16", 64, "fp8_e4m3")],
+@pytest.mark.parametrize("case", [("bf16", 128, ""), ("f16", 64, ""), ("f16", 64, "fp8_e4m3"),
+                                  ("f16", 64, "fp8_e4m3", "HND")],
                          ids=lambda c: "_".join(str(x) for x in c if x))
 def test_every_tile_shape(rng, sm90_tile, case, tile):
     """The tiles `cupaged-bench prefill --tile N,S` times (tools/device.sh rows
     prefill-tiles:sm90) beside the defaults, each the same attention; fp8 with 128-token
-    tiles too."""
+    tiles too, by cp.async (NHD) and by bulk copies (HND: eight page segments a
+    128-token tile)."""
     from test_fp8 import fp8_problem, run as run_fp8
 
-    dtype, hs, fmt = case
+    dtype, hs, fmt = case[:3]
+    layout = case[3] if len(case) > 3 else "NHD"
     sm90_tile(tile)
     q_lens, seq = [200, 1, 0, 64, 17, 130], [300, 900, 40, 64 + 1000, 17 + 129, 130]
     for causal in (True, False):
         if fmt:
             host, scales = fp8_problem(rng, fmt, "tensor", q_lens, seq, dtype=dtype, heads=8,
-                                       kv_heads=2, head_size=hs)
+                                       kv_heads=2, head_size=hs, layout=layout)
             got, ref = run_fp8(host, scales, "device", fmt, causal=causal,
-                               max_query_len=max(q_lens))
+                               max_query_len=max(q_lens), kv_layout=layout)
         else:
             host = make_varlen(rng, q_lens, seq, dtype=dtype, heads=8, kv_heads=2,
                                head_size=hs, block_size=16)
@@ -254,10 +390,12 @@ def test_every_tile_shape(rng, sm90_tile, case, tile):
         assert_close(got, ref, testing.TOLERANCE[dtype], f"{tile} {case} causal={causal}")
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("case", ["all", "cap_wide", "window"])
-def test_fp8_with_the_variants(rng, sm90, case):
+def test_fp8_with_the_variants(rng, sm90, case, layout):
     """The widened fp8 tiles under every variant (window, soft-cap, sinks, ALiBi together;
-    a soft-cap whose logits reach past the cap; a window), lse included."""
+    a soft-cap whose logits reach past the cap; a window), lse included; HND's tiles come
+    by bulk copies, a window's first page segment from its first key."""
     from test_fp8 import fp8_problem
     from test_variants import _device
 
@@ -266,16 +404,17 @@ def test_fp8_with_the_variants(rng, sm90, case):
     heads = 8
     q_lens, seq = [0, 1, 5, 200, 17, 70], [3, 1, 5, 900, 150, 1500]
     host, scales = fp8_problem(rng, "fp8_e4m3", "tensor", q_lens, seq, dtype="bf16",
-                               heads=heads, kv_heads=2, head_size=128)
+                               heads=heads, kv_heads=2, head_size=128, layout=layout)
     kw, alibi = _variant_kwargs(rng, case, heads)
     if alibi:
         host["alibi_slopes"] = rng.uniform(0.0, 0.5, heads).astype(np.float32)
     dev = _device(host)
     dev_kw = dict(kw, sinks=cupy.asarray(kw["sinks"])) if kw.get("sinks") is not None else kw
     got, lse = cupaged.attention(**dev, kv_cache_dtype="fp8_e4m3", return_lse=True,
-                                 max_query_len=max(q_lens), **scales, **dev_kw)
+                                 max_query_len=max(q_lens), kv_layout=layout, **scales,
+                                 **dev_kw)
     ref, ref_lse = reference.attention(**host, kv_cache_dtype="fp8_e4m3", return_lse=True,
-                                       **scales, **kw)
+                                       kv_layout=layout, **scales, **kw)
     assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"], case)
     _check_lse(cupy.asnumpy(lse), ref_lse, case)
 
@@ -352,18 +491,28 @@ def test_fp8_bfloat16_query_rows_keep_their_own_scale(rng, sm90, fmt, hs, case):
                 f"{what}: lse row {worst} got {lse[worst]} want {ref_lse[worst]}")
 
 
-def test_fp8_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90):
+@pytest.mark.parametrize("split", [0, 128])
+@pytest.mark.parametrize("view, bs", [("NHD", 16), ("HND", 16), ("HND", 64), ("HND", 256),
+                                      ("HND-fused", 8), ("HND-padded", 16)],
+                         ids=lambda x: str(x))
+def test_fp8_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, view, bs, split):
     """A bad id in the second sequence: its rows NaN; the first's exact, although the
-    producer widens whatever stale bytes stand where the bad block was not copied."""
-    from test_fp8 import fp8_problem
-
+    producer widens whatever stale bytes stand where the bad block was not copied (with
+    bulk copies: the whole page segment)."""
     import cupy
 
+    sm90(split)
     host, scales = fp8_problem(rng, "fp8_e5m2", "tensor", [150, 140], [400, 600],
-                               dtype="f16", heads=8, kv_heads=2, head_size=64)
-    host["block_tables"][1, 5] = 10**6
-    dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
-    got = cupy.asnumpy(cupaged.attention(**dev, kv_cache_dtype="fp8_e5m2", **scales))
+                               dtype="f16", heads=8, kv_heads=2, head_size=64, block_size=bs)
+    host["block_tables"][1, 80 // bs] = 10**6
+    kc, vc, layout = fp8_device_caches(host, view)
+    dev = {k: cupy.asarray(v) for k, v in host.items()
+           if v is not None and k not in ("key_cache", "value_cache")}
+    # poisoned with a finite value: the NaN rows must be the kernel's
+    out = cupy.full(host["query"].shape, 7.0, dtype=host["query"].dtype)
+    got = cupy.asnumpy(cupaged.attention(key_cache=kc, value_cache=vc, out=out,
+                                         kv_layout=layout, kv_cache_dtype="fp8_e5m2",
+                                         **scales, **dev))
     ref = reference.attention(**first_sequence(host), kv_cache_dtype="fp8_e5m2", **scales)
     assert_close(got[:150].astype(np.float64), ref, testing.TOLERANCE["f16"])
     assert np.isnan(got[150:]).all()

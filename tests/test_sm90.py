@@ -1,7 +1,8 @@
 """Hopper's wgmma operands (cuda_src/sm90.cuh): the 128-byte-swizzled shared layouts, their
 matrix descriptors and the accumulator and register fragments, checked by one wgmma of a
-probe kernel (cuda_src/sm90_probe.cu) against NumPy; and that the header builds for
-sm_90a through NVRTC and refuses plain sm_90."""
+probe kernel (cuda_src/sm90_probe.cu) against NumPy; its bulk copies and the mbarrier
+phases that count them; and that the header builds for sm_90a through NVRTC and refuses
+plain sm_90."""
 
 from __future__ import annotations
 
@@ -82,3 +83,24 @@ def test_one_wgmma_matches_numpy(rng, kernel, dt, n, mn_major, a_regs):
                    if np.allclose(run(lo, so), want, rtol=1e-5, atol=1e-5)]
         raise AssertionError(f"{kernel}: sm90.cuh's MN-major descriptor offsets are wrong; "
                              f"(lbo, sbo) pairs that work: {working or 'none of the grid'}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runs, size", [(1, 8192), (4, 2048), (6, 1024), (8, 16)])
+def test_bulk_copies_land_and_complete_their_phases(rng, runs, size):
+    """Runs of bytes from 16-byte aligned places, each announced and issued by one elected
+    lane, over two phases of one mbarrier: every byte lands, each phase completes once
+    all its runs did (try_wait sees it, and not the next one)."""
+    cupy = _hopper()
+    module = cupy.cuda.function.Module()
+    module.load(_compile("sm_90a"))
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    offsets = rng.integers(0, ((1 << 16) - size) // 16, 2 * runs).astype(np.int32) * 16
+    out = cupy.zeros(2 * runs * size, np.uint8)
+    flags = cupy.full(4, -1, np.int32)
+    module.get_function("probe_bulk_copy")(
+        (1,), (128,), (cupy.asarray(src), cupy.asarray(offsets), np.int32(runs),
+                       np.int32(size), out, flags))
+    want = np.concatenate([src[o:o + size] for o in offsets])
+    np.testing.assert_array_equal(cupy.asnumpy(out), want)
+    assert cupy.asnumpy(flags).tolist() == [1, 0, 1, 0]

@@ -286,11 +286,18 @@ class Sm90PrefillGeometry:
     rows = 128  # kRows: packed query rows per CTA
 
     @property
+    def raw_stages(self) -> int:  # kRawStages: an fp8 cache's raw stages
+        return 2 if self.quant else 0
+
+    @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, K/V stages, raw fp8 stages, barriers, flags
         tile = self.tile_tokens * self.head_size * 2
-        raw = 2 * 2 * self.tile_tokens * self.head_size if self.quant else 0
+        raw = self.raw_stages * 2 * self.tile_tokens * self.head_size
+        # mbarriers: full and empty a stage, q_full and q_empty a consumer, raw_full and
+        # raw_free a raw stage (kBars)
+        bars = 2 * self.stages + 4 + 2 * self.raw_stages
         return (self.rows * self.head_size * 2 + 2 * self.stages * tile + raw
-                + 8 * (2 * self.stages + 4) + 16 * self.stages + 1024)
+                + 8 * bars + 16 * self.stages + 1024)
 
     def violations(self) -> list[str]:
         hs, bs = self.head_size, self.block_size
