@@ -197,3 +197,40 @@ def test_kernel_report_gives_a_specializations_resources(tmp_path):
     r = subprocess.run([sys.executable, str(TOOLS / "kernel_report.py"), "spec",
                         "paged_decode", "bogus=1"], capture_output=True, text=True)
     assert r.returncode != 0 and "expected FIELD=VALUE" in r.stderr
+
+
+def test_a_packed_kernel_cache_unpacks_on_the_next_machine(tmp_path):
+    """cache-pack leaves the kernel cache as xz pieces under $OUT; device_env.sh, with
+    them carried as .kcache/, unpacks them once into a fresh machine's cache, the same
+    bytes under the same names."""
+    if not all(shutil.which(t) for t in ("xz", "split", "tar")):
+        pytest.skip("needs xz, split and tar")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    files = {"paged_decode_f16_a1b2.cubin": os.urandom(40000), "x.json": b'{"sha256": "0"}'}
+    for name, data in files.items():
+        (cache / name).write_bytes(data)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "CUPAGED_CACHE_DIR": str(cache)}
+    env.pop("DRY", None)
+    r = subprocess.run(["bash", str(TOOLS / "device.sh"), "cache-pack"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    parts = sorted(out.glob("kc.part.*"))
+    assert parts
+    # The next machine: a checkout with the pieces in .kcache/, an empty cache.
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(TOOLS / "device_env.sh", repo / "tools")
+    (repo / ".kcache").mkdir()
+    for p in parts:
+        shutil.copy(p, repo / ".kcache")
+    fresh = tmp_path / "fresh"
+    env = {**env, "CUPAGED_CACHE_DIR": str(fresh), "OUT": str(tmp_path / "out2")}
+    for _ in range(2):  # (the second finds it unpacked)
+        r = subprocess.run(["bash", "-c", f"source {repo / 'tools' / 'device_env.sh'}"],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0 and "did not unpack" not in r.stderr, r.stderr
+    for name, data in files.items():
+        assert (fresh / name).read_bytes() == data
+    assert (fresh / ".unpacked").exists()

@@ -67,6 +67,9 @@
 #     parallelism through cupaged's attention against one GPU's tokens).
 # bench ARGS  cupaged-bench in this environment, e.g. `bench ab host --tree .regress/old`
 #     (CORE=N pins it to core N, as host timings want).
+# cache-pack  The machine's kernel cache, xz-compressed, as $OUT/kc.part.* (15 MB pieces):
+#     copy them into .kcache/ and carry it, and device_env.sh unpacks them on the next
+#     machine (run it last in a call, after the suite compiled what the tests use).
 source "$(dirname "$0")/device_env.sh"
 
 DRY=${DRY:-}
@@ -705,6 +708,15 @@ case "$mode" in
   e2e) e2e "$@" || status=$? ;;
   tp) run env NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node "${NPROC:-2}" tools/tp_generate.py \
         --out "$OUT" "$@" || status=$? ;;
+  cache-pack)
+    if [ -n "$DRY" ]; then
+      echo "+ tar -C $CUPAGED_CACHE_DIR -cf - . | xz -T0 -2 | split -b 15M - $OUT/kc.part."
+    else
+      rm -f "$OUT"/kc.part.*
+      tar -C "$CUPAGED_CACHE_DIR" -cf - . | xz -T0 -2 | split -b 15M - "$OUT/kc.part." \
+        || status=1
+      ls -l "$OUT"/kc.part.*
+    fi ;;
   bench) pin=(); [ -n "${CORE:-}" ] && pin=(taskset -c "$CORE")
          logged "$OUT/bench.txt" "${pin[@]}" python3 -m cupaged.bench "$@" || status=$? ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2 ;;

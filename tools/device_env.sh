@@ -7,6 +7,20 @@ OUT=${OUT:-/tmp/cupaged-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
+# A kernel cache from an earlier machine, carried as .kcache/kc.part.* (what
+# `tools/device.sh cache-pack` leaves under $OUT; .kcache/ is git-ignored): unpacked once
+# into a fresh machine's cache, it spares a cold GPU suite most of its NVRTC time. Its
+# entries are keyed by source, options, NVRTC version and arch and verified by size and
+# digest before use, so stale ones are only not found.
+if [ -z "${DRY:-}" ] && compgen -G ".kcache/kc.part.*" >/dev/null \
+   && [ ! -e "$CUPAGED_CACHE_DIR/.unpacked" ]; then
+  mkdir -p "$CUPAGED_CACHE_DIR"
+  if cat .kcache/kc.part.* | xz -d | tar -x -C "$CUPAGED_CACHE_DIR"; then
+    touch "$CUPAGED_CACHE_DIR/.unpacked"
+  else
+    echo "the carried kernel cache did not unpack" >&2
+  fi
+fi
 # FlashInfer, where its anchor was carried (.flashinfer): importable, its JIT set up.
 # FLASHINFER=1 once it is: the device scripts add FlashInfer's rows then.
 FLASHINFER=
