@@ -179,7 +179,7 @@ ATTENTION_SIGNATURE = ("query", "key_cache", "value_cache", "block_tables", "seq
                        "max_query_len", "max_seq_len", "out", "stream", "workspace",
                        "kv_cache_dtype", "k_scale", "v_scale", "window", "window_left",
                        "logits_soft_cap", "sinks", "return_lse", "lse")
-_KEYWORDS = ("kv_layout", "causal", "scale", "alibi_slopes", "max_query_len", "max_seq_len",
+KEYWORDS = ("kv_layout", "causal", "scale", "alibi_slopes", "max_query_len", "max_seq_len",
              "workspace", "kv_cache_dtype", "k_scale", "v_scale", "window", "window_left",
              "logits_soft_cap", "sinks", "return_lse")
 
@@ -438,16 +438,16 @@ def plan_runner(prep, metas, shared, slow, doc=None):
     return run
 
 
-def call_runner(prep, metas, keywords: dict):
-    """The fast run of a remembered attention call (``keywords``: its arguments other
-    than the arrays, which each call's must match: the same objects, or of the same type
-    and equal), or None. A side array (ALiBi slopes, sinks, a scale array) is not taken:
-    the generic path keys it by its metadata and address."""
+def call_runner(prep, metas, *values):
+    """The fast run of a remembered attention call (``values``: its arguments other than
+    the arrays, in KEYWORDS' order, which each call's must match: the same objects, or
+    of the same type and equal), or None. A side array (ALiBi slopes, sinks, a scale
+    array) is not taken: the generic path keys it by its metadata and address."""
     if metas is None:
         return None
+    assert len(values) == len(KEYWORDS)
     gate = []
-    for name in _KEYWORDS:
-        v = keywords[name]
+    for name, v in zip(KEYWORDS, values):
         if v is None:
             gate.append((name, "none", None))
         elif isinstance(v, launch.DecodeWorkspace):

@@ -190,15 +190,15 @@ _FAST_TRIED = 4
 fast_attention: dict = {}
 
 
-def use_fast(k, prepared: Prepared, make) -> None:
+def use_fast(k, prepared: Prepared, make, *args) -> None:
     """Put the fast run of the remembered call of key ``k``, prepared as ``prepared``
-    (``make()``, once per prepared call), first among those attention() tries; not when
+    (``make(*args)``, once per prepared call), first among those attention() tries; not when
     the memo was cleared since ``k`` was made (by another thread, after this call's
     lookup): its prepared call may be outdated (a test override of tiles or splits)."""
     global fast_attention
     got = _FAST.get(id(prepared))
     if got is None:
-        got = (prepared, make())
+        got = (prepared, make(*args))
         with _FAST_LOCK:
             if k[1] != _generation:
                 return

@@ -149,12 +149,12 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
                                            va)
         _prepared.remember(k, prep)
     elif stream is None:  # a hit: repeats of this call take its fast run from now on
-        _prepared.use_fast(k, prep, lambda: _fastrun.call_runner(prep, k[5], dict(
-            kv_layout=kv_layout, causal=causal, scale=scale, alibi_slopes=alibi_slopes,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, workspace=workspace,
-            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, window=window,
-            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-            return_lse=return_lse)))
+        # (Its maker's arguments passed along, not captured by a closure: a closure would
+        # make cells of this function's parameters, read indirectly on every call.)
+        _prepared.use_fast(k, prep, _fastrun.call_runner, prep, k[5], kv_layout, causal,
+                           scale, alibi_slopes, max_query_len, max_seq_len, workspace,
+                           kv_cache_dtype, k_scale, v_scale, window, window_left,
+                           logits_soft_cap, sinks, return_lse)
     return _prepared.run(prep, ptrs, stream, out, lse)
 
 

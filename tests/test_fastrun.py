@@ -520,6 +520,11 @@ def test_attention_passes_its_arguments_in_the_fast_runs_order():
     call = src[src.index("r = fast(") + len("r = fast("):]
     call = call[:call.index(")")]
     assert tuple(x.strip() for x in call.split(",")) == params
+    # and the run's maker its keywords by position, in _fastrun._KEYWORDS' order
+    head = "_fastrun.call_runner, prep, k[5],"
+    made = src[src.index(head) + len(head):]
+    made = made[:made.index(")")]
+    assert tuple(x.strip() for x in made.split(",")) == _fastrun.KEYWORDS
 
 
 def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monkeypatch):
