@@ -7,8 +7,9 @@ byte (tests/test_fastrun.py compares the two with the driver stubbed). Per call 
 
   - takes nothing but the arrays of its kind, CuPy arrays or torch tensors (exactly
     torch.Tensor: CUDA, requires_grad as validation saw it), no ``stream=`` (CuPy's or
-    torch's current stream, as the generic path), no scales of the call's own, and for ``attention`` the remembered call's keywords (the same
-    objects, or of the same type and equal);
+    torch's current stream, as the generic path), no scales of the call's own, and for
+    ``attention`` the remembered call's keywords (the same objects, or of the same type
+    and equal);
   - checks each per-call array's shape, strides, dtype, device and address modulo 16
     against the ones validation passed, one by one against constants;
   - for a plan, re-reads its bound tables' shape (a CuPy array's address, dtype and
@@ -27,7 +28,8 @@ of its last few remembered calls of the query's shape, ``_prepared.fast_attentio
 
 A run exists only for a call of one launch whose arguments are its arrays' addresses and
 constants (Launch.run's, recorded with stand-in addresses): ``out`` given, no new lse,
-CuPy arrays or torch tensors, no second (combine) launch, and for ``attention`` no side arrays (ALiBi
+CuPy arrays or torch tensors, no second (combine) launch, and for ``attention`` no side
+arrays (ALiBi
 slopes, sinks, scale arrays); a split-KV scratch of the call's own is allocated and its
 counters zeroed per call as Launch.run does (its rows and counters the Launch's: the grid
 split's, or the flat split's two slots a CTA and one counter a (sequence, head tile)).
@@ -335,7 +337,8 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
 # The constants a run may use besides the per-array ones (s, t, d, a, r, b, bp + index) and
 # the pairs' bounds (lo, hi + number).
 _CONSTANTS = ("_get_device", "_current_stream", "_torch_stream", "_tensor", "_memset",
-              "_launch", "dev", "qlo", "qhi", "slow", "local", "kernel", "packed", "fptr", "gx", "gy", "gz", "threads",
+              "_launch", "dev", "qlo", "qhi", "slow", "local", "kernel", "packed", "fptr",
+              "gx", "gy", "gz", "threads",
               "smem", "scratch_ctx", "scratch_bytes", "at_max", "at_sum", "at_counters",
               "counters_bytes")
 _GLOBALS = {"_nd": cupy.ndarray, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,

@@ -79,7 +79,8 @@ FORMS = {
 SIDE_ARRAYS = ("decode-sinks-lse", "decode-flat-sinks-lse", "prefill-alibi")
 # Forms whose split-KV partials are a scratch of each call's own: one memset of its merge
 # counters before the launch
-SCRATCH = ("decode-scratch", "rows-scratch", "decode-flat", "rows-flat", "decode-flat-lse", "decode-flat-soft-cap-bf16",
+SCRATCH = ("decode-scratch", "rows-scratch", "decode-flat", "rows-flat", "decode-flat-lse",
+           "decode-flat-soft-cap-bf16",
            "decode-flat-sinks-lse")
 
 
@@ -546,7 +547,7 @@ def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monke
     assert validations
 
 
-# ---- on the GPU -----------------------------------------------------------------------------------
+# ---- on the GPU ------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
@@ -680,10 +681,15 @@ def test_torch_calls_the_run_was_not_made_for_go_to_the_generic_path(rng, generi
     if entry == "plan":
         plan = cupaged.AttentionPlan(*[d[n] for n in names], out=out)
         assert "run" in vars(plan)
-        call = lambda q, o, **k: plan.run(q, d["key_cache"], d["value_cache"], out=o, **k)  # noqa: E731
+
+        def call(q, o, **k):
+            return plan.run(q, d["key_cache"], d["value_cache"], out=o, **k)
     else:
         _prepared.clear()
-        call = lambda q, o, **k: cupaged.attention(q, *[d[n] for n in names[1:]], out=o, **k)  # noqa: E731
+
+        def call(q, o, **k):
+            return cupaged.attention(q, *[d[n] for n in names[1:]], out=o, **k)
+
         for _ in range(2):
             call(d["query"], out)
     wide = torch.full((*d["query"].shape[:2], 2 * d["query"].shape[2]), float("nan"),
