@@ -560,8 +560,13 @@ def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
 
 
 def cache_key(spec: KernelSpec) -> str:
+    return _key(spec.source_file, spec.name_expression, spec.arch)
+
+
+def _key(source_file: str, name_expression: str, arch: str) -> str:
+    """A cache entry's key: the inlined source, the instantiation, the options, NVRTC."""
     h = hashlib.sha256()
-    for part in (source(spec.source_file), spec.name_expression, " ".join(_options(spec.arch)),
+    for part in (source(source_file), name_expression, " ".join(_options(arch)),
                  repr(nvrtc_version())):
         h.update(part.encode())
         h.update(b"\0")
@@ -577,8 +582,12 @@ def cache_dir() -> Path:
 
 
 def _cache_paths(spec: KernelSpec) -> tuple[Path, Path]:
-    stem = f"{spec.name}-{cache_key(spec)[:20]}"
-    ext = ".cubin" if spec.arch.startswith("sm_") else ".ptx"
+    return _paths(spec.name, cache_key(spec), spec.arch)
+
+
+def _paths(name: str, key: str, arch: str) -> tuple[Path, Path]:
+    stem = f"{name}-{key[:20]}"
+    ext = ".cubin" if arch.startswith("sm_") else ".ptx"
     d = cache_dir()
     return d / (stem + ext), d / (stem + ".json")
 
@@ -635,8 +644,14 @@ def _write_entry(spec: KernelSpec, binary_path: Path, meta_path: Path, binary: b
     """Store a new entry (the binary first, then the JSON that vouches for it); None, with
     one warning per folder, when the cache folder cannot be written: the kernel is then
     kept in memory only."""
-    meta = {"name": spec.name, "name_expression": spec.name_expression,
-            "lowered_name": lowered, "options": list(_options(spec.arch)),
+    return _write_meta(spec.name, spec.name_expression, spec.arch, binary_path, meta_path,
+                       binary, lowered)
+
+
+def _write_meta(name: str, name_expression: str, arch: str, binary_path: Path,
+                meta_path: Path, binary: bytes, lowered: str) -> Path | None:
+    meta = {"name": name, "name_expression": name_expression,
+            "lowered_name": lowered, "options": list(_options(arch)),
             "nvrtc": list(nvrtc_version()), "size": len(binary),
             "sha256": hashlib.sha256(binary).hexdigest()}
     try:
@@ -705,6 +720,47 @@ def precompile(specs: Iterable[KernelSpec], workers: int | None = None) -> list[
     workers = workers or min(len(specs), os.cpu_count() or 1) or 1
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(build, specs))
+
+
+def kernel_of(name: str) -> str | None:
+    """The kernel a specialization's readable name belongs to (the longest kernel name it
+    starts with), or None."""
+    found = [k for k in _KERNELS if name.startswith(k + "_")]
+    return max(found, key=len) if found else None
+
+
+def refill(metas: Iterable[dict], workers: int | None = None) -> list[str]:
+    """Compile, into this disk cache and from the current sources, the specializations
+    another cache's entries name (their JSON's ``name``, ``name_expression`` and
+    ``options``): a machine that will run what that one ran finds them built. Entries of
+    an unknown kernel, or whose options are not what this process would use for their
+    arch, are skipped; one already in the cache is kept, one that fails to compile is
+    reported (a warning) and the rest go on. Returns the names compiled."""
+    todo = {}
+    for m in metas:
+        kernel = kernel_of(m.get("name", ""))
+        arch = next((o[len("-arch="):] for o in m.get("options", ()) if o.startswith("-arch=")),
+                    None)
+        if kernel is None or arch is None or list(_options(arch)) != list(m["options"]):
+            continue
+        todo[m["name"], m["name_expression"]] = (_KERNELS[kernel][0], arch)
+
+    def one(item):
+        (name, expr), (source_file, arch) = item
+        binary_path, meta_path = _paths(name, _key(source_file, expr, arch), arch)
+        if binary_path.exists() and meta_path.exists():
+            return None
+        try:
+            binary, names = _compile(source_file, arch, [expr], name)
+        except CompileError as e:
+            warnings.warn(f"refill: {e}", RuntimeWarning, stacklevel=2)
+            return None
+        _write_meta(name, expr, arch, binary_path, meta_path, binary, names[expr])
+        return name
+
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(workers) as pool:
+        return [n for n in pool.map(one, todo.items()) if n is not None]
 
 
 # ---- loading onto a device -----------------------------------------------------------------

@@ -230,6 +230,29 @@ def test_precompile_builds_each_spec(cache):
     assert all(b.path.is_file() for b in built)
 
 
+def test_refill_builds_what_another_caches_entries_name(cache, tmp_path, monkeypatch):
+    """jit.refill compiles, from the current sources, the specializations another cache's
+    JSON entries name, under the names and keys jit.build looks for: a process using the
+    refilled cache finds them built; unknown kernels and other options are skipped."""
+    import json
+
+    specs = [SPEC, jit.KernelSpec("paged_decode_combine", "f16", 64, arch="sm_90")]
+    jit.precompile(specs)
+    metas = [json.loads(p.read_text()) for p in sorted(cache.glob("*.json"))]
+    assert sorted(m["name"] for m in metas) == sorted(s.name for s in specs)
+    other = tmp_path / "other"
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(other))
+    jit.clear_memory_caches()
+    strange = [dict(metas[0], name="no_such_kernel_f16_sm90"),
+               dict(metas[0], options=[*metas[0]["options"], "-lineinfo"])]
+    assert sorted(jit.refill(metas + strange, workers=2)) == sorted(s.name for s in specs)
+    assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in cache.iterdir())
+    assert all(jit.build(s).from_disk for s in specs)
+    assert jit.refill(metas) == []  # already there
+    assert jit.kernel_of("paged_prefill_sm90_bf16_x") == "paged_prefill_sm90"
+    assert jit.kernel_of("paged_prefill_bf16_x") == "paged_prefill"
+
+
 def test_compile_error_names_the_specialization(cache, sources):
     (sources / "paged_decode.cuh").write_text(
         (sources / "paged_decode.cuh").read_text().replace("kDecodeThreads = 128;", "kDecodeThreads = ;"))

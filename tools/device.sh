@@ -69,7 +69,10 @@
 #     (CORE=N pins it to core N, as host timings want).
 # cache-pack  The machine's kernel cache, xz-compressed, as $OUT/kc.part.* (15 MB pieces):
 #     copy them into .kcache/ and carry it, and device_env.sh unpacks them on the next
-#     machine (run it last in a call, after the suite compiled what the tests use).
+#     machine (run it last in a call, after the suite compiled what the tests use). After a
+#     change to the sources, `tools/kernel_report.py refill FOLDER` rebuilds the unpacked
+#     cache's specializations from the new sources on the CPU machine (NVRTC for sm_90
+#     there as here), to pack and carry again.
 source "$(dirname "$0")/device_env.sh"
 
 DRY=${DRY:-}

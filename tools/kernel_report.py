@@ -22,6 +22,11 @@
         samples of each stretch of SASS between setmaxnreg instructions (a
         warp-specialized kernel's roles) and their stall reasons, then the N instructions
         with the most samples.
+    python3 tools/kernel_report.py refill FOLDER [--workers N]
+        Compile into the kernel cache ($CUPAGED_CACHE_DIR), from this checkout's sources,
+        the specializations another cache's entries name (FOLDER: that cache, or a listing
+        of its JSON entries): a GPU machine's cache rebuilt ahead on this one, for
+        `tools/device.sh cache-pack`'s pieces (.kcache/) to carry.
 """
 
 from __future__ import annotations
@@ -189,6 +194,23 @@ def source_summary(path: str, top: int = 30, out=print) -> None:
             f"{d['Source'].strip()[:60]:60s} {reasons}")
 
 
+def refill(folder: str, workers: int | None) -> None:
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from cupaged import jit
+
+    metas = []
+    for p in sorted(Path(folder).glob("*.json")):
+        try:
+            metas.append(json.loads(p.read_text()))
+        except ValueError:
+            print(f"skipped {p.name}: not a cache entry", file=sys.stderr)
+    made = jit.refill(metas, workers)
+    print(f"{len(made)} of {len(metas)} entries compiled into {jit.cache_dir()} "
+          f"(the rest there already, or not this checkout's)")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -207,11 +229,18 @@ def main(argv=None) -> None:
     r = sub.add_parser("source", help="ncu's per-instruction warp samples (CSV)")
     r.add_argument("csv")
     r.add_argument("--top", type=int, default=30)
+    f = sub.add_parser("refill", help="another cache's specializations, built here")
+    f.add_argument("folder")
+    # (One compile at a time unless asked: two threads' NVRTC calls failed to load
+    # libnvrtc-builtins on the 2-core CPU machine.)
+    f.add_argument("--workers", type=int, default=1)
     a = ap.parse_args(argv)
     if a.cmd == "spec":
         spec_report(a.kernel, a.fields, a.mix, a.sass, a.tree)
     elif a.cmd == "cubins":
         cubins_report(a.glob, a.mix, [x for x in a.count.split(",") if x])
+    elif a.cmd == "refill":
+        refill(a.folder, a.workers)
     else:
         source_summary(a.csv, a.top)
 
