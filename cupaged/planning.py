@@ -729,9 +729,13 @@ def plan_decode(p: Problem, max_ctx: int, partition, workspace,
               f"{_checks.MAX_GRID_YZ}")
     ctas = p.num_rows * grid_y
     # Keys and values read, for a scratch's worth (FLAT_SCRATCH_MIN_BYTES); a workspace
-    # needs none.
+    # needs none, and neither does the rule where the grid split would split too (its
+    # partials are then a scratch of the call's own as well: nothing is saved).
     kv_bytes = (None if workspace is not None else
                 2 * p.num_rows * p.num_kv_heads * max_ctx * p.head_size * p.cache.dtype.itemsize)
+    if (partition == "auto" and kv_bytes is not None and kv_bytes < FLAT_SCRATCH_MIN_BYTES
+            and partition_tokens("auto", p, max_ctx, ctas, ks)[0]):
+        kv_bytes = None
     if partition == "flat" or partition == "auto" and flat_pays(ctas, max_ctx, ks, p.num_rows,
                                                                  kv_bytes):
         # (the flat split is its own specialization: variant letter "r")

@@ -672,3 +672,31 @@ def test_auto_takes_the_flat_split_without_a_workspace_only_over_enough_bytes(mo
     assert planning.plan_decode(p, small, "flat", None).split_tokens == -64
     big = -(-planning.FLAT_SCRATCH_MIN_BYTES // per_ctx)
     assert planning.plan_decode(p, big, "auto", None).split_tokens == -64
+
+
+@pytest.mark.parametrize("cfg", [(100, 32, 1, 128, 2048), (200, 32, 1, 64, 2048)])
+def test_under_the_byte_rule_the_flat_split_stays_where_the_grid_split_splits(cfg):
+    """FLAT_SCRATCH_MIN_BYTES declines the flat split only for a plan that then needs no
+    scratch: where the grid split would split as well (few long sequences), its partials
+    are a scratch of the call's own too, so the flat split keeps the call (stubbed H200:
+    cupaged.attention's launches, a memset of merge counters marking a scratch)."""
+    cupy = pytest.importorskip("cupy")  # noqa: F841
+    from cupaged import _prepared
+    from cupaged.bench.stub import stubbed_driver
+
+    seqs, heads, kv_heads, hs, ctx = cfg
+    assert 2 * seqs * kv_heads * ctx * hs * 2 < planning.FLAT_SCRATCH_MIN_BYTES
+    _prepared.clear()
+    try:
+        with stubbed_driver(record=True) as s:
+            f = s.fake
+            q = f((seqs, heads, hs), np.float16)
+            kc = f((seqs * ctx // 16 + 8, 16, kv_heads, hs), np.float16)
+            cupaged.attention(q, kc, f(kc.shape, np.float16), f((seqs, ctx // 16), np.int32),
+                              f((seqs,), np.int32), max_seq_len=ctx,
+                              out=f(q.shape, np.float16))
+            names = [x[0] for x in s.launches]
+    finally:
+        _prepared.clear()
+    kernel = [n for n in names if n != "memset"]
+    assert "_r_" in kernel[0] or "memset" not in names, names
