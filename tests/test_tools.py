@@ -234,3 +234,17 @@ def test_a_packed_kernel_cache_unpacks_on_the_next_machine(tmp_path):
     for name, data in files.items():
         assert (fresh / name).read_bytes() == data
     assert (fresh / ".unpacked").exists()
+    # Other pieces carried to the same machine later unpack too.
+    (cache / "later.cubin").write_bytes(b"later")
+    env2 = {**env, "OUT": str(out), "CUPAGED_CACHE_DIR": str(cache)}
+    r = subprocess.run(["bash", str(TOOLS / "device.sh"), "cache-pack"], capture_output=True,
+                       text=True, env=env2, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for p in (repo / ".kcache").iterdir():
+        p.unlink()
+    for p in sorted(out.glob("kc.part.*")):
+        shutil.copy(p, repo / ".kcache")
+    r = subprocess.run(["bash", "-c", f"source {repo / 'tools' / 'device_env.sh'}"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (fresh / "later.cubin").read_bytes() == b"later"

@@ -12,13 +12,16 @@ export CUPAGED_CACHE_DIR=${CUPAGED_CACHE_DIR:-/tmp/cupaged-cache}
 # into a fresh machine's cache, it spares a cold GPU suite most of its NVRTC time. Its
 # entries are keyed by source, options, NVRTC version and arch and verified by size and
 # digest before use, so stale ones are only not found.
-if [ -z "${DRY:-}" ] && compgen -G ".kcache/kc.part.*" >/dev/null \
-   && [ ! -e "$CUPAGED_CACHE_DIR/.unpacked" ]; then
-  mkdir -p "$CUPAGED_CACHE_DIR"
-  if cat .kcache/kc.part.* | xz -d | tar -x -C "$CUPAGED_CACHE_DIR"; then
-    touch "$CUPAGED_CACHE_DIR/.unpacked"
-  else
-    echo "the carried kernel cache did not unpack" >&2
+# (.unpacked records the pieces' checksum: other pieces, carried later, unpack too.)
+if [ -z "${DRY:-}" ] && compgen -G ".kcache/kc.part.*" >/dev/null; then
+  kc_sum=$(cat .kcache/kc.part.* | cksum)
+  if [ "$(cat "$CUPAGED_CACHE_DIR/.unpacked" 2>/dev/null)" != "$kc_sum" ]; then
+    mkdir -p "$CUPAGED_CACHE_DIR"
+    if cat .kcache/kc.part.* | xz -d | tar -x -C "$CUPAGED_CACHE_DIR"; then
+      echo "$kc_sum" > "$CUPAGED_CACHE_DIR/.unpacked"
+    else
+      echo "the carried kernel cache did not unpack" >&2
+    fi
   fi
 fi
 # FlashInfer, where its anchor was carried (.flashinfer): importable, its JIT set up.
