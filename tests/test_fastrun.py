@@ -224,7 +224,7 @@ def test_fast_run_launches_what_the_generic_path_launches(stub, generic_runs, fo
             assert got == want
             assert got[0] == "launched" and got[1][0] == id(b["out"])
             kernels = [x for x in got[2] if x[0] != "memset"]
-            assert len(kernels) == 1 and kernels[0][4] == stub._stream(0).ptr
+            assert len(kernels) == 1 and kernels[0][4] == stub.stream(0).ptr
             assert len(got[2]) == (2 if form in SCRATCH else 1)
             if "flat" in form:  # the planner's choice, which the form must stay
                 name, grid = kernels[0][:2]

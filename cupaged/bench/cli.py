@@ -61,6 +61,12 @@ def _window_option(extra: str = ""):
              "(FlashInfer's window_left = W - 1)." + extra)
 
 
+def _dtype_option(default: str):
+    """--dtype: the query's and a 16-bit cache's type."""
+    return click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default=default,
+                        show_default=True)
+
+
 def _soft_cap_option(f):
     return click.option("--soft-cap", type=float, default=None, metavar="C",
                         help="Logits soft cap: each logit becomes C * tanh(logit / C) "
@@ -1010,8 +1016,7 @@ def indexer(presets, steps, topk, reps):
 @click.option("--block-size", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--interleave", type=click.IntRange(1), default=16, show_default=True,
               help="Tokens per placement unit (ContextParallel's interleave).")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="bfloat16",
-              show_default=True)
+@_dtype_option("bfloat16")
 @click.option("--one-gpu/--no-one-gpu", default=None,
               help="Also check and time one GPU's call over a cache of the whole context "
                    "(default: where it fits beside each rank's part).")
@@ -1399,8 +1404,7 @@ _SHAPES_HELP = "Shapes as --row's, comma-separated (added to --row's)."
 @click.option("--layouts", default="vllm,NHD,HND", show_default=True,
               help="Cache layouts, comma-separated: vllm (paged_attention), NHD, HND "
                    "(attention).")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16",
-              show_default=True)
+@_dtype_option("float16")
 @click.option("--starts", is_flag=True,
               help="Call attention with query_start_loc and max_query_len=1 (as vLLM's "
                    "backends do), every layout.")
@@ -1476,8 +1480,7 @@ def _pairs(value: str) -> list:
 @click.option("--context", callback=_int_list, default=None, help="With --heads.")
 @click.option("--layout", type=click.Choice(["NHD", "HND", "vllm"]), default="HND",
               show_default=True, help="The cache's layout (attention() on every one).")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16",
-              show_default=True)
+@_dtype_option("float16")
 @click.option("--head-size", type=int, default=128, show_default=True)
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2"]),
               default="auto", show_default=True)

@@ -52,11 +52,11 @@ class Stub:
         self.next_address += (nbytes + 0xFFFF) & ~0xFFFF
         return ptr
 
-    def _alloc(self, nbytes: int):
+    def alloc(self, nbytes: int):
         return memory.MemoryPointer(memory.UnownedMemory(self._take(max(nbytes, 1)), nbytes,
                                                          None, self.device), 0)
 
-    def _stream(self, device_id=-1):
+    def stream(self, device_id=-1):
         """cupy.cuda.get_current_stream's stand-in."""
         d = self.device if device_id == -1 else device_id
         s = self._streams.get(d)
@@ -82,7 +82,7 @@ class Stub:
                 pass
 
             def __enter__(self):
-                self._before = stub._stream()
+                self._before = stub.stream()
                 stub._streams[stub.device] = self
                 return self
 
@@ -91,24 +91,24 @@ class Stub:
 
         return Stream
 
-    def _load(self, spec, device_id, dynamic_smem=0):
+    def load(self, spec, device_id, dynamic_smem=0):
         fn = types.SimpleNamespace(ptr=0xF000 + 0x10 * len(self._kernels))
         kernel = jit.Launcher(fn, jit.ARG_FORMATS[spec.kernel], spec.name)
         self._kernels[fn.ptr] = kernel
         return kernel
 
-    def _launch(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    def launch(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         if self.launches is not None:
             kernel = self._kernels[f]
             self.launches.append((kernel.name, (gx, gy, gz), (bx, by, bz), smem, stream,
                                   self.device, kernel.packed(params)))
 
-    def _memset(self, ptr, value, nbytes, stream):
+    def memset(self, ptr, value, nbytes, stream):
         if self.launches is not None:
             self.launches.append(("memset", ptr, value, nbytes, stream))
 
     @staticmethod
-    def _event_class():
+    def event_class():
         class Event:
             """cupy.cuda.Event: recorded, and complete at once."""
 
@@ -125,7 +125,7 @@ class Stub:
 
         return Event
 
-    def _device_class(self):
+    def device_class(self):
         stub = self
 
         class Device:
@@ -152,18 +152,18 @@ def stubbed_driver(record: bool = False):
     stub = Stub(record)
     patches = [
         (runtime, "getDevice", lambda: stub.device),
-        (runtime, "memsetAsync", stub._memset),
-        (cupy.cuda, "get_current_stream", stub._stream),
-        (cupy.cuda, "Device", stub._device_class()),
+        (runtime, "memsetAsync", stub.memset),
+        (cupy.cuda, "get_current_stream", stub.stream),
+        (cupy.cuda, "Device", stub.device_class()),
         (cupy.cuda, "Stream", stub.Stream),
         (cupy.cuda, "ExternalStream", stub.Stream),
-        (cupy.cuda, "Event", stub._event_class()),
+        (cupy.cuda, "Event", stub.event_class()),
         (runtime, "streamIsCapturing", lambda stream: runtime.streamCaptureStatusNone),
         (planning, "device_info", lambda device_id: DEVICE._replace(id=device_id)),
         (planning, "resident_ctas", lambda device_id, kernel, threads, smem:
             DEVICE.sm_count * max(1, min(16, DEVICE.sm_smem // (smem + 1024)))),
-        (jit, "load", stub._load),
-        (jit, "driver", types.SimpleNamespace(launchKernel=stub._launch)),
+        (jit, "load", stub.load),
+        (jit, "driver", types.SimpleNamespace(launchKernel=stub.launch)),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     allocator = cupy.cuda.get_allocator()
@@ -172,7 +172,7 @@ def stubbed_driver(record: bool = False):
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
-        cupy.cuda.set_allocator(stub._alloc)
+        cupy.cuda.set_allocator(stub.alloc)
         yield stub
     finally:
         _arrays.release_completed()  # (imports held past stand-in events: complete)
