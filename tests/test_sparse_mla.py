@@ -177,14 +177,20 @@ def test_fp8_ds_mla_caches_are_accepted(adapt):
      "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\), got shape "
      "\\(2, 3, 16, 512\\) with strides"),
     (dict(kv_cache=np.zeros((10, 64, 1, D), np.uint8)), TypeError,
-     "kv_cache dtype uint8 must be q's \\(float16\\), or a 1-byte dtype of 656-byte "
-     "fp8_ds_mla rows"),
+     "kv_cache dtype uint8 must be q's \\(float16\\), or a 1-byte dtype of DeepSeek's "
+     "sparse rows \\(656-byte fp8_ds_mla, 528-byte v4_fp8, 288-byte v4_fp4: name it"),
     (dict(kv_cache=np.zeros((10, 64, 1, DS), np.uint8)), TypeError,
      "fp8_ds_mla caches take bfloat16 queries"),
     (dict(kv_cache_dtype="fp8_ds_mla"), TypeError,
      "kv_cache dtype float16 cannot hold fp8_ds_mla rows"),
     (dict(kv_cache_dtype="fp8"), ValueError,
-     "kv_cache_dtype must be 'auto' or 'fp8_ds_mla'"),
+     "kv_cache_dtype must be 'auto' or one of DeepSeek's sparse caches \\('fp8_ds_mla', "
+     "'v4_fp8', 'v4_fp4'\\), got 'fp8'"),
+    (dict(kv_cache_dtype=None), ValueError, "kv_cache_dtype must be 'auto' or one of"),
+    (dict(kv_cache=np.zeros((10, 64, 1, 512), np.float16), q=np.zeros((2, 3, 16, 512),
+                                                                       np.float16)),
+     ValueError, "kv_cache of float16 tokens of 512 dims \\(DeepSeek-V4's d_qk\\) is not "
+                 "read: V4's tokens are read from 'v4_fp8' \\(528-byte\\) or 'v4_fp4'"),
     (dict(q=np.zeros((2, 3, 16, D), _dtypes.BF16.numpy), kv_cache_dtype="fp8_ds_mla",
           kv_cache=np.zeros((10, 64, 1, D), np.uint8)), ValueError,
      "kv_cache's fp8_ds_mla rows must be 656 bytes a token"),
