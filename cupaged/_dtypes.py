@@ -60,7 +60,7 @@ class SparseFormat:
     nbytes: int
     values: int  # values a token (kv_c's then k_pe's): the key's dims, d_qk
     what: str  # "DeepSeek-V3.2's sparse MLA cache"
-    readers: str  # the entry points that read it: "" for none
+    readers: str  # the entry points that read it
 
     @property
     def rope(self) -> int:
@@ -104,13 +104,9 @@ def refuse_sparse_mla(name, where: str = "this entry point") -> None:
     fmt = SPARSE_KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
     if fmt is None:
         return
-    if fmt.readers:
-        uses = (f"is written by concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks "
-                f"and read by {fmt.readers} only")
-    else:
-        uses = ("is written by concat_and_cache_mla and copied by copy_blocks_mla / "
-                "swap_blocks only (no kernel reads it)")
-    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) {uses}: {where} does not take it")
+    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) is written by concat_and_cache_mla, "
+                     f"copied by copy_blocks_mla / swap_blocks and read by {fmt.readers} only: "
+                     f"{where} does not take it")
 
 
 def fp8_of(dtype) -> DType | None:
