@@ -470,6 +470,22 @@ def test_sparse_case_is_checked_then_timed(monkeypatch, kv_cache_dtype, prefill)
     assert row.note == "WRONG" and row.median_us != row.median_us
 
 
+@pytest.mark.parametrize("fmt", ["v4_fp8", "v4_fp4"])
+def test_the_sm90_runner_names_v4_rows_it_cannot_time(monkeypatch, fmt):
+    """cupaged-sm90 over V4's rows is a row note (the wgmma kernel does not read them), not
+    the mma.sync kernel's time under the wgmma kernel's name; cupaged-mma times them."""
+    from cupaged import planning
+
+    bench_sparse = _sparse_on_host(monkeypatch, [])
+    monkeypatch.setattr(planning, "device_info",
+                        lambda i: planning.DeviceInfo(i, "sm_90", 132, 232448, 233472))
+    kw = dict(heads=4, batch=3, s_q=1, topk=20, context=70, block_size=16, kv_cache_dtype=fmt)
+    sm90, mma = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)],
+                                     ["cupaged-sm90", "cupaged-mma"], reps=3)
+    assert f"the wgmma kernel does not read {fmt} rows" in sm90.note
+    assert math.isnan(sm90.median_us) and mma.note == "" and mma.median_us == 100.0
+
+
 def test_sparse_cli_takes_v4_rows_by_name(monkeypatch):
     """--kv-cache-dtype v4_fp8 / v4_fp4 make rows of V4's caches in each preset's shape;
     without it, V3.2's two caches."""

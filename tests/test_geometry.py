@@ -114,6 +114,8 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
         assert g.violations() == [] and g.fits(s.arch), (s.name, g.smem_bytes)
         assert g.token_bytes == width.get(s.cache_dtype, 0), s.name
         assert s.rope_dim == (0 if s.cache_dtype.startswith("v4") else 64), s.name
+    covered = {(s.cache_dtype, s.arch) for s in COVER if s.kernel == "mla_sparse_attention"}
+    assert {(c, a) for c in ("v4fp8", "v4fp4") for a in ARCHS} <= covered  # CI compiles them
     sparse90 = [s for s in ALL if s.kernel == "mla_sparse_attention_sm90"]
     assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 3 * 9
     assert {s.cache_dtype for s in sparse90} == {"f16", "bf16", "dsmla"}
