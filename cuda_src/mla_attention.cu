@@ -8,6 +8,8 @@
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -gencode=arch=compute_90,code=sm_90 -cubin -std=c++17 -Xptxas -v \
 //        -DCUPAGED_INSTANTIATE -DCUPAGED_ROWS=64 cuda_src/mla_attention.cu -o mla.cubin
+// (-DCUPAGED_C=cupaged::fp8_ds_mla_t for V3.2's rows; -DCUPAGED_C=cupaged::v4_fp8_t or
+// cupaged::v4_fp4_t with -DCUPAGED_ROPE=0 for V4's: the sparse kernel alone reads them)
 #include "mla_attention.cuh"
 
 #ifdef CUPAGED_INSTANTIATE
@@ -29,10 +31,15 @@
 #ifndef CUPAGED_STAGES
 #define CUPAGED_STAGES 3
 #endif
+#ifndef CUPAGED_ROPE
+#define CUPAGED_ROPE 64
+#endif
 void cupaged_instantiate_mla() {
-  (void)&cupaged::mla_attention<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS, CUPAGED_ROWS,
-                                CUPAGED_TILE, CUPAGED_STAGES>;
-  (void)&cupaged::mla_sparse_attention<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS, CUPAGED_ROWS,
-                                       CUPAGED_TILE, CUPAGED_STAGES>;
+#if CUPAGED_ROPE != 0  // (the paged kernel reads no V4 rows)
+  (void)&cupaged::mla_attention<CUPAGED_T, CUPAGED_C, 512, CUPAGED_ROPE, CUPAGED_BS,
+                                CUPAGED_ROWS, CUPAGED_TILE, CUPAGED_STAGES>;
+#endif
+  (void)&cupaged::mla_sparse_attention<CUPAGED_T, CUPAGED_C, 512, CUPAGED_ROPE, CUPAGED_BS,
+                                       CUPAGED_ROWS, CUPAGED_TILE, CUPAGED_STAGES>;
 }
 #endif

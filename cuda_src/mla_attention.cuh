@@ -6,9 +6,10 @@
 //          pointers with their own token and head strides: one [.., RANK + ROPE] array
 //          is the pair at offsets 0 and RANK)
 //   cache  a latent part [num_blocks, BLOCK_SIZE, RANK] and a rotary part [.., ROPE] of C,
-//          T itself or fp8 read as stored * k_scale, or (the sparse kernel's) fp8_ds_mla
-//          rows, ds_mla.cuh (vLLM's combined [.., RANK + ROPE]
-//          cache is the pair at offsets 0 and RANK;
+//          T itself or fp8 read as stored * k_scale, or (the sparse kernel's) DeepSeek's
+//          token rows, ds_mla.cuh: V3.2's fp8_ds_mla, V4's v4_fp8 and v4_fp4 (RANK 512,
+//          ROPE 0: the key is the whole 512-dim vector, and so is the value) (vLLM's
+//          combined [.., RANK + ROPE] cache is the pair at offsets 0 and RANK;
 //          FlashInfer's kv_c / k_pe caches are two arrays), block and token strides free
 //   out    [total_q, num_heads, RANK] contiguous
 //
@@ -47,11 +48,12 @@ constexpr int kMlaThreads = kMlaWarps * 32;
 
 // Shared-memory layout of one specialization, mirrored on the host (specs/geometry.py).
 // C is the cache's element type: T, or fp8 (its tiles widened to T before the products), or
-// fp8_ds_mla_t (DeepSeek-V3.2's 656-byte rows, ds_mla.cuh: widened with their scales).
+// a token row format (fp8_ds_mla_t: DeepSeek-V3.2's 656-byte rows; v4_fp8_t, v4_fp4_t:
+// V4's 528- and 288-byte rows; ds_mla.cuh's SparseRow: widened with their scales).
 template <typename T, typename C, int RANK, int ROPE, int ROWS, int TILE_N, int STAGES>
 struct MlaGeometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
-  static constexpr bool kDsMla = is_ds_mla<C>::value;
+  static constexpr bool kRows = is_sparse_row<C>::value;  // token rows (SparseRow<C>)
   static constexpr int kDims = RANK + ROPE;       // a key's length
   static constexpr int kRow = kDims + 8;          // shared rows of T padded by 16 bytes: eight
   //                                                 consecutive rows start in distinct bank
@@ -59,7 +61,8 @@ struct MlaGeometry {
   static constexpr int kChunks = kDims / 8;       // 16-byte chunks of a query row
   static constexpr int kRankChunks = RANK / 8;
   static constexpr int kCVec = 16 / static_cast<int>(sizeof(C));  // cache values a chunk
-  static constexpr int kCTokenBytes = kDsMla ? kDsMlaBytes : kDims * static_cast<int>(sizeof(C));
+  static constexpr int kCTokenBytes =
+      kRows ? SparseRow<C>::kBytes : kDims * static_cast<int>(sizeof(C));
   static constexpr int kCChunks = kCTokenBytes / 16;  // 16-byte chunks of a cached row
   static constexpr int kCRow = kCTokenBytes + 16;  // a stage row's bytes, padded as kRow
   static constexpr int kAtoms = ROWS / 16;        // m16 tiles of O
@@ -114,9 +117,10 @@ struct MlaGeometry {
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
-  static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
-                            is_same<T, bfloat16_t>::value),
-                "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
+  static_assert(!kRows || (RANK == SparseRow<C>::kRank && ROPE == SparseRow<C>::kRope &&
+                           is_same<T, bfloat16_t>::value),
+                "token rows: their RANK and ROPE (fp8_ds_mla 512 and 64, V4's 512 and 0), "
+                "bfloat16 queries");
   static_assert(RANK % (8 * kMlaWarps * 2) == 0 && ROPE % 16 == 0, "RANK, ROPE");
   static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "ROWS");
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64, "TILE_N");
@@ -255,14 +259,16 @@ __device__ __forceinline__ void mla_attention_body(
       id_ahead = tile_id(next + 1);
       const unsigned char* stage_s = smem + Geo::kOffStages + stage * Geo::kStageBytes;
       const T* ks = reinterpret_cast<const T*>(stage_s);
-      if constexpr (Geo::kDsMla) {
-        // Widen the landed tile's rows with their scales (ds_mla_widen); zeros stay zeros.
-        // The previous tile's products are done with wide_s (the barrier).
-        for (int u = tid; u < TILE_N * Geo::kCChunks; u += kMlaThreads) {
-          const int t = u / Geo::kCChunks;
+      if constexpr (Geo::kRows) {
+        // Widen the landed tile's rows with their scales (SparseRow<C>::widen, a warp over
+        // consecutive units of a row); zeros stay zeros. The previous tile's products are
+        // done with wide_s (the barrier).
+        using R = SparseRow<C>;
+        for (int u = tid; u < TILE_N * R::kUnits; u += kMlaThreads) {
+          const int t = u / R::kUnits;
           uint4 v[2];
           int dim;
-          const int n = ds_mla_widen(stage_s + t * Geo::kCRow, u % Geo::kCChunks, v, dim);
+          const int n = R::widen(stage_s + t * Geo::kCRow, u % R::kUnits, v, dim);
           for (int k = 0; k < n; ++k) *reinterpret_cast<uint4*>(wide_s + t * ROW + dim + 8 * k) = v[k];
         }
         __syncthreads();  // the widened tile is complete

@@ -147,12 +147,12 @@ struct MlaToken {
     rope = phys >= 0 ? c_rope + phys * rope_block + within * rope_token : c_lat;
   }
 
-  // Chunk c (16 bytes: 16 / sizeof(C) values) of the token's RANK + ROPE values; of an
-  // fp8_ds_mla row, its bytes 16c.. (one row holds the whole token).
+  // Chunk c (16 bytes: 16 / sizeof(C) values) of the token's RANK + ROPE values; of a
+  // token row (fp8_ds_mla, v4_fp8, v4_fp4), its bytes 16c.. (one row holds the whole token).
   template <int RANK>
   __device__ __forceinline__ const C* chunk(int c) const {
     constexpr int CV = 16 / static_cast<int>(sizeof(C));
-    if constexpr (is_ds_mla<C>::value) return lat + c * 16;
+    if constexpr (is_sparse_row<C>::value) return lat + c * 16;
     return c < RANK / CV ? lat + c * CV : rope + (c - RANK / CV) * CV;
   }
 };

@@ -39,8 +39,8 @@ FP8 = {E4M3.name: E4M3, E5M2.name: E5M2}
 # written by concat_and_cache_mla: V3.2's (vLLM's kv_cache_dtype "fp8_ds_mla"): 656-byte
 # rows of e4m3 values, their float32 scales and bfloat16 rotary dims, read by
 # mla_sparse_attention and mla_sparse_attention_sm90; V4's "v4_fp8" (528 bytes: e4m3 values
-# and ue8m0 scales) and "v4_fp4" (288 bytes: e2m1 values and e4m3 scales), which no kernel
-# reads (cupaged.reference.dequantize_sparse_kv does).
+# and ue8m0 scales) and "v4_fp4" (288 bytes: e2m1 values and e4m3 scales), read by
+# mla_sparse_attention (cupaged.reference.dequantize_sparse_kv states all three).
 DS_MLA = DType("dsmla", "cupaged::fp8_ds_mla_t", 1, None)
 V4_FP8 = DType("v4fp8", "cupaged::v4_fp8_t", 1, None)
 V4_FP4 = DType("v4fp4", "cupaged::v4_fp4_t", 1, None)
@@ -49,23 +49,35 @@ DS_MLA_KV_CACHE_DTYPE = "fp8_ds_mla"
 DS_MLA_BYTES = 656  # per token: 512 e4m3, 4 float32 scales, 64 bfloat16
 
 
+SPARSE_RANK = 512  # the value's dims (kv_c's for V3.2, the whole key for V4)
+
+
 @dataclass(frozen=True)
 class SparseFormat:
     """A sparse cache's kv_cache_dtype: its cache type, bytes a token, and words for errors."""
 
     dtype: DType
     nbytes: int
-    values: int  # values a token (kv_c's then k_pe's)
+    values: int  # values a token (kv_c's then k_pe's): the key's dims, d_qk
     what: str  # "DeepSeek-V3.2's sparse MLA cache"
-    readers: str  # the kernels that read it: "" for none
+    readers: str  # the entry points that read it
+
+    @property
+    def rope(self) -> int:
+        """The key's dims after the value's 512 (the kernels' ROPE): V3.2's 64 bfloat16
+        rotary dims; 0 for V4's, whose rotary dims lie inside the 512."""
+        return self.values - SPARSE_RANK
 
 
 SPARSE_KV_CACHE_DTYPES = {
     DS_MLA_KV_CACHE_DTYPE: SparseFormat(DS_MLA, DS_MLA_BYTES, 576,
                                         "DeepSeek-V3.2's sparse MLA cache", "sparse_mla_attention"),
-    "v4_fp8": SparseFormat(V4_FP8, 528, 512, "DeepSeek-V4's fp8 sparse MLA cache", ""),
-    "v4_fp4": SparseFormat(V4_FP4, 288, 512, "DeepSeek-V4's fp4 sparse MLA cache", ""),
+    "v4_fp8": SparseFormat(V4_FP8, 528, 512, "DeepSeek-V4's fp8 sparse MLA cache",
+                           "sparse_mla_attention"),
+    "v4_fp4": SparseFormat(V4_FP4, 288, 512, "DeepSeek-V4's fp4 sparse MLA cache",
+                           "sparse_mla_attention"),
 }
+SPARSE_BY_CACHE = {f.dtype.name: f for f in SPARSE_KV_CACHE_DTYPES.values()}  # "v4fp8": ..
 CACHE_BY_NAME = {**BY_NAME, **FP8, **SPARSE_MLA}
 _FP8_BY_NUMPY = {d.numpy: d for d in FP8.values() if d.numpy is not None}
 # kv_cache_dtype spellings (vLLM's): "auto" is the query's own type.
@@ -88,17 +100,13 @@ def kv_cache_format(name) -> DType | None:
 def refuse_sparse_mla(name, where: str = "this entry point") -> None:
     """ValueError when ``name`` is a sparse cache's kv_cache_dtype (``"fp8_ds_mla"``,
     ``"v4_fp8"``, ``"v4_fp4"``), at an entry point that does not take it:
-    concat_and_cache_mla writes them, sparse_mla_attention reads ``"fp8_ds_mla"``."""
+    concat_and_cache_mla writes them, sparse_mla_attention reads them."""
     fmt = SPARSE_KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
     if fmt is None:
         return
-    if fmt.readers:
-        uses = (f"is written by concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks "
-                f"and read by {fmt.readers} only")
-    else:
-        uses = ("is written by concat_and_cache_mla and copied by copy_blocks_mla / "
-                "swap_blocks only (no kernel reads it)")
-    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) {uses}: {where} does not take it")
+    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) is written by concat_and_cache_mla, "
+                     f"copied by copy_blocks_mla / swap_blocks and read by {fmt.readers} only: "
+                     f"{where} does not take it")
 
 
 def fp8_of(dtype) -> DType | None:

@@ -455,8 +455,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     reference gives for the token with 0 in its place (the reference refuses NaN). kv_cache
     is 1-byte storage ``[num_blocks, block_size, (1,) 528]`` (resp. 288), as for
     ``"fp8_ds_mla"``; ``scale`` is ignored. ``cupaged.reference.concat_and_cache_sparse_mla``
-    states the bytes; no kernel reads these formats (the reference does);
-    :func:`copy_blocks_mla` and :func:`swap_blocks` copy their blocks.
+    states the bytes; :func:`cupaged.sparse_mla_attention` reads these formats (bfloat16 q
+    of 512 dims); :func:`copy_blocks_mla` and :func:`swap_blocks` copy their blocks.
 
     Arrays may be CuPy arrays, torch CUDA tensors or any ``__dlpack__`` producer on one
     device. ``cupaged.reference.concat_and_cache_mla`` is the statement of what is stored.

@@ -886,31 +886,31 @@ def set_mla_tile(tile: tuple | None) -> None:
 
 
 def mla_tile(arch: str, rows_needed: int, cache_itemsize: int = 2,
-             token_bytes: int = 0) -> tuple[int, int, int]:
+             token_bytes: int = 0, rope: int = 64) -> tuple[int, int, int]:
     """(rows, tile_tokens, stages) of mla_attention: the fewest rows of 16, 32 and 64 that
     hold a sequence's packed rows (64 at most: a warp's O is 64 x 64 fp32), 32-token
     tiles where two stages fit (else 16), and as many stages up to four as fit (three
     tiles in flight keep a bandwidth-bound decode's copies busy). Where 64 rows do not
     fit even at 16 tokens (sm_86/89's 99 KiB), 32. 16 rows take two stages where that
-    lets two CTAs share an SM (MlaGeometry.min_blocks). ``token_bytes``: as
-    MlaGeometry's (656 for fp8_ds_mla rows)."""
+    lets two CTAs share an SM (MlaGeometry.min_blocks). ``token_bytes``, ``rope``: as
+    MlaGeometry's (656 and 64 for fp8_ds_mla rows; 528 or 288 and 0 for V4's)."""
     if _mla_tile_override is not None:
         return _mla_tile_override
     return _mla_tile(arch, 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else 64,
-                     cache_itemsize, token_bytes)
+                     cache_itemsize, token_bytes, rope)
 
 
 @lru_cache(maxsize=None)  # (per call: a handful of keys)
-def _mla_tile(arch: str, rows: int, cache_itemsize: int,
-              token_bytes: int) -> tuple[int, int, int]:
+def _mla_tile(arch: str, rows: int, cache_itemsize: int, token_bytes: int,
+              rope: int = 64) -> tuple[int, int, int]:
     def fits(r, t, s):
-        return geometry.MlaGeometry(512, 64, r, t, s, cache_itemsize, token_bytes).fits(arch)
+        return geometry.MlaGeometry(512, rope, r, t, s, cache_itemsize, token_bytes).fits(arch)
 
     while rows > 16 and not fits(rows, 16, 2):
         rows //= 2
     tile = 32 if fits(rows, 32, 2) else 16
     stages = max(s for s in (2, 3, 4) if fits(rows, tile, s))
-    if geometry.MlaGeometry(512, 64, rows, tile, 2, cache_itemsize,
+    if geometry.MlaGeometry(512, rope, rows, tile, 2, cache_itemsize,
                             token_bytes).min_blocks(arch) == 2:
         # Two CTAs an SM with two stages each overlap one's chain of phases (copy wait, S,
         # softmax, P V) with the other's, where one CTA's chain is slower than its bytes:
@@ -1032,18 +1032,22 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
     top-k entries (``max_ctx``: topk); on Hopper its wgmma form where a token has 64 heads
     or more (the paged kernels' rule), over 16-bit caches and fp8_ds_mla rows, the mma.sync
-    kernel elsewhere."""
+    kernel elsewhere and over V4's rows always (the wgmma kernel does not read them, even
+    under set_mla_family("sm90"))."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
     arch = device_info(device).arch
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
-    token_bytes = _dtypes.DS_MLA_BYTES if cache_dtype == _dtypes.DS_MLA.name else 0
-    if mla_sm90_applies(arch, rows_needed):
+    token_rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
+    token_bytes = 0 if token_rows is None else token_rows.nbytes
+    wgmma_reads = cache_dtype in jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"] \
+        or token_rows is None
+    if wgmma_reads and mla_sm90_applies(arch, rows_needed):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
-        tile = mla_tile(arch, rows_needed, csize, token_bytes)
+        tile = mla_tile(arch, rows_needed, csize, token_bytes, rope)
         k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse)
         rows, tt = tile[0], tile[1]
     # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row

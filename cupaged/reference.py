@@ -17,9 +17,9 @@ fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3" or "fp8_e5m2", or float8 arrays 
 "auto"; 1-byte storage of any NumPy dtype) are read as ``stored * scale`` exactly, in
 float64; :func:`quantize_fp8` is the cache write's quantizer, bit for bit.
 
-DeepSeek sparse attention (``cupaged.sparse_mla_attention`` serves 16-bit caches and
-``"fp8_ds_mla"``; ``cupaged.concat_and_cache_mla`` writes all three formats, and no kernel
-reads V4's): :func:`sparse_mla_attention` over top-k indices into a
+DeepSeek sparse attention (``cupaged.sparse_mla_attention`` serves 16-bit caches and all
+three formats, not the second cache; ``cupaged.concat_and_cache_mla`` writes the three
+formats): :func:`sparse_mla_attention` over top-k indices into a
 paged cache, FlashMLA's sparse interface, and the caches' token
 formats (:data:`SPARSE_KV_FORMATS`: V3.2's 656-byte ``"fp8_ds_mla"`` and two V4 layouts)
 with their writers (:func:`quantize_sparse_kv`, :func:`concat_and_cache_sparse_mla`) and
@@ -471,8 +471,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
 #
 # DeepSeek-V3.2 and V4 attend each query token to its top-k cached tokens only (k = 2048 for
 # V3.2), named by global slots of a paged cache; FlashMLA's sparse kernels and vLLM's caches
-# define the interface. cupaged.sparse_mla_attention reads 16-bit caches and fp8_ds_mla;
-# cupaged.concat_and_cache_mla writes the three formats; no kernel of cupaged reads V4's.
+# define the interface. cupaged.sparse_mla_attention reads 16-bit caches and the three
+# formats (not a second cache); cupaged.concat_and_cache_mla writes the three formats.
 
 SPARSE_KV_FORMATS = {
     # name: (bytes per token, dims per token (d_qk)); "auto" caches hold the values themselves

@@ -1,8 +1,9 @@
 """DeepSeek sparse attention (DSA: DeepSeek-V3.2's and V4's) over a paged latent cache:
 :func:`sparse_mla_attention`, FlashMLA's sparse decode interface. Each query token attends
 to the cached tokens its top-k indices name; the kernels are ``mla_sparse_attention``
-(``mla_attention``'s mma.sync body reading keys through the indices, sm_80+) and on Hopper
-``mla_sparse_attention_sm90`` (``mla_attention_sm90``'s wgmma body, 64 heads or more).
+(``mla_attention``'s mma.sync body reading keys through the indices, sm_80+; every cache
+format, V4's 512-dim rows among them) and on Hopper ``mla_sparse_attention_sm90``
+(``mla_attention_sm90``'s wgmma body, 64 heads or more, 16-bit and fp8_ds_mla caches).
 The layers
 are MLA's: array adaptation, validation (:func:`.validation.validate_mla` over the
 arrays seen as one token a "sequence"), planning (:func:`.planning.plan_mla` with
@@ -23,24 +24,43 @@ __all__ = ["sparse_mla_attention"]
 def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_sink=None,
                          kv_cache_dtype="auto", out=None, lse=None, return_lse=False,
                          stream=None, workspace=None):
-    """Sparse multi-head latent attention (DeepSeek's DSA): each query token attends to the
-    cached tokens its indices name, in FlashMLA's two interfaces.
+    """Sparse multi-head latent attention (DeepSeek's DSA, V3.2's and V4's): each query
+    token attends to the cached tokens its indices name, in FlashMLA's two interfaces.
 
     Decode (``flash_mla_with_kvcache(.., indices=..)``):
-        q: ``[batch, s_q, num_heads, 576]`` float16 or bfloat16: each head's absorbed
-            query (``W_UK q_nope``, 512 values) then its ``q_pe`` (64); the last dimension
+        q: ``[batch, s_q, num_heads, d_qk]`` float16 or bfloat16, the last dimension
             contiguous, batch and s_q foldable into one token dimension without a copy.
-        kv_cache: the latent cache ``[num_blocks, page_size, 1, 576]`` (FlashMLA's) or
-            ``[num_blocks, page_size, 576]`` (vLLM's), of q's dtype: a token's key is its
-            whole vector ``[kv_c, k_pe]``, its value ``kv_c``. Or DeepSeek-V3.2's fp8
-            cache (vLLM's ``"fp8_ds_mla"``, FlashMLA's fp8 sparse cache): ``[num_blocks,
-            page_size, (1,) 656]`` of a 1-byte dtype (uint8, int8, float8_e4m3fn), each
-            token kv_c's 512 e4m3 values, their four float32 scales (one per 128 values,
-            value = fp8 * scale, any float32: vLLM's writer does not round them to powers
-            of two) and k_pe's 64 bfloat16 values, as ``cupaged.concat_and_cache_mla(..,
-            "fp8_ds_mla")`` writes them; q bfloat16. Each fp8 value times its scale is
-            rounded to bfloat16 before the products. Page sizes: powers of two from 1 to
-            256 (FlashMLA's and vLLM's sparse caches use 64).
+            DeepSeek-V3.2 (d_qk 576): each head's absorbed query (``W_UK q_nope``, 512
+            values) then its ``q_pe`` (64). DeepSeek-V4 (d_qk 512, over its caches below):
+            the 512 values with the 64 rotary dims inside.
+        kv_cache: the latent cache ``[num_blocks, page_size, 1, width]`` (FlashMLA's) or
+            ``[num_blocks, page_size, width]`` (vLLM's), one of:
+
+            - q's dtype, width 576: a token's key is its whole vector ``[kv_c, k_pe]``,
+              its value ``kv_c``.
+            - DeepSeek-V3.2's fp8 cache (``"fp8_ds_mla"``, vLLM's name, FlashMLA's fp8
+              sparse cache), width 656: each token kv_c's 512 e4m3 values, their four
+              float32 scales (one per 128 values, value = fp8 * scale, any float32:
+              vLLM's writer does not round them to powers of two) and k_pe's 64 bfloat16
+              values; key ``[kv_c, k_pe]``, value kv_c.
+            - DeepSeek-V4's ``"v4_fp8"``, width 528: the token's 512 values in e4m3, then
+              16 ue8m0 scales (one per 32 values: value = fp8 * 2^(byte - 127)); or
+              ``"v4_fp4"``, width 288: the 512 values in e2m1 (value 2i in the low nibble
+              of byte i), then 32 e4m3 scales (one per 16 values). The key is the whole
+              512-dim vector and so is the value (d_qk = d_v = 512).
+
+            The row formats are 1-byte storage (uint8, int8, float8_e4m3fn), as
+            ``cupaged.concat_and_cache_mla(.., kv_cache_dtype)`` writes them
+            (``cupaged.reference.quantize_sparse_kv`` states the bytes), and take
+            bfloat16 q. Each value is widened to bfloat16 as FlashMLA dequantizes
+            fp8_ds_mla: the stored value times its scale in float32, rounded to bfloat16
+            once. For V4's formats that float32 product is exact, so a key is
+            ``reference.dequantize_sparse_kv``'s value rounded to bfloat16: exactly it
+            for every v4_fp4 value and every v4_fp8 value bfloat16 holds (all that the
+            writer stores from 16-bit sources); a v4_fp8 product of 2^128 or more reads
+            as +-inf, one under 2^-126 rounds to bfloat16's subnormals, a scale byte 0xFF
+            (ue8m0's NaN) reads as NaN. Page sizes: powers of two from 1 to 256 (vLLM's
+            and FlashMLA's sparse caches use 64).
         indices: int32 ``[batch, s_q, topk]``: each a global slot ``block * page_size +
             offset`` (no block table), -1 an entry that does not count. Any other index
             outside the cache is a fault: it is never read, and every head of its token
@@ -54,14 +74,13 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
             alone, as FlashMLA reports it (``np.logaddexp(lse, sink)`` is the whole
             denominator's, :func:`cupaged.attention`'s ``sinks`` convention). A sink of
             +inf gives zeros, -inf changes nothing.
-        kv_cache_dtype: ``"auto"`` (q's dtype, or ``"fp8_ds_mla"`` for a 1-byte cache of
-            656-byte rows) or ``"fp8_ds_mla"``. DeepSeek-V4's ``"v4_fp8"`` and
-            ``"v4_fp4"`` raise ValueError (concat_and_cache_mla writes them; no kernel
-            reads them).
+        kv_cache_dtype: ``"auto"`` (q's dtype, or for a 1-byte cache the format its width
+            names: 656 ``"fp8_ds_mla"``, 528 ``"v4_fp8"``, 288 ``"v4_fp4"``) or one of
+            those three names.
         out ``[batch, s_q, num_heads, 512]``, lse ``[batch, s_q, num_heads]``.
 
-    Prefill (``flash_mla_sparse_fwd``): ``q [s_q, num_heads, 576]`` (sequences
-    concatenated), ``kv_cache`` the tokens ``[s_kv, 1, 576]`` (or ``[s_kv, 576]``),
+    Prefill (``flash_mla_sparse_fwd``): ``q [s_q, num_heads, d_qk]`` (sequences
+    concatenated), ``kv_cache`` the tokens ``[s_kv, 1, width]`` (or ``[s_kv, width]``),
     ``indices [s_q, 1, topk]`` (or ``[s_q, topk]``) into them, ``topk_length [s_q]``; an
     index outside ``[0, s_kv)`` (-1 or any other) does not count. out ``[s_q, num_heads,
     512]``, lse ``[s_q, num_heads]`` (natural log: FlashMLA's prefill returns it in base 2,
@@ -78,8 +97,12 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
 
     A repeated index counts each time. A row none of whose entries counts gives zeros and
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
-    the statement of the result. Not served: a second cache (V4's ``extra_k_cache``),
-    V4's 512-dim keys and their fp8 / fp4 formats.
+    the statement of the result. The kernels: ``mla_sparse_attention`` (mma.sync, sm_80+)
+    for every cache; on Hopper, for 16-bit and fp8_ds_mla caches with 64 heads or more,
+    ``mla_sparse_attention_sm90`` (wgmma); V4's formats always take the mma.sync kernel.
+    Not served: V4's second cache (``extra_k_cache`` with its own indices and lengths,
+    which ``reference.sparse_mla_attention`` takes as ``extra_kv_cache``), and 16-bit
+    caches of V4's 512-dim tokens (q's dtype, width 512).
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     ``attn_sink`` (by address), workspace and keywords match an earlier successful call's
@@ -118,21 +141,30 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     idx = as_device_array(indices, "indices")
     o = optional_output_array(out, "out")
     lse_a = optional_output_array(lse, "lse")
+    sparse = _sparse_rows(kv_cache_dtype, kc, qa)
+    fmt = None if sparse is None else _dtypes.SPARSE_KV_CACHE_DTYPES[sparse]
+    d_qk = 576 if fmt is None else fmt.values  # q's last dimension
+    width = 576 if fmt is None else fmt.nbytes  # the cache's
     prefill = qa.ndim == 3
     out_shape, lse_shape = qa.shape[:-1] + (512,), qa.shape[:-1]
     if prefill:  # seen as decode: each query token a batch entry of one token
-        qa, kc, idx, o, lse_a = _prefill_as_decode(qa, kc, idx, o, lse_a)
+        qa, kc, idx, o, lse_a = _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk, width)
     if qa.ndim != 4:
-        _fail(f"q must be [batch, s_q, num_heads, 576] (decode) or [s_q, num_heads, 576] "
-              f"(prefill), got shape {qa.shape}")
+        _fail(f"q must be [batch, s_q, num_heads, {d_qk}] (decode) or [s_q, num_heads, "
+              f"{d_qk}] (prefill), got shape {qa.shape}")
     batch, s_q, num_heads = qa.shape[:3]
-    if kc.ndim == 4 and kc.shape[2] != 1:
-        _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
-              f"576], got shape {kc.shape}")
-    if kc.ndim not in (3, 4):
-        _fail(f"kv_cache must be [num_blocks, page_size, 1, 576] or [num_blocks, page_size, "
-              f"576], got shape {kc.shape}")
-    ds_mla = _ds_mla(kv_cache_dtype, kc, qa)
+    if fmt is not None and qa.shape[3] != d_qk:
+        _fail(f"q must be [.., num_heads, {d_qk}] over {sparse} rows (d_qk {d_qk}"
+              f"{': the 64 rotary dims inside the 512' if fmt.rope == 0 else ''}), got "
+              f"shape {qa.shape}")
+    if kc.ndim not in (3, 4) or (kc.ndim == 4 and kc.shape[2] != 1):
+        _fail(f"kv_cache must be [num_blocks, page_size, 1, {width}] or [num_blocks, "
+              f"page_size, {width}], got shape {kc.shape}")
+    if fmt is None and kc.shape[-1] == _dtypes.SPARSE_RANK:
+        _fail(f"kv_cache of {kc.dtype} tokens of 512 dims (DeepSeek-V4's d_qk) is not read: "
+              f"V4's tokens are read from 'v4_fp8' (528-byte) or 'v4_fp4' (288-byte) rows; "
+              f"a 16-bit cache must be [num_blocks, page_size, (1,) 576], got shape "
+              f"{kc.shape}")
     _checks.check_int(idx, "indices")
     if idx.dtype != np.int32:
         _fail(f"indices must be int32, got {idx.dtype}", TypeError)
@@ -173,7 +205,7 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
         None, rows, seq_lens, None,
         None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", fold),
         None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto",
-        ds_mla=ds_mla)
+        sparse_rows=sparse)
     sink = _variants.check_sinks(optional_device_array(attn_sink, "attn_sink"), num_heads,
                                  p.device, "attn_sink", "q")
     variants = (_variants.PLAIN if sink is None
@@ -209,40 +241,48 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     return prep, ptrs
 
 
-def _ds_mla(kv_cache_dtype, kc, qa) -> bool:
-    """Whether the cache holds fp8_ds_mla rows (else it must be of q's dtype)."""
-    if kv_cache_dtype != _dtypes.DS_MLA_KV_CACHE_DTYPE:
-        _dtypes.refuse_sparse_mla(kv_cache_dtype, "sparse_mla_attention")  # V4's formats
-    if not (kv_cache_dtype == "auto" or kv_cache_dtype == _dtypes.DS_MLA_KV_CACHE_DTYPE):
-        _fail(f"kv_cache_dtype must be 'auto' or 'fp8_ds_mla' (DeepSeek-V3.2's fp8 sparse "
-              f"cache), got {kv_cache_dtype!r}")
+# (kv_cache_dtype, its rows' bytes) for the error that lists them
+_ROW_WIDTHS = ", ".join(f"{f.nbytes}-byte {n}" for n, f in _dtypes.SPARSE_KV_CACHE_DTYPES.items())
+
+
+def _sparse_rows(kv_cache_dtype, kc, qa) -> str | None:
+    """The kv_cache_dtype of the cache's token rows (``"fp8_ds_mla"``, ``"v4_fp8"``,
+    ``"v4_fp4"``: named, or with ``"auto"`` a 1-byte cache whose last dimension is one
+    of their widths, 656, 528, 288), or None for a cache of q's dtype."""
+    formats = _dtypes.SPARSE_KV_CACHE_DTYPES
+    if not (kv_cache_dtype == "auto" or (isinstance(kv_cache_dtype, str)
+                                         and kv_cache_dtype in formats)):
+        _fail(f"kv_cache_dtype must be 'auto' or one of DeepSeek's sparse caches "
+              f"({', '.join(map(repr, formats))}), got {kv_cache_dtype!r}")
     one_byte = kc.dtype.itemsize == 1 and (kc.dtype.kind in "ui"
                                            or _dtypes.fp8_of(kc.dtype) is _dtypes.E4M3)
-    if kv_cache_dtype == "auto" and one_byte and kc.shape[-1:] == (_dtypes.DS_MLA_BYTES,):
-        kv_cache_dtype = _dtypes.DS_MLA_KV_CACHE_DTYPE
+    if kv_cache_dtype == "auto" and one_byte:
+        for name, fmt in formats.items():
+            if kc.shape[-1:] == (fmt.nbytes,):
+                kv_cache_dtype = name
     if kv_cache_dtype != "auto":
         if not one_byte:
-            _fail(f"kv_cache dtype {kc.dtype} cannot hold fp8_ds_mla rows: expected a 1-byte "
-                  f"dtype (uint8, int8 or float8_e4m3fn)", TypeError)
-        return True
+            _fail(f"kv_cache dtype {kc.dtype} cannot hold {kv_cache_dtype} rows: expected a "
+                  f"1-byte dtype (uint8, int8 or float8_e4m3fn)", TypeError)
+        return kv_cache_dtype
     if kc.dtype != qa.dtype:
         _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}), or a 1-byte dtype of "
-              f"656-byte fp8_ds_mla rows (kv_cache_dtype 'fp8_ds_mla'); per-tensor fp8 "
-              f"caches are not read by sparse_mla_attention", TypeError)
-    return False
+              f"DeepSeek's sparse rows ({_ROW_WIDTHS}: name it with kv_cache_dtype); "
+              f"per-tensor fp8 caches are not read by sparse_mla_attention", TypeError)
+    return None
 
 
-def _prefill_as_decode(qa, kc, idx, o, lse_a):
-    """FlashMLA's sparse prefill arrays (q ``[s_q, heads, 576]``, kv ``[s_kv, 1, 576]`` or
-    ``[s_kv, 576]``, indices ``[s_q, 1, topk]`` or ``[s_q, topk]``, out ``[s_q, heads,
+def _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk: int = 576, width: int = 576):
+    """FlashMLA's sparse prefill arrays (q ``[s_q, heads, d_qk]``, kv ``[s_kv, 1, width]``
+    or ``[s_kv, width]``, indices ``[s_q, 1, topk]`` or ``[s_q, topk]``, out ``[s_q, heads,
     512]``, lse ``[s_q, heads]``), checked, as views of the decode form: each query token
     a batch entry of one token, the tokens of kv as blocks of one token (a slot is a
     token: one specialization for every s_kv, and the views cover kv's memory exactly)."""
     if kc.ndim == 3 and kc.shape[1] == 1:
         kc = _arrays.StridedView(kc, (kc.shape[0], kc.shape[2]), (kc.strides[0], kc.strides[2]))
     if kc.ndim != 2:
-        _fail(f"kv must be [s_kv, 1, 576] or [s_kv, 576] for the prefill interface (q "
-              f"[s_q, num_heads, 576]), got shape {kc.shape}")
+        _fail(f"kv must be [s_kv, 1, {width}] or [s_kv, {width}] for the prefill interface "
+              f"(q [s_q, num_heads, {d_qk}]), got shape {kc.shape}")
     s_kv = kc.shape[0]
     kv = _arrays.StridedView(kc, (s_kv, 1, kc.shape[1]),
                              (kc.strides[0], kc.strides[0], kc.strides[1]))

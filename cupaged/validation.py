@@ -428,11 +428,13 @@ def _mla_part(a, name: str, lead: tuple, what: str):
 
 
 def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc, out,
-                 lse, kv_lora_rank, kv_cache_dtype, ds_mla: bool = False) -> MlaProblem:
+                 lse, kv_lora_rank, kv_cache_dtype,
+                 sparse_rows: str | None = None) -> MlaProblem:
     """mla_attention's arguments (adapted arrays; ``q`` an array or a (latent, rope)
-    pair): metadata only, nothing read on the device. ``ds_mla``: the cache holds
-    DeepSeek-V3.2's 656-byte fp8_ds_mla rows (the sparse kernel's; checked by the caller
-    to be a 1-byte array), the query bfloat16."""
+    pair): metadata only, nothing read on the device. ``sparse_rows``: the cache holds
+    DeepSeek's token rows of that kv_cache_dtype (the sparse kernel's: V3.2's 656-byte
+    "fp8_ds_mla", V4's 528-byte "v4_fp8" or 288-byte "v4_fp4"; checked by the caller to be
+    a 1-byte array), the query bfloat16."""
     pair = isinstance(q, tuple)
     q_lat, q_rope = q if pair else (q, q)
     q_name = "q_nope" if pair else "q"
@@ -448,11 +450,14 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
               TypeError)
     # The cache's element type: the query's, or fp8 (named by kv_cache_dtype or its dtype).
     names = ("kv_cache", "k_pe_cache" if k_pe_cache is not None else "kv_cache")
-    if ds_mla:
-        cdt = _dtypes.DS_MLA
+    rows = None if sparse_rows is None else _dtypes.SPARSE_KV_CACHE_DTYPES[sparse_rows]
+    if rows is not None:
+        cdt = rows.dtype
         if dt is not _dtypes.BF16:
-            _fail(f"fp8_ds_mla caches take bfloat16 queries (their k_pe is bfloat16), got "
-                  f"{q_lat.dtype}", TypeError)
+            why = ("their k_pe is bfloat16" if rows.dtype is _dtypes.DS_MLA
+                   else "the kernel widens them to bfloat16")
+            _fail(f"{sparse_rows} caches take bfloat16 queries ({why}), got {q_lat.dtype}",
+                  TypeError)
     else:
         cdt = _kvquant.cache_dtype(kv_cache_dtype, kv_cache,
                                    kv_cache if k_pe_cache is None else k_pe_cache, dt, names)
@@ -468,11 +473,11 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
         _fail(f"kv_cache must be 3-D [num_blocks, block_size, kv_lora_rank + rope_dim] (or "
               f"[.., kv_lora_rank] with k_pe_cache), got shape {kv_cache.shape}")
     num_blocks, block_size, width = kv_cache.shape
-    if ds_mla:
-        if width != _dtypes.DS_MLA_BYTES:
-            _fail(f"kv_cache's fp8_ds_mla rows must be {_dtypes.DS_MLA_BYTES} bytes a token, "
+    if rows is not None:
+        if width != rows.nbytes:
+            _fail(f"kv_cache's {sparse_rows} rows must be {rows.nbytes} bytes a token, "
                   f"got shape {kv_cache.shape}")
-        rank, rope = 512, 64
+        rank, rope = _dtypes.SPARSE_RANK, rows.rope
         c_rope = kv_cache
     elif k_pe_cache is None:
         rank = 512 if kv_lora_rank is None else kv_lora_rank
@@ -487,7 +492,7 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
             _fail(f"kv_lora_rank {kv_lora_rank} does not match kv_cache's last dimension "
                   f"{rank} (with k_pe_cache, kv_cache holds kv_c alone)")
         c_rope = k_pe_cache
-    if rank not in MLA_RANKS or rope not in MLA_ROPE_DIMS:
+    if rows is None and (rank not in MLA_RANKS or rope not in MLA_ROPE_DIMS):
         hint = (" (with k_pe_cache, kv_cache holds kv_c alone)"
                 if k_pe_cache is not None and rank == 576 else "")
         _fail(f"kv_lora_rank {rank} with rope_dim {rope} is not supported: mla_attention is "
@@ -511,7 +516,9 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
     else:
         if q_lat.shape[2] != rank + rope:
             _fail(f"q's last dimension ({q_lat.shape[2]}) must be kv_lora_rank + rope_dim "
-                  f"({rank} + {rope})")
+                  f"({rank} + {rope})" if rope else
+                  f"q's last dimension ({q_lat.shape[2]}) must be {rank} (d_qk of "
+                  f"{sparse_rows} rows)")
         q_offsets = (0, rank)
     if num_heads == 0:
         _fail("q must have at least one head")
@@ -523,9 +530,10 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
         qs += _mla_part(q_rope, "q_pe", (total_q, num_heads), "[total_q, num_heads, rope_dim]")
     else:
         qs += qs
-        _checks.check_aligned(q_lat.data.ptr + rank * dt.itemsize, "q's rotary part")
+        if rope:
+            _checks.check_aligned(q_lat.data.ptr + rank * dt.itemsize, "q's rotary part")
     cs = _mla_part(kv_cache, "kv_cache", (), "")
-    if ds_mla:  # one row holds the token: the kernel finds its parts
+    if rows is not None:  # one row holds the token: the kernel finds its parts
         c_offsets = (0, 0)
         cs += cs
     elif k_pe_cache is None:

@@ -397,7 +397,8 @@ def _sparse_on_host(monkeypatch, calls, wrong=False):
 
     def attend(q, kv, indices, *, scale, out, **kw):
         calls.append(dict(q=q, kv=kv, indices=indices, scale=scale, **kw))
-        fmt = "fp8_ds_mla" if kv.dtype == np.uint8 else "auto"
+        fmt = {656: "fp8_ds_mla", 528: "v4_fp8", 288: "v4_fp4"}[kv.shape[-1]] \
+            if kv.dtype == np.uint8 else "auto"
         out[...] = np.nan if wrong else reference.sparse_mla_attention(
             q, kv, indices, scale=scale, kv_format=fmt)
         return out
@@ -420,6 +421,13 @@ def test_sparse_presets_and_accounting():
     ds = bench_sparse.SparseCase("x", heads=4, batch=3, s_q=2, topk=10, context=50,
                                  kv_cache_dtype="fp8_ds_mla")
     assert ds.bytes_moved() == 6 * 10 * 656 + 6 * 4 * 2 * (576 + 512)
+    for fmt, width in (("v4_fp8", 528), ("v4_fp4", 288)):  # 512-dim q and keys
+        v4 = bench_sparse.SparseCase("x", heads=4, batch=3, s_q=2, topk=10, context=50,
+                                     kv_cache_dtype=fmt)
+        assert v4.bytes_moved() == 6 * 10 * width + 6 * 4 * 2 * (512 + 512)
+        assert v4.flops() == 2.0 * 6 * 4 * 10 * (512 + 512)
+        assert f"bfloat16 q, {fmt} cache" in v4.describe()
+    assert bench_sparse.KV_CACHE_DTYPES == ("auto", "fp8_ds_mla", "v4_fp8", "v4_fp4")
     for kw, msg in ((dict(topk=60), "topk \\(60\\) must be at most context"),
                     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
                     (dict(prefill=True), "a prefill case is one sequence")):
@@ -427,7 +435,7 @@ def test_sparse_presets_and_accounting():
             bench_sparse.SparseCase("x", **{**dict(batch=3, topk=10, context=50), **kw})
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla", "v4_fp8", "v4_fp4"])
 @pytest.mark.parametrize("prefill", [False, True])
 def test_sparse_case_is_checked_then_timed(monkeypatch, kv_cache_dtype, prefill):
     """Each query token's indices are distinct tokens of its own sequence's blocks; the
@@ -447,20 +455,58 @@ def test_sparse_case_is_checked_then_timed(monkeypatch, kv_cache_dtype, prefill)
     for i in range(len(blocks_of)):  # a sequence's tokens live in its own blocks
         for j in range(i):
             assert not blocks_of[i] & blocks_of[j]
-    width = 656 if kv_cache_dtype == "fp8_ds_mla" else 576
+    width = {"auto": 576, "fp8_ds_mla": 656, "v4_fp8": 528, "v4_fp4": 288}[kv_cache_dtype]
+    d = 512 if kv_cache_dtype.startswith("v4") else 576
     c.arrays.clear()
     (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged"], reps=3,
                                   copy_bw=1e12)
     assert row.note == "" and row.error < 1e-2 and row.median_us == 100.0, row
+    assert row.case == "x" + {"auto": "", "fp8_ds_mla": "/ds", "v4_fp8": "/v4fp8",
+                              "v4_fp4": "/v4fp4"}[kv_cache_dtype]
     assert calls[0]["kv"].shape[-1] == width and calls[0]["kv"].ndim == (3 if prefill else 4)
-    assert calls[0]["q"].shape == ((7, 4, 576) if prefill else (3, 2, 4, 576))
+    assert calls[0]["q"].shape == ((7, 4, d) if prefill else (3, 2, 4, d))
     bench_sparse = _sparse_on_host(monkeypatch, [], wrong=True)
     (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged"], reps=3)
     assert row.note == "WRONG" and row.median_us != row.median_us
 
 
+@pytest.mark.parametrize("fmt", ["v4_fp8", "v4_fp4"])
+def test_the_sm90_runner_names_v4_rows_it_cannot_time(monkeypatch, fmt):
+    """cupaged-sm90 over V4's rows is a row note (the wgmma kernel does not read them), not
+    the mma.sync kernel's time under the wgmma kernel's name; cupaged-mma times them."""
+    from cupaged import planning
+
+    bench_sparse = _sparse_on_host(monkeypatch, [])
+    monkeypatch.setattr(planning, "device_info",
+                        lambda i: planning.DeviceInfo(i, "sm_90", 132, 232448, 233472))
+    kw = dict(heads=4, batch=3, s_q=1, topk=20, context=70, block_size=16, kv_cache_dtype=fmt)
+    sm90, mma = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)],
+                                     ["cupaged-sm90", "cupaged-mma"], reps=3)
+    assert f"the wgmma kernel does not read {fmt} rows" in sm90.note
+    assert math.isnan(sm90.median_us) and mma.note == "" and mma.median_us == 100.0
+
+
+def test_sparse_cli_takes_v4_rows_by_name(monkeypatch):
+    """--kv-cache-dtype v4_fp8 / v4_fp4 make rows of V4's caches in each preset's shape;
+    without it, V3.2's two caches."""
+    seen = []
+    monkeypatch.setattr(cli, "_mla_table", lambda cases, measure: seen.append(cases))
+    argv = ["sparse-mla", "--preset", "dsa-16h", "--preset", "dsa-prefill-128h"]
+    r = CliRunner().invoke(main, [*argv, "--kv-cache-dtype", "v4_fp8", "--kv-cache-dtype",
+                                  "v4_fp4", "--topk", "512"])
+    assert r.exit_code == 0, r.output
+    assert [(c.name, c.kv_cache_dtype, c.topk, c.d_qk) for c in seen[0]] == [
+        ("dsa-16h", "v4_fp8", 512, 512), ("dsa-16h", "v4_fp4", 512, 512),
+        ("dsa-prefill-128h", "v4_fp8", 512, 512), ("dsa-prefill-128h", "v4_fp4", 512, 512)]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    assert [c.kv_cache_dtype for c in seen[1]] == ["auto", "fp8_ds_mla"] * 2
+    r = CliRunner().invoke(main, [*argv, "--kv-cache-dtype", "fp8"])
+    assert r.exit_code == 2 and "'fp8' is not one of" in r.output
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla", "v4_fp8", "v4_fp4"])
 @pytest.mark.parametrize("prefill", [False, True])
 def test_sparse_benchmark_checks_what_it_times_on_the_gpu(kv_cache_dtype, prefill):
     """cupaged-bench sparse-mla's cases, small: built, checked against the reference and

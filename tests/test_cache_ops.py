@@ -1786,20 +1786,20 @@ REFUSALS = {
                   r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
                   r"sparse_mla_attention only",
     "v4_fp8": r"kv_cache_dtype='v4_fp8' \(DeepSeek-V4's fp8 sparse MLA cache\) is written by "
-              r"concat_and_cache_mla and copied by copy_blocks_mla / swap_blocks only \(no "
-              r"kernel reads it\)",
+              r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
+              r"sparse_mla_attention only",
     "v4_fp4": r"kv_cache_dtype='v4_fp4' \(DeepSeek-V4's fp4 sparse MLA cache\) is written by "
-              r"concat_and_cache_mla and copied by copy_blocks_mla / swap_blocks only \(no "
-              r"kernel reads it\)",
+              r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
+              r"sparse_mla_attention only",
 }
 
 
 @pytest.mark.parametrize("fmt", SPARSE_FORMATS)
 def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
-    """concat_and_cache_mla writes the formats and sparse_mla_attention reads fp8_ds_mla:
-    every other entry point that takes a kv_cache_dtype names the format in its refusal
-    (sparse_mla_attention too for V4's), and kernel specs take the cache types where a
-    kernel has them."""
+    """concat_and_cache_mla writes the formats and sparse_mla_attention reads them: every
+    other entry point that takes a kv_cache_dtype names the format in its refusal, and
+    kernel specs take the cache types where a kernel has them (the wgmma sparse kernel
+    V3.2's alone)."""
     from cupaged import jit, sparse_mla, validation
     from test_validation import args as dargs
 
@@ -1821,19 +1821,20 @@ def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
         cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype=fmt)
     with pytest.raises(ValueError, match=said):
         cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype=fmt)
-    if fmt != "fp8_ds_mla":
-        with pytest.raises(ValueError, match=said + ": sparse_mla_attention does not take it"):
-            sparse_mla._ds_mla(fmt, cache, q)
+    assert sparse_mla._sparse_rows(fmt, cache, q) == fmt
+    assert sparse_mla._sparse_rows("auto", cache, q) == fmt  # found by its width
     takers = ("concat_and_cache_mla, mla_sparse_attention, mla_sparse_attention_sm90"
-              if fmt == "fp8_ds_mla" else "concat_and_cache_mla")
+              if fmt == "fp8_ds_mla" else "concat_and_cache_mla, mla_sparse_attention")
     name = SPARSE_NAMES[fmt]
     with pytest.raises(ValueError, match=f"is taken by {takers} only"):
         jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype=name, index_dtype="i64")
     with pytest.raises(ValueError, match=f"is taken by {takers} only"):
         jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype=name)
     if fmt != "fp8_ds_mla":
-        with pytest.raises(ValueError, match="is taken by concat_and_cache_mla only"):
-            jit.KernelSpec("mla_sparse_attention", "bf16", 512, 16, cache_dtype=name)
+        with pytest.raises(ValueError, match=f"is taken by {takers} only"):
+            jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 16, cache_dtype=name)
+    spec = jit.KernelSpec("mla_sparse_attention", "bf16", 512, 16, cache_dtype=name)
+    assert spec.rope_dim == (64 if fmt == "fp8_ds_mla" else 0)
 
 
 @pytest.mark.parametrize("fmt", SPARSE_FORMATS)

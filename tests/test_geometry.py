@@ -96,15 +96,26 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     for s in sm90:
         assert geometry.MlaSm90Geometry.of(s).fits(s.arch), (s.name, geometry.MlaSm90Geometry.of(s).smem_bytes)
     geometry.check_against_kernel([s for s in sm90 if s.block_size == 64])
-    # The sparse forms (DSA): the mma.sync kernel over 16-bit caches and fp8_ds_mla rows
-    # (bfloat16 only: 656-byte stage rows), the wgmma one on sm_90a over both.
+    # The sparse forms (DSA): the mma.sync kernel over 16-bit caches and DeepSeek's token
+    # rows (bfloat16 only: V3.2's 656-byte fp8_ds_mla rows, rope 64; V4's 528-byte v4_fp8
+    # and 288-byte v4_fp4 rows, rope 0: 512-dim keys), the wgmma one on sm_90a over 16-bit
+    # caches and fp8_ds_mla. Smaller stage rows leave room for more shapes: V4's fit the
+    # (rows, tile, stages) shapes of 14 / 16 on sm_80 and 18 on sm_90.
     sparse = [s for s in ALL if s.kernel == "mla_sparse_attention"]
     ds = [s for s in sparse if s.cache_dtype == "dsmla"]
     assert {s.dtype for s in ds} == {"bf16"} and len(ds) == 9 * (13 + 17)
+    width = {"dsmla": 656, "v4fp8": 528, "v4fp4": 288}
+    for cache, n in (("v4fp8", 9 * (14 + 18)), ("v4fp4", 9 * (16 + 18))):
+        v4 = [s for s in sparse if s.cache_dtype == cache]
+        assert len(v4) == n and {(s.dtype, s.head_size, s.rope_dim) for s in v4} == {
+            ("bf16", 512, 0)}, cache
     for s in sparse:
         g = geometry.MlaGeometry.of(s)
         assert g.violations() == [] and g.fits(s.arch), (s.name, g.smem_bytes)
-        assert g.token_bytes == (656 if s in ds else 0), s.name
+        assert g.token_bytes == width.get(s.cache_dtype, 0), s.name
+        assert s.rope_dim == (0 if s.cache_dtype.startswith("v4") else 64), s.name
+    covered = {(s.cache_dtype, s.arch) for s in COVER if s.kernel == "mla_sparse_attention"}
+    assert {(c, a) for c in ("v4fp8", "v4fp4") for a in ARCHS} <= covered  # CI compiles them
     sparse90 = [s for s in ALL if s.kernel == "mla_sparse_attention_sm90"]
     assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 3 * 9
     assert {s.cache_dtype for s in sparse90} == {"f16", "bf16", "dsmla"}
@@ -189,7 +200,9 @@ def test_specialization_names_are_unique():
     # only: 2 dtypes x 3 cache types (the query's, 2 fp8 formats) x 9 block sizes;
     # mla_sparse_attention as many as mla_attention over 16-bit caches, and over
     # fp8_ds_mla rows (bfloat16 only) 9 block sizes x the shapes that hold their 656-byte
-    # stage rows beside a widened tile (13 on sm_80, 17 on sm_90); mla_sparse_attention_sm90
+    # stage rows beside a widened tile (13 on sm_80, 17 on sm_90), over V4's 528-byte
+    # v4_fp8 rows 9 x (14 + 18) and 288-byte v4_fp4 rows 9 x (16 + 18) (512-dim keys, a
+    # smaller Q and widened tile); mla_sparse_attention_sm90
     # for sm_90a only: 2 dtypes x 9 block sizes over 16-bit caches, 9 over fp8_ds_mla. Head
     # sizes over 256 add
     # 23,866 decode specializations (both targets) for each of 7 variants, and 9,088
@@ -198,7 +211,7 @@ def test_specialization_names_are_unique():
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
                                                           + 1) + 228 * 5 + 114 * 2 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
-        + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 2 * 9 + 9
+        + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18) + 2 * 9 + 9
 
 
 # ---- the covering set ------------------------------------------------------------------------

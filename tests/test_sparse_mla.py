@@ -2,7 +2,8 @@
 its checks on array metadata alone (CPU), and on the GPU against the float64 reference
 (reference.sparse_mla_attention) over -1 entries, repeated indices, block boundaries,
 topk_length, topk not a multiple of a tile, split-KV, stale NaN in unselected slots, an
-index outside the cache (its token's rows NaN, no other), rows with no entry."""
+index outside the cache (its token's rows NaN, no other), rows with no entry; over 16-bit
+caches, DeepSeek-V3.2's fp8_ds_mla rows and V4's v4_fp8 / v4_fp4 rows (512-dim keys)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,23 @@ from test_validation import Fake
 
 D = 576
 DS = 656  # an fp8_ds_mla token's bytes
+D_V4 = 512  # DeepSeek-V4's d_qk (and d_v): the rotary dims inside
+ROW_BYTES = {"fp8_ds_mla": DS, "v4_fp8": 528, "v4_fp4": 288}
+FORMAT_OF_WIDTH = {n: f for f, n in ROW_BYTES.items()}
+V4_FORMATS = ("v4_fp8", "v4_fp4")
 SCALE = 1 / np.sqrt(192)
 
 
 def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf16",
-                 flashmla_cache=True, topk_length=None):
+                 flashmla_cache=True, topk_length=None, d=D):
     """Host arrays: q, a cache whose slots no counted index names hold NaN, indices with -1
     entries, a repeated index and both ends of the cache, and topk_length (random unless
-    given; the NaN follows it, so change it only through this argument)."""
+    given; the NaN follows it, so change it only through this argument). ``d``: the
+    tokens' and the query heads' dims."""
     dt = np.float16 if dtype == "f16" else _dtypes.BF16.numpy
     n = blocks * page
-    q = testing.random_normal((batch, s_q, heads, D), dt, rng)
-    cache = testing.random_normal((blocks, page, D), dt, rng)
+    q = testing.random_normal((batch, s_q, heads, d), dt, rng)
+    cache = testing.random_normal((blocks, page, d), dt, rng)
     idx = rng.integers(0, n, (batch, s_q, topk)).astype(np.int32)
     idx[rng.random(idx.shape) < 0.15] = -1
     idx[0, 0, :4] = [0, n - 1, page - 1, page][:min(topk, 4)]
@@ -40,7 +46,7 @@ def host_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, dtype="bf1
     named = np.zeros(n, bool)  # the slots a counted entry names: the others hold NaN
     counted = np.arange(topk)[None, None, :] < np.minimum(tl, topk)[:, None, None]
     named[idx[(idx >= 0) & counted]] = True
-    cache.reshape(n, D)[~named] = np.nan  # never read: no NaN may leak
+    cache.reshape(n, d)[~named] = np.nan  # never read: no NaN may leak
     if flashmla_cache:
         cache = cache[:, :, None]
     return dict(q=q, kv_cache=cache, indices=idx, topk_length=tl)
@@ -66,11 +72,49 @@ def ds_problem(rng, batch, s_q, heads, topk, *, page=64, blocks=12, flashmla_cac
     return dict(h, kv_cache=rows[:, :, None] if flashmla_cache else rows)
 
 
+def v4_problem(rng, fmt, batch, s_q, heads, topk, *, page=64, blocks=12, flashmla_cache=True,
+               topk_length=None):
+    """host_problem over one of DeepSeek-V4's caches (bfloat16 q of 512 dims): the tokens as
+    the bytes V4's writer lays down (reference.quantize_sparse_kv), each group of 32 values
+    2^-6 to 1 in size (scales of their own), and the slots no counted entry names stale:
+    every byte 0xFF (NaN scales; NaN e4m3 values in v4_fp8) or, every other such v4_fp8
+    slot, +-448 under the scale 2^127 (+-inf once widened)."""
+    h = host_problem(rng, batch, s_q, heads, topk, page=page, blocks=blocks,
+                     flashmla_cache=False, topk_length=topk_length, d=D_V4)
+    n = blocks * page
+    named = ~np.isnan(h["kv_cache"].astype(np.float32)).any(-1).reshape(-1)
+    clean = testing.random_normal((n, D_V4), np.float32, rng)
+    clean *= np.repeat(2.0 ** rng.integers(-6, 1, (n, D_V4 // 32)), 32, 1)
+    rows = reference.quantize_sparse_kv(clean, fmt)
+    stale = np.flatnonzero(~named)
+    rows[stale] = 0xFF
+    if fmt == "v4_fp8":
+        inf = stale[::2]
+        rows[inf, :512] = rng.choice(np.array([0x7E, 0xFE], np.uint8), (len(inf), 512))
+        rows[inf, 512:] = 0xFE
+    rows = rows.reshape(blocks, page, ROW_BYTES[fmt])
+    return dict(h, kv_cache=rows[:, :, None] if flashmla_cache else rows)
+
+
+def problem(fmt, rng, *args, **kw):
+    """host_problem over a cache of ``fmt``: "bf16" / "f16" (q's dtype), "fp8_ds_mla"
+    (ds_problem) or one of V4's (v4_problem)."""
+    if fmt in V4_FORMATS:
+        return v4_problem(rng, fmt, *args, **kw)
+    if fmt == "fp8_ds_mla":
+        return ds_problem(rng, *args, **kw)
+    return host_problem(rng, *args, dtype=fmt, **kw)
+
+
+def kv_format(cache) -> str:
+    """The reference's kv_format of a test cache: a 1-byte one's by its row width."""
+    return FORMAT_OF_WIDTH[cache.shape[-1]] if cache.dtype == np.uint8 else "auto"
+
+
 def reference_of(h, with_length=True, sink=None):
-    ds = h["kv_cache"].dtype == np.uint8
     return reference.sparse_mla_attention(h["q"], h["kv_cache"], h["indices"], scale=SCALE,
                                           topk_length=h["topk_length"] if with_length else None,
-                                          kv_format="fp8_ds_mla" if ds else "auto",
+                                          kv_format=kv_format(h["kv_cache"]),
                                           attn_sink=sink, return_lse=True)
 
 
@@ -158,6 +202,188 @@ def test_fp8_ds_mla_caches_are_accepted(adapt):
                  lse=np.zeros((2, 3, 16), np.float32)) == (None, None)
 
 
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+def test_v4_caches_are_accepted(adapt, fmt):
+    """DeepSeek-V4's rows under bfloat16 q of 512 dims, as uint8, int8 or float8_e4m3fn, in
+    both cache forms, named or found by their width under "auto"; the prefill interface's
+    kv too; out [.., 512] and lse."""
+    import ml_dtypes
+
+    bf16 = _dtypes.BF16.numpy
+    w = ROW_BYTES[fmt]
+    q = np.zeros((2, 3, 16, D_V4), bf16)
+    for dt in (np.uint8, np.int8, ml_dtypes.float8_e4m3fn):
+        for shape in ((10, 64, 1, w), (10, 64, w)):
+            for named in ("auto", fmt):
+                assert adapt(q=q, kv_cache=np.zeros(shape, dt), kv_cache_dtype=named) == \
+                    (None, None)
+    for kv in (np.zeros((100, 1, w), np.uint8), np.zeros((37, w), np.uint8)):
+        assert adapt(q=np.zeros((6, 16, D_V4), bf16), kv_cache=kv,
+                     indices=np.zeros((6, 1, 32), np.int32), topk_length=np.zeros(6, np.int32),
+                     out=np.zeros((6, 16, 512), bf16), lse=np.zeros((6, 16), np.float32)) == \
+            (None, None)
+    assert adapt(q=q, kv_cache=np.zeros((10, 64, 1, w), np.uint8),
+                 topk_length=np.zeros(2, np.int32), out=np.zeros((2, 3, 16, 512), bf16),
+                 lse=np.zeros((2, 3, 16), np.float32)) == (None, None)
+
+
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+@pytest.mark.parametrize("case, exc, match", [
+    (dict(q=(2, 3, 16, D)), ValueError,
+     "q must be \\[\\.\\., num_heads, 512\\] over {fmt} rows \\(d_qk 512: the 64 rotary dims "
+     "inside the 512\\), got shape \\(2, 3, 16, 576\\)"),
+    (dict(q_dtype=np.float16), TypeError,
+     "{fmt} caches take bfloat16 queries \\(the kernel widens them to bfloat16\\), got float16"),
+    (dict(other_width=True), ValueError,
+     "kv_cache's {fmt} rows must be {w} bytes a token, got shape \\(10, 64, {other}\\)"),
+    (dict(cache_dtype=_dtypes.BF16.numpy), TypeError,
+     "kv_cache dtype bfloat16 cannot hold {fmt} rows: expected a 1-byte dtype"),
+    (dict(cache_shape=(10, 64, 2)), ValueError,
+     "kv_cache must be \\[num_blocks, page_size, 1, {w}\\] or \\[num_blocks, page_size, {w}\\]"),
+    (dict(prefill=True), ValueError,
+     "kv must be \\[s_kv, 1, {w}\\] or \\[s_kv, {w}\\] for the prefill interface \\(q "
+     "\\[s_q, num_heads, 512\\]\\)"),
+    (dict(out=(2, 3, 16, D)), ValueError,
+     "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\)"),
+    (dict(pad=8), ValueError, "kv_cache's strides must be multiples of 16 bytes"),
+])
+def test_v4_refusals_name_the_argument(adapt, fmt, case, exc, match):
+    """A wrong q head size, q dtype, row width, cache dtype or shape, prefill kv, out: each
+    refused before anything launches, naming the argument and the expected shape."""
+    bf16 = _dtypes.BF16.numpy
+    w = ROW_BYTES[fmt]
+    other = ROW_BYTES["v4_fp4" if fmt == "v4_fp8" else "v4_fp8"]  # the other format's rows
+    named = case.get("other_width") or case.get("cache_dtype") is not None
+    width = other if case.get("other_width") else w
+    shape = (*case.get("cache_shape", (10, 64, 1)), width)
+    if case.get("prefill"):
+        shape = (10, 64, 1, w)  # 4-D: a paged cache, not kv's [s_kv, (1,) width]
+    root = np.zeros((*shape[:-1], width + case.get("pad", 0)), case.get("cache_dtype", np.uint8))
+    over = dict(q=np.zeros(case.get("q", (6, 16, D_V4) if case.get("prefill")
+                                     else (2, 3, 16, D_V4)), case.get("q_dtype", bf16)),
+                kv_cache=root[..., :width],
+                kv_cache_dtype=fmt if named else "auto")
+    if case.get("prefill"):
+        over["indices"] = np.zeros((6, 32), np.int32)
+    if "out" in case:
+        over["out"] = np.zeros(case["out"], bf16)
+    with pytest.raises(exc, match=match.format(fmt=fmt, w=w, other=other)):
+        adapt(**over)
+
+
+def test_v4_specs_name_their_rows_and_refuse_a_rope():
+    """The spec of a V4 reader: rope 0 (the rotary dims inside the 512), its cache type in
+    its name and name expression; a rope_dim of 64 refused, fp8_ds_mla's 64 kept."""
+    from cupaged import jit
+
+    for fmt, name, cxx in (("v4_fp8", "v4fp8", "v4_fp8_t"), ("v4_fp4", "v4fp4", "v4_fp4_t")):
+        s = jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, cache_dtype=name, arch="sm_80")
+        assert s.rope_dim == 0
+        assert s.name == f"mla_sparse_attention_bf16_{name}_hs512_rope0_bs64_r16t32x2_sm80"
+        assert s.name_expression == (f"cupaged::mla_sparse_attention<cupaged::bfloat16_t, "
+                                     f"cupaged::{cxx}, 512, 0, 64, 16, 32, 2>")
+        with pytest.raises(ValueError, match=f"cache_dtype '{name}' holds the rotary dims inside "
+                                             f"its 512: rope_dim must be 0"):
+            jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rope_dim=64, cache_dtype=name)
+        with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, "
+                                             "mla_sparse_attention only"):
+            jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, cache_dtype=name)
+    assert jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, cache_dtype="dsmla").rope_dim == 64
+    with pytest.raises(ValueError, match="cache_dtype 'dsmla' holds 64 rotary dims: rope_dim "
+                                         "must be 64"):
+        jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rope_dim=32, cache_dtype="dsmla")
+
+
+def _planned(monkeypatch, device_arch, arch):
+    """plan_mla's kernels on a device of ``arch`` as a list of what it built: the mma.sync
+    kernel's spec, or "sm90" for the wgmma one (nothing compiled or loaded)."""
+    from cupaged import jit
+    from cupaged.specs import geometry
+
+    device_arch(arch)
+    built = []
+
+    def mma(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse=False):
+        spec = jit.KernelSpec("mla_sparse_attention" if sparse else "mla_attention", dtype, rank,
+                              block_size, rope_dim=rope, rows=tile[0], tile_tokens=tile[1],
+                              stages=tile[2], cache_dtype=cache_dtype, arch=arch)
+        built.append(spec)
+        return planning.MlaKernel(None, spec, geometry.MlaGeometry.of(spec).smem_bytes, 132)
+
+    def sm90(*a, **k):
+        built.append("sm90")
+        return planning.MlaKernel(None, None, 0, 132)
+
+    monkeypatch.setattr(planning, "mla_kernel", mma)
+    monkeypatch.setattr(planning, "mla_sm90_kernel", sm90)
+    return built
+
+
+@pytest.mark.parametrize("family", [None, "sm90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+def test_v4_rows_are_planned_on_the_mma_kernel(monkeypatch, device_arch, fmt, arch, family):
+    """The wgmma kernel does not read V4's rows: 16, 64 and 128 heads take
+    mla_sparse_attention in the planner's tile for 512-dim keys and the format's row bytes
+    (rope 0), on Hopper too and under set_mla_family("sm90"); fp8_ds_mla at 128 heads
+    still takes the wgmma kernel there."""
+    built = _planned(monkeypatch, device_arch, arch)
+    name = _dtypes.SPARSE_KV_CACHE_DTYPES[fmt].dtype.name
+    planning.set_mla_family(family)
+    planning.set_mla_split(0)
+    try:
+        for heads in (16, 64, 128):
+            plan = planning.plan_mla(0, "bf16", name, 512, 0, 64, 4, 4, heads, 1, 2048,
+                                     sparse=True)
+            rows, tile, stages = planning.mla_tile(arch, heads, 1, ROW_BYTES[fmt], 0)
+            assert built[-1].name == (f"mla_sparse_attention_bf16_{name}_hs512_rope0_bs64_"
+                                      f"r{rows}t{tile}x{stages}_{arch.replace('_', '')}")
+            assert plan.grid == (4 * -(-heads // rows), 1, 1) and plan.split_tiles == 0
+        planning.plan_mla(0, "bf16", "dsmla", 512, 64, 64, 4, 4, 128, 1, 2048, sparse=True)
+        assert (built[-1] == "sm90") == (arch == "sm_90")
+    finally:
+        planning.set_mla_family(None)
+        planning.set_mla_split(None)
+
+
+def test_v4_tiles_fit_more_than_fp8_ds_mla():
+    """V4's smaller rows (528 and 288 bytes against 656) and keys (512 dims against 576) leave
+    each target's shared memory room for as deep a ring as fp8_ds_mla's, or deeper."""
+    from cupaged.specs import geometry
+
+    for arch in ("sm_80", "sm_90"):
+        for heads in (16, 64, 128):
+            ds = planning.mla_tile(arch, heads, 1, DS, 64)
+            for fmt in V4_FORMATS:
+                t = planning.mla_tile(arch, heads, 1, ROW_BYTES[fmt], 0)
+                g = geometry.MlaGeometry(512, 0, *t, 1, ROW_BYTES[fmt])
+                assert g.fits(arch) and t[0] == ds[0], (arch, heads, fmt, t)
+                assert t[1] * t[2] >= ds[1] * ds[2] or g.min_blocks(arch) == 2, (arch, fmt, t)
+
+
+def test_v4_planned_specs_compile_for_sm80_and_sm90():
+    """The planner's V4 specializations (16, 64 and 128 heads, both formats) through NVRTC
+    and ptxas for sm_80 (the software e4m3 conversion) and sm_90 (the instruction), fast
+    options; the launch packs what they take."""
+    from cupaged import jit
+    from test_jit import _mangled_params
+
+    for arch in ("sm_80", "sm_90"):
+        specs = list(dict.fromkeys(
+            jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rows=t[0], tile_tokens=t[1],
+                           stages=t[2], cache_dtype=_dtypes.SPARSE_KV_CACHE_DTYPES[f].dtype.name,
+                           arch=arch)
+            for f in V4_FORMATS for h in (16, 64, 128)
+            for t in [planning.mla_tile(arch, h, 1, ROW_BYTES[f], 0)]))
+        binary, lowered = jit._compile("mla_attention.cu", arch,
+                                       [s.name_expression for s in specs], f"v4 {arch}",
+                                       jit.check_options())
+        assert binary
+        for s in specs:
+            assert _mangled_params(lowered[s.name_expression]) == \
+                jit.ARG_FORMATS["mla_sparse_attention"], s.name
+
+
 @pytest.mark.parametrize("over, exc, match", [
     (dict(q=np.zeros((6, 16, D), np.float16)), ValueError,
      "kv must be \\[s_kv, 1, 576\\] or \\[s_kv, 576\\] for the prefill interface"),
@@ -177,14 +403,20 @@ def test_fp8_ds_mla_caches_are_accepted(adapt):
      "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\), got shape "
      "\\(2, 3, 16, 512\\) with strides"),
     (dict(kv_cache=np.zeros((10, 64, 1, D), np.uint8)), TypeError,
-     "kv_cache dtype uint8 must be q's \\(float16\\), or a 1-byte dtype of 656-byte "
-     "fp8_ds_mla rows"),
+     "kv_cache dtype uint8 must be q's \\(float16\\), or a 1-byte dtype of DeepSeek's "
+     "sparse rows \\(656-byte fp8_ds_mla, 528-byte v4_fp8, 288-byte v4_fp4: name it"),
     (dict(kv_cache=np.zeros((10, 64, 1, DS), np.uint8)), TypeError,
      "fp8_ds_mla caches take bfloat16 queries"),
     (dict(kv_cache_dtype="fp8_ds_mla"), TypeError,
      "kv_cache dtype float16 cannot hold fp8_ds_mla rows"),
     (dict(kv_cache_dtype="fp8"), ValueError,
-     "kv_cache_dtype must be 'auto' or 'fp8_ds_mla'"),
+     "kv_cache_dtype must be 'auto' or one of DeepSeek's sparse caches \\('fp8_ds_mla', "
+     "'v4_fp8', 'v4_fp4'\\), got 'fp8'"),
+    (dict(kv_cache_dtype=None), ValueError, "kv_cache_dtype must be 'auto' or one of"),
+    (dict(kv_cache=np.zeros((10, 64, 1, 512), np.float16), q=np.zeros((2, 3, 16, 512),
+                                                                       np.float16)),
+     ValueError, "kv_cache of float16 tokens of 512 dims \\(DeepSeek-V4's d_qk\\) is not "
+                 "read: V4's tokens are read from 'v4_fp8' \\(528-byte\\) or 'v4_fp4'"),
     (dict(q=np.zeros((2, 3, 16, D), _dtypes.BF16.numpy), kv_cache_dtype="fp8_ds_mla",
           kv_cache=np.zeros((10, 64, 1, D), np.uint8)), ValueError,
      "kv_cache's fp8_ds_mla rows must be 656 bytes a token"),
@@ -272,10 +504,12 @@ def test_decode_matches_reference(rng, dtype, heads, topk, page, pad, with_lengt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", *V4_FORMATS])
 @pytest.mark.parametrize("split", [0, 1, 2, 3])
-def test_split_kv_and_workspace(rng, split):
-    """Forced partitions (tiles each) over two row tiles of 64 heads (128 heads)."""
-    h = host_problem(rng, 2, 1, 128, 300, flashmla_cache=False)
+def test_split_kv_and_workspace(rng, split, fmt):
+    """Forced partitions (tiles each) over two row tiles of 64 heads (128 heads), with a
+    scratch buffer and with a workspace."""
+    h = problem(fmt, rng, 2, 1, 128, 300, flashmla_cache=False)
     planning.set_mla_split(split)
     try:
         got, lse = run(h)
@@ -285,13 +519,14 @@ def test_split_kv_and_workspace(rng, split):
         planning.set_mla_split(None)
     want, want_lse = reference_of(h)
     for g, l_ in ((got, lse), (again, lse2)):
-        assert_close(g, want, testing.TOLERANCE["bf16"], f"split {split}")
+        assert_close(g, want, testing.TOLERANCE["bf16"], f"{fmt} split {split}")
         check_lse(l_, want_lse)
 
 
 @pytest.mark.gpu
-def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
-    h = host_problem(rng, 2, 2, 16, 40, topk_length=[40, 30])
+@pytest.mark.parametrize("fmt", ["bf16", *V4_FORMATS])
+def test_an_index_outside_the_cache_gives_its_token_nan_only(rng, fmt):
+    h = problem(fmt, rng, 2, 2, 16, 40, topk_length=[40, 30])
     n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
     h["indices"][1, 0, 3] = n  # one past the cache
     h["indices"][0, 1, 7] = -2  # negative but not -1
@@ -307,16 +542,18 @@ def test_an_index_outside_the_cache_gives_its_token_nan_only(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", *V4_FORMATS])
 @pytest.mark.parametrize("family", ["mma", "sm90"])
-def test_flags_and_bad_indices_in_later_tiles(rng, family):
+def test_flags_and_bad_indices_in_later_tiles(rng, family, fmt):
     """Entries of -1 and an index outside the cache in the third and later 64-key tiles,
     whose key flags and copies reuse the ring's stages: the bad index's token alone is
-    NaN, a stale flag would count a zero row or drop a key."""
+    NaN, a stale flag would count a zero row or drop a key. (V4's rows take the mma.sync
+    kernel under either family.)"""
     import cupy
 
     if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
         pytest.skip("the wgmma kernel runs on Hopper only")
-    h = host_problem(rng, 3, 2, 128, 333, topk_length=[333, 300, 131])
+    h = problem(fmt, rng, 3, 2, 128, 333, topk_length=[333, 300, 131])
     n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
     h["indices"][:, :, 130:200:3] = -1
     h["indices"][1, 1, 257] = n  # tile 4 of token (1, 1)
@@ -335,8 +572,9 @@ def test_flags_and_bad_indices_in_later_tiles(rng, family):
 
 
 @pytest.mark.gpu
-def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
-    h = host_problem(rng, 3, 1, 16, 20, topk_length=[20, 20, 0])
+@pytest.mark.parametrize("fmt", ["bf16", *V4_FORMATS])
+def test_rows_with_no_entry_are_zeros_and_minus_inf(rng, fmt):
+    h = problem(fmt, rng, 3, 1, 16, 20, topk_length=[20, 20, 0])
     h["indices"][1] = -1
     got, lse = run(h)
     for b in (1, 2):
@@ -346,13 +584,17 @@ def test_rows_with_no_entry_are_zeros_and_minus_inf(rng):
 
 
 @pytest.mark.gpu
-def test_torch_in_torch_out(rng):
+@pytest.mark.parametrize("fmt", ["bf16", *V4_FORMATS])
+def test_torch_in_torch_out(rng, fmt):
+    """torch in, torch out: bfloat16 q and cache, or V4's uint8 rows (vLLM's [num_blocks,
+    page, width])."""
     torch = pytest.importorskip("torch")
-    h = host_problem(rng, 2, 1, 16, 50)
+    h = problem(fmt, rng, 2, 1, 16, 50, **({} if fmt == "bf16" else {"flashmla_cache": False}))
     t = {k: torch.from_numpy(v.view(np.int16) if v.dtype == _dtypes.BF16.numpy else v).cuda()
          for k, v in h.items()}
     for k in ("q", "kv_cache"):
-        t[k] = t[k].view(torch.bfloat16)
+        if h[k].dtype == _dtypes.BF16.numpy:
+            t[k] = t[k].view(torch.bfloat16)
     out = cupaged.sparse_mla_attention(t["q"], t["kv_cache"], t["indices"], scale=SCALE,
                                        topk_length=t["topk_length"])
     assert isinstance(out, torch.Tensor) and out.shape == (2, 1, 16, 512)
@@ -362,40 +604,52 @@ def test_torch_in_torch_out(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", *V4_FORMATS])
 @pytest.mark.parametrize("s_kv", [300, 37, 512])
 @pytest.mark.parametrize("with_length", [True, False])
-def test_prefill_matches_reference(rng, s_kv, with_length):
+def test_prefill_matches_reference(rng, fmt, s_kv, with_length):
     """FlashMLA's sparse prefill: indices into kv's tokens, anything outside [0, s_kv)
     (-1, -5, s_kv and beyond) not counted; kv of a size no power of two divides (37: blocks
-    of one token); unnamed tokens NaN."""
+    of one token); unnamed tokens NaN (0xFF bytes in V4's rows); a repeated index. Over
+    V4's rows (kv [s_kv, 1, 528 / 288], q [s_q, 128, 512], groups of 32 values 2^-6 to 1
+    in size) the format found by its width ("auto") and named."""
     import cupy
 
-    s_q, heads, topk = 9, 32, 80
+    s_q, topk = 9, 80
+    heads, d = (32, D) if fmt == "bf16" else (128, D_V4)
     dt = _dtypes.BF16.numpy
-    q = testing.random_normal((s_q, heads, D), dt, rng)
-    kv = testing.random_normal((s_kv, 1, D), dt, rng)
+    q = testing.random_normal((s_q, heads, d), dt, rng)
+    if fmt == "bf16":
+        kv = testing.random_normal((s_kv, 1, D), dt, rng)
+    else:
+        clean = testing.random_normal((s_kv, D_V4), np.float32, rng)
+        clean *= np.repeat(2.0 ** rng.integers(-6, 1, (s_kv, D_V4 // 32)), 32, 1)
+        kv = reference.quantize_sparse_kv(clean, fmt)[:, None]
     idx = rng.integers(0, s_kv, (s_q, 1, topk)).astype(np.int32)
     bad = rng.random(idx.shape)
     idx[bad < 0.1] = -1
     idx[(bad >= 0.1) & (bad < 0.15)] = s_kv + 3
     idx[(bad >= 0.15) & (bad < 0.2)] = -5
+    idx[0, 0, 5] = idx[0, 0, 6] = 4  # a repeated index
     tl = rng.integers(0, topk + 2, s_q).astype(np.int32)
     named = np.zeros(s_kv, bool)
     counted = np.arange(topk)[None, :] < np.minimum(tl, topk)[:, None]
     ok = (idx[:, 0] >= 0) & (idx[:, 0] < s_kv) & (counted if with_length else True)
     named[idx[:, 0][ok]] = True
-    kv[~named] = np.nan
+    kv[~named] = 0xFF if kv.dtype == np.uint8 else np.nan
     want, want_lse = reference.sparse_mla_attention(
-        q, kv, idx, scale=SCALE, topk_length=tl if with_length else None, return_lse=True)
+        q, kv, idx, scale=SCALE, kv_format=kv_format(kv),
+        topk_length=tl if with_length else None, return_lse=True)
     d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, idx=idx, tl=tl).items()}
-    out = cupy.full((s_q, heads, 512), np.nan, dt)
-    lse = cupy.full((s_q, heads), np.nan, np.float32)
-    cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], scale=SCALE,
-                                 topk_length=d["tl"] if with_length else None, out=out, lse=lse)
-    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"],
-                 f"s_kv {s_kv}")
-    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
-
+    for named_as in ("auto",) if fmt == "bf16" else ("auto", fmt):
+        out = cupy.full((s_q, heads, 512), np.nan, dt)
+        lse = cupy.full((s_q, heads), np.nan, np.float32)
+        cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], scale=SCALE,
+                                     topk_length=d["tl"] if with_length else None, out=out,
+                                     lse=lse, kv_cache_dtype=named_as)
+        assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"],
+                     f"{fmt} s_kv {s_kv} {named_as}")
+        check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
 
 
 # ---- GPU: DeepSeek-V3.2's fp8_ds_mla cache, attention sinks ------------------------------------
@@ -450,44 +704,46 @@ def test_fp8_ds_mla_split_and_prefill(rng, split):
 
 
 @pytest.mark.gpu
-def test_fp8_ds_mla_written_by_concat_and_cache_mla(rng):
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", *V4_FORMATS])
+def test_rows_written_by_concat_and_cache_mla(rng, fmt):
     """The rows cupaged's writer lays down are what the sparse kernel reads: tokens written
-    at scattered slots of a cache of 0xFF bytes, then attended through their slots, equal
-    the reference over the reference writer's rows."""
+    at scattered slots of a cache of 0xFF bytes (kv_c and k_pe: fp8_ds_mla's 512 and 64,
+    V4's split of its 512 values as 448 and 64), then attended through their slots (the
+    format found by its width), equal the reference over the reference writer's rows."""
     import cupy
 
     bf16 = _dtypes.BF16.numpy
     blocks, page, n_tok, heads, topk = 6, 64, 200, 32, 150
-    kv_c = testing.random_normal((n_tok, 512), bf16, rng)
+    w, d = ROW_BYTES[fmt], reference.SPARSE_KV_FORMATS[fmt][1]
+    kv_c = testing.random_normal((n_tok, d - 64), bf16, rng)
     k_pe = testing.random_normal((n_tok, 64), bf16, rng)
     slots = rng.permutation(blocks * page)[:n_tok].astype(np.int64)
-    cache = cupy.full((blocks, page, DS), 0xFF, np.uint8)
+    cache = cupy.full((blocks, page, w), 0xFF, np.uint8)
     cupaged.concat_and_cache_mla(cupy.asarray(kv_c), cupy.asarray(k_pe), cache,
-                                 cupy.asarray(slots), "fp8_ds_mla")
-    ref_cache = np.full((blocks * page, DS), 0xFF, np.uint8)
+                                 cupy.asarray(slots), fmt)
+    ref_cache = np.full((blocks * page, w), 0xFF, np.uint8)
     ref_cache[slots] = reference.quantize_sparse_kv(
-        np.concatenate([kv_c, k_pe], -1).astype(np.float32), "fp8_ds_mla")
-    assert (cupy.asnumpy(cache).reshape(-1, DS) == ref_cache).all()
-    q = testing.random_normal((2, 2, heads, D), bf16, rng)
+        np.concatenate([kv_c, k_pe], -1).astype(np.float32), fmt)
+    assert (cupy.asnumpy(cache).reshape(-1, w) == ref_cache).all()
+    q = testing.random_normal((2, 2, heads, d), bf16, rng)
     idx = slots[rng.integers(0, n_tok, (2, 2, topk))].astype(np.int32)
     idx[rng.random(idx.shape) < 0.1] = -1
     out = cupaged.sparse_mla_attention(cupy.asarray(q), cache, cupy.asarray(idx), scale=SCALE)
-    want = reference.sparse_mla_attention(q, ref_cache.reshape(blocks, page, DS), idx,
-                                          scale=SCALE, kv_format="fp8_ds_mla")
-    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
+    want = reference.sparse_mla_attention(q, ref_cache.reshape(blocks, page, w), idx,
+                                          scale=SCALE, kv_format=fmt)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"], fmt)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ds", [False, True])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla", *V4_FORMATS])
 @pytest.mark.parametrize("split", [0, 2])
-def test_attn_sink(rng, ds, split):
+def test_attn_sink(rng, fmt, split):
     """FlashMLA's attn_sink: out scaled by exp(lse) / (exp(lse) + exp(sink)), the lse the
     keys' alone; heads with a sink of +inf give zeros, -inf nothing changed; a row with no
     counted entry stays zeros and -inf. Single pass and split (the combine applies it)."""
     import cupy
 
-    make = ds_problem if ds else host_problem
-    h = make(rng, 3, 2, 64, 200, topk_length=[200, 150, 0])
+    h = problem(fmt, rng, 3, 2, 64, 200, topk_length=[200, 150, 0])
     h["indices"][1, 1] = -1
     sink = (rng.standard_normal(64) * 3 + 2).astype(np.float32)
     sink[0], sink[1] = np.inf, -np.inf
@@ -497,7 +753,7 @@ def test_attn_sink(rng, ds, split):
     finally:
         planning.set_mla_split(None)
     want, want_lse = reference_of(h, sink=sink)
-    assert_close(got, want, testing.TOLERANCE["bf16"], f"ds {ds} split {split}")
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{fmt} split {split}")
     check_lse(lse, want_lse)
     assert (got[..., 0, :] == 0).all() and (got[2] == 0).all() and (got[1, 1] == 0).all()
     assert np.isneginf(lse[2]).all() and np.isneginf(lse[1, 1]).all()
@@ -509,20 +765,20 @@ def test_attn_sink(rng, ds, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mma", "sm90"])
-@pytest.mark.parametrize("ds", [False, True])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla", *V4_FORMATS])
 @pytest.mark.parametrize("heads, split, sink", [(64, None, False), (128, 2, True),
                                                 (16, None, True), (100, 0, False)])
-def test_both_kernel_families(rng, family, ds, heads, split, sink):
+def test_both_kernel_families(rng, family, fmt, heads, split, sink):
     """The wgmma kernel (Hopper, 64 heads or more by the planner's rule; forced for 16, whose
-    rows it pads) and the mma.sync one, on the same problems over both caches (fp8_ds_mla:
-    one raw stage on wgmma, 41 chunks a row over 4 copying threads): partial row tiles
-    (100 heads), split and not, sinks, NaN in every unnamed slot, topk not a multiple of
-    the 64-token tile."""
+    rows it pads) and the mma.sync one, on the same problems over the caches (fp8_ds_mla:
+    one raw stage on wgmma, 41 chunks a row over 4 copying threads; V4's rows: the
+    mma.sync kernel whatever the family): partial row tiles (100 heads), split and not,
+    sinks, NaN in every unnamed slot, topk not a multiple of the 64-token tile."""
     import cupy
 
     if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
         pytest.skip("the wgmma kernel runs on Hopper only")
-    h = (ds_problem if ds else host_problem)(rng, 3, 2, heads, 150, page=16)
+    h = problem(fmt, rng, 3, 2, heads, 150, page=16)
     s = (rng.standard_normal(heads) * 2).astype(np.float32) if sink else None
     planning.set_mla_family(family)
     planning.set_mla_split(split)
@@ -603,3 +859,66 @@ def test_fp8_ds_mla_widening_is_exact_and_k_pe_in_place(rng, family):
     _, want_lse = reference_of(h)
     assert np.allclose(lse[1], want_lse[1], rtol=1e-5, atol=1e-5)
 
+
+# ---- GPU: DeepSeek-V4's v4_fp8 and v4_fp4 caches (512-dim keys and values) -------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+@pytest.mark.parametrize("heads, s_q, topk, page, pad", [
+    (16, 1, 100, 64, 0), (16, 2, 1, 32, 0), (64, 2, 37, 16, 8), (64, 1, 2048, 64, 0),
+    (128, 2, 256, 64, 0), (128, 1, 2047, 64, 16), (20, 2, 70, 64, 16), (40, 1, 33, 1, 0)])
+@pytest.mark.parametrize("with_length", [True, False])
+def test_v4_decode_matches_reference(rng, fmt, heads, s_q, topk, page, pad, with_length):
+    """V4's rows (groups of 32 values 2^-6 to 1 in size) widened with their own scales: the
+    reference reads them exactly, and the widening is exact for them. 16, 64 and 128 heads
+    (the planner's three row tiles) and partial ones (20, 40), one and two query tokens, topk
+    from 1 to 2048 (1, 37, 2047: no multiple of a tile), a padded cache, pages of one
+    token; -1 entries, a repeated index, topk_length; stale NaN and (v4_fp8) +-inf rows in
+    every slot no counted entry names; out and lse poisoned."""
+    blocks = max(12, topk // page + 2)  # (2048 entries over as many distinct slots)
+    h = v4_problem(rng, fmt, 3, s_q, heads, topk, page=page, blocks=blocks,
+                   topk_length=None if with_length else topk)
+    got, lse = run(h, with_length, pad=pad)
+    want, want_lse = reference_of(h, with_length)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{fmt} {heads} heads topk {topk}")
+    check_lse(lse, want_lse, fmt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", V4_FORMATS)
+def test_v4_widening_is_exact(rng, fmt):
+    """One counted entry a row and q zero (every logit 0, the entry's weight 1): out is that
+    token's 512 values exactly as the widening states them, dequantize_sparse_kv's value
+    (exact in float32) rounded once to bfloat16, at every dim (a unit at the wrong dims, a
+    wrong scale byte, a scale rounded first all differ somewhere). Rows of random bytes:
+    v4_fp8 scale bytes 10 to 246 (every product a normal bfloat16 and finite) and rows
+    under 2^127 whose e4m3 values are below 2 (the largest finite products), no NaN byte;
+    v4_fp4 every code and scale bytes of both signs but NaN. The lse is 0 (one weight
+    of 1)."""
+    heads, blocks, page = 64, 4, 64
+    n, w = blocks * page, ROW_BYTES[fmt]
+    rows = rng.integers(0, 256, (n, w)).astype(np.uint8)
+    if fmt == "v4_fp8":
+        vals = rows[:, :512]
+        vals[(vals & 0x7F) == 0x7F] ^= 1  # no NaN: 0x7F / 0xFF -> 0x7E / 0xFE
+        rows[:, 512:] = rng.integers(10, 247, (n, 16))
+        top = np.arange(0, n, 7)  # the largest scale, values under 2
+        rows[top, 512:] = 254
+        rows[top, :512] &= 0xBF
+    else:
+        sc = rows[:, 256:]
+        sc[(sc & 0x7F) == 0x7F] ^= 1
+    h = dict(q=np.zeros((2, 2, heads, D_V4), _dtypes.BF16.numpy),
+             kv_cache=rows.reshape(blocks, page, 1, w),
+             indices=rng.integers(0, n, (2, 2, 8)).astype(np.int32),
+             topk_length=np.array([1, 1], np.int32))
+    h["indices"][1, 1, 0] = top[3] if fmt == "v4_fp8" else 0
+    got, lse = run(h)
+    widened = reference.dequantize_sparse_kv(rows, fmt).astype(np.float32)
+    widened = widened.astype(_dtypes.BF16.numpy).astype(np.float64)
+    assert np.isfinite(widened).all()
+    for b, s in np.ndindex(2, 2):
+        want = widened[h["indices"][b, s, 0]]
+        assert np.array_equal(got[b, s], np.broadcast_to(want, (heads, 512))), (b, s)
+    assert np.allclose(lse, 0, rtol=0, atol=1e-6)  # log(1), through the kernel's log2

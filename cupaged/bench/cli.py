@@ -932,8 +932,9 @@ def _sparse_mla_options(f):
                           "cupaged."),
         click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True,
                      type=click.Choice(KV_CACHE_DTYPES),
-                     help="The latent cache: bfloat16 ('auto') and/or DeepSeek-V3.2's "
-                          "fp8_ds_mla rows (repeatable; default both)."),
+                     help="The latent cache: bfloat16 ('auto'), DeepSeek-V3.2's fp8_ds_mla "
+                          "rows, DeepSeek-V4's v4_fp8 / v4_fp4 rows (512-dim q and keys, in "
+                          "the presets' shapes); repeatable, default auto and fp8_ds_mla."),
         click.option("--topk", type=click.IntRange(1), default=2048, show_default=True),
         click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
     ]
@@ -949,14 +950,15 @@ def sparse_mla(presets, impls, kv_cache_dtypes, topk, reps):
     over its top-k cached tokens, in FlashMLA's decode and prefill interfaces, checked
     against the float64 reference before it is timed. % copy counts the selected tokens'
     bytes (per query token) plus q and out against the copy bandwidth; TFLOP/s count 2 *
-    (576 + 512) FLOPs per (head, selected token), against the bf16 matmul rate; both
-    measured in the same run. Exit status 1 when a check failed, 3 when a row did not run."""
+    (d_qk + 512) FLOPs per (head, selected token), d_qk 576 (V3.2) or 512 (V4's rows),
+    against the bf16 matmul rate; both measured in the same run. Exit status 1 when a check
+    failed, 3 when a row did not run."""
     from . import sparse_mla as sm
 
     try:
         cases = [sm.preset_case(name, kvd, topk)
                  for name in dict.fromkeys(presets or sm.PRESETS)
-                 for kvd in dict.fromkeys(kv_cache_dtypes or sm.KV_CACHE_DTYPES)]
+                 for kvd in dict.fromkeys(kv_cache_dtypes or sm.DEFAULT_KV_CACHE_DTYPES)]
     except ValueError as e:
         raise click.UsageError(str(e))
     impls = list(dict.fromkeys(impls or ["cupaged"]))

@@ -6,14 +6,17 @@ a few query tokens before it is timed.
 Decode: ``batch`` sequences of ``context`` cached tokens, each with its own blocks of
 ``block_size`` scattered over the cache; each of a sequence's ``s_q`` query tokens selects
 ``topk`` distinct slots among that sequence's tokens (uniformly at random, as a top-k over
-random scores would). The cache is 16-bit (q's dtype) or DeepSeek-V3.2's fp8_ds_mla rows
-written by cupaged.concat_and_cache_mla. Prefill: ``s_q`` query tokens over ``context``
-tokens of one sequence (``kv [s_kv, 1, 576]``, or 656 bytes a token for fp8_ds_mla; s_kv
-the context rounded up to whole pages), each selecting ``topk`` of them.
+random scores would). The cache is 16-bit (q's dtype), DeepSeek-V3.2's fp8_ds_mla rows, or
+DeepSeek-V4's v4_fp8 / v4_fp4 rows (q and keys of 512 dims, the rotary ones inside),
+the rows written by cupaged.concat_and_cache_mla. Prefill: ``s_q`` query tokens over
+``context`` tokens of one sequence (``kv [s_kv, 1, 576]``, or a token's row: 656 bytes for
+fp8_ds_mla, 528 for v4_fp8, 288 for v4_fp4; s_kv the context rounded up to whole pages),
+each selecting ``topk`` of them. (V4's rows run in V3.2's shapes: the heads, top-k and
+pages of the presets.)
 
 Roofline numbers: bytes are the tokens the indices select, counted per query token (576
-values, or 656 bytes a token for fp8_ds_mla), plus q and out; FLOPs are ``2 * (576 +
-512)`` per (query head, selected token)."""
+values, or the row's bytes), plus q and out; FLOPs are ``2 * (d_qk + 512)`` per (query
+head, selected token), d_qk 576 (V3.2) or 512 (V4)."""
 
 from __future__ import annotations
 
@@ -29,8 +32,11 @@ from . import mla, workloads
 __all__ = ["IMPLEMENTATIONS", "KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
 
 D_QK = mla.KV_LORA_RANK + mla.ROPE_DIM
-KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
-DS_BYTES = _dtypes.DS_MLA_BYTES
+# The caches (--kv-cache-dtype): bfloat16, then the token row formats
+KV_CACHE_DTYPES = ("auto", *_dtypes.SPARSE_KV_CACHE_DTYPES)
+# The default rows: DeepSeek-V3.2's caches (V4's are asked for by name)
+DEFAULT_KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+ROW_SUFFIX = {"fp8_ds_mla": "/ds", "v4_fp8": "/v4fp8", "v4_fp4": "/v4fp4"}
 
 # DeepSeek-V3.2 (top-k 2048), pages of 64: FlashMLA's sparse decode and prefill shapes.
 PRESETS = {
@@ -70,23 +76,28 @@ class SparseCase:
             raise ValueError("a prefill case is one sequence (batch 1)")
 
     @property
-    def ds(self) -> bool:
-        return self.kv_cache_dtype == "fp8_ds_mla"
+    def row_format(self) -> _dtypes.SparseFormat | None:
+        """The cache's token row format, None for bfloat16."""
+        return _dtypes.SPARSE_KV_CACHE_DTYPES.get(self.kv_cache_dtype)
+
+    @property
+    def d_qk(self) -> int:  # q's and a key's dims
+        return D_QK if self.row_format is None else self.row_format.values
 
     @property
     def rows(self) -> int:  # query tokens
         return self.batch * self.s_q
 
     def token_bytes(self) -> int:
-        return DS_BYTES if self.ds else 2 * D_QK
+        return 2 * D_QK if self.row_format is None else self.row_format.nbytes
 
     def bytes_moved(self) -> int:
         """The selected tokens (per query token) plus q read and out written."""
         return (self.rows * self.topk * self.token_bytes()
-                + self.rows * self.heads * 2 * (D_QK + mla.KV_LORA_RANK))
+                + self.rows * self.heads * 2 * (self.d_qk + mla.KV_LORA_RANK))
 
     def flops(self) -> float:
-        return 2.0 * self.rows * self.heads * self.topk * (D_QK + mla.KV_LORA_RANK)
+        return 2.0 * self.rows * self.heads * self.topk * (self.d_qk + mla.KV_LORA_RANK)
 
     def describe(self) -> str:
         what = (f"prefill, {self.s_q} query tokens over {self.context}" if self.prefill else
@@ -94,7 +105,7 @@ class SparseCase:
                 f"{'s' if self.s_q > 1 else ''}, contexts of {self.context}, pages of "
                 f"{self.block_size}")
         return (f"{self.name}: {self.heads} heads, top-{self.topk}, {what}, bfloat16 q, "
-                f"{'fp8_ds_mla' if self.ds else 'bfloat16'} cache: "
+                f"{'bfloat16' if self.row_format is None else self.kv_cache_dtype} cache: "
                 f"{self.rows * self.topk * self.token_bytes() / 2**20:.1f} MiB selected")
 
     def build(self, seed: int = 0) -> "SparseCase":
@@ -112,19 +123,20 @@ class SparseCase:
             for s in range(self.s_q):
                 t = rng.choice(self.context, self.topk, replace=False)
                 idx[b, s] = order[b, t // page] * page + t % page
-        width = DS_BYTES if self.ds else D_QK
-        cache = cupy.empty((nb, page, width), np.uint8 if self.ds else dt)
+        d, fmt = self.d_qk, self.row_format
+        width = D_QK if fmt is None else fmt.nbytes
+        cache = cupy.empty((nb, page, width), dt if fmt is None else np.uint8)
         step = max(1, (1 << 16) // page)  # blocks a write: 65,536 tokens of source at a time
         for lo in range(0, nb, step):
             n = min(step, nb - lo)
-            src = testing.random_normal((n * page, D_QK), dt, rng, cupy)
-            if self.ds:
-                cupaged.concat_and_cache_mla(src[:, :mla.KV_LORA_RANK], src[:, mla.KV_LORA_RANK:],
-                                             cache, cupy.arange(lo * page, (lo + n) * page),
-                                             "fp8_ds_mla")
-            else:
+            src = testing.random_normal((n * page, d), dt, rng, cupy)
+            if fmt is None:
                 cache[lo:lo + n] = src.reshape(n, page, D_QK)
-        q = testing.random_normal((self.batch, self.s_q, self.heads, D_QK), dt, rng, cupy)
+            else:  # kv_c then 64 rotary values (V4's split of its 512)
+                cupaged.concat_and_cache_mla(src[:, :d - mla.ROPE_DIM], src[:, d - mla.ROPE_DIM:],
+                                             cache, cupy.arange(lo * page, (lo + n) * page),
+                                             self.kv_cache_dtype)
+        q = testing.random_normal((self.batch, self.s_q, self.heads, d), dt, rng, cupy)
         self.host_indices = idx
         self.refs = []
         if self.prefill:  # q [s_q, heads, 576] over kv [s_kv, 1, width] (the blocks in a row:
@@ -145,7 +157,7 @@ class SparseCase:
         selected tokens (copied to the host, page size 1)."""
         if not self.refs:
             kv = self.arrays["kv"].reshape(-1, self.arrays["kv"].shape[-1])
-            q = self.arrays["q"].reshape(self.batch, self.s_q, self.heads, D_QK)
+            q = self.arrays["q"].reshape(self.batch, self.s_q, self.heads, self.d_qk)
             for b, s in self.check_tokens():
                 sel = self.host_indices[b, s]
                 uniq, local = np.unique(sel, return_inverse=True)
@@ -153,7 +165,7 @@ class SparseCase:
                 out = reference.sparse_mla_attention(
                     cupy.asnumpy(q[b, s])[None, None], tokens,
                     local.astype(np.int32)[None, None], scale=self.scale,
-                    kv_format="fp8_ds_mla" if self.ds else "auto")
+                    kv_format="auto" if self.row_format is None else self.kv_cache_dtype)
                 self.refs.append((b, s, out[0, 0]))
         return self.refs
 
@@ -176,9 +188,17 @@ def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048) -> Sp
 
 
 def _run_cupaged(case: SparseCase, family: str | None = None):
-    """cupaged.sparse_mla_attention; ``family`` as :func:`.mla.force_family`'s."""
+    """cupaged.sparse_mla_attention; ``family`` as :func:`.mla.force_family`'s (the wgmma
+    kernel does not read V4's rows: such a row says so instead of timing the mma.sync
+    kernel under its name)."""
     import cupaged
+    from .. import jit
 
+    fmt = case.row_format
+    if family == "sm90" and fmt is not None and \
+            fmt.dtype.name not in jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]:
+        raise ValueError(f"the wgmma kernel does not read {case.kv_cache_dtype} rows "
+                         f"(cupaged-mma times them)")
     mla.force_family(family)
     a = case.arrays
     out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)
@@ -205,7 +225,7 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     for case in cases:
         case.build()
         for impl in impls:
-            row = mla.Row(case.name + ("/ds" if case.ds else ""), impl)
+            row = mla.Row(case.name + ROW_SUFFIX.get(case.kv_cache_dtype, ""), impl)
             try:
                 mla.check_then_time(row, case, IMPLEMENTATIONS[impl](case), reps, copy_bw)
             except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note

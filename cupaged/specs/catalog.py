@@ -77,10 +77,11 @@ AXES = {
                       "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                       "tile_tokens": (16, 32), "stages": (2, 3, 4)},
     # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
-    # and DeepSeek-V3.2's fp8_ds_mla rows ("dsmla", bfloat16 queries).
+    # and DeepSeek's token rows (bfloat16 queries): V3.2's fp8_ds_mla ("dsmla"), V4's
+    # ("v4fp8", "v4fp4"). No rope_dim axis: the spec's default is the cache's (64, V4's 0).
     "mla_sparse_attention": {"dtype": ("f16", "bf16"),
                              "cache_dtype": ("", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention"]),
-                             "head_size": (512,), "rope_dim": (64,),
+                             "head_size": (512,),
                              "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                              "tile_tokens": (16, 32), "stages": (2, 3, 4)},
     # Hopper only (jit.ARCH_ONLY)
@@ -110,7 +111,7 @@ def supported(spec: jit.KernelSpec) -> bool:
     192, and vLLM's layout in blocks of 8 tokens or more."""
     if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.kernel != "concat_and_cache_mla" \
             and spec.dtype != "bf16":
-        return False  # the readers of fp8_ds_mla rows (bfloat16 k_pe) take bfloat16 queries
+        return False  # the readers of token rows take bfloat16 queries
     if spec.kernel in jit.MLA_MMA_KERNELS:  # its (rows, tile, stages) where the target holds them
         return geometry.MlaGeometry.of(spec).fits(spec.arch)
     fp8 = spec.cache_dtype in _dtypes.FP8

@@ -334,14 +334,15 @@ class MlaGeometry:
     tile_tokens: int
     stages: int
     cache_itemsize: int = 2  # sizeof(C): 2, or 1 for an fp8 cache (widened in a tile of its own)
-    token_bytes: int = 0  # a cached token's bytes: 0 (rank + rope) * cache_itemsize, or 656
-    #                       for DeepSeek-V3.2's fp8_ds_mla rows (spec cache_dtype "dsmla")
+    token_bytes: int = 0  # a cached token's bytes: 0 (rank + rope) * cache_itemsize, or a
+    #                       token row's: 656 for DeepSeek-V3.2's fp8_ds_mla (spec cache_dtype
+    #                       "dsmla"), 528 and 288 for V4's ("v4fp8", "v4fp4"; rope 0)
 
     @classmethod
     def of(cls, spec) -> "MlaGeometry":
+        rows = _dtypes.SPARSE_BY_CACHE.get(spec.cache_dtype)
         return cls(spec.head_size, spec.rope_dim, spec.rows, spec.tile_tokens, spec.stages,
-                   _cache_itemsize(spec),
-                   _dtypes.DS_MLA_BYTES if spec.cache_dtype == _dtypes.DS_MLA.name else 0)
+                   _cache_itemsize(spec), 0 if rows is None else rows.nbytes)
 
     threads = MLA_THREADS
 
