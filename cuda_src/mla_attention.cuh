@@ -133,7 +133,7 @@ struct MlaGeometry {
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
           int STAGES, bool SPARSE>
 __device__ __forceinline__ void mla_attention_body(
-    CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+    CUPAGED_MLA_PARAMS, int lengths_per, int strict, const MlaSparseExtra& extra,
     const VariantParams& vp) {  // vp.lse; the sparse kernel also vp.sinks, vp.lse_keys
   using Geo = MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>;
   constexpr int ROW = Geo::kRow;
@@ -163,9 +163,22 @@ __device__ __forceinline__ void mla_attention_body(
   const float cache_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale;
   scale_log2 *= cache_scale;
   // (CUPAGED_DEBUG reports lengths past the table or negative, which mla_seq clamps.)
-  const MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens,
-                                                query_start_loc, num_heads, block_tables,
-                                                bt_stride, max_blocks, lengths_per);
+  MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
+                                          num_heads, block_tables, bt_stride, max_blocks,
+                                          lengths_per);
+  // Sparse with a second cache: a token's keys are its first cache's first_len counted
+  // entries, then its second's.
+  const int first_len = sq.seq_len;
+  const int* extra_row = nullptr;
+  if constexpr (SPARSE) {
+    if (extra.indices != nullptr) {
+      const int token = blockIdx.x / row_tiles;
+      extra_row = extra.indices + token * extra.idx_stride;
+      sq.seq_len += extra.lengths != nullptr
+                        ? max(0, min(__ldg(extra.lengths + token / lengths_per), extra.topk))
+                        : extra.topk;
+    }
+  }
 
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
@@ -201,20 +214,34 @@ __device__ __forceinline__ void mla_attention_body(
     auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
       if (tile >= n_tiles) return -1;
       const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
-      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
+      if constexpr (SPARSE) {
+        if (key >= first_len) return mla_extra_slot(extra, extra_row, key, first_len, kv_end,
+                                                    strict);
+        return mla_sparse_slot(sq, key, first_len, num_blocks, strict);
+      }
       return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
     auto load_tile = [&](int tile, int stage, int id) {
-      const bool copy = id >= 0;
+      // (Sparse: id <= -3 is slot -3 - id of the second cache, addressed through its own
+      // pointers, strides and block size.)
+      const bool second = SPARSE && id <= -3;
+      const bool copy = id >= 0 || second;
       if (id == -2) *bad_s = 1;
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
       // these flags, read after the barrier that shows the tile landed.
       if (SPARSE && Geo::copy_lane(tid) == 0) valid_s[stage * TILE_N + Geo::copy_token(tid)] = copy;
-      const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
-      const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
-                                        c_rope_block_stride, c_rope_token_stride, phys,
-                                        SPARSE ? (copy ? id : 0)
-                                               : (tile_lo + tile) * TILE_N + Geo::copy_token(tid));
+      const int slot = second ? -3 - id : id;
+      const int key =
+          SPARSE ? (copy ? slot : 0) : (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
+      const MlaToken<C, BLOCK_SIZE> tok(
+          second ? static_cast<const C*>(extra.lat) : c_lat,
+          second ? static_cast<const C*>(extra.rope) : c_rope,
+          second ? extra.block_stride : c_lat_block_stride,
+          second ? extra.token_stride : c_lat_token_stride,
+          second ? extra.block_stride : c_rope_block_stride,
+          second ? extra.token_stride : c_rope_token_stride,
+          second ? slot >> extra.page_shift : SPARSE && copy ? slot / BLOCK_SIZE : id,
+          second ? slot & ((1 << extra.page_shift) - 1) : key % BLOCK_SIZE, 0);
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
                            Geo::copy_token(tid) * Geo::kCRow;
 #pragma unroll
@@ -470,7 +497,7 @@ __global__ void __launch_bounds__(
     kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
     mla_attention(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
   mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, false>(
-      CUPAGED_MLA_ARGS, 1, 0, vp);
+      CUPAGED_MLA_ARGS, 1, 0, MlaSparseExtra{}, vp);
 }
 
 // DeepSeek's sparse attention (DSA) over the same cache: each query token attends to the
@@ -482,15 +509,17 @@ __global__ void __launch_bounds__(
 // (a token's rows are its heads; there is no order among its keys). strict: an index
 // outside [0, num_blocks) other than -1 is a fault that turns its token's rows NaN
 // (FlashMLA's decode), else it does not count (its prefill). A repeated index counts each
-// time.
+// time. The second cache (`extra`, its indices null for none): its counted entries follow
+// the first's in each token's softmax, under the same rules.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
           int STAGES>
 __global__ void __launch_bounds__(
     kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
     mla_sparse_attention(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+                         const __grid_constant__ MlaSparseExtra extra,
                          const __grid_constant__ VariantParams vp) {
   mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true>(
-      CUPAGED_MLA_ARGS, lengths_per, strict, vp);
+      CUPAGED_MLA_ARGS, lengths_per, strict, extra, vp);
 }
 
 }  // namespace cupaged

@@ -100,6 +100,37 @@ __device__ __forceinline__ int mla_sparse_slot(const MlaSeq& s, int key, int kv_
   return strict && slot != -1 ? -2 : -1;
 }
 
+// Sparse MLA's second cache (DeepSeek-V4's extra_k_cache), attended in the same softmax:
+// the first cache's format, its own blocks of 1 << page_shift tokens and num_slots slots
+// (lat and rope through one pair of strides, in elements of C), its own indices (a token's
+// row of idx_stride entries, the first topk of them read) and lengths (entry token /
+// lengths_per clamped to [0, topk], or null: topk). indices null: no second cache. A
+// token's keys are its first cache's counted entries, then its second's. A kernel
+// parameter (72 bytes: the pointers, the 64-bit strides, the ints, 4 bytes of padding).
+struct MlaSparseExtra {
+  const void* lat;  // (the kernel's cache type C)
+  const void* rope;
+  const int* indices;
+  const int* lengths;
+  long long block_stride;
+  long long token_stride;
+  long long idx_stride;
+  int topk;
+  int num_slots;
+  int page_shift;
+};
+
+// Key `key` of a token whose first first_len keys are its first cache's: for keys from
+// there on, the second cache's slot encoded as -3 - slot, or -1 (past kv_end, or an entry
+// that does not count) and -2 (outside the cache under `strict`), mla_sparse_slot's rules.
+__device__ __forceinline__ int mla_extra_slot(const MlaSparseExtra& e, const int* row,
+                                              int key, int first_len, int kv_end, int strict) {
+  if (key >= kv_end) return -1;
+  const int slot = __ldg(row + (key - first_len));
+  if (static_cast<unsigned>(slot) < static_cast<unsigned>(e.num_slots)) return -3 - slot;
+  return strict && slot != -1 ? -2 : -1;
+}
+
 // Chunk c (8 values of T) of packed row p's query.
 template <typename T, int RANK>
 __device__ __forceinline__ const T* mla_query_chunk(const T* q_lat, const T* q_rope,
@@ -141,8 +172,15 @@ struct MlaToken {
 
   __device__ __forceinline__ MlaToken(const C* c_lat, const C* c_rope, long long lat_block,
                                       long long lat_token, long long rope_block,
-                                      long long rope_token, int phys, int key) {
-    const int within = key % BLOCK_SIZE;
+                                      long long rope_token, int phys, int key)
+      : MlaToken(c_lat, c_rope, lat_block, lat_token, rope_block, rope_token, phys,
+                 key % BLOCK_SIZE, 0) {}
+
+  // Token `within` of block phys, for a cache of another block size (the sparse second
+  // cache's); the last argument only tells the constructors apart.
+  __device__ __forceinline__ MlaToken(const C* c_lat, const C* c_rope, long long lat_block,
+                                      long long lat_token, long long rope_block,
+                                      long long rope_token, int phys, int within, int) {
     lat = phys >= 0 ? c_lat + phys * lat_block + within * lat_token : c_lat;
     rope = phys >= 0 ? c_rope + phys * rope_block + within * rope_token : c_lat;
   }
@@ -173,7 +211,8 @@ struct MlaToken {
 //                    (1 for a cache of T); it scales keys and values alike
 //   seq_lens, query_start_loc ([num_seqs + 1], or null: one each), num_heads, causal,
 //   scale_log2
-// The sparse kernels take lengths_per and strict after them (mla_attention.cuh).
+// The sparse kernels take lengths_per and strict after them (mla_attention.cuh), and
+// mla_sparse_attention then its second cache (MlaSparseExtra, by value).
 #define CUPAGED_MLA_PARAMS                                                                   \
   T *__restrict__ out, float *__restrict__ part_out, float *__restrict__ part_max,           \
       float *__restrict__ part_sum, int split_tiles, int row_tiles,                          \

@@ -258,12 +258,12 @@ def clashes(prep: Prepared, ptrs) -> bool:
     return overlaps(prep, ptrs[0], ptrs[6]) or any_overlap(prep.disjoint, ptrs)
 
 
-def run(prep: Prepared, ptrs, stream, out, lse):
+def run(prep: Prepared, ptrs, stream, out, lse, extra: tuple = ()):
     """Launch a prepared call with these addresses (``ptrs``: query, key and value caches,
     block tables, lengths, query starts, out, lse; 0 for none; mla_attention's query is
-    its (latent, rope) pair, its caches the latent and rope ones). ``out``/``lse``: the
-    caller's arrays (or None), handed back. The caller has checked ``overlaps`` (or
-    ``any_overlap``)."""
+    its (latent, rope) pair, its caches the latent and rope ones; ``extra``: the sparse
+    second cache's, MlaLaunch.run's). ``out``/``lse``: the caller's arrays (or None),
+    handed back. The caller has checked ``overlaps`` (or ``any_overlap``)."""
     q, k, v, bt, lens, starts, o, lse_ptr = ptrs
     with _arrays.launching(prep.device):
         ctx = _arrays.context(prep.device, prep.kind, stream)
@@ -276,7 +276,10 @@ def run(prep: Prepared, ptrs, stream, out, lse):
             made, returned_lse = _arrays.empty(ctx, prep.new_lse, _F32)
             lse_ptr = made.data.ptr
         if prep.launch is not None:
-            prep.launch.run(ctx, o, q, k, v, bt, lens, starts, lse_ptr)
+            if extra:
+                prep.launch.run(ctx, o, q, k, v, bt, lens, starts, lse_ptr, extra)
+            else:
+                prep.launch.run(ctx, o, q, k, v, bt, lens, starts, lse_ptr)
         if ctx.kind == "jax":  # after the launches (see _arrays.hand_over)
             if out is None:
                 returned = _arrays.hand_over(ctx, returned)

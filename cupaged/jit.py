@@ -117,10 +117,11 @@ ARG_FORMATS = {
     # their strides; table, its stride, max_blocks, num_blocks; the fp8 scale (pointer,
     # value); lengths, starts; heads, causal, scale
     "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",
-    # mla_attention's, then lengths_per and strict
-    "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",
+    # mla_attention's, then lengths_per, strict and the second cache (MlaSparseExtra)
+    "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",
     "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",  # mla_attention's
-    "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",  # the sparse one's
+    # mla_attention's, then lengths_per and strict (no second cache)
+    "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,

@@ -336,6 +336,14 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
 MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide
 
 
+# mla_sparse_attention's second cache as the kernel takes it (mla_common.cuh's
+# MlaSparseExtra): its latent and rotary base addresses, its indices' and lengths'
+# addresses (0: none), its block and token strides and its indices' row stride (elements),
+# topk, slots and log2 of its block size; all zeros without a second cache.
+SPARSE_EXTRA = struct.Struct("<QQQQqqqiii4x")
+NO_SPARSE_EXTRA = bytes(SPARSE_EXTRA.size)
+
+
 class MlaLaunch(NamedTuple):
     """An mla_attention call's launches with every constant argument packed: ``run``
     adds the addresses (a repeated call's only work), taking them as :meth:`Launch.run`
@@ -361,17 +369,31 @@ class MlaLaunch(NamedTuple):
     partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
     variants: _variants.Variants = _variants.PLAIN  # sparse: attn_sink
     vp: bytes = _variants.PLAIN_BYTES  # their VariantParams with no lse
+    # mla_sparse_attention's second cache: NO_SPARSE_EXTRA without one, else its constants
+    # (block and token strides, indices' row stride, topk, slots, log2 of the block size);
+    # None for the kernels that take none
+    extra: bytes | tuple | None = None
 
     def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
-            lens: int, starts: int, lse: int = 0) -> None:
+            lens: int, starts: int, lse: int = 0, extra: tuple = ()) -> None:
         """Launch on ``ctx.stream``: ``q`` the query's (latent, rope) base addresses, and
         ``c_lat``, ``c_rope`` the caches' (a single q's or combined cache's twice: the
-        offsets find its parts); ``starts``, ``lse``: 0 for none."""
+        offsets find its parts); ``starts``, ``lse``: 0 for none; ``extra``: the sparse
+        second cache's, its indices' and its lengths' addresses (the cache's parts at the
+        first cache's offsets)."""
         q_lat, q_rope = q
         vp = self.vp if not lse else self.variants.pack(lse)
         qo, co = self.q_offsets, self.c_offsets
+        ex = self.extra
+        if ex is None:
+            ex = ()
+        elif type(ex) is tuple:
+            e, e_idx, e_lens = extra
+            ex = (SPARSE_EXTRA.pack(e + co[0], e + co[1], e_idx, e_lens, *ex),)
+        else:
+            ex = (ex,)
         rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],
-                *self.c_strides, bt, *self.table, lens, starts, *self.tail, vp)
+                *self.c_strides, bt, *self.table, lens, starts, *self.tail, *ex, vp)
         if not self.split_tiles:
             self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out, 0, 0, 0, 0,
                         self.row_tiles, *rest)
@@ -389,13 +411,18 @@ class MlaLaunch(NamedTuple):
 
 def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
               partials: Partials | None = None, sparse: tuple = (),
-              variants: _variants.Variants = _variants.PLAIN) -> MlaLaunch:
+              variants: _variants.Variants = _variants.PLAIN,
+              extra: tuple = ()) -> MlaLaunch:
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
     planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
     ``partials``: a workspace's, None for a scratch buffer per split call; ``sparse``:
-    mla_sparse_attention's (lengths_per, strict); ``variants``: its attn_sink), every
-    argument but the arrays' addresses."""
+    mla_sparse_attention's (lengths_per, strict); ``variants``: its attn_sink; ``extra``:
+    its second cache's constants, MlaLaunch.extra's tuple, () for none), every argument but
+    the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
+    takes_extra = plan.kernel.spec.kernel == "mla_sparse_attention"
+    if extra and not takes_extra:
+        raise ValueError(f"{plan.kernel.spec!r} takes no second cache")
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
                      plan.row_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,
@@ -404,4 +431,5 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
                      (p.num_heads, int(causal), scale * _checks.LOG2E, *sparse), plan.combine,
                      plan.combine_grid, plan.combine_tail,
                      p.num_rows * p.num_heads * plan.partitions, p.rank, partials, variants,
-                     _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack())
+                     _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack(),
+                     (tuple(extra) or NO_SPARSE_EXTRA) if takes_extra else None)

@@ -1024,7 +1024,7 @@ class MlaPlan(NamedTuple):
 def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
              block_size: int, num_seqs: int, num_rows: int, num_heads: int, max_q: int,
              max_ctx: int, workspace_rows: int | None = None,
-             sparse: bool = False) -> MlaPlan | None:
+             sparse: bool = False, second_cache: bool = False) -> MlaPlan | None:
     """The launches of an MLA call (None: nothing to launch), from host facts only:
     ``max_q`` and ``max_ctx`` bound the query tokens and keys of a sequence (an undercount
     costs parallelism, never rows or keys); ``workspace_rows`` caps the split's partial
@@ -1033,7 +1033,8 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     top-k entries (``max_ctx``: topk); on Hopper its wgmma form where a token has 64 heads
     or more (the paged kernels' rule), over 16-bit caches and fp8_ds_mla rows, the mma.sync
     kernel elsewhere and over V4's rows always (the wgmma kernel does not read them, even
-    under set_mla_family("sm90"))."""
+    under set_mla_family("sm90")). ``second_cache``: a sparse call with a second cache,
+    which only the mma.sync kernel reads (``max_ctx`` then both topks' sum)."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
@@ -1041,8 +1042,8 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
     token_rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
     token_bytes = 0 if token_rows is None else token_rows.nbytes
-    wgmma_reads = cache_dtype in jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"] \
-        or token_rows is None
+    wgmma_reads = (cache_dtype in jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]
+                   or token_rows is None) and not second_cache
     if wgmma_reads and mla_sm90_applies(arch, rows_needed):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens

@@ -17,11 +17,13 @@ from . import _arrays, _checks, _dtypes, _prepared, _variants, launch, planning,
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
+FOLD = "[batch, s_q, ...] with batch and s_q foldable into one dimension"
 
 __all__ = ["sparse_mla_attention"]
 
 
 def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_sink=None,
+                         extra_kv_cache=None, extra_indices=None, extra_topk_length=None,
                          kv_cache_dtype="auto", out=None, lse=None, return_lse=False,
                          stream=None, workspace=None):
     """Sparse multi-head latent attention (DeepSeek's DSA, V3.2's and V4's): each query
@@ -74,6 +76,13 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
             alone, as FlashMLA reports it (``np.logaddexp(lse, sink)`` is the whole
             denominator's, :func:`cupaged.attention`'s ``sinks`` convention). A sink of
             +inf gives zeros, -inf changes nothing.
+        extra_kv_cache, extra_indices, extra_topk_length: optional, a second cache
+            attended in the same softmax (DeepSeek-V4's ``extra_k_cache``,
+            ``extra_indices_in_kvcache``, ``extra_topk_length``): the first cache's format
+            and width, its own blocks (any power-of-two page size up to 256) and slots,
+            ``extra_indices [batch, s_q, extra_topk]`` int32 slots of it under the same
+            rules, ``extra_topk_length [batch]``. A token's keys are its counted entries of
+            the first cache, then those of the second. Served by the mma.sync kernel.
         kv_cache_dtype: ``"auto"`` (q's dtype, or for a 1-byte cache the format its width
             names: 656 ``"fp8_ds_mla"``, 528 ``"v4_fp8"``, 288 ``"v4_fp4"``) or one of
             those three names.
@@ -84,7 +93,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     ``indices [s_q, 1, topk]`` (or ``[s_q, topk]``) into them, ``topk_length [s_q]``; an
     index outside ``[0, s_kv)`` (-1 or any other) does not count. out ``[s_q, num_heads,
     512]``, lse ``[s_q, num_heads]`` (natural log: FlashMLA's prefill returns it in base 2,
-    times log2(e)).
+    times log2(e)). A second cache takes the same forms (``extra_kv_cache [s_kv', 1,
+    width]``, ``extra_indices [s_q, 1, extra_topk]``, ``extra_topk_length [s_q]``).
 
     Both:
         scale: the softmax scale (required).
@@ -99,10 +109,9 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
     the statement of the result. The kernels: ``mla_sparse_attention`` (mma.sync, sm_80+)
     for every cache; on Hopper, for 16-bit and fp8_ds_mla caches with 64 heads or more,
-    ``mla_sparse_attention_sm90`` (wgmma); V4's formats always take the mma.sync kernel.
-    Not served: V4's second cache (``extra_k_cache`` with its own indices and lengths,
-    which ``reference.sparse_mla_attention`` takes as ``extra_kv_cache``), and 16-bit
-    caches of V4's 512-dim tokens (q's dtype, width 512).
+    ``mla_sparse_attention_sm90`` (wgmma); V4's formats and calls with a second cache
+    always take the mma.sync kernel. Not served: 16-bit caches of V4's 512-dim tokens (q's
+    dtype, width 512).
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     ``attn_sink`` (by address), workspace and keywords match an earlier successful call's
@@ -111,28 +120,31 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     """
     # attn_sink: a main array too (its address among the ones overlap is checked at), and a
     # side one (its address, packed into the launch, is part of the key)
+    extra = (extra_kv_cache, extra_indices, extra_topk_length)
     k, ptrs = _prepared.key("sparse_mla",
-                            (q, kv_cache, indices, topk_length, out, lse, attn_sink),
+                            (q, kv_cache, indices, topk_length, out, lse, attn_sink, *extra),
                             (attn_sink,), (scale, return_lse, kv_cache_dtype),
                             launch.workspace_key(workspace))
     prep = _prepared.lookup(k)
     if prep is None or _prepared.any_overlap(prep.disjoint, ptrs):
         prep, ptrs = validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse,
                                           return_lse, stream, workspace, attn_sink=attn_sink,
-                                          kv_cache_dtype=kv_cache_dtype)
+                                          kv_cache_dtype=kv_cache_dtype, extra=extra)
         _prepared.remember(k, prep)
-    # q's rotary part and the cache's lie at their latent parts' addresses (the launch's
+    # q's rotary part and the caches' lie at their latent parts' addresses (the launch's
     # offsets find them)
-    ql, c, idx, tl, o, lse_ptr, _ = ptrs
-    return _prepared.run(prep, ((ql, ql), c, c, idx, tl, 0, o, lse_ptr), stream, out, lse)
+    ql, c, idx, tl, o, lse_ptr, _, e, e_idx, e_tl = ptrs
+    return _prepared.run(prep, ((ql, ql), c, c, idx, tl, 0, o, lse_ptr), stream, out, lse,
+                         (e, e_idx, e_tl) if e else ())
 
 
 def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, return_lse,
                          stream, workspace, plan: bool = True, attn_sink=None,
-                         kv_cache_dtype="auto") -> tuple:
+                         kv_cache_dtype="auto", extra=(None, None, None)) -> tuple:
     """``(prepared call, addresses)``: every check, then the plan of its launches
-    (``plan=False``: the checks alone). The addresses: q's, the cache's, the indices',
-    topk_length's, out's, lse's and attn_sink's (0 for one not given)."""
+    (``plan=False``: the checks alone). ``extra``: the second cache, its indices and its
+    lengths (or Nones). The addresses: q's, the cache's, the indices', topk_length's,
+    out's, lse's, attn_sink's and extra's three (0 for one not given)."""
     if scale is None:
         _fail("scale is required: DeepSeek's is 1 / sqrt(qk_nope_head_dim + "
               "qk_rope_head_dim) (times YaRN's mscale squared), not 1 / sqrt(576)", TypeError)
@@ -147,7 +159,14 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     width = 576 if fmt is None else fmt.nbytes  # the cache's
     prefill = qa.ndim == 3
     out_shape, lse_shape = qa.shape[:-1] + (512,), qa.shape[:-1]
+    e_kc, e_idx, e_tl = _second_cache_arrays(extra)
+    if e_kc is not None and _sparse_rows(kv_cache_dtype, e_kc, qa, "extra_kv_cache") != sparse:
+        _fail(f"extra_kv_cache must hold the first cache's format "
+              f"({sparse or f'{qa.dtype} values'}), got {e_kc.dtype} of shape {e_kc.shape}")
     if prefill:  # seen as decode: each query token a batch entry of one token
+        if e_kc is not None:
+            _, e_kc, e_idx, _, _ = _prefill_as_decode(qa, e_kc, e_idx, None, None, d_qk, width,
+                                                      "extra_")
         qa, kc, idx, o, lse_a = _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk, width)
     if qa.ndim != 4:
         _fail(f"q must be [batch, s_q, num_heads, {d_qk}] (decode) or [s_q, num_heads, "
@@ -165,23 +184,9 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
               f"V4's tokens are read from 'v4_fp8' (528-byte) or 'v4_fp4' (288-byte) rows; "
               f"a 16-bit cache must be [num_blocks, page_size, (1,) 576], got shape "
               f"{kc.shape}")
-    _checks.check_int(idx, "indices")
-    if idx.dtype != np.int32:
-        _fail(f"indices must be int32, got {idx.dtype}", TypeError)
-    if idx.ndim != 3 or idx.shape[:2] != (batch, s_q) or idx.shape[2] < 1:
-        _fail(f"indices must be [batch, s_q, topk] = [{batch}, {s_q}, topk >= 1], got shape "
-              f"{idx.shape}")
-    tokens = batch * s_q
-    if tokens and (idx.strides[2] != 4 or min(idx.strides) < 0
-                   or idx.strides[0] % 4 or idx.strides[1] % 4):
-        _fail(f"indices' last dimension must be contiguous and its rows a whole number of "
-              f"entries apart (strides {idx.strides})")
     tl = optional_device_array(topk_length, "topk_length")
-    if tl is not None:
-        _checks.check_int(tl, "topk_length")
-        if tl.dtype != np.int32 or tl.shape != (batch,) or (batch and tl.strides[0] != 4):
-            _fail(f"topk_length must be a contiguous int32 [batch] = [{batch}] array, got "
-                  f"{tl.dtype} of shape {tl.shape}")
+    _check_indices(idx, tl, batch, s_q)
+    tokens = batch * s_q
     for name, a, shape in (("out", o, (batch, s_q, num_heads, 512)),
                            ("lse", lse_a, (batch, s_q, num_heads))):
         if a is not None and (a.shape != shape or not (_checks.is_empty(a)
@@ -189,12 +194,13 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
             _fail(f"{name} must be a C-contiguous array of shape {shape}, got shape "
                   f"{a.shape} with strides {a.strides}")
     _checks.check_same_device(qa.data.device_id, "q", (
-        ("kv_cache", kc), ("indices", idx), ("topk_length", tl), ("out", o), ("lse", lse_a)))
+        ("kv_cache", kc), ("indices", idx), ("topk_length", tl), ("out", o), ("lse", lse_a),
+        ("extra_kv_cache", e_kc), ("extra_indices", e_idx), ("extra_topk_length", e_tl)))
     # One query token a "sequence" of mla_attention's checks: its rows its heads. Its
     # block-table row (the indices) is checked above and given to them as one entry a row
     # (the checks' bound on a table's tokens is a paged one), topk_length's place by a
     # stand-in of the shape they want: metadata only, never read.
-    fold = "[batch, s_q, ...] with batch and s_q foldable into one dimension"
+    fold = FOLD
     topk = idx.shape[2]
     row_stride = _arrays.reshaped(idx, (2, 1), "indices", fold).strides[0]
     rows = _arrays.StridedView(idx, (tokens, 1), (row_stride, 4))
@@ -217,6 +223,7 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if num_slots >= 2 ** 31:
         _fail(f"the cache has {num_slots} token slots; at most 2^31 - 1 are supported")
     p = p._replace(num_blocks=num_slots)
+    second = () if e_kc is None else _check_second_cache(e_kc, e_idx, e_tl, kc, batch, s_q)
     scale = validation.softmax_scale(scale, p.rank + p.rope)
     parts = launch.mla_workspace_partials(workspace, p.device, p.rank)
     wants_lse = bool(return_lse) or lse is not None
@@ -224,31 +231,100 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
         return None, None
     with _arrays.on_device(p.device):
         mplan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
-                                  p.block_size, tokens, tokens, num_heads, 1, p.max_blocks,
-                                  None if parts is None else parts.max_rows, sparse=True)
+                                  p.block_size, tokens, tokens, num_heads, 1,
+                                  p.max_blocks + (second[3] if second else 0),
+                                  None if parts is None else parts.max_rows, sparse=True,
+                                  second_cache=bool(second))
         launches = None if mplan is None else launch.build_mla(
             p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)),
-            variants=variants)
-    disjoint = _prepared.disjoint_spans(((4, o), (5, lse_a)),
-                                        ((0, qa), (1, kc), (2, idx), (3, tl), (6, sink)))
+            variants=variants, extra=second)
+    disjoint = _prepared.disjoint_spans(
+        ((4, o), (5, lse_a)), ((0, qa), (1, kc), (2, idx), (3, tl), (6, sink), (7, e_kc),
+                               (8, e_idx), (9, e_tl)))
     prep = _prepared.Prepared(launches, p.device, _arrays.framework(q), out_shape, qa.dtype,
                               (), 0, False, wants_lse,
                               lse_shape if wants_lse and lse_a is None else (), disjoint)
-    ptrs = _prepared.addresses(qa, kc, idx, tl, o, lse_a, sink)
+    ptrs = _prepared.addresses(qa, kc, idx, tl, o, lse_a, sink, e_kc, e_idx, e_tl)
     if _prepared.any_overlap(disjoint, ptrs):
-        _fail("out and lse must not overlap q, kv_cache, indices, topk_length, attn_sink or "
-              "each other")
+        _fail("out and lse must not overlap q, kv_cache, indices, topk_length, attn_sink, "
+              "the extra_ arrays or each other")
     return prep, ptrs
+
+
+def _second_cache_arrays(extra):
+    """The second cache's arrays (extra_kv_cache, extra_indices, extra_topk_length),
+    adapted, or Nones; they come together (the lengths optional)."""
+    e_kc, e_idx, e_tl = extra
+    if (e_kc is None) != (e_idx is None):
+        _fail("extra_kv_cache and extra_indices come together", TypeError)
+    if e_tl is not None and e_kc is None:
+        _fail("extra_topk_length needs extra_kv_cache and extra_indices", TypeError)
+    if e_kc is None:
+        return None, None, None
+    return (as_device_array(e_kc, "extra_kv_cache"), as_device_array(e_idx, "extra_indices"),
+            optional_device_array(e_tl, "extra_topk_length"))
+
+
+def _check_second_cache(e_kc, e_idx, e_tl, kc, batch: int, s_q: int) -> tuple:
+    """The second cache's checks (in decode form; ``kc`` the first cache's, whose format
+    it shares): MlaLaunch.extra's constants (its block and token strides and its indices'
+    row stride in elements, topk, slots, log2 of its block size)."""
+    width = kc.shape[-1]
+    if e_kc.ndim not in (3, 4) or (e_kc.ndim == 4 and e_kc.shape[2] != 1) \
+            or e_kc.shape[-1] != width:
+        _fail(f"extra_kv_cache must be [num_blocks, page_size, 1, {width}] or [num_blocks, "
+              f"page_size, {width}] (the first cache's width), got shape {e_kc.shape}")
+    page = e_kc.shape[1]
+    if page < 1 or page > 256 or page & (page - 1):
+        _fail(f"extra_kv_cache's page size must be a power of two from 1 to 256, got {page}")
+    isz = e_kc.dtype.itemsize
+    block_st, token_st = e_kc.strides[0], e_kc.strides[1]
+    if not _checks.is_empty(e_kc) and (
+            e_kc.strides[-1] != isz or min(block_st, token_st) < 0 or block_st % 16
+            or token_st % 16 or e_kc.data.ptr % 16):
+        _fail(f"extra_kv_cache's tokens must be contiguous rows at a 16-byte aligned address, "
+              f"its blocks and tokens a nonnegative multiple of 16 bytes apart (strides "
+              f"{e_kc.strides})")
+    slots = e_kc.shape[0] * page
+    if slots >= 2 ** 31:
+        _fail(f"extra_kv_cache has {slots} token slots; at most 2^31 - 1 are supported")
+    _check_indices(e_idx, e_tl, batch, s_q, "extra_")
+    row_stride = _arrays.reshaped(e_idx, (2, 1), "extra_indices", FOLD).strides[0]
+    return (block_st // isz, token_st // isz, row_stride // 4, e_idx.shape[2], slots,
+            page.bit_length() - 1)
+
+
+def _check_indices(idx, lengths, batch: int, s_q: int, prefix: str = "") -> None:
+    """The indices' and their lengths' checks (in decode form; ``prefix``: "extra_" for
+    the second cache's)."""
+    name, lname, k = f"{prefix}indices", f"{prefix}topk_length", f"{prefix}topk"
+    _checks.check_int(idx, name)
+    if idx.dtype != np.int32:
+        _fail(f"{name} must be int32, got {idx.dtype}", TypeError)
+    if idx.ndim != 3 or idx.shape[:2] != (batch, s_q) or idx.shape[2] < 1:
+        _fail(f"{name} must be [batch, s_q, {k}] = [{batch}, {s_q}, {k} >= 1], got shape "
+              f"{idx.shape}")
+    if batch * s_q and (idx.strides[2] != 4 or min(idx.strides) < 0
+                        or idx.strides[0] % 4 or idx.strides[1] % 4):
+        _fail(f"{name}' last dimension must be contiguous and its rows a whole number of "
+              f"entries apart (strides {idx.strides})")
+    if lengths is not None:
+        _checks.check_int(lengths, lname)
+        if lengths.dtype != np.int32 or lengths.shape != (batch,) \
+                or (batch and lengths.strides[0] != 4):
+            _fail(f"{lname} must be a contiguous int32 [batch] = [{batch}] array, got "
+                  f"{lengths.dtype} of shape {lengths.shape}")
 
 
 # (kv_cache_dtype, its rows' bytes) for the error that lists them
 _ROW_WIDTHS = ", ".join(f"{f.nbytes}-byte {n}" for n, f in _dtypes.SPARSE_KV_CACHE_DTYPES.items())
 
 
-def _sparse_rows(kv_cache_dtype, kc, qa) -> str | None:
+def _sparse_rows(kv_cache_dtype, kc, qa, name: str = "kv_cache") -> str | None:
     """The kv_cache_dtype of the cache's token rows (``"fp8_ds_mla"``, ``"v4_fp8"``,
     ``"v4_fp4"``: named, or with ``"auto"`` a 1-byte cache whose last dimension is one
-    of their widths, 656, 528, 288), or None for a cache of q's dtype."""
+    of their widths, 656, 528, 288), or None for a cache of q's dtype; ``name``: the
+    cache's, for errors."""
     formats = _dtypes.SPARSE_KV_CACHE_DTYPES
     if not (kv_cache_dtype == "auto" or (isinstance(kv_cache_dtype, str)
                                          and kv_cache_dtype in formats)):
@@ -257,32 +333,34 @@ def _sparse_rows(kv_cache_dtype, kc, qa) -> str | None:
     one_byte = kc.dtype.itemsize == 1 and (kc.dtype.kind in "ui"
                                            or _dtypes.fp8_of(kc.dtype) is _dtypes.E4M3)
     if kv_cache_dtype == "auto" and one_byte:
-        for name, fmt in formats.items():
+        for fmt_name, fmt in formats.items():
             if kc.shape[-1:] == (fmt.nbytes,):
-                kv_cache_dtype = name
+                kv_cache_dtype = fmt_name
     if kv_cache_dtype != "auto":
         if not one_byte:
-            _fail(f"kv_cache dtype {kc.dtype} cannot hold {kv_cache_dtype} rows: expected a "
+            _fail(f"{name} dtype {kc.dtype} cannot hold {kv_cache_dtype} rows: expected a "
                   f"1-byte dtype (uint8, int8 or float8_e4m3fn)", TypeError)
         return kv_cache_dtype
     if kc.dtype != qa.dtype:
-        _fail(f"kv_cache dtype {kc.dtype} must be q's ({qa.dtype}), or a 1-byte dtype of "
+        _fail(f"{name} dtype {kc.dtype} must be q's ({qa.dtype}), or a 1-byte dtype of "
               f"DeepSeek's sparse rows ({_ROW_WIDTHS}: name it with kv_cache_dtype); "
               f"per-tensor fp8 caches are not read by sparse_mla_attention", TypeError)
     return None
 
 
-def _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk: int = 576, width: int = 576):
+def _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk: int = 576, width: int = 576,
+                       prefix: str = ""):
     """FlashMLA's sparse prefill arrays (q ``[s_q, heads, d_qk]``, kv ``[s_kv, 1, width]``
     or ``[s_kv, width]``, indices ``[s_q, 1, topk]`` or ``[s_q, topk]``, out ``[s_q, heads,
     512]``, lse ``[s_q, heads]``), checked, as views of the decode form: each query token
     a batch entry of one token, the tokens of kv as blocks of one token (a slot is a
-    token: one specialization for every s_kv, and the views cover kv's memory exactly)."""
+    token: one specialization for every s_kv, and the views cover kv's memory exactly).
+    ``prefix``: the arrays' names' ("extra_" for the second cache's)."""
     if kc.ndim == 3 and kc.shape[1] == 1:
         kc = _arrays.StridedView(kc, (kc.shape[0], kc.shape[2]), (kc.strides[0], kc.strides[2]))
     if kc.ndim != 2:
-        _fail(f"kv must be [s_kv, 1, {width}] or [s_kv, {width}] for the prefill interface "
-              f"(q [s_q, num_heads, {d_qk}]), got shape {kc.shape}")
+        _fail(f"{prefix}kv must be [s_kv, 1, {width}] or [s_kv, {width}] for the prefill "
+              f"interface (q [s_q, num_heads, {d_qk}]), got shape {kc.shape}")
     s_kv = kc.shape[0]
     kv = _arrays.StridedView(kc, (s_kv, 1, kc.shape[1]),
                              (kc.strides[0], kc.strides[0], kc.strides[1]))
@@ -291,8 +369,8 @@ def _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk: int = 576, width: int = 576)
         idx = _arrays.StridedView(idx, (idx.shape[0], 1, idx.shape[1]),
                                   (idx.strides[0], idx.strides[0], idx.strides[1]))
     if idx.ndim != 3 or idx.shape[:2] != (s_q, 1):
-        _fail(f"indices must be [s_q, 1, topk] or [s_q, topk] with s_q = {s_q} for the "
-              f"prefill interface, got shape {idx.shape}")
+        _fail(f"{prefix}indices must be [s_q, 1, topk] or [s_q, topk] with s_q = {s_q} for "
+              f"the prefill interface, got shape {idx.shape}")
 
     for name, a, shape in (("out", o, (s_q, *qa.shape[1:2], 512)), ("lse", lse_a, qa.shape[:2])):
         if a is not None and a.shape != shape:

@@ -408,6 +408,7 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 
 # Structs the kernels take by value, as ARG_FORMATS spells them.
 STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s",
+                  "MlaSparseExtra": f"{launch.SPARSE_EXTRA.size}s",
                   "PagedKV": jit.PAGED_KV_FORMAT,
                   "VariantParams": f"{_variants._STRUCT.size}s"}
 
@@ -418,21 +419,29 @@ def _mangled_params(lowered: str) -> str:
     rest = lowered[lowered.index("EEv") + 3:]
     scalars = {"x": "q", "y": "q", "l": "q", "m": "q", "i": "i", "j": "i", "f": "f"}
 
+    def nested(i):  # N <substitutions and length-prefixed names> E: (its last name, end)
+        j, name = i + 1, None
+        while rest[j] != "E":
+            if rest[j] == "S":
+                j = rest.index("_", j) + 1
+            else:
+                k = re.match(r"\d+", rest[j:]).end() + j
+                name, j = rest[k:k + int(rest[j:k])], k + int(rest[j:k])
+        return name, j + 1
+
     def skip_type(i):
         if rest[i] in "ST":  # substitution or template parameter: up to '_'
             return rest.index("_", i) + 1
         if rest[i] == "N":  # nested name
-            return rest.index("E", i) + 1
+            return nested(i)[1]
         return i + 1  # builtin
 
     out, i = [], 0
     while i < len(rest):
         c = rest[i]
         if c == "N":  # a struct by value: its format from its name
-            end = rest.index("E", i)
-            name = re.search(r"[A-Za-z_]+$", rest[i + 1:end]).group(0)
+            name, i = nested(i)
             out.append(STRUCT_FORMATS[name])
-            i = end + 1
         elif c == "P":
             i += 1
             while rest[i] in "KV":

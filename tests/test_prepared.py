@@ -551,6 +551,14 @@ class MlaLaunched(NamedTuple):
     query_start_loc: int
     k_scale: tuple  # (device pointer or 0, value)
     vp: bytes  # VariantParams: lse's address packed in
+    extra: bytes = b""  # mla_sparse_attention's second cache (b"" for none)
+
+
+class _Launches(list):
+    """fake_mla's record of launches, with ``planned``: each sparse plan's (max_ctx,
+    second_cache)."""
+
+    planned: list
 
 
 @pytest.fixture
@@ -579,24 +587,32 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
 
     monkeypatch.setattr(_prepared, "metas", metas)
     monkeypatch.setattr(_kvquant, "as_device_array", _arrays.as_device_array)  # a device k_scale
-    launched = []
+    launched = _Launches()
+    launched.planned = []  # plan_mla's (max_ctx, second_cache) of each sparse plan
     planned_sparse = [False]
 
     def kernel(grid, threads, smem, stream, *a):
         # MlaLaunch.run's order: out, 3 partials, split_tiles, row_tiles, q's parts, their 4
         # strides, the caches' parts, their 4 strides, the table, its 5 constants, lengths,
         # starts, 3 scalars, VariantParams.
-        # (sparse_mla_attention's: lengths_per and strict before VariantParams)
-        assert len(a) == (32 if planned_sparse[0] else 30) and a[1:5] == (0, 0, 0, 0)
+        # (mla_sparse_attention's: lengths_per, strict and its second cache before
+        # VariantParams)
+        assert len(a) == (33 if planned_sparse[0] else 30) and a[1:5] == (0, 0, 0, 0)
+        extra = a[-2] if planned_sparse[0] and a[-2] != launch.NO_SPARSE_EXTRA else b""
         launched.append(MlaLaunched(a[0], a[6:8], a[12:14], a[18], a[24], a[25], a[22:24],
-                                    a[-1]))
+                                    a[-1], extra))
 
     def plan_mla(device, dtype, cache_dtype, rank, rope, block_size, num_seqs, num_rows,
-                 num_heads, max_q, max_ctx, workspace_rows=None, sparse=False):
+                 num_heads, max_q, max_ctx, workspace_rows=None, sparse=False,
+                 second_cache=False):
         planned_sparse[0] = sparse  # the launch of this plan takes the sparse arguments
+        if sparse:
+            launched.planned.append((max_ctx, second_cache))
         if not (num_seqs and num_rows):
             return None
-        return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0),
+        name = "mla_sparse_attention" if sparse else "mla_attention"
+        return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0,
+                                                      spec=SimpleNamespace(kernel=name)),
                                grid=(num_seqs, 1, 1), split_tiles=0, row_tiles=1,
                                combine=None, combine_grid=(), combine_tail=(), partitions=1)
 
@@ -1052,6 +1068,32 @@ def test_repeated_sparse_mla_calls_are_prepared_with_their_own_addresses(fake_ml
                                            _variants.PLAIN.pack(p["lse"])), f"call {n}"
         assert (out.data.ptr, lse.data.ptr) == (p["out"], p["lse"])
     assert validations["mla"] == 1
+
+
+def test_a_second_cache_reaches_the_launch_at_each_call(fake_mla, validations, monkeypatch):
+    """A sparse call with a second cache: its addresses (its rotary part 512 elements into
+    its rows, like the first cache's), strides, indices' row, topk, slots and page shift
+    packed into the launch at each call, the plan made for both topks on the kernel that
+    reads it; a call without one, of otherwise the same arrays, is its own prepared call."""
+    from test_validation import Fake
+
+    call = _sparse_call(monkeypatch)
+    _, launched = fake_mla
+    for n, shift in enumerate((0, 1 << 16, 0)):
+        e = dict(extra_kv_cache=Fake(np.zeros((7, 16, 1, 576), np.float16),
+                                     ptr=(7 << 28) + shift),
+                 extra_indices=Fake(np.zeros((2, 3, 40), np.int32), ptr=(8 << 28) + shift),
+                 extra_topk_length=Fake(np.zeros(2, np.int32), ptr=(9 << 28) + shift))
+        f, _ = call(shift, scale=0.1, **e)
+        ekv = (7 << 28) + shift
+        assert launched[-1].extra == launch.SPARSE_EXTRA.pack(
+            ekv, ekv + 1024, (8 << 28) + shift, (9 << 28) + shift, 16 * 576, 576, 40, 40,
+            7 * 16, 4), f"call {n}"
+        assert launched[-1].cache == (f["kv_cache"].data.ptr, f["kv_cache"].data.ptr + 1024)
+    assert validations["mla"] == 1 and launched.planned == [(32 + 40, True)]
+    call(0, scale=0.1)
+    assert launched[-1].extra == b"" and validations["mla"] == 2
+    assert launched.planned[-1] == (32, False)
 
 
 def test_sparse_mla_keys_the_sink_and_the_scale_and_checks_overlap_each_call(

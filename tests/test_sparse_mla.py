@@ -106,16 +106,32 @@ def problem(fmt, rng, *args, **kw):
     return host_problem(rng, *args, dtype=fmt, **kw)
 
 
+def second_problem(fmt, rng, batch, s_q, heads, topk, extra_topk, *, lengths=None,
+                   extra_lengths=None, extra_page=16, extra_blocks=20):
+    """problem() with a second cache of the same format: its own page size, blocks, indices
+    (with -1 entries, a repeated index, both ends of it) and lengths; the slots no counted
+    entry of either names are stale (NaN, 0xFF or inf bytes)."""
+    h = problem(fmt, rng, batch, s_q, heads, topk, topk_length=lengths)
+    e = problem(fmt, rng, batch, s_q, heads, extra_topk, page=extra_page, blocks=extra_blocks,
+                topk_length=extra_lengths)
+    return dict(h, extra_kv_cache=e["kv_cache"], extra_indices=e["indices"],
+                extra_topk_length=e["topk_length"])
+
+
 def kv_format(cache) -> str:
     """The reference's kv_format of a test cache: a 1-byte one's by its row width."""
     return FORMAT_OF_WIDTH[cache.shape[-1]] if cache.dtype == np.uint8 else "auto"
+
+
+EXTRA = ("extra_kv_cache", "extra_indices", "extra_topk_length")
 
 
 def reference_of(h, with_length=True, sink=None):
     return reference.sparse_mla_attention(h["q"], h["kv_cache"], h["indices"], scale=SCALE,
                                           topk_length=h["topk_length"] if with_length else None,
                                           kv_format=kv_format(h["kv_cache"]),
-                                          attn_sink=sink, return_lse=True)
+                                          attn_sink=sink, return_lse=True,
+                                          **{k: h[k] for k in EXTRA if k in h})
 
 
 def run(h, with_length=True, pad=0, **kw):
@@ -136,7 +152,8 @@ def run(h, with_length=True, pad=0, **kw):
     lse = cupy.full(h["q"].shape[:3], np.nan, np.float32)
     got, got_lse = cupaged.sparse_mla_attention(
         dev["q"], dev["kv_cache"], dev["indices"], scale=SCALE,
-        topk_length=dev["topk_length"] if with_length else None, out=out, lse=lse, **kw)
+        topk_length=dev["topk_length"] if with_length else None, out=out, lse=lse,
+        **{k: dev[k] for k in EXTRA if k in dev}, **kw)
     assert got is out and got_lse is lse
     return cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
 
@@ -169,10 +186,10 @@ def adapt(monkeypatch):
     def check(attn_sink=None, kv_cache_dtype="auto", **over):
         f = fakes(**over)
         sink = None if attn_sink is None else Fake(attn_sink, ptr=1 << 30)
-        return sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1,
-                                               f["topk_length"], f["out"], f["lse"], False,
-                                               None, None, plan=False, attn_sink=sink,
-                                               kv_cache_dtype=kv_cache_dtype)
+        return sparse_mla.validate_and_prepare(
+            f["q"], f["kv_cache"], f["indices"], 0.1, f["topk_length"], f["out"], f["lse"],
+            False, None, None, plan=False, attn_sink=sink, kv_cache_dtype=kv_cache_dtype,
+            extra=tuple(f.get(f"extra_{k}") for k in ("kv_cache", "indices", "topk_length")))
     return check
 
 
@@ -471,6 +488,107 @@ def test_the_prefill_interface_is_accepted_and_checked(adapt):
               topk_length=np.zeros(2, np.int32))
 
 
+# (fmt, q's dtype, q's d_qk, the rows' width)
+SECOND_FORMATS = [("f16", np.float16, D, D), ("fp8_ds_mla", _dtypes.BF16.numpy, D, DS),
+                  ("v4_fp8", _dtypes.BF16.numpy, D_V4, 528),
+                  ("v4_fp4", _dtypes.BF16.numpy, D_V4, 288)]
+
+
+@pytest.mark.parametrize("fmt, qdt, d, w", SECOND_FORMATS, ids=[f[0] for f in SECOND_FORMATS])
+def test_a_second_cache_is_accepted(adapt, fmt, qdt, d, w):
+    """extra_kv_cache of the first cache's format with its own blocks and page size (1 to
+    256, both cache forms), extra_indices with their own topk, extra_topk_length; the
+    prefill interface's forms (kv [s_kv', 1, width] or [s_kv', width], indices [s_q, 1,
+    k] or [s_q, k], lengths [s_q])."""
+    cdt = np.float16 if fmt == "f16" else np.uint8
+    q = np.zeros((2, 3, 16, d), qdt)
+    first = np.zeros((10, 64, 1, w), cdt)
+    for page in (1, 16, 64, 256):
+        for shape in ((7, page, 1, w), (7, page, w)):
+            assert adapt(q=q, kv_cache=first, extra_kv_cache=np.zeros(shape, cdt),
+                         extra_indices=np.zeros((2, 3, 5), np.int32),
+                         extra_topk_length=np.zeros(2, np.int32)) == (None, None)
+    assert adapt(q=q, kv_cache=first, extra_kv_cache=np.zeros((7, 16, w), cdt),
+                 extra_indices=np.zeros((2, 3, 40), np.int32)) == (None, None)
+    for kv in (np.zeros((50, 1, w), cdt), np.zeros((37, w), cdt)):
+        for ind in (np.zeros((6, 1, 9), np.int32), np.zeros((6, 9), np.int32)):
+            assert adapt(q=np.zeros((6, 16, d), qdt), kv_cache=np.zeros((100, 1, w), cdt),
+                         indices=np.zeros((6, 1, 32), np.int32), extra_kv_cache=kv,
+                         extra_indices=ind, extra_topk_length=np.zeros(6, np.int32)) == \
+                (None, None)
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(extra_indices=None), TypeError, "extra_kv_cache and extra_indices come together"),
+    (dict(extra_kv_cache=None), TypeError, "extra_kv_cache and extra_indices come together"),
+    (dict(extra_kv_cache=None, extra_indices=None), TypeError,
+     "extra_topk_length needs extra_kv_cache and extra_indices"),
+    (dict(extra_kv_cache=np.zeros((7, 16, 1, 288), np.uint8)), ValueError,
+     "extra_kv_cache must hold the first cache's format \\(v4_fp8\\), got uint8 of shape "
+     "\\(7, 16, 1, 288\\)"),
+    (dict(extra_kv_cache=np.zeros((7, 16, 1, 528), np.uint16)), TypeError,
+     "extra_kv_cache dtype uint16 must be q's \\(bfloat16\\)"),
+    (dict(extra_kv_cache=np.zeros((7, 48, 1, 528), np.uint8)), ValueError,
+     "extra_kv_cache's page size must be a power of two from 1 to 256, got 48"),
+    (dict(extra_kv_cache=np.zeros((7, 16, 2, 528), np.uint8)), ValueError,
+     "extra_kv_cache must be \\[num_blocks, page_size, 1, 528\\] or \\[num_blocks, page_size, "
+     "528\\]"),
+    (dict(extra_kv_cache=np.zeros((7, 16, 536), np.uint8)[..., :528]), ValueError,
+     "extra_kv_cache's tokens must be contiguous rows at a 16-byte aligned address"),
+    (dict(extra_indices=np.zeros((2, 3, 5), np.int64)), TypeError,
+     "extra_indices must be int32"),
+    (dict(extra_indices=np.zeros((2, 4, 5), np.int32)), ValueError,
+     "extra_indices must be \\[batch, s_q, extra_topk\\] = \\[2, 3, extra_topk >= 1\\]"),
+    (dict(extra_indices=np.zeros((2, 3, 10), np.int32)[..., ::2]), ValueError,
+     "extra_indices' last dimension must be contiguous"),
+    (dict(extra_topk_length=np.zeros(3, np.int32)), ValueError,
+     "extra_topk_length must be a contiguous int32 \\[batch\\] = \\[2\\]"),
+    (dict(prefill=True, extra_kv_cache=np.zeros((7, 16, 1, 528), np.uint8)), ValueError,
+     "extra_kv must be \\[s_kv, 1, 528\\] or \\[s_kv, 528\\] for the prefill interface"),
+    (dict(prefill=True, extra_kv_cache=np.zeros((40, 528), np.uint8),
+          extra_indices=np.zeros((5, 9), np.int32)), ValueError,
+     "extra_indices must be \\[s_q, 1, topk\\] or \\[s_q, topk\\] with s_q = 6"),
+])
+def test_second_cache_refusals_name_the_argument(adapt, over, exc, match):
+    """A second cache without its indices (or the other way round), lengths without it,
+    another format or dtype, a page size that is not a power of two, a wrong shape, padded
+    rows, wrong indices or lengths, wrong prefill forms: each refused by name before
+    anything launches."""
+    bf16 = _dtypes.BF16.numpy
+    over = dict(over)
+    prefill = over.pop("prefill", False)
+    base = dict(q=np.zeros((2, 3, 16, D_V4), bf16), kv_cache=np.zeros((10, 64, 1, 528), np.uint8),
+                extra_kv_cache=np.zeros((7, 16, 1, 528), np.uint8),
+                extra_indices=np.zeros((2, 3, 5), np.int32),
+                extra_topk_length=np.zeros(2, np.int32))
+    if prefill:
+        base.update(q=np.zeros((6, 16, D_V4), bf16), kv_cache=np.zeros((100, 528), np.uint8),
+                    indices=np.zeros((6, 32), np.int32),
+                    extra_kv_cache=np.zeros((40, 528), np.uint8),
+                    extra_indices=np.zeros((6, 9), np.int32),
+                    extra_topk_length=np.zeros(6, np.int32))
+    base.update(over)
+    with pytest.raises(exc, match=match):
+        adapt(**base)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_a_second_cache_is_planned_on_the_mma_kernel(monkeypatch, device_arch, arch):
+    """The wgmma kernel reads no second cache: fp8_ds_mla and 16-bit caches at 128 heads,
+    which take it alone on Hopper, take mla_sparse_attention with one."""
+    built = _planned(monkeypatch, device_arch, arch)
+    planning.set_mla_split(0)
+    try:
+        for cache in ("dsmla", "bf16"):
+            planning.plan_mla(0, "bf16", cache, 512, 64, 64, 4, 4, 128, 1, 2048, sparse=True)
+            assert (built[-1] == "sm90") == (arch == "sm_90")
+            planning.plan_mla(0, "bf16", cache, 512, 64, 64, 4, 4, 128, 1, 2048 + 512,
+                              sparse=True, second_cache=True)
+            assert built[-1] != "sm90" and built[-1].kernel == "mla_sparse_attention"
+    finally:
+        planning.set_mla_split(None)
+
+
 def test_an_empty_batch_is_accepted(adapt):
     assert adapt(q=np.zeros((0, 3, 16, D), np.float16),
                  indices=np.zeros((0, 3, 32), np.int32)) == (None, None)
@@ -652,6 +770,88 @@ def test_prefill_matches_reference(rng, fmt, s_kv, with_length):
         check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla", *V4_FORMATS])
+@pytest.mark.parametrize("heads, split", [(16, 0), (64, 0), (64, 2), (128, 3)])
+def test_a_second_cache_matches_reference(rng, fmt, heads, split):
+    """V4's second cache in the same softmax: its own page size (16 against 64), blocks,
+    indices and lengths (a token counting only the first cache's entries, one only the
+    second's, one some of each), stale slots in both; single pass and forced partitions
+    (keys of both caches in one partition and across them); attn_sink on one row. The
+    same call again over other data (the remembered call) too."""
+    h = second_problem(fmt, rng, 3, 2, heads, 100, 37, lengths=[100, 0, 60],
+                       extra_lengths=[0, 37, 20])
+    sink = None
+    if heads == 64:
+        sink = rng.normal(0, 1, heads).astype(np.float32)
+    planning.set_mla_split(split)
+    try:
+        import cupy
+
+        extra = {} if sink is None else dict(attn_sink=cupy.asarray(sink))
+        got, lse = run(h, **extra)
+        want, want_lse = reference_of(h, sink=sink)
+        assert_close(got, want, testing.TOLERANCE["bf16"], f"{fmt} {heads} heads split {split}")
+        check_lse(lse, want_lse)
+        h2 = second_problem(fmt, rng, 3, 2, heads, 100, 37, lengths=[30, 100, 0],
+                            extra_lengths=[37, 3, 0])  # other data, the same metadata
+        got2, lse2 = run(h2, **extra)
+        want2, want_lse2 = reference_of(h2, sink=sink)
+        assert_close(got2, want2, testing.TOLERANCE["bf16"], f"{fmt} again")
+        check_lse(lse2, want_lse2)
+    finally:
+        planning.set_mla_split(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "v4_fp8"])
+def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt):
+    """An index of the second cache outside its slots (one past it, a negative other than
+    -1) turns its token's rows NaN, decode's rule, whichever cache it is in; one past its
+    token's extra_topk_length is never read."""
+    h = second_problem(fmt, rng, 2, 2, 16, 40, 24, lengths=[40, 40], extra_lengths=[24, 10])
+    n = h["extra_kv_cache"].shape[0] * h["extra_kv_cache"].shape[1]
+    h["extra_indices"][1, 0, 3] = n
+    h["extra_indices"][0, 1, 7] = -2
+    h["extra_indices"][1, 1, 20] = n + 5  # past batch entry 1's extra_topk_length
+    got, lse = run(h)
+    assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
+    assert np.isnan(lse[1, 0]).all() and np.isnan(lse[0, 1]).all()
+    keep = np.ones((2, 2), bool)
+    keep[1, 0] = keep[0, 1] = False
+    e = h["extra_indices"]
+    want, _ = reference_of(dict(h, extra_indices=np.where((e >= n) | (e < -1), -1, e)))
+    assert_close(got[keep], want[keep], testing.TOLERANCE["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla", *V4_FORMATS])
+def test_a_second_cache_through_the_prefill_interface(rng, fmt):
+    """FlashMLA's prefill forms with a second cache: q [s_q, heads, d], kv [s_kv, 1, width]
+    and extra kv [s_kv', width], indices [s_q, 1, k] and [s_q, k'], lengths [s_q]; an index
+    outside either cache does not count (prefill's rule)."""
+    import cupy
+
+    h = second_problem(fmt, rng, 5, 1, 32, 50, 30)
+    q = h["q"][:, 0]
+    kv = h["kv_cache"].reshape(-1, 1, h["kv_cache"].shape[-1])
+    ekv = h["extra_kv_cache"].reshape(-1, h["extra_kv_cache"].shape[-1])
+    idx, eidx = h["indices"], h["extra_indices"][:, 0]
+    eidx[2, 4] = ekv.shape[0] + 1  # outside: does not count
+    tl, etl = h["topk_length"], h["extra_topk_length"]
+    want, want_lse = reference.sparse_mla_attention(
+        q, kv, idx, scale=SCALE, kv_format=kv_format(kv), topk_length=tl,
+        extra_kv_cache=ekv[:, None], extra_indices=eidx[:, None], extra_topk_length=etl,
+        return_lse=True)
+    d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, ekv=ekv, idx=idx, eidx=eidx, tl=tl,
+                                              etl=etl).items()}
+    out, lse = cupaged.sparse_mla_attention(
+        d["q"], d["kv"], d["idx"], scale=SCALE, topk_length=d["tl"], extra_kv_cache=d["ekv"],
+        extra_indices=d["eidx"], extra_topk_length=d["etl"], return_lse=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"], fmt)
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
+
 # ---- GPU: DeepSeek-V3.2's fp8_ds_mla cache, attention sinks ------------------------------------
 
 
@@ -811,13 +1011,33 @@ def test_out_and_lse_must_not_overlap_what_the_kernel_reads(adapt, monkeypatch):
                                                g["topk_length"], g["out"], g["lse"], False,
                                                None, None, attn_sink=g.get("sink", sink))
     prep, ptrs = prepare()
-    assert prep.launch is None and len(ptrs) == 7 and ptrs[6] == 1 << 30
+    assert prep.launch is None and len(ptrs) == 10 and ptrs[6] == 1 << 30 and ptrs[7:] == [0] * 3
     for name, at in (("lse", 1 << 30), ("out", (1 << 30) - 64), ("lse", f["indices"].data.ptr),
                      ("out", f["topk_length"].data.ptr)):
         moved = Fake(np.zeros(f[name].shape, f[name].dtype), ptr=at)
         with pytest.raises(ValueError, match="out and lse must not overlap q, kv_cache, "
-                                             "indices, topk_length, attn_sink or each other"):
+                                             "indices, topk_length, attn_sink, the extra_ "
+                                             "arrays or each other"):
             prepare(**{name: moved})
+    # the second cache's arrays too
+    e = dict(extra_kv_cache=Fake(np.zeros((4, 16, 1, D), np.float16), ptr=1 << 31),
+             extra_indices=Fake(np.zeros((2, 3, 8), np.int32), ptr=(1 << 31) + (1 << 24)),
+             extra_topk_length=Fake(np.zeros(2, np.int32), ptr=(1 << 31) + (1 << 25)))
+
+    def prepare_two(**over):
+        g = dict(f, **e, **over)
+        return sparse_mla.validate_and_prepare(
+            g["q"], g["kv_cache"], g["indices"], 0.1, g["topk_length"], g["out"], g["lse"],
+            False, None, None, attn_sink=sink,
+            extra=(g["extra_kv_cache"], g["extra_indices"], g["extra_topk_length"]))
+    prep, ptrs = prepare_two()
+    assert ptrs[7:] == [e[k].data.ptr for k in ("extra_kv_cache", "extra_indices",
+                                                "extra_topk_length")]
+    for name, over in (("extra_kv_cache", "lse"), ("extra_indices", "out"),
+                       ("extra_topk_length", "lse")):
+        moved = Fake(np.zeros(f[over].shape, f[over].dtype), ptr=e[name].data.ptr)
+        with pytest.raises(ValueError, match="out and lse must not overlap"):
+            prepare_two(**{over: moved})
 
 
 @pytest.mark.gpu
