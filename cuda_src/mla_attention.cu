@@ -3,7 +3,7 @@
 // compiles it with NVRTC and instantiates the template by name expression, e.g.
 //   cupaged::mla_attention<cupaged::bfloat16_t, cupaged::bfloat16_t, 512, 64, 64, 16, 32, 3>
 // (query type, cache type, kv_lora_rank, rope dims, block size, rows per CTA, tile tokens,
-// stages)
+// stages; the sparse kernel then its variant)
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -gencode=arch=compute_90,code=sm_90 -cubin -std=c++17 -Xptxas -v \
@@ -34,12 +34,16 @@
 #ifndef CUPAGED_ROPE
 #define CUPAGED_ROPE 64
 #endif
+#ifndef CUPAGED_VARIANT  // the sparse kernel's: 64 (kVarSecondCache) reads a second cache
+#define CUPAGED_VARIANT 0
+#endif
 void cupaged_instantiate_mla() {
 #if CUPAGED_ROPE != 0  // (the paged kernel reads no V4 rows)
   (void)&cupaged::mla_attention<CUPAGED_T, CUPAGED_C, 512, CUPAGED_ROPE, CUPAGED_BS,
                                 CUPAGED_ROWS, CUPAGED_TILE, CUPAGED_STAGES>;
 #endif
   (void)&cupaged::mla_sparse_attention<CUPAGED_T, CUPAGED_C, 512, CUPAGED_ROPE, CUPAGED_BS,
-                                       CUPAGED_ROWS, CUPAGED_TILE, CUPAGED_STAGES>;
+                                       CUPAGED_ROWS, CUPAGED_TILE, CUPAGED_STAGES,
+                                       CUPAGED_VARIANT>;
 }
 #endif

@@ -129,9 +129,10 @@ struct MlaGeometry {
   static_assert(STAGES >= 2, "STAGES");
 };
 
-// The kernel's body, for both entry points below: paged (SPARSE false) and sparse.
+// The kernel's body, for both entry points below: paged (SPARSE false) and sparse, with a
+// second cache (EXTRA: the sparse kernel's kVarSecondCache) or without.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
-          int STAGES, bool SPARSE>
+          int STAGES, bool SPARSE, bool EXTRA = false>
 __device__ __forceinline__ void mla_attention_body(
     CUPAGED_MLA_PARAMS, int lengths_per, int strict, const MlaSparseExtra& extra,
     const VariantParams& vp) {  // vp.lse; the sparse kernel also vp.sinks, vp.lse_keys
@@ -170,7 +171,7 @@ __device__ __forceinline__ void mla_attention_body(
   // entries, then its second's.
   const int first_len = sq.seq_len;
   const int* extra_row = nullptr;
-  if constexpr (SPARSE) {
+  if constexpr (EXTRA) {
     if (extra.indices != nullptr) {
       const int token = blockIdx.x / row_tiles;
       extra_row = extra.indices + token * extra.idx_stride;
@@ -214,17 +215,17 @@ __device__ __forceinline__ void mla_attention_body(
     auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
       if (tile >= n_tiles) return -1;
       const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
-      if constexpr (SPARSE) {
+      if constexpr (EXTRA) {
         if (key >= first_len) return mla_extra_slot(extra, extra_row, key, first_len, kv_end,
                                                     strict);
-        return mla_sparse_slot(sq, key, first_len, num_blocks, strict);
       }
+      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
       return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
     auto load_tile = [&](int tile, int stage, int id) {
       // (Sparse: id <= -3 is slot -3 - id of the second cache, addressed through its own
       // pointers, strides and block size.)
-      const bool second = SPARSE && id <= -3;
+      const bool second = EXTRA && id <= -3;
       const bool copy = id >= 0 || second;
       if (id == -2) *bad_s = 1;
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
@@ -509,17 +510,20 @@ __global__ void __launch_bounds__(
 // (a token's rows are its heads; there is no order among its keys). strict: an index
 // outside [0, num_blocks) other than -1 is a fault that turns its token's rows NaN
 // (FlashMLA's decode), else it does not count (its prefill). A repeated index counts each
-// time. The second cache (`extra`, its indices null for none): its counted entries follow
-// the first's in each token's softmax, under the same rules.
+// time. VARIANT kVarSecondCache: the second cache (`extra`; its indices null for none),
+// whose counted entries follow the first's in each token's softmax under the same rules;
+// without it `extra` is not read (zeros), and the kernel is the one without the feature.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int ROWS, int TILE_N,
-          int STAGES>
+          int STAGES, int VARIANT>
 __global__ void __launch_bounds__(
     kMlaThreads, (MlaGeometry<T, C, RANK, ROPE, ROWS, TILE_N, STAGES>::kMinBlocks))
     mla_sparse_attention(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
                          const __grid_constant__ MlaSparseExtra extra,
                          const __grid_constant__ VariantParams vp) {
-  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true>(
-      CUPAGED_MLA_ARGS, lengths_per, strict, extra, vp);
+  static_assert((VARIANT & ~kVarSecondCache) == 0, "the sparse kernel's variant: a second cache");
+  mla_attention_body<T, C, RANK, ROPE, BLOCK_SIZE, ROWS, TILE_N, STAGES, true,
+                     (VARIANT & kVarSecondCache) != 0>(CUPAGED_MLA_ARGS, lengths_per, strict,
+                                                       extra, vp);
 }
 
 }  // namespace cupaged

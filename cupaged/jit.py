@@ -75,7 +75,7 @@ _KERNELS = {
     "paged_decode_combine": ("paged_decode.cu", ("dtype", "head_size")),
     "mla_attention": ("mla_attention.cu", _MLA_PARAMS),
     # its sparse form (DSA), over 16-bit caches and DeepSeek's token rows (V3.2's, V4's)
-    "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS),
+    "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS + ("variant",)),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
     "mla_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
     # its sparse form (DSA), over 16-bit caches and fp8_ds_mla rows
@@ -147,7 +147,7 @@ KV_FORMATS = {"tok": 0, "vllm": 1}
 KV_SCALES = {"": 0, "th": 1}
 # VariantBits in cuda_src/variants.cuh: the compile-time variants, spelled in a spec as
 # letters in this order ("" plain attention, "wc" window and soft-cap, ...).
-VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16, "r": 32}
+VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16, "r": 32, "x": 64}
 
 
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
@@ -255,7 +255,8 @@ class KernelSpec:
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
     #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
-    #                    flat split's runs (paged_decode: the planner's choice)
+    #                    flat split's runs (paged_decode: the planner's choice), "x" a second
+    #                    cache (mla_sparse_attention: DeepSeek-V4's extra_k_cache)
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
@@ -297,7 +298,8 @@ class KernelSpec:
         if self.variant:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
-            allowed = "wcaf" if self.kernel.startswith("paged_prefill") else "wcbr"
+            allowed = ("wcaf" if self.kernel.startswith("paged_prefill")
+                       else "x" if self.kernel == "mla_sparse_attention" else "wcbr")
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "

@@ -421,8 +421,10 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
     the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     takes_extra = plan.kernel.spec.kernel == "mla_sparse_attention"
-    if extra and not takes_extra:
-        raise ValueError(f"{plan.kernel.spec!r} takes no second cache")
+    if bool(extra) != (takes_extra and "x" in plan.kernel.spec.variant):
+        raise ValueError(f"{plan.kernel.spec.kernel} (variant "
+                         f"{plan.kernel.spec.variant!r}) planned for "
+                         f"{'a' if extra else 'no'} second cache")
     return MlaLaunch(plan.kernel.launch, plan.grid, plan.kernel.smem, plan.split_tiles,
                      plan.row_tiles,
                      p.q_strides, tuple(o * isz for o in p.q_offsets), p.c_strides,

@@ -929,13 +929,14 @@ class MlaKernel(NamedTuple):
 
 @jit.launcher_cache
 def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
-               block_size: int, tile: tuple, sparse: bool = False) -> MlaKernel:
-    """mla_attention (or its sparse form, mla_sparse_attention) in ``tile`` (rows,
-    tile_tokens, stages)."""
+               block_size: int, tile: tuple, sparse: bool = False,
+               variant: str = "") -> MlaKernel:
+    """mla_attention (or its sparse form, mla_sparse_attention, with ``variant`` "x": its
+    second cache) in ``tile`` (rows, tile_tokens, stages)."""
     rows, tt, st = tile
     name = "mla_sparse_attention" if sparse else "mla_attention"
     spec = jit.KernelSpec(name, dtype, rank, block_size, rope_dim=rope, rows=rows,
-                          tile_tokens=tt, stages=st, cache_dtype=cache_dtype,
+                          tile_tokens=tt, stages=st, cache_dtype=cache_dtype, variant=variant,
                           arch=device_info(device_id).arch)
     g = geometry.MlaGeometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
@@ -1049,7 +1050,8 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
         tile = mla_tile(arch, rows_needed, csize, token_bytes, rope)
-        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse)
+        k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse,
+                       "x" if second_cache else "")
         rows, tt = tile[0], tile[1]
     # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row
     # tiles past the bound's.

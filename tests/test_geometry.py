@@ -100,12 +100,14 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     # rows (bfloat16 only: V3.2's 656-byte fp8_ds_mla rows, rope 64; V4's 528-byte v4_fp8
     # and 288-byte v4_fp4 rows, rope 0: 512-dim keys), the wgmma one on sm_90a over 16-bit
     # caches and fp8_ds_mla. Smaller stage rows leave room for more shapes: V4's fit the
-    # (rows, tile, stages) shapes of 14 / 16 on sm_80 and 18 on sm_90.
+    # (rows, tile, stages) shapes of 14 / 16 on sm_80 and 18 on sm_90. Each with a second
+    # cache (variant "x") and without.
     sparse = [s for s in ALL if s.kernel == "mla_sparse_attention"]
+    assert len([s for s in sparse if s.variant == "x"]) * 2 == len(sparse)
     ds = [s for s in sparse if s.cache_dtype == "dsmla"]
-    assert {s.dtype for s in ds} == {"bf16"} and len(ds) == 9 * (13 + 17)
+    assert {s.dtype for s in ds} == {"bf16"} and len(ds) == 2 * 9 * (13 + 17)
     width = {"dsmla": 656, "v4fp8": 528, "v4fp4": 288}
-    for cache, n in (("v4fp8", 9 * (14 + 18)), ("v4fp4", 9 * (16 + 18))):
+    for cache, n in (("v4fp8", 2 * 9 * (14 + 18)), ("v4fp4", 2 * 9 * (16 + 18))):
         v4 = [s for s in sparse if s.cache_dtype == cache]
         assert len(v4) == n and {(s.dtype, s.head_size, s.rope_dim) for s in v4} == {
             ("bf16", 512, 0)}, cache
@@ -116,6 +118,7 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
         assert s.rope_dim == (0 if s.cache_dtype.startswith("v4") else 64), s.name
     covered = {(s.cache_dtype, s.arch) for s in COVER if s.kernel == "mla_sparse_attention"}
     assert {(c, a) for c in ("v4fp8", "v4fp4") for a in ARCHS} <= covered  # CI compiles them
+    assert {s.variant for s in COVER if s.kernel == "mla_sparse_attention"} == {"", "x"}
     sparse90 = [s for s in ALL if s.kernel == "mla_sparse_attention_sm90"]
     assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 3 * 9
     assert {s.cache_dtype for s in sparse90} == {"f16", "bf16", "dsmla"}
@@ -202,7 +205,8 @@ def test_specialization_names_are_unique():
     # fp8_ds_mla rows (bfloat16 only) 9 block sizes x the shapes that hold their 656-byte
     # stage rows beside a widened tile (13 on sm_80, 17 on sm_90), over V4's 528-byte
     # v4_fp8 rows 9 x (14 + 18) and 288-byte v4_fp4 rows 9 x (16 + 18) (512-dim keys, a
-    # smaller Q and widened tile); mla_sparse_attention_sm90
+    # smaller Q and widened tile), each with a second cache (variant "x") and without;
+    # mla_sparse_attention_sm90
     # for sm_90a only: 2 dtypes x 9 block sizes over 16-bit caches, 9 over fp8_ds_mla. Head
     # sizes over 256 add
     # 23,866 decode specializations (both targets) for each of 7 variants, and 9,088
@@ -211,7 +215,7 @@ def test_specialization_names_are_unique():
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
                                                           + 1) + 228 * 5 + 114 * 2 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
-        + 2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18) + 2 * 9 + 9
+        + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) + 2 * 9 + 9
 
 
 # ---- the covering set ------------------------------------------------------------------------

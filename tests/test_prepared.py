@@ -611,8 +611,8 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
         if not (num_seqs and num_rows):
             return None
         name = "mla_sparse_attention" if sparse else "mla_attention"
-        return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0,
-                                                      spec=SimpleNamespace(kernel=name)),
+        spec = SimpleNamespace(kernel=name, variant="x" if second_cache else "")
+        return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0, spec=spec),
                                grid=(num_seqs, 1, 1), split_tiles=0, row_tiles=1,
                                combine=None, combine_grid=(), combine_tail=(), partitions=1)
 

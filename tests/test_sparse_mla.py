@@ -298,7 +298,11 @@ def test_v4_specs_name_their_rows_and_refuse_a_rope():
         assert s.rope_dim == 0
         assert s.name == f"mla_sparse_attention_bf16_{name}_hs512_rope0_bs64_r16t32x2_sm80"
         assert s.name_expression == (f"cupaged::mla_sparse_attention<cupaged::bfloat16_t, "
-                                     f"cupaged::{cxx}, 512, 0, 64, 16, 32, 2>")
+                                     f"cupaged::{cxx}, 512, 0, 64, 16, 32, 2, 0>")
+        x = jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, cache_dtype=name,
+                           variant="x", arch="sm_80")
+        assert x.name == f"mla_sparse_attention_bf16_{name}_hs512_rope0_bs64_x_r16t32x2_sm80"
+        assert x.name_expression.endswith(", 64>")
         with pytest.raises(ValueError, match=f"cache_dtype '{name}' holds the rotary dims inside "
                                              f"its 512: rope_dim must be 0"):
             jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rope_dim=64, cache_dtype=name)
@@ -320,10 +324,11 @@ def _planned(monkeypatch, device_arch, arch):
     device_arch(arch)
     built = []
 
-    def mma(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse=False):
+    def mma(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse=False, variant=""):
         spec = jit.KernelSpec("mla_sparse_attention" if sparse else "mla_attention", dtype, rank,
                               block_size, rope_dim=rope, rows=tile[0], tile_tokens=tile[1],
-                              stages=tile[2], cache_dtype=cache_dtype, arch=arch)
+                              stages=tile[2], cache_dtype=cache_dtype, variant=variant,
+                              arch=arch)
         built.append(spec)
         return planning.MlaKernel(None, spec, geometry.MlaGeometry.of(spec).smem_bytes, 132)
 
@@ -379,9 +384,9 @@ def test_v4_tiles_fit_more_than_fp8_ds_mla():
 
 
 def test_v4_planned_specs_compile_for_sm80_and_sm90():
-    """The planner's V4 specializations (16, 64 and 128 heads, both formats) through NVRTC
-    and ptxas for sm_80 (the software e4m3 conversion) and sm_90 (the instruction), fast
-    options; the launch packs what they take."""
+    """The planner's V4 specializations (16, 64 and 128 heads, both formats, with a second
+    cache and without) through NVRTC and ptxas for sm_80 (the software e4m3 conversion) and
+    sm_90 (the instruction), fast options; the launch packs what they take."""
     from cupaged import jit
     from test_jit import _mangled_params
 
@@ -389,8 +394,8 @@ def test_v4_planned_specs_compile_for_sm80_and_sm90():
         specs = list(dict.fromkeys(
             jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rows=t[0], tile_tokens=t[1],
                            stages=t[2], cache_dtype=_dtypes.SPARSE_KV_CACHE_DTYPES[f].dtype.name,
-                           arch=arch)
-            for f in V4_FORMATS for h in (16, 64, 128)
+                           variant=variant, arch=arch)
+            for f in V4_FORMATS for h in (16, 64, 128) for variant in ("", "x")
             for t in [planning.mla_tile(arch, h, 1, ROW_BYTES[f], 0)]))
         binary, lowered = jit._compile("mla_attention.cu", arch,
                                        [s.name_expression for s in specs], f"v4 {arch}",
@@ -575,7 +580,8 @@ def test_second_cache_refusals_name_the_argument(adapt, over, exc, match):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_a_second_cache_is_planned_on_the_mma_kernel(monkeypatch, device_arch, arch):
     """The wgmma kernel reads no second cache: fp8_ds_mla and 16-bit caches at 128 heads,
-    which take it alone on Hopper, take mla_sparse_attention with one."""
+    which take it alone on Hopper, take mla_sparse_attention with one, in its variant
+    "x" (the kernel without it is unchanged)."""
     built = _planned(monkeypatch, device_arch, arch)
     planning.set_mla_split(0)
     try:
@@ -585,6 +591,7 @@ def test_a_second_cache_is_planned_on_the_mma_kernel(monkeypatch, device_arch, a
             planning.plan_mla(0, "bf16", cache, 512, 64, 64, 4, 4, 128, 1, 2048 + 512,
                               sparse=True, second_cache=True)
             assert built[-1] != "sm90" and built[-1].kernel == "mla_sparse_attention"
+            assert built[-1].variant == "x" and built[-1].name.split("_")[-3] == "x"
     finally:
         planning.set_mla_split(None)
 

@@ -79,11 +79,13 @@ AXES = {
     # DeepSeek's sparse attention (mla_attention's body, its shapes), over 16-bit caches
     # and DeepSeek's token rows (bfloat16 queries): V3.2's fp8_ds_mla ("dsmla"), V4's
     # ("v4fp8", "v4fp4"). No rope_dim axis: the spec's default is the cache's (64, V4's 0).
+    # Variant "x": a second cache (V4's extra_k_cache).
     "mla_sparse_attention": {"dtype": ("f16", "bf16"),
                              "cache_dtype": ("", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention"]),
                              "head_size": (512,),
                              "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
-                             "tile_tokens": (16, 32), "stages": (2, 3, 4)},
+                             "tile_tokens": (16, 32), "stages": (2, 3, 4),
+                             "variant": ("", "x")},
     # Hopper only (jit.ARCH_ONLY)
     "mla_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": (512,), "rope_dim": (64,),
