@@ -470,6 +470,78 @@ def test_sparse_case_is_checked_then_timed(monkeypatch, kv_cache_dtype, prefill)
     assert row.note == "WRONG" and row.median_us != row.median_us
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "v4_fp8"])
+def test_a_second_cache_case_is_checked_then_timed(monkeypatch, kv_cache_dtype):
+    """--extra-topk: a second cache of the same format with each sequence's own blocks,
+    distinct tokens of it a query token, passed as extra_kv_cache / extra_indices; the
+    check's reference reads both caches' selected tokens in one softmax (a kernel that
+    drops the second cache is WRONG); bytes and FLOPs count both; the wgmma runner names
+    what it cannot read."""
+    import cupaged
+
+    calls = []
+    bench_sparse = _sparse_on_host(monkeypatch, calls)
+    kw = dict(heads=4, batch=3, s_q=2, topk=20, context=70, block_size=16,
+              kv_cache_dtype=kv_cache_dtype, extra_topk=9, extra_context=40)
+    c = bench_sparse.SparseCase("x", **kw)
+    d = 512 if kv_cache_dtype == "v4_fp8" else 576
+    width = 528 if kv_cache_dtype == "v4_fp8" else 1152
+    assert c.flops() == 2.0 * 6 * 4 * 29 * (d + 512)
+    assert c.bytes_moved() == 6 * 29 * width + 6 * 4 * 2 * (d + 512)
+    assert "top-20 + top-9 of a second cache (40 tokens a sequence)" in c.describe()
+    c.build()
+    e = c.host_extra_indices
+    assert e.shape == (3, 2, 9) and ((e >= 0) & (e < 3 * 3 * 16)).all()
+    assert all(len(set(e[b, s].tolist())) == 9 for b in range(3) for s in range(2))
+    blocks_of = [{int(i) // 16 for i in e[b].ravel()} for b in range(3)]
+    assert not (blocks_of[0] & blocks_of[1] or blocks_of[0] & blocks_of[2]
+                or blocks_of[1] & blocks_of[2])
+    seen = {}
+
+    def attend(q, kv, indices, *, scale, out, extra_kv_cache=None, extra_indices=None, **kw):
+        seen.update(extra=extra_kv_cache is not None)
+        fmt = "v4_fp8" if kv.dtype == np.uint8 else "auto"
+        out[...] = reference.sparse_mla_attention(
+            q, kv, indices, scale=scale, kv_format=fmt, extra_kv_cache=extra_kv_cache,
+            extra_indices=extra_indices)
+        return out
+
+    monkeypatch.setattr(cupaged, "sparse_mla_attention", attend)
+    (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged"], reps=3)
+    assert seen["extra"] and row.note == "" and row.error < 1e-2, row
+    assert row.case.endswith("+x9")
+
+    def first_only(q, kv, indices, *, scale, out, **kw):
+        fmt = "v4_fp8" if kv.dtype == np.uint8 else "auto"
+        out[...] = reference.sparse_mla_attention(q, kv, indices, scale=scale, kv_format=fmt)
+        return out
+
+    monkeypatch.setattr(cupaged, "sparse_mla_attention", first_only)
+    (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged"], reps=3)
+    assert row.note == "WRONG"
+    (row,) = bench_sparse.measure([bench_sparse.SparseCase("x", **kw)], ["cupaged-sm90"], reps=3)
+    assert "the wgmma kernel " in row.note and ("reads no second cache" in row.note
+                                                  or "does not read v4_fp8 rows" in row.note)
+    with pytest.raises(ValueError, match="a second cache is read by decode cases"):
+        bench_sparse.SparseCase("x", **{**kw, "batch": 1, "prefill": True})
+    with pytest.raises(ValueError, match="extra_topk \\(9\\) must be at most extra_context"):
+        bench_sparse.SparseCase("x", **{**kw, "extra_context": 5})
+
+
+def test_sparse_cli_takes_a_second_cache(monkeypatch):
+    """--extra-topk N: the decode presets (the prefill one only when asked for, refused)."""
+    seen = []
+    monkeypatch.setattr(cli, "_mla_table", lambda cases, measure: seen.append(cases))
+    r = CliRunner().invoke(main, ["sparse-mla", "--kv-cache-dtype", "v4_fp8", "--extra-topk",
+                                  "512"])
+    assert r.exit_code == 0, r.output
+    assert [(c.name, c.extra_topk, c.extra_context) for c in seen[0]] == [
+        ("dsa-16h", 512, 32768), ("dsa-64h", 512, 32768), ("dsa-128h-q2", 512, 32768)]
+    r = CliRunner().invoke(main, ["sparse-mla", "--preset", "dsa-prefill-128h", "--extra-topk",
+                                  "8"])
+    assert r.exit_code == 2 and "a second cache is read by decode cases" in r.output
+
+
 @pytest.mark.parametrize("fmt", ["v4_fp8", "v4_fp4"])
 def test_the_sm90_runner_names_v4_rows_it_cannot_time(monkeypatch, fmt):
     """cupaged-sm90 over V4's rows is a row note (the wgmma kernel does not read them), not

@@ -936,6 +936,11 @@ def _sparse_mla_options(f):
                           "rows, DeepSeek-V4's v4_fp8 / v4_fp4 rows (512-dim q and keys, in "
                           "the presets' shapes); repeatable, default auto and fp8_ds_mla."),
         click.option("--topk", type=click.IntRange(1), default=2048, show_default=True),
+        click.option("--extra-topk", type=click.IntRange(0), default=0, show_default=True,
+                     help="A second cache of the same format (DeepSeek-V4's extra_k_cache), "
+                          "as many tokens a sequence as the first: each query token also "
+                          "attends to this many of its tokens there. Decode presets only "
+                          "(the default presets become those)."),
         click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
     ]
     for o in reversed(opts):
@@ -945,7 +950,7 @@ def _sparse_mla_options(f):
 
 @main.command("sparse-mla")
 @_sparse_mla_options
-def sparse_mla(presets, impls, kv_cache_dtypes, topk, reps):
+def sparse_mla(presets, impls, kv_cache_dtypes, topk, extra_topk, reps):
     """DeepSeek's sparse attention (DSA): cupaged.sparse_mla_attention, each query token
     over its top-k cached tokens, in FlashMLA's decode and prefill interfaces, checked
     against the float64 reference before it is timed. % copy counts the selected tokens'
@@ -955,9 +960,10 @@ def sparse_mla(presets, impls, kv_cache_dtypes, topk, reps):
     failed, 3 when a row did not run."""
     from . import sparse_mla as sm
 
+    names = presets or [n for n, p in sm.PRESETS.items() if not (extra_topk and p.get("prefill"))]
     try:
-        cases = [sm.preset_case(name, kvd, topk)
-                 for name in dict.fromkeys(presets or sm.PRESETS)
+        cases = [sm.preset_case(name, kvd, topk, extra_topk)
+                 for name in dict.fromkeys(names)
                  for kvd in dict.fromkeys(kv_cache_dtypes or sm.DEFAULT_KV_CACHE_DTYPES)]
     except ValueError as e:
         raise click.UsageError(str(e))

@@ -12,7 +12,9 @@ the rows written by cupaged.concat_and_cache_mla. Prefill: ``s_q`` query tokens 
 ``context`` tokens of one sequence (``kv [s_kv, 1, 576]``, or a token's row: 656 bytes for
 fp8_ds_mla, 528 for v4_fp8, 288 for v4_fp4; s_kv the context rounded up to whole pages),
 each selecting ``topk`` of them. (V4's rows run in V3.2's shapes: the heads, top-k and
-pages of the presets.)
+pages of the presets.) With ``extra_topk``, a decode case also reads a second cache of the
+same format (DeepSeek-V4's ``extra_k_cache``): each sequence has ``extra_context`` tokens
+in blocks of its own there, and each query token selects ``extra_topk`` of them too.
 
 Roofline numbers: bytes are the tokens the indices select, counted per query token (576
 values, or the row's bytes), plus q and out; FLOPs are ``2 * (d_qk + 512)`` per (query
@@ -58,9 +60,12 @@ class SparseCase:
     block_size: int = 64
     kv_cache_dtype: str = "auto"
     prefill: bool = False
+    extra_topk: int = 0  # a second cache's selected tokens a query token (0: none)
+    extra_context: int = 0  # its tokens a sequence (0: context)
     scale: float = mla.DSV3_SCALE
     arrays: dict = field(default_factory=dict, repr=False)
     host_indices: np.ndarray | None = field(default=None, repr=False)
+    host_extra_indices: np.ndarray | None = field(default=None, repr=False)
     refs: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -69,6 +74,16 @@ class SparseCase:
         if self.topk > self.context:
             raise ValueError(f"topk ({self.topk}) must be at most context ({self.context}): "
                              f"distinct tokens")
+        if self.extra_topk < 0 or self.extra_context < 0:
+            raise ValueError("extra_topk and extra_context must be nonnegative")
+        if self.extra_topk:
+            if self.prefill:
+                raise ValueError("a second cache is read by decode cases (DeepSeek-V4's "
+                                 "extra_k_cache), not by a prefill case")
+            self.extra_context = self.extra_context or self.context
+            if self.extra_topk > self.extra_context:
+                raise ValueError(f"extra_topk ({self.extra_topk}) must be at most "
+                                 f"extra_context ({self.extra_context}): distinct tokens")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
@@ -91,37 +106,45 @@ class SparseCase:
     def token_bytes(self) -> int:
         return 2 * D_QK if self.row_format is None else self.row_format.nbytes
 
+    @property
+    def selected(self) -> int:  # tokens a query token attends to, both caches'
+        return self.topk + self.extra_topk
+
     def bytes_moved(self) -> int:
         """The selected tokens (per query token) plus q read and out written."""
-        return (self.rows * self.topk * self.token_bytes()
+        return (self.rows * self.selected * self.token_bytes()
                 + self.rows * self.heads * 2 * (self.d_qk + mla.KV_LORA_RANK))
 
     def flops(self) -> float:
-        return 2.0 * self.rows * self.heads * self.topk * (self.d_qk + mla.KV_LORA_RANK)
+        return 2.0 * self.rows * self.heads * self.selected * (self.d_qk + mla.KV_LORA_RANK)
 
     def describe(self) -> str:
         what = (f"prefill, {self.s_q} query tokens over {self.context}" if self.prefill else
                 f"decode, batch {self.batch} x {self.s_q} query token"
                 f"{'s' if self.s_q > 1 else ''}, contexts of {self.context}, pages of "
                 f"{self.block_size}")
-        return (f"{self.name}: {self.heads} heads, top-{self.topk}, {what}, bfloat16 q, "
-                f"{'bfloat16' if self.row_format is None else self.kv_cache_dtype} cache: "
-                f"{self.rows * self.topk * self.token_bytes() / 2**20:.1f} MiB selected")
+        second = (f" + top-{self.extra_topk} of a second cache ({self.extra_context} tokens "
+                  f"a sequence)" if self.extra_topk else "")
+        return (f"{self.name}: {self.heads} heads, top-{self.topk}{second}, {what}, bfloat16 "
+                f"q, {'bfloat16' if self.row_format is None else self.kv_cache_dtype} cache: "
+                f"{self.rows * self.selected * self.token_bytes() / 2**20:.1f} MiB selected")
 
-    def build(self, seed: int = 0) -> "SparseCase":
+    def _paged(self, rng, context: int, topk: int):
+        """A cache of ``context`` tokens a sequence, each sequence's blocks scattered over
+        it, and ``topk`` distinct slots of its own tokens a query token: (cache
+        [num_blocks, page, width] on the device, host indices [batch, s_q, topk])."""
         import cupaged
 
-        rng = np.random.default_rng(seed)
         dt = _dtypes.BF16.numpy
         page = self.block_size
-        per_seq = -(-self.context // page)
+        per_seq = -(-context // page)
         nb = self.batch * per_seq
         order = rng.permutation(nb).reshape(self.batch, per_seq)  # each sequence's blocks
         # slots: a sequence's token t lives at block order[b, t // page], offset t % page
-        idx = np.empty((self.batch, self.s_q, self.topk), np.int32)
+        idx = np.empty((self.batch, self.s_q, topk), np.int32)
         for b in range(self.batch):
             for s in range(self.s_q):
-                t = rng.choice(self.context, self.topk, replace=False)
+                t = rng.choice(context, topk, replace=False)
                 idx[b, s] = order[b, t // page] * page + t % page
         d, fmt = self.d_qk, self.row_format
         width = D_QK if fmt is None else fmt.nbytes
@@ -136,7 +159,14 @@ class SparseCase:
                 cupaged.concat_and_cache_mla(src[:, :d - mla.ROPE_DIM], src[:, d - mla.ROPE_DIM:],
                                              cache, cupy.arange(lo * page, (lo + n) * page),
                                              self.kv_cache_dtype)
-        q = testing.random_normal((self.batch, self.s_q, self.heads, d), dt, rng, cupy)
+        return cache, idx
+
+    def build(self, seed: int = 0) -> "SparseCase":
+        rng = np.random.default_rng(seed)
+        cache, idx = self._paged(rng, self.context, self.topk)
+        width = cache.shape[-1]
+        q = testing.random_normal((self.batch, self.s_q, self.heads, self.d_qk),
+                                  _dtypes.BF16.numpy, rng, cupy)
         self.host_indices = idx
         self.refs = []
         if self.prefill:  # q [s_q, heads, 576] over kv [s_kv, 1, width] (the blocks in a row:
@@ -145,6 +175,10 @@ class SparseCase:
                                indices=cupy.asarray(idx[0][:, None]))
         else:
             self.arrays = dict(q=q, kv=cache[:, :, None], indices=cupy.asarray(idx))
+        if self.extra_topk:
+            extra, eidx = self._paged(rng, self.extra_context, self.extra_topk)
+            self.host_extra_indices = eidx
+            self.arrays.update(extra_kv=extra[:, :, None], extra_indices=cupy.asarray(eidx))
         return self
 
     def check_tokens(self) -> list:
@@ -158,10 +192,16 @@ class SparseCase:
         if not self.refs:
             kv = self.arrays["kv"].reshape(-1, self.arrays["kv"].shape[-1])
             q = self.arrays["q"].reshape(self.batch, self.s_q, self.heads, self.d_qk)
+            extra = self.arrays.get("extra_kv")
             for b, s in self.check_tokens():
-                sel = self.host_indices[b, s]
-                uniq, local = np.unique(sel, return_inverse=True)
-                tokens = cupy.asnumpy(kv[cupy.asarray(uniq)])[:, None]
+                # the selected tokens of both caches as one cache (a second cache's entries
+                # join the same softmax)
+                rows = [cupy.asnumpy(kv[cupy.asarray(self.host_indices[b, s])])]
+                if extra is not None:
+                    ekv = extra.reshape(-1, extra.shape[-1])
+                    rows.append(cupy.asnumpy(ekv[cupy.asarray(self.host_extra_indices[b, s])]))
+                tokens = np.concatenate(rows)[:, None]  # (distinct: no repeated index)
+                local = np.arange(tokens.shape[0])
                 out = reference.sparse_mla_attention(
                     cupy.asnumpy(q[b, s])[None, None], tokens,
                     local.astype(np.int32)[None, None], scale=self.scale,
@@ -183,8 +223,10 @@ class SparseCase:
         return testing.ROW_FACTOR * testing.TOLERANCE["bf16"]
 
 
-def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048) -> SparseCase:
-    return SparseCase(name, kv_cache_dtype=kv_cache_dtype, topk=topk, **PRESETS[name])
+def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048,
+                extra_topk: int = 0) -> SparseCase:
+    return SparseCase(name, kv_cache_dtype=kv_cache_dtype, topk=topk, extra_topk=extra_topk,
+                      **PRESETS[name])
 
 
 def _run_cupaged(case: SparseCase, family: str | None = None):
@@ -203,8 +245,14 @@ def _run_cupaged(case: SparseCase, family: str | None = None):
     a = case.arrays
     out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)
 
+    if family == "sm90" and case.extra_topk:
+        raise ValueError("the wgmma kernel reads no second cache (cupaged-mma times it)")
+    extra = ({} if not case.extra_topk else
+             dict(extra_kv_cache=a["extra_kv"], extra_indices=a["extra_indices"]))
+
     def run():
-        cupaged.sparse_mla_attention(a["q"], a["kv"], a["indices"], scale=case.scale, out=out)
+        cupaged.sparse_mla_attention(a["q"], a["kv"], a["indices"], scale=case.scale, out=out,
+                                     **extra)
         return out
 
     return run
@@ -225,7 +273,8 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     for case in cases:
         case.build()
         for impl in impls:
-            row = mla.Row(case.name + ROW_SUFFIX.get(case.kv_cache_dtype, ""), impl)
+            row = mla.Row(case.name + ROW_SUFFIX.get(case.kv_cache_dtype, "")
+                          + (f"+x{case.extra_topk}" if case.extra_topk else ""), impl)
             try:
                 mla.check_then_time(row, case, IMPLEMENTATIONS[impl](case), reps, copy_bw)
             except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
