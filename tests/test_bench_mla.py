@@ -590,6 +590,11 @@ def test_sparse_benchmark_checks_what_it_times_on_the_gpu(kv_cache_dtype, prefil
                             prefill=prefill)
     (row,) = bench.measure([case], ["cupaged"], reps=3)
     assert row.note == "" and row.error <= case.tolerance() and row.median_us > 0, row
+    if not prefill:  # with a second cache (--extra-topk)
+        two = bench.SparseCase("t", heads=16, batch=3, s_q=2, topk=100, context=300,
+                               kv_cache_dtype=kv_cache_dtype, extra_topk=37, extra_context=90)
+        (row,) = bench.measure([two], ["cupaged"], reps=3)
+        assert row.note == "" and row.error <= two.tolerance() and row.median_us > 0, row
     broken = bench.SparseCase("t", heads=16, batch=2, s_q=1, topk=50, context=100,
                               kv_cache_dtype=kv_cache_dtype)
     real = bench.IMPLEMENTATIONS["cupaged"]
