@@ -119,6 +119,8 @@ struct MlaSparseExtra {
   int num_slots;
   int page_shift;
 };
+static_assert(sizeof(MlaSparseExtra) == 72 && alignof(MlaSparseExtra) == 8,
+              "cupaged/launch.py's SPARSE_EXTRA packs 72 bytes (\"<QQQQqqqiii4x\")");
 
 // Key `key` of a token whose first first_len keys are its first cache's: for keys from
 // there on, the second cache's slot encoded as -3 - slot, or -1 (past kv_end, or an entry

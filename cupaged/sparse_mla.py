@@ -134,8 +134,9 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     # q's rotary part and the caches' lie at their latent parts' addresses (the launch's
     # offsets find them)
     ql, c, idx, tl, o, lse_ptr, _, e, e_idx, e_tl = ptrs
+    # (an empty second cache's address may be 0: its arrays' presence is what counts)
     return _prepared.run(prep, ((ql, ql), c, c, idx, tl, 0, o, lse_ptr), stream, out, lse,
-                         (e, e_idx, e_tl) if e else ())
+                         () if extra_kv_cache is None else (e, e_idx, e_tl))
 
 
 def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, return_lse,
@@ -223,7 +224,8 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if num_slots >= 2 ** 31:
         _fail(f"the cache has {num_slots} token slots; at most 2^31 - 1 are supported")
     p = p._replace(num_blocks=num_slots)
-    second = () if e_kc is None else _check_second_cache(e_kc, e_idx, e_tl, kc, batch, s_q)
+    second = () if e_kc is None else _check_second_cache(e_kc, e_idx, e_tl, kc, batch, s_q,
+                                                          topk)
     scale = validation.softmax_scale(scale, p.rank + p.rope)
     parts = launch.mla_workspace_partials(workspace, p.device, p.rank)
     wants_lse = bool(return_lse) or lse is not None
@@ -265,10 +267,11 @@ def _second_cache_arrays(extra):
             optional_device_array(e_tl, "extra_topk_length"))
 
 
-def _check_second_cache(e_kc, e_idx, e_tl, kc, batch: int, s_q: int) -> tuple:
+def _check_second_cache(e_kc, e_idx, e_tl, kc, batch: int, s_q: int, idx_topk: int) -> tuple:
     """The second cache's checks (in decode form; ``kc`` the first cache's, whose format
-    it shares): MlaLaunch.extra's constants (its block and token strides and its indices'
-    row stride in elements, topk, slots, log2 of its block size)."""
+    it shares; ``idx_topk`` the first indices' topk): MlaLaunch.extra's constants (its
+    block and token strides and its indices' row stride in elements, topk, slots, log2 of
+    its block size)."""
     width = kc.shape[-1]
     if e_kc.ndim not in (3, 4) or (e_kc.ndim == 4 and e_kc.shape[2] != 1) \
             or e_kc.shape[-1] != width:
@@ -278,17 +281,25 @@ def _check_second_cache(e_kc, e_idx, e_tl, kc, batch: int, s_q: int) -> tuple:
     if page < 1 or page > 256 or page & (page - 1):
         _fail(f"extra_kv_cache's page size must be a power of two from 1 to 256, got {page}")
     isz = e_kc.dtype.itemsize
-    block_st, token_st = e_kc.strides[0], e_kc.strides[1]
-    if not _checks.is_empty(e_kc) and (
+    # (the stride of a dimension of size 1 is never used, as for the first cache, nor any
+    # of an empty cache's)
+    empty = _checks.is_empty(e_kc)
+    block_st = e_kc.strides[0] if e_kc.shape[0] > 1 and not empty else 0
+    token_st = e_kc.strides[1] if page > 1 and not empty else 0
+    if not empty and (
             e_kc.strides[-1] != isz or min(block_st, token_st) < 0 or block_st % 16
             or token_st % 16 or e_kc.data.ptr % 16):
         _fail(f"extra_kv_cache's tokens must be contiguous rows at a 16-byte aligned address, "
               f"its blocks and tokens a nonnegative multiple of 16 bytes apart (strides "
               f"{e_kc.strides})")
     slots = e_kc.shape[0] * page
-    if slots >= 2 ** 31:
-        _fail(f"extra_kv_cache has {slots} token slots; at most 2^31 - 1 are supported")
+    if slots > 2 ** 31 - 3:  # (the kernel hands a second-cache slot on as -3 - slot)
+        _fail(f"extra_kv_cache has {slots} token slots; at most 2^31 - 3 are supported")
     _check_indices(e_idx, e_tl, batch, s_q, "extra_")
+    both = idx_topk + e_idx.shape[2]
+    if both > 2 ** 31 - 64:  # (a token's keys, counted in int32 with a tile's slack)
+        _fail(f"indices and extra_indices hold {both} entries a token together; at most "
+              f"2^31 - 64 are supported")
     row_stride = _arrays.reshaped(e_idx, (2, 1), "extra_indices", FOLD).strides[0]
     return (block_st // isz, token_st // isz, row_stride // 4, e_idx.shape[2], slots,
             page.bit_length() - 1)

@@ -1094,6 +1094,14 @@ def test_a_second_cache_reaches_the_launch_at_each_call(fake_mla, validations, m
     call(0, scale=0.1)
     assert launched[-1].extra == b"" and validations["mla"] == 2
     assert launched.planned[-1] == (32, False)
+    # indices a slice of wider rows (their row stride not their topk), and an empty second
+    # cache (address 0: its slots none, so no entry of it counts)
+    wide = np.zeros((2, 3, 48), np.int32)[:, :, :40]
+    call(0, scale=0.1, extra_kv_cache=Fake(np.zeros((0, 16, 1, 576), np.float16), ptr=0),
+         extra_indices=Fake(wide, ptr=8 << 28))
+    # (no block: its strides unused, packed as 0)
+    assert launched[-1].extra == launch.SPARSE_EXTRA.pack(0, 1024, 8 << 28, 0, 0, 0, 48, 40, 0,
+                                                         4)
 
 
 def test_sparse_mla_keys_the_sink_and_the_scale_and_checks_overlap_each_call(

@@ -577,6 +577,34 @@ def test_second_cache_refusals_name_the_argument(adapt, over, exc, match):
         adapt(**base)
 
 
+def test_second_cache_bounds_and_size_one_strides(adapt):
+    """Slots up to 2^31 - 3 (a second-cache slot travels as -3 - slot), both topks together
+    under 2^31 - 64 (a token's keys), and strides of size-1 dimensions free (as the first
+    cache's: never used)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    bf16 = _dtypes.BF16.numpy
+    base = dict(q=np.zeros((2, 3, 16, D_V4), bf16), kv_cache=np.zeros((10, 64, 1, 528), np.uint8),
+                extra_indices=np.zeros((2, 3, 5), np.int32))
+    row = np.zeros(528, np.uint8)
+    huge = as_strided(row, (2 ** 31 - 2, 1, 528), (0, 0, 1))  # one row, seen 2^31 - 2 times
+    with pytest.raises(ValueError, match="extra_kv_cache has 2147483646 token slots; at most "
+                                         "2\\^31 - 3 are supported"):
+        adapt(**base, extra_kv_cache=huge)
+    assert adapt(**base, extra_kv_cache=as_strided(row, (2 ** 31 - 3, 1, 528), (0, 0, 1))) \
+        == (None, None)
+    entries = np.zeros(16, np.int32)
+    many = as_strided(entries, (2, 3, 2 ** 30), (0, 0, 4))
+    with pytest.raises(ValueError, match="indices and extra_indices hold 2147483648 entries a "
+                                         "token together; at most 2\\^31 - 64"):
+        adapt(**{**base, "indices": many, "extra_indices": many},
+              extra_kv_cache=np.zeros((7, 16, 1, 528), np.uint8))
+    one_block = as_strided(np.zeros(16 * 528 + 8, np.uint8), (1, 16, 528), (8, 528, 1))
+    one_token = as_strided(np.zeros(7 * 528 + 8, np.uint8), (7, 1, 528), (528, 8, 1))
+    for e in (one_block, one_token):
+        assert adapt(**base, extra_kv_cache=e) == (None, None)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_a_second_cache_is_planned_on_the_mma_kernel(monkeypatch, device_arch, arch):
     """The wgmma kernel reads no second cache: fp8_ds_mla and 16-bit caches at 128 heads,
@@ -811,6 +839,55 @@ def test_a_second_cache_matches_reference(rng, fmt, heads, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["f16", "v4_fp4"])
+@pytest.mark.parametrize("form", ["page1", "page256", "vllm3d", "padded", "strided_indices"])
+def test_second_cache_forms(rng, fmt, form):
+    """The second cache in each form validation takes: pages of 1 and 256 tokens, vLLM's
+    3-D cache, blocks padded past their tokens (the padding stale), indices sliced from
+    wider rows; lengths past extra_topk and negative (clamped)."""
+    import cupy
+
+    page = {"page1": 1, "page256": 256}.get(form, 16)
+    blocks = {"page1": 300, "page256": 2}.get(form, 20)
+    h = second_problem(fmt, rng, 3, 2, 16, 60, 37, lengths=[60, 20, 7],
+                       extra_lengths=[99, -5, 20], extra_page=page, extra_blocks=blocks)
+    want, want_lse = reference_of(h)
+    e = h.pop("extra_kv_cache")
+    if form == "vllm3d":
+        e = e[:, :, 0]
+    if form == "padded":  # 8 token rows of padding a block, stale
+        big = cupy.full((e.shape[0], e.shape[1] + 8, *e.shape[2:]),
+                        0xFF if e.dtype == np.uint8 else np.nan, e.dtype)
+        big[:, :e.shape[1]] = cupy.asarray(e)
+        h["extra_kv_cache"] = big[:, :e.shape[1]]
+    else:
+        h["extra_kv_cache"] = e
+    if form == "strided_indices":
+        idx = h["extra_indices"]
+        wide = cupy.full(idx.shape[:2] + (idx.shape[2] + 5,), 2 ** 31 - 1, np.int32)
+        wide[:, :, :idx.shape[2]] = cupy.asarray(idx)
+        h["extra_indices"] = wide[:, :, :idx.shape[2]]  # (the stale entries never read)
+    got, lse = run(h)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{fmt} {form}")
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+def test_an_empty_second_cache_counts_nothing(rng):
+    """A second cache of no blocks (address possibly 0) with -1 entries: the result of the
+    first cache alone."""
+    import cupy
+
+    h = problem("bf16", rng, 2, 2, 16, 50)
+    want, want_lse = reference_of(h)
+    h.update(extra_kv_cache=cupy.zeros((0, 16, 1, D), _dtypes.BF16.numpy),
+             extra_indices=np.full((2, 2, 8), -1, np.int32))
+    got, lse = run(h)
+    assert_close(got, want, testing.TOLERANCE["bf16"])
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "v4_fp8"])
 def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt):
     """An index of the second cache outside its slots (one past it, a negative other than
@@ -846,6 +923,7 @@ def test_a_second_cache_through_the_prefill_interface(rng, fmt):
     idx, eidx = h["indices"], h["extra_indices"][:, 0]
     eidx[2, 4] = ekv.shape[0] + 1  # outside: does not count
     tl, etl = h["topk_length"], h["extra_topk_length"]
+    etl[2] = 30  # (so that entry is read)
     want, want_lse = reference.sparse_mla_attention(
         q, kv, idx, scale=SCALE, kv_format=kv_format(kv), topk_length=tl,
         extra_kv_cache=ekv[:, None], extra_indices=eidx[:, None], extra_topk_length=etl,
