@@ -369,10 +369,13 @@ class MlaLaunch(NamedTuple):
     partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
     variants: _variants.Variants = _variants.PLAIN  # sparse: attn_sink
     vp: bytes = _variants.PLAIN_BYTES  # their VariantParams with no lse
-    # mla_sparse_attention's second cache: NO_SPARSE_EXTRA without one, else its constants
-    # (block and token strides, indices' row stride, topk, slots, log2 of the block size);
-    # None for the kernels that take none
-    extra: bytes | tuple | None = None
+    # the arguments between the tail and VariantParams: (NO_SPARSE_EXTRA,) for
+    # mla_sparse_attention without a second cache, () for the kernels that take none
+    extra: tuple = ()
+    # mla_sparse_attention's second cache, when it reads one: its constants (block and token
+    # strides, indices' row stride, topk, slots, log2 of the block size), packed with its
+    # addresses at each call
+    extra_consts: tuple = ()
 
     def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
             lens: int, starts: int, lse: int = 0, extra: tuple = ()) -> None:
@@ -385,13 +388,9 @@ class MlaLaunch(NamedTuple):
         vp = self.vp if not lse else self.variants.pack(lse)
         qo, co = self.q_offsets, self.c_offsets
         ex = self.extra
-        if ex is None:
-            ex = ()
-        elif type(ex) is tuple:
+        if self.extra_consts:
             e, e_idx, e_lens = extra
-            ex = (SPARSE_EXTRA.pack(e + co[0], e + co[1], e_idx, e_lens, *ex),)
-        else:
-            ex = (ex,)
+            ex = (SPARSE_EXTRA.pack(e + co[0], e + co[1], e_idx, e_lens, *self.extra_consts),)
         rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],
                 *self.c_strides, bt, *self.table, lens, starts, *self.tail, *ex, vp)
         if not self.split_tiles:
@@ -417,7 +416,7 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
     planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
     ``partials``: a workspace's, None for a scratch buffer per split call; ``sparse``:
     mla_sparse_attention's (lengths_per, strict); ``variants``: its attn_sink; ``extra``:
-    its second cache's constants, MlaLaunch.extra's tuple, () for none), every argument but
+    its second cache's constants, MlaLaunch.extra_consts, () for none), every argument but
     the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
     takes_extra = plan.kernel.spec.kernel == "mla_sparse_attention"
@@ -434,4 +433,4 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
                      plan.combine_grid, plan.combine_tail,
                      p.num_rows * p.num_heads * plan.partitions, p.rank, partials, variants,
                      _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack(),
-                     (tuple(extra) or NO_SPARSE_EXTRA) if takes_extra else None)
+                     (NO_SPARSE_EXTRA,) if takes_extra and not extra else (), tuple(extra))

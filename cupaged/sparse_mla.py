@@ -269,7 +269,7 @@ def _second_cache_arrays(extra):
 
 def _check_second_cache(e_kc, e_idx, e_tl, kc, batch: int, s_q: int, idx_topk: int) -> tuple:
     """The second cache's checks (in decode form; ``kc`` the first cache's, whose format
-    it shares; ``idx_topk`` the first indices' topk): MlaLaunch.extra's constants (its
+    it shares; ``idx_topk`` the first indices' topk): MlaLaunch.extra_consts (its
     block and token strides and its indices' row stride in elements, topk, slots, log2 of
     its block size)."""
     width = kc.shape[-1]

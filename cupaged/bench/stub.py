@@ -64,6 +64,10 @@ class Stub:
             s = self._streams[d] = self.Stream(STREAM + 0x100 * d)
         return s
 
+    def use_stream(self, s) -> None:
+        """Make ``s`` the current device's current stream (a Stream's ``with``)."""
+        self._streams[self.device] = s
+
     def _stream_class(self):
         stub = self
 
@@ -83,11 +87,11 @@ class Stub:
 
             def __enter__(self):
                 self._before = stub.stream()
-                stub._streams[stub.device] = self
+                stub.use_stream(self)
                 return self
 
             def __exit__(self, *exc):
-                stub._streams[stub.device] = self._before
+                stub.use_stream(self._before)
 
         return Stream
 
