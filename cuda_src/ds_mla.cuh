@@ -10,8 +10,9 @@
 // mla_sparse_attention_sm90 (mla_attention_sm90.cuh), through ds_mla_widen below.
 //
 // DeepSeek-V4's ("v4_fp8", "v4_fp4"): 512 values a token (d_qk 512, the 64 rotary dims
-// inside), all quantized; the key is the whole vector and so is the value. Their reader
-// is mla_sparse_attention (the mma.sync kernel; RANK 512, ROPE 0), through SparseRow below.
+// inside), all quantized; the key is the whole vector and so is the value. Their readers
+// are mla_sparse_attention and mla_sparse_attention_sm90 (RANK 512, ROPE 0), through
+// SparseRow below.
 //   v4_fp8: 528 bytes: the values in e4m3 (bytes 0-511), then 16 ue8m0 scales, one per 32
 //           values (512-527: a power of two stored as its biased exponent e + 127).
 //   v4_fp4: 288 bytes: the values in e2m1 (bytes 0-255, value 2i in the low nibble of
@@ -69,15 +70,6 @@ struct is_sparse_row {
       is_same<C, fp8_ds_mla_t>::value || is_same<C, v4_fp8_t>::value || is_same<C, v4_fp4_t>::value;
 };
 
-template <typename C>
-struct is_ds_mla {
-  static constexpr bool value = false;
-};
-template <>
-struct is_ds_mla<fp8_ds_mla_t> {
-  static constexpr bool value = true;
-};
-
 // Chunk c (16 bytes) of a 656-byte row in shared memory (`row`) as the key's bfloat16
 // values: chunks 0-31 are sixteen e4m3 values each, times their group's scale in float32
 // and rounded to bfloat16 (FlashMLA's dequantization): two 8-value chunks v[0], v[1];
@@ -125,7 +117,7 @@ __device__ __forceinline__ unsigned e2m1x2_to_f16x2_scaled(unsigned b) {
 // key dims dim, dim + 8. A row of zeros (a slot not copied) widens to zeros.
 template <typename C>
 struct SparseRow {
-  static constexpr int kBytes = 0, kRank = 0, kRope = 0;  // not a token row
+  static constexpr int kBytes = 0, kRank = 0, kRope = 0, kUnits = 0;  // not a token row
 };
 
 template <>

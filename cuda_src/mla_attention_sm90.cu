@@ -22,8 +22,12 @@
 void cupaged_instantiate_mla_sm90() {
   (void)&cupaged::mla_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
   (void)&cupaged::mla_sparse_attention_sm90<CUPAGED_T, CUPAGED_C, 512, 64, CUPAGED_BS>;
-#ifdef CUPAGED_DS_MLA
+#ifdef CUPAGED_DS_MLA  // DeepSeek's token rows: V3.2's, then V4's (512 dims, rope inside)
   (void)&cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, cupaged::fp8_ds_mla_t, 512, 64,
+                                            CUPAGED_BS>;
+  (void)&cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, cupaged::v4_fp8_t, 512, 0,
+                                            CUPAGED_BS>;
+  (void)&cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, cupaged::v4_fp4_t, 512, 0,
                                             CUPAGED_BS>;
 #endif
 }

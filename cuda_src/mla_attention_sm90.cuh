@@ -9,10 +9,10 @@
 // of P V: no copy or transpose. A 16-bit cache lands
 // there directly, in a ring of two stages. An fp8 cache (C one byte, read as stored *
 // scale) lands as bytes in a ring of two raw stages ([64 tokens][RANK + ROPE bytes]; the
-// sparse kernel's fp8_ds_mla rows in one raw stage, widened after a barrier), and every
-// thread widens its share of a landed tile into one 16-bit stage before the tile's first
-// barrier: the next tiles' bytes fly meanwhile, and a third 73,728-byte stage would not
-// fit beside Q.
+// sparse kernel's token rows, V4's in two raw stages and fp8_ds_mla's in one, widened
+// after a barrier), and every thread widens its share of a landed tile into one 16-bit
+// stage before the tile's first barrier: the next tiles' bytes fly meanwhile, and a third
+// 73,728-byte stage would not fit beside Q.
 // A tile:
 //   warpgroup 0: S = Q K^T (64 x 64, 36 k-steps of m64n64k16, Q and K from shared memory),
 //     masks, the online softmax in registers, P (T) and each row's rescale factor to
@@ -23,7 +23,7 @@
 //     this tile was widened from; each (raw) stage's mbarrier counts the copies landed;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
 //     shared memory).
-// fp8: three CTA barriers a tile (fp8_ds_mla: four). The softmax is not overlapped with
+// fp8: three CTA barriers a tile (token rows: four). The softmax is not overlapped with
 // the products (FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
 #include "common.cuh"
@@ -39,28 +39,35 @@ namespace cupaged {
 
 constexpr int kMlaSm90Threads = 256;
 
-// C: the cache's element type, T or fp8, or fp8_ds_mla_t (the sparse kernel's: DeepSeek-V3.2's
-// 656-byte rows, ds_mla.cuh), which lands in one raw stage of its rows. PRODUCER: warpgroup
-// 1 alone copies the tiles (mla_sm90_producer).
+// C: the cache's element type, T or fp8, or a token row format (the sparse kernel's:
+// DeepSeek-V3.2's 656-byte fp8_ds_mla rows, V4's 528-byte v4_fp8 and 288-byte v4_fp4 rows;
+// ds_mla.cuh's SparseRow), which lands in raw stages of its rows. PRODUCER: warpgroup 1
+// alone copies the tiles (mla_sm90_producer).
 template <typename T, typename C, int RANK, int ROPE, bool PRODUCER = false>
 struct MlaSm90Geometry {
   static constexpr bool kQuant = !is_same<T, C>::value;
-  static constexpr bool kDsMla = is_ds_mla<C>::value;
+  static constexpr bool kRowFmt = is_sparse_row<C>::value;
   static constexpr int kRows = 64;
   static constexpr int kTileN = 64;
   static constexpr int kStages = kQuant ? 1 : 2;  // 16-bit stages (fp8: the widened tile)
   static constexpr int kDims = RANK + ROPE;
-  static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9)
-  // 16-byte chunks of a cached row (72; fp8 36; fp8_ds_mla 41)
-  static constexpr int kCChunks = kDsMla ? kDsMlaChunks : kDims * static_cast<int>(sizeof(C)) / 16;
+  static constexpr int kBlocks = kDims / 64;  // 64-dim blocks of a key row (9; V4's 8)
+  // 16-byte chunks of a cached row (72; fp8 36; fp8_ds_mla 41, v4_fp8 33, v4_fp4 18)
+  static constexpr int kCChunks =
+      kRowFmt ? SparseRow<C>::kBytes / 16 : kDims * static_cast<int>(sizeof(C)) / 16;
   static constexpr int kRawRow = kCChunks * 16;  // fp8: a raw token row's bytes
-  static constexpr int kRawStages = kDsMla ? 1 : 2;
   static constexpr int kTileBytes = kBlocks * 64 * 128;  // Q, or one K/V stage: 73,728
   static constexpr int kRawTileBytes = kQuant ? kTileN * kRawRow : 0;  // fp8: a tile's bytes
+  // What follows the raw stages: P ([64 rows][64 keys] T), alpha, max and sum a row, the
+  // bad-block flag, the sparse kernel's key flags (a byte a key, two ring slots), the
+  // producer's two mbarriers, and the 1024 bytes of the base's alignment.
+  static constexpr int kTail = 64 * 128 + 3 * kRows * 4 + 16 + 2 * kTileN + 16 + 1024;
+  // Two raw stages where they fit (fp8_ds_mla's 656-byte rows do not: one)
+  static constexpr int kRawStages =
+      kRowFmt && (1 + kStages) * kTileBytes + 2 * kRawTileBytes + kTail > 232448 ? 1 : 2;
   static constexpr int kOffQ = 0;
   static constexpr int kOffStages = kTileBytes;
-  static constexpr int kOffRaw = kOffStages + kStages * kTileBytes;  // fp8: two raw stages
-  //                                                               (fp8_ds_mla: one)
+  static constexpr int kOffRaw = kOffStages + kStages * kTileBytes;  // fp8: the raw stages
   static constexpr int kOffP = kOffRaw + kRawStages * kRawTileBytes;  // [64 rows][64 keys] T
   static constexpr int kOffRowState = kOffP + 64 * 128;            // alpha, max, sum a row
   static constexpr int kOffFlag = kOffRowState + 3 * kRows * 4;
@@ -75,25 +82,30 @@ struct MlaSm90Geometry {
   static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
   static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
   static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
-  //                       each (18; producer 36; fp8 9, producer 18; fp8_ds_mla 11)
+  //          each (18; producer 36; fp8 9, producer 18; fp8_ds_mla 11, v4_fp8 9, v4_fp4 5)
   // fp8: every thread widens a share of each raw tile, four threads a token
   static constexpr int kWidenThreads = kMlaSm90Threads / kTileN;
   static constexpr int kWidenSteps = kCChunks / kWidenThreads;  // chunks each (fp8 9)
+  // A token row format: the units of a row (SparseRow::widen) each of its copiers widens
+  // (fp8_ds_mla 11 of 41, V4's 8 of 32)
+  static constexpr int kRowUnits = kRowFmt ? SparseRow<C>::kUnits : 0;
+  static constexpr int kRowSteps = (kRowUnits + kCopyThreads - 1) / kCopyThreads;
 
   static_assert(sizeof(T) == 2, "wgmma takes 16-bit operands here");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
-  static_assert(kDsMla || kCChunks % kCopyThreads == 0, "copy mapping");
-  static_assert(!kProducer || !kDsMla,
-                "fp8_ds_mla rows are widened by the threads that copied them");
-  static_assert(!kQuant || kDsMla || kCChunks % kWidenThreads == 0, "widening mapping");
+  static_assert(kRowFmt || kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(!kProducer || !kRowFmt,
+                "token rows are widened by the threads that copied them");
+  static_assert(!kQuant || kRowFmt || kCChunks % kWidenThreads == 0, "widening mapping");
   // Without the producer an fp8 thread widens only chunks it copied itself (no barrier
   // between its cp.async.wait_group and the widening).
-  static_assert(kProducer || !kQuant || kDsMla || kWidenThreads == kCopyThreads,
+  static_assert(kProducer || !kQuant || kRowFmt || kWidenThreads == kCopyThreads,
                 "widening mapping without the producer");
-  static_assert(!kDsMla || (RANK == kDsMlaRank && ROPE == kDsMlaRope &&
-                            is_same<T, bfloat16_t>::value),
-                "fp8_ds_mla rows: kv_lora_rank 512, rope 64, bfloat16 queries");
+  static_assert(!kRowFmt || (RANK == SparseRow<C>::kRank && ROPE == SparseRow<C>::kRope &&
+                             is_same<T, bfloat16_t>::value),
+                "token rows: the format's rank and rope dims, bfloat16 queries");
+  static_assert(kOffP + kTail - 1024 == kOffBars + 16, "kTail counts what follows P");
   static_assert(kSmemBytes <= 232448, "shared memory: Hopper's 227 KB a CTA");
   static_assert(kOffBars % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kOffStages % 1024 == 0 && kOffP % 1024 == 0,
@@ -106,13 +118,13 @@ struct MlaSm90Geometry {
 // landed. 16-bit: tile i + 2 is issued as soon as both warpgroups' P V of tile i is done.
 // fp8: every thread widens its share of tile i into the one 16-bit stage after that
 // mbarrier, and tile i + 2's bytes are issued into the raw stage once the widening is done.
-// Gathered rows (the sparse kernel, pages under 16 tokens) and fp8_ds_mla rows: every
+// Gathered rows (the sparse kernel, pages under 16 tokens) and token rows: every
 // thread copies, tile i + 1 flying during tile i (on an H200 one warpgroup issuing a row
 // address a token ran these at 0.70-0.75x the speed). docs/PERFORMANCE.md, MLA kernel
 // steps 10 and 11.
 template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
 __host__ __device__ constexpr bool mla_sm90_producer() {
-  return !is_ds_mla<C>::value && !SPARSE && BLOCK_SIZE >= 16;
+  return !is_sparse_row<C>::value && !SPARSE && BLOCK_SIZE >= 16;
 }
 
 // The producer's named barriers (0 is __syncthreads'), each over both warpgroups:
@@ -232,25 +244,27 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         cp_async16_or_zero(dst, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
       }
     };
-    // fp8_ds_mla: the raw stage's rows widened with their scales (ds_mla_widen) into the
-    // 16-bit stage, each thread the chunks it copied, after a barrier (a row's scales are
-    // another thread's copy).
-    auto widen_ds_tile = [&]() {
-      if constexpr (Geo::kDsMla) {
-        const unsigned char* row = smem + (raw_s(0) - base) + copy_token * Geo::kRawRow;
+    // Token rows: raw stage `raw`'s rows widened (SparseRow::widen: each value times its
+    // group's scale, rounded to bfloat16) into the 16-bit stage, each thread the units of
+    // the token it copied, after a barrier (a row's scales are another thread's copy).
+    auto widen_row_tile = [&](int raw) {
+      if constexpr (Geo::kRowFmt) {
+        const unsigned char* row = smem + (raw_s(raw) - base) + copy_token * Geo::kRawRow;
 #pragma unroll
-        for (int j = 0; j < Geo::kCopySteps; ++j) {
-          const int c = copy_lane + j * Geo::kCopyThreads;
-          if (c >= Geo::kCChunks) continue;
+        for (int j = 0; j < Geo::kRowSteps; ++j) {
+          const int u = copy_lane + j * Geo::kCopyThreads;
+          if (Geo::kRowUnits % Geo::kCopyThreads != 0 && u >= Geo::kRowUnits) continue;
           uint4 v[2];
           int dim;
-          const int n = ds_mla_widen(row, c, v, dim);
+          const int n = SparseRow<C>::widen(row, u, v, dim);
           for (int k = 0; k < n; ++k) {
             const unsigned d = stage_s(0) + sw128_offset(copy_token, dim + 8 * k, TILE_N);
             asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(v[k].x),
                          "r"(v[k].y), "r"(v[k].z), "r"(v[k].w) : "memory");
           }
         }
+      } else {
+        (void)raw;
       }
     };
     // fp8: this thread's share of raw stage `slot` (chunks widen_lane, + 4, ... of token
@@ -258,7 +272,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     // copies) widened into the 16-bit stage, 16 values to two swizzled 16-byte chunks
     // (exact; zeros stay zeros).
     auto widen_tile = [&](int slot) {
-      if constexpr (Geo::kQuant && !Geo::kDsMla) {
+      if constexpr (Geo::kQuant && !Geo::kRowFmt) {
         // The bytes are read by plain loads after the wait, whose asm may have no memory
         // clobber: keep the compiler from hoisting the loads above it.
         asm volatile("" ::: "memory");
@@ -318,18 +332,28 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
       // the products reading the one widened stage).
       const int slot = Geo::kProducer ? (done + it) & 1 : it & 1;
       const int stage = Geo::kQuant ? 0 : slot;
-      if constexpr (Geo::kDsMla) {
-        // One raw stage: tile it + 1 is copied once tile it is widened, and flies during
-        // tile it's products.
-        cp_async_wait<0>();  // tile it (and the query) landed
-        __syncthreads();     // ... every thread's copies of it (the previous tile's products
-        //                      are done with the 16-bit stage: the last barrier)
-        widen_ds_tile();
+      if constexpr (Geo::kRowFmt) {
+        // Two raw stages (V4's rows): tile it + 1 is issued into the other one first and
+        // flies during tile it's widening and products. One (fp8_ds_mla's): tile it + 1 is
+        // issued once tile it is widened, and flies during its products.
+        if constexpr (Geo::kRawStages == 2) {
+          if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+          cp_async_commit();
+          id_ahead = tile_id(it + 2);
+          cp_async_wait<1>();  // tile it (and the query) landed; tile it + 1 may fly
+        } else {
+          cp_async_wait<0>();  // tile it (and the query) landed
+        }
+        __syncthreads();  // ... every thread's copies of it (the previous tile's products
+        //                   are done with the 16-bit stage: the last barrier)
+        widen_row_tile(Geo::kRawStages == 1 ? 0 : slot);
         fence_async_smem();  // the widened tile, for wgmma's reads
-        __syncthreads();     // complete, and the raw stage free
-        if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
-        cp_async_commit();
-        id_ahead = tile_id(it + 2);
+        __syncthreads();     // complete, and its raw stage free
+        if constexpr (Geo::kRawStages == 1) {
+          if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1, id_ahead);
+          cp_async_commit();
+          id_ahead = tile_id(it + 2);
+        }
       } else if constexpr (Geo::kProducer) {
         mbar_wait(full_bar(slot), ((done + it) >> 1) & 1);  // every copier's tile it landed
         if constexpr (Geo::kQuant) {
@@ -531,7 +555,7 @@ __global__ void __launch_bounds__(kMlaSm90Threads, 1)
 }
 
 // DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's
-// (mla_attention.cuh), 16-bit caches and fp8_ds_mla rows.
+// (mla_attention.cuh), 16-bit caches and DeepSeek's token rows (V3.2's and V4's).
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     mla_sparse_attention_sm90(CUPAGED_MLA_PARAMS, int lengths_per, int strict,

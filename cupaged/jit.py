@@ -78,7 +78,7 @@ _KERNELS = {
     "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS + ("variant",)),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
     "mla_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
-    # its sparse form (DSA), over 16-bit caches and fp8_ds_mla rows
+    # its sparse form (DSA), over 16-bit caches and DeepSeek's token rows (V3.2's, V4's)
     "mla_sparse_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
@@ -95,11 +95,11 @@ _KERNELS = {
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
 # The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype,
-# and which: the writer all, the mma.sync reader all (V4's with rope_dim 0: their 512 dims
-# hold the rotary ones), the wgmma reader DeepSeek-V3.2's rows.
+# and which: all three take all (the readers V4's with rope_dim 0: their 512 dims hold the
+# rotary ones).
 SPARSE_MLA_KERNELS = {"concat_and_cache_mla": tuple(_dtypes.SPARSE_MLA),
                       "mla_sparse_attention": tuple(_dtypes.SPARSE_MLA),
-                      "mla_sparse_attention_sm90": (_dtypes.DS_MLA.name,)}
+                      "mla_sparse_attention_sm90": tuple(_dtypes.SPARSE_MLA)}
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
@@ -248,9 +248,8 @@ class KernelSpec:
     #                    (left 0: 64, or 0 over V4's rows, which hold them inside)
     rows: int = 0  # mla_attention: packed query rows (tokens x heads) per CTA
     cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same;
-    #                        "dsmla": DeepSeek-V3.2's sparse rows (concat_and_cache_mla and
-    #                        the sparse readers), "v4fp8" / "v4fp4" V4's (concat_and_cache_mla
-    #                        and mla_sparse_attention)
+    #                        "dsmla": DeepSeek-V3.2's sparse rows, "v4fp8" / "v4fp4" V4's
+    #                        (concat_and_cache_mla and the sparse readers)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
@@ -329,7 +328,7 @@ class KernelSpec:
             for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
-        elif self.kernel in MLA_MMA_KERNELS:
+        elif self.kernel in MLA_MMA_KERNELS or self.kernel in MLA_SM90_KERNELS:
             rows = _dtypes.SPARSE_BY_CACHE.get(self.cache_dtype)
             if rows is not None and rows.rope == 0 and self.rope_dim:
                 raise ValueError(f"cache_dtype {self.cache_dtype!r} holds the rotary dims "
@@ -337,13 +336,14 @@ class KernelSpec:
             if rows is not None and self.rope_dim not in (0, rows.rope):
                 raise ValueError(f"cache_dtype {self.cache_dtype!r} holds {rows.rope} rotary "
                                  f"dims: rope_dim must be {rows.rope} (or 0) in {self!r}")
-            for name, default in zip(("rope_dim", "rows", "tile_tokens", "stages"),
-                                     default_mla_tile()):
+            # (the wgmma kernels' shape is fixed: only rope_dim)
+            names = ("rope_dim", "rows", "tile_tokens", "stages")
+            if self.kernel in MLA_SM90_KERNELS:
+                names = names[:1]
+            for name, default in zip(names, default_mla_tile()):
                 if getattr(self, name) == 0 and not (name == "rope_dim" and rows is not None
                                                      and rows.rope == 0):
                     object.__setattr__(self, name, default)
-        elif self.kernel in MLA_SM90_KERNELS and self.rope_dim == 0:
-            object.__setattr__(self, "rope_dim", default_mla_tile()[0])
         elif "tile_tokens" in params:
             if self.tile_tokens == 0:
                 object.__setattr__(self, "tile_tokens", self._default_tile())

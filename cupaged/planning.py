@@ -1032,10 +1032,10 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     rows (None: a scratch buffer per call). ``sparse``: mla_sparse_attention, whose
     "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
     top-k entries (``max_ctx``: topk); on Hopper its wgmma form where a token has 64 heads
-    or more (the paged kernels' rule), over 16-bit caches and fp8_ds_mla rows, the mma.sync
-    kernel elsewhere and over V4's rows always (the wgmma kernel does not read them, even
-    under set_mla_family("sm90")). ``second_cache``: a sparse call with a second cache,
-    which only the mma.sync kernel reads (``max_ctx`` then both topks' sum)."""
+    or more (the paged kernels' rule), over every cache it takes, the mma.sync kernel
+    elsewhere. ``second_cache``: a sparse call with a second cache, which only the
+    mma.sync kernel reads (even under set_mla_family("sm90"); ``max_ctx`` then both
+    topks' sum)."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
@@ -1043,9 +1043,7 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
     token_rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
     token_bytes = 0 if token_rows is None else token_rows.nbytes
-    wgmma_reads = (cache_dtype in jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]
-                   or token_rows is None) and not second_cache
-    if wgmma_reads and mla_sm90_applies(arch, rows_needed):
+    if not second_cache and mla_sm90_applies(arch, rows_needed):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:

@@ -3,11 +3,10 @@
 to the cached tokens its top-k indices name; the kernels are ``mla_sparse_attention``
 (``mla_attention``'s mma.sync body reading keys through the indices, sm_80+; every cache
 format, V4's 512-dim rows among them) and on Hopper ``mla_sparse_attention_sm90``
-(``mla_attention_sm90``'s wgmma body, 64 heads or more, 16-bit and fp8_ds_mla caches).
-The layers
-are MLA's: array adaptation, validation (:func:`.validation.validate_mla` over the
-arrays seen as one token a "sequence"), planning (:func:`.planning.plan_mla` with
-``sparse``), launch (:func:`.launch.build_mla`)."""
+(``mla_attention_sm90``'s wgmma body, 64 heads or more, every cache format, no second
+cache). The layers are MLA's: array adaptation, validation
+(:func:`.validation.validate_mla` over the arrays seen as one token a "sequence"),
+planning (:func:`.planning.plan_mla` with ``sparse``), launch (:func:`.launch.build_mla`)."""
 
 from __future__ import annotations
 
@@ -108,10 +107,9 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     A repeated index counts each time. A row none of whose entries counts gives zeros and
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
     the statement of the result. The kernels: ``mla_sparse_attention`` (mma.sync, sm_80+)
-    for every cache; on Hopper, for 16-bit and fp8_ds_mla caches with 64 heads or more,
-    ``mla_sparse_attention_sm90`` (wgmma); V4's formats and calls with a second cache
-    always take the mma.sync kernel. Not served: 16-bit caches of V4's 512-dim tokens (q's
-    dtype, width 512).
+    for every cache; on Hopper, with 64 heads or more, ``mla_sparse_attention_sm90``
+    (wgmma) over every cache; calls with a second cache always take the mma.sync kernel.
+    Not served: 16-bit caches of V4's 512-dim tokens (q's dtype, width 512).
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     ``attn_sink`` (by address), workspace and keywords match an earlier successful call's

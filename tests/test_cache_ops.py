@@ -1823,18 +1823,15 @@ def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
         cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype=fmt)
     assert sparse_mla._sparse_rows(fmt, cache, q) == fmt
     assert sparse_mla._sparse_rows("auto", cache, q) == fmt  # found by its width
-    takers = ("concat_and_cache_mla, mla_sparse_attention, mla_sparse_attention_sm90"
-              if fmt == "fp8_ds_mla" else "concat_and_cache_mla, mla_sparse_attention")
+    takers = "concat_and_cache_mla, mla_sparse_attention, mla_sparse_attention_sm90"
     name = SPARSE_NAMES[fmt]
     with pytest.raises(ValueError, match=f"is taken by {takers} only"):
         jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype=name, index_dtype="i64")
     with pytest.raises(ValueError, match=f"is taken by {takers} only"):
         jit.KernelSpec("mla_attention", "bf16", 512, 16, cache_dtype=name)
-    if fmt != "fp8_ds_mla":
-        with pytest.raises(ValueError, match=f"is taken by {takers} only"):
-            jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 16, cache_dtype=name)
-    spec = jit.KernelSpec("mla_sparse_attention", "bf16", 512, 16, cache_dtype=name)
-    assert spec.rope_dim == (64 if fmt == "fp8_ds_mla" else 0)
+    for kernel in ("mla_sparse_attention", "mla_sparse_attention_sm90"):
+        spec = jit.KernelSpec(kernel, "bf16", 512, 16, cache_dtype=name)
+        assert spec.rope_dim == (64 if fmt == "fp8_ds_mla" else 0)
 
 
 @pytest.mark.parametrize("fmt", SPARSE_FORMATS)

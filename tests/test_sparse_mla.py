@@ -289,8 +289,9 @@ def test_v4_refusals_name_the_argument(adapt, fmt, case, exc, match):
 
 
 def test_v4_specs_name_their_rows_and_refuse_a_rope():
-    """The spec of a V4 reader: rope 0 (the rotary dims inside the 512), its cache type in
-    its name and name expression; a rope_dim of 64 refused, fp8_ds_mla's 64 kept."""
+    """The spec of a V4 reader (both kernels): rope 0 (the rotary dims inside the 512), its
+    cache type in its name and name expression; a rope_dim of 64 refused, fp8_ds_mla's 64
+    kept."""
     from cupaged import jit
 
     for fmt, name, cxx in (("v4_fp8", "v4fp8", "v4_fp8_t"), ("v4_fp4", "v4fp4", "v4_fp4_t")):
@@ -306,9 +307,16 @@ def test_v4_specs_name_their_rows_and_refuse_a_rope():
         with pytest.raises(ValueError, match=f"cache_dtype '{name}' holds the rotary dims inside "
                                              f"its 512: rope_dim must be 0"):
             jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rope_dim=64, cache_dtype=name)
-        with pytest.raises(ValueError, match="is taken by concat_and_cache_mla, "
-                                             "mla_sparse_attention only"):
-            jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, cache_dtype=name)
+        w = jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, cache_dtype=name)
+        assert w.rope_dim == 0 and w.arch == "sm_90a"
+        assert w.name == f"mla_sparse_attention_sm90_bf16_{name}_hs512_rope0_bs64_sm90a"
+        assert w.name_expression == (f"cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, "
+                                     f"cupaged::{cxx}, 512, 0, 64>")
+        with pytest.raises(ValueError, match="rope_dim must be 0"):
+            jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, rope_dim=64,
+                           cache_dtype=name)
+    assert jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64,
+                          cache_dtype="dsmla").rope_dim == 64
     assert jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, cache_dtype="dsmla").rope_dim == 64
     with pytest.raises(ValueError, match="cache_dtype 'dsmla' holds 64 rotary dims: rope_dim "
                                          "must be 64"):
@@ -344,17 +352,24 @@ def _planned(monkeypatch, device_arch, arch):
 @pytest.mark.parametrize("family", [None, "sm90"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("fmt", V4_FORMATS)
-def test_v4_rows_are_planned_on_the_mma_kernel(monkeypatch, device_arch, fmt, arch, family):
-    """The wgmma kernel does not read V4's rows: 16, 64 and 128 heads take
-    mla_sparse_attention in the planner's tile for 512-dim keys and the format's row bytes
-    (rope 0), on Hopper too and under set_mla_family("sm90"); fp8_ds_mla at 128 heads
-    still takes the wgmma kernel there."""
+def test_v4_rows_are_planned_by_the_heads_rule(monkeypatch, device_arch, fmt, arch, family):
+    """V4's rows take the kernels fp8_ds_mla's take: on Hopper the wgmma kernel from 64
+    heads (every head count under set_mla_family("sm90")), else mla_sparse_attention in the
+    planner's tile for 512-dim keys and the format's row bytes (rope 0); with a second
+    cache the mma.sync kernel always."""
     built = _planned(monkeypatch, device_arch, arch)
     name = _dtypes.SPARSE_KV_CACHE_DTYPES[fmt].dtype.name
     planning.set_mla_family(family)
     planning.set_mla_split(0)
     try:
         for heads in (16, 64, 128):
+            wgmma = arch == "sm_90" and (heads >= 64 or family == "sm90")
+            for second in (False, True):
+                plan = planning.plan_mla(0, "bf16", name, 512, 0, 64, 4, 4, heads, 1, 2048,
+                                         sparse=True, second_cache=second)
+                assert (built[-1] == "sm90") == (wgmma and not second), (heads, second)
+            if wgmma:
+                continue
             plan = planning.plan_mla(0, "bf16", name, 512, 0, 64, 4, 4, heads, 1, 2048,
                                      sparse=True)
             rows, tile, stages = planning.mla_tile(arch, heads, 1, ROW_BYTES[fmt], 0)
@@ -700,8 +715,8 @@ def test_an_index_outside_the_cache_gives_its_token_nan_only(rng, fmt):
 def test_flags_and_bad_indices_in_later_tiles(rng, family, fmt):
     """Entries of -1 and an index outside the cache in the third and later 64-key tiles,
     whose key flags and copies reuse the ring's stages: the bad index's token alone is
-    NaN, a stale flag would count a zero row or drop a key. (V4's rows take the mma.sync
-    kernel under either family.)"""
+    NaN, a stale flag would count a zero row or drop a key (V4's rows in two raw stages on
+    the wgmma kernel: tile i + 1's copies and flags land while tile i is widened)."""
     import cupy
 
     if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
@@ -1056,8 +1071,8 @@ def test_attn_sink(rng, fmt, split):
 def test_both_kernel_families(rng, family, fmt, heads, split, sink):
     """The wgmma kernel (Hopper, 64 heads or more by the planner's rule; forced for 16, whose
     rows it pads) and the mma.sync one, on the same problems over the caches (fp8_ds_mla:
-    one raw stage on wgmma, 41 chunks a row over 4 copying threads; V4's rows: the
-    mma.sync kernel whatever the family): partial row tiles (100 heads), split and not,
+    one raw stage on wgmma, 41 chunks a row over 4 copying threads; V4's rows: two raw
+    stages, 33 or 18 chunks a row): partial row tiles (100 heads), split and not,
     sinks, NaN in every unnamed slot, topk not a multiple of the 64-token tile."""
     import cupy
 
@@ -1191,8 +1206,9 @@ def test_v4_decode_matches_reference(rng, fmt, heads, s_q, topk, page, pad, with
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mma", "sm90"])
 @pytest.mark.parametrize("fmt", V4_FORMATS)
-def test_v4_widening_is_exact(rng, fmt):
+def test_v4_widening_is_exact(rng, fmt, family):
     """One counted entry a row and q zero (every logit 0, the entry's weight 1): out is that
     token's 512 values exactly as the widening states them, dequantize_sparse_kv's value
     (exact in float32) rounded once to bfloat16, at every dim (a unit at the wrong dims, a
@@ -1200,7 +1216,11 @@ def test_v4_widening_is_exact(rng, fmt):
     v4_fp8 scale bytes 10 to 246 (every product a normal bfloat16 and finite) and rows
     under 2^127 whose e4m3 values are below 2 (the largest finite products), no NaN byte;
     v4_fp4 every code and scale bytes of both signs but NaN. The lse is 0 (one weight
-    of 1)."""
+    of 1). Both kernels (wgmma on Hopper only)."""
+    import cupy
+
+    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+        pytest.skip("the wgmma kernel runs on Hopper only")
     heads, blocks, page = 64, 4, 64
     n, w = blocks * page, ROW_BYTES[fmt]
     rows = rng.integers(0, 256, (n, w)).astype(np.uint8)
@@ -1219,7 +1239,11 @@ def test_v4_widening_is_exact(rng, fmt):
              indices=rng.integers(0, n, (2, 2, 8)).astype(np.int32),
              topk_length=np.array([1, 1], np.int32))
     h["indices"][1, 1, 0] = top[3] if fmt == "v4_fp8" else 0
-    got, lse = run(h)
+    planning.set_mla_family(family)
+    try:
+        got, lse = run(h)
+    finally:
+        planning.set_mla_family(None)
     widened = reference.dequantize_sparse_kv(rows, fmt).astype(np.float32)
     widened = widened.astype(_dtypes.BF16.numpy).astype(np.float64)
     assert np.isfinite(widened).all()

@@ -230,17 +230,9 @@ def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048,
 
 
 def _run_cupaged(case: SparseCase, family: str | None = None):
-    """cupaged.sparse_mla_attention; ``family`` as :func:`.mla.force_family`'s (the wgmma
-    kernel does not read V4's rows: such a row says so instead of timing the mma.sync
-    kernel under its name)."""
+    """cupaged.sparse_mla_attention; ``family`` as :func:`.mla.force_family`'s."""
     import cupaged
-    from .. import jit
 
-    fmt = case.row_format
-    if family == "sm90" and fmt is not None and \
-            fmt.dtype.name not in jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]:
-        raise ValueError(f"the wgmma kernel does not read {case.kv_cache_dtype} rows "
-                         f"(cupaged-mma times them)")
     mla.force_family(family)
     a = case.arrays
     out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)

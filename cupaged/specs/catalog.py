@@ -90,11 +90,11 @@ AXES = {
     "mla_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": (512,), "rope_dim": (64,),
                            "block_size": _checks.BLOCK_SIZES},
-    # Hopper only, its sparse form over 16-bit caches and fp8_ds_mla rows (bfloat16 queries)
+    # Hopper only, its sparse form over 16-bit caches and DeepSeek's token rows (bfloat16
+    # queries; no rope_dim axis, as mla_sparse_attention's)
     "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": (
                                       "", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]),
-                                  "head_size": (512,), "rope_dim": (64,),
-                                  "block_size": _checks.BLOCK_SIZES},
+                                  "head_size": (512,), "block_size": _checks.BLOCK_SIZES},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the

@@ -19,6 +19,8 @@ WARPS = DECODE_THREADS // 32
 # Opt-in dynamic shared memory per block, by compute capability (CUDA's tables).
 MAX_SMEM_BY_ARCH = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
                     90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+# Hopper's: what the wgmma kernels' static_asserts hold a CTA to
+SM90_SMEM = MAX_SMEM_BY_ARCH[90]
 
 
 # Shared memory of an SM (what resident CTAs share), as mla_attention.cuh's kSmSmem.
@@ -387,32 +389,48 @@ class MlaSm90Geometry:
     """``MlaSm90Geometry<T, C, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64
     rows, 64-token tiles, the 128-byte-swizzled tiles 1024-byte aligned; two 16-bit stages,
     or for an fp8 cache (``cache_itemsize`` 1) one and two raw stages of its bytes, or for
-    fp8_ds_mla rows (``ds_mla``) one and one raw stage of 656-byte rows."""
+    token rows (``token_bytes``: 656 for fp8_ds_mla, 528 and 288 for V4's) one and two raw
+    stages of them where two fit (V4's), else one (fp8_ds_mla's)."""
 
     rank: int
     rope: int
     cache_itemsize: int = 2
-    ds_mla: bool = False
+    token_bytes: int = 0  # a token row's bytes, as MlaGeometry's (0: not a token row)
 
     @classmethod
     def of(cls, spec) -> "MlaSm90Geometry":
+        rows = _dtypes.SPARSE_BY_CACHE.get(spec.cache_dtype)
         return cls(spec.head_size, spec.rope_dim,
                    _dtypes.CACHE_BY_NAME[spec.cache_dtype].itemsize,
-                   spec.cache_dtype == _dtypes.DS_MLA.name)
+                   0 if rows is None else rows.nbytes)
 
     threads = 256
     rows = 64
     tile_tokens = 64
 
+    # kTail: P, row state, flag, the sparse kernel's key flags, the producer's two
+    # mbarriers, alignment
+    _tail = 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 16 + 1024
+
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: Q, the stages, P, row state, flag, the
-        #                            sparse kernel's key flags, the producer's two
-        #                            mbarriers, alignment
-        dims = self.rank + self.rope
-        tile = dims // 64 * 64 * 128
-        stages = (2 * tile if self.cache_itemsize == 2
-                  else tile + 64 * _dtypes.DS_MLA_BYTES if self.ds_mla else tile + 2 * 64 * dims)
-        return tile + stages + 64 * 128 + 3 * 64 * 4 + 16 + 2 * 64 + 16 + 1024
+    def _tile(self) -> int:  # kTileBytes: Q, or one 16-bit stage
+        return (self.rank + self.rope) // 64 * 64 * 128
+
+    @property
+    def _raw_tile(self) -> int:  # kRawTileBytes: a tile of an fp8 cache's bytes or rows
+        if self.cache_itemsize == 2:
+            return 0
+        return 64 * (self.token_bytes or self.rank + self.rope)
+
+    @property
+    def raw_stages(self) -> int:  # kRawStages
+        fits = 2 * self._tile + 2 * self._raw_tile + self._tail <= SM90_SMEM
+        return 1 if self.token_bytes and not fits else 2
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: Q, the 16-bit stages, the raw stages, kTail
+        stages = 2 if self.cache_itemsize == 2 else 1
+        return (1 + stages) * self._tile + self.raw_stages * self._raw_tile + self._tail
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
@@ -478,7 +496,8 @@ def _check_chunk(specs) -> None:
             g = MlaSm90Geometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
             cxx = f"cupaged::MlaSm90Geometry<{t}, {c}, {s.head_size}, {s.rope_dim}>"
-            lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes}, "
+            lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
+                         f"{cxx}::kRawStages == {g.raw_stages}, "
                          f"\"host mirror differs: {s.name}\");\n")
             continue
         if s.kernel in ("mla_attention", "mla_sparse_attention"):
