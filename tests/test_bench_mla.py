@@ -542,6 +542,23 @@ def test_sparse_cli_takes_a_second_cache(monkeypatch):
     assert r.exit_code == 2 and "a second cache is read by decode cases" in r.output
 
 
+def test_sparse_cli_takes_a_batch(monkeypatch):
+    """--batch N: the decode presets with N sequences, named -bN (the prefill preset only
+    when asked for, refused)."""
+    seen = []
+    monkeypatch.setattr(cli, "_mla_table", lambda cases, measure: seen.append(cases))
+    r = CliRunner().invoke(main, ["sparse-mla", "--kv-cache-dtype", "fp8_ds_mla", "--batch",
+                                  "8"])
+    assert r.exit_code == 0, r.output
+    assert [(c.name, c.batch, c.heads, c.s_q) for c in seen[0]] == [
+        ("dsa-16h-b8", 8, 16, 1), ("dsa-64h-b8", 8, 64, 1), ("dsa-128h-q2-b8", 8, 128, 2)]
+    r = CliRunner().invoke(main, ["sparse-mla", "--preset", "dsa-prefill-128h", "--batch",
+                                  "8"])
+    assert r.exit_code == 2 and "--batch sets a decode preset's sequences" in r.output
+    r = CliRunner().invoke(main, ["sparse-mla", "--batch", "0"])
+    assert r.exit_code == 2
+
+
 @pytest.mark.parametrize("fmt", ["v4_fp8", "v4_fp4"])
 def test_both_runners_time_v4_rows(monkeypatch, fmt):
     """cupaged-sm90 and cupaged-mma both time V4's rows (each family reads them), checked

@@ -928,17 +928,18 @@ def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt):
 def test_a_second_cache_through_the_prefill_interface(rng, fmt):
     """FlashMLA's prefill forms with a second cache: q [s_q, heads, d], kv [s_kv, 1, width]
     and extra kv [s_kv', width], indices [s_q, 1, k] and [s_q, k'], lengths [s_q]; an index
-    outside either cache does not count (prefill's rule)."""
+    outside either cache does not count (prefill's rule). (The index replaces a counted
+    entry: a length raised after the problem is made would count entries that name its
+    stale slots.)"""
     import cupy
 
-    h = second_problem(fmt, rng, 5, 1, 32, 50, 30)
+    h = second_problem(fmt, rng, 5, 1, 32, 50, 30, extra_lengths=[30, 25, 20, 12, 0])
     q = h["q"][:, 0]
     kv = h["kv_cache"].reshape(-1, 1, h["kv_cache"].shape[-1])
     ekv = h["extra_kv_cache"].reshape(-1, h["extra_kv_cache"].shape[-1])
     idx, eidx = h["indices"], h["extra_indices"][:, 0]
-    eidx[2, 4] = ekv.shape[0] + 1  # outside: does not count
+    eidx[2, 4] = ekv.shape[0] + 1  # outside, in token 2's 20 counted: does not count
     tl, etl = h["topk_length"], h["extra_topk_length"]
-    etl[2] = 30  # (so that entry is read)
     want, want_lse = reference.sparse_mla_attention(
         q, kv, idx, scale=SCALE, kv_format=kv_format(kv), topk_length=tl,
         extra_kv_cache=ekv[:, None], extra_indices=eidx[:, None], extra_topk_length=etl,

@@ -941,6 +941,10 @@ def _sparse_mla_options(f):
                           "as many tokens a sequence as the first: each query token also "
                           "attends to this many of its tokens there. Decode presets only "
                           "(the default presets become those)."),
+        click.option("--batch", type=click.IntRange(1), default=None,
+                     help="Sequences of the decode presets instead of theirs (128); the "
+                          "rows' names end in -b<batch>. Decode presets only (the default "
+                          "presets become those)."),
         click.option("--reps", type=click.IntRange(3), default=20, show_default=True),
     ]
     for o in reversed(opts):
@@ -950,7 +954,7 @@ def _sparse_mla_options(f):
 
 @main.command("sparse-mla")
 @_sparse_mla_options
-def sparse_mla(presets, impls, kv_cache_dtypes, topk, extra_topk, reps):
+def sparse_mla(presets, impls, kv_cache_dtypes, topk, extra_topk, batch, reps):
     """DeepSeek's sparse attention (DSA): cupaged.sparse_mla_attention, each query token
     over its top-k cached tokens, in FlashMLA's decode and prefill interfaces, checked
     against the float64 reference before it is timed. % copy counts the selected tokens'
@@ -960,9 +964,10 @@ def sparse_mla(presets, impls, kv_cache_dtypes, topk, extra_topk, reps):
     failed, 3 when a row did not run."""
     from . import sparse_mla as sm
 
-    names = presets or [n for n, p in sm.PRESETS.items() if not (extra_topk and p.get("prefill"))]
+    names = presets or [n for n, p in sm.PRESETS.items()
+                        if not ((extra_topk or batch) and p.get("prefill"))]
     try:
-        cases = [sm.preset_case(name, kvd, topk, extra_topk)
+        cases = [sm.preset_case(name, kvd, topk, extra_topk, batch)
                  for name in dict.fromkeys(names)
                  for kvd in dict.fromkeys(kv_cache_dtypes or sm.DEFAULT_KV_CACHE_DTYPES)]
     except ValueError as e:

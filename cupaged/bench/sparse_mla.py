@@ -224,9 +224,18 @@ class SparseCase:
 
 
 def preset_case(name: str, kv_cache_dtype: str = "auto", topk: int = 2048,
-                extra_topk: int = 0) -> SparseCase:
+                extra_topk: int = 0, batch: int | None = None) -> SparseCase:
+    """A preset's case; ``batch``: another number of sequences for a decode preset, its
+    name then ending in -b<batch>."""
+    shape = dict(PRESETS[name])
+    if batch is not None:
+        if shape.get("prefill"):
+            raise ValueError(f"--batch sets a decode preset's sequences; {name} is a prefill "
+                             f"(one sequence of {shape['s_q']} query tokens)")
+        shape["batch"] = batch
+        name = f"{name}-b{batch}"
     return SparseCase(name, kv_cache_dtype=kv_cache_dtype, topk=topk, extra_topk=extra_topk,
-                      **PRESETS[name])
+                      **shape)
 
 
 def _run_cupaged(case: SparseCase, family: str | None = None):
