@@ -167,19 +167,10 @@ __device__ __forceinline__ void mla_attention_body(
   MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
                                           num_heads, block_tables, bt_stride, max_blocks,
                                           lengths_per);
-  // Sparse with a second cache: a token's keys are its first cache's first_len counted
-  // entries, then its second's.
+  // Sparse with a second cache: its first first_len keys are the first cache's.
   const int first_len = sq.seq_len;
   const int* extra_row = nullptr;
-  if constexpr (EXTRA) {
-    if (extra.indices != nullptr) {
-      const int token = blockIdx.x / row_tiles;
-      extra_row = extra.indices + token * extra.idx_stride;
-      sq.seq_len += extra.lengths != nullptr
-                        ? max(0, min(__ldg(extra.lengths + token / lengths_per), extra.topk))
-                        : extra.topk;
-    }
-  }
+  if constexpr (EXTRA) extra_row = mla_extra_row(sq, extra, blockIdx.x / row_tiles, lengths_per);
 
   // Softmax role: row sm_row, columns sm_col .. sm_col + RC - 1 of each S tile.
   const int sm_row = tid / RT;
@@ -231,18 +222,10 @@ __device__ __forceinline__ void mla_attention_body(
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
       // these flags, read after the barrier that shows the tile landed.
       if (SPARSE && Geo::copy_lane(tid) == 0) valid_s[stage * TILE_N + Geo::copy_token(tid)] = copy;
-      const int slot = second ? -3 - id : id;
-      const int key =
-          SPARSE ? (copy ? slot : 0) : (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
-      const MlaToken<C, BLOCK_SIZE> tok(
-          second ? static_cast<const C*>(extra.lat) : c_lat,
-          second ? static_cast<const C*>(extra.rope) : c_rope,
-          second ? extra.block_stride : c_lat_block_stride,
-          second ? extra.token_stride : c_lat_token_stride,
-          second ? extra.block_stride : c_rope_block_stride,
-          second ? extra.token_stride : c_rope_token_stride,
-          second ? slot >> extra.page_shift : SPARSE && copy ? slot / BLOCK_SIZE : id,
-          second ? slot & ((1 << extra.page_shift) - 1) : key % BLOCK_SIZE, 0);
+      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE>(
+          id, second, copy, (tile_lo + tile) * TILE_N + Geo::copy_token(tid), c_lat, c_rope,
+          c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
+          extra);
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +
                            Geo::copy_token(tid) * Geo::kCRow;
 #pragma unroll

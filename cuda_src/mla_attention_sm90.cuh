@@ -136,10 +136,13 @@ __host__ __device__ constexpr bool mla_sm90_producer() {
 constexpr int kMlaBarP = 1, kMlaBarEmpty = 2, kMlaBarPFree = 3;
 
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse
-// (mla_attention.cuh's mla_sparse_attention, its parameters read the same way).
-template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARSE>
+// (mla_attention.cuh's mla_sparse_attention, its parameters read the same way), with a
+// second cache (EXTRA: the sparse kernel's kVarSecondCache) or without.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARSE,
+          bool EXTRA = false>
 __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int lengths_per,
-                                                        int strict, const VariantParams& vp) {
+                                                        int strict, const MlaSparseExtra& extra,
+                                                        const VariantParams& vp) {
   using Geo =
       MlaSm90Geometry<T, C, RANK, ROPE, mla_sm90_producer<C, T, BLOCK_SIZE, SPARSE>()>;
   using namespace sm90;
@@ -177,10 +180,15 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     scale_log2 *= cache_scale;
   }
 
-  const MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens,
-                                                query_start_loc, num_heads, block_tables,
-                                                bt_stride, max_blocks, lengths_per);
+  MlaSeq sq = mla_seq<BLOCK_SIZE, SPARSE>(blockIdx.x / row_tiles, seq_lens, query_start_loc,
+                                          num_heads, block_tables, bt_stride, max_blocks,
+                                          lengths_per);
   if constexpr (SPARSE) causal = 0;  // a token's rows are its heads; its keys have no order
+  // Sparse with a second cache: its first first_len keys are the first cache's.
+  static_assert(!EXTRA || SPARSE, "a second cache is the sparse kernel's");
+  const int first_len = sq.seq_len;
+  const int* extra_row = nullptr;
+  if constexpr (EXTRA) extra_row = mla_extra_row(sq, extra, blockIdx.x / row_tiles, lengths_per);
   // A copier's token and first chunk (the producer's threads counted from warpgroup 1's)
   const int copy_tid = Geo::kProducer ? tid - kMlaSm90Threads / 2 : tid;
   const bool copier = !Geo::kProducer || wg == 1;
@@ -215,24 +223,30 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     // copy_token, its block id read a tile ahead (-1: past the keys; -2: outside the
     // cache). A 16-bit cache lands in the swizzled stage `slot`; fp8 in raw stage `slot`,
     // row-major, widened by widen_tile. (Sparse: the id is the key's slot, as in
-    // mla_attention.cuh.)
+    // mla_attention.cuh, and with a second cache -3 - its slot there.)
     auto tile_id = [&](int tile) -> int {
       if (tile >= n_tiles) return -1;
       const int key = (tile_lo + tile) * TILE_N + copy_token;
+      if constexpr (EXTRA) {
+        if (key >= first_len) return mla_extra_slot(extra, extra_row, key, first_len, kv_end,
+                                                    strict);
+      }
       if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
       return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
     };
     auto load_tile = [&](int tile, int slot, int id) {
-      const bool copy = id >= 0;
+      // (Sparse: id <= -3 is slot -3 - id of the second cache, addressed through its own
+      // pointers, strides and block size.)
+      const bool second = EXTRA && id <= -3;
+      const bool copy = id >= 0 || second;
       if (id == -2) *bad_s = 1;
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
       // these flags, read after the barrier that shows the tile landed.
       if (SPARSE && copy_lane == 0) valid_s[slot * TILE_N + copy_token] = copy;
-      const int phys = SPARSE && copy ? id / BLOCK_SIZE : id;
-      const MlaToken<C, BLOCK_SIZE> tok(c_lat, c_rope, c_lat_block_stride, c_lat_token_stride,
-                                        c_rope_block_stride, c_rope_token_stride, phys,
-                                        SPARSE ? (copy ? id : 0)
-                                               : (tile_lo + tile) * TILE_N + copy_token);
+      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE>(
+          id, second, copy, (tile_lo + tile) * TILE_N + copy_token, c_lat, c_rope,
+          c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
+          extra);
       const int raw = Geo::kRawStages == 1 ? 0 : slot;
 #pragma unroll
       for (int j = 0; j < Geo::kCopySteps; ++j) {
@@ -551,17 +565,21 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     mla_attention_sm90(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
-  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(CUPAGED_MLA_ARGS, 1, 0, vp);
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(CUPAGED_MLA_ARGS, 1, 0,
+                                                              MlaSparseExtra{}, vp);
 }
 
 // DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's
-// (mla_attention.cuh), 16-bit caches and DeepSeek's token rows (V3.2's and V4's).
-template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
+// (mla_attention.cuh), 16-bit caches and DeepSeek's token rows (V3.2's and V4's); VARIANT
+// kVarSecondCache: the second cache, as there.
+template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, int VARIANT>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
     mla_sparse_attention_sm90(CUPAGED_MLA_PARAMS, int lengths_per, int strict,
+                              const __grid_constant__ MlaSparseExtra extra,
                               const __grid_constant__ VariantParams vp) {
-  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, true>(CUPAGED_MLA_ARGS, lengths_per,
-                                                             strict, vp);
+  static_assert((VARIANT & ~kVarSecondCache) == 0, "the sparse kernel's variant: a second cache");
+  mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, true, (VARIANT & kVarSecondCache) != 0>(
+      CUPAGED_MLA_ARGS, lengths_per, strict, extra, vp);
 }
 
 }  // namespace cupaged

@@ -122,6 +122,17 @@ struct MlaSparseExtra {
 static_assert(sizeof(MlaSparseExtra) == 72 && alignof(MlaSparseExtra) == 8,
               "cupaged/launch.py's SPARSE_EXTRA packs 72 bytes (\"<QQQQqqqiii4x\")");
 
+// A sparse token's row of the second cache's indices (null without a second cache), its
+// counted entries added to s.seq_len: a token's keys are its first cache's counted
+// entries, then its second's.
+__device__ __forceinline__ const int* mla_extra_row(MlaSeq& s, const MlaSparseExtra& e,
+                                                    int token, int lengths_per) {
+  if (e.indices == nullptr) return nullptr;
+  s.seq_len += e.lengths != nullptr ? max(0, min(__ldg(e.lengths + token / lengths_per), e.topk))
+                                    : e.topk;
+  return e.indices + token * e.idx_stride;
+}
+
 // Key `key` of a token whose first first_len keys are its first cache's: for keys from
 // there on, the second cache's slot encoded as -3 - slot, or -1 (past kv_end, or an entry
 // that does not count) and -2 (outside the cache under `strict`), mla_sparse_slot's rules.
@@ -196,6 +207,30 @@ struct MlaToken {
     return c < RANK / CV ? lat + c * CV : rope + (c - RANK / CV) * CV;
   }
 };
+
+// The token a K/V copy of tile_id's `id` reads (`copy`: whether it is copied at all):
+// paged, token `key` of the sequence in block id; sparse, slot id of the first cache, or
+// with a second cache (`second`: id <= -3 under EXTRA) slot -3 - id of the second,
+// addressed through its own pointers, strides and page size. A token not copied points
+// at the cache's base.
+template <typename C, int BLOCK_SIZE, bool SPARSE>
+__device__ __forceinline__ MlaToken<C, BLOCK_SIZE> mla_kv_token(
+    int id, bool second, bool copy, int key, const C* c_lat, const C* c_rope,
+    long long lat_block, long long lat_token, long long rope_block, long long rope_token,
+    const MlaSparseExtra& extra) {
+  const int slot = second ? -3 - id : id;
+  const int k = SPARSE ? (copy ? slot : 0) : key;
+  return MlaToken<C, BLOCK_SIZE>(second ? static_cast<const C*>(extra.lat) : c_lat,
+                                 second ? static_cast<const C*>(extra.rope) : c_rope,
+                                 second ? extra.block_stride : lat_block,
+                                 second ? extra.token_stride : lat_token,
+                                 second ? extra.block_stride : rope_block,
+                                 second ? extra.token_stride : rope_token,
+                                 second ? slot >> extra.page_shift
+                                        : SPARSE && copy ? slot / BLOCK_SIZE : id,
+                                 second ? slot & ((1 << extra.page_shift) - 1) : k % BLOCK_SIZE,
+                                 0);
+}
 
 // The parameters every MLA kernel takes (mla_attention.cuh's and mla_attention_sm90.cuh's,
 // paged and sparse, and their bodies), in this order, with T the query's type and C the

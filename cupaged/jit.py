@@ -78,8 +78,9 @@ _KERNELS = {
     "mla_sparse_attention": ("mla_attention.cu", _MLA_PARAMS + ("variant",)),
     # Hopper's: 64 rows over 64-token tiles in two stages; 16-bit or fp8 caches
     "mla_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
-    # its sparse form (DSA), over 16-bit caches and DeepSeek's token rows (V3.2's, V4's)
-    "mla_sparse_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS),
+    # its sparse form (DSA), over 16-bit caches and DeepSeek's token rows (V3.2's, V4's);
+    # variant "x" a second cache, as mla_sparse_attention's
+    "mla_sparse_attention_sm90": ("mla_attention_sm90.cu", _MLA_SM90_PARAMS + ("variant",)),
     "reshape_and_cache": ("cache_ops.cu", ("dtype", "cache_dtype", "kv_format", "kv_scale",
                                            "index_dtype")),
     "copy_blocks": ("cache_ops.cu", ("index_dtype",)),
@@ -120,8 +121,8 @@ ARG_FORMATS = {
     # mla_attention's, then lengths_per, strict and the second cache (MlaSparseExtra)
     "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",
     "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",  # mla_attention's
-    # mla_attention's, then lengths_per and strict (no second cache)
-    "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii56s",
+    # mla_sparse_attention's
+    "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",
     "copy_blocks": "3072sPqqq",  # CopyTable (96 x 4 int64) by value
     # sources; latent and rope destinations; slots, num_tokens, widths, block size,
@@ -222,6 +223,8 @@ ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a",
 MLA_SM90_KERNELS = ("mla_attention_sm90", "mla_sparse_attention_sm90")
 # The mma.sync MLA kernels (one body, mla_attention.cuh): paged and sparse (DSA).
 MLA_MMA_KERNELS = ("mla_attention", "mla_sparse_attention")
+# The sparse MLA kernels (DSA), each of the two families': variant "x" reads a second cache.
+SPARSE_MLA_READERS = ("mla_sparse_attention", "mla_sparse_attention_sm90")
 
 
 @dataclass(frozen=True)
@@ -298,7 +301,7 @@ class KernelSpec:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
             allowed = ("wcaf" if self.kernel.startswith("paged_prefill")
-                       else "x" if self.kernel == "mla_sparse_attention" else "wcbr")
+                       else "x" if self.kernel in SPARSE_MLA_READERS else "wcbr")
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "

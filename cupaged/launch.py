@@ -369,10 +369,10 @@ class MlaLaunch(NamedTuple):
     partials: Partials | None = None  # a workspace's; None: a scratch buffer per call
     variants: _variants.Variants = _variants.PLAIN  # sparse: attn_sink
     vp: bytes = _variants.PLAIN_BYTES  # their VariantParams with no lse
-    # the arguments between the tail and VariantParams: (NO_SPARSE_EXTRA,) for
-    # mla_sparse_attention without a second cache, () for the kernels that take none
+    # the arguments between the tail and VariantParams: (NO_SPARSE_EXTRA,) for a sparse
+    # kernel without a second cache, () for the kernels that take none
     extra: tuple = ()
-    # mla_sparse_attention's second cache, when it reads one: its constants (block and token
+    # a sparse kernel's second cache, when it reads one: its constants (block and token
     # strides, indices' row stride, topk, slots, log2 of the block size), packed with its
     # addresses at each call
     extra_consts: tuple = ()
@@ -419,7 +419,7 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
     its second cache's constants, MlaLaunch.extra_consts, () for none), every argument but
     the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
-    takes_extra = plan.kernel.spec.kernel == "mla_sparse_attention"
+    takes_extra = plan.kernel.spec.kernel in jit.SPARSE_MLA_READERS
     if bool(extra) != (takes_extra and "x" in plan.kernel.spec.variant):
         raise ValueError(f"{plan.kernel.spec.kernel} (variant "
                          f"{plan.kernel.spec.variant!r}) planned for "

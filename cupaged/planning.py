@@ -946,12 +946,13 @@ def mla_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: in
 
 @jit.launcher_cache
 def mla_sm90_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rope: int,
-                    block_size: int, sparse: bool = False) -> MlaKernel:
+                    block_size: int, sparse: bool = False, variant: str = "") -> MlaKernel:
     """mla_attention_sm90 (Hopper's wgmma kernel: 64 rows, 64-token tiles), or its sparse
-    form mla_sparse_attention_sm90."""
+    form mla_sparse_attention_sm90 (``variant`` "x": its second cache)."""
     name = "mla_sparse_attention_sm90" if sparse else "mla_attention_sm90"
     spec = jit.KernelSpec(name, dtype, rank, block_size, rope_dim=rope,
-                          cache_dtype=cache_dtype, arch=device_info(device_id).arch)
+                          cache_dtype=cache_dtype, variant=variant,
+                          arch=device_info(device_id).arch)
     g = geometry.MlaSm90Geometry.of(spec)
     kernel = jit.load(spec, device_id, g.smem_bytes)
     return MlaKernel(kernel, spec, g.smem_bytes,
@@ -972,9 +973,20 @@ def set_mla_family(family: str | None) -> None:
     _prepared.clear()  # remembered MLA calls were planned under the old choice
 
 
-def mla_sm90_applies(arch: str, rows_needed: int) -> bool:
+# fp8_ds_mla's rows take the wgmma kernel at every head count: its 256 threads widen a
+# tile's 656-byte rows where the mma.sync kernel's one CTA an SM (their stages' size) has
+# the widening on its chain. 16 heads on an H200 (cupaged-bench sparse-mla --preset dsa-16h
+# --kv-cache-dtype fp8_ds_mla): 38.3 / 98.9 / 184.2 µs against mma.sync's 43.1 / 109.3 /
+# 232.8 at batch 16 / 48 / 128. Not so 16-bit caches (37.3 against 32.8 at batch 16) nor
+# V4's rows (169.0 against 131.5 at batch 128: two mma.sync CTAs an SM), whose 16 rows
+# wgmma pads to 64.
+WGMMA_EVERY_HEAD_COUNT = (_dtypes.DS_MLA.name,)
+
+
+def mla_sm90_applies(arch: str, rows_needed: int, cache_dtype: str = "") -> bool:
     return (_mla_family != "mma" and arch == "sm_90"
-            and (rows_needed >= 64 or _mla_family == "sm90") and _mla_tile_override is None)
+            and (rows_needed >= 64 or _mla_family == "sm90"
+                 or cache_dtype in WGMMA_EVERY_HEAD_COUNT) and _mla_tile_override is None)
 
 
 # Split-KV of mla_attention instead of the cost model's choice, for tests and experiments:
@@ -1032,10 +1044,10 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     rows (None: a scratch buffer per call). ``sparse``: mla_sparse_attention, whose
     "sequences" are query tokens (one each: ``max_q`` 1) and whose keys are a token's
     top-k entries (``max_ctx``: topk); on Hopper its wgmma form where a token has 64 heads
-    or more (the paged kernels' rule), over every cache it takes, the mma.sync kernel
-    elsewhere. ``second_cache``: a sparse call with a second cache, which only the
-    mma.sync kernel reads (even under set_mla_family("sm90"); ``max_ctx`` then both
-    topks' sum)."""
+    or more (the paged kernels' rule) and over fp8_ds_mla rows at every head count
+    (WGMMA_EVERY_HEAD_COUNT), the mma.sync kernel elsewhere. ``second_cache``: a sparse
+    call with a second cache, read by either kernel in its variant "x" (``max_ctx`` then
+    both topks' sum)."""
     if not (num_seqs and num_rows):
         return None
     rows_needed = max_q * num_heads
@@ -1043,13 +1055,14 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     csize = _dtypes.CACHE_BY_NAME[cache_dtype].itemsize
     token_rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
     token_bytes = 0 if token_rows is None else token_rows.nbytes
-    if not second_cache and mla_sm90_applies(arch, rows_needed):
-        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse)
+    variant = "x" if second_cache else ""
+    if mla_sm90_applies(arch, rows_needed, cache_dtype):
+        k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse, variant)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:
         tile = mla_tile(arch, rows_needed, csize, token_bytes, rope)
         k = mla_kernel(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse,
-                       "x" if second_cache else "")
+                       variant)
         rows, tt = tile[0], tile[1]
     # Grid x is (sequence, row tile), at most 2^31 - 1 CTAs; the kernel strides over row
     # tiles past the bound's.

@@ -3,8 +3,8 @@
 to the cached tokens its top-k indices name; the kernels are ``mla_sparse_attention``
 (``mla_attention``'s mma.sync body reading keys through the indices, sm_80+; every cache
 format, V4's 512-dim rows among them) and on Hopper ``mla_sparse_attention_sm90``
-(``mla_attention_sm90``'s wgmma body, 64 heads or more, every cache format, no second
-cache). The layers are MLA's: array adaptation, validation
+(``mla_attention_sm90``'s wgmma body: 64 heads or more, fp8_ds_mla at every head
+count). The layers are MLA's: array adaptation, validation
 (:func:`.validation.validate_mla` over the arrays seen as one token a "sequence"),
 planning (:func:`.planning.plan_mla` with ``sparse``), launch (:func:`.launch.build_mla`)."""
 
@@ -81,7 +81,7 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
             and width, its own blocks (any power-of-two page size up to 256) and slots,
             ``extra_indices [batch, s_q, extra_topk]`` int32 slots of it under the same
             rules, ``extra_topk_length [batch]``. A token's keys are its counted entries of
-            the first cache, then those of the second. Served by the mma.sync kernel.
+            the first cache, then those of the second. Either kernel reads it.
         kv_cache_dtype: ``"auto"`` (q's dtype, or for a 1-byte cache the format its width
             names: 656 ``"fp8_ds_mla"``, 528 ``"v4_fp8"``, 288 ``"v4_fp4"``) or one of
             those three names.
@@ -107,8 +107,8 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     A repeated index counts each time. A row none of whose entries counts gives zeros and
     lse -inf (FlashMLA returns +inf there). ``cupaged.reference.sparse_mla_attention`` is
     the statement of the result. The kernels: ``mla_sparse_attention`` (mma.sync, sm_80+)
-    for every cache; on Hopper, with 64 heads or more, ``mla_sparse_attention_sm90``
-    (wgmma) over every cache; calls with a second cache always take the mma.sync kernel.
+    for every cache; on Hopper ``mla_sparse_attention_sm90`` (wgmma) with 64 heads or
+    more over every cache and over fp8_ds_mla at every head count, a second cache or not.
     Not served: 16-bit caches of V4's 512-dim tokens (q's dtype, width 512).
 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),

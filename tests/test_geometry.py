@@ -120,7 +120,8 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     assert {(c, a) for c in ("v4fp8", "v4fp4") for a in ARCHS} <= covered  # CI compiles them
     assert {s.variant for s in COVER if s.kernel == "mla_sparse_attention"} == {"", "x"}
     sparse90 = [s for s in ALL if s.kernel == "mla_sparse_attention_sm90"]
-    assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 5 * 9
+    assert {s.arch for s in sparse90} == {"sm_90a"} and len(sparse90) == 2 * 5 * 9
+    assert len([s for s in sparse90 if s.variant == "x"]) * 2 == len(sparse90)
     assert {s.cache_dtype for s in sparse90} == {"f16", "bf16", "dsmla", "v4fp8", "v4fp4"}
     for s in sparse90:
         g = geometry.MlaSm90Geometry.of(s)
@@ -213,14 +214,15 @@ def test_specialization_names_are_unique():
     # v4_fp8 rows 9 x (14 + 18) and 288-byte v4_fp4 rows 9 x (16 + 18) (512-dim keys, a
     # smaller Q and widened tile), each with a second cache (variant "x") and without;
     # mla_sparse_attention_sm90 for sm_90a only: 2 dtypes x 9 block sizes over 16-bit
-    # caches, 9 over each of the three token row formats. Head sizes over 256 add 23,866
+    # caches, 9 over each of the three token row formats, with a second cache and
+    # without. Head sizes over 256 add 23,866
     # decode specializations (both targets) for each of 7 variants, and 9,088 prefill ones
     # for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 3724 * 5 + 1862 * 2 + 135
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
                                                           + 1) + 228 * 5 + 114 * 2 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
-        + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) + 2 * 9 + 3 * 9
+        + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) + 2 * (2 * 9 + 3 * 9)
 
 
 # ---- the covering set ------------------------------------------------------------------------

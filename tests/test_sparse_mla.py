@@ -7,6 +7,8 @@ caches, DeepSeek-V3.2's fp8_ds_mla rows and V4's v4_fp8 / v4_fp4 rows (512-dim k
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -132,6 +134,22 @@ def reference_of(h, with_length=True, sink=None):
                                           kv_format=kv_format(h["kv_cache"]),
                                           attn_sink=sink, return_lse=True,
                                           **{k: h[k] for k in EXTRA if k in h})
+
+
+@contextlib.contextmanager
+def family(name):
+    """Plans under set_mla_family(name) ("mma", "sm90", or None: the planner's rule) for
+    the block; "sm90" skips off Hopper (the wgmma kernel runs there only)."""
+    if name == "sm90":
+        import cupy
+
+        if planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
+            pytest.skip("the wgmma kernel runs on Hopper only")
+    planning.set_mla_family(name)
+    try:
+        yield
+    finally:
+        planning.set_mla_family(None)
 
 
 def run(h, with_length=True, pad=0, **kw):
@@ -311,7 +329,11 @@ def test_v4_specs_name_their_rows_and_refuse_a_rope():
         assert w.rope_dim == 0 and w.arch == "sm_90a"
         assert w.name == f"mla_sparse_attention_sm90_bf16_{name}_hs512_rope0_bs64_sm90a"
         assert w.name_expression == (f"cupaged::mla_sparse_attention_sm90<cupaged::bfloat16_t, "
-                                     f"cupaged::{cxx}, 512, 0, 64>")
+                                     f"cupaged::{cxx}, 512, 0, 64, 0>")
+        wx = jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, cache_dtype=name,
+                            variant="x")
+        assert wx.name == f"mla_sparse_attention_sm90_bf16_{name}_hs512_rope0_bs64_x_sm90a"
+        assert wx.name_expression.endswith(", 512, 0, 64, 64>")
         with pytest.raises(ValueError, match="rope_dim must be 0"):
             jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, rope_dim=64,
                            cache_dtype=name)
@@ -340,8 +362,8 @@ def _planned(monkeypatch, device_arch, arch):
         built.append(spec)
         return planning.MlaKernel(None, spec, geometry.MlaGeometry.of(spec).smem_bytes, 132)
 
-    def sm90(*a, **k):
-        built.append("sm90")
+    def sm90(device, dtype, cache_dtype, rank, rope, block_size, sparse=False, variant=""):
+        built.append("sm90" + variant)  # "sm90x": its second-cache variant
         return planning.MlaKernel(None, None, 0, 132)
 
     monkeypatch.setattr(planning, "mla_kernel", mma)
@@ -367,7 +389,8 @@ def test_v4_rows_are_planned_by_the_heads_rule(monkeypatch, device_arch, fmt, ar
             for second in (False, True):
                 plan = planning.plan_mla(0, "bf16", name, 512, 0, 64, 4, 4, heads, 1, 2048,
                                          sparse=True, second_cache=second)
-                assert (built[-1] == "sm90") == (wgmma and not second), (heads, second)
+                assert built[-1] == ("sm90x" if second else "sm90") or not wgmma, (heads, second)
+                assert not str(built[-1]).startswith("sm90") or wgmma, (heads, second)
             if wgmma:
                 continue
             plan = planning.plan_mla(0, "bf16", name, 512, 0, 64, 4, 4, heads, 1, 2048,
@@ -621,10 +644,11 @@ def test_second_cache_bounds_and_size_one_strides(adapt):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_a_second_cache_is_planned_on_the_mma_kernel(monkeypatch, device_arch, arch):
-    """The wgmma kernel reads no second cache: fp8_ds_mla and 16-bit caches at 128 heads,
-    which take it alone on Hopper, take mla_sparse_attention with one, in its variant
-    "x" (the kernel without it is unchanged)."""
+def test_a_second_cache_is_planned_in_the_variant_of_either_kernel(monkeypatch, device_arch,
+                                                                   arch):
+    """A second cache takes the kernel a call without one takes, in its variant "x" (the
+    kernels without it are unchanged): the wgmma one at 128 heads on Hopper,
+    mla_sparse_attention elsewhere and under set_mla_family("mma")."""
     built = _planned(monkeypatch, device_arch, arch)
     planning.set_mla_split(0)
     try:
@@ -633,9 +657,41 @@ def test_a_second_cache_is_planned_on_the_mma_kernel(monkeypatch, device_arch, a
             assert (built[-1] == "sm90") == (arch == "sm_90")
             planning.plan_mla(0, "bf16", cache, 512, 64, 64, 4, 4, 128, 1, 2048 + 512,
                               sparse=True, second_cache=True)
-            assert built[-1] != "sm90" and built[-1].kernel == "mla_sparse_attention"
+            if arch == "sm_90":
+                assert built[-1] == "sm90x"
+                planning.set_mla_family("mma")
+                planning.plan_mla(0, "bf16", cache, 512, 64, 64, 4, 4, 128, 1, 2048 + 512,
+                                  sparse=True, second_cache=True)
+                planning.set_mla_family(None)
+            assert built[-1].kernel == "mla_sparse_attention"
             assert built[-1].variant == "x" and built[-1].name.split("_")[-3] == "x"
     finally:
+        planning.set_mla_split(None)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fp8_ds_mla_takes_the_wgmma_kernel_at_every_head_count(monkeypatch, device_arch, arch):
+    """On Hopper fp8_ds_mla's rows take the wgmma kernel at 16 and 20 heads too (its 256
+    threads widen them), 16-bit caches and V4's rows the mma.sync one below 64 heads, with
+    a second cache (the kernel's variant "x") as without; set_mla_family("mma") keeps
+    every cache on mma.sync."""
+    built = _planned(monkeypatch, device_arch, arch)
+    planning.set_mla_split(0)
+    try:
+        for cache, rope in (("dsmla", 64), ("bf16", 64), ("v4fp8", 0), ("v4fp4", 0)):
+            for heads in (16, 20, 64):
+                planning.plan_mla(0, "bf16", cache, 512, rope, 64, 4, 4, heads, 1, 2048,
+                                  sparse=True)
+                wgmma = arch == "sm_90" and (heads >= 64 or cache == "dsmla")
+                assert (built[-1] == "sm90") == wgmma, (cache, heads)
+                planning.plan_mla(0, "bf16", cache, 512, rope, 64, 4, 4, heads, 1, 2560,
+                                  sparse=True, second_cache=True)
+                assert (built[-1] == "sm90x") == wgmma, (cache, heads)
+        planning.set_mla_family("mma")
+        planning.plan_mla(0, "bf16", "dsmla", 512, 64, 64, 4, 4, 16, 1, 2048, sparse=True)
+        assert built[-1] != "sm90"
+    finally:
+        planning.set_mla_family(None)
         planning.set_mla_split(None)
 
 
@@ -821,14 +877,16 @@ def test_prefill_matches_reference(rng, fmt, s_kv, with_length):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["mma", "sm90"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla", *V4_FORMATS])
 @pytest.mark.parametrize("heads, split", [(16, 0), (64, 0), (64, 2), (128, 3)])
-def test_a_second_cache_matches_reference(rng, fmt, heads, split):
+def test_a_second_cache_matches_reference(rng, fmt, heads, split, kernels):
     """V4's second cache in the same softmax: its own page size (16 against 64), blocks,
     indices and lengths (a token counting only the first cache's entries, one only the
     second's, one some of each), stale slots in both; single pass and forced partitions
     (keys of both caches in one partition and across them); attn_sink on one row. The
-    same call again over other data (the remembered call) too."""
+    same call again over other data (the remembered call) too. Both kernel families (the
+    wgmma one's tiles mix both caches' rows in its raw stages)."""
     h = second_problem(fmt, rng, 3, 2, heads, 100, 37, lengths=[100, 0, 60],
                        extra_lengths=[0, 37, 20])
     sink = None
@@ -836,27 +894,30 @@ def test_a_second_cache_matches_reference(rng, fmt, heads, split):
         sink = rng.normal(0, 1, heads).astype(np.float32)
     planning.set_mla_split(split)
     try:
-        import cupy
+        with family(kernels):
+            import cupy
 
-        extra = {} if sink is None else dict(attn_sink=cupy.asarray(sink))
-        got, lse = run(h, **extra)
-        want, want_lse = reference_of(h, sink=sink)
-        assert_close(got, want, testing.TOLERANCE["bf16"], f"{fmt} {heads} heads split {split}")
-        check_lse(lse, want_lse)
-        h2 = second_problem(fmt, rng, 3, 2, heads, 100, 37, lengths=[30, 100, 0],
-                            extra_lengths=[37, 3, 0])  # other data, the same metadata
-        got2, lse2 = run(h2, **extra)
-        want2, want_lse2 = reference_of(h2, sink=sink)
-        assert_close(got2, want2, testing.TOLERANCE["bf16"], f"{fmt} again")
-        check_lse(lse2, want_lse2)
+            extra = {} if sink is None else dict(attn_sink=cupy.asarray(sink))
+            got, lse = run(h, **extra)
+            want, want_lse = reference_of(h, sink=sink)
+            assert_close(got, want, testing.TOLERANCE["bf16"],
+                         f"{kernels} {fmt} {heads} heads split {split}")
+            check_lse(lse, want_lse)
+            h2 = second_problem(fmt, rng, 3, 2, heads, 100, 37, lengths=[30, 100, 0],
+                                extra_lengths=[37, 3, 0])  # other data, the same metadata
+            got2, lse2 = run(h2, **extra)
+            want2, want_lse2 = reference_of(h2, sink=sink)
+            assert_close(got2, want2, testing.TOLERANCE["bf16"], f"{fmt} again")
+            check_lse(lse2, want_lse2)
     finally:
         planning.set_mla_split(None)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["mma", "sm90"])
 @pytest.mark.parametrize("fmt", ["f16", "v4_fp4"])
 @pytest.mark.parametrize("form", ["page1", "page256", "vllm3d", "padded", "strided_indices"])
-def test_second_cache_forms(rng, fmt, form):
+def test_second_cache_forms(rng, fmt, form, kernels):
     """The second cache in each form validation takes: pages of 1 and 256 tokens, vLLM's
     3-D cache, blocks padded past their tokens (the padding stale), indices sliced from
     wider rows; lengths past extra_topk and negative (clamped)."""
@@ -882,13 +943,15 @@ def test_second_cache_forms(rng, fmt, form):
         wide = cupy.full(idx.shape[:2] + (idx.shape[2] + 5,), 2 ** 31 - 1, np.int32)
         wide[:, :, :idx.shape[2]] = cupy.asarray(idx)
         h["extra_indices"] = wide[:, :, :idx.shape[2]]  # (the stale entries never read)
-    got, lse = run(h)
-    assert_close(got, want, testing.TOLERANCE["bf16"], f"{fmt} {form}")
+    with family(kernels):
+        got, lse = run(h)
+    assert_close(got, want, testing.TOLERANCE["bf16"], f"{kernels} {fmt} {form}")
     check_lse(lse, want_lse)
 
 
 @pytest.mark.gpu
-def test_an_empty_second_cache_counts_nothing(rng):
+@pytest.mark.parametrize("kernels", ["mma", "sm90"])
+def test_an_empty_second_cache_counts_nothing(rng, kernels):
     """A second cache of no blocks (address possibly 0) with -1 entries: the result of the
     first cache alone."""
     import cupy
@@ -897,14 +960,16 @@ def test_an_empty_second_cache_counts_nothing(rng):
     want, want_lse = reference_of(h)
     h.update(extra_kv_cache=cupy.zeros((0, 16, 1, D), _dtypes.BF16.numpy),
              extra_indices=np.full((2, 2, 8), -1, np.int32))
-    got, lse = run(h)
+    with family(kernels):
+        got, lse = run(h)
     assert_close(got, want, testing.TOLERANCE["bf16"])
     check_lse(lse, want_lse)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["mma", "sm90"])
 @pytest.mark.parametrize("fmt", ["bf16", "v4_fp8"])
-def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt):
+def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt, kernels):
     """An index of the second cache outside its slots (one past it, a negative other than
     -1) turns its token's rows NaN, decode's rule, whichever cache it is in; one past its
     token's extra_topk_length is never read."""
@@ -913,7 +978,8 @@ def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt):
     h["extra_indices"][1, 0, 3] = n
     h["extra_indices"][0, 1, 7] = -2
     h["extra_indices"][1, 1, 20] = n + 5  # past batch entry 1's extra_topk_length
-    got, lse = run(h)
+    with family(kernels):
+        got, lse = run(h)
     assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
     assert np.isnan(lse[1, 0]).all() and np.isnan(lse[0, 1]).all()
     keep = np.ones((2, 2), bool)
@@ -924,8 +990,9 @@ def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["mma", "sm90"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla", *V4_FORMATS])
-def test_a_second_cache_through_the_prefill_interface(rng, fmt):
+def test_a_second_cache_through_the_prefill_interface(rng, fmt, kernels):
     """FlashMLA's prefill forms with a second cache: q [s_q, heads, d], kv [s_kv, 1, width]
     and extra kv [s_kv', width], indices [s_q, 1, k] and [s_q, k'], lengths [s_q]; an index
     outside either cache does not count (prefill's rule). (The index replaces a counted
@@ -946,9 +1013,11 @@ def test_a_second_cache_through_the_prefill_interface(rng, fmt):
         return_lse=True)
     d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, ekv=ekv, idx=idx, eidx=eidx, tl=tl,
                                               etl=etl).items()}
-    out, lse = cupaged.sparse_mla_attention(
-        d["q"], d["kv"], d["idx"], scale=SCALE, topk_length=d["tl"], extra_kv_cache=d["ekv"],
-        extra_indices=d["eidx"], extra_topk_length=d["etl"], return_lse=True)
+    with family(kernels):
+        out, lse = cupaged.sparse_mla_attention(
+            d["q"], d["kv"], d["idx"], scale=SCALE, topk_length=d["tl"],
+            extra_kv_cache=d["ekv"], extra_indices=d["eidx"], extra_topk_length=d["etl"],
+            return_lse=True)
     assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"], fmt)
     check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
 

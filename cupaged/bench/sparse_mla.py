@@ -246,8 +246,6 @@ def _run_cupaged(case: SparseCase, family: str | None = None):
     a = case.arrays
     out = cupy.full(a["q"].shape[:-1] + (mla.KV_LORA_RANK,), np.nan, a["q"].dtype)
 
-    if family == "sm90" and case.extra_topk:
-        raise ValueError("the wgmma kernel reads no second cache (cupaged-mma times it)")
     extra = ({} if not case.extra_topk else
              dict(extra_kv_cache=a["extra_kv"], extra_indices=a["extra_indices"]))
 

@@ -91,10 +91,11 @@ AXES = {
                            "head_size": (512,), "rope_dim": (64,),
                            "block_size": _checks.BLOCK_SIZES},
     # Hopper only, its sparse form over 16-bit caches and DeepSeek's token rows (bfloat16
-    # queries; no rope_dim axis, as mla_sparse_attention's)
+    # queries; no rope_dim axis, as mla_sparse_attention's), with a second cache or without
     "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": (
                                       "", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]),
-                                  "head_size": (512,), "block_size": _checks.BLOCK_SIZES},
+                                  "head_size": (512,), "block_size": _checks.BLOCK_SIZES,
+                                  "variant": ("", "x")},
 }
 
 # Kernels small enough to compile every specialization of, not just a covering set (the
