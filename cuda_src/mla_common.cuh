@@ -248,8 +248,8 @@ __device__ __forceinline__ MlaToken<C, BLOCK_SIZE> mla_kv_token(
 //                    (1 for a cache of T); it scales keys and values alike
 //   seq_lens, query_start_loc ([num_seqs + 1], or null: one each), num_heads, causal,
 //   scale_log2
-// The sparse kernels take lengths_per and strict after them (mla_attention.cuh), and
-// mla_sparse_attention then its second cache (MlaSparseExtra, by value).
+// The sparse kernels take lengths_per and strict after them (mla_attention.cuh), then
+// their second cache (MlaSparseExtra, by value).
 #define CUPAGED_MLA_PARAMS                                                                   \
   T *__restrict__ out, float *__restrict__ part_out, float *__restrict__ part_max,           \
       float *__restrict__ part_sum, int split_tiles, int row_tiles,                          \

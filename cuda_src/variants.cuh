@@ -33,8 +33,8 @@ enum VariantBits : int {
                          // softmax against a fixed offset instead of a running maximum
   kVarFlat = 32,  // paged_decode only: the flat split (paged_decode.cuh), decided by the
                   // planner, not by the call
-  kVarSecondCache = 64,  // mla_sparse_attention only: it reads a second cache (DeepSeek-V4's
-                         // extra_k_cache, mla_common.cuh's MlaSparseExtra)
+  kVarSecondCache = 64,  // the sparse MLA kernels only: they read a second cache
+                         // (DeepSeek-V4's extra_k_cache, mla_common.cuh's MlaSparseExtra)
 };
 
 // kVarFixedOffset: soft-capped logits lie in [-C, C] (log2 units, C = c log2(e)), so the

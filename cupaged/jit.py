@@ -258,7 +258,7 @@ class KernelSpec:
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
     #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
     #                    flat split's runs (paged_decode: the planner's choice), "x" a second
-    #                    cache (mla_sparse_attention: DeepSeek-V4's extra_k_cache)
+    #                    cache (the sparse MLA kernels: DeepSeek-V4's extra_k_cache)
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 

@@ -336,7 +336,7 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
 MLA_PARTIAL_WIDTH = 512  # mla_attention's partial rows: kv_lora_rank wide
 
 
-# mla_sparse_attention's second cache as the kernel takes it (mla_common.cuh's
+# The sparse kernels' second cache as they take it (mla_common.cuh's
 # MlaSparseExtra): its latent and rotary base addresses, its indices' and lengths'
 # addresses (0: none), its block and token strides and its indices' row stride (elements),
 # topk, slots and log2 of its block size; all zeros without a second cache.
@@ -415,7 +415,7 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
     """The launches of a planned MLA call (``p``: validation.MlaProblem, ``plan``:
     planning.MlaPlan, ``k_scale``: an fp8 cache's scale as (device pointer or 0, value),
     ``partials``: a workspace's, None for a scratch buffer per split call; ``sparse``:
-    mla_sparse_attention's (lengths_per, strict); ``variants``: its attn_sink; ``extra``:
+    the sparse kernels' (lengths_per, strict); ``variants``: their attn_sink; ``extra``:
     its second cache's constants, MlaLaunch.extra_consts, () for none), every argument but
     the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize

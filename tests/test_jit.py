@@ -470,7 +470,12 @@ def _mangled_params(lowered: str) -> str:
     jit.KernelSpec("concat_and_cache_mla", "f16", cache_dtype="v4fp4", index_dtype="i32"),
     jit.KernelSpec("mla_attention", "bf16", 512, 64, cache_dtype="e4m3"),
     jit.KernelSpec("mla_attention_sm90", "f16", 512, 16),
-], ids=lambda s: s.kernel)
+    # the sparse kernels, each with its second cache (variant "x") and without: one format
+    jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, cache_dtype="dsmla", variant="x"),
+    jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 64, cache_dtype="v4fp8"),
+    jit.KernelSpec("mla_sparse_attention_sm90", "bf16", 512, 16, cache_dtype="dsmla",
+                   variant="x"),
+], ids=lambda s: s.name)
 def test_launch_formats_match_the_kernel_signatures(spec):
     _, lowered = jit._compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
     assert _mangled_params(lowered[spec.name_expression]) == jit.ARG_FORMATS[spec.kernel]

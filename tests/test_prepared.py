@@ -561,13 +561,13 @@ class _Launches(list):
     planned: list
 
 
-@pytest.fixture
-def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
+@pytest.fixture(params=["", "_sm90"], ids=["mma", "sm90"])
+def fake_mla(monkeypatch, validations, fakes_adapt, fake_device, request):
     """mla_attention on the CPU over test_mla_validation's Fake arrays (its fakes_adapt,
     with test_merge's fake_device allocating Fakes): keyed as CuPy arrays are (metadata,
-    address modulo 16), planned as one single-pass CTA a sequence and launched into a
-    record. Returns ``(call, launched)``: fakes_adapt's ``call(a, **kw)``; ``launched``:
-    an MlaLaunched a launch."""
+    address modulo 16), planned as one single-pass CTA a sequence of either family's
+    kernels (the fixture's parameter) and launched into a record. Returns ``(call,
+    launched)``: fakes_adapt's ``call(a, **kw)``; ``launched``: an MlaLaunched a launch."""
     from cupaged import _arrays, _kvquant, planning
 
     from test_validation import Fake
@@ -610,7 +610,7 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device):
             launched.planned.append((max_ctx, second_cache))
         if not (num_seqs and num_rows):
             return None
-        name = "mla_sparse_attention" if sparse else "mla_attention"
+        name = ("mla_sparse_attention" if sparse else "mla_attention") + request.param
         spec = SimpleNamespace(kernel=name, variant="x" if second_cache else "")
         return SimpleNamespace(kernel=SimpleNamespace(launch=kernel, smem=0, spec=spec),
                                grid=(num_seqs, 1, 1), split_tiles=0, row_tiles=1,
