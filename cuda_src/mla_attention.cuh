@@ -206,24 +206,17 @@ __device__ __forceinline__ void mla_attention_body(
     auto tile_id = [&](int tile) -> int {  // -1: past the keys (or no such tile); -2: bad
       if (tile >= n_tiles) return -1;
       const int key = (tile_lo + tile) * TILE_N + Geo::copy_token(tid);
-      if constexpr (EXTRA) {
-        if (key >= first_len) return mla_extra_slot(extra, extra_row, key, first_len, kv_end,
-                                                    strict);
-      }
-      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
-      return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
+      return mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(sq, key, kv_end, num_blocks, strict, extra,
+                                                  extra_row, first_len);
     };
     auto load_tile = [&](int tile, int stage, int id) {
-      // (Sparse: id <= -3 is slot -3 - id of the second cache, addressed through its own
-      // pointers, strides and block size.)
-      const bool second = EXTRA && id <= -3;
-      const bool copy = id >= 0 || second;
+      const bool copy = mla_copied<EXTRA>(id);
       if (id == -2) *bad_s = 1;
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
       // these flags, read after the barrier that shows the tile landed.
       if (SPARSE && Geo::copy_lane(tid) == 0) valid_s[stage * TILE_N + Geo::copy_token(tid)] = copy;
-      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE>(
-          id, second, copy, (tile_lo + tile) * TILE_N + Geo::copy_token(tid), c_lat, c_rope,
+      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE, EXTRA>(
+          id, (tile_lo + tile) * TILE_N + Geo::copy_token(tid), c_lat, c_rope,
           c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
           extra);
       const unsigned dst = kv_s_addr + stage * Geo::kStageBytes +

@@ -227,24 +227,17 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     auto tile_id = [&](int tile) -> int {
       if (tile >= n_tiles) return -1;
       const int key = (tile_lo + tile) * TILE_N + copy_token;
-      if constexpr (EXTRA) {
-        if (key >= first_len) return mla_extra_slot(extra, extra_row, key, first_len, kv_end,
-                                                    strict);
-      }
-      if constexpr (SPARSE) return mla_sparse_slot(sq, key, kv_end, num_blocks, strict);
-      return mla_block_id<BLOCK_SIZE>(sq, key, kv_end, num_blocks);
+      return mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(sq, key, kv_end, num_blocks, strict, extra,
+                                                  extra_row, first_len);
     };
     auto load_tile = [&](int tile, int slot, int id) {
-      // (Sparse: id <= -3 is slot -3 - id of the second cache, addressed through its own
-      // pointers, strides and block size.)
-      const bool second = EXTRA && id <= -3;
-      const bool copy = id >= 0 || second;
+      const bool copy = mla_copied<EXTRA>(id);
       if (id == -2) *bad_s = 1;
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
       // these flags, read after the barrier that shows the tile landed.
       if (SPARSE && copy_lane == 0) valid_s[slot * TILE_N + copy_token] = copy;
-      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE>(
-          id, second, copy, (tile_lo + tile) * TILE_N + copy_token, c_lat, c_rope,
+      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE, EXTRA>(
+          id, (tile_lo + tile) * TILE_N + copy_token, c_lat, c_rope,
           c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
           extra);
       const int raw = Geo::kRawStages == 1 ? 0 : slot;

@@ -144,6 +144,20 @@ __device__ __forceinline__ int mla_extra_slot(const MlaSparseExtra& e, const int
   return strict && slot != -1 ? -2 : -1;
 }
 
+// The id a K/V copy of key `key` reads (kernels' tile_id): paged, its block id
+// (mla_block_id); sparse, its slot (mla_sparse_slot), or with a second cache (EXTRA) for
+// keys from first_len on -3 - its slot there (mla_extra_slot, its row extra_row).
+template <int BLOCK_SIZE, bool SPARSE, bool EXTRA>
+__device__ __forceinline__ int mla_key_id(const MlaSeq& s, int key, int kv_end, int num_blocks,
+                                          int strict, const MlaSparseExtra& extra,
+                                          const int* extra_row, int first_len) {
+  if constexpr (EXTRA) {
+    if (key >= first_len) return mla_extra_slot(extra, extra_row, key, first_len, kv_end, strict);
+  }
+  if constexpr (SPARSE) return mla_sparse_slot(s, key, kv_end, num_blocks, strict);
+  return mla_block_id<BLOCK_SIZE>(s, key, kv_end, num_blocks);
+}
+
 // Chunk c (8 values of T) of packed row p's query.
 template <typename T, int RANK>
 __device__ __forceinline__ const T* mla_query_chunk(const T* q_lat, const T* q_rope,
@@ -208,16 +222,23 @@ struct MlaToken {
   }
 };
 
-// The token a K/V copy of tile_id's `id` reads (`copy`: whether it is copied at all):
-// paged, token `key` of the sequence in block id; sparse, slot id of the first cache, or
-// with a second cache (`second`: id <= -3 under EXTRA) slot -3 - id of the second,
-// addressed through its own pointers, strides and page size. A token not copied points
-// at the cache's base.
-template <typename C, int BLOCK_SIZE, bool SPARSE>
+// Is mla_key_id's `id` a token to copy (a block or slot of the first cache, or with a
+// second cache (EXTRA) -3 - a slot of it)?
+template <bool EXTRA>
+__device__ __forceinline__ bool mla_copied(int id) {
+  return id >= 0 || (EXTRA && id <= -3);
+}
+
+// The token a K/V copy of mla_key_id's `id` reads: paged, token `key` of the sequence in
+// block id; sparse, slot id of the first cache, or with a second cache (EXTRA) slot
+// -3 - id of the second, addressed through its own pointers, strides and page size. A
+// token not copied (mla_copied) points at the cache's base.
+template <typename C, int BLOCK_SIZE, bool SPARSE, bool EXTRA>
 __device__ __forceinline__ MlaToken<C, BLOCK_SIZE> mla_kv_token(
-    int id, bool second, bool copy, int key, const C* c_lat, const C* c_rope,
-    long long lat_block, long long lat_token, long long rope_block, long long rope_token,
-    const MlaSparseExtra& extra) {
+    int id, int key, const C* c_lat, const C* c_rope, long long lat_block, long long lat_token,
+    long long rope_block, long long rope_token, const MlaSparseExtra& extra) {
+  const bool second = EXTRA && id <= -3;
+  const bool copy = mla_copied<EXTRA>(id);
   const int slot = second ? -3 - id : id;
   const int k = SPARSE ? (copy ? slot : 0) : key;
   return MlaToken<C, BLOCK_SIZE>(second ? static_cast<const C*>(extra.lat) : c_lat,

@@ -29,10 +29,10 @@ of its last few remembered calls of the query's shape, ``_prepared.fast_attentio
 A run exists only for a call of one launch whose arguments are its arrays' addresses and
 constants (Launch.run's, recorded with stand-in addresses): ``out`` given, no new lse,
 CuPy arrays or torch tensors, no second (combine) launch, and for ``attention`` no side
-arrays (ALiBi
-slopes, sinks, scale arrays); a split-KV scratch of the call's own is allocated and its
-counters zeroed per call as Launch.run does (its rows and counters the Launch's: the grid
-split's, or the flat split's two slots a CTA and one counter a (sequence, head tile)).
+arrays (ALiBi slopes, sinks, scale arrays); a split-KV scratch of the call's own is
+allocated and its counters zeroed per call as Launch.run does (its rows and counters the
+Launch's: the grid split's, or the flat split's two slots a CTA and one counter a
+(sequence, head tile)).
 
 The code is generated per *form* of call (which arrays are per call, which are bound,
 which pairs are checked, where the addresses go) and compiled once; a plan or a
@@ -338,9 +338,8 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
 # the pairs' bounds (lo, hi + number).
 _CONSTANTS = ("_get_device", "_current_stream", "_torch_stream", "_tensor", "_memset",
               "_launch", "dev", "qlo", "qhi", "slow", "local", "kernel", "packed", "fptr",
-              "gx", "gy", "gz", "threads",
-              "smem", "scratch_ctx", "scratch_bytes", "at_max", "at_sum", "at_counters",
-              "counters_bytes")
+              "gx", "gy", "gz", "threads", "smem", "scratch_ctx", "scratch_bytes", "at_max",
+              "at_sum", "at_counters", "counters_bytes")
 _GLOBALS = {"_nd": cupy.ndarray, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,
             "_thread_buffer": _thread_buffer}
 _factories: dict = {}

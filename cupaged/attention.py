@@ -121,8 +121,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     one of the last few such calls with CuPy arrays or torch tensors and ``out`` given
     (no ``stream``, no side arrays) take its fast run: the same checks in one function
     compiled for its form of call, launched from a parameter buffer packed once
-    (docs/DESIGN.md, "The fast
-    run").
+    (docs/DESIGN.md, "The fast run").
     """
     # The fast runs of the last remembered calls of this query's shape (_fastrun), which
     # take CuPy arrays or torch tensors and no stream=.

@@ -95,12 +95,12 @@ _KERNELS = {
     "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
 }
-# The kernels that take a sparse MLA cache type (_dtypes.SPARSE_MLA) as their cache_dtype,
-# and which: all three take all (the readers V4's with rope_dim 0: their 512 dims hold the
-# rotary ones).
-SPARSE_MLA_KERNELS = {"concat_and_cache_mla": tuple(_dtypes.SPARSE_MLA),
-                      "mla_sparse_attention": tuple(_dtypes.SPARSE_MLA),
-                      "mla_sparse_attention_sm90": tuple(_dtypes.SPARSE_MLA)}
+# The sparse MLA kernels (DSA), each of the two families': variant "x" reads a second cache.
+SPARSE_MLA_READERS = ("mla_sparse_attention", "mla_sparse_attention_sm90")
+# The kernels that take the sparse MLA cache types (_dtypes.SPARSE_MLA) as their
+# cache_dtype, every one of them: the writer and the readers (V4's with rope_dim 0: their
+# 512 dims hold the rotary ones).
+SPARSE_MLA_KERNELS = ("concat_and_cache_mla", *SPARSE_MLA_READERS)
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
@@ -223,8 +223,6 @@ ARCH_ONLY = {"paged_prefill_sm90": "sm_90a", "mla_attention_sm90": "sm_90a",
 MLA_SM90_KERNELS = ("mla_attention_sm90", "mla_sparse_attention_sm90")
 # The mma.sync MLA kernels (one body, mla_attention.cuh): paged and sparse (DSA).
 MLA_MMA_KERNELS = ("mla_attention", "mla_sparse_attention")
-# The sparse MLA kernels (DSA), each of the two families': variant "x" reads a second cache.
-SPARSE_MLA_READERS = ("mla_sparse_attention", "mla_sparse_attention_sm90")
 
 
 @dataclass(frozen=True)
@@ -272,10 +270,10 @@ class KernelSpec:
             if self.cache_dtype in ("", self.dtype):
                 object.__setattr__(self, "cache_dtype", self.dtype)
             elif self.cache_dtype in _dtypes.SPARSE_MLA:
-                takers = [k for k, names in SPARSE_MLA_KERNELS.items() if self.cache_dtype in names]
-                if self.kernel not in takers:
+                if self.kernel not in SPARSE_MLA_KERNELS:
                     raise ValueError(f"cache_dtype {self.cache_dtype!r} (a sparse MLA cache) "
-                                     f"is taken by {', '.join(takers)} only: {self!r}")
+                                     f"is taken by {', '.join(SPARSE_MLA_KERNELS)} only: "
+                                     f"{self!r}")
             elif self.cache_dtype not in _dtypes.FP8:
                 raise ValueError(f"cache_dtype must be the dtype or one of {sorted(_dtypes.FP8)} "
                                  f"(or a sparse MLA cache, {sorted(_dtypes.SPARSE_MLA)}, for "

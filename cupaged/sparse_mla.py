@@ -199,17 +199,16 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     # block-table row (the indices) is checked above and given to them as one entry a row
     # (the checks' bound on a table's tokens is a paged one), topk_length's place by a
     # stand-in of the shape they want: metadata only, never read.
-    fold = FOLD
     topk = idx.shape[2]
-    row_stride = _arrays.reshaped(idx, (2, 1), "indices", fold).strides[0]
+    row_stride = _arrays.reshaped(idx, (2, 1), "indices", FOLD).strides[0]
     rows = _arrays.StridedView(idx, (tokens, 1), (row_stride, 4))
     seq_lens = _arrays.DeviceView((tokens,), np.int32, idx.data.ptr, idx.data.device_id)
     p = validation.validate_mla(
-        _arrays.reshaped(qa, (2, 1, 1), "q", fold),
+        _arrays.reshaped(qa, (2, 1, 1), "q", FOLD),
         _arrays.reshaped(kc, (1, 1, kc.ndim - 2), "kv_cache", "[num_blocks, page_size, 576]"),
         None, rows, seq_lens, None,
-        None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", fold),
-        None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", fold), 512, "auto",
+        None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", FOLD),
+        None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", FOLD), 512, "auto",
         sparse_rows=sparse)
     sink = _variants.check_sinks(optional_device_array(attn_sink, "attn_sink"), num_heads,
                                  p.device, "attn_sink", "q")

@@ -137,7 +137,7 @@ def reference_of(h, with_length=True, sink=None):
 
 
 @contextlib.contextmanager
-def family(name):
+def kernel_family(name):
     """Plans under set_mla_family(name) ("mma", "sm90", or None: the planner's rule) for
     the block; "sm90" skips off Hopper (the wgmma kernel runs there only)."""
     if name == "sm90":
@@ -773,19 +773,12 @@ def test_flags_and_bad_indices_in_later_tiles(rng, family, fmt):
     whose key flags and copies reuse the ring's stages: the bad index's token alone is
     NaN, a stale flag would count a zero row or drop a key (V4's rows in two raw stages on
     the wgmma kernel: tile i + 1's copies and flags land while tile i is widened)."""
-    import cupy
-
-    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
-        pytest.skip("the wgmma kernel runs on Hopper only")
     h = problem(fmt, rng, 3, 2, 128, 333, topk_length=[333, 300, 131])
     n = h["kv_cache"].shape[0] * h["kv_cache"].shape[1]
     h["indices"][:, :, 130:200:3] = -1
     h["indices"][1, 1, 257] = n  # tile 4 of token (1, 1)
-    planning.set_mla_family(family)
-    try:
+    with kernel_family(family):
         got, lse = run(h)
-    finally:
-        planning.set_mla_family(None)
     assert np.isnan(got[1, 1]).all() and np.isnan(lse[1, 1]).all()
     keep = np.ones((3, 2), bool)
     keep[1, 1] = False
@@ -894,7 +887,7 @@ def test_a_second_cache_matches_reference(rng, fmt, heads, split, kernels):
         sink = rng.normal(0, 1, heads).astype(np.float32)
     planning.set_mla_split(split)
     try:
-        with family(kernels):
+        with kernel_family(kernels):
             import cupy
 
             extra = {} if sink is None else dict(attn_sink=cupy.asarray(sink))
@@ -943,7 +936,7 @@ def test_second_cache_forms(rng, fmt, form, kernels):
         wide = cupy.full(idx.shape[:2] + (idx.shape[2] + 5,), 2 ** 31 - 1, np.int32)
         wide[:, :, :idx.shape[2]] = cupy.asarray(idx)
         h["extra_indices"] = wide[:, :, :idx.shape[2]]  # (the stale entries never read)
-    with family(kernels):
+    with kernel_family(kernels):
         got, lse = run(h)
     assert_close(got, want, testing.TOLERANCE["bf16"], f"{kernels} {fmt} {form}")
     check_lse(lse, want_lse)
@@ -960,7 +953,7 @@ def test_an_empty_second_cache_counts_nothing(rng, kernels):
     want, want_lse = reference_of(h)
     h.update(extra_kv_cache=cupy.zeros((0, 16, 1, D), _dtypes.BF16.numpy),
              extra_indices=np.full((2, 2, 8), -1, np.int32))
-    with family(kernels):
+    with kernel_family(kernels):
         got, lse = run(h)
     assert_close(got, want, testing.TOLERANCE["bf16"])
     check_lse(lse, want_lse)
@@ -978,7 +971,7 @@ def test_an_index_outside_the_second_cache_gives_its_token_nan_only(rng, fmt, ke
     h["extra_indices"][1, 0, 3] = n
     h["extra_indices"][0, 1, 7] = -2
     h["extra_indices"][1, 1, 20] = n + 5  # past batch entry 1's extra_topk_length
-    with family(kernels):
+    with kernel_family(kernels):
         got, lse = run(h)
     assert np.isnan(got[1, 0]).all() and np.isnan(got[0, 1]).all()
     assert np.isnan(lse[1, 0]).all() and np.isnan(lse[0, 1]).all()
@@ -1013,7 +1006,7 @@ def test_a_second_cache_through_the_prefill_interface(rng, fmt, kernels):
         return_lse=True)
     d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, ekv=ekv, idx=idx, eidx=eidx, tl=tl,
                                               etl=etl).items()}
-    with family(kernels):
+    with kernel_family(kernels):
         out, lse = cupaged.sparse_mla_attention(
             d["q"], d["kv"], d["idx"], scale=SCALE, topk_length=d["tl"],
             extra_kv_cache=d["ekv"], extra_indices=d["eidx"], extra_topk_length=d["etl"],
@@ -1146,16 +1139,13 @@ def test_both_kernel_families(rng, family, fmt, heads, split, sink):
     sinks, NaN in every unnamed slot, topk not a multiple of the 64-token tile."""
     import cupy
 
-    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
-        pytest.skip("the wgmma kernel runs on Hopper only")
     h = problem(fmt, rng, 3, 2, heads, 150, page=16)
     s = (rng.standard_normal(heads) * 2).astype(np.float32) if sink else None
-    planning.set_mla_family(family)
     planning.set_mla_split(split)
     try:
-        got, lse = run(h, attn_sink=None if s is None else cupy.asarray(s))
+        with kernel_family(family):
+            got, lse = run(h, attn_sink=None if s is None else cupy.asarray(s))
     finally:
-        planning.set_mla_family(None)
         planning.set_mla_split(None)
     want, want_lse = reference_of(h, sink=s)
     assert_close(got, want, testing.TOLERANCE["bf16"], f"{family} {heads} heads")
@@ -1219,11 +1209,8 @@ def test_fp8_ds_mla_widening_is_exact_and_k_pe_in_place(rng, family):
     rotary dims over two entries: the logits are k_pe's alone, so the lse matches the
     reference to float32 rounding (k_pe read from the wrong bytes or placed at the wrong
     dims would not)."""
-    import cupy
     import ml_dtypes
 
-    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
-        pytest.skip("the wgmma kernel runs on Hopper only")
     heads, n = 64, 12 * 64
     h = ds_problem(rng, 2, 2, heads, 8, topk_length=[1, 2])
     h["indices"][h["indices"] < 0] = 3  # every entry a valid slot
@@ -1233,12 +1220,11 @@ def test_fp8_ds_mla_widening_is_exact_and_k_pe_in_place(rng, family):
             if rows[h["indices"][b, s, j], 0] == 0xFF and rows[h["indices"][b, s, j], 512] == 0xFF:
                 h["indices"][b, s, j] = h["indices"][0, 0, 0]
     h["q"][1, :, :, :512] = 0  # batch entry 1: the rotary dims alone
-    planning.set_mla_family(family)
     planning.set_mla_split(0)
     try:
-        got, lse = run(h)
+        with kernel_family(family):
+            got, lse = run(h)
     finally:
-        planning.set_mla_family(None)
         planning.set_mla_split(None)
     e4m3 = rows[:, :512].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     scale = np.repeat(rows[:, 512:528].copy().view("<f4"), 128, 1)
@@ -1287,10 +1273,6 @@ def test_v4_widening_is_exact(rng, fmt, family):
     under 2^127 whose e4m3 values are below 2 (the largest finite products), no NaN byte;
     v4_fp4 every code and scale bytes of both signs but NaN. The lse is 0 (one weight
     of 1). Both kernels (wgmma on Hopper only)."""
-    import cupy
-
-    if family == "sm90" and planning.device_info(cupy.cuda.Device().id).arch != "sm_90":
-        pytest.skip("the wgmma kernel runs on Hopper only")
     heads, blocks, page = 64, 4, 64
     n, w = blocks * page, ROW_BYTES[fmt]
     rows = rng.integers(0, 256, (n, w)).astype(np.uint8)
@@ -1309,11 +1291,8 @@ def test_v4_widening_is_exact(rng, fmt, family):
              indices=rng.integers(0, n, (2, 2, 8)).astype(np.int32),
              topk_length=np.array([1, 1], np.int32))
     h["indices"][1, 1, 0] = top[3] if fmt == "v4_fp8" else 0
-    planning.set_mla_family(family)
-    try:
+    with kernel_family(family):
         got, lse = run(h)
-    finally:
-        planning.set_mla_family(None)
     widened = reference.dequantize_sparse_kv(rows, fmt).astype(np.float32)
     widened = widened.astype(_dtypes.BF16.numpy).astype(np.float64)
     assert np.isfinite(widened).all()

@@ -59,8 +59,7 @@ AXES = {
     # cache of their type, fp8, or DeepSeek's sparse rows ("dsmla": V3.2's, vLLM's
     # fp8_ds_mla; "v4fp8", "v4fp4": V4's)
     "concat_and_cache_mla": {"dtype": ("f16", "bf16"),
-                             "cache_dtype": (*CACHE_DTYPES,
-                                             *jit.SPARSE_MLA_KERNELS["concat_and_cache_mla"]),
+                             "cache_dtype": (*CACHE_DTYPES, *_dtypes.SPARSE_MLA),
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
     "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
@@ -81,7 +80,7 @@ AXES = {
     # ("v4fp8", "v4fp4"). No rope_dim axis: the spec's default is the cache's (64, V4's 0).
     # Variant "x": a second cache (V4's extra_k_cache).
     "mla_sparse_attention": {"dtype": ("f16", "bf16"),
-                             "cache_dtype": ("", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention"]),
+                             "cache_dtype": ("", *_dtypes.SPARSE_MLA),
                              "head_size": (512,),
                              "block_size": _checks.BLOCK_SIZES, "rows": (16, 32, 64),
                              "tile_tokens": (16, 32), "stages": (2, 3, 4),
@@ -92,8 +91,8 @@ AXES = {
                            "block_size": _checks.BLOCK_SIZES},
     # Hopper only, its sparse form over 16-bit caches and DeepSeek's token rows (bfloat16
     # queries; no rope_dim axis, as mla_sparse_attention's), with a second cache or without
-    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": (
-                                      "", *jit.SPARSE_MLA_KERNELS["mla_sparse_attention_sm90"]),
+    "mla_sparse_attention_sm90": {"dtype": ("f16", "bf16"),
+                                  "cache_dtype": ("", *_dtypes.SPARSE_MLA),
                                   "head_size": (512,), "block_size": _checks.BLOCK_SIZES,
                                   "variant": ("", "x")},
 }

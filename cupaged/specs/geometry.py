@@ -423,14 +423,17 @@ class MlaSm90Geometry:
         return 64 * (self.token_bytes or self.rank + self.rope)
 
     @property
+    def _stages(self) -> int:  # kStages: 16-bit stages (an fp8 cache: the widened tile)
+        return 2 if self.cache_itemsize == 2 else 1
+
+    @property
     def raw_stages(self) -> int:  # kRawStages
-        fits = 2 * self._tile + 2 * self._raw_tile + self._tail <= SM90_SMEM
+        fits = (1 + self._stages) * self._tile + 2 * self._raw_tile + self._tail <= SM90_SMEM
         return 1 if self.token_bytes and not fits else 2
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, the 16-bit stages, the raw stages, kTail
-        stages = 2 if self.cache_itemsize == 2 else 1
-        return (1 + stages) * self._tile + self.raw_stages * self._raw_tile + self._tail
+        return (1 + self._stages) * self._tile + self.raw_stages * self._raw_tile + self._tail
 
     def fits(self, arch: str) -> bool:
         return self.smem_bytes <= max_smem(arch)
