@@ -81,6 +81,11 @@ struct MlaSm90Geometry {
   static constexpr bool kProducer = PRODUCER;
   static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
   static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
+  // The 16-bit producer copies by rows: eight lanes take a token's 128 bytes of a 64-dim
+  // block (a warp four tokens' whole lines), each copier kIds tokens a tile; the other
+  // paths copy a token a copier, kCopyThreads copiers a token.
+  static constexpr bool kRowCopy = kProducer && !kQuant;
+  static constexpr int kIds = kRowCopy ? kTileN / (kCopiers / 8) : 1;  // (4)
   static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
   //          each (18; producer 36; fp8 9, producer 18; fp8_ds_mla 11, v4_fp8 9, v4_fp4 5)
   // fp8: every thread widens a share of each raw tile, four threads a token
@@ -95,6 +100,9 @@ struct MlaSm90Geometry {
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
   static_assert(kRowFmt || kCChunks % kCopyThreads == 0, "copy mapping");
+  static_assert(!kRowCopy || (kCopiers % 8 == 0 && kTileN % (kCopiers / 8) == 0 &&
+                              kCChunks == 8 * kBlocks),
+                "row copies: whole 128-byte rows of each 64-dim block");
   static_assert(!kProducer || !kRowFmt,
                 "token rows are widened by the threads that copied them");
   static_assert(!kQuant || kRowFmt || kCChunks % kWidenThreads == 0, "widening mapping");
@@ -224,13 +232,50 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     // cache). A 16-bit cache lands in the swizzled stage `slot`; fp8 in raw stage `slot`,
     // row-major, widened by widen_tile. (Sparse: the id is the key's slot, as in
     // mla_attention.cuh, and with a second cache -3 - its slot there.)
-    auto tile_id = [&](int tile) -> int {
-      if (tile >= n_tiles) return -1;
-      const int key = (tile_lo + tile) * TILE_N + copy_token;
-      return mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(sq, key, kv_end, num_blocks, strict, extra,
-                                                  extra_row, first_len);
+    // (The 16-bit producer's row copies: a copier's token i is row_token(i), its chunks of
+    // each block lane8, + 8 ...)
+    auto row_token = [&](int i) { return copy_tid / 8 + (Geo::kCopiers / 8) * i; };
+    const int lane8 = copy_tid % 8;
+    struct Ids {
+      int v[Geo::kIds];
     };
-    auto load_tile = [&](int tile, int slot, int id) {
+    auto tile_id = [&](int tile) -> Ids {
+      Ids ids;
+#pragma unroll
+      for (int i = 0; i < Geo::kIds; ++i) {
+        ids.v[i] = tile >= n_tiles
+                       ? -1
+                       : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
+                             sq, (tile_lo + tile) * TILE_N +
+                                     (Geo::kRowCopy ? row_token(i) : copy_token),
+                             kv_end, num_blocks, strict, extra, extra_row, first_len);
+      }
+      return ids;
+    };
+    auto load_rows = [&](int tile, int slot, const Ids& ids) {
+#pragma unroll
+      for (int i = 0; i < Geo::kIds; ++i) {
+        const int id = ids.v[i];
+        const bool copy = id >= 0;
+        if (id == -2) *bad_s = 1;
+        const int token = row_token(i);
+        const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, false, false>(
+            id, (tile_lo + tile) * TILE_N + token, c_lat, c_rope, c_lat_block_stride,
+            c_lat_token_stride, c_rope_block_stride, c_rope_token_stride, extra);
+#pragma unroll
+        for (int b = 0; b < Geo::kBlocks; ++b) {
+          const int c = 8 * b + lane8;
+          cp_async16_or_zero(stage_s(slot) + sw128_offset(token, c * 8, TILE_N),
+                             copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+        }
+      }
+    };
+    auto load_tile = [&](int tile, int slot, const Ids& ids) {
+      if constexpr (Geo::kRowCopy) {
+        load_rows(tile, slot, ids);
+        return;
+      }
+      const int id = ids.v[0];
       const bool copy = mla_copied<EXTRA>(id);
       if (id == -2) *bad_s = 1;
       // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
@@ -332,7 +377,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
       if (n_tiles > 0) load_tile(0, 0, tile_id(0));
       cp_async_commit();  // with the query
     }
-    int id_ahead = copier ? tile_id(Geo::kProducer ? 2 : 1) : -1;
+    Ids id_ahead = tile_id(copier ? (Geo::kProducer ? 2 : 1) : n_tiles);
 
     for (int it = 0; it < n_tiles; ++it) {
       // The ring slot of tile it (16-bit: the stage its products read; fp8: the raw stage,
