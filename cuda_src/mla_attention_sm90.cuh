@@ -81,13 +81,15 @@ struct MlaSm90Geometry {
   static constexpr bool kProducer = PRODUCER;
   static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
   static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
-  // The 16-bit producer copies by rows: eight lanes take a token's 128 bytes of a 64-dim
-  // block (a warp four tokens' whole lines), each copier kIds tokens a tile; the other
-  // paths copy a token a copier, kCopyThreads copiers a token.
-  static constexpr bool kRowCopy = kProducer && !kQuant;
-  static constexpr int kIds = kRowCopy ? kTileN / (kCopiers / 8) : 1;  // (4)
-  static constexpr int kCopySteps = (kCChunks + kCopyThreads - 1) / kCopyThreads;  // chunks
-  //          each (18; producer 36; fp8 9, producer 18; fp8_ds_mla 11, v4_fp8 9, v4_fp4 5)
+  // Copies by rows: eight lanes take 128 contiguous bytes of a token's row (a warp's copy
+  // instruction four tokens' whole cache lines), each copier kIds tokens a tile. Not fp8
+  // without the producer, whose threads widen only the chunks they copied themselves
+  // (there a copier takes a token, kCopyThreads copiers a token).
+  static constexpr bool kRowCopy = kProducer || !kQuant || kRowFmt;
+  static constexpr int kIds = kRowCopy ? kTileN / (kCopiers / 8) : 1;  // (producer 4; 2)
+  static constexpr int kCopyStride = kRowCopy ? 8 : kCopyThreads;  // a token's copiers
+  static constexpr int kCopySteps = (kCChunks + kCopyStride - 1) / kCopyStride;  // chunks
+  //          each (9; fp8 5, without the producer 9; fp8_ds_mla 6, v4_fp8 5, v4_fp4 3)
   // fp8: every thread widens a share of each raw tile, four threads a token
   static constexpr int kWidenThreads = kMlaSm90Threads / kTileN;
   static constexpr int kWidenSteps = kCChunks / kWidenThreads;  // chunks each (fp8 9)
@@ -100,9 +102,8 @@ struct MlaSm90Geometry {
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
   static_assert(RANK == 512 && ROPE % 64 == 0, "two warpgroups of N = 256; 64-dim blocks");
   static_assert(kRowFmt || kCChunks % kCopyThreads == 0, "copy mapping");
-  static_assert(!kRowCopy || (kCopiers % 8 == 0 && kTileN % (kCopiers / 8) == 0 &&
-                              kCChunks == 8 * kBlocks),
-                "row copies: whole 128-byte rows of each 64-dim block");
+  static_assert(!kRowCopy || (kCopiers % 8 == 0 && kTileN % (kCopiers / 8) == 0),
+                "row copies: a tile's tokens over the copiers' groups of eight");
   static_assert(!kProducer || !kRowFmt,
                 "token rows are widened by the threads that copied them");
   static_assert(!kQuant || kRowFmt || kCChunks % kWidenThreads == 0, "widening mapping");
@@ -227,15 +228,17 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         q_rope_head_stride, sq, row0, rows_here, num_heads,
         [&](int r, int c) { return q_s + sw128_offset(r, c * 8, ROWS); });
 
-    // A K/V tile: a copier copies chunks copy_lane, + kCopyThreads, ... of token
-    // copy_token, its block id read a tile ahead (-1: past the keys; -2: outside the
-    // cache). A 16-bit cache lands in the swizzled stage `slot`; fp8 in raw stage `slot`,
-    // row-major, widened by widen_tile. (Sparse: the id is the key's slot, as in
-    // mla_attention.cuh, and with a second cache -3 - its slot there.)
-    // (The 16-bit producer's row copies: a copier's token i is row_token(i), its chunks of
-    // each block lane8, + 8 ...)
-    auto row_token = [&](int i) { return copy_tid / 8 + (Geo::kCopiers / 8) * i; };
+    // A K/V tile. A copier's token i is copy_row(i) (row copies: its eight lanes' group,
+    // + kCopiers / 8, ...; otherwise copy_token), its chunks lane8, + 8, ... (otherwise
+    // copy_lane, + kCopyThreads, ...), the tokens' block ids read a tile ahead (-1: past
+    // the keys; -2: outside the cache). A 16-bit cache lands in the swizzled stage
+    // `slot`; fp8 and token rows in raw stage `slot`, row-major, widened by widen_tile or
+    // widen_row_tile. (Sparse: the id is the key's slot, as in mla_attention.cuh, and
+    // with a second cache -3 - its slot there.)
     const int lane8 = copy_tid % 8;
+    auto copy_row = [&](int i) {
+      return Geo::kRowCopy ? copy_tid / 8 + (Geo::kCopiers / 8) * i : copy_token;
+    };
     struct Ids {
       int v[Geo::kIds];
     };
@@ -243,57 +246,37 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
       Ids ids;
 #pragma unroll
       for (int i = 0; i < Geo::kIds; ++i) {
-        ids.v[i] = tile >= n_tiles
-                       ? -1
-                       : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
-                             sq, (tile_lo + tile) * TILE_N +
-                                     (Geo::kRowCopy ? row_token(i) : copy_token),
-                             kv_end, num_blocks, strict, extra, extra_row, first_len);
+        ids.v[i] = tile >= n_tiles ? -1
+                                   : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
+                                         sq, (tile_lo + tile) * TILE_N + copy_row(i), kv_end,
+                                         num_blocks, strict, extra, extra_row, first_len);
       }
       return ids;
     };
-    auto load_rows = [&](int tile, int slot, const Ids& ids) {
+    auto load_tile = [&](int tile, int slot, const Ids& ids) {
+      const int raw = Geo::kRawStages == 1 ? 0 : slot;
+      const int lane = Geo::kRowCopy ? lane8 : copy_lane;
 #pragma unroll
       for (int i = 0; i < Geo::kIds; ++i) {
         const int id = ids.v[i];
-        const bool copy = id >= 0;
+        const int token = copy_row(i);
+        const bool copy = mla_copied<EXTRA>(id);
         if (id == -2) *bad_s = 1;
-        const int token = row_token(i);
-        const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, false, false>(
+        // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
+        // these flags, read after the barrier that shows the tile landed.
+        if (SPARSE && lane == 0) valid_s[slot * TILE_N + token] = copy;
+        const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE, EXTRA>(
             id, (tile_lo + tile) * TILE_N + token, c_lat, c_rope, c_lat_block_stride,
             c_lat_token_stride, c_rope_block_stride, c_rope_token_stride, extra);
 #pragma unroll
-        for (int b = 0; b < Geo::kBlocks; ++b) {
-          const int c = 8 * b + lane8;
-          cp_async16_or_zero(stage_s(slot) + sw128_offset(token, c * 8, TILE_N),
-                             copy ? tok.template chunk<RANK>(c) : c_lat, copy);
+        for (int j = 0; j < Geo::kCopySteps; ++j) {
+          const int c = lane + j * Geo::kCopyStride;
+          if (Geo::kCChunks % Geo::kCopyStride != 0 && c >= Geo::kCChunks) continue;
+          const unsigned dst = Geo::kQuant
+                                   ? raw_s(raw) + token * Geo::kRawRow + c * 16
+                                   : stage_s(slot) + sw128_offset(token, c * 8, TILE_N);
+          cp_async16_or_zero(dst, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
         }
-      }
-    };
-    auto load_tile = [&](int tile, int slot, const Ids& ids) {
-      if constexpr (Geo::kRowCopy) {
-        load_rows(tile, slot, ids);
-        return;
-      }
-      const int id = ids.v[0];
-      const bool copy = mla_copied<EXTRA>(id);
-      if (id == -2) *bad_s = 1;
-      // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
-      // these flags, read after the barrier that shows the tile landed.
-      if (SPARSE && copy_lane == 0) valid_s[slot * TILE_N + copy_token] = copy;
-      const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE, EXTRA>(
-          id, (tile_lo + tile) * TILE_N + copy_token, c_lat, c_rope,
-          c_lat_block_stride, c_lat_token_stride, c_rope_block_stride, c_rope_token_stride,
-          extra);
-      const int raw = Geo::kRawStages == 1 ? 0 : slot;
-#pragma unroll
-      for (int j = 0; j < Geo::kCopySteps; ++j) {
-        const int c = copy_lane + j * Geo::kCopyThreads;
-        if (Geo::kCChunks % Geo::kCopyThreads != 0 && c >= Geo::kCChunks) continue;
-        const unsigned dst = Geo::kQuant
-                                 ? raw_s(raw) + copy_token * Geo::kRawRow + c * 16
-                                 : stage_s(slot) + sw128_offset(copy_token, c * 8, TILE_N);
-        cp_async16_or_zero(dst, copy ? tok.template chunk<RANK>(c) : c_lat, copy);
       }
     };
     // Token rows: raw stage `raw`'s rows widened (SparseRow::widen: each value times its
