@@ -81,15 +81,16 @@ struct MlaSm90Geometry {
   static constexpr bool kProducer = PRODUCER;
   static constexpr int kCopiers = kProducer ? kMlaSm90Threads / 2 : kMlaSm90Threads;
   static constexpr int kCopyThreads = kCopiers / kTileN;  // a token's copiers (4; producer 2)
-  // Copies by rows: eight lanes take 128 contiguous bytes of a token's row (a warp's copy
-  // instruction four tokens' whole cache lines), each copier kIds tokens a tile. Not fp8
-  // without the producer, whose threads widen only the chunks they copied themselves
-  // (there a copier takes a token, kCopyThreads copiers a token).
-  static constexpr bool kRowCopy = kProducer || !kQuant || kRowFmt;
+  // Copies by rows over 16-bit caches, whose token rows are whole 128-byte lines (9):
+  // eight lanes take 128 contiguous bytes of a row, so a warp's copy instruction reads four
+  // whole lines; each copier kIds tokens a tile. The other rows (fp8's 576 bytes and the
+  // token row formats, whose rows straddle lines; docs/PERFORMANCE.md, MLA step 14) take a
+  // token a copier, kCopyThreads copiers a token.
+  static constexpr bool kRowCopy = !kQuant;
   static constexpr int kIds = kRowCopy ? kTileN / (kCopiers / 8) : 1;  // (producer 4; 2)
   static constexpr int kCopyStride = kRowCopy ? 8 : kCopyThreads;  // a token's copiers
   static constexpr int kCopySteps = (kCChunks + kCopyStride - 1) / kCopyStride;  // chunks
-  //          each (9; fp8 5, without the producer 9; fp8_ds_mla 6, v4_fp8 5, v4_fp4 3)
+  //          each (9; fp8 9, producer 18; fp8_ds_mla 11, v4_fp8 9, v4_fp4 5)
   // fp8: every thread widens a share of each raw tile, four threads a token
   static constexpr int kWidenThreads = kMlaSm90Threads / kTileN;
   static constexpr int kWidenSteps = kCChunks / kWidenThreads;  // chunks each (fp8 9)
