@@ -391,12 +391,16 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           id_ahead = tile_id(it + 2);
         }
       } else if constexpr (Geo::kProducer) {
-        mbar_wait(full_bar(slot), ((done + it) >> 1) & 1);  // every copier's tile it landed
         if constexpr (Geo::kQuant) {
+          mbar_wait(full_bar(slot), ((done + it) >> 1) & 1);  // every copier's tile it landed
           widen_tile(slot);    // (tile it - 1's products are done: the last barrier)
           fence_async_smem();  // the widened tile, for wgmma's reads
           __syncthreads();     // complete, and raw stage `slot` free
-        } else {
+        } else if (wg == 0 || it == 0) {
+          // (16-bit: the copying warpgroup waits for the tiles after the first at the end
+          // of the tile before, ahead of its next copies, which its fence (a MEMBAR) would
+          // otherwise wait behind; docs/PERFORMANCE.md, MLA step 14)
+          mbar_wait(full_bar(slot), ((done + it) >> 1) & 1);  // every copier's tile it landed
           fence_async_smem();  // ... for wgmma's reads
         }
       } else {
@@ -518,7 +522,14 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         if (wg == 0) {
           if (it + 2 < n_tiles) named_bar_arrive<kMlaSm90Threads>(kMlaBarEmpty);
         } else {
-          if (it + 1 < n_tiles) named_bar_arrive<kMlaSm90Threads>(kMlaBarPFree);
+          if (it + 1 < n_tiles) {
+            named_bar_arrive<kMlaSm90Threads>(kMlaBarPFree);
+            // Tile it + 1 landed, and visible to this warpgroup's wgmma, before any copy of
+            // tile it + 2 is in flight (the tile's top skips both for this warpgroup)
+            const unsigned next = done + it + 1;
+            mbar_wait(full_bar(next & 1), (next >> 1) & 1);
+            fence_async_smem();
+          }
           if (it + 2 < n_tiles) {
             // Tile it + 2 into this tile's stage, once warpgroup 0's P V is done with it
             named_bar_sync<kMlaSm90Threads>(kMlaBarEmpty);
