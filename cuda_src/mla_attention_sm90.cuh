@@ -256,7 +256,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     };
     auto load_tile = [&](int tile, int slot, const Ids& ids) {
       const int raw = Geo::kRawStages == 1 ? 0 : slot;
-      const int lane = Geo::kRowCopy ? lane8 : copy_lane;
+      const int chunk0 = Geo::kRowCopy ? lane8 : copy_lane;  // this copier's first chunk
 #pragma unroll
       for (int i = 0; i < Geo::kIds; ++i) {
         const int id = ids.v[i];
@@ -265,13 +265,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         if (id == -2) *bad_s = 1;
         // Sparse: the softmax masks the keys whose entries do not count (their zeros) by
         // these flags, read after the barrier that shows the tile landed.
-        if (SPARSE && lane == 0) valid_s[slot * TILE_N + token] = copy;
+        if (SPARSE && chunk0 == 0) valid_s[slot * TILE_N + token] = copy;
         const MlaToken<C, BLOCK_SIZE> tok = mla_kv_token<C, BLOCK_SIZE, SPARSE, EXTRA>(
             id, (tile_lo + tile) * TILE_N + token, c_lat, c_rope, c_lat_block_stride,
             c_lat_token_stride, c_rope_block_stride, c_rope_token_stride, extra);
 #pragma unroll
         for (int j = 0; j < Geo::kCopySteps; ++j) {
-          const int c = lane + j * Geo::kCopyStride;
+          const int c = chunk0 + j * Geo::kCopyStride;
           if (Geo::kCChunks % Geo::kCopyStride != 0 && c >= Geo::kCChunks) continue;
           const unsigned dst = Geo::kQuant
                                    ? raw_s(raw) + token * Geo::kRawRow + c * 16

@@ -252,21 +252,43 @@ def test_long_context_and_undercounted_bounds(rng, family):
                      f"{bounds}")
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("form", ["decode", "two_tokens_bound_one"])
 @pytest.mark.parametrize("split", [None, 1, 2], ids=lambda s: f"split{s}")
-def test_tile_counts_around_the_stage_ring(rng, family, mla_split, split):
+def test_tile_counts_around_the_stage_ring(rng, family, mla_split, split, form, cache):
     """Sequences of 0 to 5 tiles of 64 keys, a key past each tile boundary and on it (the
-    two-stage ring's first uses, odd and even counts carried from one row tile of a CTA to
-    the next), whole and in partitions of 1 and 2 tiles (some with none). Decode form (no
-    query_start_loc), so the empty sequence's row is zeros."""
+    two-stage ring's first uses), whole and in partitions of 1 and 2 tiles (some with
+    none), over a 16-bit and an fp8 cache. Decode form (no query_start_loc), so the empty
+    sequence's row is zeros; or two query tokens a sequence with max_query_len=1, so each
+    CTA walks two row tiles and carries the ring's slot and phase, odd and even tile counts,
+    from one to the next."""
     import cupy
 
     mla_split(split)
     lens = [1, 64, 65, 128, 129, 192, 193, 0, 320]
-    host = make_mla(rng, [1] * len(lens), lens, heads=128, block_size=64)
-    dev = device({k: v for k, v in host.items() if k != "query_start_loc"})
-    got = cupaged.mla_attention(**dev, scale=SCALE, out=poisoned_out(dev, cupy))
-    assert_close(cupy.asnumpy(got).astype(np.float64), ref_of(host, decode=True),
-                 testing.TOLERANCE["bf16"], f"split={split}")
+    q_lens = [1] * len(lens)
+    if form == "two_tokens_bound_one":
+        lens[0] = 2
+        q_lens = [2 if n else 0 for n in lens]
+    host = make_mla(rng, q_lens, lens, heads=128, block_size=64)
+    kw, k_scale = {}, 0.0371
+    if cache != "bf16":
+        ref = reference.mla_attention(
+            host["q"], to_fp8(host["kv_cache"], cache, k_scale), host["block_tables"],
+            host["seq_lens"], None if form == "decode" else host["query_start_loc"],
+            scale=SCALE, kv_cache_dtype=cache, k_scale=k_scale)
+        host["kv_cache"] = to_fp8(host["kv_cache"], cache, k_scale)
+        kw = {"kv_cache_dtype": cache, "k_scale": k_scale}
+    else:
+        ref = ref_of(host, decode=form == "decode")
+    if form == "decode":
+        dev = device({k: v for k, v in host.items() if k != "query_start_loc"})
+    else:
+        dev = device(host)
+        kw["max_query_len"] = 1
+    got = cupaged.mla_attention(**dev, scale=SCALE, out=poisoned_out(dev, cupy), **kw)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                 f"split={split} {form} {cache}")
 
 
 def test_empty_batch_and_empty_sequences(rng):
