@@ -341,6 +341,38 @@ def test_fp8_latent_cache(rng, family, mla_split, fmt, cache_form, split):
                      f"{fmt} {cache_form} split={split} k_scale={type(k_scale).__name__}")
 
 
+@pytest.mark.parametrize("block_size", [1, 8])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_small_pages_and_rows_far_apart(rng, family, fmt, block_size):
+    """fp8 caches in pages under 16 tokens (where every thread of the wgmma kernel copies
+    and widens its own chunks), 128 heads of two query tokens under max_query_len=1 (a CTA
+    walks several row tiles), and query rows 2^80 apart within each row tile: the even
+    heads scaled by 2^40 (a k_scale of 2^-40 times the bytes' brings their scores back to
+    ordinary sizes), some odd heads by 2^-40, one row of zeros; out and lse against the
+    float64 reference."""
+    import cupy
+
+    k_scale = 0.0371 * 2.0 ** -40
+    host = make_mla(rng, [2, 2, 1], [70, 129, 5], heads=128, block_size=block_size)
+    q = host["q"].astype(np.float64)
+    q[:, ::2] *= 2.0 ** 40
+    q[1, 1::4] *= 2.0 ** -40
+    q[3, 6] = 0.0
+    host["q"] = q.astype(host["q"].dtype)
+    host["kv_cache"] = to_fp8(host["kv_cache"], fmt, 0.0371)  # bytes of ordinary size
+    ref, ref_lse = reference.mla_attention(
+        host["q"], host["kv_cache"], host["block_tables"], host["seq_lens"],
+        host["query_start_loc"], scale=SCALE, kv_cache_dtype=fmt, k_scale=k_scale,
+        return_lse=True)
+    dev = device(host)
+    got, lse = cupaged.mla_attention(**dev, scale=SCALE, kv_cache_dtype=fmt, k_scale=k_scale,
+                                     max_query_len=1, out=poisoned_out(dev, cupy),
+                                     return_lse=True)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                 f"{fmt} pages of {block_size}")
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=0, atol=2e-3)
+
+
 # The shapes smaller GPUs get (sm_80: 163 KiB, sm_86/89: 99 KiB), which an H100's planner
 # never picks: 16-token tiles (one softmax column a thread, the k-steps over 8 warps).
 OTHER_SHAPES = [(16, 16, 2), (16, 16, 3), (32, 16, 2), (64, 16, 2), (64, 16, 4), (16, 32, 3),
