@@ -273,11 +273,11 @@ def test_tile_counts_around_the_stage_ring(rng, family, mla_split, split, form, 
     host = make_mla(rng, q_lens, lens, heads=128, block_size=64)
     kw, k_scale = {}, 0.0371
     if cache != "bf16":
-        ref = reference.mla_attention(
-            host["q"], to_fp8(host["kv_cache"], cache, k_scale), host["block_tables"],
-            host["seq_lens"], None if form == "decode" else host["query_start_loc"],
-            scale=SCALE, kv_cache_dtype=cache, k_scale=k_scale)
         host["kv_cache"] = to_fp8(host["kv_cache"], cache, k_scale)
+        ref = reference.mla_attention(
+            host["q"], host["kv_cache"], host["block_tables"], host["seq_lens"],
+            None if form == "decode" else host["query_start_loc"], scale=SCALE,
+            kv_cache_dtype=cache, k_scale=k_scale)
         kw = {"kv_cache_dtype": cache, "k_scale": k_scale}
     else:
         ref = ref_of(host, decode=form == "decode")
