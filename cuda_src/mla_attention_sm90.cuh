@@ -309,10 +309,11 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     // block raises the flag). The choice is warpgroup 1's together (kMlaBarTma).
     auto issue_tile = [&](int tile, int slot, const Ids& ids) {
       if constexpr (kTma) {
-        bool mine = use_tma;
+        bool mine = true;
 #pragma unroll
         for (int i = 0; i < Geo::kIds; ++i) mine = mine && ids.v[i] >= 0;
-        if (named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, mine)) {
+        // (use_tma is the launch's: every copier takes the vote or none does)
+        if (use_tma && named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, mine)) {
           if (copy_tid == 0) {
             constexpr int R = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a box's tokens
             static_assert(R % (Geo::kCopiers / 8) == 0, "a box's first token is copier 0's");

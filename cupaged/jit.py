@@ -122,7 +122,9 @@ ARG_FORMATS = {
     "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",
     # mla_attention's, then lengths_per, strict and the second cache (MlaSparseExtra)
     "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",
-    # mla_attention's, then MlaTma (launch.MLA_TMA: two 128-byte tensor maps and a flag)
+    # mla_attention's, then MlaTma (launch.MLA_TMA: two 128-byte tensor maps and a flag;
+    # its 64-byte alignment in the kernel's parameter space is the driver's doing, which
+    # copies each parameter through its own pointer, so the flat buffer's offsets differ)
     "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s320s",
     # mla_sparse_attention's
     "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",

@@ -353,12 +353,13 @@ NO_MLA_TMA = bytes(MLA_TMA.size)
 
 class MlaTmaMaps:
     """The MlaTma bytes of the caches an MlaLaunch reads, made once an address pair
-    (``tensormap.encode_tiled``; a pair the driver refuses gets NO_MLA_TMA, and the kernel
-    copies by cp.async): each part a tensor of [num_blocks][block_size][its dims] with
+    (``tensormap.encode_tiled``; a pair the driver refuses, or whose addresses or strides
+    are not multiples of 128 bytes, gets NO_MLA_TMA, and the kernel copies by cp.async):
+    each part a tensor of [num_blocks][block_size][its dims] with
     boxes of 64 dims x min(block_size, 64) tokens x 1 block. ``c_strides``: the parts'
     block and token strides in elements, as MlaProblem's."""
 
-    _KEEP = 64  # address pairs kept (a serving loop reads one cache a layer)
+    _KEEP = 1024  # address pairs kept (a serving loop reads one cache a layer, each its own)
 
     def __init__(self, dtype: str, itemsize: int, dims: tuple, block_size: int,
                  num_blocks: int, c_strides: tuple):
@@ -375,6 +376,11 @@ class MlaTmaMaps:
 
     def _encode(self, lat: int, rope: int) -> bytes:
         dtype, isz, dims, bs, nb, st = self._args
+        # The 128-byte swizzle wants the tensor's base and strides 128-byte aligned (the
+        # CUDA programming guide's TMA swizzle rules; the driver checks 16): others copy
+        # by cp.async.
+        if (lat | rope) % 128 or any(x * isz % 128 for x in st):
+            return NO_MLA_TMA
         maps = []
         for i, addr in enumerate((lat, rope)):
             block, token = st[2 * i] * isz, st[2 * i + 1] * isz

@@ -675,7 +675,8 @@ def test_mla_tensor_maps_made_once_an_address(fake_mla, monkeypatch, request, ca
     pages of 16 tokens or more), the latent and rotary parts' maps (dims innermost first,
     the token and block dimensions' strides in bytes, boxes of 64 dims x min(pages, 64)
     tokens x 1 block) made once an address pair and packed with `use` 1; a map the driver
-    refuses gives none (zeros), and so do smaller pages; the mma.sync kernel takes none."""
+    refuses gives none (zeros), and so do a cache off 128-byte alignment and smaller pages;
+    the mma.sync kernel takes none."""
     from cupaged import tensormap
     from test_mla_validation import BASES, margs
 
@@ -706,6 +707,11 @@ def test_mla_tensor_maps_made_once_an_address(fake_mla, monkeypatch, request, ca
     monkeypatch.setattr(tensormap, "encode_tiled", lambda *args: None)
     call(_moved(a, 2 << 16), scale=0.1)
     assert launched[-1].tma == b""
+    # a cache 16 bytes off a multiple of 128 (the swizzle's alignment): none, not asked for
+    made.clear()
+    monkeypatch.setattr(tensormap, "encode_tiled", encode)
+    call(_moved(a, (3 << 16) + 16), scale=0.1)
+    assert launched[-1].tma == b"" and made == []
 
 
 def test_mla_keys_the_query_form_and_k_scale(fake_mla, validations):
