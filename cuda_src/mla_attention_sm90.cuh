@@ -234,6 +234,13 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   }
   constexpr bool kTma = mla_sm90_tma<C, T, BLOCK_SIZE, SPARSE>();
   const bool use_tma = kTma && tma != nullptr && tma->use != 0;
+  // fp8 on the producer: bulk copies where the cache is dense and combined (a token's row
+  // of RANK + ROPE bytes, the rotary part right after the latent, rows back to back)
+  constexpr bool kBulk = Geo::kProducer && Geo::kQuant && !Geo::kRowFmt &&
+                         (BLOCK_SIZE % 64 == 0 || 64 % BLOCK_SIZE == 0);
+  const bool dense = kBulk && c_lat_token_stride == Geo::kRawRow &&
+                     c_rope == c_lat + RANK && c_rope_token_stride == Geo::kRawRow &&
+                     c_rope_block_stride == c_lat_block_stride;
   // The producer's tiles before this row tile's: tile it's ring slot is (done + it) & 1,
   // the (done + it) / 2-th use of its stage's mbarrier.
   int done = 0;
@@ -335,6 +342,34 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
                               full_bar(slot));
                 }
               }
+            }
+          } else {
+            mbar_arrive(full_bar(slot));
+          }
+          return;
+        }
+      }
+      if constexpr (kBulk) {
+        // fp8 over a dense combined cache (each token's RANK + ROPE bytes in one row, rows
+        // next to each other within a block): a tile's raw rows are the cache's bytes as
+        // they lie, one bulk copy a block's run of them.
+        if (dense && named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, ids.v[0] >= 0)) {
+          if (copy_tid == 0) {
+            constexpr int R = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a run's tokens
+            fence_async_smem();  // (the raw stage's last reads are behind a barrier)
+            mbar_arrive_expect_tx(full_bar(slot), Geo::kRawTileBytes);
+            const int key0 = (tile_lo + tile) * TILE_N;
+#pragma unroll 1
+            for (int g = 0; g < TILE_N / R; ++g) {
+              // (copier 0 holds token 0's block; the vote says every token's is valid)
+              const int blk = g == 0 ? ids.v[0]
+                                     : mla_key_id<BLOCK_SIZE, false, false>(
+                                           sq, key0 + g * R, kv_end, num_blocks, strict, extra,
+                                           extra_row, first_len);
+              const C* src = c_lat + static_cast<long long>(blk) * c_lat_block_stride +
+                             static_cast<long long>((key0 + g * R) % BLOCK_SIZE) * Geo::kRawRow;
+              bulk_copy_g2s(raw_s(slot) + g * R * Geo::kRawRow, src, R * Geo::kRawRow,
+                            full_bar(slot));
             }
           } else {
             mbar_arrive(full_bar(slot));
