@@ -143,7 +143,25 @@ __host__ __device__ constexpr bool mla_sm90_producer() {
 //                 (warpgroup 0 arrives, warpgroup 1 syncs)
 //   kMlaBarPFree  warpgroup 1's P V of a tile done: P and the factors may be rewritten
 //                 (warpgroup 1 arrives, warpgroup 0 syncs)
-constexpr int kMlaBarP = 1, kMlaBarEmpty = 2, kMlaBarPFree = 3;
+//   kMlaBarTma    warpgroup 1 alone: does every copier's share of a tile allow TMA
+constexpr int kMlaBarP = 1, kMlaBarEmpty = 2, kMlaBarPFree = 3, kMlaBarTma = 4;
+
+// The paged kernel's tensor maps (TMA), made on the host (cupaged/launch.py, MLA_TMA)
+// where the cache allows them: the latent and the rotary part, each a tensor of [blocks]
+// [BLOCK_SIZE tokens][RANK or ROPE dims] with boxes of 64 dims x min(BLOCK_SIZE, 64) tokens
+// x 1 block, 128-byte swizzle. `use` 0: none, every tile copied by cp.async.
+struct MlaTma {
+  sm90::TensorMap lat, rope;
+  int use;
+};
+
+// Whether the producer may copy a 16-bit paged tile by TMA: its 64 tokens are a whole
+// number of boxes of one block each (pages of 16 or 32 tokens, or a multiple of 64).
+template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
+__host__ __device__ constexpr bool mla_sm90_tma() {
+  return mla_sm90_producer<C, T, BLOCK_SIZE, SPARSE>() && is_same<C, T>::value &&
+         (BLOCK_SIZE % 64 == 0 || 64 % BLOCK_SIZE == 0);
+}
 
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse
 // (mla_attention.cuh's mla_sparse_attention, its parameters read the same way), with a
@@ -152,7 +170,8 @@ template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE, bool SPARS
           bool EXTRA = false>
 __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int lengths_per,
                                                         int strict, const MlaSparseExtra& extra,
-                                                        const VariantParams& vp) {
+                                                        const VariantParams& vp,
+                                                        const MlaTma* tma = nullptr) {
   using Geo =
       MlaSm90Geometry<T, C, RANK, ROPE, mla_sm90_producer<C, T, BLOCK_SIZE, SPARSE>()>;
   using namespace sm90;
@@ -211,7 +230,17 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   if (Geo::kProducer && tid == 0) {  // published by begin_row_tile's barrier
     mbar_init(full_bar(0), Geo::kCopiers);
     mbar_init(full_bar(1), Geo::kCopiers);
+    fence_mbarrier_init();  // (and to the tensor copies' complete_tx)
   }
+  constexpr bool kTma = mla_sm90_tma<C, T, BLOCK_SIZE, SPARSE>();
+  const bool use_tma = kTma && tma != nullptr && tma->use != 0;
+  // fp8 on the producer: bulk copies where the cache is dense and combined (a token's row
+  // of RANK + ROPE bytes, the rotary part right after the latent, rows back to back)
+  constexpr bool kBulk = Geo::kProducer && Geo::kQuant && !Geo::kRowFmt &&
+                         (BLOCK_SIZE % 64 == 0 || 64 % BLOCK_SIZE == 0);
+  const bool dense = kBulk && c_lat_token_stride == Geo::kRawRow &&
+                     c_rope == c_lat + RANK && c_rope_token_stride == Geo::kRawRow &&
+                     c_rope_block_stride == c_lat_block_stride;
   // The producer's tiles before this row tile's: tile it's ring slot is (done + it) & 1,
   // the (done + it) / 2-th use of its stage's mbarrier.
   int done = 0;
@@ -280,6 +309,77 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         }
       }
     };
+    // The producer's copy of a tile into ring slot `slot`, completing its mbarrier: by TMA
+    // where every copier's tokens are in the keys and in the cache (a whole tile of valid
+    // blocks: one thread issues its 9 x 64 / min(BLOCK_SIZE, 64) boxes, the others
+    // arrive), else by cp.async (load_tile; tokens past the keys read as zeros, a bad
+    // block raises the flag). The choice is warpgroup 1's together (kMlaBarTma).
+    auto issue_tile = [&](int tile, int slot, const Ids& ids) {
+      if constexpr (kTma) {
+        bool mine = true;
+#pragma unroll
+        for (int i = 0; i < Geo::kIds; ++i) mine = mine && ids.v[i] >= 0;
+        // (use_tma is the launch's: every copier takes the vote or none does)
+        if (use_tma && named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, mine)) {
+          if (copy_tid == 0) {
+            constexpr int R = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a box's tokens
+            static_assert(R % (Geo::kCopiers / 8) == 0, "a box's first token is copier 0's");
+            fence_async_smem();  // (the stage's last reads, by wgmma, are behind a barrier)
+            mbar_arrive_expect_tx(full_bar(slot), Geo::kTileBytes);
+            const int key0 = (tile_lo + tile) * TILE_N;
+#pragma unroll
+            for (int g = 0; g < TILE_N / R; ++g) {
+              // copier 0's token i is token 16 i of the tile: box g's first
+              const int blk = ids.v[g * R / (Geo::kCopiers / 8)];
+              const int within = (key0 + g * R) % BLOCK_SIZE;
+#pragma unroll
+              for (int b = 0; b < Geo::kBlocks; ++b) {
+                const unsigned dst = stage_s(slot) + b * TILE_N * 128 + g * R * 128;
+                if (b < RANK / 64) {
+                  tma_load_3d(dst, &tma->lat, 64 * b, within, blk, full_bar(slot));
+                } else {
+                  tma_load_3d(dst, &tma->rope, 64 * (b - RANK / 64), within, blk,
+                              full_bar(slot));
+                }
+              }
+            }
+          } else {
+            mbar_arrive(full_bar(slot));
+          }
+          return;
+        }
+      }
+      if constexpr (kBulk) {
+        // fp8 over a dense combined cache (each token's RANK + ROPE bytes in one row, rows
+        // next to each other within a block): a tile's raw rows are the cache's bytes as
+        // they lie, one bulk copy a block's run of them.
+        if (dense && named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, ids.v[0] >= 0)) {
+          if (copy_tid == 0) {
+            constexpr int R = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a run's tokens
+            fence_async_smem();  // (the raw stage's last reads are behind a barrier)
+            mbar_arrive_expect_tx(full_bar(slot), Geo::kRawTileBytes);
+            const int key0 = (tile_lo + tile) * TILE_N;
+#pragma unroll 1
+            for (int g = 0; g < TILE_N / R; ++g) {
+              // (copier 0 holds token 0's block; the vote says every token's is valid)
+              const int blk = g == 0 ? ids.v[0]
+                                     : mla_key_id<BLOCK_SIZE, false, false>(
+                                           sq, key0 + g * R, kv_end, num_blocks, strict, extra,
+                                           extra_row, first_len);
+              const C* src = c_lat + static_cast<long long>(blk) * c_lat_block_stride +
+                             static_cast<long long>((key0 + g * R) % BLOCK_SIZE) * Geo::kRawRow;
+              bulk_copy_g2s(raw_s(slot) + g * R * Geo::kRawRow, src, R * Geo::kRawRow,
+                            full_bar(slot));
+            }
+          } else {
+            mbar_arrive(full_bar(slot));
+          }
+          return;
+        }
+      }
+      load_tile(tile, slot, ids);
+      cp_async_mbar_arrive(full_bar(slot));
+    };
     // Token rows: raw stage `raw`'s rows widened (SparseRow::widen: each value times its
     // group's scale, rounded to bfloat16) into the 16-bit stage, each thread the units of
     // the token it copied, after a barrier (a row's scales are another thread's copy).
@@ -347,8 +447,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
 #pragma unroll 1
         for (int t = 0; t < 2 && t < n_tiles; ++t) {
           const int sl = (done + t) & 1;
-          load_tile(t, sl, tile_id(t));
-          cp_async_mbar_arrive(full_bar(sl));
+          issue_tile(t, sl, tile_id(t));
         }
         cp_async_commit();
         cp_async_wait<1>();  // the query landed; the tiles may fly
@@ -483,8 +582,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
       } else if constexpr (Geo::kProducer && Geo::kQuant) {
         // fp8: tile it + 2's bytes into the raw stage widened above
         if (it + 2 < n_tiles) {
-          load_tile(it + 2, slot, id_ahead);
-          cp_async_mbar_arrive(full_bar(slot));
+          issue_tile(it + 2, slot, id_ahead);
           cp_async_commit();
           id_ahead = tile_id(it + 3);
         }
@@ -533,8 +631,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           if (it + 2 < n_tiles) {
             // Tile it + 2 into this tile's stage, once warpgroup 0's P V is done with it
             named_bar_sync<kMlaSm90Threads>(kMlaBarEmpty);
-            load_tile(it + 2, slot, id_ahead);
-            cp_async_mbar_arrive(full_bar(slot));
+            issue_tile(it + 2, slot, id_ahead);
             cp_async_commit();
             id_ahead = tile_id(it + 3);
           }
@@ -597,9 +694,10 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
 // Parameters: CUPAGED_MLA_PARAMS (mla_common.cuh), as mla_attention's.
 template <typename T, typename C, int RANK, int ROPE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kMlaSm90Threads, 1)
-    mla_attention_sm90(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp) {
+    mla_attention_sm90(CUPAGED_MLA_PARAMS, const __grid_constant__ VariantParams vp,
+                       const __grid_constant__ MlaTma tma) {
   mla_attention_sm90_body<T, C, RANK, ROPE, BLOCK_SIZE, false>(CUPAGED_MLA_ARGS, 1, 0,
-                                                              MlaSparseExtra{}, vp);
+                                                              MlaSparseExtra{}, vp, &tma);
 }
 
 // DeepSeek's sparse attention on wgmma: parameters as mla_sparse_attention's

@@ -370,6 +370,46 @@ __device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, uns
       : "memory");
 }
 
+// ---- tensor copies (TMA): boxes of a tensor map, global -> shared ------------------------
+//
+// A tensor map (cuda.h's CUtensorMap: 128 opaque bytes, 64-byte aligned, made on the host
+// by cuTensorMapEncodeTiled) describes a global tensor of up to five dimensions and a box;
+// one instruction copies the box at given coordinates into shared memory, here with the
+// 128-byte swizzle that sw128_offset mirrors (a box whose rows are 128 bytes lands as a
+// [rows][128 bytes] tile of the layout, its base 1024-byte aligned or a multiple of eight
+// rows on), and completes as transactions on an mbarrier, as bulk_copy_g2s does. The map
+// is read through its address: a __grid_constant__ kernel parameter's.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// The box of `map` at (c0, c1, c2) (innermost first) into `dst` (shared-window address),
+// counted on the mbarrier at `bar`.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, int c0, int c1,
+                                            int c2, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Named barrier `id` over COUNT threads that also ANDs a predicate over them: true in
+// every thread when it was true in every thread.
+template <int COUNT>
+__device__ __forceinline__ bool named_bar_and(int id, bool pred) {
+  unsigned all;
+  asm volatile(
+      "{\n.reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "bar.red.and.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(all)
+      : "r"(static_cast<unsigned>(pred)), "r"(id), "n"(COUNT)
+      : "memory");
+  return all != 0;
+}
+
 // True in one lane of the (converged, whole) warp. Work under it whose operands are the
 // same in every lane (warp-uniform) runs once, in uniform registers: a bulk copy issued so
 // takes one instruction, where lanes of different operands take a loop over the lanes.

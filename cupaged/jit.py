@@ -97,6 +97,8 @@ _KERNELS = {
 }
 # The sparse MLA kernels (DSA), each of the two families': variant "x" reads a second cache.
 SPARSE_MLA_READERS = ("mla_sparse_attention", "mla_sparse_attention_sm90")
+# The MLA kernels that take tensor maps (mla_attention_sm90.cuh's MlaTma).
+MLA_TMA_READERS = ("mla_attention_sm90",)
 # The kernels that take the sparse MLA cache types (_dtypes.SPARSE_MLA) as their
 # cache_dtype, every one of them: the writer and the readers (V4's with rope_dim 0: their
 # 512 dims hold the rotary ones).
@@ -120,7 +122,10 @@ ARG_FORMATS = {
     "mla_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",
     # mla_attention's, then lengths_per, strict and the second cache (MlaSparseExtra)
     "mla_sparse_attention": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",
-    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s",  # mla_attention's
+    # mla_attention's, then MlaTma (launch.MLA_TMA: two 128-byte tensor maps and a flag;
+    # its 64-byte alignment in the kernel's parameter space is the driver's doing, which
+    # copies each parameter through its own pointer, so the flat buffer's offsets differ)
+    "mla_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiif56s320s",
     # mla_sparse_attention's
     "mla_sparse_attention_sm90": "PPPPiiPPqqqqPPqqqqPqiiPfPPiifii72s56s",
     "reshape_and_cache": "PqqPqqPqqqPqqqPiiiqiPPqqff",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import cupy
 import numpy as np
 
-from . import _arrays, _checks, _prepared, _variants, jit
+from . import _arrays, _checks, _prepared, _variants, jit, tensormap
 from .specs import geometry
 from .validation import Problem, VariantArgs
 
@@ -344,6 +344,53 @@ SPARSE_EXTRA = struct.Struct("<QQQQqqqiii4x")
 NO_SPARSE_EXTRA = bytes(SPARSE_EXTRA.size)
 
 
+# mla_attention_sm90's tensor maps as it takes them (mla_attention_sm90.cuh's MlaTma): the
+# latent part's map, the rotary part's, then `use` (int32), padded to the struct's 64-byte
+# alignment; all zeros: no maps (every tile copied by cp.async).
+MLA_TMA = struct.Struct(f"<{tensormap.SIZE}s{tensormap.SIZE}si60x")
+NO_MLA_TMA = bytes(MLA_TMA.size)
+
+
+class MlaTmaMaps:
+    """The MlaTma bytes of the caches an MlaLaunch reads, made once an address pair
+    (``tensormap.encode_tiled``; a pair the driver refuses, or whose addresses or strides
+    are not multiples of 128 bytes, gets NO_MLA_TMA, and the kernel copies by cp.async):
+    each part a tensor of [num_blocks][block_size][its dims] with
+    boxes of 64 dims x min(block_size, 64) tokens x 1 block. ``c_strides``: the parts'
+    block and token strides in elements, as MlaProblem's."""
+
+    _KEEP = 1024  # address pairs kept (a serving loop reads one cache a layer, each its own)
+
+    def __init__(self, dtype: str, itemsize: int, dims: tuple, block_size: int,
+                 num_blocks: int, c_strides: tuple):
+        self._args = (dtype, itemsize, dims, block_size, num_blocks, c_strides)
+        self._made: dict = {}
+
+    def __call__(self, lat: int, rope: int) -> bytes:
+        made = self._made.get((lat, rope))
+        if made is None:
+            if len(self._made) >= self._KEEP:
+                self._made.clear()
+            made = self._made[(lat, rope)] = self._encode(lat, rope)
+        return made
+
+    def _encode(self, lat: int, rope: int) -> bytes:
+        dtype, isz, dims, bs, nb, st = self._args
+        # The 128-byte swizzle wants the tensor's base and strides 128-byte aligned (the
+        # CUDA programming guide's TMA swizzle rules; the driver checks 16): others copy
+        # by cp.async.
+        if (lat | rope) % 128 or any(x * isz % 128 for x in st):
+            return NO_MLA_TMA
+        maps = []
+        for i, addr in enumerate((lat, rope)):
+            block, token = st[2 * i] * isz, st[2 * i + 1] * isz
+            maps.append(tensormap.encode_tiled(dtype, addr, (dims[i], bs, nb), (token, block),
+                                               (64, min(bs, 64), 1)))
+        if None in maps:
+            return NO_MLA_TMA
+        return MLA_TMA.pack(maps[0], maps[1], 1)
+
+
 class MlaLaunch(NamedTuple):
     """An mla_attention call's launches with every constant argument packed: ``run``
     adds the addresses (a repeated call's only work), taking them as :meth:`Launch.run`
@@ -376,6 +423,9 @@ class MlaLaunch(NamedTuple):
     # strides, indices' row stride, topk, slots, log2 of the block size), packed with its
     # addresses at each call
     extra_consts: tuple = ()
+    # mla_attention_sm90's tensor maps: MlaTmaMaps where the kernel copies tiles by TMA,
+    # NO_MLA_TMA where it takes the parameter but not maps, None where it takes none
+    tma: MlaTmaMaps | bytes | None = None
 
     def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
             lens: int, starts: int, lse: int = 0, extra: tuple = ()) -> None:
@@ -391,8 +441,13 @@ class MlaLaunch(NamedTuple):
         if self.extra_consts:
             e, e_idx, e_lens = extra
             ex = (SPARSE_EXTRA.pack(e + co[0], e + co[1], e_idx, e_lens, *self.extra_consts),)
+        tma = self.tma
+        if tma is not None:
+            ex = (*ex, vp, tma if tma.__class__ is bytes else tma(c_lat + co[0], c_rope + co[1]))
+        else:
+            ex = (*ex, vp)
         rest = (q_lat + qo[0], q_rope + qo[1], *self.q_strides, c_lat + co[0], c_rope + co[1],
-                *self.c_strides, bt, *self.table, lens, starts, *self.tail, *ex, vp)
+                *self.c_strides, bt, *self.table, lens, starts, *self.tail, *ex)
         if not self.split_tiles:
             self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out, 0, 0, 0, 0,
                         self.row_tiles, *rest)
@@ -419,7 +474,14 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
     its second cache's constants, MlaLaunch.extra_consts, () for none), every argument but
     the arrays' addresses."""
     isz, csz = p.dtype.itemsize, p.cache_dtype.itemsize
-    takes_extra = plan.kernel.spec.kernel in jit.SPARSE_MLA_READERS
+    spec = plan.kernel.spec
+    takes_extra = spec.kernel in jit.SPARSE_MLA_READERS
+    tma = None
+    if spec.kernel in jit.MLA_TMA_READERS:
+        tma = NO_MLA_TMA
+        if geometry.mla_sm90_tma(p.block_size, csz, sparse=False):
+            tma = MlaTmaMaps(p.dtype.name, csz, (p.rank, p.rope), p.block_size, p.num_blocks,
+                             p.c_strides)
     if bool(extra) != (takes_extra and "x" in plan.kernel.spec.variant):
         raise ValueError(f"{plan.kernel.spec.kernel} (variant "
                          f"{plan.kernel.spec.variant!r}) planned for "
@@ -433,4 +495,5 @@ def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),
                      plan.combine_grid, plan.combine_tail,
                      p.num_rows * p.num_heads * plan.partitions, p.rank, partials, variants,
                      _variants.PLAIN_BYTES if variants is _variants.PLAIN else variants.pack(),
-                     (NO_SPARSE_EXTRA,) if takes_extra and not extra else (), tuple(extra))
+                     (NO_SPARSE_EXTRA,) if takes_extra and not extra else (), tuple(extra),
+                     tma)

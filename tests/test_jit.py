@@ -409,6 +409,7 @@ def test_compile_covering_set_for_sm80_and_sm90(compile_summary):
 # Structs the kernels take by value, as ARG_FORMATS spells them.
 STRUCT_FORMATS = {"CopyTable": f"{cache_ops._COPY_TABLE.size}s",
                   "MlaSparseExtra": f"{launch.SPARSE_EXTRA.size}s",
+                  "MlaTma": f"{launch.MLA_TMA.size}s",
                   "PagedKV": jit.PAGED_KV_FORMAT,
                   "VariantParams": f"{_variants._STRUCT.size}s"}
 
@@ -492,14 +493,18 @@ def test_every_kernel_has_a_launch_format():
     ("paged_decode.cu",
      f"static_assert(sizeof(cupaged::VariantParams) == {_variants._STRUCT.size}, \"size\");\n"
      f"static_assert(sizeof(cupaged::PagedKV) == {launch._PAGED_KV.size}, \"size\");\n"),
-], ids=["CopyTable", "VariantParams"])
+    ("mla_attention_sm90.cu",
+     f"static_assert(sizeof(cupaged::MlaTma) == {launch.MLA_TMA.size}, \"size\");\n"
+     f"static_assert(alignof(cupaged::MlaTma) == 64, \"alignment\");\n"),
+], ids=["CopyTable", "VariantParams", "MlaTma"])
 def test_by_value_structs_have_the_size_the_host_packs(entry, check):
     """Structs travel in the launch parameters: the host packs exactly their bytes."""
     nvrtc = jit.nvrtc()
     prog = nvrtc.createProgram(jit.source(entry) + check, "sizes.cu", [], [])
+    arch = "-arch=sm_90a" if entry == "mla_attention_sm90.cu" else "-arch=compute_80"
     try:
         try:
-            nvrtc.compileProgram(prog, [jit.CXX_STD, "-arch=compute_80"])
+            nvrtc.compileProgram(prog, [jit.CXX_STD, arch])
         except nvrtc.NVRTCError:
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:

@@ -552,6 +552,8 @@ class MlaLaunched(NamedTuple):
     k_scale: tuple  # (device pointer or 0, value)
     vp: bytes  # VariantParams: lse's address packed in
     extra: bytes = b""  # mla_sparse_attention's second cache (b"" for none)
+    tma: bytes = b""  # mla_attention_sm90's MlaTma (b"" for none: NO_MLA_TMA or no such
+    #                   parameter)
 
 
 class _Launches(list):
@@ -596,11 +598,15 @@ def fake_mla(monkeypatch, validations, fakes_adapt, fake_device, request):
         # strides, the caches' parts, their 4 strides, the table, its 5 constants, lengths,
         # starts, 3 scalars, VariantParams.
         # (mla_sparse_attention's: lengths_per, strict and its second cache before
-        # VariantParams)
+        # VariantParams; mla_attention_sm90's: its tensor maps after it)
+        takes_tma = not planned_sparse[0] and request.param == "_sm90"
+        if takes_tma:
+            a, tma = a[:-1], a[-1]
         assert len(a) == (33 if planned_sparse[0] else 30) and a[1:5] == (0, 0, 0, 0)
         extra = a[-2] if planned_sparse[0] and a[-2] != launch.NO_SPARSE_EXTRA else b""
-        launched.append(MlaLaunched(a[0], a[6:8], a[12:14], a[18], a[24], a[25], a[22:24],
-                                    a[-1], extra))
+        launched.append(MlaLaunched(a[0], tuple(a[6:8]), tuple(a[12:14]), a[18], a[24], a[25],
+                                    tuple(a[22:24]), a[-1], extra,
+                                    tma if takes_tma and tma != launch.NO_MLA_TMA else b""))
 
     def plan_mla(device, dtype, cache_dtype, rank, rope, block_size, num_seqs, num_rows,
                  num_heads, max_q, max_ctx, workspace_rows=None, sparse=False,
@@ -660,6 +666,52 @@ def test_repeated_mla_calls_are_prepared_with_their_own_addresses(fake_mla, vali
             assert (out.data.ptr, lse.data.ptr) == (at["out"], at["lse"])
     assert len({x.out for x in launched}) == (4 if given == "new" else 3)
     assert validations["mla"] == 1
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32, 64, 256])
+@pytest.mark.parametrize("cache_form", ["combined", "pair"])
+def test_mla_tensor_maps_made_once_an_address(fake_mla, monkeypatch, request, cache_form, bs):
+    """The wgmma paged kernel's MlaTma: where its producer copies by TMA (a 16-bit cache in
+    pages of 16 tokens or more), the latent and rotary parts' maps (dims innermost first,
+    the token and block dimensions' strides in bytes, boxes of 64 dims x min(pages, 64)
+    tokens x 1 block) made once an address pair and packed with `use` 1; a map the driver
+    refuses gives none (zeros), and so do a cache off 128-byte alignment and smaller pages;
+    the mma.sync kernel takes none."""
+    from cupaged import tensormap
+    from test_mla_validation import BASES, margs
+
+    call, launched = fake_mla
+    made = []
+
+    def encode(dtype, address, dims, strides, box):
+        made.append((dtype, address, dims, strides, box))
+        return bytes([len(made)]) * tensormap.SIZE
+
+    monkeypatch.setattr(tensormap, "encode_tiled", encode)
+    a = margs(cache=cache_form, bs=bs, nb=7)
+    for shift in (0, 1 << 16, 0):
+        call(_moved(a, shift), scale=0.1)
+    if request.node.callspec.params["fake_mla"] != "_sm90" or bs < 16:
+        assert made == [] and {x.tma for x in launched} == {b""}
+        return
+    row = 2 * (576 if cache_form == "combined" else 512)  # a latent token's bytes
+    lat = BASES["kv_cache"]
+    rope, rope_row = ((lat + 2 * 512, row) if cache_form == "combined" else
+                      (BASES["k_pe_cache"], 2 * 64))
+    box = (64, min(bs, 64), 1)
+    assert made == [("f16", lat + s, (512, bs, 7), (row, bs * row), box) if i % 2 == 0 else
+                    ("f16", rope + s, (64, bs, 7), (rope_row, bs * rope_row), box)
+                    for i, s in enumerate((0, 0, 1 << 16, 1 << 16))]
+    assert [x.tma for x in launched] == [
+        launch.MLA_TMA.pack(bytes([i]) * 128, bytes([i + 1]) * 128, 1) for i in (1, 3, 1)]
+    monkeypatch.setattr(tensormap, "encode_tiled", lambda *args: None)
+    call(_moved(a, 2 << 16), scale=0.1)
+    assert launched[-1].tma == b""
+    # a cache 16 bytes off a multiple of 128 (the swizzle's alignment): none, not asked for
+    made.clear()
+    monkeypatch.setattr(tensormap, "encode_tiled", encode)
+    call(_moved(a, (3 << 16) + 16), scale=0.1)
+    assert launched[-1].tma == b"" and made == []
 
 
 def test_mla_keys_the_query_form_and_k_scale(fake_mla, validations):

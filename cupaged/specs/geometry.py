@@ -384,6 +384,14 @@ class MlaGeometry:
         return 2 if self.rows == 16 and 2 * (self.smem_bytes + 1024) <= sm_smem(arch) else 1
 
 
+def mla_sm90_tma(block_size: int, cache_itemsize: int, sparse: bool) -> bool:
+    """``mla_sm90_tma<C, T, BLOCK_SIZE, SPARSE>()`` of ``cuda_src/mla_attention_sm90.cuh``:
+    the producer (paged, pages of 16 tokens or more) over a 16-bit cache whose 64-token
+    tiles are whole boxes of one block each, copied by TMA where a tile's blocks allow."""
+    return (not sparse and cache_itemsize == 2 and block_size >= 16
+            and (block_size % 64 == 0 or 64 % block_size == 0))
+
+
 @dataclass(frozen=True)
 class MlaSm90Geometry:
     """``MlaSm90Geometry<T, C, RANK, ROPE>`` of ``cuda_src/mla_attention_sm90.cuh``: 64
