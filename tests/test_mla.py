@@ -291,6 +291,39 @@ def test_tile_counts_around_the_stage_ring(rng, family, mla_split, split, form, 
                  f"split={split} {form} {cache}")
 
 
+@pytest.mark.parametrize("layout", ["rows_padded", "base_off"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_caches_tensor_copies_refuse_take_the_copying_warpgroup(rng, family, mla_split,
+                                                               layout, block_size):
+    """A 16-bit cache whose token rows are not 128-byte multiples apart (a padded row of
+    584 values, 1,168 bytes) or whose base sits 16 bytes past one gets no tensor maps, so
+    the wgmma kernel's copying warpgroup copies every tile by cp.async, whole tiles
+    included (pages of 16 and 64; the padding and the slots no sequence holds are NaN);
+    tile boundaries, a split and two row tiles a CTA, out poisoned."""
+    import cupy
+
+    mla_split(2)
+    lens = [1, 64, 65, 128, 193, 320]
+    host = make_mla(rng, [1, 2, 1, 1, 2, 1], lens, heads=128, block_size=block_size)
+    ref = ref_of(host)
+    dev = device(host)
+    cache = dev["kv_cache"]
+    nb = cache.shape[0]
+    if layout == "rows_padded":
+        wide = cupy.full((nb, block_size, RANK + ROPE + 8), np.nan, cache.dtype)
+        wide[..., :RANK + ROPE] = cache
+        view = wide[..., :RANK + ROPE]
+    else:
+        flat = cupy.full(cache.size + 8, np.nan, cache.dtype)
+        view = flat[8:].reshape(cache.shape)
+        view[...] = cache
+    dev["kv_cache"] = view
+    got = cupaged.mla_attention(**dev, scale=SCALE, out=poisoned_out(dev, cupy),
+                                max_query_len=1)
+    assert_close(cupy.asnumpy(got).astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                 f"{layout} bs={block_size}")
+
+
 def test_empty_batch_and_empty_sequences(rng):
     import cupy
 
