@@ -314,6 +314,20 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     // blocks: one thread issues its 9 x 64 / min(BLOCK_SIZE, 64) boxes, the others
     // arrive), else by cp.async (load_tile; tokens past the keys read as zeros, a bad
     // block raises the flag). The choice is warpgroup 1's together (kMlaBarTma).
+    // A tile copied asynchronously (TMA boxes or bulk runs) by copier 0 alone, on the
+    // slot's mbarrier expecting their `bytes`: true in copier 0, which has fenced and set
+    // the expectation and then issues the copies; the other copiers arrive and get false.
+    // (The stage's last reads, by wgmma or the widening, are behind a barrier.)
+    auto async_copier = [&](int slot, unsigned bytes) {
+      if (copy_tid != 0) {
+        mbar_arrive(full_bar(slot));
+        return false;
+      }
+      fence_async_smem();
+      mbar_arrive_expect_tx(full_bar(slot), bytes);
+      return true;
+    };
+    constexpr int kRun = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a tile's tokens a block
     auto issue_tile = [&](int tile, int slot, const Ids& ids) {
       if constexpr (kTma) {
         bool mine = true;
@@ -321,20 +335,17 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         for (int i = 0; i < Geo::kIds; ++i) mine = mine && ids.v[i] >= 0;
         // (use_tma is the launch's: every copier takes the vote or none does)
         if (use_tma && named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, mine)) {
-          if (copy_tid == 0) {
-            constexpr int R = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a box's tokens
-            static_assert(R % (Geo::kCopiers / 8) == 0, "a box's first token is copier 0's");
-            fence_async_smem();  // (the stage's last reads, by wgmma, are behind a barrier)
-            mbar_arrive_expect_tx(full_bar(slot), Geo::kTileBytes);
+          static_assert(kRun % (Geo::kCopiers / 8) == 0, "a box's first token is copier 0's");
+          if (async_copier(slot, Geo::kTileBytes)) {
             const int key0 = (tile_lo + tile) * TILE_N;
 #pragma unroll
-            for (int g = 0; g < TILE_N / R; ++g) {
+            for (int g = 0; g < TILE_N / kRun; ++g) {
               // copier 0's token i is token 16 i of the tile: box g's first
-              const int blk = ids.v[g * R / (Geo::kCopiers / 8)];
-              const int within = (key0 + g * R) % BLOCK_SIZE;
+              const int blk = ids.v[g * kRun / (Geo::kCopiers / 8)];
+              const int within = (key0 + g * kRun) % BLOCK_SIZE;
 #pragma unroll
               for (int b = 0; b < Geo::kBlocks; ++b) {
-                const unsigned dst = stage_s(slot) + b * TILE_N * 128 + g * R * 128;
+                const unsigned dst = stage_s(slot) + b * TILE_N * 128 + g * kRun * 128;
                 if (b < RANK / 64) {
                   tma_load_3d(dst, &tma->lat, 64 * b, within, blk, full_bar(slot));
                 } else {
@@ -343,8 +354,6 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
                 }
               }
             }
-          } else {
-            mbar_arrive(full_bar(slot));
           }
           return;
         }
@@ -354,25 +363,21 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         // next to each other within a block): a tile's raw rows are the cache's bytes as
         // they lie, one bulk copy a block's run of them.
         if (dense && named_bar_and<kMlaSm90Threads / 2>(kMlaBarTma, ids.v[0] >= 0)) {
-          if (copy_tid == 0) {
-            constexpr int R = BLOCK_SIZE < TILE_N ? BLOCK_SIZE : TILE_N;  // a run's tokens
-            fence_async_smem();  // (the raw stage's last reads are behind a barrier)
-            mbar_arrive_expect_tx(full_bar(slot), Geo::kRawTileBytes);
+          if (async_copier(slot, Geo::kRawTileBytes)) {
             const int key0 = (tile_lo + tile) * TILE_N;
 #pragma unroll 1
-            for (int g = 0; g < TILE_N / R; ++g) {
+            for (int g = 0; g < TILE_N / kRun; ++g) {
               // (copier 0 holds token 0's block; the vote says every token's is valid)
               const int blk = g == 0 ? ids.v[0]
                                      : mla_key_id<BLOCK_SIZE, false, false>(
-                                           sq, key0 + g * R, kv_end, num_blocks, strict, extra,
-                                           extra_row, first_len);
+                                           sq, key0 + g * kRun, kv_end, num_blocks, strict,
+                                           extra, extra_row, first_len);
               const C* src = c_lat + static_cast<long long>(blk) * c_lat_block_stride +
-                             static_cast<long long>((key0 + g * R) % BLOCK_SIZE) * Geo::kRawRow;
-              bulk_copy_g2s(raw_s(slot) + g * R * Geo::kRawRow, src, R * Geo::kRawRow,
+                             static_cast<long long>((key0 + g * kRun) % BLOCK_SIZE) *
+                                 Geo::kRawRow;
+              bulk_copy_g2s(raw_s(slot) + g * kRun * Geo::kRawRow, src, kRun * Geo::kRawRow,
                             full_bar(slot));
             }
-          } else {
-            mbar_arrive(full_bar(slot));
           }
           return;
         }
