@@ -4,8 +4,8 @@ array adaptation, validation (:func:`.validation.validate_mla`), planning
 (:func:`.planning.plan_mla`: the kernel, rows per CTA, tiles, split-KV), launch
 (:func:`.launch.build_mla`), and a repeated call skips to the launch (``_prepared``).
 Two kernels serve it: ``mla_attention`` (mma.sync, sm_80+) and, on Hopper,
-``mla_attention_sm90`` (wgmma) for 64 packed rows or more; ``paged_decode_combine``
-merges a split."""
+``mla_attention_sm90`` (wgmma) for 64 packed rows or more, or 16 over pages of 16 tokens
+or more; ``paged_decode_combine`` merges a split."""
 
 from __future__ import annotations
 

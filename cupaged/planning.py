@@ -960,7 +960,8 @@ def mla_sm90_kernel(device_id: int, dtype: str, cache_dtype: str, rank: int, rop
 
 
 # Which MLA kernel serves Hopper: None (the rule: the wgmma kernel where a sequence has 64
-# packed rows or more), "mma" (always mla_attention) or "sm90" (the wgmma
+# packed rows or more, or 16 over pages of 16 tokens or more: PRODUCER_MIN_ROWS), "mma"
+# (always mla_attention) or "sm90" (the wgmma
 # kernel wherever it applies), for tests and A/B measurements; set through set_mla_family.
 _mla_family: str | None = None
 
@@ -982,11 +983,26 @@ def set_mla_family(family: str | None) -> None:
 # wgmma pads to 64.
 WGMMA_EVERY_HEAD_COUNT = (_dtypes.DS_MLA.name,)
 
+# Where warpgroup 1 copies alone (geometry.mla_sm90_producer: paged, pages of 16 tokens or
+# more), by TMA over 16-bit caches and by bulk copies over dense fp8 ones, the wgmma kernel
+# also takes 16 to 63 packed rows, padded to 64. On an H200 (cupaged-bench mla, 16 heads,
+# 128 sequences of 4k unless said; PERFORMANCE.md, MLA kernel step 19), bf16 / fp8 e4m3
+# against mma.sync: 165.3 / 185.0 µs against 185.1 / 219.4; at 32 heads and batch 64
+# 98.9 / 107.4 against 153.7 / 176.8; at 32k 1238.7 / 1369.2 against 1251.4 / 1603.2; at
+# batch 16 43.3 / 40.5 against 44.4 / 44.2; over 1k in pages of 16 62.7 / 59.2 against
+# 62.3 / 68.3. Fewer rows are not measured.
+PRODUCER_MIN_ROWS = 16
 
-def mla_sm90_applies(arch: str, rows_needed: int, cache_dtype: str = "") -> bool:
+
+def mla_sm90_applies(arch: str, rows_needed: int, cache_dtype: str = "",
+                     producer: bool = False) -> bool:
+    """Whether the wgmma kernel serves an MLA call on ``arch``; ``producer``: the call's
+    kernel would copy with warpgroup 1 alone (geometry.mla_sm90_producer)."""
     return (_mla_family != "mma" and arch == "sm_90"
             and (rows_needed >= 64 or _mla_family == "sm90"
-                 or cache_dtype in WGMMA_EVERY_HEAD_COUNT) and _mla_tile_override is None)
+                 or cache_dtype in WGMMA_EVERY_HEAD_COUNT
+                 or (producer and rows_needed >= PRODUCER_MIN_ROWS))
+            and _mla_tile_override is None)
 
 
 # Split-KV of mla_attention instead of the cost model's choice, for tests and experiments:
@@ -1056,7 +1072,8 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     token_rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
     token_bytes = 0 if token_rows is None else token_rows.nbytes
     variant = "x" if second_cache else ""
-    if mla_sm90_applies(arch, rows_needed, cache_dtype):
+    producer = geometry.mla_sm90_producer(block_size, sparse, token_rows is not None)
+    if mla_sm90_applies(arch, rows_needed, cache_dtype, producer):
         k = mla_sm90_kernel(device, dtype, cache_dtype, rank, rope, block_size, sparse, variant)
         rows, tt = geometry.MlaSm90Geometry.rows, geometry.MlaSm90Geometry.tile_tokens
     else:

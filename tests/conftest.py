@@ -100,6 +100,40 @@ def device_arch(monkeypatch):
 
 
 @pytest.fixture
+def mla_planned(monkeypatch, device_arch):
+    """``mla_planned(arch)``: plan_mla on a device of ``arch`` records what it builds in the
+    list returned, the mma.sync kernel's spec, or "sm90" for the wgmma one ("sm90x": its
+    second-cache variant); nothing is compiled or loaded."""
+    from cupaged import jit, planning
+    from cupaged.specs import geometry
+
+    def on(arch: str) -> list:
+        device_arch(arch)
+        built = []
+
+        def mma(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse=False,
+                variant=""):
+            spec = jit.KernelSpec("mla_sparse_attention" if sparse else "mla_attention",
+                                  dtype, rank, block_size, rope_dim=rope, rows=tile[0],
+                                  tile_tokens=tile[1], stages=tile[2],
+                                  cache_dtype=cache_dtype, variant=variant, arch=arch)
+            built.append(spec)
+            return planning.MlaKernel(None, spec, geometry.MlaGeometry.of(spec).smem_bytes,
+                                      132)
+
+        def sm90(device, dtype, cache_dtype, rank, rope, block_size, sparse=False,
+                 variant=""):
+            built.append("sm90" + variant)
+            return planning.MlaKernel(None, None, 0, 132)
+
+        monkeypatch.setattr(planning, "mla_kernel", mma)
+        monkeypatch.setattr(planning, "mla_sm90_kernel", sm90)
+        return built
+
+    return on
+
+
+@pytest.fixture
 def no_flashinfer(monkeypatch):
     """``import flashinfer`` fails as it does where FlashInfer is not installed."""
     real = builtins.__import__

@@ -95,7 +95,8 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
     assert {s.cache_dtype for s in sm90} == {"f16", "bf16", "e4m3", "e5m2"}
     for s in sm90:
         assert geometry.MlaSm90Geometry.of(s).fits(s.arch), (s.name, geometry.MlaSm90Geometry.of(s).smem_bytes)
-    geometry.check_against_kernel([s for s in sm90 if s.block_size == 64])
+    # every block size: which copy paths a page size takes (mla_sm90_producer, _tma)
+    geometry.check_against_kernel(sm90)
     # The sparse forms (DSA): the mma.sync kernel over 16-bit caches and DeepSeek's token
     # rows (bfloat16 only: V3.2's 656-byte fp8_ds_mla rows, rope 64; V4's 528-byte v4_fp8
     # and 288-byte v4_fp4 rows, rope 0: 512-dim keys), the wgmma one on sm_90a over 16-bit
@@ -131,7 +132,7 @@ def test_every_supported_mla_specialization_satisfies_the_kernel_constraints():
         # fp8_ds_mla rows in one (two would not fit beside Q and the widened tile)
         assert g.raw_stages == (1 if s.cache_dtype == "dsmla" else 2), s.name
         assert g.token_bytes == width.get(s.cache_dtype, 0), s.name
-    geometry.check_against_kernel([s for s in sparse + sparse90 if s.block_size == 64])
+    geometry.check_against_kernel([s for s in sparse if s.block_size == 64] + sparse90)
 
 
 def test_the_sm90_kernel_is_built_for_sm90a_only():

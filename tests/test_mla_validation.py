@@ -532,6 +532,34 @@ def test_sixteen_rows_take_two_stages_where_two_ctas_share_an_sm(itemsize):
     assert planning.mla_tile("sm_90", 64, itemsize)[2] > 2
 
 
+@pytest.mark.parametrize("family", [None, "mma", "sm90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+def test_few_rows_take_the_wgmma_kernel_where_warpgroup_1_copies(mla_planned, cache, arch,
+                                                                family):
+    """On Hopper the paged wgmma kernel serves 64 packed rows or more, and 16 to 63 where
+    warpgroup 1 copies alone (pages of 16 tokens or more: planning.PRODUCER_MIN_ROWS); under
+    16 rows, in smaller pages and on other GPUs the mma.sync kernel, and either family when
+    forced."""
+    from cupaged import planning
+
+    built = mla_planned(arch)
+    planning.set_mla_family(family)
+    planning.set_mla_split(0)
+    try:
+        for block_size in (1, 8, 16, 64, 256):
+            for heads, max_q in ((8, 1), (15, 1), (16, 1), (8, 2), (32, 1), (20, 3), (128, 1)):
+                rows = heads * max_q
+                planning.plan_mla(0, "bf16", cache, 512, 64, block_size, 4, 4 * max_q, heads,
+                                  max_q, 4096)
+                wgmma = arch == "sm_90" and family != "mma" and (
+                    family == "sm90" or rows >= 64 or (block_size >= 16 and rows >= 16))
+                assert (built[-1] == "sm90") == wgmma, (block_size, heads, max_q)
+    finally:
+        planning.set_mla_family(None)
+        planning.set_mla_split(None)
+
+
 # ---- what the latent cache write takes against what mla_attention reads ----------------------
 
 

@@ -345,41 +345,15 @@ def test_v4_specs_name_their_rows_and_refuse_a_rope():
         jit.KernelSpec("mla_sparse_attention", "bf16", 512, 64, rope_dim=32, cache_dtype="dsmla")
 
 
-def _planned(monkeypatch, device_arch, arch):
-    """plan_mla's kernels on a device of ``arch`` as a list of what it built: the mma.sync
-    kernel's spec, or "sm90" for the wgmma one (nothing compiled or loaded)."""
-    from cupaged import jit
-    from cupaged.specs import geometry
-
-    device_arch(arch)
-    built = []
-
-    def mma(device, dtype, cache_dtype, rank, rope, block_size, tile, sparse=False, variant=""):
-        spec = jit.KernelSpec("mla_sparse_attention" if sparse else "mla_attention", dtype, rank,
-                              block_size, rope_dim=rope, rows=tile[0], tile_tokens=tile[1],
-                              stages=tile[2], cache_dtype=cache_dtype, variant=variant,
-                              arch=arch)
-        built.append(spec)
-        return planning.MlaKernel(None, spec, geometry.MlaGeometry.of(spec).smem_bytes, 132)
-
-    def sm90(device, dtype, cache_dtype, rank, rope, block_size, sparse=False, variant=""):
-        built.append("sm90" + variant)  # "sm90x": its second-cache variant
-        return planning.MlaKernel(None, None, 0, 132)
-
-    monkeypatch.setattr(planning, "mla_kernel", mma)
-    monkeypatch.setattr(planning, "mla_sm90_kernel", sm90)
-    return built
-
-
 @pytest.mark.parametrize("family", [None, "sm90"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("fmt", V4_FORMATS)
-def test_v4_rows_are_planned_by_the_heads_rule(monkeypatch, device_arch, fmt, arch, family):
+def test_v4_rows_are_planned_by_the_heads_rule(mla_planned, fmt, arch, family):
     """V4's rows take the kernels fp8_ds_mla's take: on Hopper the wgmma kernel from 64
     heads (every head count under set_mla_family("sm90")), else mla_sparse_attention in the
     planner's tile for 512-dim keys and the format's row bytes (rope 0); with a second
     cache the mma.sync kernel always."""
-    built = _planned(monkeypatch, device_arch, arch)
+    built = mla_planned(arch)
     name = _dtypes.SPARSE_KV_CACHE_DTYPES[fmt].dtype.name
     planning.set_mla_family(family)
     planning.set_mla_split(0)
@@ -644,12 +618,11 @@ def test_second_cache_bounds_and_size_one_strides(adapt):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_a_second_cache_is_planned_in_the_variant_of_either_kernel(monkeypatch, device_arch,
-                                                                   arch):
+def test_a_second_cache_is_planned_in_the_variant_of_either_kernel(mla_planned, arch):
     """A second cache takes the kernel a call without one takes, in its variant "x" (the
     kernels without it are unchanged): the wgmma one at 128 heads on Hopper,
     mla_sparse_attention elsewhere and under set_mla_family("mma")."""
-    built = _planned(monkeypatch, device_arch, arch)
+    built = mla_planned(arch)
     planning.set_mla_split(0)
     try:
         for cache in ("dsmla", "bf16"):
@@ -670,12 +643,12 @@ def test_a_second_cache_is_planned_in_the_variant_of_either_kernel(monkeypatch, 
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_fp8_ds_mla_takes_the_wgmma_kernel_at_every_head_count(monkeypatch, device_arch, arch):
+def test_fp8_ds_mla_takes_the_wgmma_kernel_at_every_head_count(mla_planned, arch):
     """On Hopper fp8_ds_mla's rows take the wgmma kernel at 16 and 20 heads too (its 256
     threads widen them), 16-bit caches and V4's rows the mma.sync one below 64 heads, with
     a second cache (the kernel's variant "x") as without; set_mla_family("mma") keeps
     every cache on mma.sync."""
-    built = _planned(monkeypatch, device_arch, arch)
+    built = mla_planned(arch)
     planning.set_mla_split(0)
     try:
         for cache, rope in (("dsmla", 64), ("bf16", 64), ("v4fp8", 0), ("v4fp4", 0)):

@@ -384,6 +384,13 @@ class MlaGeometry:
         return 2 if self.rows == 16 and 2 * (self.smem_bytes + 1024) <= sm_smem(arch) else 1
 
 
+def mla_sm90_producer(block_size: int, sparse: bool, token_rows: bool = False) -> bool:
+    """``mla_sm90_producer<C, T, BLOCK_SIZE, SPARSE>()`` of ``cuda_src/mla_attention_sm90.cuh``:
+    warpgroup 1 alone copies the tiles (paged, pages of 16 tokens or more, a 16-bit or fp8
+    cache; ``token_rows``: DeepSeek's sparse row formats, which never take it)."""
+    return not token_rows and not sparse and block_size >= 16
+
+
 def mla_sm90_tma(block_size: int, cache_itemsize: int, sparse: bool) -> bool:
     """``mla_sm90_tma<C, T, BLOCK_SIZE, SPARSE>()`` of ``cuda_src/mla_attention_sm90.cuh``:
     the producer (paged, pages of 16 tokens or more) over a 16-bit cache whose 64-token
@@ -510,6 +517,13 @@ def _check_chunk(specs) -> None:
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                          f"{cxx}::kRawStages == {g.raw_stages}, "
                          f"\"host mirror differs: {s.name}\");\n")
+            sparse = s.kernel == "mla_sparse_attention_sm90"
+            copy = f"<{c}, {t}, {s.block_size}, {str(sparse).lower()}>()"
+            producer = mla_sm90_producer(s.block_size, sparse, g.token_bytes > 0)
+            tma = mla_sm90_tma(s.block_size, g.cache_itemsize, sparse)
+            lines.append(f"static_assert(cupaged::mla_sm90_producer{copy} == "
+                         f"{str(producer).lower()} && cupaged::mla_sm90_tma{copy} == "
+                         f"{str(tma).lower()}, \"host mirror differs: {s.name}\");\n")
             continue
         if s.kernel in ("mla_attention", "mla_sparse_attention"):
             g = MlaGeometry.of(s)
