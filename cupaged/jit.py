@@ -573,11 +573,25 @@ def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
         except rtc.NVRTCError as e:
             log = rtc.getProgramLog(prog)
             raise CompileError(f"NVRTC could not compile {label} for {arch}: {e}\n{log}") from None
-        binary = rtc.getCUBIN(prog) if arch.startswith("sm_") else rtc.getPTX(prog)
+        binary = whole_elf(rtc.getCUBIN(prog)) if arch.startswith("sm_") else rtc.getPTX(prog)
         lowered = {expr: rtc.getLoweredName(prog, expr) for expr in name_expressions}
     finally:
         rtc.destroyProgram(prog)
     return binary, lowered
+
+
+def whole_elf(cubin: bytes) -> bytes:
+    """The cubin as NVRTC made it. CuPy's getCUBIN drops its last byte (a terminator, as
+    for PTX), which is the high byte of a 64-bit field of the last header, zero; the
+    driver never missed it (a bytes object ends in a hidden NUL), but nvdisasm and cuobjdump
+    refuse the short file in the cache. Where the ELF's headers end one byte past the
+    data, that zero byte is put back; anything else is returned as it is."""
+    if len(cubin) < 64 or cubin[:5] != b"\x7fELF\x02":
+        return cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" if end == len(cubin) + 1 else cubin
 
 
 def cache_key(spec: KernelSpec) -> str:
