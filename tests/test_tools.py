@@ -122,6 +122,8 @@ def test_ab_alternates_trees_in_rounds(tmp_path):
     r = _dry(tmp_path, "ab", "trees:decode", TREES=".", ROUNDS="1")
     assert "(cd .) python3 -m cupaged.bench compare" in r.stdout
     assert _dry(tmp_path, "ab").returncode == 2
+    r = _dry(tmp_path, "ab", "--", "mla", TREES=".", ROUNDS="1", LIMIT="90")
+    assert "+ (cd .) timeout -k 5 90 python3 -m cupaged.bench mla" in r.stdout
 
 
 def test_profile_wraps_a_bench_command_in_ncu(tmp_path):

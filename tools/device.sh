@@ -51,6 +51,8 @@
 #     TREES=".ab/base ." (the default): copies of earlier cupaged/ and cuda_src/ (`git
 #     archive REV cupaged cuda_src | tar -x -C .ab/base`, carried), "." this tree. For a
 #     few percent, prefer one process: cupaged-bench ab decode / ab host / ab tuning.
+#     LIMIT=SECONDS ends each command there (timeout): a tree whose kernel hangs costs
+#     that much of the call, and its rounds show as failed.
 # profile [--set counters|opcodes|full|source] [--kernel REGEX] [--launch-count N] [--tag T]
 #         BENCH COMMAND
 #     Nsight Compute over a cupaged-bench command: with CUPAGED_BENCH_NVTX=1 every timed
@@ -576,10 +578,12 @@ rows_mode() {
 PATHS=$PYTHONPATH
 in_tree() {
   local tree=$1; shift
-  local mod=cupaged.bench
+  local mod=cupaged.bench lim=()
   [ -f "$tree/cupaged/bench/__main__.py" ] || mod=cupaged.cli  # older trees
-  if [ -n "$DRY" ]; then echo "+ (cd $tree) $(quote python3 -m $mod "$@")"; return 0; fi
-  (cd "$tree" && PYTHONPATH="$PWD:$PATHS" python3 -m "$mod" "$@")
+  # LIMIT=SECONDS: each command ends there (a kernel that hangs costs that, not the call)
+  [ -n "${LIMIT:-}" ] && lim=(timeout -k 5 "$LIMIT")
+  if [ -n "$DRY" ]; then echo "+ (cd $tree) $(quote "${lim[@]}" python3 -m $mod "$@")"; return 0; fi
+  (cd "$tree" && PYTHONPATH="$PWD:$PATHS" "${lim[@]}" python3 -m "$mod" "$@")
 }
 
 ab_mode() {
