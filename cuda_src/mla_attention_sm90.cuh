@@ -155,12 +155,20 @@ struct MlaTma {
   int use;
 };
 
-// Whether the producer may copy a 16-bit paged tile by TMA: its 64 tokens are a whole
-// number of boxes of one block each (pages of 16 or 32 tokens, or a multiple of 64).
+// Whether a 64-token tile is a whole number of runs of one block each (pages dividing 64
+// or a multiple of it): what a tile's asynchronous copies, a box or a bulk copy a run,
+// need.
+template <int BLOCK_SIZE>
+__host__ __device__ constexpr bool mla_tile_in_block_runs() {
+  return BLOCK_SIZE % 64 == 0 || 64 % BLOCK_SIZE == 0;
+}
+
+// Whether the producer may copy a 16-bit paged tile by TMA (pages of 16 or 32 tokens, or
+// a multiple of 64).
 template <typename C, typename T, int BLOCK_SIZE, bool SPARSE>
 __host__ __device__ constexpr bool mla_sm90_tma() {
   return mla_sm90_producer<C, T, BLOCK_SIZE, SPARSE>() && is_same<C, T>::value &&
-         (BLOCK_SIZE % 64 == 0 || 64 % BLOCK_SIZE == 0);
+         mla_tile_in_block_runs<BLOCK_SIZE>();
 }
 
 // The kernel's body, for both entry points below: paged (SPARSE false) and sparse
@@ -237,7 +245,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
   // fp8 on the producer: bulk copies where the cache is dense and combined (a token's row
   // of RANK + ROPE bytes, the rotary part right after the latent, rows back to back)
   constexpr bool kBulk = Geo::kProducer && Geo::kQuant && !Geo::kRowFmt &&
-                         (BLOCK_SIZE % 64 == 0 || 64 % BLOCK_SIZE == 0);
+                         mla_tile_in_block_runs<BLOCK_SIZE>();
   const bool dense = kBulk && c_lat_token_stride == Geo::kRawRow &&
                      c_rope == c_lat + RANK && c_rope_token_stride == Geo::kRawRow &&
                      c_rope_block_stride == c_lat_block_stride;

@@ -580,18 +580,23 @@ def _compile(entry: str, arch: str, name_expressions: list[str], label: str,
     return binary, lowered
 
 
+def elf_end(binary: bytes) -> int | None:
+    """Where an ELF64 file ends by its own headers (past its program and section header
+    tables), or None for bytes that are not one."""
+    if len(binary) < 64 or binary[:5] != b"\x7fELF\x02":
+        return None
+    phoff, shoff = struct.unpack_from("<QQ", binary, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", binary, 0x36)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
 def whole_elf(cubin: bytes) -> bytes:
     """The cubin as NVRTC made it. CuPy's getCUBIN drops its last byte (a terminator, as
     for PTX), which is the high byte of a 64-bit field of the last header, zero; the
     driver never missed it (a bytes object ends in a hidden NUL), but nvdisasm and cuobjdump
     refuse the short file in the cache. Where the ELF's headers end one byte past the
     data, that zero byte is put back; anything else is returned as it is."""
-    if len(cubin) < 64 or cubin[:5] != b"\x7fELF\x02":
-        return cubin
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + b"\0" if end == len(cubin) + 1 else cubin
+    return cubin + b"\0" if elf_end(cubin) == len(cubin) + 1 else cubin
 
 
 def cache_key(spec: KernelSpec) -> str:

@@ -985,12 +985,9 @@ WGMMA_EVERY_HEAD_COUNT = (_dtypes.DS_MLA.name,)
 
 # Where warpgroup 1 copies alone (geometry.mla_sm90_producer: paged, pages of 16 tokens or
 # more), by TMA over 16-bit caches and by bulk copies over dense fp8 ones, the wgmma kernel
-# also takes 16 to 63 packed rows, padded to 64. On an H200 (cupaged-bench mla, 16 heads,
-# 128 sequences of 4k unless said; PERFORMANCE.md, MLA kernel step 19), bf16 / fp8 e4m3
-# against mma.sync: 165.3 / 185.0 µs against 185.1 / 219.4; at 32 heads and batch 64
-# 98.9 / 107.4 against 153.7 / 176.8; at 32k 1238.7 / 1369.2 against 1251.4 / 1603.2; at
-# batch 16 43.3 / 40.5 against 44.4 / 44.2; over 1k in pages of 16 62.7 / 59.2 against
-# 62.3 / 68.3. Fewer rows are not measured.
+# also takes 16 to 63 packed rows, padded to 64: on an H200 it ran 16 and 32 heads 0.99x
+# to 1.65x the mma.sync kernel's speed (PERFORMANCE.md, MLA kernel step 19). Fewer rows
+# are not measured.
 PRODUCER_MIN_ROWS = 16
 
 

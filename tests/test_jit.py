@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import sys
-import struct
 import threading
 import time
 import warnings
@@ -147,14 +146,6 @@ def test_key_covers_arch_options_and_nvrtc_version(monkeypatch):
     assert "-std=c++20" in jit._options("sm_90")
 
 
-def _elf_end(binary: bytes) -> int:
-    """Where an ELF64 file ends by its own headers: past its section and program headers."""
-    assert binary[:4] == b"\x7fELF" and binary[4] == 2
-    phoff, shoff = struct.unpack_from("<QQ", binary, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", binary, 0x36)
-    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-
-
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
 def test_cached_cubins_are_whole_elf_files(cache, arch):
     """The cubin in the cache is the whole ELF its headers describe (CuPy's getCUBIN drops
@@ -163,7 +154,7 @@ def test_cached_cubins_are_whole_elf_files(cache, arch):
         "mla_attention_sm90", "bf16", 512, 16, rope_dim=64, cache_dtype="bf16")
     built = jit.build(spec)
     data = built.path.read_bytes()
-    assert len(data) == _elf_end(data) == len(jit.binary(spec))
+    assert len(data) == jit.elf_end(data) == len(jit.binary(spec))
 
 
 def test_corrupt_cache_entry_is_rebuilt(cache):
