@@ -22,7 +22,8 @@
 //     named barriers hand P over and free P and the stage), over fp8 into the raw stage
 //     this tile was widened from; each (raw) stage's mbarrier counts the copies landed;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
-//     shared memory).
+//     shared memory; warpgroup 0 rescales its half during the softmax, warpgroup 1 after
+//     the P barrier).
 // fp8: three CTA barriers a tile (token rows: four). The softmax is not overlapped with
 // the products (FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
@@ -561,6 +562,15 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         }
         float sub[2], alpha[2];
         advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
+        // This warpgroup's half of O rescaled now, beside the exponentials (its P V of the
+        // tile before is done), not between the P barrier and its products
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 0] *= alpha[0];
+          o[4 * j + 1] *= alpha[0];
+          o[4 * j + 2] *= alpha[1];
+          o[4 * j + 3] *= alpha[1];
+        }
         // The 16-bit producer: warpgroup 1's P V of tile it - 1 is done with P and the
         // factors (fp8: the last barrier said so)
         if (Geo::kProducer && !Geo::kQuant && it > 0) {
@@ -601,14 +611,16 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
 
       // ---- O_half = O_half * alpha + P V_half ------------------------------------------------
       {
-        const float a0 = alpha_s[frag_row];
-        const float a1 = alpha_s[frag_row + 8];
+        if (wg == 1) {  // (warpgroup 0's half: rescaled above)
+          const float a0 = alpha_s[frag_row];
+          const float a1 = alpha_s[frag_row + 8];
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j + 0] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
+          for (int j = 0; j < 32; ++j) {
+            o[4 * j + 0] *= a0;
+            o[4 * j + 1] *= a0;
+            o[4 * j + 2] *= a1;
+            o[4 * j + 3] *= a1;
+          }
         }
         fence_regs(o);
         wgmma_fence();
