@@ -473,6 +473,15 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
       // the products reading the one widened stage).
       const int slot = Geo::kProducer ? (done + it) & 1 : it & 1;
       const int stage = Geo::kQuant ? 0 : slot;
+      // The tile's descriptors, built once (each wgmma then adds a constant offset): Q's,
+      // this stage's as K (S) and as V from this warpgroup's first output column (P V),
+      // and P's. (The stage broadcast from lane 0: warp-uniform to the compiler, so the
+      // descriptors can stay in uniform registers.)
+      const unsigned k_tile = stage_s(__shfl_sync(~0u, stage, 0));
+      const DescBase q_desc = kmajor_base(q_s);
+      const DescBase k_desc = kmajor_base(k_tile);
+      const DescBase v_desc = mnmajor_base(k_tile + 4 * TILE_N * 128 * wg, TILE_N);
+      const DescBase p_desc = kmajor_base(p_s);
       if constexpr (Geo::kRowFmt) {
         // Two raw stages (V4's rows): tile it + 1 is issued into the other one first and
         // flies during tile it's widening and products. One (fp8_ds_mla's): tile it + 1 is
@@ -524,8 +533,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < Geo::kDims / 16; ++k) {
-          Wgmma<T, 64, 0>::ss(s, kmajor_desc(q_s, 16 * k, ROWS),
-                              kmajor_desc(stage_s(stage), 16 * k, TILE_N), k > 0);
+          Wgmma<T, 64, 0>::ss(s, q_desc.at(kmajor_off(16 * k, ROWS)),
+                              k_desc.at(kmajor_off(16 * k, TILE_N)), k > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -626,8 +635,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
-          Wgmma<T, 256, 1>::ss(o, kmajor_desc(p_s, 16 * kk, ROWS),
-                               mnmajor_desc(stage_s(stage), 16 * kk, 256 * wg, TILE_N), 1);
+          Wgmma<T, 256, 1>::ss(o, p_desc.at(kmajor_off(16 * kk, ROWS)),
+                               v_desc.at(mnmajor_off(16 * kk, 0, TILE_N)), 1);
         }
         wgmma_commit();
         wgmma_wait<0>();
