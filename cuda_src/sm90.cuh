@@ -66,8 +66,9 @@ __device__ __forceinline__ unsigned long long mnmajor_desc(unsigned tile, int k0
 
 // A descriptor built once for a tile whose k-steps (or column blocks) sit at constant byte
 // offsets from its start: `at(off)` adds off / 16 to the low word's 14-bit address field
-// (a shared-window address plus offset stays below 256 KB, so nothing carries out of
-// it), one add a wgmma instead of the masks and shifts of sw128_desc.
+// (a shared-window address plus offset stays below 256 KB, the field's reach, since
+// Hopper's window is 228 KB: nothing carries out of it), one add a wgmma instead of the
+// masks and shifts of sw128_desc.
 struct DescBase {
   unsigned lo, hi;
   __device__ __forceinline__ unsigned long long at(unsigned byte_off) const {
