@@ -275,6 +275,28 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     };
     auto tile_id = [&](int tile) -> Ids {
       Ids ids;
+      if constexpr (!SPARSE && Geo::kRowCopy) {
+        // Paged row copies: mla_block_id's rule, the table read once a block (a copier's
+        // tokens kCopiers / 8 apart, from a tile start, share one unless a multiple of
+        // BLOCK_SIZE lies between them)
+        constexpr int kStep = Geo::kCopiers / 8;
+        static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && (kStep & (kStep - 1)) == 0,
+                      "powers of two: a copier's tokens cross a block only at those steps");
+        const int key0 = (tile_lo + tile) * TILE_N + copy_row(0);
+        const int end = tile >= n_tiles ? 0 : kv_end;
+        int phys = -1;
+#pragma unroll
+        for (int i = 0; i < Geo::kIds; ++i) {
+          const int key = key0 + kStep * i;
+          if ((kStep * i) % BLOCK_SIZE == 0 && key < end) {
+            phys = __ldg(sq.bt_row + key / BLOCK_SIZE);
+          }
+          ids.v[i] = key >= end ? -1
+                     : static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys
+                                                                                        : -2;
+        }
+        return ids;
+      }
 #pragma unroll
       for (int i = 0; i < Geo::kIds; ++i) {
         ids.v[i] = tile >= n_tiles ? -1
