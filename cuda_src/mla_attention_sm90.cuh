@@ -295,14 +295,14 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
                      : static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys
                                                                                         : -2;
         }
-        return ids;
-      }
+      } else {
 #pragma unroll
-      for (int i = 0; i < Geo::kIds; ++i) {
-        ids.v[i] = tile >= n_tiles ? -1
-                                   : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
-                                         sq, (tile_lo + tile) * TILE_N + copy_row(i), kv_end,
-                                         num_blocks, strict, extra, extra_row, first_len);
+        for (int i = 0; i < Geo::kIds; ++i) {
+          ids.v[i] = tile >= n_tiles ? -1
+                                     : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
+                                           sq, (tile_lo + tile) * TILE_N + copy_row(i), kv_end,
+                                           num_blocks, strict, extra, extra_row, first_len);
+        }
       }
       return ids;
     };
