@@ -22,7 +22,8 @@
 //     named barriers hand P over and free P and the stage), over fp8 into the raw stage
 //     this tile was widened from; each (raw) stage's mbarrier counts the copies landed;
 //   both: O_half = O_half * alpha + P V_half (4 k-steps of m64n256k16, P and V from
-//     shared memory).
+//     shared memory; warpgroup 0 rescales its half during the softmax, warpgroup 1 after
+//     the P barrier).
 // fp8: three CTA barriers a tile (token rows: four). The softmax is not overlapped with
 // the products (FlashInfer's Hopper MLA kernel has this shape).
 #pragma once
@@ -282,12 +283,34 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     };
     auto tile_id = [&](int tile) -> Ids {
       Ids ids;
+      if constexpr (!SPARSE && Geo::kRowCopy) {
+        // Paged row copies: mla_block_id's rule, the table read once a block (a copier's
+        // tokens kCopiers / 8 apart, from a tile start, share one unless a multiple of
+        // BLOCK_SIZE lies between them)
+        constexpr int kStep = Geo::kCopiers / 8;
+        static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && (kStep & (kStep - 1)) == 0,
+                      "powers of two: a copier's tokens cross a block only at those steps");
+        const int key0 = (tile_lo + tile) * TILE_N + copy_row(0);
+        const int end = tile >= n_tiles ? 0 : kv_end;
+        int phys = -1;
 #pragma unroll
-      for (int i = 0; i < Geo::kIds; ++i) {
-        ids.v[i] = tile >= n_tiles ? -1
-                                   : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
-                                         sq, (tile_lo + tile) * TILE_N + copy_row(i), kv_end,
-                                         num_blocks, strict, extra, extra_row, first_len);
+        for (int i = 0; i < Geo::kIds; ++i) {
+          const int key = key0 + kStep * i;
+          if ((kStep * i) % BLOCK_SIZE == 0 && key < end) {
+            phys = __ldg(sq.bt_row + key / BLOCK_SIZE);
+          }
+          ids.v[i] = key >= end ? -1
+                     : static_cast<unsigned>(phys) < static_cast<unsigned>(num_blocks) ? phys
+                                                                                        : -2;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < Geo::kIds; ++i) {
+          ids.v[i] = tile >= n_tiles ? -1
+                                     : mla_key_id<BLOCK_SIZE, SPARSE, EXTRA>(
+                                           sq, (tile_lo + tile) * TILE_N + copy_row(i), kv_end,
+                                           num_blocks, strict, extra, extra_row, first_len);
+        }
       }
       return ids;
     };
@@ -480,6 +503,15 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
       // the products reading the one widened stage).
       const int slot = Geo::kProducer ? (done + it) & 1 : it & 1;
       const int stage = Geo::kQuant ? 0 : slot;
+      // The tile's descriptors, built once (each wgmma then adds a constant offset): Q's,
+      // this stage's as K (S) and as V from this warpgroup's first output column (P V),
+      // and P's. (The stage broadcast from lane 0: warp-uniform to the compiler, so the
+      // descriptors can stay in uniform registers.)
+      const unsigned k_tile = stage_s(__shfl_sync(~0u, stage, 0));
+      const DescBase q_desc = kmajor_base(q_s);
+      const DescBase k_desc = kmajor_base(k_tile);
+      const DescBase v_desc = mnmajor_base(k_tile + 4 * TILE_N * 128 * wg, TILE_N);
+      const DescBase p_desc = kmajor_base(p_s);
       if constexpr (Geo::kRowFmt) {
         // Two raw stages (V4's rows): tile it + 1 is issued into the other one first and
         // flies during tile it's widening and products. One (fp8_ds_mla's): tile it + 1 is
@@ -531,8 +563,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < Geo::kDims / 16; ++k) {
-          Wgmma<T, 64, 0>::ss(s, kmajor_desc(q_s, 16 * k, ROWS),
-                              kmajor_desc(stage_s(stage), 16 * k, TILE_N), k > 0);
+          Wgmma<T, 64, 0>::ss(s, q_desc.at(kmajor_off(16 * k, ROWS)),
+                              k_desc.at(kmajor_off(16 * k, TILE_N)), k > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -569,6 +601,15 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         }
         float sub[2], alpha[2];
         advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
+        // This warpgroup's half of O rescaled now, beside the exponentials (its P V of the
+        // tile before is done), not between the P barrier and its products
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 0] *= alpha[0];
+          o[4 * j + 1] *= alpha[0];
+          o[4 * j + 2] *= alpha[1];
+          o[4 * j + 3] *= alpha[1];
+        }
         // The 16-bit producer: warpgroup 1's P V of tile it - 1 is done with P and the
         // factors (fp8: the last barrier said so)
         if (Geo::kProducer && !Geo::kQuant && it > 0) {
@@ -609,21 +650,23 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
 
       // ---- O_half = O_half * alpha + P V_half ------------------------------------------------
       {
-        const float a0 = alpha_s[frag_row];
-        const float a1 = alpha_s[frag_row + 8];
+        if (wg == 1) {  // (warpgroup 0's half: rescaled above)
+          const float a0 = alpha_s[frag_row];
+          const float a1 = alpha_s[frag_row + 8];
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j + 0] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
+          for (int j = 0; j < 32; ++j) {
+            o[4 * j + 0] *= a0;
+            o[4 * j + 1] *= a0;
+            o[4 * j + 2] *= a1;
+            o[4 * j + 3] *= a1;
+          }
         }
         fence_regs(o);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
-          Wgmma<T, 256, 1>::ss(o, kmajor_desc(p_s, 16 * kk, ROWS),
-                               mnmajor_desc(stage_s(stage), 16 * kk, 256 * wg, TILE_N), 1);
+          Wgmma<T, 256, 1>::ss(o, p_desc.at(kmajor_off(16 * kk, ROWS)),
+                               v_desc.at(mnmajor_off(16 * kk, 0, TILE_N)), 1);
         }
         wgmma_commit();
         wgmma_wait<0>();

@@ -64,6 +64,35 @@ __device__ __forceinline__ unsigned long long mnmajor_desc(unsigned tile, int k0
                     static_cast<unsigned>(rows * 128), 1024);
 }
 
+// A descriptor built once for a tile whose k-steps (or column blocks) sit at constant byte
+// offsets from its start: `at(off)` adds off / 16 to the low word's 14-bit address field
+// (a shared-window address plus offset stays below 256 KB, the field's reach, since
+// Hopper's window is 228 KB: nothing carries out of it), one add a wgmma instead of the
+// masks and shifts of sw128_desc.
+struct DescBase {
+  unsigned lo, hi;
+  __device__ __forceinline__ unsigned long long at(unsigned byte_off) const {
+    return (static_cast<unsigned long long>(hi) << 32) | (lo + (byte_off >> 4));
+  }
+};
+__device__ __forceinline__ DescBase desc_base(unsigned long long d) {
+  return {static_cast<unsigned>(d), static_cast<unsigned>(d >> 32)};
+}
+// kmajor_desc(tile, k0, rows) == kmajor_base(tile).at(kmajor_off(k0, rows))
+__device__ __forceinline__ DescBase kmajor_base(unsigned tile) {
+  return desc_base(kmajor_desc(tile, 0, 64));
+}
+__host__ __device__ constexpr unsigned kmajor_off(int k0, int rows) {
+  return static_cast<unsigned>((k0 >> 6) * rows * 128 + (k0 & 63) * 2);
+}
+// mnmajor_desc(tile, k0, n0, rows) == mnmajor_base(tile, rows).at(mnmajor_off(k0, n0, rows))
+__device__ __forceinline__ DescBase mnmajor_base(unsigned tile, int rows) {
+  return desc_base(mnmajor_desc(tile, 0, 0, rows));
+}
+__host__ __device__ constexpr unsigned mnmajor_off(int k0, int n0, int rows) {
+  return static_cast<unsigned>((n0 >> 6) * rows * 128 + k0 * 128);
+}
+
 // Shared memory written by ordinary stores that wgmma (the async proxy) reads next: each
 // writing thread fences before the barrier that publishes it.
 __device__ __forceinline__ void fence_async_smem() {
