@@ -291,7 +291,11 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && (kStep & (kStep - 1)) == 0,
                       "powers of two: a copier's tokens cross a block only at those steps");
         const int key0 = (tile_lo + tile) * TILE_N + copy_row(0);
-        const int end = tile >= n_tiles ? 0 : kv_end;
+        // Past the tiles every id is -1 and nothing is read: the bound is below every key,
+        // a non-copier's too (its copy_row is negative, and with no keys at all its key0
+        // is, so a bound of 0 would read the row's entry -1 in pages of 16)
+        constexpr int kBelowEveryKey = -0x7fffffff - 1;
+        const int end = tile >= n_tiles ? kBelowEveryKey : kv_end;
         int phys = -1;
 #pragma unroll
         for (int i = 0; i < Geo::kIds; ++i) {

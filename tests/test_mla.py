@@ -211,6 +211,33 @@ def test_an_empty_sequence_gives_zeros_and_minus_inf_lse(rng, family, mla_split,
     np.testing.assert_allclose(lse[keep], ref_lse, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("heads,block_size", [(16, 16), (128, 16), (128, 64)])
+@pytest.mark.parametrize("first_len", [0, -3])
+def test_an_empty_first_sequence(rng, family, mla_split, heads, block_size, first_len):
+    """Sequence 0 decoding with no keys (length 0, or negative: empty) where warpgroup 1
+    copies (16 and 128 heads, pages of 16 and 64): its rows are zeros and lse -inf, the
+    others exact, single pass and split. Under memcheck (tools/device.sh sanitize mla, whose
+    launch has this batch) nothing reads before the block table, its own allocation there:
+    the kernel's threads that do not copy once read entry -1 of row 0 in pages of 16."""
+    import cupy
+
+    for split in (0, 1):
+        mla_split(split)
+        host = make_mla(rng, [1, 1, 1], [0, 70, 130], heads=heads, block_size=block_size)
+        host["seq_lens"][0] = first_len
+        dev = device({k: v for k, v in host.items() if k != "query_start_loc"})
+        got, lse = (cupy.asnumpy(a) for a in cupaged.mla_attention(**dev, scale=SCALE,
+                                                                  return_lse=True))
+        assert (got[0] == 0).all() and np.isneginf(lse[0]).all(), f"split={split}"
+        keep = [1, 2]
+        rest = {**host, "q": host["q"][keep], "block_tables": host["block_tables"][keep],
+                "seq_lens": host["seq_lens"][keep]}
+        ref, ref_lse = ref_of(rest, return_lse=True, decode=True)
+        assert_close(got[keep].astype(np.float64), ref, testing.TOLERANCE["bf16"],
+                     f"split={split}")
+        np.testing.assert_allclose(lse[keep], ref_lse, rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("split", [0, 2])
 def test_rows_outside_the_query_starts_are_left_as_they_are(rng, family, mla_split, split):
     """Rows before query_start_loc[0] and from query_start_loc[-1] on (a padded batch, as

@@ -16,8 +16,9 @@ bar.sync (on the device's CUDA 13 it does not: it reports hazards there).
 Single library launches, checked against the reference (the sanitizer watches one
 kernel's edges at a time):
     ... python3 tools/sanitize_control.py mla SPLIT KV FAMILY
-        mla_attention over a mixed batch: SPLIT tiles per split-KV partition (0: one
-        pass), KV the cache (auto or fp8_e4m3 / fp8_e5m2), FAMILY mma or sm90
+        mla_attention over a decode batch whose first sequence is empty, then a mixed
+        batch: SPLIT tiles per split-KV partition (0: one pass), KV the cache (auto or
+        fp8_e4m3 / fp8_e5m2), FAMILY mma or sm90
     ... python3 tools/sanitize_control.py sm90 LAYOUT KV
         paged_prefill_sm90 (asserted to serve the call) over a mixed batch: LAYOUT NHD,
         HND or vllm, KV auto or an fp8 format
@@ -102,9 +103,20 @@ def mla_launch(split: int, fmt: str, family: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_mla import SCALE, device, make_mla, ref_of, to_fp8
 
+    cupy.cuda.set_allocator(None)  # each array its own allocation: an overrun leaves it
     planning.set_mla_split(split)
     planning.set_mla_family(family)
     rng = np.random.default_rng(0)
+    # Decode form, the first sequence empty: nothing may read before its table row (the
+    # table's first entry)
+    first = make_mla(rng, [1, 1], [0, 70], heads=16, block_size=16)
+    dec = {k: v for k, v in first.items() if k != "query_start_loc"}
+    kw = {}
+    if fmt != "auto":
+        dec["kv_cache"] = to_fp8(dec["kv_cache"], fmt, 0.05)
+        kw = dict(kv_cache_dtype=fmt, k_scale=0.05)
+    got = cupy.asnumpy(cupaged.mla_attention(**device(dec), scale=SCALE, **kw))
+    assert (got[0] == 0).all(), "the empty sequence's rows"
     host = make_mla(rng, [1, 3, 20], [100, 260, 90], heads=16, block_size=16)
     kw, ref = {}, ref_of(host)
     if fmt != "auto":
