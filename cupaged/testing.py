@@ -6,8 +6,8 @@ import numpy as np
 
 from . import _dtypes
 
-__all__ = ["convert_layout", "poison_unused_slots", "random_block_tables", "random_cache",
-           "random_normal", "ROW_FACTOR", "TOLERANCE"]
+__all__ = ["convert_layout", "guarded", "poison_unused_slots", "random_block_tables",
+           "random_cache", "random_normal", "ROW_FACTOR", "TOLERANCE"]
 
 # ||out - ref|| / ||ref|| accepted against the float64 reference, by element type.
 TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
@@ -98,3 +98,129 @@ def convert_layout(key_cache, value_cache, src: str, dst: str):
     else:
         raise ValueError(f"unknown layout {dst!r}")
     return np.ascontiguousarray(k), np.ascontiguousarray(v)
+
+
+# ---- device arrays against unmapped memory -----------------------------------------------
+# The driver's virtual memory management (cuda.h, CUDA 10.2 on): a reserved address range of
+# which only the middle is mapped. ctypes mirrors of its structs; test_testing.py checks their
+# sizes against cuda.h's.
+
+
+def _vmm_structs():
+    import ctypes as c
+
+    class Location(c.Structure):  # CUmemLocation
+        _fields_ = [("type", c.c_int), ("id", c.c_int)]
+
+    class AllocFlags(c.Structure):
+        _fields_ = [("compressionType", c.c_ubyte), ("gpuDirectRDMACapable", c.c_ubyte),
+                    ("usage", c.c_ushort), ("reserved", c.c_ubyte * 4)]
+
+    class AllocationProp(c.Structure):  # CUmemAllocationProp
+        _fields_ = [("type", c.c_int), ("requestedHandleTypes", c.c_int),
+                    ("location", Location), ("win32HandleMetaData", c.c_void_p),
+                    ("allocFlags", AllocFlags)]
+
+    class AccessDesc(c.Structure):  # CUmemAccessDesc
+        _fields_ = [("location", Location), ("flags", c.c_int)]
+
+    return AllocationProp, AccessDesc
+
+
+# CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+_PINNED, _ON_DEVICE, _READ_WRITE = 1, 1, 3
+
+
+def guard_layout(nbytes: int, granularity: int, side: str, align: int) -> tuple[int, int]:
+    """Where :func:`guarded` puts an array of ``nbytes``: ``(mapped, offset)``, the bytes
+    mapped (whole granules, at least one) and the array's offset in them: 0 on ``"before"``
+    (its first byte is the mapping's), else the largest multiple of ``align`` that ends it
+    within ``align - 1`` bytes of the mapping's end (exactly there when ``nbytes`` is a
+    multiple of ``align``)."""
+    if side not in ("before", "after"):
+        raise ValueError(f"side must be 'before' or 'after', got {side!r}")
+    if granularity <= 0 or align <= 0 or granularity % align:
+        raise ValueError(f"granularity {granularity} must be a positive multiple of align {align}")
+    mapped = max(1, -(-nbytes // granularity)) * granularity
+    return mapped, 0 if side == "before" else (mapped - nbytes) // align * align
+
+
+class _Mapping:
+    """A reserved range, one granule of guard on each side of ``size`` mapped bytes."""
+
+    def __init__(self, lib, device: int, size: int, granularity: int):
+        import ctypes as c
+        import weakref
+
+        prop_t, access_t = _vmm_structs()
+        prop = prop_t(type=_PINNED)
+        prop.location.type, prop.location.id = _ON_DEVICE, device
+        handle, base = c.c_ulonglong(), c.c_ulonglong()
+        reserve = size + 2 * granularity
+        _vmm_call(lib, "cuMemAddressReserve", c.byref(base), c.c_size_t(reserve),
+                  c.c_size_t(granularity), c.c_ulonglong(0), c.c_ulonglong(0))
+        done = [("cuMemAddressFree", c.c_ulonglong(base.value), c.c_size_t(reserve))]
+        try:
+            _vmm_call(lib, "cuMemCreate", c.byref(handle), c.c_size_t(size), c.byref(prop),
+                      c.c_ulonglong(0))
+            done.append(("cuMemRelease", c.c_ulonglong(handle.value)))
+            self.ptr = base.value + granularity
+            _vmm_call(lib, "cuMemMap", c.c_ulonglong(self.ptr), c.c_size_t(size), c.c_size_t(0),
+                      c.c_ulonglong(handle.value), c.c_ulonglong(0))
+            done.append(("cuMemUnmap", c.c_ulonglong(self.ptr), c.c_size_t(size)))
+            access = access_t(flags=_READ_WRITE)
+            access.location.type, access.location.id = _ON_DEVICE, device
+            _vmm_call(lib, "cuMemSetAccess", c.c_ulonglong(self.ptr), c.c_size_t(size),
+                      c.byref(access), c.c_size_t(1))
+        except BaseException:
+            _vmm_release(lib, done)
+            raise
+        self._release = weakref.finalize(self, _vmm_release, lib, done)
+
+
+def _vmm_call(lib, name: str, *args) -> None:
+    import ctypes as c
+
+    rc = getattr(lib, name)(*args)
+    if rc != 0:
+        text = c.c_char_p()
+        lib.cuGetErrorName(rc, c.byref(text))
+        raise RuntimeError(f"{name} failed: {(text.value or b'?').decode()} ({rc})")
+
+
+def _vmm_release(lib, done) -> None:
+    # (unmap, then the handle, then the address range: the reverse of their making)
+    for name, *args in reversed(done):
+        getattr(lib, name)(*args)
+
+
+def guarded(array, side: str = "before", align: int | None = None):
+    """A CuPy copy of ``array`` (NumPy or CuPy, any strides; the copy is C-contiguous) whose
+    ``side`` (``"before"`` or ``"after"``) borders unmapped memory: on ``"before"`` its first
+    byte is the first of a mapping, on ``"after"`` it ends within ``align - 1`` bytes of a
+    mapping's end (``align``: its start's alignment, the itemsize by default, so an array
+    whose bytes are a multiple of it ends exactly there). A kernel that reads or writes
+    across that edge faults at once (CUDA's illegal address error), deterministically,
+    where compute-sanitizer's memcheck needs the array alone in its allocation and a small
+    overrun into a neighbour or a pool's chunk goes unseen. The fault ends the process's
+    CUDA context, so use it where any such access is a defect. On the current device,
+    through the CUDA driver's virtual memory management (``libcuda``'s ``cuMemCreate``,
+    ``cuMemMap``, ...)."""
+    import ctypes
+
+    import cupy
+
+    src = cupy.ascontiguousarray(cupy.asarray(array))
+    device = cupy.cuda.Device().id
+    lib = ctypes.CDLL("libcuda.so.1")
+    prop_t, _ = _vmm_structs()
+    prop = prop_t(type=_PINNED)
+    prop.location.type, prop.location.id = _ON_DEVICE, device
+    gran = ctypes.c_size_t()
+    _vmm_call(lib, "cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), 0)
+    mapped, offset = guard_layout(src.nbytes, gran.value, side, align or src.itemsize)
+    mapping = _Mapping(lib, device, mapped, gran.value)
+    mem = cupy.cuda.UnownedMemory(mapping.ptr, mapped, mapping, device)
+    out = cupy.ndarray(src.shape, src.dtype, cupy.cuda.MemoryPointer(mem, offset))
+    out[...] = src
+    return out
