@@ -69,8 +69,12 @@ def poisoned(shape, dtype):
     return out
 
 
-def run(p, partition, **kw):
+def run(p, partition, guard=None, **kw):
+    """paged_attention over ``p`` into a poisoned ``out``; ``guard``: the block table
+    placed by testing.guarded on that side of unmapped memory."""
     a = p.device_args()
+    if guard:
+        a["block_tables"] = testing.guarded(p.block_tables, guard)
     out = poisoned(a["query"].shape, a["query"].dtype)
     got = cupaged.paged_attention(**a, out=out, partition=partition, **kw)
     assert got is out
@@ -371,9 +375,10 @@ def test_lengths_past_the_table_are_clamped_and_reported(rng):
         cupaged.check_block_tables(cupy.asarray(p.block_tables), cupy.asarray(p.context_lens),
                                    p.key_cache.shape[0], 16)
     # The kernel stops at the table's width; here that reaches the row's unused (garbage)
-    # entry, so the sequence comes out NaN instead of reading outside the cache.
+    # entry, so the sequence comes out NaN instead of reading outside the cache. The table
+    # ends a mapping and sequence 1 is its last row: a read past the table faults.
     for partition in ("never", "always", "flat"):
-        got = run(p, partition)
+        got = run(p, partition, guard="after")
         assert_close(got[0], ref[0], tol(p))
         assert np.isnan(got[1]).all()
 
