@@ -189,7 +189,10 @@ def _vmm_call(lib, name: str, *args) -> None:
 
 
 def _vmm_release(lib, done) -> None:
-    # (unmap, then the handle, then the address range: the reverse of their making)
+    # Kernels still reading the array finish first (its last owner may go before a launch
+    # on it does); then unmap, release the handle, free the range: the reverse of their
+    # making. (At exit the context may be gone: the calls then fail, harmlessly.)
+    lib.cuCtxSynchronize()
     for name, *args in reversed(done):
         getattr(lib, name)(*args)
 
