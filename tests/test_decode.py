@@ -69,12 +69,16 @@ def poisoned(shape, dtype):
     return out
 
 
-def run(p, partition, guard=None, **kw):
+def run(p, partition, guard=None, guard_caches=False, **kw):
     """paged_attention over ``p`` into a poisoned ``out``; ``guard``: the block table
-    placed by testing.guarded on that side of unmapped memory."""
+    placed by testing.guarded on that side of unmapped memory; ``guard_caches``: both
+    caches end at unmapped memory (a read of a block past the cache faults)."""
     a = p.device_args()
     if guard:
         a["block_tables"] = testing.guarded(p.block_tables, guard)
+    if guard_caches:
+        a["key_cache"] = testing.guarded(p.key_cache, "after")
+        a["value_cache"] = testing.guarded(p.value_cache, "after")
     out = poisoned(a["query"].shape, a["query"].dtype)
     got = cupaged.paged_attention(**a, out=out, partition=partition, **kw)
     assert got is out
@@ -354,15 +358,19 @@ def test_a_lower_residency_keeps_results_and_the_natural_one(rng):
         assert_close(run(p, partition), ref, tol(p))
 
 
-def test_bad_block_id_gives_nan_rows_not_a_fault(rng):
+@pytest.mark.parametrize("past", [0, 5])
+def test_bad_block_id_gives_nan_rows_not_a_fault(rng, past):
+    """A block id at or just past the cache's end: its sequence's rows are NaN, the others
+    exact, and nothing reads the block (the caches end at unmapped memory: testing.guarded,
+    so a read of it faults)."""
     p = make_problem(rng, lens=[50, 60, 70], heads=4, kv_heads=2, head_size=64, block_size=16)
     ref = p.reference()
-    p.block_tables[1, 2] = p.key_cache.shape[0] + 5  # past the cache
+    p.block_tables[1, 2] = p.key_cache.shape[0] + past  # past the cache
     with pytest.raises(ValueError, match=r"sequence 1: block_tables\[1, 2\] = .* is outside"):
         cupaged.check_block_tables(cupy.asarray(p.block_tables), cupy.asarray(p.context_lens),
                                    p.key_cache.shape[0], 16)
     for partition in ("never", "always", "flat"):
-        got = run(p, partition)
+        got = run(p, partition, guard_caches=True)
         assert np.isnan(got[1]).all()
         assert_close(got[[0, 2]], ref[[0, 2]], tol(p))
 

@@ -175,15 +175,21 @@ def test_stale_slots_never_reach_the_output(rng, family, mla_split, stale):
 
 @pytest.mark.parametrize("split", [0, 2])
 @pytest.mark.parametrize("bad", [5, 20], ids=["tile1", "tile5"])
-def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, family, mla_split, split, bad):
-    """A block id outside the cache in a sequence's second or sixth 64-key tile (the
-    wgmma kernel's producer issues the first two before its loop, the rest in it)."""
+@pytest.mark.parametrize("past", [0, 10**6], ids=["at_the_end", "far"])
+def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, family, mla_split, split, bad,
+                                                        past):
+    """A block id outside the cache (the first past its end, or far past it) in a
+    sequence's second or sixth 64-key tile (the wgmma kernel's producer issues the first
+    two before its loop, the rest in it). The cache ends at unmapped memory
+    (testing.guarded), so a read of the block just past it faults."""
     import cupy
 
     mla_split(split)
     host = make_mla(rng, [2, 3], [300, 400], heads=16, block_size=16)
-    host["block_tables"][1, bad] = 10**6
-    got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE)).astype(np.float64)
+    host["block_tables"][1, bad] = host["kv_cache"].shape[0] + past
+    dev = device(host)
+    dev["kv_cache"] = testing.guarded(host["kv_cache"], "after")
+    got = cupy.asnumpy(cupaged.mla_attention(**dev, scale=SCALE)).astype(np.float64)
     first = {**host, "seq_lens": host["seq_lens"][:1], "block_tables": host["block_tables"][:1],
              "query_start_loc": host["query_start_loc"][:2], "q": host["q"][:2]}
     assert_close(got[:2], ref_of(first), testing.TOLERANCE["bf16"])
