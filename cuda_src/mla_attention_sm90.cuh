@@ -479,6 +479,16 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    // This thread's rows of its half of O times their factors (rows frag_row, + 8)
+    auto rescale_o = [&](float a0, float a1) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= a0;
+        o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1;
+        o[4 * j + 3] *= a1;
+      }
+    };
     float s[32] = {};  // S of a tile (warpgroup 0): its first k-step overwrites it
 
     if constexpr (Geo::kProducer) {
@@ -607,13 +617,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
         advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
         // This warpgroup's half of O rescaled now, beside the exponentials (its P V of the
         // tile before is done), not between the P barrier and its products
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j + 0] *= alpha[0];
-          o[4 * j + 1] *= alpha[0];
-          o[4 * j + 2] *= alpha[1];
-          o[4 * j + 3] *= alpha[1];
-        }
+        rescale_o(alpha[0], alpha[1]);
         // The 16-bit producer: warpgroup 1's P V of tile it - 1 is done with P and the
         // factors (fp8: the last barrier said so)
         if (Geo::kProducer && !Geo::kQuant && it > 0) {
@@ -654,17 +658,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
 
       // ---- O_half = O_half * alpha + P V_half ------------------------------------------------
       {
-        if (wg == 1) {  // (warpgroup 0's half: rescaled above)
-          const float a0 = alpha_s[frag_row];
-          const float a1 = alpha_s[frag_row + 8];
-#pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            o[4 * j + 0] *= a0;
-            o[4 * j + 1] *= a0;
-            o[4 * j + 2] *= a1;
-            o[4 * j + 3] *= a1;
-          }
-        }
+        if (wg == 1) rescale_o(alpha_s[frag_row], alpha_s[frag_row + 8]);  // (0's: above)
         fence_regs(o);
         wgmma_fence();
 #pragma unroll

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+
 import numpy as np
 
 from . import _dtypes
@@ -102,29 +105,27 @@ def convert_layout(key_cache, value_cache, src: str, dst: str):
 
 # ---- device arrays against unmapped memory -----------------------------------------------
 # The driver's virtual memory management (cuda.h, CUDA 10.2 on): a reserved address range of
-# which only the middle is mapped. ctypes mirrors of its structs; test_testing.py checks their
-# sizes against cuda.h's.
+# which only the middle is mapped. ctypes mirrors of its structs (test_testing.py checks
+# their layout against cuda.h's).
 
 
-def _vmm_structs():
-    import ctypes as c
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
-    class Location(c.Structure):  # CUmemLocation
-        _fields_ = [("type", c.c_int), ("id", c.c_int)]
 
-    class AllocFlags(c.Structure):
-        _fields_ = [("compressionType", c.c_ubyte), ("gpuDirectRDMACapable", c.c_ubyte),
-                    ("usage", c.c_ushort), ("reserved", c.c_ubyte * 4)]
+class CUmemAllocFlags(ctypes.Structure):  # CUmemAllocationProp's allocFlags
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
 
-    class AllocationProp(c.Structure):  # CUmemAllocationProp
-        _fields_ = [("type", c.c_int), ("requestedHandleTypes", c.c_int),
-                    ("location", Location), ("win32HandleMetaData", c.c_void_p),
-                    ("allocFlags", AllocFlags)]
 
-    class AccessDesc(c.Structure):  # CUmemAccessDesc
-        _fields_ = [("location", Location), ("flags", c.c_int)]
+class CUmemAllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                ("location", CUmemLocation), ("win32HandleMetaData", ctypes.c_void_p),
+                ("allocFlags", CUmemAllocFlags)]
 
-    return AllocationProp, AccessDesc
+
+class CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
 
 
 # CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE
@@ -148,30 +149,23 @@ def guard_layout(nbytes: int, granularity: int, side: str, align: int) -> tuple[
 class _Mapping:
     """A reserved range, one granule of guard on each side of ``size`` mapped bytes."""
 
-    def __init__(self, lib, device: int, size: int, granularity: int):
-        import ctypes as c
-        import weakref
-
-        prop_t, access_t = _vmm_structs()
-        prop = prop_t(type=_PINNED)
-        prop.location.type, prop.location.id = _ON_DEVICE, device
-        handle, base = c.c_ulonglong(), c.c_ulonglong()
+    def __init__(self, lib, prop: CUmemAllocationProp, size: int, granularity: int):
+        u64, sz = ctypes.c_ulonglong, ctypes.c_size_t
+        handle, base = u64(), u64()
         reserve = size + 2 * granularity
-        _vmm_call(lib, "cuMemAddressReserve", c.byref(base), c.c_size_t(reserve),
-                  c.c_size_t(granularity), c.c_ulonglong(0), c.c_ulonglong(0))
-        done = [("cuMemAddressFree", c.c_ulonglong(base.value), c.c_size_t(reserve))]
+        _vmm_call(lib, "cuMemAddressReserve", ctypes.byref(base), sz(reserve), sz(granularity),
+                  u64(0), u64(0))
+        done = [("cuMemAddressFree", u64(base.value), sz(reserve))]
         try:
-            _vmm_call(lib, "cuMemCreate", c.byref(handle), c.c_size_t(size), c.byref(prop),
-                      c.c_ulonglong(0))
-            done.append(("cuMemRelease", c.c_ulonglong(handle.value)))
+            _vmm_call(lib, "cuMemCreate", ctypes.byref(handle), sz(size), ctypes.byref(prop),
+                      u64(0))
+            done.append(("cuMemRelease", u64(handle.value)))
             self.ptr = base.value + granularity
-            _vmm_call(lib, "cuMemMap", c.c_ulonglong(self.ptr), c.c_size_t(size), c.c_size_t(0),
-                      c.c_ulonglong(handle.value), c.c_ulonglong(0))
-            done.append(("cuMemUnmap", c.c_ulonglong(self.ptr), c.c_size_t(size)))
-            access = access_t(flags=_READ_WRITE)
-            access.location.type, access.location.id = _ON_DEVICE, device
-            _vmm_call(lib, "cuMemSetAccess", c.c_ulonglong(self.ptr), c.c_size_t(size),
-                      c.byref(access), c.c_size_t(1))
+            _vmm_call(lib, "cuMemMap", u64(self.ptr), sz(size), sz(0), u64(handle.value), u64(0))
+            done.append(("cuMemUnmap", u64(self.ptr), sz(size)))
+            access = CUmemAccessDesc(location=prop.location, flags=_READ_WRITE)
+            _vmm_call(lib, "cuMemSetAccess", u64(self.ptr), sz(size), ctypes.byref(access),
+                      sz(1))
         except BaseException:
             _vmm_release(lib, done)
             raise
@@ -179,12 +173,10 @@ class _Mapping:
 
 
 def _vmm_call(lib, name: str, *args) -> None:
-    import ctypes as c
-
     rc = getattr(lib, name)(*args)
     if rc != 0:
-        text = c.c_char_p()
-        lib.cuGetErrorName(rc, c.byref(text))
+        text = ctypes.c_char_p()
+        lib.cuGetErrorName(rc, ctypes.byref(text))
         raise RuntimeError(f"{name} failed: {(text.value or b'?').decode()} ({rc})")
 
 
@@ -209,20 +201,16 @@ def guarded(array, side: str = "before", align: int | None = None):
     CUDA context, so use it where any such access is a defect. On the current device,
     through the CUDA driver's virtual memory management (``libcuda``'s ``cuMemCreate``,
     ``cuMemMap``, ...)."""
-    import ctypes
-
     import cupy
 
     src = cupy.ascontiguousarray(cupy.asarray(array))
     device = cupy.cuda.Device().id
     lib = ctypes.CDLL("libcuda.so.1")
-    prop_t, _ = _vmm_structs()
-    prop = prop_t(type=_PINNED)
-    prop.location.type, prop.location.id = _ON_DEVICE, device
+    prop = CUmemAllocationProp(type=_PINNED, location=CUmemLocation(type=_ON_DEVICE, id=device))
     gran = ctypes.c_size_t()
     _vmm_call(lib, "cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), 0)
     mapped, offset = guard_layout(src.nbytes, gran.value, side, align or src.itemsize)
-    mapping = _Mapping(lib, device, mapped, gran.value)
+    mapping = _Mapping(lib, prop, mapped, gran.value)
     mem = cupy.cuda.UnownedMemory(mapping.ptr, mapped, mapping, device)
     out = cupy.ndarray(src.shape, src.dtype, cupy.cuda.MemoryPointer(mem, offset))
     out[...] = src

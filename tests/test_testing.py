@@ -17,7 +17,7 @@ def test_the_driver_structs_have_cuda_h_layout():
     """Sizes and offsets of CUmemAllocationProp and CUmemAccessDesc as cuda.h (CUDA 13)
     lays them out, read with a C compiler's sizeof / offsetof: the driver reads them as
     such."""
-    prop, access = testing._vmm_structs()
+    prop, access = testing.CUmemAllocationProp, testing.CUmemAccessDesc
     assert ctypes.sizeof(prop) == 32 and ctypes.sizeof(access) == 12
     assert prop.location.offset == 8 and prop.win32HandleMetaData.offset == 16
     assert prop.allocFlags.offset == 24 and access.flags.offset == 8

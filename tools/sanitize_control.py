@@ -101,30 +101,28 @@ def mla_launch(split: int, fmt: str, family: str) -> None:
     from cupaged import planning, reference
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_mla import SCALE, device, make_mla, ref_of, to_fp8
+    from test_mla import SCALE, device, make_mla, to_fp8
 
     cupy.cuda.set_allocator(None)  # each array its own allocation: an overrun leaves it
     planning.set_mla_split(split)
     planning.set_mla_family(family)
     rng = np.random.default_rng(0)
+    kw = {} if fmt == "auto" else dict(kv_cache_dtype=fmt, k_scale=0.05)
+
+    def problem(q_lens, seq_lens):  # host arrays, the cache in the case's format
+        h = make_mla(rng, q_lens, seq_lens, heads=16, block_size=16)
+        if fmt != "auto":
+            h["kv_cache"] = to_fp8(h["kv_cache"], fmt, 0.05)
+        return h
+
     # Decode form, the first sequence empty: nothing may read before its table row (the
     # table's first entry)
-    first = make_mla(rng, [1, 1], [0, 70], heads=16, block_size=16)
-    dec = {k: v for k, v in first.items() if k != "query_start_loc"}
-    kw = {}
-    if fmt != "auto":
-        dec["kv_cache"] = to_fp8(dec["kv_cache"], fmt, 0.05)
-        kw = dict(kv_cache_dtype=fmt, k_scale=0.05)
+    dec = {k: v for k, v in problem([1, 1], [0, 70]).items() if k != "query_start_loc"}
     got = cupy.asnumpy(cupaged.mla_attention(**device(dec), scale=SCALE, **kw))
     assert (got[0] == 0).all(), "the empty sequence's rows"
-    host = make_mla(rng, [1, 3, 20], [100, 260, 90], heads=16, block_size=16)
-    kw, ref = {}, ref_of(host)
-    if fmt != "auto":
-        host["kv_cache"] = to_fp8(host["kv_cache"], fmt, 0.05)
-        kw = dict(kv_cache_dtype=fmt, k_scale=0.05)
-        ref = reference.mla_attention(host["q"], host["kv_cache"], host["block_tables"],
-                                      host["seq_lens"], host["query_start_loc"], scale=SCALE,
-                                      kv_cache_dtype=fmt, k_scale=0.05)
+    host = problem([1, 3, 20], [100, 260, 90])
+    ref = reference.mla_attention(host["q"], host["kv_cache"], host["block_tables"],
+                                  host["seq_lens"], host["query_start_loc"], scale=SCALE, **kw)
     got = cupy.asnumpy(cupaged.mla_attention(**device(host), scale=SCALE, **kw))
     err = np.abs(got.astype(np.float64) - ref).max()
     print("max abs error", err)
