@@ -59,7 +59,7 @@ def token_major_views(cache, kv_layout: str, is_key: bool):
     if kv_layout == "vllm":
         if is_key:  # [blocks, kv_heads, hs/x, bs, x] -> [blocks, bs, kv_heads, hs/x, x]
             t = c.transpose(0, 3, 1, 2, 4)
-            return t.reshape(t.shape[0], t.shape[1], t.shape[2], -1)
+            return t.reshape(*t.shape[:3], t.shape[3] * t.shape[4])
         return c.transpose(0, 3, 1, 2)  # [blocks, kv_heads, hs, bs] -> [blocks, bs, kv_heads, hs]
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
 
@@ -157,8 +157,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
 
 
 def _block_size(key_cache, kv_layout: str = "vllm") -> int:
-    """Tokens per block of a cache in ``kv_layout``."""
-    return token_major_views(key_cache, kv_layout, True).shape[1]
+    """Tokens per block of a cache in ``kv_layout`` (read from none of its blocks: vLLM's
+    key view is a copy)."""
+    return token_major_views(np.asarray(key_cache)[:0], kv_layout, True).shape[1]
 
 
 def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: str = "vllm",
@@ -166,21 +167,23 @@ def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: 
     """One sequence's dense K and V, ``[context_len, num_kv_heads, head_size]`` float64,
     read from the paged caches through its row of the block table (an fp8 cache
     dequantized as ``stored * scale``)."""
-    k = token_major_views(key_cache, kv_layout, True)
-    v = token_major_views(value_cache, kv_layout, False)
+    block_size = _block_size(key_cache, kv_layout)
+    n_blocks = -(-context_len // block_size)
+    blocks = np.asarray(block_table)[:n_blocks]
+    # The sequence's blocks first, then their layout and dtype: the work grows with the
+    # sequence, not with the cache (a batch's reference reads each block once)
+    k = token_major_views(np.asarray(key_cache)[blocks], kv_layout, True)
+    v = token_major_views(np.asarray(value_cache)[blocks], kv_layout, False)
     if _fp8_format(kv_cache_dtype, key_cache) is not None:
         def scaled(c, s):
             s = 1.0 if s is None else s
             if np.ndim(s) == 3:  # [blocks, kv_heads, bs] -> [blocks, bs, kv_heads, 1]
-                s = np.asarray(s).transpose(0, 2, 1)[..., None]
+                s = np.asarray(s)[blocks].transpose(0, 2, 1)[..., None]
             return dequantize_fp8(c, kv_cache_dtype, s)
 
         k, v = scaled(k, k_scale), scaled(v, v_scale)
-    block_size = k.shape[1]
-    n_blocks = -(-context_len // block_size)
-    blocks = np.asarray(block_table)[:n_blocks]
-    k = k[blocks].astype(np.float64).reshape(n_blocks * block_size, *k.shape[2:])
-    v = v[blocks].astype(np.float64).reshape(n_blocks * block_size, *v.shape[2:])
+    k = k.astype(np.float64).reshape(n_blocks * block_size, *k.shape[2:])
+    v = v.astype(np.float64).reshape(n_blocks * block_size, *v.shape[2:])
     return k[:context_len], v[:context_len]
 
 

@@ -71,6 +71,45 @@ def test_gather_kv_reads_only_the_sequence_blocks(rng):
     np.testing.assert_array_equal(k[t, 1], p.key_cache[blk, 1, :, 4, :].reshape(-1).astype(np.float64))
 
 
+@pytest.mark.parametrize("layout", ["vllm", "NHD", "HND"])
+@pytest.mark.parametrize("scales", [None, "tensor", "token"])
+def test_gather_kv_reads_each_token_through_the_table(rng, layout, scales):
+    """Token t of a sequence is slot t % block_size of block table[t // block_size] in
+    every layout, read as stored * scale from an fp8 cache with a per-tensor or
+    per-token-head scale ([num_blocks, kv_heads, block_size]); checked token by token
+    against vLLM's layout, with the cache's other blocks NaN."""
+    bs, kvh, hs, n = 8, 3, 48, 37
+    p = make_problem(rng, lens=(n,), kv_heads=kvh, head_size=hs, block_size=bs,
+                     spare_blocks=4)
+    kc, vc = p.key_cache, p.value_cache
+    kw, k_s, v_s = {}, np.ones((len(kc), kvh, bs)), np.ones((len(kc), kvh, bs))
+    if scales is not None:
+        k_s, v_s = (rng.uniform(0.5, 2.0, (len(kc), kvh, bs)).astype(np.float32)
+                    for _ in range(2))
+        if scales == "tensor":
+            k_s, v_s = np.full_like(k_s, 0.25), np.full_like(v_s, 4.0)
+        kc, vc = (reference.quantize_fp8(c, "fp8_e4m3").view(np.uint8) for c in (kc, vc))
+        kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=0.25 if scales == "tensor" else k_s,
+                  v_scale=4.0 if scales == "tensor" else v_s)
+    used = p.block_tables[0, : -(-n // bs)]
+    kc, vc = kc.copy(), vc.copy()
+    for c in (kc, vc):  # blocks the sequence does not own: NaN (0xFF in fp8)
+        c[np.setdiff1d(np.arange(len(c)), used)] = np.nan if scales is None else 0xFF
+    want_k, want_v = np.empty((n, kvh, hs)), np.empty((n, kvh, hs))
+    for t in range(n):
+        b, o = p.block_tables[0, t // bs], t % bs
+        for h in range(kvh):
+            k_row, v_row = kc[b, h, :, o, :].reshape(-1), vc[b, h, :, o]
+            if scales is not None:
+                k_row, v_row = (reference.dequantize_fp8(r, "fp8_e4m3") for r in (k_row, v_row))
+            want_k[t, h] = np.asarray(k_row, np.float64) * float(k_s[b, h, o])
+            want_v[t, h] = np.asarray(v_row, np.float64) * float(v_s[b, h, o])
+    kc, vc = testing.convert_layout(kc, vc, "vllm", layout)
+    k, v = reference.gather_kv(kc, vc, p.block_tables[0], n, layout, **kw)
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+
+
 def test_poison_reaches_every_unused_slot_and_no_used_one(rng):
     lens = np.array([0, 1, 15, 16, 17, 40], np.int32)
     bt, nb = testing.random_block_tables(lens, 16, rng, spare_blocks=3, share=True)
