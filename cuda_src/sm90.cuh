@@ -22,6 +22,8 @@
 #endif
 
 namespace cupaged {
+struct fp8_e4m3_t;  // fp8.cuh: the 8-bit wgmma forms below name them (sm90_fp8.cuh uses them)
+struct fp8_e5m2_t;
 namespace sm90 {
 
 // ---- shared-memory tiles and descriptors ----------------------------------------------
@@ -32,6 +34,12 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
   const unsigned chunk = static_cast<unsigned>((col & 63) >> 3) ^ static_cast<unsigned>(row & 7);
   return static_cast<unsigned>((col >> 6) * rows * 128 + row * 128) + (chunk << 4) +
          static_cast<unsigned>((col & 7) * 2);
+}
+
+// The same for a tile of 8-bit elements, `col` counted in bytes (128 a row): the 16-byte
+// chunks fall where those of 16-bit elements do.
+__device__ __forceinline__ unsigned sw128_offset8(int row, int col, int rows) {
+  return sw128_offset(row, col >> 1, rows) + static_cast<unsigned>(col & 1);
 }
 
 // A wgmma matrix descriptor: start address, leading and stride byte offsets (16-byte
@@ -47,7 +55,7 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned smem_addr, uns
 }
 
 // K-major operand, one k16 step at element column k0 (a multiple of 16) of a tile with
-// `rows` rows per 64-column block: the 1024-byte atoms of 8 rows follow one another
+// `rows` rows per 64-column block (8-bit elements: the k32 step at byte column 2 * k0): the 1024-byte atoms of 8 rows follow one another
 // (SBO 1024); the leading offset is unused by a swizzled K-major layout.
 __device__ __forceinline__ unsigned long long kmajor_desc(unsigned tile, int k0, int rows) {
   return sw128_desc(tile + static_cast<unsigned>((k0 >> 6) * rows * 128 + (k0 & 63) * 2), 16,
@@ -138,183 +146,120 @@ __device__ __forceinline__ void wgmma_wait() {
 // The A fragment from registers (RS) is mma.m16n8k16's: a[0] (row lane/4, k 2(lane%4)),
 // a[1] (row + 8), a[2] (k + 8), a[3] (row + 8, k + 8), two 16-bit values each.
 
-// D (+)= A B with fp32 sums, 16-bit T: ss takes A [64 x 16] from shared memory (a
-// descriptor), rs from registers (the fragment above); B [16 x N] is always in shared
-// memory, MN-major when TRANS_B (N contiguous), else K-major. scale_d 0 overwrites D.
-// One specialization per (T, N) the kernels use; another N is the same text with its
-// register count (N / 2 fp32 outputs per thread).
+// D (+)= A B with fp32 sums. 16-bit T (bfloat16_t, half_t): k16 a step; ss takes A
+// [64 x 16] from shared memory (a descriptor), rs from registers (the fragment above); B
+// [16 x N] is always in shared memory, MN-major when TRANS_B (N contiguous), else K-major.
+// 8-bit T (fp8_e4m3_t, fp8_e5m2_t, fp8.cuh): k32 a step, both operands K-major (wgmma has
+// no transposed form for 8-bit inputs, so TRANS_B must be 0), A from registers as
+// sm90_fp8.cuh's fp8_a_fragment packs it. scale_d 0 overwrites D. One specialization per (T, N) the kernels
+// use; another N is one line below.
 template <typename T, int N, int TRANS_B>
 struct Wgmma;
 
-// One macro per N, instantiated for both 16-bit types (the PTX type names the inputs).
-#define CUPAGED_WGMMA_N64(TY, PTX)                                                                                 \
-template <int TRANS_B>                                                                                             \
-struct Wgmma<TY, 64, TRANS_B> {                                                                                    \
-  __device__ __forceinline__ static void ss(float (&d)[32], unsigned long long a,                                  \
-                                            unsigned long long b, int scale_d) {                                   \
-    asm volatile(                                                                                                  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                               \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "                                              \
-        "{"                                                                                                        \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                           \
-        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"                                                                       \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])   \
-        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                             \
-  }                                                                                                                \
-                                                                                                                   \
-  __device__ __forceinline__ static void rs(float (&d)[32], const unsigned (&a)[4],                                \
-                                            unsigned long long b, int scale_d) {                                   \
-    asm volatile(                                                                                                  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                               \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "                                              \
-        "{"                                                                                                        \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                           \
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                                         \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])   \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TRANS_B));                         \
-  }                                                                                                                \
-};                                                                                                                 \
-                                                                                                                   \
+// The accumulator's operands (N / 2 fp32 registers a thread) as asm text and constraints,
+// each list the one before it and the rest.
+#define CUPAGED_WGMMA_D32_STR \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CUPAGED_WGMMA_D32_OUT \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+  "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
+  "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+  "+f"(d[30]), "+f"(d[31])
+#define CUPAGED_WGMMA_D64_STR CUPAGED_WGMMA_D32_STR ", " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define CUPAGED_WGMMA_D64_OUT CUPAGED_WGMMA_D32_OUT, \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), \
+  "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+  "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+  "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), \
+  "+f"(d[62]), "+f"(d[63])
+#define CUPAGED_WGMMA_D128_STR CUPAGED_WGMMA_D64_STR ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define CUPAGED_WGMMA_D128_OUT CUPAGED_WGMMA_D64_OUT, \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+  "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), \
+  "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), \
+  "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), \
+  "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), \
+  "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), \
+  "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), \
+  "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), \
+  "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-#define CUPAGED_WGMMA_N128(TY, PTX)                                                                                \
-template <int TRANS_B>                                                                                             \
-struct Wgmma<TY, 128, TRANS_B> {                                                                                   \
-  __device__ __forceinline__ static void ss(float (&d)[64], unsigned long long a,                                  \
-                                            unsigned long long b, int scale_d) {                                   \
-    asm volatile(                                                                                                  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                               \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " "                                             \
-        "{"                                                                                                        \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
-        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"                                                                       \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])   \
-        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                             \
-  }                                                                                                                \
-                                                                                                                   \
-  __device__ __forceinline__ static void rs(float (&d)[64], const unsigned (&a)[4],                                \
-                                            unsigned long long b, int scale_d) {                                   \
-    asm volatile(                                                                                                  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                               \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " "                                             \
-        "{"                                                                                                        \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                                         \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])   \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TRANS_B));                         \
-  }                                                                                                                \
-};                                                                                                                 \
-                                                                                                                   \
+// The wgmma for one (T, N): SHAPE is "m64n<N>k16" or "m64n<N>k32"; R is N / 2, the first
+// operand number after D, spelled out (R1 = R + 1, ...) since asm text cannot compute it.
+// The 16-bit forms end with imm-trans-b, the operand TRANS_B (TRANS_IN passes it); the
+// 8-bit forms end at imm-scale-b, having no transpose operands.
+#define CUPAGED_WGMMA_FORMS(TY, PTX, N, SHAPE, DSTR, DOUT, SS_TAIL, SS_PRED, RS_TAIL,            \
+                            RS_PRED, TRANS_IN)                                                    \
+template <int TRANS_B>                                                                            \
+struct Wgmma<TY, N, TRANS_B> {                                                                    \
+  static_assert(TRANS_B == 0 || sizeof(TY) == 2, "8-bit wgmma operands are K-major only");       \
+  __device__ __forceinline__ static void ss(float (&d)[N / 2], unsigned long long a,              \
+                                            unsigned long long b, int scale_d) {                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX "." PTX " {" DSTR "}, "         \
+                 SS_TAIL ";\n}\n"                                                                 \
+                 : DOUT                                                                           \
+                 : "l"(a), "l"(b), "r"(scale_d) TRANS_IN);                                        \
+  }                                                                                               \
+  __device__ __forceinline__ static void rs(float (&d)[N / 2], const unsigned (&a)[4],            \
+                                            unsigned long long b, int scale_d) {                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_PRED ", 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX "." PTX " {" DSTR "}, "         \
+                 RS_TAIL ";\n}\n"                                                                 \
+                 : DOUT                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d) TRANS_IN);    \
+  }                                                                                               \
+};
 
-#define CUPAGED_WGMMA_N256(TY, PTX)                                                                                    \
-template <int TRANS_B>                                                                                                 \
-struct Wgmma<TY, 256, TRANS_B> {                                                                                       \
-  __device__ __forceinline__ static void ss(float (&d)[128], unsigned long long a,                                     \
-                                            unsigned long long b, int scale_d) {                                       \
-    asm volatile(                                                                                                      \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX "." PTX " "                                                 \
-        "{"                                                                                                            \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                       \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                             \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                             \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                             \
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                             \
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                             \
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                 \
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"               \
-        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"                                                                        \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),              \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),        \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),      \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),      \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),      \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),      \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),      \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),      \
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),      \
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),      \
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),      \
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),      \
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),  \
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),\
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),\
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])\
-        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                                 \
-  }                                                                                                                    \
-                                                                                                                       \
-  __device__ __forceinline__ static void rs(float (&d)[128], const unsigned (&a)[4],                                   \
-                                            unsigned long long b, int scale_d) {                                       \
-    asm volatile(                                                                                                      \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX "." PTX " "                                                 \
-        "{"                                                                                                            \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                       \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                             \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                             \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                             \
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                             \
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                             \
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                 \
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"               \
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"                                                       \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),              \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),        \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),      \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),      \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),      \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),      \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),      \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),      \
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),      \
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),      \
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),      \
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),      \
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),  \
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),\
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),\
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])\
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TRANS_B));                             \
-  }                                                                                                                    \
-};                                                                                                                     \
-                                                                                                                       \
+#define CUPAGED_WGMMA_TRANS_IN , "n"(TRANS_B)
 
-CUPAGED_WGMMA_N64(bfloat16_t, "bf16")
-CUPAGED_WGMMA_N128(bfloat16_t, "bf16")
-CUPAGED_WGMMA_N64(half_t, "f16")
-CUPAGED_WGMMA_N128(half_t, "f16")
-CUPAGED_WGMMA_N256(bfloat16_t, "bf16")
-CUPAGED_WGMMA_N256(half_t, "f16")
-#undef CUPAGED_WGMMA_N64
-#undef CUPAGED_WGMMA_N128
-#undef CUPAGED_WGMMA_N256
+// 16-bit: ss "%R, %R1, p, 1, 1, 0, %R3" (A not transposed), rs "{%R..%R3}, %R4, p, 1, 1,
+// %R6"; the predicate from scale_d (%R2, %R5).
+#define CUPAGED_WGMMA_16(TY, PTX, N, D, R, R1, R2, R3, R4, R5, R6)                                \
+  CUPAGED_WGMMA_FORMS(TY, PTX, N, "m64n" #N "k16", CUPAGED_WGMMA_D##D##_STR,                      \
+                      CUPAGED_WGMMA_D##D##_OUT, "%" #R ", %" #R1 ", p, 1, 1, 0, %" #R3, "%" #R2,  \
+                      "{%" #R ", %" #R1 ", %" #R2 ", %" #R3 "}, %" #R4 ", p, 1, 1, %" #R6,        \
+                      "%" #R5, CUPAGED_WGMMA_TRANS_IN)
+// 8-bit: ss "%R, %R1, p, 1, 1", rs "{%R..%R3}, %R4, p, 1, 1".
+#define CUPAGED_WGMMA_8(TY, PTX, N, D, R, R1, R2, R3, R4, R5)                                     \
+  CUPAGED_WGMMA_FORMS(TY, PTX, N, "m64n" #N "k32", CUPAGED_WGMMA_D##D##_STR,                      \
+                      CUPAGED_WGMMA_D##D##_OUT, "%" #R ", %" #R1 ", p, 1, 1", "%" #R2,            \
+                      "{%" #R ", %" #R1 ", %" #R2 ", %" #R3 "}, %" #R4 ", p, 1, 1", "%" #R5, )
+
+CUPAGED_WGMMA_16(bfloat16_t, "bf16", 64, 32, 32, 33, 34, 35, 36, 37, 38)
+CUPAGED_WGMMA_16(bfloat16_t, "bf16", 128, 64, 64, 65, 66, 67, 68, 69, 70)
+CUPAGED_WGMMA_16(bfloat16_t, "bf16", 256, 128, 128, 129, 130, 131, 132, 133, 134)
+CUPAGED_WGMMA_16(half_t, "f16", 64, 32, 32, 33, 34, 35, 36, 37, 38)
+CUPAGED_WGMMA_16(half_t, "f16", 128, 64, 64, 65, 66, 67, 68, 69, 70)
+CUPAGED_WGMMA_16(half_t, "f16", 256, 128, 128, 129, 130, 131, 132, 133, 134)
+CUPAGED_WGMMA_8(fp8_e4m3_t, "e4m3", 64, 32, 32, 33, 34, 35, 36, 37)
+CUPAGED_WGMMA_8(fp8_e4m3_t, "e4m3", 128, 64, 64, 65, 66, 67, 68, 69)
+CUPAGED_WGMMA_8(fp8_e4m3_t, "e4m3", 256, 128, 128, 129, 130, 131, 132, 133)
+CUPAGED_WGMMA_8(fp8_e5m2_t, "e5m2", 64, 32, 32, 33, 34, 35, 36, 37)
+CUPAGED_WGMMA_8(fp8_e5m2_t, "e5m2", 128, 64, 64, 65, 66, 67, 68, 69)
+CUPAGED_WGMMA_8(fp8_e5m2_t, "e5m2", 256, 128, 128, 129, 130, 131, 132, 133)
+#undef CUPAGED_WGMMA_8
+#undef CUPAGED_WGMMA_16
+#undef CUPAGED_WGMMA_TRANS_IN
+#undef CUPAGED_WGMMA_FORMS
+#undef CUPAGED_WGMMA_D32_STR
+#undef CUPAGED_WGMMA_D32_OUT
+#undef CUPAGED_WGMMA_D64_STR
+#undef CUPAGED_WGMMA_D64_OUT
+#undef CUPAGED_WGMMA_D128_STR
+#undef CUPAGED_WGMMA_D128_OUT
 
 // ---- mbarriers and register budgets ----------------------------------------------------
 

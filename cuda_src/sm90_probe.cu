@@ -1,12 +1,25 @@
 // Probes of sm90.cuh on the GPU (tests/test_sm90.py): one warpgroup stores A [64 x 16]
-// and B in the 128-byte-swizzled shared layouts, issues one wgmma and writes D [64 x N]
-// from its accumulator fragments, which the test compares with NumPy; and bulk copies
+// (8-bit: [64 x 32]) and B in the 128-byte-swizzled shared layouts, issues one wgmma and
+// writes D [64 x N] from its accumulator fragments, which the test compares with NumPy; and bulk copies
 // counted on an mbarrier over two of its phases (probe_bulk_copy). Not part of the
 // library's kernels.
-#include "sm90.cuh"
+#include "sm90_fp8.cuh"
 
 namespace cupaged {
 namespace sm90 {
+
+// D [64][N] from the accumulator's C layout (Wgmma's comment), by each thread of warp w.
+template <int N>
+__device__ void store_d(const float (&d)[N / 2], float* d_out, int warp, int lane) {
+  const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    d_out[r * N + 8 * j + c] = d[4 * j];
+    d_out[r * N + 8 * j + c + 1] = d[4 * j + 1];
+    d_out[(r + 8) * N + 8 * j + c] = d[4 * j + 2];
+    d_out[(r + 8) * N + 8 * j + c + 1] = d[4 * j + 3];
+  }
+}
 
 // A: [64][16] row-major; B: [N][16] (K-major) or [16][N] (MN_MAJOR), row-major; D: [64][N].
 // A_REGS: A from registers (rs) instead of shared memory (ss). lbo/sbo: for MN-major B,
@@ -61,14 +74,69 @@ __device__ void probe(const T* a, const T* b, float* d_out, unsigned lbo, unsign
   }
   wgmma_commit();
   wgmma_wait<0>();
-  const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3);
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    d_out[r * N + 8 * j + c] = d[4 * j];
-    d_out[r * N + 8 * j + c + 1] = d[4 * j + 1];
-    d_out[(r + 8) * N + 8 * j + c] = d[4 * j + 2];
-    d_out[(r + 8) * N + 8 * j + c + 1] = d[4 * j + 3];
+  store_d<N>(d, d_out, warp, lane);
+}
+
+// One 8-bit k32 wgmma: A [64][32] and B [N][32] (K-major, both), row-major bytes of C;
+// D [64][N]. A_REGS: A from registers instead, made by fp8_a_fragment from `a_f32` [64][32]
+// placed in an accumulator's C layout (so it is rounded to C there), and B's K rows
+// stored in the order fp8_k_column gives (position p holds B's row fp8_k_column(p)).
+template <typename C, int N, int A_REGS>
+__device__ void probe8(const unsigned char* a, const float* a_f32, const unsigned char* b,
+                       float* d_out) {
+  __shared__ __align__(1024) unsigned char a_s[64 * 128];
+  __shared__ __align__(1024) unsigned char b_s[(N > 64 ? N : 64) * 128];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 64 * 32; i += 128) a_s[sw128_offset8(i / 32, i % 32, 64)] = a[i];
+  for (int i = tid; i < N * 32; i += 128) {
+    const int n = i / 32, p = i % 32;
+    b_s[sw128_offset8(n, p, N)] = b[n * 32 + (A_REGS ? fp8_k_column(p) : p)];
   }
+  fence_async_smem();
+  __syncthreads();
+  const unsigned a_addr = static_cast<unsigned>(__cvta_generic_to_shared(a_s));
+  const unsigned b_addr = static_cast<unsigned>(__cvta_generic_to_shared(b_s));
+  const int warp = tid >> 5, lane = tid & 31;
+  const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3);
+  float d[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
+  wgmma_fence();
+  if (A_REGS) {
+    float acc[16];  // a_f32's 32 columns in the accumulator layout
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[4 * j] = a_f32[r * 32 + 8 * j + c];
+      acc[4 * j + 1] = a_f32[r * 32 + 8 * j + c + 1];
+      acc[4 * j + 2] = a_f32[(r + 8) * 32 + 8 * j + c];
+      acc[4 * j + 3] = a_f32[(r + 8) * 32 + 8 * j + c + 1];
+    }
+    unsigned af[4];
+    fp8_a_fragment<C>(acc, 0, af);
+    Wgmma<C, N, 0>::rs(d, af, kmajor_desc(b_addr, 0, N), 1);
+  } else {
+    Wgmma<C, N, 0>::ss(d, kmajor_desc(a_addr, 0, 64), kmajor_desc(b_addr, 0, N), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  store_d<N>(d, d_out, warp, lane);
+}
+
+// fp8_transpose_v over one tile: `src` [TILE_N][HEAD_SIZE] bytes into shared memory
+// densely, transposed by THREADS threads, the destination tile's bytes copied out as they
+// lie (`out`, TILE_N * HEAD_SIZE bytes, swizzle and all).
+template <int HEAD_SIZE, int TILE_N, int THREADS>
+__device__ void probe_transpose(const unsigned char* src, unsigned char* out) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  unsigned char* raw = smem;
+  unsigned char* vt = smem + TILE_N * HEAD_SIZE;  // a multiple of 1024 bytes on
+  for (int i = threadIdx.x; i < TILE_N * HEAD_SIZE; i += THREADS) raw[i] = src[i];
+  __syncthreads();
+  fp8_transpose_v<HEAD_SIZE, TILE_N, THREADS>(
+      static_cast<unsigned>(__cvta_generic_to_shared(raw)),
+      static_cast<unsigned>(__cvta_generic_to_shared(vt)), threadIdx.x);
+  __syncthreads();
+  for (int i = threadIdx.x; i < TILE_N * HEAD_SIZE; i += THREADS) out[i] = vt[i];
 }
 
 // Bulk copies as paged_prefill_sm90's fp8 producer issues them: over two phases of one
@@ -135,3 +203,25 @@ CUPAGED_PROBE(probe_f16_n64_mn_rs, cupaged::half_t, 64, 1, 1)
 CUPAGED_PROBE(probe_bf16_n256_mn_rs, cupaged::bfloat16_t, 256, 1, 1)
 CUPAGED_PROBE(probe_bf16_n256_mn_ss, cupaged::bfloat16_t, 256, 1, 0)
 CUPAGED_PROBE(probe_f16_n256_k_ss, cupaged::half_t, 256, 0, 0)
+
+#define CUPAGED_PROBE8(NAME, C, N, AR)                                                       \
+  extern "C" __global__ void __launch_bounds__(128) NAME(const unsigned char* a,             \
+                                                          const float* a_f32,                \
+                                                          const unsigned char* b, float* d) { \
+    cupaged::sm90::probe8<C, N, AR>(a, a_f32, b, d);                                         \
+  }
+
+CUPAGED_PROBE8(probe_e4m3_n64_ss, cupaged::fp8_e4m3_t, 64, 0)
+CUPAGED_PROBE8(probe_e4m3_n128_rs, cupaged::fp8_e4m3_t, 128, 1)
+CUPAGED_PROBE8(probe_e4m3_n256_ss, cupaged::fp8_e4m3_t, 256, 0)
+CUPAGED_PROBE8(probe_e5m2_n64_rs, cupaged::fp8_e5m2_t, 64, 1)
+
+#define CUPAGED_PROBE_T(NAME, HS, TN, TH)                                                      \
+  extern "C" __global__ void __launch_bounds__(TH) NAME(const unsigned char* src,             \
+                                                         unsigned char* out) {                \
+    cupaged::sm90::probe_transpose<HS, TN, TH>(src, out);                                     \
+  }
+
+CUPAGED_PROBE_T(probe_transpose_h128_n128, 128, 128, 128)
+CUPAGED_PROBE_T(probe_transpose_h64_n256, 64, 256, 128)
+CUPAGED_PROBE_T(probe_transpose_h256_n128, 256, 128, 256)

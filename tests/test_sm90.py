@@ -85,6 +85,99 @@ def test_one_wgmma_matches_numpy(rng, kernel, dt, n, mn_major, a_regs):
                              f"(lbo, sbo) pairs that work: {working or 'none of the grid'}")
 
 
+PROBES8 = [  # (kernel, 8-bit type, N, A from registers)
+    ("probe_e4m3_n64_ss", "float8_e4m3fn", 64, False),
+    ("probe_e4m3_n128_rs", "float8_e4m3fn", 128, True),
+    ("probe_e4m3_n256_ss", "float8_e4m3fn", 256, False),
+    ("probe_e5m2_n64_rs", "float8_e5m2", 64, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel, fmt, n, a_regs", PROBES8, ids=[p[0] for p in PROBES8])
+def test_one_8bit_wgmma_matches_numpy(rng, kernel, fmt, n, a_regs):
+    """An e4m3 / e5m2 k32 wgmma, both operands K-major in the 128-byte-swizzled layout
+    (sw128_offset8, kmajor_desc): A from shared memory, or from registers as
+    fp8_a_fragment packs an fp32 accumulator's 32 columns (each rounded to nearest even,
+    as ml_dtypes rounds) with B's rows in fp8_k_column's order. Against NumPy in float64:
+    each product of two 8-bit values is exact, and wgmma sums 32 of them with fewer bits
+    than fp32 (about 2^-13 of the largest term here)."""
+    import ml_dtypes
+
+    cupy = _hopper()
+    module = cupy.cuda.function.Module()
+    module.load(_compile("sm_90a"))
+    f8 = getattr(ml_dtypes, fmt)
+    a_f32 = (2.0 * rng.standard_normal((64, 32))).astype(np.float32)
+    a_f32[0, :4] = [1e6, -1e6, 0.0, 2.0 ** -9]  # saturated both ways, zero, a subnormal
+    top = float(ml_dtypes.finfo(f8).max)  # cvt.rn.satfinite saturates; ml_dtypes would not
+    a8 = np.clip(a_f32, -top, top).astype(f8)
+    b8 = rng.standard_normal((n, 32)).astype(f8)  # [N][K]: K-major B
+    want = a8.astype(np.float64) @ b8.astype(np.float64).T
+    d = cupy.full((64, n), np.nan, np.float32)
+    module.get_function(kernel)((1,), (128,), (
+        cupy.asarray(a8.view(np.uint8)), cupy.asarray(a_f32), cupy.asarray(b8.view(np.uint8)), d))
+    got = cupy.asnumpy(d).astype(np.float64)
+    scale = np.abs(a8.astype(np.float64)) @ np.abs(b8.astype(np.float64)).T
+    assert (np.abs(got - want) <= 2.0 ** -12 * scale + 1e-6).all(), \
+        float(np.max(np.abs(got - want) / (scale + 1e-30)))
+
+
+def fp8_k_column(p: int) -> int:
+    """sm90.cuh's fp8_k_column: the column of P (the token) at k position p."""
+    return (p & ~15) + 2 * ((p >> 2) & 3) + (p & 1) + (8 if p & 2 else 0)
+
+
+def sw128_offset8(row: int, col: int, rows: int) -> int:
+    """sm90.cuh's sw128_offset8: byte `col` of `row` in a 128-byte-swizzled tile."""
+    c16 = col >> 1
+    chunk = ((c16 & 63) >> 3) ^ (row & 7)
+    return (c16 >> 6) * rows * 128 + row * 128 + (chunk << 4) + (c16 & 7) * 2 + (col & 1)
+
+
+def test_fp8_k_order_gives_each_thread_its_own_columns():
+    """The k order fp8_a_fragment packs P in, as sm90.cuh states it: position 16h + 4t + i
+    holds column 16h + 2t + i (i < 2) or 16h + 8 + 2t + i - 2, so the four positions of
+    quad thread t are the columns it holds in the accumulator (2t, 2t + 1, 8 + 2t, 9 + 2t
+    of each 16), and each 16 columns are a permutation of themselves."""
+    for p in range(256):
+        h, t, i = p // 16, (p % 16) // 4, p % 4
+        assert fp8_k_column(p) == 16 * h + (2 * t + i if i < 2 else 8 + 2 * t + i - 2)
+    for h in range(16):
+        assert sorted(fp8_k_column(p) for p in range(16 * h, 16 * h + 16)) == \
+            list(range(16 * h, 16 * h + 16))
+
+
+TRANSPOSES = [("probe_transpose_h128_n128", 128, 128, 128),
+              ("probe_transpose_h64_n256", 64, 256, 128),
+              ("probe_transpose_h256_n128", 256, 128, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel, hs, tile_n, threads", TRANSPOSES, ids=[t[0] for t in TRANSPOSES])
+def test_fp8_transpose_v_places_every_byte(rng, kernel, hs, tile_n, threads):
+    """fp8_transpose_v: a dense token-major tile [tile_n][hs] of bytes becomes the K-major
+    V^T tile, byte (dim n, position p) at sw128_offset8(n, p, hs) holding token
+    fp8_k_column(p)'s dim n, each of the tile's bytes compared."""
+    cupy = _hopper()
+    module = cupy.cuda.function.Module()
+    module.load(_compile("sm_90a"))
+    src = rng.integers(0, 256, (tile_n, hs), dtype=np.uint8)
+    want = np.empty(tile_n * hs, np.uint8)
+    rows, cols = np.meshgrid(np.arange(hs), np.arange(tile_n), indexing="ij")
+    offs = np.vectorize(lambda n, p: sw128_offset8(n, p, hs))(rows, cols)
+    assert len(np.unique(offs)) == tile_n * hs  # the layout is a bijection onto the tile
+    tokens = np.vectorize(fp8_k_column)(cols)
+    want[offs] = src[tokens, rows]
+    out = cupy.full(tile_n * hs, 0xEE, np.uint8)
+    func = module.get_function(kernel)
+    smem = 2 * tile_n * hs
+    jit.driver.funcSetAttribute(
+        func.ptr, jit.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    func((1,), (threads,), (cupy.asarray(src), out), shared_mem=smem)
+    np.testing.assert_array_equal(cupy.asnumpy(out), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("runs, size", [(1, 8192), (4, 2048), (6, 1024), (8, 16)])
 def test_bulk_copies_land_and_complete_their_phases(rng, runs, size):
