@@ -139,6 +139,118 @@ __device__ void probe_transpose(const unsigned char* src, unsigned char* out) {
   for (int i = threadIdx.x; i < TILE_N * HEAD_SIZE; i += THREADS) out[i] = vt[i];
 }
 
+// fp8 attention of one warpgroup, the chain an fp8-query prefill runs a tile at a time:
+// 64 query rows of HEAD_SIZE (q [64][HEAD_SIZE] bytes of C) over TILES tiles of 128 keys
+// (k, v [TILES * 128][HEAD_SIZE] bytes, token-major): S = Q K^T by 8-bit wgmma from shared
+// memory; an online softmax in base 2 whose weights carry an offset of 2^8 (P =
+// exp2(S * scale_log2 - m + 8), in [0, 256], so e4m3 keeps weights down to 2^-17 of a row's
+// maximum as normal numbers); P rounded to C by fp8_a_fragment; V transposed by
+// fp8_transpose_v; O += P V^T by 8-bit wgmma with P from registers. Out: O / l * v_scale
+// [64][HEAD_SIZE] fp32, and each row's m (log2 units, the offset left out) and l (the
+// fp32 weights' sum, offset included). Dynamic shared memory: (64 + 128) x HEAD_SIZE
+// rounded up to 128 a row, 2 x 128 x HEAD_SIZE, and 1024 bytes for the alignment.
+template <typename C, int HEAD_SIZE, int TILES>
+__device__ void probe_fp8_attention(const unsigned char* q, const unsigned char* k,
+                                    const unsigned char* v, float scale_log2, float v_scale,
+                                    float* o_out, float* m_out, float* l_out) {
+  constexpr int TN = 128, TILE_BYTES = TN * HEAD_SIZE;
+  // Q's and K's rows take whole 128-byte blocks of the swizzled layout (half used at 64)
+  constexpr int ROW_BYTES = (HEAD_SIZE + 127) / 128 * 128;
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  const unsigned base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const unsigned q_s = base, k_s = base + 64 * ROW_BYTES, vraw_s = k_s + TN * ROW_BYTES,
+                 vt_s = vraw_s + TILE_BYTES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < 64 * HEAD_SIZE; i += 128) {
+    smem[sw128_offset8(i / HEAD_SIZE, i % HEAD_SIZE, 64)] = q[i];
+  }
+  float o[HEAD_SIZE / 2];
+#pragma unroll
+  for (int i = 0; i < HEAD_SIZE / 2; ++i) o[i] = 0.f;
+  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+  for (int tile = 0; tile < TILES; ++tile) {
+    __syncthreads();  // the last tile's products are done with K, V and V^T
+    for (int i = tid; i < TILE_BYTES; i += 128) {
+      const unsigned char key_byte = k[tile * TILE_BYTES + i];
+      smem[k_s - base + sw128_offset8(i / HEAD_SIZE, i % HEAD_SIZE, TN)] = key_byte;
+      smem[vraw_s - base + i] = v[tile * TILE_BYTES + i];
+    }
+    __syncthreads();
+    fp8_transpose_v<HEAD_SIZE, TN, 128>(vraw_s, vt_s, tid);
+    fence_async_smem();
+    __syncthreads();
+    float s[TN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_SIZE / 32; ++kk) {
+      Wgmma<C, TN, 0>::ss(s, kmajor_desc(q_s, 16 * kk, 64), kmajor_desc(k_s, 16 * kk, TN), kk);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows 16w + lane/4 (h 0) and + 8 (h 1)
+      float mx = neg_inf();
+#pragma unroll
+      for (int j = 0; j < TN / 8; ++j) {
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, 2));
+      const float m_new = fmaxf(m[h], mx * scale_log2);
+      const float alpha = fast_exp2(m[h] - m_new);  // 0 for the first tile (m = -inf)
+      const float shift = m_new - 8.f;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < TN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x = fast_exp2(fmaf(x, scale_log2, -shift));
+          sum += x;
+        }
+      }
+      l[h] = l[h] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < HEAD_SIZE / 8; ++j) {
+        o[4 * j + 2 * h] *= alpha;
+        o[4 * j + 2 * h + 1] *= alpha;
+      }
+      m[h] = m_new;
+    }
+    unsigned pa[TN / 32][4];
+#pragma unroll
+    for (int c = 0; c < TN / 32; ++c) fp8_a_fragment<C>(s, c, pa[c]);
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < TN / 32; ++c) {
+      Wgmma<C, HEAD_SIZE, 0>::rs(o, pa[c], kmajor_desc(vt_s, 16 * c, HEAD_SIZE), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(~0u, l[h], 1);
+    l[h] += __shfl_xor_sync(~0u, l[h], 2);
+    const float f = v_scale / l[h];
+#pragma unroll
+    for (int j = 0; j < HEAD_SIZE / 8; ++j) {
+      o[4 * j + 2 * h] *= f;
+      o[4 * j + 2 * h + 1] *= f;
+    }
+    if ((lane & 3) == 0) {
+      const int r = 16 * warp + (lane >> 2) + 8 * h;
+      m_out[r] = m[h];
+      l_out[r] = l[h];
+    }
+  }
+  store_d<HEAD_SIZE>(o, o_out, warp, lane);
+}
+
 // Bulk copies as paged_prefill_sm90's fp8 producer issues them: over two phases of one
 // mbarrier (parities 0 and 1), `runs` runs of `bytes` bytes each from src + offsets[phase
 // * runs + r] into shared memory, run r by one elected lane of warp r % 4 (warp-uniform
@@ -225,3 +337,13 @@ CUPAGED_PROBE8(probe_e5m2_n64_rs, cupaged::fp8_e5m2_t, 64, 1)
 CUPAGED_PROBE_T(probe_transpose_h128_n128, 128, 128, 128)
 CUPAGED_PROBE_T(probe_transpose_h64_n256, 64, 256, 128)
 CUPAGED_PROBE_T(probe_transpose_h256_n128, 256, 128, 256)
+
+#define CUPAGED_PROBE_ATT(NAME, C, HS, TILES)                                                   \
+  extern "C" __global__ void __launch_bounds__(128)                                             \
+      NAME(const unsigned char* q, const unsigned char* k, const unsigned char* v,              \
+           float scale_log2, float v_scale, float* o, float* m, float* l) {                     \
+    cupaged::sm90::probe_fp8_attention<C, HS, TILES>(q, k, v, scale_log2, v_scale, o, m, l);   \
+  }
+
+CUPAGED_PROBE_ATT(probe_fp8_attention_h128, cupaged::fp8_e4m3_t, 128, 2)
+CUPAGED_PROBE_ATT(probe_fp8_attention_h64, cupaged::fp8_e4m3_t, 64, 3)

@@ -178,6 +178,69 @@ def test_fp8_transpose_v_places_every_byte(rng, kernel, hs, tile_n, threads):
     np.testing.assert_array_equal(cupy.asnumpy(out), want)
 
 
+ATTENTIONS = [("probe_fp8_attention_h128", 128, 2), ("probe_fp8_attention_h64", 64, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel, hs, tiles", ATTENTIONS, ids=[a[0] for a in ATTENTIONS])
+def test_fp8_attention_over_tiles_matches_its_emulation(rng, kernel, hs, tiles):
+    """The fp8 chain of one warpgroup over tiles of 128 keys (probe_fp8_attention): e4m3
+    S = Q K^T, the online softmax with weights offset by 2^8, P rounded to e4m3 in
+    fp8_a_fragment's order, V transposed to match, e4m3 P V. Against a float64 emulation
+    that rounds the same weights to e4m3 (per row: O within 5e-3 of its norm, m and l
+    within about 1e-3), and against exact attention over the same fp8 inputs (O within
+    2^-4 of its norm, the largest relative rounding of an e4m3 weight). Row 1's largest key is in the last tile, so its running
+    maximum moves and O is rescaled."""
+    import ml_dtypes
+
+    cupy = _hopper()
+    module = cupy.cuda.function.Module()
+    module.load(_compile("sm_90a"))
+    f8 = ml_dtypes.float8_e4m3fn
+    n = 128 * tiles
+    q = rng.standard_normal((64, hs)).astype(f8)
+    k = rng.standard_normal((n, hs)).astype(f8)
+    v = rng.standard_normal((n, hs)).astype(f8)
+    k[n - 1] = (2 * q[1].astype(np.float32)).astype(f8)
+    scale_log2, v_scale = float(np.log2(np.e) / np.sqrt(hs)), 0.75
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    s = q64 @ k64.T
+    m = np.full(64, -np.inf)
+    l, o = np.zeros(64), np.zeros((64, hs))
+    for t in range(tiles):
+        st = s[:, 128 * t:128 * (t + 1)]
+        m_new = np.maximum(m, st.max(1) * scale_log2)
+        alpha = np.exp2(m - m_new)
+        p = np.exp2(st * scale_log2 - (m_new - 8)[:, None])
+        l = l * alpha + p.sum(1)
+        p8 = p.astype(np.float32).astype(f8).astype(np.float64)
+        o = o * alpha[:, None] + p8 @ v64[128 * t:128 * (t + 1)]
+        m = m_new
+    emulated = o / l[:, None] * v_scale
+    w = np.exp(s / np.sqrt(hs) - (s / np.sqrt(hs)).max(1, keepdims=True))
+    exact = w / w.sum(1, keepdims=True) @ v64 * v_scale
+    o_got = cupy.full((64, hs), np.nan, np.float32)
+    m_got = cupy.full(64, np.nan, np.float32)
+    l_got = cupy.full(64, np.nan, np.float32)
+    func = module.get_function(kernel)
+    row_bytes = -(-hs // 128) * 128
+    smem = (64 + 128) * row_bytes + 2 * 128 * hs + 1024
+    jit.driver.funcSetAttribute(
+        func.ptr, jit.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    func((1,), (128,), (cupy.asarray(q.view(np.uint8)), cupy.asarray(k.view(np.uint8)),
+                        cupy.asarray(v.view(np.uint8)), np.float32(scale_log2),
+                        np.float32(v_scale), o_got, m_got, l_got), shared_mem=smem)
+    got = cupy.asnumpy(o_got).astype(np.float64)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(cupy.asnumpy(m_got), m, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(cupy.asnumpy(l_got), l, rtol=2e-3)
+    norm = np.linalg.norm(exact, axis=1)
+    to_emulated = np.linalg.norm(got - emulated, axis=1) / norm
+    to_exact = np.linalg.norm(got - exact, axis=1) / norm
+    assert to_emulated.max() <= 5e-3, (int(to_emulated.argmax()), float(to_emulated.max()))
+    assert to_exact.max() <= 2.0 ** -4, (int(to_exact.argmax()), float(to_exact.max()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("runs, size", [(1, 8192), (4, 2048), (6, 1024), (8, 16)])
 def test_bulk_copies_land_and_complete_their_phases(rng, runs, size):
