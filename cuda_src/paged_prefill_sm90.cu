@@ -1,8 +1,8 @@
 // Entry file for the Hopper multi-token kernel (paged_prefill_sm90.cuh). cupaged's JIT
 // compiles it with NVRTC for sm_90a and instantiates the template by name expression, e.g.
 //   cupaged::paged_prefill_sm90<cupaged::bfloat16_t, cupaged::bfloat16_t, 128, 16, 0, 128, 3, 0>
-// (query type, cache type, head size, block size, KVFormat, tile tokens, stages, variant
-// bits)
+// (output and query type, cache type, head size, block size, KVFormat, tile tokens, stages,
+// variant bits, and for an 8-bit query its type, the cache's: 8-bit products)
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -std=c++17 -Xptxas -v \
@@ -37,9 +37,12 @@
 #ifndef CUPAGED_VARIANT
 #define CUPAGED_VARIANT 0
 #endif
+#ifndef CUPAGED_Q
+#define CUPAGED_Q CUPAGED_T
+#endif
 void cupaged_instantiate_prefill_sm90() {
   (void)&cupaged::paged_prefill_sm90<CUPAGED_T, CUPAGED_C, CUPAGED_HS, CUPAGED_BS,
                                      CUPAGED_FORMAT, CUPAGED_TILE, CUPAGED_STAGES,
-                                     CUPAGED_VARIANT>;
+                                     CUPAGED_VARIANT, CUPAGED_Q>;
 }
 #endif

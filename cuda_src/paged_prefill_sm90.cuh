@@ -34,6 +34,13 @@
 // producer's widening bounds the kernel), and a bfloat16 query is converted to float16
 // once a query tile, in place, by its consumer with a power-of-two scale a row
 // (query_rows_to_half), which the softmax multiplies back into that row's scores.
+// An 8-bit query over a cache of its format (the template's last type, Q; T is then the
+// output's type) runs the products on 8-bit wgmma (sm90_fp8.cuh): the producer copies each
+// tile's K rows from the raw stage into the ring as they are and transposes its V rows
+// into V^T, P V's K-major B, keys in the order the consumers' P fragments take them; the
+// consumers' weights carry a factor of 2^8 so e4m3 keeps them as normal numbers. The
+// query's scale is the caller's, folded into scale_log2. Head sizes 64 and 128, tiles of
+// 128 keys, token-major caches.
 // The grid is persistent: each CTA takes one job of every gridDim.x (jobs below), and its
 // producer loads the next job's first tiles and query while the consumers finish the
 // last one's. Grid z splits
@@ -44,14 +51,21 @@
 #include "kv_layout.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
+#include "sm90_fp8.cuh"
 #include "softmax.cuh"
 #include "variants.cuh"
 
 namespace cupaged {
 
-template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES>
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int TILE_N, int STAGES,
+          typename Q = T>
 struct Sm90PrefillGeometry {
   static constexpr int kThreads = 384;  // producer + two consumer warpgroups
+  // An 8-bit query over a cache of the same format (Q = C, T the output's type): the
+  // products run on 8-bit wgmma (sm90_fp8.cuh). Q and K tiles hold bytes, in rows of whole
+  // 128-byte blocks; the producer copies each K tile from its raw stage into the ring and
+  // transposes each V tile into V^T, P V's K-major B; S, P and O as over 16-bit caches.
+  static constexpr bool kFp8Mma = sizeof(Q) == 1;
   // An fp8 cache (per-tensor scales): the producer copies each tile's bytes into one of
   // two raw stages and widens them to the products' type (float16, the kernel's M) into
   // the ring (fp8.cuh), while the next tile's bytes are in flight.
@@ -64,8 +78,11 @@ struct Sm90PrefillGeometry {
   // O's wgmma N: 128 columns at a time where the head size allows, else 64.
   static constexpr int kOCols = HEAD_SIZE % 128 == 0 ? 128 : 64;
   static constexpr int kOChunks = HEAD_SIZE / kOCols;
-  static constexpr int kQBytes = kRows * HEAD_SIZE * 2;  // both consumers' Q tiles
-  static constexpr int kTileBytes = TILE_N * HEAD_SIZE * 2;  // one K or V stage
+  // Bytes of a Q or K tile's row: 16-bit elements, or bytes in whole 128-byte blocks.
+  static constexpr int kRowBytes = kFp8Mma ? (HEAD_SIZE + 127) / 128 * 128 : HEAD_SIZE * 2;
+  static constexpr int kQBytes = kRows * kRowBytes;  // both consumers' Q tiles
+  // One K or V stage (over 8-bit products V^T's HEAD_SIZE rows of TILE_N bytes, no more)
+  static constexpr int kTileBytes = TILE_N * kRowBytes;
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffRaw = kOffV + STAGES * kTileBytes;  // [kRawStages][K, V]
@@ -88,8 +105,12 @@ struct Sm90PrefillGeometry {
   // shared memory's base up, so it asks for 1024 bytes more.
   static constexpr int kSmemBytes = kOffFlags + 16 * STAGES + 1024;
 
-  static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
+  static_assert(sizeof(T) == 2, "16-bit outputs (and tensor-core operands, but 8-bit ones)");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
+  static_assert(!kFp8Mma || (is_same<Q, C>::value && TILE_N == 128 && HEAD_SIZE <= 128),
+                "an 8-bit query over a cache of its format, in tiles of 128 keys (V^T's rows "
+                "are whole 128-byte blocks), head sizes 64 and 128 (larger ones overflow "
+                "shared memory with the raw stages)");
   static_assert(HEAD_SIZE % 64 == 0 && HEAD_SIZE >= 64 && HEAD_SIZE <= 256, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
   static_assert(TILE_N == 64 || TILE_N == 128, "TILE_N: wgmma's N of S");
@@ -115,6 +136,9 @@ __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
 // Named barrier 4 + wg: consumer wg's 128 threads, once its Q tile is converted (ids 2 and
 // 3 are the consumers' turns, 0 __syncthreads').
 constexpr int kBarQueryHalf = 4;
+// Named barrier 6: the producer's 128 threads, between the raw V rows of a tile landing
+// (and the empty ones zeroed) and their transposition by all of them (8-bit products).
+constexpr int kBarProducer = 6;
 
 // A consumer's bfloat16 Q tile (64 rows of HEAD_SIZE at `tile`, 128-byte swizzled as
 // sw128_offset lays them out) rewritten in place as float16 Q_r / p_r, p_r the power of
@@ -213,20 +237,21 @@ struct Sm90Registers {
 };
 
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int TILE_N,
-          int STAGES, int VARIANT>
+          int STAGES, int VARIANT, typename Q = T>
 __global__ void __launch_bounds__(384, 1)
     paged_prefill_sm90(T* __restrict__ out, float* __restrict__ part_out,
                        float* __restrict__ part_max, float* __restrict__ part_sum,
                        int split_tiles,
                        // `ranks` per (sequence, KV head) pair: rank r of a sequence is its
                        // query tiles q_tiles - 1 - r, q_tiles - 1 - r - ranks, ...
-                       int num_seqs, int ranks, const T* __restrict__ query,
+                       int num_seqs, int ranks, const Q* __restrict__ query,
                        long long q_token_stride, long long q_head_stride,
                        const __grid_constant__ PagedKV kv, const int* __restrict__ seq_lens,
                        const int* __restrict__ query_start_loc,
                        const float* __restrict__ alibi_slopes, int num_heads, int group_size,
                        int causal, float scale_log2, const __grid_constant__ VariantParams vp) {
-  using Geo = Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>;
+  using Geo = Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES, Q>;
+  constexpr bool kFp8Mma = Geo::kFp8Mma;
   using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
   // vLLM's layout: V [dim][token] within a block is copied in 16-byte runs of 8 tokens and
   // kept dim-major, wgmma's K-major B of P V.
@@ -237,8 +262,9 @@ __global__ void __launch_bounds__(384, 1)
   using Var = Variant<VARIANT>;
   using namespace sm90;
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
-  static_assert(!Var::kFixedOffset || is_same<T, bfloat16_t>::value,
+  static_assert(!Var::kFixedOffset || (is_same<T, bfloat16_t>::value && !kFp8Mma),
                 "a fixed softmax offset needs P in bfloat16 (fp32's exponent range)");
+  static_assert(!kFp8Mma || !kVllm, "8-bit products over token-major caches");
   // M, the products' 16-bit type (K and V as widened, Q as the S wgmma reads it, P): T, or
   // float16 over an fp8 cache, to which e4m3 and e5m2 widen exactly in one instruction a
   // pair where bfloat16 takes four (docs/PERFORMANCE.md). P (weights in [0, 1] of the
@@ -249,12 +275,13 @@ __global__ void __launch_bounds__(384, 1)
   // 2^-25 of its maximum loses up to N x 2^-25 of it (negligible unless N is in the
   // millions); float16 queries over fp8 always ran this way. A fixed offset keeps
   // bfloat16's range (weights up to 2^64).
-  constexpr bool kHalfProducts = Geo::kQuant && !Var::kFixedOffset;
+  constexpr bool kHalfProducts = Geo::kQuant && !kFp8Mma && !Var::kFixedOffset;
   using M = typename conditional<kHalfProducts, half_t, T>::type;
   // a bfloat16 query over fp8: converted to float16 by its consumer (query_rows_to_half)
   constexpr bool kQueryToHalf = kHalfProducts && is_same<T, bfloat16_t>::value;
   static_assert(!kHalfProducts || kQueryToHalf || is_same<T, half_t>::value,
                 "float16 products over fp8 take a float16 or bfloat16 query");
+  static_assert(kFp8Mma || is_same<Q, T>::value, "a 16-bit query is of the output's type");
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int CH = Geo::kChunks;
 
@@ -380,6 +407,11 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int kRowsPerPass = 128 / 8;
     constexpr int kPasses = TILE_N / kRowsPerPass;
     constexpr int kCPer = CH / 8;
+    // The query's 16-byte chunks (of 16 / sizeof(Q) elements): a row's, and this thread's
+    // (c0, c0 + 8, ...; a row of 64 bytes has four, for threads c0 < 4).
+    constexpr int kQE = 16 / static_cast<int>(sizeof(Q));
+    constexpr int kQChunks = HEAD_SIZE / kQE;
+    constexpr int kQPer = (kQChunks + 7) / 8;
     const int c0 = tid & 7;
     const int trow = tid >> 3;
     const unsigned swz = static_cast<unsigned>((c0 ^ (trow & 7)) << 4);
@@ -399,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int wg = 0; wg < 2; ++wg) {
             mbar_wait(q_empty_bar(wg), (j & 1) ^ 1);  // a fresh barrier passes
-            const unsigned qs = q_s + wg * Geo::kWgRows * HEAD_SIZE * 2;
+            const unsigned qs = q_s + wg * Geo::kWgRows * Geo::kRowBytes;
             bool stored = false;
 #pragma unroll
             for (int pass = 0; pass < Geo::kWgRows / kRowsPerPass; ++pass) {
@@ -408,15 +440,19 @@ __global__ void __launch_bounds__(384, 1)
               const unsigned row = r * 128 + swz;
               if (p < jb.packed) {
                 const int head = jb.kv_head * group_size + p % group_size;
-                const T* src = query + (jb.q_begin + p / group_size) * q_token_stride +
-                               head * q_head_stride + c0 * 8;
+                const Q* src = query + (jb.q_begin + p / group_size) * q_token_stride +
+                               head * q_head_stride + c0 * kQE;
 #pragma unroll
-                for (int i = 0; i < kCPer; ++i) {
-                  cp_async16_shared(qs + i * Geo::kWgRows * 128 + row, src + i * 64);
+                for (int i = 0; i < kQPer; ++i) {
+                  if (kQChunks % 8 != 0 && c0 + 8 * i >= kQChunks) break;
+                  cp_async16_shared(qs + i * Geo::kWgRows * 128 + row, src + i * 8 * kQE);
                 }
               } else {
 #pragma unroll
-                for (int i = 0; i < kCPer; ++i) st_shared_zero16(qs + i * Geo::kWgRows * 128 + row);
+                for (int i = 0; i < kQPer; ++i) {
+                  if (kQChunks % 8 != 0 && c0 + 8 * i >= kQChunks) break;
+                  st_shared_zero16(qs + i * Geo::kWgRows * 128 + row);
+                }
                 stored = true;
               }
             }
@@ -715,33 +751,60 @@ __global__ void __launch_bounds__(384, 1)
               const unsigned vs = v_s + stage * Geo::kTileBytes;
               const unsigned char* rk = smem + Geo::kOffRaw + (g & 1) * 2 * Geo::kRawTileBytes;
               const unsigned char* rv = rk + Geo::kRawTileBytes;
+              if constexpr (kFp8Mma) {
+                // 8-bit products: K's rows into the ring as they are (K-major, swizzled),
+                // V's rows that hold no key zeroed in the raw stage (P is 0 there and 0 *
+                // a stale NaN would be NaN), then, once every producer thread's rows are
+                // in place (the named barrier), V transposed into V^T (sm90_fp8.cuh).
+                const unsigned rv_s = raw_s + (g & 1) * 2 * Geo::kRawTileBytes + Geo::kRawTileBytes;
 #pragma unroll
-              for (int pass = 0; pass < kPasses; ++pass) {
-                const unsigned t = pass * kRowsPerPass + trow;
+                for (int pass = 0; pass < kPasses; ++pass) {
+                  const unsigned t = pass * kRowsPerPass + trow;
 #pragma unroll
-                for (int i = 0; i < kRawPer; ++i) {
-                  const int c = c0 + 8 * i;
-                  if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
-                  // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
-                  const unsigned dk = sw128_offset(t, c * 16, TILE_N);
-                  const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
-                  if (phys[pass] >= 0) {
-                    uint4 lo, hi;
-                    widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16), lo, hi);
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
-                                 "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
-                                 "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
-                    widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16), lo, hi);
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
-                                 "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
-                                 "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
-                  } else {
-                    // P is 0 on these keys and 0 * a stale NaN is NaN: V reads 0 there (K
-                    // need not: their scores are masked). Their raw bytes are never read.
-                    st_shared_zero16(vs + dk);
-                    st_shared_zero16(vs + dk2);
+                  for (int i = 0; i < kRawPer; ++i) {
+                    const int c = c0 + 8 * i;
+                    if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                    if (phys[pass] >= 0) {
+                      const uint4 x = *reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16);
+                      st_shared_v4(ks + sw128_offset8(t, c * 16, TILE_N), x.x, x.y, x.z, x.w);
+                    } else {
+                      st_shared_zero16(rv_s + t * HEAD_SIZE + c * 16);
+                    }
+                  }
+                }
+                named_bar_sync<128>(kBarProducer);
+                fp8_transpose_v<HEAD_SIZE, TILE_N, 128>(rv_s, vs, tid);
+              } else {
+#pragma unroll
+                for (int pass = 0; pass < kPasses; ++pass) {
+                  const unsigned t = pass * kRowsPerPass + trow;
+#pragma unroll
+                  for (int i = 0; i < kRawPer; ++i) {
+                    const int c = c0 + 8 * i;
+                    if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                    // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
+                    const unsigned dk = sw128_offset(t, c * 16, TILE_N);
+                    const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
+                    if (phys[pass] >= 0) {
+                      uint4 lo, hi;
+                      widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16),
+                                    lo, hi);
+                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
+                                   "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
+                                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+                      widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16),
+                                    lo, hi);
+                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
+                                   "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
+                                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+                    } else {
+                      // P is 0 on these keys and 0 * a stale NaN is NaN: V reads 0 there (K
+                      // need not: their scores are masked). Their raw bytes are never read.
+                      st_shared_zero16(vs + dk);
+                      st_shared_zero16(vs + dk2);
+                    }
                   }
                 }
               }
@@ -778,7 +841,7 @@ __global__ void __launch_bounds__(384, 1)
   const int wg = warp / 4 - 1;
   const int ctid = tid - 128 * (wg + 1);
   const int cwarp = ctid >> 5;
-  const unsigned q_wg = q_s + wg * Geo::kWgRows * HEAD_SIZE * 2;
+  const unsigned q_wg = q_s + wg * Geo::kWgRows * Geo::kRowBytes;
   const int frag_row = lane >> 2;
   const int frag_col = (lane & 3) * 2;
   // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output. (A query
@@ -793,7 +856,8 @@ __global__ void __launch_bounds__(384, 1)
   float s[TILE_N / 2];  // S of 64 rows x TILE_N keys: s[4n + i] is mma's C fragment i of n8 tile n
 #pragma unroll
   for (int i = 0; i < TILE_N / 2; ++i) s[i] = 0.f;
-  unsigned pa[TILE_N / 16][4];  // P as wgmma's register A fragments, per k16 step
+  // P as wgmma's register A fragments, per k16 step (8-bit products: per k32 step)
+  unsigned pa[kFp8Mma ? TILE_N / 32 : TILE_N / 16][4];
   float o[Geo::kOChunks][Geo::kOCols / 2];
 
   unsigned g = 0;
@@ -869,10 +933,18 @@ __global__ void __launch_bounds__(384, 1)
       auto release = [&](int it) { mbar_arrive(empty_bar((g + it) % STAGES)); };
       auto issue_s = [&](int it) {
         const unsigned ks = k_s + ((g + it) % STAGES) * Geo::kTileBytes;
+        if constexpr (kFp8Mma) {  // k32 steps of bytes: descriptor columns of 16 bits
 #pragma unroll
-        for (int kk = 0; kk < HEAD_SIZE / 16; ++kk) {
-          Wgmma<M, TILE_N, 0>::ss(s, kmajor_desc(q_wg, kk * 16, Geo::kWgRows),
-                                  kmajor_desc(ks, kk * 16, TILE_N), kk > 0);
+          for (int kk = 0; kk < HEAD_SIZE / 32; ++kk) {
+            Wgmma<Q, TILE_N, 0>::ss(s, kmajor_desc(q_wg, kk * 16, Geo::kWgRows),
+                                    kmajor_desc(ks, kk * 16, TILE_N), kk > 0);
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < HEAD_SIZE / 16; ++kk) {
+            Wgmma<M, TILE_N, 0>::ss(s, kmajor_desc(q_wg, kk * 16, Geo::kWgRows),
+                                    kmajor_desc(ks, kk * 16, TILE_N), kk > 0);
+          }
         }
         wgmma_commit();
       };
@@ -880,16 +952,27 @@ __global__ void __launch_bounds__(384, 1)
       // this loop would make ptxas serialize every wgmma of the kernel).
       auto issue_pv = [&](int it) {
         const unsigned vs = v_s + ((g + it) % STAGES) * Geo::kTileBytes;
+        if constexpr (kFp8Mma) {  // V^T (bytes, keys in fp8_k_column's order): K-major B
 #pragma unroll
-        for (int kk = 0; kk < TILE_N / 16; ++kk) {
+          for (int kk = 0; kk < TILE_N / 32; ++kk) {
 #pragma unroll
-          for (int c = 0; c < Geo::kOChunks; ++c) {
-            if constexpr (kVllm) {  // V dim-major: K-major B, rows = dims
-              Wgmma<M, Geo::kOCols, 0>::rs(
+            for (int c = 0; c < Geo::kOChunks; ++c) {
+              Wgmma<Q, Geo::kOCols, 0>::rs(
                   o[c], pa[kk], kmajor_desc(vs + c * Geo::kOCols * 128, kk * 16, HEAD_SIZE), 1);
-            } else {
-              Wgmma<M, Geo::kOCols, 1>::rs(o[c], pa[kk],
-                                           mnmajor_desc(vs, kk * 16, c * Geo::kOCols, TILE_N), 1);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < TILE_N / 16; ++kk) {
+#pragma unroll
+            for (int c = 0; c < Geo::kOChunks; ++c) {
+              if constexpr (kVllm) {  // V dim-major: K-major B, rows = dims
+                Wgmma<M, Geo::kOCols, 0>::rs(
+                    o[c], pa[kk], kmajor_desc(vs + c * Geo::kOCols * 128, kk * 16, HEAD_SIZE), 1);
+              } else {
+                Wgmma<M, Geo::kOCols, 1>::rs(o[c], pa[kk],
+                                             mnmajor_desc(vs, kk * 16, c * Geo::kOCols, TILE_N), 1);
+              }
             }
           }
         }
@@ -981,6 +1064,13 @@ __global__ void __launch_bounds__(384, 1)
         float sub[2] = {0.f, 0.f};
         alpha[0] = alpha[1] = 1.f;
         if constexpr (!Var::kFixedOffset) advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
+        if constexpr (kFp8Mma) {
+          // 8-bit P: weights of 2^8 exp2(x - m), in (0, 256] (e4m3 holds 448), so that
+          // e4m3 keeps them as normal numbers down to 2^-17 of the maximum (2^-9 without);
+          // l_run carries the factor too, which the end removes through the row's m.
+          sub[0] -= 8.f;
+          sub[1] -= 8.f;
+        }
 #pragma unroll
         for (int n = 0; n < TILE_N / 8; ++n) {
 #pragma unroll
@@ -1008,10 +1098,15 @@ __global__ void __launch_bounds__(384, 1)
       // P = the exponentiated S rounded to M, as register A fragments: k-step n / 2 takes
       // regs 0, 1 from n8 tile 2j (rows, rows + 8) and 2, 3 from tile 2j + 1.
       auto pack_p = [&]() {
+        if constexpr (kFp8Mma) {  // rounded to Q, keys in fp8_k_column's order
 #pragma unroll
-        for (int n = 0; n < TILE_N / 8; ++n) {
-          pa[n / 2][(n & 1) * 2 + 0] = pack2<M>(s[4 * n + 0], s[4 * n + 1]);
-          pa[n / 2][(n & 1) * 2 + 1] = pack2<M>(s[4 * n + 2], s[4 * n + 3]);
+          for (int c = 0; c < TILE_N / 32; ++c) fp8_a_fragment<Q>(s, c, pa[c]);
+        } else {
+#pragma unroll
+          for (int n = 0; n < TILE_N / 8; ++n) {
+            pa[n / 2][(n & 1) * 2 + 0] = pack2<M>(s[4 * n + 0], s[4 * n + 1]);
+            pa[n / 2][(n & 1) * 2 + 1] = pack2<M>(s[4 * n + 2], s[4 * n + 3]);
+          }
         }
       };
 
@@ -1083,7 +1178,9 @@ __global__ void __launch_bounds__(384, 1)
         const int head = jb.kv_head * group_size + p % group_size;
         const long long orow =
             static_cast<long long>(jb.q_begin + p / group_size) * num_heads + head;
-        const float m = !Var::kFixedOffset ? m_run[h]
+        // (8-bit P: its weights carry 2^8, l with them; m - 8 is the maximum they are
+        // relative to, for the lse, the sinks and the partials' merge.)
+        const float m = !Var::kFixedOffset ? (kFp8Mma ? m_run[h] - 8.f : m_run[h])
                         : l == 0.f         ? neg_inf()
                                            : Var::fixed_offset(vp);
         if (split_tiles > 0) {
