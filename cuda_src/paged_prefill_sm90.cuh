@@ -756,7 +756,10 @@ __global__ void __launch_bounds__(384, 1)
                 // V's rows that hold no key zeroed in the raw stage (P is 0 there and 0 *
                 // a stale NaN would be NaN), then, once every producer thread's rows are
                 // in place (the named barrier), V transposed into V^T (sm90_fp8.cuh).
-                const unsigned rv_s = raw_s + (g & 1) * 2 * Geo::kRawTileBytes + Geo::kRawTileBytes;
+                // (The loop over this thread's chunks repeats the widening's below: a shared
+                // lambda changes the widening's schedule, measured as tuned.)
+                const unsigned rv_s =
+                    raw_s + (g & 1) * 2 * Geo::kRawTileBytes + Geo::kRawTileBytes;
 #pragma unroll
                 for (int pass = 0; pass < kPasses; ++pass) {
                   const unsigned t = pass * kRowsPerPass + trow;
