@@ -60,9 +60,11 @@ _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format"
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
                    "warps", "m_atoms", "tile_tokens", "stages", "variant")
 # The Hopper multi-token kernel: token-major caches of the query's type or fp8 with
-# per-tensor scales, vLLM's layout of the query's type; its own tile shape.
+# per-tensor scales, vLLM's layout of the query's type; its own tile shape; and an 8-bit
+# query over a cache of its format (query_dtype, the template's last argument: 8-bit
+# products, dtype then the output's type).
 _PREFILL_SM90_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format",
-                        "tile_tokens", "stages", "variant")
+                        "tile_tokens", "stages", "variant", "query_dtype")
 # Absorbed MLA: head_size is the latent rank (kv_c's and the output's dims), rope_dim the
 # rotary part of the key; rows packed query rows per CTA.
 _MLA_PARAMS = ("dtype", "cache_dtype", "head_size", "rope_dim", "block_size", "rows",
@@ -201,13 +203,18 @@ def smaller_prefill_tiles(head_size: int, tile: tuple) -> tuple:
     return tuple(t for t in dict.fromkeys(out) if t != tile)
 
 
-def default_sm90_prefill_tile(head_size: int, fp8: bool = False) -> tuple[int, int]:
+def default_sm90_prefill_tile(head_size: int, fp8: bool = False,
+                              fp8_query: bool = False) -> tuple[int, int]:
     """(tile_tokens, stages) of paged_prefill_sm90: 128-token K/V tiles up to head size
     128 (S of 64 rows x 128 keys, P and O fit the consumers' registers beside each
     other), 64 above (O alone is 64 x 256 fp32 over a warpgroup: 128 registers a
     thread); three stages where 227 KiB hold them (a consumer holds two at once: tile j's
     K and tile j - 1's V), two at head size 256. An fp8 cache also keeps two raw stages
-    of its bytes: 64-token tiles, two stages above head size 128 (at 256 nothing fits)."""
+    of its bytes: 64-token tiles, two stages above head size 128 (at 256 nothing fits).
+    An 8-bit query (8-bit products, head sizes 64 and 128) takes 128-token tiles, whose
+    V^T rows are whole 128-byte blocks, in three stages (176 KB at head size 128)."""
+    if fp8_query:
+        return 128, 3
     if fp8:
         return 64, (3 if head_size <= 128 else 2)
     return (128 if head_size <= 128 else 64), (2 if head_size > 192 else 3)
@@ -257,6 +264,8 @@ class KernelSpec:
     #                        "dsmla": DeepSeek-V3.2's sparse rows, "v4fp8" / "v4fp4" V4's
     #                        (concat_and_cache_mla and the sparse readers)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
+    query_dtype: str = ""  # paged_prefill_sm90: "" the dtype's, or "e4m3" | "e5m2" (the
+    #                        cache's format): 8-bit products, dtype the output's type
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
     #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
@@ -310,9 +319,9 @@ class KernelSpec:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "
                                  f"order, in {self!r}")
             if "f" in self.variant and ("c" not in self.variant or "a" in self.variant
-                                        or self.dtype != "bf16"):
+                                        or self.dtype != "bf16" or self.query_dtype):
                 raise ValueError(f"variant 'f' (the soft-cap's fixed softmax offset) needs 'c', "
-                                 f"no 'a' and dtype bf16, in {self!r}")
+                                 f"no 'a', dtype bf16 and a 16-bit query, in {self!r}")
         if self.kv_scale and "kv_scale" not in params:
             raise ValueError(f"{self.kernel} takes per-tensor scales only (kv_scale ''): "
                              f"{self!r}")
@@ -323,6 +332,14 @@ class KernelSpec:
             raise ValueError(f"{self.kernel} takes no kv_format (it reads no cache): {self!r}")
         if ("kv_format" in params) != (self.kv_format in KV_FORMATS):
             raise ValueError(f"kv_format must be 'tok' or 'vllm' in {self!r}")
+        if self.query_dtype:
+            if "query_dtype" not in params:
+                raise ValueError(f"{self.kernel} takes no query_dtype (its query is of "
+                                 f"dtype): {self!r}")
+            if self.query_dtype not in _dtypes.FP8 or self.query_dtype != self.cache_dtype \
+                    or self.kv_format != "tok":
+                raise ValueError(f"query_dtype must be an fp8 format and the cache's own, over "
+                                 f"a token-major cache (kv_format 'tok'), in {self!r}")
         object.__setattr__(self, "_params", params)
         if self.kernel == "paged_prefill":
             for name, default in zip(("warps", "m_atoms", "tile_tokens", "stages"),
@@ -330,7 +347,8 @@ class KernelSpec:
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
         elif self.kernel == "paged_prefill_sm90":
-            tile = default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype)
+            tile = default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype,
+                                             bool(self.query_dtype))
             for name, default in zip(("tile_tokens", "stages"), tile):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
@@ -373,6 +391,8 @@ class KernelSpec:
             parts.append(self.dtype)
         if "cache_dtype" in p and self.cache_dtype != self.dtype:
             parts.append(self.cache_dtype)
+        if self.query_dtype:
+            parts.append(f"q{self.query_dtype}")
         if "head_size" in p:
             parts.append(f"hs{self.head_size}")
         if "rope_dim" in p:
@@ -399,7 +419,8 @@ class KernelSpec:
             parts.append(f"h{self.rows}")
         elif self.kernel == "paged_prefill_sm90":
             tile = (self.tile_tokens, self.stages)
-            if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype):
+            if tile != default_sm90_prefill_tile(self.head_size, self.cache_dtype != self.dtype,
+                                                 bool(self.query_dtype)):
                 parts.append("n{}x{}".format(*tile))
         elif "tile_tokens" in p:
             if (self.tile_tokens, self.stages) != (self._default_tile(), 2):
@@ -413,7 +434,9 @@ class KernelSpec:
         args = []
         for p in self._params:
             v = getattr(self, p)
-            if p in ("dtype", "cache_dtype"):
+            if p == "query_dtype" and not v:
+                continue  # the template's default: the query is of dtype
+            if p in ("dtype", "cache_dtype", "query_dtype"):
                 v = _dtypes.CACHE_BY_NAME[v].cxx
             elif p == "kv_scale":
                 v = KV_SCALES[v]

@@ -199,7 +199,9 @@ def test_specialization_names_are_unique():
     # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
     # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
-    # for each of 5 variants, and its 114 of bfloat16 for each of 2; the cache kernels:
+    # for each of 5 variants, and its 114 of bfloat16 for each of 2, and with an 8-bit query
+    # over a cache of its format 2 dtypes x 2 formats x 2 head sizes (64, 128) x 9 block
+    # sizes for each of the 5 (not the fixed offset's 2); the cache kernels:
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 24 (2 dtypes x 6
     # cache types: the source's, 2 fp8 formats, fp8_ds_mla, v4_fp8, v4_fp4; x 2 index
     # types), merge_states 3, indexer_k_quant_and_cache 4,
@@ -221,7 +223,7 @@ def test_specialization_names_are_unique():
     # for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 3724 * 5 + 1862 * 2 + 135
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
-                                                          + 1) + 228 * 5 + 114 * 2 \
+                                                          + 1) + 228 * 5 + 114 * 2 + 72 * 5 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
         + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) \
         + 2 * (2 * 9 + 3 * 9)

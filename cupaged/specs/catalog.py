@@ -45,9 +45,11 @@ AXES = {
                       "kv_format": KV_FORMATS, "kv_scale": KV_SCALES,
                       "variant": PREFILL_VARIANTS},
     # Hopper only (jit.ARCH_ONLY): built for sm_90a where the targets include sm_90.
+    # query_dtype: an 8-bit query over a cache of its format (8-bit products)
     "paged_prefill_sm90": {"dtype": ("f16", "bf16"), "cache_dtype": CACHE_DTYPES,
                            "head_size": SM90_HEAD_SIZES, "block_size": _checks.BLOCK_SIZES,
-                           "kv_format": KV_FORMATS, "variant": PREFILL_VARIANTS},
+                           "kv_format": KV_FORMATS, "query_dtype": ("", *_dtypes.FP8),
+                           "variant": PREFILL_VARIANTS},
     # (512: mla_attention's split-KV, whose outputs are kv_lora_rank wide)
     "paged_decode_combine": {"dtype": tuple(_dtypes.BY_NAME),
                              "head_size": tuple(sorted({*_checks.HEAD_SIZES, 512}))},
@@ -110,7 +112,8 @@ def supported(spec: jit.KernelSpec) -> bool:
     scales; paged_prefill copies vLLM's value layout in 16-byte runs of one block, so it
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
-    192, and vLLM's layout in blocks of 8 tokens or more."""
+    192, and vLLM's layout in blocks of 8 tokens or more; an 8-bit query up to head size
+    128 (its geometry's violations)."""
     if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.kernel != "concat_and_cache_mla" \
             and spec.dtype != "bf16":
         return False  # the readers of token rows take bfloat16 queries
@@ -126,6 +129,8 @@ def supported(spec: jit.KernelSpec) -> bool:
             return False  # its raw fp8 stages: token-major, and beside the ring up to 192
         if spec.kv_format == "vllm" and spec.block_size < 8:
             return False  # vLLM's value in 16-byte runs of one block
+        if spec.query_dtype and geometry.Sm90PrefillGeometry.of(spec).violations():
+            return False
     if spec.kernel == "paged_decode":
         # Past the target's shared memory (float32 heads over 256 dims, the largest tiles of
         # vLLM's layout on sm_80): the planner names the limit instead.

@@ -264,9 +264,9 @@ class PrefillGeometry:
 
 @dataclass(frozen=True)
 class Sm90PrefillGeometry:
-    """``Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES>`` of
+    """``Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES, Q>`` of
     ``cuda_src/paged_prefill_sm90.cuh`` (``cache_itemsize`` as for
-    :class:`DecodeGeometry`)."""
+    :class:`DecodeGeometry`; ``fp8_query``: Q is an 8-bit query's type, the cache's)."""
 
     itemsize: int
     head_size: int
@@ -274,11 +274,13 @@ class Sm90PrefillGeometry:
     tile_tokens: int
     stages: int
     cache_itemsize: int = 0
+    fp8_query: bool = False
 
     @classmethod
     def of(cls, spec) -> "Sm90PrefillGeometry":
         return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
-                   spec.tile_tokens, spec.stages, _cache_itemsize(spec))
+                   spec.tile_tokens, spec.stages, _cache_itemsize(spec),
+                   bool(spec.query_dtype))
 
     @property
     def quant(self) -> bool:  # kQuant: an fp8 cache, widened by the producer
@@ -292,22 +294,29 @@ class Sm90PrefillGeometry:
         return 2 if self.quant else 0
 
     @property
+    def row_bytes(self) -> int:  # kRowBytes: a Q or K tile's row (8-bit: whole 128-byte blocks)
+        return -(-self.head_size // 128) * 128 if self.fp8_query else self.head_size * 2
+
+    @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q, K/V stages, raw fp8 stages, barriers, flags
-        tile = self.tile_tokens * self.head_size * 2
+        tile = self.tile_tokens * self.row_bytes
         raw = self.raw_stages * 2 * self.tile_tokens * self.head_size
         # mbarriers: full and empty a stage, q_full and q_empty a consumer, raw_full and
         # raw_free a raw stage (kBars)
         bars = 2 * self.stages + 4 + 2 * self.raw_stages
-        return (self.rows * self.head_size * 2 + 2 * self.stages * tile + raw
+        return (self.rows * self.row_bytes + 2 * self.stages * tile + raw
                 + 8 * bars + 16 * self.stages + 1024)
 
     def violations(self) -> list[str]:
         hs, bs = self.head_size, self.block_size
         bad = []
         if self.itemsize != 2:
-            bad.append("tensor cores take 16-bit operands")
+            bad.append("16-bit outputs (and tensor-core operands, but 8-bit ones)")
         if self.quant and self.cache_itemsize != 1:
             bad.append("caches of T or fp8")
+        if self.fp8_query and not (self.quant and self.tile_tokens == 128 and hs <= 128):
+            bad.append("an 8-bit query over a cache of its format, in tiles of 128 keys, "
+                       "head sizes 64 and 128")
         if not (hs % 64 == 0 and 64 <= hs <= 256):
             bad.append("HEAD_SIZE")
         if bs & (bs - 1) or not 1 <= bs <= 256:
@@ -538,8 +547,9 @@ def _check_chunk(specs) -> None:
         if s.kernel == "paged_prefill_sm90":
             g = Sm90PrefillGeometry.of(s)
             c = _dtypes.CACHE_BY_NAME[s.cache_dtype].cxx
+            q = f", {c}" if s.query_dtype else ""
             cxx = (f"cupaged::Sm90PrefillGeometry<{t}, {c}, {s.head_size}, {s.block_size}, "
-                   f"{s.tile_tokens}, {s.stages}>")
+                   f"{s.tile_tokens}, {s.stages}{q}>")
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                          f"{cxx}::kRows == {g.rows} && {cxx}::kThreads == {g.threads}, "
                          f"\"host mirror differs: {s.name}\");\n")
