@@ -137,7 +137,8 @@ __device__ __forceinline__ void st_shared_zero16(unsigned addr) {
 // 3 are the consumers' turns, 0 __syncthreads').
 constexpr int kBarQueryHalf = 4;
 // Named barrier 6: the producer's 128 threads, between the raw V rows of a tile landing
-// (and the empty ones zeroed) and their transposition by all of them (8-bit products).
+// (and the empty ones zeroed) and their transposition by all of them, and by cp.async
+// after it, before the next copies into the raw stage (8-bit products).
 constexpr int kBarProducer = 6;
 
 // A consumer's bfloat16 Q tile (64 rows of HEAD_SIZE at `tile`, 128-byte swizzled as
@@ -777,6 +778,10 @@ __global__ void __launch_bounds__(384, 1)
                 }
                 named_bar_sync<128>(kBarProducer);
                 fp8_transpose_v<HEAD_SIZE, TILE_N, 128>(rv_s, vs, tid);
+                // Each thread read every thread's rows: by cp.async, the next tile's copies
+                // into this raw stage come after all have read it (bulk copies wait for
+                // raw_free's 128 arrivals instead).
+                if (!bulk) named_bar_sync<128>(kBarProducer);
               } else {
 #pragma unroll
                 for (int pass = 0; pass < kPasses; ++pass) {

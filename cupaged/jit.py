@@ -264,14 +264,14 @@ class KernelSpec:
     #                        "dsmla": DeepSeek-V3.2's sparse rows, "v4fp8" / "v4fp4" V4's
     #                        (concat_and_cache_mla and the sparse readers)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
-    query_dtype: str = ""  # paged_prefill_sm90: "" the dtype's, or "e4m3" | "e5m2" (the
-    #                        cache's format): 8-bit products, dtype the output's type
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
     #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
     #                    flat split's runs (paged_decode: the planner's choice), "x" a second
     #                    cache (the sparse MLA kernels: DeepSeek-V4's extra_k_cache)
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
+    query_dtype: str = ""  # paged_prefill_sm90: "" the dtype's, or "e4m3" | "e5m2" (the
+    #                        cache's format): 8-bit products, dtype the output's type
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
