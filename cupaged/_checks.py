@@ -315,9 +315,10 @@ def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: 
     return max_blocks
 
 
-def check_alibi_and_out(alibi, out, query, num_heads: int) -> None:
+def check_alibi_and_out(alibi, out, query, num_heads: int, out_dtype=None) -> None:
     """Optional ``alibi_slopes`` (float32 ``[num_heads]``, contiguous) and ``out`` (the
-    query's dtype and shape, C-contiguous) of an attention entry point."""
+    query's dtype, or ``out_dtype`` where given, and shape, C-contiguous) of an attention
+    entry point."""
     if alibi is not None:
         if alibi.dtype != np.float32:
             fail(f"alibi_slopes must be float32, got {alibi.dtype}", TypeError)
@@ -325,7 +326,7 @@ def check_alibi_and_out(alibi, out, query, num_heads: int) -> None:
             fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
                  f"got shape {alibi.shape}")
     if out is not None:
-        if out.dtype != query.dtype:
+        if out_dtype is None and out.dtype != query.dtype:
             fail(f"out dtype {out.dtype} does not match query dtype {query.dtype}", TypeError)
         if out.shape != query.shape or not (is_empty(query) or out.flags.c_contiguous):
             fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "

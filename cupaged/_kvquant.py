@@ -22,7 +22,7 @@ from . import _checks, _dtypes
 from ._arrays import as_device_array
 
 _fail = _checks.fail
-_ONE_BYTE = (np.dtype(np.uint8), np.dtype(np.int8))
+ONE_BYTE = (np.dtype(np.uint8), np.dtype(np.int8))  # storage of fp8 values
 _FLT_MAX = 3.4028234663852886e38
 
 
@@ -50,7 +50,7 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
     if kv_cache_dtype == "auto" or kv_cache_dtype is None:
         fmt = _dtypes.fp8_of(key_cache.dtype)
         if fmt is None:
-            if key_cache.dtype in _ONE_BYTE:
+            if key_cache.dtype in ONE_BYTE:
                 _fail(f"{names[0]} is {key_cache.dtype}: name its fp8 format with "
                       f"kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'", TypeError)
             return query_dt  # the existing checks compare the arrays with the query
@@ -63,7 +63,7 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
               f"{kv_cache_dtype!r}")
     for name, a in zip(names, (key_cache, value_cache)):
         named = _dtypes.fp8_of(a.dtype)
-        if a.dtype not in _ONE_BYTE and named is None:
+        if a.dtype not in ONE_BYTE and named is None:
             _fail(f"{name} dtype {a.dtype} cannot hold fp8 {fmt.name}: expected a 1-byte "
                   f"dtype (float8_{'e4m3fn' if fmt.name == 'e4m3' else 'e5m2'}, uint8 or int8)",
                   TypeError)

@@ -35,7 +35,14 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         query: ``[total_q, num_heads, head_size]``, float16, bfloat16 or float32. Token and
             head strides are free (a slice of a fused QKV works); the last dimension must
             be contiguous. For several tokens per sequence with a 16-bit dtype the pointer
-            and strides must be multiples of 16 bytes.
+            and strides must be multiples of 16 bytes. An 8-bit query (float8, or uint8 /
+            int8 holding fp8 bytes) is read in its fp8 cache's format and multiplied on
+            8-bit tensor cores (Hopper, head sizes 64 and 128, token-major caches with
+            per-tensor scales, ``query_start_loc`` given): its own per-tensor scale goes
+            into ``scale`` (pass ``scale = softmax_scale * q_scale``), ``out`` is required
+            and gives the output's type (float16 or bfloat16), and the softmax weights are
+            rounded to the fp8 format for P V (FlashAttention-3's fp8 mode: each weight off
+            by up to 2^-4 of itself in e4m3).
         key_cache, value_cache: the paged cache in ``kv_layout``, the query's dtype or fp8
             (``kv_cache_dtype``):
             ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]``;

@@ -191,7 +191,7 @@ def prepared_call(launch: Launch | None, p: Problem, q, o, va: VariantArgs,
     validation.outputs_apart's pairs)."""
     return _prepared.Prepared(
         launch, p.device, kind, q.shape, q.dtype, _prepared.span(q),
-        q.shape[0] * q.shape[1] * q.shape[2] * p.dtype.itemsize,
+        q.shape[0] * q.shape[1] * q.shape[2] * q.dtype.itemsize,
         o is not None and o.strides == q.strides, va.wants_lse,
         (p.num_rows, p.num_heads) if va.wants_lse and lse is None else (), disjoint)
 

@@ -576,20 +576,21 @@ def set_sm90_tile(tile: tuple | None) -> None:
     _prepared.clear()
 
 
-def sm90_tile(head_size: int, fp8: bool) -> tuple:
-    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size, fp8)
+def sm90_tile(head_size: int, fp8: bool, fp8_query: bool = False) -> tuple:
+    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size, fp8, fp8_query)
 
 
 @jit.launcher_cache
 def prefill_sm90_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
                         variant: str = "", tile: tuple = (), cache_dtype: str = "",
-                        kv_format: str = "tok") -> PrefillKernel:
+                        kv_format: str = "tok", query_dtype: str = "") -> PrefillKernel:
     """paged_prefill_sm90 (Hopper's wgmma kernel) in ``tile`` (tile_tokens, stages; ()
-    the default)."""
+    the default); ``query_dtype``: an 8-bit query's format (8-bit products)."""
     tt, st = tile or (0, 0)
     spec = jit.KernelSpec("paged_prefill_sm90", dtype, head_size, block_size, tile_tokens=tt,
                           stages=st, variant=variant, cache_dtype=cache_dtype,
-                          kv_format=kv_format, arch=device_info(device_id).arch)
+                          kv_format=kv_format, arch=device_info(device_id).arch,
+                          query_dtype=query_dtype)
     return _load_prefill(spec, geometry.Sm90PrefillGeometry.of(spec), device_id)
 
 
@@ -650,6 +651,12 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
     """Which kernel serves an attention call, from host facts only (no device sync): the
     rules a new kernel family adds to. The host bounds may undercount, so they choose
     only among kernels that read ``query_start_loc`` whenever it is given."""
+    if p.query_dtype is not None:  # only the wgmma kernel multiplies 8-bit values
+        refuse_fp8_query(p, has_starts)
+        rows = geometry.Sm90PrefillGeometry.rows
+        group = p.num_heads // p.num_kv_heads
+        return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
+                      sm90_tile(p.head_size, True, True), sm90=True)
     if not has_starts:
         return Choice("decode")  # one token per sequence, by the call's contract
     if max_q <= 1 and p.num_rows == p.num_seqs:
@@ -669,6 +676,22 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
         return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
                       tile)
     return Choice("rows")
+
+
+def refuse_fp8_query(p: Problem, has_starts: bool) -> None:
+    """An 8-bit query runs on paged_prefill_sm90's 8-bit products alone: a clear error
+    where that kernel does not apply."""
+    why = []
+    if device_info(p.device).arch != "sm_90":
+        why.append(f"a Hopper GPU (device {p.device} is {device_info(p.device).arch})")
+    if not has_starts:
+        why.append("query_start_loc (the multi-token form; the decode form has none)")
+    if p.head_size not in (64, 128):
+        why.append(f"head size 64 or 128 (got {p.head_size})")
+    if p.cache.kv_format != "tok":
+        why.append("a token-major cache (NHD or HND), not vLLM's layout")
+    if why:
+        _fail("an 8-bit query needs " + ", ".join(why))
 
 
 def prefill_split(k: PrefillKernel, p: Problem, plan: Choice, max_q: int, max_ctx: int,
@@ -844,10 +867,12 @@ def plan_prefill(p: Problem, choice: Choice, max_q: int, max_ctx: int,
     partitions. paged_prefill_sm90: persistent, about one CTA per SM over all partitions
     (z), each taking its share of the jobs (the kernel's header)."""
     # ALiBi and the soft-cap's fixed offset are compile-time variants of this kernel only.
-    letters = _variants.prefill_letters(variants, p.dtype.name, alibi)
+    fp8_query = p.query_dtype is not None  # (8-bit P: no fixed offset, bfloat16's)
+    letters = _variants.prefill_letters(variants, "" if fp8_query else p.dtype.name, alibi)
     if choice.sm90:
         k = prefill_sm90_kernel(p.device, p.dtype.name, p.head_size, p.block_size, letters,
-                                choice.tile, p.cache.dtype.name, p.cache.kv_format)
+                                choice.tile, p.cache.dtype.name, p.cache.kv_format,
+                                p.query_dtype.name if fp8_query else "")
     else:
         k = prefill_kernel(p.device, p.dtype.name, p.head_size, p.block_size,
                            p.cache.kv_format, choice.tile, p.cache.dtype.name, p.quant.mode,

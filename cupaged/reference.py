@@ -189,7 +189,7 @@ def gather_kv(key_cache, value_cache, block_table, context_len: int, kv_layout: 
 
 def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = True, *,
            window=None, logits_soft_cap=None, sinks=None, key_mask=None,
-           return_lse: bool = False):
+           return_lse: bool = False, p_fp8=None):
     """Dense attention in float64: ``q [num_heads, hs]`` (one token) or ``[q_len,
     num_heads, hs]`` against ``k [n, num_kv_heads, hs]`` and ``v [n, num_kv_heads, hv]``
     (``hv`` is the output's last dimension: ``hs`` but in MLA); query head h uses KV head
@@ -209,7 +209,11 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     A row that sees no key gives zeros. ``return_lse`` also returns the natural log of
     each row's softmax denominator, ``[q_len, num_heads]`` (``[num_heads]`` for one
     token): -inf for a row with no key and no sink. Partial results over disjoint key
-    sets merge exactly with :func:`merge_state` (give the sinks to one partial only)."""
+    sets merge exactly with :func:`merge_state` (give the sinks to one partial only).
+    ``p_fp8`` (an fp8 kv_cache_dtype name): the weights P V takes are rounded to that
+    format as 2^8 exp(logit - the row's maximum), an 8-bit query's products round them
+    (the sum keeps them unrounded), relative to the final maximum where the kernel's
+    running one may be lower: the size of that rounding's error, not its values."""
     q = np.asarray(q, dtype=np.float64)
     single = q.ndim == 2
     if single:
@@ -252,6 +256,9 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
         den = w.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - m))
         with np.errstate(divide="ignore"):
             lse = np.where(den > 0, m + np.log(np.where(den > 0, den, 1.0)), -np.inf)[..., 0]
+        if p_fp8 is not None:
+            fmt = _fp8_format(p_fp8, np.zeros(0))
+            w = quantize_fp8(w * 256.0, fmt).astype(np.float64) / 256.0
         out = np.einsum("qhn,nhd->qhd", w / np.where(den > 0, den, 1.0), vh)
     if single:
         out, lse = out[0], lse[0]
@@ -317,7 +324,7 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
               kv_layout: str = "NHD", causal: bool = True, scale=None, alibi_slopes=None,
               max_query_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=None,
               v_scale=None, window=None, logits_soft_cap=None, sinks=None,
-              blocksparse=None, return_lse: bool = False):
+              blocksparse=None, return_lse: bool = False, p_fp8=None):
     """Float64 result ``[total_q, num_heads, head_size]`` of ``cupaged.attention`` (the
     last dimension is the value cache's: ``head_size`` but in MLA, :func:`mla_attention`).
 
@@ -331,8 +338,16 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     ``stored * scale``. ``window``, ``logits_soft_cap``, ``sinks`` and ``return_lse`` (then
     ``(out, lse [total_q, num_heads])``) are :func:`attend`'s; ``blocksparse`` (decode
     only) is a dict of :func:`blocksparse_mask`'s pattern arguments (``local_blocks``,
-    ``vert_stride``, ``sparse_block_size``, ``head_sliding_step``, ``tp_rank``)."""
+    ``vert_stride``, ``sparse_block_size``, ``head_sliding_step``, ``tp_rank``). A query
+    of a 1-byte dtype is an 8-bit query in its fp8 cache's format, read as stored (its
+    scale is the caller's, in ``scale``); ``p_fp8`` as for :func:`attend`."""
     query = np.asarray(query)
+    if query.dtype.itemsize == 1:
+        fmt = _fp8_format(kv_cache_dtype, key_cache)
+        if fmt is None:
+            raise ValueError("an 8-bit query is read in its fp8 cache's format: name it with "
+                             "kv_cache_dtype")
+        query = query.view(fmt).astype(np.float64)
     total_q, num_heads, head_size = query.shape
     lens = np.asarray(seq_lens)
     tables = np.asarray(block_tables)
@@ -366,7 +381,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             key_mask = blocksparse_mask(n, _block_size(key_cache, kv_layout), num_heads,
                                         k.shape[1], **blocksparse)
         out[a:b], lse[a:b] = attend(query[a:b], k, v, scale, alibi_slopes, causal=causal,
-                                    key_mask=key_mask, return_lse=True, **variants)
+                                    key_mask=key_mask, return_lse=True, p_fp8=p_fp8,
+                                    **variants)
     return (out, lse) if return_lse else out
 
 

@@ -34,6 +34,8 @@ class Problem(NamedTuple):
     quant: _kvquant.KVQuant = _kvquant.NONE  # an fp8 cache's scales
     q_strides: tuple = (0, 0)  # the query's token (sequence) and head strides, in elements
     bt_stride: int = 0  # block_tables' row stride, in entries
+    # An 8-bit query's format (the cache's; ``dtype`` is then out's): 8-bit products
+    query_dtype: _dtypes.DType | None = None
 
 
 def validate_decode(query, key_cache, value_cache, block_tables, context_lens, alibi_slopes,
@@ -88,16 +90,17 @@ def validate_decode(query, key_cache, value_cache, block_tables, context_lens, a
 
 
 def _problem(q, dt, cdt, cache, num_seqs: int, max_blocks: int, num_rows: int, bt, k_scale,
-             v_scale, arrays) -> Problem:
+             v_scale, arrays, qdt: _dtypes.DType | None = None) -> Problem:
     """The Problem of a checked call, once its other ``arrays`` (name, array or None) are
-    on the query's device and its cache's scales are checked."""
+    on the query's device and its cache's scales are checked (``qdt``: an 8-bit query's
+    format, whose elements its strides count)."""
     device = q.data.device_id  # (not .device: that builds a Device object per call)
     _checks.check_same_device(device, "query", arrays)
     quant = _kvquant.scales(k_scale, v_scale, None if cdt is dt else cdt, cache, device)
+    qsize = dt.itemsize if qdt is None else 1
     return Problem(device, dt, num_seqs, q.shape[1], cache.num_kv_heads, q.shape[2],
                    cache.block_size, cache.num_blocks, max_blocks, cache, num_rows, quant,
-                   (q.strides[0] // dt.itemsize, q.strides[1] // dt.itemsize),
-                   bt.strides[0] // 4)
+                   (q.strides[0] // qsize, q.strides[1] // qsize), bt.strides[0] // 4, qdt)
 
 
 def softmax_scale(scale, head_size: int) -> float:
@@ -253,12 +256,19 @@ def check_varlen_tables(bt, sl, qsl, total_q: int, block_size: int, q_name: str)
 def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="auto",
                     k_scale=None, v_scale=None) -> Problem:
     """attention's arguments (adapted arrays): any cache layout, a varlen batch of query
-    rows (``qsl``: query_start_loc, or None for one row per sequence)."""
-    dt = _checks.check_dtype(q, "query")
+    rows (``qsl``: query_start_loc, or None for one row per sequence). A query of a 1-byte
+    dtype is an 8-bit query in its fp8 cache's format, whose output type ``out`` gives."""
+    qdt = None
+    if q.dtype.itemsize == 1 and (q.dtype in _kvquant.ONE_BYTE or _dtypes.fp8_of(q.dtype)):
+        dt, qdt = _fp8_query(q, kc, vc, out, kv_cache_dtype)
+        cdt = qdt
+    else:
+        dt = _checks.check_dtype(q, "query")
     if q.ndim != 3:
         _fail(f"query must be 3-D [total_q, num_heads, head_size], got shape {q.shape}")
     total_q, num_heads, head_size = q.shape
-    cdt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
+    if qdt is None:
+        cdt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
     cache = _checks.check_kv_layout(kc, vc, cdt, kv_layout)
     if cache.head_size != head_size:
         _fail(f"query's head_size is {head_size} but the caches' is {cache.head_size}")
@@ -269,24 +279,50 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
     if total_q * max(group, 1) > _checks.INT32_MAX:
         _fail(f"total_q * (num_heads / num_kv_heads) = {total_q * group} query rows; at most "
               f"{_checks.INT32_MAX} are supported per call")
-    if total_q and (q.strides[2] != dt.itemsize or min(q.strides) < 0):
+    qsize = q.dtype.itemsize
+    if total_q and (q.strides[2] != qsize or min(q.strides) < 0):
         _fail(f"query's last dimension must be contiguous (strides {q.strides})")
-    _checks.check_element_strides(q, "query", dt.itemsize)
+    _checks.check_element_strides(q, "query", qsize)
 
     num_seqs, max_blocks = check_varlen_tables(bt, sl, qsl, total_q, cache.block_size, "query")
     if num_seqs * cache.num_kv_heads > _checks.INT32_MAX:  # the prefill grid's x
         _fail(f"{num_seqs} sequences x {cache.num_kv_heads} KV heads; at most "
               f"{_checks.INT32_MAX} (sequence, KV head) pairs are supported")
-    _checks.check_alibi_and_out(alibi, out, q, num_heads)
+    _checks.check_alibi_and_out(alibi, out, q, num_heads, None if qdt is None else dt)
     if out is not None:
         # In place over the query is fine (each query row is read by the CTA that writes
         # its output, before it writes); any other overlap is not.
         if total_q and not (out.data.ptr == q.data.ptr and out.strides == q.strides):
             _checks.check_disjoint((("query", q), ("out", out)))
-    return _problem(q, dt, cdt, cache, num_seqs, max_blocks, total_q, bt, k_scale, v_scale,
-                    (("key_cache", kc), ("value_cache", vc), ("block_tables", bt),
-                     ("seq_lens", sl), ("query_start_loc", qsl), ("alibi_slopes", alibi),
-                     ("out", out)))
+    p = _problem(q, dt, cdt, cache, num_seqs, max_blocks, total_q, bt, k_scale, v_scale,
+                 (("key_cache", kc), ("value_cache", vc), ("block_tables", bt),
+                  ("seq_lens", sl), ("query_start_loc", qsl), ("alibi_slopes", alibi),
+                  ("out", out)), qdt)
+    if qdt is not None and p.quant.mode:
+        _fail("an 8-bit query takes per-tensor k_scale and v_scale (floats or one-element "
+              "arrays), not per-token ones", TypeError)
+    return p
+
+
+def _fp8_query(q, kc, vc, out, kv_cache_dtype) -> tuple:
+    """``(out's type, the query's fp8 format)`` of an 8-bit query: in the format of its
+    fp8 cache (``kv_cache_dtype``, or the caches' and its own float8 dtypes), its output
+    the float16 or bfloat16 ``out`` the caller gives (no type to make one of)."""
+    if out is None:
+        _fail(f"an 8-bit query ({q.dtype}) needs out=: a float16 or bfloat16 array of its "
+              f"shape for the output", TypeError)
+    dt = _checks.check_dtype(out, "out")
+    if dt.itemsize != 2:
+        _fail(f"out of an 8-bit query must be float16 or bfloat16, got {out.dtype}", TypeError)
+    fmt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
+    if fmt is dt:
+        _fail(f"an 8-bit query ({q.dtype}) needs an fp8 cache: kv_cache_dtype='fp8_e4m3' or "
+              f"'fp8_e5m2' (the query is read in the cache's format)", TypeError)
+    named = _dtypes.fp8_of(q.dtype)
+    if named is not None and named is not fmt:
+        _fail(f"query dtype {q.dtype} holds fp8 {named.name}, but the cache is {fmt.name}: "
+              f"an 8-bit query is in its cache's format", TypeError)
+    return dt, fmt
 
 
 def check_queries_on_device(qsl, sl, total_q: int, ctx: _arrays.Context) -> None:

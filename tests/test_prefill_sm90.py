@@ -591,3 +591,88 @@ def test_a_launch_short_of_the_warpgroups_registers_is_refused(rng, sm90, monkey
             run(host, max_query_len=200)
     finally:
         jit.clear_memory_caches()
+
+
+def fp8_query_check(got, host, scales, fmt, scale, what, **kw):
+    """An 8-bit query's output against the float64 reference over the same bytes: each
+    row no further from it than three times the reference's own rounding of the weights
+    to ``fmt`` (reference.attend's p_fp8: the error this mode has by design) plus 2^-7 of
+    the row (the 16-bit output and fp32 sums), and the whole array within twice that
+    rounding's error plus 2^-8."""
+    ref = reference.attention(**host, kv_cache_dtype=fmt, scale=scale, **scales, **kw)
+    emu = reference.attention(**host, kv_cache_dtype=fmt, scale=scale, **scales,
+                              p_fp8=fmt, **kw)
+    assert not np.isnan(got).any(), what
+    row = np.linalg.norm(ref, axis=-1)
+    err, err_emu = np.linalg.norm(got - ref, axis=-1), np.linalg.norm(emu - ref, axis=-1)
+    bad = err > 3 * err_emu + 2.0 ** -7 * row
+    assert not bad.any(), (what, np.argwhere(bad)[:4].tolist(), float((err / row)[bad].max()))
+    whole = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert whole <= 2 * np.linalg.norm(emu - ref) / np.linalg.norm(ref) + 2.0 ** -8, (what, whole)
+
+
+@pytest.mark.parametrize("view", ["NHD", "HND", "HND-padded"])
+@pytest.mark.parametrize("bs", [1, 16, 64], ids=lambda b: f"bs{b}")
+@pytest.mark.parametrize("fmt, dtype, hs", [("fp8_e4m3", "bf16", 128), ("fp8_e5m2", "f16", 64),
+                                            ("fp8_e4m3", "f16", 64)], ids=lambda x: str(x))
+def test_an_8bit_query_over_its_fp8_cache(rng, sm90, fmt, dtype, hs, bs, view):
+    """An 8-bit query (the e4m3 / e5m2 bytes of a 16-bit one, its per-tensor scale in
+    ``scale``) over an fp8 cache of its format in every way its tiles arrive (cp.async
+    under 8 tokens a page, bulk copies over HND), sequences of 0, 1, a page +-1 and a few
+    thousand tokens, stale NaN in every unused slot, causal and not, single pass and
+    split-KV, the output poisoned before the launch: fp8_query_check's bounds."""
+    import cupy
+
+    q_lens, seq = fp8_lengths(bs)
+    host, scales = fp8_problem(rng, fmt, "host", q_lens, seq, dtype=dtype, heads=8,
+                               kv_heads=2, head_size=hs, block_size=bs)
+    q = host["query"].astype(np.float32)
+    q_scale = float(np.abs(q).max() / reference.fp8_max(fmt))
+    q8 = reference.quantize_fp8(q, fmt, q_scale).view(np.uint8)
+    host8 = {**host, "query": q8}
+    scale = q_scale / np.sqrt(hs)
+    kc, vc, layout = fp8_device_caches(host, view)
+    dev = {k: cupy.asarray(v) for k, v in host8.items()
+           if v is not None and k not in ("key_cache", "value_cache")}
+    for split in (0, 192):
+        sm90(split)
+        for causal in (True, False):
+            out = cupy.full(q.shape, np.nan, dtype=host["query"].dtype)
+            cupaged.attention(key_cache=kc, value_cache=vc, out=out, kv_layout=layout,
+                              kv_cache_dtype=fmt, scale=scale, causal=causal,
+                              max_query_len=max(q_lens), **scales, **dev)
+            fp8_query_check(cupy.asnumpy(out).astype(np.float64), host8, scales, fmt, scale,
+                            f"{view} bs{bs} split {split} causal={causal}", causal=causal)
+
+
+@pytest.mark.parametrize("variants", [dict(logits_soft_cap=20.0), dict(window=100),
+                                      dict(sinks=True), dict(return_lse=True)],
+                         ids=["cap", "window", "sinks", "lse"])
+def test_an_8bit_query_with_the_variants(rng, sm90, variants):
+    """Soft-cap (no fixed offset over 8-bit weights, even in bfloat16), a window, sinks
+    and the lse, whose 2^8 weight factor the kernel's end removes: lse within 1e-3 of the
+    reference's (in natural log)."""
+    import cupy
+
+    fmt, hs = "fp8_e4m3", 128
+    q_lens, seq = [7, 200, 1], [300, 2000, 5]
+    host, scales = fp8_problem(rng, fmt, "host", q_lens, seq, dtype="bf16", heads=8,
+                               kv_heads=2, head_size=hs, block_size=16)
+    q = host["query"].astype(np.float32)
+    q8 = reference.quantize_fp8(q, fmt, 1.0).view(np.uint8)
+    host8 = {**host, "query": q8}
+    kw = dict(variants)
+    if kw.pop("sinks", None):
+        kw["sinks"] = rng.uniform(-1, 3, 8).astype(np.float32)
+    dev = {k: cupy.asarray(v) for k, v in host8.items() if v is not None}
+    out = cupy.full(q.shape, np.nan, dtype=host["query"].dtype)
+    got = cupaged.attention(out=out, kv_cache_dtype=fmt, **scales, **dev,
+                            **{k: (cupy.asarray(v) if k == "sinks" else v) for k, v in kw.items()})
+    ref_kw = {k: v for k, v in kw.items() if k != "return_lse"}
+    if kw.get("return_lse"):
+        got, lse = got
+        _, ref_lse = reference.attention(**host8, kv_cache_dtype=fmt, **scales,
+                                         return_lse=True)
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
+    fp8_query_check(cupy.asnumpy(got).astype(np.float64), host8, scales, fmt,
+                    1 / np.sqrt(hs), str(variants), **ref_kw)

@@ -529,3 +529,25 @@ def test_mla_reference_refuses_inconsistent_shapes(cache, kw, match):
         reference.mla_attention(np.zeros((1, 2, 11)), cache, np.zeros((1, 1), np.int32),
                                 np.array([1], np.int32), np.array([0, 1], np.int32), scale=1.0,
                                 **kw)
+
+
+def test_fp8_weights_round_each_weight_and_keep_the_sum(rng):
+    """attend's p_fp8: P V takes 2^8 exp(logit - max) rounded to e4m3 (over 2^8), the
+    denominator the exact weights: the result moves by at most 2^-4 of the weights'
+    spread (e4m3's largest relative rounding), and equals a direct computation."""
+    import ml_dtypes
+
+    q = rng.standard_normal((3, 4, 32))
+    k, v = rng.standard_normal((50, 2, 32)), rng.standard_normal((50, 2, 32))
+    exact = reference.attend(q, k, v, 0.2)
+    got = reference.attend(q, k, v, 0.2, p_fp8="fp8_e4m3")
+    logits = np.einsum("qhd,nhd->qhn", q, k[:, [0, 0, 1, 1]]) * 0.2
+    logits = np.where(np.arange(50)[None, None] <= 47 + np.arange(3)[:, None, None], logits,
+                      -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w8 = (256 * w).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / 256
+    want = np.einsum("qhn,nhd->qhd", w8 / w.sum(-1, keepdims=True), v[:, [0, 0, 1, 1]])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    spread = np.einsum("qhn,nhd->qhd", w / w.sum(-1, keepdims=True), np.abs(v[:, [0, 0, 1, 1]]))
+    assert (np.abs(got - exact) <= 2.0 ** -4 * spread + 1e-12).all()
+    assert np.abs(got - exact).max() > 0  # the rounding shows

@@ -387,3 +387,96 @@ def test_a_tile_past_the_devices_shared_memory_is_refused_before_loading(device_
         else:
             planning.prefill_kernel(0, "bf16", 128, 16, "tok", jit.default_prefill_tile(128))
     assert loads == []
+
+
+def _fp8_query(hs=128, layout="NHD", out=np.float16, query=np.uint8, cache="fp8_e4m3",
+               k_scale=1.0, total_q=9):
+    """validate_varlen of an 8-bit query (``query``: its 1-byte dtype) over an fp8 cache
+    (``cache``: kv_cache_dtype) with ``out`` of that dtype (None: no out)."""
+    a = vargs(layout, hs=hs, total_q=total_q)
+    kc = a["key_cache"].view(np.uint8)[..., :hs]
+    q = np.zeros(a["query"].shape, query)
+    o = None if out is None else np.zeros(a["query"].shape, out)
+    return validation.validate_varlen(Fake(q), Fake(kc), Fake(kc), Fake(a["block_tables"]),
+                                      Fake(a["seq_lens"]), Fake(a["query_start_loc"]), None,
+                                      None if o is None else Fake(o, ptr=1 << 30), layout,
+                                      kv_cache_dtype=cache, k_scale=k_scale, v_scale=1.0)
+
+
+def test_an_8bit_query_is_described_in_its_caches_format():
+    """A uint8 query over an e4m3 cache: an e4m3 query, out's type the problem's, the
+    query's strides in bytes."""
+    p = _fp8_query()
+    assert p.query_dtype.name == "e4m3" and p.dtype.name == "f16"
+    assert p.q_strides == (8 * 128, 128)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(out=None), TypeError, "needs out="),
+    (dict(out=np.float32), TypeError, "out of an 8-bit query must be float16 or bfloat16"),
+    (dict(cache="auto"), TypeError, "name its fp8 format"),
+])
+def test_an_8bit_query_refuses_what_it_cannot_run(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _fp8_query(**kw)
+
+
+def test_an_8bit_query_refuses_per_token_scales(monkeypatch):
+    """(Scale arrays need a device: the checked scales stand in, per token and head.)"""
+    from cupaged import _kvquant
+
+    monkeypatch.setattr(_kvquant, "scales", lambda *a: _kvquant.NONE._replace(mode="th"))
+    with pytest.raises(TypeError, match="an 8-bit query takes per-tensor k_scale"):
+        _fp8_query()
+
+
+def test_a_float8_query_of_the_other_format_is_refused():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    with pytest.raises(TypeError, match="holds fp8 e5m2, but the cache is e4m3"):
+        _fp8_query(query=ml_dtypes.float8_e5m2)
+    assert _fp8_query(query=ml_dtypes.float8_e4m3fn).query_dtype.name == "e4m3"
+
+
+@pytest.mark.parametrize("max_q", [1, 3, 300])
+@pytest.mark.parametrize("hs", [64, 128])
+def test_the_planner_takes_an_8bit_query_to_the_8bit_products(device_arch, hs, max_q):
+    """The wgmma kernel with query_dtype whatever the row count (no other kernel multiplies
+    8-bit values), its 128-key tiles, and no fixed offset under a bfloat16 soft-cap."""
+    device_arch("sm_90")
+    p = _fp8_query(hs=hs, out=np.float16)
+    c = planning.choose_kernel(p, True, max_q)
+    assert c.kind == "prefill" and c.sm90 and c.tile == jit.default_sm90_prefill_tile(
+        hs, True, True) == (128, 3)
+    assert c.q_tiles == -(-max_q * 4 // 128)
+
+
+@pytest.mark.parametrize("arch, hs, layout, starts, match", [
+    ("sm_80", 128, "NHD", True, "a Hopper GPU"),
+    ("sm_90", 192, "NHD", True, r"head size 64 or 128 \(got 192\)"),
+    ("sm_90", 128, "NHD", False, "query_start_loc"),
+])
+def test_an_8bit_query_where_the_8bit_products_do_not_run_is_refused(device_arch, arch, hs,
+                                                                     layout, starts, match):
+    device_arch(arch)
+    p = _fp8_query(hs=hs, layout=layout)
+    with pytest.raises(ValueError, match="an 8-bit query needs .*" + match):
+        planning.choose_kernel(p, starts, 9)
+
+
+def test_an_8bit_querys_spec_names_its_format(device_arch, monkeypatch):
+    """plan_prefill asks for paged_prefill_sm90 with query_dtype, bfloat16 out and a
+    soft-cap included (no fixed offset: P is 8-bit)."""
+    from cupaged import _variants
+
+    device_arch("sm_90")
+    asked = []
+    monkeypatch.setattr(planning, "prefill_sm90_kernel", lambda *a: asked.append(a) or
+                        (_ for _ in ()).throw(RuntimeError("stop")))
+    p = _fp8_query(out=np.float16)._replace(dtype=validation._dtypes.BF16)
+    c = planning.choose_kernel(p, True, 64)
+    v = _variants.Variants("c", soft_cap=30.0)
+    with pytest.raises(RuntimeError, match="stop"):
+        planning.plan_prefill(p, c, 64, 1000, v, False, None)
+    (dev, dtype, hs, bs, letters, tile, cache, fmt, query), = asked
+    assert (dtype, cache, query, fmt) == ("bf16", "e4m3", "e4m3", "tok")
+    assert "f" not in letters and "c" in letters

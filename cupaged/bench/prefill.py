@@ -224,6 +224,36 @@ def _run_cupaged(case: PrefillCase, family: str | None = None):
     return run
 
 
+def _run_cupaged_fp8_query(case: PrefillCase):
+    """cupaged.attention with an 8-bit query (its products on 8-bit tensor cores): the
+    case's query rounded to its fp8 cache's format with a per-tensor scale (its largest
+    magnitude at the format's largest value), that scale folded into ``scale``, the output
+    in the case's dtype. Checked against the 16-bit query's reference: the query's and the
+    weights' rounding to fp8 (each off by up to 2^-4 of itself in e4m3) move it by a few
+    percent, so its tolerance is 2^-6 (WRONG past 2^-4)."""
+    import cupaged
+
+    if not case.fp8:
+        raise NotImplementedError("an 8-bit query needs an fp8 cache: --kv-cache-dtype")
+    peers.require_hopper("cupaged-fp8q")
+    a = case.arrays
+    fmt = case.kv_cache_dtype
+    q_scale = float(cupy.abs(a["query"].astype(np.float32)).max()) / reference.fp8_max(fmt)
+    q8 = cupy.asarray(reference.quantize_fp8(cupy.asnumpy(a["query"]), fmt, q_scale)
+                      .view(np.uint8))
+    out = cupy.full(a["query"].shape, np.nan, dtype=a["query"].dtype)
+    args = {**a, "query": q8}
+    scale = q_scale / math.sqrt(case.head_size)
+
+    def run():
+        return cupaged.attention(**args, kv_layout=case.kv_layout, causal=case.causal,
+                                 max_query_len=case.q_len, max_seq_len=case.ctx, out=out,
+                                 scale=scale, **case.kv_args, **case.variant_args)
+
+    run.tolerance = 2.0 ** -6
+    return run
+
+
 def _run_flashinfer(case: PrefillCase, backend: str):
     """FlashInfer's BatchPrefillWithPagedKVCacheWrapper; an fp8 cache's bytes viewed as
     torch's float8 type, its scales passed to run() (k_scale folded into the softmax
@@ -308,11 +338,12 @@ def _run_sdpa(case: PrefillCase, backend: str):
     return run_checked
 
 
-_CUPAGED = ("cupaged", "cupaged-mma", "cupaged-sm90")
+_CUPAGED = ("cupaged", "cupaged-mma", "cupaged-sm90", "cupaged-fp8q")
 IMPLEMENTATIONS = {
     "cupaged": _run_cupaged,
     "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
     "cupaged-sm90": lambda c: _run_cupaged(c, "sm90"),
+    "cupaged-fp8q": _run_cupaged_fp8_query,
     "flashinfer-fa2": lambda c: _run_flashinfer(c, "fa2"),
     "flashinfer-fa3": lambda c: _run_flashinfer(c, "fa3"),
     "torch-sdpa-flash": lambda c: _run_sdpa(c, "flash"),
@@ -351,7 +382,8 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
             finally:
                 if impl in _CUPAGED:  # back to the planner's choice of kernel
                     planning.set_prefill_family(None)
-            tol = testing.TOLERANCE["f16" if case.dtype == "float16" else "bf16"]
+            tol = getattr(run, "tolerance", None) or \
+                testing.TOLERANCE["f16" if case.dtype == "float16" else "bf16"]
             tflops = case.flops() / (t.median_us * 1e-6) / 1e12
             pct = 100 * case.kv_bytes() / (t.median_us * 1e-6) / copy_bw if copy_bw else math.nan
             rows.append(Row(case.name, impl, t.median_us, tflops, pct, err,
