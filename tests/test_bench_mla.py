@@ -191,21 +191,20 @@ def test_check_catches_a_wrong_kernel_and_does_not_time_it(monkeypatch, override
     assert math.isnan(r.median_us) and math.isnan(r.tflops)
 
 
-@pytest.mark.parametrize("heads_per_call, per_seq", [(4, [4]), (3, [3, 1]), (1, [1] * 4)])
-def test_check_reads_only_the_checked_sequences_blocks(monkeypatch, heads_per_call, per_seq):
-    """The reference runs on each checked sequence's own blocks, copied to the host, a
-    few heads at a time, and agrees with one over the whole cache."""
+def test_check_reads_only_the_checked_sequences_blocks(monkeypatch):
+    """The reference runs on each checked sequence's own blocks, copied to the host, all
+    heads at once, and agrees with one over the whole cache."""
     on_host(monkeypatch)
     c = _case(batch=7, q_len=1).build()
     a = c.arrays
     whole = reference.mla_attention(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"],
                                     scale=c.scale)
-    monkeypatch.setattr(bench_mla, "_REFERENCE_KEYS", 70 * heads_per_call)
-    heads, real = [], reference.mla_attention
-    monkeypatch.setattr(reference, "mla_attention",
-                        lambda q, cache, *a, **kw: heads.append(q.shape[1]) or real(q, cache, *a, **kw))
+    calls, real = [], reference.mla_attention
+    monkeypatch.setattr(reference, "mla_attention", lambda q, cache, *a, **kw:
+                        calls.append((q.shape[1], len(cache))) or real(q, cache, *a, **kw))
     assert c.check(whole.astype(np.float16)) < 1e-3
-    assert [s for s, _ in c.refs] == [0, 3, 6] and heads == per_seq * 3
+    n_blocks = -(-c.context // c.block_size)
+    assert [s for s, _ in c.refs] == [0, 3, 6] and calls == [(c.heads, n_blocks)] * 3
     for s, ref in c.refs:
         np.testing.assert_allclose(ref, whole[s:s + 1], rtol=1e-12, atol=1e-12)
     bad = whole.copy()

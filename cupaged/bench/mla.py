@@ -43,9 +43,6 @@ DTYPES = ("bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 FP8_SCALE = 1.0 / 64
 
-# (key, head) pairs per call of the reference in a check (MLACase._references).
-_REFERENCE_KEYS = 1 << 18
-
 # DeepSeek-V3 absorbed, bf16, pages of 64 (MLACase's defaults).
 PRESETS = {
     "dsv3-16h-4k": dict(heads=16, batch=128, context=4096, q_len=1),
@@ -172,16 +169,11 @@ class MLACase:
 
     def _references(self) -> list:
         """``(seq, float64 out [q_len, heads, 512])`` of check_seqs, each from its own
-        blocks only (copied to the host), computed on the first check and kept. The
-        reference broadcasts the cache to every head it is given ([tokens, heads, 576]
-        in float64), so it gets at most _REFERENCE_KEYS // context heads at a time
-        (heads are independent), 1 GiB or so instead of 5 at the presets' largest: 2.5
-        s for their three sequences on a 2-core CPU (8 s as a process's first), against
-        8-10 s in one piece."""
+        blocks only (copied to the host), computed on the first check and kept (the
+        reference multiplies all heads by the one latent KV head at once)."""
         if not self.refs:
             a = self.arrays
             n_blocks = -(-self.context // self.block_size)
-            step = max(1, min(self.heads, _REFERENCE_KEYS // self.context))
             meta = (np.arange(n_blocks, dtype=np.int32)[None], np.array([self.context], np.int32),
                     np.array([0, self.q_len], np.int32))
             for s in self.check_seqs():
@@ -190,11 +182,10 @@ class MLACase:
                 if not self.fp8:
                     cache = cache.astype(np.float64)
                 q = cupy.asnumpy(a["q"][s * self.q_len:(s + 1) * self.q_len])
-                self.refs.append((s, np.concatenate([reference.mla_attention(
-                    q[:, h:h + step], cache, *meta, scale=self.scale, kv_lora_rank=KV_LORA_RANK,
+                self.refs.append((s, reference.mla_attention(
+                    q, cache, *meta, scale=self.scale, kv_lora_rank=KV_LORA_RANK,
                     causal=self.causal, kv_cache_dtype=self.kv_cache_dtype,
-                    k_scale=FP8_SCALE if self.fp8 else None)
-                    for h in range(0, self.heads, step)], axis=1)))
+                    k_scale=FP8_SCALE if self.fp8 else None)))
         return self.refs
 
     def check(self, out) -> float:
