@@ -33,7 +33,7 @@
 #     per case of CASES (split:kv_cache_dtype:family, default 0:auto:mma 2:auto:mma
 #     2:fp8_e4m3:mma 0:auto:sm90 2:auto:sm90 0:fp8_e4m3:sm90 2:fp8_e4m3:sm90). TARGET sm90:
 #     one paged_prefill_sm90 launch per case of CASES (layout:kv_cache_dtype, default
-#     NHD:auto).
+#     NHD:auto; kv_cache_dtype with "-q", such as HND:fp8_e4m3-q: an 8-bit query too).
 # mutants [NAME...]  Each mutant of tools/mutants.py (a check or fix taken out of a copy of
 #     the source; default all) must fail its tests, which must pass on the source.
 # regress TEST_ID...  Each test (a pytest node id, or pytest arguments split on spaces such

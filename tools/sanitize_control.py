@@ -136,6 +136,8 @@ def sm90_launch(layout: str, kv: str) -> None:
     from cupaged import planning, reference, testing
 
     rng = np.random.default_rng(0)
+    fp8_query = kv.endswith("-q")  # an 8-bit query as well (the kernel's 8-bit products)
+    kv = kv.removesuffix("-q")
     q_lens, seq = [300, 5, 130], [300, 900, 2000]
     bt, nb = testing.random_block_tables(np.array(seq, np.int32), 16, rng, spare_blocks=2)
     kc, vc = testing.random_cache(nb, 2, 128, 16, np.float16, rng)
@@ -146,6 +148,9 @@ def sm90_launch(layout: str, kv: str) -> None:
     kc, vc = testing.convert_layout(kc, vc, "vllm", layout)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = testing.random_normal((int(qsl[-1]), 8, 128), np.float16, rng)
+    if fp8_query:
+        fp8["out"] = cupy.empty(q.shape, np.float16)
+        q = reference.quantize_fp8(q, kv, 1.0).view(np.uint8)
     d = {k: cupy.asarray(v) for k, v in dict(
         query=q, key_cache=kc, value_cache=vc, block_tables=bt,
         seq_lens=np.array(seq, np.int32), query_start_loc=qsl).items()}
