@@ -38,7 +38,7 @@
 // output's type) runs the products on 8-bit wgmma (sm90_fp8.cuh): the producer copies each
 // tile's K rows from the raw stage into the ring as they are and transposes its V rows
 // into V^T, P V's K-major B, keys in the order the consumers' P fragments take them; the
-// consumers' weights carry a factor of 2^8 so e4m3 keeps them as normal numbers. The
+// consumers' weights carry a factor of 2^8 so e4m3 keeps more of them normal. The
 // query's scale is the caller's, folded into scale_log2. Head sizes 64 and 128, tiles of
 // 128 keys, token-major caches.
 // The grid is persistent: each CTA takes one job of every gridDim.x (jobs below), and its
@@ -818,7 +818,12 @@ __global__ void __launch_bounds__(384, 1)
               }
               // Bulk: this thread's reads of the raw stage are done (the loads' values are
               // stored above); a copy may refill the stage once all 128 have arrived.
-              if (bulk) mbar_arrive(raw_free_bar(g & 1));
+              if (bulk) {
+                // (8-bit products: this thread's zeroing stores into the raw stage come
+                // before the bulk copies that refill it: the writer fences, then arrives.)
+                if constexpr (kFp8Mma) fence_async_smem();
+                mbar_arrive(raw_free_bar(g & 1));
+              }
               publish(stage, bad, true);
               if (more) {
                 if (!bulk) {
@@ -1074,8 +1079,9 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (!Var::kFixedOffset) advance_fragment_rows(tmax, m_run, l_run, sub, alpha);
         if constexpr (kFp8Mma) {
           // 8-bit P: weights of 2^8 exp2(x - m), in (0, 256] (e4m3 holds 448), so that
-          // e4m3 keeps them as normal numbers down to 2^-17 of the maximum (2^-9 without);
-          // l_run carries the factor too, which the end removes through the row's m.
+          // e4m3 keeps them normal down to 2^-14 of the maximum and nonzero down to 2^-17
+          // (2^-6 and 2^-9 without); l_run carries the factor too, which the end removes
+          // through the row's m.
           sub[0] -= 8.f;
           sub[1] -= 8.f;
         }

@@ -143,16 +143,19 @@ __device__ void probe_transpose(const unsigned char* src, unsigned char* out) {
 // 64 query rows of HEAD_SIZE (q [64][HEAD_SIZE] bytes of C) over TILES tiles of 128 keys
 // (k, v [TILES * 128][HEAD_SIZE] bytes, token-major): S = Q K^T by 8-bit wgmma from shared
 // memory; an online softmax in base 2 whose weights carry an offset of 2^8 (P =
-// exp2(S * scale_log2 - m + 8), in [0, 256], so e4m3 keeps weights down to 2^-17 of a row's
-// maximum as normal numbers); P rounded to C by fp8_a_fragment; V transposed by
+// exp2(S * scale_log2 - m + 8), in [0, 256], so e4m3 keeps weights normal down to 2^-14 of
+// a row's maximum and nonzero down to 2^-17); P rounded to C by fp8_a_fragment; V
+// transposed by
 // fp8_transpose_v; O += P V^T by 8-bit wgmma with P from registers. Out: O / l * v_scale
-// [64][HEAD_SIZE] fp32, and each row's m (log2 units, the offset left out) and l (the
-// fp32 weights' sum, offset included). Dynamic shared memory: (64 + 128) x HEAD_SIZE
+// [64][HEAD_SIZE] fp32, each row's m (log2 units, the offset left out) and l (the fp32
+// weights' sum, offset included), and each tile's S as the wgmma summed it (s_out
+// [TILES][64][128]: 8-bit products are summed with fewer bits than fp32, so the test
+// emulates the rest from these). Dynamic shared memory: (64 + 128) x HEAD_SIZE
 // rounded up to 128 a row, 2 x 128 x HEAD_SIZE, and 1024 bytes for the alignment.
 template <typename C, int HEAD_SIZE, int TILES>
 __device__ void probe_fp8_attention(const unsigned char* q, const unsigned char* k,
                                     const unsigned char* v, float scale_log2, float v_scale,
-                                    float* o_out, float* m_out, float* l_out) {
+                                    float* o_out, float* m_out, float* l_out, float* s_out) {
   constexpr int TN = 128, TILE_BYTES = TN * HEAD_SIZE;
   // Q's and K's rows take whole 128-byte blocks of the swizzled layout (half used at 64)
   constexpr int ROW_BYTES = (HEAD_SIZE + 127) / 128 * 128;
@@ -190,6 +193,7 @@ __device__ void probe_fp8_attention(const unsigned char* q, const unsigned char*
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
+    store_d<TN>(s, s_out + tile * 64 * TN, warp, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows 16w + lane/4 (h 0) and + 8 (h 1)
       float mx = neg_inf();
@@ -341,8 +345,9 @@ CUPAGED_PROBE_T(probe_transpose_h256_n128, 256, 128, 256)
 #define CUPAGED_PROBE_ATT(NAME, C, HS, TILES)                                                   \
   extern "C" __global__ void __launch_bounds__(128)                                             \
       NAME(const unsigned char* q, const unsigned char* k, const unsigned char* v,              \
-           float scale_log2, float v_scale, float* o, float* m, float* l) {                     \
-    cupaged::sm90::probe_fp8_attention<C, HS, TILES>(q, k, v, scale_log2, v_scale, o, m, l);   \
+           float scale_log2, float v_scale, float* o, float* m, float* l, float* s) {           \
+    cupaged::sm90::probe_fp8_attention<C, HS, TILES>(q, k, v, scale_log2, v_scale, o, m, l,   \
+                                                     s);                                        \
   }
 
 CUPAGED_PROBE_ATT(probe_fp8_attention_h128, cupaged::fp8_e4m3_t, 128, 2)

@@ -191,7 +191,7 @@ def prepared_call(launch: Launch | None, p: Problem, q, o, va: VariantArgs,
     validation.outputs_apart's pairs)."""
     return _prepared.Prepared(
         launch, p.device, kind, q.shape, q.dtype, _prepared.span(q),
-        q.shape[0] * q.shape[1] * q.shape[2] * q.dtype.itemsize,
+        q.shape[0] * q.shape[1] * q.shape[2] * p.dtype.itemsize,  # out's bytes (its type)
         o is not None and o.strides == q.strides, va.wants_lse,
         (p.num_rows, p.num_heads) if va.wants_lse and lse is None else (), disjoint)
 
@@ -310,7 +310,7 @@ def build(q, o, p: Problem, plan: KernelPlan | None, scale: float, causal: bool,
     if plan.kind == "prefill":
         if q.data.ptr % 16 or q.strides[0] % 16 or q.strides[1] % 16:
             _fail(f"query must be 16-byte aligned with token and head strides that are "
-                  f"multiples of 16 bytes for multi-token {p.dtype.name} attention (pointer "
+                  f"multiples of 16 bytes for multi-token {q.dtype} attention (pointer "
                   f"{q.data.ptr:#x}, strides {q.strides})")
         if o is not None and o.data.ptr % 4:
             _fail(f"out must be 4-byte aligned (pointer {o.data.ptr:#x})")

@@ -577,7 +577,9 @@ def set_sm90_tile(tile: tuple | None) -> None:
 
 
 def sm90_tile(head_size: int, fp8: bool, fp8_query: bool = False) -> tuple:
-    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size, fp8, fp8_query)
+    if fp8_query:  # (its one shape: 128-key tiles, which a tuning override cannot change)
+        return jit.default_sm90_prefill_tile(head_size, fp8, fp8_query)
+    return _sm90_tile_override or jit.default_sm90_prefill_tile(head_size, fp8)
 
 
 @jit.launcher_cache

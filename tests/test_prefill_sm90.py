@@ -676,3 +676,24 @@ def test_an_8bit_query_with_the_variants(rng, sm90, variants):
         np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
     fp8_query_check(cupy.asnumpy(got).astype(np.float64), host8, scales, fmt,
                     1 / np.sqrt(hs), str(variants), **ref_kw)
+
+
+def test_an_8bit_query_over_a_long_context(rng, sm90):
+    """32,773 keys (257 tiles): O sums every tile's P V in wgmma's 8-bit accumulator,
+    whose additions keep fewer bits than fp32, so its error grows with the tiles; held to
+    fp8_query_check's bounds (2^-7 of each row beyond three times the weights' rounding),
+    single pass and split-KV."""
+    import cupy
+
+    fmt, hs = "fp8_e4m3", 128
+    host, scales = fp8_problem(rng, fmt, "host", [64, 1], [32773, 300], dtype="bf16",
+                               heads=8, kv_heads=2, head_size=hs, block_size=16)
+    q8 = reference.quantize_fp8(host["query"].astype(np.float32), fmt, 1.0).view(np.uint8)
+    host8 = {**host, "query": q8}
+    dev = {k: cupy.asarray(v) for k, v in host8.items() if v is not None}
+    for split in (0, 4096):
+        sm90(split)
+        out = cupy.full(q8.shape, np.nan, dtype=host["query"].dtype)
+        cupaged.attention(out=out, kv_cache_dtype=fmt, **scales, **dev)
+        fp8_query_check(cupy.asnumpy(out).astype(np.float64), host8, scales, fmt,
+                        1 / np.sqrt(hs), f"split {split}")

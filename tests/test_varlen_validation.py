@@ -448,6 +448,11 @@ def test_the_planner_takes_an_8bit_query_to_the_8bit_products(device_arch, hs, m
     assert c.kind == "prefill" and c.sm90 and c.tile == jit.default_sm90_prefill_tile(
         hs, True, True) == (128, 3)
     assert c.q_tiles == -(-max_q * 4 // 128)
+    planning.set_sm90_tile((64, 3))  # a tuning override: not the 8-bit products' shape
+    try:
+        assert planning.choose_kernel(p, True, max_q).tile == (128, 3)
+    finally:
+        planning.set_sm90_tile(None)
 
 
 @pytest.mark.parametrize("arch, hs, layout, starts, match", [
@@ -480,3 +485,19 @@ def test_an_8bit_querys_spec_names_its_format(device_arch, monkeypatch):
     (dev, dtype, hs, bs, letters, tile, cache, fmt, query), = asked
     assert (dtype, cache, query, fmt) == ("bf16", "e4m3", "e4m3", "tok")
     assert "f" not in letters and "c" in letters
+
+
+def test_an_8bit_querys_memo_spans_its_16bit_out():
+    """A repeat's overlap check (_prepared.overlaps) holds out's bytes against the query's:
+    out of an 8-bit query is twice the query's bytes, so one placed to end inside the
+    query overlaps it."""
+    from cupaged import _prepared, launch
+
+    p = _fp8_query()
+    q, o = np.zeros((9, 8, 128), np.uint8), np.zeros((9, 8, 128), np.float16)
+    va = validation.variant_args(None, None, None, None, False, None)
+    prep = launch.prepared_call(None, p, Fake(q), Fake(o, ptr=1 << 30), va, None, "cupy", ())
+    assert prep.out_bytes == o.nbytes
+    base = 1 << 30
+    assert _prepared.overlaps(prep, base, base - 10000)  # out ends 8,432 bytes into q
+    assert not _prepared.overlaps(prep, base, base - o.nbytes)
