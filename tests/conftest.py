@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +145,29 @@ def no_flashinfer(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake)
+
+
+# CUPAGED_TEST_TIMES=PREFIX: each test's start and finish ("S|F <time> <node id>") appended
+# to PREFIX.<xdist worker>, so a run cut short still shows what ran longest and what had
+# not finished (tools/device.sh suite summarizes them).
+_TIMES = os.environ.get("CUPAGED_TEST_TIMES")
+_times_file = None
+
+
+def _time_mark(kind: str, nodeid: str) -> None:
+    global _times_file
+    if _times_file is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        _times_file = open(f"{_TIMES}.{worker}", "a", buffering=1)
+    _times_file.write(f"{kind} {time.time():.2f} {nodeid}\n")
+
+
+if _TIMES:
+    def pytest_runtest_logstart(nodeid, location):
+        _time_mark("S", nodeid)
+
+    def pytest_runtest_logfinish(nodeid, location):
+        _time_mark("F", nodeid)
 
 
 @pytest.fixture

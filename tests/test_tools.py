@@ -271,3 +271,39 @@ def test_a_packed_kernel_cache_unpacks_on_the_next_machine(tmp_path):
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert (fresh / "later.cubin").read_bytes() == b"later"
+
+
+def test_suite_limit_and_the_test_times_summary(tmp_path):
+    """LIMIT= runs the suite's pytest under timeout; test-times names the tests a cut run
+    left unfinished and the slowest, from CUPAGED_TEST_TIMES' per-worker logs."""
+    r = _dry(tmp_path, "suite", "kernels-a", LIMIT="300")
+    line = next(ln for ln in r.stdout.splitlines() if "-m pytest" in ln)
+    assert line.startswith("+ timeout -k 5 300 python3 -m pytest")
+    logs = tmp_path / "times"
+    (tmp_path / "times.gw0").write_text("S 100.0 t::a\nF 103.5 t::a\nS 103.5 t::b\n")
+    (tmp_path / "times.gw1").write_text("S 100.0 t::c\nF 100.25 t::c\n")
+    r = subprocess.run(["bash", str(TOOLS / "device.sh"), "test-times", f"{logs}.gw0",
+                        f"{logs}.gw1"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0] == "tests started 3, finished 2"
+    assert out[1] == "unfinished (started at 4 s): t::b"
+    assert [ln.split()[-1] for ln in out[2:]] == ["t::a", "t::c"]
+    assert out[2].split()[0] == "3.5"
+
+
+def test_conftest_logs_each_tests_start_and_finish(tmp_path):
+    """CUPAGED_TEST_TIMES=PREFIX: a pytest run appends S and F lines per test to
+    PREFIX.main (PREFIX.<worker> under xdist)."""
+    (tmp_path / "test_two.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n"
+                                          "    pass\n")
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(tmp_path / "test_two.py")], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path,
+                       env={**os.environ, "CUPAGED_TEST_TIMES": str(tmp_path / "t")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    kinds = [(ln.split()[0], ln.split()[2].split("::")[-1])
+             for ln in (tmp_path / "t.main").read_text().splitlines()]
+    assert kinds == [("S", "test_a"), ("F", "test_a"), ("S", "test_b"), ("F", "test_b")]

@@ -21,7 +21,11 @@
 #          about 430 s on an H200 machine, past one call's comfortable window
 #       head512  the tests that reach head sizes above 256
 #       all (or no SHARD)  everything, then the smoke rows
-#     On a cold kernel cache shard 2's tests alone take about 7 minutes.
+#     On a cold kernel cache shard 2's tests alone take about 7 minutes. LIMIT=SECONDS ends
+#     the tests there (timeout); either way the log ends with the tests that had started
+#     but not finished and the 12 slowest (test-times).
+# test-times FILE...  That summary, from the per-test start and finish logs the suite has
+#     pytest write (CUPAGED_TEST_TIMES=PREFIX in tests/conftest.py: PREFIX.<worker>).
 # sanitize [TARGET...]  compute-sanitizer's memcheck, racecheck and synccheck (TOOLS= some),
 #     instrumenting the library's kernels only. TARGET tests (the default): positive
 #     controls first (tools/sanitize_control.py: a planted out-of-bounds write near and far
@@ -151,12 +155,18 @@ suite() {
   [ "${WORKERS:-1}" -gt 1 ] && sel=(-n "$WORKERS" "${sel[@]}")
   run rm -f "$OUT/info.txt"
   logged "$OUT/info.txt" "${BENCH[@]}" info
+  # LIMIT=SECONDS ends the tests there; either way the log ends with the slowest tests
+  # and any unfinished (each test's start and finish, CUPAGED_TEST_TIMES in conftest.py).
+  local limit=()
+  [ -n "${LIMIT:-}" ] && limit=(timeout -k 5 "$LIMIT")
   if [ -n "$DRY" ]; then
-    echo "+ $(quote python3 -m pytest "${marker[@]}" -q -p no:cacheprovider "${sel[@]}" "$@") > $OUT/gpu-tests-$shard.txt"
+    echo "+ $(quote "${limit[@]}" python3 -m pytest "${marker[@]}" -q -p no:cacheprovider "${sel[@]}" "$@") > $OUT/gpu-tests-$shard.txt"
   else
-    python3 -m pytest "${marker[@]}" -q -p no:cacheprovider "${sel[@]}" "$@" 2>&1 \
-      | tee "$OUT/gpu-tests-$shard.txt" | tail -25
+    rm -f "$LOGS"/times.*
+    CUPAGED_TEST_TIMES="$LOGS/times" "${limit[@]}" python3 -m pytest "${marker[@]}" -q \
+      -p no:cacheprovider "${sel[@]}" "$@" 2>&1 | tee "$OUT/gpu-tests-$shard.txt" | tail -25
     status=${PIPESTATUS[0]}
+    test_times "$LOGS"/times.* | tee -a "$OUT/gpu-tests-$shard.txt"
   fi
   if [ "$shard" = 2 ] || [ "$shard" = all ]; then
     local tests_status=$status
@@ -164,6 +174,28 @@ suite() {
     status=$tests_status  # the suite's status is its tests'
   fi
   echo "gpu suite ($shard) exit status: $status"
+}
+
+# test_times FILE...: from CUPAGED_TEST_TIMES' logs, the tests started and not finished
+# (a run its limit ended) and the 12 that took longest.
+test_times() {
+  [ $# -gt 0 ] && [ -e "$1" ] || return 0
+  cat "$@" | python3 -c '
+import sys
+start, took = {}, {}
+for line in sys.stdin:
+    kind, t, node = line.rstrip("\n").split(" ", 2)
+    if kind == "S":
+        start[node] = float(t)
+    elif node in start:
+        took[node] = float(t) - start[node]
+t0 = min(start.values(), default=0.0)
+print(f"tests started {len(start)}, finished {len(took)}")
+for node in sorted(set(start) - set(took), key=start.get):
+    print(f"unfinished (started at {start[node] - t0:.0f} s): {node}")
+for node, s in sorted(took.items(), key=lambda kv: -kv[1])[:12]:
+    print(f"{s:8.1f} s  {node}")
+'
 }
 
 # ---- sanitize ---------------------------------------------------------------------------
@@ -721,6 +753,7 @@ case "$mode" in
   ab) ab_mode "$@" || status=$? ;;
   profile) profile "$@" || status=$? ;;
   report) run python3 tools/kernel_report.py "$@" || status=$? ;;
+  test-times) test_times "$@" ;;
   e2e) e2e "$@" || status=$? ;;
   tp) run env NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node "${NPROC:-2}" tools/tp_generate.py \
         --out "$OUT" "$@" || status=$? ;;
