@@ -27,6 +27,10 @@ MUTANTS = {
         (r"capacity = n_user // 2  # float32 partials in a 16-bit buffer",
          "capacity = n_user"),
     ], ["tests/test_decode.py", "-k", "half_precision_tmp_out"]),
+    # A repeat's overlap check over out's bytes: an 8-bit query's out is twice its size.
+    "out-bytes-of-the-query": ("cupaged/launch.py", [
+        (r"\* p\.dtype\.itemsize,  # out's bytes \(its type\)", "* q.dtype.itemsize,"),
+    ], ["tests/test_varlen_validation.py", "-k", "memo_spans"]),
 }
 
 
