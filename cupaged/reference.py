@@ -397,6 +397,49 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     return (out, lse) if return_lse else out
 
 
+def fp8_query_error_bound(query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc=None, *, kv_cache_dtype, k_scale, v_scale,
+                          kv_layout: str = "NHD", scale=None, **variants):
+    """Each row's worst-case error (its 2-norm, ``[total_q, num_heads]``) of attention with
+    an 8-bit ``query`` over its fp8 cache on 8-bit tensor cores, against
+    :func:`attention`'s float64 result over the same bytes (arguments as there; per-tensor
+    scales). With ``w_j`` a row's exact softmax weights, ``o`` its output, ``u`` the
+    format's rounding (2^-4 e4m3, 2^-3 e5m2):
+
+    - the weights P V takes, rounded to the format relative to whatever running maximum
+      (each off by at most ``u`` of itself), and the products' 8-bit sums (about 14 bits
+      kept): ``(u + 2^-8) sum_j w_j |v_j|``;
+    - the scores' 8-bit sums, off by at most ``2^-10 |scale| sum_i |q_i k_ji|`` <=
+      ``2^-10 |scale| |q| |k_j|`` in the logit, each moving the output by at most that
+      times ``w_j |v_j - o|``: ``2^-10 |scale| |q| sum_j w_j |k_j| (|v_j| + |o|)``;
+    - ``2^-7 |o|``: the output's 16-bit rounding, fp32 sums, and the weights below the
+      format's normal range (2^-14 of the running maximum), each off by under 2^-18 of the
+      largest weight, with random signs.
+
+    The weighted sums are :func:`attention` itself over value rows ``[|v_j|, |k_j| |v_j|,
+    |k_j|]``."""
+    fmt = _fp8_format(kv_cache_dtype, key_cache)
+    if fmt is None:
+        raise ValueError("kv_cache_dtype must name the cache's fp8 format")
+    u = 2.0 ** -4 if fmt == _fp8_format("fp8_e4m3", key_cache) else 2.0 ** -3  # half an ulp
+    q = np.asarray(query)
+    q = q.view(fmt).astype(np.float64) if q.dtype.itemsize == 1 else q.astype(np.float64)
+    k = dequantize_fp8(token_major_views(key_cache, kv_layout, True), kv_cache_dtype, k_scale)
+    v = dequantize_fp8(token_major_views(value_cache, kv_layout, False), kv_cache_dtype,
+                       v_scale)
+    kn = np.linalg.norm(k, axis=-1, keepdims=True)
+    vn = np.linalg.norm(v, axis=-1, keepdims=True)
+    args = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                kv_layout="NHD", scale=scale, **variants)
+    o = np.linalg.norm(attention(q, k, v, **args), axis=-1)
+    a, kv_, kw = np.moveaxis(attention(q, k, np.concatenate([vn, kn * vn, kn], -1), **args),
+                             -1, 0)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    qn = np.linalg.norm(q, axis=-1)
+    return (u + 2.0 ** -8) * a + 2.0 ** -10 * abs(scale) * qn * (kv_ + kw * o) + 2.0 ** -7 * o
+
+
 # ---- multi-head latent attention (DeepSeek's MLA) ---------------------------------------------
 
 

@@ -551,3 +551,56 @@ def test_fp8_weights_round_each_weight_and_keep_the_sum(rng):
     spread = np.einsum("qhn,nhd->qhd", w / w.sum(-1, keepdims=True), np.abs(v[:, [0, 0, 1, 1]]))
     assert (np.abs(got - exact) <= 2.0 ** -4 * spread + 1e-12).all()
     assert np.abs(got - exact).max() > 0  # the rounding shows
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_query_error_bound_holds_rounded_weights_not_a_swapped_key(rng, fmt):
+    """fp8_query_error_bound: every row of p_fp8's result (the weights rounded to the
+    format) and of the weights rounded per 128-key tile against the running maximum, as
+    the kernel rounds them, lies within it; a result with two keys' values swapped (the
+    largest weight's and the smallest's) does not, nor one that skips a rescale."""
+    import ml_dtypes
+
+    from test_fp8 import fp8_problem
+
+    host, scales = fp8_problem(rng, fmt, "host", [40, 1], [300, 20], dtype="bf16", heads=4,
+                               kv_heads=2, head_size=64, block_size=16)
+    q8 = reference.quantize_fp8(host["query"].astype(np.float32), fmt, 1.0).view(np.uint8)
+    host8 = {**host, "query": q8}
+    kw = dict(kv_cache_dtype=fmt, **scales)
+    ref = reference.attention(**host8, **kw)
+    bound = reference.fp8_query_error_bound(**host8, **kw)
+    emu = reference.attention(**host8, p_fp8=fmt, **kw)
+    assert (np.linalg.norm(emu - ref, axis=-1) <= bound).all()
+
+    # sequence 0's rows, by the kernel's rule: 128-key tiles, a running maximum
+    f8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}[fmt]
+    k, v = reference.gather_kv(host["key_cache"], host["value_cache"], host["block_tables"][0],
+                               300, "NHD", fmt, scales["k_scale"], scales["v_scale"])
+    q = q8[:40].view(f8).astype(np.float64)
+
+    def tiled(v, rescale=True):
+        out = np.zeros((40, 4, 64))
+        for i in range(40):
+            for h in range(4):
+                x = k[:261 + i, h // 2] @ q[i, h] / 8.0
+                m, l, o = -np.inf, 0.0, np.zeros(64)
+                for t in range(0, len(x), 128):
+                    mn = max(m, x[t:t + 128].max())
+                    a = math.exp(m - mn) if rescale else 1.0
+                    p = 256 * np.exp(x[t:t + 128] - mn)
+                    l = l * math.exp(m - mn) + p.sum()
+                    o = o * a + p.astype(f8).astype(np.float64) @ v[t:t + len(p), h // 2]
+                    m = mn
+                out[i, h] = o / l
+        return out
+
+    def worst(got):
+        return (np.linalg.norm(got - ref[:40], axis=-1) / bound[:40]).max()
+
+    assert worst(tiled(v)) <= 1
+    x = k[:, 0] @ q[39, 0]  # the last row's largest and smallest weights trade values
+    swapped = v.copy()
+    swapped[[x.argmax(), x.argmin()], 0] = swapped[[x.argmin(), x.argmax()], 0]
+    assert worst(tiled(swapped)) > 2
+    assert worst(tiled(v, rescale=False)) > 1
