@@ -230,14 +230,20 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     lse = np.full((q_len, num_heads), -np.inf) if sink is None else \
         np.broadcast_to(sink[..., 0], (q_len, num_heads)).copy()
     if n and q_len:
-        # Each KV head's query heads in one matrix product ([kv_heads, q_len * group, hs]
-        # against [kv_heads, hs, n]): no copy of K or V per query head
+        # Each KV head's query heads in one matrix product ([kv_heads, q_len * group, x]
+        # against the head's keys or values): no copy of K or V per query head
         group = num_heads // num_kv_heads
-        k64 = np.asarray(k, dtype=np.float64)
-        qg = q.reshape(q_len, num_kv_heads, group, -1).transpose(1, 0, 2, 3)
-        logits = np.matmul(qg.reshape(num_kv_heads, q_len * group, -1), k64.transpose(1, 2, 0))
-        logits = logits.reshape(num_kv_heads, q_len, group, n).transpose(1, 0, 2, 3)
-        logits = logits.reshape(q_len, num_heads, n) * scale
+
+        def by_kv_head(x):  # [q_len, num_heads, x] -> [kv_heads, q_len * group, x]
+            return x.reshape(q_len, num_kv_heads, group, -1).transpose(1, 0, 2, 3).reshape(
+                num_kv_heads, q_len * group, -1)
+
+        def by_query_head(y):  # by_kv_head's inverse
+            return y.reshape(num_kv_heads, q_len, group, -1).transpose(1, 0, 2, 3).reshape(
+                q_len, num_heads, -1)
+
+        logits = by_query_head(by_kv_head(q) @ np.asarray(k, np.float64).transpose(1, 2, 0))
+        logits = logits * scale
         if logits_soft_cap is not None:
             logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
         rel = np.arange(n)[None, :] - q_pos[:, None]  # [q, n]: key position - query position
@@ -263,11 +269,8 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
         if p_fp8 is not None:
             fmt = _fp8_format(p_fp8, np.zeros(0))
             w = quantize_fp8(w * 256.0, fmt).astype(np.float64) / 256.0
-        p = (w / np.where(den > 0, den, 1.0)).reshape(q_len, num_kv_heads, group, n)
-        p = p.transpose(1, 0, 2, 3).reshape(num_kv_heads, q_len * group, n)
-        out = np.matmul(p, np.asarray(v, dtype=np.float64).transpose(1, 0, 2))
-        out = out.reshape(num_kv_heads, q_len, group, -1).transpose(1, 0, 2, 3)
-        out = out.reshape(q_len, num_heads, -1)
+        p = by_kv_head(w / np.where(den > 0, den, 1.0))
+        out = by_query_head(p @ np.asarray(v, np.float64).transpose(1, 0, 2))
     if single:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
