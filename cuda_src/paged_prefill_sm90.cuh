@@ -107,10 +107,12 @@ struct Sm90PrefillGeometry {
 
   static_assert(sizeof(T) == 2, "16-bit outputs (and tensor-core operands, but 8-bit ones)");
   static_assert(!kQuant || sizeof(C) == 1, "caches of T or fp8");
-  static_assert(!kFp8Mma || (is_same<Q, C>::value && TILE_N == 128 && HEAD_SIZE <= 128),
+  static_assert(!kFp8Mma || (is_same<Q, C>::value && TILE_N == 128 && HEAD_SIZE <= 128 &&
+                              STAGES >= 3),
                 "an 8-bit query over a cache of its format, in tiles of 128 keys (V^T's rows "
                 "are whole 128-byte blocks), head sizes 64 and 128 (larger ones overflow "
-                "shared memory with the raw stages)");
+                "shared memory with the raw stages), three stages or more (K is copied "
+                "into a stage a tile ahead)");
   static_assert(HEAD_SIZE % 64 == 0 && HEAD_SIZE >= 64 && HEAD_SIZE <= 256, "HEAD_SIZE");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
   static_assert(TILE_N == 64 || TILE_N == 128, "TILE_N: wgmma's N of S");
@@ -615,6 +617,11 @@ __global__ void __launch_bounds__(384, 1)
             const int t0 = (sp.tile_base + it) * TILE_N;
             const unsigned rk = raw_stage(gi);
             const unsigned rv = rk + Geo::kRawTileBytes;
+            // 8-bit products: K's bytes go straight into the tile's ring stage, swizzled,
+            // once the consumers are done with it (three stages or more: the stage's last
+            // tile is released before this one's predecessor is needed), no raw copy.
+            const unsigned kring = k_s + (gi % STAGES) * Geo::kTileBytes;
+            if constexpr (kFp8Mma) mbar_wait(empty_bar(gi % STAGES), ((gi / STAGES) & 1) ^ 1);
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
               if (phys[pass] < 0) continue;
@@ -627,7 +634,11 @@ __global__ void __launch_bounds__(384, 1)
               for (int i = 0; i < kRawPer; ++i) {
                 const int c = c0 + 8 * i;
                 if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
-                cp_async16_shared(rk + t * HEAD_SIZE + c * 16, gk + c * 16);
+                if constexpr (kFp8Mma) {
+                  cp_async16_shared(kring + sw128_offset8(t, c * 16, TILE_N), gk + c * 16);
+                } else {
+                  cp_async16_shared(rk + t * HEAD_SIZE + c * 16, gk + c * 16);
+                }
                 cp_async16_shared(rv + t * HEAD_SIZE + c * 16, gv + c * 16);
               }
             }
@@ -769,6 +780,7 @@ __global__ void __launch_bounds__(384, 1)
                     const int c = c0 + 8 * i;
                     if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
                     if (phys[pass] >= 0) {
+                      if (!bulk) continue;  // (copy_raw put K's bytes in the ring)
                       const uint4 x = *reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16);
                       st_shared_v4(ks + sw128_offset8(t, c * 16, TILE_N), x.x, x.y, x.z, x.w);
                     } else {

@@ -314,9 +314,10 @@ class Sm90PrefillGeometry:
             bad.append("16-bit outputs (and tensor-core operands, but 8-bit ones)")
         if self.quant and self.cache_itemsize != 1:
             bad.append("caches of T or fp8")
-        if self.fp8_query and not (self.quant and self.tile_tokens == 128 and hs <= 128):
+        if self.fp8_query and not (self.quant and self.tile_tokens == 128 and hs <= 128
+                                   and self.stages >= 3):
             bad.append("an 8-bit query over a cache of its format, in tiles of 128 keys, "
-                       "head sizes 64 and 128")
+                       "head sizes 64 and 128, three stages or more")
         if not (hs % 64 == 0 and 64 <= hs <= 256):
             bad.append("HEAD_SIZE")
         if bs & (bs - 1) or not 1 <= bs <= 256:
