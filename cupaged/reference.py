@@ -36,8 +36,8 @@ import math
 import numpy as np
 
 __all__ = ["KV_LAYOUTS", "attend", "attention", "blocksparse_mask", "concat_and_cache_mla",
-           "dequantize_fp8", "fp8_max", "gather_kv", "merge_state", "merge_states",
-           "mla_attention", "mla_cache_views", "paged_attention", "quantize_fp8",
+           "dequantize_fp8", "fp8_max", "fp8_query_error_bound", "gather_kv", "merge_state",
+           "merge_states", "mla_attention", "mla_cache_views", "paged_attention", "quantize_fp8",
            "reshape_and_cache", "token_head_scales", "SPARSE_KV_FORMATS",
            "concat_and_cache_sparse_mla", "dequantize_sparse_kv", "quantize_sparse_kv",
            "sparse_mla_attention", "dequantize_indexer_k", "indexer_cache_width",
@@ -398,46 +398,72 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
 
 
 def fp8_query_error_bound(query, key_cache, value_cache, block_tables, seq_lens,
-                          query_start_loc=None, *, kv_cache_dtype, k_scale, v_scale,
-                          kv_layout: str = "NHD", scale=None, **variants):
-    """Each row's worst-case error (its 2-norm, ``[total_q, num_heads]``) of attention with
-    an 8-bit ``query`` over its fp8 cache on 8-bit tensor cores, against
-    :func:`attention`'s float64 result over the same bytes (arguments as there; per-tensor
-    scales). With ``w_j`` a row's exact softmax weights, ``o`` its output, ``u`` the
-    format's rounding (2^-4 e4m3, 2^-3 e5m2):
+                          query_start_loc=None, *, kv_cache_dtype, k_scale=None,
+                          v_scale=None, kv_layout: str = "NHD", scale=None, **variants):
+    """Each row's error bound (its 2-norm, ``[total_q, num_heads]``) for attention with an
+    8-bit ``query`` over its fp8 cache on 8-bit tensor cores, against :func:`attention`'s
+    float64 result over the same bytes (arguments as there; per-tensor scales, None read
+    as 1). With ``w_j`` a row's exact softmax weights (sinks in the denominator), ``o`` its
+    output, ``u`` the format's rounding (2^-4 e4m3, 2^-3 e5m2):
 
-    - the weights P V takes, rounded to the format relative to whatever running maximum
-      (each off by at most ``u`` of itself), and the products' 8-bit sums (about 14 bits
-      kept): ``(u + 2^-8) sum_j w_j |v_j|``;
-    - the scores' 8-bit sums, off by at most ``2^-10 |scale| sum_i |q_i k_ji|`` <=
-      ``2^-10 |scale| |q| |k_j|`` in the logit, each moving the output by at most that
-      times ``w_j |v_j - o|``: ``2^-10 |scale| |q| sum_j w_j |k_j| (|v_j| + |o|)``;
-    - ``2^-7 |o|``: the output's 16-bit rounding, fp32 sums, and the weights below the
-      format's normal range (2^-14 of the running maximum), each off by under 2^-18 of the
-      largest weight, with random signs.
+    - the weights P V takes, 2^8 exp(logit - a running maximum) rounded to the format:
+      each off by at most ``u`` of itself in the normal range, ``(u + 2^-8) sum_j w_j
+      |v_j|`` with one k32 step's 8-bit sum; below it by at most half the subnormal
+      spacing over 2^8 (2^-18 of the running maximum's weight in e4m3, 2^-25 in e5m2),
+      ``floor * w_max * sum_j |v_j|`` over the row's keys, with ``w_max`` bounded by
+      ``exp(m - lse)`` and the maximum logit ``m`` by a log-sum-exp at 2^10 times the
+      logits;
+    - the scores' 8-bit sums (four k32 steps of about 14 bits at head size 128: 2^-11 of
+      ``|scale| sum_i |q_i k_ji| <= |scale| |q| |k_j|``, doubled for exp's curvature up to
+      a logit error of 1.25): ``2^-10 |scale| |q| sum_j w_j |k_j| |v_j - o|``, taken as
+      ``sqrt(sum_j w_j |k_j|^2) sqrt(sum_j w_j |v_j - o|^2)``;
+    - ``2^-7 |o|``: the 16-bit output and the fp32 sums.
 
-    The weighted sums are :func:`attention` itself over value rows ``[|v_j|, |k_j| |v_j|,
-    |k_j|]``."""
+    Not in it: O's drift in wgmma's 8-bit accumulator across a row's tiles, which a row of
+    tens of thousands of keys tests against this bound. The weighted sums are
+    :func:`attention` itself, over value rows of the keys' and values' norms."""
     fmt = _fp8_format(kv_cache_dtype, key_cache)
     if fmt is None:
         raise ValueError("kv_cache_dtype must name the cache's fp8 format")
-    u = 2.0 ** -4 if fmt == _fp8_format("fp8_e4m3", key_cache) else 2.0 ** -3  # half an ulp
     q = np.asarray(query)
-    q = q.view(fmt).astype(np.float64) if q.dtype.itemsize == 1 else q.astype(np.float64)
-    k = dequantize_fp8(token_major_views(key_cache, kv_layout, True), kv_cache_dtype, k_scale)
-    v = dequantize_fp8(token_major_views(value_cache, kv_layout, False), kv_cache_dtype,
-                       v_scale)
-    kn = np.linalg.norm(k, axis=-1, keepdims=True)
-    vn = np.linalg.norm(v, axis=-1, keepdims=True)
-    args = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
-                kv_layout="NHD", scale=scale, **variants)
-    o = np.linalg.norm(attention(q, k, v, **args), axis=-1)
-    a, kv_, kw = np.moveaxis(attention(q, k, np.concatenate([vn, kn * vn, kn], -1), **args),
-                             -1, 0)
+    if q.dtype.itemsize != 1:
+        raise ValueError(f"query must hold 8-bit values (1-byte dtype), got {q.dtype}")
+    e4m3 = fmt == _fp8_format("fp8_e4m3", key_cache)
+    u, floor = (2.0 ** -4, 2.0 ** -18) if e4m3 else (2.0 ** -3, 2.0 ** -25)
+    q = q.view(fmt).astype(np.float64)
+    ks, vs = (1.0 if x is None else x for x in (k_scale, v_scale))
+    if np.ndim(ks) or np.ndim(vs):
+        raise ValueError("per-tensor k_scale and v_scale: the 8-bit query path's scales")
+    k = dequantize_fp8(token_major_views(key_cache, kv_layout, True), kv_cache_dtype, ks)
+    v = dequantize_fp8(token_major_views(value_cache, kv_layout, False), kv_cache_dtype, vs)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    cap = variants.pop("logits_soft_cap", None)
+    sinks = variants.pop("sinks", None)
+    args = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                kv_layout="NHD", **variants)
+    ksq = np.sum(k * k, axis=-1, keepdims=True)
+    vsq = np.sum(v * v, axis=-1, keepdims=True)
+    feats = np.concatenate([np.sqrt(vsq), ksq, vsq, np.ones_like(ksq)], -1)
+    out = attention(q, k, np.concatenate([v, feats], -1), scale=scale, logits_soft_cap=cap,
+                    sinks=sinks, **args)
+    o, (a, k2, v2, w) = out[..., :v.shape[-1]], np.moveaxis(out[..., v.shape[-1]:], -1, 0)
+    on = np.linalg.norm(o, axis=-1)
+    spread = np.sqrt(np.maximum(v2 - 2 * on ** 2 + w * on ** 2, 0.0))  # sum w |v - o|^2
+    # the largest weight: exp(m - lse), m no more than a log-sum-exp of 2^10 times the logits
+    beta = 2.0 ** 10
+    _, lse = attention(q, k, v, scale=scale, logits_soft_cap=cap, return_lse=True, **args)
+    _, lse_b = attention(q, k, v, scale=beta * scale,
+                         logits_soft_cap=None if cap is None else beta * cap, return_lse=True,
+                         **args)
+    w_max = np.minimum(np.exp(np.where(np.isfinite(lse), lse_b / beta - lse, -np.inf)), 1.0)
+    # sum_j |v_j| over each row's keys: their mean (equal weights: K = 0) times their count
+    mean_v, n = attention(q, np.zeros_like(k), np.sqrt(vsq), scale=scale,
+                          return_lse=True, **args)
+    sum_v = mean_v[..., 0] * np.exp(n)
     qn = np.linalg.norm(q, axis=-1)
-    return (u + 2.0 ** -8) * a + 2.0 ** -10 * abs(scale) * qn * (kv_ + kw * o) + 2.0 ** -7 * o
+    return ((u + 2.0 ** -8) * a + floor * w_max * sum_v
+            + 2.0 ** -10 * abs(scale) * qn * np.sqrt(k2) * spread + 2.0 ** -7 * on)
 
 
 # ---- multi-head latent attention (DeepSeek's MLA) ---------------------------------------------

@@ -604,3 +604,38 @@ def test_fp8_query_error_bound_holds_rounded_weights_not_a_swapped_key(rng, fmt)
     swapped[[x.argmax(), x.argmin()], 0] = swapped[[x.argmin(), x.argmax()], 0]
     assert worst(tiled(swapped)) > 2
     assert worst(tiled(v, rescale=False)) > 1
+
+
+def test_fp8_query_error_bound_holds_subnormal_weights_of_one_sign():
+    """One key far above 4,096 others whose weights fall below e4m3's normal range (each
+    1.01 * 2^-18 of the largest: 2^8 times that rounds to 2^-9, about twice itself) and
+    whose values share a sign: their errors add, past any multiple of the output's norm
+    the bound's other terms give, and within the bound's subnormal term. Also: a 16-bit
+    query is refused."""
+    import ml_dtypes
+
+    n, bs, d = 4097, 16, 64
+    nb = -(-n // bs)
+    k = np.zeros((nb * bs, 1, d), np.float32)
+    v = np.zeros_like(k)
+    k[0, 0, 0], k[1:n, 0, 0], v[1:n, 0, 0] = 16, 4, 1
+    f8 = ml_dtypes.float8_e4m3fn
+    q = np.zeros((1, 1, d), np.float32)
+    q[0, 0, 0] = 1
+    host = dict(query=q.astype(f8).view(np.uint8),
+                key_cache=k.astype(f8).view(np.uint8).reshape(nb, bs, 1, d),
+                value_cache=v.astype(f8).view(np.uint8).reshape(nb, bs, 1, d),
+                block_tables=np.arange(nb, dtype=np.int32)[None],
+                seq_lens=np.array([n], np.int32), query_start_loc=np.array([0, 1], np.int32))
+    s = math.log(2.0 ** 18 / 1.01) / 12  # logits 16 s and 4 s: 2^-18 / 1.01 apart
+    kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=1.0, v_scale=1.0, scale=s)
+    ref = reference.attention(**host, **kw)[0, 0]
+    x = k[:n, 0, 0].astype(np.float64) * s
+    p = 256 * np.exp(x - x.max())  # one tile's worth of rule: the maximum is key 0's
+    got = (p.astype(np.float32).astype(f8).astype(np.float64) @ v[:n, 0]) / p.sum()
+    err = np.linalg.norm(got - ref)
+    bound = reference.fp8_query_error_bound(**host, **kw)[0, 0]
+    assert err > 0.5 * np.linalg.norm(ref)  # the subnormals' error rivals the output
+    assert err <= bound
+    with pytest.raises(ValueError, match="8-bit values"):
+        reference.fp8_query_error_bound(**{**host, "query": q}, **kw)
