@@ -435,8 +435,7 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           const int n = SparseRow<C>::widen(row, u, v, dim);
           for (int k = 0; k < n; ++k) {
             const unsigned d = stage_s(0) + sw128_offset(copy_token, dim + 8 * k, TILE_N);
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(v[k].x),
-                         "r"(v[k].y), "r"(v[k].z), "r"(v[k].w) : "memory");
+            st_shared_v4(d, v[k]);
           }
         }
       } else {
@@ -462,10 +461,8 @@ __device__ __forceinline__ void mla_attention_sm90_body(CUPAGED_MLA_PARAMS, int 
           widen16<T, C>(*reinterpret_cast<const uint4*>(row + c * 16), lo, hi);
           const unsigned d0 = stage_s(0) + sw128_offset(widen_token, c * 16, TILE_N);
           const unsigned d1 = stage_s(0) + sw128_offset(widen_token, c * 16 + 8, TILE_N);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d0), "r"(lo.x),
-                       "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(d1), "r"(hi.x),
-                       "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+          st_shared_v4(d0, lo);
+          st_shared_v4(d1, hi);
         }
       } else {
         (void)slot;

@@ -215,8 +215,7 @@ __device__ __forceinline__ void query_rows_to_half(unsigned tile, int cwarp, int
         const float hi = __uint_as_float(w[i] & 0xffff0000u) * inv;
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(hi), "f"(lo));
       }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk(h, k)), "r"(w[0]),
-                   "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+      sm90::st_shared_v4(chunk(h, k), w[0], w[1], w[2], w[3]);
     }
   }
 }
@@ -581,8 +580,7 @@ __global__ void __launch_bounds__(384, 1)
                     if (2 * k < lo || 2 * k >= hi) w[k] &= 0xffff0000u;
                     if (2 * k + 1 < lo || 2 * k + 1 >= hi) w[k] &= 0x0000ffffu;
                   }
-                  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(w[0]),
-                               "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+                  st_shared_v4(dst, w[0], w[1], w[2], w[3]);
                   stored = true;
                 }
               }
@@ -763,70 +761,59 @@ __global__ void __launch_bounds__(384, 1)
               const unsigned vs = v_s + stage * Geo::kTileBytes;
               const unsigned char* rk = smem + Geo::kOffRaw + (g & 1) * 2 * Geo::kRawTileBytes;
               const unsigned char* rv = rk + Geo::kRawTileBytes;
-              if constexpr (kFp8Mma) {
-                // 8-bit products: K's rows into the ring as they are (K-major, swizzled),
-                // V's rows that hold no key zeroed in the raw stage (P is 0 there and 0 *
-                // a stale NaN would be NaN), then, once every producer thread's rows are
-                // in place (the named barrier), V transposed into V^T (sm90_fp8.cuh).
-                // (The loop over this thread's chunks repeats the widening's below: a shared
-                // lambda changes the widening's schedule, measured as tuned.)
-                const unsigned rv_s =
-                    raw_s + (g & 1) * 2 * Geo::kRawTileBytes + Geo::kRawTileBytes;
+              // This thread's 16-byte chunks c0, c0 + 8, ... of rows trow + kRowsPerPass k:
+              // widened to M into the ring (K and V) or, for 8-bit products, K's bytes as
+              // they are into the ring (by bulk copies: cp.async put them there) and V's
+              // rows that hold no key zeroed in the raw stage (P is 0 there and 0 * a stale
+              // NaN would be NaN), for the transpose below.
+              const unsigned rv_s =
+                  raw_s + (g & 1) * 2 * Geo::kRawTileBytes + Geo::kRawTileBytes;
 #pragma unroll
-                for (int pass = 0; pass < kPasses; ++pass) {
-                  const unsigned t = pass * kRowsPerPass + trow;
+              for (int pass = 0; pass < kPasses; ++pass) {
+                const unsigned t = pass * kRowsPerPass + trow;
 #pragma unroll
-                  for (int i = 0; i < kRawPer; ++i) {
-                    const int c = c0 + 8 * i;
-                    if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                for (int i = 0; i < kRawPer; ++i) {
+                  const int c = c0 + 8 * i;
+                  if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
+                  if constexpr (kFp8Mma) {
                     if (phys[pass] >= 0) {
-                      if (!bulk) continue;  // (copy_raw put K's bytes in the ring)
+                      if (!bulk) continue;
                       const uint4 x = *reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16);
-                      st_shared_v4(ks + sw128_offset8(t, c * 16, TILE_N), x.x, x.y, x.z, x.w);
+                      st_shared_v4(ks + sw128_offset8(t, c * 16, TILE_N), x);
                     } else {
                       st_shared_zero16(rv_s + t * HEAD_SIZE + c * 16);
                     }
+                    continue;
+                  }
+                  // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
+                  const unsigned dk = sw128_offset(t, c * 16, TILE_N);
+                  const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
+                  if (phys[pass] >= 0) {
+                    uint4 lo, hi;
+                    widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16),
+                                  lo, hi);
+                    st_shared_v4(ks + dk, lo);
+                    st_shared_v4(ks + dk2, hi);
+                    widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16),
+                                  lo, hi);
+                    st_shared_v4(vs + dk, lo);
+                    st_shared_v4(vs + dk2, hi);
+                  } else {
+                    // P is 0 on these keys and 0 * a stale NaN is NaN: V reads 0 there (K
+                    // need not: their scores are masked). Their raw bytes are never read.
+                    st_shared_zero16(vs + dk);
+                    st_shared_zero16(vs + dk2);
                   }
                 }
+              }
+              if constexpr (kFp8Mma) {
+                // V^T once every producer thread's rows are in place (sm90_fp8.cuh)
                 named_bar_sync<128>(kBarProducer);
                 fp8_transpose_v<HEAD_SIZE, TILE_N, 128>(rv_s, vs, tid);
                 // Each thread read every thread's rows: by cp.async, the next tile's copies
                 // into this raw stage come after all have read it (bulk copies wait for
                 // raw_free's 128 arrivals instead).
                 if (!bulk) named_bar_sync<128>(kBarProducer);
-              } else {
-#pragma unroll
-                for (int pass = 0; pass < kPasses; ++pass) {
-                  const unsigned t = pass * kRowsPerPass + trow;
-#pragma unroll
-                  for (int i = 0; i < kRawPer; ++i) {
-                    const int c = c0 + 8 * i;
-                    if (kRawChunks % 8 != 0 && c >= kRawChunks) break;
-                    // 16-bit chunks 2c and 2c + 1 of row t, swizzled (sm90.cuh)
-                    const unsigned dk = sw128_offset(t, c * 16, TILE_N);
-                    const unsigned dk2 = sw128_offset(t, c * 16 + 8, TILE_N);
-                    if (phys[pass] >= 0) {
-                      uint4 lo, hi;
-                      widen16<M, C>(*reinterpret_cast<const uint4*>(rk + t * HEAD_SIZE + c * 16),
-                                    lo, hi);
-                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk),
-                                   "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(ks + dk2),
-                                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
-                      widen16<M, C>(*reinterpret_cast<const uint4*>(rv + t * HEAD_SIZE + c * 16),
-                                    lo, hi);
-                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk),
-                                   "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-                      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(vs + dk2),
-                                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
-                    } else {
-                      // P is 0 on these keys and 0 * a stale NaN is NaN: V reads 0 there (K
-                      // need not: their scores are masked). Their raw bytes are never read.
-                      st_shared_zero16(vs + dk);
-                      st_shared_zero16(vs + dk2);
-                    }
-                  }
-                }
               }
               // Bulk: this thread's reads of the raw stage are done (the loads' values are
               // stored above); a copy may refill the stage once all 128 have arrived.

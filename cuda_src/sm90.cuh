@@ -36,6 +36,23 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
          static_cast<unsigned>((col & 7) * 2);
 }
 
+// Shared-memory accesses by shared-window address (volatile, ordered as written: the callers
+// order them against copies and tensor-core reads with barriers and proxy fences).
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4(unsigned addr, unsigned a, unsigned b, unsigned c,
+                                             unsigned d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b),
+               "r"(c), "r"(d)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared_v4(unsigned addr, const uint4& v) {
+  st_shared_v4(addr, v.x, v.y, v.z, v.w);
+}
+
 // The same for a tile of 8-bit elements, `col` counted in bytes (128 a row): the 16-byte
 // chunks fall where those of 16-bit elements do.
 __device__ __forceinline__ unsigned sw128_offset8(int row, int col, int rows) {

@@ -45,17 +45,6 @@ __device__ __forceinline__ void fp8_a_fragment(const float (&d)[N], int c, unsig
 // dims, so a warp reads whole token rows) and written, byte-transposed by PRMT, as four
 // 16-byte chunks (one a dim). The caller orders the reads after the bytes landed and the
 // writes before wgmma reads them (fence_async_smem and a barrier).
-__device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
-  unsigned v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_shared_v4(unsigned addr, unsigned a, unsigned b, unsigned c,
-                                             unsigned d) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b),
-               "r"(c), "r"(d)
-               : "memory");
-}
 template <int HEAD_SIZE, int TILE_N, int THREADS>
 __device__ __forceinline__ void fp8_transpose_v(unsigned src, unsigned dst, int tid) {
   static_assert(HEAD_SIZE % 4 == 0 && TILE_N % 128 == 0, "4-dim groups, whole 128-byte rows");

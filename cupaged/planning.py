@@ -653,31 +653,33 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
     """Which kernel serves an attention call, from host facts only (no device sync): the
     rules a new kernel family adds to. The host bounds may undercount, so they choose
     only among kernels that read ``query_start_loc`` whenever it is given."""
-    if p.query_dtype is not None:  # only the wgmma kernel multiplies 8-bit values
+    fp8_query = p.query_dtype is not None
+    if fp8_query:  # only the wgmma kernel multiplies 8-bit values, whatever the rows
         refuse_fp8_query(p, has_starts)
-        rows = geometry.Sm90PrefillGeometry.rows
-        group = p.num_heads // p.num_kv_heads
-        return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
-                      sm90_tile(p.head_size, True, True), sm90=True)
-    if not has_starts:
+    elif not has_starts:
         return Choice("decode")  # one token per sequence, by the call's contract
-    if max_q <= 1 and p.num_rows == p.num_seqs:
+    elif max_q <= 1 and p.num_rows == p.num_seqs:
         # Most likely a decode step: the decode kernel's row mode (split-KV included)
         # finds row r in sequence r at once, and any other split of the rows correctly.
         return Choice("rows")
     # vLLM's value layout is copied in 16-byte runs of one block: 8 tokens, 16 for fp8.
     if p.dtype.itemsize == 2 and (p.cache.kv_format == "tok"
                                   or p.block_size * p.cache.dtype.itemsize >= 16):
-        group = p.num_heads // p.num_kv_heads
-        if sm90_applies(p, max_q * group):
-            rows = geometry.Sm90PrefillGeometry.rows
-            return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
-                          sm90_tile(p.head_size, p.cache.dtype != p.dtype), sm90=True)
-        tile = prefill_tile(p, max_q * group)
+        packed = max_q * (p.num_heads // p.num_kv_heads)  # the longest sequence's rows
+        if fp8_query or sm90_applies(p, packed):
+            return Choice("prefill", _query_tiles(packed, geometry.Sm90PrefillGeometry.rows),
+                          sm90_tile(p.head_size, p.cache.dtype != p.dtype, fp8_query),
+                          sm90=True)
+        tile = prefill_tile(p, packed)
         rows = geometry.prefill_rows(p.head_size, tile[0], tile[1])
-        return Choice("prefill", max(1, min(_checks.MAX_GRID_YZ, -(-max_q * group // rows))),
-                      tile)
+        return Choice("prefill", _query_tiles(packed, rows), tile)
     return Choice("rows")
+
+
+def _query_tiles(packed: int, rows: int) -> int:
+    """The prefill grid's y: tiles of ``rows`` over the longest sequence's ``packed``
+    query rows (at least one, at most the grid's limit)."""
+    return max(1, min(_checks.MAX_GRID_YZ, -(-packed // rows)))
 
 
 def refuse_fp8_query(p: Problem, has_starts: bool) -> None:

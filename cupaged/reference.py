@@ -445,15 +445,14 @@ def fp8_query_error_bound(query, key_cache, value_cache, block_tables, seq_lens,
     ksq = np.sum(k * k, axis=-1, keepdims=True)
     vsq = np.sum(v * v, axis=-1, keepdims=True)
     feats = np.concatenate([np.sqrt(vsq), ksq, vsq, np.ones_like(ksq)], -1)
-    out = attention(q, k, np.concatenate([v, feats], -1), scale=scale, logits_soft_cap=cap,
-                    sinks=sinks, **args)
+    out, lse = attention(q, k, np.concatenate([v, feats], -1), scale=scale,
+                         logits_soft_cap=cap, sinks=sinks, return_lse=True, **args)
     o, (a, k2, v2, w) = out[..., :v.shape[-1]], np.moveaxis(out[..., v.shape[-1]:], -1, 0)
     on = np.linalg.norm(o, axis=-1)
-    spread = np.sqrt(np.maximum(v2 - 2 * on ** 2 + w * on ** 2, 0.0))  # sum w |v - o|^2
+    spread = np.sqrt(np.maximum(v2 - 2 * on ** 2 + w * on ** 2, 0.0))  # of sum_j w_j |v_j - o|^2
     # the largest weight: exp(m - lse), m no more than a log-sum-exp of 2^10 times the logits
     beta = 2.0 ** 10
-    _, lse = attention(q, k, v, scale=scale, logits_soft_cap=cap, return_lse=True, **args)
-    _, lse_b = attention(q, k, v, scale=beta * scale,
+    _, lse_b = attention(q, k, vsq, scale=beta * scale,
                          logits_soft_cap=None if cap is None else beta * cap, return_lse=True,
                          **args)
     w_max = np.minimum(np.exp(np.where(np.isfinite(lse), lse_b / beta - lse, -np.inf)), 1.0)

@@ -258,17 +258,14 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
     """attention's arguments (adapted arrays): any cache layout, a varlen batch of query
     rows (``qsl``: query_start_loc, or None for one row per sequence). A query of a 1-byte
     dtype is an 8-bit query in its fp8 cache's format, whose output type ``out`` gives."""
-    qdt = None
     if q.dtype.itemsize == 1 and (q.dtype in _kvquant.ONE_BYTE or _dtypes.fp8_of(q.dtype)):
         dt, qdt = _fp8_query(q, kc, vc, out, kv_cache_dtype)
-        cdt = qdt
     else:
-        dt = _checks.check_dtype(q, "query")
+        dt, qdt = _checks.check_dtype(q, "query"), None
     if q.ndim != 3:
         _fail(f"query must be 3-D [total_q, num_heads, head_size], got shape {q.shape}")
     total_q, num_heads, head_size = q.shape
-    if qdt is None:
-        cdt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
+    cdt = qdt if qdt is not None else _kvquant.cache_dtype(kv_cache_dtype, kc, vc, dt)
     cache = _checks.check_kv_layout(kc, vc, cdt, kv_layout)
     if cache.head_size != head_size:
         _fail(f"query's head_size is {head_size} but the caches' is {cache.head_size}")
