@@ -1,14 +1,16 @@
 // Entry file for the multi-token kernel. cupaged's JIT compiles this file with NVRTC (its
 // quoted includes inlined) and instantiates the template by name expression, e.g.
-//   cupaged::paged_prefill<cupaged::half_t, cupaged::half_t, 128, 16, 0, 0, 4, 1, 64, 2, 0>
+//   cupaged::paged_prefill<cupaged::half_t, cupaged::half_t, 128, 16, 0, 0, 4, 1, 1, 64, 2, 0>
 // (query type, cache type, head size, block size, KVFormat, KVScale, warps, m-atoms per
-// warp, tile tokens, stages, variant bits of variants.cuh)
+// warp, warps sharing each row (splitting a tile's keys), tile tokens, stages, variant bits
+// of variants.cuh)
 //
 // It also compiles on its own, for resource reports and SASS reading:
 //   nvcc -arch=sm_90 -cubin -std=c++17 -Xptxas -v -DCUPAGED_INSTANTIATE \
 //        -DCUPAGED_T=cupaged::half_t -DCUPAGED_C=cupaged::fp8_e4m3_t -DCUPAGED_SCALE=0 \
 //        -DCUPAGED_HS=128 -DCUPAGED_BS=16 -DCUPAGED_FORMAT=0 \
-//        -DCUPAGED_WARPS=4 -DCUPAGED_MATOMS=1 -DCUPAGED_TILE=64 -DCUPAGED_STAGES=2 -DCUPAGED_VARIANT=0 \
+//        -DCUPAGED_WARPS=4 -DCUPAGED_MATOMS=1 -DCUPAGED_KEYWARPS=1 -DCUPAGED_TILE=64 \
+//        -DCUPAGED_STAGES=2 -DCUPAGED_VARIANT=0 \
 //        cuda_src/paged_prefill.cu -o prefill.cubin
 #include "paged_prefill.cuh"
 
@@ -37,6 +39,9 @@
 #ifndef CUPAGED_MATOMS
 #define CUPAGED_MATOMS 1
 #endif
+#ifndef CUPAGED_KEYWARPS
+#define CUPAGED_KEYWARPS 1
+#endif
 #ifndef CUPAGED_TILE
 #define CUPAGED_TILE 64
 #endif
@@ -48,7 +53,7 @@
 #endif
 void cupaged_instantiate_prefill() {
   (void)&cupaged::paged_prefill<CUPAGED_T, CUPAGED_C, CUPAGED_HS, CUPAGED_BS, CUPAGED_FORMAT,
-                                CUPAGED_SCALE, CUPAGED_WARPS, CUPAGED_MATOMS, CUPAGED_TILE,
-                                CUPAGED_STAGES, CUPAGED_VARIANT>;
+                                CUPAGED_SCALE, CUPAGED_WARPS, CUPAGED_MATOMS, CUPAGED_KEYWARPS,
+                                CUPAGED_TILE, CUPAGED_STAGES, CUPAGED_VARIANT>;
 }
 #endif

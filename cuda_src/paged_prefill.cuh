@@ -15,7 +15,10 @@
 // (row = token * group + head), so every K/V tile the CTA loads serves the whole group:
 // four verify tokens of a 4-head group fill one 16-row mma tile. Each warp owns
 // 16 * M_ATOMS rows (FlashAttention-2's split: no cross-warp reduction), walking the
-// sequence's keys in tiles of TILE_N tokens streamed by cp.async, STAGES deep:
+// sequence's keys in tiles of TILE_N tokens streamed by cp.async, STAGES deep. With
+// KEY_WARPS > 1 (few rows: verify's 16) that many warps share the same rows and each takes
+// its own TILE_N / KEY_WARPS keys of every tile, with a softmax state of its own; the
+// states merge through shared memory at the end, so no warp idles on padding rows:
 //   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain; masks only on
 //   tiles that need them (a causal diagonal, a sequence's last tile, a window's edge),
 //   ALiBi per key there and as a per-tile ramp elsewhere (variant bit kVarAlibi);
@@ -38,7 +41,7 @@ namespace cupaged {
 // T is the query's and output's type; C the cache's: T itself, or fp8 (fp8.cuh), whose
 // tiles are widened to T in shared memory before the mma reads them.
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
-          int WARPS, int M_ATOMS, int TILE_N, int STAGES>
+          int WARPS, int M_ATOMS, int KEY_WARPS, int TILE_N, int STAGES>
 struct PrefillGeometry {
   static constexpr int kThreads = WARPS * 32;
   static constexpr bool kQuant = !is_same<T, C>::value;  // an fp8 cache, with scales
@@ -53,11 +56,12 @@ struct PrefillGeometry {
   // hold the same S and the same softmax) and accumulates half of O's columns. A thread
   // then keeps a 256-dim head's accumulators, which fit its registers; 512 would not.
   static constexpr int kDimSplit = kHSP > 256 ? 2 : 1;
-  static constexpr int kRowWarps = WARPS / kDimSplit;
+  static constexpr int kRowWarps = WARPS / kDimSplit / KEY_WARPS;
   static constexpr int kRows = kRowWarps * kWarpRows;         // query rows per CTA
+  static constexpr int kWarpKeys = TILE_N / KEY_WARPS;        // keys of a tile per warp
   static constexpr int kK16 = kHSP / 16;                      // 16-dim steps of a head
   static constexpr int kSliceK16 = (kK16 + kDimSplit - 1) / kDimSplit;  // a warp's, at most
-  static constexpr int kNTiles = TILE_N / 8;  // n8 tiles of S per m16 atom
+  static constexpr int kNTiles = kWarpKeys / 8;  // n8 tiles of S per m16 atom
   static constexpr int kDTiles = kSliceK16 * 2;  // n8 tiles of O per m16 atom
   // Shared rows of kHSP elements are padded by 16 bytes: eight consecutive rows then start
   // in distinct 16-byte bank groups, so ldmatrix and the cp.async stores are conflict-free.
@@ -89,10 +93,16 @@ struct PrefillGeometry {
   static constexpr int kOffX = kOffScales + (kTokenScales ? 2 * STAGES * TILE_N * 4 : 0);
   static constexpr int kXFloats = kDimSplit > 1 ? WARPS * M_ATOMS * kNTiles * 4 * 32 : 0;
   static constexpr int kSmemBytes = kOffX + kXFloats * 4;
+  // KEY_WARPS > 1: after the last tile, each warp but the first of its rows leaves its
+  // rows' state (per lane: maximum and sum of both rows, then O's fragments, per m-atom)
+  // in the K/V stages, which no copy writes any more; the first merges them.
+  static constexpr int kStateFloats = M_ATOMS * (4 + kDTiles * 4);
+  static constexpr int kMergeBytes = (KEY_WARPS - 1) * kRowWarps * kStateFloats * 32 * 4;
   // Registers: with one m-atom a warp, two CTAs an SM (ptxas caps a thread at 65536 / (2 x
   // threads): 255 for four warps, whose accumulators at head size 256, or a pair's half
   // of 512, need about 245; 128 for eight warps, enough up to head size 128); eight warps
-  // of pairs and two m-atoms need all 255, one CTA.
+  // of pairs and two m-atoms need all 255, one CTA. (Three CTAs of four warps sharing 16
+  // rows, at 168 registers, ran slower than two: docs/PERFORMANCE.md.)
   static constexpr int kMinBlocks = M_ATOMS == 1 && (kDimSplit == 1 || WARPS <= 4) ? 2 : 1;
 
   static_assert(sizeof(T) == 2, "tensor cores take 16-bit operands");
@@ -106,15 +116,19 @@ struct PrefillGeometry {
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "TILE_N");
   static_assert(WARPS >= 1 && WARPS <= 8 && (M_ATOMS == 1 || M_ATOMS == 2), "WARPS, M_ATOMS");
   static_assert(WARPS % kDimSplit == 0, "heads over 256 dims take warps in pairs");
+  static_assert(KEY_WARPS == 1 || (kDimSplit == 1 && WARPS % KEY_WARPS == 0 &&
+                                   kWarpKeys >= 16 && kMergeBytes <= kOffWide - kOffK),
+                "KEY_WARPS: warps that divide WARPS, 16 keys of a tile each or more, heads "
+                "of 256 dims or fewer, their states within the stages");
   static_assert(STAGES >= 2, "STAGES");
 };
 
 
 template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE, int KV_FORMAT, int KV_SCALE,
-          int WARPS, int M_ATOMS, int TILE_N, int STAGES, int VARIANT>
+          int WARPS, int M_ATOMS, int KEY_WARPS, int TILE_N, int STAGES, int VARIANT>
 __global__ void __launch_bounds__(
     WARPS * 32, (PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS,
-                                 M_ATOMS, TILE_N, STAGES>::kMinBlocks))
+                                 M_ATOMS, KEY_WARPS, TILE_N, STAGES>::kMinBlocks))
     paged_prefill(T* __restrict__ out,
                   // Split-KV (split_tiles > 0: grid z partitions each query tile's keys into
                   // runs of split_tiles tiles, the last running to the end): float32
@@ -130,7 +144,7 @@ __global__ void __launch_bounds__(
                   int num_heads, int group_size, int causal, float scale_log2,
                   const __grid_constant__ VariantParams vp) {
   using Geo = PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS, M_ATOMS,
-                              TILE_N, STAGES>;
+                              KEY_WARPS, TILE_N, STAGES>;
   using KV = KVAccess<C, KV_FORMAT, BLOCK_SIZE>;
   using Var = Variant<VARIANT>;
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
@@ -159,9 +173,12 @@ __global__ void __launch_bounds__(
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  // The warp's rows, and its half of the head's dims when they are split over a pair.
-  const int row_warp = Geo::kDimSplit > 1 ? warp % Geo::kRowWarps : warp;
+  // The warp's rows, and its half of the head's dims when they are split over a pair, or
+  // its share of each tile's keys (KEY_WARPS).
+  const int row_warp = Geo::kDimSplit > 1 || KEY_WARPS > 1 ? warp % Geo::kRowWarps : warp;
   const int dslice = Geo::kDimSplit > 1 ? warp / Geo::kRowWarps : 0;
+  const int kslice = KEY_WARPS > 1 ? warp / Geo::kRowWarps : 0;
+  const int key0 = kslice * Geo::kWarpKeys;  // the warp's first key within a tile
   const int k16_0 = dslice * Geo::kSliceK16;  // the slice's first 16-dim step
   // Grid x is (sequence, KV head) and y counts query tiles from each sequence's last: the
   // hardware starts CTAs in order, so the longest causal tiles of every sequence go first
@@ -533,9 +550,10 @@ __global__ void __launch_bounds__(
         }
         __syncthreads();
       }
-      // Every row of this warp is past this tile's keys (a causal diagonal), or the tile
-      // lies before every row's window: nothing to add.
-      if (t0 >= lim_hi || (Var::kWindow && t0 + TILE_N <= first_lo)) continue;
+      // Every row of this warp is past its keys of this tile (a causal diagonal), or they
+      // lie before every row's window: nothing to add.
+      const int w0 = t0 + key0;  // the warp's first key
+      if (w0 >= lim_hi || (Var::kWindow && w0 + Geo::kWarpKeys <= first_lo)) continue;
 
       // ---- S = Q K^T --------------------------------------------------------------------
       float s[MA][Geo::kNTiles][4];
@@ -562,7 +580,7 @@ __global__ void __launch_bounds__(
         for (int np = 0; np < Geo::kNTiles / 2; ++np) {
           // B = K^T for two n8 tiles: rows of K are tokens, 16 bytes of dims each.
           unsigned kb[4];
-          ldmatrix_x4(kb, ks + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + k16 * 16 +
+          ldmatrix_x4(kb, ks + (key0 + np * 16 + (lane & 7) + (lane >> 4) * 8) * ROW + k16 * 16 +
                               ((lane >> 3) & 1) * 8);
           const unsigned b0[2] = {kb[0], kb[1]};
           const unsigned b1[2] = {kb[2], kb[3]};
@@ -601,8 +619,9 @@ __global__ void __launch_bounds__(
       }
 
       // ---- scale (ALiBi, masks where needed); online softmax ----------------------------
-      const bool masked = !plain || t0 + TILE_N > lim_lo || (Var::kWindow && t0 < first_hi);
-      unsigned pa[MA][TILE_N / 16][4];  // P as A fragments of the P V product
+      const bool masked =
+          !plain || w0 + Geo::kWarpKeys > lim_lo || (Var::kWindow && w0 < first_hi);
+      unsigned pa[MA][Geo::kWarpKeys / 16][4];  // P as A fragments of the P V product
 #pragma unroll
       for (int a = 0; a < MA; ++a) {
         float tmax[2] = {neg_inf(), neg_inf()};
@@ -618,7 +637,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
             for (int i = 0; i < 4; ++i) {  // C fragment: row frag_row + 8 (i / 2), key n * 8 + frag_col + i % 2
               const int h = i >> 1;
-              const int key = t0 + n * 8 + frag_col + (i & 1);
+              const int key = w0 + n * 8 + frag_col + (i & 1);
               const float sk = Geo::kTokenScales ? score_scale * ksc[key - t0] : score_scale;
               const float v = Var::kFixedOffset
                                   ? Var::fixed_exponent(vp, s[a][n][i], sk)
@@ -630,20 +649,21 @@ __global__ void __launch_bounds__(
             }
           }
         } else if constexpr (Var::kAlibi) {
-          // slope * (key - q_pos) with key = t0 + frag_col + n * 8 + (i & 1): a per-row base
+          // slope * (key - q_pos) with key = w0 + frag_col + n * 8 + (i & 1): a per-row base
           // for the tile plus the slope times a constant, one FFMA per score.
           float base[2];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            base[h] = slope[a][h] * static_cast<float>(t0 + frag_col - q_pos[a][h]);
+            base[h] = slope[a][h] * static_cast<float>(w0 + frag_col - q_pos[a][h]);
           }
 #pragma unroll
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const int h = i >> 1;
-              const float sk = Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
-                                                 : score_scale;
+              const float sk = Geo::kTokenScales
+                                   ? score_scale * ksc[key0 + n * 8 + frag_col + (i & 1)]
+                                   : score_scale;
               s[a][n][i] = fmaf(slope[a][h], static_cast<float>(n * 8 + (i & 1)),
                                 Var::logits_plus(vp, s[a][n][i], sk, base[h]));
               tmax[h] = fmaxf(tmax[h], s[a][n][i]);
@@ -654,8 +674,9 @@ __global__ void __launch_bounds__(
           for (int n = 0; n < Geo::kNTiles; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const float sk = Geo::kTokenScales ? score_scale * ksc[n * 8 + frag_col + (i & 1)]
-                                                 : score_scale;
+              const float sk = Geo::kTokenScales
+                                   ? score_scale * ksc[key0 + n * 8 + frag_col + (i & 1)]
+                                   : score_scale;
               s[a][n][i] = Var::kFixedOffset
                                ? Var::fixed_exponent(vp, s[a][n][i], sk)
                                : Var::logits(vp, s[a][n][i], sk);
@@ -693,8 +714,8 @@ __global__ void __launch_bounds__(
 
       // ---- O += P V ---------------------------------------------------------------------
 #pragma unroll
-      for (int kk = 0; kk < TILE_N / 16; ++kk) {
-        if (kk * 16 >= valid) break;
+      for (int kk = 0; kk < Geo::kWarpKeys / 16; ++kk) {
+        if (key0 + kk * 16 >= valid) break;
 #pragma unroll
         for (int dp = 0; dp < Geo::kSliceK16; ++dp) {
           const int d16 = k16_0 + dp;  // this warp's columns of O
@@ -702,11 +723,11 @@ __global__ void __launch_bounds__(
           unsigned vb[4];
           if constexpr (Geo::kVDimMajor) {
             ldmatrix_x4(vb, vs + (d16 * 16 + (lane & 7) + (lane >> 4) * 8) * Geo::kVRow +
-                                kk * 16 + ((lane >> 3) & 1) * 8);
+                                key0 + kk * 16 + ((lane >> 3) & 1) * 8);
           } else {
             // V rows are tokens: transposed loads give B's (token, dim) pairs.
-            ldmatrix_x4_trans(vb, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
-                                      d16 * 16 + (lane >> 4) * 8);
+            ldmatrix_x4_trans(vb, vs + (key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) *
+                                           ROW + d16 * 16 + (lane >> 4) * 8);
           }
           const unsigned b0[2] = {vb[0], vb[1]};
           const unsigned b1[2] = {vb[2], vb[3]};
@@ -720,6 +741,63 @@ __global__ void __launch_bounds__(
     }
     cp_async_wait<0>();
     __syncthreads();  // the bad-block flag is final
+
+    if constexpr (KEY_WARPS > 1) {
+      // The warps of the same rows merged (softmax.cuh's rule): each but the first leaves
+      // its state in the stages, lane by lane; the first rescales every state to the
+      // rows' common maximum and adds them (a state that saw no key weighs 0).
+      constexpr int kPer = Geo::kStateFloats;
+      constexpr int kAtom = kPer / MA;  // an m-atom's: m and l of both rows, then O's
+      float* states = reinterpret_cast<float*>(smem + Geo::kOffK) + lane;
+      if (kslice > 0) {
+        float* mine = states + ((kslice - 1) * Geo::kRowWarps + row_warp) * kPer * 32;
+#pragma unroll
+        for (int a = 0; a < MA; ++a) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            mine[(a * kAtom + 2 * h) * 32] = m_run[a][h];
+            mine[(a * kAtom + 2 * h + 1) * 32] = l_run[a][h];
+          }
+#pragma unroll
+          for (int d = 0; d < Geo::kDTiles; ++d) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mine[(a * kAtom + 4 + d * 4 + i) * 32] = acc[a][d][i];
+          }
+        }
+      }
+      __syncthreads();
+      if (kslice > 0) continue;  // the first warp of the rows writes them
+#pragma unroll 1
+      for (int k = 1; k < KEY_WARPS; ++k) {
+        const float* theirs = states + ((k - 1) * Geo::kRowWarps + row_warp) * kPer * 32;
+#pragma unroll
+        for (int a = 0; a < MA; ++a) {
+          float mine_w[2], their_w[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float m_o = theirs[(a * kAtom + 2 * h) * 32];
+            const float l_o = theirs[(a * kAtom + 2 * h + 1) * 32];
+            mine_w[h] = 1.f;
+            their_w[h] = 1.f;
+            if constexpr (!Var::kFixedOffset) {  // else both are sums against one offset
+              const float m = fmaxf(m_run[a][h], m_o);
+              mine_w[h] = m_run[a][h] == neg_inf() ? 0.f : exp2f(m_run[a][h] - m);
+              their_w[h] = m_o == neg_inf() ? 0.f : exp2f(m_o - m);
+              m_run[a][h] = m;
+            }
+            l_run[a][h] = l_run[a][h] * mine_w[h] + l_o * their_w[h];
+          }
+#pragma unroll
+          for (int d = 0; d < Geo::kDTiles; ++d) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc[a][d][i] = acc[a][d][i] * mine_w[i >> 1] +
+                             theirs[(a * kAtom + 4 + d * 4 + i) * 32] * their_w[i >> 1];
+            }
+          }
+        }
+      }
+    }
 
     // ---- normalize and store -------------------------------------------------------------
     const bool bad = *bad_block_s != 0;

@@ -58,7 +58,7 @@ class CompileError(RuntimeError):
 _DECODE_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
                   "group_tile", "tile_tokens", "stages", "variant")
 _PREFILL_PARAMS = ("dtype", "cache_dtype", "head_size", "block_size", "kv_format", "kv_scale",
-                   "warps", "m_atoms", "tile_tokens", "stages", "variant")
+                   "warps", "m_atoms", "key_warps", "tile_tokens", "stages", "variant")
 # The Hopper multi-token kernel: token-major caches of the query's type or fp8 with
 # per-tensor scales, vLLM's layout of the query's type; its own tile shape; and an 8-bit
 # query over a cache of its format (query_dtype, the template's last argument: 8-bit
@@ -170,36 +170,60 @@ def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int
     return min(256, max(64 if fp8 else 32, tokens))
 
 
-def default_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
-    """(warps, m_atoms, tile_tokens, stages) of paged_prefill: up to head size 128,
-    FlashAttention-2's shape, four warps of 32 query rows over 64-token K/V tiles, two
-    stages (the fastest of nine shapes measured on an H100, docs/PERFORMANCE.md); above,
-    the 32 rows' accumulators do not fit in registers, so four warps of 16 rows over
-    32-token tiles; above 256, where pairs of warps share a row's dims, eight warps (64
-    rows, as at 256)."""
+# paged_prefill's tile: (warps, m_atoms, tile_tokens, stages, key_warps), the last the warps
+# that share each row, splitting every K/V tile's keys between them (1: none).
+PREFILL_TILE = ("warps", "m_atoms", "tile_tokens", "stages", "key_warps")
+
+
+def prefill_tile_name(tile: tuple) -> str:
+    """A paged_prefill tile as spec names and test ids spell it: ``w4m1n64x2``, with
+    ``k4`` after it where warps share rows."""
+    w, m, n, st, kw = tile
+    return f"w{w}m{m}n{n}x{st}" + (f"k{kw}" if kw > 1 else "")
+
+
+def default_prefill_tile(head_size: int) -> tuple[int, int, int, int, int]:
+    """The tile of paged_prefill: up to head size 128, FlashAttention-2's shape, four
+    warps of 32 query rows over 64-token K/V tiles, two stages (the fastest of nine shapes
+    measured on an H100, docs/PERFORMANCE.md); above, the 32 rows' accumulators do not fit
+    in registers, so four warps of 16 rows over 32-token tiles; above 256, where pairs of
+    warps share a row's dims, eight warps (64 rows, as at 256)."""
     if head_size <= 128:
-        return 4, 2, 64, 2
-    return (4, 1, 32, 2) if head_size <= 256 else (8, 1, 32, 2)
+        return 4, 2, 64, 2, 1
+    return (4, 1, 32, 2, 1) if head_size <= 256 else (8, 1, 32, 2, 1)
 
 
-def few_rows_prefill_tile(head_size: int) -> tuple[int, int, int, int]:
-    """The shape for a (sequence, KV head) with at most 64 packed query rows (verify's 4
-    tokens x 4 heads are 16): four warps (two pairs above head size 256), so fewer rows
-    are padding."""
-    return (4, 1, 64, 2) if head_size <= 128 else (4, 1, 32, 2)
+# Packed query rows per (sequence, KV head) up to which paged_prefill takes the few-rows
+# tile, and up to which (head sizes to 128) the tile whose warps share rows in pairs.
+FEW_ROWS = 64
+FEWEST_ROWS = 32
+
+
+def few_rows_prefill_tile(head_size: int, rows: int = FEW_ROWS) -> tuple:
+    """The tile for a (sequence, KV head) with at most ``rows`` packed query rows
+    (FEW_ROWS or fewer): four warps of 16 rows (two pairs above head size 256), so fewer
+    rows are padding; up to FEWEST_ROWS (verify's 4 tokens x 4 heads are 16) and head
+    size 128, four warps as two pairs, each pair on 16 rows and each warp of it on half of
+    every 64-token tile's keys: 32 rows a CTA, and half the tile's mma work a warp
+    (H200: 1.07x on verify's 16 rows, 1.13x on 32; four warps on 16 rows ran slower,
+    docs/PERFORMANCE.md)."""
+    if rows <= FEWEST_ROWS and head_size <= 128:
+        return 4, 1, 64, 2, 2
+    return (4, 1, 64, 2, 1) if head_size <= 128 else (4, 1, 32, 2, 1)
 
 
 def smaller_prefill_tiles(head_size: int, tile: tuple) -> tuple:
     """Shapes of paged_prefill with less shared memory than ``tile``, in the order the
     planner tries them where ``tile`` does not fit (sm_86/89's 99 KiB): 16 rows a warp,
     then 32- and 16-token K/V tiles, then half the warps at a time, down to one warp (a
-    pair above head size 256)."""
+    pair above head size 256); warps on rows of their own."""
     least = 2 if head_size > 256 else 1
-    warps, _, tokens, stages = tile
-    out = [(warps, 1, tokens, stages), (warps, 1, min(tokens, 32), 2), (warps, 1, 16, 2)]
+    warps, _, tokens, stages, _ = tile
+    out = [(warps, 1, tokens, stages, 1), (warps, 1, min(tokens, 32), 2, 1),
+           (warps, 1, 16, 2, 1)]
     while warps > least:
         warps //= 2
-        out.append((warps, 1, 16, 2))
+        out.append((warps, 1, 16, 2, 1))
     return tuple(t for t in dict.fromkeys(out) if t != tile)
 
 
@@ -242,8 +266,9 @@ class KernelSpec:
     """One specialization of a kernel template: everything that is a compile-time
     constant, plus the target architecture.
 
-    Fields a kernel does not take are left at 0. ``tile_tokens``, ``stages``, ``warps``
-    and ``m_atoms`` default (0) to the tuned choice for the kernel, dtype and head size.
+    Fields a kernel does not take are left at 0. ``tile_tokens``, ``stages``, ``warps``,
+    ``m_atoms`` and ``key_warps`` default (0) to the tuned choice for the kernel, dtype and
+    head size.
     """
 
     kernel: str
@@ -272,6 +297,8 @@ class KernelSpec:
     arch: str = "sm_90"  # "sm_XY": a cubin; "compute_XY": PTX for the driver to finish
     query_dtype: str = ""  # paged_prefill_sm90: "" the dtype's, or "e4m3" | "e5m2" (the
     #                        cache's format): 8-bit products, dtype the output's type
+    key_warps: int = 0  # paged_prefill: warps sharing each row, a share of every tile's
+    #                     keys each (1: every warp rows of its own)
     _params: tuple = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
@@ -342,8 +369,7 @@ class KernelSpec:
                                  f"a token-major cache (kv_format 'tok'), in {self!r}")
         object.__setattr__(self, "_params", params)
         if self.kernel == "paged_prefill":
-            for name, default in zip(("warps", "m_atoms", "tile_tokens", "stages"),
-                                     default_prefill_tile(self.head_size)):
+            for name, default in zip(PREFILL_TILE, default_prefill_tile(self.head_size)):
                 if getattr(self, name) == 0:
                     object.__setattr__(self, name, default)
         elif self.kernel == "paged_prefill_sm90":
@@ -410,9 +436,9 @@ class KernelSpec:
         if "group_tile" in p:
             parts.append(f"g{self.group_tile}")
         if self.kernel == "paged_prefill":
-            tile = (self.warps, self.m_atoms, self.tile_tokens, self.stages)
+            tile = tuple(getattr(self, f) for f in PREFILL_TILE)
             if tile != default_prefill_tile(self.head_size):
-                parts.append("w{}m{}n{}x{}".format(*tile))
+                parts.append(prefill_tile_name(tile))
         elif self.kernel in MLA_MMA_KERNELS:
             parts.append(f"r{self.rows}t{self.tile_tokens}x{self.stages}")
         elif self.kernel == "indexer_logits":

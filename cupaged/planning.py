@@ -452,9 +452,9 @@ class PrefillKernel(NamedTuple):
     slots: int  # CTAs resident at once on the whole device
 
 
-# (warps, m_atoms, tile_tokens, stages) for every prefill specialization instead of the
-# default, for tuning experiments (cupaged-bench prefill --tile W,M,N,S); set through
-# set_prefill_tile.
+# A paged_prefill tile (jit.PREFILL_TILE's fields) for every prefill specialization instead
+# of the planner's, for tuning experiments (cupaged-bench prefill --tile W,M,N,S[,K]); set
+# through set_prefill_tile.
 _tile_override: tuple | None = None
 
 
@@ -491,10 +491,6 @@ def set_prefill_family(family: str | None) -> None:
     _prepared.clear()
 
 
-# Up to this many packed query rows per (sequence, KV head), 16 rows per warp instead of
-# the default's 32: verify's 4 tokens x 4 heads fill 16 rows, and the default's 128-row
-# tile would be mostly padding (docs/PERFORMANCE.md).
-FEW_ROWS = 64
 # On Hopper, paged_prefill_sm90 from this many packed query rows per (sequence, KV head):
 # at 64 (16 tokens x 4 heads) its 128-row tile is half padding and still beats the mma.sync
 # kernel's few-rows tile (H200, 64 x 16 tokens over 2,048: 166.4 against 191.2 us), at 32 it
@@ -503,26 +499,31 @@ SM90_MIN_ROWS = 64
 
 
 def prefill_tile(p: Problem, rows_needed: int) -> tuple:
-    """paged_prefill's (warps, m_atoms, tile_tokens, stages) for a call: the few-rows or
-    the default shape, or a smaller one where the GPU's shared memory needs it
-    (``catalog.fitting_prefill_tile``); a ValueError naming the limit where none fits."""
+    """paged_prefill's tile (``jit.PREFILL_TILE``) for a call whose longest (sequence, KV
+    head) has ``rows_needed`` packed query rows: the default, few-rows or fewest-rows
+    shape (up to ``jit.FEW_ROWS`` and ``jit.FEWEST_ROWS`` rows: verify's 4 tokens x 4
+    heads fill 16, where the default's 128-row tile would be mostly padding), or a smaller
+    one where the GPU's shared memory needs it (``catalog.fitting_prefill_tile``); a
+    ValueError naming the limit where none fits."""
     if _tile_override is not None:
         return _tile_override
     dev = device_info(p.device)
+    rows = (jit.FEWEST_ROWS if rows_needed <= jit.FEWEST_ROWS
+            else jit.FEW_ROWS if rows_needed <= jit.FEW_ROWS else 0)
     return _fitting_prefill_tile(dev.arch, dev.max_smem, p.dtype.name, p.head_size,
                                  p.block_size, p.cache.kv_format, p.cache.dtype.name,
-                                 p.quant.mode, rows_needed <= FEW_ROWS)
+                                 p.quant.mode, rows)
 
 
 @lru_cache(maxsize=None)
 def _fitting_prefill_tile(arch: str, max_smem: int, dtype: str, head_size: int,
                           block_size: int, kv_format: str, cache_dtype: str, kv_scale: str,
-                          few_rows: bool) -> tuple:
-    spec = prefill_spec(arch, dtype, head_size, block_size, kv_format, (0, 0, 0, 0),
+                          rows: int) -> tuple:
+    spec = prefill_spec(arch, dtype, head_size, block_size, kv_format, (0, 0, 0, 0, 0),
                         cache_dtype, kv_scale)
-    tile = catalog.fitting_prefill_tile(spec, few_rows, max_smem)
+    tile = catalog.fitting_prefill_tile(spec, rows, max_smem)
     if tile is None:
-        least = (geometry.prefill_dim_split(head_size), 1, 16, 2)  # the last one tried
+        least = (geometry.prefill_dim_split(head_size), 1, 16, 2, 1)  # the last one tried
         smem = geometry.PrefillGeometry.of(prefill_spec(arch, dtype, head_size, block_size,
                                                         kv_format, least, cache_dtype,
                                                         kv_scale)).smem_bytes
@@ -537,11 +538,9 @@ def _fitting_prefill_tile(arch: str, max_smem: int, dtype: str, head_size: int,
 def prefill_spec(arch: str, dtype: str, head_size: int, block_size: int,
                  kv_format: str, tile: tuple, cache_dtype: str = "",
                   kv_scale: str = "", variant: str = "") -> jit.KernelSpec:
-    w, m, n, st = tile
-    return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, tile_tokens=n,
-                          stages=st, kv_format=kv_format, warps=w, m_atoms=m,
+    return jit.KernelSpec("paged_prefill", dtype, head_size, block_size, kv_format=kv_format,
                           cache_dtype=cache_dtype, kv_scale=kv_scale, variant=variant,
-                          arch=arch)
+                          arch=arch, **dict(zip(jit.PREFILL_TILE, tile)))
 
 
 @jit.launcher_cache
@@ -671,7 +670,7 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
                           sm90_tile(p.head_size, p.cache.dtype != p.dtype, fp8_query),
                           sm90=True)
         tile = prefill_tile(p, packed)
-        rows = geometry.prefill_rows(p.head_size, tile[0], tile[1])
+        rows = geometry.prefill_rows(p.head_size, tile[0], tile[1], tile[4])
         return Choice("prefill", _query_tiles(packed, rows), tile)
     return Choice("rows")
 

@@ -56,10 +56,11 @@ def test_every_supported_decode_specialization_satisfies_the_kernel_constraints(
 
 def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints():
     # vLLM's layout from block size 8 up (6 of 9 sizes; fp8 from 16: 5), the token-major
-    # one for all 9; head sizes up to 128 (13 of 29; fp8: 7 of 15) in two tile shapes, and
-    # the 16 over 256 in two (each target's: catalog.fitting_prefill_tile)
-    assert len(PREFILL) == 2 * (2 * (29 + 13 + 2 * 16) * (9 + 6)
-                                + 2 * 2 * 2 * (15 + 7 + 2 * 16) * (9 + 5))
+    # one for all 9; head sizes up to 128 (13 of 29; fp8: 7 of 15) in three tile shapes
+    # (the default, few rows, warps sharing rows in pairs), and the 16 over 256 in two
+    # (each target's: catalog.fitting_prefill_tile)
+    assert len(PREFILL) == 2 * (2 * (29 + 2 * 13 + 2 * 16) * (9 + 6)
+                                + 2 * 2 * 2 * (15 + 2 * 7 + 2 * 16) * (9 + 5))
     for s in PREFILL:
         g = geometry.PrefillGeometry.of(s)
         assert g.violations() == [], s.name
@@ -148,7 +149,7 @@ def test_the_sm90_kernel_is_built_for_sm90a_only():
 
 def test_the_mirror_agrees_with_the_kernel_for_every_specialization():
     """NVRTC evaluates DecodeGeometry for each of the 14,904 decode geometries and
-    PrefillGeometry for the 3,724 prefill ones, and compares their shared memory, path and
+    PrefillGeometry for the 4,898 prefill ones, and compares their shared memory, path and
     piece count with the host's (seconds: no kernel is built)."""
     geometry.check_against_kernel([s for s in DECODE + PREFILL if s.arch == "sm_90"])
 
@@ -195,8 +196,9 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
 
 
 def test_specialization_names_are_unique():
-    # paged_decode: 14904 per target for each of 7 variants; paged_prefill: 3724 for each of
-    # 5, and the 1862 of bfloat16 for each of the 2 with the fixed offset; paged_prefill_sm90
+    # paged_decode: 14904 per target for each of 7 variants; paged_prefill: 4898 for each of
+    # 5 (1174 of them warps sharing rows in pairs), and the 2449 of bfloat16 for each of the 2
+    # with the fixed offset; paged_prefill_sm90
     # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
     # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
     # for each of 5 variants, and its 114 of bfloat16 for each of 2, and with an 8-bit query
@@ -221,7 +223,7 @@ def test_specialization_names_are_unique():
     # without. Head sizes over 256 add 23,866
     # decode specializations (both targets) for each of 7 variants, and 9,088 prefill ones
     # for each of 5 and their 4,544 of bfloat16 for each of 2.
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 3724 * 5 + 1862 * 2 + 135
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 4898 * 5 + 2449 * 2 + 135
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
                                                           + 1) + 228 * 5 + 114 * 2 + 72 * 5 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
@@ -371,12 +373,14 @@ def test_the_covering_set_is_what_the_planner_runs():
     among them (pairs of warps above 256, the smallest at 512 on sm_80)."""
     cov = COVER
     assert set(cov) <= set(ALL)
-    shapes = {(s.arch, s.head_size, (s.warps, s.m_atoms, s.tile_tokens, s.stages))
+    shapes = {(s.arch, s.head_size, tuple(getattr(s, f) for f in jit.PREFILL_TILE))
               for s in cov if s.kernel == "paged_prefill"}
     for arch in ARCHS:
         for hs in (128, 272, 512):
             spec = jit.KernelSpec("paged_prefill", "bf16", hs, 16, arch=arch)
             for tile in catalog.prefill_tiles(spec):
                 assert (arch, hs, tile) in shapes, (arch, hs, tile)
-    assert ("sm_80", 512, (4, 1, 16, 2)) in shapes and ("sm_90", 512, (4, 1, 32, 2)) in shapes
+    assert ("sm_80", 512, (4, 1, 16, 2, 1)) in shapes
+    assert ("sm_90", 512, (4, 1, 32, 2, 1)) in shapes
+    assert ("sm_90", 128, (4, 1, 64, 2, 2)) in shapes  # warps sharing rows in pairs
     assert any(s.kernel == "paged_decode" and s.stages == 3 for s in cov)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _dtypes, reference, testing
+from cupaged import _dtypes, jit, reference, testing
 
 from conftest import assert_close
 
@@ -84,10 +84,12 @@ def test_mixed_batch_matches_reference(rng, case, layout, causal):
     assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout}")
 
 
-# Tile shapes (warps, m_atoms, tile_tokens, stages) beyond the planner's: the tuning sweep
-# (cupaged-bench prefill --tile) times these, so each must compute the same attention.
-TILES = [(4, 1, 32, 2), (8, 1, 32, 2), (4, 2, 64, 2), (8, 1, 64, 2), (4, 1, 64, 3),
-         (4, 2, 32, 2), (2, 1, 128, 2), (4, 1, 16, 3)]
+# Tile shapes (jit.PREFILL_TILE: warps, m_atoms, tile_tokens, stages, key_warps) beyond the
+# planner's: the tuning sweep (cupaged-bench prefill --tile) times these, so each must
+# compute the same attention. Those with warps sharing rows merge their states at the end.
+TILES = [(4, 1, 32, 2, 1), (8, 1, 32, 2, 1), (4, 2, 64, 2, 1), (8, 1, 64, 2, 1),
+         (4, 1, 64, 3, 1), (4, 2, 32, 2, 1), (2, 1, 128, 2, 1), (4, 1, 16, 3, 1),
+         (4, 1, 64, 2, 4), (4, 1, 128, 2, 4), (4, 2, 64, 2, 2), (8, 1, 32, 2, 2)]
 
 
 @pytest.fixture
@@ -103,17 +105,16 @@ def tile_override():
                                   ("f16", 256, 8, 4, 1, "HND"), ("bf16", 64, 1, 2, 2, "NHD"),
                                   ("bf16", 512, 16, 4, 1, "NHD")],
                          ids=lambda c: "{}_hs{}_bs{}_{}x{}_{}".format(*c))
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: "w{}m{}n{}x{}".format(*t))
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: jit.prefill_tile_name(t))
 def test_every_tile_shape_matches_reference(rng, tile_override, tile, case, alibi):
-    from cupaged import jit
     from cupaged.specs import geometry
 
     dtype, hs, bs, heads, kv_heads, layout = case
     spec = jit.KernelSpec("paged_prefill", dtype, hs, bs, kv_format="vllm" if layout == "vllm"
-                          else "tok", warps=tile[0], m_atoms=tile[1], tile_tokens=tile[2],
-                          stages=tile[3])
-    if not geometry.PrefillGeometry.of(spec).fits("sm_90"):
-        pytest.skip("shared memory")
+                          else "tok", **dict(zip(jit.PREFILL_TILE, tile)))
+    g = geometry.PrefillGeometry.of(spec)
+    if g.violations() or not g.fits("sm_90"):
+        pytest.skip("not a shape of this head size: " + ", ".join(g.violations() or ["smem"]))
     tile_override(tile)
     q_lens = [300, 1, 0, 64, 17, 200]
     host = make_varlen(rng, q_lens, [300, 900, 40, 64 + 1000, 17 + 129, 200 + 7], layout=layout,

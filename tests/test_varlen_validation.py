@@ -179,12 +179,15 @@ def test_a_call_with_query_start_loc_always_reads_it(device_arch, layout, dtype,
     assert planning.choose_kernel(p, True, max_q).kind in ("rows", "prefill")
 
 
-def test_the_planner_takes_16_rows_per_warp_for_few_rows(device_arch):
+def test_the_planner_takes_fewer_rows_per_cta_for_few_rows(device_arch):
     p = vvalidate(**vargs(total_q=7))
-    few, many = planning.choose_kernel(p, True, 4).tile, planning.choose_kernel(p, True, 300).tile
-    assert few == jit.few_rows_prefill_tile(p.head_size)    # 4 tokens x 4 heads = 16 rows
+    fewest, few, many = (planning.choose_kernel(p, True, q).tile for q in (4, 9, 300))
+    assert fewest == jit.few_rows_prefill_tile(p.head_size, 16)  # 4 tokens x 4 heads = 16
+    assert fewest[4] == 2                                        # warps sharing the rows
+    assert few == jit.few_rows_prefill_tile(p.head_size)         # 36 rows: 16 a warp
     assert many == jit.default_prefill_tile(p.head_size)
-    assert 16 * few[0] * few[1] < 16 * many[0] * many[1]    # fewer padding rows
+    rows = [geometry.prefill_rows(p.head_size, t[0], t[1], t[4]) for t in (fewest, few, many)]
+    assert rows == [32, 64, 128]                                 # fewer padding rows
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -281,11 +284,11 @@ def test_heads_over_256_dims_take_the_mma_kernel_with_pairs_of_warps(device_arch
 
 
 @pytest.mark.parametrize("hs, layout, tile", [
-    (128, "NHD", (4, 1, 64, 2)),    # the default's 104 KB: 16 rows a warp instead
-    (256, "NHD", (4, 1, 16, 2)),    # 101,408 bytes at 32 tokens, 1 KB past 99 KiB
-    (384, "vllm", (4, 1, 16, 2)),
-    (512, "NHD", (2, 1, 16, 2)),    # one pair of warps, 16 rows
-    (512, "vllm", (2, 1, 16, 2)),
+    (128, "NHD", (4, 1, 64, 2, 1)),    # the default's 104 KB: 16 rows a warp instead
+    (256, "NHD", (4, 1, 16, 2, 1)),    # 101,408 bytes at 32 tokens, 1 KB past 99 KiB
+    (384, "vllm", (4, 1, 16, 2, 1)),
+    (512, "NHD", (2, 1, 16, 2, 1)),    # one pair of warps, 16 rows
+    (512, "vllm", (2, 1, 16, 2, 1)),
 ])
 def test_the_planner_fits_the_multi_token_tile_to_99_kib(device_arch, hs, layout, tile):
     """sm_86/89 (RTX 30x0/40x0, L40) give a block 99 KiB: the first smaller shape that
@@ -314,7 +317,7 @@ def test_a_multi_token_call_past_the_gpus_shared_memory_names_the_limit(device_a
             planning.choose_kernel(p, True, 3)
     device_arch("sm_86", geometry.max_smem("sm_86"))
     p = _fp8(vargs("NHD", hs=512, total_q=9), 512)  # token-major fits: one pair of warps
-    assert planning.choose_kernel(p, True, 3).tile == (2, 1, 16, 2)
+    assert planning.choose_kernel(p, True, 3).tile == (2, 1, 16, 2, 1)
 
 
 def test_the_split_model_splits_few_ctas_over_long_keys_only():

@@ -667,11 +667,12 @@ def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_s
 @_alibi_option
 @click.option("--reps", type=click.IntRange(3), default=20, show_default=True)
 @click.option("--tile", "tiles", multiple=True, callback=lambda c, p, v: _int_tuples(
-                  v, (4, 2), "--tile"), metavar="W,M,N,S|N,S",
+                  v, (5, 4, 2), "--tile"), metavar="W,M,N,S[,K]|N,S",
               help="Tuning, repeatable (each tile's rows in turn, labelled): the multi-token "
-                   "kernel's tile instead of the planner's, warps,m_atoms,tile_tokens,stages "
-                   "of paged_prefill (the mma.sync kernel, e.g. 4,2,64,2) or "
-                   "tile_tokens,stages of Hopper's paged_prefill_sm90 (e.g. 128,3).")
+                   "kernel's tile instead of the planner's, warps,m_atoms,tile_tokens,stages"
+                   "[,key_warps] of paged_prefill (the mma.sync kernel, e.g. 4,2,64,2, or "
+                   "4,1,64,2,4: four warps sharing 16 rows) or tile_tokens,stages of "
+                   "Hopper's paged_prefill_sm90 (e.g. 128,3).")
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
             dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, sinks, alibi, reps,
             tiles):
@@ -732,9 +733,12 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
 
     wrong = 0
     for tile in tiles or (None,):
-        label = "" if tile is None else (" w{}m{}n{}x{}" if len(tile) == 4 else " n{}x{}").format(*tile)
+        if tile is not None and len(tile) == 4:
+            tile += (1,)  # warps on rows of their own
+        label = ("" if tile is None else " " + jit.prefill_tile_name(tile) if len(tile) == 5
+                 else " n{}x{}".format(*tile))
         if tile is not None:
-            (planning.set_prefill_tile if len(tile) == 4 else planning.set_sm90_tile)(tile)
+            (planning.set_prefill_tile if len(tile) == 5 else planning.set_sm90_tile)(tile)
         try:
             rows = prefill.measure(cases, impls, reps, bw)
         finally:

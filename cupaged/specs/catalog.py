@@ -149,22 +149,28 @@ def _spec(kernel: str, **fields) -> jit.KernelSpec | None:
     return spec if supported(spec) else None
 
 
-def fitting_prefill_tile(spec: jit.KernelSpec, few_rows: bool,
+def fitting_prefill_tile(spec: jit.KernelSpec, rows: int,
                          max_smem: int | None = None) -> tuple | None:
-    """The (warps, m_atoms, tile_tokens, stages) shape cupaged.planning runs paged_prefill
-    in for ``spec``'s types, head and block size, layout and target: the default (or
-    the few-rows shape), else the first of ``jit.smaller_prefill_tiles`` whose shared
+    """The tile (``jit.PREFILL_TILE``) cupaged.planning runs paged_prefill in for
+    ``spec``'s types, head and block size, layout and target, where a (sequence, KV head)
+    has at most ``rows`` packed query rows (0: more than ``jit.FEW_ROWS``): the default
+    or the few-rows shape, else the first of ``jit.smaller_prefill_tiles`` whose shared
     memory fits ``max_smem`` (default: the target's, ``geometry.max_smem``; the planner
     passes the device's own); None where none does."""
     hs = spec.head_size
     limit = geometry.max_smem(spec.arch) if max_smem is None else max_smem
-    first = jit.few_rows_prefill_tile(hs) if few_rows else jit.default_prefill_tile(hs)
-    for w, m, n, st in (first, *jit.smaller_prefill_tiles(hs, first)):
-        g = geometry.PrefillGeometry.of(replace(spec, warps=w, m_atoms=m, tile_tokens=n,
-                                                stages=st))
+    first = (jit.few_rows_prefill_tile(hs, rows) if 0 < rows <= jit.FEW_ROWS
+             else jit.default_prefill_tile(hs))
+    for tile in (first, *jit.smaller_prefill_tiles(hs, first)):
+        g = geometry.PrefillGeometry.of(with_prefill_tile(spec, tile))
         if g.smem_bytes <= limit:
-            return w, m, n, st
+            return tile
     return None
+
+
+def with_prefill_tile(spec: jit.KernelSpec, tile: tuple) -> jit.KernelSpec:
+    """``spec`` (paged_prefill) in ``tile`` (``jit.PREFILL_TILE``'s fields)."""
+    return replace(spec, **dict(zip(jit.PREFILL_TILE, tile)))
 
 
 def fitting_decode_stages(spec: jit.KernelSpec) -> jit.KernelSpec:
@@ -184,7 +190,8 @@ def fitting_decode_stages(spec: jit.KernelSpec) -> jit.KernelSpec:
 def prefill_tiles(spec: jit.KernelSpec) -> tuple:
     """The shapes cupaged.planning may pick for paged_prefill on ``spec``'s target: the
     fitting default and few-rows shapes (``fitting_prefill_tile``)."""
-    tiles = (fitting_prefill_tile(spec, False), fitting_prefill_tile(spec, True))
+    tiles = (fitting_prefill_tile(spec, rows)
+             for rows in (0, jit.FEW_ROWS, jit.FEWEST_ROWS))
     return tuple(dict.fromkeys(t for t in tiles if t is not None))
 
 
@@ -193,8 +200,7 @@ def _with_tiles(spec: jit.KernelSpec) -> list:
         return [fitting_decode_stages(spec)]
     if spec.kernel != "paged_prefill":
         return [spec]
-    return [replace(spec, warps=w, m_atoms=m, tile_tokens=n, stages=st)
-            for w, m, n, st in prefill_tiles(spec)]
+    return [with_prefill_tile(spec, tile) for tile in prefill_tiles(spec)]
 
 
 def all_specs(archs) -> list[jit.KernelSpec]:

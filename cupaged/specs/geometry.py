@@ -169,15 +169,15 @@ def prefill_dim_split(head_size: int) -> int:
     return 2 if _round_up(head_size, 16) > 256 else 1
 
 
-def prefill_rows(head_size: int, warps: int, m_atoms: int) -> int:
+def prefill_rows(head_size: int, warps: int, m_atoms: int, key_warps: int = 1) -> int:
     """PrefillGeometry's kRows: packed query rows of a paged_prefill CTA."""
-    return 16 * m_atoms * warps // prefill_dim_split(head_size)
+    return 16 * m_atoms * warps // prefill_dim_split(head_size) // key_warps
 
 
 @dataclass(frozen=True)
 class PrefillGeometry:
     """``PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, KV_FORMAT, KV_SCALE, WARPS, M_ATOMS,
-    TILE_N, STAGES>`` of ``cuda_src/paged_prefill.cuh`` (``cache_itemsize`` and
+    KEY_WARPS, TILE_N, STAGES>`` of ``cuda_src/paged_prefill.cuh`` (``cache_itemsize`` and
     ``token_scales`` as for :class:`DecodeGeometry`)."""
 
     itemsize: int
@@ -190,12 +190,13 @@ class PrefillGeometry:
     stages: int
     cache_itemsize: int = 0
     token_scales: bool = False
+    key_warps: int = 1
 
     @classmethod
     def of(cls, spec) -> "PrefillGeometry":
         return cls(_dtypes.BY_NAME[spec.dtype].itemsize, spec.head_size, spec.block_size,
                    spec.kv_format, spec.warps, spec.m_atoms, spec.tile_tokens, spec.stages,
-                   _cache_itemsize(spec), spec.kv_scale == "th")
+                   _cache_itemsize(spec), spec.kv_scale == "th", spec.key_warps)
 
     @property
     def quant(self) -> bool:  # kQuant: an fp8 cache
@@ -211,28 +212,34 @@ class PrefillGeometry:
 
     @property
     def rows(self) -> int:  # kRows: packed query rows per CTA
-        return prefill_rows(self.head_size, self.warps, self.m_atoms)
+        return prefill_rows(self.head_size, self.warps, self.m_atoms, self.key_warps)
 
-    @property
-    def smem_bytes(self) -> int:  # kSmemBytes
+    def _tiles(self) -> tuple[int, int]:
+        """Bytes of one K stage plus one V stage, and of the widened tile (fp8)."""
         hsp = _round_up(self.head_size, 16)
         tt = self.tile_tokens
         row = hsp + 8
-        q = self.rows * row * 2
         vllm = self.kv_format == "vllm"
         k_wide = tt * row * 2
         v_wide = hsp * (tt + 8) * 2 if vllm else k_wide
         if self.quant:  # stages of cache bytes, rows padded by 16; one tile widened to T
             crow = self.head_size + 16
-            k_stage, v_stage = tt * crow, hsp * (tt + 16) if vllm else tt * crow
-            wide = k_wide + v_wide
-        else:
-            k_stage, v_stage, wide = k_wide, v_wide, 0
+            return tt * crow + (hsp * (tt + 16) if vllm else tt * crow), k_wide + v_wide
+        return k_wide + v_wide, 0
+
+    @property
+    def smem_stages(self) -> int:  # kOffWide - kOffK: the K and V stages
+        return self.stages * self._tiles()[0]
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes
+        tt = self.tile_tokens
+        q = self.rows * (_round_up(self.head_size, 16) + 8) * 2
         ids = max(1, tt // self.block_size)  # block ids per tile, per stage
         scales = 2 * self.stages * tt * 4 if self.quant and self.token_scales else 0
         # the pairs' partial scores (kDimSplit 2): 4 floats per n8 tile and lane
         exchange = self.warps * self.m_atoms * (tt // 8) * 4 * 32 * 4 if self.dim_split > 1 else 0
-        return (q + self.stages * (k_stage + v_stage) + wide + _round_up(self.stages * ids * 4, 16)
+        return (q + self.smem_stages + self._tiles()[1] + _round_up(self.stages * ids * 4, 16)
                 + 16 + scales + exchange)
 
     def violations(self) -> list[str]:
@@ -254,6 +261,13 @@ class PrefillGeometry:
             bad.append("WARPS, M_ATOMS")
         if self.warps % self.dim_split:
             bad.append("heads over 256 dims take warps in pairs")
+        kw = self.key_warps
+        if kw > 1:
+            rows = self.warps // kw
+            state = (kw - 1) * rows * self.m_atoms * (4 + _round_up(self.head_size, 16) // 2) * 128
+            if (self.dim_split > 1 or self.warps % kw or self.tile_tokens // kw < 16
+                    or state > self.smem_stages):
+                bad.append("KEY_WARPS")
         if self.stages < 2:
             bad.append("STAGES")
         return bad
@@ -561,7 +575,8 @@ def _check_chunk(specs) -> None:
         if s.kernel == "paged_prefill":
             g = PrefillGeometry.of(s)
             cxx = (f"cupaged::PrefillGeometry<{t}, {c}, {s.head_size}, {s.block_size}, {fmt}, "
-                   f"{sc}, {s.warps}, {s.m_atoms}, {s.tile_tokens}, {s.stages}>")
+                   f"{sc}, {s.warps}, {s.m_atoms}, {s.key_warps}, {s.tile_tokens}, "
+                   f"{s.stages}>")
             lines.append(f"static_assert({cxx}::kSmemBytes == {g.smem_bytes} && "
                          f"{cxx}::kRows == {g.rows}, \"host mirror differs: {s.name}\");\n")
             continue
