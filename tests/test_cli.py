@@ -115,6 +115,7 @@ def test_decode_without_gpu_exits_nonzero():
     (["compare", "--ctas-per-sm", "0"], "Invalid value for '--ctas-per-sm'"),
     (["prefill", "--tile", "4,2,64"], "expected 5 or 4 or 2 positive integers"),
     (["prefill", "--tile", "128,x"], "expected 5 or 4 or 2 positive integers"),
+    (["prefill", "--split", "-1"], "expected auto or tokens per partition"),
     (["mla", "--tile", "16,32"], "expected 3 positive integers"),
     (["mla", "--split", "some"], "expected auto or tiles per partition"),
     (["e2e", "--profile-steps", "20", "5", "--systems", "hf"],

@@ -365,7 +365,7 @@ declare -A ROWSETS=(
   [mla]="bf16 fp8|mla_attention's presets beside FlashInfer's MLA wrapper, and over an fp8 cache on both kernel families"
   [head512]="decode prefill +peers|head sizes 128, 256, 512: decode bytes against the copy, prefill TFLOP/s (peers: FlashInfer at 512, carry .flashinfer)"
   [prefill-tiles]="mma sm90|prefill's presets under each multi-token tile (paged_prefill's nine, paged_prefill_sm90's five)"
-  [few-rows]="shapes tiles|few query rows per (sequence, KV head), fp16 over 2048 keys (verify's 4 x 4 = 16, 2 x 4, 8 x 4; 4 x 4 over 32768) beside FlashInfer fa2, and verify under the few-rows tiles"
+  [few-rows]="shapes tiles +split|few query rows per (sequence, KV head), fp16 over 2048 keys (verify's 4 x 4 = 16, 2 x 4, 8 x 4; 4 x 4 over 32768) beside FlashInfer fa2, verify under the few-rows tiles, and (split) under split-KV partitions"
   [mla-tiles]="-|mla_attention under every tile its shared memory holds (16 and 128 heads)"
   [decode-tiles]="-|ab tuning: the decode rows under several decode tiles (vLLM layout)"
   [split]="-|ab tuning: partition auto against never and always over batch 1..256 x context 128..131072 (vLLM layout)"
@@ -555,6 +555,8 @@ rowset_few_rows() {
     --tile 4,1,64,2,2 --tile 4,1,64,3,2 --tile 4,1,64,2,4 --tile 4,1,64,3,4 --tile 2,1,64,2,2
   want tiles && B prefill --batch 64 --query-len 8 --context 2048 --dtype float16 \
     --impl cupaged --reps 20 --tile 4,1,64,2,1 --tile 4,1,64,2,2 --tile 4,1,64,3,2
+  want split && B prefill --preset verify-64x4x2048 --impl cupaged --reps 20 --split auto \
+    --split 0 --split 1024 --split 512 --split 256
 }
 rowset_mla_tiles() { B mla --preset dsv3-16h-4k --preset dsv3-128h-4k --impl cupaged --reps 10 --tile all; }
 rowset_decode_tiles() {

@@ -514,6 +514,17 @@ def _int_tuples(values, lengths, hint: str) -> tuple:
     return tuple(out)
 
 
+def _split_tokens(values) -> tuple:
+    """--split values: None for 'auto', else tokens per partition (0: a single pass)."""
+    out = []
+    for v in values:
+        if v != "auto" and not v.isdigit():
+            raise click.BadParameter(f"expected auto or tokens per partition, got {v!r}",
+                                     param_hint="--split")
+        out.append(None if v == "auto" else int(v))
+    return tuple(out)
+
+
 def _tile(ctx, param, value):
     if value is None:
         return None
@@ -673,9 +684,14 @@ def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_s
                    "[,key_warps] of paged_prefill (the mma.sync kernel, e.g. 4,2,64,2, or "
                    "4,1,64,2,4: four warps sharing 16 rows) or tile_tokens,stages of "
                    "Hopper's paged_prefill_sm90 (e.g. 128,3).")
+@click.option("--split", "splits", multiple=True, metavar="auto|TOKENS",
+              callback=lambda c, p, v: _split_tokens(v),
+              help="Tuning, repeatable (with each tile, labelled): the multi-token kernels' "
+                   "split-KV, tokens per partition (0: a single pass; rounded up to the "
+                   "kernel's tile) instead of the planner's (auto).")
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
             dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, sinks, alibi, reps,
-            tiles):
+            tiles, splits):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
@@ -732,18 +748,20 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
     from .. import planning
 
     wrong = 0
-    for tile in tiles or (None,):
+    for tile, split in itertools.product(tiles or (None,), splits or (None,)):
         if tile is not None and len(tile) == 4:
             tile += (1,)  # warps on rows of their own
         label = ("" if tile is None else " " + jit.prefill_tile_name(tile) if len(tile) == 5
-                 else " n{}x{}".format(*tile))
+                 else " n{}x{}".format(*tile)) + ("" if split is None else f" split={split}")
         if tile is not None:
             (planning.set_prefill_tile if len(tile) == 5 else planning.set_sm90_tile)(tile)
+        planning.set_prefill_split(split)
         try:
             rows = prefill.measure(cases, impls, reps, bw)
         finally:
             planning.set_prefill_tile(None)
             planning.set_sm90_tile(None)
+            planning.set_prefill_split(None)
         for r in rows:
             click.echo(f"{r.case:20s} {r.impl + label:18s} {r.median_us:10.1f} {r.tflops:8.1f} "
                        f"{100 * r.tflops / mm:5.1f}% {r.pct_copy:6.1f}% {r.error:8.1e}  {r.note}")
