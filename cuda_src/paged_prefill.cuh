@@ -14,11 +14,11 @@
 // its tokens times the query heads of the KV head's group, packed token-major
 // (row = token * group + head), so every K/V tile the CTA loads serves the whole group:
 // four verify tokens of a 4-head group fill one 16-row mma tile. Each warp owns
-// 16 * M_ATOMS rows (FlashAttention-2's split: no cross-warp reduction), walking the
-// sequence's keys in tiles of TILE_N tokens streamed by cp.async, STAGES deep. With
-// KEY_WARPS > 1 (few rows: verify's 16) that many warps share the same rows and each takes
-// its own TILE_N / KEY_WARPS keys of every tile, with a softmax state of its own; the
-// states merge through shared memory at the end, so no warp idles on padding rows:
+// 16 * M_ATOMS rows (FlashAttention-2's split: no cross-warp reduction in the loop),
+// walking the sequence's keys in tiles of TILE_N tokens streamed by cp.async, STAGES deep.
+// With KEY_WARPS > 1 (few rows: verify's 16) that many warps share the same rows and each
+// takes its own TILE_N / KEY_WARPS keys of every tile, with a softmax state of its own;
+// the states merge through shared memory at the end, so no warp idles on padding rows:
 //   S = Q K^T (mma.m16n8k16, fp32 sums), scaled into the log2 domain; masks only on
 //   tiles that need them (a causal diagonal, a sequence's last tile, a window's edge),
 //   ALiBi per key there and as a per-tile ramp elsewhere (variant bit kVarAlibi);
@@ -95,7 +95,8 @@ struct PrefillGeometry {
   static constexpr int kSmemBytes = kOffX + kXFloats * 4;
   // KEY_WARPS > 1: after the last tile, each warp but the first of its rows leaves its
   // rows' state (per lane: maximum and sum of both rows, then O's fragments, per m-atom)
-  // in the K/V stages, which no copy writes any more; the first merges them.
+  // in the K/V stages, which no copy writes any more; the first merges them. (The states
+  // cover K's zero padding too: the next query tile clears it again.)
   static constexpr int kStateFloats = M_ATOMS * (4 + kDTiles * 4);
   static constexpr int kMergeBytes = (KEY_WARPS - 1) * kRowWarps * kStateFloats * 32 * 4;
   // Registers: with one m-atom a warp, two CTAs an SM (ptxas caps a thread at 65536 / (2 x
@@ -116,9 +117,10 @@ struct PrefillGeometry {
   static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "TILE_N");
   static_assert(WARPS >= 1 && WARPS <= 8 && (M_ATOMS == 1 || M_ATOMS == 2), "WARPS, M_ATOMS");
   static_assert(WARPS % kDimSplit == 0, "heads over 256 dims take warps in pairs");
-  static_assert(KEY_WARPS == 1 || (kDimSplit == 1 && WARPS % KEY_WARPS == 0 &&
-                                   kWarpKeys >= 16 && kMergeBytes <= kOffWide - kOffK),
-                "KEY_WARPS: warps that divide WARPS, 16 keys of a tile each or more, heads "
+  static_assert(KEY_WARPS == 1 ||
+                    (KEY_WARPS > 1 && kDimSplit == 1 && WARPS % KEY_WARPS == 0 &&
+                     TILE_N % (16 * KEY_WARPS) == 0 && kMergeBytes <= kOffWide - kOffK),
+                "KEY_WARPS: warps that divide WARPS, whole 16-key steps of a tile each, heads "
                 "of 256 dims or fewer, their states within the stages");
   static_assert(STAGES >= 2, "STAGES");
 };
@@ -210,12 +212,16 @@ __global__ void __launch_bounds__(
   const unsigned v_s_addr = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
 
   // Head-size padding (kHSP > HEAD_SIZE) must read as zeros in K: the padded query columns
-  // are zero, and 0 * garbage may be NaN. cp.async never writes it, so clear it once.
-  if constexpr (Geo::kHSP != HEAD_SIZE) {
-    for (int r = tid; r < STAGES * TILE_N; r += NT) {
-      *reinterpret_cast<uint4*>(k_s + r * ROW + HEAD_SIZE) = make_uint4(0, 0, 0, 0);
+  // are zero, and 0 * garbage may be NaN. cp.async never writes it, so clear it once; with
+  // KEY_WARPS once a query tile, as the merge's states write over it.
+  auto clear_k_padding = [&] {
+    if constexpr (Geo::kHSP != HEAD_SIZE) {
+      for (int r = tid; r < STAGES * TILE_N; r += NT) {
+        *reinterpret_cast<uint4*>(k_s + r * ROW + HEAD_SIZE) = make_uint4(0, 0, 0, 0);
+      }
     }
-  }
+  };
+  if constexpr (KEY_WARPS == 1) clear_k_padding();
 
   // This thread's rows: atom a, half h (C-fragment rows lane / 4 and lane / 4 + 8).
   const int frag_row = lane >> 2;
@@ -267,6 +273,7 @@ __global__ void __launch_bounds__(
     };
 
     __syncthreads();  // the previous query tile is done with shared memory
+    if constexpr (KEY_WARPS > 1) clear_k_padding();
     if (tid == 0) *bad_block_s = 0;
     // Ids of the prologue's tiles and of the first tile the loop copies; the next tile's
     // are stored at the loop's first iteration.

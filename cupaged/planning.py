@@ -554,7 +554,11 @@ def prefill_kernel(device_id: int, dtype: str, head_size: int, block_size: int,
 
 def _load_prefill(spec: jit.KernelSpec, g, device_id: int) -> PrefillKernel:
     """A multi-token kernel loaded with its geometry ``g``'s shared memory (a ValueError
-    naming the spec where the device has less: only a tile override asks for that)."""
+    naming the spec where the geometry breaks one of the kernel's rules or the device has
+    less: only a tile override asks for that)."""
+    bad = g.violations()
+    if bad:
+        raise ValueError(f"{spec.name} is not a shape the kernel takes: {', '.join(bad)}")
     dev = device_info(device_id)
     if g.smem_bytes > dev.max_smem:
         raise ValueError(f"{spec.name} needs {g.smem_bytes} bytes of shared memory per block; "
@@ -643,8 +647,9 @@ class Choice(NamedTuple):
 
     kind: str  # "decode" | "prefill" | "rows"
     q_tiles: int = 0  # prefill: grid y
-    tile: tuple = ()  # paged_prefill: (warps, m_atoms, tile_tokens, stages); with sm90,
-    #                   paged_prefill_sm90's (tile_tokens, stages)
+    tile: tuple = ()  # paged_prefill's (jit.PREFILL_TILE: warps, m_atoms, tile_tokens,
+    #                   stages, key_warps); with sm90, paged_prefill_sm90's (tile_tokens,
+    #                   stages)
     sm90: bool = False  # prefill: paged_prefill_sm90 instead of paged_prefill
 
 

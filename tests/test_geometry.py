@@ -195,6 +195,24 @@ def test_host_violations_match_the_kernels_static_asserts(fields, message):
         jit.compile_check([spec])
 
 
+@pytest.mark.parametrize("fields", [
+    dict(warps=6, key_warps=3),                     # 21 keys a warp: not whole 16-key steps
+    dict(warps=4, key_warps=4, tile_tokens=32),     # 8 keys a warp
+    dict(warps=3, key_warps=2),                     # sharing that does not divide the warps
+    dict(warps=8, key_warps=2, head_size=384),      # heads over 256 dims: pairs on the dims
+])
+def test_host_prefill_violations_match_the_kernels_static_asserts(fields):
+    """paged_prefill's warps sharing rows: where the host refuses a tile, NVRTC stops at
+    the same static_assert."""
+    base = dict(dtype="f16", head_size=128, block_size=16, warps=4, m_atoms=1, tile_tokens=64,
+                stages=2)
+    base.update(fields)
+    spec = jit.KernelSpec("paged_prefill", **base)
+    assert "KEY_WARPS" in geometry.PrefillGeometry.of(spec).violations()
+    with pytest.raises(jit.CompileError, match="KEY_WARPS"):
+        jit.compile_check([spec])
+
+
 def test_specialization_names_are_unique():
     # paged_decode: 14904 per target for each of 7 variants; paged_prefill: 4898 for each of
     # 5 (1174 of them warps sharing rows in pairs), and the 2449 of bfloat16 for each of the 2

@@ -243,9 +243,15 @@ def test_long_prompts_and_contexts(rng, q_len, ctx):
     assert_close(got, ref, testing.TOLERANCE["bf16"], f"{q_len} over {ctx}")
 
 
+@pytest.mark.parametrize("head_size", [64, 72])
 @pytest.mark.parametrize("max_query_len", [None, 1, 3])
-def test_host_bounds_that_undercount_cost_nothing_but_parallelism(rng, max_query_len):
-    host = make_varlen(rng, [200, 3, 64], [300, 3, 64], heads=8, kv_heads=1)
+def test_host_bounds_that_undercount_cost_nothing_but_parallelism(rng, max_query_len, head_size):
+    """A bound of 1 or 3 tokens (8 or 24 packed rows) takes the tile whose warps share
+    rows, and each CTA then walks many query tiles of the 200-token sequence: the merge's
+    states, written over the stages, must not leave the zero padding of a 72-dim head's K
+    rows dirty for the next (they did: NaN rows)."""
+    host = make_varlen(rng, [200, 3, 64], [300, 3, 64], heads=8, kv_heads=1,
+                       head_size=head_size)
     got, ref = run(host, max_query_len=max_query_len, max_seq_len=2)
     assert_close(got, ref, testing.TOLERANCE["f16"])
 

@@ -368,6 +368,30 @@ def test_a_tile_override_past_shared_memory_is_refused_by_name(device_arch):
         planning.prefill_sm90_kernel(0, "bf16", 128, 16, "", (128, 3), "e4m3")
 
 
+@pytest.mark.parametrize("tile, why", [
+    ((6, 1, 64, 2, 3), "KEY_WARPS"),    # 21 keys a warp: not whole 16-key steps
+    ((4, 1, 32, 2, 4), "KEY_WARPS"),    # 8 keys a warp
+    ((4, 1, 64, 2, -1), "KEY_WARPS"),
+    ((3, 1, 64, 2, 2), "KEY_WARPS"),    # warps that the sharing does not divide
+])
+def test_a_tile_the_kernel_does_not_take_is_refused_before_loading(device_arch, monkeypatch,
+                                                                  tile, why):
+    """A tile override outside the kernel's static_asserts is a ValueError naming the
+    specialization and the broken rule, raised before NVRTC sees it."""
+    from cupaged import jit
+
+    device_arch("sm_90")
+    loads = []
+    monkeypatch.setattr(jit, "load", lambda *a, **k: loads.append(a))
+    planning.prefill_kernel.cache_clear()
+    with pytest.raises(ValueError, match=rf"paged_prefill\S* is not a shape the kernel takes: "
+                                         rf".*{why}"):
+        planning.prefill_kernel(0, "f16", 128, 16, "tok", tile)
+    assert loads == []
+    assert why in geometry.PrefillGeometry.of(planning.prefill_spec(
+        "sm_90", "f16", 128, 16, "tok", tile)).violations()
+
+
 @pytest.mark.parametrize("family", ["mma", "sm90"])
 def test_a_tile_past_the_devices_shared_memory_is_refused_before_loading(device_arch, monkeypatch,
                                                                         family):

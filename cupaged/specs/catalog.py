@@ -189,7 +189,8 @@ def fitting_decode_stages(spec: jit.KernelSpec) -> jit.KernelSpec:
 
 def prefill_tiles(spec: jit.KernelSpec) -> tuple:
     """The shapes cupaged.planning may pick for paged_prefill on ``spec``'s target: the
-    fitting default and few-rows shapes (``fitting_prefill_tile``)."""
+    fitting default shape and those for at most ``jit.FEW_ROWS`` and ``jit.FEWEST_ROWS``
+    packed rows (``fitting_prefill_tile``)."""
     tiles = (fitting_prefill_tile(spec, rows)
              for rows in (0, jit.FEW_ROWS, jit.FEWEST_ROWS))
     return tuple(dict.fromkeys(t for t in tiles if t is not None))

@@ -262,10 +262,12 @@ class PrefillGeometry:
         if self.warps % self.dim_split:
             bad.append("heads over 256 dims take warps in pairs")
         kw = self.key_warps
-        if kw > 1:
+        if kw < 1:
+            bad.append("KEY_WARPS")
+        elif kw > 1:
             rows = self.warps // kw
             state = (kw - 1) * rows * self.m_atoms * (4 + _round_up(self.head_size, 16) // 2) * 128
-            if (self.dim_split > 1 or self.warps % kw or self.tile_tokens // kw < 16
+            if (self.dim_split > 1 or self.warps % kw or self.tile_tokens % (16 * kw)
                     or state > self.smem_stages):
                 bad.append("KEY_WARPS")
         if self.stages < 2:
