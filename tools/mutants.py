@@ -27,6 +27,11 @@ MUTANTS = {
         (r"capacity = n_user // 2  # float32 partials in a 16-bit buffer",
          "capacity = n_user"),
     ], ["tests/test_decode.py", "-k", "half_precision_tmp_out"]),
+    # Warps sharing rows: their merged states cover K's zero padding, which the next query
+    # tile must clear again (a 72-dim head then reads NaN scores without it).
+    "key-warps-padding": ("cuda_src/paged_prefill.cuh", [
+        (r"\n    if constexpr \(KEY_WARPS > 1\) clear_k_padding\(\);\n", "\n"),
+    ], ["tests/test_varlen.py", "-k", "undercount"]),
     # A repeat's overlap check over out's bytes: an 8-bit query's out is twice its size.
     "out-bytes-of-the-query": ("cupaged/launch.py", [
         (r"\* p\.dtype\.itemsize,  # out's bytes \(its type\)", "* q.dtype.itemsize,"),
