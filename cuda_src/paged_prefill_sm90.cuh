@@ -131,10 +131,6 @@ __device__ __forceinline__ void consumer_turn_pass(int wg) {
   named_bar_arrive<256>(3 - wg);
 }
 
-__device__ __forceinline__ void st_shared_zero16(unsigned addr) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-}
-
 // Named barrier 4 + wg: consumer wg's 128 threads, once its Q tile is converted (ids 2 and
 // 3 are the consumers' turns, 0 __syncthreads').
 constexpr int kBarQueryHalf = 4;

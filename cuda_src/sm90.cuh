@@ -52,6 +52,9 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, unsigned a, unsigned
 __device__ __forceinline__ void st_shared_v4(unsigned addr, const uint4& v) {
   st_shared_v4(addr, v.x, v.y, v.z, v.w);
 }
+__device__ __forceinline__ void st_shared_zero16(unsigned addr) {
+  st_shared_v4(addr, 0u, 0u, 0u, 0u);
+}
 
 // The same for a tile of 8-bit elements, `col` counted in bytes (128 a row): the 16-byte
 // chunks fall where those of 16-bit elements do.
@@ -72,8 +75,9 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned smem_addr, uns
 }
 
 // K-major operand, one k16 step at element column k0 (a multiple of 16) of a tile with
-// `rows` rows per 64-column block (8-bit elements: the k32 step at byte column 2 * k0): the 1024-byte atoms of 8 rows follow one another
-// (SBO 1024); the leading offset is unused by a swizzled K-major layout.
+// `rows` rows per 64-column block (8-bit elements: the k32 step at byte column 2 * k0):
+// the 1024-byte atoms of 8 rows follow one another (SBO 1024); the leading offset is
+// unused by a swizzled K-major layout.
 __device__ __forceinline__ unsigned long long kmajor_desc(unsigned tile, int k0, int rows) {
   return sw128_desc(tile + static_cast<unsigned>((k0 >> 6) * rows * 128 + (k0 & 63) * 2), 16,
                     1024);
@@ -168,8 +172,8 @@ __device__ __forceinline__ void wgmma_wait() {
 // [16 x N] is always in shared memory, MN-major when TRANS_B (N contiguous), else K-major.
 // 8-bit T (fp8_e4m3_t, fp8_e5m2_t, fp8.cuh): k32 a step, both operands K-major (wgmma has
 // no transposed form for 8-bit inputs, so TRANS_B must be 0), A from registers as
-// sm90_fp8.cuh's fp8_a_fragment packs it. scale_d 0 overwrites D. One specialization per (T, N) the kernels
-// use; another N is one line below.
+// sm90_fp8.cuh's fp8_a_fragment packs it. scale_d 0 overwrites D. One specialization per
+// (T, N) the kernels use; another N is one line below.
 template <typename T, int N, int TRANS_B>
 struct Wgmma;
 

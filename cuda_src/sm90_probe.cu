@@ -1,8 +1,8 @@
 // Probes of sm90.cuh on the GPU (tests/test_sm90.py): one warpgroup stores A [64 x 16]
 // (8-bit: [64 x 32]) and B in the 128-byte-swizzled shared layouts, issues one wgmma and
-// writes D [64 x N] from its accumulator fragments, which the test compares with NumPy; and bulk copies
-// counted on an mbarrier over two of its phases (probe_bulk_copy). Not part of the
-// library's kernels.
+// writes D [64 x N] from its accumulator fragments, which the test compares with NumPy;
+// and bulk copies counted on an mbarrier over two of its phases (probe_bulk_copy). Not part
+// of the library's kernels.
 #include "sm90_fp8.cuh"
 
 namespace cupaged {

@@ -315,10 +315,10 @@ def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: 
     return max_blocks
 
 
-def check_alibi_and_out(alibi, out, query, num_heads: int, out_dtype=None) -> None:
+def check_alibi_and_out(alibi, out, query, num_heads: int, same_dtype: bool = True) -> None:
     """Optional ``alibi_slopes`` (float32 ``[num_heads]``, contiguous) and ``out`` (the
-    query's dtype, or ``out_dtype`` where given, and shape, C-contiguous) of an attention
-    entry point."""
+    query's shape, C-contiguous, and its dtype unless ``same_dtype`` is False: an 8-bit
+    query's output, whose type the caller checked) of an attention entry point."""
     if alibi is not None:
         if alibi.dtype != np.float32:
             fail(f"alibi_slopes must be float32, got {alibi.dtype}", TypeError)
@@ -326,7 +326,7 @@ def check_alibi_and_out(alibi, out, query, num_heads: int, out_dtype=None) -> No
             fail(f"alibi_slopes must be a contiguous [num_heads={num_heads}] array, "
                  f"got shape {alibi.shape}")
     if out is not None:
-        if out_dtype is None and out.dtype != query.dtype:
+        if same_dtype and out.dtype != query.dtype:
             fail(f"out dtype {out.dtype} does not match query dtype {query.dtype}", TypeError)
         if out.shape != query.shape or not (is_empty(query) or out.flags.c_contiguous):
             fail(f"out must be a C-contiguous array of shape {query.shape}, got shape "

@@ -285,7 +285,7 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
     if num_seqs * cache.num_kv_heads > _checks.INT32_MAX:  # the prefill grid's x
         _fail(f"{num_seqs} sequences x {cache.num_kv_heads} KV heads; at most "
               f"{_checks.INT32_MAX} (sequence, KV head) pairs are supported")
-    _checks.check_alibi_and_out(alibi, out, q, num_heads, None if qdt is None else dt)
+    _checks.check_alibi_and_out(alibi, out, q, num_heads, same_dtype=qdt is None)
     if out is not None:
         # In place over the query is fine (each query row is read by the CTA that writes
         # its output, before it writes); any other overlap is not.

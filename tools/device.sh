@@ -546,7 +546,8 @@ rowset_few_rows() {
   mapfile -t fi < <(fi_impls flashinfer-fa2)
   if want shapes; then
     for shape in "--preset verify-64x4x2048" "--batch 64 --query-len 2 --context 2048" \
-                 "--batch 64 --query-len 8 --context 2048" "--batch 8 --query-len 4 --context 32768"; do
+                 "--batch 64 --query-len 8 --context 2048" \
+                 "--batch 8 --query-len 4 --context 32768"; do
       # shellcheck disable=SC2086  # the shape's options, split on spaces
       B prefill $shape --dtype float16 --impl cupaged "${fi[@]}" --reps 20
     done

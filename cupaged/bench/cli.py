@@ -751,8 +751,12 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
     for tile, split in itertools.product(tiles or (None,), splits or (None,)):
         if tile is not None and len(tile) == 4:
             tile += (1,)  # warps on rows of their own
-        label = ("" if tile is None else " " + jit.prefill_tile_name(tile) if len(tile) == 5
-                 else " n{}x{}".format(*tile)) + ("" if split is None else f" split={split}")
+        label = ""
+        if tile is not None:
+            label = " " + (jit.prefill_tile_name(tile) if len(tile) == 5
+                           else "n{}x{}".format(*tile))
+        if split is not None:
+            label += f" split={split}"
         if tile is not None:
             (planning.set_prefill_tile if len(tile) == 5 else planning.set_sm90_tile)(tile)
         planning.set_prefill_split(split)
