@@ -4,7 +4,7 @@
 // blocks outside the cache), on wgmma with warp specialization, for token-major caches
 // (NHD, HND, strided views) of the query's type or fp8 with per-tensor scales, vLLM's
 // layout of the query's type in blocks of 8 tokens or more, and head sizes that are
-// multiples of 64.
+// multiples of 64 up to 256, or 384 and 512 (16-bit token-major caches; below).
 //
 // A CTA is three warpgroups working through query tiles of 128 packed rows of one
 // (sequence, KV head):
@@ -41,6 +41,15 @@
 // consumers' weights carry a factor of 2^8 so e4m3 keeps more of them normal. The
 // query's scale is the caller's, folded into scale_log2. Head sizes 64 and 128, tiles of
 // 128 keys, token-major caches.
+// Head sizes over 256 (kSplitO): a warpgroup's O of 64 rows would need 192 or 256 fp32
+// registers a thread, so both consumers take the same 64 rows and split the dims: each
+// holds Q's and K's half of them for S and O's half of the columns. Each consumer's S is
+// a partial over its dims; the two add them through shared memory (a named barrier a
+// tile) and run the same softmax on the same sums (the adds commute: both see identical
+// scores, maxima and sums), each then adding P V's columns of its half. The tile is 32
+// keys (two stages of K and V and the partials fit 227 KiB at 512), and the consumers
+// issue their S both before either issues a P V (a second named barrier) instead of
+// taking turns, so the partials the exchange waits on come first.
 // The grid is persistent: each CTA takes one job of every gridDim.x (jobs below), and its
 // producer loads the next job's first tiles and query while the consumers finish the
 // last one's. Grid z splits
@@ -73,19 +82,29 @@ struct Sm90PrefillGeometry {
   static constexpr int kRawStages = kQuant ? 2 : 0;
   static constexpr int kRawTileBytes = TILE_N * HEAD_SIZE;  // one K or V tile of fp8
   static constexpr int kWgRows = 64;    // query rows per consumer (wgmma's M)
-  static constexpr int kRows = 2 * kWgRows;
+  // Over 256 dims both consumers take the same rows, each half the dims (the header).
+  static constexpr bool kSplitO = HEAD_SIZE > 256;
+  static constexpr int kRows = kSplitO ? kWgRows : 2 * kWgRows;  // a CTA's query tile
+  static constexpr int kWgRowStep = kSplitO ? 0 : kWgRows;  // consumer wg's rows from wg * this
+  // A consumer's dims: of Q (S's contraction) and of O's columns, from wg * kWgDimStep.
+  static constexpr int kWgDims = kSplitO ? HEAD_SIZE / 2 : HEAD_SIZE;
+  static constexpr int kWgDimStep = kSplitO ? kWgDims : 0;
   static constexpr int kChunks = HEAD_SIZE / 8;  // 16-byte chunks per row
   // O's wgmma N: 128 columns at a time where the head size allows, else 64.
-  static constexpr int kOCols = HEAD_SIZE % 128 == 0 ? 128 : 64;
-  static constexpr int kOChunks = HEAD_SIZE / kOCols;
+  static constexpr int kOCols = kWgDims % 128 == 0 ? 128 : 64;
+  static constexpr int kOChunks = kWgDims / kOCols;
   // Bytes of a Q or K tile's row: 16-bit elements, or bytes in whole 128-byte blocks.
   static constexpr int kRowBytes = kFp8Mma ? (HEAD_SIZE + 127) / 128 * 128 : HEAD_SIZE * 2;
-  static constexpr int kQBytes = kRows * kRowBytes;  // both consumers' Q tiles
+  static constexpr int kWgQBytes = kWgRows * (kSplitO ? kRowBytes / 2 : kRowBytes);
+  static constexpr int kQBytes = 2 * kWgQBytes;  // both consumers' Q tiles
   // One K or V stage (over 8-bit products V^T's HEAD_SIZE rows of TILE_N bytes, no more)
   static constexpr int kTileBytes = TILE_N * kRowBytes;
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
-  static constexpr int kOffRaw = kOffV + STAGES * kTileBytes;  // [kRawStages][K, V]
+  // kSplitO: the partial scores, [tile parity][consumer][TILE_N / 8][128 threads] float4s
+  static constexpr int kXBytes = kSplitO ? 2 * 2 * TILE_N / 8 * 128 * 16 : 0;
+  static constexpr int kOffX = kOffV + STAGES * kTileBytes;
+  static constexpr int kOffRaw = kOffX + kXBytes;  // [kRawStages][K, V]
   // A raw stage's rows are dense, token t of the tile at t * HEAD_SIZE: a page's tokens
   // of one KV head that lie next to each other in the cache (HND) arrive by one bulk copy
   // (sm90.cuh), whose sizes and addresses are multiples of 16 bytes.
@@ -113,9 +132,14 @@ struct Sm90PrefillGeometry {
                 "are whole 128-byte blocks), head sizes 64 and 128 (larger ones overflow "
                 "shared memory with the raw stages), three stages or more (K is copied "
                 "into a stage a tile ahead)");
-  static_assert(HEAD_SIZE % 64 == 0 && HEAD_SIZE >= 64 && HEAD_SIZE <= 256, "HEAD_SIZE");
+  static_assert(HEAD_SIZE % 64 == 0 && HEAD_SIZE >= 64 &&
+                    (HEAD_SIZE <= 256 || (HEAD_SIZE % 128 == 0 && HEAD_SIZE <= 512)),
+                "HEAD_SIZE");
+  static_assert(!kSplitO || (!kQuant && !kFp8Mma),
+                "head sizes over 256: caches of the query's 16-bit type");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "BLOCK_SIZE");
-  static_assert(TILE_N == 64 || TILE_N == 128, "TILE_N: wgmma's N of S");
+  static_assert(kSplitO ? TILE_N == 32 : (TILE_N == 64 || TILE_N == 128),
+                "TILE_N: wgmma's N of S (32 over 256 dims)");
   static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
   static_assert(!kQuant || (HEAD_SIZE % 16 == 0 && kOffRaw % 16 == 0),
                 "bulk copies: 16-byte multiples of sizes and shared addresses");
@@ -134,6 +158,10 @@ __device__ __forceinline__ void consumer_turn_pass(int wg) {
 // Named barrier 4 + wg: consumer wg's 128 threads, once its Q tile is converted (ids 2 and
 // 3 are the consumers' turns, 0 __syncthreads').
 constexpr int kBarQueryHalf = 4;
+// Named barriers 7 and 8 (kSplitO): both consumers, once each has its partial scores in
+// shared memory, and once both have issued S (before either issues P V).
+constexpr int kBarScores = 7;
+constexpr int kBarIssued = 8;
 // Named barrier 6: the producer's 128 threads, between the raw V rows of a tile landing
 // (and the empty ones zeroed) and their transposition by all of them, and by cp.async
 // after it, before the next copies into the raw stage (8-bit products).
@@ -255,8 +283,8 @@ __global__ void __launch_bounds__(384, 1)
   // kept dim-major, wgmma's K-major B of P V.
   constexpr bool kVllm = KV_FORMAT == kFormatVllm;
   using Regs = Sm90Registers<Geo::kQuant, kVllm, HEAD_SIZE>;
-  static_assert(!kVllm || (!Geo::kQuant && BLOCK_SIZE >= 8),
-                "vLLM's layout: 16-bit caches in blocks of 8 tokens or more");
+  static_assert(!kVllm || (!Geo::kQuant && BLOCK_SIZE >= 8 && !Geo::kSplitO),
+                "vLLM's layout: 16-bit caches in blocks of 8 tokens or more, head sizes to 256");
   using Var = Variant<VARIANT>;
   using namespace sm90;
   static_assert(!Var::kBlockSparse, "blocksparse is a decode variant");
@@ -408,7 +436,7 @@ __global__ void __launch_bounds__(384, 1)
     // The query's 16-byte chunks (of 16 / sizeof(Q) elements): a row's, and this thread's
     // (c0, c0 + 8, ...; a row of 64 bytes has four, for threads c0 < 4).
     constexpr int kQE = 16 / static_cast<int>(sizeof(Q));
-    constexpr int kQChunks = HEAD_SIZE / kQE;
+    constexpr int kQChunks = Geo::kWgDims / kQE;  // (of a consumer's Q tile)
     constexpr int kQPer = (kQChunks + 7) / 8;
     const int c0 = tid & 7;
     const int trow = tid >> 3;
@@ -429,17 +457,17 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int wg = 0; wg < 2; ++wg) {
             mbar_wait(q_empty_bar(wg), (j & 1) ^ 1);  // a fresh barrier passes
-            const unsigned qs = q_s + wg * Geo::kWgRows * Geo::kRowBytes;
+            const unsigned qs = q_s + wg * Geo::kWgQBytes;
             bool stored = false;
 #pragma unroll
             for (int pass = 0; pass < Geo::kWgRows / kRowsPerPass; ++pass) {
               const int r = pass * kRowsPerPass + trow;
-              const int p = qt * Geo::kRows + wg * Geo::kWgRows + r;
+              const int p = qt * Geo::kRows + wg * Geo::kWgRowStep + r;
               const unsigned row = r * 128 + swz;
               if (p < jb.packed) {
                 const int head = jb.kv_head * group_size + p % group_size;
                 const Q* src = query + (jb.q_begin + p / group_size) * q_token_stride +
-                               head * q_head_stride + c0 * kQE;
+                               head * q_head_stride + wg * Geo::kWgDimStep + c0 * kQE;
 #pragma unroll
                 for (int i = 0; i < kQPer; ++i) {
                   if (kQChunks % 8 != 0 && c0 + 8 * i >= kQChunks) break;
@@ -849,7 +877,8 @@ __global__ void __launch_bounds__(384, 1)
   const int wg = warp / 4 - 1;
   const int ctid = tid - 128 * (wg + 1);
   const int cwarp = ctid >> 5;
-  const unsigned q_wg = q_s + wg * Geo::kWgRows * Geo::kRowBytes;
+  const unsigned q_wg = q_s + wg * Geo::kWgQBytes;
+  const int d0 = wg * Geo::kWgDimStep;  // this consumer's first dim (of K's, V's and O's)
   const int frag_row = lane >> 2;
   const int frag_col = (lane & 3) * 2;
   // An fp8 cache's per-tensor scales: k's multiplies the scores, v's the output. (A query
@@ -870,7 +899,14 @@ __global__ void __launch_bounds__(384, 1)
 
   unsigned g = 0;
   unsigned j = 0;
-  if (wg == 1) consumer_turn_pass(wg);  // the first turn is consumer 0's
+  // Turns at the tensor cores (kSplitO: none; the consumers work on the same tiles in step)
+  auto turn_wait = [&]() {
+    if constexpr (!Geo::kSplitO) consumer_turn_wait(wg);
+  };
+  auto turn_pass = [&]() {
+    if constexpr (!Geo::kSplitO) consumer_turn_pass(wg);
+  };
+  if (wg == 1) turn_pass();  // the first turn is consumer 0's
   for (long long k = 0, w = job_index(0); w < num_jobs; w = job_index(++k)) {
     const Job jb = job_of(w);
     for (int half = 0; half < 2; ++half) {
@@ -878,7 +914,7 @@ __global__ void __launch_bounds__(384, 1)
     if (half == 1 && rank == jb.d) break;
     for (int qt = jb.q_tiles - 1 - rank; qt >= 0; qt -= ranks, ++j) {
       const Span sp = span_of(jb, qt);
-      const int row0 = qt * Geo::kRows + wg * Geo::kWgRows;  // this warpgroup's first row
+      const int row0 = qt * Geo::kRows + wg * Geo::kWgRowStep;  // this warpgroup's first row
       // Both consumers compute every tile of the job (a tile past one's causal limits or
       // before its window is masked whole), so their turns at the tensor cores pair up.
       const int n = sp.n_tiles;
@@ -949,12 +985,39 @@ __global__ void __launch_bounds__(384, 1)
           }
         } else {
 #pragma unroll
-          for (int kk = 0; kk < HEAD_SIZE / 16; ++kk) {
+          for (int kk = 0; kk < Geo::kWgDims / 16; ++kk) {
             Wgmma<M, TILE_N, 0>::ss(s, kmajor_desc(q_wg, kk * 16, Geo::kWgRows),
-                                    kmajor_desc(ks, kk * 16, TILE_N), kk > 0);
+                                    kmajor_desc(ks, d0 + kk * 16, TILE_N), kk > 0);
           }
         }
         wgmma_commit();
+      };
+      // kSplitO: S over this consumer's dims plus the other's partial (through shared
+      // memory, in the tile's parity slot: the barrier of the tile after it orders the
+      // other's reads before this consumer's next write there); then both hold the sums.
+      auto add_partials = [&](int it) {
+        if constexpr (Geo::kSplitO) {
+          constexpr int kX4 = TILE_N / 8;  // float4s of a thread's scores
+          float4* x = reinterpret_cast<float4*>(smem + Geo::kOffX) +
+                      ((g + it) & 1) * 2 * kX4 * 128;
+#pragma unroll
+          for (int i = 0; i < kX4; ++i) {
+            x[(wg * kX4 + i) * 128 + ctid] =
+                make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+          }
+          named_bar_sync<256>(kBarScores);
+#pragma unroll
+          for (int i = 0; i < kX4; ++i) {
+            const float4 v = x[((1 - wg) * kX4 + i) * 128 + ctid];
+            s[4 * i] += v.x;
+            s[4 * i + 1] += v.y;
+            s[4 * i + 2] += v.z;
+            s[4 * i + 3] += v.w;
+          }
+        }
+      };
+      auto both_issued_s = [&]() {
+        if constexpr (Geo::kSplitO) named_bar_sync<256>(kBarIssued);
       };
       // O += P V over the whole tile (V is zero past the keys: a data-dependent exit from
       // this loop would make ptxas serialize every wgmma of the kernel).
@@ -978,8 +1041,8 @@ __global__ void __launch_bounds__(384, 1)
                 Wgmma<M, Geo::kOCols, 0>::rs(
                     o[c], pa[kk], kmajor_desc(vs + c * Geo::kOCols * 128, kk * 16, HEAD_SIZE), 1);
               } else {
-                Wgmma<M, Geo::kOCols, 1>::rs(o[c], pa[kk],
-                                             mnmajor_desc(vs, kk * 16, c * Geo::kOCols, TILE_N), 1);
+                Wgmma<M, Geo::kOCols, 1>::rs(
+                    o[c], pa[kk], mnmajor_desc(vs, kk * 16, d0 + c * Geo::kOCols, TILE_N), 1);
               }
             }
           }
@@ -1128,31 +1191,34 @@ __global__ void __launch_bounds__(384, 1)
       // other register work on them moves into its flight.
       if (n > 0) {
         acquire(0);
-        consumer_turn_wait(wg);
+        turn_wait();
         fence_regs(s);
         fence_regs(o);
         wgmma_fence();
         issue_s(0);
-        consumer_turn_pass(wg);
+        turn_pass();
         wgmma_wait<0>();
         fence_regs(s);
         if (n == 1) mbar_arrive(q_empty_bar(wg));  // its last read of Q
+        add_partials(0);
         float alpha[2];
         softmax(sp.tile_base * TILE_N, alpha);
         pack_p();
         for (int it = 1; it < n; ++it) {
           acquire(it);
-          consumer_turn_wait(wg);
+          turn_wait();
           fence_regs(s);
           fence_regs(o);
           fence_regs(pa);
           wgmma_fence();
           issue_s(it);
+          both_issued_s();
           issue_pv(it - 1);
-          consumer_turn_pass(wg);
+          turn_pass();
           wgmma_wait<1>();  // S of tile it; tile it - 1's P V still runs
           fence_regs(s);
           if (it + 1 == n) mbar_arrive(q_empty_bar(wg));
+          add_partials(it);
           softmax((sp.tile_base + it) * TILE_N, alpha);
           wgmma_wait<0>();
           fence_regs(o);
@@ -1161,12 +1227,12 @@ __global__ void __launch_bounds__(384, 1)
           rescale_o(alpha);
           pack_p();
         }
-        consumer_turn_wait(wg);
+        turn_wait();
         fence_regs(o);
         fence_regs(pa);
         wgmma_fence();
         issue_pv(n - 1);
-        consumer_turn_pass(wg);
+        turn_pass();
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(pa);
@@ -1192,13 +1258,16 @@ __global__ void __launch_bounds__(384, 1)
         const float m = !Var::kFixedOffset ? (kFp8Mma ? m_run[h] - 8.f : m_run[h])
                         : l == 0.f         ? neg_inf()
                                            : Var::fixed_offset(vp);
+        // The row's lse or max and sum: one thread a row (kSplitO: of consumer 0; the
+        // other holds the same)
+        const bool row_writer = (lane & 3) == 0 && (!Geo::kSplitO || wg == 0);
         if (split_tiles > 0) {
           // A partial: its normalized output, max and sum (the combine adds the sink and
           // writes the lse); NaN throughout for a bad block.
           const long long prow = orow * gridDim.z + blockIdx.z;
           const float inv = end_partial_row(m, l, bad, out_scale, prow, part_max, part_sum,
-                                            (lane & 3) == 0);
-          float* dst = part_out + prow * HEAD_SIZE;
+                                            row_writer);
+          float* dst = part_out + prow * HEAD_SIZE + d0;
 #pragma unroll
           for (int c = 0; c < Geo::kOChunks; ++c) {
 #pragma unroll
@@ -1210,8 +1279,8 @@ __global__ void __launch_bounds__(384, 1)
           continue;
         }
         const float inv = end_whole_row(vp, m, l, bad, out_scale, sink_log2(vp, head), orow,
-                                        (lane & 3) == 0);
-        T* dst = out + orow * HEAD_SIZE;
+                                        row_writer);
+        T* dst = out + orow * HEAD_SIZE + d0;
 #pragma unroll
         for (int c = 0; c < Geo::kOChunks; ++c) {
 #pragma unroll

@@ -179,13 +179,16 @@ struct Wgmma;
 
 // The accumulator's operands (N / 2 fp32 registers a thread) as asm text and constraints,
 // each list the one before it and the rest.
-#define CUPAGED_WGMMA_D32_STR \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define CUPAGED_WGMMA_D32_OUT \
+#define CUPAGED_WGMMA_D16_STR \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define CUPAGED_WGMMA_D16_OUT \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
-  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
+  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define CUPAGED_WGMMA_D32_STR CUPAGED_WGMMA_D16_STR ", " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CUPAGED_WGMMA_D32_OUT CUPAGED_WGMMA_D16_OUT, \
+  "+f"(d[16]), "+f"(d[17]), \
   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
   "+f"(d[30]), "+f"(d[31])
@@ -259,9 +262,11 @@ struct Wgmma<TY, N, TRANS_B> {                                                  
                       CUPAGED_WGMMA_D##D##_OUT, "%" #R ", %" #R1 ", p, 1, 1", "%" #R2,            \
                       "{%" #R ", %" #R1 ", %" #R2 ", %" #R3 "}, %" #R4 ", p, 1, 1", "%" #R5, )
 
+CUPAGED_WGMMA_16(bfloat16_t, "bf16", 32, 16, 16, 17, 18, 19, 20, 21, 22)
 CUPAGED_WGMMA_16(bfloat16_t, "bf16", 64, 32, 32, 33, 34, 35, 36, 37, 38)
 CUPAGED_WGMMA_16(bfloat16_t, "bf16", 128, 64, 64, 65, 66, 67, 68, 69, 70)
 CUPAGED_WGMMA_16(bfloat16_t, "bf16", 256, 128, 128, 129, 130, 131, 132, 133, 134)
+CUPAGED_WGMMA_16(half_t, "f16", 32, 16, 16, 17, 18, 19, 20, 21, 22)
 CUPAGED_WGMMA_16(half_t, "f16", 64, 32, 32, 33, 34, 35, 36, 37, 38)
 CUPAGED_WGMMA_16(half_t, "f16", 128, 64, 64, 65, 66, 67, 68, 69, 70)
 CUPAGED_WGMMA_16(half_t, "f16", 256, 128, 128, 129, 130, 131, 132, 133, 134)
@@ -275,6 +280,8 @@ CUPAGED_WGMMA_8(fp8_e5m2_t, "e5m2", 256, 128, 128, 129, 130, 131, 132, 133)
 #undef CUPAGED_WGMMA_16
 #undef CUPAGED_WGMMA_TRANS_IN
 #undef CUPAGED_WGMMA_FORMS
+#undef CUPAGED_WGMMA_D16_STR
+#undef CUPAGED_WGMMA_D16_OUT
 #undef CUPAGED_WGMMA_D32_STR
 #undef CUPAGED_WGMMA_D32_OUT
 #undef CUPAGED_WGMMA_D64_STR

@@ -236,9 +236,13 @@ def default_sm90_prefill_tile(head_size: int, fp8: bool = False,
     K and tile j - 1's V), two at head size 256. An fp8 cache also keeps two raw stages
     of its bytes: 64-token tiles, two stages above head size 128 (at 256 nothing fits).
     An 8-bit query (8-bit products, head sizes 64 and 128) takes 128-token tiles, whose
-    V^T rows are whole 128-byte blocks, in three stages (176 KB at head size 128)."""
+    V^T rows are whole 128-byte blocks, in three stages (176 KB at head size 128). Over
+    256 dims (384, 512: both consumers on the same 64 rows, each half the dims) 32-token
+    tiles in two stages: with the partial scores, 229,472 bytes at 512."""
     if fp8_query:
         return 128, 3
+    if head_size > 256:
+        return 32, 2
     if fp8:
         return 64, (3 if head_size <= 128 else 2)
     return (128 if head_size <= 128 else 64), (2 if head_size > 192 else 3)

@@ -603,15 +603,17 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     """Does paged_prefill_sm90 serve this call? On Hopper (sm_90), for token-major caches
     of the query's own type (or fp8 with per-tensor scales, head sizes up to 192) and
     vLLM's layout (16-bit, blocks of 8 tokens or more), head sizes that are multiples of
-    64 up to 256, when some (sequence, KV head) has SM90_MIN_ROWS packed query rows or more
-    (its 128-row tiles would be mostly padding below that). A ``set_prefill_tile`` override
-    (paged_prefill's tiles) keeps the mma.sync kernel."""
+    64 up to 256, and 384 and 512 over token-major caches of the query's type, when some
+    (sequence, KV head) has SM90_MIN_ROWS packed query rows or more (its 128-row tiles
+    would be mostly padding below that). A ``set_prefill_tile`` override (paged_prefill's
+    tiles) keeps the mma.sync kernel."""
     if _family_override == "mma" or _tile_override is not None:
         return False
     fp8 = p.cache.dtype != p.dtype
     vllm_ok = not fp8 and p.block_size >= 8
+    wide_ok = p.head_size in (384, 512) and not fp8 and p.cache.kv_format == "tok"
     return ((p.cache.kv_format == "tok" or vllm_ok) and p.head_size % 64 == 0
-            and p.head_size <= 256
+            and (p.head_size <= 256 or wide_ok)
             and (not fp8 or (p.quant.mode == "" and p.head_size <= 192))
             and (rows_needed >= SM90_MIN_ROWS or _family_override == "sm90")
             and device_info(p.device).arch == "sm_90")
@@ -671,7 +673,7 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
                                   or p.block_size * p.cache.dtype.itemsize >= 16):
         packed = max_q * (p.num_heads // p.num_kv_heads)  # the longest sequence's rows
         if fp8_query or sm90_applies(p, packed):
-            return Choice("prefill", _query_tiles(packed, geometry.Sm90PrefillGeometry.rows),
+            return Choice("prefill", _query_tiles(packed, geometry.sm90_prefill_rows(p.head_size)),
                           sm90_tile(p.head_size, p.cache.dtype != p.dtype, fp8_query),
                           sm90=True)
         tile = prefill_tile(p, packed)

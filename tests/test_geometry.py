@@ -70,7 +70,7 @@ def test_every_supported_prefill_specialization_satisfies_the_kernel_constraints
 def test_every_supported_sm90_prefill_specialization_satisfies_the_kernel_constraints():
     sm90 = [s for s in ALL if s.kernel == "paged_prefill_sm90"]
     assert {s.arch for s in sm90} == {"sm_90a"}
-    assert {s.head_size for s in sm90} == {64, 128, 192, 256}
+    assert {s.head_size for s in sm90} == {64, 128, 192, 256, 384, 512}
     for s in sm90:
         g = geometry.Sm90PrefillGeometry.of(s)
         assert g.violations() == [], s.name
@@ -217,9 +217,10 @@ def test_specialization_names_are_unique():
     # paged_decode: 14904 per target for each of 7 variants; paged_prefill: 4898 for each of
     # 5 (1174 of them warps sharing rows in pairs), and the 2449 of bfloat16 for each of the 2
     # with the fixed offset; paged_prefill_sm90
-    # for sm_90a only: 2 dtypes x (9 block sizes x (4 head sizes of 16-bit token-major
-    # caches, 2 fp8 formats x 3 head sizes) + vLLM's layout: 6 block sizes x 4 head sizes)
-    # for each of 5 variants, and its 114 of bfloat16 for each of 2, and with an 8-bit query
+    # for sm_90a only: 2 dtypes x (9 block sizes x (6 head sizes of 16-bit token-major
+    # caches (384 and 512 among them), 2 fp8 formats x 3 head sizes) + vLLM's layout: 6
+    # block sizes x 4 head sizes) for each of 5 variants, and its 132 of bfloat16 for each
+    # of 2, and with an 8-bit query
     # over a cache of its format 2 dtypes x 2 formats x 2 head sizes (64, 128) x 9 block
     # sizes for each of the 5 (not the fixed offset's 2); the cache kernels:
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 24 (2 dtypes x 6
@@ -243,7 +244,7 @@ def test_specialization_names_are_unique():
     # for each of 5 and their 4,544 of bfloat16 for each of 2.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 4898 * 5 + 2449 * 2 + 135
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
-                                                          + 1) + 228 * 5 + 114 * 2 + 72 * 5 \
+                                                          + 1) + 264 * 5 + 132 * 2 + 72 * 5 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
         + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) \
         + 2 * (2 * 9 + 3 * 9)

@@ -55,6 +55,10 @@ CASES = [
     ("bf16", 64, 256, 6, 2),   # group of 3: 128-row tiles end mid-token
     ("f16", 128, 64, 12, 3),
     ("bf16", 256, 128, 2, 2),
+    # over 256 dims: both consumers on the same 64 rows, half the dims each
+    ("bf16", 512, 16, 8, 2),
+    ("f16", 384, 32, 4, 4),
+    ("f16", 512, 1, 6, 2),     # group of 3: 64-row tiles end mid-token
 ]
 # Empty sequences, single tokens, verify, chunks of long contexts, whole prompts whose
 # packed rows end mid-tile, a context of exactly one tile.
@@ -62,11 +66,12 @@ Q_LENS = [0, 1, 4, 300, 0, 129, 64, 33, 128]
 SEQ_EXTRA = [0, 0, 2000, 0, 5, 1000, 64, 4096 + 7, 0]
 
 
-# vLLM's layout takes this kernel in blocks of 8 tokens or more (smaller blocks stay on
-# mma.sync, which the fixture would report as a test the kernel never served).
+# vLLM's layout takes this kernel in blocks of 8 tokens or more, head sizes to 256
+# (others stay on mma.sync, which the fixture would report as a test the kernel never
+# served).
 LAYOUT_CASES = [pytest.param(c, layout, id="{}_hs{}_bs{}_{}x{}-".format(*c) + layout)
                 for c in CASES for layout in ("NHD", "HND", "vllm")
-                if layout != "vllm" or c[2] >= 8]
+                if layout != "vllm" or (c[2] >= 8 and c[1] <= 256)]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -80,11 +85,12 @@ def test_matches_reference(rng, sm90, case, layout, causal):
     assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout} causal={causal}")
 
 
+@pytest.mark.parametrize("hs", [128, 512], ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("split", [0, 128, 384], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("case", list(VARIANT_CASES))
-def test_variants_and_split_kv(rng, sm90, case, split):
+def test_variants_and_split_kv(rng, sm90, case, split, hs):
     sm90(split)
-    heads, kvh, hs, bs = 8, 2, 128, 16
+    heads, kvh, bs = 8, 2, 16
     dtype = "bf16" if case == "all" else "f16"
     q_lens = [0, 1, 5, 200, 17, 70]
     seq = [3, 1, 5, 900, 150, 1500]
@@ -137,25 +143,26 @@ def test_huge_logits_keep_an_exact_softmax(rng, sm90, kv):
             _check_lse(cupy.asnumpy(lse), ref_lse, what)
 
 
-@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+@pytest.mark.parametrize("layout, hs", [("NHD", 128), ("vllm", 128), ("NHD", 512)])
 @pytest.mark.parametrize("stale", [float("inf"), float("-inf"), float("nan")])
-def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout):
+def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout, hs):
     """Slots past each sequence hold stale values; in vLLM's layout the last 8-token run of
     V is copied through registers with them zeroed."""
     host = make_varlen(rng, [200, 3, 130], [200 + 9, 77, 130], heads=8, kv_heads=2,
-                       head_size=128, block_size=32, stale=stale, layout=layout)
+                       head_size=hs, block_size=32, stale=stale, layout=layout)
     for causal in (True, False):
         got, ref = run(host, causal=causal, kv_layout=layout)
         assert_close(got, ref, testing.TOLERANCE["f16"], f"stale {stale} causal={causal}")
 
 
+@pytest.mark.parametrize("hs", [128, 512], ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("split", [0, 128])
-def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split):
+def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split, hs):
     import cupy
 
     sm90(split)
     host = make_varlen(rng, [150, 140], [400, 600], dtype="bf16", heads=8, kv_heads=2,
-                       head_size=128)
+                       head_size=hs)
     host["block_tables"][1, 3] = 10**6
     dev = {k: cupy.asarray(v) for k, v in host.items() if v is not None}
     got = cupy.asnumpy(cupaged.attention(**dev)).astype(np.float64)
@@ -164,12 +171,14 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split):
     assert np.isnan(got[150:]).all()
 
 
+@pytest.mark.parametrize("hs", [64, 512], ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("max_query_len", [1, 40, None])
-def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len):
+def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len, hs):
     """A host bound that undercounts the longest query gives fewer ranks, each job walking
-    several query tiles (the mbarrier phases run on across them)."""
+    several query tiles (the mbarrier phases run on across them; over 256 dims the
+    partial scores' slots too)."""
     host = make_varlen(rng, [1000, 7, 300], [1000, 2000, 310], heads=8, kv_heads=2,
-                       head_size=64, block_size=16)
+                       head_size=hs, block_size=16)
     for causal in (True, False):
         got, ref = run(host, causal=causal, max_query_len=max_query_len)
         assert_close(got, ref, testing.TOLERANCE["f16"], f"bound {max_query_len}")

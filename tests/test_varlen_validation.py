@@ -266,11 +266,12 @@ def _fp8(a, hs, layout="NHD"):
                                       v_scale=1.0)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("hs", [264 + 8, 384, 512])
+@pytest.mark.parametrize("arch, hs", [("sm_80", 272), ("sm_80", 384), ("sm_80", 512),
+                                      ("sm_90", 272)])
 def test_heads_over_256_dims_take_the_mma_kernel_with_pairs_of_warps(device_arch, arch, hs):
-    """Above 256 dims the wgmma kernel does not apply; paged_prefill takes pairs of warps
-    per 16 rows, 64 rows a CTA where the target holds it (32 rows for a few)."""
+    """Above 256 dims, but for 384 and 512 on Hopper, the wgmma kernel does not apply;
+    paged_prefill takes pairs of warps per 16 rows, 64 rows a CTA where the target holds
+    it (32 rows for a few)."""
     device_arch(arch, geometry.max_smem(arch))
     p = vvalidate(**vargs(hs=hs, total_q=300 * 3))
     many, few = planning.choose_kernel(p, True, 300), planning.choose_kernel(p, True, 4)
@@ -281,6 +282,32 @@ def test_heads_over_256_dims_take_the_mma_kernel_with_pairs_of_warps(device_arch
     assert geometry.prefill_rows(hs, *few.tile[:2]) == 32
     spec = planning.prefill_spec(arch, "f16", hs, 16, "tok", many.tile)
     assert geometry.PrefillGeometry.of(spec).fits(arch)
+
+
+@pytest.mark.parametrize("hs", [384, 512])
+def test_heads_of_384_and_512_on_hopper_split_the_dims_over_the_consumers(device_arch, hs):
+    """On sm_90, head sizes 384 and 512 over a token-major cache of the query's type run
+    the wgmma kernel with both consumers on the same 64 rows (each half the dims) in
+    32-token tiles of two stages; few rows, vLLM's layout and fp8 caches keep the mma.sync
+    kernel."""
+    device_arch("sm_90", geometry.max_smem("sm_90"))
+    p = vvalidate(**vargs(hs=hs, total_q=300 * 3))
+    many, few = planning.choose_kernel(p, True, 300), planning.choose_kernel(p, True, 4)
+    assert many.sm90 and many.tile == (32, 2) and not few.sm90
+    assert many.q_tiles == -(-300 * 4 // 64) == -(-300 * 4 // geometry.sm90_prefill_rows(hs))
+    spec = jit.KernelSpec("paged_prefill_sm90", "f16", hs, 16, arch="sm_90a")
+    g = geometry.Sm90PrefillGeometry.of(spec)
+    assert (spec.tile_tokens, spec.stages) == (32, 2) and g.rows == 64
+    assert g.violations() == [] and g.fits("sm_90a")
+    assert not planning.choose_kernel(vvalidate(**vargs("vllm", hs=hs, total_q=900)), True,
+                                      300).sm90
+    assert not planning.choose_kernel(_fp8(vargs(hs=hs, total_q=900), hs), True, 300).sm90
+    # what the kernel refuses over 256 dims: fp8 caches, other tiles, other head sizes
+    for bad, why in ((dict(cache_dtype="e4m3"), "16-bit type"),
+                     (dict(tile_tokens=64), "TILE_N"), (dict(head_size=320), "HEAD_SIZE")):
+        fields = dict(dtype="f16", head_size=hs, block_size=16, arch="sm_90a") | bad
+        g = geometry.Sm90PrefillGeometry.of(jit.KernelSpec("paged_prefill_sm90", **fields))
+        assert any(why in v for v in g.violations()), (bad, g.violations())
 
 
 @pytest.mark.parametrize("hs, layout, tile", [

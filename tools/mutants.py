@@ -32,6 +32,12 @@ MUTANTS = {
     "key-warps-padding": ("cuda_src/paged_prefill.cuh", [
         (r"\n    if constexpr \(KEY_WARPS > 1\) clear_k_padding\(\);\n", "\n"),
     ], ["tests/test_varlen.py", "-k", "undercount"]),
+    # Head sizes over 256 on the wgmma kernel: each consumer's S is a partial over its half
+    # of the dims; without the other's (here, for one score of every four) the scores are
+    # wrong, which the 384/512 reference comparisons must catch.
+    "split-o-partials": ("cuda_src/paged_prefill_sm90.cuh", [
+        (r"s\[4 \* i\] \+= v\.x;", "(void)v.x;"),
+    ], ["tests/test_prefill_sm90.py", "-k", "512 and matches_reference"]),
     # A repeat's overlap check over out's bytes: an 8-bit query's out is twice its size.
     "out-bytes-of-the-query": ("cupaged/launch.py", [
         (r"\* p\.dtype\.itemsize,  # out's bytes \(its type\)", "* q.dtype.itemsize,"),

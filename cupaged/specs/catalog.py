@@ -31,8 +31,10 @@ KV_SCALES = tuple(jit.KV_SCALES)
 # it for f16, so those rows of the product are dropped).
 DECODE_VARIANTS = ("", "w", "c", "b", "r", "wcb", "wcbr")
 PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "cf", "wcf")
-# paged_prefill_sm90's head sizes: wgmma's N of P V in steps of 64.
-SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES if h % 64 == 0 and h <= 256)
+# paged_prefill_sm90's head sizes: wgmma's N of P V in steps of 64, and over 256 those
+# whose halves are (a consumer's share of the dims).
+SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES
+                        if h % 64 == 0 and (h <= 256 or h % 128 == 0))
 
 # Each kernel's template axes (its KernelSpec fields) and their supported values.
 AXES = {
@@ -112,8 +114,8 @@ def supported(spec: jit.KernelSpec) -> bool:
     scales; paged_prefill copies vLLM's value layout in 16-byte runs of one block, so it
     takes that layout from 8-token blocks up (16 for fp8; smaller ones go to the decode
     kernel's row mode); paged_prefill_sm90 takes fp8 caches token-major up to head size
-    192, and vLLM's layout in blocks of 8 tokens or more; an 8-bit query up to head size
-    128 (its geometry's violations)."""
+    192, vLLM's layout in blocks of 8 tokens or more up to head size 256; an 8-bit query
+    up to head size 128 (its geometry's violations)."""
     if spec.cache_dtype in _dtypes.SPARSE_MLA and spec.kernel != "concat_and_cache_mla" \
             and spec.dtype != "bf16":
         return False  # the readers of token rows take bfloat16 queries
@@ -127,6 +129,8 @@ def supported(spec: jit.KernelSpec) -> bool:
     if spec.kernel == "paged_prefill_sm90":
         if fp8 and (spec.head_size > 192 or spec.kv_format == "vllm"):
             return False  # its raw fp8 stages: token-major, and beside the ring up to 192
+        if spec.head_size > 256 and spec.kv_format == "vllm":
+            return False  # its consumers' halves of the dims: token-major caches
         if spec.kv_format == "vllm" and spec.block_size < 8:
             return False  # vLLM's value in 16-byte runs of one block
         if spec.query_dtype and geometry.Sm90PrefillGeometry.of(spec).violations():

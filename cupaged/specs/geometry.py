@@ -278,6 +278,12 @@ class PrefillGeometry:
         return self.smem_bytes <= max_smem(arch)
 
 
+def sm90_prefill_rows(head_size: int) -> int:
+    """Packed query rows a paged_prefill_sm90 CTA takes (``kRows``): two consumers' 64
+    each, or over 256 dims the same 64 for both (each takes half the dims)."""
+    return 64 if head_size > 256 else 128
+
+
 @dataclass(frozen=True)
 class Sm90PrefillGeometry:
     """``Sm90PrefillGeometry<T, C, HEAD_SIZE, BLOCK_SIZE, TILE_N, STAGES, Q>`` of
@@ -303,7 +309,14 @@ class Sm90PrefillGeometry:
         return (self.cache_itemsize or self.itemsize) != self.itemsize
 
     threads = 384  # kThreads: a producer and two consumer warpgroups
-    rows = 128  # kRows: packed query rows per CTA
+
+    @property
+    def split_o(self) -> bool:  # kSplitO: both consumers on the same rows, half the dims each
+        return self.head_size > 256
+
+    @property
+    def rows(self) -> int:  # kRows: packed query rows per CTA
+        return sm90_prefill_rows(self.head_size)
 
     @property
     def raw_stages(self) -> int:  # kRawStages: an fp8 cache's raw stages
@@ -320,7 +333,9 @@ class Sm90PrefillGeometry:
         # mbarriers: full and empty a stage, q_full and q_empty a consumer, raw_full and
         # raw_free a raw stage (kBars)
         bars = 2 * self.stages + 4 + 2 * self.raw_stages
-        return (self.rows * self.row_bytes + 2 * self.stages * tile + raw
+        # kSplitO: the partial scores, two tiles' of each consumer's 128 threads
+        partials = 2 * 2 * self.tile_tokens // 2 * 128 * 4 if self.split_o else 0
+        return (self.rows * self.row_bytes + 2 * self.stages * tile + partials + raw
                 + 8 * bars + 16 * self.stages + 1024)
 
     def violations(self) -> list[str]:
@@ -334,12 +349,14 @@ class Sm90PrefillGeometry:
                                    and self.stages >= 3):
             bad.append("an 8-bit query over a cache of its format, in tiles of 128 keys, "
                        "head sizes 64 and 128, three stages or more")
-        if not (hs % 64 == 0 and 64 <= hs <= 256):
+        if not (hs % 64 == 0 and 64 <= hs and (hs <= 256 or (hs % 128 == 0 and hs <= 512))):
             bad.append("HEAD_SIZE")
+        if self.split_o and (self.quant or self.fp8_query):
+            bad.append("head sizes over 256: caches of the query's 16-bit type")
         if bs & (bs - 1) or not 1 <= bs <= 256:
             bad.append("BLOCK_SIZE")
-        if self.tile_tokens not in (64, 128):
-            bad.append("TILE_N: wgmma's N of S")
+        if self.tile_tokens not in ((32,) if self.split_o else (64, 128)):
+            bad.append("TILE_N: wgmma's N of S (32 over 256 dims)")
         if not 2 <= self.stages <= 4:
             bad.append("STAGES")
         return bad
