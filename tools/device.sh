@@ -36,8 +36,9 @@
 #     overrun of an array's end leaves its allocation. TARGET mla: one mla_attention launch
 #     per case of CASES (split:kv_cache_dtype:family, default 0:auto:mma 2:auto:mma
 #     2:fp8_e4m3:mma 0:auto:sm90 2:auto:sm90 0:fp8_e4m3:sm90 2:fp8_e4m3:sm90). TARGET sm90:
-#     one paged_prefill_sm90 launch per case of CASES (layout:kv_cache_dtype, default
-#     NHD:auto; kv_cache_dtype with "-q", such as HND:fp8_e4m3-q: an 8-bit query too).
+#     one paged_prefill_sm90 launch per case of CASES (layout:kv_cache_dtype[:head size],
+#     default NHD:auto NHD:auto:512; kv_cache_dtype with "-q", such as HND:fp8_e4m3-q: an
+#     8-bit query too).
 # mutants [NAME...]  Each mutant of tools/mutants.py (a check or fix taken out of a copy of
 #     the source; default all) must fail its tests, which must pass on the source.
 # regress TEST_ID...  Each test (a pytest node id, or pytest arguments split on spaces such
@@ -295,7 +296,7 @@ sanitize() {
       tests) sanitize_tests ;;
       mla) sanitize_launches mla mla_attention \
              "0:auto:mma 2:auto:mma 2:fp8_e4m3:mma 0:auto:sm90 2:auto:sm90 0:fp8_e4m3:sm90 2:fp8_e4m3:sm90" ;;
-      sm90) sanitize_launches sm90 paged_prefill_sm90 "NHD:auto" ;;
+      sm90) sanitize_launches sm90 paged_prefill_sm90 "NHD:auto NHD:auto:512" ;;
       *) echo "sanitize: unknown target $t (tests, mla, sm90)" >&2; return 2 ;;
     esac
   done

@@ -19,9 +19,10 @@ kernel's edges at a time):
         mla_attention over a decode batch whose first sequence is empty, then a mixed
         batch: SPLIT tiles per split-KV partition (0: one pass), KV the cache (auto or
         fp8_e4m3 / fp8_e5m2), FAMILY mma or sm90
-    ... python3 tools/sanitize_control.py sm90 LAYOUT KV
+    ... python3 tools/sanitize_control.py sm90 LAYOUT KV [HEAD_SIZE]
         paged_prefill_sm90 (asserted to serve the call) over a mixed batch: LAYOUT NHD,
-        HND or vllm, KV auto or an fp8 format
+        HND or vllm, KV auto or an fp8 format, HEAD_SIZE 128 unless given (512: its
+        consumers splitting the dims, the partial scores through shared memory)
 """
 import sys
 from pathlib import Path
@@ -129,7 +130,7 @@ def mla_launch(split: int, fmt: str, family: str) -> None:
     assert err < 0.05
 
 
-def sm90_launch(layout: str, kv: str) -> None:
+def sm90_launch(layout: str, kv: str, head_size: int = 128) -> None:
     import numpy as np
 
     import cupaged
@@ -140,14 +141,14 @@ def sm90_launch(layout: str, kv: str) -> None:
     kv = kv.removesuffix("-q")
     q_lens, seq = [300, 5, 130], [300, 900, 2000]
     bt, nb = testing.random_block_tables(np.array(seq, np.int32), 16, rng, spare_blocks=2)
-    kc, vc = testing.random_cache(nb, 2, 128, 16, np.float16, rng)
+    kc, vc = testing.random_cache(nb, 2, head_size, 16, np.float16, rng)
     fp8 = {}
     if kv != "auto":  # the same values' fp8 bytes, per-tensor scales
         kc, vc = (reference.quantize_fp8(c, kv, 0.01).view(np.uint8) for c in (kc, vc))
         fp8 = dict(kv_cache_dtype=kv, k_scale=0.01, v_scale=0.01)
     kc, vc = testing.convert_layout(kc, vc, "vllm", layout)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = testing.random_normal((int(qsl[-1]), 8, 128), np.float16, rng)
+    q = testing.random_normal((int(qsl[-1]), 8, head_size), np.float16, rng)
     if fp8_query:
         fp8["out"] = cupy.empty(q.shape, np.float16)
         q = reference.quantize_fp8(q, kv, 1.0).view(np.uint8)
@@ -172,7 +173,7 @@ if __name__ == "__main__":
         controls(which)
     elif which == "mla" and len(sys.argv) == 5:
         mla_launch(int(sys.argv[2]), sys.argv[3], sys.argv[4])
-    elif which == "sm90" and len(sys.argv) == 4:
-        sm90_launch(sys.argv[2], sys.argv[3])
+    elif which == "sm90" and len(sys.argv) in (4, 5):
+        sm90_launch(sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:]))
     else:
         raise SystemExit(__doc__)
