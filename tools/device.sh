@@ -364,7 +364,7 @@ declare -A ROWSETS=(
   [prefill-families]="-|prefill's presets on both multi-token kernel families (cupaged, cupaged-mma)"
   [trees]="decode plain cap +alibi|one decode row and prefill's two presets, plain, soft-capped (50, 1), with ALiBi"
   [mla]="bf16 fp8|mla_attention's presets beside FlashInfer's MLA wrapper, and over an fp8 cache on both kernel families"
-  [head512]="decode prefill +peers|head sizes 128, 256, 512: decode bytes against the copy, prefill TFLOP/s (peers: FlashInfer at 512, carry .flashinfer)"
+  [head512]="decode prefill +peers|head sizes 128, 256, 512: decode bytes against the copy, prefill TFLOP/s on both multi-token families (and 384; peers: FlashInfer at 512, carry .flashinfer)"
   [prefill-tiles]="mma sm90|prefill's presets under each multi-token tile (paged_prefill's nine, paged_prefill_sm90's five)"
   [few-rows]="shapes tiles +split|few query rows per (sequence, KV head), fp16 over 2048 keys (verify's 4 x 4 = 16, 2 x 4, 8 x 4; 4 x 4 over 32768) beside FlashInfer fa2, verify under the few-rows tiles, and (split) under split-KV partitions"
   [mla-tiles]="-|mla_attention under every tile its shared memory holds (16 and 128 heads)"
@@ -522,7 +522,7 @@ rowset_head512() {
     done
   fi
   if want prefill; then
-    for hs in 128 256 512; do
+    for hs in 128 256 384 512; do
       B prefill --batch 4 --query-len 4096 --heads 16 --kv-heads 4 --head-size $hs \
         --impl cupaged --impl cupaged-mma --reps 10
     done
