@@ -7,7 +7,7 @@
 // multiples of 64 up to 256, or 384 and 512 (16-bit token-major caches; below).
 //
 // A CTA is three warpgroups working through query tiles of 128 packed rows of one
-// (sequence, KV head):
+// (sequence, KV head) (64 over 256 dims, kSplitO below):
 //   warpgroup 0, the producer, gathers each TILE_N-token K/V tile from the cache's pages
 //   with cp.async into a ring of STAGES 128-byte-swizzled tiles (sm90.cuh), and each
 //   consumer's query rows into its Q tile; a stage's `full` mbarrier completes when its
@@ -21,14 +21,15 @@
 //   chunks with cp.async.
 //   The producer gives up registers (setmaxnreg) so the consumers can hold S, P and O at
 //   once.
-//   warpgroups 1 and 2, the consumers, own 64 rows each: S = Q K^T (wgmma, Q and K from
+//   warpgroups 1 and 2, the consumers, own 64 rows each (kSplitO: the same 64 rows, half
+//   the dims each): S = Q K^T (wgmma, Q and K from
 //   shared memory, K K-major), scale, masks and online softmax on S's registers as
 //   paged_prefill does, and O += P V (wgmma, P from registers; V MN-major, the same
 //   swizzled [token][dim] tile as K, or from vLLM's layout a K-major [dim][token] tile).
 //   Each issues tile j's S = Q K^T and tile j - 1's
 //   P V together and runs tile j's softmax while the P V is on the tensor cores; the two
 //   consumers take turns issuing (named barriers), so one's softmax also overlaps the
-//   other's products.
+//   other's products (kSplitO: no turns, the consumers work in step).
 // Over an fp8 cache the products run in float16 whatever the query's type (M below): e4m3
 // and e5m2 widen to float16 exactly in one instruction a pair (bfloat16 takes four, and the
 // producer's widening bounds the kernel), and a bfloat16 query is converted to float16

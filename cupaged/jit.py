@@ -238,7 +238,7 @@ def default_sm90_prefill_tile(head_size: int, fp8: bool = False,
     An 8-bit query (8-bit products, head sizes 64 and 128) takes 128-token tiles, whose
     V^T rows are whole 128-byte blocks, in three stages (176 KB at head size 128). Over
     256 dims (384, 512: both consumers on the same 64 rows, each half the dims) 32-token
-    tiles in two stages: with the partial scores, 229,472 bytes at 512."""
+    tiles in two stages: with the partial scores, 230,496 bytes at 512."""
     if fp8_query:
         return 128, 3
     if head_size > 256:

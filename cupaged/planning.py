@@ -494,7 +494,8 @@ def set_prefill_family(family: str | None) -> None:
 # On Hopper, paged_prefill_sm90 from this many packed query rows per (sequence, KV head):
 # at 64 (16 tokens x 4 heads) its 128-row tile is half padding and still beats the mma.sync
 # kernel's few-rows tile (H200, 64 x 16 tokens over 2,048: 166.4 against 191.2 us), at 32 it
-# does not (175.0 against 172.3; docs/PERFORMANCE.md).
+# does not (175.0 against 172.3; docs/PERFORMANCE.md). (Measured at head size 128; at 384
+# and 512 its tiles are 64 rows, and the threshold is the same, not measured there.)
 SM90_MIN_ROWS = 64
 
 
@@ -604,9 +605,9 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     of the query's own type (or fp8 with per-tensor scales, head sizes up to 192) and
     vLLM's layout (16-bit, blocks of 8 tokens or more), head sizes that are multiples of
     64 up to 256, and 384 and 512 over token-major caches of the query's type, when some
-    (sequence, KV head) has SM90_MIN_ROWS packed query rows or more (its 128-row tiles
-    would be mostly padding below that). A ``set_prefill_tile`` override (paged_prefill's
-    tiles) keeps the mma.sync kernel."""
+    (sequence, KV head) has SM90_MIN_ROWS packed query rows or more (its 128-row tiles,
+    64 over 256 dims, would be mostly padding below that). A ``set_prefill_tile``
+    override (paged_prefill's tiles) keeps the mma.sync kernel."""
     if _family_override == "mma" or _tile_override is not None:
         return False
     fp8 = p.cache.dtype != p.dtype

@@ -59,6 +59,7 @@ CASES = [
     ("bf16", 512, 16, 8, 2),
     ("f16", 384, 32, 4, 4),
     ("f16", 512, 1, 6, 2),     # group of 3: 64-row tiles end mid-token
+    ("bf16", 384, 16, 12, 4),  # group of 3; O's halves start at dim 192
 ]
 # Empty sequences, single tokens, verify, chunks of long contexts, whole prompts whose
 # packed rows end mid-tile, a context of exactly one tile.
@@ -85,7 +86,7 @@ def test_matches_reference(rng, sm90, case, layout, causal):
     assert_close(got, ref, testing.TOLERANCE[dtype], f"{case} {layout} causal={causal}")
 
 
-@pytest.mark.parametrize("hs", [128, 512], ids=lambda h: f"hs{h}")
+@pytest.mark.parametrize("hs", [128, 384, 512], ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("split", [0, 128, 384], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("case", list(VARIANT_CASES))
 def test_variants_and_split_kv(rng, sm90, case, split, hs):
@@ -105,8 +106,8 @@ def test_variants_and_split_kv(rng, sm90, case, split, hs):
     _check_lse(lse, ref_lse, f"{case} split={split}")
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_huge_logits_keep_an_exact_softmax(rng, sm90, kv):
+@pytest.mark.parametrize("kv, hs", [("auto", 128), ("fp8_e4m3", 128), ("auto", 512)])
+def test_huge_logits_keep_an_exact_softmax(rng, sm90, kv, hs):
     """Heads whose logits reach about 2^32 (a query 2^8 of unit size under a scale 2^24
     times the usual) beside heads of unit logits (a query 2^-24 of unit size): the
     softmax's folded FFMA against the rounded maximum would err by up to half an ulp of
@@ -116,7 +117,7 @@ def test_huge_logits_keep_an_exact_softmax(rng, sm90, kv):
     from test_fp8 import fp8_problem
     from test_variants import _device
 
-    heads, kv_heads, hs = 6, 2, 128
+    heads, kv_heads = 6, 2
     q_lens, seq = [1, 37, 200, 130], [1, 300, 2500, 131]
     if kv == "auto":
         host = make_varlen(rng, q_lens, seq, dtype="bf16", heads=heads, kv_heads=kv_heads,
@@ -155,7 +156,7 @@ def test_stale_slots_never_reach_the_output(rng, sm90, stale, layout, hs):
         assert_close(got, ref, testing.TOLERANCE["f16"], f"stale {stale} causal={causal}")
 
 
-@pytest.mark.parametrize("hs", [128, 512], ids=lambda h: f"hs{h}")
+@pytest.mark.parametrize("hs", [128, 384, 512], ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("split", [0, 128])
 def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split, hs):
     import cupy
@@ -171,7 +172,7 @@ def test_a_bad_block_id_gives_nan_for_its_sequence_only(rng, sm90, split, hs):
     assert np.isnan(got[150:]).all()
 
 
-@pytest.mark.parametrize("hs", [64, 512], ids=lambda h: f"hs{h}")
+@pytest.mark.parametrize("hs", [64, 384, 512], ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("max_query_len", [1, 40, None])
 def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len, hs):
     """A host bound that undercounts the longest query gives fewer ranks, each job walking
@@ -182,6 +183,23 @@ def test_query_tiles_one_cta_walks_in_turn(rng, sm90, max_query_len, hs):
     for causal in (True, False):
         got, ref = run(host, causal=causal, max_query_len=max_query_len)
         assert_close(got, ref, testing.TOLERANCE["f16"], f"bound {max_query_len}")
+
+
+@pytest.mark.parametrize("split", [0, 32])
+def test_query_tiles_of_one_key_tile_each_over_256_dims(rng, sm90, split):
+    """Over 256 dims the consumers exchange partial scores in two slots by the parity of
+    the CTA's tile count: 60 prompts of 1-16 tokens (one 32-key tile each; split 32:
+    partitions of one tile, most of them empty) walked back to back by the persistent
+    CTAs, then longer ones, so a query tile of one key tile follows another on the same
+    CTA."""
+    sm90(split)
+    q_lens = [int(q) for q in rng.integers(1, 17, 60)] + [70, 1, 33]
+    seq = q_lens[:60] + [300, 40, 33]
+    host = make_varlen(rng, q_lens, seq, dtype="bf16", heads=16, kv_heads=4, head_size=512,
+                       block_size=16)
+    for causal in (True, False):
+        got, ref = run(host, causal=causal, max_query_len=max(q_lens))
+        assert_close(got, ref, testing.TOLERANCE["bf16"], f"causal={causal} split {split}")
 
 
 def test_persistent_ctas_walk_more_jobs_than_the_device_holds(rng, sm90):

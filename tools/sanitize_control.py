@@ -22,7 +22,8 @@ kernel's edges at a time):
     ... python3 tools/sanitize_control.py sm90 LAYOUT KV [HEAD_SIZE]
         paged_prefill_sm90 (asserted to serve the call) over a mixed batch: LAYOUT NHD,
         HND or vllm, KV auto or an fp8 format, HEAD_SIZE 128 unless given (512: its
-        consumers splitting the dims, the partial scores through shared memory)
+        consumers splitting the dims, the partial scores through shared memory; then
+        40 prompts of one key tile each follow)
 """
 import sys
 from pathlib import Path
@@ -140,6 +141,8 @@ def sm90_launch(layout: str, kv: str, head_size: int = 128) -> None:
     fp8_query = kv.endswith("-q")  # an 8-bit query as well (the kernel's 8-bit products)
     kv = kv.removesuffix("-q")
     q_lens, seq = [300, 5, 130], [300, 900, 2000]
+    if head_size > 256:  # and prompts of one key tile each: the partial scores' two slots
+        q_lens, seq = q_lens + [12] * 40, seq + [12] * 40
     bt, nb = testing.random_block_tables(np.array(seq, np.int32), 16, rng, spare_blocks=2)
     kc, vc = testing.random_cache(nb, 2, head_size, 16, np.float16, rng)
     fp8 = {}

@@ -335,7 +335,9 @@ class Sm90PrefillGeometry:
         bars = 2 * self.stages + 4 + 2 * self.raw_stages
         # kSplitO: the partial scores, two tiles' of each consumer's 128 threads
         partials = 2 * 2 * self.tile_tokens // 2 * 128 * 4 if self.split_o else 0
-        return (self.rows * self.row_bytes + 2 * self.stages * tile + partials + raw
+        # kQBytes: both consumers' Q tiles of 64 rows (kSplitO: half the row each)
+        q = 2 * 64 * (self.row_bytes // 2 if self.split_o else self.row_bytes)
+        return (q + 2 * self.stages * tile + partials + raw
                 + 8 * bars + 16 * self.stages + 1024)
 
     def violations(self) -> list[str]:
