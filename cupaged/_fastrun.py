@@ -50,7 +50,7 @@ import weakref
 import cupy
 from cupy_backends.cuda.api import runtime
 
-from . import _arrays, _checks, jit, launch
+from . import _arrays, _checks, _prepared, jit, launch
 
 # Address indices, in _prepared.run's order; 8-11 are a per-call scratch's partials
 # (part_out, part_max, part_sum, counters).
@@ -204,7 +204,7 @@ def _meta_check(var: str, i: int, bound: bool, torch: bool) -> str:
 
 
 def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
-           wants_lse: bool, slots, gate, torch: bool = False) -> str:
+           wants_lse: bool, slots, gate, torch: bool = False, side: bool = False) -> str:
     """The source of ``make(c)``, which returns the fast run of one form of call with the
     constants of ``c`` (a dict) bound. ``kind``: "plan" (AttentionPlan.run's signature;
     a declined call goes to ``slow``) or "attention" (ATTENTION_SIGNATURE; returns MISS);
@@ -213,7 +213,8 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
     ``slots``: the address indices the launch takes, scratch's 8-11 included; ``gate``:
     attention's keywords as (name, how the remembered value is compared); ``torch``:
     the arrays are torch tensors (exactly torch.Tensor), launched on torch's current
-    stream, else CuPy arrays on CuPy's."""
+    stream, else CuPy arrays on CuPy's; ``side``: the plan has torch side tensors, whose
+    state is compared (_prepared.side_state)."""
     miss = _PLAN_FALLBACK if kind == "plan" else "MISS"
     slots = dict(slots)
     body = []
@@ -279,6 +280,10 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
                        "The plan's tables, re-read: reshaped in place, they are not read "
                        "as they were")
         body.extend(f"p{i} = bp{i}" for i in bound)
+    if side:
+        decline_unless("_side_state(side) == side_state",
+                       "The plan's torch side tensors (sinks, ALiBi slopes, scale arrays) "
+                       "where they were: re-pointed or resized in place, not")
     ptr = {i: f"p{i}" for i in (*per_call, *bound)}
     # Overlaps, as _prepared.clashes: a + lo1 < b + hi2 and b + lo2 < a + hi1 is
     # lo1 - hi2 < b - a < hi1 - lo2 (each pair's two bounds precomputed).
@@ -339,9 +344,9 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
 _CONSTANTS = ("_get_device", "_current_stream", "_torch_stream", "_tensor", "_memset",
               "_launch", "dev", "qlo", "qhi", "slow", "local", "kernel", "packed", "fptr",
               "gx", "gy", "gz", "threads", "smem", "scratch_ctx", "scratch_bytes", "at_max",
-              "at_sum", "at_counters", "counters_bytes")
+              "at_sum", "at_counters", "counters_bytes", "side", "side_state")
 _GLOBALS = {"_nd": cupy.ndarray, "_checks": _checks, "_arrays": _arrays, "MISS": MISS,
-            "_thread_buffer": _thread_buffer}
+            "_thread_buffer": _thread_buffer, "_side_state": _prepared.side_state}
 _factories: dict = {}
 
 
@@ -361,11 +366,12 @@ def _factory(form):
     return make
 
 
-def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
+def build(kind, prep, metas, per_call, bound=None, slow=None, gate=(), side=()):
     """A fast run (see the module) for ``prep``, whose calls pass the arrays of
     ``per_call`` (address indices) with ``metas`` (_prepared.metas' order), ``bound``:
     ``{index: array}`` fixed (a plan's tables); or None when its calls cannot have one.
-    ``slow``: a plan's generic run; ``gate``: attention's keywords as (name, how, value)."""
+    ``slow``: a plan's generic run; ``gate``: attention's keywords as (name, how, value);
+    ``side``: torch side tensors whose _prepared.side_state must stay as it is now."""
     bound = bound or {}
     if metas is None or prep.kind not in ("cupy", "torch") or prep.new_lse or prep.launch is None:
         return None
@@ -412,9 +418,10 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
         c["scratch_bytes"], c["counters_bytes"] = nbytes, counters * 4
     for name, how, value in gate:
         c[f"want_{name}"], c[f"type_{name}"] = value, type(value)
+    c["side"], c["side_state"] = tuple(side), _prepared.side_state(side)
     form = (kind, tuple(per_call), tuple(bound), tuple(pairs), bool(prep.q_span),
             prep.in_place, prep.wants_lse, tuple(sorted(slots.items())),
-            tuple([(name, how) for name, how, _ in gate]), torch)
+            tuple([(name, how) for name, how, _ in gate]), torch, bool(side))
     # The runtime's and the driver's entry points, looked up once per run.
     c["_get_device"], c["_current_stream"] = runtime.getDevice, cupy.cuda.get_current_stream
     c["_memset"], c["_launch"] = runtime.memsetAsync, jit.driver.launchKernel
@@ -425,16 +432,17 @@ def build(kind, prep, metas, per_call, bound=None, slow=None, gate=()):
     return _factory(form)(c)
 
 
-def plan_runner(prep, metas, shared, slow, doc=None):
+def plan_runner(prep, metas, shared, slow, doc=None, side=()):
     """The fast run of an AttentionPlan (``prep``: its prepared call; ``metas``: its
     examples' metadata in _prepared.run's order; ``shared``: its block_tables, seq_lens
     and query_start_loc, bound; ``slow``: its generic run, which takes every call the
-    fast run declines), or None when its calls cannot have one."""
+    fast run declines; ``side``: its torch side tensors, _prepared.side_tensors, whose
+    side_state each run compares), or None when its calls cannot have one."""
     if metas is None:
         return None
     per_call = [0, 1, 2, 6] + ([7] if metas[7] is not None else [])
     bound = {3 + n: a for n, a in enumerate(shared) if a is not None}
-    run = build("plan", prep, metas, per_call, bound, slow)
+    run = build("plan", prep, metas, per_call, bound, slow, side=side)
     if run is not None:
         run.__doc__ = doc
     return run
@@ -461,4 +469,10 @@ def call_runner(prep, metas, *values):
         else:
             return None
     per_call = [i for i in range(8) if metas[i] is not None]
-    return build("attention", prep, metas, per_call, {}, gate=gate)
+    run = build("attention", prep, metas, per_call, {}, gate=gate)
+    if run is not None:
+        # The workspaces it stands for, by weak reference: once one is gone the run
+        # declines every call, and _prepared.use_fast makes it anew (a workspace made
+        # again at a freed one's address is the same call).
+        run.refs = tuple(v for _, how, v in gate if how == "ref")
+    return run

@@ -123,6 +123,20 @@ def metas(arrays):
     return tuple(m), ptrs
 
 
+def side_tensors(*args) -> tuple:
+    """The torch tensors among a plan's side arguments (ALiBi slopes, sinks, scale
+    arrays): set_, resize_ and ``.data =`` re-point or resize a tensor in place, where a
+    prepared launch holds its address, so a plan compares their :func:`side_state` at
+    each run. (A CuPy array's address and size cannot change.)"""
+    return tuple(a for a in args if _arrays.is_torch(a))
+
+
+def side_state(tensors) -> tuple:
+    """What a run compares of :func:`side_tensors`: each one's address, shape, strides
+    and dtype."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+
+
 def _side(x):
     """A side argument's key: a number by type and value, an array by its metadata and
     whole address (UNKEYED for other kinds, and a CPU tensor, whose value is read)."""
@@ -197,6 +211,8 @@ def use_fast(k, prepared: Prepared, make, *args) -> None:
     lookup): its prepared call may be outdated (a test override of tiles or splits)."""
     global fast_attention
     got = _FAST.get(id(prepared))
+    if got is not None and any(r() is None for r in getattr(got[1], "refs", ())):
+        got = None  # made for a workspace since freed (_fastrun.call_runner)
     if got is None:
         got = (prepared, make(*args))
         with _FAST_LOCK:

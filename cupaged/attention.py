@@ -226,9 +226,10 @@ class AttentionPlan:
 
     A plan reads nothing on the device and allocates nothing; :meth:`run` allocates only
     ``out`` (and ``lse`` with ``return_lse``) when not given, so with both given it can
-    be captured in a CUDA graph. The bound arrays must stay alive and unmoved while the
-    plan is used (the plan keeps references to them; each run re-reads their metadata
-    and addresses).
+    be captured in a CUDA graph. The bound arrays must stay alive while the plan is used
+    (the plan keeps references to them; each run re-reads the tables' metadata and
+    addresses, and a torch side tensor's address, shape, strides and dtype: one re-pointed
+    or resized in place makes the run a plain call).
 
     With CuPy arrays or torch tensors and ``out`` given (and one launch per call),
     ``plan.run`` is the plan's fast run: the same checks in one function compiled for its
@@ -287,6 +288,10 @@ class AttentionPlan:
             self._metas, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared,
                                                  out, lse))
         self._shared_ptrs = None if ptrs is None else ptrs[3:6]
+        # Torch side tensors, which the prepared launch holds at their addresses: re-pointed
+        # or resized in place, a run is a plain call (_prepared.side_tensors).
+        self._side = _prepared.side_tensors(alibi_slopes, sinks, k_scale, v_scale)
+        self._side_state = _prepared.side_state(self._side)
         # The same run as one straight-line function with this plan's constants bound
         # (CuPy arrays, out given, one launch): the fast run (_fastrun). It shadows the
         # method (not a subclass's own run); every call it declines goes to the method,
@@ -295,7 +300,7 @@ class AttentionPlan:
             generic = object.__new__(AttentionPlan)
             generic.__dict__.update(self.__dict__)
             fast = _fastrun.plan_runner(prep, self._metas, self._shared, generic.run,
-                                        AttentionPlan.run.__doc__)
+                                        AttentionPlan.run.__doc__, self._side)
             if fast is not None:
                 self.run = fast
 
@@ -308,6 +313,7 @@ class AttentionPlan:
         m, ptrs = _prepared.metas((query, key_cache, value_cache, *self._shared, out, lse))
         if (m is None or m != self._metas or ptrs[3:6] != self._shared_ptrs
                 or k_scale is not None or v_scale is not None or _checks.debug()
+                or (self._side and _prepared.side_state(self._side) != self._side_state)
                 or _prepared.clashes(self._prepared, ptrs)):
             kw = dict(self._keywords)
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):

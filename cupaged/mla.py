@@ -169,6 +169,7 @@ def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, s
         scale_ptr, scale_value, scale_a = _kvquant.tensor_scale(
             1.0 if k_scale is None else k_scale, "k_scale", per_token=False)
         _checks.check_same_device(p.device, "q", (("k_scale", scale_a),))
+        _checks.check_apart((("out", o), ("lse", lse_a)), (("k_scale", scale_a),))
     elif k_scale is not None:
         _fail("k_scale is for an fp8 cache (kv_cache_dtype); this cache is "
               f"{p.cache_dtype.name}")
@@ -191,9 +192,11 @@ def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, s
         launches = None if mplan is None else launch.build_mla(
             p, mplan, scale, causal, (scale_ptr, scale_value), parts)
     q_lat, q_pe = qa if pair else (qa, None)
-    # The checks of validate_mla that read addresses, to repeat at each call's own.
+    # The checks of validate_mla that read addresses, to repeat at each call's own (a
+    # scale array keyed at its address).
     disjoint = _prepared.disjoint_spans(((7, o), (8, lse_a)),
-                                        ((0, q_lat), (1, q_pe), (2, kc), (3, kpe)))
+                                        ((0, q_lat), (1, q_pe), (2, kc), (3, kpe), (4, bt),
+                                         (5, sl), (6, qsl), (None, scale_a)))
     prep = _prepared.Prepared(launches, p.device, kind, (p.num_rows, p.num_heads, p.rank),
                               q_lat.dtype, (), 0, False, wants_lse,
                               (p.num_rows, p.num_heads) if wants_lse and lse_a is None else (),

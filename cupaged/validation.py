@@ -599,10 +599,12 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
               ("lse", lse))
     device = q_lat.data.device_id
     _checks.check_same_device(device, "q", arrays)
-    # The output and lse are written while the query and caches are read (the inputs may
-    # share memory: a pair of views of one combined cache).
+    # The output and lse are written while the query, caches and tables are read (the
+    # inputs may share memory: a pair of views of one combined cache).
     inputs = (("q_nope" if pair else "q", q_lat), ("q_pe", q_rope if pair else None),
-              ("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache))
+              ("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache),
+              ("block_tables", block_tables), ("seq_lens", seq_lens),
+              ("query_start_loc", query_start_loc))
     for written in (("out", out), ("lse", lse)):
         if written[1] is not None:
             for read in inputs:

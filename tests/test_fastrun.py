@@ -417,6 +417,61 @@ def test_a_replaced_workspace_goes_to_the_generic_path_and_is_not_kept(stub, gen
     assert outcome(stub, lambda: e.fast(a, kw)) == want and want[0] == "launched"
 
 
+@pytest.mark.parametrize("run", ["fast", "generic"])
+@pytest.mark.parametrize("name", ["sinks", "alibi_slopes"])
+def test_a_plan_rereads_its_torch_side_tensors(stub, run, name):
+    """A torch side tensor bound to a plan (sinks, ALiBi slopes) re-pointed in place
+    (set_, or param.data = ...) between runs: each run launches with its new address, as
+    attention() does, never the old storage's."""
+    torch = pytest.importorskip("torch")
+
+    class OnDevice(torch.Tensor):  # a CPU tensor that says it is on CUDA device 0
+        @property
+        def is_cuda(self):
+            return True
+
+        def get_device(self):
+            return 0
+
+    a, kw = make_form(stub, "decode-sinks-lse" if name == "sinks" else "prefill-alibi")
+    side = torch.zeros(32, dtype=torch.float32).as_subclass(OnDevice)
+    kw[name] = side
+    plan = plan_of(a, kw)
+    old = side.data_ptr()
+    side.set_(torch.ones(32, dtype=torch.float32))
+    assert side.data_ptr() != old
+    b, bkw = per_layer(stub, a, kw)
+    got = outcome(stub, lambda: plan_call(plan, b, bkw,
+                                          run=None if run == "fast" else
+                                          cupaged.AttentionPlan.run))
+    want = outcome(stub, lambda: attention_call(b, bkw))
+    assert got[0] == want[0] == "launched"
+    params = got[2][-1][-1]
+    assert side.data_ptr().to_bytes(8, "little") in params
+    assert old.to_bytes(8, "little") not in params
+
+
+def test_a_workspace_made_anew_where_one_was_freed_gets_a_fast_run(stub, generic_runs):
+    """A DecodeWorkspace freed and made again at its address is the same call (the key's
+    base and rows): after one generic call attention()'s fast run serves it again."""
+    _prepared.clear()
+    a, kw = make_form(stub, "decode-workspace")
+    warm_attention(a, kw)
+    n = generic_runs[0]
+    attention_call(a, kw)
+    assert generic_runs[0] == n  # the fast run's
+    base = kw["workspace"]._base
+    kw["workspace"] = None
+    gc.collect()
+    stub.next_address = base
+    kw["workspace"] = cupaged.DecodeWorkspace(8, 32, 128, rows=8 * 32 * 64, device=0)
+    assert kw["workspace"]._base == base
+    n = generic_runs[0]
+    for _ in range(4):
+        attention_call(a, kw)
+    assert generic_runs[0] - n <= 1
+
+
 def test_a_plan_and_its_fast_run_hold_no_cycle(stub):
     a, kw = make_form(stub, "decode")
     plan = plan_of(a, kw)

@@ -379,6 +379,17 @@ def test_lse_over_q_or_out_is_refused():
     refused(dict(a, lse=inside_cache), ValueError, "kv_cache and lse overlap in memory")
 
 
+@pytest.mark.parametrize("table", ["block_tables", "seq_lens", "query_start_loc"])
+@pytest.mark.parametrize("written", ["out", "lse"])
+def test_out_or_lse_over_a_table_is_refused(table, written):
+    """The kernels read the tables (query_start_loc without a clamp) while CTAs write out
+    and lse: written over one, a later CTA's rows would land anywhere."""
+    a = mbad()
+    over = fake(a[written], table)  # at the table's own address
+    refused(dict(a, **{written: over}), ValueError,
+            rf"{table} and {written} overlap in memory")
+
+
 def test_out_just_past_q_is_accepted():
     """Adjacent, not overlapping: out starting at q's last byte + 1."""
     a = mbad()

@@ -668,6 +668,23 @@ def test_repeated_mla_calls_are_prepared_with_their_own_addresses(fake_mla, vali
     assert validations["mla"] == 1
 
 
+@pytest.mark.parametrize("table", ["block_tables", "seq_lens", "query_start_loc"])
+def test_a_repeated_mla_call_with_out_over_a_table_is_refused(fake_mla, validations, table):
+    """Remembered at addresses apart, a call whose out now lies over a table the kernels
+    read is validated again and refused, as its first call would have been."""
+    from test_mla_validation import fake, margs
+
+    call, launched = fake_mla
+    a = margs(out=True, lse=True)
+    call(_moved(a, 0), scale=0.1)
+    n = len(launched)
+    moved = _moved(a, 0)
+    moved["out"] = fake(a["out"], table)  # at the table's address
+    with pytest.raises(ValueError, match=f"{table} and out overlap in memory"):
+        call(moved, scale=0.1)
+    assert len(launched) == n and validations["mla"] == 2
+
+
 @pytest.mark.parametrize("bs", [8, 16, 32, 64, 256])
 @pytest.mark.parametrize("cache_form", ["combined", "pair"])
 def test_mla_tensor_maps_made_once_an_address(fake_mla, monkeypatch, request, cache_form, bs):
