@@ -209,7 +209,7 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
         None, rows, seq_lens, None,
         None if o is None else _arrays.reshaped(o, (2, 1, 1), "out", FOLD),
         None if lse_a is None else _arrays.reshaped(lse_a, (2, 1), "lse", FOLD), 512, "auto",
-        sparse_rows=sparse)
+        sparse_rows=sparse, tables_apart=False)
     sink = _variants.check_sinks(optional_device_array(attn_sink, "attn_sink"), num_heads,
                                  p.device, "attn_sink", "q")
     variants = (_variants.PLAIN if sink is None

@@ -462,12 +462,13 @@ def _mla_part(a, name: str, lead: tuple, what: str):
 
 def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc, out,
                  lse, kv_lora_rank, kv_cache_dtype,
-                 sparse_rows: str | None = None) -> MlaProblem:
+                 sparse_rows: str | None = None, tables_apart: bool = True) -> MlaProblem:
     """mla_attention's arguments (adapted arrays; ``q`` an array or a (latent, rope)
     pair): metadata only, nothing read on the device. ``sparse_rows``: the cache holds
     DeepSeek's token rows of that kv_cache_dtype (the sparse kernel's: V3.2's 656-byte
     "fp8_ds_mla", V4's 528-byte "v4_fp8" or 288-byte "v4_fp4"; checked by the caller to be
-    a 1-byte array), the query bfloat16."""
+    a 1-byte array), the query bfloat16. ``tables_apart``: out and lse overlap no table
+    (False: the sparse caller's stand-ins for them, whose own arrays it checks)."""
     pair = isinstance(q, tuple)
     q_lat, q_rope = q if pair else (q, q)
     q_name = "q_nope" if pair else "q"
@@ -602,9 +603,10 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
     # The output and lse are written while the query, caches and tables are read (the
     # inputs may share memory: a pair of views of one combined cache).
     inputs = (("q_nope" if pair else "q", q_lat), ("q_pe", q_rope if pair else None),
-              ("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache),
-              ("block_tables", block_tables), ("seq_lens", seq_lens),
-              ("query_start_loc", query_start_loc))
+              ("kv_cache", kv_cache), ("k_pe_cache", k_pe_cache))
+    if tables_apart:
+        inputs += (("block_tables", block_tables), ("seq_lens", seq_lens),
+                   ("query_start_loc", query_start_loc))
     for written in (("out", out), ("lse", lse)):
         if written[1] is not None:
             for read in inputs:
