@@ -97,6 +97,7 @@ def check_sinks(sinks, num_heads: int, device: int, name: str = "sinks", query: 
             (num_heads and sinks.strides[0] != 4):
         _fail(f"{name} must be a contiguous float32 [num_heads = {num_heads}] array, got "
               f"{sinks.dtype} {sinks.shape}")
+    _checks.check_aligned(sinks.data.ptr, name, 4)
     _checks.check_same_device(device, query, ((name, sinks),))
     return sinks
 

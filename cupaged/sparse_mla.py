@@ -316,12 +316,16 @@ def _check_indices(idx, lengths, batch: int, s_q: int, prefix: str = "") -> None
                         or idx.strides[0] % 4 or idx.strides[1] % 4):
         _fail(f"{name}' last dimension must be contiguous and its rows a whole number of "
               f"entries apart (strides {idx.strides})")
+    if idx.shape[2] > 2 ** 31 - 64:  # (a token's keys, counted in int32 with a tile's slack)
+        _fail(f"{name} hold {idx.shape[2]} entries a token; at most 2^31 - 64 are supported")
+    _checks.check_aligned(idx.data.ptr, name, 4)  # (read as 4-byte words)
     if lengths is not None:
         _checks.check_int(lengths, lname)
         if lengths.dtype != np.int32 or lengths.shape != (batch,) \
                 or (batch and lengths.strides[0] != 4):
             _fail(f"{lname} must be a contiguous int32 [batch] = [{batch}] array, got "
                   f"{lengths.dtype} of shape {lengths.shape}")
+        _checks.check_aligned(lengths.data.ptr, lname, 4)
 
 
 # (kv_cache_dtype, its rows' bytes) for the error that lists them
@@ -367,8 +371,8 @@ def _prefill_as_decode(qa, kc, idx, o, lse_a, d_qk: int = 576, width: int = 576,
     if kc.ndim == 3 and kc.shape[1] == 1:
         kc = _arrays.StridedView(kc, (kc.shape[0], kc.shape[2]), (kc.strides[0], kc.strides[2]))
     if kc.ndim != 2:
-        _fail(f"{prefix}kv must be [s_kv, 1, {width}] or [s_kv, {width}] for the prefill "
-              f"interface (q [s_q, num_heads, {d_qk}]), got shape {kc.shape}")
+        _fail(f"{prefix}kv_cache must be [s_kv, 1, {width}] or [s_kv, {width}] for the "
+              f"prefill interface (q [s_q, num_heads, {d_qk}]), got shape {kc.shape}")
     s_kv = kc.shape[0]
     kv = _arrays.StridedView(kc, (s_kv, 1, kc.shape[1]),
                              (kc.strides[0], kc.strides[0], kc.strides[1]))

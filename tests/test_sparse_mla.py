@@ -217,6 +217,50 @@ def test_both_cache_forms_are_accepted(adapt):
     assert adapt(attn_sink=np.zeros(16, np.float32)) == (None, None)
 
 
+def test_broadcast_indices_and_an_out_past_their_bytes_are_accepted(adapt):
+    """Indices broadcast over the batch (one entry's 4 bytes) and out 16 bytes past them:
+    apart, whatever the decode form's views over the indices span."""
+    from numpy.lib.stride_tricks import as_strided
+
+    from test_validation import Fake
+
+    f = fakes(indices=as_strided(np.zeros(1, np.int32), (2, 3, 1), (0, 0, 4)))
+    out = Fake(np.zeros((2, 3, 16, 512), np.float16), ptr=f["indices"].data.ptr + 16)
+    assert sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1, None, out,
+                                           None, False, None, None, plan=False) == (None, None)
+
+
+@pytest.mark.parametrize("name", ["indices", "topk_length", "attn_sink", "extra_indices",
+                                  "extra_topk_length"])
+def test_index_arrays_and_the_sink_must_be_4_byte_aligned(adapt, name):
+    """The kernels read them as 4-byte words: an array 2 bytes off is refused by name."""
+    from test_validation import Fake
+
+    f = fakes(topk_length=np.zeros(2, np.int32))
+    sink = Fake(np.zeros(16, np.float32), ptr=1 << 30)
+    extra = [Fake(np.zeros((4, 64, 1, D), np.float16), ptr=9 << 24),
+             Fake(np.zeros((2, 3, 8), np.int32), ptr=10 << 24),
+             Fake(np.zeros(2, np.int32), ptr=11 << 24)]
+    target = {"attn_sink": sink, "extra_indices": extra[1], "extra_topk_length": extra[2]}.get(
+        name) or f[name]
+    target.data.ptr += 2
+    with pytest.raises(ValueError, match=f"{name} must start on a 4-byte boundary"):
+        sparse_mla.validate_and_prepare(f["q"], f["kv_cache"], f["indices"], 0.1,
+                                        f["topk_length"], f["out"], f["lse"], False, None, None,
+                                        plan=False, attn_sink=sink, extra=tuple(extra))
+
+
+def test_a_topk_past_the_kernels_int32_count_is_refused(adapt):
+    """A token's keys are counted in int32 with a tile's slack: topk past 2^31 - 64 is
+    refused by name (without it the tile count overflowed to zeros)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    big = as_strided(np.zeros(16, np.int32), (2, 3, 2**31 - 63), (0, 0, 4))
+    with pytest.raises(ValueError, match="indices hold 2147483585 entries a token; at most "
+                                         "2\\^31 - 64"):
+        adapt(indices=big)
+
+
 def test_fp8_ds_mla_caches_are_accepted(adapt):
     """Both cache forms, as uint8, int8 or float8_e4m3fn, named or found by their width; the
     prefill interface's kv too."""
@@ -276,7 +320,7 @@ def test_v4_caches_are_accepted(adapt, fmt):
     (dict(cache_shape=(10, 64, 2)), ValueError,
      "kv_cache must be \\[num_blocks, page_size, 1, {w}\\] or \\[num_blocks, page_size, {w}\\]"),
     (dict(prefill=True), ValueError,
-     "kv must be \\[s_kv, 1, {w}\\] or \\[s_kv, {w}\\] for the prefill interface \\(q "
+     "kv_cache must be \\[s_kv, 1, {w}\\] or \\[s_kv, {w}\\] for the prefill interface \\(q "
      "\\[s_q, num_heads, 512\\]\\)"),
     (dict(out=(2, 3, 16, D)), ValueError,
      "out must be a C-contiguous array of shape \\(2, 3, 16, 512\\)"),
@@ -420,7 +464,7 @@ def test_v4_planned_specs_compile_for_sm80_and_sm90():
 
 @pytest.mark.parametrize("over, exc, match", [
     (dict(q=np.zeros((6, 16, D), np.float16)), ValueError,
-     "kv must be \\[s_kv, 1, 576\\] or \\[s_kv, 576\\] for the prefill interface"),
+     "kv_cache must be \\[s_kv, 1, 576\\] or \\[s_kv, 576\\] for the prefill interface"),
     (dict(q=np.zeros((2, 3, 16, 512), np.float16)), ValueError, "kv_lora_rank \\+ rope_dim"),
     (dict(kv_cache=np.zeros((10, 64, 2, D), np.float16)), ValueError,
      "kv_cache must be \\[num_blocks, page_size, 1, 576\\]"),
@@ -561,7 +605,7 @@ def test_a_second_cache_is_accepted(adapt, fmt, qdt, d, w):
     (dict(extra_topk_length=np.zeros(3, np.int32)), ValueError,
      "extra_topk_length must be a contiguous int32 \\[batch\\] = \\[2\\]"),
     (dict(prefill=True, extra_kv_cache=np.zeros((7, 16, 1, 528), np.uint8)), ValueError,
-     "extra_kv must be \\[s_kv, 1, 528\\] or \\[s_kv, 528\\] for the prefill interface"),
+     "extra_kv_cache must be \\[s_kv, 1, 528\\] or \\[s_kv, 528\\] for the prefill interface"),
     (dict(prefill=True, extra_kv_cache=np.zeros((40, 528), np.uint8),
           extra_indices=np.zeros((5, 9), np.int32)), ValueError,
      "extra_indices must be \\[s_q, 1, topk\\] or \\[s_q, topk\\] with s_q = 6"),
