@@ -341,6 +341,21 @@ def check_element_strides(a, name: str, itemsize: int) -> None:
              f"{a.strides}")
 
 
+def check_own_bytes(a, name: str) -> None:
+    """Each element of ``a`` has bytes of its own, as an array a kernel writes needs (two
+    elements on the same bytes would be written by two threads of one launch, in either
+    order). Checked by the rule that holds for every cache layout: ordered by stride, each
+    dimension of more than one element steps past the extent of those below it."""
+    if is_empty(a):
+        return
+    reach = a.dtype.itemsize
+    for st, n in sorted((st, n) for n, st in zip(a.shape, a.strides) if n > 1):
+        if st < reach:
+            fail(f"{name}'s elements overlap (shape {a.shape}, strides {a.strides}): an "
+                 f"array written here needs bytes of its own for each element")
+        reach += st * (n - 1)
+
+
 def check_same_device(device: int, ref: str, arrays) -> None:
     """``arrays``: (name, array or None) pairs that must all live on ``device``."""
     for name, a in arrays:

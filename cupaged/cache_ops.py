@@ -118,7 +118,16 @@ def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=N
                 (a.shape[2] > 1 and a.strides[2] != src.itemsize) or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
+        _checks.check_element_strides(a, name, src.itemsize)
     num_tokens, index = _check_slots(sm, (("key", k), ("value", v)))
+    # What the launch writes: each slot's bytes its own, and apart from what it reads (K
+    # and V may be halves of one allocation, but not one array).
+    for name, c in (("key_cache", kc), ("value_cache", vc)):
+        _checks.check_own_bytes(c, name)
+        _checks.check_apart(((name, c),), (("key", k), ("value", v), ("slot_mapping", sm)))
+    if kc.data.ptr == vc.data.ptr and not _checks.is_empty(kc):
+        _fail("key_cache and value_cache are the same memory: each token's K and V need "
+              "slots of their own")
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
                                                     ("value", v), ("slot_mapping", sm)))
@@ -170,8 +179,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
             one-element CPU torch tensor or a one-element float32 device array (default
             1); per token and head, float32 ``[num_blocks, num_kv_heads, block_size]``
             arrays into which each written (token, head) gets ``amax(|row|) / max`` (1 for
-            a row of zeros) before its row is divided by it. Per-tensor scales are ignored
-            (unchecked) for 16-bit caches; per-token arrays are refused there.
+            a row of zeros) before its row is divided by it (a row holding an infinity
+            gets an infinite scale, and reads back as NaN throughout). Per-tensor scales
+            are ignored (unchecked) for 16-bit caches; per-token arrays are refused there.
         kv_layout: ``"vllm"`` (default), ``"NHD"`` or ``"HND"``.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when
             ``key_cache`` is a torch tensor).
@@ -271,6 +281,7 @@ def _check_mla_sources(kv_c, k_pe) -> _dtypes.DType:
                                         or min(a.strides) < 0):
             _fail(f"{name}'s last dimension must be contiguous and its strides non-negative "
                   f"(strides {a.strides})")
+        _checks.check_element_strides(a, name, 2)
     return src
 
 
@@ -305,6 +316,9 @@ def _validate_sparse_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype: str) -> _MlaW
               f"pass k_pe_cache=None")
     owner = f"{'an' if kv_cache_dtype[0] == 'f' else 'a'} {kv_cache_dtype} "
     num_blocks, block_size = _checks.check_row_cache(kc, nbytes, owner)
+    if not (kc.dtype.kind in "ui" or _dtypes.fp8_of(kc.dtype) is _dtypes.E4M3):
+        _fail(f"{owner}kv_cache is uint8, int8 or float8_e4m3fn storage (what "
+              f"sparse_mla_attention reads), got {kc.dtype}", TypeError)
     if not _checks.is_empty(kc) and kc.strides[-1] != 1:
         _fail(f"{owner}kv_cache must have its rows contiguous, got strides {kc.strides}")
     if block_size == 0:
@@ -314,6 +328,7 @@ def _validate_sparse_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype: str) -> _MlaW
         if any(n > 1 and (st % 16 or st < 0) for n, st in zip(kc.shape[:2], kc.strides[:2])):
             _fail(f"kv_cache's block and token strides must be non-negative multiples of 16 "
                   f"bytes (its rows are written 16 bytes at a time), got {kc.strides}")
+    _checks.check_own_bytes(kc, "kv_cache")
     num_tokens, index = _check_slots(sm, (("kv_c", kv_c), ("k_pe", k_pe)))
     device = kc.data.device_id
     _checks.check_same_device(device, "kv_cache", (("kv_c", kv_c), ("k_pe", k_pe),
@@ -376,6 +391,7 @@ def validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
             _fail(f"{name}'s block and token strides must be non-negative multiples of "
                   f"16 bytes (mla_attention reads the cache 16 bytes at a time), got "
                   f"{a.strides}")
+        _checks.check_own_bytes(a, name)
     num_tokens, index = _check_slots(sm, (("kv_c", kv_c), ("k_pe", k_pe)))
     device = kc.data.device_id
     _checks.check_same_device(device, "kv_cache", (("k_pe_cache", pc), ("kv_c", kv_c),
@@ -693,6 +709,9 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, stream=None) -> None
             twice the block); all key caches of one shape and dtype, likewise all value
             caches, with blocks of the same byte size; on one device; 16-byte aligned.
         block_mapping: int32 or int64 ``[num_pairs, 2]`` on the device: (src, dst) block ids.
+            The pairs are copied at once, in no order: a block that is one pair's
+            destination and another's source, or two pairs' destination, ends up with
+            either's bytes or a mix of them.
         stream: as for :func:`cupaged.paged_attention` (torch's current stream when the
             caches are torch tensors).
     """

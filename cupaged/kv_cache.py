@@ -715,6 +715,9 @@ class _PagedCache:
                              f"from 1 to 256")
         if framework not in ("cupy", "torch"):
             raise ValueError(f"framework must be 'cupy' or 'torch', got {framework!r}")
+        if num_blocks * block_size > 2**31 - 1:  # (its steps upload slots as int32)
+            raise ValueError(f"num_blocks x block_size = {num_blocks * block_size} token "
+                             f"slots; at most 2^31 - 1 are supported")
         self.framework = framework
         self.device = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.block_size = block_size

@@ -739,7 +739,8 @@ def wargs(layout="NHD", dtype=np.float16, n=3, kvh=2, hs=64, bs=16, nb=10):
         kc = np.zeros((nb, kvh, hs // x, bs, x), dtype)
         vc = np.zeros((nb, kvh, hs, bs), dtype)
     else:
-        kc = vc = np.zeros((nb, *block_shape(layout, kvh, hs, bs, dtype)), dtype)
+        kc = np.zeros((nb, *block_shape(layout, kvh, hs, bs, dtype)), dtype)
+        vc = np.zeros_like(kc)
     return dict(key=np.zeros((n, kvh, hs), dtype), value=np.zeros((n, kvh, hs), dtype),
                 key_cache=kc, value_cache=vc, slot_mapping=np.zeros(n, np.int64),
                 kv_layout=layout)
@@ -756,6 +757,81 @@ def wbad(layout="NHD", **changes):
     a = wargs(layout)
     a.update(changes)
     return a
+
+
+# ---- what a write must not share ---------------------------------------------------------
+
+
+def test_a_cache_whose_slots_share_bytes_is_refused():
+    """Blocks 0 bytes apart (or tokens closer than a row): two slots' writes would land on
+    the same bytes in one launch. Refused for every writer, by name."""
+    from numpy.lib.stride_tricks import as_strided
+
+    zb = as_strided(np.zeros(2048, np.float16), (10, 16, 2, 64), (0, 256, 128, 2))
+    with pytest.raises(ValueError, match="key_cache's elements overlap"):
+        wvalidate(**wbad(key_cache=zb, value_cache=np.zeros((10, 16, 2, 64), np.float16)))
+    with pytest.raises(ValueError, match="value_cache's elements overlap"):
+        wvalidate(**wbad(value_cache=zb, key_cache=np.zeros((10, 16, 2, 64), np.float16)))
+    lat = as_strided(np.zeros(16 * 576, np.float16), (10, 16, 576), (0, 1152, 2))
+    with pytest.raises(ValueError, match="kv_cache's elements overlap"):
+        mvalidate(**mbad(kv_cache=lat))
+    rows = as_strided(np.zeros(64 * 656, np.uint8), (4, 16, 656), (16 * 656, 16, 1))
+    with pytest.raises(ValueError, match="kv_cache's elements overlap"):
+        mvalidate(**dsbad(kv_cache=rows))
+
+
+def test_the_caches_and_what_the_write_reads_must_be_apart():
+    """key_cache and value_cache one array, or slot_mapping, key or value inside a cache:
+    refused by name (the launch reads them while it writes the caches). Halves of a cache
+    fused along a leading dimension stay accepted."""
+    a = wargs()
+    with pytest.raises(ValueError, match="key_cache and value_cache are the same memory"):
+        kc = Fake(a["key_cache"], ptr=1 << 24)
+        wvalidate(**dict(a, key_cache=kc, value_cache=Fake(a["value_cache"], ptr=1 << 24)))
+    for name in ("slot_mapping", "key", "value"):
+        inside = Fake(a[name], ptr=(1 << 24) + 4096)
+        with pytest.raises(ValueError, match=rf"(key_cache and {name}|{name} and key_cache) "
+                                             rf"overlap"):
+            wvalidate(**dict(a, key_cache=Fake(a["key_cache"], ptr=1 << 24), **{name: inside}))
+    fused = np.zeros((10, 2, 16, 2, 64), np.float16)  # [num_blocks, 2, ...]: K and V halves
+    wvalidate(**dict(a, key_cache=fused[:, 0], value_cache=fused[:, 1]))
+
+
+@pytest.mark.parametrize("name", ["key", "value"])
+def test_source_strides_must_be_whole_elements(name):
+    """A view made with byte strides (as_strided) that are not whole elements: the kernels
+    take strides in elements, which would read other rows."""
+    from numpy.lib.stride_tricks import as_strided
+
+    odd = as_strided(np.zeros(10000, np.float16), (3, 2, 64), (257, 128, 2))
+    with pytest.raises(ValueError, match=f"{name}'s strides must be multiples of its itemsize"):
+        wvalidate(**wbad(**{name: odd}))
+
+
+def test_mla_source_strides_must_be_whole_elements():
+    from numpy.lib.stride_tricks import as_strided
+
+    odd = as_strided(np.zeros(10000, np.float16), (3, 512), (1025, 2))
+    with pytest.raises(ValueError, match="kv_c's strides must be multiples of its itemsize"):
+        mvalidate(**mbad(kv_c=odd))
+
+
+def test_a_sparse_rows_cache_of_float8_e5m2_storage_is_refused():
+    """sparse_mla_attention reads DeepSeek's token rows from uint8, int8 or float8_e4m3fn
+    storage: the writer takes the same."""
+    import ml_dtypes
+
+    bad = np.zeros((4, 16, 656), ml_dtypes.float8_e5m2)
+    with pytest.raises(TypeError, match="kv_cache .*uint8, int8 or float8_e4m3fn"):
+        mvalidate(**dsbad(kv_cache=bad))
+
+
+def test_a_paged_cache_past_int32_slots_is_refused():
+    """Its steps upload slot mappings as int32: a cache of more than 2^31 - 1 token slots
+    is refused before anything is allocated."""
+    with pytest.raises(ValueError, match="2147483904 token slots; at most 2\\^31 - 1"):
+        PagedKVCache(1, 2**23 + 1, 1, 32, 256, kv_layout="NHD")
+
 
 
 def test_kv_layout_is_keyword_only_and_vllm_by_default():
@@ -907,23 +983,24 @@ def test_per_token_scales_may_not_overlap_what_the_write_reads(monkeypatch):
     monkeypatch.setattr(_kvquant, "as_device_array", lambda a, name: a)
     a = wargs("NHD", nb=4)
     kc = Fake(np.zeros((4, 16, 2, 64), np.uint8), ptr=1 << 24)
+    vc = Fake(np.zeros((4, 16, 2, 64), np.uint8), ptr=1 << 25)
     key = Fake(np.zeros((3, 2, 64), np.float16), ptr=1 << 26)
     value = Fake(np.zeros((3, 2, 64), np.float16), ptr=(1 << 26) + 4096)
     sm = Fake(np.zeros(3, np.int64), ptr=1 << 27)
     scale = lambda ptr: Fake(np.zeros((4, 2, 16), np.float32), ptr=ptr)  # noqa: E731
-    ok = cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+    ok = cache_ops.validate_write(key, value, kc, vc, sm, "NHD", "fp8", scale(1 << 28),
                                    scale((1 << 28) + 4096))
     assert ok.quant.mode == "th"
     for name, ptr in (("key", 1 << 26), ("value", (1 << 26) + 4096 + 64), ("slot_mapping", 1 << 27)):
         with pytest.raises(ValueError, match=rf"(v_scale and {name}|{name} and v_scale) overlap"):
-            cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+            cache_ops.validate_write(key, value, kc, vc, sm, "NHD", "fp8", scale(1 << 28),
                                       scale(ptr))
     with pytest.raises(ValueError, match="k_scale and v_scale overlap"):
-        cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28),
+        cache_ops.validate_write(key, value, kc, vc, sm, "NHD", "fp8", scale(1 << 28),
                                   scale((1 << 28) + 256))
     wide = Fake(np.zeros((4, 4, 16), np.float32)[:, :2], ptr=1 << 29)  # head stride 2x
     with pytest.raises(ValueError, match="k_scale and v_scale must have the same strides"):
-        cache_ops.validate_write(key, value, kc, kc, sm, "NHD", "fp8", scale(1 << 28), wide)
+        cache_ops.validate_write(key, value, kc, vc, sm, "NHD", "fp8", scale(1 << 28), wide)
     del a
 
 
@@ -1117,7 +1194,10 @@ def margs(form="combined", dtype=np.float16, n=3, rank=512, rope=64, bs=16, nb=1
 
 def mvalidate(**a):
     kv = a.pop("kv_cache_dtype")
-    f = {k: (None if v is None else v if isinstance(v, Fake) else Fake(v)) for k, v in a.items()}
+    # (kv_cache at 1 << 20, what the write descriptions' assertions name; the others each
+    # at an address of its own)
+    f = {k: (None if v is None else v if isinstance(v, Fake)
+             else Fake(v, ptr=1 << 20) if k == "kv_cache" else Fake(v)) for k, v in a.items()}
     return cache_ops.validate_mla_write(f["kv_c"], f["k_pe"], f["kv_cache"], f["k_pe_cache"],
                                          f["slot_mapping"], kv)
 
@@ -1399,7 +1479,8 @@ def _entry_point_checks(fake_device):
         "paged_attention": lambda s: validation.validate_decode(
             q, vk, vv, tables, lens, None, None, "fp8", s, s),
         "reshape_and_cache": lambda s: cache_ops.validate_write(
-            kv, kv, nhd, nhd, Fake(np.zeros(3, np.int64)), "NHD", "fp8", s, s),
+            kv, kv, nhd, Fake(np.zeros((10, 16, 2, 64), u8)), Fake(np.zeros(3, np.int64)),
+            "NHD", "fp8", s, s),
         "concat_and_cache_mla": lambda s: cupaged.concat_and_cache_mla(
             Fake(np.zeros((3, MLA_RANK), f16)), Fake(np.zeros((3, MLA_ROPE), f16)), lat,
             Fake(np.zeros(0, np.int64)), "fp8", s),
@@ -1758,7 +1839,8 @@ def test_sparse_write_launches_a_warp_per_token_and_ignores_scale(monkeypatch, f
     monkeypatch.setattr(cache_ops, "_kernel", kernel)
     nbytes = SPARSE_BYTES[fmt]
     a = sparse_args(fmt, n=9)
-    args = [Fake(a[k]) for k in ("kv_c", "k_pe", "kv_cache", "slot_mapping")]
+    args = [Fake(a[k], ptr=1 << 20) if k == "kv_cache" else Fake(a[k])
+            for k in ("kv_c", "k_pe", "kv_cache", "slot_mapping")]
     for scale in (None, 1.0, -1.0, Fake(np.zeros((10, 1, 16), np.float32), device=3)):
         cupaged.concat_and_cache_mla(*args, fmt, scale)
     assert len(launches) == 4 and len(set(launches)) == 1

@@ -1,5 +1,6 @@
 """Every input check of paged_attention, on array metadata alone (no GPU needed)."""
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,9 +11,15 @@ from cupaged import _checks, _variants, decode, launch, planning, validation
 
 
 class Fake:
-    """What validation reads of a device array: dtype, shape, strides, pointer, device."""
+    """What validation reads of a device array: dtype, shape, strides, pointer, device.
+    Without ``ptr``, each Fake lies at an address of its own (2^32 bytes apart from every
+    other's), as separate device arrays do."""
 
-    def __init__(self, a: np.ndarray, device: int = 0, ptr: int = 1 << 20):
+    _next = itertools.count()
+
+    def __init__(self, a: np.ndarray, device: int = 0, ptr: int | None = None):
+        if ptr is None:
+            ptr = (1 << 40) + (next(Fake._next) << 32)
         self.dtype, self.shape, self.strides, self.ndim = a.dtype, a.shape, a.strides, a.ndim
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.flags = SimpleNamespace(c_contiguous=a.flags.c_contiguous)
