@@ -44,9 +44,9 @@ NONE = KVQuant(None)
 
 
 def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
-                names=("key_cache", "value_cache")) -> _dtypes.DType:
+                names=("key_cache", "value_cache"), source="queries") -> _dtypes.DType:
     """The caches' element type for ``kv_cache_dtype``, checked against the arrays'
-    (``names``: theirs in errors)."""
+    (``names``: theirs in errors; ``source``: what ``query_dt`` is the type of, in them)."""
     if kv_cache_dtype == "auto" or kv_cache_dtype is None:
         fmt = _dtypes.fp8_of(key_cache.dtype)
         if fmt is None:
@@ -71,7 +71,7 @@ def cache_dtype(kv_cache_dtype, key_cache, value_cache, query_dt: _dtypes.DType,
             _fail(f"{name} dtype {a.dtype} holds fp8 {named.name}, but kv_cache_dtype says "
                   f"{fmt.name}", TypeError)
     if query_dt.itemsize != 2:
-        _fail(f"fp8 caches take float16 or bfloat16 queries, got {query_dt.numpy}", TypeError)
+        _fail(f"fp8 caches take float16 or bfloat16 {source}, got {query_dt.numpy}", TypeError)
     return fmt
 
 
@@ -119,9 +119,11 @@ def _is_array(x) -> bool:
     return hasattr(x, "shape") and len(getattr(x, "shape")) == 3
 
 
-def scales(k_scale, v_scale, fmt: _dtypes.DType | None, cache, device: int) -> KVQuant:
+def scales(k_scale, v_scale, fmt: _dtypes.DType | None, cache, device: int,
+           ref: str = "query") -> KVQuant:
     """The scales of a validated cache (``cache``: a ``_checks.CacheView``). A cache of
-    the query's type ignores per-tensor scales (vLLM passes 1.0 whatever the cache)."""
+    the query's type ignores per-tensor scales (vLLM passes 1.0 whatever the cache).
+    ``ref``: the array whose device the scales' is compared with, in errors."""
     if fmt is None:
         for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
             if x is not None and _is_array(x):
@@ -143,7 +145,7 @@ def scales(k_scale, v_scale, fmt: _dtypes.DType | None, cache, device: int) -> K
                 _fail(f"{name} must be float32 {list(expected)} (num_blocks, num_kv_heads, "
                       f"block_size) with tokens contiguous, got shape {a.shape} strides {st}")
             if a.data.device_id != device:
-                _fail(f"{name} is on device {a.data.device_id} but query is on device {device}")
+                _fail(f"{name} is on device {a.data.device_id} but {ref} is on device {device}")
             kept.append(a)
             ptrs.append(a.data.ptr)
         k, v = kept
@@ -156,5 +158,5 @@ def scales(k_scale, v_scale, fmt: _dtypes.DType | None, cache, device: int) -> K
     vp, vv, va = tensor_scale(1.0 if v_scale is None else v_scale, "v_scale")
     for name, a in (("k_scale", ka), ("v_scale", va)):
         if a is not None and a.data.device_id != device:
-            _fail(f"{name} is on device {a.data.device_id} but query is on device {device}")
+            _fail(f"{name} is on device {a.data.device_id} but {ref} is on device {device}")
     return KVQuant(fmt, "", kp, vp, kv, vv, 0, 0, (ka, va))

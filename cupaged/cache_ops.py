@@ -95,7 +95,7 @@ def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=N
                     v_scale=None) -> _Write:
     """Every check of reshape_and_cache, on array metadata only (no device sync)."""
     src = _checks.check_dtype(k, "key")
-    dt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, src)
+    dt = _kvquant.cache_dtype(kv_cache_dtype, kc, vc, src, source="keys and values")
     if dt is src:  # a float cache: key and value must have its dtype
         src = dt = _checks.check_dtype(kc, "key_cache")
     if not isinstance(kv_layout, str):
@@ -131,7 +131,8 @@ def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=N
     device = kc.data.device_id
     _checks.check_same_device(device, "key_cache", (("value_cache", vc), ("key", k),
                                                     ("value", v), ("slot_mapping", sm)))
-    quant = _kvquant.scales(k_scale, v_scale, None if dt is src else dt, cache, device)
+    quant = _kvquant.scales(k_scale, v_scale, None if dt is src else dt, cache, device,
+                            "key_cache")
     if quant.mode == "th":  # written by the kernel: no overlap with what it reads
         _checks.check_disjoint((("k_scale", quant.keep[0]), ("v_scale", quant.keep[1]),
                                 ("key", k), ("value", v), ("slot_mapping", sm)))
@@ -357,7 +358,8 @@ def validate_mla_write(kv_c, k_pe, kc, pc, sm, kv_cache_dtype) -> _MlaWrite:
         if n == 0 or n % 8:
             _fail(f"{name}'s width must be a positive multiple of 8, got {n}")
     dt = _kvquant.cache_dtype(kv_cache_dtype, kc, kc if pc is None else pc, src,
-                              ("kv_cache", "kv_cache" if pc is None else "k_pe_cache"))
+                              ("kv_cache", "kv_cache" if pc is None else "k_pe_cache"),
+                              "kv_c and k_pe")
     for name, a in (("kv_cache", kc), ("k_pe_cache", pc)):
         if a is None:
             continue

@@ -826,6 +826,24 @@ def test_a_sparse_rows_cache_of_float8_e5m2_storage_is_refused():
         mvalidate(**dsbad(kv_cache=bad))
 
 
+def test_write_errors_name_the_writes_own_arguments(monkeypatch):
+    """reshape_and_cache has keys and values, not a query: its fp8 and scale errors say so."""
+    from cupaged import _kvquant
+
+    a = wargs("NHD", nb=4)
+    f32 = np.zeros((3, 2, 64), np.float32)
+    u8 = np.zeros((4, 16, 2, 64), np.uint8)
+    with pytest.raises(TypeError, match="fp8 caches take float16 or bfloat16 keys and values"):
+        cache_ops.validate_write(Fake(f32), Fake(f32), Fake(u8), Fake(u8), Fake(a["slot_mapping"]),
+                                 "NHD", "fp8")
+    monkeypatch.setattr(_kvquant, "as_device_array", lambda x, name: x)
+    other = Fake(np.zeros((4, 2, 16), np.float32), device=1)
+    with pytest.raises(ValueError, match="k_scale is on device 1 but key_cache is on device 0"):
+        cache_ops.validate_write(Fake(a["key"]), Fake(a["value"]), Fake(u8), Fake(u8),
+                                 Fake(a["slot_mapping"]), "NHD", "fp8", other,
+                                 Fake(np.zeros((4, 2, 16), np.float32)))
+
+
 def test_a_paged_cache_past_int32_slots_is_refused():
     """Its steps upload slot mappings as int32: a cache of more than 2^31 - 1 token slots
     is refused before anything is allocated."""
