@@ -41,6 +41,16 @@ def is_torch(x) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+def stream_framework(*xs) -> str:
+    """Whose current stream a call over ``xs`` launches on (``context``'s ``kind``):
+    torch's when any of them is a torch tensor (a torch model writing its K and V into a
+    CuPy cache made them on torch's stream, and reads the cache there next), else the
+    first one's framework."""
+    if any(is_torch(x) for x in xs):
+        return "torch"
+    return framework(xs[0])
+
+
 def framework(x) -> str:
     """Whose arrays a call given ``x`` hands back: "torch" for a torch tensor, "jax" for a
     JAX array (recognized by its type's module: JAX is never imported here), else "cupy"

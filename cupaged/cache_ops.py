@@ -200,7 +200,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     if w.num_tokens == 0:
         return
     with _arrays.launching(w.device):
-        ctx = _arrays.context(w.device, _arrays.framework(key_cache), stream)
+        ctx = _arrays.context(w.device, _arrays.stream_framework(key_cache, value_cache, key,
+                                                                  value), stream)
         _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
         launch_write(write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
 
@@ -493,7 +494,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     if w.num_tokens == 0:
         return
     with _arrays.launching(w.device):
-        ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
+        ctx = _arrays.context(w.device, _arrays.stream_framework(kv_cache, kv_c, k_pe), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
         launch_mla_write(mla_write_kernel(w), w, ctx.stream, a, b, kc, pc, sm, sp, sv)
 
@@ -637,7 +638,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
     if w.num_tokens == 0:
         return
     with _arrays.launching(w.device):
-        ctx = _arrays.context(w.device, _arrays.framework(kv_cache), stream)
+        ctx = _arrays.context(w.device, _arrays.stream_framework(kv_cache, k), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
         kern = _kernel(w.device, "indexer_k_quant_and_cache", w.source.name, w.index)
         kern((-(-w.num_tokens // (_THREADS // 32)), 1, 1), _THREADS, 0, ctx.stream,

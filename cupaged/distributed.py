@@ -395,7 +395,9 @@ class ContextParallel:
                 current stream, the collective included.
 
         Returns the merged ``out`` (and ``lse`` with ``return_lse``/``lse``), the same on
-        every rank. With ``out``, ``buffers`` and ``workspace`` given it allocates nothing
+        every rank. With ``buffers`` and ``return_lse`` but no ``lse``, the lse returned
+        is a view of the buffers, which the next call overwrites: pass ``lse`` to keep
+        it. With ``out``, ``buffers`` and ``workspace`` given it allocates nothing
         and never synchronizes the host: capturable in a CUDA graph (the all-gather has
         a fixed size: ``num_seqs`` rows).
         """

@@ -844,6 +844,31 @@ def test_write_errors_name_the_writes_own_arguments(monkeypatch):
                                  Fake(np.zeros((4, 2, 16), np.float32)))
 
 
+def test_a_write_from_torch_sources_into_cupy_caches_runs_on_torchs_stream(monkeypatch):
+    """A torch model's K and V written into a CuPy cache (PagedKVCache's default
+    framework): the write runs on torch's current stream, where the model made K and V
+    and where its attention then reads the cache, not on CuPy's."""
+    torch = pytest.importorskip("torch")
+    from cupaged.bench.stub import stubbed_driver
+
+    class OnDevice(torch.Tensor):  # a CPU tensor that says it is on CUDA device 0
+        @property
+        def is_cuda(self):
+            return True
+
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(_arrays, "torch_stream_getter", lambda: (lambda dev: 0x7777))
+    with stubbed_driver(record=True) as stub:
+        kc, vc = stub.fake((10, 16, 8, 128), np.float16), stub.fake((10, 16, 8, 128), np.float16)
+        sm = stub.fake((4,), np.int64)
+        k, v = (torch.zeros((4, 8, 128), dtype=torch.float16).as_subclass(OnDevice)
+                for _ in range(2))
+        cupaged.reshape_and_cache(k, v, kc, vc, sm, kv_layout="NHD")
+        assert stub.launches[-1][4] == 0x7777
+
+
 def test_a_paged_cache_past_int32_slots_is_refused():
     """Its steps upload slot mappings as int32: a cache of more than 2^31 - 1 token slots
     is refused before anything is allocated."""

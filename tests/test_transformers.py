@@ -163,12 +163,16 @@ def _fake_call(block_size=16, **extra):
 @pytest.mark.parametrize("extra, error, match", [
     (dict(softcap=30.0), NotImplementedError, "softcap="),
     (dict(s_aux=torch.zeros(4)), NotImplementedError, "s_aux="),
+    (dict(sliding_window=4096), NotImplementedError, "passes sliding_window=4096"),
+    (dict(is_causal=False), NotImplementedError, "layer 0 is not causal"),
     (dict(block_size=12), ValueError, "powers of two"),
     (dict(cache=None), ValueError, "runs under continuous batching"),
 ])
 def test_what_the_implementation_refuses(extra, error, match):
     block_size = extra.pop("block_size", 16)
     args, kw = _fake_call(block_size)
+    if "is_causal" in extra:
+        args[0].is_causal = extra.pop("is_causal")
     kw.update(extra)
     with pytest.raises(error, match=match):
         cupaged_tf.paged_attention_forward(*args, **kw)

@@ -269,6 +269,14 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, drop
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError(f"layer {layer} has attention sinks, which cupaged's paged "
                                   f"attention does not take from transformers yet")
+    # (what the kernels would otherwise ignore: full causal attention would be wrong)
+    if kwargs.get("sliding_window") not in (None, -1):
+        raise NotImplementedError(f"layer {layer} passes sliding_window="
+                                  f"{kwargs['sliding_window']}, which cupaged's paged "
+                                  f"attention does not take from transformers yet")
+    if getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(f"layer {layer} is not causal; cupaged's paged attention "
+                                  f"runs causal decoder layers")
     view = _layer_view(cache, layer)
     write = kwargs["write_index"][view.group]
     read = kwargs["read_index"][view.group]
