@@ -62,6 +62,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
 
 
+def on_cuda(t):
+    """A CPU torch tensor as one that says it is on CUDA device 0 (is_cuda, get_device):
+    what the library reads of a device tensor, for host-side tests with the stub driver."""
+    import torch
+
+    global _OnCuda
+    if _OnCuda is None:
+        class _OnCuda(torch.Tensor):
+            @property
+            def is_cuda(self):
+                return True
+
+            def get_device(self):
+                return 0
+    return t.as_subclass(_OnCuda)
+
+
+_OnCuda = None
+
+
 @pytest.fixture
 def prefill_split():
     """Set paged_prefill's split-KV partition in tokens (0: never) instead of the cost

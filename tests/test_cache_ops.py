@@ -12,7 +12,7 @@ import pytest
 
 import cupaged
 from cupaged import PagedKVCache, _arrays, _dtypes, cache_ops, reference, testing
-from conftest import assert_close
+from conftest import assert_close, on_cuda
 from test_validation import Fake
 
 gpu = pytest.mark.gpu
@@ -851,20 +851,11 @@ def test_a_write_from_torch_sources_into_cupy_caches_runs_on_torchs_stream(monke
     torch = pytest.importorskip("torch")
     from cupaged.bench.stub import stubbed_driver
 
-    class OnDevice(torch.Tensor):  # a CPU tensor that says it is on CUDA device 0
-        @property
-        def is_cuda(self):
-            return True
-
-        def get_device(self):
-            return 0
-
     monkeypatch.setattr(_arrays, "torch_stream_getter", lambda: (lambda dev: 0x7777))
     with stubbed_driver(record=True) as stub:
         kc, vc = stub.fake((10, 16, 8, 128), np.float16), stub.fake((10, 16, 8, 128), np.float16)
         sm = stub.fake((4,), np.int64)
-        k, v = (torch.zeros((4, 8, 128), dtype=torch.float16).as_subclass(OnDevice)
-                for _ in range(2))
+        k, v = (on_cuda(torch.zeros((4, 8, 128), dtype=torch.float16)) for _ in range(2))
         cupaged.reshape_and_cache(k, v, kc, vc, sm, kv_layout="NHD")
         assert stub.launches[-1][4] == 0x7777
 

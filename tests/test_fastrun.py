@@ -18,6 +18,7 @@ cupy = pytest.importorskip("cupy")
 import cupaged  # noqa: E402
 from cupaged import _arrays, _checks, _fastrun, _prepared, planning  # noqa: E402
 from cupaged.bench.stub import stubbed_driver  # noqa: E402
+from conftest import on_cuda  # noqa: E402
 
 NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
 
@@ -425,16 +426,8 @@ def test_a_plan_rereads_its_torch_side_tensors(stub, run, name):
     attention() does, never the old storage's."""
     torch = pytest.importorskip("torch")
 
-    class OnDevice(torch.Tensor):  # a CPU tensor that says it is on CUDA device 0
-        @property
-        def is_cuda(self):
-            return True
-
-        def get_device(self):
-            return 0
-
     a, kw = make_form(stub, "decode-sinks-lse" if name == "sinks" else "prefill-alibi")
-    side = torch.zeros(32, dtype=torch.float32).as_subclass(OnDevice)
+    side = on_cuda(torch.zeros(32, dtype=torch.float32))
     kw[name] = side
     plan = plan_of(a, kw)
     old = side.data_ptr()
