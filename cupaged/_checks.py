@@ -4,6 +4,7 @@ strides, pointer, device), never the data, so they cost no device sync."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -346,14 +347,20 @@ def check_own_bytes(a, name: str) -> None:
     elements on the same bytes would be written by two threads of one launch, in either
     order). Checked by the rule that holds for every cache layout: ordered by stride, each
     dimension of more than one element steps past the extent of those below it."""
-    if is_empty(a):
-        return
-    reach = a.dtype.itemsize
-    for st, n in sorted((st, n) for n, st in zip(a.shape, a.strides) if n > 1):
+    if not is_empty(a) and not _own_bytes(a.shape, a.strides, a.dtype.itemsize):
+        fail(f"{name}'s elements overlap (shape {a.shape}, strides {a.strides}): an "
+             f"array written here needs bytes of its own for each element")
+
+
+@functools.lru_cache(maxsize=256)
+def _own_bytes(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """check_own_bytes' rule, by layout (a cache's is the same every call)."""
+    reach = itemsize
+    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n > 1):
         if st < reach:
-            fail(f"{name}'s elements overlap (shape {a.shape}, strides {a.strides}): an "
-                 f"array written here needs bytes of its own for each element")
+            return False
         reach += st * (n - 1)
+    return True
 
 
 def check_same_device(device: int, ref: str, arrays) -> None:
@@ -365,44 +372,63 @@ def check_same_device(device: int, ref: str, arrays) -> None:
 
 def extent(a) -> tuple[int, int]:
     """The byte range ``[lo, hi)`` an array's elements lie in (empty for no elements)."""
-    if is_empty(a):
-        return a.data.ptr, a.data.ptr
-    lo = hi = a.data.ptr
-    for n, st in zip(a.shape, a.strides):
+    p = a.data.ptr
+    lo, hi = _extent_offsets(a.shape, a.strides, a.dtype.itemsize)
+    return p + lo, p + hi
+
+
+@functools.lru_cache(maxsize=1024)
+def _extent_offsets(shape: tuple, strides: tuple, itemsize: int) -> tuple[int, int]:
+    """extent's range relative to the array's address, by layout (the same every call)."""
+    if 0 in shape:
+        return 0, 0
+    lo = hi = 0
+    for n, st in zip(shape, strides):
         if st < 0:
             lo += (n - 1) * st
         else:
             hi += (n - 1) * st
-    return lo, hi + a.dtype.itemsize
+    return lo, hi + itemsize
+
+
+def _spans(arrays) -> list:
+    """(name, array, extent) of each non-empty array among (name, array or None) pairs."""
+    return [(name, a, extent(a)) for name, a in arrays if a is not None and not is_empty(a)]
+
+
+def _refuse_overlap(first, second, may_alias) -> None:
+    """Fail where the spans ``first`` and ``second`` (of _spans) overlap, unless
+    ``may_alias`` lets them be the very same array."""
+    (n1, a1, (lo1, hi1)), (n2, a2, (lo2, hi2)) = first, second
+    if lo1 >= hi2 or lo2 >= hi1:
+        return
+    aliasable = (n1, n2) in may_alias or (n2, n1) in may_alias
+    if aliasable and (a1.data.ptr, a1.shape, a1.strides, a1.dtype) == (
+            a2.data.ptr, a2.shape, a2.strides, a2.dtype):
+        return
+    fail(f"{n1} and {n2} overlap in memory (bytes {lo1:#x}-{hi1:#x} and "
+         f"{lo2:#x}-{hi2:#x}): they must be separate arrays"
+         + (f", or {n2} exactly {n1}" if aliasable else ""))
 
 
 def check_disjoint(arrays, may_alias=()) -> None:
     """``arrays``: (name, array or None) pairs whose memory must not overlap, judged by
     their byte ranges. ``may_alias``: name pairs allowed to be the very same array (same
     address, shape and strides), as an output written in place over its input."""
-    spans = [(name, a, extent(a)) for name, a in arrays if a is not None and not is_empty(a)]
-    for i, (n1, a1, (lo1, hi1)) in enumerate(spans):
-        for n2, a2, (lo2, hi2) in spans[i + 1:]:
-            if lo1 >= hi2 or lo2 >= hi1:
-                continue
-            aliasable = (n1, n2) in may_alias or (n2, n1) in may_alias
-            if aliasable and (a1.data.ptr, a1.shape, a1.strides, a1.dtype) == (
-                    a2.data.ptr, a2.shape, a2.strides, a2.dtype):
-                continue
-            fail(f"{n1} and {n2} overlap in memory (bytes {lo1:#x}-{hi1:#x} and "
-                 f"{lo2:#x}-{hi2:#x}): they must be separate arrays"
-                 + (f", or {n2} exactly {n1}" if aliasable else ""))
+    spans = _spans(arrays)
+    for i, first in enumerate(spans):
+        for second in spans[i + 1:]:
+            _refuse_overlap(first, second, may_alias)
 
 
-def check_apart(written, read, may_alias=()) -> None:
-    """Each written ``(name, array or None)`` overlaps no read one and no other written one
-    (``may_alias`` as for :func:`check_disjoint`); read arrays may share memory."""
-    for i, w in enumerate(written):
-        if w[1] is None:
-            continue
-        for r in (*read, *written[i + 1:]):
-            if r[1] is not None:
-                check_disjoint((w, r), may_alias)
+def check_apart(written, read, may_alias=(), written_apart: bool = True) -> None:
+    """Each written ``(name, array or None)`` overlaps no read one and, with
+    ``written_apart``, no other written one (``may_alias`` as for :func:`check_disjoint`);
+    read arrays may share memory. Each array's extent is computed once."""
+    w, r = _spans(written), _spans(read)
+    for i, first in enumerate(w):
+        for second in (*r, *w[i + 1:]) if written_apart else r:
+            _refuse_overlap(first, second, may_alias)
 
 
 def check_row_cache(kc, width: int, owner: str = "") -> tuple[int, int]:

@@ -121,10 +121,11 @@ def validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype="auto", k_scale=N
         _checks.check_element_strides(a, name, src.itemsize)
     num_tokens, index = _check_slots(sm, (("key", k), ("value", v)))
     # What the launch writes: each slot's bytes its own, and apart from what it reads (K
-    # and V may be halves of one allocation, but not one array).
-    for name, c in (("key_cache", kc), ("value_cache", vc)):
-        _checks.check_own_bytes(c, name)
-        _checks.check_apart(((name, c),), (("key", k), ("value", v), ("slot_mapping", sm)))
+    # and V may be halves of one allocation, whose extents overlap, but not one array).
+    _checks.check_own_bytes(kc, "key_cache")
+    _checks.check_own_bytes(vc, "value_cache")
+    _checks.check_apart((("key_cache", kc), ("value_cache", vc)),
+                        (("key", k), ("value", v), ("slot_mapping", sm)), written_apart=False)
     if kc.data.ptr == vc.data.ptr and not _checks.is_empty(kc):
         _fail("key_cache and value_cache are the same memory: each token's K and V need "
               "slots of their own")
