@@ -76,8 +76,11 @@ from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, Page
 __version__ = "0.1.0"
 
 # torch.ops.cupaged.* where torch is already imported (never importing it here), and new
-# enough for torch.library.custom_op (2.4).
-if hasattr(getattr(_sys.modules.get("torch"), "library", None), "custom_op"):
+# enough for torch.library.custom_op (2.4). Not from a copy imported under another name
+# (cupaged-bench ab's other tree): its ops would take over torch.ops.cupaged, and go when
+# that copy is dropped.
+if __name__ == "cupaged" and hasattr(getattr(_sys.modules.get("torch"), "library", None),
+                                     "custom_op"):
     from .integrations import torch_ops as _torch_ops  # noqa: F401
 
 __all__ = [

@@ -809,10 +809,15 @@ def test_partition_lever_plans_with_its_partition_and_restores(monkeypatch):
 
 def test_load_tree_imports_another_copy_of_the_library(tmp_path):
     """The other tree runs its own code (its modules import each other relatively) and
-    compiles from its own cuda_src."""
+    compiles from its own cuda_src; with torch imported it leaves torch.ops.cupaged to the
+    library's own ops (its own would take them over, and take them away when dropped)."""
+    import gc
     import shutil
     import sys
     from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    import cupaged.integrations.torch_ops  # noqa: F401  (torch.ops.cupaged, the library's)
 
     from cupaged.bench import ab
 
@@ -830,9 +835,13 @@ def test_load_tree_imports_another_copy_of_the_library(tmp_path):
         assert importlib_marker(alias) == "other"
         assert callable(other.attention) and callable(other.paged_attention)
         assert ab.load_tree(str(tmp_path), alias) is other
+        assert f"{alias}.integrations.torch_ops" not in sys.modules
     finally:
         for name in [m for m in sys.modules if m == alias or m.startswith(alias + ".")]:
             del sys.modules[name]
+    del other
+    gc.collect()
+    torch.ops.cupaged.attention.default  # the library's ops outlive the other tree
 
 
 def importlib_marker(alias):
