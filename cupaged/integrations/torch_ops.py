@@ -4,7 +4,9 @@
 A model that calls these compiles with ``torch.compile(fullgraph=True)`` without a graph
 break, traces under fake tensors (each op has a fake implementation), passes
 ``torch.library.opcheck``, and captures in CUDA graphs (its compiled step included:
-scratch memory comes from torch's allocator, launches go to torch's current stream).
+scratch memory comes from torch's allocator, launches go to torch's current stream), but
+for ``swap_blocks`` with a ``block_mapping`` on the host (vLLM's form), which is uploaded
+by a copy no capture takes: under capture pass it on the device.
 
 Every op writes into arrays the caller passes (``out``, the caches, ...), declared in its
 schema as mutated, and returns nothing: the convention of vLLM's ops, whose argument
