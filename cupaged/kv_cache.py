@@ -610,8 +610,10 @@ class BlockManager:
             return self._free_rows.pop()
         row = len(self._seqs) + len(self._free_rows)
         if row >= self._table.shape[0]:
-            self._table = np.resize(self._table, (2 * self._table.shape[0], self._table.shape[1]))
-            self._lens = np.resize(self._lens, 2 * self._lens.shape[0])
+            # New rows of zeros (np.resize would repeat the old rows: other sequences' ids)
+            n = self._table.shape[0]
+            self._table = np.concatenate([self._table, np.zeros_like(self._table)])
+            self._lens = np.concatenate([self._lens, np.zeros(n, self._lens.dtype)])
         return row
 
     def _ensure_width(self, n: int) -> None:

@@ -1813,3 +1813,16 @@ def test_latent_cache_serves_mla_attention(rng, kv):
     for c in cache.kv_caches:
         got = cupy.asnumpy(c)
         np.testing.assert_array_equal(got[tb[2], :5].view(np.uint8), got[ta[2], :5].view(np.uint8))
+
+
+def test_table_rows_grown_for_more_sequences_start_as_zeros():
+    """Past the host table's first 8 rows it grows with rows of zeros: a sequence's
+    entries past its blocks name block 0, never another sequence's blocks."""
+    m = BlockManager(64, 4)
+    m.add("long", 4 * 6)  # row 0: six blocks
+    for i in range(8):
+        m.add(i, 1)  # rows 1-8: one block each (row 8 needs the table grown)
+    tables, lens = m.tables([7])
+    assert lens.tolist() == [1] and tables.shape == (1, 1)
+    row = m._seqs[7].row
+    assert row >= 8 and (m._table[row, 1:] == 0).all(), m._table[row]
