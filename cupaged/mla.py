@@ -169,7 +169,8 @@ def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, s
         scale_ptr, scale_value, scale_a = _kvquant.tensor_scale(
             1.0 if k_scale is None else k_scale, "k_scale", per_token=False)
         _checks.check_same_device(p.device, "q", (("k_scale", scale_a),))
-        _checks.check_apart((("out", o), ("lse", lse_a)), (("k_scale", scale_a),))
+        _checks.check_apart((("out", o), ("lse", lse_a)), (("k_scale", scale_a),),
+                            written_apart=False)  # (out against lse: validate_mla's)
     elif k_scale is not None:
         _fail("k_scale is for an fp8 cache (kv_cache_dtype); this cache is "
               f"{p.cache_dtype.name}")

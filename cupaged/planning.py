@@ -611,10 +611,9 @@ def sm90_applies(p: Problem, rows_needed: int) -> bool:
     if _family_override == "mma" or _tile_override is not None:
         return False
     fp8 = p.cache.dtype != p.dtype
-    vllm_ok = not fp8 and p.block_size >= 8
-    wide_ok = p.head_size in (384, 512) and not fp8 and p.cache.kv_format == "tok"
-    return ((p.cache.kv_format == "tok" or vllm_ok) and p.head_size % 64 == 0
-            and (p.head_size <= 256 or wide_ok)
+    # (over 256 dims its consumers split them: token-major caches; fp8 stops at 192)
+    vllm_ok = not fp8 and p.block_size >= 8 and p.head_size <= 256
+    return ((p.cache.kv_format == "tok" or vllm_ok) and p.head_size in catalog.SM90_HEAD_SIZES
             and (not fp8 or (p.quant.mode == "" and p.head_size <= 192))
             and (rows_needed >= SM90_MIN_ROWS or _family_override == "sm90")
             and device_info(p.device).arch == "sm_90")
@@ -674,7 +673,8 @@ def choose_kernel(p: Problem, has_starts: bool, max_q: int) -> Choice:
                                   or p.block_size * p.cache.dtype.itemsize >= 16):
         packed = max_q * (p.num_heads // p.num_kv_heads)  # the longest sequence's rows
         if fp8_query or sm90_applies(p, packed):
-            return Choice("prefill", _query_tiles(packed, geometry.sm90_prefill_rows(p.head_size)),
+            rows = geometry.sm90_prefill_rows(p.head_size)
+            return Choice("prefill", _query_tiles(packed, rows),
                           sm90_tile(p.head_size, p.cache.dtype != p.dtype, fp8_query),
                           sm90=True)
         tile = prefill_tile(p, packed)
