@@ -250,6 +250,14 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+// tanh(x) in one MUFU operation (tanh.approx.f32: relative error at most about 2^-11,
+// PTX ISA; tanh(+-inf) = +-1, NaN stays NaN).
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The larger of m and |x| when x is finite; m when x is Inf or NaN (the largest finite
 // magnitude of a query, which an Inf in one head must not set for the others).
 __device__ __forceinline__ float finite_amax(float m, float x) {

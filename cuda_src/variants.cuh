@@ -35,6 +35,8 @@ enum VariantBits : int {
                   // planner, not by the call
   kVarSecondCache = 64,  // the sparse MLA kernels only: they read a second cache
                          // (DeepSeek-V4's extra_k_cache, mla_common.cuh's MlaSparseExtra)
+  kVarTanhApprox = 128,  // with kVarSoftCap: the cap's tanh in one tanh.approx (the caller's
+                         // cupaged.SoftCap(c, approx=True)) instead of exp2 and rcp
 };
 
 // kVarFixedOffset: soft-capped logits lie in [-C, C] (log2 units, C = c log2(e)), so the
@@ -83,9 +85,11 @@ struct Variant {
   static constexpr bool kBlockSparse = (VARIANT & kVarBlockSparse) != 0;
   static constexpr bool kAlibi = (VARIANT & kVarAlibi) != 0;
   static constexpr bool kFixedOffset = (VARIANT & kVarFixedOffset) != 0;
-  static_assert(VARIANT >= 0 && VARIANT < 64, "VARIANT");
+  static constexpr bool kTanhApprox = (VARIANT & kVarTanhApprox) != 0;
+  static_assert(VARIANT >= 0 && (VARIANT & ~(63 | kVarTanhApprox)) == 0, "VARIANT");
   static_assert(!kFixedOffset || (kSoftCap && !kAlibi),
                 "a fixed offset needs logits bounded by the cap: soft-cap, no ALiBi");
+  static_assert(!kTanhApprox || kSoftCap, "tanh.approx is the soft-cap's");
 
   // kFixedOffset (see kMaxFixedCap): the offset o = C - 64.
   __device__ __forceinline__ static float fixed_offset(const VariantParams& vp) {
@@ -102,14 +106,16 @@ struct Variant {
   // The logits transform of a score x = s * sk already in log2 units
   // (x = log2(e) * scale * q.k, sk the scale factors of s): c * tanh(logit / c) is
   // C * tanh(x / C) with C = c * log2(e), and tanh(y) = 1 - 2 / (e^{2y} + 1),
-  // e^{2y} = 2^{2x / c}: two MUFU operations, accurate to about 1e-7 of C absolute
-  // (tanh.approx.f32, FlashInfer's choice, is off by up to 2^-11 of C: a few percent of a
-  // probability at c = 50). The scale factors fold into the exponent's (s * (sk * 2 / c),
-  // sk * 2 / c loop-invariant for per-tensor scales): one multiply per score fewer, as the
-  // multi-token kernel's softmax is short of FMA-pipe issue slots (docs/PERFORMANCE.md).
-  // Saturates to +-C, keeps NaN.
+  // e^{2y} = 2^{2x / c}: two MUFU operations, accurate to about 1e-7 of C absolute. The
+  // scale factors fold into the exponent's (s * (sk * 2 / c), sk * 2 / c loop-invariant
+  // for per-tensor scales): one multiply per score fewer, as the multi-token kernel's
+  // softmax is short of FMA-pipe issue slots (docs/PERFORMANCE.md). kTanhApprox: C tanh(y),
+  // y = x ln2 / c, in one MUFU (tanh.approx.f32, FlashInfer's and FlashAttention's form),
+  // off by up to about 2^-11 of C. Saturates to +-C, keeps NaN.
   __device__ __forceinline__ static float logits(const VariantParams& vp, float s, float sk) {
-    if constexpr (kSoftCap) {
+    if constexpr (kTanhApprox) {
+      return vp.cap_out * fast_tanh(s * tanh_factor(vp, sk));
+    } else if constexpr (kSoftCap) {
       const float e = fast_exp2(s * (sk * vp.cap_in));
       return vp.cap_out - __fdividef(2.f * vp.cap_out, e + 1.f);  // e = inf: C
     } else {
@@ -130,10 +136,21 @@ struct Variant {
 
   // top - 2C / (e^{2y} + 1), e^{2y} = 2^{2 s sk / c}: the soft-cap's steps ending at `top`
   // (C for the logit itself; a loop-invariant top folds an addition into the last FFMA).
+  // (kTanhApprox: top - C + C tanh(y), top - C loop-invariant where top is.)
   __device__ __forceinline__ static float cap_minus(const VariantParams& vp, float s, float sk,
                                                     float top) {
-    const float e = fast_exp2(s * (sk * vp.cap_in));
-    return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, top);
+    if constexpr (kTanhApprox) {
+      return fmaf(vp.cap_out, fast_tanh(s * tanh_factor(vp, sk)), top - vp.cap_out);
+    } else {
+      const float e = fast_exp2(s * (sk * vp.cap_in));
+      return fmaf(fast_rcp(e + 1.f), -2.f * vp.cap_out, top);
+    }
+  }
+
+  // kTanhApprox: y = s sk ln2 / c = s * (sk * cap_in * ln2 / 2), the factor loop-invariant
+  // for per-tensor scales.
+  __device__ __forceinline__ static float tanh_factor(const VariantParams& vp, float sk) {
+    return sk * (vp.cap_in * 0.34657359027997264f);
   }
 
   // The first key a query at q_pos sees: 0 without a window. (q_pos - W + 1 may be

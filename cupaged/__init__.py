@@ -68,6 +68,7 @@ from .cache_ops import (
 from .merge import merge_state, merge_states
 from .jit import CompileError, KernelSpec, precompile
 from .attention import AttentionPlan, attention
+from ._variants import SoftCap
 from .mla import mla_attention
 from .sparse_mla import sparse_mla_attention
 from .kv_cache import (BlockManager, DecodeStep, OutOfBlocks, PagedKVCache, PagedMLACache,
@@ -94,6 +95,7 @@ __all__ = [
     "OutOfBlocks",
     "PagedKVCache",
     "PagedMLACache",
+    "SoftCap",
     "Step",
     "concat_and_cache_mla",
     "copy_blocks",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -25,6 +26,23 @@ _FLT_MAX = 3.4028234663852886e38
 # sparse_block, sparse_step, sparse_tp_rank, lse_keys, then the C struct's tail padding.
 _STRUCT = struct.Struct("@PPiffiiiiii4x")
 assert _STRUCT.size == 56
+
+
+@dataclass(frozen=True)
+class SoftCap:
+    """A logits soft-cap with a choice of its tanh, for ``logits_soft_cap=``.
+
+    ``logits_soft_cap=c`` (a number) is ``SoftCap(c)``: each logit becomes
+    ``c * tanh(logit / c)``, computed to about 1e-7 of ``c``. ``SoftCap(c, approx=True)``
+    computes the tanh in one ``tanh.approx.f32`` (the form FlashInfer and FlashAttention
+    use): each capped logit is then off by at most about ``2**-11 * c`` (natural-log units,
+    so a weight by a factor within ``exp(+-2**-11 * c)``: 2.5% at c = 50), and Hopper's
+    multi-token kernel runs a soft-capped call about 1.27x faster (docs/PERFORMANCE.md).
+    Hashable; the prepared calls and ``cupaged.jax`` take it as they take a number.
+    """
+
+    cap: float
+    approx: bool = False
 
 
 class Variants(NamedTuple):
@@ -73,19 +91,28 @@ def window_size(window, window_left) -> int:
     return min(w, _checks.INT32_MAX)  # beyond any position: the same as no window
 
 
-def soft_cap(value) -> float:
-    """The soft-cap c > 0, or 0.0 for none (None or 0, FlashInfer's spelling of none)."""
+def soft_cap(value) -> tuple[float, bool]:
+    """``logits_soft_cap`` as (c > 0, tanh.approx wanted), or (0.0, False) for none (None
+    or 0, FlashInfer's spelling of none; a SoftCap of cap 0 too)."""
     if value is None:
-        return 0.0
+        return 0.0, False
+    approx = False
+    if isinstance(value, SoftCap):
+        approx, value = value.approx, value.cap
+        if not isinstance(approx, (bool, np.bool_)):
+            _fail(f"SoftCap.approx must be a bool, got {type(approx).__name__}", TypeError)
+        what = "SoftCap.cap"
+    else:
+        what = "logits_soft_cap"
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        _fail(f"logits_soft_cap must be a number, got {type(value).__name__}", TypeError)
+        _fail(f"{what} must be a number (or logits_soft_cap a cupaged.SoftCap), got "
+              f"{type(value).__name__}", TypeError)
     c = float(value)
     if c == 0.0:
-        return 0.0
+        return 0.0, False
     if not (math.isfinite(c) and c > 0.0) or c * _LOG2E > _FLT_MAX or 2.0 / c > _FLT_MAX:
-        _fail(f"logits_soft_cap must be a positive finite float32 (or None / 0 for none), "
-              f"got {value}")
-    return c
+        _fail(f"{what} must be a positive finite float32 (or None / 0 for none), got {value}")
+    return c, bool(approx)
 
 
 def check_sinks(sinks, num_heads: int, device: int, name: str = "sinks", query: str = "query"):
@@ -134,9 +161,10 @@ def blocksparse(tp_rank, local_blocks, vert_stride, block_size, head_sliding_ste
     return (local_blocks, vert_stride, block_size, step, tp_rank)
 
 
-def letters(window: int, cap: float, sparse: tuple) -> str:
-    """The compile-time variant string of a call."""
-    return ("w" if window else "") + ("c" if cap else "") + ("b" if sparse else "")
+def letters(window: int, cap: float, sparse: tuple, approx: bool = False) -> str:
+    """The compile-time variant string of a call (``approx``: the cap's tanh.approx)."""
+    return (("w" if window else "") + ("c" if cap else "") + ("t" if cap and approx else "")
+            + ("b" if sparse else ""))
 
 
 # cuda_src/variants.cuh's kMaxFixedCap: the largest soft-cap, in log2 units (c log2(e)),

@@ -97,6 +97,9 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
             -1 means no window.
         logits_soft_cap: c > 0: each logit ``scale * q.k`` becomes ``c * tanh(logit /
             c)`` (Gemma 2); ALiBi is added after the cap. None or 0: no cap.
+            :class:`SoftCap` ``(c, approx=True)``: the tanh by the GPU's one-instruction
+            approximation, each capped logit within about ``2**-11 * c`` (FlashInfer's and
+            FlashAttention's form; faster, see :class:`SoftCap`).
         sinks: float32 ``[num_heads]`` on the device: each head's softmax denominator
             gains ``exp(sink)`` (natural-log units), with no value attached (gpt-oss's
             attention sinks). A row that sees no key then gives zeros.

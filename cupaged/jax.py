@@ -56,6 +56,7 @@ except ImportError as e:  # pragma: no cover - JAX before 0.6.1
 
 from . import _arrays, _checks, _kvquant, _prepared, cache_ops, launch, merge, validation
 from . import mla as _mla
+from ._variants import SoftCap
 
 # (the package's `attention` attribute is the function)
 _attention = importlib.import_module(".attention", __package__)
@@ -429,7 +430,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
     always holds) is required, and ``max_query_len`` too with ``query_start_loc`` (a
     bound on a sequence's query tokens; 1 selects the decode kernel): static Python
     ints, the bounds the plan covers. ``alibi_slopes`` and ``sinks`` are host values
-    (NumPy arrays or sequences), ``scale``, ``k_scale``, ``v_scale`` numbers.
+    (NumPy arrays or sequences), ``scale``, ``k_scale``, ``v_scale`` numbers,
+    ``logits_soft_cap`` a number or a :class:`cupaged.SoftCap`.
     ``workspace``: a :class:`cupaged.DecodeWorkspace` for the split-KV partials (default:
     the device's shared one, allocated at trace time if the plan splits).
     ``command_buffer``: let XLA record the call into its command buffers
@@ -451,7 +453,8 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, query_start
         alibi_slopes=_host_vector(alibi_slopes, "alibi_slopes"),
         kv_cache_dtype=kv_cache_dtype, k_scale=_static_number(k_scale, "k_scale"),
         v_scale=_static_number(v_scale, "v_scale"), window=window, window_left=window_left,
-        logits_soft_cap=_static_number(logits_soft_cap, "logits_soft_cap"),
+        logits_soft_cap=(logits_soft_cap if isinstance(logits_soft_cap, SoftCap)
+                         else _static_number(logits_soft_cap, "logits_soft_cap")),
         sinks=_host_vector(sinks, "sinks"), return_lse=_check_flag(return_lse, "return_lse"),
         workspace=_check_workspace(workspace),
         command_buffer=_check_flag(command_buffer, "command_buffer"))

@@ -155,7 +155,7 @@ KV_FORMATS = {"tok": 0, "vllm": 1}
 KV_SCALES = {"": 0, "th": 1}
 # VariantBits in cuda_src/variants.cuh: the compile-time variants, spelled in a spec as
 # letters in this order ("" plain attention, "wc" window and soft-cap, ...).
-VARIANT_BITS = {"w": 1, "c": 2, "b": 4, "a": 8, "f": 16, "r": 32, "x": 64}
+VARIANT_BITS = {"w": 1, "c": 2, "t": 128, "b": 4, "a": 8, "f": 16, "r": 32, "x": 64}
 
 
 def default_decode_tile(itemsize: int, head_size: int, fp8: bool = False) -> int:
@@ -293,7 +293,8 @@ class KernelSpec:
     #                        "dsmla": DeepSeek-V3.2's sparse rows, "v4fp8" / "v4fp4" V4's
     #                        (concat_and_cache_mla and the sparse readers)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
-    variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap, "b" blocksparse,
+    variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap ("t" with its tanh
+    #                    by tanh.approx), "b" blocksparse,
     #                    "a" ALiBi (paged_prefill), "f" soft-cap against a fixed softmax
     #                    offset (paged_prefill, bf16, with "c" and without "a"), "r" the
     #                    flat split's runs (paged_decode: the planner's choice), "x" a second
@@ -343,8 +344,8 @@ class KernelSpec:
         if self.variant:
             if "variant" not in params:
                 raise ValueError(f"{self.kernel} takes no variant: {self!r}")
-            allowed = ("wcaf" if self.kernel.startswith("paged_prefill")
-                       else "x" if self.kernel in SPARSE_MLA_READERS else "wcbr")
+            allowed = ("wctaf" if self.kernel.startswith("paged_prefill")
+                       else "x" if self.kernel in SPARSE_MLA_READERS else "wctbr")
             if any(ch not in allowed for ch in self.variant) or \
                     "".join(ch for ch in VARIANT_BITS if ch in self.variant) != self.variant:
                 raise ValueError(f"variant must be letters of {allowed!r}, each once, in that "
@@ -353,6 +354,9 @@ class KernelSpec:
                                         or self.dtype != "bf16" or self.query_dtype):
                 raise ValueError(f"variant 'f' (the soft-cap's fixed softmax offset) needs 'c', "
                                  f"no 'a', dtype bf16 and a 16-bit query, in {self!r}")
+            if "t" in self.variant and "c" not in self.variant:
+                raise ValueError(f"variant 't' (the soft-cap's tanh.approx) needs 'c', in "
+                                 f"{self!r}")
         if self.kv_scale and "kv_scale" not in params:
             raise ValueError(f"{self.kernel} takes per-tensor scales only (kv_scale ''): "
                              f"{self!r}")

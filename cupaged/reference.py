@@ -198,7 +198,8 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
     ``q_pos``: each query row's position among the n keys (default: the last q_len
     positions, n - q_len + i). With ``causal`` a row sees keys at positions <= its own,
     otherwise all n. The logit of a key is ``scale * q.k``, then with ``logits_soft_cap``
-    c it becomes ``c * tanh(logit / c)`` (Gemma 2), then ALiBi adds ``slope * (key_pos -
+    c (or a ``cupaged.SoftCap``: its cap, the tanh exact all the same) it becomes ``c *
+    tanh(logit / c)`` (Gemma 2), then ALiBi adds ``slope * (key_pos -
     q_pos)``. ``window`` W keeps only keys at positions > q_pos - W (with ``causal``: the
     W positions (q_pos - W, q_pos], the row's own included; FlashInfer's ``window_left``
     is W - 1). ``sinks`` (``[num_heads]``, in logit units) adds ``exp(sink)`` to each
@@ -245,7 +246,8 @@ def attend(q, k, v, scale: float, alibi_slopes=None, q_pos=None, causal: bool = 
         logits = by_query_head(by_kv_head(q) @ np.asarray(k, np.float64).transpose(1, 2, 0))
         logits = logits * scale
         if logits_soft_cap is not None:
-            logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+            c = getattr(logits_soft_cap, "cap", logits_soft_cap)  # a SoftCap: exact tanh
+            logits = c * np.tanh(logits / c)
         rel = np.arange(n)[None, :] - q_pos[:, None]  # [q, n]: key position - query position
         if alibi_slopes is not None:
             logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[None, :, None] * rel[:, None, :]
@@ -439,6 +441,7 @@ def fp8_query_error_bound(query, key_cache, value_cache, block_tables, seq_lens,
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     cap = variants.pop("logits_soft_cap", None)
+    cap = getattr(cap, "cap", cap)  # a SoftCap: its cap, the exact tanh's bound
     sinks = variants.pop("sinks", None)
     args = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
                 kv_layout="NHD", **variants)

@@ -157,7 +157,7 @@ def variant_setup(va: VariantArgs, p: Problem):
     if va is NO_VARIANTS:
         return _variants.PLAIN, None
     window = _variants.window_size(va.window, va.window_left)
-    cap = _variants.soft_cap(va.logits_soft_cap)
+    cap, approx = _variants.soft_cap(va.logits_soft_cap)
     sinks = _variants.check_sinks(optional_device_array(va.sinks, "sinks"), p.num_heads,
                                   p.device)
     lse = optional_output_array(va.lse, "lse")
@@ -167,8 +167,8 @@ def variant_setup(va: VariantArgs, p: Problem):
         _fail(f"return_lse must be a bool, got {type(va.return_lse).__name__}", TypeError)
     if not (window or cap or sinks is not None or va.sparse):
         return _variants.PLAIN, lse
-    return _variants.Variants(_variants.letters(window, cap, va.sparse), window, cap, sinks,
-                              va.sparse), lse
+    return _variants.Variants(_variants.letters(window, cap, va.sparse, approx), window, cap,
+                              sinks, va.sparse), lse
 
 
 def outputs_apart(q, o, lse, read, variants, p: Problem, scratch=()) -> tuple:

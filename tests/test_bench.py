@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 
+import cupaged
 from cupaged import testing
 from cupaged.bench import decode as bench_decode
 from cupaged.bench import peers
@@ -282,12 +283,14 @@ def test_fp8_case_caches_are_finite_bytes_in_vllm_layout():
 def test_variants_default_to_plain_and_say_what_they_are():
     v = workloads.Variants()
     assert v.plain and v.label() == "" and v.describe() == "" and v == workloads.PLAIN
-    assert v.fields() == dict(window=None, soft_cap=None, sinks=False, alibi=False)
+    assert v.fields() == dict(window=None, soft_cap=None, soft_cap_approx=False, sinks=False,
+                              alibi=False)
     assert v.kernel_args({}) == {} and v.reference_args(8) == {} and v.letters() == ""
     w = workloads.Variants(512, 50, True, True)
     assert not w.plain and w.label() == "window 512, soft-cap 50, sinks, ALiBi"
     assert "window_left 511" in w.describe() and f"seed {workloads.SINK_SEED}" in w.describe()
-    assert w.fields() == dict(window=512, soft_cap=50.0, sinks=True, alibi=True)
+    assert w.fields() == dict(window=512, soft_cap=50.0, soft_cap_approx=False, sinks=True,
+                              alibi=True)
     assert w.letters() == "wc" and workloads.Variants(soft_cap=30.0).letters() == "c"
     assert workloads.Variants(sinks=True).letters() == workloads.Variants(alibi=True).letters() == ""
     ref = w.reference_args(8)
@@ -296,6 +299,13 @@ def test_variants_default_to_plain_and_say_what_they_are():
     assert np.array_equal(ref["alibi_slopes"], workloads.alibi_slopes(8))
     got = w.kernel_args({"sinks": "S", "alibi_slopes": "A"})
     assert got == dict(window=512, logits_soft_cap=50.0, sinks="S", alibi_slopes="A")
+    # The cap by tanh.approx: cupaged takes a SoftCap, the label says so, letters "ct"
+    a = workloads.Variants(soft_cap=30.0, soft_cap_approx=True)
+    assert a.label() == "soft-cap 30 (tanh.approx)" and a.letters() == "ct"
+    assert a.kernel_args({}) == dict(logits_soft_cap=cupaged.SoftCap(30.0, approx=True))
+    assert a.fields()["soft_cap_approx"] is True
+    with pytest.raises(ValueError, match="soft_cap_approx needs a soft cap"):
+        workloads.Variants(soft_cap_approx=True)
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -214,15 +214,15 @@ def test_host_prefill_violations_match_the_kernels_static_asserts(fields):
 
 
 def test_specialization_names_are_unique():
-    # paged_decode: 14904 per target for each of 7 variants; paged_prefill: 4898 for each of
-    # 5 (1174 of them warps sharing rows in pairs), and the 2449 of bfloat16 for each of the 2
+    # paged_decode: 14904 per target for each of 8 variants; paged_prefill: 4898 for each of
+    # 6 (1174 of them warps sharing rows in pairs), and the 2449 of bfloat16 for each of the 3
     # with the fixed offset; paged_prefill_sm90
     # for sm_90a only: 2 dtypes x (9 block sizes x (6 head sizes of 16-bit token-major
     # caches (384 and 512 among them), 2 fp8 formats x 3 head sizes) + vLLM's layout: 6
-    # block sizes x 4 head sizes) for each of 5 variants, and its 132 of bfloat16 for each
-    # of 2, and with an 8-bit query
+    # block sizes x 4 head sizes) for each of 6 variants, and its 132 of bfloat16 for each
+    # of 3, and with an 8-bit query
     # over a cache of its format 2 dtypes x 2 formats x 2 head sizes (64, 128) x 9 block
-    # sizes for each of the 5 (not the fixed offset's 2); the cache kernels:
+    # sizes for each of the 6 (not the fixed offset's 3); the cache kernels:
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 24 (2 dtypes x 6
     # cache types: the source's, 2 fp8 formats, fp8_ds_mla, v4_fp8, v4_fp4; x 2 index
     # types), merge_states 3, indexer_k_quant_and_cache 4,
@@ -240,12 +240,12 @@ def test_specialization_names_are_unique():
     # mla_sparse_attention_sm90 for sm_90a only: 2 dtypes x 9 block sizes over 16-bit
     # caches, 9 over each of the three token row formats, with a second cache and
     # without. Head sizes over 256 add 23,866
-    # decode specializations (both targets) for each of 7 variants, and 9,088 prefill ones
-    # for each of 5 and their 4,544 of bfloat16 for each of 2.
-    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 7 + 4898 * 5 + 2449 * 2 + 135
+    # decode specializations (both targets) for each of 8 variants, and 9,088 prefill ones
+    # for each of 6 and their 4,544 of bfloat16 for each of 3.
+    assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 8 + 4898 * 6 + 2449 * 3 + 135
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
-                                                          + 1) + 264 * 5 + 132 * 2 + 72 * 5 \
-        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 7 + 9088 * 5 + 4544 * 2 \
+                                                          + 1) + 264 * 6 + 132 * 3 + 72 * 6 \
+        + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 8 + 9088 * 6 + 4544 * 3 \
         + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) \
         + 2 * (2 * 9 + 3 * 9)
 

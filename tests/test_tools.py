@@ -55,25 +55,29 @@ def test_suite_shards(tmp_path):
     assert "cupaged.bench overhead" not in r.stdout
 
 
-def test_the_kernels_shard_in_two_halves(tmp_path):
-    """kernels-a and kernels-b: the kernels shard's test files split between two calls,
-    every one of them in exactly one half, no serving file in either, FlashInfer's CLI row
-    deselected."""
+def test_the_kernels_shard_in_three_parts(tmp_path):
+    """kernels-a, kernels-b and kernels-c: the kernels shard's test files split between
+    three calls, every one of them in exactly one part, no serving file in any,
+    FlashInfer's CLI row deselected."""
+    parts = ("kernels-a", "kernels-b", "kernels-c")
     files = {}
-    for half in ("kernels-a", "kernels-b"):
-        r = _dry(tmp_path, "suite", half, WORKERS="15")
+    for part in parts:
+        r = _dry(tmp_path, "suite", part, WORKERS="15")
         assert r.returncode == 0, r.stderr
         line = next(ln for ln in r.stdout.splitlines() if "-m pytest" in ln)
         assert "-m gpu" in line and "-n 15" in line
         assert "--deselect=tests/test_cli.py::test_compare_flashinfer_rows_check_and_plan" in line
-        files[half] = {w for w in line.split() if w.startswith("tests/test_") and "::" not in w}
+        files[part] = {w for w in line.split() if w.startswith("tests/test_") and "::" not in w}
     serving = {"tests/test_engine.py", "tests/test_llama.py", "tests/test_bench_e2e.py",
                "tests/test_torch_ops.py", "tests/test_transformers.py"}
     every = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
-    assert files["kernels-a"].isdisjoint(files["kernels-b"])
-    assert files["kernels-a"] | files["kernels-b"] == every - serving
+    for i, a in enumerate(parts):
+        for b in parts[i + 1:]:
+            assert files[a].isdisjoint(files[b]), (a, b)
+    assert set().union(*files.values()) == every - serving
     assert "tests/test_decode.py" in files["kernels-a"]
-    assert "tests/test_varlen.py" in files["kernels-b"]
+    assert "tests/test_prefill_sm90.py" in files["kernels-b"]
+    assert "tests/test_varlen.py" in files["kernels-c"]
 
 
 def test_every_row_set_runs_through_cupaged_bench(tmp_path):

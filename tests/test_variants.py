@@ -304,6 +304,32 @@ def test_alibi_bit_is_chosen_and_either_mismatch_stays_correct(rng, monkeypatch,
         _prepared.clear()
 
 
+def variants_asked(monkeypatch, decode: bool = True) -> list:
+    """The variant letters each attention kernel is asked for from now on (the planner's
+    kernel getters spied on; remembered calls forgotten, so each call plans), in a list
+    the caller may clear; ``decode``: the decode kernel's too, not only the multi-token
+    kernels'."""
+    from cupaged import _prepared, planning
+
+    asked = []
+
+    def spy_on(name, variant_at):
+        orig = getattr(planning, name)
+
+        def spy(*args, **kw):
+            asked.append(kw.get("variant", args[variant_at] if len(args) > variant_at else ""))
+            return orig(*args, **kw)
+
+        monkeypatch.setattr(planning, name, spy)
+
+    spy_on("prefill_kernel", 8)
+    spy_on("prefill_sm90_kernel", 4)
+    if decode:
+        spy_on("decode_kernels", 8)
+    _prepared.clear()
+    return asked
+
+
 # (cap, scale, saturate, the fixed offset expected): a cap most logits stay inside;
 # logits spread past both ends of the cap (scale 8); every logit saturated near -cap
 # (saturate: queries and keys made nonnegative, scale -8), the weights' lowest range,
@@ -327,26 +353,13 @@ def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap,
     (variant f) up to its largest cap, and matches the reference there: with sinks (one
     far above the logits where the output stays representable), lse, a window, empty
     rows, split-KV partitions and fp8 caches."""
-    from cupaged import _prepared, planning
+    from cupaged import _prepared
 
     from test_fp8 import fp8_problem
 
     if saturate and kind == "fp8_token":
         pytest.skip("per-token fp8 keys keep their signs")
-    asked = []
-
-    def spy_on(name, variant_at):  # the variant letters each multi-token kernel is asked for
-        orig = getattr(planning, name)
-
-        def spy(*args, **kw):
-            asked.append(kw.get("variant", args[variant_at] if len(args) > variant_at else ""))
-            return orig(*args, **kw)
-
-        monkeypatch.setattr(planning, name, spy)
-
-    spy_on("prefill_kernel", 8)
-    spy_on("prefill_sm90_kernel", 4)
-    _prepared.clear()
+    asked = variants_asked(monkeypatch, decode=False)
     prefill_split(64 if kind.endswith("split") else 0)
     heads, kvh = 8, 2
     if kind == "verify":
@@ -387,6 +400,110 @@ def test_soft_cap_fixed_offset_in_bfloat16(rng, monkeypatch, prefill_split, cap,
             asked.clear()
     finally:
         _prepared.clear()
+
+
+# tanh.approx.f32's relative error (about 2^-11, PTX ISA) with room for the fp32 steps
+# around it: each logit capped through cupaged.SoftCap(c, approx=True) is within
+# TANH_APPROX_REL * c of c tanh(logit / c).
+TANH_APPROX_REL = 2.0 ** -10.5
+# (cap, scale, more variants): a cap most logits pass through the tanh's curve with a
+# window and sinks; logits spread past both ends of a wide cap; ALiBi's bias added to
+# the capped logit.
+APPROX_CAPS = [(2.0, None, "window_sinks"), (30.0, 8.0, ""), (5.0, None, "alibi")]
+APPROX_KINDS = ["decode", "decode_flat", "rows", "mixed_mma", "mixed_sm90", "mixed_split",
+                "verify", "fp8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap,scale,more", APPROX_CAPS, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("kind", APPROX_KINDS)
+def test_soft_cap_by_tanh_approx_within_its_bound(rng, request, monkeypatch, prefill_split,
+                                                 kind, dtype, cap, scale, more):
+    """SoftCap(c, approx=True) on every kernel path: each row within its bound of the float64
+    reference (exact tanh), on kernels whose variant letters have "t" (and the exact
+    form's call on kernels without it). A logit off by at most e = TANH_APPROX_REL * c
+    scales each softmax weight by a factor within exp(+-2e) once renormalized, so a row's
+    output moves by at most (exp(2e) - 1) max_j |v_j - o| over its sequence's values."""
+    import cupy
+
+    from cupaged import _prepared, planning
+
+    if kind == "rows" and dtype == "bf16":
+        pytest.skip("the row mode is float32's")
+    if kind == "mixed_sm90" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper kernel")
+    if kind == "decode_flat":
+        request.getfixturevalue("flat_split")
+    prefill_split(64 if kind == "mixed_split" else 0)
+    heads, kvh, hs = 8, 2, 64 if kind != "verify" else 128
+    dtype = "f32" if kind == "rows" else dtype
+    if kind.startswith("decode"):
+        q_lens, seq = [1] * 6, [1, 16, 17, 300, 2100, 64]
+    elif kind == "verify":
+        q_lens, seq = [1, 4, 3, 2, 4, 0], [500, 900, 40, 3000, 64, 5]
+    else:
+        q_lens, seq = [0, 1, 5, 40, 17, 100], [3, 1, 5, 300, 150, 700]
+    host = _problem(rng, q_lens, seq, layout="NHD", dtype=dtype, heads=heads, kv_heads=kvh,
+                    head_size=hs, block_size=16, alibi=more == "alibi",
+                    stale=None if kind == "fp8" else float("nan"))
+    extra = dict(max_query_len=max(q_lens))
+    if kind.startswith("decode"):
+        del host["query_start_loc"]
+        extra = dict(max_query_len=1)  # (the 2100-token context takes split-KV)
+    scales = {}
+    if kind == "fp8":  # per-tensor scales: the factor that folds them into the tanh's argument
+        scales = _quantize(host, rng, "fp8_e4m3", "NHD")
+        extra.update(scales, kv_cache_dtype="fp8_e4m3")
+    kw = dict(logits_soft_cap=cap)
+    if scale is not None:
+        kw["scale"] = scale
+    if more == "window_sinks":
+        kw.update(window=120, sinks=rng.normal(0, 2, heads).astype(np.float32))
+    family = {"mixed_mma": "mma", "mixed_sm90": "sm90"}.get(kind)
+    asked = variants_asked(monkeypatch)
+    what = f"{kind} {dtype} cap {cap} {more}"
+    planning.set_prefill_family(family)
+    try:
+        _run(host, kw, "NHD", **extra)
+        assert asked and not any("t" in v for v in asked), (what, asked)
+        asked.clear()
+        kw["logits_soft_cap"] = cupaged.SoftCap(cap, approx=True)
+        got, lse, ref, ref_lse = _run(host, kw, "NHD", **extra)
+        assert asked and all("ct" in v for v in asked), (what, asked)
+    finally:
+        planning.set_prefill_family(None)
+        _prepared.clear()
+    # Each row's largest |v_j - o| over its sequence's values (a superset of those it sees).
+    starts = host.get("query_start_loc", np.arange(len(seq) + 1))
+    spread = np.zeros(ref.shape[:2])
+    group = heads // kvh
+    for s, n in enumerate(seq):
+        a, b = int(starts[s]), int(starts[s + 1])
+        if b == a or n == 0:
+            continue
+        _, v = reference.gather_kv(host["key_cache"], host["value_cache"], host["block_tables"][s],
+                                   n, "NHD", extra.get("kv_cache_dtype", "auto"),
+                                   scales.get("k_scale"), scales.get("v_scale"))
+        for h in range(heads):
+            d = v[None, :, h // group] - ref[a:b, h][:, None]  # [rows, keys, dims]
+            spread[a:b, h] = np.linalg.norm(d, axis=-1).max(axis=-1)
+    e = TANH_APPROX_REL * cap
+    tol = testing.TOLERANCE[dtype]
+    bound = (testing.ROW_FACTOR * tol * np.linalg.norm(ref, axis=-1)
+             + np.expm1(2 * e) * spread)
+    err = np.linalg.norm(got - ref, axis=-1)
+    err = np.where(np.isnan(err), np.inf, err)
+    worst = np.unravel_index(int(np.argmax(err - bound)), err.shape)
+    assert err[worst] <= bound[worst], (
+        f"{what}: row {tuple(int(i) for i in worst)} off by {err[worst]:.3e} > its bound "
+        f"{bound[worst]:.3e}")
+    # The lse moves by at most e: every logit does.
+    both_inf = np.isneginf(lse) & np.isneginf(ref_lse)
+    lse_err = np.where(both_inf, 0.0, np.abs(lse - ref_lse))
+    lse_err = np.where(np.isnan(lse_err), np.inf, lse_err)
+    assert (lse_err <= TOL_LSE * np.maximum(1.0, np.abs(ref_lse)) + e).all(), (
+        f"{what}: lse off by up to {lse_err.max():.3e}")
 
 
 def test_the_fixed_offset_bound_matches_the_kernels():
@@ -553,19 +670,31 @@ def test_window_spellings_and_errors():
 
 
 def test_soft_cap_values():
-    assert _variants.soft_cap(None) == 0.0
-    assert _variants.soft_cap(0) == 0.0
-    assert _variants.soft_cap(30) == 30.0
+    assert _variants.soft_cap(None) == (0.0, False)
+    assert _variants.soft_cap(0) == (0.0, False)
+    assert _variants.soft_cap(30) == (30.0, False)
+    assert _variants.soft_cap(cupaged.SoftCap(30)) == (30.0, False)
+    assert _variants.soft_cap(cupaged.SoftCap(30, approx=True)) == (30.0, True)
+    assert _variants.soft_cap(cupaged.SoftCap(0, approx=True)) == (0.0, False)
     for bad in (-1.0, float("inf"), float("nan"), 1e-45):
         with pytest.raises(ValueError, match="logits_soft_cap"):
             _variants.soft_cap(bad)
+        with pytest.raises(ValueError, match="SoftCap.cap"):
+            _variants.soft_cap(cupaged.SoftCap(bad, approx=True))
     with pytest.raises(TypeError, match="logits_soft_cap"):
         _variants.soft_cap("30")
+    with pytest.raises(TypeError, match="SoftCap.approx must be a bool"):
+        _variants.soft_cap(cupaged.SoftCap(30, approx="yes"))
+    # A value of the memo keys: equal and hashing alike when equal.
+    assert hash(cupaged.SoftCap(30, True)) == hash(cupaged.SoftCap(30, True))
+    assert cupaged.SoftCap(30, True) != cupaged.SoftCap(30)
 
 
 def test_variant_letters_and_params_layout():
     assert _variants.letters(0, 0.0, ()) == ""
     assert _variants.letters(5, 2.0, (1, 2, 3, 4, 5)) == "wcb"
+    assert _variants.letters(5, 2.0, (1, 2, 3, 4, 5), approx=True) == "wctb"
+    assert _variants.letters(0, 0.0, (), approx=True) == ""
     # The multi-token kernel's letters: ALiBi's bit, and the fixed offset for bf16 caps
     # up to c log2(e) = 78 without ALiBi.
     at = _variants.Variants
@@ -573,6 +702,8 @@ def test_variant_letters_and_params_layout():
     assert _variants.prefill_letters(at("c", 0, 54.07), "bf16", False) == "c"
     assert _variants.prefill_letters(at("c", 0, 50.0), "f16", False) == "c"
     assert _variants.prefill_letters(at("c", 0, 50.0), "bf16", True) == "ca"
+    assert _variants.prefill_letters(at("ct", 0, 50.0), "bf16", False) == "ctf"
+    assert _variants.prefill_letters(at("ct", 0, 50.0), "bf16", True) == "cta"
     assert _variants.prefill_letters(at("w", 5), "bf16", False) == "w"
     assert _variants.prefill_letters(_variants.PLAIN, "bf16", True) == "a"
     v = _variants.Variants("wc", 5, 2.0, sparse=(1, 2, 3, 4, 5))

@@ -16,9 +16,10 @@
 #       kernels  shards 1, 2, 4, 5 and 6's tests in one call, without the rows: with
 #          WORKERS=N, which spreads them over N pytest-xdist processes (a cold run is
 #          mostly NVRTC, one CPU core per compile; the kernel cache is shared on disk)
-#       kernels-a, kernels-b  the kernels shard in two calls (its files test_a* to test_l*,
-#          then the rest): with 15 workers and a warm kernel cache the whole shard takes
-#          about 430 s on an H200 machine, past one call's comfortable window
+#       kernels-a, kernels-b, kernels-c  the kernels shard in three calls (its files
+#          test_a* to test_l*, test_m* to test_u*, then the rest: test_validation,
+#          test_variants, test_varlen*): on an H200 machine with 15 workers kernels-a takes
+#          about 280 s from a cold kernel cache, kernels-b and kernels-c about 300 and 170
 #       head512  the tests that reach head sizes above 256
 #       all (or no SHARD)  everything, then the smoke rows
 #     On a cold kernel cache shard 2's tests alone take about 7 minutes. LIMIT=SECONDS ends
@@ -131,7 +132,9 @@ HEAD512_K="hs272 or hs288 or hs304 or hs320 or hs336 or hs352 or hs368 or hs384 
 
 suite() {
   local shard=all
-  case "${1:-}" in 1|2|3|4|5|6|kernels|kernels-a|kernels-b|head512|all) shard=$1; shift ;; esac
+  case "${1:-}" in
+    1|2|3|4|5|6|kernels|kernels-a|kernels-b|kernels-c|head512|all) shard=$1; shift ;;
+  esac
   local sel=() f
   case $shard in
     1) sel=($SHARD1) ;;
@@ -142,9 +145,10 @@ suite() {
     5) sel=($SHARD5) ;;
     6) sel=($SHARD6) ;;
     kernels) for f in $SERVING; do sel+=("--ignore=$f"); done; sel+=("--deselect=$FI_CLI") ;;
-    kernels-a|kernels-b)  # the kernels shard's files by name: test_a* to test_l*, the rest
+    kernels-a|kernels-b|kernels-c)  # the kernels shard's files by name
       local pat='tests/test_[a-l]*.py'
-      [ "$shard" = kernels-b ] && pat='tests/test_[m-z]*.py'
+      [ "$shard" = kernels-b ] && pat='tests/test_[m-u]*.py'
+      [ "$shard" = kernels-c ] && pat='tests/test_[v-z]*.py'
       local serving=" $(echo $SERVING) "  # (one space between its names)
       for f in $pat; do [[ $serving == *" $f "* ]] || sel+=("$f"); done
       sel+=("--deselect=$FI_CLI") ;;

@@ -38,6 +38,12 @@ MUTANTS = {
     "split-o-partials": ("cuda_src/paged_prefill_sm90.cuh", [
         (r"s\[4 \* i\] \+= v\.x;", "(void)v.x;"),
     ], ["tests/test_prefill_sm90.py", "-k", "512 and matches_reference"]),
+    # SoftCap(c, approx=True): tanh.approx's argument x ln2 / c; with x / c instead (the
+    # ln2 / 2 of cap_in = 2 / c left out as 1 / 2) every curved logit moves, which the
+    # bound test must see on every path.
+    "tanh-approx-factor": ("cuda_src/variants.cuh", [
+        (r"vp\.cap_in \* 0\.34657359027997264f", "vp.cap_in * 0.5f"),
+    ], ["tests/test_variants.py", "-k", "tanh_approx", "--maxfail=1000"]),
     # A repeat's overlap check over out's bytes: an 8-bit query's out is twice its size.
     "out-bytes-of-the-query": ("cupaged/launch.py", [
         (r"\* p\.dtype\.itemsize,  # out's bytes \(its type\)", "* q.dtype.itemsize,"),

@@ -68,6 +68,10 @@ def _dtype_option(default: str):
 
 
 def _soft_cap_option(f):
+    f = click.option("--soft-cap-approx", is_flag=True,
+                     help="With --soft-cap: cupaged computes the cap's tanh by tanh.approx "
+                          "(cupaged.SoftCap(C, approx=True), FlashInfer's form; each "
+                          "capped logit within about 2^-11 C).")(f)
     return click.option("--soft-cap", type=float, default=None, metavar="C",
                         help="Logits soft cap: each logit becomes C * tanh(logit / C) "
                              "(Gemma 2), C > 0.")(f)
@@ -86,16 +90,18 @@ def _alibi_option(f):
                              "power of two; cupaged.bench.workloads.alibi_slopes).")(f)
 
 
-def _variants(window, soft_cap, sinks=False, alibi=False):
+def _variants(window, soft_cap, soft_cap_approx=False, sinks=False, alibi=False):
     """The variant options as a workloads.Variants; usage errors for bad values."""
     from .workloads import Variants
 
-    for hint, kw in (("--window", dict(window=window)), ("--soft-cap", dict(soft_cap=soft_cap))):
+    for hint, kw in (("--window", dict(window=window)), ("--soft-cap", dict(soft_cap=soft_cap)),
+                     ("--soft-cap-approx", dict(soft_cap=soft_cap,
+                                                soft_cap_approx=soft_cap_approx))):
         try:
             Variants(**kw)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint=hint)
-    return Variants(window, soft_cap, sinks, alibi)
+    return Variants(window, soft_cap, sinks, alibi, soft_cap_approx)
 
 
 def _echo_variants(variants) -> None:
@@ -553,13 +559,13 @@ def _tuning_options(f):
 @_workload_options
 @_tuning_options
 def decode(presets, batch, context, context_dist, rows, heads, kv_heads, head_size, block_size,
-           dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
-           json_path, csv_path, plot_path, tile, ctas_per_sm):
+           dtype, kv_cache_dtype, window, soft_cap, soft_cap_approx, sinks, alibi, partition,
+           reps, seed, json_path, csv_path, plot_path, tile, ctas_per_sm):
     """Time paged-attention decode over a sweep; each result is checked against the
     float64 reference (with the same variants) before it is timed."""
     from .. import planning
 
-    variants = _variants(window, soft_cap, sinks, alibi)
+    variants = _variants(window, soft_cap, soft_cap_approx, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype, kv_cache_dtype, variants, rows)
     planning.set_tuning(tile, ctas_per_sm)
@@ -580,8 +586,8 @@ def decode(presets, batch, context, context_dist, rows, heads, kv_heads, head_si
                    "over cupaged's, FlashInfer's plan() host times; then the notes of the "
                    "rows that did not run or failed their check.")
 def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, window, soft_cap, sinks, alibi, partition, reps, seed,
-            json_path, csv_path, plot_path, impls, tile, ctas_per_sm, summary):
+            dtype, kv_cache_dtype, window, soft_cap, soft_cap_approx, sinks, alibi, partition,
+            reps, seed, json_path, csv_path, plot_path, impls, tile, ctas_per_sm, summary):
     """The same workloads through every implementation available here, on the same data:
     cupaged, a CuPy gather-then-attend baseline, (when torch is importable) torch SDPA
     over gathered pages and over dense contiguous KV, and (when FlashInfer is importable)
@@ -593,7 +599,7 @@ def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_s
     gets window_left and sinks, for soft-cap and ALiBi)."""
     from . import decode, peers, workloads
 
-    variants = _variants(window, soft_cap, sinks, alibi)
+    variants = _variants(window, soft_cap, soft_cap_approx, sinks, alibi)
     ws = _workloads(presets, batch, context, context_dist, heads, kv_heads, head_size,
                     block_size, dtype, kv_cache_dtype, variants, rows)
     kv = workloads.kv_cache_dtype_name(kv_cache_dtype)
@@ -690,8 +696,8 @@ def compare(presets, batch, context, context_dist, rows, heads, kv_heads, head_s
                    "split-KV, tokens per partition (0: a single pass; rounded up to the "
                    "kernel's tile) instead of the planner's (auto).")
 def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_size, block_size,
-            dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, sinks, alibi, reps,
-            tiles, splits):
+            dtype, kv_cache_dtype, kv_layout, non_causal, window, soft_cap, soft_cap_approx,
+            sinks, alibi, reps, tiles, splits):
     """Prefill, chunked prefill and verify: cupaged.attention beside FlashInfer's paged
     prefill (fa2, fa3) and torch SDPA, each checked against the float64 reference first.
     TFLOP/s count useful FLOPs only; the bf16 matmul rate and the copy bandwidth are
@@ -701,7 +707,7 @@ def prefill(presets, impls, batch, query_len, context, heads, kv_heads, head_siz
     gets window_left = W - 1 and logits_soft_cap) with --sinks or --alibi."""
     from . import prefill, peers, timing, workloads
 
-    variants = _variants(window, soft_cap, sinks, alibi)
+    variants = _variants(window, soft_cap, soft_cap_approx, sinks, alibi)
 
     kv = workloads.kv_cache_dtype_name(kv_cache_dtype)
     if kv != "auto" and (batch or query_len):  # a custom shape's --dtype (presets: 16 bits)

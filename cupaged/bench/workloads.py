@@ -93,13 +93,16 @@ class Variants:
     """The attention variants a benchmark runs, all off by default: a sliding ``window``
     of W tokens (a query at position p sees keys in (p - W, p]; FlashInfer's window_left
     is W - 1), a logits ``soft_cap`` c (``c * tanh(logit / c)``), per-head attention
-    ``sinks`` (:func:`sink_values`) and ``alibi`` (:func:`alibi_slopes`). ValueError for
-    a window below 1 or a cap that is not a positive finite float32."""
+    ``sinks`` (:func:`sink_values`) and ``alibi`` (:func:`alibi_slopes`); with
+    ``soft_cap_approx`` cupaged takes the cap as ``cupaged.SoftCap(c, approx=True)``.
+    ValueError for a window below 1, a cap that is not a positive finite float32, or
+    soft_cap_approx without a cap."""
 
     window: int | None = None
     soft_cap: float | None = None
     sinks: bool = False
     alibi: bool = False
+    soft_cap_approx: bool = False
 
     def __post_init__(self):
         w, c = self.window, self.soft_cap
@@ -117,8 +120,11 @@ class Variants:
                 raise ValueError(f"soft cap must be a positive finite number (logits become "
                                  f"c * tanh(logit / c)), got {c}")
             object.__setattr__(self, "soft_cap", float(c))
+        if self.soft_cap_approx and c is None:
+            raise ValueError("soft_cap_approx needs a soft cap (the cap's tanh by tanh.approx)")
         object.__setattr__(self, "sinks", bool(self.sinks))
         object.__setattr__(self, "alibi", bool(self.alibi))
+        object.__setattr__(self, "soft_cap_approx", bool(self.soft_cap_approx))
 
     @property
     def plain(self) -> bool:
@@ -130,7 +136,8 @@ class Variants:
         if self.window is not None:
             parts.append(f"window {self.window}")
         if self.soft_cap is not None:
-            parts.append(f"soft-cap {self.soft_cap:g}")
+            parts.append(f"soft-cap {self.soft_cap:g}" + (" (tanh.approx)" if self.soft_cap_approx
+                                                         else ""))
         if self.sinks:
             parts.append("sinks")
         if self.alibi:
@@ -144,7 +151,9 @@ class Variants:
             parts.append(f"window {self.window} (FlashInfer's window_left {self.window - 1}; "
                          f"bytes and FLOPs count only the keys inside it)")
         if self.soft_cap is not None:
-            parts.append(f"soft-cap {self.soft_cap:g}")
+            parts.append(f"soft-cap {self.soft_cap:g}" + (
+                " (cupaged's tanh by tanh.approx: cupaged.SoftCap(c, approx=True))"
+                if self.soft_cap_approx else ""))
         if self.sinks:
             parts.append(f"sinks (standard normal per head, seed {SINK_SEED})")
         if self.alibi:
@@ -152,16 +161,18 @@ class Variants:
         return ", ".join(parts)
 
     def fields(self) -> dict:
-        """The Result / JSON / CSV fields: window, soft_cap (None: off), sinks, alibi."""
-        return dict(window=self.window, soft_cap=self.soft_cap, sinks=self.sinks,
-                    alibi=self.alibi)
+        """The Result / JSON / CSV fields: window, soft_cap (None: off), soft_cap_approx,
+        sinks, alibi."""
+        return dict(window=self.window, soft_cap=self.soft_cap,
+                    soft_cap_approx=self.soft_cap_approx, sinks=self.sinks, alibi=self.alibi)
 
     def letters(self) -> str:
         """The compile-time variant letters of the decode kernel these variants launch
         (the multi-token kernel adds ``a`` for ALiBi)."""
         from .. import _variants
 
-        return _variants.letters(self.window or 0, self.soft_cap or 0.0, ())
+        return _variants.letters(self.window or 0, self.soft_cap or 0.0, (),
+                                 self.soft_cap_approx)
 
     def device_arrays(self, num_heads: int) -> dict:
         """``sinks`` and ``alibi_slopes`` as float32 device arrays (those set)."""
@@ -173,8 +184,12 @@ class Variants:
         return a
 
     def _args(self, sinks, slopes) -> dict:
-        kw = dict(window=self.window, logits_soft_cap=self.soft_cap, sinks=sinks,
-                  alibi_slopes=slopes)
+        cap = self.soft_cap
+        if cap is not None and self.soft_cap_approx:
+            from .._variants import SoftCap
+
+            cap = SoftCap(cap, approx=True)
+        kw = dict(window=self.window, logits_soft_cap=cap, sinks=sinks, alibi_slopes=slopes)
         return {k: v for k, v in kw.items() if v is not None}
 
     def kernel_args(self, arrays: dict) -> dict:
@@ -412,3 +427,4 @@ class Result:
     soft_cap: float | None = None
     sinks: bool = False
     alibi: bool = False
+    soft_cap_approx: bool = False  # cupaged's cap by tanh.approx

@@ -27,10 +27,10 @@ KV_FORMATS = tuple(jit.KV_FORMATS)
 CACHE_DTYPES = ("", *_dtypes.FP8)
 KV_SCALES = tuple(jit.KV_SCALES)
 # Compile-time variants (cuda_src/variants.cuh): each alone and all together, so every
-# pair with another axis' values meets each feature ("f" comes with "c"; KernelSpec refuses
-# it for f16, so those rows of the product are dropped).
-DECODE_VARIANTS = ("", "w", "c", "b", "r", "wcb", "wcbr")
-PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "cf", "wcf")
+# pair with another axis' values meets each feature ("t" and "f" come with "c"; KernelSpec
+# refuses "f" for f16, so those rows of the product are dropped).
+DECODE_VARIANTS = ("", "w", "c", "b", "r", "ct", "wcb", "wcbr")
+PREFILL_VARIANTS = ("", "w", "c", "a", "wca", "ct", "cf", "ctf", "wcf")
 # paged_prefill_sm90's head sizes: wgmma's N of P V in steps of 64, and over 256 those
 # whose halves are (a consumer's share of the dims).
 SM90_HEAD_SIZES = tuple(h for h in _checks.HEAD_SIZES
