@@ -51,6 +51,7 @@ import cupy
 from cupy_backends.cuda.api import runtime
 
 from . import _arrays, _checks, _prepared, jit, launch
+from ._variants import SoftCap
 
 # Address indices, in _prepared.run's order; 8-11 are a per-call scratch's partials
 # (part_out, part_max, part_sum, counters).
@@ -464,7 +465,7 @@ def call_runner(prep, metas, *values):
             gate.append((name, "ref", weakref.ref(v)))
         elif v is True or v is False:
             gate.append((name, "is", v))
-        elif type(v) in (int, float, str):
+        elif type(v) in (int, float, str, SoftCap):
             gate.append((name, "eq", v))
         else:
             return None

@@ -26,6 +26,7 @@ import cupy
 import numpy as np
 
 from . import _arrays, _checks, jit
+from ._variants import SoftCap
 
 _MAX_ENTRIES = 256
 
@@ -40,11 +41,12 @@ jit.register_launcher_cache(_MEMO)
 UNKEYED = object()  # an argument the memo does not handle: validate every call
 _F32 = np.dtype(np.float32)
 _NUMBERS = (int, float, np.integer, np.floating)
-# Scalars keyed by value: immutable, hashed and compared by value. Anything else (a 0-d
-# tensor as scale, say, hashed by identity and mutable in place) is validated each call.
+# Scalars keyed by value: immutable, hashed and compared by value (a SoftCap is a frozen
+# dataclass of a number and a flag). Anything else (a 0-d tensor as scale, say, hashed by
+# identity and mutable in place) is validated each call.
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str, tuple, np.bool_, np.int8,
                            np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-                           np.uint64, np.float16, np.float32, np.float64})
+                           np.uint64, np.float16, np.float32, np.float64, SoftCap})
 # Bumped by clear(): a key made before a clear (an override of tiles or splits) never
 # matches one made after it, even when a racing call remembers it late.
 _generation = 0

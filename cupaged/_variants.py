@@ -44,6 +44,17 @@ class SoftCap:
     cap: float
     approx: bool = False
 
+    def __post_init__(self):
+        # Types checked here, values by the call (soft_cap): equal SoftCaps are then the
+        # same call's, as the remembered calls key them (SoftCap(True) would equal SoftCap(1)).
+        c = self.cap
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
+            _fail(f"SoftCap.cap must be a number, got {type(c).__name__}", TypeError)
+        if not isinstance(self.approx, (bool, np.bool_)):
+            _fail(f"SoftCap.approx must be a bool, got {type(self.approx).__name__}", TypeError)
+        object.__setattr__(self, "cap", float(c))
+        object.__setattr__(self, "approx", bool(self.approx))
+
 
 class Variants(NamedTuple):
     letters: str  # the compile-time variants ("" plain, "w", "c", "wc", "b", ...)
@@ -97,10 +108,8 @@ def soft_cap(value) -> tuple[float, bool]:
     if value is None:
         return 0.0, False
     approx = False
-    if isinstance(value, SoftCap):
+    if isinstance(value, SoftCap):  # (its types checked when made)
         approx, value = value.approx, value.cap
-        if not isinstance(approx, (bool, np.bool_)):
-            _fail(f"SoftCap.approx must be a bool, got {type(approx).__name__}", TypeError)
         what = "SoftCap.cap"
     else:
         what = "logits_soft_cap"

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.api import runtime
 
-from . import _arrays, _checks, _dtypes, _kvquant, jit, planning
+from . import _arrays, _checks, _dtypes, _kvquant, _prepared, jit, planning
 from ._arrays import as_device_array
 
 __all__ = ["concat_and_cache_mla", "copy_blocks", "copy_blocks_mla", "empty_pinned",
@@ -191,20 +191,71 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     Slots past the cache are skipped too (never written outside it); ``CUPAGED_DEBUG=1``
     raises for them instead (with a device sync). Arrays may be CuPy arrays, torch CUDA
     tensors or any ``__dlpack__`` producer on one device.
+
+    A write whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
+    scales and keywords match an earlier successful write's skips validation; whether the
+    caches overlap what the write reads is still checked at every call's addresses.
     """
+    mk, ptrs = _prepared.key("reshape_and_cache",
+                             (key, value, key_cache, value_cache, slot_mapping),
+                             (k_scale, v_scale), (kv_layout, kv_cache_dtype))
+    prep = _prepared.lookup(mk)
+    # (the same array as both caches passes the overlap pairs, which leave K's and V's
+    # caches apart: repeated here)
+    if prep is None or ptrs[2] == ptrs[3] or _prepared.any_overlap(prep.disjoint, ptrs):
+        prep, ptrs = _prepare_write(key, value, key_cache, value_cache, slot_mapping,
+                                    kv_layout, kv_cache_dtype, k_scale, v_scale, stream)
+        _prepared.remember(mk, prep)
+    if prep.kernel is None:
+        return
+    with _arrays.launching(prep.device):
+        ctx = _arrays.context(prep.device, prep.kind, stream)
+        _launch(prep.kernel, prep.write, ctx.stream, ptrs, prep.source_strides)
+
+
+class _PreparedWrite(NamedTuple):
+    """A remembered reshape_and_cache call: what a repeat with the same metadata still
+    does is check its addresses (``disjoint``, _prepared.any_overlap) and launch."""
+
+    kernel: object  # None: no token to write
+    write: _Write
+    device: int
+    kind: str  # _arrays.stream_framework of the arrays: whose current stream
+    source_strides: tuple  # key's and value's token and head strides, in elements
+    disjoint: tuple
+
+
+def _prepare_write(key, value, key_cache, value_cache, slot_mapping, kv_layout,
+                   kv_cache_dtype, k_scale, v_scale, stream) -> tuple:
+    """``(prepared write, addresses of key, value, the caches and slot_mapping)``: every
+    check (CUPAGED_DEBUG's slot read too), then the launcher."""
     k = as_device_array(key, "key")
     v = as_device_array(value, "value")
     kc = as_device_array(key_cache, "key_cache")
     vc = as_device_array(value_cache, "value_cache")
     sm = as_device_array(slot_mapping, "slot_mapping")
     w = validate_write(k, v, kc, vc, sm, kv_layout, kv_cache_dtype, k_scale, v_scale)
+    kind = _arrays.stream_framework(key_cache, value_cache, key, value)
+    ptrs = _prepared.addresses(k, v, kc, vc, sm)
+    # validate_write's checks that read addresses, to repeat at each call's (an empty
+    # write's too, which validation holds to them): each cache apart from the three
+    # arrays read (not from the other cache: halves of one array), and per-token scale
+    # arrays (keyed at their addresses) apart from those and each other.
+    read = ((0, k), (1, v), (4, sm))
+    disjoint = (_prepared.disjoint_spans(((2, kc),), read)
+                + _prepared.disjoint_spans(((3, vc),), read))
+    if w.quant.mode == "th":
+        disjoint += (_prepared.disjoint_spans(tuple((None, a) for a in w.quant.keep), read)
+                     + _prepared.disjoint_spans(((0, k),), ((1, v), (4, sm)))
+                     + _prepared.disjoint_spans(((1, v),), ((4, sm),)))
     if w.num_tokens == 0:
-        return
-    with _arrays.launching(w.device):
-        ctx = _arrays.context(w.device, _arrays.stream_framework(key_cache, value_cache, key,
-                                                                  value), stream)
-        _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
-        launch_write(write_kernel(w), w, ctx.stream, k, v, kc, vc, sm)
+        return _PreparedWrite(None, w, w.device, kind, (), disjoint), ptrs
+    if _checks.debug():  # (the imports are stamped and held by the launch's own context)
+        with _arrays.on_device(w.device):
+            ctx = _arrays.check_context(w.device, kind, stream)
+            _debug_check_slots(sm, w.cache.num_blocks * w.cache.block_size, ctx)
+    return _PreparedWrite(write_kernel(w), w, w.device, kind, _source_strides(w, k, v),
+                          disjoint), ptrs
 
 
 def write_kernel(w: _Write):
@@ -213,16 +264,27 @@ def write_kernel(w: _Write):
                    w.cache.dtype.name, w.quant.mode)
 
 
+def _source_strides(w: _Write, k, v) -> tuple:
+    it = w.source.itemsize
+    return k.strides[0] // it, k.strides[1] // it, v.strides[0] // it, v.strides[1] // it
+
+
 def launch_write(kern, w: _Write, stream: int, k, v, kc, vc, sm) -> None:
     """Launch a validated write on ``stream`` (a handle) for adapted arrays with the
     metadata ``w`` was validated with (their addresses are free)."""
+    _launch(kern, w, stream, (k.data.ptr, v.data.ptr, kc.data.ptr, vc.data.ptr, sm.data.ptr),
+            _source_strides(w, k, v))
+
+
+def _launch(kern, w: _Write, stream: int, ptrs, source_strides) -> None:
+    """The write's launch: ``ptrs`` the addresses of key, value, the caches and
+    slot_mapping, ``source_strides`` key's and value's token and head strides (elements)."""
     cache, q = w.cache, w.quant
-    it = w.source.itemsize
+    kp, vp, kcp, vcp, smp = ptrs
+    ks0, ks1, vs0, vs1 = source_strides
     kern((w.num_tokens, 1, 1), _THREADS, 0, stream,
-         k.data.ptr, k.strides[0] // it, k.strides[1] // it,
-         v.data.ptr, v.strides[0] // it, v.strides[1] // it,
-         kc.data.ptr, *cache.k_strides, vc.data.ptr, *cache.v_strides,
-         sm.data.ptr, cache.num_kv_heads, cache.head_size, cache.block_size,
+         kp, ks0, ks1, vp, vs0, vs1, kcp, *cache.k_strides, vcp, *cache.v_strides,
+         smp, cache.num_kv_heads, cache.head_size, cache.block_size,
          cache.num_blocks * cache.block_size, int(w.vec_src), q.k_ptr, q.v_ptr,
          q.block_stride, q.head_stride, q.k_value, q.v_value)
 

@@ -860,6 +860,129 @@ def test_a_write_from_torch_sources_into_cupy_caches_runs_on_torchs_stream(monke
         assert stub.launches[-1][4] == 0x7777
 
 
+def _write_cases(stub):
+    """reshape_and_cache's argument sets for the remembered-write tests (stubbed arrays at
+    fresh addresses): NHD and vLLM's layout, 16-bit; fp8 with a one-element device scale;
+    fp8 with per-token scale arrays (which the write fills)."""
+    f = stub.fake
+    kv = lambda: [f((8, 2, 64), np.float16) for _ in "kv"]  # noqa: E731
+    slots = lambda: f((8,), np.int64)  # noqa: E731
+    nhd = lambda dt: [f((16, 16, 2, 64), dt) for _ in "kv"]  # noqa: E731
+    return {
+        "NHD": lambda: (*kv(), *nhd(np.float16), slots(), dict(kv_layout="NHD")),
+        "vllm": lambda: (*kv(), f((16, 2, 8, 16, 8), np.float16), f((16, 2, 64, 16), np.float16),
+                         slots(), {}),
+        "fp8 scale array": lambda: (*kv(), *nhd(np.uint8), slots(),
+                                    dict(kv_layout="NHD", kv_cache_dtype="fp8",
+                                         k_scale=f((1,), np.float32), v_scale=f((1,), np.float32))),
+        "fp8 per token": lambda: (*kv(), *nhd(np.uint8), slots(),
+                                  dict(kv_layout="NHD", kv_cache_dtype="fp8",
+                                       k_scale=f((16, 2, 16), np.float32),
+                                       v_scale=f((16, 2, 16), np.float32))),
+    }
+
+
+@pytest.mark.parametrize("case", ["NHD", "vllm", "fp8 scale array", "fp8 per token"])
+def test_a_repeated_write_launches_what_a_validated_one_does(case, monkeypatch):
+    """A write whose metadata an earlier one had skips validation: its launch, at its own
+    addresses and on the current stream, is byte for byte the one a fresh validation
+    gives."""
+    from cupaged import _prepared
+    from cupaged.bench.stub import stubbed_driver
+
+    with stubbed_driver(record=True) as stub:
+        make = _write_cases(stub)[case]
+        first, second = make(), make()
+        if case.startswith("fp8"):  # (scale arrays are keyed at their address)
+            second = (*second[:5], dict(second[5], k_scale=first[5]["k_scale"],
+                                        v_scale=first[5]["v_scale"]))
+        _prepared.clear()
+        cupaged.reshape_and_cache(*second[:5], **second[5])
+        fresh = stub.launches[-1]
+        _prepared.clear()
+        cupaged.reshape_and_cache(*first[:5], **first[5])
+        n = len(stub.launches)
+        with monkeypatch.context() as m:  # remembered: no validation
+            m.setattr(cache_ops, "validate_write", None)
+            cupaged.reshape_and_cache(*second[:5], **second[5])
+        assert len(stub.launches) == n + 1 and stub.launches[-1] == fresh
+        assert fresh[4] == stub.stream().ptr
+    _prepared.clear()
+
+
+def test_a_repeated_write_checks_its_own_addresses():
+    """A write with an earlier one's metadata whose arrays now overlap (a cache over the
+    sources or the slots, one array as both caches, a per-token scale over a source) is
+    refused with the first call's error, before anything launches; the same arrays apart
+    again are written."""
+    from cupaged import _prepared
+    from cupaged.bench.stub import stubbed_driver
+
+    with stubbed_driver(record=True) as stub:
+        f = stub.fake
+        make = _write_cases(stub)["NHD"]
+        k, v, kc, vc, sm, kw = make()
+        _prepared.clear()
+        cupaged.reshape_and_cache(k, v, kc, vc, sm, **kw)
+        n = len(stub.launches)
+        with pytest.raises(ValueError, match="key_cache and value_cache are the same memory"):
+            cupaged.reshape_and_cache(k, v, kc, kc, sm, **kw)
+        inside = kc.data.ptr + 4096
+        for name in ("key", "value", "slot_mapping"):
+            args = dict(key=k, value=v, slot_mapping=sm)
+            a = args[name]
+            args[name] = f(a.shape, a.dtype, ptr=inside)
+            with pytest.raises(ValueError, match=rf"(key_cache and {name}|{name} and key_cache) "
+                                                 rf"overlap"):
+                cupaged.reshape_and_cache(args["key"], args["value"], kc, vc,
+                                          args["slot_mapping"], **kw)
+        assert len(stub.launches) == n
+        k8, v8, kc8, vc8, sm8, kw8 = _write_cases(stub)["fp8 per token"]()
+        cupaged.reshape_and_cache(k8, v8, kc8, vc8, sm8, **kw8)
+        n = len(stub.launches)
+        ks = kw8["k_scale"]
+        over = f(k8.shape, k8.dtype, ptr=ks.data.ptr)
+        with pytest.raises(ValueError, match="k_scale and key overlap|key and k_scale overlap"):
+            cupaged.reshape_and_cache(over, v8, kc8, vc8, sm8, **kw8)
+        assert len(stub.launches) == n
+        cupaged.reshape_and_cache(k, v, kc, vc, sm, **kw)
+        assert len(stub.launches) == n + 1
+        # A write of no token (a padded batch's empty step) repeats the same checks.
+        none = f((0,), np.int64)
+        cupaged.reshape_and_cache(k, v, kc, vc, none, **kw)
+        with pytest.raises(ValueError, match="(key_cache and key|key and key_cache) overlap"):
+            cupaged.reshape_and_cache(f(k.shape, k.dtype, ptr=inside), v, kc, vc, none, **kw)
+        assert len(stub.launches) == n + 1
+    _prepared.clear()
+
+
+def test_a_debug_write_holds_its_imports_past_its_launch(monkeypatch):
+    """Under CUPAGED_DEBUG a write reads slot_mapping on the host before it launches; a
+    DLPack import of the call is stamped by the launch's context and recorded (held) after
+    the launch, not released after the read."""
+    from cupaged.bench.stub import stubbed_driver
+
+    events = []
+    monkeypatch.setattr(cupaged._checks, "DEBUG", True)
+    monkeypatch.setattr(_arrays, "order_after_producers", lambda ctx: None)
+    with stubbed_driver(record=True) as stub:
+        monkeypatch.setattr(cache_ops, "_debug_check_slots",
+                            lambda sm, n, ctx: events.append(("slots read", len(stub.launches))))
+
+        def record():  # the write's launch is stub.launches[0]
+            events.append(("recorded", len(_arrays.HOLDS.stamped), len(stub.launches)))
+            _arrays.HOLDS.stamped = []  # (no events to make on the stub)
+
+        monkeypatch.setattr(_arrays, "record_launched", record)
+        k, v = (stub.fake((8, 2, 64), np.float16) for _ in "kv")
+        kc, vc = (stub.fake((16, 16, 2, 64), np.float16) for _ in "kv")
+        sm = stub.fake((8,), np.int64)
+        monkeypatch.setattr(_arrays.HOLDS, "pending", [k])  # an import of this call's
+        monkeypatch.setattr(_arrays.HOLDS, "stamped", [])
+        cupaged.reshape_and_cache(k, v, kc, vc, sm, kv_layout="NHD")
+    assert events == [("slots read", 0), ("recorded", 1, 1)], events
+
+
 def test_a_paged_cache_past_int32_slots_is_refused():
     """Its steps upload slot mappings as int32: a cache of more than 2^31 - 1 token slots
     is refused before anything is allocated."""

@@ -61,6 +61,12 @@ FORMS = {
                                               v_scale=0.25)),
     "decode-soft-cap-bf16": (64, 1, 16, False, dict(max_seq_len=64, logits_soft_cap=30.0,
                                                     dtype="bfloat16")),
+    # the cap by tanh.approx (variant "ct"): a SoftCap keyword, remembered as a number is
+    "decode-soft-cap-approx": (64, 1, 16, False, dict(
+        max_seq_len=64, logits_soft_cap=cupaged.SoftCap(30.0, approx=True), dtype="bfloat16")),
+    "prefill-soft-cap-approx": (16, 32, 16, True, dict(
+        max_query_len=32, max_seq_len=256, logits_soft_cap=cupaged.SoftCap(30.0, approx=True),
+        dtype="bfloat16")),
     # The flat split ("auto" with 64 x 8 (sequence, head tile) units, at least the stub's
     # H200's resident CTAs, over 1024 keys: planning.FLAT_SCRATCH_MIN_BYTES or more): grid
     # (CTAs, 1, 1), partials and one counter a unit in a scratch of the call's own (zeroed
@@ -296,6 +302,23 @@ def test_attention_keywords_are_compared_with_the_remembered_ones(stub):
         want = outcome(stub, lambda: e.generic(a, b))
         assert outcome(stub, lambda: e.fast(a, b)) == want, more
     assert outcome(stub, lambda: e.fast(a, dict(kw, scale=0.1)))[0] == "launched"
+
+
+def test_a_soft_cap_keyword_is_compared_by_type_and_value(stub):
+    """A SoftCap is remembered by value: the remembered one, or an equal one, runs fast;
+    a number or another SoftCap (approx or not, another cap) launches what the generic
+    path launches (its own kernel)."""
+    a, kw = make_form(stub, "decode-soft-cap-approx")
+    e = Entry("attention", a, kw)
+    caps = [cupaged.SoftCap(30.0, approx=True), cupaged.SoftCap(30.0), 30.0,
+            cupaged.SoftCap(31.0, approx=True)]
+    for cap in caps:
+        b = dict(kw, logits_soft_cap=cap)
+        want = outcome(stub, lambda: e.generic(a, b))
+        assert outcome(stub, lambda: e.fast(a, b)) == want, cap
+    names = {outcome(stub, lambda: e.generic(a, dict(kw, logits_soft_cap=c)))[2][0][0]
+             for c in caps[:3]}
+    assert len(names) == 2 and sum("ct" in n for n in names) == 1, names
 
 
 def test_a_clear_drops_the_fast_run_even_while_one_is_made(stub, monkeypatch):

@@ -506,6 +506,30 @@ def test_soft_cap_by_tanh_approx_within_its_bound(rng, request, monkeypatch, pre
         f"{what}: lse off by up to {lse_err.max():.3e}")
 
 
+def test_the_approximate_cap_runs_tanh_approx_and_only_there():
+    """Variant "t" compiles to tanh.approx.f32 in every kernel that takes soft-cap (decode,
+    both multi-token kernels, with the fixed offset too), and the exact forms hold none:
+    the bound test alone would pass a kernel that ignored "t" (the exact tanh is within
+    the bound)."""
+    from dataclasses import replace
+
+    from cupaged import jit
+
+    base = [jit.KernelSpec("paged_decode", "bf16", 128, 16, 4, variant="c"),
+            jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant="c", warps=4,
+                           m_atoms=2, tile_tokens=64, stages=2),
+            jit.KernelSpec("paged_prefill", "bf16", 128, 16, variant="cf", warps=4,
+                           m_atoms=2, tile_tokens=64, stages=2),
+            jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16, variant="c"),
+            jit.KernelSpec("paged_prefill_sm90", "bf16", 128, 16, variant="cf")]
+    approx = [replace(s, variant=s.variant.replace("c", "ct")) for s in base]
+    forms, _ = jit.ptx_forms(base + approx)
+    tanh = "tanh.approx.f32 %, %"
+    for exact, fast in zip(base, approx):
+        assert tanh in forms[fast], fast.name
+        assert tanh not in forms[exact], exact.name
+
+
 def test_the_fixed_offset_bound_matches_the_kernels():
     """_variants.MAX_FIXED_CAP is variants.cuh's kMaxFixedCap: the host chooses the fixed
     offset only where the kernel's range argument holds."""
@@ -684,7 +708,12 @@ def test_soft_cap_values():
     with pytest.raises(TypeError, match="logits_soft_cap"):
         _variants.soft_cap("30")
     with pytest.raises(TypeError, match="SoftCap.approx must be a bool"):
-        _variants.soft_cap(cupaged.SoftCap(30, approx="yes"))
+        cupaged.SoftCap(30, approx="yes")
+    for bad in (True, "30", None):
+        with pytest.raises(TypeError, match="SoftCap.cap must be a number"):
+            cupaged.SoftCap(bad)
+    assert cupaged.SoftCap(np.float32(30)) == cupaged.SoftCap(30) and \
+        type(cupaged.SoftCap(30).cap) is float
     # A value of the memo keys: equal and hashing alike when equal.
     assert hash(cupaged.SoftCap(30, True)) == hash(cupaged.SoftCap(30, True))
     assert cupaged.SoftCap(30, True) != cupaged.SoftCap(30)

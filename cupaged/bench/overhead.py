@@ -207,14 +207,15 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
 
 
 def stubbed_overheads(calls: int = 10000) -> dict:
-    """Host time per call of AttentionPlan.run and of attention's repeated call on the CPU
-    alone, the device's calls stubbed (:mod:`.stub`: nothing launches, so the launch's own
-    cost is not in them), llama-3-8b's shape (32 query heads, 8 KV heads, head size 128,
-    float16, NHD blocks of 16). Each form is timed as a caller runs it (the fast run) and
+    """Host time per call of AttentionPlan.run, of attention's repeated call and of a cache
+    write on the CPU alone, the device's calls stubbed (:mod:`.stub`: nothing launches, so
+    the launch's own cost is not in them), llama-3-8b's shape (32 query heads, 8 KV heads,
+    head size 128, float16, NHD blocks of 16). Each form is timed as a caller runs it (the fast run) and
     with ``stream=`` CuPy's current stream, which the fast run leaves to the generic path;
     a pure-Python loop gauges the CPU's speed."""
     from .. import decode
     from ..attention import AttentionPlan, attention
+    from ..cache_ops import reshape_and_cache
     from .stub import stubbed_driver
 
     rows = {}
@@ -251,6 +252,12 @@ def stubbed_overheads(calls: int = 10000) -> dict:
                 lambda: attention(*arrays, out=out, **kw), calls)
             rows[f"attention, {name}, stream= (generic path)"] = timing.host_us(
                 lambda: attention(*arrays, out=out, stream=current, **kw), calls)
+        # A step's cache write of 8 tokens into NHD caches (the eager row's shape)
+        kv = [f((8, 8, 128), np.float16) for _ in "kv"]
+        caches = [f((512, 16, 8, 128), np.float16) for _ in "kv"]
+        slots = f((8,), np.int64)
+        rows["reshape_and_cache, 8 tokens"] = timing.host_us(
+            lambda: reshape_and_cache(*kv, *caches, slots, kv_layout="NHD"), calls)
     return rows
 
 
