@@ -766,7 +766,10 @@ def test_overhead_with_the_driver_stubbed_needs_no_gpu():
     for name in ("python gauge", "AttentionPlan.run, decode 64 x 64 (single pass)",
                  "attention, decode 64 x 256 (flat split, scratch)",
                  "attention, decode 8 x 2048 (split-KV, scratch)",
-                 "AttentionPlan.run, prefill 16 x 32 tokens, stream= (generic path)"):
+                 "AttentionPlan.run, prefill 16 x 32 tokens, stream= (generic path)",
+                 "mla_attention, 128 heads, decode (single pass)",
+                 "mla_attention, 16 heads, decode (split-KV, workspace)",
+                 "reshape_and_cache, 8 tokens"):
         assert name in r.output
     assert jit.driver is driver  # the stand-ins are gone
 

@@ -1583,7 +1583,8 @@ def ab_tuning(settings, rows, shapes, heads, batch, context, layout, dtype, head
                    "parameter packing, cuLaunchKernel, and the primitives a faster path "
                    "would use), then a cProfile of each call (needs torch and a GPU).")
 @click.option("--stub-driver", is_flag=True,
-              help="Time AttentionPlan.run and attention's repeated call on the CPU alone, "
+              help="Time AttentionPlan.run, attention's and mla_attention's repeated "
+                   "calls and a cache write on the CPU alone, "
                    "no GPU needed: CuPy arrays at made-up device addresses, and the current "
                    "device and stream, allocation, kernel loading, cuLaunchKernel and "
                    "cudaMemsetAsync replaced by stand-ins that launch nothing "

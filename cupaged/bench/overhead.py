@@ -252,6 +252,20 @@ def stubbed_overheads(calls: int = 10000) -> dict:
                 lambda: attention(*arrays, out=out, **kw), calls)
             rows[f"attention, {name}, stream= (generic path)"] = timing.host_us(
                 lambda: attention(*arrays, out=out, stream=current, **kw), calls)
+        # mla_attention's decode rows (the eager rows' shapes: batch 8, context 1024,
+        # DeepSeek's combined latent cache in blocks of 64)
+        from ..mla import mla_attention
+
+        mla_cache = f((8 * 16, 64, 576), np.float16)
+        mla_bt, mla_lens = f((8, 16), np.int32), f((8,), np.int32)
+        mla_ws = decode.DecodeWorkspace(8, 16, 512, rows=8 * 16 * 8, device=0)
+        for heads, split, ws in ((128, 0, None), (16, 4, mla_ws)):
+            q, o = f((8, heads, 576), np.float16), f((8, heads, 512), np.float16)
+            with _mla_split(split):
+                name = "single pass" if not split else "split-KV, workspace"
+                rows[f"mla_attention, {heads} heads, decode ({name})"] = timing.host_us(
+                    lambda: mla_attention(q, mla_cache, mla_bt, mla_lens, scale=0.07,
+                                          max_seq_len=1024, out=o, workspace=ws), calls)
         # A step's cache write of 8 tokens into NHD caches (the eager row's shape)
         kv = [f((8, 8, 128), np.float16) for _ in "kv"]
         caches = [f((512, 16, 8, 128), np.float16) for _ in "kv"]
