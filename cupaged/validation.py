@@ -272,6 +272,8 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
     if num_heads == 0 or num_heads % cache.num_kv_heads:
         _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
               f"({cache.num_kv_heads})")
+    if num_heads > _checks.MAX_GRID_YZ:  # a split's combine: a grid row a head
+        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
     group = num_heads // cache.num_kv_heads
     if total_q * max(group, 1) > _checks.INT32_MAX:
         _fail(f"total_q * (num_heads / num_kv_heads) = {total_q * group} query rows; at most "
@@ -460,6 +462,11 @@ def _mla_part(a, name: str, lead: tuple, what: str):
     return tuple(st // itemsize for st in a.strides[:2])
 
 
+# mla_attention's packed rows (tokens x heads) a call: the kernels walk a sequence's row
+# tiles with an int32 stride of up to its rows plus a tile, which must not wrap.
+MLA_MAX_ROWS = 2 ** 30
+
+
 def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_loc, out,
                  lse, kv_lora_rank, kv_cache_dtype,
                  sparse_rows: str | None = None, tables_apart: bool = True) -> MlaProblem:
@@ -556,9 +563,11 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
         q_offsets = (0, rank)
     if num_heads == 0:
         _fail("q must have at least one head")
-    if total_q * num_heads > _checks.INT32_MAX:
+    if num_heads > _checks.MAX_GRID_YZ:  # a split's combine: a grid row a head
+        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
+    if total_q * num_heads > MLA_MAX_ROWS:
         _fail(f"total_q * num_heads = {total_q * num_heads} rows; at most "
-              f"{_checks.INT32_MAX} are supported per call")
+              f"{MLA_MAX_ROWS} are supported per call")
     qs = _mla_part(q_lat, q_name, (), "[total_q, num_heads, ...]")
     if pair:
         qs += _mla_part(q_rope, "q_pe", (total_q, num_heads), "[total_q, num_heads, rope_dim]")
@@ -579,6 +588,8 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
 
     num_seqs, max_blocks = check_varlen_tables(block_tables, seq_lens, query_start_loc,
                                                total_q, block_size, q_name)
+    if num_seqs > _checks.INT32_MAX:  # the grid's x: (sequence, row tile)
+        _fail(f"{num_seqs} sequences; at most {_checks.INT32_MAX} are supported")
     if out is not None:
         if out.dtype != q_lat.dtype:
             _fail(f"out dtype {out.dtype} does not match q's {q_lat.dtype}", TypeError)

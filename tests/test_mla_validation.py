@@ -332,10 +332,30 @@ def test_strides_that_are_not_whole_elements_are_refused():
 def test_too_many_rows_or_blocks_are_refused():
     q = fake(np.zeros((5, 16, 576), F16), "q")
     q.shape = (2**27, 16, 576)
-    refused(mbad(q=q), ValueError, r"total_q \* num_heads = 2147483648 rows; at most 2147483647")
+    refused(mbad(q=q), ValueError, r"total_q \* num_heads = 2147483648 rows; at most 1073741824")
     kc = fake(np.zeros((10, 16, 576), F16), "kv_cache")
     kc.shape = (2**31, 16, 576)
     refused(mbad(kv_cache=kc), ValueError, "num_blocks 2147483648: at most 2")
+    # The combine's grid y is the heads; the row tiles' stride must stay in 32 bits
+    q = fake(np.zeros((5, 16, 576), F16), "q")
+    q.shape = (1, 65536, 576)
+    refused(mbad(q=q, out=None, lse=None), ValueError, "num_heads is 65536; at most 65535")
+    q.shape = (2**14 + 1, 2**16 - 1, 576)  # past 2^30 rows
+    refused(mbad(q=q, out=None, lse=None), ValueError,
+            r"total_q \* num_heads = 1073790975 rows; at most 1073741824")
+
+
+def test_more_sequences_than_the_grid_holds_are_refused():
+    """Grid x is (sequence, row tile): more than 2^31 - 1 sequences are refused (a table
+    of stride 0 makes such a batch from little memory)."""
+    a = mbad(out=None, lse=None)
+    bt = fake(np.zeros((1, 4), np.int32), "block_tables")
+    sl, qsl = (fake(np.zeros(4, np.int32), n) for n in ("seq_lens", "query_start_loc"))
+    bt.shape, bt.strides = (2**31, 4), (0, 4)
+    sl.shape = (2**31,)
+    qsl.shape = (2**31 + 1,)
+    refused(dict(a, block_tables=bt, seq_lens=sl, query_start_loc=qsl), ValueError,
+            "2147483648 sequences; at most 2147483647")
 
 
 @pytest.mark.parametrize("name", ["q_pe", "kv_cache", "k_pe_cache", "block_tables",

@@ -379,6 +379,14 @@ def test_block_strides_past_32_bits_are_refused_for_the_prefill_kernel():
             _checks.check_block_strides(bad)
 
 
+def test_more_query_heads_than_the_combine_grid_allows_are_refused():
+    """A split multi-token call's combine runs a CTA row a head (grid y): more than 65535
+    query heads are refused before anything is planned."""
+    with pytest.raises(ValueError, match="num_heads is 65536; at most 65535"):
+        vvalidate(**vargs(total_q=1, heads=65536, kv_heads=1, hs=32))
+    vvalidate(**vargs(total_q=1, heads=65535, kv_heads=1, hs=32))
+
+
 def test_query_strides_must_be_whole_elements():
     from test_validation import _odd_strides
 
