@@ -126,6 +126,9 @@ class ContextParallelPlan(NamedTuple):
     full_qsl: np.ndarray
     full_seq_lens: np.ndarray
     full_seqs: np.ndarray
+    # What it was made for: (rank, world_size, interleave) and the step's host lengths and
+    # query starts (int64; starts None for one row a sequence), which prefill compares
+    made_for: tuple = ()
 
 
 class ContextParallelBuffers:
@@ -291,6 +294,7 @@ class ContextParallel:
         """This rank's segments of a causal multi-row step (see the module): the host
         work of :meth:`prefill`, on global ``seq_lens`` and ``query_start_loc``."""
         lens, q_lens, seq, pos = self._rows(seq_lens, query_start_loc)
+        made_for = self._made_for(lens, query_start_loc)
         total_q = len(pos)
         owned = self.owner(pos) == self.rank
         seen = self.local_lens(pos + 1)  # local keys each row sees
@@ -316,7 +320,26 @@ class ContextParallel:
         rc, qc, lc, sc = part(causal)
         rf, qf, lf, sf = part(full)
         return ContextParallelPlan(total_q, np.concatenate([rc, rf]), len(rc), qc, lc, sc,
-                                   qf, lf, sf)
+                                   qf, lf, sf, made_for)
+
+    def _made_for(self, lens, query_start_loc) -> tuple:
+        starts = None if query_start_loc is None else _host_ints(query_start_loc,
+                                                                  "query_start_loc")
+        return (self.rank, self.world_size, self.interleave), lens, starts  # (copies)
+
+    def _check_plan(self, plan: ContextParallelPlan, seq_lens, query_start_loc) -> None:
+        """prefill's ``plan=``: this rank's plan of this step (the same row count of
+        another's would run the wrong rows over the wrong keys)."""
+        placed, lens, starts = plan.made_for or ((), None, None)
+        got_lens = _host_ints(seq_lens, "seq_lens")
+        got_starts = (None if query_start_loc is None
+                      else _host_ints(query_start_loc, "query_start_loc"))
+        if (placed != (self.rank, self.world_size, self.interleave)
+                or lens is None or not np.array_equal(lens, got_lens)
+                or (starts is None) != (got_starts is None)
+                or (starts is not None and not np.array_equal(starts, got_starts))):
+            raise ValueError("plan was made for another step or rank: pass this rank's "
+                             "plan(seq_lens, query_start_loc) of this step, or none")
 
     # ---- attention ----------------------------------------------------------------------------
 
@@ -336,9 +359,27 @@ class ContextParallel:
                     raise ValueError(f"ContextParallel does not take {name}={value!r}: {why}")
             elif name not in _PASSED:
                 raise TypeError(f"unexpected keyword argument {name!r}")
-        if kw.get("sinks") is not None and self.rank != 0:
-            kw["sinks"] = None  # a sink joins one partial only: rank 0's
         return kw
+
+    def _rank_keywords(self, kw: dict) -> dict:
+        """The keywords of this rank's own attention: a sink joins one partial only, rank
+        0's."""
+        if kw.get("sinks") is not None and self.rank != 0:
+            kw = dict(kw, sinks=None)
+        return kw
+
+    @staticmethod
+    def _check_shared(views, query, key_cache, value_cache, block_tables, kw) -> None:
+        """cupaged.attention's checks of what every rank shares (the query's type and head
+        size, the caches' layout and types, the scales, the soft cap, the sinks), by a call
+        of no rows (nothing launched, nothing allocated), for a rank that would skip them:
+        one with no rows of its own, or whose attention does not get the sinks. A bad call
+        then raises on every rank instead of leaving the others in the collective."""
+        _, _, part_out, part_lse, *_ = views
+        torch = _torch()
+        no_lens = torch.zeros(0, dtype=torch.int32, device=query.device)
+        _attend(query[:0], key_cache, value_cache, block_tables[:0], no_lens,
+                out=part_out[:0], lse=part_lse[:0], **kw)
 
     def _buffers(self, buffers, query):
         rows, h, d = query.shape
@@ -405,8 +446,11 @@ class ContextParallel:
         views = self._buffers(buffers, query)
         _, _, part_out, part_lse, *_ = views
         if query.shape[0]:
+            own = self._rank_keywords(kw)
+            if own is not kw:  # (the sinks, which this rank's attention does not check)
+                self._check_shared(views, query, key_cache, value_cache, block_tables, kw)
             _attend(query, key_cache, value_cache, block_tables, seq_lens, out=part_out,
-                    lse=part_lse, workspace=workspace, max_seq_len=max_seq_len, **kw)
+                    lse=part_lse, workspace=workspace, max_seq_len=max_seq_len, **own)
         return self._exchange(views, query, out, lse, return_lse)
 
     def prefill(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -434,12 +478,21 @@ class ContextParallel:
         (allocations), so it is not for graph capture.
         """
         torch = _torch()
-        kw = self._keywords(keywords)
+        shared = self._keywords(keywords)
+        kw = self._rank_keywords(shared)
+        if plan is not None:
+            self._check_plan(plan, seq_lens, query_start_loc)
         p = self.plan(seq_lens, query_start_loc) if plan is None else plan
         if p.total_q != query.shape[0]:
             raise ValueError(f"the step has {p.total_q} query rows, the query {query.shape[0]}")
         views = self._buffers(buffers, query)
         _, _, part_out, part_lse, *_ = views
+        # Checked on every rank, also one with no rows here: an error on some ranks only
+        # would leave the others waiting in the collective.
+        bs = _block_size(key_cache, kw.get("kv_layout", "NHD"))
+        rows = len(p.perm)
+        if not rows or shared.get("sinks") is not None:
+            self._check_shared(views, query, key_cache, value_cache, block_tables, shared)
         part_out.zero_()
         sinks = kw.get("sinks")
         if sinks is None:
@@ -447,10 +500,6 @@ class ContextParallel:
         else:  # a row with no local key still has its sink (rank 0 only)
             part_lse.copy_(torch.as_tensor(sinks, device=part_lse.device).view(1, -1)
                            .expand_as(part_lse))
-        # Checked on every rank, also one with no rows here: an error on some ranks only
-        # would leave the others waiting in the collective.
-        bs = _block_size(key_cache, kw.get("kv_layout", "NHD"))
-        rows = len(p.perm)
         if rows:
             dev = query.device
             perm = torch.as_tensor(p.perm, device=dev)
@@ -463,6 +512,10 @@ class ContextParallel:
                 if a == b:
                     continue
                 width = max(1, -(-int(lens.max()) // bs))
+                if block_tables.shape[1] < width:  # (the kernels would stop at its end)
+                    raise ValueError(f"block_tables has {block_tables.shape[1]} blocks a "
+                                     f"sequence; this rank's keys need {width} of "
+                                     f"{bs} tokens")
                 tables = block_tables[:, :width].index_select(0, torch.as_tensor(seqs, device=dev))
                 _attend(q[a:b], key_cache, value_cache, tables,
                         torch.as_tensor(lens, device=dev), torch.as_tensor(qsl, device=dev),

@@ -146,6 +146,19 @@ def test_plan_gives_each_row_its_visible_local_keys():
             assert (got == want).all(), (world, il, r)
 
 
+def test_a_plan_of_another_step_or_rank_is_refused():
+    """prefill's plan= must be this rank's plan of this step: another's (the same row
+    count, other segments) would run the wrong rows over the wrong keys."""
+    cps = [cpd.ContextParallel(rank=r, world_size=2, interleave=4) for r in (0, 1)]
+    lens, qsl = [37, 21], [0, 12, 21]
+    q = torch.zeros(21, HEADS, HS)
+    for other, what in ((cps[1].plan(lens, qsl), "rank"),
+                        (cps[0].plan([40, 21], qsl), "step"),
+                        (cps[0].plan(lens, [0, 13, 21]), "step")):
+        with pytest.raises(ValueError, match="plan was made for another step or rank"):
+            cps[0].prefill(q, None, None, None, lens, qsl, plan=other)
+
+
 def test_bad_steps_and_keywords_are_refused():
     cp = cpd.ContextParallel(rank=0, world_size=2)
     with pytest.raises(ValueError, match="query tokens"):
@@ -267,6 +280,80 @@ def _gloo_worker(rank, world, port, seed):
                          torch.from_numpy(local_lens.astype(np.int32)))
     finally:
         dist.destroy_process_group()
+
+
+def _checking_attend(query, key_cache, value_cache, block_tables, seq_lens,
+                     query_start_loc=None, **kw):
+    """_reference_attend after the shared checks cupaged.attention makes (a soft cap's
+    value, the sinks' length), on any call, one of no rows included."""
+    from cupaged import _variants
+
+    _variants.soft_cap(kw.get("logits_soft_cap"))
+    sinks = kw.get("sinks")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"sinks must be [num_heads = {query.shape[1]}]")
+    return _reference_attend(query, key_cache, value_cache, block_tables, seq_lens,
+                             query_start_loc, **kw)
+
+
+def _bad_call_worker(rank, world, port):
+    """A bad shared argument raises on every rank: on a rank with no rows of its own
+    (rank 1 of a first chunk of 8 tokens over units of 16) and on ranks that do not pass
+    the sinks on (all but rank 0). A rank left in the collective would time out there."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        cpd._attend, cpd._merge = _checking_attend, _reference_merge
+        cp = cpd.ContextParallel(interleave=16)
+        ks, vs, q, lens, q_lens, qsl, _ = _problem(7, [8], [8])
+        kc, vc, tables, local_lens = _rank_cache(cp, ks, vs, lens, q_lens, qsl, 4, False)
+        args = (torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc),
+                torch.from_numpy(np.ascontiguousarray(tables)))
+        assert len(cp.plan(lens, qsl).perm) == (8 if rank == 0 else 0)
+        with pytest.raises(ValueError, match="logits_soft_cap"):
+            cp.prefill(*args, lens, qsl, logits_soft_cap=-5.0)
+        bad_sinks = torch.zeros(HEADS + 1, dtype=torch.float64)
+        with pytest.raises(ValueError, match="sinks"):
+            cp.prefill(*args, lens, qsl, sinks=bad_sinks)
+        ks, vs, q, lens, q_lens, qsl, _ = _problem(8, [40, 3], None)
+        kc, vc, tables, local_lens = _rank_cache(cp, ks, vs, lens, q_lens, qsl, 4, True)
+        args = (torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc),
+                torch.from_numpy(np.ascontiguousarray(tables)),
+                torch.from_numpy(local_lens.astype(np.int32)))
+        with pytest.raises(ValueError, match="sinks"):
+            cp.decode(*args, sinks=bad_sinks)
+        cp.decode(*args)  # the ranks are still in step
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_local_table_too_narrow_for_the_local_keys_is_refused():
+    """prefill knows each rank's key counts on the host: a table that cannot hold them
+    (the kernels would stop at its end, the keys past it dropped) is refused."""
+    cpd_attend = cpd._attend
+    cp = cpd.ContextParallel(rank=0, world_size=1)
+    ks, vs, q, lens, q_lens, qsl, _ = _problem(3, [40], [40])
+    kc, vc, tables, _ = _rank_cache(cp, ks, vs, lens, q_lens, qsl, 4, False)
+    narrow = torch.from_numpy(np.ascontiguousarray(tables[:, :9]))  # 36 of 40 tokens
+    try:
+        cpd._attend = _reference_attend
+        with pytest.raises(ValueError, match="block_tables has 9 blocks a sequence; this "
+                                             "rank's keys need 10 of 4 tokens"):
+            cp.prefill(torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc),
+                       narrow, lens, qsl)
+    finally:
+        cpd._attend = cpd_attend
+
+
+def test_a_bad_shared_argument_raises_on_every_rank():
+    import torch.multiprocessing as mp
+
+    mp.spawn(_bad_call_worker, args=(2, _free_port()), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
