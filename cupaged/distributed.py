@@ -400,6 +400,9 @@ class ContextParallel:
             if dist.get_world_size(self.group) != self.world_size:
                 raise ValueError(f"this ContextParallel places tokens over {self.world_size} "
                                  f"ranks, its group has {dist.get_world_size(self.group)}")
+            if dist.get_rank(self.group) != self.rank:  # (a rank= given for the wrong one)
+                raise ValueError(f"this ContextParallel is rank {self.rank}, its group's "
+                                 f"{dist.get_rank(self.group)}")
         if query.shape[0] == 0:  # every rank has the same rows: all skip the collective
             if out is None:
                 out = torch.empty_like(query, memory_format=torch.contiguous_format)

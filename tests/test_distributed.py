@@ -328,6 +328,11 @@ def _bad_call_worker(rank, world, port):
         with pytest.raises(ValueError, match="sinks"):
             cp.decode(*args, sinks=bad_sinks)
         cp.decode(*args)  # the ranks are still in step
+        # A rank= of its own that is not its rank in the group: each rank's placement
+        # would be another's (the sinks counted on the wrong rank); refused
+        swapped = cpd.ContextParallel(interleave=16, rank=world - 1 - rank, world_size=world)
+        with pytest.raises(ValueError, match=f"rank {world - 1 - rank}, its group's {rank}"):
+            swapped.decode(*args)
     finally:
         dist.destroy_process_group()
 
