@@ -79,19 +79,22 @@ _NUMPY_TO_TORCH: dict = {}
 
 
 def _dtype_tables():
+    global _TORCH_TO_NUMPY, _NUMPY_TO_TORCH
     if not _TORCH_TO_NUMPY:
+        # Built apart and published whole (the reverse table first, the one tested last):
+        # another thread's first call may read them meanwhile.
         t = _torch()
         pairs = [("float32", np.float32), ("float16", np.float16), ("float64", np.float64),
                  ("int32", np.int32), ("int64", np.int64), ("int16", np.int16),
                  ("int8", np.int8), ("uint8", np.uint8), ("bool", np.bool_)]
-        for name, np_dtype in pairs:
-            _TORCH_TO_NUMPY[getattr(t, name)] = np.dtype(np_dtype)
+        to_numpy = {getattr(t, name): np.dtype(np_dtype) for name, np_dtype in pairs}
         if _dtypes.BF16.numpy is not None:
-            _TORCH_TO_NUMPY[t.bfloat16] = _dtypes.BF16.numpy
+            to_numpy[t.bfloat16] = _dtypes.BF16.numpy
         for name, d in (("float8_e4m3fn", _dtypes.E4M3), ("float8_e5m2", _dtypes.E5M2)):
             if d.numpy is not None and hasattr(t, name):  # fp8 KV caches
-                _TORCH_TO_NUMPY[getattr(t, name)] = d.numpy
-        _NUMPY_TO_TORCH.update((v, k) for k, v in _TORCH_TO_NUMPY.items())
+                to_numpy[getattr(t, name)] = d.numpy
+        _NUMPY_TO_TORCH = {v: k for k, v in to_numpy.items()}
+        _TORCH_TO_NUMPY = to_numpy
     return _TORCH_TO_NUMPY, _NUMPY_TO_TORCH
 
 
@@ -319,11 +322,22 @@ _DEFERRED_LOCK = threading.Lock()
 def foreign_import(x):
     """``x`` (a DLPack producer on a CUDA device) as a CuPy array, its import held until
     the kernels of the call it is passed to have run (see above)."""
-    if _DEFERRED:
+    if _DEFERRED and not _capture_under_way():
         release_completed()
     imported = cupy.from_dlpack(x)
     HOLDS.pending.append(imported)
     return imported
+
+
+def _capture_under_way() -> bool:
+    """Is this thread capturing a CUDA graph, on CuPy's current stream or on torch's
+    (torch.cuda.graph's)? An event query then would invalidate the capture."""
+    if capturing(cupy.cuda.get_current_stream().ptr):
+        return True
+    initialized = getattr(getattr(_torch(), "cuda", None), "is_initialized", None)
+    if initialized is not None and initialized():
+        return capturing(_torch_current_stream(cupy.cuda.runtime.getDevice()))
+    return False
 
 
 def capturing(stream: int) -> bool:

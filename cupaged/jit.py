@@ -505,7 +505,8 @@ def source_dir() -> Path:
     )
 
 
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*(?://.*)?$', re.M)
+_ANY_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b.*$", re.M)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
 
 
@@ -524,7 +525,13 @@ def _inline(path: Path, seen: set) -> str:
 
 @lru_cache(maxsize=None)
 def _source_cached(entry: str, stamp: tuple) -> str:
-    return _inline(source_dir() / entry, set())
+    text = _inline(source_dir() / entry, set())
+    # An include left in the text would be found by NVRTC outside what is hashed
+    left = _ANY_INCLUDE.search(text)
+    if left:
+        raise CompileError(f"{entry}: an include the kernel cache cannot follow: "
+                           f"{left.group(0).strip()} (only #include \"file\" of cuda_src/)")
+    return text
 
 
 def source(entry: str) -> str:
@@ -794,21 +801,37 @@ def build(spec: KernelSpec) -> Built:
 
 
 def binary(spec: KernelSpec) -> bytes:
-    """The verified binary of a specialization: from memory, or read back from the disk
-    cache and checked against the digest recorded when it was built; an entry that
-    changed since (deleted, damaged) is built again."""
-    for _ in range(2):
-        built = build(spec)
-        if built.binary is not None:
-            return built.binary
-        try:
-            data = built.path.read_bytes()
-        except OSError:
-            data = None
-        if data is not None and hashlib.sha256(data).hexdigest() == built.sha256:
-            return data
-        _built.pop(spec, None)  # gone or changed on disk: build (or read) it anew
-    raise CompileError(f"the cached binary of {spec.name} keeps changing under {built.path}")
+    """The verified binary of a specialization (:func:`verified`)."""
+    return verified(spec)[0]
+
+
+def verified(spec: KernelSpec) -> tuple[bytes, str]:
+    """``(binary, lowered kernel name)`` of a specialization, verified: from memory, or
+    read back from the disk cache and checked against the digest recorded when it was
+    built. An entry that changed since was rewritten by another process (each publishes
+    its own build of the same source: NVRTC's output differs between processes in its
+    internal names) or damaged or deleted: it is read anew and checked against its own
+    record, or, missing or mid-write, compiled again here and kept in memory. What is
+    returned is what was checked, never the file read a second time."""
+    built = build(spec)
+    if built.binary is not None:
+        return built.binary, built.lowered_name
+    try:
+        data = built.path.read_bytes()
+    except OSError:
+        data = None
+    if data is not None and hashlib.sha256(data).hexdigest() == built.sha256:
+        return data, built.lowered_name
+    with _spec_locks.setdefault(spec, threading.Lock()):
+        t0 = time.perf_counter()
+        entry = _read_entry(spec, *_cache_paths(spec))
+        if entry is None:
+            data, names = _compile(spec.source_file, spec.arch, [spec.name_expression],
+                                   spec.name)
+            entry = data, names[spec.name_expression]
+        _built[spec] = Built(spec, None, entry[0], hashlib.sha256(entry[0]).hexdigest(),
+                             entry[1], time.perf_counter() - t0, False)
+    return entry
 
 
 def precompile(specs: Iterable[KernelSpec], workers: int | None = None) -> list[Built]:
@@ -958,8 +981,7 @@ def load(spec: KernelSpec, device_id: int, dynamic_smem: int = 0) -> Launcher:
 
     # The verified bytes, not the file, are loaded: what was checked is what runs. (Read
     # outside the lock: building takes it.)
-    data = binary(spec)
-    lowered = build(spec).lowered_name
+    data, lowered = verified(spec)
     with _spec_locks.setdefault(spec, threading.Lock()), cupy.cuda.Device(device_id):
         kernel = _loaded.get(key)
         if kernel is None:

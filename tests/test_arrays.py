@@ -85,6 +85,34 @@ def fake_torch(monkeypatch):
     return t
 
 
+def test_the_dtype_tables_are_whole_when_another_thread_reads_them(fake_torch, monkeypatch):
+    """Two threads' first torch calls at once (a thread a GPU): one builds the dtype
+    tables while the other reads them; the reader sees them whole or not at all (a half
+    table mapped bfloat16 to itself, and every later bfloat16 tensor was refused)."""
+    import threading
+    import time
+
+    t = fake_torch
+    building = threading.Event()
+
+    class Slow(types.ModuleType):  # the builder pauses inside the table loop
+        def __getattr__(self, name):
+            if name == "int64" and threading.current_thread() is not threading.main_thread():
+                building.set()
+                time.sleep(0.2)
+            return getattr(t, name)
+
+    monkeypatch.setitem(sys.modules, "torch", Slow("torch"))
+    builder = threading.Thread(target=lambda: _arrays.numpy_dtype(t.float32))
+    builder.start()
+    assert building.wait(5)
+    try:
+        assert _arrays.numpy_dtype(t.bfloat16) == _dtypes.BF16.numpy
+        assert _arrays.torch_dtype(np.float32) is t.float32
+    finally:
+        builder.join()
+
+
 def test_torch_dtypes_map_to_numpy_bfloat16_included(fake_torch):
     t = fake_torch
     for td, want in ((t.float32, np.float32), (t.float16, np.float16), (t.int32, np.int32),
@@ -467,3 +495,22 @@ def test_every_launch_context_is_made_inside_a_launching_scope():
             sites += 1
             assert "_arrays.launching" in withs, f"{path.relative_to(root)}:{node.lineno}"
     assert sites >= 10  # the entry points' sites were found
+
+
+def test_no_event_is_queried_while_this_thread_captures(monkeypatch):
+    """A DLPack import lets go of earlier imports whose events completed, by querying the
+    events: not while this thread captures a CUDA graph (on CuPy's current stream or
+    torch's), where the query would invalidate the capture."""
+    queried = []
+    monkeypatch.setattr(_arrays, "release_completed", lambda: queried.append(1))
+    monkeypatch.setattr(_arrays.cupy, "from_dlpack", lambda x: x)
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque([("event", "import")]))
+    monkeypatch.setattr(_arrays.cupy.cuda, "get_current_stream",
+                        lambda: types.SimpleNamespace(ptr=0x1234))
+    monkeypatch.setattr(_arrays.HOLDS, "pending", [])
+    for captured, want in (({0x1234}, 0), (set(), 1)):
+        monkeypatch.setattr(_arrays, "capturing", lambda s, c=captured: s in c)
+        queried.clear()
+        _arrays.foreign_import(object())
+        assert len(queried) == want, captured
+

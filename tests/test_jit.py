@@ -182,6 +182,44 @@ def test_damaged_binary_is_rebuilt_not_loaded(cache, damage):
     assert jit.build(SPEC).from_disk  # the entry was repaired on disk
 
 
+def test_an_entry_other_processes_keep_rewriting_is_still_loaded(cache, monkeypatch):
+    """Processes starting together each compile a new specialization and publish their own
+    build (NVRTC's output differs between processes in its internal names): the entry may
+    change again and again between this process's build and its read. What is loaded is
+    a verified binary with its own lowered name, never an error."""
+    built = jit.build(SPEC)
+    good = built.path.read_bytes()
+    real_build = jit.build
+    writes = [0]
+
+    def build_then_rewritten(spec):  # another process's valid entry after each build
+        got = real_build(spec)
+        writes[0] += 1
+        other = good + bytes(writes[0])  # (a valid entry: its JSON vouches for it)
+        jit._write_entry(spec, *jit._cache_paths(spec), other, got.lowered_name)
+        return got
+
+    monkeypatch.setattr(jit, "build", build_then_rewritten)
+    assert jit.binary(SPEC).startswith(good)
+    jit.clear_memory_caches()
+    data, lowered = jit.verified(SPEC)
+    assert data.startswith(good) and lowered == built.lowered_name
+
+
+def test_every_include_is_inlined_or_refused(tmp_path, monkeypatch):
+    """The hashed source must hold every file it depends on: an include with a comment
+    after it is inlined, one the inliner does not take (angle brackets) is refused by
+    name, never left for NVRTC to find relative to the working directory."""
+    (tmp_path / "paged_decode.cuh").write_text("int decode_marker;\n")
+    (tmp_path / "a.cu").write_text('#include "paged_decode.cuh"  // the header\nint a;\n')
+    (tmp_path / "b.cu").write_text("#include <paged_decode.cuh>\nint b;\n")
+    monkeypatch.setattr(jit, "source_dir", lambda: tmp_path)
+    assert "decode_marker" in jit.source("a.cu")
+    with pytest.raises(jit.CompileError, match="b.cu: an include the kernel cache cannot "
+                                               "follow: #include <paged_decode.cuh>"):
+        jit.source("b.cu")
+
+
 def test_unwritable_cache_dir_falls_back_to_memory(tmp_path, monkeypatch):
     """A cache folder that cannot be created (read-only HOME in a container) costs one
     warning; kernels still compile and are kept in memory."""
