@@ -853,12 +853,15 @@ def refill(metas: Iterable[dict], workers: int | None = None) -> list[str]:
     """Compile, into this disk cache and from the current sources, the specializations
     another cache's entries name (their JSON's ``name``, ``name_expression`` and
     ``options``): a machine that will run what that one ran finds them built. Entries of
-    an unknown kernel, or whose options are not what this process would use for their
-    arch, are skipped; one already in the cache is kept, one that fails to compile is
+    an unknown kernel, whose name is not a plain file name, or whose options are not what
+    this process would use for their arch, are skipped; one already in the cache is kept, one that fails to compile is
     reported (a warning) and the rest go on. Returns the names compiled."""
     todo = {}
     for m in metas:
-        kernel = kernel_of(m.get("name", ""))
+        # (a name that is not a plain file name would put the entry outside the cache)
+        if not re.fullmatch(r"[A-Za-z0-9_.]+", str(m.get("name", ""))) or ".." in m["name"]:
+            continue
+        kernel = kernel_of(m["name"])
         arch = next((o[len("-arch="):] for o in m.get("options", ()) if o.startswith("-arch=")),
                     None)
         if kernel is None or arch is None or list(_options(arch)) != list(m["options"]):

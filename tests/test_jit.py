@@ -292,10 +292,13 @@ def test_refill_builds_what_another_caches_entries_name(cache, tmp_path, monkeyp
     other = tmp_path / "other"
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(other))
     jit.clear_memory_caches()
+    # (a name that is not a plain file name would put the entry outside the cache)
     strange = [dict(metas[0], name="no_such_kernel_f16_sm90"),
-               dict(metas[0], options=[*metas[0]["options"], "-lineinfo"])]
+               dict(metas[0], options=[*metas[0]["options"], "-lineinfo"]),
+               dict(metas[0], name=metas[0]["name"] + "/../../escaped")]
     assert sorted(jit.refill(metas + strange, workers=2)) == sorted(s.name for s in specs)
     assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in cache.iterdir())
+    assert not list(tmp_path.glob("escaped*"))
     assert all(jit.build(s).from_disk for s in specs)
     assert jit.refill(metas) == []  # already there
     assert jit.kernel_of("paged_prefill_sm90_bf16_x") == "paged_prefill_sm90"
