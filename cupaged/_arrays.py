@@ -317,6 +317,7 @@ class _Holds(threading.local):
 HOLDS = _Holds()  # (a call that finds both lists empty has no import to hold: _fastrun)
 _DEFERRED: collections.deque = collections.deque()  # (event, import) until the event completes
 _DEFERRED_LOCK = threading.Lock()
+_UNRECORDED: list = []  # imports whose event failed to record: held for the process's life
 
 
 def foreign_import(x):
@@ -377,12 +378,19 @@ def record_launched() -> None:
     CUDA graph gets none and its imports go now: nothing ran on them (the graph's replays
     read the inputs, which the caller keeps alive for them), and an event recorded in a
     capture cannot be queried afterwards, so it would hold everything queued behind it.
-    The list is taken first: an event that fails to record raises once, from this call."""
+    The list is taken first: an event that fails to record raises once, from this call,
+    and the imports it would have held and those after it stay held for good
+    (``_UNRECORDED``): their kernels may still read them."""
     stamped, HOLDS.stamped = HOLDS.stamped, []
     events = {}  # stream: its event, None while it is captured
-    for stream, device, imported in stamped:
+    for n, (stream, device, imported) in enumerate(stamped):
         if stream not in events:
-            events[stream] = None if capturing(stream) else _event_on(stream, device)
+            try:
+                events[stream] = None if capturing(stream) else _event_on(stream, device)
+            except BaseException:
+                with _DEFERRED_LOCK:
+                    _UNRECORDED.extend(i for _, _, i in stamped[n:])
+                raise
         if events[stream] is not None:
             with _DEFERRED_LOCK:
                 _DEFERRED.append((events[stream], imported))

@@ -514,3 +514,26 @@ def test_no_event_is_queried_while_this_thread_captures(monkeypatch):
         _arrays.foreign_import(object())
         assert len(queried) == want, captured
 
+
+def test_imports_whose_event_failed_to_record_stay_held(monkeypatch):
+    """An event that fails to record (raising from this call) leaves its stream's imports,
+    and those after it, held rather than let go while their kernels may still read them."""
+    monkeypatch.setattr(_arrays, "capturing", lambda s: False)
+    monkeypatch.setattr(_arrays, "_DEFERRED", collections.deque())
+
+    def event_on(stream, device):
+        if stream == 2:
+            raise RuntimeError("cannot record")
+        return ("event", stream)
+
+    monkeypatch.setattr(_arrays, "_event_on", event_on)
+    held = [object() for _ in range(3)]
+    monkeypatch.setattr(_arrays.HOLDS, "stamped", [(1, 0, held[0]), (2, 0, held[1]),
+                                                    (3, 0, held[2])])
+    monkeypatch.setattr(_arrays, "_UNRECORDED", [], raising=False)
+    with pytest.raises(RuntimeError, match="cannot record"):
+        _arrays.record_launched()
+    assert [i for _, i in _arrays._DEFERRED] == [held[0]]
+    assert [i for i in _arrays._UNRECORDED] == held[1:]
+    assert _arrays.HOLDS.stamped == []
+
