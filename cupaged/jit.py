@@ -696,11 +696,17 @@ def _paths(name: str, key: str, arch: str) -> tuple[Path, Path]:
     return d / (stem + ext), d / (stem + ".json")
 
 
+# The process's umask, read once at import (reading it sets it: not while threads run)
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # a plain file's mode, not mkstemp's 0600
             f.write(data)
         os.replace(tmp, path)
     except BaseException:

@@ -157,6 +157,19 @@ def test_cached_cubins_are_whole_elf_files(cache, arch):
     assert len(data) == jit.elf_end(data) == len(jit.binary(spec))
 
 
+def test_cache_entries_have_a_plain_files_permissions(cache):
+    """Entries are readable as any file the process makes (the umask's mode, not the
+    temporary file's 0600): a cache shared by several users works."""
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    built = jit.build(SPEC)
+    for p in (built.path, built.path.with_suffix(".json")):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask, p
+
+
 def test_corrupt_cache_entry_is_rebuilt(cache):
     built = jit.build(SPEC)
     built.path.with_suffix(".json").write_text("{not json")
