@@ -70,6 +70,11 @@ def check_int(a, name: str, allowed=(np.int32,)) -> None:
              TypeError)
 
 
+def is_real_number(x) -> bool:
+    """A Python or NumPy integer or float, not a bool (what a scale or cap may be)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
+
+
 def is_empty(a) -> bool:
     """No elements: every stride is then as good as any other."""
     return 0 in a.shape

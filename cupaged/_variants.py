@@ -48,7 +48,7 @@ class SoftCap:
         # Types checked here, values by the call (soft_cap): equal SoftCaps are then the
         # same call's, as the remembered calls key them (SoftCap(True) would equal SoftCap(1)).
         c = self.cap
-        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
+        if not _checks.is_real_number(c):
             _fail(f"SoftCap.cap must be a number, got {type(c).__name__}", TypeError)
         if not isinstance(self.approx, (bool, np.bool_)):
             _fail(f"SoftCap.approx must be a bool, got {type(self.approx).__name__}", TypeError)
@@ -107,14 +107,12 @@ def soft_cap(value) -> tuple[float, bool]:
     or 0, FlashInfer's spelling of none; a SoftCap of cap 0 too)."""
     if value is None:
         return 0.0, False
-    approx = False
     if isinstance(value, SoftCap):  # (its types checked when made)
-        approx, value = value.approx, value.cap
-        what = "SoftCap.cap"
+        approx, value, what = value.approx, value.cap, "SoftCap.cap"
+    elif _checks.is_real_number(value):
+        approx, what = False, "logits_soft_cap"
     else:
-        what = "logits_soft_cap"
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        _fail(f"{what} must be a number (or logits_soft_cap a cupaged.SoftCap), got "
+        _fail(f"logits_soft_cap must be a number or a cupaged.SoftCap, got "
               f"{type(value).__name__}", TypeError)
     c = float(value)
     if c == 0.0:

@@ -141,7 +141,7 @@ def _static_number(value, name: str):
     """A scalar argument that must be known at trace time (None passes)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _checks.is_real_number(value):
         _fail(f"{name} must be a Python number under cupaged.jax (fixed when the call is "
               f"traced: no device scalars), got {type(value).__name__}", TypeError)
     return float(value)

@@ -779,6 +779,12 @@ def _write_meta(name: str, name_expression: str, arch: str, binary_path: Path,
         return None
 
 
+def _compile_spec(spec: KernelSpec) -> tuple[bytes, str]:
+    """``(binary, lowered kernel name)`` of one specialization, compiled now."""
+    binary, names = _compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
+    return binary, names[spec.name_expression]
+
+
 def build(spec: KernelSpec) -> Built:
     """Compile ``spec`` into the disk cache, or find it there. Thread-safe: concurrent
     callers asking for the same new specialization compile it once."""
@@ -796,8 +802,7 @@ def build(spec: KernelSpec) -> Built:
             binary, lowered = entry
             path = binary_path
         else:
-            binary, names = _compile(spec.source_file, spec.arch, [spec.name_expression], spec.name)
-            lowered = names[spec.name_expression]
+            binary, lowered = _compile_spec(spec)
             path = _write_entry(spec, binary_path, meta_path, binary, lowered)
         done = Built(spec, path, binary if path is None else None,
                      hashlib.sha256(binary).hexdigest(), lowered, time.perf_counter() - t0,
@@ -830,11 +835,7 @@ def verified(spec: KernelSpec) -> tuple[bytes, str]:
         return data, built.lowered_name
     with _spec_locks.setdefault(spec, threading.Lock()):
         t0 = time.perf_counter()
-        entry = _read_entry(spec, *_cache_paths(spec))
-        if entry is None:
-            data, names = _compile(spec.source_file, spec.arch, [spec.name_expression],
-                                   spec.name)
-            entry = data, names[spec.name_expression]
+        entry = _read_entry(spec, *_cache_paths(spec)) or _compile_spec(spec)
         _built[spec] = Built(spec, None, entry[0], hashlib.sha256(entry[0]).hexdigest(),
                              entry[1], time.perf_counter() - t0, False)
     return entry
@@ -860,8 +861,9 @@ def refill(metas: Iterable[dict], workers: int | None = None) -> list[str]:
     another cache's entries name (their JSON's ``name``, ``name_expression`` and
     ``options``): a machine that will run what that one ran finds them built. Entries of
     an unknown kernel, whose name is not a plain file name, or whose options are not what
-    this process would use for their arch, are skipped; one already in the cache is kept, one that fails to compile is
-    reported (a warning) and the rest go on. Returns the names compiled."""
+    this process would use for their arch, are skipped; one already in the cache is kept,
+    one that fails to compile is reported (a warning) and the rest go on. Returns the
+    names compiled."""
     todo = {}
     for m in metas:
         # (a name that is not a plain file name would put the entry outside the cache)

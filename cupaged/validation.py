@@ -61,8 +61,7 @@ def validate_decode(query, key_cache, value_cache, block_tables, context_lens, a
     if num_heads == 0 or num_heads % cache.num_kv_heads:
         _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
               f"({cache.num_kv_heads})")
-    if num_heads > _checks.MAX_GRID_YZ:
-        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
+    check_head_count(num_heads)
     # Strides of an empty batch are free: nothing is read through them.
     empty = num_seqs == 0
     if not empty and (query.strides[2] != dt.itemsize or min(query.strides) < 0):
@@ -253,6 +252,13 @@ def check_varlen_tables(bt, sl, qsl, total_q: int, block_size: int, q_name: str)
     return num_seqs, max_blocks
 
 
+def check_head_count(num_heads: int) -> None:
+    """At most MAX_GRID_YZ query heads: the decode kernels' grid, and a split's combine,
+    take a row of CTAs a head."""
+    if num_heads > _checks.MAX_GRID_YZ:
+        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
+
+
 def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtype="auto",
                     k_scale=None, v_scale=None) -> Problem:
     """attention's arguments (adapted arrays): any cache layout, a varlen batch of query
@@ -272,8 +278,7 @@ def validate_varlen(q, kc, vc, bt, sl, qsl, alibi, out, kv_layout, kv_cache_dtyp
     if num_heads == 0 or num_heads % cache.num_kv_heads:
         _fail(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
               f"({cache.num_kv_heads})")
-    if num_heads > _checks.MAX_GRID_YZ:  # a split's combine: a grid row a head
-        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
+    check_head_count(num_heads)
     group = num_heads // cache.num_kv_heads
     if total_q * max(group, 1) > _checks.INT32_MAX:
         _fail(f"total_q * (num_heads / num_kv_heads) = {total_q * group} query rows; at most "
@@ -563,8 +568,7 @@ def validate_mla(q, kv_cache, k_pe_cache, block_tables, seq_lens, query_start_lo
         q_offsets = (0, rank)
     if num_heads == 0:
         _fail("q must have at least one head")
-    if num_heads > _checks.MAX_GRID_YZ:  # a split's combine: a grid row a head
-        _fail(f"num_heads is {num_heads}; at most {_checks.MAX_GRID_YZ} are supported")
+    check_head_count(num_heads)
     if total_q * num_heads > MLA_MAX_ROWS:
         _fail(f"total_q * num_heads = {total_q * num_heads} rows; at most "
               f"{MLA_MAX_ROWS} are supported per call")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from .. import _dtypes, decode, planning, reference, testing
+from .. import _checks, _dtypes, decode, planning, reference, testing
 
 
 # What `--kv-cache-dtype` takes: "auto" (the query's 16-bit type), or fp8 ("fp8" is e4m3).
@@ -114,7 +114,7 @@ class Variants:
                                  f"keys in (p - window, p]), got {w}")
             object.__setattr__(self, "window", int(w))
         if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
+            if not _checks.is_real_number(c):
                 raise ValueError(f"soft cap must be a number, got {c!r}")
             if not (math.isfinite(c) and 0 < c <= 1e37):
                 raise ValueError(f"soft cap must be a positive finite number (logits become "
