@@ -20,15 +20,17 @@
 //
 // Every reader widens a value to bfloat16 the one way: the stored value times its scale,
 // both widened exactly to float32, multiplied in float32 and rounded to bfloat16 (nearest
-// even), FlashMLA's dequantization of fp8_ds_mla. For V4's formats the float32 product is
-// exact (e4m3 times a power of two, e2m1 times e4m3), so the key is the reference's
-// value (reference.dequantize_sparse_kv) rounded once to bfloat16: exactly that value
-// wherever bfloat16 holds it as a normal number, which every v4_fp4 value is (|value| in
-// [2^-10, 2688] or 0) and every v4_fp8 value concat_and_cache_mla writes from 16-bit
-// sources is; a v4_fp8 product of 2^128 or more (a scale byte near 254 on large values)
-// is +-inf, one under 2^-126 rounds to bfloat16's subnormals (steps of 2^-133), a scale
-// byte 0xFF (ue8m0's NaN) gives NaN and byte 0 the scale 2^-127, as the reference reads
-// them.
+// even). (FlashMLA rounds an fp8_ds_mla scale to bfloat16 first and multiplies in
+// bfloat16: the same keys where the scale is a bfloat16 value, as its power-of-two
+// quantizer writes it, and within one bfloat16 step for vLLM's amax / 448 scales.)
+// For V4's formats the float32 product is exact (e4m3 times a power of two, e2m1 times
+// e4m3), so the key is the reference's value (reference.dequantize_sparse_kv) rounded
+// once to bfloat16: exactly that value wherever bfloat16 holds it as a normal number,
+// which every v4_fp4 value is (|value| in [2^-10, 2688] or 0) and every v4_fp8 value
+// concat_and_cache_mla writes from 16-bit sources is; a v4_fp8 product of 2^128 or more
+// (a scale byte near 254 on large values) is +-inf, one under 2^-126 rounds to bfloat16's
+// subnormals (steps of 2^-133), a scale byte 0xFF (ue8m0's NaN) gives NaN and byte 0 the
+// scale 2^-127, as the reference reads them.
 #pragma once
 #include "common.cuh"
 #include "fp8.cuh"
@@ -72,7 +74,7 @@ struct is_sparse_row {
 
 // Chunk c (16 bytes) of a 656-byte row in shared memory (`row`) as the key's bfloat16
 // values: chunks 0-31 are sixteen e4m3 values each, times their group's scale in float32
-// and rounded to bfloat16 (FlashMLA's dequantization): two 8-value chunks v[0], v[1];
+// and rounded to bfloat16 (the header's rule): two 8-value chunks v[0], v[1];
 // chunk 32 holds the scales: none; chunks 33-40 are k_pe's bfloat16 values: one chunk,
 // copied. Returns how many, and the key dim of v[0] in `dim`. A row of zeros (a slot not
 // copied) widens to zeros.
