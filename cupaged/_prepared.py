@@ -44,9 +44,9 @@ _NUMBERS = (int, float, np.integer, np.floating)
 # Scalars keyed by value: immutable, hashed and compared by value (a SoftCap is a frozen
 # dataclass of a number and a flag). Anything else (a 0-d tensor as scale, say, hashed by
 # identity and mutable in place) is validated each call.
-_SCALAR_TYPES = frozenset({type(None), bool, int, float, str, tuple, np.bool_, np.int8,
-                           np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-                           np.uint64, np.float16, np.float32, np.float64, SoftCap})
+SCALAR_TYPES = frozenset({type(None), bool, int, float, str, tuple, np.bool_, np.int8,
+                          np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                          np.uint64, np.float16, np.float32, np.float64, SoftCap})
 # Bumped by clear(): a key made before a clear (an override of tiles or splits) never
 # matches one made after it, even when a racing call remembers it late.
 _generation = 0
@@ -84,7 +84,7 @@ def key(kind: str, main, side, scalars, extra=()):
     if _checks.debug() or extra is UNKEYED:
         return None, None
     types = tuple(map(type, scalars))
-    if not _SCALAR_TYPES.issuperset(types):
+    if not SCALAR_TYPES.issuperset(types):
         return None, None
     m, ptrs = metas(main)
     if m is None:
@@ -144,7 +144,7 @@ def _side(x):
     whole address (UNKEYED for other kinds, and a CPU tensor, whose value is read)."""
     if x is None:
         return None
-    if type(x) in _SCALAR_TYPES and isinstance(x, _NUMBERS):
+    if type(x) in SCALAR_TYPES and isinstance(x, _NUMBERS):
         return (type(x), x)
     m, ptrs = metas((x,))
     return UNKEYED if m is None else (m[0], ptrs[0])
@@ -183,35 +183,41 @@ def remember(k, prepared: Prepared) -> None:
 
 
 def clear() -> None:
-    global _generation, fast_attention
+    global _generation, fast_attention, fast_mla
     with _FAST_LOCK:
         _generation += 1
         _MEMO.clear()
         _LAST.clear()
         _FAST.clear()
-        fast_attention = {}
+        fast_attention, fast_mla = {}, {}
 
 
-# The fast runs (_fastrun) of attention's remembered calls, by the identity of their
-# prepared call (hashing the key again would cost what the run saves), each kept with it:
-# (prepared, run or None when the call has none). `fast_attention`: the runs attention()
-# tries first, by the query's shape (a CuPy array's: the runs take nothing else), most
-# recently used first; a few a shape, so that layers of a few forms in turn
+# The fast runs (_fastrun) of remembered calls, by the identity of their prepared call
+# (hashing the key again would cost what the run saves), each kept with it: (prepared, run
+# or None when the call has none). `fast_attention`, `fast_mla`: the runs attention() and
+# mla_attention() try first, by the query's shape (its first part's, for an MLA pair),
+# most recently used first; a few a shape, so that layers of a few forms in turn
 # (sliding-window and global layers) each find theirs. Keyed so that a call no run can
-# take (a torch tensor, a verify step beside decode layers) tries none: each declined run
-# costs a Python call of 24 arguments.
+# take (a verify step beside decode layers) tries none: each declined run costs a Python
+# call of some twenty arguments.
 _FAST: dict = {}
 _FAST_LOCK = threading.Lock()
 _FAST_TRIED = 4
 fast_attention: dict = {}
+fast_mla: dict = {}
+
+
+def _fast_table(kind: str) -> dict:
+    """The runs the entry point of key kind ``kind`` tries ("attention" or "mla")."""
+    return fast_mla if kind == "mla" else fast_attention
 
 
 def use_fast(k, prepared: Prepared, make, *args) -> None:
     """Put the fast run of the remembered call of key ``k``, prepared as ``prepared``
-    (``make(*args)``, once per prepared call), first among those attention() tries; not when
-    the memo was cleared since ``k`` was made (by another thread, after this call's
-    lookup): its prepared call may be outdated (a test override of tiles or splits)."""
-    global fast_attention
+    (``make(*args)``, once per prepared call), first among those its entry point tries
+    (``k``'s kind: attention() or mla_attention()); not when the memo was cleared since
+    ``k`` was made (by another thread, after this call's lookup): its prepared call may be
+    outdated (a test override of tiles or splits)."""
     got = _FAST.get(id(prepared))
     if got is not None and any(r() is None for r in getattr(got[1], "refs", ())):
         got = None  # made for a workspace since freed (_fastrun.call_runner)
@@ -228,10 +234,10 @@ def use_fast(k, prepared: Prepared, make, *args) -> None:
         shape = k[5][0][0]  # the query's (metas' first array, its shape first)
         with _FAST_LOCK:
             if k[1] == _generation:
-                tried = fast_attention.get(shape, ())
+                table = _fast_table(k[0])
+                tried = table.get(shape, ())
                 if not tried or tried[0] is not run:
-                    fast_attention[shape] = (run, *[r for r in tried
-                                                    if r is not run][:_FAST_TRIED - 1])
+                    table[shape] = (run, *[r for r in tried if r is not run][:_FAST_TRIED - 1])
 
 
 def overlaps(prep: Prepared, q: int, out: int) -> bool:

@@ -95,8 +95,7 @@ class Launch(NamedTuple):
         merges_here = self.combine is None
         parts, keep = self.partials, None
         if parts is None:
-            parts, keep = scratch_partials(ctx, self.scratch_rows, self.head_size,
-                                           self.counters if merges_here else 0)
+            parts, keep = scratch_partials(ctx, *self.scratch_need())
         po, pm, ps = parts.part_out, parts.part_max, parts.part_sum
         self.kernel(self.grid, self.threads, self.smem, ctx.stream, out, po, pm, ps,
                     *((parts.counters,) if merges_here else self.head), q, *self.q_strides,
@@ -108,6 +107,14 @@ class Launch(NamedTuple):
                          *((0, starts) if self.prefill else (lens, 0)), *self.combine_tail,
                          vp)
         del keep  # the scratch is freed in the stream's order, after the launches
+
+    def scratch_need(self) -> tuple | None:
+        """scratch_partials' ``(rows, width, counters)`` of the scratch each call allocates
+        (a split without a workspace; counters where paged_decode merges its split
+        itself), or None where a call allocates none."""
+        if not self.split or self.partials is not None:
+            return None
+        return self.scratch_rows, self.head_size, self.counters if self.combine is None else 0
 
 
 def kv_args(p: Problem) -> tuple:
@@ -454,13 +461,38 @@ class MlaLaunch(NamedTuple):
             return
         parts, keep = self.partials, None
         if parts is None:
-            parts, keep = scratch_partials(ctx, self.scratch_rows, self.rank)
+            parts, keep = scratch_partials(ctx, *self.scratch_need())
         self.kernel(self.grid, geometry.MLA_THREADS, self.smem, ctx.stream, out,
                     parts.part_out, parts.part_max, parts.part_sum, self.split_tiles,
                     self.row_tiles, *rest)
         self.combine(self.combine_grid, COMBINE_THREADS, 0, ctx.stream, out, parts.part_out,
                      parts.part_max, parts.part_sum, 0, starts, *self.combine_tail, vp)
         del keep  # the scratch is freed in the stream's order, after the launches
+
+    def scratch_need(self) -> tuple | None:
+        """scratch_partials' ``(rows, width, counters)`` of the scratch each call allocates
+        (a split without a workspace; the combine kernel merges, so no counters), or None
+        where a call allocates none."""
+        if not self.split_tiles or self.partials is not None:
+            return None
+        return self.scratch_rows, self.rank, 0
+
+    def at_scale(self, ptr: int) -> MlaLaunch:
+        """This launch reading its fp8 scale from the float32 device scalar at ``ptr``: the
+        launch of a call that differs from this one's only in its k_scale array's
+        address."""
+        bt_stride, max_blocks, num_blocks, _, value = self.table
+        return self._replace(table=(bt_stride, max_blocks, num_blocks, ptr, value))
+
+
+def mla_run_addresses(ptrs, pair: bool, rope_cache: bool) -> tuple:
+    """An mla_attention call's addresses (q or q_nope, q_pe, kv_cache, k_pe_cache,
+    block_tables, seq_lens, query_start_loc, out, lse: 0 for none) in the order
+    ``_prepared.run`` hands them to :meth:`MlaLaunch.run`: the query's and the caches'
+    (latent, rope) pairs, where a single q's and a combined cache's rope part lies at the
+    latent part's address (the launch's offsets find it)."""
+    ql, qr, cl, cr, bt, lens, starts, o, lse = ptrs[:9]
+    return ((ql, qr if pair else ql), cl, cr if rope_cache else cl, bt, lens, starts, o, lse)
 
 
 def build_mla(p, plan, scale: float, causal: bool, k_scale: tuple = (0, 1.0),

@@ -9,7 +9,7 @@ or more; ``paged_decode_combine`` merges a split."""
 
 from __future__ import annotations
 
-from . import _arrays, _checks, _kvquant, _prepared, launch, planning, validation
+from . import _arrays, _checks, _fastrun, _kvquant, _prepared, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
 
 _fail = _checks.fail
@@ -109,8 +109,23 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
     A call whose arrays' metadata (shapes, strides, dtypes, device, 16-byte alignment),
     ``k_scale``, workspace and keywords match an earlier successful call's skips
     validation and planning; whether ``out`` and ``lse`` overlap the query, the caches or
-    each other is still checked at every call's addresses.
+    each other is still checked at every call's addresses. Repeats of one of the last few
+    such calls with CuPy arrays or torch tensors and ``out`` given (no ``stream``; ``lse``
+    given where it is asked for) take its fast run: the same checks in one function
+    compiled for its form of call, launched from parameter buffers packed once
+    (docs/DESIGN.md, "The fast run"); a device ``k_scale`` is then read per call, so one
+    run serves every layer's.
     """
+    # The fast runs of the last remembered calls of this query's shape (_fastrun), which
+    # take CuPy arrays or torch tensors and no stream=.
+    first = q[0] if type(q) is tuple and len(q) == 2 else q
+    if stream is None and type(first) in _fastrun.TYPES:
+        for fast in _prepared.fast_mla.get(first.shape, ()):
+            r = fast(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank,
+                     k_pe_cache, causal, max_query_len, max_seq_len, out, return_lse, lse,
+                     stream, kv_cache_dtype, k_scale, workspace)
+            if r is not _fastrun.MISS:
+                return r
     pair = isinstance(q, (tuple, list))
     k = ptrs = None
     if not pair or len(q) == 2:
@@ -127,11 +142,14 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, query_start_loc=None, *, 
                                            max_query_len, max_seq_len, out, return_lse, lse,
                                            stream, kv_cache_dtype, k_scale, workspace)
         _prepared.remember(k, prep)
-    # A single q's rope part, and a combined cache's, lie at the latent part's address (the
-    # launch's offsets find them).
-    ql, qr, cl, cr, bt, lens, starts, o, lse_ptr = ptrs
-    return _prepared.run(prep, ((ql, qr if pair else ql), cl, cl if k_pe_cache is None else cr,
-                                bt, lens, starts, o, lse_ptr), stream, out, lse)
+    elif stream is None:  # a hit: repeats of this call take its fast run from now on
+        # (Its maker's arguments passed along, not captured by a closure: a closure would
+        # make cells of this function's parameters, read indirectly on every call.)
+        _prepared.use_fast(k, prep, _fastrun.mla_runner, prep, k[5], scale, kv_lora_rank,
+                           causal, max_query_len, max_seq_len, return_lse, kv_cache_dtype,
+                           k_scale, workspace)
+    return _prepared.run(prep, launch.mla_run_addresses(ptrs, pair, k_pe_cache is not None),
+                         stream, out, lse)
 
 
 def validate_and_prepare(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,

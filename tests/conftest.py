@@ -4,6 +4,7 @@ paged problems on host and device, and skipping of GPU tests where there is no G
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -80,6 +81,49 @@ def on_cuda(t):
 
 
 _OnCuda = None
+
+
+# ---- the stubbed driver (cupaged.bench.stub): host paths compared launch for launch ------------
+
+
+@pytest.fixture
+def stub():
+    """The device's calls stood in for while the test runs (cupaged.bench.stub), launches
+    and memsets recorded."""
+    from cupaged.bench.stub import stubbed_driver
+
+    with stubbed_driver(record=True) as s:
+        yield s
+
+
+@pytest.fixture
+def generic_runs(monkeypatch):
+    """How many calls went through the generic path (_prepared.run) so far."""
+    from cupaged import _prepared
+
+    count = [0]
+    real = _prepared.run
+
+    def counting(*a, **k):
+        count[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(_prepared, "run", counting)
+    return count
+
+
+def outcome(stub, fn, at=0x7E00_0000_0000):
+    """What a call did: ("launched", the returned arrays, the launches and memsets) or
+    (the error's type, its message). Allocations start at ``at``, so that two calls that
+    allocate alike (a scratch, an output) get the same addresses."""
+    del stub.launches[:]
+    stub.next_address = at
+    try:
+        r = fn()
+    except Exception as e:  # noqa: BLE001 - the kind of failure is what is compared
+        return type(e).__name__, str(e)
+    returned = tuple(id(x) for x in r) if isinstance(r, tuple) else (id(r),)
+    return "launched", returned, list(stub.launches)
 
 
 @pytest.fixture
@@ -290,3 +334,51 @@ def assert_close(got, ref, tol: float, what="", row_floor: float = 0.0) -> None:
     assert rows[worst] <= testing.ROW_FACTOR * tol, (
         f"{what}: row {tuple(int(i) for i in worst)} is off by {rows[worst]:.2e} of its norm "
         f"(> {testing.ROW_FACTOR} x {tol:.1e}); whole array {err:.2e}")
+
+
+def state_is_read_on_each_call(stub, generic_runs, monkeypatch, fast, generic) -> None:
+    """What a fast run reads at each call, not when it was made: ``fast()`` and
+    ``generic()`` make one call through its entry point and through the generic path
+    alone. Another current stream is taken (every launch on it); another current device,
+    CUPAGED_DEBUG and a DLPack import still to be held send the call to the generic path,
+    which it then matches."""
+    from cupaged import _arrays, _checks
+
+    def same(declines=True, setup=lambda: None):
+        setup()
+        want = outcome(stub, generic)
+        before = generic_runs[0]
+        setup()
+        got = outcome(stub, fast)
+        assert got == want and got[0] == "launched"
+        assert generic_runs[0] == before + declines
+        return got
+
+    with stub.Stream(0x999):  # another current stream: taken, and launched on
+        assert {x[4] for x in same(declines=False)[2]} == {0x999}
+    stub.device = 1  # another device current: the generic path switches to the arrays'
+    got = same()
+    stub.device = 0
+    assert {x[5] for x in got[2]} == {0}  # launched with device 0 current
+    monkeypatch.setattr(_checks, "DEBUG", True)  # its checks read the device
+    want = outcome(stub, generic)
+    assert outcome(stub, fast) == want
+    monkeypatch.setattr(_checks, "DEBUG", False)
+    # A DLPack import of this thread's, which the launch stream must order and hold
+    same(setup=lambda: _arrays.HOLDS.pending.append(stub.fake((4,), np.float32)))
+    assert not _arrays.HOLDS.pending and not _arrays.HOLDS.stamped
+    same(declines=False)
+
+
+@contextlib.contextmanager
+def no_fast_runs():
+    """While inside, attention() and mla_attention() neither take nor make a fast run: the
+    generic path alone, to compare a fast run with."""
+    from cupaged import _prepared
+
+    saved = _prepared.fast_attention, _prepared.fast_mla, _prepared.use_fast
+    _prepared.fast_attention, _prepared.fast_mla, _prepared.use_fast = {}, {}, lambda *x: None
+    try:
+        yield
+    finally:
+        _prepared.fast_attention, _prepared.fast_mla, _prepared.use_fast = saved

@@ -769,6 +769,8 @@ def test_overhead_with_the_driver_stubbed_needs_no_gpu():
                  "AttentionPlan.run, prefill 16 x 32 tokens, stream= (generic path)",
                  "mla_attention, 128 heads, decode (single pass)",
                  "mla_attention, 16 heads, decode (split-KV, workspace)",
+                 "mla_attention, 16 heads, decode (split-KV, scratch)",
+                 "mla_attention, 128 heads, decode (single pass), stream= (generic path)",
                  "reshape_and_cache, 8 tokens"):
         assert name in r.output
     assert jit.driver is driver  # the stand-ins are gone

@@ -16,31 +16,11 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 import cupaged  # noqa: E402
-from cupaged import _arrays, _checks, _fastrun, _prepared, planning  # noqa: E402
-from cupaged.bench.stub import stubbed_driver  # noqa: E402
-from conftest import on_cuda  # noqa: E402
+from cupaged import _fastrun, _prepared, planning  # noqa: E402
+from conftest import (no_fast_runs, on_cuda, outcome,  # noqa: E402
+                      state_is_read_on_each_call)
 
 NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
-
-
-@pytest.fixture
-def stub():
-    with stubbed_driver(record=True) as s:
-        yield s
-
-
-@pytest.fixture
-def generic_runs(monkeypatch):
-    """How many calls went through the generic path (_prepared.run) so far."""
-    count = [0]
-    real = _prepared.run
-
-    def counting(*a, **k):
-        count[0] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(_prepared, "run", counting)
-    return count
 
 
 # ---- forms of call ------------------------------------------------------------------------------
@@ -82,6 +62,13 @@ FORMS = {
     "decode-sinks-lse": (64, 1, 16, False, dict(max_seq_len=64, sinks=True, lse=True)),
     "decode-flat-sinks-lse": (64, 1, 64, False, dict(max_seq_len=1024, sinks=True, lse=True)),
     "prefill-alibi": (16, 32, 16, True, dict(max_query_len=32, max_seq_len=256, alibi=True)),
+    # A split multi-token call: the kernel's partials merged by a second launch (the combine
+    # kernel), in a scratch of the call's own (no counters: the combine merges) or in the
+    # workspace's; paged_prefill for verify's few rows, paged_prefill_sm90 for 16 tokens
+    "verify-split-scratch": (8, 4, 128, True, dict(max_query_len=4, max_seq_len=2048)),
+    "verify-split-workspace-lse": (8, 4, 128, True, dict(max_query_len=4, max_seq_len=2048,
+                                                         workspace=True, lse=True)),
+    "prefill-sm90-split-scratch": (2, 16, 512, True, dict(max_query_len=16, max_seq_len=8192)),
 }
 SIDE_ARRAYS = ("decode-sinks-lse", "decode-flat-sinks-lse", "prefill-alibi")
 # Forms whose split-KV partials are a scratch of each call's own: one memset of its merge
@@ -89,6 +76,9 @@ SIDE_ARRAYS = ("decode-sinks-lse", "decode-flat-sinks-lse", "prefill-alibi")
 SCRATCH = ("decode-scratch", "rows-scratch", "decode-flat", "rows-flat", "decode-flat-lse",
            "decode-flat-soft-cap-bf16",
            "decode-flat-sinks-lse")
+# Forms of two launches a call (a split merged by the combine kernel), whose scratch has no
+# counters to zero
+COMBINED = ("verify-split-scratch", "verify-split-workspace-lse", "prefill-sm90-split-scratch")
 
 
 def make_form(stub, name):
@@ -151,12 +141,8 @@ def attention_call(a, kw, **more):
 
 def generic_attention_call(a, kw, **more):
     """attention() with no fast run taken or made: the generic path alone."""
-    fast, use = _prepared.fast_attention, _prepared.use_fast
-    _prepared.fast_attention, _prepared.use_fast = {}, lambda *x: None
-    try:
+    with no_fast_runs():
         return attention_call(a, kw, **more)
-    finally:
-        _prepared.fast_attention, _prepared.use_fast = fast, use
 
 
 def warm_attention(a, kw):
@@ -164,20 +150,6 @@ def warm_attention(a, kw):
     for _ in range(2):
         attention_call(a, kw)
     assert _prepared.fast_attention, "no fast run"
-
-
-def outcome(stub, fn, at=0x7E00_0000_0000):
-    """What a call did: ("launched", the returned arrays, the launches and memsets) or
-    (the error's type, its message). Allocations start at ``at``, so that two calls that
-    allocate alike (a scratch, an output) get the same addresses."""
-    del stub.launches[:]
-    stub.next_address = at
-    try:
-        r = fn()
-    except Exception as e:  # noqa: BLE001 - the kind of failure is what is compared
-        return type(e).__name__, str(e)
-    returned = tuple(id(x) for x in r) if isinstance(r, tuple) else (id(r),)
-    return "launched", returned, list(stub.launches)
 
 
 ENTRIES = ("plan", "attention")
@@ -231,8 +203,12 @@ def test_fast_run_launches_what_the_generic_path_launches(stub, generic_runs, fo
             assert got == want
             assert got[0] == "launched" and got[1][0] == id(b["out"])
             kernels = [x for x in got[2] if x[0] != "memset"]
-            assert len(kernels) == 1 and kernels[0][4] == stub.stream(0).ptr
-            assert len(got[2]) == (2 if form in SCRATCH else 1)
+            assert len(kernels) == (2 if form in COMBINED else 1)
+            assert {x[4] for x in kernels} == {stub.stream(0).ptr}
+            assert len(got[2]) == len(kernels) + (form in SCRATCH)
+            if form in COMBINED:
+                assert kernels[0][0].startswith("paged_prefill" + "_sm90" * ("sm90" in form))
+                assert kernels[1][0].startswith("paged_decode_combine")
             if "flat" in form:  # the planner's choice, which the form must stay
                 name, grid = kernels[0][:2]
                 assert name.split("_")[-3].endswith("r") and grid[1:] == (1, 1), name
@@ -241,7 +217,8 @@ def test_fast_run_launches_what_the_generic_path_launches(stub, generic_runs, fo
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
-@pytest.mark.parametrize("form", ["decode", "prefill", "decode-lse", "prefill-lse"])
+@pytest.mark.parametrize("form", ["decode", "prefill", "decode-lse", "prefill-lse",
+                                  "verify-split-workspace-lse"])
 def test_outputs_over_inputs_are_refused_as_the_generic_path_refuses(stub, form, entry):
     a, kw = make_form(stub, form)
     e = Entry(entry, a, kw)
@@ -389,31 +366,8 @@ def test_the_device_stream_and_state_are_read_on_each_call(stub, generic_runs, m
     a, kw = make_form(stub, "decode")
     e = Entry(entry, a, kw)
     b, bkw = per_layer(stub, a, kw)
-
-    def same(declines=True, setup=lambda: None):
-        setup()
-        want = outcome(stub, lambda: e.generic(b, bkw))
-        before = generic_runs[0]
-        setup()
-        got = outcome(stub, lambda: e.fast(b, bkw))
-        assert got == want and got[0] == "launched"
-        assert generic_runs[0] == before + declines
-        return got
-
-    with stub.Stream(0x999):  # another current stream: taken, and launched on
-        assert same(declines=False)[2][0][4] == 0x999
-    stub.device = 1  # another device current: the generic path switches to the arrays'
-    got = same()
-    stub.device = 0
-    assert got[2][0][5] == 0  # launched with device 0 current
-    monkeypatch.setattr(_checks, "DEBUG", True)  # its checks read the device
-    want = outcome(stub, lambda: e.generic(b, bkw))
-    assert outcome(stub, lambda: e.fast(b, bkw)) == want
-    monkeypatch.setattr(_checks, "DEBUG", False)
-    # A DLPack import of this thread's, which the launch stream must order and hold
-    same(setup=lambda: _arrays.HOLDS.pending.append(stub.fake((4,), np.float32)))
-    assert not _arrays.HOLDS.pending and not _arrays.HOLDS.stamped
-    same(declines=False)
+    state_is_read_on_each_call(stub, generic_runs, monkeypatch, lambda: e.fast(b, bkw),
+                               lambda: e.generic(b, bkw))
 
 
 def test_a_plan_rereads_its_tables(stub, generic_runs):
@@ -582,21 +536,28 @@ def test_a_subclass_that_overrides_run_keeps_its_run(stub):
     assert seen == [1]
 
 
-def test_attention_passes_its_arguments_in_the_fast_runs_order():
-    """attention() hands its fast runs every argument by position, in its own order."""
+@pytest.mark.parametrize("entry", ["attention", "mla_attention"])
+def test_entry_points_pass_their_arguments_in_the_fast_runs_order(entry):
+    """attention() and mla_attention() hand their fast runs every argument by position, in
+    their own order, and the runs' makers their keywords in KEYWORDS' (MLA_KEYWORDS')
+    order."""
     import inspect
 
-    params = tuple(inspect.signature(cupaged.attention).parameters)
-    assert params == _fastrun.ATTENTION_SIGNATURE
-    src = inspect.getsource(cupaged.attention)
+    fn = getattr(cupaged, entry)
+    signature, maker, keywords = {
+        "attention": (_fastrun.ATTENTION_SIGNATURE, "call_runner", _fastrun.KEYWORDS),
+        "mla_attention": (_fastrun.MLA_SIGNATURE, "mla_runner", _fastrun.MLA_KEYWORDS),
+    }[entry]
+    params = tuple(inspect.signature(fn).parameters)
+    assert params == signature
+    src = inspect.getsource(fn)
     call = src[src.index("r = fast(") + len("r = fast("):]
     call = call[:call.index(")")]
     assert tuple(x.strip() for x in call.split(",")) == params
-    # and the run's maker its keywords by position, in _fastrun._KEYWORDS' order
-    head = "_fastrun.call_runner, prep, k[5],"
+    head = f"_fastrun.{maker}, prep, k[5],"
     made = src[src.index(head) + len(head):]
     made = made[:made.index(")")]
-    assert tuple(x.strip() for x in made.split(",")) == _fastrun.KEYWORDS
+    assert tuple(x.strip() for x in made.split(",")) == keywords
 
 
 def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monkeypatch):
@@ -625,7 +586,8 @@ def test_a_plan_made_from_a_remembered_call_checks_its_own_addresses(stub, monke
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("form", ["decode", "decode-long-workspace", "decode-long-scratch",
                                   "decode-window-lse", "decode-flat-long-workspace",
-                                  "decode-flat-long-scratch", "prefill"])
+                                  "decode-flat-long-scratch", "prefill",
+                                  "prefill-split-lse", "prefill-split-long-workspace"])
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatch, request,
                                                    form, entry, framework):
@@ -646,6 +608,8 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
         real_plan_flat = planning.plan_flat
         monkeypatch.setattr(planning, "plan_flat",
                             lambda *a: flat.append(real_plan_flat(*a)) or flat[-1])
+    if "split" in form:  # the multi-token kernel's partials, merged by the combine kernel
+        request.getfixturevalue("prefill_split")(64)
     seq = [3000, 1, 2500, 700] if "long" in form else [40, 1, 300, 64]
     q_lens = [1, 1, 1, 1] if decode else [5, 1, 33, 1]
     layers = _layers(rng, 3, q_lens, seq, heads=8, kv_heads=2)
@@ -655,7 +619,7 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
         for h, d in zip(layers, devs):
             h["query_start_loc"] = d["query_start_loc"] = None
     if form.endswith("long-workspace"):
-        kw["workspace"] = cupaged.DecodeWorkspace(4, 8, 64)
+        kw["workspace"] = cupaged.DecodeWorkspace(sum(q_lens), 8, 64)
     if form == "decode-window-lse":
         kw["window"] = ref_kw["window"] = 32
     for d in devs:
@@ -678,7 +642,7 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
     if entry == "plan":
         plan = cupaged.AttentionPlan(*[d0[n] for n in names], out=d0["out"], lse=d0["lse"],
                                      **kw)
-        if decode:
+        if decode or "split" in form:
             assert "run" in vars(plan)
         made = "run" in vars(plan)
         call = lambda d: plan.run(d["query"], d["key_cache"], d["value_cache"],  # noqa: E731
@@ -703,7 +667,7 @@ def test_fast_runs_compute_attention_on_the_device(rng, generic_runs, monkeypatc
                 np.testing.assert_allclose(to_host(d["lse"]), ref[1], rtol=1e-4,
                                            atol=1e-4)
             d["out"][...] = float("nan")
-    if decode:
+    if decode or "split" in form:
         assert entry == "plan" or _prepared.fast_attention
     if "flat" in form:  # planned flat, once (then remembered); minus the row count
         assert len(flat) == 1 and flat[0] is not None and flat[0].split_tokens == -len(seq)
@@ -714,9 +678,10 @@ def test_a_torch_forms_source_reads_what_torch_metas_read():
     elements by stride(), the device by get_device(), requires_grad) and its address by
     data_ptr(); it launches on torch's stream. The generated source compiles with every
     name it uses bound (make() of a form names each constant it reads)."""
+    slots = tuple((i, ((8 * w, 0),)) for i, w in ((0, 0), (1, 1), (2, 2), (3, 3), (4, 4),
+                                                  (6, 5)))
     src = _fastrun.source("plan", [0, 1, 2, 6], [3, 4], [], True, False, False,
-                          {0: (0,), 1: (1,), 2: (2,), 3: (3,), 4: (4,), 6: (5,)}, (),
-                          torch=True)
+                          ((slots, None),), None, (), torch=True)
     for piece in ("query.stride() == t0", "query.get_device() == dev", "query.is_cuda",
                   "query.requires_grad is r0", "(p0 := query.data_ptr()) & 15 == a0",
                   "(p3 := b3.data_ptr()) == bp3", "type(query) is _tensor",

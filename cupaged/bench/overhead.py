@@ -207,12 +207,13 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
 
 
 def stubbed_overheads(calls: int = 10000) -> dict:
-    """Host time per call of AttentionPlan.run, of attention's repeated call and of a cache
-    write on the CPU alone, the device's calls stubbed (:mod:`.stub`: nothing launches, so
-    the launch's own cost is not in them), llama-3-8b's shape (32 query heads, 8 KV heads,
-    head size 128, float16, NHD blocks of 16). Each form is timed as a caller runs it (the fast run) and
-    with ``stream=`` CuPy's current stream, which the fast run leaves to the generic path;
-    a pure-Python loop gauges the CPU's speed."""
+    """Host time per call of AttentionPlan.run, of attention's and mla_attention's repeated
+    calls and of a cache write on the CPU alone, the device's calls stubbed (:mod:`.stub`:
+    nothing launches, so the launch's own cost is not in them), llama-3-8b's shape (32
+    query heads, 8 KV heads, head size 128, float16, NHD blocks of 16) and DeepSeek's
+    latent cache. Each form is timed as a caller runs it (the fast run) and with
+    ``stream=`` CuPy's current stream, which the fast run leaves to the generic path; a
+    pure-Python loop gauges the CPU's speed."""
     from .. import decode
     from ..attention import AttentionPlan, attention
     from ..cache_ops import reshape_and_cache
@@ -239,6 +240,8 @@ def stubbed_overheads(calls: int = 10000) -> dict:
                 workspace=decode.DecodeWorkspace(8, 32, 128, rows=8 * 32 * 64, device=0)),
             "decode 8 x 2048 (split-KV, scratch)": case(8, 1, 128, max_seq_len=2048),
             "prefill 16 x 32 tokens": case(16, 32, 16, max_query_len=32, max_seq_len=256),
+            "verify 8 x 4 (split, combine, scratch)": case(8, 4, 128, max_query_len=4,
+                                                            max_seq_len=2048),
         }
         current = cupy.cuda.get_current_stream().ptr  # (a handle)
         for name, (arrays, out, kw) in forms.items():
@@ -259,13 +262,19 @@ def stubbed_overheads(calls: int = 10000) -> dict:
         mla_cache = f((8 * 16, 64, 576), np.float16)
         mla_bt, mla_lens = f((8, 16), np.int32), f((8,), np.int32)
         mla_ws = decode.DecodeWorkspace(8, 16, 512, rows=8 * 16 * 8, device=0)
-        for heads, split, ws in ((128, 0, None), (16, 4, mla_ws)):
+        for heads, split, ws in ((128, 0, None), (16, 4, mla_ws), (16, 4, None)):
             q, o = f((8, heads, 576), np.float16), f((8, heads, 512), np.float16)
             with _mla_split(split):
-                name = "single pass" if not split else "split-KV, workspace"
+                name = ("single pass" if not split else
+                        f"split-KV, {'workspace' if ws else 'scratch'}")
                 rows[f"mla_attention, {heads} heads, decode ({name})"] = timing.host_us(
                     lambda: mla_attention(q, mla_cache, mla_bt, mla_lens, scale=0.07,
                                           max_seq_len=1024, out=o, workspace=ws), calls)
+                rows[f"mla_attention, {heads} heads, decode ({name}), stream= (generic "
+                     "path)"] = timing.host_us(
+                    lambda: mla_attention(q, mla_cache, mla_bt, mla_lens, scale=0.07,
+                                          max_seq_len=1024, out=o, workspace=ws,
+                                          stream=current), calls)
         # A step's cache write of 8 tokens into NHD caches (the eager row's shape)
         kv = [f((8, 8, 128), np.float16) for _ in "kv"]
         caches = [f((512, 16, 8, 128), np.float16) for _ in "kv"]
