@@ -454,7 +454,10 @@ def source(kind: str, per_call, bound, pairs, q_out: bool, in_place: bool,
         body.append(f"p{n + 1}, p{n + 2} = p{n} + at_max, p{n} + at_sum")
     views = []
     for k, (slots, maps) in enumerate(launches):
-        views += [f"w{k}", f"pa{k}", *[f"u{k}_{o}" for o in _unaligned(slots)]]
+        # (a bound table's address is in the packed bytes: views at the per-call ones only,
+        # as build() lays them out)
+        per_call_slots = tuple((i, s) for i, s in slots if i not in bound)
+        views += [f"w{k}", f"pa{k}", *[f"u{k}_{o}" for o in _unaligned(per_call_slots)]]
         views += [f"y{k}"] if maps else []
     body.append("# This call's addresses into this thread's parameter buffers (packed once)")
     body.append("try:")

@@ -234,7 +234,7 @@ class AttentionPlan:
     addresses, and a torch side tensor's address, shape, strides and dtype: one re-pointed
     or resized in place makes the run a plain call).
 
-    With CuPy arrays or torch tensors and ``out`` given (and one launch per call),
+    With CuPy arrays or torch tensors and ``out`` given (a split's combine included),
     ``plan.run`` is the plan's fast run: the same checks in one function compiled for its
     form of call, launched from a parameter buffer packed once per thread; it leaves every
     other call (``stream=``, scales of its own, the other framework's arrays, other
@@ -296,7 +296,7 @@ class AttentionPlan:
         self._side = _prepared.side_tensors(alibi_slopes, sinks, k_scale, v_scale)
         self._side_state = _prepared.side_state(self._side)
         # The same run as one straight-line function with this plan's constants bound
-        # (CuPy arrays, out given, one launch): the fast run (_fastrun). It shadows the
+        # (CuPy arrays or torch tensors, out given): the fast run (_fastrun). It shadows the
         # method (not a subclass's own run); every call it declines goes to the method,
         # bound to a copy of the plan without the fast run (no reference cycle).
         if type(self).run is AttentionPlan.run:

@@ -753,3 +753,19 @@ def test_torch_calls_the_run_was_not_made_for_go_to_the_generic_path(rng, generi
         call(d["query"], out)
         assert generic_runs[0] == before, f"the fast run after {what}"
         assert_close(out.cpu().numpy(), want, testing.TOLERANCE["f16"], f"after {what}")
+
+
+def test_a_bound_address_off_an_8_byte_boundary_gets_no_view_of_its_own():
+    """A bound table's address is packed into the buffer once (build), so the run takes
+    8-byte views only at the per-call addresses off an 8-byte boundary, as
+    _thread_buffers makes them: a bound one at 4 mod 8 would make the run's unpack of the
+    views fail in the caller's thread."""
+    import re
+
+    slots = ((0, ((8, 0),)), (1, ((16, 0),)), (2, ((24, 0),)), (3, ((36, 0),)),
+             (4, ((44, 0),)), (6, ((0, 0),)))
+    src = _fastrun.source("plan", [0, 1, 2, 4, 6], [3], [], False, False, False,
+                          ((slots, None),), None, ())
+    unpacked = re.search(r"^\s+(.*), = local\.b", src, re.M).group(1).split(", ")
+    # what build() hands _thread_buffers: the per-call addresses' offsets
+    assert unpacked == ["w0", "pa0", "u0_44"]
