@@ -6,8 +6,9 @@ disk cache under a readable file name (verified by size and digest before each u
 loaded per device through CuPy's module API.
 
 The cache key hashes the whole source (every project header is inlined into it), the
-template instantiation, the compiler options, the NVRTC version and the target, so an
-edited ``.cuh`` can never load a stale binary. CuPy's own cache is not used: it keys on
+template instantiation, the compiler options, the NVRTC version and build (a patch
+release may generate other code) and the target, so an edited ``.cuh`` can never load a
+stale binary. CuPy's own cache is not used: it keys on
 the top-level source string only and names its files by hash.
 """
 
@@ -558,12 +559,17 @@ _compiled_once = False
 
 def _probe(rtc, options: list) -> bool:
     """Does an empty kernel compile with these options?"""
+    return _probe_ptx(rtc, options) is not None
+
+
+def _probe_ptx(rtc, options: list) -> bytes | None:
+    """An empty kernel's PTX with these options (None: it does not compile)."""
     prog = rtc.createProgram("__global__ void probe() {}", "probe.cu", [], [])
     try:
         rtc.compileProgram(prog, [*options, "-arch=compute_80"])
-        return True
+        return rtc.getPTX(prog)
     except rtc.NVRTCError:
-        return False
+        return None
     finally:
         rtc.destroyProgram(prog)
 
@@ -586,6 +592,19 @@ def ready_nvrtc():
 @lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
     return tuple(nvrtc().getVersion())
+
+
+@lru_cache(maxsize=None)
+def nvrtc_build() -> str:
+    """This NVRTC's build as its PTX header names it ("Compiler Build ID: CL-36424714;
+    Cuda compilation tools, release 13.0, V13.0.88"), from one empty kernel compiled once
+    a process: getVersion's (major, minor) is shared by patch releases, which may generate
+    different code, so the cache key takes the build."""
+    ptx = _probe_ptx(ready_nvrtc(), []) or b""
+    header = ptx.decode("ascii", "replace").split(".version", 1)[0]
+    named = [line.lstrip("/ ").strip() for line in header.splitlines()
+             if "Build ID" in line or "compilation tools" in line]
+    return "; ".join(named) or f"NVRTC {nvrtc_version()}"
 
 
 @lru_cache(maxsize=None)
@@ -668,10 +687,11 @@ def cache_key(spec: KernelSpec) -> str:
 
 
 def _key(source_file: str, name_expression: str, arch: str) -> str:
-    """A cache entry's key: the inlined source, the instantiation, the options, NVRTC."""
+    """A cache entry's key: the inlined source, the instantiation, the options, NVRTC's
+    version and build."""
     h = hashlib.sha256()
     for part in (source(source_file), name_expression, " ".join(_options(arch)),
-                 repr(nvrtc_version())):
+                 repr(nvrtc_version()), nvrtc_build()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -762,7 +782,8 @@ def _write_meta(name: str, name_expression: str, arch: str, binary_path: Path,
                 meta_path: Path, binary: bytes, lowered: str) -> Path | None:
     meta = {"name": name, "name_expression": name_expression,
             "lowered_name": lowered, "options": list(_options(arch)),
-            "nvrtc": list(nvrtc_version()), "size": len(binary),
+            "nvrtc": list(nvrtc_version()), "nvrtc_build": nvrtc_build(),
+            "size": len(binary),
             "sha256": hashlib.sha256(binary).hexdigest()}
     try:
         _write_atomic(binary_path, binary)

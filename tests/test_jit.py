@@ -146,6 +146,19 @@ def test_key_covers_arch_options_and_nvrtc_version(monkeypatch):
     assert "-std=c++20" in jit._options("sm_90")
 
 
+def test_key_covers_the_nvrtc_build(monkeypatch):
+    """NVRTC's getVersion names major.minor only: two patch releases (13.0.48, 13.0.88)
+    report the same pair and may generate different code, so the key takes the build the
+    compiler's own PTX header names."""
+    build = jit.nvrtc_build()
+    major, minor = jit.nvrtc_version()
+    assert f"release {major}.{minor}, V{major}.{minor}." in build, build
+    assert "Build ID" in build, build
+    key = jit.cache_key(SPEC)
+    monkeypatch.setattr(jit, "nvrtc_build", lambda: build.replace("Build ID", "Build ID 2"))
+    assert jit.cache_key(SPEC) != key
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
 def test_cached_cubins_are_whole_elf_files(cache, arch):
     """The cubin in the cache is the whole ELF its headers describe (CuPy's getCUBIN drops
