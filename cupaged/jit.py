@@ -721,8 +721,29 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+# A writer's temporary file older than this is a crashed writer's (one compile's write
+# takes milliseconds): the first write of a process into a folder removes them.
+_STALE_TMP_SECONDS = 3600
+_swept: set = set()
+
+
+def _sweep_stale_tmp(folder: Path) -> None:
+    if folder in _swept:
+        return
+    _swept.add(folder)
+    cutoff = time.time() - _STALE_TMP_SECONDS
+    # (_write_atomic's names: an entry's file name, mkstemp's random part, ".tmp")
+    for p in (q for ext in (".cubin", ".ptx", ".json") for q in folder.glob(f"*{ext}*.tmp")):
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+        except OSError:  # gone already, or not ours to remove
+            pass
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_tmp(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -183,6 +183,29 @@ def test_cache_entries_have_a_plain_files_permissions(cache):
         assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask, p
 
 
+def test_a_crashed_writers_temporary_files_are_swept(cache):
+    """A writer killed between its temporary file and the rename leaves ``*.tmp`` behind:
+    the next write into the folder removes those an hour old or more, and leaves younger
+    ones (another process may be writing them now)."""
+    import os
+    import time
+
+    cache.mkdir(parents=True, exist_ok=True)
+    stale = cache / "paged_decode-0123.cubinabc123.tmp"
+    fresh = cache / "paged_decode-4567.cubindef456.tmp"
+    stale_meta = cache / "paged_decode-0123.jsonghi789.tmp"
+    # not the cache's writers' names: left alone, however old
+    others = (cache / "notes.txt", cache / "notes.tmp")
+    for p in (stale, fresh, stale_meta, *others):
+        p.write_bytes(b"partial")
+    old = time.time() - 2 * 3600
+    for p in (stale, stale_meta, *others):
+        os.utime(p, (old, old))
+    jit.build(SPEC)
+    assert not stale.exists() and not stale_meta.exists()
+    assert fresh.exists() and all(p.exists() for p in others)
+
+
 def test_corrupt_cache_entry_is_rebuilt(cache):
     built = jit.build(SPEC)
     built.path.with_suffix(".json").write_text("{not json")
