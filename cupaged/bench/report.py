@@ -18,7 +18,10 @@ def environment() -> dict:
     env = {"cupaged": __version__, "python": platform.python_version(), "numpy": np.__version__,
            "cupy": cupy.__version__}
     try:
-        env["nvrtc"] = ".".join(map(str, jit.nvrtc_version()))
+        # (with its build: the kernel cache's key takes it, so a cache made on another
+        # machine serves this one only where the builds agree)
+        env["nvrtc"] = (".".join(map(str, jit.nvrtc_version()))
+                        + f" ({jit.nvrtc_build()})")
     except Exception as e:  # pragma: no cover - depends on the install
         env["nvrtc"] = f"unavailable ({e})"
     try:
