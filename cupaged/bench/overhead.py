@@ -207,12 +207,13 @@ def host_overheads(calls: int = 200, layers: int = 32) -> dict:
 
 
 def stubbed_overheads(calls: int = 10000) -> dict:
-    """Host time per call of AttentionPlan.run, of attention's repeated call and of a cache
-    write on the CPU alone, the device's calls stubbed (:mod:`.stub`: nothing launches, so
-    the launch's own cost is not in them), llama-3-8b's shape (32 query heads, 8 KV heads,
-    head size 128, float16, NHD blocks of 16). Each form is timed as a caller runs it (the fast run) and
-    with ``stream=`` CuPy's current stream, which the fast run leaves to the generic path;
-    a pure-Python loop gauges the CPU's speed."""
+    """Host time per call of AttentionPlan.run, of attention's and mla_attention's
+    repeated calls and of a cache write on the CPU alone, the device's calls stubbed
+    (:mod:`.stub`: nothing launches, so the launch's own cost is not in them), llama-3-8b's
+    shape (32 query heads, 8 KV heads, head size 128, float16, NHD blocks of 16; MLA:
+    DeepSeek's latent cache, 128 and 16 heads). Each attention form is timed as a caller
+    runs it (the fast run) and with ``stream=`` CuPy's current stream, which the fast run
+    leaves to the generic path; a pure-Python loop gauges the CPU's speed."""
     from .. import decode
     from ..attention import AttentionPlan, attention
     from ..cache_ops import reshape_and_cache
