@@ -494,6 +494,8 @@ class ContextParallel:
         # would leave the others waiting in the collective.
         bs = _block_size(key_cache, kw.get("kv_layout", "NHD"))
         rows = len(p.perm)
+        # (With sinks on every rank, rank 0's too: its part_lse takes them below, before
+        # its own attention would check them.)
         if not rows or shared.get("sinks") is not None:
             self._check_shared(views, query, key_cache, value_cache, block_tables, shared)
         part_out.zero_()
