@@ -21,6 +21,7 @@ void cupaged_instantiate_cache_ops() {
   (void)&cupaged::concat_and_cache_mla<bfloat16_t, cupaged::v4_fp4_t, int>;
   (void)&cupaged::concat_and_cache_mla<half_t, cupaged::v4_fp4_t, long long>;
   (void)&cupaged::indexer_k_quant_and_cache<bfloat16_t, long long>;
+  (void)&cupaged::widen_sparse_rows<bfloat16_t, cupaged::fp8_ds_mla_t>;
   (void)&cupaged::indexer_k_quant_and_cache<half_t, int>;
 }
 #endif

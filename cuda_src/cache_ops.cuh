@@ -1,5 +1,6 @@
-// Cache maintenance: writing new tokens into the paged cache, and copying whole blocks
-// (copy-on-write inside a device cache, swapping between a device and a host cache).
+// Cache maintenance: writing new tokens into the paged cache, copying whole blocks
+// (copy-on-write inside a device cache, swapping between a device and a host cache), and
+// widening a sparse cache's token rows to 16-bit keys.
 #pragma once
 #include "common.cuh"
 #include "ds_mla.cuh"
@@ -429,6 +430,32 @@ __global__ void __launch_bounds__(kCacheThreads)
       }
     }
   }
+}
+
+// A sparse cache's token rows widened to T (bfloat16) keys, all of them: row r of `rows`
+// (C a token-row format, is_sparse_row; `row_stride` bytes apart, a multiple of 16) into
+// out + r * out_stride as its key's RANK + ROPE values (fp8_ds_mla: kv_c's 512 then k_pe's
+// 64), each value exactly as the sparse readers widen it in shared memory (SparseRow's
+// widen: the same bits). A prefill call whose query tokens select each cached token many
+// times widens them once this way and reads the 16-bit rows (sparse_mla's rule). One
+// thread a 16-byte unit of a row (SparseRow::kUnits a row), so a warp reads a row's
+// consecutive chunks.
+template <typename T, typename C>
+__global__ void __launch_bounds__(kCacheThreads)
+    widen_sparse_rows(const C* __restrict__ rows, long long row_stride, T* __restrict__ out,
+                      long long out_stride, long long num_rows) {
+  static_assert(is_sparse_row<C>::value && is_same<T, bfloat16_t>::value,
+                "token rows widen to bfloat16");
+  using Row = SparseRow<C>;
+  const long long i = static_cast<long long>(blockIdx.x) * kCacheThreads + threadIdx.x;
+  const long long r = i / Row::kUnits;
+  if (r >= num_rows) return;
+  const int u = static_cast<int>(i - r * Row::kUnits);
+  uint4 v[2];
+  int dim = 0;
+  const int n = Row::widen(&rows->bits + r * row_stride, u, v, dim);
+  T* dst = out + r * out_stride + dim;
+  for (int k = 0; k < n; ++k) reinterpret_cast<uint4*>(dst)[k] = v[k];
 }
 
 // One tensor of a block copy: source and destination base addresses (device memory, or

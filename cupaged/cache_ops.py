@@ -17,13 +17,13 @@ import numpy as np
 from cupy_backends.cuda.api import runtime
 
 from . import _arrays, _checks, _dtypes, _kvquant, _prepared, jit, planning
+from .specs.geometry import CACHE_THREADS
 from ._arrays import as_device_array
 
 __all__ = ["concat_and_cache_mla", "copy_blocks", "copy_blocks_mla", "empty_pinned",
            "indexer_k_quant_and_cache", "reshape_and_cache",
            "reshape_and_cache_flash", "swap_blocks"]
 
-_THREADS = 128  # kCacheThreads in cuda_src/cache_ops.cuh
 _INDEX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 _fail = _checks.fail
 
@@ -282,7 +282,7 @@ def _launch(kern, w: _Write, stream: int, ptrs, source_strides) -> None:
     cache, q = w.cache, w.quant
     kp, vp, kcp, vcp, smp = ptrs
     ks0, ks1, vs0, vs1 = source_strides
-    kern((w.num_tokens, 1, 1), _THREADS, 0, stream,
+    kern((w.num_tokens, 1, 1), CACHE_THREADS, 0, stream,
          kp, ks0, ks1, vp, vs0, vs1, kcp, *cache.k_strides, vcp, *cache.v_strides,
          smp, cache.num_kv_heads, cache.head_size, cache.block_size,
          cache.num_blocks * cache.block_size, int(w.vec_src), q.k_ptr, q.v_ptr,
@@ -585,8 +585,8 @@ def launch_mla_write(kern, w: _MlaWrite, stream: int, a, b, kc, pc, sm, scale_pt
             else (pc.data.ptr, *w.rope_dst[1:]))
     # the sparse formats' rows: a warp per token; the others: a CTA per token
     sparse = w.cache.name in _dtypes.SPARSE_MLA
-    grid = -(-w.num_tokens // (_THREADS // 32)) if sparse else w.num_tokens
-    kern((grid, 1, 1), _THREADS, 0, stream,
+    grid = -(-w.num_tokens // (CACHE_THREADS // 32)) if sparse else w.num_tokens
+    kern((grid, 1, 1), CACHE_THREADS, 0, stream,
          a.data.ptr, a.strides[0] // 2, b.data.ptr, b.strides[0] // 2, *latent, *rope,
          sm.data.ptr, w.num_tokens, w.rank, w.rope, w.block_size, w.num_blocks * w.block_size,
          int(w.vec_src), scale_ptr, scale_value)
@@ -704,7 +704,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
         ctx = _arrays.context(w.device, _arrays.stream_framework(kv_cache, k), stream)
         _debug_check_slots(sm, w.num_blocks * w.block_size, ctx)
         kern = _kernel(w.device, "indexer_k_quant_and_cache", w.source.name, w.index)
-        kern((-(-w.num_tokens // (_THREADS // 32)), 1, 1), _THREADS, 0, ctx.stream,
+        kern((-(-w.num_tokens // (CACHE_THREADS // 32)), 1, 1), CACHE_THREADS, 0, ctx.stream,
              a.data.ptr, a.strides[0] // 2 if a.shape[0] > 1 else 0, kc.data.ptr,
              w.block_stride, sm.data.ptr, w.num_tokens, w.head_dim, w.quant_block_size,
              w.block_size, w.num_blocks * w.block_size, int(w.ue8m0))
@@ -750,7 +750,7 @@ def _launch_copy(ctx: _arrays.Context, tensors: list, mapping, index: str, num_p
         chunk = tensors[i:i + _COPY_TENSORS]
         flat = [v for t in chunk for v in t]
         table = _COPY_TABLE.pack(*flat, *_COPY_PAD[len(flat):])
-        kern((num_pairs, len(chunk), 1), _THREADS, 0, ctx.stream, table, mapping.data.ptr,
+        kern((num_pairs, len(chunk), 1), CACHE_THREADS, 0, ctx.stream, table, mapping.data.ptr,
              block_bytes, src_blocks, dst_blocks)
 
 

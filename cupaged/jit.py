@@ -94,6 +94,8 @@ _KERNELS = {
     # (rows: the query heads a CTA holds; group_tile: the query rows, 1 or 2, of one
     # sequence that share its key tiles)
     "indexer_k_quant_and_cache": ("cache_ops.cu", ("dtype", "index_dtype")),
+    # a sparse cache's token rows widened to 16-bit keys (dtype: the keys')
+    "widen_sparse_rows": ("cache_ops.cu", ("dtype", "cache_dtype")),
     "indexer_logits": ("indexer.cu", ("dtype", "rows", "block_size", "group_tile")),
     "indexer_topk": ("indexer.cu", ("dtype",)),
     "merge_states": ("merge_states.cu", ("dtype",)),
@@ -105,7 +107,7 @@ MLA_TMA_READERS = ("mla_attention_sm90",)
 # The kernels that take the sparse MLA cache types (_dtypes.SPARSE_MLA) as their
 # cache_dtype, every one of them: the writer and the readers (V4's with rope_dim 0: their
 # 512 dims hold the rotary ones).
-SPARSE_MLA_KERNELS = ("concat_and_cache_mla", *SPARSE_MLA_READERS)
+SPARSE_MLA_KERNELS = ("concat_and_cache_mla", "widen_sparse_rows", *SPARSE_MLA_READERS)
 # Each kernel's parameter list as a struct format, one token per parameter (P pointer,
 # q int64, i int32, f float32, Ns a struct of N bytes passed by value), for Launcher.
 # tests/test_jit.py checks these against the symbols NVRTC mangles.
@@ -139,6 +141,7 @@ ARG_FORMATS = {
     # k, its token stride; the cache, its block stride; slots, num_tokens, head_dim,
     # quant_block_size, block size, num_slots, ue8m0
     "indexer_k_quant_and_cache": "PqPqPiiiiqi",
+    "widen_sparse_rows": "PqPqq",  # rows, their stride (bytes); out, its row stride; rows
     # out, its row stride, width; q, its row and head strides; weights, their row stride;
     # the cache, its block stride, num_blocks; tables, their stride, max_blocks; lengths,
     # next_n
@@ -292,7 +295,7 @@ class KernelSpec:
     rows: int = 0  # mla_attention: packed query rows (tokens x heads) per CTA
     cache_dtype: str = ""  # the cache's: "e4m3" | "e5m2" (fp8), or "" / dtype for the same;
     #                        "dsmla": DeepSeek-V3.2's sparse rows, "v4fp8" / "v4fp4" V4's
-    #                        (concat_and_cache_mla and the sparse readers)
+    #                        (SPARSE_MLA_KERNELS: the writer, the widening, the readers)
     kv_scale: str = ""  # fp8: "" one scale per tensor, "th" per (token, KV head)
     variant: str = ""  # VARIANT_BITS letters: "w" window, "c" soft-cap ("t" with its tanh
     #                    by tanh.approx), "b" blocksparse,
@@ -324,7 +327,7 @@ class KernelSpec:
             elif self.cache_dtype not in _dtypes.FP8:
                 raise ValueError(f"cache_dtype must be the dtype or one of {sorted(_dtypes.FP8)} "
                                  f"(or a sparse MLA cache, {sorted(_dtypes.SPARSE_MLA)}, for "
-                                 f"concat_and_cache_mla) in {self!r}")
+                                 f"{', '.join(SPARSE_MLA_KERNELS)}) in {self!r}")
             if self.kv_scale not in KV_SCALES:
                 raise ValueError(f"kv_scale must be one of {sorted(KV_SCALES)} in {self!r}")
             if self.kv_scale and self.cache_dtype not in _dtypes.FP8:

@@ -16,7 +16,7 @@ from .specs import geometry
 from .validation import Problem, VariantArgs
 
 if TYPE_CHECKING:
-    from .planning import KernelPlan
+    from .planning import KernelPlan, SparseWidening
 
 _fail = _checks.fail
 
@@ -483,6 +483,26 @@ class MlaLaunch(NamedTuple):
         address."""
         bt_stride, max_blocks, num_blocks, _, value = self.table
         return self._replace(table=(bt_stride, max_blocks, num_blocks, ptr, value))
+
+
+class WidenedMlaLaunch(NamedTuple):
+    """A sparse call that widens its cache's token rows once into a 16-bit scratch
+    (planning.sparse_widening) and runs ``inner``, an MlaLaunch planned over those rows
+    (``[num_rows, 1, 1, width]`` of q's dtype): ``run`` takes MlaLaunch.run's arguments,
+    ``c_lat`` the token rows' address."""
+
+    widening: SparseWidening
+    row_stride: int  # the token rows', in bytes
+    inner: MlaLaunch
+
+    def run(self, ctx: _arrays.Context, out: int, q: tuple, c_lat: int, c_rope: int, bt: int,
+            lens: int, starts: int, lse: int = 0, extra: tuple = ()) -> None:
+        w = self.widening
+        base, keep = _arrays.scratch(ctx, w.num_rows * w.width * 2)
+        w.kernel(w.grid, geometry.CACHE_THREADS, 0, ctx.stream, c_lat, self.row_stride, base,
+                 w.width, w.num_rows)
+        self.inner.run(ctx, out, q, base, base, bt, lens, starts, lse, extra)
+        del keep  # freed in the stream's order, after the launches
 
 
 def mla_run_addresses(ptrs, pair: bool, rope_cache: bool) -> tuple:

@@ -1130,3 +1130,37 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
     return MlaPlan(k, (num_seqs * row_tiles, 1, parts), row_tiles, split, parts,
                    combine_kernel(device, dtype, rank), (num_rows, num_heads, 1),
                    (0, num_seqs, split * tt, parts, tt))
+
+
+# A sparse prefill call over token rows widens each selected row in every CTA that reads
+# it (a query token's row tiles each); past this many widenings a cached token, widening
+# every row once into a 16-bit scratch (widen_sparse_rows: 656 bytes read, 1,152 written
+# a row) and reading the 16-bit rows costs less.
+WIDEN_ONCE_FACTOR = 4
+
+
+class SparseWidening(NamedTuple):
+    """widen_sparse_rows' launch: every row of a sparse cache's rows into 16-bit keys."""
+
+    kernel: jit.Launcher
+    grid: tuple
+    num_rows: int
+    width: int  # the keys' values a row (fp8_ds_mla: 576)
+
+
+def sparse_widening(device: int, dtype: str, cache_dtype: str, num_rows: int,
+                    widened_rows: int) -> SparseWidening | None:
+    """The widening of a sparse cache's ``num_rows`` token rows (``cache_dtype``, fp8_ds_mla)
+    into ``dtype`` keys, where the direct kernel would widen ``widened_rows`` (its query
+    tokens times topk times row tiles: a host bound) at least WIDEN_ONCE_FACTOR times as
+    many; None where it would not (or for a format the 16-bit kernels cannot read in its
+    place: V4's 512-dim rows)."""
+    rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
+    if rows is None or rows.rope == 0 or num_rows <= 0 or \
+            widened_rows < WIDEN_ONCE_FACTOR * num_rows:
+        return None
+    spec = jit.KernelSpec("widen_sparse_rows", dtype, cache_dtype=cache_dtype,
+                          arch=device_info(device).arch)
+    units = num_rows * (rows.nbytes // 16)  # a thread a 16-byte chunk (fp8_ds_mla's units)
+    return SparseWidening(jit.load(spec, device), (-(-units // geometry.CACHE_THREADS), 1, 1),
+                          num_rows, rows.values)

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _arrays, _checks, _dtypes, _prepared, _variants, launch, planning, validation
 from ._arrays import as_device_array, optional_device_array, optional_output_array
+from .specs import geometry
 
 _fail = _checks.fail
 FOLD = "[batch, s_q, ...] with batch and s_q foldable into one dimension"
@@ -93,7 +94,10 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     index outside ``[0, s_kv)`` (-1 or any other) does not count. out ``[s_q, num_heads,
     512]``, lse ``[s_q, num_heads]`` (natural log: FlashMLA's prefill returns it in base 2,
     times log2(e)). A second cache takes the same forms (``extra_kv_cache [s_kv', 1,
-    width]``, ``extra_indices [s_q, 1, extra_topk]``, ``extra_topk_length [s_q]``).
+    width]``, ``extra_indices [s_q, 1, extra_topk]``, ``extra_topk_length [s_q]``). Over
+    fp8_ds_mla rows without a second cache, where ``s_q * topk * ceil(num_heads / 64) >=
+    4 * s_kv``, the call widens every row once into a temporary bfloat16 buffer of ``s_kv
+    * 1152`` bytes and reads the 16-bit rows (the same keys).
 
     Both:
         scale: the softmax scale (required).
@@ -229,14 +233,26 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
     if not plan:
         return None, None
     with _arrays.on_device(p.device):
-        mplan = planning.plan_mla(p.device, p.dtype.name, p.cache_dtype.name, p.rank, p.rope,
-                                  p.block_size, tokens, tokens, num_heads, 1,
+        # A prefill call whose query tokens select each cached token many times (each of
+        # its row tiles widening it again) widens the rows once and reads 16-bit rows.
+        widening = None if not prefill or second else planning.sparse_widening(
+            p.device, p.dtype.name, p.cache_dtype.name, num_slots,
+            tokens * topk * -(-num_heads // geometry.MlaSm90Geometry.rows))
+        # (rows [s_kv, 1, 1, width] of q's dtype as a 16-bit cache's prefill form: blocks
+        # of one token, whose token stride the size-1 dimension's reshape makes 1)
+        read = p if widening is None else p._replace(
+            cache_dtype=p.dtype, c_offsets=(0, p.rank),
+            c_strides=(widening.width, 1, widening.width, 1))
+        mplan = planning.plan_mla(p.device, p.dtype.name, read.cache_dtype.name, p.rank,
+                                  p.rope, p.block_size, tokens, tokens, num_heads, 1,
                                   p.max_blocks + (second[3] if second else 0),
                                   None if parts is None else parts.max_rows, sparse=True,
                                   second_cache=bool(second))
         launches = None if mplan is None else launch.build_mla(
-            p, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)),
+            read, mplan, scale, False, (0, 1.0), parts, sparse=(max(s_q, 1), int(not prefill)),
             variants=variants, extra=second)
+        if widening is not None and launches is not None:
+            launches = launch.WidenedMlaLaunch(widening, p.c_strides[0], launches)
     disjoint = _prepared.disjoint_spans(
         ((4, o), (5, lse_a)), ((0, qa), (1, kc), (2, idx), (3, tl), (6, sink), (7, e_kc),
                                (8, e_idx), (9, e_tl)))

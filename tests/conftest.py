@@ -189,7 +189,10 @@ def mla_planned(monkeypatch, device_arch):
         def sm90(device, dtype, cache_dtype, rank, rope, block_size, sparse=False,
                  variant=""):
             built.append("sm90" + variant)
-            return planning.MlaKernel(None, None, 0, 132)
+            spec = jit.KernelSpec("mla_sparse_attention_sm90" if sparse else "mla_attention_sm90",
+                                  dtype, rank, block_size, rope_dim=rope,
+                                  cache_dtype=cache_dtype, variant=variant, arch=arch)
+            return planning.MlaKernel(None, spec, 0, 132)
 
         monkeypatch.setattr(planning, "mla_kernel", mma)
         monkeypatch.setattr(planning, "mla_sm90_kernel", sm90)

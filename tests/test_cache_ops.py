@@ -2062,7 +2062,8 @@ def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
         cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype=fmt)
     assert sparse_mla._sparse_rows(fmt, cache, q) == fmt
     assert sparse_mla._sparse_rows("auto", cache, q) == fmt  # found by its width
-    takers = "concat_and_cache_mla, mla_sparse_attention, mla_sparse_attention_sm90"
+    takers = ("concat_and_cache_mla, widen_sparse_rows, mla_sparse_attention, "
+              "mla_sparse_attention_sm90")
     name = SPARSE_NAMES[fmt]
     with pytest.raises(ValueError, match=f"is taken by {takers} only"):
         jit.KernelSpec("reshape_and_cache", "bf16", cache_dtype=name, index_dtype="i64")

@@ -226,7 +226,8 @@ def test_specialization_names_are_unique():
     # reshape_and_cache 44, copy_blocks 2, concat_and_cache_mla 24 (2 dtypes x 6
     # cache types: the source's, 2 fp8 formats, fp8_ds_mla, v4_fp8, v4_fp4; x 2 index
     # types), merge_states 3, indexer_k_quant_and_cache 4,
-    # indexer_logits 2 dtypes x 4 head counts x 7 block sizes x 2 row counts, indexer_topk 1; the
+    # indexer_logits 2 dtypes x 4 head counts x 7 block sizes x 2 row counts, indexer_topk 1,
+    # widen_sparse_rows 1 (bfloat16 keys of fp8_ds_mla rows); the
     # combine 3 dtypes x 45 head sizes; mla_attention 2 dtypes x 9 block sizes x the
     # (rows, tile, stages) shapes each target's shared memory holds (11 on sm_80, 17 on
     # sm_90), and over fp8 caches 2 dtypes x 2 formats x 9 block sizes x their shapes (13
@@ -244,7 +245,7 @@ def test_specialization_names_are_unique():
     # for each of 6 and their 4,544 of bfloat16 for each of 3.
     assert len({s.name for s in ALL}) == len(ALL) == 2 * (14904 * 8 + 4898 * 6 + 2449 * 3 + 135
                                                           + 44 + 2 + 24 + 3 + 4 + 2 * 4 * 7 * 2
-                                                          + 1) + 264 * 6 + 132 * 3 + 72 * 6 \
+                                                          + 1 + 1) + 264 * 6 + 132 * 3 + 72 * 6 \
         + 2 * 9 * (11 + 17) + 2 * 2 * 9 * (13 + 18) + 2 * 3 * 9 + 23866 * 8 + 9088 * 6 + 4544 * 3 \
         + 2 * (2 * 9 * (11 + 17) + 9 * (13 + 17) + 9 * (14 + 18) + 9 * (16 + 18)) \
         + 2 * (2 * 9 + 3 * 9)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _arrays, _dtypes, planning, reference, sparse_mla, testing
+from cupaged import _arrays, _dtypes, _prepared, planning, reference, sparse_mla, testing
 from conftest import assert_close
 from test_validation import Fake
 
@@ -712,6 +712,81 @@ def test_fp8_ds_mla_takes_the_wgmma_kernel_at_every_head_count(mla_planned, arch
         planning.set_mla_split(None)
 
 
+@pytest.fixture
+def widen_loads(monkeypatch):
+    """planning.sparse_widening's kernel loads recorded (their specs), nothing compiled."""
+    from cupaged import jit
+
+    loaded = []
+    monkeypatch.setattr(jit, "load", lambda spec, device, smem=0: loaded.append(spec) or spec)
+    return loaded
+
+
+def test_the_widening_rule(device_arch, widen_loads):
+    """fp8_ds_mla's rows are widened once where the direct kernel would widen at least
+    WIDEN_ONCE_FACTOR times as many rows as the cache holds; never for V4's rows (no 16-bit
+    kernel reads their 512-dim keys), 16-bit caches or an empty cache."""
+    device_arch("sm_90")
+    f = planning.WIDEN_ONCE_FACTOR
+    w = planning.sparse_widening(0, "bf16", "dsmla", 1000, f * 1000)
+    assert w is not None and (w.num_rows, w.width) == (1000, D)
+    assert w.grid == (-(-1000 * 41 // 128), 1, 1)  # a thread a 16-byte chunk of 41
+    assert widen_loads[-1].name == "widen_sparse_rows_bf16_dsmla_sm90"
+    assert widen_loads[-1].name_expression == (
+        "cupaged::widen_sparse_rows<cupaged::bfloat16_t, cupaged::fp8_ds_mla_t>")
+    assert planning.sparse_widening(0, "bf16", "dsmla", 1000, f * 1000 - 1) is None
+    assert planning.sparse_widening(0, "bf16", "dsmla", 0, 10 ** 6) is None
+    for cache in ("v4fp8", "v4fp4", "bf16"):
+        assert planning.sparse_widening(0, "bf16", cache, 1000, 10 ** 6) is None, cache
+    assert len(widen_loads) == 1
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_a_prefill_over_many_selections_reads_widened_rows(adapt, mla_planned, widen_loads,
+                                                           monkeypatch, arch, heads):
+    """A prefill call over fp8_ds_mla rows whose query tokens select each cached token more
+    than WIDEN_ONCE_FACTOR times widens the rows once and runs the launch a 16-bit cache of
+    the same tokens gets (the same kernel, strides, offsets and constants), reading the
+    token rows at their own stride; fewer selections, a second cache or V4's rows keep the
+    direct kernel."""
+    from cupaged import launch
+
+    monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
+    built = mla_planned(arch)
+    bf16 = _dtypes.BF16.numpy
+    s_kv, topk = 5000, 2048
+    s_q = -(-planning.WIDEN_ONCE_FACTOR * s_kv // (topk * -(-heads // 64)))
+
+    def prepare(s_q, kv, q_dim=D, extra=(None, None, None)):
+        q = Fake(np.zeros((s_q, heads, q_dim), bf16), ptr=1 << 24)
+        idx = Fake(np.zeros((s_q, 1, topk), np.int32), ptr=1 << 26)
+        prep, _ = sparse_mla.validate_and_prepare(q, Fake(kv, ptr=1 << 30), idx, 0.1, None,
+                                                  None, None, False, None, None, extra=extra)
+        return prep.launch
+
+    padded = np.zeros((s_kv, 1, 672), np.uint8)[:, :, :DS]  # rows 672 bytes apart
+    got = prepare(s_q, padded)
+    assert isinstance(got, launch.WidenedMlaLaunch), (arch, heads)
+    assert got.row_stride == 672 and got.widening.num_rows == s_kv
+    wgmma = arch == "sm_90" and heads >= 64  # the 16-bit cache's rule
+    assert built[-1] == "sm90" if wgmma else built[-1].cache_dtype == "bf16"
+    want = prepare(s_q, np.zeros((s_kv, 1, D), bf16))
+    assert got.inner == want, [(f, a, b) for f, a, b in zip(want._fields, got.inner, want)
+                               if a != b]
+    # fewer selections: the direct kernel over the rows
+    direct = prepare(s_q - 1, padded)
+    assert isinstance(direct, launch.MlaLaunch)
+    assert built[-1] == "sm90" if arch == "sm_90" else "_dsmla_" in built[-1].name
+    extra = (Fake(np.zeros((64, 1, DS), np.uint8), ptr=1 << 31),
+             Fake(np.zeros((s_q, 1, 8), np.int32), ptr=1 << 32), None)
+    assert isinstance(prepare(s_q, padded, extra=extra), launch.MlaLaunch)
+    for fmt, width in (("v4_fp8", 528), ("v4_fp4", 288)):
+        kv = np.zeros((s_kv, 1, width), np.uint8)
+        assert isinstance(prepare(s_q, kv, D_V4), launch.MlaLaunch), fmt
+    assert [s.kernel for s in widen_loads].count("widen_sparse_rows") == 1
+
+
 def test_an_empty_batch_is_accepted(adapt):
     assert adapt(q=np.zeros((0, 3, 16, D), np.float16),
                  indices=np.zeros((0, 3, 32), np.int32)) == (None, None)
@@ -1081,6 +1156,96 @@ def test_fp8_ds_mla_split_and_prefill(rng, split):
                                             return_lse=True)
     assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
     check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
+
+
+@pytest.mark.gpu
+def test_widen_sparse_rows_gives_the_readers_keys(rng):
+    """widen_sparse_rows: each row's kv_c as the readers widen it (each e4m3 value times its
+    group's float32 scale, rounded once to bfloat16), k_pe's bytes in place, over rows 672
+    bytes apart holding every e4m3 code (NaN, subnormals, zeros) and scales of any float32
+    (vLLM's amax / 448, subnormal, NaN); the poisoned row past the last one untouched."""
+    import cupy
+    import ml_dtypes
+
+    from cupaged.specs.geometry import CACHE_THREADS
+
+    n = 333
+    rows = reference.quantize_sparse_kv(testing.random_normal((n, D), np.float32, rng),
+                                        "fp8_ds_mla")
+    rows[:256, :512] = np.arange(256, dtype=np.uint8)[:, None] ^ rows[:256, :512] % 7
+    scales = rows[:, 512:528].view("<f4")
+    scales[::5, 0] = 1.7e-40  # a subnormal scale
+    scales[7, 3] = np.nan
+    scales[9, 1] = 3.0e38 / 448
+    big = np.full((n, 672), 0xFF, np.uint8)
+    big[:, :DS] = rows
+    dev = cupy.asarray(big)[:, :DS]
+    bf16 = _dtypes.BF16.numpy
+    out = cupy.full((n + 1, D), np.nan, bf16)
+    w = planning.sparse_widening(dev.device.id, "bf16", "dsmla", n, planning.WIDEN_ONCE_FACTOR * n)
+    w.kernel(w.grid, CACHE_THREADS, 0, cupy.cuda.get_current_stream().ptr, dev.data.ptr, 672,
+             out.data.ptr, D, n)
+    got = cupy.asnumpy(out).view(np.uint16)
+    e4m3 = rows[:, :512].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want = np.empty((n, D), np.uint16)
+    want[:, :512] = (e4m3 * np.repeat(scales, 128, 1)).astype(bf16).view(np.uint16)
+    want[:, 512:] = rows[:, 528:].copy().view(np.uint16)
+    nan = np.isnan(got[:n].view(bf16).astype(np.float32))
+    assert np.array_equal(nan, np.isnan(want.view(bf16).astype(np.float32)))
+    assert np.array_equal(got[:n][~nan], want[~nan])
+    assert np.isnan(got[n].view(bf16).astype(np.float32)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [None, "mma", "sm90"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_fp8_ds_mla_prefill_through_widened_rows(rng, monkeypatch, family, heads):
+    """A prefill over fp8_ds_mla rows whose tokens select each cached token many times
+    reads them widened once (planning.sparse_widening, checked to be taken): against the
+    float64 reference over 0xFF bytes in every unnamed row, -1 and out-of-range indices, a
+    repeated index, topk_length and attn_sink, twice (the prepared repeat widens again into
+    a fresh scratch); the same call below the rule's threshold reads the rows directly."""
+    import cupy
+
+    s_q, topk = 24, 200  # 24 x 200 selections of 768 rows (12 blocks of 64): past 4x
+    h = ds_problem(rng, s_q, 1, heads, topk, flashmla_cache=False)
+    kv = h["kv_cache"].reshape(-1, 1, DS)
+    q = h["q"][:, 0]
+    idx = h["indices"][:, 0, None].copy()
+    idx[idx == -1] = -7
+    idx[1, 0, 3] = kv.shape[0] + 2
+    idx[2, 0, 4] = idx[2, 0, 5]
+    sink = rng.normal(size=heads).astype(np.float32)
+    want, want_lse = reference.sparse_mla_attention(q, kv, idx, scale=SCALE,
+                                                    kv_format="fp8_ds_mla",
+                                                    topk_length=h["topk_length"],
+                                                    attn_sink=sink, return_lse=True)
+    taken = []
+    real = planning.sparse_widening
+    monkeypatch.setattr(planning, "sparse_widening",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, idx=idx, tl=h["topk_length"],
+                                               sink=sink).items()}
+
+    def call():
+        out = cupy.full((s_q, heads, 512), np.nan, q.dtype)
+        lse = cupy.full((s_q, heads), np.nan, np.float32)
+        cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], scale=SCALE,
+                                     topk_length=d["tl"], attn_sink=d["sink"], out=out,
+                                     lse=lse)
+        return cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+
+    with kernel_family(family):
+        for threshold, widened in ((planning.WIDEN_ONCE_FACTOR, True), (10 ** 6, False)):
+            monkeypatch.setattr(planning, "WIDEN_ONCE_FACTOR", threshold)
+            _prepared.clear()
+            for repeat in range(2):
+                got, lse = call()
+                assert (taken[-1] is not None) == widened, (threshold, repeat)
+                what = f"{'widened' if widened else 'direct'} {repeat}"
+                assert_close(got, want, testing.TOLERANCE["bf16"], what)
+                check_lse(lse, want_lse, what)
+            assert len(taken) == (1 if widened else 2)  # the repeat is the prepared call
 
 
 @pytest.mark.gpu

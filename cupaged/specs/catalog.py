@@ -67,6 +67,8 @@ AXES = {
                              "index_dtype": ("i32", "i64")},
     "merge_states": {"dtype": tuple(_dtypes.BY_NAME)},
     "indexer_k_quant_and_cache": {"dtype": ("f16", "bf16"), "index_dtype": ("i32", "i64")},
+    # fp8_ds_mla's rows as bfloat16 keys (sparse_mla_attention's prefill over many tokens)
+    "widen_sparse_rows": {"dtype": ("bf16",), "cache_dtype": ("dsmla",)},
     # its logits: 16 to 64 query heads a CTA, pages of 4 to 256 tokens, one query row a CTA
     # or a sequence's two (next_n 2 and more)
     "indexer_logits": {"dtype": ("f16", "bf16"), "rows": (16, 32, 48, 64),
@@ -105,7 +107,7 @@ AXES = {
 # cache kernels: 44, 2, 24, 3 and 4 per target, and the indexer's top-k, a few seconds in
 # all).
 SMALL_KERNELS = ("reshape_and_cache", "copy_blocks", "concat_and_cache_mla", "merge_states",
-                 "indexer_k_quant_and_cache", "indexer_topk")
+                 "indexer_k_quant_and_cache", "indexer_topk", "widen_sparse_rows")
 
 
 def supported(spec: jit.KernelSpec) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .. import _dtypes
 
 DECODE_THREADS = 128  # kDecodeThreads
+CACHE_THREADS = 128  # kCacheThreads (cuda_src/cache_ops.cuh): the cache kernels' CTA
 WARPS = DECODE_THREADS // 32
 
 # Opt-in dynamic shared memory per block, by compute capability (CUDA's tables).
