@@ -441,10 +441,17 @@ __device__ __forceinline__ void topk_find_top_bin(const int* hist, int* counters
   __syncthreads();
 }
 
+// With block_tables (not null) each column c picked for row r goes out as its global slot
+// table[c / block_size] * block_size + c % block_size, table the row of sequence r / next_n
+// (indexer_logits' rows): what sparse_mla_attention's decode takes; -1 stays -1. A column
+// past the table's max_blocks, or a slot outside [0, 2^31), goes out as kTopkFault, which
+// sparse_mla_attention treats as a fault (its token's rows NaN), never as a slot.
+constexpr int kTopkFault = -0x7fffffff - 1;  // INT32_MIN
 template <typename T>
 __global__ void __launch_bounds__(kTopkThreads)
     indexer_topk(int* __restrict__ out, long long out_stride, const T* __restrict__ logits,
-                 long long stride, int width, int topk) {
+                 long long stride, int width, int topk, const int* __restrict__ block_tables,
+                 long long bt_stride, int max_blocks, int block_size, int next_n) {
   static_assert(is_same<T, float>::value, "float32 logits");
   // the first digit's histogram, then (once it is read) the keys of the k-th's bin
   __shared__ union {
@@ -612,8 +619,18 @@ __global__ void __launch_bounds__(kTopkThreads)
       __syncthreads();
     }
   }
+  const int* table =
+      block_tables == nullptr ? nullptr : block_tables + (blockIdx.x / next_n) * bt_stride;
   for (int i = tid; i < topk; i += kTopkThreads) {
-    out_row[i] = i < k ? static_cast<int>(~static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
+    int c = i < k ? static_cast<int>(~static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
+    if (table != nullptr && c >= 0) {
+      const int b = c / block_size;
+      const long long slot = b < max_blocks ? static_cast<long long>(table[b]) * block_size +
+                                                  c % block_size
+                                            : -1ll;
+      c = slot >= 0 && slot <= 0x7fffffffll ? static_cast<int>(slot) : kTopkFault;
+    }
+    out_row[i] = c;
   }
 }
 

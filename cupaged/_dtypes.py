@@ -100,13 +100,14 @@ def kv_cache_format(name) -> DType | None:
 def refuse_sparse_mla(name, where: str = "this entry point") -> None:
     """ValueError when ``name`` is a sparse cache's kv_cache_dtype (``"fp8_ds_mla"``,
     ``"v4_fp8"``, ``"v4_fp4"``), at an entry point that does not take it:
-    concat_and_cache_mla writes them, sparse_mla_attention reads them."""
+    PagedMLACache holds them, concat_and_cache_mla writes them, sparse_mla_attention reads
+    them."""
     fmt = SPARSE_KV_CACHE_DTYPES.get(name) if isinstance(name, str) else None
     if fmt is None:
         return
-    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) is written by concat_and_cache_mla, "
-                     f"copied by copy_blocks_mla / swap_blocks and read by {fmt.readers} only: "
-                     f"{where} does not take it")
+    raise ValueError(f"kv_cache_dtype={name!r} ({fmt.what}) is held by PagedMLACache, written "
+                     f"by concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and "
+                     f"read by {fmt.readers} only: {where} does not take it")
 
 
 def fp8_of(dtype) -> DType | None:

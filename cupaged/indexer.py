@@ -162,7 +162,8 @@ def _topk_kernel(device: int):
     return jit.load(spec, device)
 
 
-def indexer_topk(logits, topk, *, out=None, stream=None):
+def indexer_topk(logits, topk, *, block_tables=None, block_size=None, next_n=1, out=None,
+                 stream=None):
     """Each row's ``topk`` largest finite logits' columns: int32 ``[rows, topk]``, largest
     first, ties by the lower column, -1 after a row's finite logits run out (-inf, +inf
     and NaN are never picked). ``cupaged.reference.indexer_topk``'s result, bit for bit.
@@ -171,12 +172,21 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
         logits: float32 ``[rows, width]`` (:func:`indexer_logits`'s), the last dimension
             contiguous, rows any whole number of entries apart.
         topk: 1 to 2048 (DeepSeek-V3.2's is 2048).
+        block_tables: optional int32 ``[rows / next_n, max_blocks]`` (a step's tables, rows
+            contiguous) with ``block_size`` (a power of two, 1 to 256): each picked column
+            goes out as the global slot ``block_tables[r // next_n, c // block_size] *
+            block_size + c % block_size`` of row r's sequence (rows placed as
+            :func:`indexer_logits` places them: sequence b's next_n query tokens), what
+            ``sparse_mla_attention``'s decode takes; -1 stays -1 (``reference.indexer_slots``
+            states it). A column past the table's blocks or a slot outside [0, 2^31) comes
+            out as -2^31, which ``sparse_mla_attention`` treats as a fault (its token's rows
+            NaN), never as another token's slot.
+        next_n: the query tokens of a sequence (rows per table row), with ``block_tables``.
         out: int32 ``[rows, topk]``, C-contiguous (default: allocated).
 
-    The columns are positions in each row's sequence (its tokens 0..); cupaged's
-    ``sparse_mla_attention`` prefill takes them as they are, its decode as global slots
-    (``block * block_size + offset`` through the sequence's block table:
-    ``reference.indexer_slots``). One CTA a row: a radix select of the k-th largest (a
+    Without ``block_tables`` the columns are positions in each row's sequence (its tokens
+    0..); cupaged's ``sparse_mla_attention`` prefill takes them as they are, its decode as
+    global slots (``block_tables=`` above). One CTA a row: a radix select of the k-th largest (a
     12-bit first digit, then 8, 8 and 4 bits; two passes over the row when the k-th's
     first-digit bin holds at most 3840 keys, which the later digits then count in shared
     memory, five otherwise), the keys above it and the lowest columns equal to it, a
@@ -201,9 +211,12 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
         _fail(f"logits has {width} columns; at most {_checks.INT32_MAX - TOPK_STEP} are "
               f"supported")
     _checks.check_new_out(o, np.int32, (rows, int(topk)))
+    bt = None if block_tables is None else as_device_array(block_tables, "block_tables")
+    table = _slot_table(bt, block_size, next_n, rows)
     device = lg.data.device_id
-    _checks.check_same_device(device, "logits", (("out", o),))
-    _checks.check_disjoint((("out", o), ("logits", lg)))  # other rows' CTAs still read
+    _checks.check_same_device(device, "logits", (("out", o), ("block_tables", bt)))
+    # other rows' CTAs still read the logits and the tables
+    _checks.check_apart((("out", o),), (("logits", lg), ("block_tables", bt)))
     with _arrays.launching(device):
         ctx = _arrays.context(device, _arrays.framework(logits), stream)
         owner = out
@@ -212,5 +225,32 @@ def indexer_topk(logits, topk, *, out=None, stream=None):
         if rows:
             _topk_kernel(device)((rows, 1, 1), TOPK_THREADS, 0, ctx.stream, o.data.ptr,
                                  int(topk), lg.data.ptr, lg.strides[0] // 4 if rows > 1 else 0,
-                                 width, int(topk))
+                                 width, int(topk), *table)
         return _arrays.hand_over(ctx, owner) if out is None else out
+
+
+def _slot_table(bt, block_size, next_n, rows: int) -> tuple:
+    """indexer_topk's table arguments (address, row stride in entries, max_blocks,
+    block_size, next_n; zeros without block tables), checked."""
+    if bt is None:
+        if block_size is not None or next_n != 1:
+            _fail("block_size and next_n go with block_tables (the columns as global slots)")
+        return 0, 0, 0, 1, 1
+    _checks.check_int(bt, "block_tables")
+    if isinstance(next_n, bool) or not isinstance(next_n, (int, np.integer)) or next_n < 1:
+        _fail(f"next_n must be a positive int, got {next_n!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or block_size not in _checks.BLOCK_SIZES:
+        _fail(f"block_size must be a power of two from 1 to 256 (the cache's), got "
+              f"{block_size!r}")
+    seqs = rows // next_n
+    if rows % next_n or bt.ndim != 2 or bt.shape[0] != seqs:
+        _fail(f"block_tables must be [rows / next_n, max_blocks] with rows ({rows}) a multiple "
+              f"of next_n ({next_n}), got shape {bt.shape}")
+    max_blocks = bt.shape[1]
+    st = bt.strides
+    if seqs and ((max_blocks > 1 and st[1] != 4) or st[0] < 0 or st[0] % 4):
+        _fail(f"block_tables' rows must be contiguous, a whole number of entries apart "
+              f"(strides {st})")
+    return (bt.data.ptr, st[0] // 4 if seqs > 1 else 0, max_blocks, int(block_size),
+            int(next_n))

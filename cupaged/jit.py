@@ -146,7 +146,9 @@ ARG_FORMATS = {
     # the cache, its block stride, num_blocks; tables, their stride, max_blocks; lengths,
     # next_n
     "indexer_logits": "PqiPqqPqPqiPqiPi",
-    "indexer_topk": "PqPqii",  # out, its row stride; logits, their row stride; width, topk
+    # out, its row stride; logits, their row stride; width, topk; block tables (0: columns
+    # out), their row stride, max_blocks, block size, next_n
+    "indexer_topk": "PqPqiiPqiii",
     "merge_states": "392sPqqPqqqiiii",  # MergeInputs (8 partials) by value
 }
 ARG_TOKEN = re.compile(r"\{[^}]*\}|\d*[a-zA-Z?]")  # one kernel parameter

@@ -1066,35 +1066,77 @@ class PagedMLACache(_PagedCache):
                                         step.seq_lens, step.query_start_loc, scale=s,
                                         kv_cache_dtype=cache.kv_cache_dtype,
                                         k_scale=cache.scales[l])
+
+    DeepSeek's sparse attention (DSA): with ``kv_cache_dtype="fp8_ds_mla"`` (DeepSeek-V3.2's)
+    or V4's ``"v4_fp8"`` / ``"v4_fp4"``, ``kv_caches[l]`` is uint8 ``[num_blocks,
+    block_size, bytes_per_token]`` (656, 528 or 288: one row of bytes a token), what
+    :func:`cupaged.concat_and_cache_mla` writes in that format and
+    :func:`cupaged.sparse_mla_attention` reads (bfloat16 queries, so ``dtype`` must be
+    bfloat16); ``scales`` holds None (the rows carry their own). ``kv_lora_rank`` and
+    ``rope_dim`` are the writer's ``kv_c`` and ``k_pe`` widths: 512 and 64 for fp8_ds_mla,
+    two positive multiples of 8 that sum to 512 for V4's (default 448 and 64: V4's 512-dim
+    token with its rotary dims inside). A decode step of one layer, its top-k from the
+    lightning indexer's logits as global slots through the step's tables::
+
+        slots = cupaged.indexer_topk(logits, 2048, block_tables=step.block_tables,
+                                     block_size=cache.block_size)
+        cupaged.concat_and_cache_mla(kv_c[l], k_pe[l], cache.kv_caches[l],
+                                     step.slot_mapping, cache.kv_cache_dtype)
+        out = cupaged.sparse_mla_attention(q[l][:, None], cache.kv_caches[l],
+                                           slots[:, None], scale=s)
     """
 
     KV_LORA_RANK = 512
     ROPE_DIM = 64
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, dtype="bfloat16",
-                 *, kv_lora_rank: int = 512, rope_dim: int = 64, prefix_caching: bool = False,
-                 framework: str = "cupy", device=None, kv_cache_dtype: str = "auto"):
+                 *, kv_lora_rank: int | None = None, rope_dim: int | None = None,
+                 prefix_caching: bool = False, framework: str = "cupy", device=None,
+                 kv_cache_dtype: str = "auto"):
+        from . import _dtypes
+
         dt = _model_dtype(dtype)
         if dt.itemsize != 2:
             raise TypeError(f"dtype {dtype} is not supported: MLA takes float16 or bfloat16")
-        if (kv_lora_rank, rope_dim) != (self.KV_LORA_RANK, self.ROPE_DIM):
-            raise ValueError(f"kv_lora_rank {kv_lora_rank} and rope_dim {rope_dim} are not "
-                             f"supported: mla_attention is built for 512 and 64 (DeepSeek's)")
+        rows = (_dtypes.SPARSE_KV_CACHE_DTYPES.get(kv_cache_dtype)
+                if isinstance(kv_cache_dtype, str) else None)
+        if rows is not None and rows.rope == 0:  # V4's: the rotary dims inside the 512
+            if kv_lora_rank is None:
+                kv_lora_rank = _dtypes.SPARSE_RANK - (self.ROPE_DIM if rope_dim is None
+                                                      else rope_dim)
+            if rope_dim is None:
+                rope_dim = _dtypes.SPARSE_RANK - kv_lora_rank
+            if not (kv_lora_rank > 0 and rope_dim > 0 and kv_lora_rank % 8 == 0
+                    and rope_dim % 8 == 0 and kv_lora_rank + rope_dim == _dtypes.SPARSE_RANK):
+                raise ValueError(f"kv_lora_rank {kv_lora_rank} and rope_dim {rope_dim} do not "
+                                 f"split {kv_cache_dtype}'s {_dtypes.SPARSE_RANK}-dim token: "
+                                 f"expected two positive multiples of 8 that sum to "
+                                 f"{_dtypes.SPARSE_RANK} (V4's 448 and 64)")
+        else:
+            kv_lora_rank = self.KV_LORA_RANK if kv_lora_rank is None else kv_lora_rank
+            rope_dim = self.ROPE_DIM if rope_dim is None else rope_dim
+            if (kv_lora_rank, rope_dim) != (self.KV_LORA_RANK, self.ROPE_DIM):
+                raise ValueError(f"kv_lora_rank {kv_lora_rank} and rope_dim {rope_dim} are not "
+                                 f"supported: " + (
+                                     f"{kv_cache_dtype} rows hold 512 and 64" if rows else
+                                     "mla_attention is built for 512 and 64 (DeepSeek's)"))
+        if rows is not None and dt is not _dtypes.BF16:
+            raise TypeError(f"dtype {dtype} is not supported with kv_cache_dtype="
+                            f"{kv_cache_dtype!r}: sparse_mla_attention reads its rows with "
+                            f"bfloat16 queries")
         if num_layers <= 0:
             raise ValueError(f"need num_layers > 0, got {num_layers}")
-        from . import _dtypes
-
-        _dtypes.refuse_sparse_mla(kv_cache_dtype, "PagedMLACache (a dense latent cache for "
-                                                  "mla_attention)")
-        fmt = _fp8_format(kv_cache_dtype, "tensor", dt)
+        fmt = None if rows is not None else _fp8_format(kv_cache_dtype, "tensor", dt)
         self._init_common(num_blocks, block_size, prefix_caching, framework, device)
         self.dtype = dt.numpy
-        self.kv_cache_dtype = "auto" if fmt is None else f"fp8_{fmt.name}"
+        self.kv_cache_dtype = (kv_cache_dtype if rows is not None else
+                               "auto" if fmt is None else f"fp8_{fmt.name}")
         self.num_layers = num_layers
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
-        store = _storage_dtype(dt, fmt, framework)
+        store = np.dtype(np.uint8) if rows is not None else _storage_dtype(dt, fmt, framework)
         self._itemsize = store.itemsize
-        shape = (num_blocks, block_size, kv_lora_rank + rope_dim)
+        self._width = rows.nbytes if rows is not None else kv_lora_rank + rope_dim
+        shape = (num_blocks, block_size, self._width)
         self.kv_caches = [self._empty(shape, store) for _ in range(num_layers)]
         self.scales = ([None] * num_layers if fmt is None else
                        [self._empty((1,), np.float32, 1.0) for _ in range(num_layers)])
@@ -1103,8 +1145,7 @@ class PagedMLACache(_PagedCache):
     def bytes_per_block(self) -> int:
         """Device bytes one block takes across all layers (per-tensor scales are not per
         block)."""
-        return (self.num_layers * self.block_size * (self.kv_lora_rank + self.rope_dim)
-                * self._itemsize)
+        return self.num_layers * self.block_size * self._width * self._itemsize
 
     def _copy_on_write(self, pairs) -> None:
         from .cache_ops import copy_blocks_mla

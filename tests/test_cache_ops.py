@@ -5,6 +5,7 @@ alone (no GPU needed)."""
 
 import contextlib
 import inspect
+import re
 
 import cupy
 import numpy as np
@@ -2021,22 +2022,19 @@ def jit_arg_tokens(kernel):
 
 
 REFUSALS = {
-    "fp8_ds_mla": r"kv_cache_dtype='fp8_ds_mla' \(DeepSeek-V3.2's sparse MLA cache\) is written by "
-                  r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
-                  r"sparse_mla_attention only",
-    "v4_fp8": r"kv_cache_dtype='v4_fp8' \(DeepSeek-V4's fp8 sparse MLA cache\) is written by "
-              r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
-              r"sparse_mla_attention only",
-    "v4_fp4": r"kv_cache_dtype='v4_fp4' \(DeepSeek-V4's fp4 sparse MLA cache\) is written by "
-              r"concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
-              r"sparse_mla_attention only",
+    fmt: (rf"kv_cache_dtype='{fmt}' \({re.escape(what)}\) is held by PagedMLACache, written "
+          r"by concat_and_cache_mla, copied by copy_blocks_mla / swap_blocks and read by "
+          r"sparse_mla_attention only")
+    for fmt, what in (("fp8_ds_mla", "DeepSeek-V3.2's sparse MLA cache"),
+                      ("v4_fp8", "DeepSeek-V4's fp8 sparse MLA cache"),
+                      ("v4_fp4", "DeepSeek-V4's fp4 sparse MLA cache"))
 }
 
 
 @pytest.mark.parametrize("fmt", SPARSE_FORMATS)
 def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
-    """concat_and_cache_mla writes the formats and sparse_mla_attention reads them: every
-    other entry point that takes a kv_cache_dtype names the format in its refusal, and
+    """PagedMLACache holds the formats, concat_and_cache_mla writes them and
+    sparse_mla_attention reads them: every other entry point that takes a kv_cache_dtype names the format in its refusal, and
     kernel specs take the cache types where a kernel has them (the wgmma sparse kernel
     V3.2's alone)."""
     from cupaged import jit, sparse_mla, validation
@@ -2056,8 +2054,6 @@ def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
     with pytest.raises(ValueError, match=said):
         validation.validate_mla(q, cache, None, Fake(np.zeros((2, 4), np.int32)),
                                 Fake(np.zeros(2, np.int32)), None, None, None, None, fmt)
-    with pytest.raises(ValueError, match=said + r".*PagedMLACache"):
-        cupaged.PagedMLACache(1, 4, 16, kv_cache_dtype=fmt)
     with pytest.raises(ValueError, match=said):
         cupaged.PagedKVCache(1, 4, 2, 64, 16, kv_cache_dtype=fmt)
     assert sparse_mla._sparse_rows(fmt, cache, q) == fmt

@@ -350,11 +350,12 @@ def topk_call(monkeypatch):
     """indexer_topk over Fake arrays, stopped before any device work."""
     _stop_at_the_device(monkeypatch)
 
-    def run(logits=None, topk=2048, out=None):
+    def run(logits=None, topk=2048, out=None, block_tables=None, **kw):
         lg = Fake(np.zeros((4, 8192), np.float32) if logits is None else logits, ptr=1 << 24)
         o = None if out is None else Fake(out, ptr=1 << 28)
+        bt = None if block_tables is None else Fake(block_tables, ptr=1 << 30)
         try:
-            cupaged.indexer_topk(lg, topk, out=o)
+            cupaged.indexer_topk(lg, topk, out=o, block_tables=bt, **kw)
         except Launched:
             return True
         return False
@@ -370,6 +371,19 @@ def test_topk_out_must_not_overlap_the_logits(topk_call):
 def test_topk_forms_are_accepted(topk_call):
     assert topk_call() and topk_call(topk=1, out=np.zeros((4, 1), np.int32))
     assert topk_call(logits=np.zeros((4, 9000), np.float32)[:, :8192])  # rows apart
+    # global slots: a table row per sequence of next_n rows, rows apart, one block
+    assert topk_call(block_tables=np.zeros((4, 128), np.int32), block_size=64)
+    assert topk_call(block_tables=np.zeros((2, 200), np.int32)[:, :128], block_size=1,
+                     next_n=2)
+    assert topk_call(block_tables=np.zeros((1, 1), np.int32), block_size=256, next_n=4)
+
+
+def test_topk_tables_must_not_overlap_out(topk_call):
+    lg = Fake(np.zeros((4, 8192), np.float32), ptr=1 << 24)
+    with pytest.raises(ValueError, match="out and block_tables overlap in memory"):
+        cupaged.indexer_topk(lg, 2048, out=Fake(np.zeros((4, 2048), np.int32), ptr=1 << 28),
+                             block_tables=Fake(np.zeros((4, 8), np.int32), ptr=1 << 28),
+                             block_size=16)
 
 
 @pytest.mark.parametrize("kw, exc, match", [
@@ -382,6 +396,27 @@ def test_topk_forms_are_accepted(topk_call):
     (dict(topk=2.0), TypeError, "topk must be an int"),
     (dict(out=np.zeros((4, 2048), np.int64)), ValueError,
      r"out must be a C-contiguous int32 array of shape \(4, 2048\)"),
+    (dict(block_size=16), ValueError, "block_size and next_n go with block_tables"),
+    (dict(next_n=2), ValueError, "block_size and next_n go with block_tables"),
+    (dict(block_tables=np.zeros((4, 8), np.int64), block_size=16), TypeError,
+     "block_tables must be int32"),
+    (dict(block_tables=np.zeros((4, 8), np.int32)), ValueError,
+     "block_size must be a power of two from 1 to 256 .the cache's., got None"),
+    (dict(block_tables=np.zeros((4, 8), np.int32), block_size=24), ValueError,
+     "block_size must be a power of two"),
+    (dict(block_tables=np.zeros((4, 8), np.int32), block_size=True), ValueError,
+     "block_size must be a power of two"),
+    (dict(block_tables=np.zeros((4, 8), np.int32), block_size=16, next_n=0), ValueError,
+     "next_n must be a positive int, got 0"),
+    (dict(block_tables=np.zeros((4, 8), np.int32), block_size=16, next_n=3), ValueError,
+     r"block_tables must be \[rows / next_n, max_blocks\] with rows \(4\) a multiple of "
+     r"next_n \(3\), got shape \(4, 8\)"),
+    (dict(block_tables=np.zeros((4, 8), np.int32), block_size=16, next_n=2), ValueError,
+     r"block_tables must be \[rows / next_n, max_blocks\]"),
+    (dict(block_tables=np.zeros(4, np.int32), block_size=16), ValueError,
+     r"block_tables must be \[rows / next_n"),
+    (dict(block_tables=np.zeros((4, 16), np.int32)[:, ::2], block_size=16), ValueError,
+     "block_tables' rows must be contiguous"),
 ])
 def test_topk_refusals_name_the_argument(topk_call, kw, exc, match):
     with pytest.raises(exc, match=match):
@@ -462,6 +497,49 @@ def test_topk_around_the_kept_bins_size(rng, in_bin, tie):
         assert ((x[0] == kth32).sum() == 6 and
                 (x[0][want[0]] == kth32).sum() == 3)  # the tie is cut
     assert np.array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n, block_size", [(1, 64), (2, 16), (3, 1)])
+def test_topk_as_global_slots(rng, next_n, block_size):
+    """block_tables: the picked columns as global slots through each row's sequence's
+    table (reference.indexer_slots over the reference's columns), -1 kept; a column past
+    the table's blocks, and blocks whose slot leaves int32 (a negative id, a huge one),
+    come out as -2^31 (a fault to sparse_mla_attention), not as a slot; tables rows apart."""
+    import cupy
+
+    seqs, width, topk = 4, 700, 96
+    rows = seqs * next_n
+    x = topk_rows(rng, rows, width)
+    blocks = -(-width // block_size)
+    wide = rng.permutation(10 ** 5)[:seqs * (blocks + 3)].reshape(seqs, blocks + 3)
+    wide = wide.astype(np.int32)
+    bt = wide[:, :blocks - 1]  # the last block's columns are past the table
+    fault = np.int32(-2 ** 31)
+    bt[0, 0] = -3
+    bt[1, 1 % (blocks - 1)] = 2 ** 31 // block_size + 1 if block_size > 1 else 2 ** 31 - 1
+    cols = reference.indexer_topk(x, topk)
+    seq = np.arange(rows) // next_n
+    want = np.full_like(cols, -1)
+    for r, c in np.argwhere(cols >= 0):
+        col = int(cols[r, c])
+        b = col // block_size
+        slot = -1 if b >= bt.shape[1] else int(bt[seq[r], b]) * block_size + col % block_size
+        want[r, c] = slot if 0 <= slot < 2 ** 31 else fault
+    in_table = (cols >= 0) & (cols // block_size < bt.shape[1])
+    lens = np.full(seqs, width, np.int32)
+    ref = reference.indexer_slots(np.where(in_table, cols, -1), bt, block_size, lens,
+                                  np.arange(0, rows + 1, next_n))
+    assert np.array_equal(np.where(in_table & (want != fault), want, -1),
+                          np.where(in_table & (want != fault), ref, -1))
+    assert (want == fault).any() and (want == -1).any()
+    dev = cupy.asarray(wide)[:, :blocks - 1]
+    dev[...] = cupy.asarray(bt)
+    out = cupy.full((rows, topk), 12345, np.int32)
+    got = cupaged.indexer_topk(cupy.asarray(x), topk, block_tables=dev, block_size=block_size,
+                               next_n=next_n, out=out)
+    assert got is out
+    assert np.array_equal(cupy.asnumpy(out), want)
 
 
 @pytest.mark.gpu

@@ -1745,6 +1745,51 @@ def test_latent_cache_arguments_are_checked(host_arrays, kw, error, match):
         cupaged.PagedMLACache(**args)
 
 
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("kv, width, split", [("fp8_ds_mla", 656, (512, 64)),
+                                              ("v4_fp8", 528, (448, 64)),
+                                              ("v4_fp4", 288, (448, 64))])
+def test_sparse_caches_hold_token_rows(host_arrays, framework, kv, width, split):
+    """DeepSeek's sparse formats: one uint8 row of the format's bytes a token (torch too:
+    the writer and the readers take uint8), no scales (the rows carry theirs), the
+    writer's kv_c / k_pe split (V4's 512 values: 448 and 64 by default, or as given)."""
+    layers, nb, bs = 2, 6, 64
+    cache = cupaged.PagedMLACache(layers, nb, bs, "bfloat16", framework=framework, device=0,
+                                  kv_cache_dtype=kv)
+    assert cache.kv_cache_dtype == kv and cache.scales == [None] * layers
+    assert (cache.kv_lora_rank, cache.rope_dim) == split
+    for c in cache.kv_caches:
+        assert c.shape == (nb, bs, width) and c.dtype == np.uint8
+    assert cache.bytes_per_block == layers * bs * width
+    if kv != "fp8_ds_mla":
+        for given, want in ((dict(rope_dim=32), (480, 32)), (dict(kv_lora_rank=384), (384, 128)),
+                            (dict(kv_lora_rank=256, rope_dim=256), (256, 256))):
+            c = cupaged.PagedMLACache(1, 2, 16, framework=framework, device=0,
+                                      kv_cache_dtype=kv, **given)
+            assert (c.kv_lora_rank, c.rope_dim) == want, given
+
+
+@pytest.mark.parametrize("kv, kw, error, match", [
+    ("fp8_ds_mla", dict(dtype="float16"), TypeError,
+     "dtype float16 is not supported with kv_cache_dtype='fp8_ds_mla': sparse_mla_attention "
+     "reads its rows with bfloat16 queries"),
+    ("v4_fp4", dict(dtype="float16"), TypeError, "dtype float16 is not supported with"),
+    ("fp8_ds_mla", dict(kv_lora_rank=448), ValueError,
+     "kv_lora_rank 448 and rope_dim 64 are not supported: fp8_ds_mla rows hold 512 and 64"),
+    ("v4_fp8", dict(kv_lora_rank=448, rope_dim=32), ValueError,
+     r"kv_lora_rank 448 and rope_dim 32 do not split v4_fp8's 512-dim token: expected two "
+     r"positive multiples of 8 that sum to 512 \(V4's 448 and 64\)"),
+    ("v4_fp8", dict(kv_lora_rank=508), ValueError, "kv_lora_rank 508 and rope_dim 4 do not"),
+    ("v4_fp4", dict(rope_dim=0), ValueError, "kv_lora_rank 512 and rope_dim 0 do not"),
+    ("v4_fp4", dict(kv_lora_rank=512, rope_dim=64), ValueError, "do not split"),
+])
+def test_sparse_cache_arguments_are_checked(host_arrays, kv, kw, error, match):
+    args = dict(num_layers=1, num_blocks=4, block_size=16, device=0, kv_cache_dtype=kv)
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        cupaged.PagedMLACache(**args)
+
+
 def test_latent_cache_step_copies_latent_blocks_on_write(host_arrays, monkeypatch):
     """step's copy-on-write goes through copy_blocks_mla with every layer's cache and the
     plan's (source, destination) pairs; the upload is replaced by host views."""
@@ -1813,6 +1858,62 @@ def test_latent_cache_serves_mla_attention(rng, kv):
     for c in cache.kv_caches:
         got = cupy.asnumpy(c)
         np.testing.assert_array_equal(got[tb[2], :5].view(np.uint8), got[ta[2], :5].view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "v4_fp8", "v4_fp4"])
+def test_sparse_cache_serves_sparse_mla_attention(rng, kv):
+    """DSA over a PagedMLACache of DeepSeek's token rows: prompts written with
+    concat_and_cache_mla in the format, a fork whose decode step copies its shared half
+    block, the step's top-k as global slots from indexer_topk through the step's tables
+    (logits over each sequence's tokens, -inf past them: the short sequence's row ends in
+    -1s), then sparse_mla_attention over those slots against the float64 reference over
+    the same cache bytes; the copied block's rows are the source's bytes."""
+    import cupy
+
+    layers, nb, bs, heads, topk = 2, 32, 16, 64, 24
+    cache = cupaged.PagedMLACache(layers, nb, bs, "bfloat16", kv_cache_dtype=kv)
+    rank, rope = cache.kv_lora_rank, cache.rope_dim
+    d_qk = _dtypes.SPARSE_KV_CACHE_DTYPES[kv].values
+    bf16 = _dtypes.BF16.numpy
+
+    def write(step, n):
+        for layer in range(layers):
+            kv_c = cupy.asarray(testing.random_normal((n, rank), bf16, rng))
+            k_pe = cupy.asarray(testing.random_normal((n, rope), bf16, rng))
+            cupaged.concat_and_cache_mla(kv_c, k_pe, cache.kv_caches[layer],
+                                         step.slot_mapping, cache.kv_cache_dtype)
+
+    write(cache.prefill(["a", "c"], [37, 5]), 42)
+    cache.fork("a", "b")
+    step = cache.step(["a", "b", "c"])  # b's copy of a's last block, then one token each
+    write(step, 3)
+    lens = cupy.asnumpy(step.seq_lens)
+    tables = cupy.asnumpy(step.block_tables)
+    width = int(lens.max())
+    logits = rng.normal(size=(3, width)).astype(np.float32)
+    logits[np.arange(width)[None] >= lens[:, None]] = -np.inf
+    slots = cupaged.indexer_topk(cupy.asarray(logits), topk, block_tables=step.block_tables,
+                                 block_size=bs)
+    want_slots = reference.indexer_slots(reference.indexer_topk(logits, topk), tables, bs,
+                                         lens)
+    assert np.array_equal(cupy.asnumpy(slots), want_slots)
+    assert (want_slots[2] == -1).sum() == topk - 6 and (want_slots[:2] >= 0).all()
+    scale = 1 / np.sqrt(192)
+    for layer in range(layers):
+        q = cupy.asarray(testing.random_normal((3, 1, heads, d_qk), bf16, rng))
+        out = cupy.full((3, 1, heads, 512), np.nan, bf16)
+        cupaged.sparse_mla_attention(q, cache.kv_caches[layer], slots[:, None], scale=scale,
+                                     out=out)
+        ref = reference.sparse_mla_attention(cupy.asnumpy(q),
+                                             cupy.asnumpy(cache.kv_caches[layer]),
+                                             want_slots[:, None], scale=scale, kv_format=kv)
+        assert_close(cupy.asnumpy(out).astype(np.float64), ref, testing.TOLERANCE["bf16"], kv)
+    ta, tb = cache.manager.block_table("a"), cache.manager.block_table("b")
+    assert ta[:2] == tb[:2] and ta[2] != tb[2]
+    for c in cache.kv_caches:
+        got = cupy.asnumpy(c)
+        np.testing.assert_array_equal(got[tb[2], :5], got[ta[2], :5])
 
 
 def test_table_rows_grown_for_more_sequences_start_as_zeros():
