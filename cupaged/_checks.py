@@ -297,21 +297,29 @@ def host_bound(value, name: str, cap: int) -> int:
     return min(int(value), cap)
 
 
-def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: int,
-                 max_tokens: int) -> int:
-    """int32 ``block_tables [num_seqs, max_blocks]`` with contiguous rows and int32 ``lens
-    [num_seqs]`` (contiguous); returns max_blocks. A row may hold at most ``max_tokens``."""
+def check_table_rows(block_tables, num_seqs: int, shape: str) -> int:
+    """int32 ``block_tables [num_seqs, max_blocks]`` (``shape``: the expected shape's words
+    for the error) with contiguous rows a whole number of entries apart; returns
+    max_blocks."""
     check_int(block_tables, "block_tables")
-    check_int(lens, lens_name)
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        fail(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
-             f"got shape {block_tables.shape}")
+        fail(f"block_tables must be {shape}, got shape {block_tables.shape}")
     max_blocks = block_tables.shape[1]
     st = block_tables.strides
     if num_seqs and ((max_blocks > 1 and st[1] != 4) or st[0] < 0 or st[0] % 4):
         # (empty: strides free) The kernels index rows in entries: bytes / 4.
         fail(f"block_tables' rows must be contiguous, a whole number of entries apart "
              f"(strides {st})")
+    return max_blocks
+
+
+def check_tables(block_tables, lens, lens_name: str, num_seqs: int, block_size: int,
+                 max_tokens: int) -> int:
+    """int32 ``block_tables [num_seqs, max_blocks]`` with contiguous rows and int32 ``lens
+    [num_seqs]`` (contiguous); returns max_blocks. A row may hold at most ``max_tokens``."""
+    max_blocks = check_table_rows(block_tables, num_seqs,
+                                  f"[num_seqs={num_seqs}, max_blocks_per_seq]")
+    check_int(lens, lens_name)
     if max_blocks * block_size > max_tokens:
         fail(f"block_tables allows {max_blocks * block_size} tokens per sequence; at most "
              f"{max_tokens} are supported")

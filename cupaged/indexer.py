@@ -236,21 +236,16 @@ def _slot_table(bt, block_size, next_n, rows: int) -> tuple:
         if block_size is not None or next_n != 1:
             _fail("block_size and next_n go with block_tables (the columns as global slots)")
         return 0, 0, 0, 1, 1
-    _checks.check_int(bt, "block_tables")
     if isinstance(next_n, bool) or not isinstance(next_n, (int, np.integer)) or next_n < 1:
         _fail(f"next_n must be a positive int, got {next_n!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or block_size not in _checks.BLOCK_SIZES:
         _fail(f"block_size must be a power of two from 1 to 256 (the cache's), got "
               f"{block_size!r}")
-    seqs = rows // next_n
-    if rows % next_n or bt.ndim != 2 or bt.shape[0] != seqs:
-        _fail(f"block_tables must be [rows / next_n, max_blocks] with rows ({rows}) a multiple "
-              f"of next_n ({next_n}), got shape {bt.shape}")
-    max_blocks = bt.shape[1]
-    st = bt.strides
-    if seqs and ((max_blocks > 1 and st[1] != 4) or st[0] < 0 or st[0] % 4):
-        _fail(f"block_tables' rows must be contiguous, a whole number of entries apart "
-              f"(strides {st})")
-    return (bt.data.ptr, st[0] // 4 if seqs > 1 else 0, max_blocks, int(block_size),
+    # (rows not a multiple of next_n: no table row count fits)
+    seqs = rows // next_n if rows % next_n == 0 else -1
+    max_blocks = _checks.check_table_rows(
+        bt, seqs, f"[rows / next_n, max_blocks] with rows ({rows}) a multiple of next_n "
+                  f"({next_n})")
+    return (bt.data.ptr, bt.strides[0] // 4 if seqs > 1 else 0, max_blocks, int(block_size),
             int(next_n))
