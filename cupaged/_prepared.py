@@ -56,7 +56,7 @@ class Prepared(NamedTuple):
     """What a repeated call still does itself: allocate what it returns, check that its
     outputs do not overlap its inputs, and launch."""
 
-    launch: object  # launch.Launch or launch.MlaLaunch; None: nothing to launch (empty batch)
+    launch: object  # launch.Launch, MlaLaunch or WidenedMlaLaunch; None: nothing to launch
     device: int
     kind: str  # _arrays.framework() of the query: whose arrays to allocate and return
     shape: tuple  # the output's (attention's: the query's too)

@@ -1133,10 +1133,15 @@ def plan_mla(device: int, dtype: str, cache_dtype: str, rank: int, rope: int,
 
 
 # A sparse prefill call over token rows widens each selected row in every CTA that reads
-# it (a query token's row tiles each); past this many widenings a cached token, widening
+# it (a query token's row tiles each); from this many widenings a cached token, widening
 # every row once into a 16-bit scratch (widen_sparse_rows: 656 bytes read, 1,152 written
 # a row) and reading the 16-bit rows costs less.
 WIDEN_ONCE_FACTOR = 4
+# The scratch's rows at most (2^19: 604 MB of bfloat16 keys): a longer cache keeps the
+# direct kernel rather than allocate more than its own size again per call.
+WIDEN_MAX_ROWS = 1 << 19
+# widen_sparse_rows' threads a row: fp8_ds_mla's 16-byte chunks (SparseRow's units)
+_WIDEN_UNITS = {"dsmla": 41}
 
 
 class SparseWidening(NamedTuple):
@@ -1152,15 +1157,16 @@ def sparse_widening(device: int, dtype: str, cache_dtype: str, num_rows: int,
                     widened_rows: int) -> SparseWidening | None:
     """The widening of a sparse cache's ``num_rows`` token rows (``cache_dtype``, fp8_ds_mla)
     into ``dtype`` keys, where the direct kernel would widen ``widened_rows`` (its query
-    tokens times topk times row tiles: a host bound) at least WIDEN_ONCE_FACTOR times as
-    many; None where it would not (or for a format the 16-bit kernels cannot read in its
-    place: V4's 512-dim rows)."""
+    tokens times topk times the wgmma kernel's row tiles of 64 heads: a host estimate) at
+    least WIDEN_ONCE_FACTOR times as many, for at most WIDEN_MAX_ROWS rows; None where it
+    would not (or for a format the 16-bit kernels cannot read in its place: V4's 512-dim
+    rows)."""
     rows = _dtypes.SPARSE_BY_CACHE.get(cache_dtype)
-    if rows is None or rows.rope == 0 or num_rows <= 0 or \
+    if cache_dtype not in _WIDEN_UNITS or not 0 < num_rows <= WIDEN_MAX_ROWS or \
             widened_rows < WIDEN_ONCE_FACTOR * num_rows:
         return None
     spec = jit.KernelSpec("widen_sparse_rows", dtype, cache_dtype=cache_dtype,
                           arch=device_info(device).arch)
-    units = num_rows * (rows.nbytes // 16)  # a thread a 16-byte chunk (fp8_ds_mla's units)
+    units = num_rows * _WIDEN_UNITS[cache_dtype]
     return SparseWidening(jit.load(spec, device), (-(-units // geometry.CACHE_THREADS), 1, 1),
                           num_rows, rows.values)

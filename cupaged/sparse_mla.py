@@ -95,9 +95,10 @@ def sparse_mla_attention(q, kv_cache, indices, *, scale, topk_length=None, attn_
     512]``, lse ``[s_q, num_heads]`` (natural log: FlashMLA's prefill returns it in base 2,
     times log2(e)). A second cache takes the same forms (``extra_kv_cache [s_kv', 1,
     width]``, ``extra_indices [s_q, 1, extra_topk]``, ``extra_topk_length [s_q]``). Over
-    fp8_ds_mla rows without a second cache, where ``s_q * topk * ceil(num_heads / 64) >=
-    4 * s_kv``, the call widens every row once into a temporary bfloat16 buffer of ``s_kv
-    * 1152`` bytes and reads the 16-bit rows (the same keys).
+    fp8_ds_mla rows without a second cache or a workspace, where ``s_q * topk *
+    ceil(num_heads / 64) >= 4 * s_kv`` and s_kv is at most 2^19, the call widens every row
+    once into a temporary bfloat16 buffer of ``s_kv * 1152`` bytes and reads the 16-bit
+    rows (the same keys).
 
     Both:
         scale: the softmax scale (required).
@@ -234,8 +235,10 @@ def validate_and_prepare(q, kv_cache, indices, scale, topk_length, out, lse, ret
         return None, None
     with _arrays.on_device(p.device):
         # A prefill call whose query tokens select each cached token many times (each of
-        # its row tiles widening it again) widens the rows once and reads 16-bit rows.
-        widening = None if not prefill or second else planning.sparse_widening(
+        # its row tiles widening it again) widens the rows once and reads 16-bit rows,
+        # into a scratch of each call's: not with a workspace, whose calls allocate
+        # nothing (CUDA graphs)
+        widening = None if not prefill or second or parts is not None else planning.sparse_widening(
             p.device, p.dtype.name, p.cache_dtype.name, num_slots,
             tokens * topk * -(-num_heads // geometry.MlaSm90Geometry.rows))
         # (rows [s_kv, 1, 1, width] of q's dtype as a 16-bit cache's prefill form: blocks

@@ -724,8 +724,9 @@ def widen_loads(monkeypatch):
 
 def test_the_widening_rule(device_arch, widen_loads):
     """fp8_ds_mla's rows are widened once where the direct kernel would widen at least
-    WIDEN_ONCE_FACTOR times as many rows as the cache holds; never for V4's rows (no 16-bit
-    kernel reads their 512-dim keys), 16-bit caches or an empty cache."""
+    WIDEN_ONCE_FACTOR times as many rows as the cache holds, up to WIDEN_MAX_ROWS rows;
+    never for V4's rows (no 16-bit kernel reads their 512-dim keys), 16-bit caches or an
+    empty cache."""
     device_arch("sm_90")
     f = planning.WIDEN_ONCE_FACTOR
     w = planning.sparse_widening(0, "bf16", "dsmla", 1000, f * 1000)
@@ -736,9 +737,12 @@ def test_the_widening_rule(device_arch, widen_loads):
         "cupaged::widen_sparse_rows<cupaged::bfloat16_t, cupaged::fp8_ds_mla_t>")
     assert planning.sparse_widening(0, "bf16", "dsmla", 1000, f * 1000 - 1) is None
     assert planning.sparse_widening(0, "bf16", "dsmla", 0, 10 ** 6) is None
+    most = planning.WIDEN_MAX_ROWS
+    assert planning.sparse_widening(0, "bf16", "dsmla", most, f * most).num_rows == most
+    assert planning.sparse_widening(0, "bf16", "dsmla", most + 1, f * most + f) is None
     for cache in ("v4fp8", "v4fp4", "bf16"):
         assert planning.sparse_widening(0, "bf16", cache, 1000, 10 ** 6) is None, cache
-    assert len(widen_loads) == 1
+    assert len(widen_loads) == 2
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -754,21 +758,30 @@ def test_a_prefill_over_many_selections_reads_widened_rows(adapt, mla_planned, w
 
     monkeypatch.setattr(_arrays, "on_device", lambda device: contextlib.nullcontext())
     built = mla_planned(arch)
+    planned = []  # the cache dtype each plan is made for
+    real_plan = planning.plan_mla
+    monkeypatch.setattr(planning, "plan_mla",
+                        lambda *a, **k: planned.append(a[2]) or real_plan(*a, **k))
+    # a workspace's partials (a stand-in: nothing is launched)
+    monkeypatch.setattr(launch, "mla_workspace_partials", lambda ws, device, rank: (
+        None if ws is None else launch.Partials(1 << 32, 2 << 32, 3 << 32, 10 ** 9)))
     bf16 = _dtypes.BF16.numpy
     s_kv, topk = 5000, 2048
     s_q = -(-planning.WIDEN_ONCE_FACTOR * s_kv // (topk * -(-heads // 64)))
 
-    def prepare(s_q, kv, q_dim=D, extra=(None, None, None)):
+    def prepare(s_q, kv, q_dim=D, extra=(None, None, None), workspace=None):
         q = Fake(np.zeros((s_q, heads, q_dim), bf16), ptr=1 << 24)
         idx = Fake(np.zeros((s_q, 1, topk), np.int32), ptr=1 << 26)
         prep, _ = sparse_mla.validate_and_prepare(q, Fake(kv, ptr=1 << 30), idx, 0.1, None,
-                                                  None, None, False, None, None, extra=extra)
+                                                  None, None, False, None, workspace,
+                                                  extra=extra)
         return prep.launch
 
     padded = np.zeros((s_kv, 1, 672), np.uint8)[:, :, :DS]  # rows 672 bytes apart
     got = prepare(s_q, padded)
     assert isinstance(got, launch.WidenedMlaLaunch), (arch, heads)
     assert got.row_stride == 672 and got.widening.num_rows == s_kv
+    assert planned[-1] == "bf16"  # the 16-bit rows' plan
     wgmma = arch == "sm_90" and heads >= 64  # the 16-bit cache's rule
     assert built[-1] == "sm90" if wgmma else built[-1].cache_dtype == "bf16"
     want = prepare(s_q, np.zeros((s_kv, 1, D), bf16))
@@ -776,7 +789,10 @@ def test_a_prefill_over_many_selections_reads_widened_rows(adapt, mla_planned, w
                                if a != b]
     # fewer selections: the direct kernel over the rows
     direct = prepare(s_q - 1, padded)
-    assert isinstance(direct, launch.MlaLaunch)
+    assert isinstance(direct, launch.MlaLaunch) and planned[-1] == "dsmla"
+    # with a workspace (its calls allocate nothing): the direct kernel
+    assert isinstance(prepare(s_q, padded, workspace=object()), launch.MlaLaunch)
+    assert planned[-1] == "dsmla"
     assert built[-1] == "sm90" if arch == "sm_90" else "_dsmla_" in built[-1].name
     extra = (Fake(np.zeros((64, 1, DS), np.uint8), ptr=1 << 31),
              Fake(np.zeros((s_q, 1, 8), np.int32), ptr=1 << 32), None)
