@@ -1214,14 +1214,17 @@ def test_widen_sparse_rows_gives_the_readers_keys(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", [None, "mma", "sm90"])
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_fp8_ds_mla_prefill_through_widened_rows(rng, monkeypatch, family, heads):
+@pytest.mark.parametrize("heads, padded", [(16, False), (64, True), (128, False), (20, True)])
+def test_fp8_ds_mla_prefill_through_widened_rows(rng, monkeypatch, family, heads, padded):
     """A prefill over fp8_ds_mla rows whose tokens select each cached token many times
     reads them widened once (planning.sparse_widening, checked to be taken): against the
     float64 reference over 0xFF bytes in every unnamed row, -1 and out-of-range indices, a
     repeated index, topk_length and attn_sink, twice (the prepared repeat widens again into
-    a fresh scratch); the same call below the rule's threshold reads the rows directly."""
+    a fresh scratch), rows 672 bytes apart or 656; bit for bit the same call over a
+    bfloat16 cache of the widened keys (the same kernel over the same keys), out and lse
+    allocated; the same call below the rule's threshold reads the rows directly."""
     import cupy
+    import ml_dtypes
 
     s_q, topk = 24, 200  # 24 x 200 selections of 768 rows (12 blocks of 64): past 4x
     h = ds_problem(rng, s_q, 1, heads, topk, flashmla_cache=False)
@@ -1242,6 +1245,10 @@ def test_fp8_ds_mla_prefill_through_widened_rows(rng, monkeypatch, family, heads
                         lambda *a: taken.append(real(*a)) or taken[-1])
     d = {k: cupy.asarray(v) for k, v in dict(q=q, kv=kv, idx=idx, tl=h["topk_length"],
                                                sink=sink).items()}
+    if padded:
+        big = cupy.full((kv.shape[0], 1, 672), 0xFF, np.uint8)
+        big[..., :DS] = d["kv"]
+        d["kv"] = big[..., :DS]
 
     def call():
         out = cupy.full((s_q, heads, 512), np.nan, q.dtype)
@@ -1262,6 +1269,40 @@ def test_fp8_ds_mla_prefill_through_widened_rows(rng, monkeypatch, family, heads
                 assert_close(got, want, testing.TOLERANCE["bf16"], what)
                 check_lse(lse, want_lse, what)
             assert len(taken) == (1 if widened else 2)  # the repeat is the prepared call
+        # the widened keys as a bfloat16 cache: the same kernel over the same keys
+        rows = kv[:, 0]
+        e4m3 = rows[:, :512].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        scales = np.repeat(rows[:, 512:528].copy().view("<f4"), 128, 1)
+        keys = np.concatenate([(e4m3 * scales).astype(_dtypes.BF16.numpy),
+                               rows[:, 528:].copy().view(_dtypes.BF16.numpy)], 1)[:, None]
+        monkeypatch.setattr(planning, "WIDEN_ONCE_FACTOR", 4)
+        kw = dict(scale=SCALE, topk_length=d["tl"], attn_sink=d["sink"], return_lse=True)
+        got, got_lse = cupaged.sparse_mla_attention(d["q"], d["kv"], d["idx"], **kw)
+        assert taken[-1] is not None
+        same, same_lse = cupaged.sparse_mla_attention(d["q"], cupy.asarray(keys), d["idx"],
+                                                      **kw)
+        assert np.array_equal(cupy.asnumpy(got).view(np.uint16),
+                              cupy.asnumpy(same).view(np.uint16))
+        assert np.array_equal(cupy.asnumpy(got_lse), cupy.asnumpy(same_lse))
+
+
+@pytest.mark.gpu
+def test_fp8_ds_mla_prefill_over_one_row(rng):
+    """s_kv 1 (the rule's smallest cache: any call of 4 selections widens it): every entry
+    that counts names row 0, the others -1 or 1; against the reference."""
+    import cupy
+
+    heads, s_q, topk = 64, 3, 4
+    clean = testing.random_normal((1, D), np.float32, rng)
+    kv = reference.quantize_sparse_kv(clean, "fp8_ds_mla")[:, None]
+    q = testing.random_normal((s_q, heads, D), _dtypes.BF16.numpy, rng)
+    idx = np.array([[[0, 0, -1, 1]], [[1, -1, -1, -1]], [[0, 0, 0, 0]]], np.int32)
+    want, want_lse = reference.sparse_mla_attention(q, kv, idx, scale=SCALE,
+                                                    kv_format="fp8_ds_mla", return_lse=True)
+    out, lse = cupaged.sparse_mla_attention(cupy.asarray(q), cupy.asarray(kv),
+                                            cupy.asarray(idx), scale=SCALE, return_lse=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), want, testing.TOLERANCE["bf16"])
+    check_lse(cupy.asnumpy(lse).astype(np.float64), want_lse)
 
 
 @pytest.mark.gpu
