@@ -441,11 +441,12 @@ __device__ __forceinline__ void topk_find_top_bin(const int* hist, int* counters
   __syncthreads();
 }
 
-// With block_tables (not null) each column c picked for row r goes out as its global slot
-// table[c / block_size] * block_size + c % block_size, table the row of sequence r / next_n
-// (indexer_logits' rows): what sparse_mla_attention's decode takes; -1 stays -1. A column
-// past the table's max_blocks, or a slot outside [0, 2^31), goes out as kTopkFault, which
-// sparse_mla_attention treats as a fault (its token's rows NaN), never as a slot.
+// With tables (next_n > 0; 0: columns out) each column c picked for row r goes out as its
+// global slot table[c / block_size] * block_size + c % block_size, table the row of
+// sequence r / next_n (indexer_logits' rows): what sparse_mla_attention's decode takes; -1
+// stays -1. A column past the table's max_blocks (an empty table's every column: its
+// address may be null), or a slot outside [0, 2^31), goes out as kTopkFault, which
+// sparse_mla_attention's decode treats as a fault (its token's rows NaN), never as a slot.
 constexpr int kTopkFault = -0x7fffffff - 1;  // INT32_MIN
 template <typename T>
 __global__ void __launch_bounds__(kTopkThreads)
@@ -619,11 +620,10 @@ __global__ void __launch_bounds__(kTopkThreads)
       __syncthreads();
     }
   }
-  const int* table =
-      block_tables == nullptr ? nullptr : block_tables + (blockIdx.x / next_n) * bt_stride;
+  const int* table = next_n > 0 ? block_tables + (blockIdx.x / next_n) * bt_stride : nullptr;
   for (int i = tid; i < topk; i += kTopkThreads) {
     int c = i < k ? static_cast<int>(~static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
-    if (table != nullptr && c >= 0) {
+    if (next_n > 0 && c >= 0) {
       const int b = c / block_size;
       const long long slot = b < max_blocks ? static_cast<long long>(table[b]) * block_size +
                                                   c % block_size

@@ -26,7 +26,7 @@ Public API:
     merge_state             merge two partial attention results by their log-sum-exp
     merge_states            merge any number of them (a list or a stacked array)
     PagedKVCache            device caches for all layers (any layout) plus their block bookkeeping
-    PagedMLACache           the same for MLA latent caches (concat_and_cache_mla, mla_attention)
+    PagedMLACache           the same for MLA latent caches, DeepSeek's sparse rows included
     Step                    one step's slot mapping, block tables, seq_lens, query_start_loc
     BlockManager            the bookkeeping alone (no GPU needed)
     check_block_tables      validate block tables against the cache (synchronizes)

@@ -179,8 +179,8 @@ def indexer_topk(logits, topk, *, block_tables=None, block_size=None, next_n=1, 
             :func:`indexer_logits` places them: sequence b's next_n query tokens), what
             ``sparse_mla_attention``'s decode takes; -1 stays -1 (``reference.indexer_slots``
             states it). A column past the table's blocks or a slot outside [0, 2^31) comes
-            out as -2^31, which ``sparse_mla_attention`` treats as a fault (its token's rows
-            NaN), never as another token's slot.
+            out as -2^31, which ``sparse_mla_attention``'s decode treats as a fault (its
+            token's rows NaN), never as another token's slot.
         next_n: the query tokens of a sequence (rows per table row), with ``block_tables``.
         out: int32 ``[rows, topk]``, C-contiguous (default: allocated).
 
@@ -231,13 +231,14 @@ def indexer_topk(logits, topk, *, block_tables=None, block_size=None, next_n=1, 
 
 def _slot_table(bt, block_size, next_n, rows: int) -> tuple:
     """indexer_topk's table arguments (address, row stride in entries, max_blocks,
-    block_size, next_n; zeros without block tables), checked."""
+    block_size, next_n), checked; next_n 0 without block tables (the kernel's flag: an
+    empty table's address may be 0)."""
+    if isinstance(next_n, bool) or not isinstance(next_n, (int, np.integer)) or next_n < 1:
+        _fail(f"next_n must be a positive int, got {next_n!r}")
     if bt is None:
         if block_size is not None or next_n != 1:
             _fail("block_size and next_n go with block_tables (the columns as global slots)")
-        return 0, 0, 0, 1, 1
-    if isinstance(next_n, bool) or not isinstance(next_n, (int, np.integer)) or next_n < 1:
-        _fail(f"next_n must be a positive int, got {next_n!r}")
+        return 0, 0, 0, 1, 0
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or block_size not in _checks.BLOCK_SIZES:
         _fail(f"block_size must be a power of two from 1 to 256 (the cache's), got "

@@ -1044,9 +1044,10 @@ class PagedMLACache(_PagedCache):
 
     ``kv_caches[l]`` is vLLM's combined latent cache ``[num_blocks, block_size,
     kv_lora_rank + rope_dim]`` (512 + 64: each token's compressed ``kv_c`` and its rotary
-    ``k_pe``), what :func:`cupaged.concat_and_cache_mla` writes and
-    :func:`cupaged.mla_attention` reads. ``dtype``: float16 or bfloat16, the model's;
-    with ``kv_cache_dtype="fp8"`` (= ``"fp8_e4m3"``) or ``"fp8_e5m2"`` the caches are fp8
+    ``k_pe``; DeepSeek's sparse formats below: one row of bytes a token), what
+    :func:`cupaged.concat_and_cache_mla` writes and :func:`cupaged.mla_attention` reads.
+    ``dtype``: float16 or bfloat16, the model's; with ``kv_cache_dtype="fp8"`` (=
+    ``"fp8_e4m3"``) or ``"fp8_e5m2"`` the caches are fp8
     (``torch.float8_*`` tensors with ``framework="torch"``, uint8 arrays with CuPy) and
     ``scales[l]`` a float32 ``[1]`` array per layer holding 1.0 until a calibrated scale
     is written into it in place (the kernels read it on the device); without fp8,
@@ -1100,6 +1101,9 @@ class PagedMLACache(_PagedCache):
             raise TypeError(f"dtype {dtype} is not supported: MLA takes float16 or bfloat16")
         rows = (_dtypes.SPARSE_KV_CACHE_DTYPES.get(kv_cache_dtype)
                 if isinstance(kv_cache_dtype, str) else None)
+        for name, v in (("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise TypeError(f"{name} must be an int, got {v!r}")
         if rows is not None and rows.rope == 0:  # V4's: the rotary dims inside the 512
             if kv_lora_rank is None:
                 kv_lora_rank = _dtypes.SPARSE_RANK - (self.ROPE_DIM if rope_dim is None

@@ -1100,10 +1100,17 @@ def indexer_slots(positions, block_tables, block_size: int, seq_lens, query_star
     """Top-k positions (:func:`indexer_topk`: each row's sequence-local token numbers) as
     the global slots :func:`sparse_mla_attention` takes, ``block * block_size + offset``
     through the block table of the row's sequence (rows placed as :func:`indexer_logits`
-    places them); -1 stays -1."""
+    places them); -1 stays -1; a position past the table's blocks, or a slot outside [0,
+    2^31) (a bad block id), is -2^31, which the decode treats as a fault (cupaged's
+    ``indexer_topk(.., block_tables=..)`` gives the same)."""
     p = np.asarray(positions).astype(np.int64)
     bt = np.asarray(block_tables).astype(np.int64)
     seq, _ = _rows_of(seq_lens, query_start_loc, p.shape[0])
     safe = np.where(p >= 0, p, 0)
-    slots = bt[seq[:, None], safe // block_size] * block_size + safe % block_size
-    return np.where(p >= 0, slots, -1).astype(np.int32)
+    block = safe // block_size
+    inside = block < bt.shape[1]
+    ids = (bt[seq[:, None], np.where(inside, block, 0)] if bt.shape[1]
+           else np.zeros(p.shape, np.int64))
+    slots = ids * block_size + safe % block_size
+    fault = ~inside | (slots < 0) | (slots > np.iinfo(np.int32).max)
+    return np.where(p < 0, -1, np.where(fault, np.iinfo(np.int32).min, slots)).astype(np.int32)

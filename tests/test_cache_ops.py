@@ -2034,9 +2034,9 @@ REFUSALS = {
 @pytest.mark.parametrize("fmt", SPARSE_FORMATS)
 def test_entry_points_that_do_not_take_a_sparse_format_refuse_it_by_name(fmt):
     """PagedMLACache holds the formats, concat_and_cache_mla writes them and
-    sparse_mla_attention reads them: every other entry point that takes a kv_cache_dtype names the format in its refusal, and
-    kernel specs take the cache types where a kernel has them (the wgmma sparse kernel
-    V3.2's alone)."""
+    sparse_mla_attention reads them: every other entry point that takes a kv_cache_dtype
+    names the format in its refusal, and kernel specs take the cache types where a kernel
+    has them (the wgmma sparse kernel V3.2's alone)."""
     from cupaged import jit, sparse_mla, validation
     from test_validation import args as dargs
 

@@ -378,6 +378,16 @@ def test_topk_forms_are_accepted(topk_call):
     assert topk_call(block_tables=np.zeros((1, 1), np.int32), block_size=256, next_n=4)
 
 
+def test_topk_tables_are_flagged_by_next_n_not_by_their_address():
+    """The kernel maps columns through a table where next_n is set, whatever the table's
+    address: an empty one (address 0, as CuPy and torch give it) still maps, every column
+    past its 0 blocks a fault; without tables next_n is 0."""
+    empty = Fake(np.zeros((4, 0), np.int32), ptr=0)
+    assert indexer._slot_table(empty, 16, 1, 4) == (0, 0, 0, 16, 1)
+    assert indexer._slot_table(empty, 16, 2, 8)[4] == 2
+    assert indexer._slot_table(None, None, 1, 4)[4] == 0
+
+
 def test_topk_tables_must_not_overlap_out(topk_call):
     lg = Fake(np.zeros((4, 8192), np.float32), ptr=1 << 24)
     with pytest.raises(ValueError, match="out and block_tables overlap in memory"):
@@ -503,9 +513,11 @@ def test_topk_around_the_kept_bins_size(rng, in_bin, tie):
 @pytest.mark.parametrize("next_n, block_size", [(1, 64), (2, 16), (3, 1)])
 def test_topk_as_global_slots(rng, next_n, block_size):
     """block_tables: the picked columns as global slots through each row's sequence's
-    table (reference.indexer_slots over the reference's columns), -1 kept; a column past
-    the table's blocks, and blocks whose slot leaves int32 (a negative id, a huge one),
-    come out as -2^31 (a fault to sparse_mla_attention), not as a slot; tables rows apart."""
+    table (reference.indexer_slots over the reference's columns, and the rule written out
+    here), -1 kept; a column past the table's blocks, a negative block id and (pages over
+    one token) a block whose slot leaves int32 come out as -2^31 (a fault to
+    sparse_mla_attention's decode), not as a slot; tables rows apart; an empty table (its
+    address 0) faults every column."""
     import cupy
 
     seqs, width, topk = 4, 700, 96
@@ -526,12 +538,9 @@ def test_topk_as_global_slots(rng, next_n, block_size):
         b = col // block_size
         slot = -1 if b >= bt.shape[1] else int(bt[seq[r], b]) * block_size + col % block_size
         want[r, c] = slot if 0 <= slot < 2 ** 31 else fault
-    in_table = (cols >= 0) & (cols // block_size < bt.shape[1])
     lens = np.full(seqs, width, np.int32)
-    ref = reference.indexer_slots(np.where(in_table, cols, -1), bt, block_size, lens,
-                                  np.arange(0, rows + 1, next_n))
-    assert np.array_equal(np.where(in_table & (want != fault), want, -1),
-                          np.where(in_table & (want != fault), ref, -1))
+    starts = np.arange(0, rows + 1, next_n)
+    assert np.array_equal(reference.indexer_slots(cols, bt, block_size, lens, starts), want)
     assert (want == fault).any() and (want == -1).any()
     dev = cupy.asarray(wide)[:, :blocks - 1]
     dev[...] = cupy.asarray(bt)
@@ -540,6 +549,10 @@ def test_topk_as_global_slots(rng, next_n, block_size):
                                next_n=next_n, out=out)
     assert got is out
     assert np.array_equal(cupy.asnumpy(out), want)
+    empty = cupy.zeros((seqs, 0), np.int32)
+    got = cupaged.indexer_topk(cupy.asarray(x), topk, block_tables=empty,
+                               block_size=block_size, next_n=next_n)
+    assert np.array_equal(cupy.asnumpy(got), np.where(cols >= 0, fault, -1))
 
 
 @pytest.mark.gpu

@@ -1782,6 +1782,9 @@ def test_sparse_caches_hold_token_rows(host_arrays, framework, kv, width, split)
     ("v4_fp8", dict(kv_lora_rank=508), ValueError, "kv_lora_rank 508 and rope_dim 4 do not"),
     ("v4_fp4", dict(rope_dim=0), ValueError, "kv_lora_rank 512 and rope_dim 0 do not"),
     ("v4_fp4", dict(kv_lora_rank=512, rope_dim=64), ValueError, "do not split"),
+    ("v4_fp8", dict(kv_lora_rank=448.0), TypeError, "kv_lora_rank must be an int, got 448.0"),
+    ("v4_fp8", dict(rope_dim="64"), TypeError, "rope_dim must be an int, got '64'"),
+    ("auto", dict(kv_lora_rank=True), TypeError, "kv_lora_rank must be an int"),
 ])
 def test_sparse_cache_arguments_are_checked(host_arrays, kv, kw, error, match):
     args = dict(num_layers=1, num_blocks=4, block_size=16, device=0, kv_cache_dtype=kv)
