@@ -407,6 +407,80 @@ def _sparse_on_host(monkeypatch, calls, wrong=False):
     return bench_sparse
 
 
+def _fake_flashmla(monkeypatch, calls):
+    """A torch and a flash_mla that answer with the float64 reference (the decode over
+    fp8_ds_mla bytes, the prefill over bfloat16 kv), recording their calls."""
+    import types
+
+    from cupaged.bench import peers
+
+    class T:  # a torch tensor: the array, and the dtype a view gave it
+        def __init__(self, a, dtype=None):
+            self.a, self.dtype = a, dtype
+
+        def view(self, dtype):
+            return T(self.a, dtype)
+
+    torch = types.SimpleNamespace(
+        from_dlpack=T, float8_e4m3fn="float8_e4m3fn",
+        cuda=types.SimpleNamespace(current_stream=lambda: types.SimpleNamespace(cuda_stream=0),
+                                   empty_cache=lambda: None))
+
+    def decode(q, kv, block_table, cache_seqlens, head_dim_v, sched, num_splits, **kw):
+        calls.append(("decode", kv.dtype, block_table, cache_seqlens, head_dim_v, sched,
+                      num_splits, kw))
+        out = reference.sparse_mla_attention(q.a, kv.a, kw["indices"].a,
+                                             scale=kw["softmax_scale"], kv_format="fp8_ds_mla")
+        return out, None
+
+    def prefill(q, kv, indices, sm_scale, d_v):
+        calls.append(("prefill", kv.dtype, sm_scale, d_v))
+        return reference.sparse_mla_attention(q.a, kv.a, indices.a, scale=sm_scale), None, None
+
+    flash_mla = types.SimpleNamespace(get_mla_metadata=lambda: ("sched", None),
+                                      flash_mla_with_kvcache=decode,
+                                      flash_mla_sparse_fwd=prefill)
+    monkeypatch.setattr(peers, "import_torch", lambda: torch)
+    monkeypatch.setattr(peers, "require_flashmla", lambda: flash_mla)
+    monkeypatch.setattr(bench_mla.cupy, "from_dlpack", np.asarray, raising=False)
+
+
+def test_flashmla_rows(monkeypatch):
+    """FlashMLA's rows: the decode over the case's fp8_ds_mla bytes viewed as e4m3
+    (indices as they are, the scheduler's metadata made before timing), the prefill over
+    bfloat16 kv, each checked then timed; the cases its Hopper kernels do not take are row
+    notes saying why, as is a missing flash_mla."""
+    from cupaged.bench import peers
+
+    bench_sparse = _sparse_on_host(monkeypatch, [])
+    kw = dict(heads=64, topk=64, context=128, block_size=16)
+    missing = bench_sparse.measure([bench_sparse.SparseCase(
+        "x", batch=2, kv_cache_dtype="fp8_ds_mla", **kw)], ["flashmla"], reps=3)
+    assert missing[0].note.startswith("RuntimeError: flash_mla unavailable"), missing[0]
+    calls = []
+    _fake_flashmla(monkeypatch, calls)
+    cases = [bench_sparse.SparseCase("d", batch=2, s_q=2, kv_cache_dtype="fp8_ds_mla", **kw),
+             bench_sparse.SparseCase("p", batch=1, s_q=5, prefill=True,
+                                     **dict(kw, topk=128)),
+             bench_sparse.SparseCase("bf16-decode", batch=2, **kw),
+             bench_sparse.SparseCase("h16", batch=2, kv_cache_dtype="fp8_ds_mla",
+                                     **dict(kw, heads=16)),
+             bench_sparse.SparseCase("p64", batch=1, s_q=5, prefill=True, **kw),
+             bench_sparse.SparseCase("x", batch=2, kv_cache_dtype="fp8_ds_mla", extra_topk=8,
+                                     **kw)]
+    rows = bench_sparse.measure(cases, ["flashmla"], reps=3)
+    assert [r.note for r in rows[:2]] == ["", ""] and rows[0].median_us == 100.0, rows[:2]
+    assert all(r.error < 1e-2 for r in rows[:2])
+    decode = [c for c in calls if c[0] == "decode"]
+    assert len(decode) == 2  # the metadata's call, then the check's
+    assert decode[0][1:7] == ("float8_e4m3fn", None, None, 512, "sched", None)
+    assert decode[0][7]["is_fp8_kvcache"] is True and decode[0][7]["causal"] is False
+    assert [c for c in calls if c[0] == "prefill"] == [("prefill", None, cases[1].scale, 512)]
+    notes = [r.note for r in rows[2:]]
+    assert "reads fp8_ds_mla rows" in notes[0] and "64 or 128 heads, not 16" in notes[1]
+    assert "top-k a multiple of 128" in notes[2] and "no second cache" in notes[3], notes
+
+
 def test_sparse_presets_and_accounting():
     from cupaged.bench import sparse_mla as bench_sparse
 

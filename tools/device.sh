@@ -372,6 +372,7 @@ declare -A ROWSETS=(
   [prefill-tiles]="mma sm90|prefill's presets under each multi-token tile (paged_prefill's nine, paged_prefill_sm90's five)"
   [few-rows]="shapes tiles +split|few query rows per (sequence, KV head), fp16 over 2048 keys (verify's 4 x 4 = 16, 2 x 4, 8 x 4; 4 x 4 over 32768) beside FlashInfer fa2, verify under the few-rows tiles, and (split) under split-KV partitions"
   [mla-tiles]="-|mla_attention under every tile its shared memory holds (16 and 128 heads)"
+  [dsa]="-|sparse_mla_attention's presets over bf16 and fp8_ds_mla rows, beside FlashMLA's Hopper kernels where .flashmla is carried (its build kit: built once a machine)"
   [decode-tiles]="-|ab tuning: the decode rows under several decode tiles (vLLM layout)"
   [split]="-|ab tuning: partition auto against never and always over batch 1..256 x context 128..131072 (vLLM layout)"
   [fp8]="accuracy prefill|fp8's error against a float16 cache, and prefill over fp8 against bf16 (HND)"
@@ -565,6 +566,13 @@ rowset_few_rows() {
     --split 0 --split 1024 --split 512 --split 256
 }
 rowset_mla_tiles() { B mla --preset dsv3-16h-4k --preset dsv3-128h-4k --impl cupaged --reps 10 --tile all; }
+rowset_dsa() {
+  local fm=()
+  flashmla_setup
+  [ -n "${FLASHMLA:-}" ] && fm=(--impl flashmla)
+  B sparse-mla --impl cupaged "${fm[@]}" --kv-cache-dtype auto --kv-cache-dtype fp8_ds_mla \
+    --reps 10
+}
 rowset_decode_tiles() {
   B ab tuning --layout vllm --settings=-,-@auto@32x2,-@auto@32x3,-@auto@32x4,-@auto@64x3,-@auto@128x2 \
     --row 32/8/64/2048 --row 32/32/64/2048 --row 32/8/8/32768 --row 32/8/128/uniform:128:4096 \

@@ -24,6 +24,24 @@ if [ -z "${DRY:-}" ] && compgen -G ".kcache/kc.part.*" >/dev/null; then
     fi
   fi
 fi
+# flashmla_setup: FlashMLA, where its build kit was carried (.flashmla, git-ignored: its
+# Hopper sparse kernels' sources, CUTLASS's headers, .flashmla/build.sh), built once a
+# machine into /tmp/flashmla-build (about a minute on 16 cores; the log under $OUT) and
+# importable after; FLASHMLA=1 once it is (the dsa row set calls it and adds its rows:
+# cupaged-bench sparse-mla --impl flashmla). Only what asks for it builds it.
+FLASHMLA=
+flashmla_setup() {
+  [ -z "${DRY:-}" ] && [ -f .flashmla/build.sh ] || return 0
+  if { [ -d /tmp/flashmla-build ] &&
+       PYTHONPATH=/tmp/flashmla-build python3 -c "import flash_mla" 2>/dev/null; } ||
+     bash .flashmla/build.sh >"$OUT/flashmla-build.txt" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:/tmp/flashmla-build"
+    PATHS="${PATHS-}${PATHS:+:}/tmp/flashmla-build"  # (device.sh's in_tree: the ab trees')
+    FLASHMLA=1
+  else
+    echo "FlashMLA did not build (its log: flashmla-build.txt)" >&2
+  fi
+}
 # FlashInfer, where its anchor was carried (.flashinfer): importable, its JIT set up.
 # FLASHINFER=1 once it is: the device scripts add FlashInfer's rows then.
 FLASHINFER=

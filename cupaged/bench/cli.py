@@ -959,9 +959,11 @@ def _sparse_mla_options(f):
         click.option("--preset", "presets", multiple=True, type=click.Choice(list(PRESETS)),
                      help="Named shapes, DeepSeek-V3.2's (repeatable; default all)."),
         click.option("--impl", "impls", multiple=True, type=click.Choice(list(IMPLEMENTATIONS)),
-                     help="cupaged (the planner's kernel), cupaged-mma (mma.sync) or "
-                          "cupaged-sm90 (wgmma wherever it applies): repeatable, default "
-                          "cupaged."),
+                     help="cupaged (the planner's kernel), cupaged-mma (mma.sync), "
+                          "cupaged-sm90 (wgmma wherever it applies) or flashmla (FlashMLA's "
+                          "Hopper sparse kernels, where flash_mla imports: decode over "
+                          "fp8_ds_mla, prefill over bfloat16, 64 or 128 heads): repeatable, "
+                          "default cupaged."),
         click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True,
                      type=click.Choice(KV_CACHE_DTYPES),
                      help="The latent cache: bfloat16 ('auto'), DeepSeek-V3.2's fp8_ds_mla "

@@ -1,6 +1,7 @@
 """What the comparisons need of the peers, imported only when a peer is asked for: torch
-(and its fp8 dtypes and streams), FlashInfer (its page lists, its workspace), and the
-out-of-memory errors of either."""
+(and its fp8 dtypes and streams), FlashInfer (its page lists, its workspace), FlashMLA
+(its Hopper sparse kernels, where a build of it imports), and the out-of-memory errors of
+either."""
 
 from __future__ import annotations
 
@@ -62,24 +63,45 @@ def flashinfer_unavailable() -> str | None:
     return import_flashinfer()[1]
 
 
-def import_flashinfer():
-    """``(flashinfer, None)``, or ``(None, why)``."""
+def _import_peer(name: str):
+    """``(module, None)``, or ``(None, why)``: a peer's top-level package, which needs torch
+    seeing a GPU too."""
     try:
-        import flashinfer
+        module = __import__(name)  # (builtins' import: tests can make it fail)
     except ImportError as e:  # not installed, or a dependency of it missing
-        return None, str(e) if e.name == "flashinfer" else f"import flashinfer: {e}"
+        return None, str(e) if e.name == name else f"import {name}: {e}"
     except Exception as e:  # a broken install can fail at import in other ways
         return None, " ".join(f"{type(e).__name__}: {e}".split())[:200]
     if import_torch() is None:
         return None, "torch sees no CUDA device"
-    return flashinfer, None
+    return module, None
+
+
+def _required(name: str, imported: tuple):
+    """The module of an import_* answer, or RuntimeError saying why there is none."""
+    module, why = imported
+    if module is None:
+        raise RuntimeError(f"{name} unavailable: {why}")
+    return module
+
+
+def import_flashinfer():
+    """``(flashinfer, None)``, or ``(None, why)``."""
+    return _import_peer("flashinfer")
 
 
 def require_flashinfer():
-    flashinfer, why = import_flashinfer()
-    if flashinfer is None:
-        raise RuntimeError(f"flashinfer unavailable: {why}")
-    return flashinfer
+    return _required("flashinfer", import_flashinfer())
+
+
+def import_flashmla():
+    """``(flash_mla, None)``, or ``(None, why)``: FlashMLA's Python package, built for
+    sm_90a (tools/device_env.sh's flashmla_setup builds it on the GPU machine)."""
+    return _import_peer("flash_mla")
+
+
+def require_flashmla():
+    return _required("flash_mla", import_flashmla())
 
 
 def flashinfer_pages(block_tables, context_lens, block_size: int):

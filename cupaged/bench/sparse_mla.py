@@ -29,7 +29,7 @@ import cupy
 import numpy as np
 
 from .. import _dtypes, reference, testing
-from . import mla, workloads
+from . import mla, peers, workloads
 
 __all__ = ["IMPLEMENTATIONS", "KV_CACHE_DTYPES", "PRESETS", "SparseCase", "measure"]
 
@@ -257,10 +257,57 @@ def _run_cupaged(case: SparseCase, family: str | None = None):
     return run
 
 
+def _run_flashmla(case: SparseCase):
+    """FlashMLA's Hopper sparse kernels over the case's own arrays (torch views of them,
+    so both libraries read the same bytes): decode over fp8_ds_mla rows (its V3.2 fp8
+    cache: the same 656-byte layout) through ``flash_mla_with_kvcache(.., indices=..)``,
+    its tile-scheduler metadata filled by a first, untimed call; prefill over bfloat16 kv
+    through ``flash_mla_sparse_fwd``. What FlashMLA's Hopper kernels take: 64 or 128
+    heads, no second cache, top-k a multiple of 64 (decode) or 128 (prefill); other cases
+    raise (their rows' notes say why). Each call returns a new output, as FlashMLA's API
+    allocates one."""
+    flash_mla = peers.require_flashmla()
+    torch = peers.import_torch()
+    if case.extra_topk:
+        raise NotImplementedError("FlashMLA's Hopper kernels take no second cache")
+    if case.heads not in (64, 128):
+        raise NotImplementedError(f"FlashMLA's Hopper sparse kernels take 64 or 128 heads, "
+                                  f"not {case.heads}")
+    a = case.arrays
+    q, idx = torch.from_dlpack(a["q"]), torch.from_dlpack(a["indices"])
+    if case.prefill:
+        if case.row_format is not None or case.topk % 128:
+            raise NotImplementedError("FlashMLA's sparse prefill reads bfloat16 kv, top-k a "
+                                      "multiple of 128")
+        kv = torch.from_dlpack(a["kv"])
+
+        def call():
+            return flash_mla.flash_mla_sparse_fwd(q, kv, idx, case.scale,
+                                                  d_v=mla.KV_LORA_RANK)[0]
+    else:
+        if case.kv_cache_dtype != "fp8_ds_mla" or case.topk % 64:
+            raise NotImplementedError("FlashMLA's Hopper sparse decode reads fp8_ds_mla rows, "
+                                      "top-k a multiple of 64")
+        kv = torch.from_dlpack(a["kv"]).view(torch.float8_e4m3fn)
+        sched, _ = flash_mla.get_mla_metadata()
+
+        def call():
+            return flash_mla.flash_mla_with_kvcache(
+                q, kv, None, None, mla.KV_LORA_RANK, sched, None, softmax_scale=case.scale,
+                causal=False, is_fp8_kvcache=True, indices=idx)[0]
+        call()  # fills the scheduler's metadata
+
+    def run():
+        return cupy.from_dlpack(call())
+
+    return run
+
+
 IMPLEMENTATIONS = {
     "cupaged": _run_cupaged,
     "cupaged-mma": lambda c: _run_cupaged(c, "mma"),
     "cupaged-sm90": lambda c: _run_cupaged(c, "sm90"),
+    "flashmla": _run_flashmla,
 }
 
 
@@ -271,16 +318,19 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
     rows = []
     for case in cases:
         case.build()
-        for impl in impls:
-            row = mla.Row(case.name + ROW_SUFFIX.get(case.kv_cache_dtype, "")
-                          + (f"+x{case.extra_topk}" if case.extra_topk else ""), impl)
-            try:
-                mla.check_then_time(row, case, IMPLEMENTATIONS[impl](case), reps, copy_bw)
-            except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
-                row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
-            finally:
-                planning.set_mla_family(None)  # back to the planner's choice of kernel
-            rows.append(row)
+        with peers.torch_on_cupy_stream():  # FlashMLA runs on torch's current stream
+            for impl in impls:
+                row = mla.Row(case.name + ROW_SUFFIX.get(case.kv_cache_dtype, "")
+                              + (f"+x{case.extra_topk}" if case.extra_topk else ""), impl)
+                try:
+                    mla.check_then_time(row, case, IMPLEMENTATIONS[impl](case), reps, copy_bw)
+                except Exception as e:  # noqa: BLE001 - a runner that cannot run is a row note
+                    row.note = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+                finally:
+                    planning.set_mla_family(None)  # back to the planner's choice of kernel
+                rows.append(row)
         case.arrays.clear()
         case.refs = []
+        if "flashmla" in impls:
+            peers.free_memory()
     return rows
