@@ -331,6 +331,5 @@ def measure(cases, impls, reps: int = 20, copy_bw: float | None = None):
                 rows.append(row)
         case.arrays.clear()
         case.refs = []
-        if "flashmla" in impls:
-            peers.free_memory()
+        peers.free_memory()  # (a peer's outputs and workspaces too)
     return rows
