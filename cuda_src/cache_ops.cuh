@@ -435,11 +435,11 @@ __global__ void __launch_bounds__(kCacheThreads)
 // A sparse cache's token rows widened to T (bfloat16) keys, all of them: row r of `rows`
 // (C a token-row format, is_sparse_row; `row_stride` bytes apart, a multiple of 16 where
 // there are two rows or more) into out + r * out_stride as its key's RANK + ROPE values
-// (fp8_ds_mla: kv_c's 512 then k_pe's 64), each value exactly as the sparse readers widen it in shared memory (SparseRow's
-// widen: the same bits). A prefill call whose query tokens select each cached token many
-// times widens them once this way and reads the 16-bit rows (sparse_mla's rule). One
-// thread a 16-byte unit of a row (SparseRow::kUnits a row), so a warp reads a row's
-// consecutive chunks.
+// (fp8_ds_mla: kv_c's 512 then k_pe's 64), each value exactly as the sparse readers widen
+// it in shared memory (SparseRow's widen: the same bits). A prefill call whose query
+// tokens select each cached token many times widens them once this way and reads the
+// 16-bit rows (sparse_mla's rule). One thread a 16-byte unit of a row (SparseRow::kUnits
+// a row), so a warp reads a row's consecutive chunks.
 template <typename T, typename C>
 __global__ void __launch_bounds__(kCacheThreads)
     widen_sparse_rows(const C* __restrict__ rows, long long row_stride, T* __restrict__ out,
